@@ -1,0 +1,15 @@
+"""Typed job configuration: schema, TOML + CLI loading, validation."""
+
+from titanlike.config.loader import ConfigError, HelpRequested, config_to_dict, help_text, load_job_config
+from titanlike.config.schema import JobConfig
+from titanlike.config.validate import validate_config
+
+__all__ = [
+    "ConfigError",
+    "HelpRequested",
+    "JobConfig",
+    "config_to_dict",
+    "help_text",
+    "load_job_config",
+    "validate_config",
+]

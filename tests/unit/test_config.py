@@ -1,0 +1,169 @@
+import pytest
+
+from titanlike.config import ConfigError, HelpRequested, help_text, load_job_config, validate_config
+
+
+def write(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults():
+    cfg = load_job_config([])
+    assert cfg.model.name == "llama3"
+    assert cfg.parallelism.data_parallel_shard_degree == -1
+    assert cfg.compile.components == ["model", "loss"]
+
+
+def test_toml_then_cli_overrides_in_order(tmp_path):
+    path = write(tmp_path, '[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.01\n')
+    cfg = load_job_config(["--job.config_file", path, "--training.steps", "9", "--optimizer.lr=0.5"])
+    assert cfg.training.steps == 9
+    assert cfg.training.seq_len == 64
+    assert cfg.optimizer.lr == 0.5
+    assert cfg.job.config_file == path
+
+
+def test_booleans_flags_negation_and_explicit_values():
+    assert load_job_config(["--metrics.enable_tensorboard"]).metrics.enable_tensorboard is True
+    assert load_job_config(["--metrics.enable_tensorboard", "false"]).metrics.enable_tensorboard is False
+    assert load_job_config(["--metrics.enable_tensorboard=true"]).metrics.enable_tensorboard is True
+    cfg = load_job_config(["--metrics.enable_tensorboard", "--metrics.no_enable_tensorboard"])
+    assert cfg.metrics.enable_tensorboard is False
+    # A flag followed by another option does not swallow it.
+    cfg = load_job_config(["--compile.enable", "--training.steps", "3"])
+    assert cfg.compile.enable and cfg.training.steps == 3
+
+
+def test_lists_and_optionals():
+    cfg = load_job_config(["--compile.components", "model", "--checkpoint.exclude_from_loading=optimizer,lr_scheduler"])
+    assert cfg.compile.components == ["model"]
+    assert cfg.checkpoint.exclude_from_loading == ["optimizer", "lr_scheduler"]
+    cfg = load_job_config(["--lr_scheduler.decay_ratio", "0.2"])
+    assert cfg.lr_scheduler.decay_ratio == 0.2
+    assert load_job_config(["--lr_scheduler.decay_ratio", "none"]).lr_scheduler.decay_ratio is None
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--trainig.steps", "3"], "unknown config section 'trainig'; did you mean 'training'?"),
+        (["--training.step", "3"], "unknown config key 'training.step'; did you mean 'training.steps'?"),
+        (["--training.lr", "3"], "did you mean 'optimizer.lr'?"),
+        (["--training.steps", "three"], "training.steps must be an integer"),
+        (["--optimizer.lr", "fast"], "optimizer.lr must be a number"),
+        (["--metrics.enable_tensorboard=maybe"], "must be true or false"),
+        (["--training.mixed_precision_param", "bf16"], "must be one of bfloat16, float32"),
+        (["--training.steps"], "--training.steps needs a value"),
+        (["--training.no_steps"], "only applies to true/false options"),
+        (["stray"], "unexpected argument 'stray'"),
+        (["--job.config_file", "/nonexistent.toml"], "does not exist"),
+    ],
+)
+def test_errors_are_one_clear_sentence(argv, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_job_config(argv)
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_toml_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_job_config(["--job.config_file", write(tmp_path, "[training\nsteps=")])
+    with pytest.raises(ConfigError, match="unknown config key 'training.stepz'; did you mean 'training.steps'"):
+        load_job_config(["--job.config_file", write(tmp_path, "[training]\nstepz = 3\n")])
+    with pytest.raises(ConfigError, match="must be a \\[section\\] table"):
+        load_job_config(["--job.config_file", write(tmp_path, "steps = 3\n")])
+
+
+def test_help_lists_every_option_with_default_and_doc():
+    with pytest.raises(HelpRequested):
+        load_job_config(["--help"])
+    text = help_text()
+    assert "--parallelism.data_parallel_shard_degree (int, default -1)" in text
+    assert "the rest of the world size" in text
+    assert "(foreach | fused | for-loop)" in text
+    from dataclasses import fields
+
+    from titanlike.config.schema import JobConfig
+
+    for section in fields(JobConfig):
+        for f in fields(getattr(JobConfig(), section.name)):
+            assert f"--{section.name}.{f.name} (" in text
+
+
+@pytest.mark.parametrize(
+    "argv, world, fragment",
+    [
+        (["--parallelism.data_parallel_shard_degree", "3"], 4, "must equal the world size 4"),
+        (["--parallelism.data_parallel_replicate_degree", "3"], 4, "not divisible by replicate 3"),
+        (["--parallelism.data_parallel_shard_degree", "0"], 1, "must be -1 (the rest) or at least 1"),
+        (["--parallelism.tensor_parallel_degree", "0"], 1, "tensor_parallel_degree must be at least 1"),
+        (["--parallelism.pipeline_parallel_degree", "2"], 2, "pipeline parallelism"),
+        (["--parallelism.context_parallel_degree", "2"], 2, "context parallelism"),
+        (["--parallelism.expert_parallel_degree", "2"], 2, "expert parallelism"),
+        (["--parallelism.enable_async_tensor_parallel"], 1, "async tensor parallelism"),
+        (["--checkpoint.enable"], 1, "checkpointing"),
+        (["--model.converters", "float8"], 1, "model converters (float8)"),
+        (["--validation.enable"], 1, "validation"),
+        (["--model.name", "gpt5"], 1, "model.name 'gpt5' is unknown"),
+        (["--model.flavor", "9B"], 1, "model.flavor '9B' is unknown"),
+        (["--model.tokenizer_path", "/nope.model"], 1, "does not exist"),
+        (["--training.global_batch_size", "12", "--training.local_batch_size", "8"], 1,
+         "must be a positive multiple of local_batch_size 8"),
+        (["--training.global_batch_size", "8", "--training.local_batch_size", "2"], 8,
+         "data-parallel degree 8 = 16"),
+        (["--training.seq_len", "0"], 1, "training.seq_len must be at least 1"),
+        (["--training.steps", "0"], 1, "training.steps must be at least 1"),
+        (["--training.max_norm", "0"], 1, "max_norm must be positive"),
+        (["--training.dataset", "text"], 1, "needs training.dataset_path"),
+        (["--training.dataset", "text", "--training.dataset_path", "/no/such"], 1, "does not exist"),
+        (["--optimizer.lr", "-1"], 1, "optimizer.lr must be positive"),
+        (["--optimizer.beta2", "1.5"], 1, "must lie in [0, 1)"),
+        (["--lr_scheduler.decay_ratio", "2"], 1, "decay_ratio must lie in [0, 1]"),
+        (["--lr_scheduler.min_lr_factor", "-0.1"], 1, "min_lr_factor must lie in [0, 1]"),
+        (["--lr_scheduler.warmup_steps", "-1"], 1, "warmup_steps must be non-negative"),
+        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"], 1,
+         "selective_ac_option must be 'op' or a positive integer"),
+        (["--compile.components", "model,optimizer"], 1, "may only contain model and loss"),
+        (["--metrics.log_freq", "0"], 1, "log_freq must be at least 1"),
+    ],
+)
+def test_validation_rules(argv, world, fragment):
+    cfg = load_job_config(argv)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, world_size=world)
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_tensor_parallel_head_divisibility():
+    # debugmodel has 16 heads and 8 kv heads: TP 16 divides the heads but not the kv heads.
+    from titanlike.models.registry import get_model_spec
+
+    if get_model_spec("llama3").tensor_parallel_plan is None:
+        cfg = load_job_config(["--parallelism.tensor_parallel_degree", "2"])
+        with pytest.raises(ConfigError, match="has no tensor-parallel plan"):
+            validate_config(cfg, world_size=2)
+        return
+    cfg = load_job_config(["--parallelism.tensor_parallel_degree", "16"])
+    with pytest.raises(ConfigError, match="8 key/value heads, not divisible by tensor_parallel_degree 16"):
+        validate_config(cfg, world_size=16)
+    cfg = load_job_config(["--parallelism.tensor_parallel_degree", "3"])
+    with pytest.raises(ConfigError, match="16 attention heads, not divisible by tensor_parallel_degree 3"):
+        validate_config(cfg, world_size=3)
+
+
+def test_valid_layouts_resolve():
+    dims = validate_config(load_job_config([]), world_size=8)
+    assert (dims.dp_replicate, dims.dp_shard) == (1, 8)
+    cfg = load_job_config(["--parallelism.data_parallel_replicate_degree", "2"])
+    dims = validate_config(cfg, world_size=4)
+    assert (dims.dp_replicate, dims.dp_shard, dims.dp_degree) == (2, 2, 4)
+
+
+@pytest.mark.parametrize("preset", ["debug_model", "llama3_8b", "llama3_70b", "llama3_405b"])
+def test_presets_parse(preset):
+    cfg = load_job_config(["--job.config_file", f"train_configs/{preset}.toml"])
+    assert cfg.model.name == "llama3"

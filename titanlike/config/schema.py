@@ -1,0 +1,218 @@
+"""The job configuration: one dataclass per TOML section.
+
+Key names follow torchtitan's TOML-era configs so existing configs and habits
+carry over. Every field carries a one-line doc (shown by `train.py --help`)
+and, where the value is an enumeration, its allowed choices, which the loader
+enforces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its help text (and allowed values, if an enumeration)."""
+    meta = {"doc": doc, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    config_file: str | None = opt(None, "TOML file to load before applying command-line overrides")
+    dump_folder: str = opt("./outputs", "folder for checkpoints, TensorBoard events and other run outputs")
+    description: str = opt("", "free-form description of the job, printed at start")
+    print_config: bool = opt(False, "print the resolved configuration at start")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "model family registered in titanlike.models")
+    flavor: str = opt("debugmodel", "size preset of the model family (e.g. debugmodel, 8B, 405B)")
+    tokenizer_path: str | None = opt(
+        None, "tiktoken BPE file; empty means the debug tokenizer shipped with titanlike"
+    )
+    converters: list[str] = opt([], "module swaps applied after construction (e.g. float8)")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "optimizer", choices=("AdamW", "Adam"))
+    lr: float = opt(8e-4, "peak learning rate")
+    beta1: float = opt(0.9, "Adam beta1")
+    beta2: float = opt(0.95, "Adam beta2")
+    eps: float = opt(1e-8, "Adam epsilon")
+    weight_decay: float = opt(0.1, "decoupled weight decay")
+    implementation: str = opt(
+        "foreach", "optimizer kernel implementation", choices=("foreach", "fused", "for-loop")
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "linear warm-up steps from near zero to the peak learning rate")
+    decay_ratio: float | None = opt(
+        None,
+        "fraction of the steps spent decaying at the end (warmup-stable-decay); "
+        "empty means decay over all steps after warm-up",
+    )
+    decay_type: str = opt("linear", "shape of the decay", choices=("linear", "sqrt", "cosine"))
+    min_lr_factor: float = opt(0.0, "final learning rate as a fraction of the peak")
+
+
+@dataclass
+class Training:
+    dataset: str = opt(
+        "default",
+        "data source: default (embedded corpus), text (.txt/.jsonl files), "
+        "huggingface (datasets, streaming)",
+        choices=("default", "text", "huggingface"),
+    )
+    dataset_path: str | None = opt(None, "path (or Hugging Face name) of the dataset")
+    local_batch_size: int = opt(8, "samples per microbatch on each data-parallel rank")
+    global_batch_size: int = opt(
+        -1, "samples per optimizer step across all ranks; -1 means local_batch_size x data-parallel degree"
+    )
+    seq_len: int = opt(2048, "tokens per sample")
+    max_norm: float = opt(1.0, "gradient clipping max norm (total L2 norm over all parameters)")
+    steps: int = opt(10000, "optimizer steps to train")
+    mixed_precision_param: str = opt(
+        "bfloat16", "dtype of parameters in forward/backward", choices=("bfloat16", "float32")
+    )
+    mixed_precision_reduce: str = opt(
+        "float32", "dtype of gradient reduction across data-parallel ranks", choices=("float32",)
+    )
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(1, "replicas of the model (DDP-style dimension of HSDP)")
+    data_parallel_shard_degree: int = opt(
+        -1, "ranks one FSDP shard group spans; -1 means the rest of the world size"
+    )
+    fsdp_reshard_after_forward: str = opt(
+        "default",
+        "free gathered parameters after forward: default (yes, except for the root), always, never",
+        choices=("default", "always", "never"),
+    )
+    tensor_parallel_degree: int = opt(1, "tensor (and sequence) parallel degree")
+    disable_loss_parallel: bool = opt(False, "gather the vocab-sharded logits before the loss under TP")
+    enable_async_tensor_parallel: bool = opt(False, "micro-pipelined tensor parallel (GPU + compile)")
+    pipeline_parallel_degree: int = opt(1, "pipeline stages across ranks")
+    pipeline_parallel_schedule: str = opt("1F1B", "pipeline schedule name from torch.distributed.pipelining")
+    pipeline_parallel_microbatch_size: int = opt(1, "samples per pipeline microbatch")
+    pipeline_parallel_layers_per_stage: int | None = opt(
+        None, "transformer layers per pipeline stage; empty means an even split"
+    )
+    context_parallel_degree: int = opt(1, "context (sequence) parallel degree for attention")
+    context_parallel_rotate_method: str = opt(
+        "allgather", "how K/V move between context-parallel ranks", choices=("allgather", "alltoall")
+    )
+    expert_parallel_degree: int = opt(1, "expert parallel degree for mixture-of-experts models")
+    expert_tensor_parallel_degree: int = opt(1, "tensor parallel degree inside each expert")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "save and load distributed checkpoints")
+    folder: str = opt("checkpoint", "checkpoint folder, relative to job.dump_folder")
+    interval: int = opt(500, "steps between checkpoints")
+    async_mode: str = opt(
+        "disabled", "background saving", choices=("disabled", "async", "async_with_pinned_mem")
+    )
+    keep_latest_k: int = opt(10, "checkpoints kept; older ones are purged (0 keeps all)")
+    load_step: int = opt(-1, "step to load; -1 means the latest")
+    initial_load_path: str | None = opt(None, "model-only checkpoint to start from when the run has none")
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face safetensors folder")
+    last_save_model_only: bool = opt(True, "the final checkpoint holds the model only")
+    last_save_in_hf: bool = opt(False, "write the final checkpoint in Hugging Face format")
+    export_dtype: str = opt("float32", "dtype of model-only exports", choices=("float32", "bfloat16"))
+    create_seed_checkpoint: bool = opt(False, "write the initialized model as step 0 and exit")
+    exclude_from_loading: list[str] = opt([], "state-dict keys not loaded (e.g. optimizer,lr_scheduler)")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
+    selective_ac_option: str = opt(
+        "2", "for selective: checkpoint every N-th block, or 'op' for op-level selection"
+    )
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile the components below")
+    components: list[str] = opt(["model", "loss"], "what to compile: model (per block), loss")
+
+
+@dataclass
+class Float8:
+    recipe_name: str | None = opt(None, "torchao float8 recipe (tensorwise, rowwise); empty means tensorwise")
+    enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP parameters in float8")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "one scale all-reduce for all parameters")
+    filter_fqns: list[str] = opt(["output"], "linear layers left in high precision")
+    emulate: bool = opt(False, "emulate float8 matmuls (CPU testing)")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "steps between metric logs")
+    enable_tensorboard: bool = opt(False, "write TensorBoard events")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder")
+    enable_wandb: bool = opt(False, "log to Weights & Biases")
+    enable_jsonl: bool = opt(
+        False, "also write each logged step as a JSON line to job.dump_folder/metrics.jsonl"
+    )
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "capture torch.profiler traces")
+    save_traces_folder: str = opt("profile_traces", "trace folder, relative to job.dump_folder")
+    profile_freq: int = opt(10, "steps between traces")
+    enable_memory_snapshot: bool = opt(False, "dump CUDA memory snapshots")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder, relative to job.dump_folder")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "timeout for process-group initialization and the first step")
+    train_timeout_seconds: int = opt(100, "collective timeout after the first step")
+    trace_buf_size: int = opt(20000, "flight-recorder entries kept per rank (0 disables)")
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "evaluate on held-out data during training")
+    dataset: str = opt("default", "validation data source")
+    dataset_path: str | None = opt(None, "validation dataset path")
+    freq: int = opt(500, "steps between validations")
+    steps: int = opt(-1, "batches per validation; -1 means the whole split")
+
+
+@dataclass
+class Debug:
+    seed: int = opt(0, "seed for weight initialization, data order and dropout")
+    deterministic: bool = opt(False, "use deterministic algorithms (slower)")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+    validation: Validation = field(default_factory=Validation)
+    debug: Debug = field(default_factory=Debug)

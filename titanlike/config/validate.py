@@ -1,0 +1,131 @@
+"""Validate a JobConfig against the world size and the model, before any process group exists.
+
+Every rule raises ConfigError with one sentence that names the option and what
+would make it valid. A rule that needs the model reads the flavor's arguments
+(no tensors are built).
+"""
+
+from __future__ import annotations
+
+import os
+
+from titanlike.config.loader import ConfigError
+from titanlike.config.schema import JobConfig
+from titanlike.parallel.parallel_dims import ParallelDims
+
+# Features whose options exist (so configs written for them parse) but which this
+# release does not implement yet: refused rather than silently ignored.
+_NOT_YET = "is not implemented in this release of titanlike"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def resolve_parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
+    p = cfg.parallelism
+    try:
+        return ParallelDims.resolve(
+            world_size=world_size,
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            ep=p.expert_parallel_degree,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """Check the whole job; returns the resolved ParallelDims."""
+    from titanlike.models.registry import get_model_spec, model_names
+
+    dims = resolve_parallel_dims(cfg, world_size)
+    p, t = cfg.parallelism, cfg.training
+
+    # Features not built yet.
+    _check(dims.pp == 1, f"pipeline parallelism (parallelism.pipeline_parallel_degree) {_NOT_YET}")
+    _check(dims.cp == 1, f"context parallelism (parallelism.context_parallel_degree) {_NOT_YET}")
+    _check(dims.ep == 1, f"expert parallelism (parallelism.expert_parallel_degree) {_NOT_YET}")
+    _check(p.expert_tensor_parallel_degree == 1,
+           f"parallelism.expert_tensor_parallel_degree {_NOT_YET}")
+    _check(not p.enable_async_tensor_parallel,
+           f"async tensor parallelism (parallelism.enable_async_tensor_parallel) {_NOT_YET}")
+    _check(not cfg.checkpoint.enable, f"checkpointing (checkpoint.enable) {_NOT_YET}")
+    _check(not cfg.checkpoint.create_seed_checkpoint, f"checkpoint.create_seed_checkpoint {_NOT_YET}")
+    _check(not cfg.checkpoint.initial_load_path, f"checkpoint.initial_load_path {_NOT_YET}")
+    _check(not cfg.model.converters,
+           f"model converters ({', '.join(cfg.model.converters)}) {_NOT_YET}")
+    _check(not cfg.validation.enable, f"validation (validation.enable) {_NOT_YET}")
+    _check(not cfg.metrics.enable_wandb, f"Weights & Biases logging (metrics.enable_wandb) {_NOT_YET}")
+    _check(not cfg.profiling.enable_memory_snapshot,
+           f"memory snapshots (profiling.enable_memory_snapshot) {_NOT_YET}")
+
+    # Model.
+    _check(cfg.model.name in model_names(),
+           f"model.name {cfg.model.name!r} is unknown; known models: {', '.join(model_names())}")
+    spec = get_model_spec(cfg.model.name)
+    _check(cfg.model.flavor in spec.flavors,
+           f"model.flavor {cfg.model.flavor!r} is unknown for {cfg.model.name}; "
+           f"known flavors: {', '.join(spec.flavors)}")
+    args = spec.flavors[cfg.model.flavor]
+    if cfg.model.tokenizer_path:
+        _check(os.path.isfile(cfg.model.tokenizer_path),
+               f"model.tokenizer_path {cfg.model.tokenizer_path} does not exist")
+
+    # Tensor parallelism.
+    if dims.tp > 1:
+        _check(spec.tensor_parallel_plan is not None,
+               f"model {cfg.model.name} has no tensor-parallel plan, so tensor_parallel_degree must be 1")
+        n_kv = args.n_kv_heads or args.n_heads
+        _check(args.n_heads % dims.tp == 0,
+               f"{cfg.model.name} {cfg.model.flavor} has {args.n_heads} attention heads, "
+               f"not divisible by tensor_parallel_degree {dims.tp}")
+        _check(n_kv % dims.tp == 0,
+               f"{cfg.model.name} {cfg.model.flavor} has {n_kv} key/value heads, "
+               f"not divisible by tensor_parallel_degree {dims.tp}")
+
+    # Batch and sequence.
+    _check(t.seq_len >= 1, f"training.seq_len must be at least 1, got {t.seq_len}")
+    _check(t.local_batch_size >= 1, f"training.local_batch_size must be at least 1, got {t.local_batch_size}")
+    per_pass = t.local_batch_size * dims.dp_degree
+    if t.global_batch_size != -1:
+        _check(t.global_batch_size >= 1 and t.global_batch_size % per_pass == 0,
+               f"training.global_batch_size {t.global_batch_size} must be a positive multiple of "
+               f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp_degree} = {per_pass}")
+    _check(t.steps >= 1, f"training.steps must be at least 1, got {t.steps}")
+    _check(t.max_norm > 0, f"training.max_norm must be positive, got {t.max_norm}")
+    if t.dataset in ("text", "huggingface"):
+        _check(bool(t.dataset_path), f"training.dataset {t.dataset} needs training.dataset_path")
+    if t.dataset == "text":
+        _check(os.path.exists(t.dataset_path), f"training.dataset_path {t.dataset_path} does not exist")
+
+    # Optimizer and schedule.
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    _check(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
+    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and optimizer.beta2 must lie in [0, 1)")
+    _check(o.eps > 0, f"optimizer.eps must be positive, got {o.eps}")
+    _check(o.weight_decay >= 0, f"optimizer.weight_decay must be non-negative, got {o.weight_decay}")
+    _check(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be non-negative, got {s.warmup_steps}")
+    _check(s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+           f"lr_scheduler.decay_ratio must lie in [0, 1], got {s.decay_ratio}")
+    _check(0 <= s.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor must lie in [0, 1], got {s.min_lr_factor}")
+
+    # Activation checkpointing and compile.
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective":
+        _check(ac.selective_ac_option == "op" or (ac.selective_ac_option.isdigit()
+                                                  and int(ac.selective_ac_option) >= 1),
+               f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, "
+               f"got {ac.selective_ac_option!r}")
+    unknown = set(cfg.compile.components) - {"model", "loss"}
+    _check(not unknown, f"compile.components may only contain model and loss, got {', '.join(sorted(unknown))}")
+
+    _check(cfg.metrics.log_freq >= 1, f"metrics.log_freq must be at least 1, got {cfg.metrics.log_freq}")
+    if cfg.profiling.enable_profiling:
+        _check(cfg.profiling.profile_freq >= 1,
+               f"profiling.profile_freq must be at least 1, got {cfg.profiling.profile_freq}")
+    return dims

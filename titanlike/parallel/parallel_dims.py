@@ -1,0 +1,162 @@
+"""ParallelDims: the parallel degrees of a job and the one DeviceMesh built from them.
+
+The world mesh has the dimensions (pp, dp_replicate, dp_shard, cp, tp), keeping
+only those with degree > 1, outermost first: tp innermost so its heavy
+collectives stay inside a node, pp outermost because it only sends activations.
+Every other mesh the job needs is a named view of that one mesh:
+
+  dp           (dp_replicate, dp_shard)       data loading: ranks that read different samples
+  fsdp         (dp_replicate?, dp_shard x cp) parameter sharding (cp ranks also shard params)
+  loss         (dp_replicate, dp_shard, cp)   ranks whose losses/token counts are summed
+  tp, cp, pp   single dimensions
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        world_size: int,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+    ) -> "ParallelDims":
+        """Fill in dp_shard = -1 and check the degrees multiply to world_size.
+
+        Pure arithmetic (no process group), so the config can be validated before
+        anything distributed exists. Raises ValueError with a one-sentence message.
+        """
+        named = {"data_parallel_replicate_degree": dp_replicate, "context_parallel_degree": cp,
+                 "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
+                 "expert_parallel_degree": ep}
+        for name, degree in named.items():
+            if degree < 1:
+                raise ValueError(f"parallelism.{name} must be at least 1, got {degree}")
+        if dp_shard == 0 or dp_shard < -1:
+            raise ValueError(
+                f"parallelism.data_parallel_shard_degree must be -1 (the rest) or at least 1, got {dp_shard}"
+            )
+        others = dp_replicate * cp * tp * pp
+        if dp_shard == -1:
+            if world_size % others:
+                raise ValueError(
+                    f"the world size {world_size} is not divisible by replicate {dp_replicate} x "
+                    f"cp {cp} x tp {tp} x pp {pp} = {others}, so data_parallel_shard_degree=-1 has no value"
+                )
+            dp_shard = world_size // others
+        if dp_replicate * dp_shard * cp * tp * pp != world_size:
+            raise ValueError(
+                f"parallel degrees replicate {dp_replicate} x shard {dp_shard} x cp {cp} x tp {tp} x pp {pp} "
+                f"= {dp_replicate * dp_shard * cp * tp * pp} must equal the world size {world_size}"
+            )
+        return cls(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
+
+    # Degrees and switches ------------------------------------------------------------
+
+    @property
+    def dp_degree(self) -> int:
+        """Ranks that read different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_degree > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters go through fully_shard (also under pure replication, as HSDP)."""
+        return self.dp_shard * self.cp * self.dp_replicate > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that jointly process one data-parallel sample (cp x tp x pp)."""
+        return self.cp * self.tp * self.pp
+
+    # Meshes --------------------------------------------------------------------------
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Create the world mesh and its named views; None in a single process."""
+        degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                   "cp": self.cp, "tp": self.tp}
+        # dp_shard stays in the mesh (possibly of size 1) under replication, so pure data
+        # parallelism is HSDP with a shard group of one and needs no separate DDP code path.
+        keep = {n for n in _DIM_ORDER if degrees[n] > 1}
+        if "dp_replicate" in keep:
+            keep.add("dp_shard")
+        names = tuple(n for n in _DIM_ORDER if n in keep)
+        if self.world_size == 1 or not names:
+            return None
+        world = init_device_mesh(device_type, tuple(degrees[n] for n in names), mesh_dim_names=names)
+        self._meshes = {n: world[n] for n in names}
+        self._meshes["world"] = world
+        self._view(world, "dp", ("dp_replicate", "dp_shard"))
+        self._view(world, "dp_shard_cp", ("dp_shard", "cp"))
+        self._view(world, "loss", ("dp_replicate", "dp_shard", "cp"))
+        if "dp_shard_cp" in self._meshes:
+            if "dp_replicate" in self._meshes:
+                # HSDP: FSDP runs on a 2-D (replicate, shard) mesh.
+                self._view(world, "fsdp", ("dp_replicate", "dp_shard_cp"))
+            else:
+                self._meshes["fsdp"] = self._meshes["dp_shard_cp"]
+        return world
+
+    def _view(self, world: DeviceMesh, name: str, dims: tuple[str, ...]) -> None:
+        present = tuple(d for d in dims if d in self._meshes)
+        if not present:
+            return
+        if len(present) == 1:
+            self._meshes[name] = self._meshes[present[0]]
+        elif all(d in world.mesh_dim_names for d in present):
+            # _flatten returns the flattened mesh; keep that object (slicing the flattened name
+            # back out of the root mesh is deprecated).
+            self._meshes[name] = world[present]._flatten(name)
+        else:
+            # A 2-D view over an already flattened dim (HSDP's (replicate, shard x cp)).
+            self._meshes[name] = world[present]
+
+    def mesh(self, name: str) -> DeviceMesh | None:
+        """A named mesh (world, dp, fsdp, dp_shard_cp, loss, pp, dp_replicate, dp_shard, cp, tp),
+        or None when that dimension has degree 1."""
+        return self._meshes.get(name)
+
+    def dp_rank(self) -> int:
+        mesh = self.mesh("dp")
+        return 0 if mesh is None else mesh.get_local_rank()

@@ -1,0 +1,44 @@
+"""Apply every parallelism to one model (or one pipeline stage) in the canonical order.
+
+The order matters: tensor parallel first (it replaces parameters by DTensors on
+the tp mesh), then activation checkpointing and compile (they wrap blocks), and
+FSDP last so it shards the already TP-sharded parameters over the data mesh.
+Nothing here is specific to a model family: family differences live in the
+ModelSpec (its tensor-parallel plan).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from titanlike.config.schema import JobConfig
+from titanlike.models.registry import ModelSpec
+from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
+from titanlike.parallel.fsdp import apply_fsdp
+from titanlike.parallel.parallel_dims import ParallelDims
+
+
+def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+    if dims.tp_enabled:
+        spec.tensor_parallel_plan(
+            model,
+            dims.mesh("tp"),
+            loss_parallel=not cfg.parallelism.disable_loss_parallel,
+        )
+    apply_activation_checkpointing(
+        model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option
+    )
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        # Per block and in place: parameter names stay unchanged, and every block of the same
+        # shape reuses one compiled graph.
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+    if dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            dims.mesh("fsdp"),
+            param_dtype=cfg.training.mixed_precision_param,
+            reduce_dtype=cfg.training.mixed_precision_reduce,
+            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+        )
+    return model

@@ -1,0 +1,188 @@
+"""The trainer: assemble a job from a validated JobConfig, then run the training loop.
+
+Assembly follows shared/design.md: ParallelDims -> model on meta -> parallelize ->
+materialize and initialize on the sharded tensors -> optimizer and schedule ->
+data -> loop. The training step is `train_step`: all microbatches of one global
+batch, one clip, one optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from titanlike.config.loader import config_to_dict
+from titanlike.config.schema import JobConfig
+from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
+from titanlike.models.registry import get_model_spec
+from titanlike.observe.metrics import MetricsLogger
+from titanlike.parallel.parallel_dims import ParallelDims
+from titanlike.parallel.parallelize import parallelize_model
+from titanlike.parallel.utils import clip_grad_norm_, sum_over
+from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum
+from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger("titanlike")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the message is for the user."""
+
+
+def init_distributed(cfg: JobConfig, world_size: int) -> torch.device:
+    """Pick the device and, under torchrun, create the default process group."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if world_size > 1 and not dist.is_initialized():
+        # Create the default group ourselves: if the DeviceMesh creates it, the backend reads "undefined".
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.comm.init_timeout_seconds))
+    return device
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, dims: ParallelDims):
+        self.cfg = cfg
+        self.dims = dims
+        self.device = init_distributed(cfg, dims.world_size)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if cfg.debug.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(cfg.debug.seed)
+        dims.build_mesh(self.device.type)
+        if self.rank == 0:
+            if cfg.job.description:
+                logger.info(cfg.job.description)
+            if cfg.job.print_config:
+                logger.info(f"config: {config_to_dict(cfg)}")
+            logger.info(f"world size {dims.world_size} on {self.device.type}: {dims}")
+
+        # Data.
+        t = cfg.training
+        self.tokenizer = build_tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+        self.global_batch_size = (
+            t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
+        )
+        self.grad_accum_steps = self.global_batch_size // (t.local_batch_size * dims.dp_degree)
+        self.dataloader = build_dataloader(
+            dataset=t.dataset,
+            dataset_path=t.dataset_path,
+            tokenizer=self.tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            global_batch_size=self.global_batch_size,
+            dp_rank=dims.dp_rank(),
+            dp_degree=dims.dp_degree,
+            seed=cfg.debug.seed,
+        )
+
+        # Model: built on meta, parallelized, then materialized shard by shard.
+        self.spec = get_model_spec(cfg.model.name)
+        self.model_args = dataclasses.replace(
+            self.spec.flavors[cfg.model.flavor], vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len
+        )
+        with torch.device("meta"):
+            model = self.spec.model_cls(self.model_args)
+        self.flops_per_token = model.num_flops_per_token(t.seq_len)
+        if self.rank == 0:
+            logger.info(
+                f"model {cfg.model.name} {cfg.model.flavor}: {model.num_params(exclude_embedding=False):,} "
+                f"parameters, {self.flops_per_token:,.0f} training FLOPs per token"
+            )
+        model = parallelize_model(model, self.spec, dims, cfg)
+        model.to_empty(device=self.device)
+        model.init_weights(seed=cfg.debug.seed, buffer_device=None)
+        model.train()
+        self.model_parts = [model]
+
+        # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same bf16 compute.
+        bf16 = t.mixed_precision_param == "bfloat16"
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if bf16 and not dims.fsdp_enabled
+            else contextlib.nullcontext()
+        )
+        self.loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        self.loss_fn = cross_entropy_sum
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_sum)
+
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        self.step = 0
+
+        dump = cfg.job.dump_folder
+        m = cfg.metrics
+        self.metrics = MetricsLogger(
+            device=self.device,
+            flops_per_token=self.flops_per_token,
+            tokens_per_step_per_device=self.global_batch_size * t.seq_len / dims.world_size,
+            log_freq=m.log_freq,
+            is_writer=self.rank == 0,
+            tb_folder=os.path.join(dump, m.save_tb_folder) if m.enable_tensorboard else None,
+            jsonl_path=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
+        )
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor):
+        loss_ctx = torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel \
+            else contextlib.nullcontext()
+        with self.autocast:
+            logits = self.model_parts[0](inputs)
+        with loss_ctx:
+            loss = self.loss_fn(logits, labels) / global_tokens
+            loss.backward()
+        return loss.detach()
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step over a global batch; returns (global mean loss, grad norm)."""
+        # Normalize by the target tokens of the whole global batch, counted before any forward.
+        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
+        global_tokens = sum_over(local_tokens.to(self.device, torch.float32), self.dims.mesh("loss"))
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in microbatches:
+            loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device), global_tokens)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        loss = sum_over(loss_sum, self.dims.mesh("loss")).item()
+        return loss, grad_norm.item()
+
+    def train(self) -> list[float]:
+        """Run to training.steps; returns the loss of every step."""
+        steps = self.cfg.training.steps
+        data = iter(self.dataloader)
+        losses = []
+        if self.rank == 0:
+            logger.info(
+                f"training {steps} steps: global batch {self.global_batch_size} x seq "
+                f"{self.cfg.training.seq_len}, {self.grad_accum_steps} microbatch(es) per rank"
+            )
+        while self.step < steps:
+            self.step += 1
+            lr = self.lr_scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step([next(data) for _ in range(self.grad_accum_steps)])
+            if not torch.isfinite(torch.tensor(loss)):
+                raise TrainingError(f"the loss is {loss} at step {self.step}; training stopped")
+            losses.append(loss)
+            self.metrics.step_done()
+            if self.metrics.should_log(self.step, steps):
+                self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
+        return losses
+
+    def close(self) -> None:
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
