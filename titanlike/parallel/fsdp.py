@@ -39,3 +39,5 @@ def apply_fsdp(
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # A factor of 1 needs no pre-scaling: plain SUM collectives (gloo has no PREMUL_SUM).
+            module.set_force_sum_reduction_for_comms(True)

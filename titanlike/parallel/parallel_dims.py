@@ -130,12 +130,12 @@ class ParallelDims:
         self._view(world, "dp", ("dp_replicate", "dp_shard"))
         self._view(world, "dp_shard_cp", ("dp_shard", "cp"))
         self._view(world, "loss", ("dp_replicate", "dp_shard", "cp"))
-        if "dp_shard_cp" in self._meshes:
-            if "dp_replicate" in self._meshes:
-                # HSDP: FSDP runs on a 2-D (replicate, shard) mesh.
-                self._view(world, "fsdp", ("dp_replicate", "dp_shard_cp"))
-            else:
-                self._meshes["fsdp"] = self._meshes["dp_shard_cp"]
+        if "dp_replicate" in self._meshes:
+            # HSDP: FSDP runs on a 2-D (replicate, shard) mesh; with cp the shard dim is the
+            # flattened dp_shard x cp, otherwise dp_shard itself.
+            self._meshes["fsdp"] = world["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"]
+        elif "dp_shard_cp" in self._meshes:
+            self._meshes["fsdp"] = self._meshes["dp_shard_cp"]
         return world
 
     def _view(self, world: DeviceMesh, name: str, dims: tuple[str, ...]) -> None:
@@ -144,13 +144,9 @@ class ParallelDims:
             return
         if len(present) == 1:
             self._meshes[name] = self._meshes[present[0]]
-        elif all(d in world.mesh_dim_names for d in present):
-            # _flatten returns the flattened mesh; keep that object (slicing the flattened name
-            # back out of the root mesh is deprecated).
-            self._meshes[name] = world[present]._flatten(name)
         else:
-            # A 2-D view over an already flattened dim (HSDP's (replicate, shard x cp)).
-            self._meshes[name] = world[present]
+            # Keep the mesh _flatten returns: slicing a flattened name back out of the root is deprecated.
+            self._meshes[name] = world[present]._flatten(name)
 
     def mesh(self, name: str) -> DeviceMesh | None:
         """A named mesh (world, dp, fsdp, dp_shard_cp, loss, pp, dp_replicate, dp_shard, cp, tp),

@@ -1,0 +1,65 @@
+"""Shared test helpers: launch train.py (one process or torchrun on gloo) and read its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A small but real job: the 8-layer debug model on the embedded corpus, fp32 so that
+# layouts are comparable to rounding error.
+TINY_JOB = [
+    "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+    "--training.seq_len", "64",
+    "--training.steps", "10",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+    "--metrics.enable_jsonl",
+    "--metrics.no_enable_tensorboard",
+]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # Each rank gets one thread: ranks share 2 cores, and oversubscription makes gloo crawl.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def launch(args: list[str], *, nproc: int = 1, timeout: float = 600, check: bool = True):
+    """Run train.py with args; nproc > 1 goes through torchrun (gloo on CPU)."""
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / "train.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(REPO / "train.py"), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    with open(dump_folder / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def train_metrics(tmp_path: Path, name: str, *extra: str, nproc: int = 1) -> list[dict]:
+    """Run the tiny job with overrides; return one metrics record per step."""
+    dump = tmp_path / name
+    launch([*TINY_JOB, "--job.dump_folder", str(dump), *extra], nproc=nproc)
+    return read_metrics(dump)
+
+
+@pytest.fixture(scope="session")
+def single_process_reference(tmp_path_factory):
+    """The single-process run every layout must reproduce: global batch 8 in one microbatch."""
+    return train_metrics(tmp_path_factory.mktemp("ref"), "single", "--training.local_batch_size", "8")

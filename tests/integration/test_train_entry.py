@@ -1,0 +1,65 @@
+"""train.py end to end: TensorBoard events readable by TensorBoard, clear errors, no hangs."""
+
+import math
+
+import pytest
+
+from conftest import TINY_JOB, launch
+
+
+def test_tensorboard_events_have_loss_tag(tmp_path):
+    launch([*TINY_JOB, "--training.steps", "3", "--training.local_batch_size", "2",
+            "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("loss", "grad_norm", "lr", "tps", "max_rss"):
+        assert tag in tags
+    losses = acc.Scalars("loss")
+    assert [e.step for e in losses] == [1, 2, 3]
+    assert all(math.isfinite(e.value) and e.value > 0 for e in losses)
+
+
+def test_help_lists_options():
+    proc = launch(["--help"])
+    assert "--parallelism.data_parallel_shard_degree" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--training.stepz", "3"], "unknown config key 'training.stepz'; did you mean 'training.steps'?"),
+        (["--parallelism.tensor_parallel_degree", "3"], "the world size 1 is not divisible by"),
+    ],
+)
+def test_bad_config_is_one_sentence_without_traceback(argv, fragment):
+    proc = launch(argv, check=False, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [f"config error: {lines[0].removeprefix('config error: ')}"]
+    assert fragment in lines[0]
+
+
+@pytest.mark.distributed
+def test_bad_layout_under_torchrun_fails_fast(tmp_path):
+    # 2 ranks cannot be split as 3 shards: every rank exits before any process group exists.
+    proc = launch(["--parallelism.data_parallel_shard_degree", "3"], nproc=2, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "config error: parallel degrees replicate 1 x shard 3" in proc.stderr
+    assert "must equal the world size 2" in proc.stderr
+
+
+def test_non_finite_loss_stops_training(tmp_path, monkeypatch):
+    from titanlike.config import load_job_config, validate_config
+    from titanlike.train.trainer import Trainer, TrainingError
+
+    cfg = load_job_config([*TINY_JOB, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)])
+    trainer = Trainer(cfg, validate_config(cfg, world_size=1))
+    calls = iter([(5.0, 1.0), (float("nan"), 1.0)])
+    monkeypatch.setattr(trainer, "train_step", lambda batches: next(calls))
+    with pytest.raises(TrainingError, match="the loss is nan at step 2"):
+        trainer.train()
+    trainer.close()

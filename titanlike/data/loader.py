@@ -1,0 +1,362 @@
+"""The stateful data loader: one global sample stream, sliced by data-parallel rank.
+
+Contract (the parity tests across parallel layouts rely on it):
+
+* A dataset kind resolves to a *global sample source*: global sample ``i`` is a window of
+  ``seq_len + 1`` token ids, the same on every rank and for every layout.
+* Global step ``k`` consumes samples ``[k*G, (k+1)*G)``, ``G = global_batch_size``.
+* With data-parallel degree ``D``, rank ``r`` takes the contiguous block of ``G/D`` samples
+  starting at ``k*G + r*G/D`` and yields it as ``G/(D*L)`` consecutive microbatches of
+  ``L = local_batch_size`` samples, each as ``(inputs, labels)`` int64 tensors of shape
+  ``(L, seq_len)`` with ``labels = window[1:]``, ``inputs = window[:-1]``.
+
+So the union of all ranks' microbatches at a step does not depend on ``D`` or ``L``.
+Map-style sources wrap around into a new epoch (reshuffled from ``seed`` when the kind asks
+for shuffling); streams are infinite by themselves. Every rank reads the whole stream of a
+streaming source and keeps its own block: exact layout-independence costs ``D`` times the
+tokenization, a fair price next to a training step.
+
+Adding a kind (e.g. Megatron's ``GPTDataset``, map-style and already shuffled)::
+
+    register_dataset_kind("megatron", lambda *, dataset_path, tokenizer, seq_len, seed: ...,
+                          shuffle=False)
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, Union, runtime_checkable
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from titanlike.data.text_datasets import (
+    HuggingFaceDocuments,
+    PackedStream,
+    SampleStream,
+    packed_text_corpus,
+)
+from titanlike.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DatasetKind",
+    "MapSampleSource",
+    "RankBatches",
+    "build_dataloader",
+    "build_dataloader_from_source",
+    "dataset_kinds",
+    "register_dataset_kind",
+]
+
+
+@runtime_checkable
+class MapSampleSource(Protocol):
+    """Global sample ``i`` (``0 <= i < len``) as ``seq_len + 1`` integer token ids."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Any: ...
+
+
+SampleSource = Union[MapSampleSource, SampleStream]
+SourceFactory = Callable[..., SampleSource]
+
+
+@dataclass(frozen=True)
+class DatasetKind:
+    factory: SourceFactory  # (*, dataset_path, tokenizer, seq_len, seed) -> SampleSource
+    shuffle: bool  # reshuffle a map-style source's samples every epoch from `seed`
+    needs_path: bool
+    workers_ok: bool  # False where the source cannot be read whole inside each loader worker
+
+
+_KINDS: dict[str, DatasetKind] = {}
+
+
+def register_dataset_kind(
+    name: str, factory: SourceFactory, *, shuffle: bool, needs_path: bool = True, workers_ok: bool = True
+) -> None:
+    _KINDS[name] = DatasetKind(factory=factory, shuffle=shuffle, needs_path=needs_path, workers_ok=workers_ok)
+
+
+def dataset_kinds() -> list[str]:
+    return sorted(_KINDS)
+
+
+def _default_source(*, dataset_path, tokenizer, seq_len, seed):
+    from titanlike.data import DEFAULT_CORPUS_PATH
+
+    return packed_text_corpus(DEFAULT_CORPUS_PATH, tokenizer, seq_len)
+
+
+def _text_source(*, dataset_path, tokenizer, seq_len, seed):
+    return packed_text_corpus(dataset_path, tokenizer, seq_len)
+
+
+def _huggingface_source(*, dataset_path, tokenizer, seq_len, seed):
+    return PackedStream(HuggingFaceDocuments(dataset_path), tokenizer, seq_len)
+
+
+register_dataset_kind("default", _default_source, shuffle=True, needs_path=False)
+register_dataset_kind("text", _text_source, shuffle=True)
+# `datasets` hands each torch loader worker a disjoint share of a stream's shards, while every
+# worker here must see the whole stream to keep the global sample order.
+register_dataset_kind("huggingface", _huggingface_source, shuffle=False, workers_ok=False)
+
+
+class _MapSamples:
+    """Infinite global indexing over a map-style source: epoch ``e`` is ``source`` permuted by
+    ``(seed, e)`` (or in order), so any sample is computable directly, on any rank."""
+
+    def __init__(self, source: MapSampleSource, *, shuffle: bool, seed: int):
+        self.source = source
+        self.num = len(source)
+        if self.num <= 0:
+            raise ValueError(f"dataset source {source!r} holds no samples")
+        self.shuffle = shuffle
+        self.seed = seed
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def sample(self, index: int) -> Any:
+        epoch, i = divmod(index, self.num)
+        if self.shuffle:
+            if epoch != self._perm_epoch:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num)
+                self._perm_epoch = epoch
+            i = int(self._perm[i])
+        return self.source[i]
+
+    def reset(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_samples": self.num}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_samples") != self.num:
+            logger.warning(
+                "dataset holds %s samples now but %s when the checkpoint was saved: "
+                "the resumed data order is not the one the original run would have seen",
+                self.num, state.get("num_samples"),
+            )
+
+
+class RankBatches(IterableDataset):
+    """This rank's microbatches of the global sample stream, forever (see the module docstring).
+
+    Position is the index ``n`` of the next microbatch this rank yields (step ``n // M``,
+    microbatch ``n % M`` within it, ``M = G/(D*L)``). With ``W`` loader workers, worker ``w``
+    makes microbatches ``n = w, w+W, ...`` and the loader's round-robin restores the order.
+    """
+
+    def __init__(
+        self,
+        samples: _MapSamples | SampleStream,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+    ):
+        super().__init__()
+        self.samples = samples
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.global_batch_size = global_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.microbatches_per_step = global_batch_size // (dp_degree * local_batch_size)
+        self._next = 0
+        self._pending: dict[str, Any] | None = None
+
+    def _sample(self, index: int) -> np.ndarray:
+        raw = self.samples.sample(index)
+        arr = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+        if arr.shape != (self.seq_len + 1,) or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(
+                f"global sample {index} has shape {arr.shape} and dtype {arr.dtype}; "
+                f"expected {self.seq_len + 1} (seq_len + 1) integer token ids"
+            )
+        return arr
+
+    def microbatch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        step, m = divmod(n, self.microbatches_per_step)
+        start = (
+            step * self.global_batch_size
+            + self.dp_rank * (self.global_batch_size // self.dp_degree)
+            + m * self.local_batch_size
+        )
+        windows = np.stack([self._sample(start + j) for j in range(self.local_batch_size)]).astype(np.int64)
+        batch = torch.from_numpy(windows)
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def __iter__(self):
+        info = get_worker_info()
+        num_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._next = self._resume_position(state, num_workers)
+            self.samples.load_state_dict(state["samples"])
+        else:
+            self._next = worker
+            self.samples.reset()
+        return self._generate(num_workers)
+
+    def _generate(self, stride: int):
+        while True:
+            n = self._next
+            batch = self.microbatch(n)
+            # Advance before yielding: a state_dict taken while the consumer holds this batch
+            # must already point past it.
+            self._next = n + stride
+            yield batch
+
+    def _resume_position(self, state: dict[str, Any], num_workers: int) -> int:
+        for key, mine in (("global_batch_size", self.global_batch_size), ("seq_len", self.seq_len)):
+            if state[key] != mine:
+                raise ValueError(
+                    f"dataloader checkpoint has {key}={state[key]} but this run uses {mine}: "
+                    "the global sample stream differs, so the position cannot be carried over"
+                )
+        n = int(state["next_microbatch"])
+        if (state["dp_degree"], state["local_batch_size"]) == (self.dp_degree, self.local_batch_size):
+            return n
+        old_m = state["global_batch_size"] // (state["dp_degree"] * state["local_batch_size"])
+        # Another data-parallel layout: the position is a global step, valid at a step boundary.
+        if num_workers != 1 or n % old_m != 0:
+            raise ValueError(
+                f"dataloader checkpoint was saved with dp_degree={state['dp_degree']}, "
+                f"local_batch_size={state['local_batch_size']}"
+                + (f" in the middle of a step (microbatch {n % old_m} of {old_m})" if n % old_m else "")
+                + f"; resuming with dp_degree={self.dp_degree}, local_batch_size={self.local_batch_size}"
+                + (f" and num_workers={num_workers}" if num_workers != 1 else "")
+                + " is only possible at a step boundary with num_workers=0"
+            )
+        return (n // old_m) * self.microbatches_per_step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "next_microbatch": self._next,
+            "dp_rank": self.dp_rank,
+            "dp_degree": self.dp_degree,
+            "local_batch_size": self.local_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "seq_len": self.seq_len,
+            "samples": self.samples.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Applied when the loader next calls iter(); only then is the worker layout known.
+        self._pending = state
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _validate_layout(*, seq_len, local_batch_size, global_batch_size, dp_rank, dp_degree, num_workers) -> None:
+    _check_int("seq_len", seq_len, 1)
+    _check_int("local_batch_size", local_batch_size, 1)
+    _check_int("global_batch_size", global_batch_size, 1)
+    _check_int("dp_degree", dp_degree, 1)
+    _check_int("num_workers", num_workers, 0)
+    _check_int("dp_rank", dp_rank, 0)
+    if dp_rank >= dp_degree:
+        raise ValueError(f"dp_rank must be in [0, dp_degree={dp_degree}), got {dp_rank}")
+    if global_batch_size % (dp_degree * local_batch_size):
+        raise ValueError(
+            f"global_batch_size ({global_batch_size}) must be divisible by "
+            f"local_batch_size * dp_degree ({local_batch_size} * {dp_degree} = {local_batch_size * dp_degree}): "
+            "each step gives every data-parallel rank the same whole number of microbatches"
+        )
+
+
+def build_dataloader_from_source(
+    source: SampleSource,
+    *,
+    seq_len: int,
+    local_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    seed: int = 0,
+    shuffle: bool = False,
+    num_workers: int = 0,
+) -> StatefulDataLoader:
+    """Loader over an already built global sample source (map-style or a :class:`SampleStream`)."""
+    _validate_layout(
+        seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
+        dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers,
+    )
+    if isinstance(source, SampleStream):
+        samples = source
+    elif isinstance(source, MapSampleSource):
+        samples = _MapSamples(source, shuffle=shuffle, seed=seed)
+    else:
+        raise TypeError(f"{type(source).__name__} is neither map-style (__len__/__getitem__) nor a SampleStream")
+    dataset = RankBatches(
+        samples, seq_len=seq_len, local_batch_size=local_batch_size,
+        global_batch_size=global_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+    )
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls an API torch has since deprecated; the warning is not actionable here.
+        warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
+        # batch_size=None: the dataset yields whole microbatches already.
+        return StatefulDataLoader(dataset, batch_size=None, num_workers=num_workers)
+
+
+def build_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    seed: int,
+    num_workers: int = 0,
+) -> StatefulDataLoader:
+    """This data-parallel rank's infinite loader of ``(inputs, labels)`` microbatches.
+
+    ``dataset``: ``"default"`` (embedded corpus, ``dataset_path`` must be unset),
+    ``"text"`` (``dataset_path``: a ``.txt``/``.jsonl``/``.jsonl.gz`` file or a directory of them),
+    ``"huggingface"`` (``dataset_path``: ``NAME[:CONFIG[:SPLIT]]`` for ``datasets.load_dataset``
+    with ``streaming=True``), or a kind added with :func:`register_dataset_kind`.
+    """
+    _validate_layout(
+        seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
+        dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers,
+    )
+    kind = _KINDS.get(dataset)
+    if kind is None:
+        close = difflib.get_close_matches(str(dataset), _KINDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown dataset {dataset!r}{hint}; known: {', '.join(dataset_kinds())}")
+    dataset_path = dataset_path or None
+    if kind.needs_path and dataset_path is None:
+        raise ValueError(f"dataset {dataset!r} needs dataset_path")
+    if not kind.needs_path and dataset_path is not None:
+        raise ValueError(f"dataset {dataset!r} takes no dataset_path (got {dataset_path!r}); use dataset 'text' for files")
+    if num_workers and not kind.workers_ok:
+        raise ValueError(f"dataset {dataset!r} supports num_workers=0 only, got num_workers={num_workers}")
+    if not all(hasattr(tokenizer, a) for a in ("encode", "bos_id", "eos_id")):
+        raise TypeError(
+            f"tokenizer must be a Tokenizer (titanlike.data.build_tokenizer(path)), got {type(tokenizer).__name__}"
+        )
+    source = kind.factory(dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed)
+    return build_dataloader_from_source(
+        source, seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
+        dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=kind.shuffle, num_workers=num_workers,
+    )
