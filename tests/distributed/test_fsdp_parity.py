@@ -1,13 +1,14 @@
 """Every data-parallel layout reproduces the single-process run (fp32, same global batch).
 
-Tolerance: the layouts differ from one process only in the order of floating-point
-sums (per-rank partial gradients summed by the reduce-scatter, the token count and
-the loss summed over ranks). That is ~1e-7 relative per operation; over 10 AdamW
-steps it stays below ~1e-5 relative. A real bug — a wrong data slice, gradients
-averaged instead of summed, a missing or duplicated sample — moves the loss or
-the grad norm by more than 1e-2 within the first steps. Grad norms are compared
-too because AdamW is almost invariant to a global gradient scale: losses alone
-would not catch a gradient divided by the data-parallel degree.
+Tolerances, from measurement: the layouts differ from one process only in the order
+of floating-point sums. Losses agree to ~3e-7 relative over 10 steps (FSDP2, HSDP
+2x2); RTOL = 2e-5 leaves 50x headroom. Grad norms agree only to ~7e-5: torch's fp32
+CPU norm of the output-layer gradient (a few large entries among 500k) is itself off
+by ~1e-4 from the float64 value, and per-shard norms round differently (they are in
+fact closer to float64). GRAD_RTOL = 5e-4 covers that. A real bug moves these by far
+more: gradients averaged instead of summed halve the grad norm, and a wrong data slice
+changes the loss at step 1 by > 1e-2. Grad norms are compared because AdamW is almost
+invariant to a global gradient scale, so losses alone would miss a 1/dp scaling.
 """
 
 import pytest
@@ -15,13 +16,14 @@ import pytest
 from conftest import train_metrics
 
 RTOL = 2e-5
+GRAD_RTOL = 5e-4
 
 
 def assert_same_curve(got, ref):
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for g, r in zip(got, ref):
         assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), (g, r)
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL * 10), (g, r)
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=GRAD_RTOL), (g, r)
 
 
 def test_reference_loss_falls(single_process_reference):
