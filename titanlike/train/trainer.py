@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from titanlike.checkpoint import CheckpointManager
 from titanlike.config.loader import config_to_dict
 from titanlike.config.schema import JobConfig
 from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
@@ -121,6 +122,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.step = 0
+        self.checkpointer = CheckpointManager(
+            cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer)
 
         dump = cfg.job.dump_folder
         m = cfg.metrics
@@ -163,6 +167,11 @@ class Trainer:
     def train(self) -> list[float]:
         """Run to training.steps; returns the loss of every step."""
         steps = self.cfg.training.steps
+        # Before iter(): the loader applies a loaded position when its iterator is created.
+        start = self.checkpointer.load()
+        if start is None:  # checkpoint.create_seed_checkpoint: the seed is written, nothing to train
+            return []
+        self.step = start
         data = iter(self.dataloader)
         losses = []
         if self.rank == 0:
@@ -180,9 +189,14 @@ class Trainer:
             self.metrics.step_done()
             if self.metrics.should_log(self.step, steps):
                 self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
+            self.checkpointer.save(self.step)
         return losses
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():
+            # Without a barrier a fast rank can tear gloo down under a slower one
+            # ("terminate called without an active exception").
+            dist.barrier()
             dist.destroy_process_group()

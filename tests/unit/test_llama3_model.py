@@ -1,0 +1,554 @@
+"""Llama 3 model: shapes, attention semantics, RoPE, initialization, FLOPs.
+
+The 2-rank FSDP2 initialization check runs this file under torchrun (see the
+bottom of the file), so it exercises real process groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanlike.models.common import attention as attention_mod
+from titanlike.models.common.init import canonical_fqn, seed_for
+from titanlike.models.common.rope import RoPEScaling, apply_rotary_emb, precompute_rope_cache, rope_inv_freq
+from titanlike.models.llama3 import Transformer, llama3_flavors, num_params_from_args
+from titanlike.models.registry import get_model_spec
+
+TINY = llama3_flavors["debugmodel_tiny"]
+
+
+def tiny_args(**overrides):
+    return dataclasses.replace(TINY, **{"vocab_size": 320, "max_seq_len": 64, **overrides})
+
+
+def build(args, seed=0, device="cpu"):
+    """The trainer's sequence: meta construction, to_empty, init_weights."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.init_weights(seed=seed)
+    return model
+
+
+# ---------------------------------------------------------------- shapes and sizes
+
+# Published totals (embeddings included) and SwiGLU hidden sizes (HF intermediate_size).
+PUBLISHED = {
+    "1B": (1.236e9, 8192),
+    "3B": (3.213e9, 8192),
+    "8B": (8.03e9, 14336),
+    "70B": (70.6e9, 28672),
+    "405B": (405.9e9, 53248),
+}
+
+
+def test_registry_exposes_llama3():
+    spec = get_model_spec("llama3")
+    assert spec.model_cls is Transformer
+    assert {"debugmodel", "debugmodel_tiny", "1B", "3B", "8B", "70B", "405B"} <= set(spec.flavors)
+    assert spec.hf_adapter is not None
+
+
+@pytest.mark.parametrize("flavor", sorted(llama3_flavors))
+def test_flavor_shapes_on_meta(flavor):
+    args = llama3_flavors[flavor]
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert list(model.layers.keys()) == [str(i) for i in range(args.n_layers)]
+    hd = args.dim // args.n_heads
+    attn = model.layers["0"].attention
+    assert attn.wq.weight.shape == (args.n_heads * hd, args.dim)
+    assert attn.wk.weight.shape == (args.num_kv_heads * hd, args.dim)
+    assert attn.wo.weight.shape == (args.dim, args.n_heads * hd)
+    assert model.layers["0"].feed_forward.w1.weight.shape == (args.ffn_hidden_dim, args.dim)
+    assert model.output.weight.shape == (args.vocab_size, args.dim)
+    assert model.rope_cache.shape == (args.max_seq_len, hd)
+    assert model.num_params() == num_params_from_args(args)
+    assert model.num_params(exclude_embedding=True) == num_params_from_args(args, exclude_embedding=True)
+    if flavor in PUBLISHED:
+        total, hidden = PUBLISHED[flavor]
+        assert args.ffn_hidden_dim == hidden
+        assert abs(model.num_params() - total) / total < 0.01
+        assert args.rope_theta == 500000.0
+        assert args.vocab_size == 128256
+
+
+def test_published_rope_scaling_and_tying():
+    for name in ("8B", "70B", "405B"):
+        assert llama3_flavors[name].rope_scaling == RoPEScaling(8.0, 1.0, 4.0, 8192)
+        assert not llama3_flavors[name].tie_word_embeddings
+    for name in ("1B", "3B"):
+        assert llama3_flavors[name].rope_scaling == RoPEScaling(32.0, 1.0, 4.0, 8192)
+        assert llama3_flavors[name].tie_word_embeddings
+    dbg = llama3_flavors["debugmodel"]
+    assert (dbg.dim, dbg.n_layers, dbg.n_heads, dbg.n_kv_heads) == (256, 8, 16, 8)
+    assert (TINY.dim, TINY.n_layers, TINY.n_heads, TINY.n_kv_heads) == (64, 8, 4, 2)
+
+
+def test_invalid_head_counts_are_rejected():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        tiny_args(n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="n_heads"):
+        tiny_args(dim=66, n_heads=4)
+
+
+# ---------------------------------------------------------------- forward semantics
+
+
+def test_forward_shape_and_causality():
+    args = tiny_args()
+    model = build(args).eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(tokens)
+        assert logits.shape == (2, 24, args.vocab_size)
+        t = 13
+        changed = tokens.clone()
+        changed[:, t] = (changed[:, t] + 1) % args.vocab_size
+        logits2 = model(changed)
+    torch.testing.assert_close(logits2[:, :t], logits[:, :t], rtol=0, atol=1e-6)
+    assert (logits2[:, t:] - logits[:, t:]).abs().amax(dim=-1).min() > 1e-4
+
+
+def _naive_attention(q, k, v):
+    # Textbook causal softmax attention with k/v heads repeated per query group.
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = q.shape[2]
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("takes_gqa", [True, False])
+def test_causal_attention_gqa_matches_naive(monkeypatch, takes_gqa):
+    # Both dispatch paths (enable_gqa and repeated k/v) must give textbook attention.
+    monkeypatch.setattr(attention_mod, "sdpa_takes_gqa", lambda q: takes_gqa)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 10, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, 10, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 3, 10, 8, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(attention_mod.causal_attention(q, k, v), _naive_attention(q, k, v))
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    # A GQA model must equal the MHA model whose k/v heads are copies of each group's head.
+    gqa_args = tiny_args(n_layers=2, n_heads=4, n_kv_heads=2)
+    mha_args = dataclasses.replace(gqa_args, n_kv_heads=4)
+    gqa = build(gqa_args, seed=3)
+    mha = build(mha_args, seed=99)
+    sd = gqa.state_dict()
+    hd = gqa_args.head_dim
+    for key, value in list(sd.items()):
+        if key.endswith(("attention.wk.weight", "attention.wv.weight")):
+            sd[key] = value.view(2, hd, -1).repeat_interleave(2, dim=0).reshape(4 * hd, -1)
+    mha.load_state_dict(sd)
+    tokens = torch.randint(0, gqa_args.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(mha(tokens), gqa(tokens), rtol=1e-5, atol=1e-5)
+    assert gqa.layers["0"].attention.wk.weight.shape[0] == 2 * hd
+
+
+def test_pipeline_stages_compose_to_full_model():
+    args = tiny_args()
+    full = build(args, seed=5).eval()
+    first, last = build(args, seed=5).eval(), build(args, seed=5).eval()
+    first.norm = first.output = None
+    last.tok_embeddings = None
+    for i in range(4, 8):
+        del first.layers[str(i)]
+    for i in range(4):
+        del last.layers[str(i)]
+    tokens = torch.randint(0, args.vocab_size, (2, 12))
+    with torch.no_grad():
+        hidden = first(tokens)
+        assert hidden.shape == (2, 12, args.dim)
+        torch.testing.assert_close(last(hidden), full(tokens), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def _meta_reference_scaled_freqs(head_dim, theta, factor, low, high, old_len):
+    # Scalar transcription of Meta's Llama 3.1 apply_scaling.
+    out = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(freq)
+        elif wavelen > old_len / low:
+            out.append(freq / factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_rope_scaling_values(factor):
+    scaling = RoPEScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    ours = rope_inv_freq(128, 500000.0, scaling).double()
+    ref = _meta_reference_scaled_freqs(128, 500000.0, factor, 1.0, 4.0, 8192)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=0)
+    unscaled = rope_inv_freq(128, 500000.0).double()
+    assert ours[0] == unscaled[0]  # highest frequency untouched
+    torch.testing.assert_close(ours[-1], unscaled[-1] / factor)  # lowest divided by factor
+    wavelen = 2 * math.pi / unscaled
+    band = (wavelen >= 8192 / 4) & (wavelen <= 8192 / 1)
+    assert band.any()
+    assert ((ours[band] < unscaled[band]) & (ours[band] > unscaled[band] / factor)).any()
+
+
+def test_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=2048, num_attention_heads=16, max_position_embeddings=131072,
+                      rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, torch.device("cpu"))
+    ours = rope_inv_freq(128, 500000.0, RoPEScaling(32.0, 1.0, 4.0, 8192))
+    torch.testing.assert_close(ours, hf_inv_freq.float(), rtol=1e-6, atol=0)
+
+
+def test_real_rope_equals_complex_reference():
+    # Meta's reference: pairs (x[2i], x[2i+1]) as complex numbers times exp(i * pos * freq).
+    head_dim, seqlen = 16, 9
+    cache = precompute_rope_cache(head_dim, 32, 10000.0, RoPEScaling(8.0, 1.0, 4.0, 16))
+    x = torch.randn(2, seqlen, 3, head_dim, dtype=torch.float32)
+    freqs = rope_inv_freq(head_dim, 10000.0, RoPEScaling(8.0, 1.0, 4.0, 16))
+    angles = torch.outer(torch.arange(seqlen, dtype=torch.float32), freqs)
+    rot = torch.polar(torch.ones_like(angles), angles).view(1, seqlen, 1, head_dim // 2)
+    expected = torch.view_as_real(torch.view_as_complex(x.reshape(2, seqlen, 3, -1, 2)) * rot).flatten(-2)
+    torch.testing.assert_close(apply_rotary_emb(x, cache), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    cache = precompute_rope_cache(8, 64, 10000.0)
+    q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+
+    def score(m, n):
+        rq = apply_rotary_emb(q.float().expand(1, 64, 1, 8), cache)[0, m, 0]
+        rk = apply_rotary_emb(k.float().expand(1, 64, 1, 8), cache)[0, n, 0]
+        return (rq * rk).sum()
+
+    torch.testing.assert_close(score(10, 3), score(50, 43), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(score(10, 3), score(10, 4), atol=1e-3)
+
+
+def test_rope_rejects_sequences_beyond_the_table():
+    with pytest.raises(ValueError, match="max_seq_len"):
+        apply_rotary_emb(torch.zeros(1, 9, 1, 8), precompute_rope_cache(8, 8, 10000.0))
+
+
+# ---------------------------------------------------------------- tied embeddings
+
+
+def test_tied_embeddings():
+    args = tiny_args(n_layers=2, tie_word_embeddings=True)
+    untied = build(dataclasses.replace(args, tie_word_embeddings=False))
+    model = build(args, seed=1)
+    # to_empty from meta must not untie (it creates new Parameters per module).
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.num_params() == untied.num_params() - args.vocab_size * args.dim
+    # The shared matrix is also the output projection: it stays in the FLOP count.
+    assert model.num_params(exclude_embedding=True) == model.num_params()
+    assert {"tok_embeddings.weight", "output.weight"} <= set(model.state_dict())
+    # Initialized once, at the output projection's scale (logits O(1) at init).
+    std = args.dim**-0.5
+    w = model.tok_embeddings.weight
+    assert w.abs().max() <= 3 * std + 1e-6 and 0.8 * std < w.std() < 1.1 * std
+    tokens = torch.randint(0, args.vocab_size, (2, 8))
+    model(tokens).sum().backward()
+    assert model.tok_embeddings.weight.grad is model.output.weight.grad is not None
+    # A last pipeline stage holds its own copy of the shared matrix: same values.
+    with torch.device("meta"):
+        last_stage = Transformer(args)
+    last_stage.tok_embeddings = None
+    last_stage.to_empty(device="cpu")
+    last_stage.init_weights(seed=1)
+    assert torch.equal(last_stage.output.weight, model.tok_embeddings.weight)
+
+
+# ---------------------------------------------------------------- initialization
+
+
+def test_canonical_fqn_strips_wrappers():
+    name = "layers.3._checkpoint_wrapped_module._orig_mod.attention._fsdp_wrapped_module.wq.weight"
+    assert canonical_fqn(name) == "layers.3.attention.wq.weight"
+    assert seed_for(0, name) == seed_for(0, "layers.3.attention.wq.weight") != seed_for(1, name)
+
+
+def test_init_is_deterministic_and_seed_dependent():
+    args = tiny_args()
+    a, b, c = build(args, seed=7), build(args, seed=7), build(args, seed=8)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(pa, pc), name
+    # Distinct parameters of equal shape must not share values.
+    assert not torch.equal(a.layers["0"].attention.wq.weight, a.layers["1"].attention.wq.weight)
+    torch.testing.assert_close(a.rope_cache, precompute_rope_cache(args.head_dim, args.max_seq_len,
+                                                                   args.rope_theta, args.rope_scaling))
+
+
+def test_init_covers_every_parameter():
+    args = tiny_args()
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    model.init_weights(seed=0)
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+
+
+def test_init_scheme():
+    args = tiny_args(dim=128, n_heads=4, n_kv_heads=2, vocab_size=1000)
+    model = build(args, seed=0)
+    layer0, layer7 = model.layers["0"], model.layers["7"]
+
+    def close_std(t, std):
+        return abs(t.std().item() / std - 1) < 0.1
+
+    assert close_std(model.tok_embeddings.weight, 1.0)
+    out_std = args.dim**-0.5
+    assert close_std(model.output.weight, out_std) and model.output.weight.abs().max() <= 3 * out_std + 1e-6
+    assert close_std(layer0.attention.wq.weight, 0.02) and close_std(layer7.feed_forward.w1.weight, 0.02)
+    assert close_std(layer0.attention.wo.weight, 0.02 / math.sqrt(2 * 1))
+    assert close_std(layer7.feed_forward.w2.weight, 0.02 / math.sqrt(2 * 8))
+    assert torch.equal(layer7.ffn_norm.weight, torch.ones(args.dim))
+    flat = build(dataclasses.replace(args, depth_init=False), seed=0)
+    assert close_std(flat.layers["0"].attention.wo.weight, 0.02 / math.sqrt(2 * args.n_layers))
+
+
+def test_init_is_independent_of_which_layers_exist_and_of_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    args = tiny_args()
+    full = build(args, seed=11)
+
+    with torch.device("meta"):
+        stage = Transformer(args)
+    for i in range(4):
+        del stage.layers[str(i)]
+    stage.tok_embeddings = None
+    # Wrappers add name components (_checkpoint_wrapped_module., _orig_mod.) that must not matter.
+    stage.layers["4"] = checkpoint_wrapper(stage.layers["4"])
+    stage.layers["5"] = torch.compile(stage.layers["5"])
+    stage.to_empty(device="cpu")
+    stage.init_weights(seed=11)
+
+    full_params = dict(full.named_parameters())
+    stage_params = dict(stage.named_parameters())
+    assert any("_checkpoint_wrapped_module" in n for n in stage_params)
+    assert any("_orig_mod" in n for n in stage_params)
+    for name, p in stage_params.items():
+        assert torch.equal(p, full_params[canonical_fqn(name)]), name
+    assert len(stage_params) == len(full_params) - 1 - 4 * len(list(full.layers["0"].parameters()))
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+def test_num_flops_per_token_hand_computed():
+    args = tiny_args(vocab_size=2256, max_seq_len=256)
+    with torch.device("meta"):
+        model = Transformer(args)
+    # dim 64, 4 heads of 16, 2 kv heads, SwiGLU hidden 192 (int(8*64/3) = 170 -> multiple of 32).
+    attention = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64
+    ffn = 3 * 64 * 192
+    n = 8 * (attention + ffn + 2 * 64) + 64 + 2256 * 64  # blocks, final norm, output projection
+    assert model.num_params(exclude_embedding=True) == n == 538688
+    assert model.num_flops_per_token(128) == 6 * n + 12 * 8 * 4 * 16 * 128
+    # A pipeline stage still reports the whole model's FLOPs.
+    model.tok_embeddings = None
+    del model.layers["0"]
+    assert model.num_flops_per_token(128) == 6 * n + 12 * 8 * 4 * 16 * 128
+
+
+# ---------------------------------------------------------------- 2 ranks (gloo, FSDP2)
+
+
+def _run_torchrun(check: str, nproc: int = 2, timeout: int = 240) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+         os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.abspath(__file__), check]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_fsdp2_sharded_init_equals_single_process_init():
+    out = _run_torchrun("fsdp_init")
+    assert out.count("FSDP_INIT_OK") == 2, out
+
+
+def _shutdown(dist) -> None:
+    # Without the barrier, a rank that finishes first tears gloo down while its peer
+    # is still in flight, which sporadically aborts the process at exit.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _check_fsdp_init() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # An odd vocab and ffn size make FSDP's dim-0 shards uneven.
+    for tied in (False, True):
+        args = tiny_args(vocab_size=333, multiple_of=1, ffn_dim_multiplier=1.01, tie_word_embeddings=tied)
+        reference = build(args, seed=1234)
+        with torch.device("meta"):
+            model = Transformer(args)
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=1234)
+        ref_params = dict(reference.named_parameters())
+        names = [n for n, _ in model.named_parameters()]
+        assert names == list(ref_params), (names, list(ref_params))
+        for name, p in model.named_parameters():
+            assert isinstance(p, DTensor), name
+            assert torch.equal(p.full_tensor(), ref_params[name]), f"rank {rank}: {name} differs"
+        if tied:
+            assert model.output.weight is model.tok_embeddings.weight
+        # The sharded model must also compute what the reference computes.
+        tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+    print(f"FSDP_INIT_OK rank {rank}", flush=True)
+    _shutdown(dist)
+
+
+def test_fsdp_x_tensor_parallel_init_on_four_ranks():
+    # FSDP over TP shards dim 0 twice (_StridedShard): the init must still slice correctly.
+    out = _run_torchrun("fsdp_tp_init", nproc=4)
+    assert out.count("FSDP_TP_INIT_OK") == 4, out
+
+
+def test_tensor_parallel_matches_single_process():
+    out = _run_torchrun("tp")
+    assert out.count("TP_OK") == 2, out
+
+
+def test_tensor_parallel_rejects_indivisible_heads():
+    from titanlike.models.llama3 import apply_tensor_parallel
+
+    class _Mesh:  # only the size is consulted before anything is sharded
+        def size(self):
+            return 4
+
+    with torch.device("meta"):
+        model = Transformer(tiny_args(n_heads=4, n_kv_heads=2))
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        apply_tensor_parallel(model, _Mesh(), loss_parallel=False)
+
+
+def _check_tp() -> None:
+    from contextlib import nullcontext
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
+
+    from titanlike.models.llama3 import apply_tensor_parallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    g = torch.Generator().manual_seed(0)
+    for tied, sp, lp in [(False, True, True), (False, False, False), (False, True, False), (True, True, True)]:
+        tag = f"tied={tied} sequence_parallel={sp} loss_parallel={lp}"
+        args = tiny_args(n_layers=2, tie_word_embeddings=tied)
+        reference = build(args, seed=21)
+        with torch.device("meta"):
+            model = Transformer(args)
+        apply_tensor_parallel(model, mesh, loss_parallel=lp, sequence_parallel=sp)
+        if tied:
+            assert model.output.weight is model.tok_embeddings.weight
+        model.to_empty(device="cpu")
+        model.init_weights(seed=21)
+        ref_params = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            assert torch.equal(full(p), ref_params[name]), f"{tag}: init of {name} differs"
+        if tied:
+            assert model.output.weight is model.tok_embeddings.weight
+
+        tokens = torch.randint(0, args.vocab_size, (2, 16), generator=g)
+        labels = torch.randint(0, args.vocab_size, (2, 16), generator=g)
+        ref_loss = F.cross_entropy(reference(tokens).flatten(0, 1), labels.flatten())
+        ref_loss.backward()
+        with loss_parallel_ctx() if lp else nullcontext():
+            logits = model(tokens)
+            assert isinstance(logits, DTensor) == lp, tag
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6, msg=tag)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(full(p.grad), ref_params[name].grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{tag}: grad of {name}: {m}")
+    print(f"TP_OK rank {rank}", flush=True)
+    _shutdown(dist)
+
+
+def _check_fsdp_tp_init() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titanlike.models.llama3 import apply_tensor_parallel
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    args = tiny_args(n_layers=2, vocab_size=333)
+    reference = build(args, seed=5)
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_tensor_parallel(model, mesh["tp"], loss_parallel=False)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    model.init_weights(seed=5)
+    ref_params = dict(reference.named_parameters())
+    strided = 0
+    for name, p in model.named_parameters():
+        strided += "_StridedShard" in str(p.placements)
+        assert torch.equal(p.full_tensor(), ref_params[name]), name
+    assert strided > 0, "expected FSDP x TP to produce _StridedShard placements"
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+    print(f"FSDP_TP_INIT_OK rank {dist.get_rank()}", flush=True)
+    _shutdown(dist)
+
+
+if __name__ == "__main__":
+    {"fsdp_init": _check_fsdp_init, "tp": _check_tp, "fsdp_tp_init": _check_fsdp_tp_init}[sys.argv[1]]()

@@ -1,0 +1,21 @@
+"""Layers and helpers shared by model families."""
+
+from titanlike.models.common.attention import causal_attention, sdpa_takes_gqa
+from titanlike.models.common.init import canonical_fqn, constant_, normal_, ones_, seed_for, trunc_normal_, zeros_
+from titanlike.models.common.rope import RoPEScaling, apply_rotary_emb, precompute_rope_cache, rope_inv_freq
+
+__all__ = [
+    "RoPEScaling",
+    "apply_rotary_emb",
+    "canonical_fqn",
+    "causal_attention",
+    "sdpa_takes_gqa",
+    "constant_",
+    "normal_",
+    "ones_",
+    "precompute_rope_cache",
+    "rope_inv_freq",
+    "seed_for",
+    "trunc_normal_",
+    "zeros_",
+]

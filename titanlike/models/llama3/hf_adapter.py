@@ -1,0 +1,220 @@
+"""Hugging Face interchange for Llama 3: state-dict keys and config.json.
+
+Two differences besides names:
+- RoPE layout. We (like Meta's original checkpoints and torchtitan) rotate adjacent
+  pairs (x[2i], x[2i+1]) of each head; HF's LlamaForCausalLM rotates the two halves
+  (x[i], x[i + head_dim/2]). The attention scores are unchanged if the output rows of
+  wq and wk are permuted within each head accordingly, which is what HF's own
+  conversion script does; wv/wo are not rotated and keep their layout.
+- Tied embeddings. HF stores no lm_head.weight for a tied model; our state dict
+  has output.weight as an alias of tok_embeddings.weight.
+
+Works on plain tensors (DTensors must be gathered first).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import torch
+
+from titanlike.models.common.init import canonical_fqn
+from titanlike.models.common.rope import RoPEScaling
+from titanlike.models.llama3.model import TransformerModelArgs
+
+# Our per-layer names -> HF's (under model.layers.N.).
+_LAYER_KEYS = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_KEYS = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_HF_LAYER_KEYS = {v: k for k, v in _LAYER_KEYS.items()}
+_HF_TOP_KEYS = {v: k for k, v in _TOP_KEYS.items()}
+_OUR_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q/k projection from pair-interleaved RoPE order to rotate-half order."""
+    out_dim, in_dim = w.shape
+    head_dim = out_dim // n_heads
+    return w.view(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of interleaved_to_half."""
+    out_dim, in_dim = w.shape
+    head_dim = out_dim // n_heads
+    return w.view(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    """Our state dict (full tensors) -> LlamaForCausalLM's. Wrapper prefixes in keys are ignored."""
+    hf: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        key = canonical_fqn(key)
+        if key == "rope_cache":
+            continue
+        if key == "output.weight" and args.tie_word_embeddings:
+            continue
+        if key in _TOP_KEYS:
+            hf[_TOP_KEYS[key]] = value
+            continue
+        m = _OUR_LAYER_RE.fullmatch(key)
+        if m is None or m.group(2) not in _LAYER_KEYS:
+            raise KeyError(f"no Hugging Face name for parameter {key!r}")
+        layer, name = m.groups()
+        if name == "attention.wq.weight":
+            value = interleaved_to_half(value, args.n_heads)
+        elif name == "attention.wk.weight":
+            value = interleaved_to_half(value, args.num_kv_heads)
+        hf[f"model.layers.{layer}.{_LAYER_KEYS[name]}"] = value
+    return hf
+
+
+def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's state dict -> ours (loadable with load_state_dict(strict=True))."""
+    sd: dict[str, torch.Tensor] = {}
+    for key, value in hf_sd.items():
+        if "rotary_emb." in key:  # older transformers saved inv_freq; we recompute RoPE
+            continue
+        if key == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        if key in _HF_TOP_KEYS:
+            sd[_HF_TOP_KEYS[key]] = value
+            continue
+        m = _HF_LAYER_RE.fullmatch(key)
+        if m is None or m.group(2) not in _HF_LAYER_KEYS:
+            raise KeyError(f"unexpected Hugging Face Llama parameter {key!r}")
+        layer, hf_name = m.groups()
+        name = _HF_LAYER_KEYS[hf_name]
+        if name == "attention.wq.weight":
+            value = half_to_interleaved(value, args.n_heads)
+        elif name == "attention.wk.weight":
+            value = half_to_interleaved(value, args.num_kv_heads)
+        sd[f"layers.{layer}.{name}"] = value
+    if args.tie_word_embeddings:
+        if "tok_embeddings.weight" not in sd:
+            raise KeyError("tied model without model.embed_tokens.weight")
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    elif "output.weight" not in sd:
+        raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
+    return sd
+
+
+def args_to_hf_config(args: TransformerModelArgs, *, max_position_embeddings: int | None = None) -> dict[str, Any]:
+    """config.json contents for LlamaForCausalLM.
+
+    Uses the rope_theta / rope_scaling keys, which transformers 4.x and other readers
+    (vLLM, llama.cpp) understand and transformers 5.x converts to rope_parameters.
+    max_position_embeddings defaults to args.max_seq_len; pass the model's real
+    context length when args carry a shorter training seq_len.
+    """
+    rope_scaling = None
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": float(s.factor),
+            "low_freq_factor": float(s.low_freq_factor),
+            "high_freq_factor": float(s.high_freq_factor),
+            "original_max_position_embeddings": int(s.original_max_position_embeddings),
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": max_position_embeddings or args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+    }
+
+
+def args_from_hf_config(cfg: Mapping[str, Any]) -> TransformerModelArgs:
+    """TransformerModelArgs for a LlamaForCausalLM config.json (dict)."""
+    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if cfg.get(key, expected) != expected:
+            raise ValueError(f"unsupported Llama config: {key}={cfg[key]!r} (expected {expected!r})")
+    dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg.get("head_dim") not in (None, dim // n_heads):
+        raise ValueError(f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads ({dim // n_heads})")
+
+    # transformers 5.x nests rope_theta in rope_parameters; 4.x has rope_theta + rope_scaling.
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        rope_scaling = RoPEScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type == "default":
+        rope_scaling = None
+    else:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+
+    multiple_of, ffn_dim_multiplier = _ffn_rule(dim, cfg["intermediate_size"])
+    args = TransformerModelArgs(
+        dim=dim,
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads", n_heads),
+        vocab_size=cfg["vocab_size"],
+        multiple_of=multiple_of,
+        ffn_dim_multiplier=ffn_dim_multiplier,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+    )
+    assert args.ffn_hidden_dim == cfg["intermediate_size"], (args.ffn_hidden_dim, cfg["intermediate_size"])
+    return args
+
+
+def _ffn_rule(dim: int, intermediate_size: int) -> tuple[int, float | None]:
+    """(multiple_of, ffn_dim_multiplier) reproducing intermediate_size under Meta's rule.
+
+    A published flavor's pair is preferred, so a converted 8B gets the 8B's args; any
+    other size is expressed with multiple_of = intermediate_size, which rounds every
+    hidden size in (0, intermediate_size] up to exactly intermediate_size.
+    """
+    from titanlike.models.llama3 import llama3_flavors  # the package imports this module
+
+    for flavor in llama3_flavors.values():
+        if flavor.dim == dim and flavor.ffn_hidden_dim == intermediate_size:
+            return flavor.multiple_of, flavor.ffn_dim_multiplier
+    base = int(2 * (4 * dim) / 3)
+    if base <= intermediate_size:
+        return intermediate_size, None
+    # Aim just below intermediate_size so float rounding cannot push it over.
+    return intermediate_size, (intermediate_size - 0.5) / base
