@@ -101,10 +101,8 @@ def test_help_lists_every_option_with_default_and_doc():
         (["--parallelism.data_parallel_shard_degree", "0"], 1, "must be -1 (the rest) or at least 1"),
         (["--parallelism.tensor_parallel_degree", "0"], 1, "tensor_parallel_degree must be at least 1"),
         (["--parallelism.pipeline_parallel_degree", "2"], 2, "pipeline parallelism"),
-        (["--parallelism.context_parallel_degree", "2"], 2, "context parallelism"),
         (["--parallelism.expert_parallel_degree", "2"], 2, "expert parallelism"),
         (["--parallelism.enable_async_tensor_parallel"], 1, "async tensor parallelism"),
-        (["--checkpoint.enable"], 1, "checkpointing"),
         (["--model.converters", "float8"], 1, "model converters (float8)"),
         (["--validation.enable"], 1, "validation"),
         (["--model.name", "gpt5"], 1, "model.name 'gpt5' is unknown"),
@@ -153,6 +151,10 @@ def test_tensor_parallel_head_divisibility():
     cfg = load_job_config(["--parallelism.tensor_parallel_degree", "3"])
     with pytest.raises(ConfigError, match="16 attention heads, not divisible by tensor_parallel_degree 3"):
         validate_config(cfg, world_size=3)
+    cfg = load_job_config(["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63"])
+    with pytest.raises(ConfigError, match="seq_len 63 must be divisible by tensor_parallel_degree 2"):
+        validate_config(cfg, world_size=2)
+    validate_config(load_job_config(["--parallelism.tensor_parallel_degree", "8"]), world_size=8)
 
 
 def test_valid_layouts_resolve():

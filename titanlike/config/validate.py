@@ -48,15 +48,11 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
 
     # Features not built yet.
     _check(dims.pp == 1, f"pipeline parallelism (parallelism.pipeline_parallel_degree) {_NOT_YET}")
-    _check(dims.cp == 1, f"context parallelism (parallelism.context_parallel_degree) {_NOT_YET}")
     _check(dims.ep == 1, f"expert parallelism (parallelism.expert_parallel_degree) {_NOT_YET}")
     _check(p.expert_tensor_parallel_degree == 1,
            f"parallelism.expert_tensor_parallel_degree {_NOT_YET}")
     _check(not p.enable_async_tensor_parallel,
            f"async tensor parallelism (parallelism.enable_async_tensor_parallel) {_NOT_YET}")
-    _check(not cfg.checkpoint.enable, f"checkpointing (checkpoint.enable) {_NOT_YET}")
-    _check(not cfg.checkpoint.create_seed_checkpoint, f"checkpoint.create_seed_checkpoint {_NOT_YET}")
-    _check(not cfg.checkpoint.initial_load_path, f"checkpoint.initial_load_path {_NOT_YET}")
     _check(not cfg.model.converters,
            f"model converters ({', '.join(cfg.model.converters)}) {_NOT_YET}")
     _check(not cfg.validation.enable, f"validation (validation.enable) {_NOT_YET}")
@@ -87,9 +83,21 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         _check(n_kv % dims.tp == 0,
                f"{cfg.model.name} {cfg.model.flavor} has {n_kv} key/value heads, "
                f"not divisible by tensor_parallel_degree {dims.tp}")
+        # Sequence parallelism shards the residual stream along the sequence between blocks.
+        _check(cfg.training.seq_len % dims.tp == 0,
+               f"training.seq_len {cfg.training.seq_len} must be divisible by tensor_parallel_degree {dims.tp} "
+               f"(sequence parallelism splits the sequence)")
 
     # Batch and sequence.
     _check(t.seq_len >= 1, f"training.seq_len must be at least 1, got {t.seq_len}")
+    if dims.cp > 1:
+        # Load balancing cuts each sequence into 2 x cp equal chunks, and sequence parallel
+        # splits each rank's share again over tp.
+        cp_unit = 2 * dims.cp * dims.tp
+        _check(t.seq_len % cp_unit == 0,
+               f"training.seq_len {t.seq_len} must be divisible by 2 x context_parallel_degree {dims.cp} x "
+               f"tensor_parallel_degree {dims.tp} = {cp_unit}, because context parallelism gives each rank "
+               f"two equal chunks of the sequence that tensor parallelism splits again")
     _check(t.local_batch_size >= 1, f"training.local_batch_size must be at least 1, got {t.local_batch_size}")
     per_pass = t.local_batch_size * dims.dp_degree
     if t.global_batch_size != -1:
@@ -124,8 +132,46 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     unknown = set(cfg.compile.components) - {"model", "loss"}
     _check(not unknown, f"compile.components may only contain model and loss, got {', '.join(sorted(unknown))}")
 
+    _validate_checkpoint(cfg, spec)
+
     _check(cfg.metrics.log_freq >= 1, f"metrics.log_freq must be at least 1, got {cfg.metrics.log_freq}")
     if cfg.profiling.enable_profiling:
         _check(cfg.profiling.profile_freq >= 1,
                f"profiling.profile_freq must be at least 1, got {cfg.profiling.profile_freq}")
     return dims
+
+
+CHECKPOINT_COMPONENTS = ("model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")
+
+
+def _validate_checkpoint(cfg: JobConfig, spec) -> None:
+    c = cfg.checkpoint
+    for name, on in (("initial_load_path", bool(c.initial_load_path)),
+                     ("create_seed_checkpoint", c.create_seed_checkpoint),
+                     ("last_save_in_hf", c.last_save_in_hf)):
+        _check(c.enable or not on, f"checkpoint.{name} needs checkpoint.enable")
+    _check(bool(c.folder), "checkpoint.folder must not be empty")
+    _check(c.interval >= 1, f"checkpoint.interval must be at least 1, got {c.interval}")
+    _check(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {c.keep_latest_k}")
+    _check(c.load_step >= -1, f"checkpoint.load_step must be -1 (the latest) or a step >= 0, got {c.load_step}")
+    unknown = [n for n in c.exclude_from_loading if n not in CHECKPOINT_COMPONENTS]
+    _check(not unknown, f"checkpoint.exclude_from_loading may only name {', '.join(CHECKPOINT_COMPONENTS)}; "
+                        f"got {', '.join(unknown)}")
+    _check(not c.initial_load_in_hf or bool(c.initial_load_path),
+           "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder)")
+    if c.initial_load_path:
+        path = c.initial_load_path
+        _check(os.path.isdir(path), f"checkpoint.initial_load_path {path} does not exist or is not a folder")
+        if c.initial_load_in_hf:
+            _check(os.path.isfile(os.path.join(path, "config.json")),
+                   f"checkpoint.initial_load_path {path} has no config.json, so it is not a Hugging Face "
+                   "model folder")
+        else:
+            _check(os.path.isfile(os.path.join(path, ".metadata")),
+                   f"checkpoint.initial_load_path {path} has no .metadata, so it is not a DCP checkpoint "
+                   "(add --checkpoint.initial_load_in_hf for a Hugging Face folder)")
+    if c.initial_load_in_hf or c.last_save_in_hf:
+        _check(spec.hf_adapter is not None, f"model {spec.name} has no Hugging Face adapter, so "
+                                            "checkpoint.initial_load_in_hf and last_save_in_hf are unavailable")
+    _check(not c.last_save_in_hf or c.last_save_model_only,
+           "checkpoint.last_save_in_hf writes the model only, so it needs checkpoint.last_save_model_only")

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config.loader import config_to_dict
@@ -23,6 +24,7 @@ from titanlike.config.schema import JobConfig
 from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
 from titanlike.models.registry import get_model_spec
 from titanlike.observe.metrics import MetricsLogger
+from titanlike.parallel.context import load_balanced_positions, shard_sequence
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.parallelize import parallelize_model
 from titanlike.parallel.utils import clip_grad_norm_, sum_over
@@ -115,6 +117,11 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        # Context parallel: the global positions of the tokens this rank keeps of every sequence.
+        self.cp_positions = (
+            load_balanced_positions(t.seq_len, dims.cp, dims.mesh("cp").get_local_rank(), self.device)
+            if dims.cp_enabled else None
+        )
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
@@ -142,14 +149,24 @@ class Trainer:
         loss_ctx = torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel \
             else contextlib.nullcontext()
         with self.autocast:
-            logits = self.model_parts[0](inputs)
+            if self.cp_positions is None:
+                logits = self.model_parts[0](inputs)
+            else:
+                logits = self.model_parts[0](inputs, positions=self.cp_positions)
         with loss_ctx:
             loss = self.loss_fn(logits, labels) / global_tokens
             loss.backward()
-        return loss.detach()
+        loss = loss.detach()
+        # Under loss parallel the loss is a DTensor replicated over tp; its local value is the loss.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over a global batch; returns (global mean loss, grad norm)."""
+        if self.cp_positions is not None:
+            # Every cp rank of a data-parallel group got the same samples; each keeps its slice
+            # before counting, so the token count summed over the loss mesh (which includes cp) is exact.
+            microbatches = [(shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions))
+                            for inputs, labels in microbatches]
         # Normalize by the target tokens of the whole global batch, counted before any forward.
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         global_tokens = sum_over(local_tokens.to(self.device, torch.float32), self.dims.mesh("loss"))
