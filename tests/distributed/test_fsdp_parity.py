@@ -65,3 +65,14 @@ def test_pure_replication_ddp(tmp_path, single_process_reference):
     got = train_metrics(tmp_path, "ddp", "--training.local_batch_size", "4",
                         "--parallelism.data_parallel_replicate_degree", "2", nproc=2)
     assert_same_curve(got, single_process_reference)
+
+
+@pytest.mark.distributed
+def test_fsdp2_bf16_mixed_precision_is_applied(tmp_path, single_process_reference):
+    # bf16 parameters in forward/backward with fp32 reduction: close to the fp32 curve, but not
+    # equal to it (equality would mean the MixedPrecisionPolicy was silently not applied).
+    got = train_metrics(tmp_path, "bf16", "--training.local_batch_size", "4", "--training.steps", "3",
+                        "--training.mixed_precision_param", "bfloat16", nproc=2)
+    diffs = [abs(g["loss"] - r["loss"]) for g, r in zip(got, single_process_reference)]
+    assert all(d < 0.05 for d in diffs), diffs
+    assert max(diffs) > 1e-5, diffs
