@@ -68,10 +68,12 @@ class Training:
     dataset: str = opt(
         "default",
         "data source: default (embedded corpus), text (.txt/.jsonl files), "
-        "huggingface (datasets, streaming)",
-        choices=("default", "text", "huggingface"),
+        "huggingface (datasets, streaming), megatron (.bin/.idx prefix or weighted blend)",
+        choices=("default", "text", "huggingface", "megatron"),
     )
-    dataset_path: str | None = opt(None, "path (or Hugging Face name) of the dataset")
+    dataset_path: str | None = opt(
+        None, "file or folder, Hugging Face NAME[:CONFIG[:SPLIT]], or Megatron prefix / '0.7 a 0.3 b' blend"
+    )
     local_batch_size: int = opt(8, "samples per microbatch on each data-parallel rank")
     global_batch_size: int = opt(
         -1, "samples per optimizer step across all ranks; -1 means local_batch_size x data-parallel degree"

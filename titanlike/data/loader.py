@@ -71,7 +71,7 @@ SourceFactory = Callable[..., SampleSource]
 
 @dataclass(frozen=True)
 class DatasetKind:
-    factory: SourceFactory  # (*, dataset_path, tokenizer, seq_len, seed) -> SampleSource
+    factory: SourceFactory  # (*, dataset_path, tokenizer, seq_len, seed, num_samples) -> SampleSource
     shuffle: bool  # reshuffle a map-style source's samples every epoch from `seed`
     needs_path: bool
     workers_ok: bool  # False where the source cannot be read whole inside each loader worker
@@ -90,22 +90,33 @@ def dataset_kinds() -> list[str]:
     return sorted(_KINDS)
 
 
-def _default_source(*, dataset_path, tokenizer, seq_len, seed):
+def _default_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None):
     from titanlike.data import DEFAULT_CORPUS_PATH
 
     return packed_text_corpus(DEFAULT_CORPUS_PATH, tokenizer, seq_len)
 
 
-def _text_source(*, dataset_path, tokenizer, seq_len, seed):
+def _text_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None):
     return packed_text_corpus(dataset_path, tokenizer, seq_len)
 
 
-def _huggingface_source(*, dataset_path, tokenizer, seq_len, seed):
+def _huggingface_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None):
     return PackedStream(HuggingFaceDocuments(dataset_path), tokenizer, seq_len)
 
 
 register_dataset_kind("default", _default_source, shuffle=True, needs_path=False)
 register_dataset_kind("text", _text_source, shuffle=True)
+
+
+def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None):
+    # Megatron's GPT dataset shuffles documents and samples itself, epoch by epoch, for as
+    # many epochs as num_samples needs; the loader must not reshuffle on top.
+    from titanlike.data.blend import build_megatron_dataset
+
+    return build_megatron_dataset(dataset_path, seq_len=seq_len, num_samples=num_samples, seed=seed)
+
+
+register_dataset_kind("megatron", _megatron_source, shuffle=False)
 # `datasets` hands each torch loader worker a disjoint share of a stream's shards, while every
 # worker here must see the whole stream to keep the global sample order.
 register_dataset_kind("huggingface", _huggingface_source, shuffle=False, workers_ok=False)
@@ -327,13 +338,16 @@ def build_dataloader(
     dp_degree: int,
     seed: int,
     num_workers: int = 0,
+    num_samples: int | None = None,
 ) -> StatefulDataLoader:
     """This data-parallel rank's infinite loader of ``(inputs, labels)`` microbatches.
 
     ``dataset``: ``"default"`` (embedded corpus, ``dataset_path`` must be unset),
     ``"text"`` (``dataset_path``: a ``.txt``/``.jsonl``/``.jsonl.gz`` file or a directory of them),
     ``"huggingface"`` (``dataset_path``: ``NAME[:CONFIG[:SPLIT]]`` for ``datasets.load_dataset``
-    with ``streaming=True``), or a kind added with :func:`register_dataset_kind`.
+    with ``streaming=True``), ``"megatron"`` (``dataset_path``: a Megatron ``.bin``/``.idx`` prefix or a
+    blend ``"0.7 prefix/a 0.3 prefix/b"``), or a kind added with :func:`register_dataset_kind`.
+    ``num_samples``: how many global samples the run will read (sizes Megatron's epochs).
     """
     _validate_layout(
         seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
@@ -355,7 +369,9 @@ def build_dataloader(
         raise TypeError(
             f"tokenizer must be a Tokenizer (titanlike.data.build_tokenizer(path)), got {type(tokenizer).__name__}"
         )
-    source = kind.factory(dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed)
+    source = kind.factory(
+        dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed, num_samples=num_samples
+    )
     return build_dataloader_from_source(
         source, seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=kind.shuffle, num_workers=num_workers,
