@@ -32,12 +32,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr)
         return 2
 
+    from titanlike.checkpoint import CheckpointError
     from titanlike.train.trainer import Trainer, TrainingError
 
     trainer = Trainer(cfg, dims)
     try:
         trainer.train()
-    except TrainingError as e:
+    except (TrainingError, CheckpointError) as e:
         if rank == 0:
             print(f"training error: {e}", file=sys.stderr)
         return 1

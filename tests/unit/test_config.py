@@ -100,7 +100,7 @@ def test_help_lists_every_option_with_default_and_doc():
         (["--parallelism.data_parallel_replicate_degree", "3"], 4, "not divisible by replicate 3"),
         (["--parallelism.data_parallel_shard_degree", "0"], 1, "must be -1 (the rest) or at least 1"),
         (["--parallelism.tensor_parallel_degree", "0"], 1, "tensor_parallel_degree must be at least 1"),
-        (["--parallelism.pipeline_parallel_degree", "2"], 2, "pipeline parallelism"),
+        (["--parallelism.pipeline_parallel_degree", "0"], 1, "pipeline_parallel_degree must be at least 1"),
         (["--parallelism.expert_parallel_degree", "2"], 2, "expert parallelism"),
         (["--parallelism.enable_async_tensor_parallel"], 1, "async tensor parallelism"),
         (["--model.converters", "float8"], 1, "model converters (float8)"),

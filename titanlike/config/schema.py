@@ -97,17 +97,26 @@ class Parallelism:
     )
     fsdp_reshard_after_forward: str = opt(
         "default",
-        "free gathered parameters after forward: default (yes, except for the root), always, never",
+        "free gathered parameters after forward: default (yes, except for the root; no under pipeline "
+        "parallelism), always, never",
         choices=("default", "always", "never"),
     )
     tensor_parallel_degree: int = opt(1, "tensor (and sequence) parallel degree")
     disable_loss_parallel: bool = opt(False, "gather the vocab-sharded logits before the loss under TP")
     enable_async_tensor_parallel: bool = opt(False, "micro-pipelined tensor parallel (GPU + compile)")
-    pipeline_parallel_degree: int = opt(1, "pipeline stages across ranks")
-    pipeline_parallel_schedule: str = opt("1F1B", "pipeline schedule name from torch.distributed.pipelining")
-    pipeline_parallel_microbatch_size: int = opt(1, "samples per pipeline microbatch")
+    pipeline_parallel_degree: int = opt(1, "ranks the model's layers are split over (pipeline parallelism)")
+    pipeline_parallel_schedule: str = opt(
+        "1F1B",
+        "pipeline schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B, LoopedBFS, "
+        "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (several stages per rank)",
+    )
+    pipeline_parallel_microbatch_size: int = opt(
+        1, "samples per pipeline microbatch; local_batch_size / this = microbatches per schedule step"
+    )
     pipeline_parallel_layers_per_stage: int | None = opt(
-        None, "transformer layers per pipeline stage; empty means an even split"
+        None,
+        "transformer layers per pipeline stage (the first and last stages may get fewer); empty means "
+        "one stage per rank for GPipe/1F1B, two otherwise, with the layers split evenly",
     )
     context_parallel_degree: int = opt(1, "context (sequence) parallel degree for attention")
     context_parallel_rotate_method: str = opt(

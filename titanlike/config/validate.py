@@ -47,7 +47,6 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     p, t = cfg.parallelism, cfg.training
 
     # Features not built yet.
-    _check(dims.pp == 1, f"pipeline parallelism (parallelism.pipeline_parallel_degree) {_NOT_YET}")
     _check(dims.ep == 1, f"expert parallelism (parallelism.expert_parallel_degree) {_NOT_YET}")
     _check(p.expert_tensor_parallel_degree == 1,
            f"parallelism.expert_tensor_parallel_degree {_NOT_YET}")
@@ -91,13 +90,14 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     # Batch and sequence.
     _check(t.seq_len >= 1, f"training.seq_len must be at least 1, got {t.seq_len}")
     if dims.cp > 1:
-        # Load balancing cuts each sequence into 2 x cp equal chunks, and sequence parallel
-        # splits each rank's share again over tp.
+        # Load balancing cuts each sequence into 2 x cp equal chunks and sequence parallel splits a
+        # rank's share over tp. Asking for chunks that tp splits evenly is slightly stricter than
+        # needed (lcm(2 cp, cp tp)) but is the rule torchtitan users know, and real lengths meet it.
         cp_unit = 2 * dims.cp * dims.tp
         _check(t.seq_len % cp_unit == 0,
                f"training.seq_len {t.seq_len} must be divisible by 2 x context_parallel_degree {dims.cp} x "
-               f"tensor_parallel_degree {dims.tp} = {cp_unit}, because context parallelism gives each rank "
-               f"two equal chunks of the sequence that tensor parallelism splits again")
+               f"tensor_parallel_degree {dims.tp} = {cp_unit}, so that context parallelism can cut it into "
+               f"2 x {dims.cp} equal chunks that tensor parallelism splits evenly")
     _check(t.local_batch_size >= 1, f"training.local_batch_size must be at least 1, got {t.local_batch_size}")
     per_pass = t.local_batch_size * dims.dp_degree
     if t.global_batch_size != -1:
@@ -106,10 +106,25 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp_degree} = {per_pass}")
     _check(t.steps >= 1, f"training.steps must be at least 1, got {t.steps}")
     _check(t.max_norm > 0, f"training.max_norm must be positive, got {t.max_norm}")
-    if t.dataset in ("text", "huggingface"):
+    if t.dataset in ("text", "huggingface", "megatron"):
         _check(bool(t.dataset_path), f"training.dataset {t.dataset} needs training.dataset_path")
     if t.dataset == "text":
         _check(os.path.exists(t.dataset_path), f"training.dataset_path {t.dataset_path} does not exist")
+    if t.dataset == "megatron":
+        from titanlike.data.blend import parse_blend
+        from titanlike.data.indexed import data_file_path, index_file_path
+
+        try:
+            prefixes, _ = parse_blend(t.dataset_path)
+        except ValueError as e:
+            raise ConfigError(f"training.dataset_path: {e}") from None
+        for prefix in prefixes:
+            for path in (data_file_path(prefix), index_file_path(prefix)):
+                _check(os.path.isfile(path), f"training.dataset_path names the Megatron prefix {prefix}, "
+                       f"but {path} does not exist")
+
+    if dims.pp > 1:
+        _validate_pipeline(cfg, dims, spec, args)
 
     # Optimizer and schedule.
     o, s = cfg.optimizer, cfg.lr_scheduler
@@ -139,6 +154,48 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         _check(cfg.profiling.profile_freq >= 1,
                f"profiling.profile_freq must be at least 1, got {cfg.profiling.profile_freq}")
     return dims
+
+
+def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, spec, args) -> None:
+    from titanlike.parallel import pipeline
+
+    p, t = cfg.parallelism, cfg.training
+    model = f"{cfg.model.name} {cfg.model.flavor}"
+    _check(spec.pipeline_stage is not None,
+           f"model {cfg.model.name} has no pipeline split rule, so pipeline_parallel_degree must be 1")
+    _check(not getattr(args, "tie_word_embeddings", False),
+           f"{model} ties its embedding to its output projection, which would live on different pipeline "
+           f"stages; pipeline parallelism does not support tied embeddings, so pipeline_parallel_degree must be 1")
+    try:
+        name = pipeline.schedule_name(p.pipeline_parallel_schedule)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        layout = pipeline.plan_layout(args.n_layers, dims.pp, name, p.pipeline_parallel_layers_per_stage)
+    except ValueError as e:
+        raise ConfigError(f"{model}: {e}") from None
+    mbs = p.pipeline_parallel_microbatch_size
+    _check(mbs >= 1, f"parallelism.pipeline_parallel_microbatch_size must be at least 1, got {mbs}")
+    _check(t.local_batch_size % mbs == 0,
+           f"training.local_batch_size {t.local_batch_size} must be divisible by "
+           f"parallelism.pipeline_parallel_microbatch_size {mbs}, which cuts it into pipeline microbatches")
+    n_microbatches = t.local_batch_size // mbs
+    problem = pipeline.microbatch_problem(name, n_microbatches, layout)
+    _check(problem is None,
+           f"{problem}, but local_batch_size {t.local_batch_size} / pipeline_parallel_microbatch_size {mbs} "
+           f"gives {n_microbatches}")
+    if name in pipeline.SPLIT_BACKWARD_SCHEDULES:
+        _check(not (dims.fsdp_enabled and p.fsdp_reshard_after_forward == "always"),
+               f"{name} computes weight gradients apart from input gradients, which gives wrong gradients "
+               f"with parameters resharded after forward, so it needs fsdp_reshard_after_forward default or never")
+        _check(not (cfg.compile.enable and "model" in cfg.compile.components),
+               f"{name} splits the backward of each stage, which torch does not support for compiled "
+               f"blocks, so it needs compile.enable off or compile.components without model")
+        ac = cfg.activation_checkpoint
+        _check(not (ac.mode == "selective" and ac.selective_ac_option == "op"),
+               f"{name} runs two backward passes over each stage (input, then weight gradients), which op-level "
+               f"selective activation checkpointing forbids, so use activation_checkpoint.mode full or a "
+               f"block interval for selective_ac_option")
 
 
 CHECKPOINT_COMPONENTS = ("model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")

@@ -26,7 +26,11 @@ class ModelSpec:
     tensor_parallel_plan: Callable[..., None] | None = None
     # Hugging Face interchange: state-dict and config.json conversion (models/<family>/hf_adapter.py).
     hf_adapter: Any = None
-    # Free-form extras a family may need later (pipeline split rules, ...).
+    # Pipeline split rule: fn(model, layer_keys, *, first: bool, last: bool) -> nn.Module, a copy of
+    # the meta model that keeps only those entries of model.layers, plus the input end if first and
+    # the output end if last, with parameter names unchanged. None means no pipeline parallelism.
+    pipeline_stage: Callable[..., nn.Module] | None = None
+    # Free-form extras a family may need later.
     extras: dict[str, Any] = field(default_factory=dict)
 
 

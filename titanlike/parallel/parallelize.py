@@ -1,7 +1,9 @@
 """Apply every parallelism to one model (or one pipeline stage) in the canonical order.
 
 The order matters: tensor parallel first (it replaces parameters by DTensors on
-the tp mesh), then activation checkpointing and compile (they wrap blocks), and
+the tp mesh), then context parallel (it swaps the attention of modules that
+activation checkpointing and compile are about to wrap), then activation
+checkpointing and compile (they wrap blocks), and
 FSDP last so it shards the already TP-sharded parameters over the data mesh.
 Nothing here is specific to a model family: family differences live in the
 ModelSpec (its tensor-parallel plan).
@@ -14,6 +16,7 @@ import torch.nn as nn
 from titanlike.config.schema import JobConfig
 from titanlike.models.registry import ModelSpec
 from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
+from titanlike.parallel.context import apply_context_parallel
 from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.parallel_dims import ParallelDims
 
@@ -25,6 +28,8 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
             dims.mesh("tp"),
             loss_parallel=not cfg.parallelism.disable_loss_parallel,
         )
+    if dims.cp_enabled:
+        apply_context_parallel(model, dims.mesh("cp"), cfg.parallelism.context_parallel_rotate_method)
     apply_activation_checkpointing(
         model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option
     )
@@ -34,11 +39,17 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
         for block in model.layers.values():
             block.compile(fullgraph=True)
     if dims.fsdp_enabled:
+        reshard = cfg.parallelism.fsdp_reshard_after_forward
+        if dims.pp_enabled and reshard == "default":
+            # A stage runs the forwards of several microbatches before their backwards: resharding
+            # would all-gather every block again per microbatch, and the split-backward
+            # (zero-bubble) schedules compute wrong or missing gradients on resharded parameters.
+            reshard = "never"
         apply_fsdp(
             model,
             dims.mesh("fsdp"),
             param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce,
-            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+            reshard_after_forward=reshard,
         )
     return model

@@ -27,6 +27,7 @@ from titanlike.observe.metrics import MetricsLogger
 from titanlike.parallel.context import load_balanced_positions, shard_sequence
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.parallelize import parallelize_model
+from titanlike.parallel.pipeline import build_schedule, build_stage_modules, plan_layout
 from titanlike.parallel.utils import clip_grad_norm_, sum_over
 from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
@@ -88,6 +89,7 @@ class Trainer:
             dp_rank=dims.dp_rank(),
             dp_degree=dims.dp_degree,
             seed=cfg.debug.seed,
+            num_samples=t.steps * self.global_batch_size,
         )
 
         # Model: built on meta, parallelized, then materialized shard by shard.
@@ -103,11 +105,21 @@ class Trainer:
                 f"model {cfg.model.name} {cfg.model.flavor}: {model.num_params(exclude_embedding=False):,} "
                 f"parameters, {self.flops_per_token:,.0f} training FLOPs per token"
             )
-        model = parallelize_model(model, self.spec, dims, cfg)
-        model.to_empty(device=self.device)
-        model.init_weights(seed=cfg.debug.seed, buffer_device=None)
-        model.train()
-        self.model_parts = [model]
+        p = cfg.parallelism
+        parts, self.pp_layout = [model], None
+        if dims.pp_enabled:
+            # This rank's stages are cut out of the meta model first; each part then goes through
+            # the same parallelize and init as a whole model.
+            self.pp_layout = plan_layout(len(model.layers), dims.pp, p.pipeline_parallel_schedule,
+                                         p.pipeline_parallel_layers_per_stage)
+            parts = build_stage_modules(model, self.spec, self.pp_layout, dims.mesh("pp").get_local_rank())
+        self.model_parts = []
+        for part in parts:
+            part = parallelize_model(part, self.spec, dims, cfg)
+            part.to_empty(device=self.device)
+            part.init_weights(seed=cfg.debug.seed, buffer_device=None)
+            part.train()
+            self.model_parts.append(part)
 
         # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same bf16 compute.
         bf16 = t.mixed_precision_param == "bfloat16"
@@ -125,6 +137,21 @@ class Trainer:
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
+        self.pipeline = None
+        if dims.pp_enabled:
+            n_microbatches = t.local_batch_size // p.pipeline_parallel_microbatch_size
+            self.pipeline = build_schedule(
+                self.model_parts, self.pp_layout, dims.mesh("pp"), self.device, schedule=p.pipeline_parallel_schedule,
+                n_microbatches=n_microbatches, loss_fn=self._pipeline_loss)
+            if self.cp_positions is not None:
+                # The schedule hands keyword arguments to the first stage only, but every stage
+                # rotates its tokens by their global positions.
+                for part in self.model_parts:
+                    part.register_forward_pre_hook(
+                        lambda _, args, kwargs: (args, {**kwargs, "positions": self.cp_positions}), with_kwargs=True)
+            if self.rank == 0:
+                logger.info(f"pipeline {p.pipeline_parallel_schedule}: {self.pp_layout.describe()}; "
+                            f"{n_microbatches} microbatches of {p.pipeline_parallel_microbatch_size} per local batch")
 
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -160,6 +187,23 @@ class Trainer:
         # Under loss parallel the loss is a DTensor replicated over tp; its local value is the loss.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
+    def pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor):
+        """forward_backward of one local batch through the pipeline schedule, which cuts it into
+        local_batch_size / pipeline_parallel_microbatch_size microbatches; returns the summed loss
+        of those microbatches on the rank holding the last stage, 0 on the others."""
+        self._pp_global_tokens = global_tokens
+        loss_ctx = torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel \
+            else contextlib.nullcontext()
+        with self.autocast, loss_ctx:
+            losses = self.pipeline.step(inputs, labels)
+        losses = [loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach() for loss in losses]
+        return sum(losses, torch.zeros((), device=self.device))
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Called by the schedule per microbatch on the last stage. Dividing by the token count of
+        # the whole step (not of the microbatch) makes the gradients those of train_step without PP.
+        return self.loss_fn(logits, labels) / self._pp_global_tokens
+
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over a global batch; returns (global mean loss, grad norm)."""
         if self.cp_positions is not None:
@@ -171,14 +215,17 @@ class Trainer:
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         global_tokens = sum_over(local_tokens.to(self.device, torch.float32), self.dims.mesh("loss"))
         loss_sum = torch.zeros((), device=self.device)
+        step_fn = self.forward_backward if self.pipeline is None else self.pipeline_forward_backward
         for inputs, labels in microbatches:
-            loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device), global_tokens)
+            loss_sum += step_fn(inputs.to(self.device), labels.to(self.device), global_tokens)
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        loss = sum_over(loss_sum, self.dims.mesh("loss")).item()
+        # Under PP only ranks holding the last stage have a loss (the others 0), so summing over pp too
+        # gives every rank, rank 0 (the metrics writer) included, the global loss.
+        loss = sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp")).item()
         return loss, grad_norm.item()
 
     def train(self) -> list[float]:

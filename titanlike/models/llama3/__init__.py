@@ -16,6 +16,7 @@ from titanlike.models.llama3.model import (
     num_params_from_args,
 )
 from titanlike.models.llama3.parallelize import apply_tensor_parallel
+from titanlike.models.llama3.pipeline import pipeline_stage
 from titanlike.models.registry import ModelSpec, register_model_spec
 
 LLAMA31_ROPE_SCALING = RoPEScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -67,6 +68,7 @@ register_model_spec(
         model_cls=Transformer,
         flavors=llama3_flavors,
         tensor_parallel_plan=apply_tensor_parallel,
+        pipeline_stage=pipeline_stage,
         hf_adapter=hf_adapter,
     )
 )

@@ -103,6 +103,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # (q, k, v) -> out over (batch, heads, seq, head_dim). A hook, not a fixed call, so that
+        # context parallelism can swap in attention across ranks without touching this module.
+        self.core_attention = causal_attention
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -112,7 +115,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q = apply_rotary_emb(q, rope_cache)
         k = apply_rotary_emb(k, rope_cache)
-        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, *, seed: int, prefix: str, out_std: float) -> None:
@@ -203,10 +206,15 @@ class Transformer(nn.Module):
         args = self.model_args
         return precompute_rope_cache(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions (seq,): the global position of each token, when tokens is not a whole
+        sequence in order (a context-parallel slice); None means 0..seq-1."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # The blocks rotate token j by row j of the table they get; picking the rows here
+        # gives every token its global angle.
+        rope_cache = self.rope_cache if positions is None else self.rope_cache[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, rope_cache)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Convert a titanlike DCP checkpoint to a Hugging Face folder (Llama 3 -> LlamaForCausalLM).
+
+    python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-1000 hf_out [--dtype bfloat16]
+
+IN is a full or model-only checkpoint written by titanlike (its titanlike.json names the
+model), or a checkpoint folder of step-N checkpoints (the latest is taken). OUT receives
+model-0000i-of-0000n.safetensors, model.safetensors.index.json, config.json and
+generation_config.json, loadable with transformers' from_pretrained. A DCP checkpoint
+without titanlike.json (e.g. torchtitan's) needs --model-name/--flavor/--vocab-size.
+Runs in one process and holds the whole model in host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("input", help="DCP checkpoint folder (step-N) or a folder of step-N checkpoints")
+    parser.add_argument("output", help="Hugging Face folder to write")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
+    parser.add_argument("--model-name", default="llama3", help="family, when IN has no titanlike.json")
+    parser.add_argument("--flavor", help="flavor, when IN has no titanlike.json")
+    parser.add_argument("--vocab-size", type=int, help="vocabulary size, when IN has no titanlike.json")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from titanlike.checkpoint.hf import (CheckpointError, export_dcp_to_hf, model_description,
+                                         resolve_checkpoint_folder)
+
+    description = None
+    if args.flavor:
+        from titanlike.models.registry import get_model_spec
+
+        flavor = get_model_spec(args.model_name).flavors[args.flavor]
+        if args.vocab_size:
+            flavor = dataclasses.replace(flavor, vocab_size=args.vocab_size)
+        description = model_description(args.model_name, flavor)
+    try:
+        src = resolve_checkpoint_folder(args.input)
+        export_dcp_to_hf(src, args.output, dtype=getattr(torch, args.dtype),
+                         max_shard_bytes=parse_size(args.max_shard_size), description=description)
+    except (CheckpointError, ValueError, KeyError) as e:
+        print(f"convert_dcp_to_hf: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output} from {src}")
+    return 0
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * scale)
+    if t.isdigit():
+        return int(t)
+    raise ValueError(f"--max-shard-size {text!r} is not a size like 5GB or 500MB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

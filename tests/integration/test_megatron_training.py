@@ -1,0 +1,42 @@
+"""train.py on Megatron-format data written by scripts/preprocess_data.py, single prefix and a blend."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TINY_JOB, launch, read_metrics
+
+
+@pytest.fixture(scope="module")
+def prefixes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("megatron")
+    with gzip.open(REPO / "titanlike/data/assets/kjv_chapters.jsonl.gz", "rt") as f:
+        docs = [json.loads(line) for line in f][:300]
+    out = []
+    for name, part in (("a", docs[:150]), ("b", docs[150:])):
+        src = tmp / f"{name}.jsonl"
+        src.write_text("".join(json.dumps(d) + "\n" for d in part))
+        subprocess.run([sys.executable, str(REPO / "scripts/preprocess_data.py"), "--input", str(src),
+                        "--output-prefix", str(tmp / name), "--append-eod", "--workers", "1"],
+                       check=True, capture_output=True, timeout=120)
+        out.append(str(tmp / f"{name}_text_document"))
+    return out
+
+
+@pytest.mark.parametrize("blend", [False, True])
+def test_train_on_megatron_data(tmp_path, prefixes, blend):
+    path = f"0.7 {prefixes[0]} 0.3 {prefixes[1]}" if blend else prefixes[0]
+    launch([*TINY_JOB, "--training.steps", "3", "--training.local_batch_size", "2",
+            "--training.dataset", "megatron", "--training.dataset_path", path, "--job.dump_folder", str(tmp_path)])
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    assert len(losses) == 3 and all(0 < x < 20 for x in losses)
+
+
+def test_missing_prefix_is_a_config_error(tmp_path):
+    proc = launch(["--training.dataset", "megatron", "--training.dataset_path", str(tmp_path / "nope")],
+                  check=False, timeout=60)
+    assert proc.returncode == 2
+    assert "nope.bin does not exist" in proc.stderr

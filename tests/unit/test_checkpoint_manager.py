@@ -1,0 +1,402 @@
+"""CheckpointManager in one process: what a checkpoint restores, atomic publishing, purging,
+and a clear error (never a fresh start) for every kind of damage.
+
+The multi-process and train.py-level checks (layouts, SIGKILL, async modes) are in
+tests/distributed/test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanlike.checkpoint import CheckpointError, CheckpointManager, load_model, published_steps
+from titanlike.checkpoint import hf as ckpt_hf
+from titanlike.config import load_job_config, validate_config
+from titanlike.data.loader import build_dataloader_from_source
+from titanlike.models.llama3 import Transformer, llama3_flavors
+from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
+
+SEQ = 16
+ARGS = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=2, vocab_size=320, max_seq_len=SEQ)
+
+
+class Job:
+    """The trainer's pieces, small: model, AdamW, WSD schedule, stateful loader, manager."""
+
+    def __init__(self, tmp_path, *overrides: str, steps: int = 6, seed: int = 0, args=ARGS, parts=None):
+        self.cfg = load_job_config([
+            "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path),
+            "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2",
+            "--checkpoint.enable", "--checkpoint.interval", "3", *overrides,
+        ])
+        dims = validate_config(self.cfg, world_size=1)
+        if parts is None:
+            with torch.device("meta"):
+                model = Transformer(args)
+            model.to_empty(device="cpu")
+            model.init_weights(seed=seed)
+            parts = [model]
+        self.parts = parts
+        self.optimizer = build_optimizer(parts, self.cfg.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, steps)
+        rng = np.random.default_rng(0)
+        samples = [rng.integers(0, args.vocab_size, SEQ + 1) for _ in range(64)]
+        self.loader = build_dataloader_from_source(
+            samples, seq_len=SEQ, local_batch_size=2, global_batch_size=2, dp_rank=0, dp_degree=1,
+            seed=0, shuffle=True)
+        self.manager = CheckpointManager(
+            self.cfg, dims=dims, model_parts=parts, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+            dataloader=self.loader, model_args=args)
+        self.step = 0
+        self.data = None
+
+    def forward(self, tokens):
+        h = tokens
+        for part in self.parts:
+            h = part(h)
+        return h
+
+    def start(self):
+        start = self.manager.load()
+        self.step = start or 0
+        self.data = iter(self.loader)
+        return start
+
+    def train(self, n: int) -> list[float]:
+        losses = []
+        for _ in range(n):
+            self.step += 1
+            inputs, labels = next(self.data)
+            loss = F.cross_entropy(self.forward(inputs).flatten(0, 1), labels.flatten())
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            losses.append(loss.item())
+            self.manager.save(self.step)
+        return losses
+
+    def params(self):
+        return {k: v.detach().clone() for part in self.parts for k, v in part.state_dict().items()}
+
+    def folder(self):
+        return self.manager.folder
+
+
+def run(tmp_path, n, *overrides, **kw) -> Job:
+    job = Job(tmp_path, *overrides, **kw)
+    job.start()
+    job.train(n)
+    job.manager.close()
+    return job
+
+
+def assert_same_tensors(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ------------------------------------------------------------------ what a checkpoint restores
+
+
+def test_resume_restores_model_optimizer_schedule_loader_and_rng(tmp_path):
+    straight = Job(tmp_path / "straight")
+    straight.start()
+    losses = straight.train(6)
+
+    first = Job(tmp_path / "resumed")
+    first.start()
+    first.train(2)
+    # Known RNG states right before the step that saves (a training step draws no random numbers).
+    random.seed(11); np.random.seed(12); torch.manual_seed(13)  # noqa: E702
+    saved_rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    first.train(1)  # saves step-3 (interval 3)
+    first.manager.close()
+    torch.manual_seed(99); random.seed(99); np.random.seed(99)  # noqa: E702
+
+    second = Job(tmp_path / "resumed", seed=123)  # other initial weights: all must come from the checkpoint
+    assert second.manager.load() == 3
+    # Checked before iter(loader): creating a DataLoader iterator draws from the global torch RNG.
+    assert torch.equal(torch.get_rng_state(), saved_rng[0])
+    assert random.getstate() == saved_rng[1]
+    assert np.array_equal(np.random.get_state()[1], saved_rng[2])
+    second.step, second.data = 3, iter(second.loader)
+    assert_same_tensors(second.params(), first.params())
+    assert second.scheduler.last_epoch == 3
+    assert second.scheduler.get_last_lr() == first.scheduler.get_last_lr()
+    s1, s2 = first.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
+    assert s1.keys() == s2.keys()
+    for i in s1:
+        for name in s1[i]:
+            assert torch.equal(s1[i][name], s2[i][name]), (i, name)
+    # Exact continuation: the same losses as the uninterrupted run, bit for bit.
+    assert second.train(3) == losses[3:]
+
+
+def test_async_thread_mode_publishes_and_resumes(tmp_path):
+    ref = run(tmp_path / "ref", 6)
+    job = Job(tmp_path / "a", "--checkpoint.async_mode", "async", "--checkpoint.interval", "2",
+              "--checkpoint.no_last_save_model_only")
+    job.start()
+    job.train(4)
+    job.manager.close()  # waits for the save of step 4 and publishes it
+    assert published_steps(job.folder()) == [2, 4]
+    resumed = Job(tmp_path / "a", "--checkpoint.async_mode", "async", "--checkpoint.interval", "2")
+    assert resumed.start() == 4
+    resumed.train(2)
+    resumed.manager.close()
+    assert_same_tensors(resumed.params(), ref.params())
+
+
+def test_model_parts_keys_do_not_depend_on_the_split(tmp_path):
+    """A pipeline-style split (two parts, one optimizer) loads into the unsplit model."""
+    def part(keep_layers, first, last):
+        with torch.device("meta"):
+            m = Transformer(ARGS)
+        for k in [k for k in m.layers if k not in keep_layers]:
+            del m.layers[k]
+        if not first:
+            m.tok_embeddings = None
+        if not last:
+            m.norm, m.output = None, None
+        m.to_empty(device="cpu")
+        m.init_weights(seed=0)
+        return m
+
+    split = Job(tmp_path, "--checkpoint.no_last_save_model_only", steps=3,
+                parts=[part({"0"}, True, False), part({"1"}, False, True)])
+    split.start()
+    split.train(3)
+    split.manager.close()
+    whole = Job(tmp_path, steps=6, seed=5)
+    assert whole.start() == 3
+    assert_same_tensors(whole.params(), split.params())
+    names = {id(p): n for n, p in whole.parts[0].named_parameters()}
+    split_names = {id(p): n for part_ in split.parts for n, p in part_.named_parameters()}
+    by_name = {split_names[id(p)]: split.optimizer.state[p] for g in split.optimizer.param_groups for p in g["params"]}
+    for g in whole.optimizer.param_groups:
+        for p in g["params"]:
+            for key, value in whole.optimizer.state[p].items():
+                assert torch.equal(value, by_name[names[id(p)]][key]), (names[id(p)], key)
+
+
+def test_tied_embedding_is_stored_once_and_stays_tied(tmp_path):
+    tied = dataclasses.replace(ARGS, tie_word_embeddings=True)
+    first = run(tmp_path, 3, "--checkpoint.no_last_save_model_only", steps=3, args=tied)
+    keys = ckpt_hf.read_dcp_metadata(os.path.join(first.folder(), "step-3")).state_dict_metadata
+    assert "model.tok_embeddings.weight" in keys and "model.output.weight" not in keys
+    second = Job(tmp_path, steps=6, seed=5, args=tied)
+    assert second.start() == 3
+    model = second.parts[0]
+    assert model.output.weight is model.tok_embeddings.weight
+    assert_same_tensors(second.params(), first.params())
+    assert torch.equal(load_model(first.folder()).output.weight, first.parts[0].output.weight)
+
+
+def test_exclude_from_loading_skips_components(tmp_path):
+    run(tmp_path, 3, "--checkpoint.no_last_save_model_only", steps=3)
+    job = Job(tmp_path, "--checkpoint.exclude_from_loading", "optimizer,train_state", steps=6, seed=4)
+    assert job.start() == 0  # train_state not loaded: the step starts over
+    assert not job.optimizer.state
+    assert job.scheduler.last_epoch == 3
+
+
+# ------------------------------------------------------------------ publishing and purging
+
+
+def test_unfinished_save_is_ignored_and_removed(tmp_path):
+    run(tmp_path, 3, "--checkpoint.no_last_save_model_only", steps=3)
+    folder = os.path.join(tmp_path, "checkpoint")
+    # What a crash in the middle of saving step 5 leaves behind: a partial .tmp folder.
+    os.makedirs(os.path.join(folder, "step-5.tmp"))
+    with open(os.path.join(folder, "step-5.tmp", "__0_0.distcp"), "wb") as f:
+        f.write(b"\0" * 100)
+    job = Job(tmp_path, steps=6)
+    assert job.start() == 3
+    assert not os.path.exists(os.path.join(folder, "step-5.tmp"))
+
+
+def test_keep_latest_k_purges_older_checkpoints(tmp_path):
+    job = run(tmp_path, 5, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2", steps=5)
+    assert published_steps(job.folder()) == [4, 5]
+    assert sorted(os.listdir(job.folder())) == ["step-4", "step-5"]
+
+
+def test_keep_latest_k_zero_keeps_all(tmp_path):
+    job = run(tmp_path, 3, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0", steps=3)
+    assert published_steps(job.folder()) == [1, 2, 3]
+
+
+def test_load_step_picks_an_older_checkpoint(tmp_path):
+    run(tmp_path, 6, "--checkpoint.no_last_save_model_only")
+    job = Job(tmp_path, "--checkpoint.load_step", "3")
+    assert job.start() == 3
+
+
+# ------------------------------------------------------------------ fine-tuning entry points
+
+
+def test_seed_checkpoint_then_training_starts_from_it(tmp_path):
+    seed = Job(tmp_path, "--checkpoint.create_seed_checkpoint", seed=7)
+    assert seed.start() is None
+    seed.manager.close()
+    assert published_steps(seed.folder()) == [0]
+    job = Job(tmp_path, seed=8)
+    assert job.start() == 0
+    assert_same_tensors(job.params(), seed.params())
+
+
+def test_model_only_export_in_bfloat16_feeds_initial_load_path(tmp_path):
+    trained = run(tmp_path / "a", 3, "--checkpoint.export_dtype", "bfloat16", steps=3)
+    export = os.path.join(trained.folder(), "step-3")
+    info = json.load(open(os.path.join(export, "titanlike.json")))
+    assert info["contents"] == "model_only"
+    metadata = ckpt_hf.read_dcp_metadata(export)
+    assert {md.properties.dtype for md in metadata.state_dict_metadata.values()} == {torch.bfloat16}
+    assert "optimizer" not in {k.split(".")[0] for k in metadata.state_dict_metadata}
+
+    job = Job(tmp_path / "b", "--checkpoint.initial_load_path", export, seed=9)
+    assert job.start() == 0
+    want = {k: v.to(torch.bfloat16).float() for k, v in trained.params().items()}
+    assert_same_tensors(job.params(), want)
+    # load_model reads the same export.
+    model = load_model(export)
+    assert_same_tensors({k: v.float() for k, v in model.state_dict().items()}, want)
+
+
+def test_resuming_from_a_model_only_checkpoint_is_refused(tmp_path):
+    run(tmp_path, 3, steps=3)  # last_save_model_only (the default)
+    job = Job(tmp_path, steps=6)
+    with pytest.raises(CheckpointError, match=r"step-3 holds the model only"):
+        job.start()
+
+
+# ------------------------------------------------------------------ damage gives a clear error
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pristine")
+    run(root, 3, "--checkpoint.no_last_save_model_only", steps=3)
+    return root
+
+
+@pytest.fixture
+def saved(pristine, tmp_path):
+    """A fresh copy of one full checkpoint at step 3, to damage."""
+    shutil.copytree(pristine / "checkpoint", tmp_path / "checkpoint")
+    return tmp_path, os.path.join(tmp_path, "checkpoint", "step-3")
+
+
+def test_truncated_data_file(saved):
+    root, path = saved
+    data = os.path.join(path, "__0_0.distcp")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp is truncated"):
+        Job(root).start()
+
+
+def test_missing_data_file(saved):
+    root, path = saved
+    os.remove(os.path.join(path, "__0_0.distcp"))
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp is missing"):
+        Job(root).start()
+
+
+def test_missing_index(saved):
+    root, path = saved
+    os.remove(os.path.join(path, ".metadata"))
+    with pytest.raises(CheckpointError, match=r"step-3 has no \.metadata file"):
+        Job(root).start()
+
+
+def test_garbage_index(saved):
+    root, path = saved
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(b"not a pickle")
+    with pytest.raises(CheckpointError, match=r"\.metadata is damaged"):
+        Job(root).start()
+
+
+def test_garbage_inside_an_entry_is_reported_not_raised_as_base_exception(saved):
+    root, path = saved
+    info = next(v for k, v in ckpt_hf.read_dcp_metadata(path).storage_data.items() if k.fqn == "train_state.step")
+    with open(os.path.join(path, info.relative_path), "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\xff" * info.length)
+    with pytest.raises(CheckpointError, match=r"loading checkpoint .*step-3 failed: rank 0"):
+        Job(root).start()
+
+
+def test_checkpoint_of_another_model_names_the_key(saved):
+    root, _ = saved
+    with pytest.raises(CheckpointError, match=r"'model\.tok_embeddings\.weight' has shape \(320, 64\) but this job's is \(400, 64\)"):
+        Job(root, args=dataclasses.replace(ARGS, vocab_size=400)).start()
+
+
+def test_checkpoint_missing_a_key_names_it(saved):
+    root, _ = saved
+    with pytest.raises(CheckpointError, match=r"has no entry 'model\.layers\.2\."):
+        Job(root, args=dataclasses.replace(ARGS, n_layers=3)).start()
+
+
+def test_load_step_that_does_not_exist(saved):
+    root, _ = saved
+    with pytest.raises(CheckpointError, match=r"load_step 7: .*step-7 does not exist \(published steps in .*: \[3\]\)"):
+        Job(root, "--checkpoint.load_step", "7").start()
+
+
+def test_seed_checkpoint_refuses_a_folder_with_checkpoints(saved):
+    root, _ = saved
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        Job(root, "--checkpoint.create_seed_checkpoint").start()
+
+
+# ------------------------------------------------------------------ Hugging Face in one process
+
+
+def test_initial_load_in_hf_and_last_save_in_hf(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from titanlike.models.llama3 import hf_adapter
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_adapter.args_to_hf_config(ARGS))).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    job = Job(tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+              "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", steps=2, seed=3)
+    assert job.start() == 0
+    assert_same_tensors(job.params(), hf_adapter.from_hf_state_dict(hf.state_dict(), ARGS))
+    job.train(2)
+    job.manager.close()
+    export = os.path.join(job.folder(), "step-2")
+    assert ckpt_hf.is_hf_folder(export) and not os.path.exists(os.path.join(export, "dcp"))
+    back = LlamaForCausalLM.from_pretrained(export).eval()
+    assert_same_tensors(hf_adapter.from_hf_state_dict(back.state_dict(), ARGS), job.params())
+    # A Hugging Face export is not something training resumes from.
+    with pytest.raises(CheckpointError, match="is a Hugging Face export"):
+        Job(tmp_path / "run", steps=4).start()
+
+
+def test_initial_load_in_hf_of_another_size_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from titanlike.models.llama3 import hf_adapter
+
+    other = dataclasses.replace(ARGS, dim=128)
+    LlamaForCausalLM(LlamaConfig(**hf_adapter.args_to_hf_config(other))).save_pretrained(tmp_path / "hf")
+    job = Job(tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+              "--checkpoint.initial_load_in_hf")
+    with pytest.raises(CheckpointError, match=r"has dim=128 but this job's model has 64"):
+        job.start()

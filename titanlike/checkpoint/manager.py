@@ -1,0 +1,764 @@
+"""CheckpointManager: save and resume a training job with torch.distributed.checkpoint (DCP).
+
+One checkpoint is one DCP folder ``<dump_folder>/<checkpoint.folder>/step-N`` holding
+
+  model.<fqn>            parameters, by full name (DTensor shards: any layout loads any other)
+  optimizer.state.<fqn>.*, optimizer.param_groups.<fqn>.*   (flattened, so layout-free too)
+  lr_scheduler.state     the schedule's state_dict, pickled
+  dataloader.dp_rank_R   each data-parallel rank's loader position, pickled
+  rng.rank_R             each rank's RNG states (torch, CUDA, Python, NumPy), pickled
+  train_state.step       the step the checkpoint was taken after
+
+plus ``titanlike.json`` (model family and args, for load_model and the converters).
+
+Publishing is atomic: everything is written to ``step-N.tmp`` and renamed to ``step-N`` by
+rank 0 only once DCP reports the save complete on every rank (DCP's final all-reduce, i.e. a
+barrier, or the async future). Readers only ever consider ``step-N`` folders, so a crash
+mid-save leaves the previous checkpoint as the latest. ``keep_latest_k`` counts published
+checkpoints only, so the one being written never counts against it.
+
+A layout change between save and load works at any step boundary: DCP reshards model and
+optimizer, and a new data-parallel rank takes the loader position of the old rank with its
+index if there was one (else rank 0's): every rank is at the same global step.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import queue
+import random
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from titanlike.checkpoint import hf
+from titanlike.checkpoint.hf import CheckpointError, summarize
+
+logger = logging.getLogger("titanlike")
+
+MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE = (
+    "model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")
+COMPONENTS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE)
+_STEP_RE = re.compile(r"step-(\d+)")
+_TMP, _PURGE = ".tmp", ".purge"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def published_steps(folder: str) -> list[int]:
+    """Steps of the published checkpoints in folder, ascending (in-flight .tmp ones excluded)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(folder)
+                  if (m := _STEP_RE.fullmatch(name)) and os.path.isdir(os.path.join(folder, name)))
+
+
+def _pickled(obj: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def _unpickled(buf: io.BytesIO, what: str) -> Any:
+    buf.seek(0)
+    try:
+        return torch.load(buf, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint entry {what} is damaged ({type(e).__name__}: {e})") from None
+
+
+# Stateful pieces --------------------------------------------------------------------------
+
+
+def tied_aliases(module: nn.Module) -> set[str]:
+    """Names of parameters that are another name's Parameter (tied embeddings' output.weight).
+
+    Decided from the module structure, so every rank drops the same keys whatever its shards.
+    """
+    from titanlike.models.common.init import canonical_fqn
+
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        name = canonical_fqn(name)
+        if first.setdefault(id(param), name) != name:
+            aliases.add(name)
+    return aliases
+
+
+class ModelState(Stateful):
+    """All model parts (pipeline stages on this rank) as one flat FQN -> tensor dict.
+
+    A tied parameter is stored once, under its first name: DCP deduplicates by key, not by
+    storage, and the output projection of a tied 1B model would add 1 GB of fp32 otherwise.
+    Loading fills the alias through the shared Parameter.
+    """
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+        self.aliases = set().union(*(tied_aliases(part) for part in parts))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()
+                if k not in self.aliases}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part in self.parts:
+            # strict=False: the dict holds the other parts' keys too; this part's own missing
+            # keys were already ruled out against the checkpoint index before loading.
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+class OptimizerState(Stateful):
+    """The optimizer's state keyed by parameter FQN (flattened), so any layout loads it.
+
+    One optimizer spanning several model parts is handled by viewing the parts as one
+    ModuleList and removing its "<i>." prefix from the keys, so keys do not depend on which
+    stage holds a parameter.
+    """
+
+    _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+    _KEY = re.compile(r"(state|param_groups)\.(\d+)\.(.*)")
+
+    def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.module = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+        self.multi = len(parts) > 1
+        self._owner: dict[str, int] = {}
+        if self.multi:
+            for i, part in enumerate(parts):
+                for fqn in get_model_state_dict(part):
+                    self._owner[fqn] = i
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = get_optimizer_state_dict(self.module, self.optimizer, options=self._OPTS)
+        if not self.multi:
+            return sd
+        out = {}
+        for k, v in sd.items():
+            m = self._KEY.fullmatch(k)
+            out[f"{m.group(1)}.{m.group(3)}" if m else k] = v
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.multi:
+            renamed = {}
+            for k, v in state_dict.items():
+                kind, _, rest = k.partition(".")
+                fqn = rest.rsplit(".", 1)[0]  # state / hyper-parameter names hold no dots
+                renamed[f"{kind}.{self._owner[fqn]}.{rest}" if fqn in self._owner else k] = v
+            state_dict = renamed
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict, options=self._OPTS)
+
+
+class PickledState(Stateful):
+    """A small non-tensor state saved as one pickled entry."""
+
+    def __init__(self, obj, name: str):
+        self.obj, self.name = obj, name
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": _pickled(self.obj.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.obj.load_state_dict(_unpickled(state_dict["state"], f"{self.name}.state"))
+
+
+class PerRankState(Stateful):
+    """A state that differs per rank (loader position, RNG): one pickled entry per rank.
+
+    Saving writes only this rank's entry. Loading reads the entry `source` (picked by the
+    manager from the checkpoint's index before the load: this rank's own if it exists).
+    """
+
+    def __init__(self, name: str, prefix: str, rank: int, get, put):
+        self.name, self.prefix, self.rank = name, prefix, rank
+        self.get, self.put = get, put
+        self.source = rank
+
+    def key(self, rank: int) -> str:
+        return f"{self.prefix}{rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        # On load this is the template, so it names the entry to read.
+        return {self.key(self.source): _pickled(self.get())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = self.key(self.source)
+        self.put(_unpickled(state_dict[key], f"{self.name}.{key}"))
+        self.source = self.rank
+
+
+class TrainState(Stateful):
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "format_version": hf.FORMAT_VERSION}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # As plain lists, so the entry unpickles with weights_only=True.
+        "python": [*internal, version, gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    py = state["python"]
+    random.setstate((py[-2], tuple(py[:-2]), py[-1]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+
+
+# The manager ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    """An async save in flight, published once its future completes."""
+    step: int
+    future: Future
+    started: float
+    finished: float | None = None  # set by the future's callback: publishing waits for the next poll
+
+
+class CheckpointManager:
+    """Saves every `checkpoint.interval` steps and at the end; loads on start.
+
+    Use: construct after the optimizer and dataloader, `step = load()` before iterating the
+    loader, `save(step)` after every step, `close()` at the end. Does nothing when
+    `checkpoint.enable` is false.
+    """
+
+    def __init__(self, cfg, *, dims, model_parts: list[nn.Module], optimizer, lr_scheduler,
+                 dataloader, model_args=None, tokenizer=None):
+        c = cfg.checkpoint
+        self.cfg = c
+        self.enabled = c.enable
+        self.folder = os.path.join(cfg.job.dump_folder, c.folder)
+        self.total_steps = cfg.training.steps
+        self.model_parts = model_parts
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.step = 0
+        self.blocked_s = 0.0  # time the training loop spent inside save() and staging waits
+        self.save_seconds: list[tuple[int, float]] = []  # (step, start of save -> published), rank 0
+        self._pending: _Pending | None = None
+        self._staging: Future | None = None
+        self._stager = None
+        self._pg = None
+        self._purger: _Purger | None = None
+        if not self.enabled:
+            return
+
+        self.train_state = TrainState()
+        dp_rank = dims.dp_rank() if dims is not None else 0
+        self.states: dict[str, Stateful] = {
+            MODEL: ModelState(model_parts),
+            OPTIMIZER: OptimizerState(model_parts, optimizer),
+            LR_SCHEDULER: PickledState(lr_scheduler, LR_SCHEDULER),
+            DATALOADER: PerRankState(DATALOADER, "dp_rank_", dp_rank,
+                                     dataloader.state_dict, dataloader.load_state_dict),
+            RNG: PerRankState(RNG, "rank_", self.rank, _rng_state, _set_rng_state),
+            TRAIN_STATE: self.train_state,
+        }
+        self._description = None
+        if model_args is not None:
+            from titanlike.models.registry import get_model_spec
+
+            spec = get_model_spec(cfg.model.name)
+            self.spec, self.model_args = spec, model_args
+            flavor = spec.flavors.get(cfg.model.flavor)
+            self._description = hf.model_description(
+                spec.name, model_args, context_len=getattr(flavor, "max_seq_len", None))
+        self._tokenizer = ({"bos_id": int(tokenizer.bos_id), "eos_id": int(tokenizer.eos_id)}
+                           if tokenizer is not None else {})
+        if self.distributed:
+            # DCP's own collectives (plans, the final all-reduce) run on a separate gloo group:
+            # in a background thread they must not interleave with training collectives, and on
+            # GPUs they then cost no GPU memory.
+            self._pg = dist.new_group(backend="gloo")
+        if c.keep_latest_k > 0 and self.rank == 0:
+            self._purger = _Purger()
+
+        self.async_mode = c.async_mode
+        if self.async_mode == "async_with_pinned_mem":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            if not cuda and self.rank == 0:
+                logger.info("checkpoint: pinned memory needs CUDA, which is not available; "
+                            "async_with_pinned_mem stages into shared (pageable) CPU memory instead")
+            if not self.distributed:
+                logger.info("checkpoint: a single-process job has no process group for a checkpoint "
+                            "process; async_with_pinned_mem writes from a background thread instead")
+            # Staging runs in a thread, overlapping the next forward/backward; the checkpoint
+            # is written by a separate process (reading the staged copy from shared memory), so
+            # file writing never holds this GIL.
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=self.distributed, use_async_staging=True,
+                use_non_blocking_copy=cuda))
+            # Staging reads the parameters and optimizer state the next optimizer step
+            # overwrites in place: that step waits for it.
+            optimizer.register_step_pre_hook(lambda *_: self.wait_for_staging())
+
+    # Paths -------------------------------------------------------------------------------
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    # Loading ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load(self) -> int | None:
+        """Restore the job; returns the step to continue after (0 for a fresh start).
+
+        Loads `checkpoint.load_step` (or the latest checkpoint) if the folder has any,
+        otherwise the model from `checkpoint.initial_load_path` if set. With
+        `checkpoint.create_seed_checkpoint` writes the initialized model as step 0 instead
+        and returns None: there is nothing to train.
+        """
+        if not self.enabled:
+            return 0
+        self._remove_leftovers()
+        if self.cfg.create_seed_checkpoint:
+            if published_steps(self.folder):
+                raise CheckpointError(
+                    f"{self.folder} already holds checkpoints (steps {published_steps(self.folder)}); "
+                    "a seed checkpoint goes into an empty checkpoint folder"
+                )
+            self._save_model_only(0, torch.float32, in_hf=False)
+            return None
+
+        steps = published_steps(self.folder)
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in steps:
+                raise CheckpointError(
+                    f"checkpoint.load_step {self.cfg.load_step}: {self.path(self.cfg.load_step)} does not "
+                    f"exist (published steps in {self.folder}: {steps or 'none'})"
+                )
+            step = self.cfg.load_step
+        elif steps:
+            step = steps[-1]
+        else:
+            if self.cfg.initial_load_path:
+                self._load_initial(self.cfg.initial_load_path)
+            elif self.rank == 0:
+                logger.info(f"checkpoint: none in {self.folder}; starting from step 0")
+            return 0
+
+        path = self.path(step)
+        begin = time.monotonic()
+        if hf.is_hf_folder(path) and not hf.is_dcp_folder(path):
+            raise CheckpointError(
+                f"the latest checkpoint {path} is a Hugging Face export (checkpoint.last_save_in_hf), "
+                "which holds the model only: training cannot resume from it; start a new run with "
+                f"--checkpoint.initial_load_path {path} --checkpoint.initial_load_in_hf"
+            )
+        metadata = hf.read_dcp_metadata(path)
+        hf.check_dcp_files(path, metadata)
+        _, full = hf.dcp_model_keys(metadata)
+        if not full:
+            if step != 0:
+                raise CheckpointError(
+                    f"checkpoint {path} holds the model only (checkpoint.last_save_model_only), so training "
+                    f"cannot resume from it; use it as --checkpoint.initial_load_path in a new run, or set "
+                    f"--checkpoint.load_step to a full checkpoint (published steps: {steps})"
+                )
+            # A seed checkpoint: the model, then a fresh start.
+            self._load_model_dcp(path, metadata, prefixed=False)
+            if self.rank == 0:
+                logger.info(f"checkpoint: loaded the seed model from {path}")
+            return 0
+
+        names = [k for k in COMPONENTS if k not in self.cfg.exclude_from_loading]
+        for per_rank in (DATALOADER, RNG):
+            state: PerRankState = self.states[per_rank]
+            if per_rank in names:
+                state.source = self._pick_source(state, metadata, path)
+        template = {name: self.states[name].state_dict() for name in names}
+        self._check_against_index(template, metadata, path)
+        try:
+            dcp.load(template, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
+        except BaseException as e:  # CheckpointException derives from BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"loading checkpoint {path} failed: {summarize(e)}") from None
+        for name in names:
+            self.states[name].load_state_dict(template[name])
+        self.step = self.train_state.step if TRAIN_STATE in names else 0
+        if self.rank == 0:
+            skipped = f" (not loaded: {', '.join(self.cfg.exclude_from_loading)})" if self.cfg.exclude_from_loading else ""
+            logger.info(f"checkpoint: resumed from {path} in {time.monotonic() - begin:.2f} s{skipped}")
+        return self.step
+
+    def _pick_source(self, state: PerRankState, metadata: Metadata, path: str) -> int:
+        have = sorted(int(k[len(f"{state.name}.{state.prefix}"):]) for k in metadata.state_dict_metadata
+                      if k.startswith(f"{state.name}.{state.prefix}"))
+        if not have:
+            raise CheckpointError(f"checkpoint {path} has no {state.name} entries")
+        if state.rank in have:
+            return state.rank
+        if self.rank == 0:
+            logger.info(f"checkpoint: {state.name} was saved by {len(have)} rank(s) and is loaded by more; "
+                        f"ranks without their own entry take {state.name}.{state.prefix}{have[0]}")
+        return have[0]
+
+    @staticmethod
+    def _check_against_index(template: dict, metadata: Metadata, path: str) -> None:
+        """Every key we load exists in the checkpoint with the same shape.
+
+        The same check runs on every rank against the same index (and all ranks' model and
+        optimizer keys are identical), so all ranks fail together instead of hanging.
+        """
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        flat, _ = flatten_state_dict(template)
+        saved = metadata.state_dict_metadata
+        for key, value in flat.items():
+            md = saved.get(key)
+            if md is None:
+                similar = [k for k in saved if k.split(".")[0] == key.split(".")[0]][:3]
+                raise CheckpointError(
+                    f"checkpoint {path} has no entry {key!r} that this job needs"
+                    + (f" (it has e.g. {similar})" if similar else "")
+                    + "; was it written for another model or optimizer? "
+                    "checkpoint.exclude_from_loading skips whole components"
+                )
+            if isinstance(value, torch.Tensor):
+                if not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointError(f"checkpoint {path}: entry {key!r} is not a tensor")
+                if tuple(md.size) != tuple(value.shape):
+                    raise CheckpointError(
+                        f"checkpoint {path}: {key!r} has shape {tuple(md.size)} but this job's is "
+                        f"{tuple(value.shape)} (another model flavor or vocabulary?)"
+                    )
+
+    def _load_model_dcp(self, path: str, metadata: Metadata, *, prefixed: bool) -> None:
+        model = self.states[MODEL]
+        local = model.state_dict()
+        prefix = hf.MODEL_PREFIX if prefixed else ""
+        template = {prefix + k: v for k, v in local.items()}
+        self._check_against_index(template, metadata, path)
+        try:
+            dcp.load(template, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
+        except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"loading the model from {path} failed: {summarize(e)}") from None
+        model.load_state_dict({k[len(prefix):]: v for k, v in template.items()})
+
+    def _load_initial(self, path: str) -> None:
+        begin = time.monotonic()
+        if self.cfg.initial_load_in_hf:
+            self._load_model_hf(path)
+        else:
+            metadata = hf.read_dcp_metadata(path)
+            hf.check_dcp_files(path, metadata)
+            _, full = hf.dcp_model_keys(metadata)
+            self._load_model_dcp(path, metadata, prefixed=full)
+        if self.rank == 0:
+            logger.info(f"checkpoint: model initialized from {path} in {time.monotonic() - begin:.2f} s")
+
+    def _load_model_hf(self, path: str) -> None:
+        """Rank 0 reads the safetensors; the full tensors are broadcast into every rank's shards.
+
+        The q/k row permutation (RoPE layout) needs whole heads, so the conversion runs on
+        full tensors, on one rank: the others need no host memory for the full model.
+        """
+        spec = self.spec
+        state_dict: dict[str, torch.Tensor] = {}
+        error = None
+        if self.rank == 0:
+            try:
+                hf_sd, config = hf.read_hf(path)
+                args = spec.hf_adapter.args_from_hf_config(config)
+                self._check_hf_args(args, path)
+                state_dict = spec.hf_adapter.from_hf_state_dict(hf_sd, args)
+                with torch.device("meta"):
+                    expected = set(spec.model_cls(self.model_args).state_dict())
+                if expected - set(state_dict):
+                    raise CheckpointError(f"Hugging Face checkpoint {path} lacks {sorted(expected - set(state_dict))[:5]}")
+            except (CheckpointError, KeyError, ValueError) as e:
+                error = str(e) if isinstance(e, CheckpointError) else f"{path}: {type(e).__name__}: {e}"
+        if self.distributed:
+            # Share rank 0's verdict first, so no rank waits in a broadcast that never comes.
+            verdict = [error]
+            dist.broadcast_object_list(verdict, src=0, group=self._pg)
+            error = verdict[0]
+        if error:
+            raise CheckpointError(error)
+        # Every rank of the job joins the broadcast of every tensor; each keeps its own shard.
+        opts = StateDictOptions(full_state_dict=self.distributed, broadcast_from_rank0=self.distributed, strict=False)
+        for part in self.model_parts:
+            set_model_state_dict(part, dict(state_dict), options=opts)
+
+    def _check_hf_args(self, args, path: str) -> None:
+        import dataclasses
+
+        mine = dataclasses.asdict(self.model_args)
+        theirs = dataclasses.asdict(args)
+        # Sizes decide whether the weights fit, and RoPE and the norm epsilon whether they compute
+        # what they were trained to. max_seq_len only sizes the RoPE table, and the FFN rule's
+        # (multiple_of, multiplier) pair may differ while giving the same hidden size.
+        for field in ("dim", "n_layers", "n_heads", "vocab_size", "tie_word_embeddings", "rope_theta",
+                      "rope_scaling", "norm_eps"):
+            if mine[field] != theirs[field]:
+                raise CheckpointError(
+                    f"Hugging Face checkpoint {path} has {field}={theirs[field]} but this job's model has "
+                    f"{mine[field]} (model.flavor / tokenizer)"
+                )
+        if args.num_kv_heads != self.model_args.num_kv_heads or args.ffn_hidden_dim != self.model_args.ffn_hidden_dim:
+            raise CheckpointError(
+                f"Hugging Face checkpoint {path} has n_kv_heads={args.num_kv_heads}, intermediate size "
+                f"{args.ffn_hidden_dim}; this job's model has {self.model_args.num_kv_heads}, "
+                f"{self.model_args.ffn_hidden_dim}"
+            )
+
+    # Saving -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def save(self, step: int) -> None:
+        """Call after every training step; saves at the interval and at the last step."""
+        if not self.enabled:
+            return
+        begin = time.monotonic()
+        self._poll_pending()
+        last = step >= self.total_steps
+        if last or step % self.cfg.interval == 0:
+            self._wait_pending()  # one save in flight at a time
+            self.train_state.step = step
+            if last and self.cfg.last_save_model_only:
+                self._save_model_only(step, _DTYPES[self.cfg.export_dtype], in_hf=self.cfg.last_save_in_hf)
+            elif last or self.async_mode == "disabled":
+                self._save_full_sync(step)
+            else:
+                self._save_full_async(step)
+        self.blocked_s += time.monotonic() - begin
+
+    def _tmp(self, step: int) -> str:
+        return self.path(step) + _TMP
+
+    def _save_full_sync(self, step: int) -> None:
+        begin = time.monotonic()
+        self._dcp_save(self.states, self._tmp(step))
+        self._publish(step, "full", time.monotonic() - begin)
+
+    def _save_full_async(self, step: int) -> None:
+        kwargs = {}
+        if self.async_mode == "async_with_pinned_mem":
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            # DCP's checkpoint process joins a process group of its own, set up through the job's;
+            # a single-process job has none, so there the writing stays in a thread.
+            kind = AsyncCheckpointerType.PROCESS if self.distributed else AsyncCheckpointerType.THREAD
+            kwargs = dict(async_checkpointer_type=kind, async_stager=self._stager)
+        try:
+            response = dcp.async_save(self.states, checkpoint_id=self._tmp(step), process_group=self._pg,
+                                      no_dist=not self.distributed, **kwargs)
+        except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"starting the save of {self._tmp(step)} failed: {summarize(e)}") from None
+        if hasattr(response, "upload_completion"):  # staging in the background
+            self._staging, future = response.staging_completion, response.upload_completion
+        else:
+            future = response
+        pending = self._pending = _Pending(step, future, time.monotonic())
+        future.add_done_callback(lambda _: setattr(pending, "finished", time.monotonic()))
+
+    def _save_model_only(self, step: int, dtype: torch.dtype, *, in_hf: bool) -> None:
+        begin = time.monotonic()
+        state = self.states[MODEL].state_dict()
+        if dtype != torch.float32 and not in_hf:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        tmp = self._tmp(step)
+        if not in_hf:
+            self._dcp_save(state, tmp)
+            self._publish(step, "model_only", time.monotonic() - begin)
+            return
+        # Every rank writes its shards as DCP (any layout, pipeline stages included); rank 0 then
+        # converts the whole model, which needs full tensors for the q/k permutation.
+        staging = os.path.join(tmp, "dcp")
+        self._dcp_save(state, staging)
+        if self.rank == 0:
+            context = self._description["args"].get("max_seq_len") if self._description else None
+            state_dict = hf.read_dcp_model(staging)
+            hf.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype, context_len=context,
+                        bos_id=self._tokenizer.get("bos_id"), eos_id=self._tokenizer.get("eos_id"))
+            shutil.rmtree(staging)
+        self._publish(step, "hf", time.monotonic() - begin)
+
+    def _dcp_save(self, state: dict, path: str) -> None:
+        try:
+            dcp.save(state, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
+        except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"saving checkpoint {path} failed: {summarize(e)}") from None
+
+    def _publish(self, step: int, contents: str, seconds: float) -> None:
+        """Rank 0 renames step-N.tmp to step-N; every rank's data is on disk by now.
+
+        DCP's save ends with an all-reduce in which the coordinator (rank 0) writes the index
+        after gathering every rank's write results, so its completion is the barrier.
+        """
+        if self.rank != 0:
+            return
+        tmp, final = self._tmp(step), self.path(step)
+        info = {"contents": contents, "step": step, "tokenizer": self._tokenizer}
+        if self._description is not None:
+            info["model"] = self._description
+        hf.write_sidecar(tmp, info)
+        if os.path.exists(final):
+            # Re-saving a step (after load_step went back): drop the old one first.
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.folder)
+        self.save_seconds.append((step, seconds))
+        logger.info(f"checkpoint: saved {contents.replace('_', ' ')} {final} in {seconds:.2f} s")
+        self._purge()
+
+    def _purge(self) -> None:
+        k = self.cfg.keep_latest_k
+        if self._purger is None or k <= 0:
+            return
+        for old in published_steps(self.folder)[:-k]:
+            doomed = self.path(old) + _PURGE
+            # Renamed first, so a half-deleted folder is never mistaken for a checkpoint.
+            os.rename(self.path(old), doomed)
+            self._purger.submit(doomed)
+
+    def _remove_leftovers(self) -> None:
+        """Delete step-N.tmp (a save that never finished) and step-N.purge folders."""
+        if self.rank == 0 and os.path.isdir(self.folder):
+            for name in os.listdir(self.folder):
+                if name.endswith((_TMP, _PURGE)) and _STEP_RE.match(name):
+                    logger.warning(f"checkpoint: removing {os.path.join(self.folder, name)} "
+                                   "(left by a save or purge that did not finish)")
+                    shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        if self.distributed:
+            # No rank may start writing a step-N.tmp that rank 0 is still deleting.
+            dist.barrier(group=self._pg)
+
+    # Async bookkeeping ----------------------------------------------------------------------
+
+    def wait_for_staging(self) -> None:
+        if self._staging is not None:
+            begin = time.monotonic()
+            staging, self._staging = self._staging, None
+            try:
+                staging.result()
+            except BaseException as e:
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise CheckpointError(f"staging the checkpoint failed: {summarize(e)}") from None
+            self.blocked_s += time.monotonic() - begin
+
+    def _poll_pending(self) -> None:
+        if self._pending is not None and self._pending.future.done():
+            self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self.wait_for_staging()
+        try:
+            pending.future.result()
+        except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(
+                f"saving checkpoint {self._tmp(pending.step)} failed: {summarize(e)}") from None
+        self._publish(pending.step, "full", (pending.finished or time.monotonic()) - pending.started)
+
+    def close(self) -> None:
+        """Finish the save in flight, then stop the purge thread and the checkpoint process."""
+        if not self.enabled:
+            return
+        try:
+            self._wait_pending()
+        except CheckpointError as e:
+            # Only reachable after the loop failed (the last step's save is synchronous), so
+            # that error is the one being reported; this one is logged next to it.
+            logger.error(f"checkpoint: {e}")
+        finally:
+            if self._purger is not None:
+                self._purger.close()
+                self._purger = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+                # The checkpoint process is torch's module-level singleton; dropping the last
+                # reference asks it to exit (private API: keep in step with torch).
+                from torch.distributed.checkpoint import _async_process_executor as ape
+
+                if getattr(ape, "_CHECKPOINT_PROCESS", None) is not None:
+                    ape._CHECKPOINT_PROCESS = None
+
+
+class _Purger:
+    """Deletes old checkpoints in a background thread (rmtree of GBs takes seconds)."""
+
+    def __init__(self):
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="checkpoint-purge", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (path := self.queue.get()) is not None:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def submit(self, path: str) -> None:
+        self.queue.put(path)
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,194 @@
+"""Context parallelism: each rank of the cp mesh holds a slice of every sequence.
+
+Everything outside attention is per token, so it runs unchanged on the local
+slice; only attention needs the keys and values of the other slices. Two pieces:
+
+Load-balanced layout. Under a causal mask, late tokens attend to many more keys
+than early ones, so cutting the sequence into cp contiguous pieces would leave
+the last rank with most of the work. Instead the sequence is cut into 2*cp equal
+chunks and rank i holds chunks i and 2*cp-1-i (one from the head, one from the
+tail): every rank then does the same causal work. `load_balanced_positions`
+gives the global position of each local token; the trainer cuts inputs and
+labels with it, and the model uses it to pick each token's RoPE angles.
+
+Exact attention across ranks. `ContextParallelAttention` replaces a model's
+core attention (the `core_attention` hook of its attention modules) and moves
+K/V between the cp ranks:
+  - "allgather": all-gather K/V once and attend with a causal mask built from
+    the global positions of the local queries and of the gathered keys.
+  - "alltoall": a ring. K/V hop to the next rank cp-1 times; each hop's block is
+    attended with its own mask and log-sum-exp, and the partial results are
+    merged with the online-softmax rescaling. Each hop talks to one neighbour only,
+    and the next hop is issued before the current block is computed so that an
+    asynchronous backend can overlap the two. (Plain autograd keeps every block for
+    the backward, so this does not save activation memory over "allgather".)
+Both are written with torch's functional collectives, which are differentiable
+(the backward of the all-gather is a reduce-scatter, that of a ring hop is the
+hop back), so they run and train on CPU/gloo.
+
+On GPU the built-in `torch.distributed.tensor.experimental.context_parallel`
+(fused flash/efficient kernels, overlapped ring) should be preferred; wiring it
+in is future work. It fails on CPU: its dispatcher knows only the CUDA attention
+ops, so this module is the path that works everywhere and is tested here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+ROTATE_METHODS = ("allgather", "alltoall")
+
+# torch renamed the differentiable all-gather (the old name now warns); the GPU box runs an older torch.
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def load_balanced_layout(seq_len: int, cp_degree: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(cp_degree, seq_len // cp_degree) global positions: row i holds those of cp rank i.
+
+    Rank i gets chunks i and 2*cp_degree-1-i of the 2*cp_degree equal chunks, each in order.
+    """
+    chunks = 2 * cp_degree
+    if seq_len % chunks:
+        raise ValueError(f"a sequence of {seq_len} tokens cannot be cut into 2 x cp = {chunks} equal chunks")
+    chunk = torch.arange(seq_len, device=device).view(chunks, seq_len // chunks)
+    ranks = torch.arange(cp_degree, device=device)
+    return torch.cat([chunk[ranks], chunk[chunks - 1 - ranks]], dim=1)
+
+
+def load_balanced_positions(seq_len: int, cp_degree: int, cp_rank: int,
+                            device: torch.device | str | None = None) -> torch.Tensor:
+    """The global positions (seq_len // cp_degree,) of the tokens that cp rank cp_rank holds."""
+    return load_balanced_layout(seq_len, cp_degree, device)[cp_rank]
+
+
+def shard_sequence(x: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of x (inputs, labels, or any per-token tensor) along the sequence dim."""
+    return x.index_select(dim, positions.to(x.device))
+
+
+def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of shard_sequence over all cp ranks: the per-rank slices back in global order."""
+    cp = len(shards)
+    seq_len = sum(s.shape[dim] for s in shards)
+    order = load_balanced_layout(seq_len, cp, shards[0].device).flatten().argsort()
+    return torch.cat(shards, dim=dim).index_select(dim, order)
+
+
+class ContextParallelAttention:
+    """Causal attention over (batch, heads, local_seq, head_dim) tensors whose tokens are this
+    rank's load-balanced slice of the sequence; exact, as if computed on the whole sequence.
+
+    k/v may have fewer heads than q (grouped-query attention): they travel between ranks
+    with their own head count and are never repeated. Under tensor parallelism the heads
+    are this rank's local heads, which changes nothing here.
+
+    A plain callable, not an nn.Module: it holds no state a checkpoint should see.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh, rotate_method: str = "allgather"):
+        if rotate_method not in ROTATE_METHODS:
+            raise ValueError(f"context_parallel_rotate_method must be one of {ROTATE_METHODS}, got {rotate_method!r}")
+        if cp_mesh.ndim != 1:
+            raise ValueError(f"context parallelism needs a 1-D cp mesh, got {cp_mesh.ndim} dims")
+        self.mesh = cp_mesh
+        self.rotate_method = rotate_method
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+
+    def __repr__(self) -> str:
+        return f"ContextParallelAttention(cp={self.cp}, rotate_method={self.rotate_method!r})"
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layout = load_balanced_layout(q.shape[2] * self.cp, self.cp, q.device)
+        if self.rotate_method == "allgather":
+            return self._allgather(q, k, v, layout)
+        return self._ring(q, k, v, layout)
+
+    def _allgather(self, q, k, v, layout):
+        # One collective for both: (2, b, h, s, d) gathered on dim 0 -> (cp * 2, b, h, s, d).
+        kv = _all_gather(torch.stack([k, v]), 0, self.mesh)
+        kv = kv.unflatten(0, (self.cp, 2)).movedim(0, 3).flatten(3, 4)  # (2, b, h, cp * s, d)
+        # Keys stay in rank-major order: the mask carries their positions, and attention
+        # does not care in which order its keys come.
+        mask = layout.flatten()[None, :] <= layout[self.rank][:, None]
+        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+    def _shift(self, kv: torch.Tensor) -> torch.Tensor:
+        """Send kv to the next cp rank, receive the previous rank's (a differentiable ring hop)."""
+        n = kv.shape[0]
+        send = [0] * self.cp
+        recv = [0] * self.cp
+        send[(self.rank + 1) % self.cp] = n
+        recv[(self.rank - 1) % self.cp] = n
+        return funcol.all_to_all_single_autograd(kv, recv, send, self.mesh)
+
+    def _ring(self, q, k, v, layout):
+        b, hq, s, d = q.shape
+        hkv = k.shape[1]
+        q_pos = layout[self.rank]
+        # Merging partial softmaxes in bf16 would lose the precision that exactness is about.
+        qg = q.float().view(b, hkv, hq // hkv, s, d)  # query heads grouped by the k/v head they share
+        kv = torch.stack([k, v])
+        out = lse = None
+        for step in range(self.cp):
+            # Start the next hop before computing on the current block, so that an asynchronous
+            # backend can overlap them (functional collectives wait only when the result is used).
+            nxt = self._shift(kv) if step < self.cp - 1 else None
+            k_pos = layout[(self.rank - step) % self.cp]
+            out_t, lse_t = _partial_attention(qg, kv[0].float().unsqueeze(2), kv[1].float().unsqueeze(2),
+                                              k_pos[None, :] <= q_pos[:, None])
+            if out is None:
+                # Step 0 is this rank's own block: every query sees at least itself, so lse is finite.
+                out, lse = out_t, lse_t
+            else:
+                new_lse = torch.logaddexp(lse, lse_t)
+                out = out * torch.exp(lse - new_lse) + out_t * torch.exp(lse_t - new_lse)
+                lse = new_lse
+            kv = nxt
+        return out.reshape(b, hq, s, d).to(q.dtype)
+
+
+def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+    """Softmax attention of q over one block of keys, and its log-sum-exp (unsqueezed last dim).
+
+    A query that sees no key of the block gets output 0 and lse -inf, so the merge gives it
+    zero weight. Such rows are computed through `where`, never through log(0) or 0/0, whose
+    gradients would be NaN even when multiplied by zero.
+    """
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~mask, -math.inf)
+    # The row max only keeps exp() in range; softmax and lse do not depend on it, so it needs no gradient.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    empty = torch.isinf(row_max)
+    weights = torch.exp(scores - torch.where(empty, 0.0, row_max))
+    total = weights.sum(dim=-1, keepdim=True)
+    total = torch.where(empty, 1.0, total)
+    out = (weights @ v) / total
+    lse = torch.where(empty, -math.inf, row_max + torch.log(total))
+    return out, lse
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str) -> int:
+    """Point the `core_attention` hook of every attention module of model at CP attention.
+
+    Must run before activation checkpointing and compile wrap the blocks. Returns the
+    number of modules switched; 0 means the model family has no hook, which is an error
+    because it would silently attend within each rank's slice only.
+    """
+    attention = ContextParallelAttention(cp_mesh, rotate_method)
+    switched = 0
+    for module in model.modules():
+        if "core_attention" in vars(module):
+            module.core_attention = attention
+            switched += 1
+    if switched == 0:
+        raise ValueError(f"{type(model).__name__} has no attention module with a core_attention hook, "
+                         "so it cannot run context parallel")
+    return switched

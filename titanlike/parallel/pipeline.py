@@ -1,0 +1,239 @@
+"""Pipeline parallelism: split a meta model into stages and drive them with a torch schedule.
+
+Three pieces, all generic over model families:
+
+Layout (`plan_layout`). How many stages, how many transformer layers each, and
+which stages a pipeline rank holds. Single-stage schedules (GPipe, 1F1B) give
+each rank one stage; multi-stage schedules give it several, looped (rank r holds
+r, r+pp, r+2pp, ...) for the interleaved and BFS schedules, or V-shaped (rank r
+holds r and 2*pp-1-r) for ZBVZeroBubble and DualPipeV, whose torch
+implementations hard-code that placement. With `layers_per_stage` the stage
+count follows from the layers; without it, it is pp for single-stage schedules
+and 2*pp otherwise, and the layers are spread evenly. Layers that do not divide
+evenly are taken off the first and last stages, which also carry the embedding
+and the output projection.
+
+Split (`build_stage_modules`). Each stage is a deep copy of the meta model
+keeping only its layers, the embedding on the first stage and the final norm
+and output on the last: parameter names are unchanged, so checkpoints and
+initialization do not depend on the layout. The family's ModelSpec provides
+the rule (`pipeline_stage`), since only it knows which modules are the input
+and output ends.
+
+Schedule (`build_schedule`). One torch PipelineStage per model part and the
+schedule class named by `pipeline_parallel_schedule`. Gradients are not scaled
+by the schedule (scale_grads=False): the loss function the trainer hands in is
+already the summed cross-entropy divided by the global token count, exactly as
+without pipelining.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as _torch_schedules
+
+from titanlike.models.registry import ModelSpec
+
+# Our names for torch's schedule classes (torchtitan's names). DualPipeV only exists in newer
+# torch releases, so the list a user may choose from is what the installed torch has.
+_CLASS_NAMES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "LoopedBFS": "ScheduleLoopedBFS",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+SCHEDULES: dict[str, type] = {
+    name: getattr(_torch_schedules, cls) for name, cls in _CLASS_NAMES.items() if hasattr(_torch_schedules, cls)
+}
+# torch maps their stages to ranks in a V; giving them looped stages would deadlock.
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that split each backward into input-grad and weight-grad halves run at different
+# times. With FSDP resharding parameters after forward they give wrong or missing gradients
+# (measured: loss off by up to 1e-2 in 3 steps at pp 2 x FSDP 2), and torch does not support
+# the split with compiled modules.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def schedule_name(name: str) -> str:
+    """The canonical spelling of a schedule name (matched case-insensitively, as torch does).
+
+    Raises ValueError naming the nearest known schedule.
+    """
+    for known in SCHEDULES:
+        if known.lower() == name.lower():
+            return known
+    lower = {known.lower(): known for known in SCHEDULES}
+    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.3)
+    hint = f"; did you mean {lower[close[0]]!r}?" if close else ""
+    raise ValueError(f"parallelism.pipeline_parallel_schedule {name!r} is unknown; this torch has "
+                     f"{', '.join(SCHEDULES)}{hint}")
+
+
+def is_single_stage(name: str) -> bool:
+    return issubclass(SCHEDULES[schedule_name(name)], _torch_schedules.PipelineScheduleSingle)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Stages and their layers; stage i holds layers[i] consecutive transformer layers."""
+
+    pp: int
+    layers: tuple[int, ...]
+    v_shaped: bool
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.pp
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """Stage indices held by pipeline rank `rank`, in the order the schedule wants them."""
+        if self.v_shaped:
+            return [rank, 2 * self.pp - 1 - rank]
+        return list(range(rank, self.num_stages, self.pp))
+
+    def layer_indices(self, stage: int) -> range:
+        start = sum(self.layers[:stage])
+        return range(start, start + self.layers[stage])
+
+    def describe(self) -> str:
+        placement = "V-shaped" if self.v_shaped else "looped" if self.stages_per_rank > 1 else "one per rank"
+        return (f"{self.num_stages} stages over {self.pp} ranks ({placement}), "
+                f"layers per stage {list(self.layers)}")
+
+
+def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | None) -> PipelineLayout:
+    """The stage layout for a model of n_layers transformer layers.
+
+    Raises ValueError (one sentence naming the option to change) when the layers cannot
+    fill the stages or the stage count does not suit the schedule.
+    """
+    name = schedule_name(schedule)
+    single = is_single_stage(name)
+    if layers_per_stage is None:
+        num_stages = pp * (1 if single else 2)
+        if n_layers < num_stages:
+            raise ValueError(
+                f"{name} at pipeline_parallel_degree {pp} needs {num_stages} stages of at least one layer each, "
+                f"but the model has {n_layers} layers")
+        base, extra = divmod(n_layers, num_stages)
+        # The middle stages take the spare layers; the end stages already hold the embedding
+        # and the output projection. Ties go to the earlier stage: the output projection is
+        # the heavier end.
+        by_preference = sorted(range(num_stages), key=lambda s: (-min(s, num_stages - 1 - s), s))
+        layers = [base + (s in by_preference[:extra]) for s in range(num_stages)]
+    else:
+        if layers_per_stage < 1:
+            raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage must be at least 1, got {layers_per_stage}")
+        num_stages = -(-n_layers // layers_per_stage)
+        if num_stages % pp:
+            raise ValueError(
+                f"{n_layers} layers at pipeline_parallel_layers_per_stage {layers_per_stage} make {num_stages} "
+                f"stages, not a multiple of pipeline_parallel_degree {pp}")
+        # Stages hold layers_per_stage layers except for the shortfall (< layers_per_stage),
+        # taken alternately off the last and the first stage so that neither becomes empty.
+        layers = [layers_per_stage] * num_stages
+        for i in range(num_stages * layers_per_stage - n_layers):
+            layers[-1 if i % 2 == 0 else 0] -= 1
+    per_rank = num_stages // pp
+    if single and per_rank != 1:
+        raise ValueError(
+            f"{name} runs one stage per rank, but pipeline_parallel_layers_per_stage {layers_per_stage} gives "
+            f"{num_stages} stages for pipeline_parallel_degree {pp}; use a multi-stage schedule "
+            f"(e.g. Interleaved1F1B) or {-(-n_layers // pp)} layers per stage")
+    if not single and per_rank < 2:
+        raise ValueError(
+            f"{name} needs at least 2 stages per rank, but pipeline_parallel_layers_per_stage {layers_per_stage} "
+            f"gives {num_stages} stages for pipeline_parallel_degree {pp}; use fewer layers per stage or 1F1B")
+    if name in V_SCHEDULES and per_rank != 2:
+        raise ValueError(
+            f"{name} needs exactly 2 stages per rank, but pipeline_parallel_layers_per_stage {layers_per_stage} "
+            f"gives {per_rank}; use {-(-n_layers // (2 * pp))} layers per stage")
+    return PipelineLayout(pp=pp, layers=tuple(layers), v_shaped=name in V_SCHEDULES)
+
+
+def microbatch_problem(schedule: str, n_microbatches: int, layout: PipelineLayout) -> str | None:
+    """Why torch's schedule refuses this many microbatches, or None.
+
+    Mirrors the checks in torch.distributed.pipelining.schedules (verified by running each
+    schedule at pp 2 and 4 for 1..2*stages+2 microbatches: every accepted count is exact).
+    """
+    name, pp = schedule_name(schedule), layout.pp
+    if name == "1F1B" and n_microbatches < pp:
+        return f"1F1B needs at least as many microbatches as stages ({pp})"
+    if name == "DualPipeV" and n_microbatches < layout.num_stages:
+        return f"DualPipeV needs at least as many microbatches as stages ({layout.num_stages})"
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            ok = [n for n in range(1, 2 * n_microbatches) if n % max(1, n // pp) == 0]
+            near = sorted(ok, key=lambda n: (abs(n - n_microbatches), n))[:2]
+            return (f"{name} runs n microbatches in max(1, n // pipeline_parallel_degree) rounds, so n must be "
+                    f"below 2 x {pp} or divisible by n // {pp} = {rounds} (e.g. {' or '.join(map(str, sorted(near)))})")
+    return None
+
+
+def build_stage_modules(model: nn.Module, spec: ModelSpec, layout: PipelineLayout, pp_rank: int) -> list[nn.Module]:
+    """The model parts (one per stage held by pp_rank) cut out of the meta model."""
+    names = list(model.layers.keys())
+    parts = []
+    for stage in layout.stages_of_rank(pp_rank):
+        keep = [names[i] for i in layout.layer_indices(stage)]
+        parts.append(spec.pipeline_stage(model, keep, first=stage == 0, last=stage == layout.num_stages - 1))
+    return parts
+
+
+class PipelineRunner:
+    """The schedule of this rank's stages, and what the trainer needs to drive it."""
+
+    def __init__(self, schedule, layout: PipelineLayout, stage_ids: list[int]):
+        self.schedule = schedule
+        self.layout = layout
+        self.has_first = 0 in stage_ids
+        self.has_last = layout.num_stages - 1 in stage_ids
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """Forward and backward of one local batch; the per-microbatch losses where this rank
+        holds the last stage, an empty list elsewhere."""
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
+                           losses=losses, return_outputs=False)
+        return losses
+
+
+def build_schedule(
+    parts: list[nn.Module],
+    layout: PipelineLayout,
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> PipelineRunner:
+    """Wrap this rank's (already parallelized and initialized) parts into stages and a schedule."""
+    name = schedule_name(schedule)
+    rank = pp_mesh.get_local_rank()
+    stage_ids = layout.stages_of_rank(rank)
+    # Dynamic stages: shapes (and DTensor layouts) are learned from the first microbatch, so
+    # TP, CP and any batch shape need no example inputs here.
+    stages = [PipelineStage(part, index, layout.num_stages, device, group=pp_mesh.get_group())
+              for part, index in zip(parts, stage_ids)]
+    cls = SCHEDULES[name]
+    first_arg = stages[0] if is_single_stage(name) else stages
+    sched = cls(first_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return PipelineRunner(sched, layout, stage_ids)
+
