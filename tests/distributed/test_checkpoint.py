@@ -213,3 +213,13 @@ def test_damaged_checkpoint_stops_every_rank_with_the_file_name(tmp_path, straig
     assert proc.returncode != 0
     assert f"checkpoint file {data} is truncated" in proc.stderr
     assert read_metrics(tmp_path / "run") == []  # no step ran: no silent fresh start
+
+
+def test_fsdp2_checkpoint_resumes_under_tp2(tmp_path, killed_and_resumed, straight):
+    # Parameters saved as FSDP shards (dim-0 over 2 ranks) load as TP shards (column/row splits).
+    folder = tmp_path / "ckpt"
+    shutil.copytree(killed_and_resumed["dump"] / "checkpoint" / "step-6", folder / "step-6")
+    got = run(tmp_path / "tp2", "--checkpoint.folder", str(folder), "--checkpoint.interval", "100",
+              "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2", nproc=2)
+    assert sorted(got) == [7, 8, 9, 10]
+    assert_close_curve(got, straight[1], steps=range(7, 11))
