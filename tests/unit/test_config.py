@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from titanlike.config import ConfigError, HelpRequested, help_text, load_job_config, validate_config
 
@@ -102,7 +103,12 @@ def test_help_lists_every_option_with_default_and_doc():
         (["--parallelism.tensor_parallel_degree", "0"], 1, "tensor_parallel_degree must be at least 1"),
         (["--parallelism.pipeline_parallel_degree", "0"], 1, "pipeline_parallel_degree must be at least 1"),
         (["--parallelism.expert_parallel_degree", "2"], 2, "expert parallelism"),
-        (["--parallelism.enable_async_tensor_parallel"], 1, "async tensor parallelism"),
+        (["--parallelism.enable_async_tensor_parallel"], 1, "needs tensor_parallel_degree > 1"),
+        (["--parallelism.enable_async_tensor_parallel", "--parallelism.tensor_parallel_degree", "2"], 2,
+         "works through torch.compile"),
+        pytest.param(["--parallelism.enable_async_tensor_parallel", "--parallelism.tensor_parallel_degree", "2",
+                      "--compile.enable"], 2, "needs CUDA GPUs",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU machines")),
         (["--model.converters", "float8"], 1, "model converters (float8)"),
         (["--validation.enable"], 1, "validation"),
         (["--model.name", "gpt5"], 1, "model.name 'gpt5' is unknown"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from titanlike.config.loader import ConfigError
 from titanlike.config.schema import JobConfig
 from titanlike.parallel.parallel_dims import ParallelDims
@@ -50,8 +52,14 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     _check(dims.ep == 1, f"expert parallelism (parallelism.expert_parallel_degree) {_NOT_YET}")
     _check(p.expert_tensor_parallel_degree == 1,
            f"parallelism.expert_tensor_parallel_degree {_NOT_YET}")
-    _check(not p.enable_async_tensor_parallel,
-           f"async tensor parallelism (parallelism.enable_async_tensor_parallel) {_NOT_YET}")
+    if p.enable_async_tensor_parallel:
+        _check(dims.tp > 1, "parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
+        _check(cfg.compile.enable and "model" in cfg.compile.components,
+               "parallelism.enable_async_tensor_parallel works through torch.compile: "
+               "also set compile.enable with the model component")
+        _check(torch.cuda.is_available(),
+               "parallelism.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
+               "this machine has none")
     _check(not cfg.model.converters,
            f"model converters ({', '.join(cfg.model.converters)}) {_NOT_YET}")
     _check(not cfg.validation.enable, f"validation (validation.enable) {_NOT_YET}")

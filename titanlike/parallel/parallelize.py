@@ -28,6 +28,8 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
             dims.mesh("tp"),
             loss_parallel=not cfg.parallelism.disable_loss_parallel,
         )
+        if cfg.parallelism.enable_async_tensor_parallel:
+            enable_async_tensor_parallel(dims.mesh("tp"))
     if dims.cp_enabled:
         apply_context_parallel(model, dims.mesh("cp"), cfg.parallelism.context_parallel_rotate_method)
     apply_activation_checkpointing(
@@ -53,3 +55,15 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
             reshard_after_forward=reshard,
         )
     return model
+
+
+def enable_async_tensor_parallel(tp_mesh) -> None:
+    """Micro-pipelined TP: inductor splits each TP matmul and overlaps the pieces with their
+    all-gather / reduce-scatter. Its kernels exchange data through symmetric memory, so the TP
+    group must be registered for it. Takes effect in compiled blocks only (validation requires
+    compile and CUDA)."""
+    import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
