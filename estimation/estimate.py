@@ -1,0 +1,57 @@
+"""Estimate the peak GPU memory of a training job, for any world size, without GPUs.
+
+    python estimation/estimate.py --job.config_file train_configs/llama3_405b.toml --estimate.world_size 512
+    python estimation/estimate.py --job.config_file train_configs/llama3_8b.toml --estimate.world_size 8 \\
+        --activation_checkpoint.mode full --estimate.device_memory_gib 80 [--estimate.json]
+    python estimation/estimate.py --job.config_file ... --estimate.plan --estimate.world_size 64 \\
+        --estimate.device_memory_gib 80
+
+Takes every train.py option (the same TOML and overrides) plus the `--estimate.*`
+options listed by --help. Prints the traced estimate (the real model, parallelize
+and optimizer on fake tensors under a fake process group) beside the analytic one,
+with the difference explained; `--estimate.plan` ranks layouts instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from estimation.options import estimate_help, parse_estimate_args
+    from titanlike.config import ConfigError, help_text, load_job_config
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text().replace("train.py", "estimation/estimate.py") + "\n" + estimate_help())
+        return 0
+    try:
+        opts, rest = parse_estimate_args(argv)
+        cfg = load_job_config(rest)
+        if opts.plan:
+            from estimation.planner import format_plan, run_plan
+
+            plan = run_plan(cfg, opts, log=_log(opts))
+            print(json.dumps(plan, indent=1) if opts.json else format_plan(plan))
+            return 0
+        from estimation.report import format_report, run_estimate
+
+        result = run_estimate(cfg, opts, log=_log(opts))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if opts.json else format_report(result))
+    return 0
+
+
+def _log(opts):
+    # Progress goes to stderr so that --estimate.json keeps stdout to the one JSON object.
+    return lambda msg: print(msg, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Measure the real peak tensor memory of one training step on CPU, to check the estimates.
+
+    torchrun --nproc_per_node=N estimation/measure_cpu.py --measure.out DIR [train.py options]
+
+Builds the real Trainer (gloo on CPU), runs two steps (the second with optimizer
+state allocated, like every later step), then runs a third under torch.profiler with
+profile_memory=True. The profiler records every allocation and free of the CPU
+allocator with its size; the peak of their running sum, plus the bytes already live
+when the step starts (parameters, buffers, gradients and optimizer state, counted
+from their storages), is the measured peak of live tensor memory of the step. This is
+independent of the trackers the traced estimate uses (allocator events, not
+dispatch-level storage bookkeeping), and it sees what the real run does: real
+collectives, real FSDP buffers. Each rank writes DIR/rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _live_bytes(trainer) -> int:
+    import torch
+
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if not isinstance(t, torch.Tensor):
+            return
+        local = t.to_local() if hasattr(t, "to_local") else t
+        st = local.untyped_storage()
+        if st.data_ptr() in seen or st.nbytes() == 0:
+            return
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+
+    for part in trainer.model_parts:
+        for p in part.parameters():
+            add(p)
+            add(p.grad)
+        for b in part.buffers():
+            add(b)
+    for state in trainer.optimizer.state.values():
+        for v in state.values():
+            add(v)
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from titanlike.config import load_job_config, validate_config
+    from titanlike.train.trainer import Trainer
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    out = None
+    if "--measure.out" in argv:
+        i = argv.index("--measure.out")
+        out = argv[i + 1]
+        del argv[i:i + 2]
+    cfg = load_job_config(argv)
+    dims = validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    trainer = Trainer(cfg, dims)
+    try:
+        trainer.checkpointer.load()
+        data = iter(trainer.dataloader)
+        for _ in range(2):
+            trainer.train_step([next(data) for _ in range(trainer.grad_accum_steps)])
+        batch = [next(data) for _ in range(trainer.grad_accum_steps)]
+        baseline = _live_bytes(trainer)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer.train_step(batch)
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        running = peak = 0
+        for e in events:
+            if e.device_type() != torch._C._autograd.DeviceType.CPU:
+                continue
+            running += e.nbytes()
+            peak = max(peak, running)
+        rank = trainer.rank
+        result = {"rank": rank, "baseline_bytes": baseline, "step_peak_above_baseline": peak,
+                  "peak_bytes": baseline + peak, "end_minus_start_bytes": running}
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        else:
+            print(json.dumps(result))
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

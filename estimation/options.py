@@ -1,0 +1,225 @@
+"""The `--estimate.*` options, and turning a training JobConfig into one that can be estimated.
+
+The estimate options are parsed here, not added to the training schema: they mean
+nothing to `train.py`, and keeping them out of `JobConfig` keeps `train.py --help`
+and the config files about training. Everything else on the command line goes to
+the training config loader unchanged, so an estimate reads exactly the job that
+`train.py` would run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from titanlike.config.loader import _FALSE, _TRUE, ConfigError, _convert, _nearest, _unwrap_optional
+from titanlike.config.schema import JobConfig, opt
+from titanlike.config.validate import validate_config
+from titanlike.parallel.parallel_dims import ParallelDims
+
+PREFIX = "--estimate."
+
+
+@dataclass
+class EstimateOptions:
+    world_size: int | None = opt(
+        None, "ranks to estimate for; empty means the smallest world the config's parallel degrees allow")
+    device_memory_gib: float | None = opt(None, "GPU memory in GiB; with it, a verdict says whether the job fits")
+    reserved_gib: float = opt(
+        2.0, "GPU memory the tensors cannot use: CUDA context, NCCL communicators, cuBLAS workspaces")
+    fragmentation: float = opt(
+        0.05, "caching-allocator overhead as a fraction of peak tensor memory (reserved over allocated)")
+    mode: str = opt("both", "which estimates to run", choices=("both", "traced", "analytic"))
+    json: bool = opt(False, "print one JSON object instead of the report")
+    per_module: bool = opt(False, "also report the traced peak of every module during its forward and backward")
+    module_depth: int = opt(2, "deepest module level listed by per_module (1 = the model's children)")
+    alloc_granularity: int = opt(
+        512, "bytes every tensor is rounded up to, as the CUDA caching allocator does; 1 counts exact bytes")
+    # Planner.
+    plan: bool = opt(False, "rank layouts for this model, world size, GPU memory and sequence length")
+    plan_top: int = opt(5, "layouts the planner prints")
+    plan_verify: int = opt(0, "planner: trace this many of the best layouts and drop those the trace says do not fit")
+    plan_ac_modes: list[str] = opt(["none", "op", "full"], "planner: activation checkpointing modes to try")
+    plan_mfu: float = opt(0.5, "planner: fraction of the dense bf16 peak that matmuls reach (before comm and bubbles)")
+    device_tflops: float = opt(989.0, "planner: dense bf16 peak of one GPU in TFLOP/s (H100 SXM: 989)")
+    gpus_per_node: int = opt(8, "planner: GPUs sharing one NVLink domain")
+    nvlink_gbps: float = opt(
+        360.0, "planner: achievable collective bus bandwidth inside a node, GB/s per GPU (H100 NVLink 4)")
+    ib_gbps: float = opt(
+        40.0, "planner: achievable collective bus bandwidth across nodes, GB/s per GPU (400 Gb/s NDR per GPU)")
+
+
+def _fields() -> dict[str, tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(EstimateOptions)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(EstimateOptions)}
+
+
+def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]]:
+    """Split argv into the `--estimate.*` options and the rest (for `load_job_config`).
+
+    Same conventions as the training options: `--estimate.key value`, `--estimate.key=value`,
+    booleans as flags or `--estimate.no_key`, lists comma-separated.
+    """
+    fields_ = _fields()
+    values: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith(PREFIX):
+            rest.append(arg)
+            i += 1
+            continue
+        name, eq, inline = arg[len(PREFIX):].partition("=")
+        negated = name.startswith("no_") and name[3:] in fields_ and name not in fields_
+        key = name[3:] if negated else name
+        if key not in fields_:
+            hint = _nearest(key, list(fields_))
+            raise ConfigError(f"unknown option --estimate.{key}{hint.replace(chr(39), chr(39) + 'estimate.', 1)}")
+        field_, tp = fields_[key]
+        is_bool = _unwrap_optional(tp)[0] is bool
+        if negated:
+            if not is_bool:
+                raise ConfigError(f"--estimate.no_{key} only applies to true/false options")
+            raw, i = False, i + 1
+        elif eq:
+            raw, i = inline, i + 1
+        elif is_bool:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and nxt.lower() in _TRUE | _FALSE:
+                raw, i = nxt, i + 2
+            else:
+                raw, i = True, i + 1
+        else:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"--estimate.{key} needs a value")
+            raw, i = argv[i + 1], i + 2
+        values[key] = _convert(f"estimate.{key}", raw, tp, field_.metadata.get("choices"))
+    opts = EstimateOptions(**values)
+    if opts.world_size is not None and opts.world_size < 1:
+        raise ConfigError(f"estimate.world_size must be at least 1, got {opts.world_size}")
+    if opts.alloc_granularity < 1:
+        raise ConfigError(f"estimate.alloc_granularity must be at least 1, got {opts.alloc_granularity}")
+    unknown = set(opts.plan_ac_modes) - {"none", "op", "full", "selective"}
+    if unknown:
+        raise ConfigError(f"estimate.plan_ac_modes may only hold none, op, selective and full, "
+                          f"got {', '.join(sorted(unknown))}")
+    return opts, rest
+
+
+def estimate_help() -> str:
+    lines = ["", "[estimate]  (estimation/estimate.py only)"]
+    for key, (field_, tp) in _fields().items():
+        default = field_.default if field_.default is not dataclasses.MISSING else field_.default_factory()
+        doc = field_.metadata.get("doc", "")
+        if field_.metadata.get("choices"):
+            doc += f" ({' | '.join(field_.metadata['choices'])})"
+        lines.append(f"  --estimate.{key} (default {default!r})")
+        lines.append(f"      {doc}")
+    return "\n".join(lines)
+
+
+@dataclass
+class Float8Adjustment:
+    """What a float8 converter would change, applied analytically (the trace runs in bf16)."""
+
+    fsdp_float8_all_gather: bool
+    filter_fqns: list[str]
+
+
+@dataclass
+class PreparedJob:
+    """A job ready to estimate: the config the trace runs (features it cannot trace removed),
+    the resolved layout, the model args the trainer would build, and what was changed."""
+
+    cfg: JobConfig
+    dims: ParallelDims
+    model_args: Any
+    notes: list[str] = field(default_factory=list)
+    float8: Float8Adjustment | None = None
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_size(path: str) -> int:
+    # The planner prepares thousands of layouts of one job: load its tokenizer once.
+    from titanlike.data import build_tokenizer
+
+    return build_tokenizer(path).vocab_size
+
+
+def default_world_size(cfg: JobConfig) -> int:
+    p = cfg.parallelism
+    shard = max(p.data_parallel_shard_degree, 1)
+    return (p.data_parallel_replicate_degree * shard * p.context_parallel_degree
+            * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+
+
+def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
+    """Validate cfg for world_size with the training rules, after taking out what an
+    estimate cannot run (each removal is recorded in `notes`).
+
+    Raises ConfigError (one sentence, from the same validation train.py uses) for layouts
+    that cannot run at all.
+    """
+    from titanlike.models.registry import get_model_spec, model_names
+
+    est = copy.deepcopy(cfg)
+    notes: list[str] = []
+    world_size = world_size or default_world_size(cfg)
+
+    float8 = None
+    converters, est.model.converters = list(est.model.converters), []
+    for name in converters:
+        if name.lower() == "float8":
+            float8 = Float8Adjustment(est.float8.enable_fsdp_float8_all_gather, list(est.float8.filter_fqns))
+            notes.append(
+                "float8: traced in bf16, then adjusted analytically: with enable_fsdp_float8_all_gather the "
+                "gathered weights of converted linears take 1 byte instead of 2; torchao keeps high-precision "
+                "inputs for backward, so activations are unchanged")
+        else:
+            notes.append(f"model converter {name!r} is not modeled; estimated without it")
+    if est.compile.enable:
+        est.compile.enable = False
+        notes.append("compile: estimated in eager mode (a trace cannot compile); compiled blocks usually "
+                     "save some activation memory by fusing elementwise ops, so this errs high")
+    p = est.parallelism
+    if p.enable_async_tensor_parallel:
+        p.enable_async_tensor_parallel = False
+        notes.append("async tensor parallel: estimated as plain tensor parallel (same tensors, different overlap)")
+    if p.expert_parallel_degree != 1 or p.expert_tensor_parallel_degree != 1:
+        if est.model.name in model_names() and not getattr(get_model_spec(est.model.name), "extras", {}).get("moe"):
+            notes.append(f"expert parallelism: {est.model.name} is a dense model, so expert degrees change "
+                         "nothing; estimated with 1")
+            p.expert_parallel_degree = p.expert_tensor_parallel_degree = 1
+    # Where data comes from, checkpoints and logging change no GPU tensor of a training step.
+    est.training.dataset, est.training.dataset_path = "default", None
+    c = est.checkpoint
+    c.enable, c.initial_load_path, c.initial_load_in_hf = False, None, False
+    c.create_seed_checkpoint = c.last_save_in_hf = False
+    est.validation.enable = False
+    est.metrics.enable_wandb = est.metrics.enable_tensorboard = False
+    est.profiling.enable_memory_snapshot = est.profiling.enable_profiling = False
+
+    vocab_size = None
+    path = est.model.tokenizer_path
+    if path and not os.path.isfile(path):
+        notes.append(f"tokenizer {path} not found: vocab_size taken from the {est.model.flavor} flavor")
+        est.model.tokenizer_path = None
+    else:
+        # The trainer sizes the embedding by the tokenizer it loads (the debug one by default).
+        from titanlike.data import DEFAULT_TOKENIZER_PATH
+        vocab_size = _vocab_size(path or DEFAULT_TOKENIZER_PATH)
+    dims = validate_config(est, world_size)
+
+    flavor = get_model_spec(est.model.name).flavors[est.model.flavor]
+    changes: dict[str, Any] = {"max_seq_len": est.training.seq_len}
+    if vocab_size is not None:
+        changes["vocab_size"] = vocab_size
+    model_args = dataclasses.replace(flavor, **changes)
+    return PreparedJob(cfg=est, dims=dims, model_args=model_args, notes=notes, float8=float8)

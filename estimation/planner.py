@@ -1,0 +1,342 @@
+"""Layout planner: enumerate layouts for a world size, keep those that fit, rank by a throughput model.
+
+Enumeration. For N GPUs: tensor parallel t in {1, 2, 4, 8} (inside a node), pipeline p
+in {1, 2, 4, ...} (1F1B and Interleaved1F1B), context parallel c in {1, 2, 4, 8},
+data parallel dp = N / (t p c) split into HSDP replicas r and FSDP shards dp / r,
+expert parallel 1 (the Llama 3 family is dense), activation checkpointing from
+`plan_ac_modes`. The global batch (in sequences) is the config's: global_batch_size,
+or local_batch_size x the config's own data-parallel degree. Each layout gets the
+largest microbatch that fits. Every candidate goes through the same validation as
+train.py; rejected ones are counted by reason.
+
+Fit. The analytic estimate (fast), with the verdict's fragmentation and reserved
+memory; `plan_verify` re-checks the best layouts with the traced estimate.
+
+Throughput model, per optimizer step, per GPU (stated, not measured):
+  compute   = tokens x FLOPs/token / GPUs / (peak x MFU), FLOPs/token = 6N + 12 L H Q T,
+              times 4/3 for full activation checkpointing (the forward runs twice),
+              1 + 1/(3k) for every k-th block, and 1 for op-level (elementwise recompute only)
+  TP        = per layer and microbatch, sequence parallelism moves 4 all-gathers or
+              reduce-scatters of (t-1)/t of a b x s x h activation in forward and 4 in
+              backward (4 more when the forward is recomputed); not overlapped (no async TP)
+  CP        = all-gather of K/V per layer in forward, reduce-scatter of their gradients
+              in backward; not overlapped
+  FSDP      = all-gather of bf16 parameters in forward and again in backward (when resharded),
+              reduce-scatter of fp32 gradients, per microbatch (per step under PP, which
+              accumulates unsharded); HSDP adds an all-reduce of the shards across replicas.
+              Overlapped with compute: only what exceeds the compute time is exposed, plus
+              one block's all-gather that nothing can hide
+  bubble    = (p - 1) / (v m) of the pipeline's compute and TP/CP time (v stages per rank,
+              m microbatches); point-to-point activations are small and overlapped (ignored)
+Only bandwidth is modeled, not collective latency, so the ranking means little for
+tiny models whose steps take microseconds.
+Bandwidths: a group whose ranks all sit in one node (the mesh puts tp innermost, then cp,
+dp_shard, dp_replicate, pp) uses NVLink, any other InfiniBand. Ring collectives move
+(n-1)/n of the data per GPU. The figures (MFU, peak, bandwidths) are options.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+from estimation.memory import GiB
+from estimation.options import EstimateOptions, PreparedJob, prepare_job
+from estimation.report import verdict
+from titanlike.config.loader import ConfigError
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Candidate:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    schedule: str | None
+    ac: str
+    local_batch_size: int
+    microbatch: int
+    peak_bytes: int = 0
+    headroom_bytes: int = 0
+    fits: bool = False
+    step_seconds: float = 0.0
+    tokens_per_second_per_gpu: float = 0.0
+    mfu: float = 0.0
+    time_parts: dict[str, float] = field(default_factory=dict)
+    traced_peak_bytes: int | None = None
+    why: str = ""
+
+    def label(self) -> str:
+        parts = [f"dp_shard {self.dp_shard}"]
+        if self.dp_replicate > 1:
+            parts.insert(0, f"dp_replicate {self.dp_replicate}")
+        for name in ("cp", "tp", "pp"):
+            if getattr(self, name) > 1:
+                parts.append(f"{name} {getattr(self, name)}")
+        if self.pp > 1:
+            parts.append(self.schedule)
+        parts.append(f"AC {self.ac}")
+        parts.append(f"microbatch {self.microbatch}")
+        return ", ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """The train.py options that select this layout."""
+        ac_mode, option = {"none": ("none", "2"), "full": ("full", "2"), "op": ("selective", "op"),
+                           "selective": ("selective", "2")}[self.ac]
+        out = [f"--parallelism.data_parallel_replicate_degree {self.dp_replicate}",
+               f"--parallelism.data_parallel_shard_degree {self.dp_shard}",
+               f"--parallelism.tensor_parallel_degree {self.tp}",
+               f"--parallelism.context_parallel_degree {self.cp}",
+               f"--parallelism.pipeline_parallel_degree {self.pp}",
+               f"--activation_checkpoint.mode {ac_mode}"]
+        if ac_mode == "selective":
+            out.append(f"--activation_checkpoint.selective_ac_option {option}")
+        out.append(f"--training.local_batch_size {self.local_batch_size}")
+        if self.pp > 1:
+            out += [f"--parallelism.pipeline_parallel_schedule {self.schedule}",
+                    f"--parallelism.pipeline_parallel_microbatch_size {self.microbatch}"]
+        return out
+
+    def as_dict(self) -> dict:
+        return {"layout": self.label(), "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp, "pp": self.pp, "ep": 1, "pp_schedule": self.schedule, "activation_checkpoint": self.ac,
+                "local_batch_size": self.local_batch_size, "microbatch": self.microbatch,
+                "peak_bytes": self.peak_bytes, "traced_peak_bytes": self.traced_peak_bytes,
+                "headroom_bytes": self.headroom_bytes, "step_seconds": self.step_seconds,
+                "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu, "mfu": self.mfu,
+                "time_seconds": self.time_parts, "why": self.why, "overrides": " ".join(self.overrides())}
+
+
+def _apply(cfg, c: Candidate, global_batch: int):
+    out = copy.deepcopy(cfg)
+    p = out.parallelism
+    p.data_parallel_replicate_degree, p.data_parallel_shard_degree = c.dp_replicate, c.dp_shard
+    p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree = c.tp, c.cp, c.pp
+    p.expert_parallel_degree = p.expert_tensor_parallel_degree = 1
+    p.pipeline_parallel_layers_per_stage = None
+    if c.pp > 1:
+        p.pipeline_parallel_schedule = c.schedule
+        p.pipeline_parallel_microbatch_size = c.microbatch
+    ac = out.activation_checkpoint
+    ac.mode, ac.selective_ac_option = {"none": ("none", "2"), "full": ("full", "2"), "op": ("selective", "op"),
+                                       "selective": ("selective", "2")}[c.ac]
+    out.training.local_batch_size = c.local_batch_size
+    out.training.global_batch_size = global_batch
+    return out
+
+
+Layout = tuple[int, int, int, int, int, str | None]  # dp_replicate, dp_shard, cp, tp, pp, schedule
+
+
+def enumerate_layouts(world: int, n_layers: int, opts: EstimateOptions) -> list[Layout]:
+    """(dp_replicate, dp_shard, cp, tp, pp, schedule) for every way to split `world` ranks."""
+    out = []
+    for tp in (1, 2, 4, 8):
+        if world % tp or tp > opts.gpus_per_node:
+            continue
+        for pp in (d for d in _divisors(world // tp) if d == 1 or (d & (d - 1) == 0 and d <= n_layers // 2)):
+            for cp in (1, 2, 4, 8):
+                rest = world // tp
+                if rest % (pp * cp):
+                    continue
+                dp = rest // (pp * cp)
+                for rep in _divisors(dp):
+                    for schedule in ((None,) if pp == 1 else ("1F1B", "Interleaved1F1B")):
+                        out.append((rep, dp // rep, cp, tp, pp, schedule))
+    return out
+
+
+def throughput(prep: PreparedJob, c: Candidate, global_batch: int, opts: EstimateOptions) -> None:
+    """Fill c's step time, tokens/s per GPU and MFU from the model in the module docstring."""
+    from estimation.analytic import _stage_param_bytes, stage_layout
+    from titanlike.models.llama3.model import num_params_from_args
+
+    args, cfg, dims = prep.model_args, prep.cfg, prep.dims
+    world = dims.world_size
+    seq = cfg.training.seq_len
+    e = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
+    flops_per_token = 6 * num_params_from_args(args, exclude_embedding=True) + \
+        12 * args.n_layers * args.n_heads * args.head_dim * seq
+    # Op-level recompute redoes only elementwise ops: few FLOPs, but memory-bound time (assumed 5%).
+    recompute = {"none": 1.0, "op": 1.05, "full": 4 / 3, "selective": 1 + 1 / 6}[c.ac]
+    peak = opts.device_tflops * 1e12
+    tokens = global_batch * seq
+    compute = tokens * flops_per_token * recompute / world / (peak * opts.plan_mfu)
+
+    def bw(span: int) -> float:
+        return (opts.nvlink_gbps if span <= opts.gpus_per_node else opts.ib_gbps) * 1e9
+
+    layers_per_rank = args.n_layers / c.pp
+    microbatches = c.local_batch_size // c.microbatch
+    seq_local = seq // c.cp
+    act = c.microbatch * seq_local * args.dim * e
+    passes = 3 if c.ac in ("full", "selective") else 2
+    tp_time = 0.0
+    if c.tp > 1:
+        tp_time = layers_per_rank * microbatches * 4 * passes * (c.tp - 1) / c.tp * act / bw(c.tp)
+    cp_time = 0.0
+    if c.cp > 1:
+        kv = c.microbatch * seq_local * args.num_kv_heads * args.head_dim * e * 2 / c.tp
+        cp_time = layers_per_rank * microbatches * passes * (c.cp - 1) * kv / bw(c.tp * c.cp)
+
+    per_rank, shapes = stage_layout(prep)
+    shard = c.dp_shard * c.cp
+    tp_local = max(sum(_stage_param_bytes(args, shapes[s], c.tp, 1, 1)[2] for s in stages) for stages in per_rank)
+    fsdp_time = 0.0
+    if shard > 1 or c.dp_replicate > 1:
+        ring = (shard - 1) / shard if shard > 1 else 0
+        per_pass = 1 if c.pp > 1 else microbatches
+        gathers = 1 if c.pp > 1 else (2 if cfg.parallelism.fsdp_reshard_after_forward != "never" else 1)
+        fsdp_bytes = per_pass * ring * tp_local * (gathers * e + 4)
+        fsdp_time = fsdp_bytes / bw(c.tp * c.cp * c.dp_shard)
+        if c.dp_replicate > 1:
+            fsdp_time += 2 * (c.dp_replicate - 1) / c.dp_replicate * tp_local * 4 / shard / opts.ib_gbps / 1e9
+    per_block = fsdp_time / max(layers_per_rank, 1)
+    exposed_fsdp = max(0.0, fsdp_time - compute) + per_block
+    bubble = 0.0
+    if c.pp > 1:
+        v = 2 if c.schedule == "Interleaved1F1B" else 1
+        bubble = (c.pp - 1) / (v * microbatches) * (compute + tp_time + cp_time)
+    step = compute + tp_time + cp_time + exposed_fsdp + bubble
+    c.step_seconds = step
+    c.tokens_per_second_per_gpu = tokens / step / world
+    c.mfu = c.tokens_per_second_per_gpu * flops_per_token / peak
+    c.time_parts = {"compute": compute, "tp": tp_time, "cp": cp_time, "fsdp_exposed": exposed_fsdp,
+                    "pp_bubble": bubble}
+
+
+def _why(c: Candidate) -> str:
+    parts = c.time_parts
+    step = c.step_seconds
+    main = [f"compute {parts['compute']:.3g}s"]
+    for key, label in (("tp", "TP comm"), ("cp", "CP comm"), ("fsdp_exposed", "exposed FSDP"),
+                       ("pp_bubble", "pipeline bubble")):
+        if parts[key] > 0.005 * step:
+            main.append(f"{label} {parts[key]:.3g}s")
+    return (f"{_size(c.headroom_bytes)} headroom; step {step:.3g}s = " + " + ".join(main)
+            + f"; {c.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, MFU {c.mfu:.0%}")
+
+
+def run_plan(cfg, opts: EstimateOptions, log=None) -> dict:
+    from estimation.analytic import estimate_analytic
+
+    log = log or (lambda msg: None)
+    began = time.perf_counter()
+    if opts.device_memory_gib is None:
+        raise ConfigError("the planner needs --estimate.device_memory_gib (GPU memory in GiB)")
+    base = prepare_job(cfg, opts.world_size)  # the config as written must be valid for this world size
+    world = base.dims.world_size
+    t = base.cfg.training
+    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * base.dims.dp_degree
+    counts = {"layouts": 0, "rejected": 0, "do_not_fit": 0, "fit": 0}
+    rejected: dict[str, int] = {}
+    fitting: list[tuple[Candidate, PreparedJob]] = []
+    for rep, shard, cp, tp, pp, schedule in enumerate_layouts(world, base.model_args.n_layers, opts):
+        dp = rep * shard
+        if global_batch % dp:
+            reason = f"global batch {global_batch} is not divisible by the data-parallel degree"
+            rejected[reason] = rejected.get(reason, 0) + len(opts.plan_ac_modes)
+            counts["layouts"] += len(opts.plan_ac_modes)
+            continue
+        local = global_batch // dp
+        for ac in opts.plan_ac_modes:
+            counts["layouts"] += 1
+            found, reasons, validated = None, [], False
+            # Largest microbatch first: fewer microbatches means fewer FSDP gathers and a smaller bubble
+            # share per step... except that under PP more microbatches shrink the bubble, so try all there.
+            for micro in sorted(_divisors(local), reverse=True):
+                c = Candidate(rep, shard, cp, tp, pp, schedule, ac,
+                              local_batch_size=local if pp > 1 else micro, microbatch=micro)
+                try:
+                    prep = prepare_job(_apply(base.cfg, c, global_batch), world)
+                except ConfigError as err:
+                    reasons.append(str(err).split(",")[0])
+                    continue
+                validated = True
+                estimates, _ = estimate_analytic(prep, opts.alloc_granularity)
+                c.peak_bytes = max(e.peak_bytes for e in estimates)
+                v = verdict(c.peak_bytes, opts)
+                c.fits, c.headroom_bytes = v["fits"], v["headroom_bytes"]
+                if not c.fits:
+                    continue
+                throughput(prep, c, global_batch, opts)
+                if found is None or c.tokens_per_second_per_gpu > found[0].tokens_per_second_per_gpu:
+                    found = (c, prep)
+                if pp == 1:
+                    break  # the largest microbatch that fits is the fastest without PP
+            if not validated:
+                rejected[reasons[0]] = rejected.get(reasons[0], 0) + 1
+            elif found is None:
+                counts["do_not_fit"] += 1
+            else:
+                counts["fit"] += 1
+                fitting.append(found)
+    counts["rejected"] = sum(rejected.values())
+    # Fastest first; between equals, the one with more headroom.
+    fitting.sort(key=lambda cp_: (-round(cp_[0].tokens_per_second_per_gpu, 6), cp_[0].peak_bytes))
+    verified: list[Candidate] = []
+    if opts.plan_verify:
+        from estimation.traced import estimate_traced
+
+        for c, prep in fitting[:opts.plan_verify]:
+            log(f"tracing {c.label()}")
+            traced, _ = estimate_traced(prep, granularity=opts.alloc_granularity)
+            c.traced_peak_bytes = max(e.peak_bytes for e in traced)
+            v = verdict(c.traced_peak_bytes, opts)
+            c.fits, c.headroom_bytes = v["fits"], v["headroom_bytes"]
+            verified.append(c)
+    top = [c for c, _ in fitting if c.fits][:opts.plan_top]
+    for c in top:
+        c.why = _why(c)
+    return {
+        "model": f"{cfg.model.name} {cfg.model.flavor}",
+        "world_size": world,
+        "device_memory_gib": opts.device_memory_gib,
+        "seq_len": t.seq_len,
+        "global_batch_size": global_batch,
+        "assumptions": {"mfu": opts.plan_mfu, "device_tflops": opts.device_tflops,
+                        "gpus_per_node": opts.gpus_per_node, "nvlink_GBps": opts.nvlink_gbps,
+                        "ib_GBps": opts.ib_gbps, "reserved_gib": opts.reserved_gib,
+                        "fragmentation": opts.fragmentation},
+        "counts": counts,
+        "rejected_by_validation": dict(sorted(rejected.items(), key=lambda kv: -kv[1])),
+        "verified_by_trace": [c.label() for c in verified],
+        "top": [c.as_dict() for c in top],
+        "seconds": round(time.perf_counter() - began, 1),
+    }
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def format_plan(plan: dict) -> str:
+    a = plan["assumptions"]
+    lines = [
+        f"{plan['model']} on {plan['world_size']} GPUs of {plan['device_memory_gib']:g} GiB, seq_len "
+        f"{plan['seq_len']}, global batch {plan['global_batch_size']} sequences",
+        f"assumed: matmuls at {a['mfu']:.0%} of {a['device_tflops']:g} TFLOP/s, {a['gpus_per_node']} GPUs per "
+        f"NVLink node at {a['nvlink_GBps']:g} GB/s, InfiniBand {a['ib_GBps']:g} GB/s per GPU, "
+        f"{a['reserved_gib']:g} GiB reserved + {a['fragmentation']:.0%} fragmentation",
+        f"{plan['counts']['layouts']} layout x AC-mode candidates: {plan['counts']['fit']} fit, "
+        f"{plan['counts']['do_not_fit']} do not fit (analytic), {plan['counts']['rejected']} rejected by validation",
+        "",
+    ]
+    if not plan["top"]:
+        lines.append("no layout fits; try more GPUs, a shorter sequence or a smaller global batch")
+    for i, c in enumerate(plan["top"], 1):
+        traced = f", traced {_size(c['traced_peak_bytes'])}" if c["traced_peak_bytes"] else ""
+        lines += [f"{i}. {c['layout']}: peak {_size(c['peak_bytes'])} (analytic){traced}",
+                  f"   {c['why']}",
+                  f"   {c['overrides']}"]
+    if plan["rejected_by_validation"]:
+        lines += ["", "rejected by validation (count: first clause of the message):"]
+        lines += [f"  {n}: {reason}" for reason, n in list(plan["rejected_by_validation"].items())[:6]]
+    lines.append(f"\nplanned in {plan['seconds']} s")
+    return "\n".join(lines)

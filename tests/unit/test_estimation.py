@@ -1,0 +1,278 @@
+"""Memory estimation (estimation/): options, validation, analytic and traced estimates, planner, CLI.
+
+Traced estimates run the real model and parallelize under a fake process group and
+FakeTensorMode, in this process, on the tiny debug model; each takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from estimation.analytic import estimate_analytic, in_flight_chunks
+from estimation.memory import Breakdown
+from estimation.options import parse_estimate_args, prepare_job
+from estimation.report import run_estimate, verdict
+from titanlike.config import ConfigError, load_job_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.flavor", "debugmodel_tiny",
+        "--training.seq_len", "64", "--training.local_batch_size", "4"]
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
+
+# Parameters, optimizer state and (fully allocated) gradients are shapes times bytes: the
+# analytic count must match the trace to within this (padding, RoPE buffer, step counters).
+STATIC_TOLERANCE = 0.02
+
+
+def _prep(*overrides: str, world: int):
+    return prepare_job(load_job_config([*TINY, *overrides]), world)
+
+
+def _analytic(*overrides: str, world: int):
+    estimates, _ = estimate_analytic(_prep(*overrides, world=world))
+    return max(estimates, key=lambda e: e.peak_bytes)
+
+
+def _traced(*overrides: str, world: int, granularity: int = 512):
+    from estimation.traced import estimate_traced
+
+    estimates, _ = estimate_traced(_prep(*overrides, world=world), granularity=granularity)
+    return estimates
+
+
+# Options ------------------------------------------------------------------------------------
+
+
+def test_estimate_options_are_split_from_training_options():
+    opts, rest = parse_estimate_args(["--job.config_file", "x.toml", "--estimate.world_size", "512",
+                                      "--estimate.json", "--training.steps=3", "--estimate.device_memory_gib=80",
+                                      "--estimate.no_per_module", "--estimate.plan_ac_modes", "none,full"])
+    assert rest == ["--job.config_file", "x.toml", "--training.steps=3"]
+    assert opts.world_size == 512 and opts.json and opts.device_memory_gib == 80.0
+    assert not opts.per_module and opts.plan_ac_modes == ["none", "full"]
+
+
+def test_unknown_estimate_option_suggests_the_nearest():
+    with pytest.raises(ConfigError, match="did you mean 'estimate.world_size'"):
+        parse_estimate_args(["--estimate.world_sise", "8"])
+    with pytest.raises(ConfigError, match="must be one of"):
+        parse_estimate_args(["--estimate.mode", "guess"])
+
+
+# Validation: the same rules as train.py, features an estimate cannot run are noted ----------
+
+
+@pytest.mark.parametrize("overrides, world, fragment", [
+    (["--parallelism.tensor_parallel_degree", "4"], 6, "not divisible"),
+    (["--parallelism.tensor_parallel_degree", "4"], 4, "key/value heads"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "1"], 2, "microbatches"),
+    (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"], 2, "divisible by 2 x"),
+])
+def test_impossible_layouts_fail_with_one_sentence(overrides, world, fragment):
+    with pytest.raises(ConfigError) as e:
+        _prep(*overrides, world=world)
+    message = str(e.value)
+    assert fragment in message
+    assert "\n" not in message and message.count(". ") == 0
+
+
+def test_untraceable_features_are_noted_not_refused():
+    cfg = load_job_config(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml")])
+    prep = prepare_job(cfg, 512)
+    text = " ".join(prep.notes)
+    assert "float8" in text and "compile" in text and "tokenizer" in text
+    assert prep.float8 is not None and prep.float8.fsdp_float8_all_gather
+    assert prep.model_args.vocab_size == 128256 and prep.model_args.max_seq_len == 8192
+    assert prep.dims.pp == 8 and prep.dims.tp == 8 and prep.dims.dp_shard == 8
+
+
+# Analytic: monotone where it must be --------------------------------------------------------
+
+
+def test_analytic_parameter_bytes_shrink_with_fsdp_and_tp():
+    p2 = _analytic(world=2).peak.parameters
+    p4 = _analytic(world=4).peak.parameters
+    tp2 = _analytic("--parallelism.tensor_parallel_degree", "2", world=2).peak.parameters
+    one = _analytic(world=1).peak.parameters
+    assert p4 < p2 < one
+    assert tp2 < one
+
+
+def test_analytic_full_ac_keeps_fewer_activations():
+    none = _analytic(*BF16, world=2).peak.activations
+    op = _analytic(*BF16, "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                   "op", world=2).peak.activations
+    full = _analytic(*BF16, "--activation_checkpoint.mode", "full", world=2).peak.activations
+    assert full < op < none
+
+
+def test_in_flight_formula_matches_torch_schedules():
+    """The analytic warm-up depth equals the most forwards without their backward in torch's own tables."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    from estimation.traced import _pipeline_order, fake_world
+    from titanlike.parallel.parallel_dims import ParallelDims
+    from titanlike.parallel.pipeline import plan_layout
+
+    for pp in (2, 4):
+        with fake_world(pp):
+            dims = ParallelDims.resolve(world_size=pp, pp=pp)
+            dims.build_mesh("cpu")
+            for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"):
+                for n_mb in (pp, 2 * pp, 3 * pp):
+                    layout = plan_layout(16, pp, schedule, None)
+                    order = _pipeline_order(layout, dims, n_mb, schedule)
+                    for rank in range(pp):
+                        live = most = 0
+                        for action in order[rank]:
+                            live += {C.FORWARD: 1, C.FULL_BACKWARD: -1}.get(action.computation_type, 0)
+                            most = max(most, live)
+                        expected = in_flight_chunks(schedule, pp, rank, n_mb, layout.stages_per_rank)
+                        assert most == expected, (schedule, pp, n_mb, rank)
+
+
+# Traced: every parallelism on tiny configs ---------------------------------------------------
+
+
+LAYOUTS = {
+    "single": ([], 1),
+    "fsdp": ([*BF16], 2),
+    "hsdp": ([*BF16, "--parallelism.data_parallel_replicate_degree", "2"], 4),
+    "tp": ([*BF16, "--parallelism.tensor_parallel_degree", "2"], 2),
+    "fsdp_tp_ac_full": ([*BF16, "--parallelism.tensor_parallel_degree", "2",
+                         "--activation_checkpoint.mode", "full"], 4),
+    "cp": (["--parallelism.context_parallel_degree", "2"], 2),
+    "pp_1f1b": (["--parallelism.pipeline_parallel_degree", "2"], 2),
+    "pp_interleaved_fsdp": ([*BF16, "--parallelism.pipeline_parallel_degree", "2",
+                             "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 4),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_traced_matches_analytic_for_static_memory(name):
+    overrides, world = LAYOUTS[name]
+    traced = _traced(*overrides, world=world)
+    analytic, _ = estimate_analytic(_prep(*overrides, world=world))
+    assert len(traced) == len(analytic) == _prep(*overrides, world=world).dims.pp
+    for t, a in zip(traced, analytic):
+        assert t.peak_bytes > 0 and t.peak.activations >= 0
+        assert t.peak.total == sum(v for k, v in t.peak.as_dict().items() if k != "total")
+        t_opt, a_opt = t.phases["optimizer step"], a.phases["optimizer step"]
+        for bucket in ("parameters", "optimizer_state", "gradients"):
+            tv, av = getattr(t_opt, bucket), getattr(a_opt, bucket)
+            assert abs(tv - av) <= STATIC_TOLERANCE * av, (name, bucket, tv, av)
+        # The whole peak is a model, not a count: it must still land in the same range.
+        assert 0.5 < a.peak_bytes / t.peak_bytes < 2.0, (name, a.peak_bytes, t.peak_bytes)
+
+
+def test_traced_is_monotone_in_fsdp_tp_and_ac():
+    fsdp2 = _traced(*BF16, world=2)[0].peak
+    fsdp4 = _traced(*BF16, world=4)[0].peak
+    assert fsdp4.parameters < fsdp2.parameters
+    assert fsdp4.optimizer_state < fsdp2.optimizer_state
+    one = _traced(world=1)[0].peak
+    tp2 = _traced("--parallelism.tensor_parallel_degree", "2", world=2)[0].peak
+    assert tp2.parameters < one.parameters
+    full = _traced(*BF16, "--activation_checkpoint.mode", "full", world=2)[0].peak
+    assert full.activations < fsdp2.activations
+
+
+def test_traced_pipeline_ranks_differ_by_stage():
+    # 1F1B keeps pp - rank microbatches in flight: the first rank holds more activations.
+    traced = _traced("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8", world=2)
+    assert [e.pp_rank for e in traced] == [0, 1]
+    assert traced[0].stages == [0] and traced[1].stages == [1]
+    assert traced[0].rank == 0 and traced[1].rank == 1
+
+
+def test_granularity_rounds_every_tensor_up():
+    exact = _traced(world=1, granularity=1)[0].peak_bytes
+    rounded = _traced(world=1, granularity=512)[0].peak_bytes
+    assert exact < rounded < exact * 1.05
+
+
+# Verdict, JSON and the command line ----------------------------------------------------------
+
+
+def test_verdict_accounts_for_reserved_memory_and_fragmentation():
+    opts, _ = parse_estimate_args(["--estimate.device_memory_gib", "10", "--estimate.reserved_gib", "2",
+                                   "--estimate.fragmentation", "0"])
+    assert verdict(int(7.5 * 2**30), opts)["fits"]
+    assert not verdict(int(8.5 * 2**30), opts)["fits"]
+    opts, _ = parse_estimate_args([])
+    assert verdict(1, opts) is None
+
+
+def test_json_output_parses_and_has_peak_bytes(capsys):
+    from estimation.estimate import main
+
+    rc = main([*TINY, *BF16, "--estimate.world_size", "2", "--estimate.json", "--estimate.device_memory_gib", "1",
+               "--estimate.reserved_gib", "0",
+               "--estimate.per_module"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["peak_bytes"] == result["traced"]["peak_bytes"] > 0
+    assert result["breakdown"]["total"] == result["peak_bytes"]
+    assert set(result["breakdown"]) >= {"parameters", "gradients", "optimizer_state", "activations", "transient"}
+    assert result["verdict"]["fits"] is True
+    assert result["comparison"] and result["analytic"]["peak_bytes"] > 0
+    assert any("layers" in name for name in result["traced"]["ranks"][0]["per_module"])
+
+
+def test_cli_reports_impossible_layout_as_config_error(capsys):
+    from estimation.estimate import main
+
+    rc = main([*TINY, "--estimate.world_size", "3", "--parallelism.tensor_parallel_degree", "2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error:") and err.count("\n") == 1
+
+
+def test_405b_analytic_runs_with_float8_and_reports_notes():
+    cfg = load_job_config(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml")])
+    opts, _ = parse_estimate_args(["--estimate.world_size", "512", "--estimate.mode", "analytic",
+                                   "--estimate.device_memory_gib", "80"])
+    result = run_estimate(cfg, opts)
+    assert len(result["analytic"]["ranks"]) == 8
+    assert 20 * 2**30 < result["peak_bytes"] < 80 * 2**30
+    assert any("float8" in n for n in result["notes"])
+
+
+# Planner -------------------------------------------------------------------------------------
+
+
+def test_planner_ranks_fitting_layouts_by_throughput():
+    from estimation.planner import run_plan
+
+    cfg = load_job_config([*TINY, *BF16])
+    opts, _ = parse_estimate_args(["--estimate.world_size", "8", "--estimate.device_memory_gib", "1",
+                                   "--estimate.reserved_gib", "0", "--estimate.plan_top", "5"])
+    plan = run_plan(cfg, opts)
+    top = plan["top"]
+    assert 1 <= len(top) <= 5
+    speeds = [c["tokens_per_second_per_gpu"] for c in top]
+    assert speeds == sorted(speeds, reverse=True)
+    for c in top:
+        assert c["dp_replicate"] * c["dp_shard"] * c["cp"] * c["tp"] * c["pp"] == 8
+        assert c["headroom_bytes"] >= 0 and c["why"]
+    # Nothing fits in a few KiB.
+    opts, _ = parse_estimate_args(["--estimate.world_size", "8", "--estimate.device_memory_gib", "0.00001",
+                                   "--estimate.reserved_gib", "0"])
+    assert run_plan(cfg, opts)["top"] == []
+
+
+def test_planner_needs_device_memory():
+    from estimation.planner import run_plan
+
+    opts, _ = parse_estimate_args(["--estimate.world_size", "8"])
+    with pytest.raises(ConfigError, match="device_memory_gib"):
+        run_plan(load_job_config(TINY), opts)
+
+
+def test_breakdown_arithmetic():
+    a = Breakdown(parameters=1, activations=2)
+    b = Breakdown(parameters=3, transient=4)
+    assert (a + b).total == 10 and (b - a).parameters == 2 and a.scaled(2).activations == 4
