@@ -223,3 +223,16 @@ def test_fsdp2_checkpoint_resumes_under_tp2(tmp_path, killed_and_resumed, straig
               "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2", nproc=2)
     assert sorted(got) == [7, 8, 9, 10]
     assert_close_curve(got, straight[1], steps=range(7, 11))
+
+
+def test_pp2_checkpoint_resumes_under_fsdp2(tmp_path, straight):
+    # Pipeline stages save disjoint parameters under their unchanged names; FSDP2 loads them whole.
+    _, ref = straight
+    folder = tmp_path / "ckpt"
+    first = run(tmp_path / "pp2", "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
+                "--parallelism.pipeline_parallel_schedule", "1F1B", "--checkpoint.folder", str(folder),
+                "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only", nproc=2, steps=5)
+    second = run(tmp_path / "fsdp2", *FSDP2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "100",
+                 nproc=2)
+    assert sorted(second) == [6, 7, 8, 9, 10]
+    assert_close_curve({**first, **second}, ref)
