@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,7 +38,3 @@ def sum_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     value = value.clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
     return value
-
-
-def is_finite(x: float) -> bool:
-    return math.isfinite(x)
