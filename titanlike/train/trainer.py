@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 from datetime import timedelta
 
@@ -33,6 +34,12 @@ from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("titanlike")
+
+
+def _local_value(loss: torch.Tensor) -> torch.Tensor:
+    # Under loss parallel the loss is a DTensor replicated over tp; its value is the loss.
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class TrainingError(RuntimeError):
@@ -172,32 +179,25 @@ class Trainer:
             jsonl_path=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
         )
 
+    def _loss_context(self):
+        return torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor):
-        loss_ctx = torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel \
-            else contextlib.nullcontext()
         with self.autocast:
-            if self.cp_positions is None:
-                logits = self.model_parts[0](inputs)
-            else:
-                logits = self.model_parts[0](inputs, positions=self.cp_positions)
-        with loss_ctx:
+            logits = self.model_parts[0](inputs, positions=self.cp_positions)
+        with self._loss_context():
             loss = self.loss_fn(logits, labels) / global_tokens
             loss.backward()
-        loss = loss.detach()
-        # Under loss parallel the loss is a DTensor replicated over tp; its local value is the loss.
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return _local_value(loss)
 
     def pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor):
         """forward_backward of one local batch through the pipeline schedule, which cuts it into
         local_batch_size / pipeline_parallel_microbatch_size microbatches; returns the summed loss
         of those microbatches on the rank holding the last stage, 0 on the others."""
         self._pp_global_tokens = global_tokens
-        loss_ctx = torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel \
-            else contextlib.nullcontext()
-        with self.autocast, loss_ctx:
+        with self.autocast, self._loss_context():
             losses = self.pipeline.step(inputs, labels)
-        losses = [loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach() for loss in losses]
-        return sum(losses, torch.zeros((), device=self.device))
+        return sum((_local_value(loss) for loss in losses), torch.zeros((), device=self.device))
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Called by the schedule per microbatch on the last stage. Dividing by the token count of
@@ -247,7 +247,7 @@ class Trainer:
             self.step += 1
             lr = self.lr_scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step([next(data) for _ in range(self.grad_accum_steps)])
-            if not torch.isfinite(torch.tensor(loss)):
+            if not math.isfinite(loss):
                 raise TrainingError(f"the loss is {loss} at step {self.step}; training stopped")
             losses.append(loss)
             self.metrics.step_done()
