@@ -1,5 +1,6 @@
 """Context-parallel attention is exact: the load-balanced layout, RoPE at global positions,
-and CP attention (output and q/k/v gradients) against full causal attention on one device.
+and CP attention (output and q/k/v gradients) against full causal attention on one device,
+also with document masks (packed documents whose boundaries fall inside and across chunks).
 
 The distributed check spawns 4 gloo processes once and runs cp=4 on all of them and cp=2
 on both halves of a 2 x 2 mesh, each with both rotate methods, GQA and MHA. Tolerances:
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titanlike.models.common.attention import causal_attention
+from titanlike.models.common.attention import DocumentMask, causal_attention, core_attention
 from titanlike.models.common.rope import apply_rotary_emb, precompute_rope_cache
 from titanlike.models.llama3 import Transformer, llama3_flavors
 from titanlike.parallel.context import (
@@ -85,7 +86,18 @@ def test_rope_of_a_slice_uses_global_positions():
 
 # CP attention against one device (spawned gloo ranks) -------------------------------------
 
-def _check_attention(mesh, method: str, heads: int, kv_heads: int) -> None:
+EOD = 1
+
+
+def _packed_tokens(seq: int, vocab: int) -> torch.Tensor:
+    """Two samples of several documents each, with boundaries inside and across CP chunks."""
+    tokens = torch.randint(2, vocab, (2, seq))
+    tokens[0, [3, seq // 2, seq // 2 + 1]] = EOD
+    tokens[1, [seq // 4, seq - 5]] = EOD
+    return tokens
+
+
+def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bool) -> None:
     cp, rank = mesh.size(), mesh.get_local_rank()
     torch.manual_seed(1234)  # the same full tensors on every rank
     b, seq, d = 2, 8 * cp, 16
@@ -93,15 +105,18 @@ def _check_attention(mesh, method: str, heads: int, kv_heads: int) -> None:
     k = torch.randn(b, kv_heads, seq, d, requires_grad=True)
     v = torch.randn(b, kv_heads, seq, d, requires_grad=True)
     grad_out = torch.randn(b, heads, seq, d)
-    ref = causal_attention(q, k, v)
+    tokens = _packed_tokens(seq, 50) if documents else None
+    ref = core_attention(q, k, v, DocumentMask.from_tokens(tokens, EOD, "sdpa")) if documents else causal_attention(
+        q, k, v)
     ref.backward(grad_out)
 
     positions = load_balanced_positions(seq, cp, rank)
     local = [shard_sequence(t.detach(), positions, dim=2).requires_grad_() for t in (q, k, v)]
-    out = ContextParallelAttention(mesh, method)(*local)
+    mask = DocumentMask.from_tokens(tokens, EOD, None) if documents else None
+    out = ContextParallelAttention(mesh, method)(*local, mask)
     out.backward(shard_sequence(grad_out, positions, dim=2))
 
-    what = f"cp={cp} {method} heads={heads}/{kv_heads} cp rank {rank}"
+    what = f"cp={cp} {method} heads={heads}/{kv_heads} documents={documents} cp rank {rank}"
     torch.testing.assert_close(out, shard_sequence(ref.detach(), positions, dim=2), atol=ATOL, rtol=RTOL,
                                msg=lambda m: f"output, {what}: {m}")
     for name, full, part in zip("qkv", (q, k, v), local):
@@ -109,7 +124,7 @@ def _check_attention(mesh, method: str, heads: int, kv_heads: int) -> None:
                                    msg=lambda m, name=name: f"grad {name}, {what}: {m}")
 
 
-def _check_model(mesh, method: str) -> None:
+def _check_model(mesh, method: str, documents: bool) -> None:
     """A whole Llama under CP (RoPE at global positions, CP attention in every block) gives the
     one-device logits on its tokens, and its parameter grads summed over cp are the one-device grads.
 
@@ -129,19 +144,22 @@ def _check_model(mesh, method: str) -> None:
             block.attention.wq.weight.mul_(8)
             block.attention.wk.weight.mul_(8)
     torch.manual_seed(99)
-    tokens = torch.randint(args.vocab_size, (2, seq))
+    tokens = _packed_tokens(seq, args.vocab_size) if documents else torch.randint(args.vocab_size, (2, seq))
     grad_logits = torch.randn(2, seq, args.vocab_size)
 
-    ref = model(tokens)
+    ref_mask = DocumentMask.from_tokens(tokens, EOD, "sdpa") if documents else None
+    ref = model(tokens, positions=None if ref_mask is None else ref_mask.positions, mask=ref_mask)
     ref.backward(grad_logits)
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
     apply_context_parallel(model, mesh, method)
     positions = load_balanced_positions(seq, cp, rank)
-    out = model(shard_sequence(tokens, positions), positions=positions)
+    mask = DocumentMask.from_tokens(tokens, EOD, None) if documents else None
+    local_positions = positions if mask is None else shard_sequence(mask.positions, positions)
+    out = model(shard_sequence(tokens, positions), positions=local_positions, mask=mask)
     out.backward(shard_sequence(grad_logits, positions))
-    what = f"model cp={cp} {method} cp rank {rank}"
+    what = f"model cp={cp} {method} documents={documents} cp rank {rank}"
     torch.testing.assert_close(out, shard_sequence(ref.detach(), positions), atol=ATOL, rtol=RTOL,
                                msg=lambda m: f"logits, {what}: {m}")
     for name, p in model.named_parameters():
@@ -165,8 +183,10 @@ def _worker(rank: int, init_file: str) -> None:
         for mesh in (cp2, cp4):
             for method in ROTATE_METHODS:
                 for heads, kv_heads in ((4, 2), (4, 4)):
-                    _check_attention(mesh, method, heads, kv_heads)
-                _check_model(mesh, method)
+                    _check_attention(mesh, method, heads, kv_heads, documents=False)
+                _check_attention(mesh, method, 4, 2, documents=True)
+                for documents in (False, True):
+                    _check_model(mesh, method, documents)
         dist.barrier()
     finally:
         dist.destroy_process_group()

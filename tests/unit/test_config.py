@@ -109,8 +109,19 @@ def test_help_lists_every_option_with_default_and_doc():
         pytest.param(["--parallelism.enable_async_tensor_parallel", "--parallelism.tensor_parallel_degree", "2",
                       "--compile.enable"], 2, "needs CUDA GPUs",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU machines")),
-        (["--model.converters", "float8"], 1, "model converters (float8)"),
-        (["--validation.enable"], 1, "validation"),
+        (["--model.converters", "fp8"], 1, "unknown converter 'fp8'; known converters: float8, te"),
+        (["--validation.enable", "--validation.freq", "0"], 1, "validation.freq must be at least 1"),
+        (["--validation.enable", "--validation.steps", "0"], 1, "validation.steps must be -1"),
+        (["--validation.enable", "--validation.local_batch_size", "0"], 1, "validation.local_batch_size must be"),
+        (["--validation.enable", "--training.dataset", "text", "--training.dataset_path", "."], 1,
+         "a text training dataset has no held-out split"),
+        (["--validation.enable", "--validation.dataset", "text"], 1, "validation.dataset text needs validation.dataset_path"),
+        (["--validation.enable", "--validation.dataset", "default", "--validation.dataset_path", "x"], 1,
+         "takes no dataset_path"),
+        (["--validation.enable", "--validation.dataset", "huggingface", "--validation.dataset_path", "c4"], 1,
+         "validation.steps must be set (>= 1) for a streaming huggingface dataset"),
+        pytest.param(["--model.attention_backend", "flex"], 1, "flex needs a CUDA GPU",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU machines")),
         (["--model.name", "gpt5"], 1, "model.name 'gpt5' is unknown"),
         (["--model.flavor", "9B"], 1, "model.flavor '9B' is unknown"),
         (["--model.tokenizer_path", "/nope.model"], 1, "does not exist"),
@@ -171,7 +182,7 @@ def test_valid_layouts_resolve():
     assert (dims.dp_replicate, dims.dp_shard, dims.dp_degree) == (2, 2, 4)
 
 
-@pytest.mark.parametrize("preset", ["debug_model", "llama3_8b", "llama3_70b", "llama3_405b"])
+@pytest.mark.parametrize("preset", ["debug_model", "llama3_100m", "llama3_8b", "llama3_70b", "llama3_405b"])
 def test_presets_parse(preset):
     cfg = load_job_config(["--job.config_file", f"train_configs/{preset}.toml"])
     assert cfg.model.name == "llama3"

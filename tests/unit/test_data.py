@@ -365,3 +365,31 @@ def test_huggingface_streaming_local(tmp_path, tok, monkeypatch):
     resumed = hf_loader()
     resumed.load_state_dict(state)
     _assert_same(take(resumed, 10), expected[7:17])
+
+
+def test_packed_split_parts_are_disjoint_and_cover_the_source():
+    tokens = np.arange(200 * (SEQ + 1), dtype=np.int32)
+    source = PackedTokens(tokens, SEQ)
+    train, valid = source.split("99,1", "train"), source.split("99,1", "valid")
+    assert (len(train), len(valid)) == (198, 2)
+    starts = [int(part[i][0]) for part in (train, valid) for i in range(len(part))]
+    assert starts == [i * (SEQ + 1) for i in range(200)]
+    with pytest.raises(IndexError):
+        valid[2]
+    with pytest.raises(ValueError, match="holds no sample"):
+        PackedTokens(tokens[: 10 * (SEQ + 1)], SEQ).split("99,1", "valid")
+
+
+def test_default_corpus_holds_out_its_validation_split(tok):
+    def source(split_name):
+        return build_dataloader(dataset="default", dataset_path=None, tokenizer=tok, seq_len=SEQ, local_batch_size=1,
+                                global_batch_size=1, dp_rank=0, dp_degree=1, seed=0,
+                                split_name=split_name).dataset.samples.source
+
+    train, valid = source("train"), source("valid")
+    assert len(valid) == round(0.01 * (len(train) + len(valid)))
+    train_windows = {train[i].tobytes() for i in range(len(train))}
+    assert not any(valid[i].tobytes() in train_windows for i in range(len(valid)))
+    with pytest.raises(ValueError, match="no held-out 'valid' split"):
+        build_dataloader(dataset="text", dataset_path=DEFAULT_CORPUS_PATH, tokenizer=tok, seq_len=SEQ, local_batch_size=1,
+                         global_batch_size=1, dp_rank=0, dp_degree=1, seed=0, split_name="valid")

@@ -53,7 +53,7 @@ PUBLISHED = {
 def test_registry_exposes_llama3():
     spec = get_model_spec("llama3")
     assert spec.model_cls is Transformer
-    assert {"debugmodel", "debugmodel_tiny", "1B", "3B", "8B", "70B", "405B"} <= set(spec.flavors)
+    assert {"debugmodel", "debugmodel_tiny", "100M", "1B", "3B", "8B", "70B", "405B"} <= set(spec.flavors)
     assert spec.hf_adapter is not None
 
 
@@ -91,6 +91,17 @@ def test_published_rope_scaling_and_tying():
     dbg = llama3_flavors["debugmodel"]
     assert (dbg.dim, dbg.n_layers, dbg.n_heads, dbg.n_kv_heads) == (256, 8, 16, 8)
     assert (TINY.dim, TINY.n_layers, TINY.n_heads, TINY.n_kv_heads) == (64, 8, 4, 2)
+
+
+def test_100m_flavor_is_about_100m_with_the_debug_tokenizer():
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+
+    vocab = build_tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
+    args = dataclasses.replace(llama3_flavors["100M"], vocab_size=vocab)
+    assert vocab == 2048
+    assert args.ffn_hidden_dim == 2816
+    assert num_params_from_args(args) == 98_583_552
+    assert num_params_from_args(args, exclude_embedding=True) == 96_486_400
 
 
 def test_invalid_head_counts_are_rejected():

@@ -36,6 +36,12 @@ class Model:
         None, "tiktoken BPE file; empty means the debug tokenizer shipped with titanlike"
     )
     converters: list[str] = opt([], "module swaps applied after construction (e.g. float8)")
+    attention_backend: str = opt(
+        "auto",
+        "kernel for document-masked attention: auto (FlexAttention on CUDA, SDPA with a dense mask "
+        "elsewhere), flex, sdpa; plain causal attention always uses SDPA's fused kernels",
+        choices=("auto", "sdpa", "flex"),
+    )
 
 
 @dataclass
@@ -79,6 +85,15 @@ class Training:
         -1, "samples per optimizer step across all ranks; -1 means local_batch_size x data-parallel degree"
     )
     seq_len: int = opt(2048, "tokens per sample")
+    document_masking: bool = opt(
+        False,
+        "attend only to earlier tokens of the same packed document and restart RoPE positions at each "
+        "document; a document ends at the tokenizer's EOS token",
+    )
+    eod_mask_loss: bool = opt(False, "no loss on the prediction made from an EOS token (the next document's start)")
+    split: str = opt(
+        "969,30,1", "Megatron train,valid,test split of megatron datasets (validation uses 'valid')"
+    )
     max_norm: float = opt(1.0, "gradient clipping max norm (total L2 norm over all parameters)")
     steps: int = opt(10000, "optimizer steps to train")
     mixed_precision_param: str = opt(
@@ -162,10 +177,15 @@ class Compile:
 @dataclass
 class Float8:
     recipe_name: str | None = opt(None, "torchao float8 recipe (tensorwise, rowwise); empty means tensorwise")
-    enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP parameters in float8")
-    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "one scale all-reduce for all parameters")
-    filter_fqns: list[str] = opt(["output"], "linear layers left in high precision")
-    emulate: bool = opt(False, "emulate float8 matmuls (CPU testing)")
+    enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP parameters in float8 (tensorwise recipe)")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "compute the float8 all-gather scales of all parameters in one all-reduce after each optimizer step"
+    )
+    filter_fqns: list[str] = opt(
+        ["output"], "linear layers left in high precision: names matching whole dot-separated parts of a module "
+        "name (layers.1 is not layers.10); linears with features not multiples of 16 are always left"
+    )
+    emulate: bool = opt(False, "emulate float8 matmuls in high precision (testing without an SM 8.9+ GPU)")
 
 
 @dataclass
@@ -197,11 +217,21 @@ class Comm:
 
 @dataclass
 class Validation:
-    enable: bool = opt(False, "evaluate on held-out data during training")
-    dataset: str = opt("default", "validation data source")
-    dataset_path: str | None = opt(None, "validation dataset path")
-    freq: int = opt(500, "steps between validations")
-    steps: int = opt(-1, "batches per validation; -1 means the whole split")
+    enable: bool = opt(False, "evaluate loss and perplexity on held-out data during training")
+    dataset: str | None = opt(
+        None,
+        "validation data source, a training.dataset kind; empty means the held-out 'valid' split of the "
+        "training data (default: the embedded corpus's last 1%; megatron: training.split)",
+        choices=("default", "text", "huggingface", "megatron"),
+    )
+    dataset_path: str | None = opt(
+        None, "validation data path (as training.dataset_path); empty with a megatron dataset means the "
+        "training prefixes' 'valid' split"
+    )
+    freq: int = opt(500, "steps between validations (also run after the last step)")
+    steps: int = opt(-1, "batches per validation; -1 means the whole split (not for streaming datasets)")
+    local_batch_size: int = opt(-1, "samples per validation batch on each data-parallel rank; -1 means "
+                                "training.local_batch_size")
 
 
 @dataclass

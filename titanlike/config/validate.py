@@ -60,9 +60,15 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         _check(torch.cuda.is_available(),
                "parallelism.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
                "this machine has none")
-    _check(not cfg.model.converters,
-           f"model converters ({', '.join(cfg.model.converters)}) {_NOT_YET}")
-    _check(not cfg.validation.enable, f"validation (validation.enable) {_NOT_YET}")
+    _validate_converters(cfg, dims)
+    if cfg.validation.enable:
+        _validate_validation(cfg)
+
+    # Attention.
+    if cfg.model.attention_backend == "flex":
+        _check(torch.cuda.is_available(),
+               "model.attention_backend flex needs a CUDA GPU (FlexAttention has no backward on CPU); "
+               "use auto or sdpa")
     _check(not cfg.metrics.enable_wandb, f"Weights & Biases logging (metrics.enable_wandb) {_NOT_YET}")
     _check(not cfg.profiling.enable_memory_snapshot,
            f"memory snapshots (profiling.enable_memory_snapshot) {_NOT_YET}")
@@ -206,6 +212,70 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, spec, args) -> None:
                f"block interval for selective_ac_option")
 
 
+def _importable(module: str) -> bool:
+    import importlib.util
+    import sys
+
+    if module in sys.modules:
+        return sys.modules[module] is not None  # None: imports of it are blocked
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _has_float8_gpu() -> bool:
+    """A CUDA GPU with float8 tensor cores (compute capability 8.9+: Ada, Hopper and later)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _gpu_description() -> str:
+    if not torch.cuda.is_available():
+        return "this machine has none"
+    major, minor = torch.cuda.get_device_capability()
+    return f"this machine's {torch.cuda.get_device_name()} has compute capability {major}.{minor}"
+
+
+def _validate_converters(cfg: JobConfig, dims: ParallelDims) -> None:
+    from titanlike.models.converters import FLOAT8_RECIPES, converter_names
+
+    names = cfg.model.converters
+    for name in names:
+        _check(name in converter_names(),
+               f"model.converters names an unknown converter {name!r}; "
+               f"known converters: {', '.join(converter_names())}")
+    _check(len(set(names)) == len(names), f"model.converters names a converter twice: {', '.join(names)}")
+    _check(not {"float8", "te"} <= set(names),
+           "model.converters float8 and te both replace the linear layers; name one of them")
+    f = cfg.float8
+    if "float8" in names:
+        _check(not f.recipe_name or f.recipe_name in FLOAT8_RECIPES,
+               f"float8.recipe_name must be {' or '.join(FLOAT8_RECIPES)} (empty means tensorwise), "
+               f"got {f.recipe_name!r}")
+        _check(_importable("torchao"),
+               "model.converters float8 needs torchao, which is not installed: pip install torchao "
+               "(or pip install -e '.[float8]')")
+        if not (f.emulate or _has_float8_gpu()):
+            raise ConfigError(f"float8 needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), but "
+                              f"{_gpu_description()}; set float8.emulate to test the swap on CPU")
+        _check(not (f.enable_fsdp_float8_all_gather and f.recipe_name == "rowwise"),
+               "float8.enable_fsdp_float8_all_gather works with the tensorwise recipe only, not rowwise; "
+               "unset it or set float8.recipe_name tensorwise")
+        _check(not f.precompute_float8_dynamic_scale_for_fsdp or f.enable_fsdp_float8_all_gather,
+               "float8.precompute_float8_dynamic_scale_for_fsdp precomputes the scales of the float8 "
+               "all-gather, so it needs float8.enable_fsdp_float8_all_gather")
+    if "te" in names:
+        _check(_importable("transformer_engine"),
+               "model.converters te needs NVIDIA Transformer Engine, which is not installed "
+               "(pip install transformer-engine[pytorch] on a CUDA machine), or use the float8 converter")
+        if not _has_float8_gpu():
+            raise ConfigError(f"model.converters te needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), "
+                              f"but {_gpu_description()}; the float8 converter with float8.emulate tests float8 on CPU")
+        _check(dims.tp == 1,
+               "model.converters te does not work with tensor parallelism (the tensor-parallel plan shards "
+               "nn.Linear layers), so tensor_parallel_degree must be 1")
+
+
 CHECKPOINT_COMPONENTS = ("model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")
 
 
@@ -240,3 +310,25 @@ def _validate_checkpoint(cfg: JobConfig, spec) -> None:
                                             "checkpoint.initial_load_in_hf and last_save_in_hf are unavailable")
     _check(not c.last_save_in_hf or c.last_save_model_only,
            "checkpoint.last_save_in_hf writes the model only, so it needs checkpoint.last_save_model_only")
+
+
+def _validate_validation(cfg: JobConfig) -> None:
+    v, t = cfg.validation, cfg.training
+    _check(v.freq >= 1, f"validation.freq must be at least 1, got {v.freq}")
+    _check(v.steps == -1 or v.steps >= 1, f"validation.steps must be -1 (the whole split) or at least 1, got {v.steps}")
+    _check(v.local_batch_size == -1 or v.local_batch_size >= 1,
+           f"validation.local_batch_size must be -1 (training's) or at least 1, got {v.local_batch_size}")
+    if v.dataset is None:
+        _check(t.dataset in ("default", "megatron"),
+               f"validation needs validation.dataset and validation.dataset_path: a {t.dataset} training "
+               "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
+        kind = t.dataset
+    else:
+        kind = v.dataset
+        if kind == "default":
+            _check(not v.dataset_path, "validation.dataset default (the embedded corpus) takes no dataset_path")
+        else:
+            _check(bool(v.dataset_path), f"validation.dataset {kind} needs validation.dataset_path")
+    _check(kind != "huggingface" or v.steps >= 1,
+           "validation.steps must be set (>= 1) for a streaming huggingface dataset, which has no end to run to")
+

@@ -71,7 +71,7 @@ SourceFactory = Callable[..., SampleSource]
 
 @dataclass(frozen=True)
 class DatasetKind:
-    factory: SourceFactory  # (*, dataset_path, tokenizer, seq_len, seed, num_samples) -> SampleSource
+    factory: SourceFactory  # (*, dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name)
     shuffle: bool  # reshuffle a map-style source's samples every epoch from `seed`
     needs_path: bool
     workers_ok: bool  # False where the source cannot be read whole inside each loader worker
@@ -90,17 +90,29 @@ def dataset_kinds() -> list[str]:
     return sorted(_KINDS)
 
 
-def _default_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None):
+# The embedded corpus keeps its last 1% of samples out of training, for validation runs of the demo.
+DEFAULT_CORPUS_SPLIT = "99,1"
+
+
+def _default_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
     from titanlike.data import DEFAULT_CORPUS_PATH
 
-    return packed_text_corpus(DEFAULT_CORPUS_PATH, tokenizer, seq_len)
+    return packed_text_corpus(DEFAULT_CORPUS_PATH, tokenizer, seq_len).split(DEFAULT_CORPUS_SPLIT, split_name)
 
 
-def _text_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None):
+def _whole_dataset_only(kind: str, split_name: str) -> None:
+    if split_name != "train":
+        raise ValueError(f"dataset {kind!r} has no held-out {split_name!r} split; give the validation data its "
+                         "own dataset_path")
+
+
+def _text_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
+    _whole_dataset_only("text", split_name)
     return packed_text_corpus(dataset_path, tokenizer, seq_len)
 
 
-def _huggingface_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None):
+def _huggingface_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
+    _whole_dataset_only("huggingface", split_name)
     return PackedStream(HuggingFaceDocuments(dataset_path), tokenizer, seq_len)
 
 
@@ -108,14 +120,16 @@ register_dataset_kind("default", _default_source, shuffle=True, needs_path=False
 register_dataset_kind("text", _text_source, shuffle=True)
 
 
-def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None):
+def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
     # Megatron's GPT dataset shuffles documents and samples itself, epoch by epoch, for as
     # many epochs as num_samples needs; the loader must not reshuffle on top.
     from titanlike.data.blend import build_megatron_dataset
 
-    return build_megatron_dataset(dataset_path, seq_len=seq_len, num_samples=num_samples, seed=seed)
+    return build_megatron_dataset(dataset_path, seq_len=seq_len, num_samples=num_samples, seed=seed,
+                                  split=split or DEFAULT_MEGATRON_SPLIT, split_name=split_name)
 
 
+DEFAULT_MEGATRON_SPLIT = "969,30,1"
 register_dataset_kind("megatron", _megatron_source, shuffle=False)
 # `datasets` hands each torch loader worker a disjoint share of a stream's shards, while every
 # worker here must see the whole stream to keep the global sample order.
@@ -339,6 +353,8 @@ def build_dataloader(
     seed: int,
     num_workers: int = 0,
     num_samples: int | None = None,
+    split: str | None = None,
+    split_name: str = "train",
 ) -> StatefulDataLoader:
     """This data-parallel rank's infinite loader of ``(inputs, labels)`` microbatches.
 
@@ -348,6 +364,9 @@ def build_dataloader(
     with ``streaming=True``), ``"megatron"`` (``dataset_path``: a Megatron ``.bin``/``.idx`` prefix or a
     blend ``"0.7 prefix/a 0.3 prefix/b"``), or a kind added with :func:`register_dataset_kind`.
     ``num_samples``: how many global samples the run will read (sizes Megatron's epochs).
+    ``split``/``split_name``: which part of the data (``"train"``, ``"valid"``, ``"test"``): a Megatron
+    split string such as ``"969,30,1"`` for ``megatron`` (that is the default); the embedded corpus
+    holds out its last 1% (``DEFAULT_CORPUS_SPLIT``); other kinds have only ``"train"``, the whole data.
     """
     _validate_layout(
         seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
@@ -370,7 +389,8 @@ def build_dataloader(
             f"tokenizer must be a Tokenizer (titanlike.data.build_tokenizer(path)), got {type(tokenizer).__name__}"
         )
     source = kind.factory(
-        dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed, num_samples=num_samples
+        dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed, num_samples=num_samples,
+        split=split, split_name=split_name,
     )
     return build_dataloader_from_source(
         source, seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,

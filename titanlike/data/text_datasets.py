@@ -153,6 +153,7 @@ class PackedTokens:
             )
         self.tokens = tokens
         self.seq_len = seq_len
+        self._first = 0  # index of sample 0 among the windows of `tokens` (nonzero for a split part)
         self._num = len(tokens) // window
 
     def __len__(self) -> int:
@@ -162,7 +163,22 @@ class PackedTokens:
         if not 0 <= index < self._num:
             raise IndexError(f"sample {index} out of range [0, {self._num})")
         w = self.seq_len + 1
-        return self.tokens[index * w : (index + 1) * w]
+        start = (self._first + index) * w
+        return self.tokens[start : start + w]
+
+    def split(self, split: str, split_name: str) -> PackedTokens:
+        """One part of a Megatron-style split (``"99,1"``, ``"train"``/``"valid"``/``"test"``): a
+        contiguous range of this source's samples, so the parts never share a token."""
+        from titanlike.data.gpt_dataset import split_range
+
+        begin, end = split_range(split, split_name, self._num)
+        if end <= begin:
+            raise ValueError(f"the {split_name!r} part of split {split!r} of {self._num} samples of "
+                             f"seq_len {self.seq_len} holds no sample; use a shorter seq_len")
+        part = PackedTokens.__new__(PackedTokens)
+        part.tokens, part.seq_len = self.tokens, self.seq_len
+        part._first, part._num = self._first + begin, end - begin
+        return part
 
 
 _PACK_CACHE: dict[tuple, np.ndarray] = {}

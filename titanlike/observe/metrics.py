@@ -8,6 +8,7 @@ peak. A device missing from the table gets no MFU rather than a wrong one.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import resource
@@ -103,6 +104,25 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
+        return record
+
+    def log_validation(self, step: int, loss: float, tokens: int) -> dict:
+        """Report a validation run: mean loss per target token and its perplexity."""
+        perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+        record = {"step": step, "validation_loss": loss, "validation_perplexity": perplexity, "validation_tokens": tokens}
+        if not self.is_writer:
+            return record
+        logger.info(f"validation  step: {step:5d}  loss: {loss:8.4f}  perplexity: {perplexity:,.2f}  "
+                    f"tokens: {tokens:,}")
+        if self._tb is not None:
+            self._tb.add_scalar("validation/loss", loss, step)
+            self._tb.add_scalar("validation/perplexity", perplexity, step)
+            self._tb.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        # Validation time is not training time: keep it out of the next tokens/s.
+        self._last_time = time.perf_counter()
         return record
 
     def close(self) -> None:

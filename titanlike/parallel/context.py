@@ -22,6 +22,8 @@ K/V between the cp ranks:
     and the next hop is issued before the current block is computed so that an
     asynchronous backend can overlap the two. (Plain autograd keeps every block for
     the backward, so this does not save activation memory over "allgather".)
+With document masking both masks also require query and key to be in the same
+document; every cp rank holds the document ids of the whole sequence, so no ids move.
 Both are written with torch's functional collectives, which are differentiable
 (the backward of the all-gather is a reduce-scatter, that of a ring hop is the
 hop back), so they run and train on CPU/gloo.
@@ -41,6 +43,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+
+from titanlike.models.common.attention import DocumentMask
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -104,19 +108,31 @@ class ContextParallelAttention:
     def __repr__(self) -> str:
         return f"ContextParallelAttention(cp={self.cp}, rotate_method={self.rotate_method!r})"
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: DocumentMask | None = None) -> torch.Tensor:
+        """mask: document ids of the whole sequence (every cp rank has them); None is plain causal."""
         layout = load_balanced_layout(q.shape[2] * self.cp, self.cp, q.device)
+        documents = None if mask is None else mask.document_ids
         if self.rotate_method == "allgather":
-            return self._allgather(q, k, v, layout)
-        return self._ring(q, k, v, layout)
+            return self._allgather(q, k, v, layout, documents)
+        return self._ring(q, k, v, layout, documents)
 
-    def _allgather(self, q, k, v, layout):
+    def _allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        """Which keys (global positions k_pos) each query (q_pos) sees: (seq_q, seq_k), or
+        (batch, 1, seq_q, seq_k) within documents."""
+        causal = k_pos[None, :] <= q_pos[:, None]
+        if documents is None:
+            return causal
+        same = documents[:, q_pos][:, :, None] == documents[:, k_pos][:, None, :]
+        return (causal & same).unsqueeze(1)
+
+    def _allgather(self, q, k, v, layout, documents):
         # One collective for both: (2, b, h, s, d) gathered on dim 0 -> (cp * 2, b, h, s, d).
         kv = _all_gather(torch.stack([k, v]), 0, self.mesh)
         kv = kv.unflatten(0, (self.cp, 2)).movedim(0, 3).flatten(3, 4)  # (2, b, h, cp * s, d)
         # Keys stay in rank-major order: the mask carries their positions, and attention
         # does not care in which order its keys come.
-        mask = layout.flatten()[None, :] <= layout[self.rank][:, None]
+        mask = self._allowed(layout[self.rank], layout.flatten(), documents)
         return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
@@ -129,7 +145,7 @@ class ContextParallelAttention:
         recv[(self.rank - 1) % self.cp] = n
         return funcol.all_to_all_single_autograd(kv, recv, send, self.mesh)
 
-    def _ring(self, q, k, v, layout):
+    def _ring(self, q, k, v, layout, documents):
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         q_pos = layout[self.rank]
@@ -142,8 +158,10 @@ class ContextParallelAttention:
             # backend can overlap them (functional collectives wait only when the result is used).
             nxt = self._shift(kv) if step < self.cp - 1 else None
             k_pos = layout[(self.rank - step) % self.cp]
-            out_t, lse_t = _partial_attention(qg, kv[0].float().unsqueeze(2), kv[1].float().unsqueeze(2),
-                                              k_pos[None, :] <= q_pos[:, None])
+            allowed = self._allowed(q_pos, k_pos, documents)
+            if documents is not None:
+                allowed = allowed.unsqueeze(1)  # (batch, 1, 1, s, s): broadcast over k/v and query groups
+            out_t, lse_t = _partial_attention(qg, kv[0].float().unsqueeze(2), kv[1].float().unsqueeze(2), allowed)
             if out is None:
                 # Step 0 is this rank's own block: every query sees at least itself, so lse is finite.
                 out, lse = out_t, lse_t

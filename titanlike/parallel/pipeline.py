@@ -196,21 +196,52 @@ def build_stage_modules(model: nn.Module, spec: ModelSpec, layout: PipelineLayou
     return parts
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose forward of microbatch i also gets `extra[i]` as keyword arguments.
+
+    The schedule passes keyword arguments split along dim 0 with the activations, which fits
+    neither per-step values shared by all samples (context-parallel RoPE positions) nor
+    non-tensor values (document masks). The schedule tells the stage which microbatch it
+    runs, so the right extras are added here, on every stage.
+    """
+
+    extra: list[dict] | None = None
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        if self.extra is not None:
+            kwargs = {**(kwargs or {}), **self.extra[fwd_chunk_id]}
+        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+
 class PipelineRunner:
     """The schedule of this rank's stages, and what the trainer needs to drive it."""
 
-    def __init__(self, schedule, layout: PipelineLayout, stage_ids: list[int]):
+    def __init__(self, schedule, layout: PipelineLayout, stages: list[_Stage]):
         self.schedule = schedule
         self.layout = layout
+        self.stages = stages
+        stage_ids = [stage.stage_index for stage in stages]
         self.has_first = 0 in stage_ids
         self.has_last = layout.num_stages - 1 in stage_ids
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
-        """Forward and backward of one local batch; the per-microbatch losses where this rank
-        holds the last stage, an empty list elsewhere."""
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, microbatch_kwargs: list[dict] | None = None,
+             *, backward: bool = True) -> list[torch.Tensor]:
+        """Forward and backward (or forward only) of one local batch; the per-microbatch losses
+        where this rank holds the last stage, an empty list elsewhere. microbatch_kwargs: extra
+        forward arguments of every stage, one dict per microbatch in order."""
         losses: list[torch.Tensor] = []
-        self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
-                           losses=losses, return_outputs=False)
+        for stage in self.stages:
+            stage.extra = microbatch_kwargs
+        try:
+            args = (inputs,) if self.has_first else ()
+            target = labels if self.has_last else None
+            if backward:
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                self.schedule.eval(*args, target=target, losses=losses)
+        finally:
+            for stage in self.stages:
+                stage.extra = None
         return losses
 
 
@@ -230,10 +261,10 @@ def build_schedule(
     stage_ids = layout.stages_of_rank(rank)
     # Dynamic stages: shapes (and DTensor layouts) are learned from the first microbatch, so
     # TP, CP and any batch shape need no example inputs here.
-    stages = [PipelineStage(part, index, layout.num_stages, device, group=pp_mesh.get_group())
+    stages = [_Stage(part, index, layout.num_stages, device, group=pp_mesh.get_group())
               for part, index in zip(parts, stage_ids)]
     cls = SCHEDULES[name]
     first_arg = stages[0] if is_single_stage(name) else stages
     sched = cls(first_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return PipelineRunner(sched, layout, stage_ids)
+    return PipelineRunner(sched, layout, stages)
 

@@ -23,6 +23,8 @@ from titanlike.checkpoint import CheckpointManager
 from titanlike.config.loader import config_to_dict
 from titanlike.config.schema import JobConfig
 from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
+from titanlike.models.common.attention import DocumentMask, describe_sdpa_kernel, resolve_attention_backend
+from titanlike.models.converters import build_model_converters
 from titanlike.models.registry import get_model_spec
 from titanlike.observe.metrics import MetricsLogger
 from titanlike.parallel.context import load_balanced_positions, shard_sequence
@@ -30,6 +32,7 @@ from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.parallelize import parallelize_model
 from titanlike.parallel.pipeline import build_schedule, build_stage_modules, plan_layout
 from titanlike.parallel.utils import clip_grad_norm_, sum_over
+from titanlike.train.evaluate import build_validation_data
 from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
@@ -40,6 +43,16 @@ def _local_value(loss: torch.Tensor) -> torch.Tensor:
     # Under loss parallel the loss is a DTensor replicated over tp; its value is the loss.
     loss = loss.detach()
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """What the model and the loss of one microbatch get, on this rank's device and slice."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None = None  # RoPE positions when not 0..seq-1
+    mask: DocumentMask | None = None  # attend within documents (training.document_masking)
 
 
 class TrainingError(RuntimeError):
@@ -99,6 +112,10 @@ class Trainer:
             num_samples=t.steps * self.global_batch_size,
         )
 
+        self.validation = build_validation_data(
+            cfg, self.tokenizer, dp_rank=dims.dp_rank(), dp_degree=dims.dp_degree, seed=cfg.debug.seed,
+        ) if cfg.validation.enable else None
+
         # Model: built on meta, parallelized, then materialized shard by shard.
         self.spec = get_model_spec(cfg.model.name)
         self.model_args = dataclasses.replace(
@@ -112,6 +129,9 @@ class Trainer:
                 f"model {cfg.model.name} {cfg.model.flavor}: {model.num_params(exclude_embedding=False):,} "
                 f"parameters, {self.flops_per_token:,.0f} training FLOPs per token"
             )
+        # Converters (float8, te) swap modules of the whole meta model, before any pipeline split.
+        self.converters = build_model_converters(cfg)
+        self.converters.convert(model)
         p = cfg.parallelism
         parts, self.pp_layout = [model], None
         if dims.pp_enabled:
@@ -141,6 +161,12 @@ class Trainer:
             load_balanced_positions(t.seq_len, dims.cp, dims.mesh("cp").get_local_rank(), self.device)
             if dims.cp_enabled else None
         )
+        # Document masking: a DocumentMask per microbatch, for the kernel that will use it
+        # (none under CP, whose attention builds its own masks from the document ids).
+        self.mask_kernel = None if dims.cp_enabled else resolve_attention_backend(
+            cfg.model.attention_backend, self.device.type)
+        if self.rank == 0:
+            self._log_attention()
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
@@ -150,12 +176,6 @@ class Trainer:
             self.pipeline = build_schedule(
                 self.model_parts, self.pp_layout, dims.mesh("pp"), self.device, schedule=p.pipeline_parallel_schedule,
                 n_microbatches=n_microbatches, loss_fn=self._pipeline_loss)
-            if self.cp_positions is not None:
-                # The schedule hands keyword arguments to the first stage only, but every stage
-                # rotates its tokens by their global positions.
-                for part in self.model_parts:
-                    part.register_forward_pre_hook(
-                        lambda _, args, kwargs: (args, {**kwargs, "positions": self.cp_positions}), with_kwargs=True)
             if self.rank == 0:
                 logger.info(f"pipeline {p.pipeline_parallel_schedule}: {self.pp_layout.describe()}; "
                             f"{n_microbatches} microbatches of {p.pipeline_parallel_microbatch_size} per local batch")
@@ -182,21 +202,63 @@ class Trainer:
     def _loss_context(self):
         return torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor):
+    def _log_attention(self) -> None:
+        a, t = self.model_args, self.cfg.training
+        dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+        if self.dims.cp_enabled:
+            how = f"context parallel ({self.cfg.parallelism.context_parallel_rotate_method})"
+        elif t.document_masking and self.mask_kernel == "flex":
+            how = "FlexAttention with a document block mask"
+        else:
+            dense = t.document_masking
+            kernel = describe_sdpa_kernel(n_heads=a.n_heads, n_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                                          seq_len=t.seq_len, dtype=dtype, device=self.device, dense_mask=dense)
+            how = f"SDPA {'with a dense document mask' if dense else 'causal'}, {kernel} kernel"
+        logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
+
+    def prepare(self, inputs: torch.Tensor, labels: torch.Tensor) -> Microbatch:
+        """A loader microbatch as the model sees it: on the device, masked, and cut to this cp rank."""
+        t = self.cfg.training
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        eod = self.tokenizer.eos_id
+        if t.eod_mask_loss:
+            labels = labels.masked_fill(inputs == eod, IGNORE_INDEX)
+        mb = Microbatch(inputs, labels, positions=self.cp_positions)
+        if t.document_masking:
+            mb.mask = DocumentMask.from_tokens(inputs, eod, self.mask_kernel)
+            mb.positions = mb.mask.positions
+        if self.cp_positions is not None:
+            # Every cp rank of a data-parallel group got the same samples; each keeps its slice
+            # before counting, so the token count summed over the loss mesh (which includes cp) is exact.
+            mb.inputs, mb.labels = shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
+            if t.document_masking:
+                mb.positions = shard_sequence(mb.positions, self.cp_positions)
+        return mb
+
+    def forward_backward(self, mb: Microbatch, global_tokens: torch.Tensor):
         with self.autocast:
-            logits = self.model_parts[0](inputs, positions=self.cp_positions)
+            logits = self.model_parts[0](mb.inputs, positions=mb.positions, mask=mb.mask)
         with self._loss_context():
-            loss = self.loss_fn(logits, labels) / global_tokens
+            loss = self.loss_fn(logits, mb.labels) / global_tokens
             loss.backward()
         return _local_value(loss)
 
-    def pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor):
+    def pipeline_forward_backward(self, mb: Microbatch, global_tokens: torch.Tensor, *, backward: bool = True):
         """forward_backward of one local batch through the pipeline schedule, which cuts it into
         local_batch_size / pipeline_parallel_microbatch_size microbatches; returns the summed loss
-        of those microbatches on the rank holding the last stage, 0 on the others."""
+        of those microbatches on the rank holding the last stage, 0 on the others.
+        backward=False runs the forwards only (validation)."""
         self._pp_global_tokens = global_tokens
+        size = self.cfg.parallelism.pipeline_parallel_microbatch_size
+        extra = None
+        if mb.positions is not None or mb.mask is not None:
+            # Every stage needs them, per pipeline microbatch (CP positions are shared by all samples).
+            extra = [{"positions": mb.positions if mb.positions is None or mb.positions.ndim == 1
+                      else mb.positions[i:i + size],
+                      "mask": None if mb.mask is None else mb.mask.rows(i, i + size)}
+                     for i in range(0, mb.inputs.shape[0], size)]
         with self.autocast, self._loss_context():
-            losses = self.pipeline.step(inputs, labels)
+            losses = self.pipeline.step(mb.inputs, mb.labels, extra, backward=backward)
         return sum((_local_value(loss) for loss in losses), torch.zeros((), device=self.device))
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -206,27 +268,49 @@ class Trainer:
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over a global batch; returns (global mean loss, grad norm)."""
-        if self.cp_positions is not None:
-            # Every cp rank of a data-parallel group got the same samples; each keeps its slice
-            # before counting, so the token count summed over the loss mesh (which includes cp) is exact.
-            microbatches = [(shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions))
-                            for inputs, labels in microbatches]
+        microbatches = [self.prepare(inputs, labels) for inputs, labels in microbatches]
         # Normalize by the target tokens of the whole global batch, counted before any forward.
-        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
+        local_tokens = sum((mb.labels != IGNORE_INDEX).sum() for mb in microbatches)
         global_tokens = sum_over(local_tokens.to(self.device, torch.float32), self.dims.mesh("loss"))
         loss_sum = torch.zeros((), device=self.device)
         step_fn = self.forward_backward if self.pipeline is None else self.pipeline_forward_backward
-        for inputs, labels in microbatches:
-            loss_sum += step_fn(inputs.to(self.device), labels.to(self.device), global_tokens)
+        for mb in microbatches:
+            loss_sum += step_fn(mb, global_tokens)
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"))
         self.optimizer.step()
+        self.converters.post_optimizer_step(self.model_parts)
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         # Under PP only ranks holding the last stage have a loss (the others 0), so summing over pp too
         # gives every rank, rank 0 (the metrics writer) included, the global loss.
         loss = sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp")).item()
         return loss, grad_norm.item()
+
+    @torch.no_grad()
+    def validate(self) -> tuple[float, int]:
+        """One run over the validation data: (mean loss per target token, target tokens)."""
+        for part in self.model_parts:
+            part.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        one = torch.ones((), device=self.device)
+        data = iter(self.validation.loader)
+        for _ in range(self.validation.num_batches):
+            mb = self.prepare(*next(data))
+            tokens += (mb.labels != IGNORE_INDEX).sum()
+            if self.pipeline is not None:
+                loss_sum += self.pipeline_forward_backward(mb, one, backward=False)
+                continue
+            with self.autocast:
+                logits = self.model_parts[0](mb.inputs, positions=mb.positions, mask=mb.mask)
+            with self._loss_context():
+                loss_sum += _local_value(self.loss_fn(logits, mb.labels))
+        for part in self.model_parts:
+            part.train()
+        tokens = sum_over(tokens, self.dims.mesh("loss"))
+        loss_sum = sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp"))
+        return (loss_sum / tokens).item(), int(tokens.item())
 
     def train(self) -> list[float]:
         """Run to training.steps; returns the loss of every step."""
@@ -253,6 +337,8 @@ class Trainer:
             self.metrics.step_done()
             if self.metrics.should_log(self.step, steps):
                 self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
+            if self.validation is not None and (self.step % self.cfg.validation.freq == 0 or self.step == steps):
+                self.metrics.log_validation(self.step, *self.validate())
             self.checkpointer.save(self.step)
         return losses
 

@@ -1,9 +1,29 @@
-"""Causal scaled-dot-product attention with grouped-query (GQA) key/value heads."""
+"""Core attention: causal, or block-causal within the documents of a packed sequence.
+
+Samples are windows cut from a stream of documents packed end to end, each ended by
+an end-of-document token (EOS). Plain causal attention lets a token see the end of
+the previous document; with document masking (Megatron's reset_attention_mask and
+reset_position_ids) a token sees only earlier tokens of its own document and its
+RoPE position restarts at 0 with every document.
+
+Kernels:
+- causal: SDPA with is_causal, which torch sends to its fused flash / cuDNN /
+  memory-efficient kernels (reported at start by `describe_sdpa_kernel`).
+- document mask, "flex": FlexAttention with a block mask, which skips whole blocks
+  of keys outside the document (GPU; it has no backward on CPU).
+- document mask, "sdpa": SDPA with a dense boolean (batch, 1, seq, seq) mask; exact
+  everywhere, but O(seq^2) memory and no block skipping. The CPU path.
+"""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
 
 def sdpa_takes_gqa(q: torch.Tensor) -> bool:
@@ -19,13 +39,135 @@ def sdpa_takes_gqa(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over (batch, heads, seq, head_dim); k/v may have fewer heads than q."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     n_rep = q.shape[1] // k.shape[1]
     if n_rep == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
     if sdpa_takes_gqa(q):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    k = k.repeat_interleave(n_rep, dim=1)
-    v = v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1),
+                                          **kwargs)
+
+
+@dataclass(frozen=True)
+class DocumentMask:
+    """Which earlier tokens each token may attend to in a batch of packed sequences.
+
+    Built once per microbatch (outside the model, so compiled blocks only read it) and
+    shared by every layer. `document_ids` and `positions` are (batch, seq) over the
+    whole sequence in order, also under context parallelism, whose attention picks the
+    rows of its own tokens. Exactly one of `dense` / `block_mask` is set for the
+    kernel that will run, or neither when context parallel attention does the work.
+    """
+
+    document_ids: torch.Tensor  # (batch, seq) int: index of each token's document in its sample
+    positions: torch.Tensor  # (batch, seq) int: each token's position within its document
+    dense: torch.Tensor | None = None  # (batch, 1, seq, seq) bool, True where attention is allowed
+    block_mask: object | None = None  # torch.nn.attention.flex_attention.BlockMask
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, eod_id: int, kernel: str | None) -> DocumentMask:
+        """Documents of `tokens` (batch, seq): a new one starts after every `eod_id`.
+
+        kernel: "sdpa" (dense mask), "flex" (block mask) or None (ids and positions only).
+        """
+        is_eod = (tokens == eod_id).long()
+        # A token's document is the number of EODs strictly before it: the EOD closes its own.
+        document_ids = is_eod.cumsum(1) - is_eod
+        seq = tokens.shape[1]
+        index = torch.arange(seq, device=tokens.device).expand_as(tokens)
+        # Position = index - index of the document's first token (a running max over starts).
+        starts = torch.where(document_ids != F.pad(document_ids, (1, -1), value=-1), index, 0)
+        positions = index - starts.cummax(1).values
+        dense = block_mask = None
+        if kernel == "sdpa":
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
+            dense = (causal & (document_ids[:, :, None] == document_ids[:, None, :])).unsqueeze(1)
+        elif kernel == "flex":
+            block_mask = _flex_block_mask(document_ids)
+        elif kernel is not None:
+            raise ValueError(f"unknown document-mask kernel {kernel!r}; expected 'sdpa', 'flex' or None")
+        return cls(document_ids, positions, dense, block_mask)
+
+    def rows(self, start: int, stop: int) -> DocumentMask:
+        """The mask of samples start..stop-1 (a pipeline microbatch of this batch)."""
+        return DocumentMask(
+            self.document_ids[start:stop], self.positions[start:stop],
+            dense=None if self.dense is None else self.dense[start:stop],
+            # Rebuilt rather than sliced: the mask function indexes document ids by sample.
+            block_mask=None if self.block_mask is None else _flex_block_mask(self.document_ids[start:stop]),
+        )
+
+
+def _flex_block_mask(document_ids: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+    batch, seq = document_ids.shape
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # Eager flex_attention materializes the full score matrix; compiled it is a fused kernel.
+    # Inside a compiled block dynamo inlines it either way.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+def _flex_attention(q, k, v, block_mask):
+    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: DocumentMask | None = None) -> torch.Tensor:
+    """Attention over (batch, heads, seq, head_dim); k/v may have fewer heads than q (GQA).
+
+    mask None is plain causal attention; a DocumentMask restricts it to each document.
+    """
+    if mask is None:
+        return _sdpa(q, k, v, is_causal=True)
+    if mask.block_mask is not None:
+        return _flex_attention(q, k, v, mask.block_mask)
+    if mask.dense is None:
+        raise ValueError("this DocumentMask was built without a kernel (for context parallel attention only)")
+    return _sdpa(q, k, v, attn_mask=mask.dense)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over (batch, heads, seq, head_dim); k/v may have fewer heads than q."""
+    return core_attention(q, k, v)
+
+
+def resolve_attention_backend(backend: str, device_type: str) -> str:
+    """The kernel for document masks: "auto" is FlexAttention on CUDA, dense-mask SDPA elsewhere."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "flex" if device_type == "cuda" else "sdpa"
+    return backend
+
+
+def describe_sdpa_kernel(*, n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int,
+                         dtype: torch.dtype, device: torch.device, dense_mask: bool = False) -> str:
+    """Name of the SDPA kernel torch picks for this model's attention (flash, cuDNN, efficient, math).
+
+    Asks torch's own dispatcher with tiny stand-in tensors of the real head count, head_dim
+    and dtype (batch 1, and a short sequence for the dense-mask case to keep the probe small).
+    """
+    from torch.nn.attention import SDPBackend
+
+    seq = min(seq_len, 128) if dense_mask else seq_len
+    q = torch.empty(1, n_heads, seq, head_dim, dtype=dtype, device=device)
+    kv_heads = n_kv_heads if sdpa_takes_gqa(q) else n_heads
+    k = torch.empty(1, kv_heads, seq, head_dim, dtype=dtype, device=device)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).tril() if dense_mask else None
+    try:
+        choice = torch._fused_sdp_choice(q, k, k, attn_mask=mask, is_causal=not dense_mask,
+                                         enable_gqa=kv_heads != n_heads)
+        return SDPBackend(choice).name.lower()
+    except Exception as err:  # a private torch API: report rather than fail the run
+        return f"unknown ({type(err).__name__})"

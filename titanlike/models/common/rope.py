@@ -67,20 +67,30 @@ def precompute_rope_cache(head_dim: int, max_seq_len: int, theta: float,
 
 
 def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape (batch, seq, heads, head_dim) by positions 0..seq-1 of rope_cache.
+    """Rotate x of shape (batch, seq, heads, head_dim) by the angles in rope_cache.
 
-    The cache is sliced here, where the sequence length is the one attention really
-    sees (with sequence parallelism the block input holds only a slice of it).
+    rope_cache is either the (max_seq_len, head_dim) table, whose rows 0..seq-1 are
+    used, or (batch, seq, head_dim) rows already picked per token (positions that
+    restart per document, or a context-parallel slice). The table is sliced here,
+    where the sequence length is the one attention really sees (with sequence
+    parallelism the block input holds only a slice of it).
     The rotation is done in float32 (as Meta's reference does) and cast back, so bf16
     activations do not lose the phase precision of late positions.
     """
-    seqlen, head_dim = x.shape[1], x.shape[-1]
-    if rope_cache.shape[0] < seqlen or rope_cache.shape[1] != head_dim:
-        raise ValueError(
-            f"rope_cache of shape {tuple(rope_cache.shape)} cannot rotate {seqlen} positions of "
-            f"head_dim {head_dim}; is the sequence longer than max_seq_len?"
-        )
-    cos, sin = rope_cache[:seqlen].float().view(1, seqlen, 1, head_dim).chunk(2, dim=-1)
+    batch, seqlen, head_dim = x.shape[0], x.shape[1], x.shape[-1]
+    if rope_cache.ndim == 3:
+        if rope_cache.shape != (batch, seqlen, head_dim):
+            raise ValueError(f"per-token rope angles of shape {tuple(rope_cache.shape)} do not match "
+                             f"(batch, seq, head_dim) = {(batch, seqlen, head_dim)}")
+        angles = rope_cache.unsqueeze(2)
+    else:
+        if rope_cache.shape[0] < seqlen or rope_cache.shape[1] != head_dim:
+            raise ValueError(
+                f"rope_cache of shape {tuple(rope_cache.shape)} cannot rotate {seqlen} positions of "
+                f"head_dim {head_dim}; is the sequence longer than max_seq_len?"
+            )
+        angles = rope_cache[:seqlen].view(1, seqlen, 1, head_dim)
+    cos, sin = angles.float().chunk(2, dim=-1)
     pairs = x.float().unflatten(-1, (-1, 2))
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)

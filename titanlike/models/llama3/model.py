@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titanlike.models.common.attention import causal_attention
+from titanlike.models.common.attention import DocumentMask, core_attention
 from titanlike.models.common.init import normal_, ones_, trunc_normal_
 from titanlike.models.common.rope import RoPEScaling, apply_rotary_emb, precompute_rope_cache
 
@@ -103,11 +103,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        # (q, k, v) -> out over (batch, heads, seq, head_dim). A hook, not a fixed call, so that
-        # context parallelism can swap in attention across ranks without touching this module.
-        self.core_attention = causal_attention
+        # (q, k, v, mask) -> out over (batch, heads, seq, head_dim). A hook, not a fixed call, so
+        # that context parallelism can swap in attention across ranks without touching this module.
+        self.core_attention = core_attention
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism this rank holds only its local heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q = apply_rotary_emb(q, rope_cache)
         k = apply_rotary_emb(k, rope_cache)
-        out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, *, seed: int, prefix: str, out_std: float) -> None:
@@ -155,8 +155,8 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_init_std = _BASE_INIT_STD / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, *, seed: int, prefix: str) -> None:
@@ -206,15 +206,17 @@ class Transformer(nn.Module):
         args = self.model_args
         return precompute_rope_cache(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """positions (seq,): the global position of each token, when tokens is not a whole
-        sequence in order (a context-parallel slice); None means 0..seq-1."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        """positions: the RoPE position of each token, (seq,) or per sample (batch, seq), when it
+        is not 0..seq-1 (a context-parallel slice, positions restarting per document); None
+        means 0..seq-1. mask: attend within documents only (None: plain causal)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The blocks rotate token j by row j of the table they get; picking the rows here
         # gives every token its global angle.
         rope_cache = self.rope_cache if positions is None else self.rope_cache[positions]
         for layer in self.layers.values():
-            h = layer(h, rope_cache)
+            h = layer(h, rope_cache, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -9,7 +9,8 @@ turns each all-reduce into a reduce-scatter + all-gather pair and divides the no
 and residual activation memory by the TP degree.
 
 The plan only names modules, so it also applies to pipeline stages whose
-tok_embeddings / norm / output are None or that hold a subset of layers.
+tok_embeddings / norm / output are None or that hold a subset of layers. Linears the
+float8 converter swapped (tensorwise recipe) get torchao's float8 styles: _styles_for.
 """
 
 from __future__ import annotations
@@ -66,28 +67,59 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_paralle
         parallelize_module(model, tp_mesh, top_plan)
 
     for block in model.layers.values():
+        colwise, rowwise, prepare_input = _styles_for(block)
         block_plan: dict[str, object] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=between),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
-            "feed_forward.w3": ColwiseParallel(),
+            "attention.wq": colwise("attention.wq"),
+            "attention.wk": colwise("attention.wk"),
+            "attention.wv": colwise("attention.wv"),
+            "attention.wo": rowwise("attention.wo", output_layouts=between),
+            "feed_forward.w1": colwise("feed_forward.w1"),
+            "feed_forward.w2": rowwise("feed_forward.w2", output_layouts=between),
+            "feed_forward.w3": colwise("feed_forward.w3"),
         }
         if sequence_parallel:
             block_plan.update({
                 "attention_norm": SequenceParallel(),
                 "ffn_norm": SequenceParallel(),
                 # Attention and the MLP need the whole sequence: all-gather it on entry.
-                # The second attention input is the RoPE table, a plain tensor left alone.
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                desired_input_layouts=(Replicate(), None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                   desired_input_layouts=(Replicate(),)),
+                # The other attention inputs (RoPE angles, document mask) are plain values left alone.
+                "attention": prepare_input("attention", ("wq", "wk", "wv"), input_layouts=(Shard(1), None, None),
+                                           desired_input_layouts=(Replicate(), None, None)),
+                "feed_forward": prepare_input("feed_forward", ("w1", "w3"), input_layouts=(Shard(1),),
+                                              desired_input_layouts=(Replicate(),)),
             })
         parallelize_module(block, tp_mesh, block_plan)
 
     # parallelize_module replaced the embedding's and the output's weights with two
     # separate DTensors (same Shard(0) layout); make them one parameter again.
     model.tie_weights()
+
+
+def _styles_for(block: nn.Module):
+    """Style factories for one block: torchao's float8 styles for the linears the float8 converter
+    swapped with the tensorwise recipe (activations are cast to float8 before their all-gathers, and
+    output gradients before theirs in backward, so that traffic is float8 too), the plain styles
+    otherwise: for nn.Linear and for the rowwise recipe, whose all-gathers stay in high precision
+    (as in torchtitan).
+
+    colwise(name, **kw) / rowwise(name, **kw) build the style for block.<name>; prepare_input(name,
+    linears, **kw) builds the input preparation of block.<name>, in float8 only when all of `linears`
+    (its submodules that read that input) are float8.
+    """
+    from titanlike.models.converters import float8_tensor_parallel_styles, is_float8_tensorwise_linear
+
+    def float8(name: str) -> bool:
+        return is_float8_tensorwise_linear(block.get_submodule(name))
+
+    def colwise(name: str, **kw):
+        return (float8_tensor_parallel_styles()[0] if float8(name) else ColwiseParallel)(**kw)
+
+    def rowwise(name: str, **kw):
+        return (float8_tensor_parallel_styles()[1] if float8(name) else RowwiseParallel)(**kw)
+
+    def prepare_input(name: str, linears: tuple[str, ...], **kw):
+        if all(float8(f"{name}.{linear}") for linear in linears):
+            return float8_tensor_parallel_styles()[2](fwd_config_submodule_fqn=linears[0], **kw)
+        return PrepareModuleInput(**kw)
+
+    return colwise, rowwise, prepare_input

@@ -1,0 +1,62 @@
+"""Validation runs through train.py: the held-out loss and perplexity reach the console,
+TensorBoard and the JSONL metrics; they leave training untouched; and every parallel layout
+measures the same validation loss as one process (tolerance: test_fsdp_parity.py's RTOL)."""
+
+import math
+
+import pytest
+
+from conftest import train_metrics
+from test_fsdp_parity import RTOL, assert_same_curve
+
+VALIDATE = ("--validation.enable", "--validation.freq", "5", "--validation.steps", "2")
+
+
+def _split(records):
+    train = [r for r in records if "loss" in r]
+    valid = [r for r in records if "validation_loss" in r]
+    return train, valid
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("val_ref")
+    records = train_metrics(dump, "single", *VALIDATE, "--training.local_batch_size", "8",
+                            "--metrics.enable_tensorboard")
+    return dump / "single", records
+
+
+def test_validation_is_reported_and_leaves_training_alone(reference, single_process_reference):
+    dump, records = reference
+    train, valid = _split(records)
+    assert_same_curve(train, single_process_reference)
+    assert [r["step"] for r in valid] == [5, 10]
+    for r in valid:
+        assert r["validation_perplexity"] == pytest.approx(math.exp(r["validation_loss"]), rel=1e-9)
+        assert r["validation_tokens"] == 2 * 8 * 64  # 2 batches of 8 samples of 64 targets
+    assert valid[1]["validation_loss"] < valid[0]["validation_loss"]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(dump / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("validation/loss")] == [5, 10]
+    assert events.Scalars("validation/loss")[1].value == pytest.approx(valid[1]["validation_loss"], rel=1e-6)
+    assert "validation/perplexity" in events.Tags()["scalars"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, nproc, layout", [
+    ("fsdp2", 2, ("--training.local_batch_size", "4")),
+    ("tp2", 2, ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8")),
+    ("pp2", 2, ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
+                "2", "--training.local_batch_size", "8")),
+])
+def test_layouts_measure_the_same_validation_loss(tmp_path, reference, name, nproc, layout):
+    _, ref = reference
+    train, valid = _split(train_metrics(tmp_path, name, *VALIDATE, *layout, nproc=nproc))
+    ref_train, ref_valid = _split(ref)
+    assert_same_curve(train, ref_train)
+    assert [r["validation_tokens"] for r in valid] == [r["validation_tokens"] for r in ref_valid]
+    for g, r in zip(valid, ref_valid):
+        assert g["validation_loss"] == pytest.approx(r["validation_loss"], rel=RTOL), (g, r)

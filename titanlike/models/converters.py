@@ -1,0 +1,331 @@
+"""Model converters: module swaps applied to the model on meta, after construction and before
+parallelize (shared/design.md: model on meta -> converters -> parallelize).
+
+`model.converters` names them, in order. A converter is built from the JobConfig, swaps modules of
+the whole meta model in place (before any pipeline split, so every stage inherits the swap), and
+may act after each optimizer step. Validation (titanlike/config/validate.py) refuses a converter
+this machine cannot run before any of this is reached.
+
+- `float8`: torchao's Float8Linear for every nn.Linear whose in and out features are multiples of
+  16 (what float8 matmuls need) and whose name is not in `float8.filter_fqns` (the output
+  projection by default). The tensorwise recipe can all-gather FSDP parameters in float8
+  (`enable_fsdp_float8_all_gather`), with their scales computed for all parameters at once after
+  each optimizer step (`precompute_float8_dynamic_scale_for_fsdp`), and makes the tensor-parallel
+  plan cast activations to float8 before its all-gathers (llama3/parallelize.py).
+- `te`: NVIDIA Transformer Engine's Linear for the same layers, run under its fp8 autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from titanlike.config.schema import JobConfig
+
+logger = logging.getLogger("titanlike")
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
+
+class ModelConverter:
+    """One named swap. Subclasses set `name` and implement convert()."""
+
+    name = ""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+
+    def convert(self, model: nn.Module) -> None:
+        raise NotImplementedError
+
+    def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
+        """Called after every optimizer step with this rank's model parts."""
+
+
+_CONVERTERS: dict[str, type[ModelConverter]] = {}
+
+
+def register_converter(cls: type[ModelConverter]) -> type[ModelConverter]:
+    if cls.name in _CONVERTERS:
+        raise ValueError(f"model converter {cls.name!r} is already registered")
+    _CONVERTERS[cls.name] = cls
+    return cls
+
+
+def converter_names() -> list[str]:
+    return sorted(_CONVERTERS)
+
+
+class ModelConverters:
+    """The converters of one job, applied in the order model.converters names them."""
+
+    def __init__(self, cfg: JobConfig):
+        self.converters = [_CONVERTERS[name](cfg) for name in cfg.model.converters]
+
+    def convert(self, model: nn.Module) -> None:
+        for converter in self.converters:
+            converter.convert(model)
+
+    def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
+        for converter in self.converters:
+            converter.post_optimizer_step(model_parts)
+
+
+def build_model_converters(cfg: JobConfig) -> ModelConverters:
+    return ModelConverters(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which linear layers a converter swaps.
+
+
+def fqn_matches(fqn: str, pattern: str) -> bool:
+    """True when `pattern` names `fqn` or a module containing it, or appears in it as whole
+    dot-separated parts: "output" matches "output", "attention.wq" matches every block's wq,
+    "layers.1" matches layer 1 but not layer 10."""
+    return f".{pattern}." in f".{fqn}."
+
+
+@dataclasses.dataclass
+class LinearSelection:
+    """The outcome of a filter over a model's nn.Linear layers, by fully qualified name."""
+
+    converted: list[str] = dataclasses.field(default_factory=list)
+    filtered: list[str] = dataclasses.field(default_factory=list)  # named by filter_fqns
+    misaligned: list[str] = dataclasses.field(default_factory=list)  # a dim not a multiple of 16
+
+    def describe(self) -> str:
+        total = len(self.converted) + len(self.filtered) + len(self.misaligned)
+        text = f"converted {len(self.converted)} of {total} linear layers"
+        kept = []
+        if self.filtered:
+            kept.append(f"{_names(self.filtered)} (float8.filter_fqns)")
+        if self.misaligned:
+            kept.append(f"{_names(self.misaligned)} (features not multiples of 16)")
+        if kept:
+            text += "; left in high precision: " + ", ".join(kept)
+        return text
+
+
+def _log_on_rank0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        logger.info(message)
+
+
+def _names(fqns: list[str], limit: int = 4) -> str:
+    shown = ", ".join(fqns[:limit])
+    return shown if len(fqns) <= limit else f"{shown} and {len(fqns) - limit} more"
+
+
+def linear_filter(filter_fqns: Iterable[str], selection: LinearSelection) -> Callable[[nn.Module, str], bool]:
+    """A module_filter_fn(module, fqn) for torchao that records its decisions in `selection`."""
+    filter_fqns = list(filter_fqns)
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        if any(fqn_matches(fqn, pattern) for pattern in filter_fqns):
+            selection.filtered.append(fqn)
+            return False
+        if module.in_features % 16 or module.out_features % 16:
+            selection.misaligned.append(fqn)
+            return False
+        selection.converted.append(fqn)
+        return True
+
+    return keep
+
+
+# ---------------------------------------------------------------------------------------------
+# float8 through torchao.
+
+
+def import_torchao_float8():
+    """torchao.float8, imported without the warnings torchao logs on machines that lack its CUDA
+    kernels (which float8 training does not use)."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+    return float8
+
+
+def float8_linear_config(cfg: JobConfig):
+    """torchao's Float8LinearConfig for the job's [float8] section."""
+    f = cfg.float8
+    float8 = import_torchao_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(f.recipe_name or "tensorwise")
+    return dataclasses.replace(config, emulate=f.emulate,
+                               enable_fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather)
+
+
+@register_converter
+class Float8Converter(ModelConverter):
+    name = "float8"
+
+    def __init__(self, cfg: JobConfig):
+        super().__init__(cfg)
+        self.config = float8_linear_config(cfg)
+        self.recipe = cfg.float8.recipe_name or "tensorwise"
+        self.precompute_scales = cfg.float8.precompute_float8_dynamic_scale_for_fsdp
+        self.selection = LinearSelection()
+
+    def convert(self, model: nn.Module) -> None:
+        float8 = import_torchao_float8()
+        selection = LinearSelection()
+        float8.convert_to_float8_training(
+            model, module_filter_fn=linear_filter(self.cfg.float8.filter_fqns, selection), config=self.config)
+        self.selection = selection
+        details = [self.recipe]
+        if self.config.emulate:
+            details.append("emulated")
+        if self.config.enable_fsdp_float8_all_gather:
+            details.append("FSDP all-gather in float8")
+        if self.precompute_scales:
+            details.append("scales precomputed after each step")
+        _log_on_rank0(f"float8 ({', '.join(details)}): {selection.describe()}")
+
+    def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
+        if self.precompute_scales:
+            # One all-reduce of every float8 weight's amax, instead of one per weight in forward.
+            float8 = import_torchao_float8()
+            for part in model_parts:
+                float8.precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def is_float8_tensorwise_linear(module: nn.Module) -> bool:
+    """A torchao Float8Linear with tensorwise scaling: the tensor-parallel styles that cast to
+    float8 before communicating (Float8ColwiseParallel, ...) apply to it. False without torchao."""
+    if type(module).__name__ != "Float8Linear":
+        return False
+    from torchao.float8.config import ScalingGranularity
+
+    casts = (module.config.cast_config_input, module.config.cast_config_weight,
+             module.config.cast_config_grad_output)
+    return all(c.scaling_granularity == ScalingGranularity.TENSORWISE for c in casts)
+
+
+def _allow_float8_all_gather_on_gloo() -> None:
+    """Let torchao's float8 tensor-parallel all-gathers run on gloo (CPU tests).
+
+    gloo has no float8 dtypes ("Invalid scalar type"); NCCL moves float8 as bytes, and so does this:
+    for CPU tensors only, torchao's all-gather of a Float8TrainingTensor sends its data viewed as
+    uint8 and views the result back. CUDA tensors keep torchao's own handler untouched.
+    """
+    from torchao.float8 import float8_ops
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    table = float8_ops.FLOAT8_OPS_TABLE
+    ops = [torch.ops._c10d_functional.all_gather_into_tensor.default]
+    original = table[ops[0]]
+    if getattr(original, "_titanlike_gloo", False):
+        return
+
+    def all_gather(aten_op, args, kwargs=None):
+        fp8 = args[0]
+        if fp8._data.device.type != "cpu":
+            return original(aten_op, args, kwargs)
+        data = fp8._data.contiguous()
+        out = aten_op(data.view(torch.uint8), *args[1:], **(kwargs or {})).view(data.dtype)
+        return Float8TrainingTensor(out, fp8._scale, fp8._orig_dtype, fp8._linear_mm_config, fp8._gemm_input_role)
+
+    all_gather._titanlike_gloo = True
+    for op in ops:
+        table[op] = all_gather
+
+
+def float8_tensor_parallel_styles():
+    """(Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput) from torchao."""
+    import_torchao_float8()
+    _allow_float8_all_gather_on_gloo()
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+# ---------------------------------------------------------------------------------------------
+# NVIDIA Transformer Engine.
+
+
+@register_converter
+class TransformerEngineConverter(ModelConverter):
+    """nn.Linear -> transformer_engine.pytorch.Linear (same filter as float8), forward under TE's
+    fp8 autocast with its default recipe.
+
+    Unverified on hardware: Transformer Engine cannot be installed on the CPU machines this was
+    written on, so only the swap logic is tested (against a stand-in module). Validation refuses it
+    with tensor parallelism (TE shards its own layers; the DTensor plan expects nn.Linear) and on
+    machines without an SM 8.9+ GPU. te.Linear adds an `_extra_state` entry (its fp8 metadata) to
+    each layer's state dict.
+    """
+
+    name = "te"
+
+    def __init__(self, cfg: JobConfig):
+        super().__init__(cfg)
+        import transformer_engine.pytorch as te
+
+        self.te = te
+        self.selection = LinearSelection()
+
+    def convert(self, model: nn.Module) -> None:
+        selection = LinearSelection()
+        keep = linear_filter(self.cfg.float8.filter_fqns, selection)
+        for fqn, module in list(model.named_modules()):
+            if not keep(module, fqn):
+                continue
+            parent_name, _, attr = fqn.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, self._swap(module))
+        self.selection = selection
+        _register_forward_context(model, self._autocast)
+        _log_on_rank0(f"Transformer Engine: {selection.describe()}")
+
+    def _swap(self, linear: nn.Linear) -> nn.Module:
+        weight = linear.weight
+        new = self.te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                             params_dtype=weight.dtype, device=weight.device)
+        if weight.device.type != "meta":
+            with torch.no_grad():
+                new.weight.copy_(weight)
+                if linear.bias is not None:
+                    new.bias.copy_(linear.bias)
+        return new
+
+    def _autocast(self):
+        autocast = getattr(self.te, "fp8_autocast", None)
+        if autocast is not None:
+            return autocast(enabled=True)
+        return self.te.autocast(enabled=True)  # the newer name
+
+
+def _register_forward_context(model: nn.Module, make_context: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Run every forward of `model` inside make_context(). Hooks, not a wrapper, so that parameter
+    names do not change and pipeline stages (deep copies of the model) keep them."""
+    active: list[contextlib.AbstractContextManager] = []
+
+    def enter(module, args):
+        context = make_context()
+        context.__enter__()
+        active.append(context)
+
+    def leave(module, args, output):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
