@@ -11,3 +11,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".${extras}"
+if [[ -n "$extras" ]]; then
+    # Megatron-LM's own dataset code, the reference the Megatron-format tests compare against.
+    # Without its dependencies: only megatron.core.datasets is used, and it needs torch and numpy.
+    "$PY" -m pip install -q --no-deps "megatron-core==0.16.1"
+fi

@@ -40,3 +40,19 @@ def test_missing_prefix_is_a_config_error(tmp_path):
                   check=False, timeout=60)
     assert proc.returncode == 2
     assert "nope.bin does not exist" in proc.stderr
+
+
+def test_validation_on_the_held_out_split(tmp_path, prefixes):
+    from titanlike.data.blend import build_megatron_dataset
+
+    launch([*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "4",
+            "--training.dataset", "megatron", "--training.dataset_path", prefixes[0],
+            "--validation.enable", "--validation.freq", "2", "--job.dump_folder", str(tmp_path)])
+    valid = [r for r in read_metrics(tmp_path) if "validation_loss" in r]
+    # validation.steps -1: every whole batch of 4 of the 'valid' part of split 969,30,1, once.
+    held_out = build_megatron_dataset(prefixes[0], seq_len=64, num_samples=None, seed=0, split="969,30,1",
+                                      split_name="valid", cache_dir=str(tmp_path / "cache"))
+    assert len(held_out) >= 4
+    assert [r["step"] for r in valid] == [2]
+    assert valid[0]["validation_tokens"] == len(held_out) // 4 * 4 * 64
+    assert 0 < valid[0]["validation_loss"] < 20

@@ -498,6 +498,28 @@ for blend, spec, seq, n, seed in cases:
         t = build_megatron_dataset(spec, seq_len=seq, num_samples=[n, 20][k], seed=seed,
                                    split="969,30,1", split_name=split, cache_dir=f"{d}/tcache")
         same(m[k], t)
+
+# Document masking: our mask, positions and EOD loss masking against Megatron's
+# reset_attention_mask / reset_position_ids / eod_mask_loss for the same samples.
+from titanlike.models.common.attention import DocumentMask
+builder = mid.IndexedDatasetBuilder(f"{d}/mc.bin", dtype=np.uint16)
+for i in range(600):  # documents ending in EOD, as preprocess_data.py --append-eod writes them
+    doc = rng.integers(1, 2048, rng.integers(1, 40)).tolist() + [Tok.eod]
+    builder.add_document(torch.tensor(doc, dtype=torch.int64), [len(doc)])
+builder.finalize(f"{d}/mc.idx")
+cfg = GPTDatasetConfig(random_seed=5, sequence_length=64, blend=([f"{d}/mc"], None), split="969,30,1",
+                       path_to_cache=f"{d}/mcache", tokenizer=Tok(), reset_position_ids=True,
+                       reset_attention_mask=True, eod_mask_loss=True, create_attention_mask=True)
+m = BlendedMegatronDatasetBuilder(MegatronGPT, [200, 5, 5], lambda: True, cfg).build()[0]
+boundaries = 0
+for i in range(0, 200, 7):
+    s = m[i]
+    mask = DocumentMask.from_tokens(s["tokens"][None], Tok.eod, "sdpa")
+    assert torch.equal(mask.positions[0], s["position_ids"]), i
+    assert torch.equal(mask.dense[0], ~s["attention_mask"]), i  # Megatron: True = masked out
+    assert torch.equal(s["loss_mask"] == 0, s["tokens"] == Tok.eod), i
+    boundaries += int((s["tokens"][:-1] == Tok.eod).sum())
+assert boundaries > 50, boundaries  # ~3 per sample
 print("MEGATRON PARITY OK")
 '''
 
