@@ -45,7 +45,9 @@ step of the loss adds two fp32 vocab-sized gradients.
 
 Pipeline parallelism multiplies one microbatch's stage activations by the
 microbatches in flight, from the schedule's warm-up depth (see `in_flight_chunks`,
-which tests check against torch's own schedule tables).
+which tests check against torch's own schedule tables), and adds the gradients of
+the stages that have already run a backward (`backward_moments`): at the first
+backward, which holds the most, there are none yet.
 """
 
 from __future__ import annotations
@@ -110,6 +112,30 @@ def in_flight_chunks(schedule: str, pp: int, pp_rank: int, n_microbatches: int, 
         return min(warmup + 1, total)
     # ZBVZeroBubble, DualPipeV.
     return min(2 * pp, total)
+
+
+def backward_moments(schedule: str, pp: int, pp_rank: int, n_microbatches: int,
+                     stages_per_rank: int) -> list[tuple[int, int]]:
+    """(chunks in flight, local stages that already have gradients) at the start of each backward.
+
+    The schedule runs W = `in_flight_chunks` forwards, then one forward per backward while
+    forwards remain (W stay in flight), then drains: backward j starts with min(W, total - j)
+    chunks. A stage's gradients appear with its first backward, and backward reaches a rank's
+    later stages first, one round of microbatches per stage (the interleaved schedules: n / rounds;
+    LoopedBFS: all n). For the V schedules every stage is taken to have gradients after the first
+    backward, which errs high. Tests check the pairs against torch's own tables for GPipe,
+    1F1B, Interleaved1F1B and LoopedBFS.
+    """
+    v, n = stages_per_rank, n_microbatches
+    total = v * n
+    w = in_flight_chunks(schedule, pp, pp_rank, n, v)
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        per_round = n // max(1, n // pp)
+    elif schedule == "LoopedBFS":
+        per_round = n
+    else:
+        per_round = 1
+    return [(min(w, total - j), min(v, _ceil_div(j, per_round))) for j in range(total)]
 
 
 @dataclass
@@ -265,6 +291,7 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
         static = opt_state = grads = gathered = gathered_root = accumulated = 0
         largest_block = root_local = 0
         holds_embedding = any(shapes[s].first for s in stage_ids)
+        stage_grads: dict[int, int] = {}  # what each stage holds as gradients during a pipeline schedule
         for s in stage_ids:
             sharded_bytes, elements, tp_local, block = _stage_param_bytes(args, shapes[s], tp, shard, granularity)
             d.params_local += elements
@@ -291,6 +318,7 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
                     accumulated += tp_local * 4
             elif bf16:
                 gathered += tp_local * 2  # autocast's bf16 weight copies, saved for backward
+            stage_grads[s] = tp_local * 4 if fsdp_on else sharded_bytes
         if not fsdp_on:
             gathered_root = gathered
         static += 4 * args.max_seq_len * args.head_dim * len(stage_ids)  # the RoPE table buffer
@@ -301,6 +329,8 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
                 accumulated += embed_extra * 4
             elif not fsdp_on:
                 grads += embed_extra * 4  # the Replicate gradient stays whole until the step
+            if dims.pp_enabled:
+                stage_grads[next(s for s in stage_ids if shapes[s].first)] += embed_extra * 4
 
         acts = [stage_acts(shapes[s]) for s in stage_ids]
         # In-flight chunks spread over the rank's stages (interleaved warm-up runs them round-robin).
@@ -315,13 +345,28 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
 
         moments: list[tuple[Breakdown, str]] = []
         if dims.pp_enabled:
-            # Steady state of the schedule: accumulators exist, a backward is running.
-            grads_now = accumulated if fsdp_on else grads
+            # The start of every backward: the chunks then in flight, and the gradients (accumulators
+            # under FSDP) of the stages that have already run a backward; keep the largest. The first
+            # backward holds the most chunks but no gradients yet (zero_grad freed them); when the
+            # warm-up covers every microbatch, no backward holds both.
             if holds_embedding and embedding_grad_full and fsdp_on:
                 transient = max(transient, embedding_grad_full * e)
-            moments.append((Breakdown(parameters=static, gathered_parameters=gathered, gradients=grads_now,
-                                      optimizer_state=opt_state, activations=stored, transient=transient),
-                            "backward in the steady state of the schedule"))
+            later_first = sorted(stage_ids, reverse=True)
+            total_chunks = len(stage_ids) * n_microbatches
+            best: tuple[Breakdown, str] | None = None
+            starts = backward_moments(p.pipeline_parallel_schedule, dims.pp, pp_rank, n_microbatches, len(stage_ids))
+            # Distinct (chunks, stages with gradients) -> first backward index: the planner calls this a lot.
+            first_of: dict[tuple[int, int], int] = {}
+            for j, pair in enumerate(starts):
+                first_of.setdefault(pair, j)
+            for (chunks, with_grads), j in first_of.items():
+                held = later_first if grad_accum > 1 else later_first[:with_grads]
+                b = Breakdown(parameters=static, gathered_parameters=gathered,
+                              gradients=sum(stage_grads[s] for s in held), optimizer_state=opt_state,
+                              activations=stored_chunk * chunks, transient=transient)
+                if best is None or b.total > best[0].total:
+                    best = (b, f"start of backward {j + 1} of {total_chunks} in the schedule")
+            moments.append(best)
         else:
             # Unsharded gradients of the block being reduced (param dtype, then the fp32 reduce-scatter input).
             if fsdp_on:
@@ -374,5 +419,5 @@ def bytes_per_parameter(prep: PreparedJob) -> dict[str, float]:
             "gathered_copy": e / (dims.tp * dims.pp)}
 
 
-__all__ = ["StageShape", "estimate_analytic", "in_flight_chunks", "layer_activation_bytes", "stage_layout",
-           "bytes_per_parameter", "model_parameter_count", "AnalyticDetail"]
+__all__ = ["StageShape", "backward_moments", "estimate_analytic", "in_flight_chunks", "layer_activation_bytes",
+           "stage_layout", "bytes_per_parameter", "model_parameter_count", "AnalyticDetail"]

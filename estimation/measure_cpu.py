@@ -11,6 +11,13 @@ from their storages), is the measured peak of live tensor memory of the step. Th
 independent of the trackers the traced estimate uses (allocator events, not
 dispatch-level storage bookkeeping), and it sees what the real run does: real
 collectives, real FSDP buffers. Each rank writes DIR/rank{r}.json.
+
+The profiler follows only the thread that runs the step: an allocation freed on another
+thread has no free event. gloo's reduce-scatter clones its input on the calling thread,
+and when its worker thread finishes after the caller has let go, the clone is freed
+there; it then stays in the running sum until the end of the step, so the measured peak
+can be too high by up to end_minus_start_bytes (zero when nothing was freed elsewhere,
+as the step ends with what it started with).
 """
 
 from __future__ import annotations

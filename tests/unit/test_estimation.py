@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from estimation.analytic import estimate_analytic, in_flight_chunks
+from estimation.analytic import backward_moments, estimate_analytic, in_flight_chunks
 from estimation.memory import Breakdown
 from estimation.options import parse_estimate_args, prepare_job
 from estimation.report import run_estimate, verdict
@@ -110,7 +110,8 @@ def test_analytic_full_ac_keeps_fewer_activations():
 
 
 def test_in_flight_formula_matches_torch_schedules():
-    """The analytic warm-up depth equals the most forwards without their backward in torch's own tables."""
+    """The analytic warm-up depth equals the most forwards without their backward in torch's own tables,
+    and at the start of every backward the analytic (chunks in flight, stages with gradients) are torch's."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
     from estimation.traced import _pipeline_order, fake_world
@@ -127,11 +128,20 @@ def test_in_flight_formula_matches_torch_schedules():
                     order = _pipeline_order(layout, dims, n_mb, schedule)
                     for rank in range(pp):
                         live = most = 0
+                        seen, at_backward = [], []
                         for action in order[rank]:
+                            if action.computation_type == C.FULL_BACKWARD:
+                                at_backward.append((live, len(seen)))
+                                if action.stage_index not in seen:
+                                    seen.append(action.stage_index)
                             live += {C.FORWARD: 1, C.FULL_BACKWARD: -1}.get(action.computation_type, 0)
                             most = max(most, live)
                         expected = in_flight_chunks(schedule, pp, rank, n_mb, layout.stages_per_rank)
                         assert most == expected, (schedule, pp, n_mb, rank)
+                        moments = backward_moments(schedule, pp, rank, n_mb, layout.stages_per_rank)
+                        assert at_backward == moments, (schedule, pp, n_mb, rank)
+                        # Backward reaches a rank's later stages first.
+                        assert seen == sorted(layout.stages_of_rank(rank), reverse=True), (schedule, pp, n_mb, rank)
 
 
 # Traced: every parallelism on tiny configs ---------------------------------------------------
