@@ -182,7 +182,7 @@ def test_valid_layouts_resolve():
     assert (dims.dp_replicate, dims.dp_shard, dims.dp_degree) == (2, 2, 4)
 
 
-@pytest.mark.parametrize("preset", ["debug_model", "llama3_100m", "llama3_8b", "llama3_70b", "llama3_405b"])
+@pytest.mark.parametrize("preset", ["debug_model", "llama3_100m", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b", "llama3_405b"])
 def test_presets_parse(preset):
     cfg = load_job_config(["--job.config_file", f"train_configs/{preset}.toml"])
     assert cfg.model.name == "llama3"

@@ -207,10 +207,11 @@ class _Stage(PipelineStage):
 
     extra: list[dict] | None = None
 
-    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, *more, **more_kwargs):
+        # *more: later torch versions add arguments (e.g. save_forward_output); pass them through.
         if self.extra is not None:
             kwargs = {**(kwargs or {}), **self.extra[fwd_chunk_id]}
-        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *more, **more_kwargs)
 
 
 class PipelineRunner:
