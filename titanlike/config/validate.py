@@ -194,6 +194,13 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, spec, args) -> None:
            f"training.local_batch_size {t.local_batch_size} must be divisible by "
            f"parallelism.pipeline_parallel_microbatch_size {mbs}, which cuts it into pipeline microbatches")
     n_microbatches = t.local_batch_size // mbs
+    if cfg.validation.enable:
+        _check(name not in pipeline.V_SCHEDULES,
+               f"validation.enable does not work with the {name} pipeline schedule (torch's V-shaped schedules "
+               "have no forward-only mode); use another schedule or disable validation")
+        _check(cfg.validation.local_batch_size in (-1, t.local_batch_size),
+               "under pipeline parallelism validation.local_batch_size must equal training.local_batch_size "
+               "(the schedule runs a fixed number of microbatches)")
     problem = pipeline.microbatch_problem(name, n_microbatches, layout)
     _check(problem is None,
            f"{problem}, but local_batch_size {t.local_batch_size} / pipeline_parallel_microbatch_size {mbs} "
