@@ -63,3 +63,28 @@ def train_metrics(tmp_path: Path, name: str, *extra: str, nproc: int = 1) -> lis
 def single_process_reference(tmp_path_factory):
     """The single-process run every layout must reproduce: global batch 8 in one microbatch."""
     return train_metrics(tmp_path_factory.mktemp("ref"), "single", "--training.local_batch_size", "8")
+
+
+def sharp_llama(seq: int, vocab: int):
+    """A 2-layer tiny Llama whose attention is sharp (wq, wk scaled by 8), initialized on CPU.
+
+    At init attention is nearly uniform, so wrong positions or masks barely move the output;
+    sharpened, they move logits by 1e-2 or more while a correct computation stays at rounding.
+    """
+    import dataclasses
+
+    import torch
+
+    from titanlike.models.llama3 import Transformer, llama3_flavors
+
+    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=2, vocab_size=vocab, max_seq_len=seq)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        for block in model.layers.values():
+            block.attention.wq.weight.mul_(8)
+            block.attention.wk.weight.mul_(8)
+    return model
+

@@ -13,7 +13,6 @@ position is off by 1e-2 or more (logits) and O(1) (attention gradients).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 import time
@@ -23,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import sharp_llama
 from titanlike.models.common.attention import DocumentMask, causal_attention, core_attention
 from titanlike.models.common.rope import apply_rotary_emb, precompute_rope_cache
-from titanlike.models.llama3 import Transformer, llama3_flavors
 from titanlike.parallel.context import (
     ROTATE_METHODS,
     ContextParallelAttention,
@@ -134,15 +133,8 @@ def _check_model(mesh, method: str, documents: bool) -> None:
     """
     cp, rank = mesh.size(), mesh.get_local_rank()
     seq = 8 * cp
-    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=2, vocab_size=128, max_seq_len=seq)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    with torch.no_grad():
-        for block in model.layers.values():
-            block.attention.wq.weight.mul_(8)
-            block.attention.wk.weight.mul_(8)
+    model = sharp_llama(seq, vocab=128)
+    args = model.model_args
     torch.manual_seed(99)
     tokens = _packed_tokens(seq, args.vocab_size) if documents else torch.randint(args.vocab_size, (2, seq))
     grad_logits = torch.randn(2, seq, args.vocab_size)

@@ -5,14 +5,12 @@ microbatch preparation (EOD loss masking, positions).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import sharp_llama
 from titanlike.models.common.attention import DocumentMask, core_attention, resolve_attention_backend
-from titanlike.models.llama3 import Transformer, llama3_flavors
 
 EOD = 1
 
@@ -56,20 +54,6 @@ def test_flex_block_mask_matches_dense_sdpa():
     assert (dense - F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)).abs().max() > 1e-2
 
 
-def _sharp_model(seq: int) -> Transformer:
-    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=2, vocab_size=64, max_seq_len=seq)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    with torch.no_grad():
-        # At init attention is nearly uniform, so wrong positions would hardly show; sharpen it.
-        for block in model.layers.values():
-            block.attention.wq.weight.mul_(8)
-            block.attention.wk.weight.mul_(8)
-    return model
-
-
 def test_packed_sample_equals_each_document_alone():
     """The defining property: with document masking a packed sample's logits are those of each
     document run through the model by itself.
@@ -83,7 +67,7 @@ def test_packed_sample_equals_each_document_alone():
     for d in docs:
         d[-1] = EOD
     packed = torch.cat(docs)[None]
-    model = _sharp_model(packed.shape[1])
+    model = sharp_llama(packed.shape[1], vocab=64)
     mask = DocumentMask.from_tokens(packed, EOD, kernel="sdpa")
     with torch.no_grad():
         logits = model(packed, positions=mask.positions, mask=mask)
