@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def _live_bytes(trainer) -> int:
     import torch
+    from torch.distributed._tools.common_utils import get_untyped_storages
 
     seen, total = set(), 0
 
@@ -40,11 +41,12 @@ def _live_bytes(trainer) -> int:
         if not isinstance(t, torch.Tensor):
             return
         local = t.to_local() if hasattr(t, "to_local") else t
-        st = local.untyped_storage()
-        if st.data_ptr() in seen or st.nbytes() == 0:
-            return
-        seen.add(st.data_ptr())
-        total += st.nbytes()
+        # Tensor subclasses (float8's weight wrapper) hold their data in inner tensors.
+        for st in get_untyped_storages(local):
+            if st.nbytes() == 0 or st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            total += st.nbytes()
 
     for part in trainer.model_parts:
         for p in part.parameters():

@@ -127,10 +127,13 @@ def estimate_help() -> str:
 
 @dataclass
 class Float8Adjustment:
-    """What a float8 converter would change, applied analytically (the trace runs in bf16)."""
+    """What the float8 converter changes. The analytic estimate applies it as a formula; the trace
+    runs the converter itself (`traced`), unless torchao is missing, when the trace runs in bf16 and
+    is adjusted by the same formula."""
 
     fsdp_float8_all_gather: bool
     filter_fqns: list[str]
+    traced: bool = False
 
 
 @dataclass
@@ -151,6 +154,12 @@ def _vocab_size(path: str) -> int:
     from titanlike.data import build_tokenizer
 
     return build_tokenizer(path).vocab_size
+
+
+def _torchao_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
 
 
 def default_world_size(cfg: JobConfig) -> int:
@@ -177,11 +186,26 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
     converters, est.model.converters = list(est.model.converters), []
     for name in converters:
         if name.lower() == "float8":
-            float8 = Float8Adjustment(est.float8.enable_fsdp_float8_all_gather, list(est.float8.filter_fqns))
-            notes.append(
-                "float8: traced in bf16, then adjusted analytically: with enable_fsdp_float8_all_gather the "
-                "gathered weights of converted linears take 1 byte instead of 2; torchao keeps high-precision "
-                "inputs for backward, so activations are unchanged")
+            float8 = Float8Adjustment(est.float8.enable_fsdp_float8_all_gather, list(est.float8.filter_fqns),
+                                      traced=_torchao_available())
+            if float8.traced:
+                # The trace applies the trainer's own converter (torchao's Float8Linear) to the meta model.
+                est.model.converters.append(name)
+                if not est.float8.emulate:
+                    # Validation refuses float8 without an SM 8.9+ GPU here; the sizes do not depend on it.
+                    est.float8.emulate = True
+                notes.append(
+                    "float8: traced with the trainer's converter (torchao Float8Linear, float8 casts and, with "
+                    "enable_fsdp_float8_all_gather, float8 all-gather buffers and scales as real tensors); "
+                    "matmuls emulated, which changes kernels inside torchao's tensor subclass, not the tensors "
+                    "the trace counts; casts run eager (unfused fp32 temporaries), as without compile. The "
+                    "analytic estimate stays a formula: with enable_fsdp_float8_all_gather the gathered weights "
+                    "of converted linears take 1 byte instead of 2, activations unchanged")
+            else:
+                notes.append(
+                    "float8: torchao is not installed here, so traced in bf16, then adjusted analytically: with "
+                    "enable_fsdp_float8_all_gather the gathered weights of converted linears take 1 byte instead "
+                    "of 2; torchao keeps high-precision inputs for backward, so activations are unchanged")
         else:
             notes.append(f"model converter {name!r} is not modeled; estimated without it")
     if est.compile.enable:

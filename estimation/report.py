@@ -34,11 +34,14 @@ _EXPLAIN = {
     "parameters": "the trace counts real shard shapes (FSDP pads dim 0 to the shard count) and buffers",
     "gathered_parameters": "analytic assumes about two gathered blocks besides the root; the trace sees FSDP's "
                            "actual prefetching (without FSDP the tracker files autocast's bf16 weight copies "
-                           "under activations)",
+                           "under activations); with float8 all-gather, analytic halves the converted share of "
+                           "the gathered bytes, the trace gathers the float8 weights as torchao does, plus a "
+                           "persistent fp32 scale per weight",
     "gradients": "at the peak some gradients may already be reduced or not yet produced",
     "optimizer_state": "AdamW's step counters are tensors too",
     "activations": "the formula counts saved tensors per layer; the trace also holds the pipeline and loss "
-                   "tensors exactly when they live, and files bf16 autocast weight copies here",
+                   "tensors exactly when they live, and files bf16 autocast weight copies here (and, with "
+                   "float8, the eager casts' fp32 and float8 copies of weights and inputs made in forward)",
     "transient": "recompute, collective buffers and gradients of activations depend on the exact op order, "
                  "which only the trace follows",
 }
@@ -94,7 +97,9 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
         t0 = time.perf_counter()
         traced, notes = estimate_traced(prep, granularity=opts.alloc_granularity, per_module=opts.per_module,
                                         module_depth=opts.module_depth, log=log)
-        if prep.float8 is not None and prep.float8.fsdp_float8_all_gather and dims.fsdp_enabled:
+        if (prep.float8 is not None and not prep.float8.traced and prep.float8.fsdp_float8_all_gather
+                and dims.fsdp_enabled):
+            # Without torchao the trace ran in bf16: apply the analytic float8 all-gather saving.
             from estimation.analytic import _float8_share
 
             share = _float8_share(prep.model_args, prep)

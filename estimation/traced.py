@@ -2,9 +2,10 @@
 
 How. The process joins a fake process group (torch's FakeStore, backend "fake") as
 rank 0 of the requested world size, builds the job's DeviceMesh, constructs the
-model on meta, applies the real `parallelize_model` (TP, CP, AC, FSDP), and
-materializes it inside FakeTensorMode: tensors carry shapes, dtypes and storages but
-no data, and collectives return without communicating. torch's memory trackers then
+model on meta, applies the job's model converters as the trainer does (float8:
+torchao's Float8Linear, with its float8 casts, scales and float8 FSDP all-gather), then
+the real `parallelize_model` (TP, CP, AC, FSDP), and materializes it inside
+FakeTensorMode: tensors carry shapes, dtypes and storages but no data, and collectives return without communicating. torch's memory trackers then
 count every storage the step creates and frees: `FSDPMemTracker` when the model is
 FSDP-wrapped (it tells sharded from all-gathered parameters and gradients),
 otherwise the generic `MemTracker`. Which rank joins does not matter: every rank
@@ -30,6 +31,11 @@ schedule (`schedule.pipeline_order`), so warm-up depth, interleaving and the V
 placement come from torch itself. Split backward (the zero-bubble schedules' I and
 W actions) is replayed as a full backward whose weight-gradient inputs stay alive
 until W; that share is estimated, not traced.
+
+float8. The matmuls are emulated (validation refuses float8 without an SM 8.9+ GPU): that
+changes only the kernels, which run inside torchao's tensor subclass dispatch, where the
+trackers do not see temporaries; the tensors they count (float8 casts of weights and inputs,
+scales, FSDP's float8 all-gather buffers, outputs) have the same sizes as on a GPU.
 
 Device. Tensors are fake CPU tensors: a CPU-only torch cannot create CUDA tensors
 even in fake mode (FSDP asks the CUDA runtime for the current device). Each storage
@@ -133,6 +139,41 @@ def _separate_propagation_mode():
         yield True
     finally:
         _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
+def _float8_flatten_without_data(enabled: bool):
+    """Let the memory trackers list the storages of torchao's float8 FSDP weights under FakeTensorMode.
+
+    The trackers find a tensor subclass's storages through `__tensor_flatten__`. torchao's
+    `WeightWithDynamicFloat8CastTensor.__tensor_flatten__` (torchao 0.18, float8/fsdp_utils.py) tests
+    `if self._precomputed_scale:`, the truth value of a 0-d tensor: a data read, which a fake tensor
+    refuses (DataDependentOutputException on aten._local_scalar_dense) once
+    `precompute_float8_dynamic_scale_for_fsdp` has set the scale. A precomputed scale is never zero
+    (float8 max over a clamped amax), so testing `is not None` lists the same tensors as a real run.
+    """
+    if not enabled:
+        yield
+        return
+    try:
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as weight_cls
+    except ImportError:
+        yield
+        return
+    original = weight_cls.__dict__.get("__tensor_flatten__")
+
+    def flatten(self):
+        tensors = ["_tensor"]
+        if getattr(self, "_precomputed_scale", None) is not None:
+            tensors.append("_precomputed_scale")
+        return tensors, {"mm_config": self._linear_mm_config, "dtype": self._dtype}
+
+    weight_cls.__tensor_flatten__ = flatten
+    try:
+        yield
+    finally:
+        if original is not None:
+            weight_cls.__tensor_flatten__ = original
 
 
 @contextlib.contextmanager
@@ -266,6 +307,7 @@ class _Context:
     bf16_autocast: bool
     loss_parallel: bool
     mode: object
+    converters: object = None
     positions: torch.Tensor | None = None
     global_tokens: torch.Tensor | None = None
     notes: list[str] = field(default_factory=list)
@@ -284,7 +326,7 @@ class _Context:
         return cross_entropy_sum(logits, labels) / self.global_tokens
 
 
-def _warm_optimizer(parts: list[nn.Module], cfg) -> torch.optim.Optimizer:
+def _warm_optimizer(parts: list[nn.Module], cfg, converters=None) -> torch.optim.Optimizer:
     from titanlike.train.optimizer import build_optimizer
 
     optimizer = build_optimizer(parts, cfg.optimizer)
@@ -292,6 +334,9 @@ def _warm_optimizer(parts: list[nn.Module], cfg) -> torch.optim.Optimizer:
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
+    if converters is not None:
+        # As the trainer does after every step (float8: precomputed all-gather scales, kept on the weights).
+        converters.post_optimizer_step(parts)
     optimizer.zero_grad(set_to_none=True)
     return optimizer
 
@@ -301,6 +346,7 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
     """Trace the job; returns one estimate per pipeline rank and notes on what was approximated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from titanlike.models.converters import build_model_converters
     from titanlike.models.registry import get_model_spec
     from titanlike.parallel.context import load_balanced_positions
     from titanlike.parallel.parallel_dims import ParallelDims
@@ -314,17 +360,21 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
     spec = get_model_spec(cfg.model.name)
     start = time.perf_counter()
     gc_was_enabled = gc.isenabled()
+    float8 = "float8" in cfg.model.converters
     with fake_world(dims.world_size), _allocation_granularity(granularity) as rounded, \
-            _separate_propagation_mode() as separated:
+            _separate_propagation_mode() as separated, _float8_flatten_without_data(float8):
         dims.build_mesh(DEVICE.type)
         with torch.device("meta"):
             model = spec.model_cls(args)
+        # As the trainer: converters (float8) swap modules of the whole meta model, before any pipeline split.
+        converters = build_model_converters(cfg)
+        converters.convert(model)
         # One mode for the whole estimate: fake tensors of different modes cannot meet in one op.
         # Non-fake inputs are allowed because DeviceMesh keeps real rank tensors.
         ctx = _Context(prep, granularity, spec,
                        bf16_autocast=cfg.training.mixed_precision_param == "bfloat16" and not dims.fsdp_enabled,
                        loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-                       mode=FakeTensorMode(allow_non_fake_inputs=True))
+                       mode=FakeTensorMode(allow_non_fake_inputs=True), converters=converters)
         with ctx.mode:
             if dims.cp_enabled:
                 ctx.positions = load_balanced_positions(cfg.training.seq_len, dims.cp, 0, DEVICE)
@@ -359,7 +409,7 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
     with ctx.mode:
         model.to_empty(device=DEVICE)
         model.train()
-        optimizer = _warm_optimizer([model], cfg)
+        optimizer = _warm_optimizer([model], cfg, ctx.converters)
         persistent_opt = _optimizer_state_bytes(optimizer, ctx.granularity)
         seq_local = t.seq_len // dims.cp
         tokens = torch.randint(0, args.vocab_size, (t.local_batch_size, seq_local), device=DEVICE)
@@ -393,6 +443,7 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
             params = [p for p in model.parameters()]
             clip_grad_norm_(params, t.max_norm)
             optimizer.step()
+            ctx.converters.post_optimizer_step([model])
             optimizer.zero_grad(set_to_none=True)
             phase_peak = tr.peak()
             phases["optimizer step"] = phase_peak
@@ -497,7 +548,7 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
     with ctx.mode:
         part.to_empty(device=DEVICE)
         part.train()
-        optimizer = _warm_optimizer([part], cfg)
+        optimizer = _warm_optimizer([part], cfg, ctx.converters)
         persistent_opt = _optimizer_state_bytes(optimizer, ctx.granularity)
         # Sequence parallelism hands the next stage its sequence shard; the dtype is that of the blocks.
         hidden_seq = seq_local // dims.tp if dims.tp_enabled else seq_local
@@ -556,6 +607,7 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
 
             def step():
                 optimizer.step()
+                ctx.converters.post_optimizer_step([part])
                 optimizer.zero_grad(set_to_none=True)
 
             base = tr.current()

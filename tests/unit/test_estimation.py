@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.flavor", "debugmodel_tiny",
         "--training.seq_len", "64", "--training.local_batch_size", "4"]
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
+FLOAT8_ALL_GATHER = ["--model.converters", "float8", "--float8.enable_fsdp_float8_all_gather",
+                     "--float8.precompute_float8_dynamic_scale_for_fsdp"]
 
 # Parameters, optimizer state and (fully allocated) gradients are shapes times bytes: the
 # analytic count must match the trace to within this (padding, RoPE buffer, step counters).
@@ -158,6 +160,9 @@ LAYOUTS = {
     "pp_1f1b": (["--parallelism.pipeline_parallel_degree", "2"], 2),
     "pp_interleaved_fsdp": ([*BF16, "--parallelism.pipeline_parallel_degree", "2",
                              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 4),
+    # float8 changes no sharded weight, gradient or optimizer state: the static buckets still match.
+    "fsdp_float8": ([*BF16, *FLOAT8_ALL_GATHER], 2),
+    "tp_float8": ([*BF16, "--model.converters", "float8", "--parallelism.tensor_parallel_degree", "2"], 2),
 }
 
 
@@ -188,6 +193,49 @@ def test_traced_is_monotone_in_fsdp_tp_and_ac():
     assert tp2.parameters < one.parameters
     full = _traced(*BF16, "--activation_checkpoint.mode", "full", world=2)[0].peak
     assert full.activations < fsdp2.activations
+
+
+def test_traced_float8_all_gather_gathers_fewer_bytes():
+    """The trace runs the trainer's float8 converter: with FSDP's float8 all-gather, the gathered weights
+    of converted linears take 1 byte, so the gathered bytes at the peak drop (the output projection is
+    converted too here, since on this tiny model the peak comes while only the root is gathered)."""
+    convert_output = "--float8.filter_fqns="
+    bf16 = _traced(*BF16, convert_output, world=2, granularity=1)[0].peak
+    plain = _traced(*BF16, convert_output, "--model.converters", "float8", world=2, granularity=1)[0].peak
+    fp8 = _traced(*BF16, convert_output, *FLOAT8_ALL_GATHER, world=2, granularity=1)[0].peak
+    # bf16 all-gather of float8 linears gathers what bf16 does; float8 all-gather gathers less, but
+    # more than half (the embedding stays bf16, and each weight brings an fp32 scale).
+    assert plain.gathered_parameters == bf16.gathered_parameters
+    assert 0.5 * bf16.gathered_parameters < fp8.gathered_parameters < 0.9 * bf16.gathered_parameters
+    # Sharded fp32 weights and AdamW state are the same; the scales precomputed for the all-gather
+    # are the only new persistent tensors (4 bytes per converted weight).
+    assert fp8.optimizer_state == bf16.optimizer_state
+    assert bf16.parameters <= fp8.parameters < bf16.parameters + 4 * 64
+    assert 0.8 < fp8.total / bf16.total < 1.2
+
+
+def test_float8_estimate_is_traced_not_adjusted():
+    opts, _ = parse_estimate_args(["--estimate.world_size", "2", "--estimate.alloc_granularity", "1"])
+    cfg = load_job_config([*TINY, *BF16, "--float8.filter_fqns=", *FLOAT8_ALL_GATHER])
+    result = run_estimate(cfg, opts)
+    notes = " ".join(result["notes"])
+    assert "traced with the trainer's converter" in notes and "traced in bf16" not in notes
+    assert result["source"] == "traced"
+    # What the report prints as traced is the trace itself (no analytic cut applied on top of it).
+    traced = _traced(*BF16, "--float8.filter_fqns=", *FLOAT8_ALL_GATHER, world=2, granularity=1)[0]
+    assert result["traced"]["peak_bytes"] == traced.peak_bytes
+    # The analytic estimate keeps its float8 formula and lands in the same range.
+    assert 0.5 < result["analytic"]["peak_bytes"] / result["traced"]["peak_bytes"] < 2.0
+    # Without torchao the trace would run in bf16 and say so.
+    import estimation.options as options
+    available = options._torchao_available
+    options._torchao_available = lambda: False
+    try:
+        prep = prepare_job(cfg, 2)
+    finally:
+        options._torchao_available = available
+    assert prep.cfg.model.converters == [] and prep.float8 is not None and not prep.float8.traced
+    assert any("traced in bf16" in n for n in prep.notes)
 
 
 def test_traced_pipeline_ranks_differ_by_stage():
