@@ -42,6 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _load_preprocess():
     import importlib.util
 
+    if "preprocess_data" in sys.modules:  # already loaded (e.g. by a test): keep one copy
+        return sys.modules["preprocess_data"]
     spec = importlib.util.spec_from_file_location("preprocess_data",
                                                   os.path.join(HERE, "preprocess_data.py"))
     mod = importlib.util.module_from_spec(spec)

@@ -17,6 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _load(name):
+    # One module object per script for the whole session: pool workers pickle task functions by
+    # module name, so a second copy would break other tests' pools (test_preprocess.py loads one too).
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # pool workers find task functions by module name

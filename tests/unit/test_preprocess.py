@@ -17,10 +17,14 @@ from titanlike.data.indexed import IndexedDataset
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "preprocess_data.py"
 
-_spec = importlib.util.spec_from_file_location("preprocess_data", SCRIPT)
-pp = importlib.util.module_from_spec(_spec)
-sys.modules["preprocess_data"] = pp  # the worker pool pickles its task function by module name
-_spec.loader.exec_module(pp)
+# One module object per session (other tests load the script too): the worker pool pickles its
+# task function by module name.
+pp = sys.modules.get("preprocess_data")
+if pp is None:
+    _spec = importlib.util.spec_from_file_location("preprocess_data", SCRIPT)
+    pp = importlib.util.module_from_spec(_spec)
+    sys.modules["preprocess_data"] = pp
+    _spec.loader.exec_module(pp)
 
 LINES = [
     {"text": "In the beginning God created the heaven and the earth.", "title": "Genesis 1"},
