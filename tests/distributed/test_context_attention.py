@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import sharp_llama
-from titanlike.models.common.attention import DocumentMask, causal_attention, core_attention
+from titanlike.models.common.attention import DocumentMask, core_attention
 from titanlike.models.common.rope import apply_rotary_emb, precompute_rope_cache
 from titanlike.parallel.context import (
     ROTATE_METHODS,
@@ -105,8 +105,7 @@ def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bo
     v = torch.randn(b, kv_heads, seq, d, requires_grad=True)
     grad_out = torch.randn(b, heads, seq, d)
     tokens = _packed_tokens(seq, 50) if documents else None
-    ref = core_attention(q, k, v, DocumentMask.from_tokens(tokens, EOD, "sdpa")) if documents else causal_attention(
-        q, k, v)
+    ref = core_attention(q, k, v, DocumentMask.from_tokens(tokens, EOD, "sdpa") if documents else None)
     ref.backward(grad_out)
 
     positions = load_balanced_positions(seq, cp, rank)

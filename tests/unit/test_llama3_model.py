@@ -147,7 +147,7 @@ def test_causal_attention_gqa_matches_naive(monkeypatch, takes_gqa):
     q = torch.randn(2, 6, 10, 8, generator=g, dtype=torch.float64)
     k = torch.randn(2, 3, 10, 8, generator=g, dtype=torch.float64)
     v = torch.randn(2, 3, 10, 8, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(attention_mod.causal_attention(q, k, v), _naive_attention(q, k, v))
+    torch.testing.assert_close(attention_mod.core_attention(q, k, v), _naive_attention(q, k, v))
 
 
 def test_gqa_equals_mha_with_repeated_kv_heads():

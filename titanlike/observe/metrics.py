@@ -8,8 +8,8 @@ peak. A device missing from the table gets no MFU rather than a wrong one.
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import resource
 import time

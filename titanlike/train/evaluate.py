@@ -19,8 +19,7 @@ from titanlike.data.tokenizer import Tokenizer
 @dataclass
 class ValidationData:
     loader: object  # a StatefulDataLoader, restarted (iter) at every run
-    num_batches: int  # batches of local_batch_size per data-parallel rank in one run
-    local_batch_size: int
+    num_batches: int  # batches per data-parallel rank in one run
 
 
 def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_degree: int,
@@ -59,4 +58,4 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int,
         if num_batches == 0:
             raise ValueError(f"the validation split holds {num_samples} samples, fewer than one global "
                              f"batch of {global_batch_size}; use a smaller validation.local_batch_size")
-    return ValidationData(loader, num_batches, local_batch_size)
+    return ValidationData(loader, num_batches)

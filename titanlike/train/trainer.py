@@ -235,12 +235,14 @@ class Trainer:
                 mb.positions = shard_sequence(mb.positions, self.cp_positions)
         return mb
 
-    def forward_backward(self, mb: Microbatch, global_tokens: torch.Tensor):
+    def forward_backward(self, mb: Microbatch, global_tokens: torch.Tensor, *, backward: bool = True):
+        """Loss of one microbatch divided by global_tokens, and its backward unless backward=False."""
         with self.autocast:
             logits = self.model_parts[0](mb.inputs, positions=mb.positions, mask=mb.mask)
         with self._loss_context():
             loss = self.loss_fn(logits, mb.labels) / global_tokens
-            loss.backward()
+            if backward:
+                loss.backward()
         return _local_value(loss)
 
     def pipeline_forward_backward(self, mb: Microbatch, global_tokens: torch.Tensor, *, backward: bool = True):
@@ -261,6 +263,10 @@ class Trainer:
             losses = self.pipeline.step(mb.inputs, mb.labels, extra, backward=backward)
         return sum((_local_value(loss) for loss in losses), torch.zeros((), device=self.device))
 
+    @property
+    def _step_fn(self):
+        return self.forward_backward if self.pipeline is None else self.pipeline_forward_backward
+
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Called by the schedule per microbatch on the last stage. Dividing by the token count of
         # the whole step (not of the microbatch) makes the gradients those of train_step without PP.
@@ -273,9 +279,8 @@ class Trainer:
         local_tokens = sum((mb.labels != IGNORE_INDEX).sum() for mb in microbatches)
         global_tokens = sum_over(local_tokens.to(self.device, torch.float32), self.dims.mesh("loss"))
         loss_sum = torch.zeros((), device=self.device)
-        step_fn = self.forward_backward if self.pipeline is None else self.pipeline_forward_backward
         for mb in microbatches:
-            loss_sum += step_fn(mb, global_tokens)
+            loss_sum += self._step_fn(mb, global_tokens)
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"))
         self.optimizer.step()
@@ -294,18 +299,12 @@ class Trainer:
             part.eval()
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
-        one = torch.ones((), device=self.device)
+        one = torch.ones((), device=self.device)  # sum the losses; divided by the token count at the end
         data = iter(self.validation.loader)
         for _ in range(self.validation.num_batches):
             mb = self.prepare(*next(data))
             tokens += (mb.labels != IGNORE_INDEX).sum()
-            if self.pipeline is not None:
-                loss_sum += self.pipeline_forward_backward(mb, one, backward=False)
-                continue
-            with self.autocast:
-                logits = self.model_parts[0](mb.inputs, positions=mb.positions, mask=mb.mask)
-            with self._loss_context():
-                loss_sum += _local_value(self.loss_fn(logits, mb.labels))
+            loss_sum += self._step_fn(mb, one, backward=False)
         for part in self.model_parts:
             part.train()
         tokens = sum_over(tokens, self.dims.mesh("loss"))

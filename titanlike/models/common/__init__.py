@@ -1,6 +1,6 @@
 """Layers and helpers shared by model families."""
 
-from titanlike.models.common.attention import causal_attention, sdpa_takes_gqa
+from titanlike.models.common.attention import core_attention, sdpa_takes_gqa
 from titanlike.models.common.init import canonical_fqn, constant_, normal_, ones_, seed_for, trunc_normal_, zeros_
 from titanlike.models.common.rope import RoPEScaling, apply_rotary_emb, precompute_rope_cache, rope_inv_freq
 
@@ -8,7 +8,7 @@ __all__ = [
     "RoPEScaling",
     "apply_rotary_emb",
     "canonical_fqn",
-    "causal_attention",
+    "core_attention",
     "sdpa_takes_gqa",
     "constant_",
     "normal_",

@@ -137,11 +137,6 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _sdpa(q, k, v, attn_mask=mask.dense)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over (batch, heads, seq, head_dim); k/v may have fewer heads than q."""
-    return core_attention(q, k, v)
-
-
 def resolve_attention_backend(backend: str, device_type: str) -> str:
     """The kernel for document masks: "auto" is FlexAttention on CUDA, dense-mask SDPA elsewhere."""
     if backend not in ATTENTION_BACKENDS:
