@@ -56,3 +56,19 @@ def test_validation_on_the_held_out_split(tmp_path, prefixes):
     assert [r["step"] for r in valid] == [2]
     assert valid[0]["validation_tokens"] == len(held_out) // 4 * 4 * 64
     assert 0 < valid[0]["validation_loss"] < 20
+
+
+def test_training_reads_the_train_part_of_training_split(tmp_path, prefixes):
+    # Training and validation must cut the same split, or the 'valid' part overlaps training data.
+    from titanlike.config import load_job_config, validate_config
+    from titanlike.train.trainer import Trainer
+
+    cfg = load_job_config([*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "1",
+                           "--training.dataset", "megatron", "--training.dataset_path", prefixes[0],
+                           "--training.split", "50,50,0", "--job.dump_folder", str(tmp_path)])
+    trainer = Trainer(cfg, validate_config(cfg, world_size=1))
+    try:
+        source = trainer.dataloader.dataset.samples.source
+        assert (source.split, source.split_name) == ("50,50,0", "train")
+    finally:
+        trainer.close()

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from titanlike.data.gpt_dataset import (
+    DEFAULT_SPLIT,
     GPTDataset,
     IndexCache,
     default_cache_dir,
@@ -171,7 +172,7 @@ class BlendedDataset:
 
 
 def build_megatron_dataset(dataset_path: str, *, seq_len: int, num_samples: int | None,
-                           seed: int, split: str = "969,30,1", split_name: str = "train",
+                           seed: int, split: str = DEFAULT_SPLIT, split_name: str = "train",
                            cache_dir: str | None = None,
                            is_rank_zero: bool | None = None,
                            barrier: Callable[[], None] | None = None):

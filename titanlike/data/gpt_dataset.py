@@ -52,6 +52,10 @@ _SAMPLE_CHUNK = 1 << 22
 # splits
 
 
+# Megatron's default --split: train, valid, test.
+DEFAULT_SPLIT = "969,30,1"
+
+
 def parse_split(split: str) -> list[float]:
     """`"969,30,1"` -> normalized `[train, valid, test]` fractions (missing ones are 0)."""
     parts = [float(p) for p in re.findall(r"[.0-9]+", split)]
@@ -308,7 +312,7 @@ class GPTDataset:
     """
 
     def __init__(self, indexed: IndexedDataset | str, *, seq_len: int,
-                 num_samples: int | None = None, seed: int = 1234, split: str = "969,30,1",
+                 num_samples: int | None = None, seed: int = 1234, split: str = DEFAULT_SPLIT,
                  split_name: str = "train", cache_dir: str | None = None,
                  is_rank_zero: bool | None = None,
                  barrier: Callable[[], None] | None = None) -> None:

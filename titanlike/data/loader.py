@@ -124,12 +124,12 @@ def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None
     # Megatron's GPT dataset shuffles documents and samples itself, epoch by epoch, for as
     # many epochs as num_samples needs; the loader must not reshuffle on top.
     from titanlike.data.blend import build_megatron_dataset
+    from titanlike.data.gpt_dataset import DEFAULT_SPLIT
 
     return build_megatron_dataset(dataset_path, seq_len=seq_len, num_samples=num_samples, seed=seed,
-                                  split=split or DEFAULT_MEGATRON_SPLIT, split_name=split_name)
+                                  split=split or DEFAULT_SPLIT, split_name=split_name)
 
 
-DEFAULT_MEGATRON_SPLIT = "969,30,1"
 register_dataset_kind("megatron", _megatron_source, shuffle=False)
 # `datasets` hands each torch loader worker a disjoint share of a stream's shards, while every
 # worker here must see the whole stream to keep the global sample order.

@@ -110,6 +110,7 @@ class Trainer:
             dp_degree=dims.dp_degree,
             seed=cfg.debug.seed,
             num_samples=t.steps * self.global_batch_size,
+            split=t.split,  # validation reads the 'valid' part of the same split
         )
 
         self.validation = build_validation_data(
