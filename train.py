@@ -12,7 +12,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from titanlike.config import ConfigError, HelpRequested, load_job_config, validate_config
+    from titanlike.config import ConfigError, HelpRequested, load_job_config
+    from titanlike.train.validate import validate_config
 
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from titanlike.config import load_job_config, validate_config
+    from titanlike.config import load_job_config
+    from titanlike.train.validate import validate_config
     from titanlike.train.trainer import Trainer
 
     argv = sys.argv[1:] if argv is None else list(argv)

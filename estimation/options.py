@@ -10,19 +10,16 @@ the training config loader unchanged, so an estimate reads exactly the job that
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from titanlike.config.loader import _FALSE, _TRUE, ConfigError, _convert, _nearest, _unwrap_optional
+from titanlike.config.loader import ConfigError, parse_section_options, section_help
 from titanlike.config.schema import JobConfig, opt
-from titanlike.config.validate import validate_config
+from titanlike.train.validate import validate_config
 from titanlike.parallel.parallel_dims import ParallelDims
 
-PREFIX = "--estimate."
 
 
 @dataclass
@@ -54,54 +51,13 @@ class EstimateOptions:
         40.0, "planner: achievable collective bus bandwidth across nodes, GB/s per GPU (400 Gb/s NDR per GPU)")
 
 
-def _fields() -> dict[str, tuple[dataclasses.Field, Any]]:
-    hints = typing.get_type_hints(EstimateOptions)
-    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(EstimateOptions)}
-
-
 def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]]:
     """Split argv into the `--estimate.*` options and the rest (for `load_job_config`).
 
     Same conventions as the training options: `--estimate.key value`, `--estimate.key=value`,
     booleans as flags or `--estimate.no_key`, lists comma-separated.
     """
-    fields_ = _fields()
-    values: dict[str, Any] = {}
-    rest: list[str] = []
-    i = 0
-    argv = list(argv)
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith(PREFIX):
-            rest.append(arg)
-            i += 1
-            continue
-        name, eq, inline = arg[len(PREFIX):].partition("=")
-        negated = name.startswith("no_") and name[3:] in fields_ and name not in fields_
-        key = name[3:] if negated else name
-        if key not in fields_:
-            hint = _nearest(key, list(fields_))
-            raise ConfigError(f"unknown option --estimate.{key}{hint.replace(chr(39), chr(39) + 'estimate.', 1)}")
-        field_, tp = fields_[key]
-        is_bool = _unwrap_optional(tp)[0] is bool
-        if negated:
-            if not is_bool:
-                raise ConfigError(f"--estimate.no_{key} only applies to true/false options")
-            raw, i = False, i + 1
-        elif eq:
-            raw, i = inline, i + 1
-        elif is_bool:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is not None and nxt.lower() in _TRUE | _FALSE:
-                raw, i = nxt, i + 2
-            else:
-                raw, i = True, i + 1
-        else:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"--estimate.{key} needs a value")
-            raw, i = argv[i + 1], i + 2
-        values[key] = _convert(f"estimate.{key}", raw, tp, field_.metadata.get("choices"))
-    opts = EstimateOptions(**values)
+    opts, rest = parse_section_options(argv, "estimate", EstimateOptions)
     if opts.world_size is not None and opts.world_size < 1:
         raise ConfigError(f"estimate.world_size must be at least 1, got {opts.world_size}")
     if opts.alloc_granularity < 1:
@@ -114,15 +70,7 @@ def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]
 
 
 def estimate_help() -> str:
-    lines = ["", "[estimate]  (estimation/estimate.py only)"]
-    for key, (field_, tp) in _fields().items():
-        default = field_.default if field_.default is not dataclasses.MISSING else field_.default_factory()
-        doc = field_.metadata.get("doc", "")
-        if field_.metadata.get("choices"):
-            doc += f" ({' | '.join(field_.metadata['choices'])})"
-        lines.append(f"  --estimate.{key} (default {default!r})")
-        lines.append(f"      {doc}")
-    return "\n".join(lines)
+    return "\n" + section_help("estimate", EstimateOptions, title="(estimation/estimate.py only)")
 
 
 @dataclass
@@ -177,6 +125,7 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
     that cannot run at all.
     """
     from titanlike.models.registry import get_model_spec, model_names
+    from titanlike.train.model_parts import model_args_for_job
 
     est = copy.deepcopy(cfg)
     notes: list[str] = []
@@ -241,9 +190,10 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
         vocab_size = _vocab_size(path or DEFAULT_TOKENIZER_PATH)
     dims = validate_config(est, world_size)
 
-    flavor = get_model_spec(est.model.name).flavors[est.model.flavor]
-    changes: dict[str, Any] = {"max_seq_len": est.training.seq_len}
-    if vocab_size is not None:
-        changes["vocab_size"] = vocab_size
-    model_args = dataclasses.replace(flavor, **changes)
+    # The args the trainer builds the model from (model_parts.model_args_for_job); without the
+    # tokenizer, the flavor's own vocabulary stands in for it.
+    spec = get_model_spec(est.model.name)
+    if vocab_size is None:
+        vocab_size = spec.flavors[est.model.flavor].vocab_size
+    model_args = model_args_for_job(est, spec, vocab_size)
     return PreparedJob(cfg=est, dims=dims, model_args=model_args, notes=notes, float8=float8)

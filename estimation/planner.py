@@ -3,7 +3,7 @@
 Enumeration. For N GPUs: tensor parallel t in {1, 2, 4, 8} (inside a node), pipeline p
 in {1, 2, 4, ...} (1F1B and Interleaved1F1B), context parallel c in {1, 2, 4, 8},
 data parallel dp = N / (t p c) split into HSDP replicas r and FSDP shards dp / r,
-expert parallel 1 (the Llama 3 family is dense), activation checkpointing from
+expert parallel 1 (no family has experts yet), activation checkpointing from
 `plan_ac_modes`. The global batch (in sequences) is the config's: global_batch_size,
 or local_batch_size x the config's own data-parallel degree. Each layout gets the
 largest microbatch that fits. Every candidate goes through the same validation as
@@ -13,14 +13,16 @@ Fit. The analytic estimate (fast), with the verdict's fragmentation and reserved
 memory; `plan_verify` re-checks the best layouts with the traced estimate.
 
 Throughput model, per optimizer step, per GPU (stated, not measured):
-  compute   = tokens x FLOPs/token / GPUs / (peak x MFU), FLOPs/token = 6N + 12 L H Q T,
+  compute   = tokens x FLOPs/token / GPUs / (peak x MFU), FLOPs/token from the family's args
+              (args.flops_per_token: 6 N + the attention term, e.g. 12 L H Q T),
               times 4/3 for full activation checkpointing (the forward runs twice),
               1 + 1/(3k) for every k-th block, and 1 for op-level (elementwise recompute only)
   TP        = per layer and microbatch, sequence parallelism moves 4 all-gathers or
-              reduce-scatters of (t-1)/t of a b x s x h activation in forward and 4 in
-              backward (4 more when the forward is recomputed); not overlapped (no async TP)
-  CP        = all-gather of K/V per layer in forward, reduce-scatter of their gradients
-              in backward; not overlapped
+              reduce-scatters of (t-1)/t of a b x s x h activation (h = args.hidden_size) in
+              forward and 4 in backward (4 more when the forward is recomputed); not overlapped
+              (no async TP)
+  CP        = all-gather of K/V per layer in forward, reduce-scatter of their gradients in
+              backward (widths from args.attention_shape()); not overlapped
   FSDP      = all-gather of bf16 parameters in forward and again in backward (when resharded),
               reduce-scatter of fp32 gradients, per microbatch (per step under PP, which
               accumulates unsharded); HSDP adds an all-reduce of the shards across replicas.
@@ -134,13 +136,13 @@ def _apply(cfg, c: Candidate, global_batch: int):
 Layout = tuple[int, int, int, int, int, str | None]  # dp_replicate, dp_shard, cp, tp, pp, schedule
 
 
-def enumerate_layouts(world: int, n_layers: int, opts: EstimateOptions) -> list[Layout]:
+def enumerate_layouts(world: int, num_layers: int, opts: EstimateOptions) -> list[Layout]:
     """(dp_replicate, dp_shard, cp, tp, pp, schedule) for every way to split `world` ranks."""
     out = []
     for tp in (1, 2, 4, 8):
         if world % tp or tp > opts.gpus_per_node:
             continue
-        for pp in (d for d in _divisors(world // tp) if d == 1 or (d & (d - 1) == 0 and d <= n_layers // 2)):
+        for pp in (d for d in _divisors(world // tp) if d == 1 or (d & (d - 1) == 0 and d <= num_layers // 2)):
             for cp in (1, 2, 4, 8):
                 rest = world // tp
                 if rest % (pp * cp):
@@ -154,15 +156,13 @@ def enumerate_layouts(world: int, n_layers: int, opts: EstimateOptions) -> list[
 
 def throughput(prep: PreparedJob, c: Candidate, global_batch: int, opts: EstimateOptions) -> None:
     """Fill c's step time, tokens/s per GPU and MFU from the model in the module docstring."""
-    from estimation.analytic import _stage_param_bytes, stage_layout
-    from titanlike.models.llama3.model import num_params_from_args
+    from estimation.analytic import _stage_param_bytes, model_shape, stage_layout
 
     args, cfg, dims = prep.model_args, prep.cfg, prep.dims
     world = dims.world_size
     seq = cfg.training.seq_len
     e = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
-    flops_per_token = 6 * num_params_from_args(args, exclude_embedding=True) + \
-        12 * args.n_layers * args.n_heads * args.head_dim * seq
+    flops_per_token = args.flops_per_token(seq)
     # Op-level recompute redoes only elementwise ops: few FLOPs, but memory-bound time (assumed 5%).
     recompute = {"none": 1.0, "op": 1.05, "full": 4 / 3, "selective": 1 + 1 / 6}[c.ac]
     peak = opts.device_tflops * 1e12
@@ -172,22 +172,24 @@ def throughput(prep: PreparedJob, c: Candidate, global_batch: int, opts: Estimat
     def bw(span: int) -> float:
         return (opts.nvlink_gbps if span <= opts.gpus_per_node else opts.ib_gbps) * 1e9
 
-    layers_per_rank = args.n_layers / c.pp
+    layers_per_rank = args.num_layers / c.pp
     microbatches = c.local_batch_size // c.microbatch
     seq_local = seq // c.cp
-    act = c.microbatch * seq_local * args.dim * e
+    act = c.microbatch * seq_local * args.hidden_size * e
     passes = 3 if c.ac in ("full", "selective") else 2
     tp_time = 0.0
     if c.tp > 1:
         tp_time = layers_per_rank * microbatches * 4 * passes * (c.tp - 1) / c.tp * act / bw(c.tp)
     cp_time = 0.0
-    if c.cp > 1:
-        kv = c.microbatch * seq_local * args.num_kv_heads * args.head_dim * e * 2 / c.tp
+    heads = args.attention_shape()
+    if c.cp > 1 and heads is not None:
+        kv = c.microbatch * seq_local * heads.n_kv_heads * heads.head_dim * e * 2 / c.tp
         cp_time = layers_per_rank * microbatches * passes * (c.cp - 1) * kv / bw(c.tp * c.cp)
 
     per_rank, shapes = stage_layout(prep)
     shard = c.dp_shard * c.cp
-    tp_local = max(sum(_stage_param_bytes(args, shapes[s], c.tp, 1, 1)[2] for s in stages) for stages in per_rank)
+    ms = model_shape(prep)
+    tp_local = max(sum(_stage_param_bytes(ms, shapes[s], c.tp, 1, 1)[2] for s in stages) for stages in per_rank)
     fsdp_time = 0.0
     if shard > 1 or c.dp_replicate > 1:
         ring = (shard - 1) / shard if shard > 1 else 0
@@ -224,20 +226,24 @@ def _why(c: Candidate) -> str:
 
 
 def run_plan(cfg, opts: EstimateOptions, log=None) -> dict:
-    from estimation.analytic import estimate_analytic
+    from estimation.analytic import UnknownBlockError, estimate_analytic, model_shape
 
     log = log or (lambda msg: None)
     began = time.perf_counter()
     if opts.device_memory_gib is None:
         raise ConfigError("the planner needs --estimate.device_memory_gib (GPU memory in GiB)")
     base = prepare_job(cfg, opts.world_size)  # the config as written must be valid for this world size
+    try:
+        model_shape(base).require_known()  # the planner ranks layouts by the analytic estimate
+    except UnknownBlockError as err:
+        raise ConfigError(f"the planner needs the analytic estimate, but {err}") from None
     world = base.dims.world_size
     t = base.cfg.training
     global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * base.dims.dp_degree
     counts = {"layouts": 0, "rejected": 0, "do_not_fit": 0, "fit": 0}
     rejected: dict[str, int] = {}
     fitting: list[tuple[Candidate, PreparedJob]] = []
-    for rep, shard, cp, tp, pp, schedule in enumerate_layouts(world, base.model_args.n_layers, opts):
+    for rep, shard, cp, tp, pp, schedule in enumerate_layouts(world, base.model_args.num_layers, opts):
         dp = rep * shard
         if global_batch % dp:
             reason = f"global batch {global_batch} is not divisible by the data-parallel degree"

@@ -7,6 +7,7 @@ from dataclasses import fields
 
 from estimation.memory import BUCKET_DOCS, GiB, Breakdown, RankEstimate
 from estimation.options import EstimateOptions, PreparedJob, prepare_job
+from titanlike.config import ConfigError
 
 
 def verdict(peak_bytes: int, opts: EstimateOptions) -> dict | None:
@@ -57,8 +58,11 @@ def compare(traced: Breakdown, analytic: Breakdown) -> list[dict]:
 
 
 def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
-    """Prepare the job, run the requested estimates, and return the result as a JSON-able dict."""
-    from estimation.analytic import estimate_analytic
+    """Prepare the job, run the requested estimates, and return the result as a JSON-able dict.
+
+    A model whose blocks the analytic model does not know gets the traced estimate alone (with a
+    note); asked for the analytic estimate alone, it is a ConfigError naming the traced one."""
+    from estimation.analytic import UnknownBlockError, bytes_per_parameter, estimate_analytic, model_parameter_count
 
     log = log or (lambda msg: None)
     began = time.perf_counter()
@@ -80,9 +84,13 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
     }
     analytic = traced = None
     if opts.mode in ("both", "analytic"):
-        from estimation.analytic import bytes_per_parameter, model_parameter_count
-
-        analytic, details = estimate_analytic(prep, opts.alloc_granularity)
+        try:
+            analytic, details = estimate_analytic(prep, opts.alloc_granularity)
+        except UnknownBlockError as err:
+            if opts.mode == "analytic":
+                raise ConfigError(str(err)) from None
+            result["notes"].append(f"no analytic estimate: {err}")
+    if analytic is not None:
         top_detail = details[max(range(len(analytic)), key=lambda i: analytic[i].peak_bytes)]
         result["analytic"] = {"peak_bytes": _largest(analytic).peak_bytes,
                               "model_parameters": model_parameter_count(prep.model_args),
@@ -100,9 +108,9 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
         if (prep.float8 is not None and not prep.float8.traced and prep.float8.fsdp_float8_all_gather
                 and dims.fsdp_enabled):
             # Without torchao the trace ran in bf16: apply the analytic float8 all-gather saving.
-            from estimation.analytic import _float8_share
+            from estimation.analytic import float8_share
 
-            share = _float8_share(prep.model_args, prep)
+            share = float8_share(prep)
             for e in traced:
                 cut = int(e.peak.gathered_parameters * share / 2)
                 e.peak = e.peak - Breakdown(gathered_parameters=cut)

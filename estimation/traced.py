@@ -1,11 +1,14 @@
 """Traced memory estimate: the real model, parallelize and optimizer on fake tensors.
 
 How. The process joins a fake process group (torch's FakeStore, backend "fake") as
-rank 0 of the requested world size, builds the job's DeviceMesh, constructs the
-model on meta, applies the job's model converters as the trainer does (float8:
-torchao's Float8Linear, with its float8 casts, scales and float8 FSDP all-gather), then
-the real `parallelize_model` (TP, CP, AC, FSDP), and materializes it inside
-FakeTensorMode: tensors carry shapes, dtypes and storages but no data, and collectives return without communicating. torch's memory trackers then
+rank 0 of the requested world size, builds the job's DeviceMesh, and assembles the model
+as the trainer does (titanlike/train/model_parts.py): the family's model on meta from the
+job's args, the job's model converters (float8: torchao's Float8Linear, with its float8
+casts, scales and float8 FSDP all-gather), the pipeline split by the family's pipeline
+ends, then the real `parallelize_model` with the family's tensor-parallel plan (TP, CP,
+AC, FSDP) and the family's loss. It materializes the parts inside FakeTensorMode: tensors
+carry shapes, dtypes and storages but no data, and collectives return without
+communicating. torch's memory trackers then
 count every storage the step creates and frees: `FSDPMemTracker` when the model is
 FSDP-wrapped (it tells sharded from all-gathered parameters and gradients),
 otherwise the generic `MemTracker`. Which rank joins does not matter: every rank
@@ -307,6 +310,9 @@ class _Context:
     bf16_autocast: bool
     loss_parallel: bool
     mode: object
+    parallelize: object = None       # ParallelizeOptions, as the trainer derives them
+    loss_fn: object = None           # the family's loss (sum over target tokens)
+    vocab_size: int = 0              # rows of the token embedding (ids the trace feeds)
     converters: object = None
     positions: torch.Tensor | None = None
     global_tokens: torch.Tensor | None = None
@@ -322,8 +328,8 @@ class _Context:
         return contextlib.nullcontext()
 
     def loss(self, logits, labels):
-        from titanlike.train.loss import cross_entropy_sum
-        return cross_entropy_sum(logits, labels) / self.global_tokens
+        # As the trainer: the family's loss summed over target tokens, over the step's global token count.
+        return self.loss_fn(logits, labels) / self.global_tokens
 
 
 def _warm_optimizer(parts: list[nn.Module], cfg, converters=None) -> torch.optim.Optimizer:
@@ -350,6 +356,8 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
     from titanlike.models.registry import get_model_spec
     from titanlike.parallel.context import load_balanced_positions
     from titanlike.parallel.parallel_dims import ParallelDims
+    from titanlike.train.loss import build_cross_entropy_loss
+    from titanlike.train.model_parts import parallelize_options
 
     log = log or (lambda msg: None)
     # DTensor warns on every gradient-norm redistribution over a 2-D mesh; the trace is not the place.
@@ -366,15 +374,19 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
         dims.build_mesh(DEVICE.type)
         with torch.device("meta"):
             model = spec.model_cls(args)
-        # As the trainer: converters (float8) swap modules of the whole meta model, before any pipeline split.
-        converters = build_model_converters(cfg)
+        # As the trainer (model_parts.build_model_parts): converters (float8) swap modules of the whole
+        # meta model, before any pipeline split.
+        converters = build_model_converters(cfg.model.converters, cfg.float8)
         converters.convert(model)
+        build_loss = spec.build_loss or (lambda job: build_cross_entropy_loss())
         # One mode for the whole estimate: fake tensors of different modes cannot meet in one op.
         # Non-fake inputs are allowed because DeviceMesh keeps real rank tensors.
         ctx = _Context(prep, granularity, spec,
                        bf16_autocast=cfg.training.mixed_precision_param == "bfloat16" and not dims.fsdp_enabled,
                        loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-                       mode=FakeTensorMode(allow_non_fake_inputs=True), converters=converters)
+                       mode=FakeTensorMode(allow_non_fake_inputs=True), parallelize=parallelize_options(cfg, dims),
+                       loss_fn=build_loss(cfg), vocab_size=_token_vocab(model, spec, args),
+                       converters=converters)
         with ctx.mode:
             if dims.cp_enabled:
                 ctx.positions = load_balanced_positions(cfg.training.seq_len, dims.cp, 0, DEVICE)
@@ -401,9 +413,9 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
     from titanlike.parallel.parallelize import parallelize_model
     from titanlike.parallel.utils import clip_grad_norm_
 
-    cfg, args = ctx.prep.cfg, ctx.prep.model_args
+    cfg = ctx.prep.cfg
     t = cfg.training
-    model = parallelize_model(model, ctx.spec, dims, cfg)
+    model = parallelize_model(model, ctx.spec.tp_plan, dims, ctx.parallelize)
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp_degree)
     traced_microbatches = min(grad_accum, 2)
     with ctx.mode:
@@ -412,8 +424,8 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
         optimizer = _warm_optimizer([model], cfg, ctx.converters)
         persistent_opt = _optimizer_state_bytes(optimizer, ctx.granularity)
         seq_local = t.seq_len // dims.cp
-        tokens = torch.randint(0, args.vocab_size, (t.local_batch_size, seq_local), device=DEVICE)
-        labels = torch.randint(0, args.vocab_size, (t.local_batch_size, seq_local), device=DEVICE)
+        tokens = torch.randint(0, ctx.vocab_size, (t.local_batch_size, seq_local), device=DEVICE)
+        labels = torch.randint(0, ctx.vocab_size, (t.local_batch_size, seq_local), device=DEVICE)
         modules: dict[str, tuple[int, int]] = {}
         peak_phase, best = "", Breakdown()
         phases: dict[str, Breakdown] = {}
@@ -481,11 +493,13 @@ def _stage_signature(layout, stage: int) -> tuple[int, bool, bool]:
 
 
 def _trace_pipeline(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: int, log) -> list[RankEstimate]:
-    from titanlike.parallel.pipeline import plan_layout, schedule_name
+    from estimation.analytic import weight_grad_share
+    from titanlike.parallel.pipeline import pipeline_stage, schedule_name
+    from titanlike.train.model_parts import pipeline_layout
 
     cfg = ctx.prep.cfg
     p = cfg.parallelism
-    layout = plan_layout(len(model.layers), dims.pp, p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage)
+    layout = pipeline_layout(cfg, dims, ctx.prep.model_args)
     n_microbatches = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
     order = _pipeline_order(layout, dims, n_microbatches, p.pipeline_parallel_schedule)
     names = list(model.layers.keys())
@@ -495,16 +509,19 @@ def _trace_pipeline(ctx: _Context, model: nn.Module, dims, per_module: bool, dep
         if sig in stats:
             continue
         keep = [names[i] for i in layout.layer_indices(stage)]
-        part = ctx.spec.pipeline_stage(model, keep, first=sig[1], last=sig[2])
+        part = pipeline_stage(model, ctx.spec.pipeline_ends, keep, first=sig[1], last=sig[2])
         began = time.perf_counter()
         stats[sig] = _trace_stage(ctx, part, stage, layout, dims, per_module, depth)
         log(f"  stage {stage} ({sig[0]} layers{', embedding' if sig[1] else ''}{', output' if sig[2] else ''}) "
             f"traced in {time.perf_counter() - began:.1f} s")
-    w_share = _weight_grad_share(ctx.prep)
+    w_share = 0.0
     name = schedule_name(p.pipeline_parallel_schedule)
     if name in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        known = weight_grad_share(ctx.prep)
+        w_share = 0.5 if known is None else known
+        why = "matmul inputs" if known is not None else "a guess: the analytic model does not know these blocks"
         ctx.notes.append(f"{name}: split backward replayed as full backward; {w_share:.0%} of a microbatch's "
-                         "activations (matmul inputs) are assumed to stay until its weight-gradient step")
+                         f"activations ({why}) are assumed to stay until its weight-gradient step")
     estimates = []
     for pp_rank in range(dims.pp):
         held = layout.stages_of_rank(pp_rank)
@@ -540,7 +557,7 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
 
     cfg, args = ctx.prep.cfg, ctx.prep.model_args
     t, p = cfg.training, cfg.parallelism
-    part = parallelize_model(part, ctx.spec, dims, cfg)
+    part = parallelize_model(part, ctx.spec.tp_plan, dims, ctx.parallelize)
     first, last = stage_index == 0, stage_index == layout.num_stages - 1
     mbs = p.pipeline_parallel_microbatch_size
     seq_local = t.seq_len // dims.cp
@@ -573,13 +590,14 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
                 if mb:
                     tr.tracker.reset_mod_stats()
                 if first:
-                    x = torch.randint(0, args.vocab_size, (mbs, seq_local), device=DEVICE)
+                    x = torch.randint(0, ctx.vocab_size, (mbs, seq_local), device=DEVICE)
                 else:
-                    x = torch.empty(mbs, hidden_seq, args.dim, dtype=hidden_dtype, device=DEVICE, requires_grad=True)
+                    x = torch.empty(mbs, hidden_seq, args.hidden_size, dtype=hidden_dtype, device=DEVICE,
+                                    requires_grad=True)
                 with ctx.autocast():
                     out = part(x, **kwargs)
                 if last:
-                    labels = torch.randint(0, args.vocab_size, (mbs, seq_local), device=DEVICE)
+                    labels = torch.randint(0, ctx.vocab_size, (mbs, seq_local), device=DEVICE)
                     with ctx.loss_ctx():
                         out_or_loss = (out, ctx.loss(out, labels))
                 else:
@@ -636,16 +654,20 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
                        b_delta=[b_d, b2_d], r_excess=r_ex, r_delta=r_d, opt_excess=o_ex, modules=modules)
 
 
-def _weight_grad_share(prep: PreparedJob) -> float:
-    """Share of a layer's saved activations that are matmul inputs (what W still needs after I)."""
-    args = prep.model_args
-    e = 2 if prep.cfg.training.mixed_precision_param == "bfloat16" else 4
-    tp = prep.dims.tp
-    h, f = args.dim, args.ffn_hidden_dim
-    qd, kvd = args.n_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    matmul_inputs = 2 * e * h + e * qd / tp + e * f / tp
-    total = 2 * (8 * h + 4) / tp + 2 * e * h + e * (2 * qd + 2 * kvd) / tp + 4 * args.n_heads / tp + 4 * e * f / tp
-    return matmul_inputs / total
+def _token_vocab(model: nn.Module, spec, args) -> int:
+    """Rows of the token embedding (the ids the trace may feed): the plan's vocab_embedding table,
+    else the first embedding of the pipeline's input end, else args.vocab_size."""
+    plan, ends = spec.tp_plan, spec.pipeline_ends
+    names = [name for name, style in (plan.top.items() if plan is not None else ()) if style == "vocab_embedding"]
+    names += list(ends.inputs) if ends is not None else []
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings
+    return args.vocab_size
 
 
 def _replay(actions: list, stats: dict[int, _StageStats], w_share: float) -> RankEstimate:

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titanlike.config import load_job_config, validate_config  # noqa: E402
+from titanlike.config import load_job_config
+from titanlike.train.validate import validate_config  # noqa: E402
 from titanlike.observe.metrics import device_peak_flops, peak_memory_gib  # noqa: E402
 from titanlike.train.trainer import Trainer  # noqa: E402
 

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     model_args = spec.flavors[args.flavor]
     if args.layers:
         model_args = dataclasses.replace(model_args, n_layers=args.layers)
-    model_args = dataclasses.replace(model_args, max_seq_len=2048)
+    model_args = model_args.with_context_len(2048)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     model.to_empty(device="cpu")

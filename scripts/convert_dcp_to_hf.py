@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert a titanlike DCP checkpoint to a Hugging Face folder (Llama 3 -> LlamaForCausalLM).
+"""Convert a titanlike DCP checkpoint to a Hugging Face folder (e.g. llama3 -> LlamaForCausalLM).
 
     python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-1000 hf_out [--dtype bfloat16]
 
@@ -14,7 +14,6 @@ Runs in one process and holds the whole model in host memory.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -34,23 +33,26 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from titanlike.checkpoint.hf import (CheckpointError, export_dcp_to_hf, model_description,
-                                         resolve_checkpoint_folder)
+    from titanlike.checkpoint.format import CheckpointError, model_description, resolve_checkpoint_folder
+    from titanlike.checkpoint.hf import export_dcp_to_hf
+    from titanlike.models.registry import get_model_spec
 
     description = None
-    if args.flavor:
-        from titanlike.models.registry import get_model_spec
-
-        flavor = get_model_spec(args.model_name).flavors[args.flavor]
-        if args.vocab_size:
-            flavor = dataclasses.replace(flavor, vocab_size=args.vocab_size)
-        description = model_description(args.model_name, flavor)
     try:
+        if args.flavor:
+            spec = get_model_spec(args.model_name)
+            if args.flavor not in spec.flavors:
+                raise ValueError(f"model {spec.name} has no flavor {args.flavor!r}; "
+                                 f"flavors: {', '.join(spec.flavors)}")
+            flavor = spec.flavors[args.flavor]
+            if args.vocab_size:
+                flavor = flavor.update_from_config(vocab_size=args.vocab_size, seq_len=flavor.context_len)
+            description = model_description(spec.name, flavor)
         src = resolve_checkpoint_folder(args.input)
         export_dcp_to_hf(src, args.output, dtype=getattr(torch, args.dtype),
                          max_shard_bytes=parse_size(args.max_shard_size), description=description)
     except (CheckpointError, ValueError, KeyError) as e:
-        print(f"convert_dcp_to_hf: {e}", file=sys.stderr)
+        print(f"convert_dcp_to_hf: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 1
     print(f"wrote {args.output} from {src}")
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert a Hugging Face Llama folder (safetensors) to a model-only titanlike DCP checkpoint.
+"""Convert a Hugging Face model folder (safetensors) to a model-only titanlike DCP checkpoint.
 
     python scripts/convert_hf_to_dcp.py path/to/Llama-3.2-1B ckpt/step-0 [--dtype float32]
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from titanlike.checkpoint.hf import CheckpointError, import_hf_to_dcp
+    from titanlike.checkpoint import CheckpointError, import_hf_to_dcp
 
     try:
         import_hf_to_dcp(args.input, args.output, dtype=getattr(torch, args.dtype) if args.dtype else None)

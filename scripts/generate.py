@@ -1,4 +1,4 @@
-"""Generate text from a titanlike checkpoint (DCP, full or model-only) or a Hugging Face Llama folder.
+"""Generate text from a titanlike checkpoint (DCP, full or model-only) or a Hugging Face model folder.
 
     python scripts/generate.py outputs/checkpoint --prompt "In the beginning" --max-new-tokens 60
     python scripts/generate.py path/to/Llama-3.2-1B --tokenizer path/to/tokenizer.model --temperature 0
@@ -21,18 +21,32 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _logits(output) -> torch.Tensor:
+    """The logits of a forward (a family may return them beside auxiliary losses)."""
+    from titanlike.models.outputs import logits_of
+
+    return logits_of(output)
+
+
+@torch.no_grad()
+def vocab_size(model) -> int:
+    """The model's vocabulary: the last dimension of its logits for one token."""
+    device = next(model.parameters()).device
+    return _logits(model(torch.zeros(1, 1, dtype=torch.long, device=device))).shape[-1]
+
+
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int | None,
              eos_id: int | None, generator=None) -> list[int]:
     """The prompt's continuation (new token ids only)."""
     device = next(model.parameters()).device
-    context = model.model_args.max_seq_len
+    context = model.model_args.context_len
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     new: list[int] = []
     for _ in range(max_new_tokens):
         if tokens.shape[1] >= context:
             break
-        logits = model(tokens)[0, -1].float()
+        logits = _logits(model(tokens))[0, -1].float()
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:
@@ -70,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    vocab = model.model_args.vocab_size
+    vocab = vocab_size(model)
     if tokenizer.vocab_size != vocab:
         print(f"error: the tokenizer has {tokenizer.vocab_size} tokens but the model {vocab}; pass the tokenizer "
               "it was trained with (--tokenizer)", file=sys.stderr)

@@ -60,7 +60,8 @@ def test_validation_on_the_held_out_split(tmp_path, prefixes):
 
 def test_training_reads_the_train_part_of_training_split(tmp_path, prefixes):
     # Training and validation must cut the same split, or the 'valid' part overlaps training data.
-    from titanlike.config import load_job_config, validate_config
+    from titanlike.config import load_job_config
+    from titanlike.train.validate import validate_config
     from titanlike.train.trainer import Trainer
 
     cfg = load_job_config([*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "1",

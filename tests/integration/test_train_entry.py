@@ -53,7 +53,8 @@ def test_bad_layout_under_torchrun_fails_fast(tmp_path):
 
 
 def test_non_finite_loss_stops_training(tmp_path, monkeypatch):
-    from titanlike.config import load_job_config, validate_config
+    from titanlike.config import load_job_config
+    from titanlike.train.validate import validate_config
     from titanlike.train.trainer import Trainer, TrainingError
 
     cfg = load_job_config([*TINY_JOB, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)])

@@ -2,7 +2,8 @@
 
 import pytest
 
-from titanlike.config import ConfigError, load_job_config, validate_config
+from titanlike.config import ConfigError, load_job_config
+from titanlike.train.validate import validate_config
 
 
 def check(argv, world=1):
@@ -86,3 +87,17 @@ def test_bad_checkpoint_option_exits_2_without_starting(tmp_path):
                    "--checkpoint.interval", "0"], check=False, timeout=120)
     assert proc.returncode == 2
     assert "config error: checkpoint.interval must be at least 1, got 0" in proc.stderr
+
+
+def test_validate_checkpoint_config_raises_value_error_without_a_job_validator():
+    """The manager owns its section's rules: ValueError, usable before any job validation."""
+    from titanlike.checkpoint.manager import CHECKPOINT_COMPONENTS, COMPONENTS, validate_checkpoint_config
+    from titanlike.models.registry import get_model_spec
+
+    assert CHECKPOINT_COMPONENTS == COMPONENTS
+    cfg = load_job_config(["--checkpoint.enable", "--checkpoint.exclude_from_loading", "rng,model"])
+    validate_checkpoint_config(cfg.checkpoint, get_model_spec(cfg.model.name))
+    cfg = load_job_config(["--checkpoint.interval", "0"])
+    with pytest.raises(ValueError, match="^checkpoint.interval must be at least 1, got 0$"):
+        validate_checkpoint_config(cfg.checkpoint, get_model_spec(cfg.model.name))
+

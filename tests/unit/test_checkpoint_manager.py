@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from titanlike.checkpoint import CheckpointError, CheckpointManager, load_model, published_steps
-from titanlike.checkpoint import hf as ckpt_hf
-from titanlike.config import load_job_config, validate_config
+from titanlike.checkpoint import format as ckpt_format
+from titanlike.config import load_job_config
+from titanlike.train.validate import validate_config
 from titanlike.data.loader import build_dataloader_from_source
 from titanlike.models.llama3 import Transformer, llama3_flavors
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
@@ -193,7 +194,7 @@ def test_model_parts_keys_do_not_depend_on_the_split(tmp_path):
 def test_tied_embedding_is_stored_once_and_stays_tied(tmp_path):
     tied = dataclasses.replace(ARGS, tie_word_embeddings=True)
     first = run(tmp_path, 3, "--checkpoint.no_last_save_model_only", steps=3, args=tied)
-    keys = ckpt_hf.read_dcp_metadata(os.path.join(first.folder(), "step-3")).state_dict_metadata
+    keys = ckpt_format.read_dcp_metadata(os.path.join(first.folder(), "step-3")).state_dict_metadata
     assert "model.tok_embeddings.weight" in keys and "model.output.weight" not in keys
     second = Job(tmp_path, steps=6, seed=5, args=tied)
     assert second.start() == 3
@@ -261,7 +262,7 @@ def test_model_only_export_in_bfloat16_feeds_initial_load_path(tmp_path):
     export = os.path.join(trained.folder(), "step-3")
     info = json.load(open(os.path.join(export, "titanlike.json")))
     assert info["contents"] == "model_only"
-    metadata = ckpt_hf.read_dcp_metadata(export)
+    metadata = ckpt_format.read_dcp_metadata(export)
     assert {md.properties.dtype for md in metadata.state_dict_metadata.values()} == {torch.bfloat16}
     assert "optimizer" not in {k.split(".")[0] for k in metadata.state_dict_metadata}
 
@@ -331,7 +332,7 @@ def test_garbage_index(saved):
 
 def test_garbage_inside_an_entry_is_reported_not_raised_as_base_exception(saved):
     root, path = saved
-    info = next(v for k, v in ckpt_hf.read_dcp_metadata(path).storage_data.items() if k.fqn == "train_state.step")
+    info = next(v for k, v in ckpt_format.read_dcp_metadata(path).storage_data.items() if k.fqn == "train_state.step")
     with open(os.path.join(path, info.relative_path), "r+b") as f:
         f.seek(info.offset)
         f.write(b"\xff" * info.length)
@@ -372,7 +373,7 @@ def test_initial_load_in_hf_and_last_save_in_hf(tmp_path):
     from titanlike.models.llama3 import hf_adapter
 
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**hf_adapter.args_to_hf_config(ARGS))).eval()
+    hf = LlamaForCausalLM(LlamaConfig(**ARGS.to_hf_config())).eval()
     hf.save_pretrained(tmp_path / "hf")
     job = Job(tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
               "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", steps=2, seed=3)
@@ -381,7 +382,7 @@ def test_initial_load_in_hf_and_last_save_in_hf(tmp_path):
     job.train(2)
     job.manager.close()
     export = os.path.join(job.folder(), "step-2")
-    assert ckpt_hf.is_hf_folder(export) and not os.path.exists(os.path.join(export, "dcp"))
+    assert ckpt_format.is_hf_folder(export) and not os.path.exists(os.path.join(export, "dcp"))
     back = LlamaForCausalLM.from_pretrained(export).eval()
     assert_same_tensors(hf_adapter.from_hf_state_dict(back.state_dict(), ARGS), job.params())
     # A Hugging Face export is not something training resumes from.
@@ -392,11 +393,77 @@ def test_initial_load_in_hf_and_last_save_in_hf(tmp_path):
 def test_initial_load_in_hf_of_another_size_is_refused(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from titanlike.models.llama3 import hf_adapter
-
     other = dataclasses.replace(ARGS, dim=128)
-    LlamaForCausalLM(LlamaConfig(**hf_adapter.args_to_hf_config(other))).save_pretrained(tmp_path / "hf")
+    LlamaForCausalLM(LlamaConfig(**other.to_hf_config())).save_pretrained(tmp_path / "hf")
     job = Job(tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
               "--checkpoint.initial_load_in_hf")
-    with pytest.raises(CheckpointError, match=r"has dim=128 but this job's model has 64"):
+    with pytest.raises(CheckpointError, match=r"hf has hidden_size=128 but this job's model has 64 \(model\.flavor"):
         job.start()
+
+
+def test_hf_config_comparison_is_key_by_key_and_ignores_the_context():
+    """_check_hf_args compares the two models' to_hf_config, so it needs no family's field names."""
+    from types import SimpleNamespace
+
+    job = SimpleNamespace(model_args=ARGS)
+    CheckpointManager._check_hf_args(job, ARGS.with_context_len(4096), "hf")  # context: not compared
+    with pytest.raises(CheckpointError, match=r"^Hugging Face checkpoint hf has rope_theta=10000\.0 but this "
+                                              r"job's model has 500000\.0 \(model\.flavor / tokenizer\)$"):
+        CheckpointManager._check_hf_args(job, dataclasses.replace(ARGS, rope_theta=10000.0), "hf")
+    with pytest.raises(CheckpointError, match=r"has tie_word_embeddings=true but this job's model has false"):
+        CheckpointManager._check_hf_args(job, dataclasses.replace(ARGS, tie_word_embeddings=True), "hf")
+
+
+# ------------------------------------------------------------------ the sidecar and the format module
+
+
+def test_sidecar_records_the_args_with_the_flavors_context(tmp_path):
+    job = run(tmp_path, 3, steps=3)
+    info = json.load(open(os.path.join(job.folder(), "step-3", "titanlike.json")))
+    context = llama3_flavors["debugmodel_tiny"].context_len
+    assert info["model"] == {"name": "llama3", "args": ARGS.with_context_len(context).to_dict()}
+    spec, args = ckpt_format.build_args(info["model"])
+    assert spec.name == "llama3" and args == ARGS.with_context_len(context)
+    with pytest.raises(CheckpointError, match=r"^here: the args do not fit model llama3: .*n_experts"):
+        ckpt_format.build_args({"name": "llama3", "args": {**info["model"]["args"], "n_experts": 8}}, where="here")
+    with pytest.raises(CheckpointError, match=r"^here: unknown model 'nope'"):
+        ckpt_format.build_args({"name": "nope", "args": {}}, where="here")
+
+
+def test_unknown_hf_model_type_is_a_checkpoint_error():
+    from titanlike.checkpoint.hf import hf_model_from_config
+
+    with pytest.raises(CheckpointError, match=r"^x/config\.json: Hugging Face model_type 'bert' is not supported"):
+        hf_model_from_config({"model_type": "bert"}, where="x/config.json")
+
+
+def test_manager_and_hf_depend_on_format_only():
+    """No import cycle: manager.py and hf.py import format.py, never each other."""
+    import ast
+
+    import titanlike.checkpoint as package
+
+    folder = os.path.dirname(package.__file__)
+    for name, other in (("manager", "hf"), ("hf", "manager")):
+        tree = ast.parse(open(os.path.join(folder, f"{name}.py")).read())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                imported.add(node.module or "")
+                imported.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names)
+        assert not {m for m in imported if m.startswith(f"titanlike.checkpoint.{other}")}, (name, imported)
+
+
+def test_load_model_refuses_tensors_that_do_not_fit_the_sidecar(tmp_path):
+    from titanlike.checkpoint.hf import model_description, write_dcp_model
+
+    model = Job(tmp_path, steps=1).parts[0]
+    claimed = dataclasses.replace(ARGS, vocab_size=400)
+    write_dcp_model(model.state_dict(), str(tmp_path / "x"),
+                    {"contents": "model_only", "step": 0, "model": model_description("llama3", claimed)})
+    with pytest.raises(CheckpointError, match=r"tok_embeddings\.weight has shape \(320, 64\) but model llama3 "
+                                              r"needs \(400, 64\)"):
+        load_model(tmp_path / "x")
+

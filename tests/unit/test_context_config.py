@@ -2,7 +2,8 @@
 
 import pytest
 
-from titanlike.config import ConfigError, load_job_config, validate_config
+from titanlike.config import ConfigError, load_job_config
+from titanlike.train.validate import validate_config
 
 
 def check(argv, world):

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from titanlike.config import ConfigError, load_job_config, validate_config
+from titanlike.config import ConfigError, load_job_config
+from titanlike.train.validate import validate_config
 from titanlike.models.converters import (
     build_model_converters,
     fqn_matches,
@@ -22,6 +23,10 @@ from titanlike.models.converters import (
 from titanlike.models.registry import get_model_spec
 
 pytest.importorskip("torchao")
+
+
+def converters_of(cfg):
+    return build_model_converters(cfg.model.converters, cfg.float8)
 
 
 def float8_cfg(*argv: str):
@@ -45,7 +50,7 @@ def linear_types(model: nn.Module) -> dict[str, str]:
 def test_float8_swaps_every_block_linear_but_not_the_output(caplog):
     model = meta_llama()
     with caplog.at_level(logging.INFO, logger="titanlike"):
-        build_model_converters(float8_cfg()).convert(model)
+        converters_of(float8_cfg()).convert(model)
     types_ = linear_types(model)
     assert types_.pop("output") == "Linear"
     assert len(types_) == 8 * 7 and set(types_.values()) == {"Float8Linear"}
@@ -67,7 +72,7 @@ class Toy(nn.Module):
 def test_float8_skips_linears_whose_features_are_not_multiples_of_16(caplog):
     model = Toy()
     with caplog.at_level(logging.INFO, logger="titanlike"):
-        converters = build_model_converters(float8_cfg())
+        converters = converters_of(float8_cfg())
         converters.convert(model)
     assert linear_types(model) == {"up": "Float8Linear", "odd": "Linear", "odd_in": "Linear",
                                    "layers.1": "Float8Linear", "layers.10": "Float8Linear", "output": "Linear"}
@@ -80,13 +85,13 @@ def test_float8_skips_linears_whose_features_are_not_multiples_of_16(caplog):
 
 def test_float8_filter_fqns_match_whole_name_parts():
     model = Toy()
-    build_model_converters(float8_cfg("--float8.filter_fqns", "layers.1")).convert(model)
+    converters_of(float8_cfg("--float8.filter_fqns", "layers.1")).convert(model)
     types_ = linear_types(model)
     # "layers.1" names layer 1, not layer 10; an empty-but-set list no longer protects the output.
     assert (types_["layers.1"], types_["layers.10"], types_["output"]) == ("Linear", "Float8Linear", "Float8Linear")
 
     model = meta_llama()
-    build_model_converters(float8_cfg("--float8.filter_fqns", "attention.wq,output")).convert(model)
+    converters_of(float8_cfg("--float8.filter_fqns", "attention.wq,output")).convert(model)
     types_ = linear_types(model)
     assert {t for fqn, t in types_.items() if fqn.endswith("attention.wq")} == {"Linear"}
     assert {t for fqn, t in types_.items() if fqn.endswith("attention.wk")} == {"Float8Linear"}
@@ -97,13 +102,13 @@ def test_float8_recipes_and_fsdp_all_gather_weights():
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     model = meta_llama()
-    build_model_converters(float8_cfg("--float8.enable_fsdp_float8_all_gather")).convert(model)
+    converters_of(float8_cfg("--float8.enable_fsdp_float8_all_gather")).convert(model)
     wq = model.layers["0"].attention.wq
     assert isinstance(wq.weight, WeightWithDynamicFloat8CastTensor) and wq.config.emulate
     assert is_float8_tensorwise_linear(wq)
 
     model = meta_llama()
-    build_model_converters(float8_cfg("--float8.recipe_name", "rowwise")).convert(model)
+    converters_of(float8_cfg("--float8.recipe_name", "rowwise")).convert(model)
     wq = model.layers["0"].attention.wq
     assert type(wq).__name__ == "Float8Linear" and not is_float8_tensorwise_linear(wq)
     assert not isinstance(wq.weight, WeightWithDynamicFloat8CastTensor)
@@ -118,7 +123,7 @@ def test_emulated_float8_forward_backward_is_close_to_high_precision_and_not_equ
     f8 = nn.Sequential(*[type(m)(m.in_features, m.out_features, bias=False) if isinstance(m, nn.Linear) else m
                          for m in ref])
     f8.load_state_dict(ref.state_dict())
-    build_model_converters(float8_cfg()).convert(f8)
+    converters_of(float8_cfg()).convert(f8)
     assert type(f8[0]).__name__ == "Float8Linear"
     x = torch.randn(8, 16, 64)
     y_ref, y_f8 = ref(x), f8(x)
@@ -138,9 +143,9 @@ def test_precompute_scales_runs_after_each_step_only_when_asked(monkeypatch):
     calls = []
     monkeypatch.setattr(float8, "precompute_float8_dynamic_scale_for_fsdp", calls.append)
     parts = [nn.Linear(16, 16), nn.Linear(16, 16)]
-    build_model_converters(float8_cfg()).post_optimizer_step(parts)
+    converters_of(float8_cfg()).post_optimizer_step(parts)
     assert calls == []
-    build_model_converters(float8_cfg("--float8.enable_fsdp_float8_all_gather",
+    converters_of(float8_cfg("--float8.enable_fsdp_float8_all_gather",
                                       "--float8.precompute_float8_dynamic_scale_for_fsdp")).post_optimizer_step(parts)
     assert calls == parts
 
@@ -149,28 +154,29 @@ def test_precompute_scales_runs_after_each_step_only_when_asked(monkeypatch):
 
 
 def _block_styles(model):
-    from titanlike.models.llama3.parallelize import _styles_for
+    from torch.distributed.tensor import Shard
 
-    block = model.layers["0"]
-    colwise, rowwise, prepare_input = _styles_for(block)
-    return (type(colwise("attention.wq")).__name__, type(rowwise("attention.wo")).__name__,
-            type(prepare_input("attention", ("wq", "wk", "wv"))).__name__,
-            type(prepare_input("feed_forward", ("w1", "w3"))).__name__)
+    from titanlike.parallel.tensor_parallel import _Styles
+
+    block, table = model.layers["0"], get_model_spec("llama3").tp_plan.block
+    styles = _Styles(Shard(1), loss_parallel=True, sequence_parallel=True)
+    return tuple(type(styles.build(table[name], block, name, table)).__name__
+                 for name in ("attention.wq", "attention.wo", "attention", "feed_forward"))
 
 
 def test_tensor_parallel_plan_uses_float8_styles_for_tensorwise_float8_linears():
     model = meta_llama()
     assert _block_styles(model) == ("ColwiseParallel", "RowwiseParallel", "PrepareModuleInput", "PrepareModuleInput")
-    build_model_converters(float8_cfg()).convert(model)
+    converters_of(float8_cfg()).convert(model)
     assert _block_styles(model) == ("Float8ColwiseParallel", "Float8RowwiseParallel",
                                     "PrepareFloat8ModuleInput", "PrepareFloat8ModuleInput")
     # Rowwise keeps the high-precision all-gathers (as torchtitan does).
     model = meta_llama()
-    build_model_converters(float8_cfg("--float8.recipe_name", "rowwise")).convert(model)
+    converters_of(float8_cfg("--float8.recipe_name", "rowwise")).convert(model)
     assert _block_styles(model) == ("ColwiseParallel", "RowwiseParallel", "PrepareModuleInput", "PrepareModuleInput")
     # An input read by a linear left in high precision is not cast to float8 before its all-gather.
     model = meta_llama()
-    build_model_converters(float8_cfg("--float8.filter_fqns", "output,wk")).convert(model)
+    converters_of(float8_cfg("--float8.filter_fqns", "output,wk")).convert(model)
     assert _block_styles(model) == ("Float8ColwiseParallel", "Float8RowwiseParallel",
                                     "PrepareModuleInput", "PrepareFloat8ModuleInput")
 
@@ -215,7 +221,7 @@ def test_te_swaps_the_same_linears_copies_weights_and_runs_forward_under_fp8_aut
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(2, 64)
     expected = model.layers["1"](model.up(x)[:, :64])
-    build_model_converters(load_job_config(["--model.converters", "te"])).convert(model)
+    converters_of(load_job_config(["--model.converters", "te"])).convert(model)
     assert {fqn for fqn, m in model.named_modules() if isinstance(m, fake_transformer_engine.Linear)} == {
         "up", "layers.1", "layers.10"}
     assert type(model.output) is nn.Linear and type(model.odd) is nn.Linear
@@ -232,7 +238,7 @@ def test_te_swaps_the_same_linears_copies_weights_and_runs_forward_under_fp8_aut
 
     root = Root(Toy())
     root.inner.load_state_dict(before)
-    build_model_converters(load_job_config(["--model.converters", "te"])).convert(root)
+    converters_of(load_job_config(["--model.converters", "te"])).convert(root)
     fake_transformer_engine.events.clear()
     torch.testing.assert_close(root(x), expected)
     assert fake_transformer_engine.events == ["enter", "linear", "linear", "exit"]
@@ -240,7 +246,7 @@ def test_te_swaps_the_same_linears_copies_weights_and_runs_forward_under_fp8_aut
 
 def test_te_converter_works_on_the_meta_model(fake_transformer_engine):
     model = meta_llama()
-    build_model_converters(load_job_config(["--model.converters", "te"])).convert(model)
+    converters_of(load_job_config(["--model.converters", "te"])).convert(model)
     wq = model.layers["0"].attention.wq
     assert isinstance(wq, fake_transformer_engine.Linear) and wq.weight.is_meta
     assert type(model.output) is nn.Linear

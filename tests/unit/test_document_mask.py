@@ -88,7 +88,8 @@ def test_backend_resolution():
 
 @pytest.fixture(scope="module")
 def trainer_factory():
-    from titanlike.config import load_job_config, validate_config
+    from titanlike.config import load_job_config
+    from titanlike.train.validate import validate_config
     from titanlike.train.trainer import Trainer
 
     made = []

@@ -19,10 +19,18 @@ import torch.nn.functional as F
 from titanlike.models.common import attention as attention_mod
 from titanlike.models.common.init import canonical_fqn, seed_for
 from titanlike.models.common.rope import RoPEScaling, apply_rotary_emb, precompute_rope_cache, rope_inv_freq
-from titanlike.models.llama3 import Transformer, llama3_flavors, num_params_from_args
+from titanlike.models.llama3 import Transformer, llama3_flavors
 from titanlike.models.registry import get_model_spec
 
 TINY = llama3_flavors["debugmodel_tiny"]
+
+
+SPEC = get_model_spec("llama3")
+
+
+def held(model) -> int:
+    """Parameters a module holds (a tied Parameter once)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def tiny_args(**overrides):
@@ -71,12 +79,13 @@ def test_flavor_shapes_on_meta(flavor):
     assert model.layers["0"].feed_forward.w1.weight.shape == (args.ffn_hidden_dim, args.dim)
     assert model.output.weight.shape == (args.vocab_size, args.dim)
     assert model.rope_cache.shape == (args.max_seq_len, hd)
-    assert model.num_params() == num_params_from_args(args)
-    assert model.num_params(exclude_embedding=True) == num_params_from_args(args, exclude_embedding=True)
+    assert held(model) == args.num_params()
+    assert held(model) - (0 if args.tie_word_embeddings else args.vocab_size * args.dim) == \
+        args.num_params(exclude_embedding=True)
     if flavor in PUBLISHED:
         total, hidden = PUBLISHED[flavor]
         assert args.ffn_hidden_dim == hidden
-        assert abs(model.num_params() - total) / total < 0.01
+        assert abs(args.num_params() - total) / total < 0.01
         assert args.rope_theta == 500000.0
         assert args.vocab_size == 128256
 
@@ -100,8 +109,8 @@ def test_100m_flavor_is_about_100m_with_the_debug_tokenizer():
     args = dataclasses.replace(llama3_flavors["100M"], vocab_size=vocab)
     assert vocab == 2048
     assert args.ffn_hidden_dim == 2816
-    assert num_params_from_args(args) == 98_583_552
-    assert num_params_from_args(args, exclude_embedding=True) == 96_486_400
+    assert args.num_params() == 98_583_552
+    assert args.num_params(exclude_embedding=True) == 96_486_400
 
 
 def test_invalid_head_counts_are_rejected():
@@ -272,9 +281,10 @@ def test_tied_embeddings():
     model = build(args, seed=1)
     # to_empty from meta must not untie (it creates new Parameters per module).
     assert model.output.weight is model.tok_embeddings.weight
-    assert model.num_params() == untied.num_params() - args.vocab_size * args.dim
+    assert held(model) == held(untied) - args.vocab_size * args.dim == args.num_params()
     # The shared matrix is also the output projection: it stays in the FLOP count.
-    assert model.num_params(exclude_embedding=True) == model.num_params()
+    assert args.num_params(exclude_embedding=True) == args.num_params()
+    assert model.tied_weights == {"output.weight": "tok_embeddings.weight"}
     assert {"tok_embeddings.weight", "output.weight"} <= set(model.state_dict())
     # Initialized once, at the output projection's scale (logits O(1) at init).
     std = args.dim**-0.5
@@ -383,12 +393,9 @@ def test_num_flops_per_token_hand_computed():
     attention = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64
     ffn = 3 * 64 * 192
     n = 8 * (attention + ffn + 2 * 64) + 64 + 2256 * 64  # blocks, final norm, output projection
-    assert model.num_params(exclude_embedding=True) == n == 538688
-    assert model.num_flops_per_token(128) == 6 * n + 12 * 8 * 4 * 16 * 128
-    # A pipeline stage still reports the whole model's FLOPs.
-    model.tok_embeddings = None
-    del model.layers["0"]
-    assert model.num_flops_per_token(128) == 6 * n + 12 * 8 * 4 * 16 * 128
+    assert args.num_params(exclude_embedding=True) == n == 538688
+    assert held(model) == n + 2256 * 64
+    assert args.flops_per_token(128) == 6 * n + 12 * 8 * 4 * 16 * 128
 
 
 # ---------------------------------------------------------------- 2 ranks (gloo, FSDP2)
@@ -464,17 +471,13 @@ def test_tensor_parallel_matches_single_process():
     assert out.count("TP_OK") == 2, out
 
 
-def test_tensor_parallel_rejects_indivisible_heads():
-    from titanlike.models.llama3 import apply_tensor_parallel
+def test_family_rule_rejects_heads_tensor_parallelism_cannot_split():
+    from titanlike.parallel.parallel_dims import ParallelDims
 
-    class _Mesh:  # only the size is consulted before anything is sharded
-        def size(self):
-            return 4
-
-    with torch.device("meta"):
-        model = Transformer(tiny_args(n_heads=4, n_kv_heads=2))
-    with pytest.raises(ValueError, match="n_kv_heads"):
-        apply_tensor_parallel(model, _Mesh(), loss_parallel=False)
+    args = tiny_args(n_heads=4, n_kv_heads=2)
+    args.validate(ParallelDims.resolve(world_size=2, tp=2), seq_len=64)
+    with pytest.raises(ValueError, match="2 key/value heads are not divisible by tensor_parallel_degree 4"):
+        args.validate(ParallelDims.resolve(world_size=4, tp=4), seq_len=64)
 
 
 def _check_tp() -> None:
@@ -485,7 +488,7 @@ def _check_tp() -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
-    from titanlike.models.llama3 import apply_tensor_parallel
+    from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -501,7 +504,7 @@ def _check_tp() -> None:
         reference = build(args, seed=21)
         with torch.device("meta"):
             model = Transformer(args)
-        apply_tensor_parallel(model, mesh, loss_parallel=lp, sequence_parallel=sp)
+        apply_tensor_parallel(model, mesh, SPEC.tp_plan, loss_parallel=lp, sequence_parallel=sp)
         if tied:
             assert model.output.weight is model.tok_embeddings.weight
         model.to_empty(device="cpu")
@@ -534,7 +537,7 @@ def _check_fsdp_tp_init() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from titanlike.models.llama3 import apply_tensor_parallel
+    from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -542,7 +545,7 @@ def _check_fsdp_tp_init() -> None:
     reference = build(args, seed=5)
     with torch.device("meta"):
         model = Transformer(args)
-    apply_tensor_parallel(model, mesh["tp"], loss_parallel=False)
+    apply_tensor_parallel(model, mesh["tp"], SPEC.tp_plan, loss_parallel=False)
     for layer in model.layers.values():
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])

@@ -107,7 +107,20 @@ def test_stages_are_initialized_and_compute_as_the_full_model():
     torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
 
 
-def test_tied_embeddings_cannot_be_split():
-    model = meta_model("debugmodel_tiny", tie_word_embeddings=True)
-    with pytest.raises(ValueError, match="tied embeddings"):
-        build_stage_modules(model, SPEC, plan_layout(8, 2, "1F1B", None), 0)
+def test_tied_embeddings_split_into_equal_copies_on_the_end_stages():
+    # The first stage keeps the table, the last the output projection: two Parameters that start
+    # equal (seeded under the owner's name) and compose to the tied full model.
+    model = meta_model("debugmodel_tiny", tie_word_embeddings=True, vocab_size=128, max_seq_len=16)
+    layout = plan_layout(8, 2, "1F1B", None)
+    first, = build_stage_modules(model, SPEC, layout, 0)
+    last, = build_stage_modules(model, SPEC, layout, 1)
+    assert first.output is None and last.tok_embeddings is None
+    assert first.tied_weights == last.tied_weights == {"output.weight": "tok_embeddings.weight"}
+    full = meta_model("debugmodel_tiny", tie_word_embeddings=True, vocab_size=128, max_seq_len=16)
+    for module in (first, last, full):
+        module.to_empty(device="cpu")
+        module.init_weights(seed=3)
+    assert torch.equal(first.tok_embeddings.weight, last.output.weight)
+    assert full.output.weight is full.tok_embeddings.weight
+    tokens = torch.randint(0, 128, (2, 16))
+    torch.testing.assert_close(last(first(tokens)), full(tokens), rtol=0, atol=0)

@@ -1,7 +1,12 @@
-"""Distributed checkpointing (DCP) and Hugging Face interchange."""
+"""Distributed checkpointing (DCP) and Hugging Face interchange.
 
-from titanlike.checkpoint.hf import CheckpointError, export_dcp_to_hf, import_hf_to_dcp, load_model
-from titanlike.checkpoint.manager import CheckpointManager, published_steps
+format.py: the on-disk formats; manager.py: CheckpointManager (save / resume a job);
+hf.py: conversions and load_model. manager.py and hf.py depend on format.py only.
+"""
+
+from titanlike.checkpoint.format import CheckpointError, published_steps
+from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp, load_model
+from titanlike.checkpoint.manager import CheckpointManager
 
 __all__ = ["CheckpointError", "CheckpointManager", "export_dcp_to_hf", "import_hf_to_dcp", "load_model",
            "published_steps"]

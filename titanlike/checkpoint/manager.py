@@ -25,6 +25,7 @@ index if there was one (else rank 0's): every rank is at the same global step.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import queue
@@ -52,25 +53,76 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titanlike.checkpoint import hf
-from titanlike.checkpoint.hf import CheckpointError, summarize
+from titanlike.checkpoint import format as fmt
+from titanlike.checkpoint.format import (
+    PURGE_SUFFIX,
+    STEP_RE,
+    TMP_SUFFIX,
+    CheckpointError,
+    published_steps,
+    summarize,
+    tied_aliases,
+)
 
 logger = logging.getLogger("titanlike")
 
 MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE = (
     "model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")
 COMPONENTS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE)
-_STEP_RE = re.compile(r"step-(\d+)")
-_TMP, _PURGE = ".tmp", ".purge"
+# What checkpoint.exclude_from_loading may name.
+CHECKPOINT_COMPONENTS = COMPONENTS
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+# config.json keys that decide neither whether a Hugging Face checkpoint's weights fit this job's
+# model nor what they compute: the context length (it only sizes position tables), token ids,
+# dtype and bookkeeping. Every other key of the family's to_hf_config must agree.
+HF_KEYS_NOT_COMPARED = frozenset({
+    "max_position_embeddings", "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+    "use_cache", "architectures", "initializer_range", "transformers_version", "_name_or_path",
+    "name_or_path", "_from_model_config", "tokenizer_class", "output_attentions", "output_hidden_states",
+    "return_dict",
+})
 
-def published_steps(folder: str) -> list[int]:
-    """Steps of the published checkpoints in folder, ascending (in-flight .tmp ones excluded)."""
-    if not os.path.isdir(folder):
-        return []
-    return sorted(int(m.group(1)) for name in os.listdir(folder)
-                  if (m := _STEP_RE.fullmatch(name)) and os.path.isdir(os.path.join(folder, name)))
+
+def validate_checkpoint_config(c, spec) -> None:
+    """The [checkpoint] section's rules, before any process group exists: ValueError, one sentence.
+
+    c: the checkpoint section of the job config; spec: the job's ModelSpec.
+    """
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(message)
+
+    for name, on in (("initial_load_path", bool(c.initial_load_path)),
+                     ("create_seed_checkpoint", c.create_seed_checkpoint),
+                     ("last_save_in_hf", c.last_save_in_hf)):
+        check(c.enable or not on, f"checkpoint.{name} needs checkpoint.enable")
+    check(bool(c.folder), "checkpoint.folder must not be empty")
+    check(c.interval >= 1, f"checkpoint.interval must be at least 1, got {c.interval}")
+    check(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {c.keep_latest_k}")
+    check(c.load_step >= -1, f"checkpoint.load_step must be -1 (the latest) or a step >= 0, got {c.load_step}")
+    unknown = [n for n in c.exclude_from_loading if n not in CHECKPOINT_COMPONENTS]
+    check(not unknown, f"checkpoint.exclude_from_loading may only name {', '.join(CHECKPOINT_COMPONENTS)}; "
+                       f"got {', '.join(unknown)}")
+    check(not c.initial_load_in_hf or bool(c.initial_load_path),
+          "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder)")
+    if c.initial_load_path:
+        path = c.initial_load_path
+        check(os.path.isdir(path), f"checkpoint.initial_load_path {path} does not exist or is not a folder")
+        if c.initial_load_in_hf:
+            check(os.path.isfile(os.path.join(path, fmt.HF_CONFIG)),
+                  f"checkpoint.initial_load_path {path} has no {fmt.HF_CONFIG}, so it is not a Hugging Face "
+                  "model folder")
+        else:
+            check(os.path.isfile(os.path.join(path, fmt.DCP_METADATA)),
+                  f"checkpoint.initial_load_path {path} has no {fmt.DCP_METADATA}, so it is not a DCP checkpoint "
+                  "(add --checkpoint.initial_load_in_hf for a Hugging Face folder)")
+    if c.initial_load_in_hf or c.last_save_in_hf:
+        check(spec.hf_adapter is not None, f"model {spec.name} has no Hugging Face adapter, so "
+                                           "checkpoint.initial_load_in_hf and last_save_in_hf are unavailable")
+    check(not c.last_save_in_hf or c.last_save_model_only,
+          "checkpoint.last_save_in_hf writes the model only, so it needs checkpoint.last_save_model_only")
 
 
 def _pickled(obj: Any) -> io.BytesIO:
@@ -89,22 +141,6 @@ def _unpickled(buf: io.BytesIO, what: str) -> Any:
 
 
 # Stateful pieces --------------------------------------------------------------------------
-
-
-def tied_aliases(module: nn.Module) -> set[str]:
-    """Names of parameters that are another name's Parameter (tied embeddings' output.weight).
-
-    Decided from the module structure, so every rank drops the same keys whatever its shards.
-    """
-    from titanlike.models.common.init import canonical_fqn
-
-    first: dict[int, str] = {}
-    aliases = set()
-    for name, param in module.named_parameters(remove_duplicate=False):
-        name = canonical_fqn(name)
-        if first.setdefault(id(param), name) != name:
-            aliases.add(name)
-    return aliases
 
 
 class ModelState(Stateful):
@@ -215,7 +251,7 @@ class TrainState(Stateful):
         self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "format_version": hf.FORMAT_VERSION}
+        return {"step": self.step, "format_version": fmt.FORMAT_VERSION}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
@@ -296,14 +332,17 @@ class CheckpointManager:
             TRAIN_STATE: self.train_state,
         }
         self._description = None
+        self._context_len = None
         if model_args is not None:
             from titanlike.models.registry import get_model_spec
 
             spec = get_model_spec(cfg.model.name)
             self.spec, self.model_args = spec, model_args
+            # The job's args carry training.seq_len as their context; a checkpoint records the
+            # flavor's real one (it sizes position tables only, never the weights).
             flavor = spec.flavors.get(cfg.model.flavor)
-            self._description = hf.model_description(
-                spec.name, model_args, context_len=getattr(flavor, "max_seq_len", None))
+            self._context_len = flavor.context_len if flavor is not None else model_args.context_len
+            self._description = fmt.model_description(spec.name, model_args, context_len=self._context_len)
         self._tokenizer = ({"bos_id": int(tokenizer.bos_id), "eos_id": int(tokenizer.eos_id)}
                            if tokenizer is not None else {})
         if self.distributed:
@@ -338,7 +377,13 @@ class CheckpointManager:
     # Paths -------------------------------------------------------------------------------
 
     def path(self, step: int) -> str:
-        return os.path.join(self.folder, f"step-{step}")
+        return fmt.step_folder(self.folder, step)
+
+    @property
+    def process_group(self):
+        """The gloo group DCP's own collectives run on (None when not distributed). Its timeout
+        must outlast a slow rank's checkpoint write, so the short training timeout skips it."""
+        return self._pg
 
     # Loading ------------------------------------------------------------------------------
 
@@ -382,15 +427,15 @@ class CheckpointManager:
 
         path = self.path(step)
         begin = time.monotonic()
-        if hf.is_hf_folder(path) and not hf.is_dcp_folder(path):
+        if fmt.is_hf_folder(path) and not fmt.is_dcp_folder(path):
             raise CheckpointError(
                 f"the latest checkpoint {path} is a Hugging Face export (checkpoint.last_save_in_hf), "
                 "which holds the model only: training cannot resume from it; start a new run with "
                 f"--checkpoint.initial_load_path {path} --checkpoint.initial_load_in_hf"
             )
-        metadata = hf.read_dcp_metadata(path)
-        hf.check_dcp_files(path, metadata)
-        _, full = hf.dcp_model_keys(metadata)
+        metadata = fmt.read_dcp_metadata(path)
+        fmt.check_dcp_files(path, metadata)
+        _, full = fmt.dcp_model_keys(metadata)
         if not full:
             if step != 0:
                 raise CheckpointError(
@@ -470,7 +515,7 @@ class CheckpointManager:
     def _load_model_dcp(self, path: str, metadata: Metadata, *, prefixed: bool) -> None:
         model = self.states[MODEL]
         local = model.state_dict()
-        prefix = hf.MODEL_PREFIX if prefixed else ""
+        prefix = fmt.MODEL_PREFIX if prefixed else ""
         template = {prefix + k: v for k, v in local.items()}
         self._check_against_index(template, metadata, path)
         try:
@@ -486,9 +531,9 @@ class CheckpointManager:
         if self.cfg.initial_load_in_hf:
             self._load_model_hf(path)
         else:
-            metadata = hf.read_dcp_metadata(path)
-            hf.check_dcp_files(path, metadata)
-            _, full = hf.dcp_model_keys(metadata)
+            metadata = fmt.read_dcp_metadata(path)
+            fmt.check_dcp_files(path, metadata)
+            _, full = fmt.dcp_model_keys(metadata)
             self._load_model_dcp(path, metadata, prefixed=full)
         if self.rank == 0:
             logger.info(f"checkpoint: model initialized from {path} in {time.monotonic() - begin:.2f} s")
@@ -504,8 +549,12 @@ class CheckpointManager:
         error = None
         if self.rank == 0:
             try:
-                hf_sd, config = hf.read_hf(path)
-                args = spec.hf_adapter.args_from_hf_config(config)
+                hf_sd, config = fmt.read_hf(path)
+                if config.get("model_type") != spec.hf_model_type:
+                    raise CheckpointError(
+                        f"Hugging Face checkpoint {path} has model_type={config.get('model_type')} but this "
+                        f"job's model {spec.name} reads {spec.hf_model_type} (model.name)")
+                args = spec.args_cls.from_hf_config(config)
                 self._check_hf_args(args, path)
                 state_dict = spec.hf_adapter.from_hf_state_dict(hf_sd, args)
                 with torch.device("meta"):
@@ -527,25 +576,18 @@ class CheckpointManager:
             set_model_state_dict(part, dict(state_dict), options=opts)
 
     def _check_hf_args(self, args, path: str) -> None:
-        import dataclasses
+        """The Hugging Face checkpoint's model is this job's: same config.json, key by key.
 
-        mine = dataclasses.asdict(self.model_args)
-        theirs = dataclasses.asdict(args)
-        # Sizes decide whether the weights fit, and RoPE and the norm epsilon whether they compute
-        # what they were trained to. max_seq_len only sizes the RoPE table, and the FFN rule's
-        # (multiple_of, multiplier) pair may differ while giving the same hidden size.
-        for field in ("dim", "n_layers", "n_heads", "vocab_size", "tie_word_embeddings", "rope_theta",
-                      "rope_scaling", "norm_eps"):
-            if mine[field] != theirs[field]:
-                raise CheckpointError(
-                    f"Hugging Face checkpoint {path} has {field}={theirs[field]} but this job's model has "
-                    f"{mine[field]} (model.flavor / tokenizer)"
-                )
-        if args.num_kv_heads != self.model_args.num_kv_heads or args.ffn_hidden_dim != self.model_args.ffn_hidden_dim:
+        Both sides go through the family's to_hf_config, so the comparison is between normalized
+        configs and needs no family's field names; HF_KEYS_NOT_COMPARED lists what may differ.
+        """
+        mine, theirs = self.model_args.to_hf_config(), args.to_hf_config()
+        for key in [*mine, *(k for k in theirs if k not in mine)]:
+            if key in HF_KEYS_NOT_COMPARED or mine.get(key) == theirs.get(key):
+                continue
             raise CheckpointError(
-                f"Hugging Face checkpoint {path} has n_kv_heads={args.num_kv_heads}, intermediate size "
-                f"{args.ffn_hidden_dim}; this job's model has {self.model_args.num_kv_heads}, "
-                f"{self.model_args.ffn_hidden_dim}"
+                f"Hugging Face checkpoint {path} has {key}={_show(theirs.get(key))} but this job's model has "
+                f"{_show(mine.get(key))} (model.flavor / tokenizer)"
             )
 
     # Saving -------------------------------------------------------------------------------
@@ -570,7 +612,7 @@ class CheckpointManager:
         self.blocked_s += time.monotonic() - begin
 
     def _tmp(self, step: int) -> str:
-        return self.path(step) + _TMP
+        return self.path(step) + TMP_SUFFIX
 
     def _save_full_sync(self, step: int) -> None:
         begin = time.monotonic()
@@ -615,12 +657,16 @@ class CheckpointManager:
         staging = os.path.join(tmp, "dcp")
         self._dcp_save(state, staging)
         if self.rank == 0:
-            context = self._description["args"].get("max_seq_len") if self._description else None
-            state_dict = hf.read_dcp_model(staging)
-            hf.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype, context_len=context,
+            state_dict = fmt.read_dcp_model(staging)
+            fmt.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype, context_len=self._context_len,
                         bos_id=self._tokenizer.get("bos_id"), eos_id=self._tokenizer.get("eos_id"))
             shutil.rmtree(staging)
         self._publish(step, "hf", time.monotonic() - begin)
+        if self.distributed:
+            # The other ranks wait for rank 0's conversion here, on the checkpoint's group with its
+            # long timeout, rather than in their next collective on a group with the (short)
+            # comm.train_timeout_seconds.
+            dist.barrier(group=self._pg)
 
     def _dcp_save(self, state: dict, path: str) -> None:
         try:
@@ -642,7 +688,7 @@ class CheckpointManager:
         info = {"contents": contents, "step": step, "tokenizer": self._tokenizer}
         if self._description is not None:
             info["model"] = self._description
-        hf.write_sidecar(tmp, info)
+        fmt.write_sidecar(tmp, info)
         if os.path.exists(final):
             # Re-saving a step (after load_step went back): drop the old one first.
             shutil.rmtree(final)
@@ -657,7 +703,7 @@ class CheckpointManager:
         if self._purger is None or k <= 0:
             return
         for old in published_steps(self.folder)[:-k]:
-            doomed = self.path(old) + _PURGE
+            doomed = self.path(old) + PURGE_SUFFIX
             # Renamed first, so a half-deleted folder is never mistaken for a checkpoint.
             os.rename(self.path(old), doomed)
             self._purger.submit(doomed)
@@ -666,7 +712,7 @@ class CheckpointManager:
         """Delete step-N.tmp (a save that never finished) and step-N.purge folders."""
         if self.rank == 0 and os.path.isdir(self.folder):
             for name in os.listdir(self.folder):
-                if name.endswith((_TMP, _PURGE)) and _STEP_RE.match(name):
+                if name.endswith((TMP_SUFFIX, PURGE_SUFFIX)) and STEP_RE.match(name):
                     logger.warning(f"checkpoint: removing {os.path.join(self.folder, name)} "
                                    "(left by a save or purge that did not finish)")
                     shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
@@ -762,3 +808,11 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _show(value: Any) -> str:
+    """A config.json value as it reads in the file (JSON), for one-line messages."""
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError):
+        return str(value)

@@ -2,7 +2,7 @@
 
 from titanlike.config.loader import ConfigError, HelpRequested, config_to_dict, help_text, load_job_config
 from titanlike.config.schema import JobConfig
-from titanlike.config.validate import validate_config
+from titanlike.config.validate import validate_values
 
 __all__ = [
     "ConfigError",
@@ -11,5 +11,5 @@ __all__ = [
     "config_to_dict",
     "help_text",
     "load_job_config",
-    "validate_config",
+    "validate_values",
 ]

@@ -143,33 +143,60 @@ def _split_cli(argv: Sequence[str]) -> list[tuple[str, str, Any]]:
             real = key[3:]
             if real in _fields(_sections()[section]) and key not in _fields(_sections()[section]):
                 key, negated = real, True
-        field_, tp = _lookup(section, key)
-        is_bool = _unwrap_optional(tp)[0] is bool
-        if negated:
-            if not is_bool:
-                raise ConfigError(f"--{section}.no_{key} only applies to true/false options")
-            if eq:
-                raise ConfigError(f"--{section}.no_{key} takes no value")
-            out.append((section, key, False))
+        _, tp = _lookup(section, key)
+        raw, i = _take_value(argv, i, section, key, tp, negated=negated, eq=eq, inline=inline)
+        out.append((section, key, raw))
+    return out
+
+
+def _take_value(argv: Sequence[str], i: int, section: str, key: str, tp: Any, *, negated: bool, eq: str,
+                inline: str) -> tuple[Any, int]:
+    """The raw value of the option at argv[i] and the index after it (None-free: a bare flag is True)."""
+    is_bool = _unwrap_optional(tp)[0] is bool
+    if negated:
+        if not is_bool:
+            raise ConfigError(f"--{section}.no_{key} only applies to true/false options")
+        if eq:
+            raise ConfigError(f"--{section}.no_{key} takes no value")
+        return False, i + 1
+    if eq:
+        return inline, i + 1
+    if is_bool:
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if nxt is not None and nxt.lower() in _TRUE | _FALSE:
+            return nxt, i + 2
+        return True, i + 1
+    if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and "." in argv[i + 1]):
+        raise ConfigError(f"--{section}.{key} needs a value")
+    return argv[i + 1], i + 2
+
+
+def parse_section_options(argv: Sequence[str], section: str, section_cls: type) -> tuple[Any, list[str]]:
+    """Take the `--<section>.key` options of a tool's own section (a dataclass outside JobConfig,
+    e.g. the estimator's [estimate]) out of argv, with the job options' conventions; returns the
+    section and the remaining arguments (for load_job_config)."""
+    fields = _fields(section_cls)
+    prefix = f"--{section}."
+    values: dict[str, Any] = {}
+    rest: list[str] = []
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith(prefix):
+            rest.append(arg)
             i += 1
             continue
-        if eq:
-            out.append((section, key, inline))
-            i += 1
-        elif is_bool:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is not None and nxt.lower() in _TRUE | _FALSE:
-                out.append((section, key, nxt))
-                i += 2
-            else:
-                out.append((section, key, True))
-                i += 1
-        else:
-            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and "." in argv[i + 1]):
-                raise ConfigError(f"--{section}.{key} needs a value")
-            out.append((section, key, argv[i + 1]))
-            i += 2
-    return out
+        name, eq, inline = arg[len(prefix):].partition("=")
+        negated = name.startswith("no_") and name[3:] in fields and name not in fields
+        key = name[3:] if negated else name
+        if key not in fields:
+            hint = _nearest(key, list(fields)).replace("'", f"'{section}.", 1)
+            raise ConfigError(f"unknown option --{section}.{key}{hint}")
+        field_, tp = fields[key]
+        raw, i = _take_value(argv, i, section, key, tp, negated=negated, eq=eq, inline=inline)
+        values[key] = _convert(f"{section}.{key}", raw, tp, field_.metadata.get("choices"))
+    return section_cls(**values), rest
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -222,15 +249,21 @@ def help_text() -> str:
         "Booleans: --section.key, --section.key=false or --section.no_key. Lists: comma-separated.",
     ]
     for section, cls in _sections().items():
-        lines += ["", f"[{section}]"]
-        for key, (field_, tp) in _fields(cls).items():
-            default = field_.default if field_.default is not dataclasses.MISSING else field_.default_factory()
-            choices = field_.metadata.get("choices")
-            doc = field_.metadata.get("doc", "")
-            if choices:
-                doc += f" ({' | '.join(choices)})"
-            lines.append(f"  --{section}.{key} ({_type_name(tp)}, default {default!r})")
-            lines.append(f"      {doc}")
+        lines += ["", section_help(section, cls)]
+    return "\n".join(lines)
+
+
+def section_help(section: str, section_cls: type, *, title: str = "") -> str:
+    """The help lines of one section: each option, its type, default and doc."""
+    lines = [f"[{section}]" + (f"  {title}" if title else "")]
+    for key, (field_, tp) in _fields(section_cls).items():
+        default = field_.default if field_.default is not dataclasses.MISSING else field_.default_factory()
+        choices = field_.metadata.get("choices")
+        doc = field_.metadata.get("doc", "")
+        if choices:
+            doc += f" ({' | '.join(choices)})"
+        lines.append(f"  --{section}.{key} ({_type_name(tp)}, default {default!r})")
+        lines.append(f"      {doc}")
     return "\n".join(lines)
 
 

@@ -24,6 +24,8 @@ Adding a kind (e.g. Megatron's ``GPTDataset``, map-style and already shuffled)::
 
 from __future__ import annotations
 
+import os
+
 import difflib
 import logging
 import warnings
@@ -338,6 +340,26 @@ def build_dataloader_from_source(
         warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
         # batch_size=None: the dataset yields whole microbatches already.
         return StatefulDataLoader(dataset, batch_size=None, num_workers=num_workers)
+
+
+def validate_dataset(dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
+    """A data source's path rules, before any process group: ValueError, one sentence."""
+    if dataset in ("text", "huggingface", "megatron") and not dataset_path:
+        raise ValueError(f"{option}.dataset {dataset} needs {option}.dataset_path")
+    if dataset == "text" and not os.path.exists(dataset_path):
+        raise ValueError(f"{option}.dataset_path {dataset_path} does not exist")
+    if dataset == "megatron":
+        from titanlike.data.blend import parse_blend
+        from titanlike.data.indexed import data_file_path, index_file_path
+
+        try:
+            prefixes, _ = parse_blend(dataset_path)
+        except ValueError as e:
+            raise ValueError(f"{option}.dataset_path: {e}") from None
+        for prefix in prefixes:
+            for path in (data_file_path(prefix), index_file_path(prefix)):
+                if not os.path.isfile(path):
+                    raise ValueError(f"{option}.dataset_path names the Megatron prefix {prefix}, but {path} does not exist")
 
 
 def build_dataloader(

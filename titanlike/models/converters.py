@@ -3,15 +3,16 @@ parallelize (shared/design.md: model on meta -> converters -> parallelize).
 
 `model.converters` names them, in order. A converter is built from the JobConfig, swaps modules of
 the whole meta model in place (before any pipeline split, so every stage inherits the swap), and
-may act after each optimizer step. Validation (titanlike/config/validate.py) refuses a converter
-this machine cannot run before any of this is reached.
+may act after each optimizer step. `validate_converters` refuses a converter this machine cannot
+run before any process group exists. Converters read the [float8] section only, never the whole
+job config.
 
 - `float8`: torchao's Float8Linear for every nn.Linear whose in and out features are multiples of
   16 (what float8 matmuls need) and whose name is not in `float8.filter_fqns` (the output
   projection by default). The tensorwise recipe can all-gather FSDP parameters in float8
   (`enable_fsdp_float8_all_gather`), with their scales computed for all parameters at once after
   each optimizer step (`precompute_float8_dynamic_scale_for_fsdp`), and makes the tensor-parallel
-  plan cast activations to float8 before its all-gathers (llama3/parallelize.py).
+  plan cast activations to float8 before its all-gathers (parallel/tensor_parallel.py).
 - `te`: NVIDIA Transformer Engine's Linear for the same layers, run under its fp8 autocast.
 """
 
@@ -19,13 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import logging
+import sys
 from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 
-from titanlike.config.schema import JobConfig
+from titanlike.config.schema import Float8
 
 logger = logging.getLogger("titanlike")
 
@@ -37,8 +40,8 @@ class ModelConverter:
 
     name = ""
 
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
+    def __init__(self, float8: Float8):
+        self.float8 = float8
 
     def convert(self, model: nn.Module) -> None:
         raise NotImplementedError
@@ -64,8 +67,8 @@ def converter_names() -> list[str]:
 class ModelConverters:
     """The converters of one job, applied in the order model.converters names them."""
 
-    def __init__(self, cfg: JobConfig):
-        self.converters = [_CONVERTERS[name](cfg) for name in cfg.model.converters]
+    def __init__(self, names: list[str], float8: Float8):
+        self.converters = [_CONVERTERS[name](float8) for name in names]
 
     def convert(self, model: nn.Module) -> None:
         for converter in self.converters:
@@ -76,8 +79,71 @@ class ModelConverters:
             converter.post_optimizer_step(model_parts)
 
 
-def build_model_converters(cfg: JobConfig) -> ModelConverters:
-    return ModelConverters(cfg)
+def build_model_converters(names: list[str], float8: Float8) -> ModelConverters:
+    """The converters model.converters names, configured by the [float8] section."""
+    return ModelConverters(names, float8)
+
+
+def _importable(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None  # None: imports of it are blocked
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _has_float8_gpu() -> bool:
+    """A CUDA GPU with float8 tensor cores (compute capability 8.9+: Ada, Hopper and later)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _gpu_description() -> str:
+    if not torch.cuda.is_available():
+        return "this machine has none"
+    major, minor = torch.cuda.get_device_capability()
+    return f"this machine's {torch.cuda.get_device_name()} has compute capability {major}.{minor}"
+
+
+def validate_converters(names: list[str], f: Float8, *, tp: int) -> None:
+    """Refuse converters this job cannot run, in one sentence (ValueError), before any process group."""
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(message)
+
+    for name in names:
+        check(name in converter_names(),
+              f"model.converters names an unknown converter {name!r}; known converters: {', '.join(converter_names())}")
+    check(len(set(names)) == len(names), f"model.converters names a converter twice: {', '.join(names)}")
+    check(not {"float8", "te"} <= set(names),
+          "model.converters float8 and te both replace the linear layers; name one of them")
+    if "float8" in names:
+        check(not f.recipe_name or f.recipe_name in FLOAT8_RECIPES,
+              f"float8.recipe_name must be {' or '.join(FLOAT8_RECIPES)} (empty means tensorwise), "
+              f"got {f.recipe_name!r}")
+        check(_importable("torchao"),
+              "model.converters float8 needs torchao, which is not installed: pip install torchao "
+              "(or pip install -e '.[float8]')")
+        check(f.emulate or _has_float8_gpu(),
+              f"float8 needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), but "
+              f"{_gpu_description()}; set float8.emulate to test the swap on CPU")
+        check(not (f.enable_fsdp_float8_all_gather and f.recipe_name == "rowwise"),
+              "float8.enable_fsdp_float8_all_gather works with the tensorwise recipe only, not rowwise; "
+              "unset it or set float8.recipe_name tensorwise")
+        check(not f.precompute_float8_dynamic_scale_for_fsdp or f.enable_fsdp_float8_all_gather,
+              "float8.precompute_float8_dynamic_scale_for_fsdp precomputes the scales of the float8 "
+              "all-gather, so it needs float8.enable_fsdp_float8_all_gather")
+    if "te" in names:
+        check(_importable("transformer_engine"),
+              "model.converters te needs NVIDIA Transformer Engine, which is not installed "
+              "(pip install transformer-engine[pytorch] on a CUDA machine), or use the float8 converter")
+        check(_has_float8_gpu(),
+              f"model.converters te needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), "
+              f"but {_gpu_description()}; the float8 converter with float8.emulate tests float8 on CPU")
+        check(tp == 1,
+              "model.converters te does not work with tensor parallelism (the tensor-parallel plan shards "
+              "nn.Linear layers), so tensor_parallel_degree must be 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,9 +226,8 @@ def import_torchao_float8():
     return float8
 
 
-def float8_linear_config(cfg: JobConfig):
+def float8_linear_config(f: Float8):
     """torchao's Float8LinearConfig for the job's [float8] section."""
-    f = cfg.float8
     float8 = import_torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(f.recipe_name or "tensorwise")
     return dataclasses.replace(config, emulate=f.emulate,
@@ -173,18 +238,18 @@ def float8_linear_config(cfg: JobConfig):
 class Float8Converter(ModelConverter):
     name = "float8"
 
-    def __init__(self, cfg: JobConfig):
-        super().__init__(cfg)
-        self.config = float8_linear_config(cfg)
-        self.recipe = cfg.float8.recipe_name or "tensorwise"
-        self.precompute_scales = cfg.float8.precompute_float8_dynamic_scale_for_fsdp
+    def __init__(self, float8: Float8):
+        super().__init__(float8)
+        self.config = float8_linear_config(float8)
+        self.recipe = float8.recipe_name or "tensorwise"
+        self.precompute_scales = float8.precompute_float8_dynamic_scale_for_fsdp
         self.selection = LinearSelection()
 
     def convert(self, model: nn.Module) -> None:
         float8 = import_torchao_float8()
         selection = LinearSelection()
         float8.convert_to_float8_training(
-            model, module_filter_fn=linear_filter(self.cfg.float8.filter_fqns, selection), config=self.config)
+            model, module_filter_fn=linear_filter(self.float8.filter_fqns, selection), config=self.config)
         self.selection = selection
         details = [self.recipe]
         if self.config.emulate:
@@ -275,8 +340,8 @@ class TransformerEngineConverter(ModelConverter):
 
     name = "te"
 
-    def __init__(self, cfg: JobConfig):
-        super().__init__(cfg)
+    def __init__(self, float8: Float8):
+        super().__init__(float8)
         import transformer_engine.pytorch as te
 
         self.te = te
@@ -284,7 +349,7 @@ class TransformerEngineConverter(ModelConverter):
 
     def convert(self, model: nn.Module) -> None:
         selection = LinearSelection()
-        keep = linear_filter(self.cfg.float8.filter_fqns, selection)
+        keep = linear_filter(self.float8.filter_fqns, selection)
         for fqn, module in list(model.named_modules()):
             if not keep(module, fqn):
                 continue

@@ -1,16 +1,43 @@
-"""Model families register a ModelSpec; the trainer looks one up by `model.name`.
+"""Model families register a ModelSpec; generic code looks one up by `model.name`.
 
-Everything that differs between model families hangs off the spec, so the
-trainer, the parallelize functions and the checkpoint code stay generic and
-adding a family never copies parallelize code.
+A family is one folder under titanlike/models/ that builds a ModelSpec and registers it. It
+touches no generic file: the trainer, the parallelisms, the checkpoint and Hugging Face code
+and the estimator ask the spec and the args contract (titanlike/models/args.py), never a
+family's field names.
+
+What a model class (spec.model_cls) must provide, beyond being an nn.Module built from its args
+on the meta device:
+  - `layers`: an nn.ModuleDict of blocks keyed by their index ("0", "1", ...): the unit of
+    pipeline splitting, activation checkpointing, compile and FSDP wrapping;
+  - `init_weights(seed=..., buffer_device=None)`: initialize whatever the module holds after
+    parallelization and `to_empty`, as a function of (seed, parameter name, args) only;
+  - `forward(tokens, positions=None, mask=None)`: tokens (or, on a later pipeline stage, hidden
+    states) -> logits, or a ModelOutput with auxiliary losses (titanlike/models/outputs.py);
+  - `tied_weights`: {alias name: owner name} for parameters that are one Parameter under two
+    names (tied input/output embeddings), {} otherwise;
+  - the input-end and output-end modules named in `pipeline_ends`, settable to None.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.nn as nn
+
+from titanlike.models.args import BaseModelArgs
+
+
+@dataclass(frozen=True)
+class PipelineEnds:
+    """Which top-level modules belong to the first pipeline stage (inputs) and to the last (outputs).
+
+    The generic split (parallel/pipeline.py) keeps `inputs` on stage 0, `outputs` on the last
+    stage, sets them to None elsewhere, and hands every stage its share of `layers`.
+    """
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
 
 
 @dataclass
@@ -18,20 +45,34 @@ class ModelSpec:
     name: str
     # The nn.Module class; constructed as model_cls(args) on the meta device.
     model_cls: type[nn.Module]
-    # flavor name -> model args dataclass instance (e.g. "debugmodel", "8B").
-    flavors: dict[str, Any]
-    # Tensor-parallel plan for one model instance:
-    # fn(model, tp_mesh, *, loss_parallel: bool, sequence_parallel: bool) -> None.
-    # None means the family does not support TP yet.
-    tensor_parallel_plan: Callable[..., None] | None = None
-    # Hugging Face interchange: state-dict and config.json conversion (models/<family>/hf_adapter.py).
+    # flavor name -> model args (a BaseModelArgs dataclass), e.g. "debugmodel", "8B".
+    flavors: dict[str, BaseModelArgs]
+    # Tensor-parallel plan (titanlike.parallel.tensor_parallel.TensorParallelPlan): module name ->
+    # style name, for the top-level modules and for those of every block. None: no TP.
+    tp_plan: Any = None
+    # Input and output ends for the pipeline split. None: no pipeline parallelism.
+    pipeline_ends: PipelineEnds | None = None
+    # The training objective: build_loss(job_config) -> loss_fn(model_output, labels) returning
+    # the loss summed over target tokens (titanlike/train/loss.py). None: next-token cross-entropy.
+    build_loss: Callable[..., Callable] | None = None
+    # Hugging Face weights: to_hf_state_dict(sd, args) and from_hf_state_dict(sd, args) on full
+    # tensors (the config.json side is the args' to_hf_config / from_hf_config). None: no HF.
     hf_adapter: Any = None
-    # Pipeline split rule: fn(model, layer_keys, *, first: bool, last: bool) -> nn.Module, a copy of
-    # the meta model that keeps only those entries of model.layers, plus the input end if first and
-    # the output end if last, with parameter names unchanged. None means no pipeline parallelism.
-    pipeline_stage: Callable[..., nn.Module] | None = None
-    # Free-form extras a family may need later.
-    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        kinds = {type(args) for args in self.flavors.values()}
+        if len(kinds) != 1:
+            raise ValueError(f"model spec {self.name!r}: every flavor must use one args class, got {kinds}")
+        if not issubclass(next(iter(kinds)), BaseModelArgs):
+            raise TypeError(f"model spec {self.name!r}: args must derive from BaseModelArgs")
+
+    @property
+    def args_cls(self) -> type[BaseModelArgs]:
+        return type(next(iter(self.flavors.values())))
+
+    @property
+    def hf_model_type(self) -> str | None:
+        return self.args_cls.hf_model_type if self.hf_adapter is not None else None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -55,6 +96,27 @@ def model_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def spec_for_hf_model_type(model_type: str | None) -> ModelSpec:
+    """The family that reads Hugging Face folders of this config.json model_type (KeyError if none)."""
+    _import_builtin_families()
+    for spec in _REGISTRY.values():
+        if spec.hf_model_type is not None and spec.hf_model_type == model_type:
+            return spec
+    known = sorted(s.hf_model_type for s in _REGISTRY.values() if s.hf_model_type)
+    raise KeyError(f"Hugging Face model_type {model_type!r} is not supported; supported: {', '.join(known)}")
+
+
 def _import_builtin_families() -> None:
-    # Importing a family's package registers its spec.
-    import titanlike.models.llama3  # noqa: F401
+    """Import every family package under titanlike/models/ (importing one registers its spec), so a
+    new family is a new folder and no list here needs editing."""
+    import importlib
+    import pkgutil
+
+    import titanlike.models as models
+
+    for info in pkgutil.iter_modules(models.__path__):
+        if info.ispkg and info.name not in _NOT_FAMILIES:
+            importlib.import_module(f"titanlike.models.{info.name}")
+
+
+_NOT_FAMILIES = {"common"}

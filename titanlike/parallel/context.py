@@ -52,6 +52,18 @@ ROTATE_METHODS = ("allgather", "alltoall")
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
+def validate_context_parallel(seq_len: int, cp: int, tp: int) -> None:
+    """Load balancing cuts each sequence into 2 x cp equal chunks and sequence parallel splits a
+    rank's share over tp. Asking for chunks that tp splits evenly is slightly stricter than needed
+    (lcm(2 cp, cp tp)) but is the rule torchtitan users know, and real lengths meet it."""
+    unit = 2 * cp * tp
+    if seq_len % unit:
+        raise ValueError(
+            f"training.seq_len {seq_len} must be divisible by 2 x context_parallel_degree {cp} x "
+            f"tensor_parallel_degree {tp} = {unit}, so that context parallelism can cut it into "
+            f"2 x {cp} equal chunks that tensor parallelism splits evenly")
+
+
 def load_balanced_layout(seq_len: int, cp_degree: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(cp_degree, seq_len // cp_degree) global positions: row i holds those of cp rank i.
 
@@ -109,8 +121,10 @@ class ContextParallelAttention:
         return f"ContextParallelAttention(cp={self.cp}, rotate_method={self.rotate_method!r})"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: DocumentMask | None = None) -> torch.Tensor:
+                 mask: DocumentMask | None = None, *, causal: bool = True) -> torch.Tensor:
         """mask: document ids of the whole sequence (every cp rank has them); None is plain causal."""
+        if not causal:
+            raise ValueError("context parallel attention is causal only; bidirectional models cannot use it")
         layout = load_balanced_layout(q.shape[2] * self.cp, self.cp, q.device)
         documents = None if mask is None else mask.document_ids
         if self.rotate_method == "allgather":

@@ -9,6 +9,14 @@ Every other mesh the job needs is a named view of that one mesh:
   fsdp         (dp_replicate?, dp_shard x cp) parameter sharding (cp ranks also shard params)
   loss         (dp_replicate, dp_shard, cp)   ranks whose losses/token counts are summed
   tp, cp, pp   single dimensions
+
+Expert parallelism (mixture-of-experts layers) views the same ranks differently: the ranks of
+dp_shard x cp x tp are re-cut into (efsdp, ep), so the expert meshes are
+[pp, dp_replicate, efsdp, ep] over the dense mesh's ranks (as torchtitan):
+
+  ep           ranks that hold different experts and exchange tokens (all-to-all)
+  efsdp        ranks that FSDP-shard one set of experts (dp_shard x cp x tp / ep)
+  expert_fsdp  (dp_replicate?, efsdp): the mesh expert weights are fully_shard-ed over
 """
 
 from __future__ import annotations
@@ -71,6 +79,11 @@ class ParallelDims:
                 f"parallel degrees replicate {dp_replicate} x shard {dp_shard} x cp {cp} x tp {tp} x pp {pp} "
                 f"= {dp_replicate * dp_shard * cp * tp * pp} must equal the world size {world_size}"
             )
+        if (dp_shard * cp * tp) % ep:
+            raise ValueError(
+                f"parallelism.expert_parallel_degree {ep} must divide data_parallel_shard_degree {dp_shard} x "
+                f"context_parallel_degree {cp} x tensor_parallel_degree {tp} = {dp_shard * cp * tp}, the ranks "
+                "experts are spread over")
         return cls(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
 
     # Degrees and switches ------------------------------------------------------------
@@ -106,6 +119,15 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that FSDP-shard one set of experts: dp_shard x cp x tp / ep."""
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    @property
     def non_data_parallel_size(self) -> int:
         """Ranks that jointly process one data-parallel sample (cp x tp x pp)."""
         return self.cp * self.tp * self.pp
@@ -136,7 +158,25 @@ class ParallelDims:
             self._meshes["fsdp"] = world["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"]
         elif "dp_shard_cp" in self._meshes:
             self._meshes["fsdp"] = self._meshes["dp_shard_cp"]
+        if self.ep > 1:
+            self._expert_views(world)
         return world
+
+    def _expert_views(self, world: DeviceMesh) -> None:
+        """ep, efsdp and expert_fsdp: the ranks of dp_replicate x dp_shard x cp x tp re-cut into
+        (replicate, efsdp, ep), ep innermost so that an expert group stays inside a node when tp and
+        cp do."""
+        span = tuple(d for d in ("dp_replicate", "dp_shard", "cp", "tp") if d in self._meshes)
+        spanned = world[span]._flatten("ep_span") if len(span) > 1 else world[span[0]]
+        experts = spanned._unflatten(0, (self.dp_replicate, self.efsdp, self.ep), ("ep_replicate", "efsdp", "ep"))
+        self._meshes["ep"] = experts["ep"]
+        if self.efsdp > 1:
+            self._meshes["efsdp"] = experts["efsdp"]
+        if self.dp_replicate > 1:
+            # HSDP of experts: replicated over dp_replicate, sharded over efsdp (possibly of size 1).
+            self._meshes["expert_fsdp"] = experts["ep_replicate", "efsdp"]
+        elif self.efsdp > 1:
+            self._meshes["expert_fsdp"] = experts["efsdp"]
 
     def _view(self, world: DeviceMesh, name: str, dims: tuple[str, ...]) -> None:
         present = tuple(d for d in dims if d in self._meshes)
@@ -149,10 +189,11 @@ class ParallelDims:
             self._meshes[name] = world[present]._flatten(name)
 
     def mesh(self, name: str) -> DeviceMesh | None:
-        """A named mesh (world, dp, fsdp, dp_shard_cp, loss, pp, dp_replicate, dp_shard, cp, tp),
-        or None when that dimension has degree 1."""
+        """A named mesh (world, dp, fsdp, dp_shard_cp, loss, pp, dp_replicate, dp_shard, cp, tp,
+        ep, efsdp, expert_fsdp), or None when that dimension has degree 1."""
         return self._meshes.get(name)
 
     def dp_rank(self) -> int:
         mesh = self.mesh("dp")
         return 0 if mesh is None else mesh.get_local_rank()
+

@@ -1,60 +1,96 @@
-"""Apply every parallelism to one model (or one pipeline stage) in the canonical order.
+"""Apply every parallelism to one model (or one pipeline stage) as ordered steps.
 
-The order matters: tensor parallel first (it replaces parameters by DTensors on
-the tp mesh), then context parallel (it swaps the attention of modules that
-activation checkpointing and compile are about to wrap), then activation
-checkpointing and compile (they wrap blocks), and
-FSDP last so it shards the already TP-sharded parameters over the data mesh.
-Nothing here is specific to a model family: family differences live in the
-ModelSpec (its tensor-parallel plan).
+The order matters:
+  1. tensor parallel: replaces parameters by DTensors on the tp mesh;
+  2. context parallel: swaps the attention that checkpointing and compile are about to wrap;
+  3. expert parallel: shards experts over the ep mesh (MoE families; none yet);
+  4. activation checkpointing and 5. compile: wrap blocks;
+  6. data parallel (FSDP/HSDP) last, so it shards the already TP-sharded parameters over the
+     data mesh (a module that declares `fsdp_mesh = "<name>"` is sharded over that mesh
+     instead, e.g. experts over expert_fsdp).
+Nothing here is specific to a model family: family differences live in the ModelSpec (its
+tensor-parallel plan) and in the module attributes the steps read. The options are plain values
+the trainer derives from its config; this module does not read a JobConfig.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn as nn
 
-from titanlike.config.schema import JobConfig
-from titanlike.models.registry import ModelSpec
 from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanlike.parallel.context import apply_context_parallel
 from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.parallel_dims import ParallelDims
+from titanlike.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
 
 
-def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    if dims.tp_enabled:
-        spec.tensor_parallel_plan(
-            model,
-            dims.mesh("tp"),
-            loss_parallel=not cfg.parallelism.disable_loss_parallel,
-        )
-        if cfg.parallelism.enable_async_tensor_parallel:
-            enable_async_tensor_parallel(dims.mesh("tp"))
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    loss_parallel: bool = True
+    async_tensor_parallel: bool = False
+    context_parallel_rotate_method: str = "allgather"
+    activation_checkpoint_mode: str = "none"  # none | full | selective
+    selective_ac_option: str = "2"  # every N-th block, or "op"
+    compile_blocks: bool = False
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    fsdp_reshard_after_forward: str = "default"  # default | always | never
+
+
+def parallelize_model(model: nn.Module, tp_plan: TensorParallelPlan | None, dims: ParallelDims,
+                      opts: ParallelizeOptions) -> nn.Module:
+    for step in (_tensor_parallel, _context_parallel, _expert_parallel, _activation_checkpointing, _compile,
+                 _data_parallel):
+        step(model, tp_plan, dims, opts)
+    return model
+
+
+def _tensor_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+    if not dims.tp_enabled:
+        return
+    if tp_plan is None:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan")
+    apply_tensor_parallel(model, dims.mesh("tp"), tp_plan, loss_parallel=opts.loss_parallel)
+    if opts.async_tensor_parallel:
+        enable_async_tensor_parallel(dims.mesh("tp"))
+
+
+def _context_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     if dims.cp_enabled:
-        apply_context_parallel(model, dims.mesh("cp"), cfg.parallelism.context_parallel_rotate_method)
-    apply_activation_checkpointing(
-        model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option
-    )
-    if cfg.compile.enable and "model" in cfg.compile.components:
+        apply_context_parallel(model, dims.mesh("cp"), opts.context_parallel_rotate_method)
+
+
+def _expert_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+    if dims.ep_enabled:
+        # Job validation refuses expert_parallel_degree > 1 until a family has experts to shard.
+        raise NotImplementedError("expert parallelism has no model family with experts yet")
+
+
+def _activation_checkpointing(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+    apply_activation_checkpointing(model, opts.activation_checkpoint_mode, opts.selective_ac_option)
+
+
+def _compile(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+    if opts.compile_blocks:
         # Per block and in place: parameter names stay unchanged, and every block of the same
         # shape reuses one compiled graph.
         for block in model.layers.values():
             block.compile(fullgraph=True)
-    if dims.fsdp_enabled:
-        reshard = cfg.parallelism.fsdp_reshard_after_forward
-        if dims.pp_enabled and reshard == "default":
-            # A stage runs the forwards of several microbatches before their backwards: resharding
-            # would all-gather every block again per microbatch, and the split-backward
-            # (zero-bubble) schedules compute wrong or missing gradients on resharded parameters.
-            reshard = "never"
-        apply_fsdp(
-            model,
-            dims.mesh("fsdp"),
-            param_dtype=cfg.training.mixed_precision_param,
-            reduce_dtype=cfg.training.mixed_precision_reduce,
-            reshard_after_forward=reshard,
-        )
-    return model
+
+
+def _data_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+    if not dims.fsdp_enabled:
+        return
+    reshard = opts.fsdp_reshard_after_forward
+    if dims.pp_enabled and reshard == "default":
+        # A stage runs the forwards of several microbatches before their backwards: resharding
+        # would all-gather every block again per microbatch, and the split-backward (zero-bubble)
+        # schedules compute wrong or missing gradients on resharded parameters.
+        reshard = "never"
+    apply_fsdp(model, dims.mesh("fsdp"), param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype,
+               reshard_after_forward=reshard, mesh_named=dims.mesh)
 
 
 def enable_async_tensor_parallel(tp_mesh) -> None:

@@ -14,11 +14,13 @@ evenly are taken off the first and last stages, which also carry the embedding
 and the output projection.
 
 Split (`build_stage_modules`). Each stage is a deep copy of the meta model
-keeping only its layers, the embedding on the first stage and the final norm
-and output on the last: parameter names are unchanged, so checkpoints and
-initialization do not depend on the layout. The family's ModelSpec provides
-the rule (`pipeline_stage`), since only it knows which modules are the input
-and output ends.
+keeping only its layers, the input ends on the first stage and the output ends
+on the last (the family's ModelSpec names them in `pipeline_ends`): parameter
+names are unchanged, so checkpoints and initialization do not depend on the
+layout. Tied weights (a model's `tied_weights`, e.g. the output projection
+sharing the embedding table) become one copy on the first stage and one on the
+last, initialized alike; `TiedWeightSync` adds their gradients after every
+backward, as Megatron's embedding group does, so the copies stay equal.
 
 Schedule (`build_schedule`). One torch PipelineStage per model part and the
 schedule class named by `pipeline_parallel_schedule`. Gradients are not scaled
@@ -29,17 +31,19 @@ without pipelining.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _torch_schedules
 
-from titanlike.models.registry import ModelSpec
+from titanlike.models.registry import ModelSpec, PipelineEnds
 
 # Our names for torch's schedule classes (torchtitan's names). DualPipeV only exists in newer
 # torch releases, so the list a user may choose from is what the installed torch has.
@@ -186,14 +190,116 @@ def microbatch_problem(schedule: str, n_microbatches: int, layout: PipelineLayou
     return None
 
 
+def pipeline_stage(model: nn.Module, ends: PipelineEnds, layer_keys: list[str], *, first: bool,
+                   last: bool) -> nn.Module:
+    """A copy of the (meta) model holding only layers `layer_keys`, the input ends if first and the
+    output ends if last. The copy keeps the module tree and its keys, so every parameter keeps its
+    full-model name and init_weights (seeded per name) gives it the value it has in the full model."""
+    stage = copy.deepcopy(model)
+    keep = set(layer_keys)
+    for key in list(stage.layers.keys()):
+        if key not in keep:
+            del stage.layers[key]
+    for name in () if first else ends.inputs:
+        setattr(stage, name, None)
+    for name in () if last else ends.outputs:
+        setattr(stage, name, None)
+    return stage
+
+
 def build_stage_modules(model: nn.Module, spec: ModelSpec, layout: PipelineLayout, pp_rank: int) -> list[nn.Module]:
     """The model parts (one per stage held by pp_rank) cut out of the meta model."""
     names = list(model.layers.keys())
     parts = []
     for stage in layout.stages_of_rank(pp_rank):
         keep = [names[i] for i in layout.layer_indices(stage)]
-        parts.append(spec.pipeline_stage(model, keep, first=stage == 0, last=stage == layout.num_stages - 1))
+        parts.append(pipeline_stage(model, spec.pipeline_ends, keep, first=stage == 0,
+                                    last=stage == layout.num_stages - 1))
     return parts
+
+
+def held_parameters(part: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters a model part holds, by their full-model name (wrapper prefixes removed)."""
+    from titanlike.models.common.init import canonical_fqn
+
+    return {canonical_fqn(name): p for name, p in part.named_parameters(remove_duplicate=False)}
+
+
+class TiedWeightSync:
+    """Keeps the pipeline copies of tied weights equal: after backward, each copy's gradient
+    becomes the sum over the copies (the gradient of the one tied parameter).
+
+    A copy lives on the first stage (the owner name, e.g. tok_embeddings.weight) and one on the last
+    (the alias, e.g. output.weight). On the same rank (V-shaped schedules put stage 0 and the last
+    stage on rank 0) they are summed locally; otherwise over a two-rank group of the first and the
+    last pipeline rank with the same position in every other mesh dimension. The copies are
+    sharded alike by FSDP/TP (same shape, same placements), so the local shards are summed
+    elementwise. `duplicates` names the copies that the gradient norm must not count twice.
+    """
+
+    def __init__(self, parts: list[nn.Module], layout: PipelineLayout, pp_mesh: DeviceMesh, world_mesh: DeviceMesh):
+        self.pairs: list[tuple[str, str]] = []
+        for part in parts:
+            self.pairs += list(getattr(part, "tied_weights", {}).items())
+        self.pairs = sorted(set(self.pairs))
+        held: dict[str, nn.Parameter] = {}
+        for part in parts:
+            held.update(held_parameters(part))
+        self.local = [(held[a], held[o]) for a, o in self.pairs if a in held and o in held and held[a] is not held[o]]
+        self.remote = [held[a] if a in held else held[o] for a, o in self.pairs
+                       if (a in held) != (o in held)]
+        # The last stage's copy is left out of the norm: after the sum it equals the first's.
+        self.duplicates = {id(held[a]) for a, _ in self.pairs if a in held}
+        self.group = _end_stage_group(layout, pp_mesh, world_mesh) if self.pairs else None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.local or self.remote)
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        # The local shards are summed elementwise, so each gradient must be laid out like its
+        # parameter first. Under TP without FSDP torch leaves the vocabulary-sharded embedding's
+        # gradient Replicate (a whole table); cutting it to the parameter's Shard(0) is local.
+        for param in [p for pair in self.local for p in pair] + self.remote:
+            _match_placements(param)
+        for alias, owner in self.local:
+            total = _local(alias.grad) + _local(owner.grad)
+            _local(alias.grad).copy_(total)
+            _local(owner.grad).copy_(total)
+        if self.remote and self.group is not None:
+            for param in self.remote:
+                dist.all_reduce(_local(param.grad), op=dist.ReduceOp.SUM, group=self.group)
+
+
+def _match_placements(param: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor
+
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _end_stage_group(layout: PipelineLayout, pp_mesh: DeviceMesh, world_mesh: DeviceMesh):
+    """This rank's process group of {pipeline rank holding stage 0, pipeline rank holding the last
+    stage}, at its own position in the other mesh dimensions; None when one rank holds both.
+    Every rank creates every such group (new_group is collective), in the same order."""
+    first = next(r for r in range(layout.pp) if 0 in layout.stages_of_rank(r))
+    last = next(r for r in range(layout.pp) if layout.num_stages - 1 in layout.stages_of_rank(r))
+    if first == last:
+        return None
+    ranks = world_mesh.mesh
+    pp_dim = world_mesh.mesh_dim_names.index("pp")
+    columns = ranks.movedim(pp_dim, 0).reshape(layout.pp, -1)  # column c: the pp group of position c
+    pairs = [[int(columns[first, c]), int(columns[last, c])] for c in range(columns.shape[1])]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group
 
 
 class _Stage(PipelineStage):
@@ -269,3 +375,51 @@ def build_schedule(
     sched = cls(first_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return PipelineRunner(sched, layout, stages)
 
+
+
+def validate_pipeline(p, *, model: str, n_layers: int, has_pipeline_ends: bool, local_batch_size: int,
+                      fsdp_enabled: bool, compile_blocks: bool, ac_mode: str, ac_option: str,
+                      validation_enabled: bool, validation_batch_size: int) -> None:
+    """The pipeline rules, before any process group: ValueError, one sentence naming the option.
+
+    p: the [parallelism] section; model: "name flavor" for messages.
+    """
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(message)
+
+    check(has_pipeline_ends, f"model {model.split()[0]} has no pipeline split rule, so pipeline_parallel_degree must be 1")
+    name = schedule_name(p.pipeline_parallel_schedule)
+    try:
+        layout = plan_layout(n_layers, p.pipeline_parallel_degree, name, p.pipeline_parallel_layers_per_stage)
+    except ValueError as e:
+        raise ValueError(f"{model}: {e}") from None
+    mbs = p.pipeline_parallel_microbatch_size
+    check(mbs >= 1, f"parallelism.pipeline_parallel_microbatch_size must be at least 1, got {mbs}")
+    check(local_batch_size % mbs == 0,
+          f"training.local_batch_size {local_batch_size} must be divisible by "
+          f"parallelism.pipeline_parallel_microbatch_size {mbs}, which cuts it into pipeline microbatches")
+    n_microbatches = local_batch_size // mbs
+    if validation_enabled:
+        check(name not in V_SCHEDULES,
+              f"validation.enable does not work with the {name} pipeline schedule (torch's V-shaped schedules "
+              "have no forward-only mode); use another schedule or disable validation")
+        check(validation_batch_size in (-1, local_batch_size),
+              "under pipeline parallelism validation.local_batch_size must equal training.local_batch_size "
+              "(the schedule runs a fixed number of microbatches)")
+    problem = microbatch_problem(name, n_microbatches, layout)
+    check(problem is None,
+          f"{problem}, but local_batch_size {local_batch_size} / pipeline_parallel_microbatch_size {mbs} "
+          f"gives {n_microbatches}")
+    if name in SPLIT_BACKWARD_SCHEDULES:
+        check(not (fsdp_enabled and p.fsdp_reshard_after_forward == "always"),
+              f"{name} computes weight gradients apart from input gradients, which gives wrong gradients "
+              f"with parameters resharded after forward, so it needs fsdp_reshard_after_forward default or never")
+        check(not compile_blocks,
+              f"{name} splits the backward of each stage, which torch does not support for compiled "
+              f"blocks, so it needs compile.enable off or compile.components without model")
+        check(not (ac_mode == "selective" and ac_option == "op"),
+              f"{name} runs two backward passes over each stage (input, then weight gradients), which op-level "
+              f"selective activation checkpointing forbids, so use activation_checkpoint.mode full or a "
+              f"block interval for selective_ac_option")

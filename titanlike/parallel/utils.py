@@ -10,25 +10,42 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters, max_norm: float, *, pp_mesh: DeviceMesh | None = None, foreach: bool | None = None
+    parameters, max_norm: float, *, pp_mesh: DeviceMesh | None = None, exclude: frozenset[int] = frozenset(),
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clip gradients to a total L2 norm over every parameter of every rank; return that norm.
 
-    With FSDP/TP the grads are DTensors and torch's norm is a DTensor whose
-    full_tensor() already reduces over their meshes. Pipeline stages hold
-    disjoint parameters, so their squared norms are summed over the pp mesh too.
+    With FSDP/TP the grads are DTensors whose norm's full_tensor() already reduces over their
+    mesh. Grads on different meshes (e.g. dense and expert parameters) cannot meet in one
+    DTensor op, so each mesh's squared norm is taken apart and the squares are added. Pipeline
+    stages hold disjoint parameters, so their squares are summed over the pp mesh too.
+    exclude: ids of parameters whose gradient is a copy of one counted elsewhere (the last
+    stage's copy of a tied embedding); they are clipped but not counted.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=foreach)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    params = [p for p in parameters if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if id(p) not in exclude:
+            by_mesh.setdefault(_mesh_of(p.grad), []).append(p.grad)
+    total = torch.zeros((), device=params[0].grad.device if params else "cpu")
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=foreach)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total = total + norm.float() ** 2
     if pp_mesh is not None:
-        total = total**2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
-        total = total.sqrt()
-    torch.nn.utils.clip_grads_with_norm_([p for p in parameters if p.grad is not None],
-                                         max_norm, total, foreach=foreach)
+    total = total.sqrt()
+    clip_by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        clip_by_mesh.setdefault(_mesh_of(p.grad), []).append(p)
+    for group in clip_by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total
+
+
+def _mesh_of(t: torch.Tensor):
+    return t.device_mesh if isinstance(t, DTensor) else None
 
 
 def sum_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:

@@ -29,11 +29,11 @@ from titanlike.models.registry import get_model_spec
 from titanlike.observe.metrics import MetricsLogger
 from titanlike.parallel.context import load_balanced_positions, shard_sequence
 from titanlike.parallel.parallel_dims import ParallelDims
-from titanlike.parallel.parallelize import parallelize_model
-from titanlike.parallel.pipeline import build_schedule, build_stage_modules, plan_layout
+from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.utils import clip_grad_norm_, sum_over
 from titanlike.train.evaluate import build_validation_data
-from titanlike.train.loss import IGNORE_INDEX, cross_entropy_sum
+from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss
+from titanlike.train.model_parts import build_model_parts, model_args_for_job
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("titanlike")
@@ -69,6 +69,11 @@ def init_distributed(cfg: JobConfig, world_size: int) -> torch.device:
         device = torch.device("cpu")
         backend = "gloo"
     if world_size > 1 and not dist.is_initialized():
+        from titanlike.parallel.timeouts import configure_flight_recorder
+
+        # Read when NCCL creates its communicators, so before the process group exists.
+        configure_flight_recorder(cfg.comm.trace_buf_size, dump_folder=(
+            os.path.join(cfg.job.dump_folder, "comm_traces") if torch.cuda.is_available() else None))
         # Create the default group ourselves: if the DeviceMesh creates it, the backend reads "undefined".
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.comm.init_timeout_seconds))
     return device
@@ -119,31 +124,18 @@ class Trainer:
 
         # Model: built on meta, parallelized, then materialized shard by shard.
         self.spec = get_model_spec(cfg.model.name)
-        self.model_args = dataclasses.replace(
-            self.spec.flavors[cfg.model.flavor], vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len
-        )
-        with torch.device("meta"):
-            model = self.spec.model_cls(self.model_args)
-        self.flops_per_token = model.num_flops_per_token(t.seq_len)
+        self.model_args = model_args_for_job(cfg, self.spec, self.tokenizer.vocab_size)
+        self.flops_per_token = self.model_args.flops_per_token(t.seq_len)
         if self.rank == 0:
             logger.info(
-                f"model {cfg.model.name} {cfg.model.flavor}: {model.num_params(exclude_embedding=False):,} "
+                f"model {cfg.model.name} {cfg.model.flavor}: {self.model_args.num_params():,} "
                 f"parameters, {self.flops_per_token:,.0f} training FLOPs per token"
             )
-        # Converters (float8, te) swap modules of the whole meta model, before any pipeline split.
-        self.converters = build_model_converters(cfg)
-        self.converters.convert(model)
         p = cfg.parallelism
-        parts, self.pp_layout = [model], None
-        if dims.pp_enabled:
-            # This rank's stages are cut out of the meta model first; each part then goes through
-            # the same parallelize and init as a whole model.
-            self.pp_layout = plan_layout(len(model.layers), dims.pp, p.pipeline_parallel_schedule,
-                                         p.pipeline_parallel_layers_per_stage)
-            parts = build_stage_modules(model, self.spec, self.pp_layout, dims.mesh("pp").get_local_rank())
+        self.converters = build_model_converters(cfg.model.converters, cfg.float8)
+        parts, self.pp_layout = build_model_parts(cfg, dims, self.spec, self.model_args, self.converters)
         self.model_parts = []
         for part in parts:
-            part = parallelize_model(part, self.spec, dims, cfg)
             part.to_empty(device=self.device)
             part.init_weights(seed=cfg.debug.seed, buffer_device=None)
             part.train()
@@ -168,11 +160,15 @@ class Trainer:
             cfg.model.attention_backend, self.device.type)
         if self.rank == 0:
             self._log_attention()
-        self.loss_fn = cross_entropy_sum
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_sum)
+        build_loss = self.spec.build_loss or (lambda job: build_cross_entropy_loss(
+            compile=job.compile.enable and "loss" in job.compile.components))
+        self.loss_fn = build_loss(cfg)
         self.pipeline = None
+        # Tied weights cut apart by the pipeline split: their copies' gradients are summed after backward.
+        self.tied = None
         if dims.pp_enabled:
+            tied = TiedWeightSync(self.model_parts, self.pp_layout, dims.mesh("pp"), dims.mesh("world"))
+            self.tied = tied if tied.active else None
             n_microbatches = t.local_batch_size // p.pipeline_parallel_microbatch_size
             self.pipeline = build_schedule(
                 self.model_parts, self.pp_layout, dims.mesh("pp"), self.device, schedule=p.pipeline_parallel_schedule,
@@ -204,15 +200,17 @@ class Trainer:
         return torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def _log_attention(self) -> None:
-        a, t = self.model_args, self.cfg.training
+        a, t = self.model_args.attention_shape(), self.cfg.training
         dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+        if a is None:
+            return
         if self.dims.cp_enabled:
             how = f"context parallel ({self.cfg.parallelism.context_parallel_rotate_method})"
         elif t.document_masking and self.mask_kernel == "flex":
             how = "FlexAttention with a document block mask"
         else:
             dense = t.document_masking
-            kernel = describe_sdpa_kernel(n_heads=a.n_heads, n_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+            kernel = describe_sdpa_kernel(n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                                           seq_len=t.seq_len, dtype=dtype, device=self.device, dense_mask=dense)
             how = f"SDPA {'with a dense document mask' if dense else 'causal'}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
@@ -282,8 +280,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for mb in microbatches:
             loss_sum += self._step_fn(mb, global_tokens)
+        if self.tied is not None:
+            self.tied.sync_gradients()
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"))
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"),
+                                    exclude=frozenset(self.tied.duplicates) if self.tied else frozenset())
         self.optimizer.step()
         self.converters.post_optimizer_step(self.model_parts)
         self.optimizer.zero_grad(set_to_none=True)
@@ -327,19 +328,31 @@ class Trainer:
                 f"training {steps} steps: global batch {self.global_batch_size} x seq "
                 f"{self.cfg.training.seq_len}, {self.grad_accum_steps} microbatch(es) per rank"
             )
-        while self.step < steps:
-            self.step += 1
-            lr = self.lr_scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step([next(data) for _ in range(self.grad_accum_steps)])
-            if not math.isfinite(loss):
-                raise TrainingError(f"the loss is {loss} at step {self.step}; training stopped")
-            losses.append(loss)
-            self.metrics.step_done()
-            if self.metrics.should_log(self.step, steps):
-                self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
-            if self.validation is not None and (self.step % self.cfg.validation.freq == 0 or self.step == steps):
-                self.metrics.log_validation(self.step, *self.validate())
-            self.checkpointer.save(self.step)
+        from titanlike.observe.profiler import Profiler
+        from titanlike.parallel.timeouts import set_train_timeout
+
+        p = self.cfg.profiling
+        profiler = Profiler(enabled=p.enable_profiling, freq=p.profile_freq, rank=self.rank, start_step=start,
+                            folder=os.path.join(self.cfg.job.dump_folder, p.save_traces_folder))
+        with profiler:
+            while self.step < steps:
+                self.step += 1
+                lr = self.lr_scheduler.get_last_lr()[0]
+                loss, grad_norm = self.train_step([next(data) for _ in range(self.grad_accum_steps)])
+                if not math.isfinite(loss):
+                    raise TrainingError(f"the loss is {loss} at step {self.step}; training stopped")
+                losses.append(loss)
+                self.metrics.step_done()
+                if self.metrics.should_log(self.step, steps):
+                    self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
+                if self.validation is not None and (self.step % self.cfg.validation.freq == 0 or self.step == steps):
+                    self.metrics.log_validation(self.step, *self.validate())
+                self.checkpointer.save(self.step)
+                if self.step == start + 1 and dist.is_initialized():
+                    # The first step (compilation, lazy init) is done: a hung collective now fails in
+                    # comm.train_timeout_seconds. The checkpoint's group keeps its long timeout.
+                    set_train_timeout(self.cfg.comm.train_timeout_seconds, keep=[self.checkpointer.process_group])
+                profiler.step()
         return losses
 
     def close(self) -> None:

@@ -21,7 +21,11 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+from titanlike.models.common.init import LinearInit, zeros_
+from titanlike.models.common.rope import apply_rotary_emb
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
@@ -123,11 +127,16 @@ def _flex_attention(q, k, v, block_mask):
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: DocumentMask | None = None) -> torch.Tensor:
+                   mask: DocumentMask | None = None, *, causal: bool = True) -> torch.Tensor:
     """Attention over (batch, heads, seq, head_dim); k/v may have fewer heads than q (GQA).
 
-    mask None is plain causal attention; a DocumentMask restricts it to each document.
+    mask None is plain causal attention (or full attention with causal=False); a DocumentMask
+    restricts causal attention to each document.
     """
+    if not causal:
+        if mask is not None:
+            raise ValueError("document masks are causal; bidirectional attention takes no DocumentMask")
+        return _sdpa(q, k, v)
     if mask is None:
         return _sdpa(q, k, v, is_causal=True)
     if mask.block_mask is not None:
@@ -144,6 +153,12 @@ def resolve_attention_backend(backend: str, device_type: str) -> str:
     if backend == "auto":
         return "flex" if device_type == "cuda" else "sdpa"
     return backend
+
+
+def validate_attention_backend(backend: str, *, cuda: bool) -> None:
+    if backend == "flex" and not cuda:
+        raise ValueError("model.attention_backend flex needs a CUDA GPU (FlexAttention has no backward on CPU); "
+                         "use auto or sdpa")
 
 
 def describe_sdpa_kernel(*, n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int,
@@ -166,3 +181,49 @@ def describe_sdpa_kernel(*, n_heads: int, n_kv_heads: int, head_dim: int, seq_le
         return SDPBackend(choice).name.lower()
     except Exception as err:  # a private torch API: report rather than fail the run
         return f"unknown ({type(err).__name__})"
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped-query k/v heads, optional biases and optional RoPE.
+
+    Projections wq, wk, wv (split by heads under tensor parallelism) and wo. `core_attention` is a
+    hook, not a fixed call, so that context parallelism can swap in attention across ranks without
+    touching this module. causal=False gives bidirectional attention (encoders).
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
+                 causal: bool = True):
+        super().__init__()
+        self.head_dim = head_dim
+        self.causal = causal
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.core_attention = core_attention
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None) -> torch.Tensor:
+        """rope: rotary angles (see apply_rotary_emb), None for models without rotary positions."""
+        bsz, seqlen, _ = x.shape
+        # -1 heads, not n_heads: under tensor parallelism this rank holds only its local heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if rope is not None:
+            q = apply_rotary_emb(q, rope)
+            k = apply_rotary_emb(k, rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.causal:
+            out = self.core_attention(q, k, v, mask)
+        else:  # only kernels that can attend both ways accept the keyword
+            out = self.core_attention(q, k, v, mask, causal=False)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
+        for name in ("wq", "wk", "wv"):
+            init.fill(getattr(self, name).weight, seed=seed, fqn=f"{prefix}{name}.weight")
+        init.fill(self.wo.weight, seed=seed, fqn=f"{prefix}wo.weight", output=True)
+        for name in ("wq", "wk", "wv", "wo"):
+            bias = getattr(self, name).bias
+            if bias is not None:
+                zeros_(bias)

@@ -21,6 +21,7 @@ They depend on the device type (CPU and CUDA generators differ), not on the devi
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -97,3 +98,23 @@ def ones_(param: torch.Tensor) -> torch.Tensor:
 
 def zeros_(param: torch.Tensor) -> torch.Tensor:
     return constant_(param, 0.0)
+
+
+@dataclass(frozen=True)
+class LinearInit:
+    """How a family draws the weights of its linear layers (biases start at zero).
+
+    std for projections that read the residual stream, out_std for those that write into it
+    (families scale these down with depth); truncated draws from a normal cut at +-2 (absolute,
+    as torch.nn.init and torchtitan), otherwise from a plain normal (GPT-2, Megatron).
+    """
+
+    std: float
+    out_std: float
+    truncated: bool = True
+
+    def fill(self, weight: torch.Tensor, *, seed: int, fqn: str, output: bool = False) -> torch.Tensor:
+        std = self.out_std if output else self.std
+        if self.truncated:
+            return trunc_normal_(weight, std=std, seed=seed, fqn=fqn)
+        return normal_(weight, std=std, seed=seed, fqn=fqn)

@@ -1,23 +1,15 @@
 """Llama 3 family: Llama 3.1 (8B, 70B, 405B), Llama 3.2 (1B, 3B) and small debug models.
 
 Hyper-parameters follow Meta's published params.json / Hugging Face config.json.
-vocab_size and max_seq_len of every flavor are placeholders the trainer overwrites
-(from the tokenizer and training.seq_len) with dataclasses.replace.
+vocab_size and max_seq_len of every flavor are placeholders the trainer overwrites (from the
+tokenizer and training.seq_len) through update_from_config; max_seq_len is the real context length.
 """
 
+from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.rope import RoPEScaling
 from titanlike.models.llama3 import hf_adapter
-from titanlike.models.llama3.model import (
-    Attention,
-    FeedForward,
-    Transformer,
-    TransformerBlock,
-    TransformerModelArgs,
-    num_params_from_args,
-)
-from titanlike.models.llama3.parallelize import apply_tensor_parallel
-from titanlike.models.llama3.pipeline import pipeline_stage
-from titanlike.models.registry import ModelSpec, register_model_spec
+from titanlike.models.llama3.model import Transformer, TransformerModelArgs
+from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
 LLAMA31_ROPE_SCALING = RoPEScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                    original_max_position_embeddings=8192)
@@ -73,21 +65,10 @@ register_model_spec(
         name="llama3",
         model_cls=Transformer,
         flavors=llama3_flavors,
-        tensor_parallel_plan=apply_tensor_parallel,
-        pipeline_stage=pipeline_stage,
+        tp_plan=decoder_tp_plan(mlp_inputs=("w1", "w3")),
+        pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf_adapter=hf_adapter,
     )
 )
 
-__all__ = [
-    "Attention",
-    "FeedForward",
-    "LLAMA31_ROPE_SCALING",
-    "LLAMA32_ROPE_SCALING",
-    "Transformer",
-    "TransformerBlock",
-    "apply_tensor_parallel",
-    "TransformerModelArgs",
-    "llama3_flavors",
-    "num_params_from_args",
-]
+__all__ = ["LLAMA31_ROPE_SCALING", "LLAMA32_ROPE_SCALING", "Transformer", "TransformerModelArgs", "llama3_flavors"]

@@ -1,0 +1,129 @@
+"""The model-args contract: everything generic code may ask a model family about its sizes.
+
+The trainer, validation, the checkpoint and Hugging Face code, and the estimator never read a
+family's fields (n_heads, ffn_hidden_dim, ...): they call these methods. A family's args are a
+dataclass deriving from BaseModelArgs; each answer is one formula, written once, in the family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+
+class LayoutDegrees(Protocol):
+    """The parallel degrees a family's rules may look at (ParallelDims satisfies this)."""
+
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Heads of a model's attention, for the kernel report and the CP/TP cost models."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    causal: bool = True
+
+
+@dataclass
+class BaseModelArgs:
+    """Base class of every family's model args (a dataclass of plain values, JSON-serialisable).
+
+    Subclasses set `hf_model_type` when they can be read from and written to Hugging Face
+    folders, and implement the methods that raise NotImplementedError.
+    """
+
+    # Hugging Face config.json "model_type" of this family (None: no HF interchange).
+    hf_model_type: ClassVar[str | None] = None
+
+    # Sizes set from the job ----------------------------------------------------------------------
+
+    def update_from_config(self, *, vocab_size: int, seq_len: int) -> BaseModelArgs:
+        """A copy sized for a job: the tokenizer's vocabulary and the training sequence length.
+
+        The default replaces `vocab_size` and `max_seq_len`; a family whose vocabulary is fixed
+        by its weights or whose context is not a field overrides it.
+        """
+        return dataclasses.replace(self, vocab_size=vocab_size, max_seq_len=seq_len)
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence this model can take (positions it has embeddings or angles for)."""
+        return self.max_seq_len  # type: ignore[attr-defined]
+
+    def with_context_len(self, context_len: int) -> BaseModelArgs:
+        """A copy whose context is `context_len` (sidecars record the flavor's real context)."""
+        return dataclasses.replace(self, max_seq_len=context_len)
+
+    # Counting ------------------------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the residual stream (what flows between blocks and pipeline stages)."""
+        return self.dim  # type: ignore[attr-defined]
+
+    @property
+    def num_layers(self) -> int:
+        """Entries of the model's `layers` (the unit of pipeline splitting and per-block wrapping)."""
+        return self.n_layers  # type: ignore[attr-defined]
+
+    def num_params(self, *, exclude_embedding: bool = False) -> int:
+        """Parameters of the whole model, tied weights once. exclude_embedding leaves out lookup
+        tables that do no matmul work (token and position embeddings; a table tied to the output
+        projection stays counted)."""
+        raise NotImplementedError
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward): 6 N + the attention term, N without embeddings.
+        The attention term counts the full T x T score matrix (attention counted non-causal)."""
+        raise NotImplementedError
+
+    def attention_shape(self) -> AttentionShape | None:
+        """The attention heads, or None for a model without attention."""
+        return None
+
+    # Rules -----------------------------------------------------------------------------------------
+
+    def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
+        """Raise ValueError (one sentence naming the option to change) when this model cannot run
+        under these degrees or at this sequence length. Called before any process group exists."""
+
+    # Hugging Face identity ------------------------------------------------------------------------
+
+    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict[str, Any]:
+        """config.json contents for transformers' class of this family."""
+        raise NotImplementedError(f"{type(self).__name__} has no Hugging Face config mapping")
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> BaseModelArgs:
+        """Args from a Hugging Face config.json (dict); ValueError when the config is unsupported."""
+        raise NotImplementedError(f"{cls.__name__} has no Hugging Face config mapping")
+
+    # Serialisation (checkpoint sidecars) -------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> BaseModelArgs:
+        """Args from to_dict's output; unknown fields are an error naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no field(s) {', '.join(unknown)}")
+        return cls(**fields)
+
+
+def check_divisible(count: int, what: str, degree: int, option: str) -> None:
+    """The usual family rule: `count` `what` must split evenly over `degree` ranks of `option`."""
+    if count % degree:
+        raise ValueError(f"{count} {what} are not divisible by {option} {degree}")
+
+
+__all__ = ["AttentionShape", "BaseModelArgs", "LayoutDegrees", "check_divisible"]

@@ -1,0 +1,36 @@
+"""The pre-norm transformer block: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from titanlike.models.common.attention import DocumentMask
+from titanlike.models.common.init import LinearInit
+from titanlike.models.common.norms import init_norm
+
+
+class TransformerBlock(nn.Module):
+    """One decoder (or encoder) layer. The submodule names (attention_norm, attention, ffn_norm,
+    feed_forward) are the ones the tensor-parallel plans and checkpoints refer to."""
+
+    def __init__(self, layer_id: int, *, attention: nn.Module, feed_forward: nn.Module,
+                 attention_norm: nn.Module, ffn_norm: nn.Module, init: LinearInit):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = attention_norm
+        self.attention = attention
+        self.ffn_norm = ffn_norm
+        self.feed_forward = feed_forward
+        self.init = init
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None) -> torch.Tensor:
+        """rope: rotary angles for attention (None for models with learned or no positions)."""
+        h = x + self.attention(self.attention_norm(x), rope, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, *, seed: int, prefix: str) -> None:
+        init_norm(self.attention_norm)
+        init_norm(self.ffn_norm)
+        self.attention.init_weights(self.init, seed=seed, prefix=f"{prefix}attention.")
+        self.feed_forward.init_weights(self.init, seed=seed, prefix=f"{prefix}feed_forward.")

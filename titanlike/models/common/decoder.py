@@ -1,0 +1,197 @@
+"""The decoder-only language model skeleton shared by the families built from transformer blocks.
+
+tokens -> token embeddings (+ a family's position encoding) -> blocks -> final norm -> output
+projection. A family subclasses DecoderArgs with its own fields and formulas and Decoder with
+its block, its norm, its position encoding and its initialization; everything else (tied
+embeddings, pipeline-stage ends, the forward loop) lives here once.
+
+Pipeline stages are deep copies of the meta model with `tok_embeddings` (and a family's other
+input ends), `norm` and `output` set to None and entries of `layers` deleted: a stage without
+embeddings takes hidden states (batch, seq, dim), a stage without output returns them.
+`layers` is keyed by the original layer index so parameter names stay stable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, check_divisible
+from titanlike.models.common.attention import DocumentMask
+from titanlike.models.common.norms import init_norm
+
+
+@dataclass
+class DecoderArgs(BaseModelArgs):
+    """The sizes every decoder family has; families add their own fields after these."""
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: as many key/value heads as query heads (no GQA)
+    vocab_size: int = 128256
+    max_seq_len: int = 131072
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.num_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def attention_shape(self) -> AttentionShape:
+        return AttentionShape(self.n_heads, self.num_kv_heads, self.head_dim)
+
+    def attention_params(self, *, bias: bool = False) -> int:
+        """Parameters of one attention module (wq, wk, wv, wo)."""
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        weights = self.dim * q_dim + 2 * self.dim * kv_dim + q_dim * self.dim
+        return weights + ((q_dim + 2 * kv_dim + self.dim) if bias else 0)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """6 N + 12 L H Q T: N parameters without embeddings, L layers, H heads, Q head_dim,
+        T = seq_len; the attention term counts the full T x T scores (non-causal)."""
+        n = self.num_params(exclude_embedding=True)
+        return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+    def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
+        # A head cannot be split across tensor-parallel ranks.
+        check_divisible(self.n_heads, "attention heads", dims.tp, "tensor_parallel_degree")
+        check_divisible(self.num_kv_heads, "key/value heads", dims.tp, "tensor_parallel_degree")
+
+
+class Decoder(nn.Module):
+    """The skeleton; subclasses implement build_block and may override the hooks below."""
+
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        self.model_args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
+        self.norm: nn.Module | None = self.build_norm()
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # {alias: owner}: names of one Parameter under two names. Generic code (pipeline split,
+        # checkpoints, gradient sync) reads this, not the tie flag.
+        self.tied_weights: dict[str, str] = (
+            {"output.weight": "tok_embeddings.weight"} if args.tie_word_embeddings else {})
+        self.tie_weights()
+
+    # Family hooks -----------------------------------------------------------------------------
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        raise NotImplementedError
+
+    def build_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Input embeddings of `tokens`; families with learned positions add them here."""
+        return self.tok_embeddings(tokens)
+
+    def rotary_angles(self, positions: torch.Tensor | None) -> torch.Tensor | None:
+        """What every block's attention gets as `rope` (None: no rotary positions)."""
+        return None
+
+    def init_embeddings(self, *, seed: int) -> None:
+        """Initialize the input and output ends this module holds (tok_embeddings, output, ...)."""
+        raise NotImplementedError
+
+    def init_buffers(self, buffer_device: torch.device | str | None) -> None:
+        """Rebuild non-persistent buffers after to_empty (e.g. a RoPE table)."""
+
+    # Shared machinery -------------------------------------------------------------------------
+
+    def tie_weights(self) -> None:
+        """Make every alias in tied_weights the same Parameter as its owner, where both exist here."""
+        for alias, owner in self.tied_weights.items():
+            alias_module, alias_attr = _parent(self, alias)
+            owner_module, owner_attr = _parent(self, owner)
+            if alias_module is None or owner_module is None:
+                continue  # a pipeline stage holding one end only
+            shared = getattr(owner_module, owner_attr)
+            if getattr(alias_module, alias_attr) is not shared:
+                setattr(alias_module, alias_attr, shared)
+
+    def _apply(self, fn, recurse=True):
+        # to_empty (meta -> real device) creates a new Parameter per module, which silently unties
+        # shared weights; tie them again. FSDP2's _apply wraps this one and then re-registers the
+        # (now shared) sharded parameter.
+        ret = super()._apply(fn, recurse)
+        self.tie_weights()
+        return ret
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        """positions: each token's position, (seq,) or per sample (batch, seq), when it is not
+        0..seq-1 (a context-parallel slice, positions restarting per document); None means
+        0..seq-1. mask: attend within documents only (None: plain causal)."""
+        h = self.embed(tokens, positions) if self.tok_embeddings is not None else tokens
+        rope = self.rotary_angles(positions)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
+        """Initialize every parameter as a function of (seed, its name, model args) only.
+
+        Works on whatever this module holds after parallelization and `to_empty`: a subset of
+        layers, DTensor shards, wrapped submodules. buffer_device is where non-persistent buffers
+        are rebuilt (default: where they already live).
+        """
+        self.init_buffers(buffer_device)
+        self.init_embeddings(seed=seed)
+        for key, layer in self.layers.items():
+            layer.init_weights(seed=seed, prefix=f"layers.{key}.")
+        if self.norm is not None:
+            init_norm(self.norm)
+
+
+def _parent(root: nn.Module, fqn: str) -> tuple[nn.Module | None, str]:
+    """(module holding the parameter `fqn`, attribute name), or (None, name) where a module on the
+    path is absent (set to None by a pipeline split)."""
+    path, _, attr = fqn.rpartition(".")
+    module = root
+    for part in path.split(".") if path else ():
+        module = getattr(module, part, None)
+        if module is None:
+            return None, attr
+    return module, attr
+
+
+
+
+
+def decoder_tp_plan(*, mlp_inputs: tuple[str, ...] = ("w1",), position_embeddings: tuple[str, ...] = ()):
+    """The tensor-parallel table of a Decoder built from common blocks: attention split by heads,
+    the MLP by hidden units (mlp_inputs read the block's input, w2 writes back), norms sequence
+    parallel, the vocabulary split in the embedding and the output projection."""
+    from titanlike.parallel.tensor_parallel import TensorParallelPlan
+
+    top = {"tok_embeddings": "vocab_embedding", **{name: "position_embedding" for name in position_embeddings},
+           "norm": "sequence_norm", "output": "vocab_output"}
+    block = {
+        "attention_norm": "sequence_norm",
+        "attention": "gather_input",
+        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
+        "attention.wo": "rowwise",
+        "ffn_norm": "sequence_norm",
+        "feed_forward": "gather_input",
+        **{f"feed_forward.{name}": "colwise" for name in mlp_inputs},
+        "feed_forward.w2": "rowwise",
+    }
+    return TensorParallelPlan(top=top, block=block)
+
+__all__ = ["Decoder", "DecoderArgs", "decoder_tp_plan"]

@@ -1,0 +1,199 @@
+"""Tensor + sequence parallelism (Megatron-style) from a family's declarative plan.
+
+A family's plan is a table of module names and style names (TensorParallelPlan): one table for
+the top-level modules (embeddings, final norm, output projection) and one for the modules of
+every block. This module turns style names into torch's ParallelStyles:
+
+  vocab_embedding     rows (the vocabulary) split over ranks; each rank looks up its rows and the
+                      partial sums are reduced straight into the layout between blocks
+  position_embedding  a learned position table, replicated; its output is cut to this rank's
+                      slice of the sequence (no communication)
+  colwise             a linear split by output features (attention heads, MLP hidden units)
+  rowwise             a linear split by input features, its output reduced into the layout
+                      between blocks
+  sequence_norm       a norm between the parallel regions, run on this rank's slice of the
+                      sequence (sequence parallelism)
+  gather_input        a module whose first input is all-gathered from sequence slices on entry
+                      (attention and the MLP need the whole sequence)
+  vocab_output        the output projection split by vocabulary; with loss parallel its logits
+                      stay sharded (Shard(-1)) for a vocabulary-parallel cross-entropy
+
+With sequence parallelism the activations between the parallel regions stay sharded along the
+sequence (Shard(1)), which turns each all-reduce into a reduce-scatter + all-gather pair and
+divides norm and residual activation memory by the TP degree.
+
+Linears the float8 converter swapped (tensorwise recipe) get torchao's float8 styles, so
+activations are cast to float8 before their all-gathers and output gradients before theirs in
+backward; plain linears and the rowwise recipe keep the high-precision styles (as torchtitan).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+STYLES = ("vocab_embedding", "position_embedding", "colwise", "rowwise", "sequence_norm", "gather_input",
+          "vocab_output")
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Module name -> style name, for the top-level modules and for the modules of every block
+    (`model.layers`). Top-level modules a pipeline stage does not hold are skipped."""
+
+    top: dict[str, str] = field(default_factory=dict)
+    block: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, style in {**self.top, **self.block}.items():
+            if style not in STYLES:
+                raise ValueError(f"tensor-parallel plan: {name!r} has unknown style {style!r}; known: {STYLES}")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, *,
+                          loss_parallel: bool, sequence_parallel: bool = True) -> None:
+    """Shard `model` (a whole model or a pipeline stage of one) over the 1-D tp_mesh in place.
+
+    With loss_parallel the logits stay sharded over the vocabulary as a DTensor (Shard(-1));
+    compute the loss inside torch.distributed.tensor.parallel.loss_parallel(). Otherwise they
+    are gathered into a plain replicated tensor. With sequence_parallel the sequence length must
+    be divisible by the TP degree.
+    """
+    between = Shard(1) if sequence_parallel else Replicate()
+    styles = _Styles(between, loss_parallel, sequence_parallel)
+    top = {name: styles.build(style, model, name, plan.top)
+           for name, style in plan.top.items() if _present(model, name)}
+    top = {name: style for name, style in top.items() if style is not None}
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        block_plan = {name: styles.build(style, block, name, plan.block) for name, style in plan.block.items()}
+        parallelize_module(block, tp_mesh, {n: s for n, s in block_plan.items() if s is not None})
+    # parallelize_module replaced tied weights (embedding and output) by two separate DTensors
+    # of the same layout; make them one parameter again.
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def validate_tensor_parallel(*, tp: int, seq_len: int, has_plan: bool, model: str, async_tp: bool,
+                             compile_blocks: bool, cuda: bool) -> None:
+    """The TP rules that are not a family's (its head counts are): ValueError, one sentence."""
+    if async_tp:
+        if tp <= 1:
+            raise ValueError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
+        if not compile_blocks:
+            raise ValueError("parallelism.enable_async_tensor_parallel works through torch.compile: "
+                             "also set compile.enable with the model component")
+        if not cuda:
+            raise ValueError("parallelism.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
+                             "this machine has none")
+    if tp <= 1:
+        return
+    if not has_plan:
+        raise ValueError(f"model {model} has no tensor-parallel plan, so tensor_parallel_degree must be 1")
+    # Sequence parallelism shards the residual stream along the sequence between blocks.
+    if seq_len % tp:
+        raise ValueError(f"training.seq_len {seq_len} must be divisible by tensor_parallel_degree {tp} "
+                         "(sequence parallelism splits the sequence)")
+
+
+def _present(model: nn.Module, name: str) -> bool:
+    module = model
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return False
+    return True
+
+
+class _Styles:
+    """Style names -> ParallelStyle objects, float8-aware."""
+
+    def __init__(self, between, loss_parallel: bool, sequence_parallel: bool):
+        self.between, self.loss_parallel, self.sequence_parallel = between, loss_parallel, sequence_parallel
+
+    def build(self, style: str, root: nn.Module, name: str, table: dict[str, str]) -> ParallelStyle | None:
+        module = root.get_submodule(name)
+        if style == "vocab_embedding":
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=self.between)
+        if style == "position_embedding":
+            return ReplicatedPositionEmbedding(output_layout=self.between)
+        if style == "colwise":
+            return (_float8_styles()[0] if _is_float8(module) else ColwiseParallel)()
+        if style == "rowwise":
+            return (_float8_styles()[1] if _is_float8(module) else RowwiseParallel)(output_layouts=self.between)
+        if style == "sequence_norm":
+            return SequenceParallel() if self.sequence_parallel else None
+        if style == "gather_input":
+            if not self.sequence_parallel:
+                return None
+            # The other inputs (RoPE angles, document mask) are plain values left alone.
+            n_inputs = _positional_inputs(module)
+            layouts = dict(input_layouts=(Shard(1),) + (None,) * (n_inputs - 1),
+                           desired_input_layouts=(Replicate(),) + (None,) * (n_inputs - 1))
+            # The linears that read this input: the plan's colwise entries under this module.
+            readers = [n[len(name) + 1:] for n, s in table.items() if s == "colwise" and n.startswith(f"{name}.")]
+            if readers and all(_is_float8(module.get_submodule(r)) for r in readers):
+                return _float8_styles()[2](fwd_config_submodule_fqn=readers[0], **layouts)
+            return PrepareModuleInput(**layouts)
+        if style == "vocab_output":
+            return ColwiseParallel(input_layouts=self.between,
+                                   output_layouts=Shard(-1) if self.loss_parallel else Replicate(),
+                                   use_local_output=not self.loss_parallel)
+        raise ValueError(f"unknown tensor-parallel style {style!r}")
+
+
+def _positional_inputs(module: nn.Module) -> int:
+    params = inspect.signature(module.forward).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+class ReplicatedPositionEmbedding(ParallelStyle):
+    """A learned position table kept whole on every TP rank (as Megatron does: it is small), whose
+    output (batch or 1, seq, dim) is cut to this rank's sequence slice to match the token
+    embeddings' reduce-scattered output. The backward of the cut all-gathers the gradient, so every
+    rank's table gets the full, identical gradient."""
+
+    def __init__(self, *, output_layout):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_params(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def inputs_as_dtensor(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        def output_slice(mod, output, mesh):
+            return output.redistribute(placements=[self.output_layout]).to_local()
+
+        return distribute_module(module, device_mesh, replicate_params, inputs_as_dtensor, output_slice)
+
+
+def _is_float8(module: nn.Module) -> bool:
+    from titanlike.models.converters import is_float8_tensorwise_linear
+
+    return is_float8_tensorwise_linear(module)
+
+
+def _float8_styles():
+    from titanlike.models.converters import float8_tensor_parallel_styles
+
+    return float8_tensor_parallel_styles()
+
+
+__all__ = ["STYLES", "ReplicatedPositionEmbedding", "TensorParallelPlan", "apply_tensor_parallel"]

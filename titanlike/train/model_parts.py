@@ -1,0 +1,63 @@
+"""Model assembly shared by the trainer and the memory estimator: args -> meta model -> converters
+-> pipeline split -> parallelize, so the estimator traces exactly what the trainer builds.
+
+The parts stay on the meta device; the caller materializes them (the trainer on its device with
+init_weights, the estimator under FakeTensorMode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from titanlike.config.schema import JobConfig
+from titanlike.models.args import BaseModelArgs
+from titanlike.models.converters import ModelConverters
+from titanlike.models.registry import ModelSpec
+from titanlike.parallel.parallel_dims import ParallelDims
+from titanlike.parallel.parallelize import ParallelizeOptions, parallelize_model
+from titanlike.parallel.pipeline import PipelineLayout, build_stage_modules, plan_layout
+
+
+def model_args_for_job(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> BaseModelArgs:
+    """The flavor's args sized for this job (the tokenizer's vocabulary, training.seq_len)."""
+    return spec.flavors[cfg.model.flavor].update_from_config(vocab_size=vocab_size, seq_len=cfg.training.seq_len)
+
+
+def parallelize_options(cfg: JobConfig, dims: ParallelDims) -> ParallelizeOptions:
+    p, ac, t = cfg.parallelism, cfg.activation_checkpoint, cfg.training
+    return ParallelizeOptions(
+        loss_parallel=not p.disable_loss_parallel,
+        async_tensor_parallel=p.enable_async_tensor_parallel,
+        context_parallel_rotate_method=p.context_parallel_rotate_method,
+        activation_checkpoint_mode=ac.mode,
+        selective_ac_option=ac.selective_ac_option,
+        compile_blocks=cfg.compile.enable and "model" in cfg.compile.components,
+        param_dtype=t.mixed_precision_param,
+        reduce_dtype=t.mixed_precision_reduce,
+        fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+    )
+
+
+def pipeline_layout(cfg: JobConfig, dims: ParallelDims, args: BaseModelArgs) -> PipelineLayout | None:
+    if not dims.pp_enabled:
+        return None
+    p = cfg.parallelism
+    return plan_layout(args.num_layers, dims.pp, p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage)
+
+
+def build_model_parts(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: BaseModelArgs,
+                      converters: ModelConverters) -> tuple[list[nn.Module], PipelineLayout | None]:
+    """This rank's model parts (one, or one per pipeline stage it holds), parallelized, on meta."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    # Converters (float8, te) swap modules of the whole meta model, before any pipeline split.
+    converters.convert(model)
+    layout = pipeline_layout(cfg, dims, args)
+    parts = [model]
+    if layout is not None:
+        # This rank's stages are cut out of the meta model first; each part then goes through the
+        # same parallelize as a whole model.
+        parts = build_stage_modules(model, spec, layout, dims.mesh("pp").get_local_rank())
+    opts = parallelize_options(cfg, dims)
+    return [parallelize_model(part, spec.tp_plan, dims, opts) for part in parts], layout

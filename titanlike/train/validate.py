@@ -1,0 +1,105 @@
+"""Validate a whole job before any process group exists: the config's own rules, then each rule
+where it lives (the layout's in ParallelDims, the family's in its args, the pipeline's, the
+converters', the checkpoint manager's, the data's), in the order a user meets them.
+
+Every failure is one ConfigError sentence naming the option and what would make it valid.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from titanlike.config.loader import ConfigError
+from titanlike.config.schema import JobConfig
+from titanlike.config.validate import NOT_YET, validate_values
+from titanlike.parallel.parallel_dims import ParallelDims
+
+
+def resolve_parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
+    p = cfg.parallelism
+    try:
+        return ParallelDims.resolve(
+            world_size=world_size,
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            ep=p.expert_parallel_degree,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """Check the whole job; returns the resolved ParallelDims."""
+    dims = resolve_parallel_dims(cfg, world_size)
+    try:
+        _validate(cfg, dims)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return dims
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
+    from titanlike.checkpoint.manager import validate_checkpoint_config
+    from titanlike.data.loader import validate_dataset
+    from titanlike.models.common.attention import validate_attention_backend
+    from titanlike.models.converters import validate_converters
+    from titanlike.models.registry import get_model_spec, model_names
+    from titanlike.parallel.context import validate_context_parallel
+    from titanlike.parallel.pipeline import validate_pipeline
+    from titanlike.parallel.tensor_parallel import validate_tensor_parallel
+
+    p, t = cfg.parallelism, cfg.training
+    cuda = torch.cuda.is_available()
+    compile_blocks = cfg.compile.enable and "model" in cfg.compile.components
+    _check(not dims.ep_enabled, f"expert parallelism (parallelism.expert_parallel_degree) {NOT_YET}")
+    validate_values(cfg)
+    validate_converters(cfg.model.converters, cfg.float8, tp=dims.tp)
+    validate_attention_backend(cfg.model.attention_backend, cuda=cuda)
+
+    # The model and its family's own rules.
+    _check(cfg.model.name in model_names(),
+           f"model.name {cfg.model.name!r} is unknown; known models: {', '.join(model_names())}")
+    spec = get_model_spec(cfg.model.name)
+    _check(cfg.model.flavor in spec.flavors,
+           f"model.flavor {cfg.model.flavor!r} is unknown for {cfg.model.name}; "
+           f"known flavors: {', '.join(spec.flavors)}")
+    if cfg.model.tokenizer_path:
+        _check(os.path.isfile(cfg.model.tokenizer_path), f"model.tokenizer_path {cfg.model.tokenizer_path} does not exist")
+    model = f"{cfg.model.name} {cfg.model.flavor}"
+    args = spec.flavors[cfg.model.flavor]
+    try:
+        args.validate(dims, seq_len=t.seq_len)
+    except ValueError as e:
+        raise ConfigError(f"{model}: {e}") from None
+
+    # Layout.
+    validate_tensor_parallel(tp=dims.tp, seq_len=t.seq_len, has_plan=spec.tp_plan is not None, model=cfg.model.name,
+                             async_tp=p.enable_async_tensor_parallel, compile_blocks=compile_blocks, cuda=cuda)
+    if dims.cp_enabled:
+        validate_context_parallel(t.seq_len, dims.cp, dims.tp)
+    per_pass = t.local_batch_size * dims.dp_degree
+    if t.global_batch_size != -1:
+        _check(t.global_batch_size >= 1 and t.global_batch_size % per_pass == 0,
+               f"training.global_batch_size {t.global_batch_size} must be a positive multiple of "
+               f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp_degree} = {per_pass}")
+    validate_dataset(t.dataset, t.dataset_path)
+    if dims.pp_enabled:
+        ac = cfg.activation_checkpoint
+        validate_pipeline(p, model=model, n_layers=args.num_layers, has_pipeline_ends=spec.pipeline_ends is not None,
+                          local_batch_size=t.local_batch_size, fsdp_enabled=dims.fsdp_enabled,
+                          compile_blocks=compile_blocks, ac_mode=ac.mode, ac_option=ac.selective_ac_option,
+                          validation_enabled=cfg.validation.enable,
+                          validation_batch_size=cfg.validation.local_batch_size)
+    validate_checkpoint_config(cfg.checkpoint, spec)
