@@ -16,6 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     from titanlike.train.validate import validate_config
 
     rank = int(os.environ.get("RANK", 0))
+    from titanlike.train.faults import set_parent_death_signal, under_torchrun
+
+    if under_torchrun():
+        # A rank whose launcher dies (even SIGKILLed) gets SIGTERM: it saves and exits instead of
+        # training on as an orphan. Not for a plain `python train.py`, which may outlive its shell.
+        set_parent_death_signal()
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format="[titanlike] %(asctime)s %(message)s",
@@ -23,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cfg = load_job_config(argv)
-        dims = validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        dims = validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), check_memory=True)
     except HelpRequested as h:
         print(h)
         return 0
@@ -34,9 +40,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from titanlike.checkpoint import CheckpointError
+    from titanlike.data import DataError
     from titanlike.train.trainer import Trainer, TrainingError
 
-    trainer = Trainer(cfg, dims)
+    try:
+        trainer = Trainer(cfg, dims)
+    except DataError as e:
+        # The data the job names cannot be read or used (found while building the loaders); every
+        # rank builds the same data, so every rank fails alike.
+        if rank == 0:
+            print(f"data error: {e}", file=sys.stderr)
+        _shutdown_process_group()
+        return 2
+    except TrainingError as e:
+        # Raised by every rank together (job.dump_folder is in use by another job).
+        if rank == 0:
+            print(f"training error: {e}", file=sys.stderr)
+        _shutdown_process_group()
+        return 1
     try:
         trainer.train()
     except (TrainingError, CheckpointError) as e:
@@ -45,7 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         trainer.close()
+    # A stop on SIGTERM / SIGUSR1 also ends here, after its checkpoint was saved: exit 0.
     return 0
+
+
+def _shutdown_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,18 @@ if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
     RDZV_ENDPOINT="$head:29500"
 fi
 JOB_ID=${JOB_ID:-${SLURM_JOB_ID:-titanlike}}
+# Stopping early (titanlike/train/faults.py): on SIGTERM or SIGUSR1 every rank finishes its step,
+# saves a full checkpoint and exits 0; relaunching the same command resumes from it.
+# - SIGTERM sent to torchrun (Kubernetes, scancel) is forwarded by torchrun to the ranks, which it
+#   SIGKILLs after its shutdown timeout: TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torch >= 2.12; older
+#   versions always wait 30 s) must cover one step plus one full save. torchrun then exits 1 even
+#   though the ranks saved and exited 0.
+# - SIGUSR1 is ignored by this shell and by torchrun (an ignored signal stays ignored across exec and
+#   in the ranks until they install their handler), so a SIGUSR1 sent to every process of the job
+#   (scripts/slurm_train.sbatch) is acted on by the ranks alone, and torchrun exits 0 after them.
+# - If torchrun itself dies (even SIGKILL), its ranks get SIGTERM from the kernel (PR_SET_PDEATHSIG).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
+trap '' USR1
 exec python3 -m torch.distributed.run \
     --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" \
     --rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "$JOB_ID" \

@@ -10,9 +10,10 @@ byte-compatible with Megatron's: Megatron-LM can train on them and we can train 
 
 Differences from Megatron, on purpose:
 * a malformed line (bad JSON, missing key, value neither a string nor a list of strings) is
-  counted, reported at the end and skipped, never fatal;
+  counted, reported at the end and skipped; but an input with no valid line (empty, or every
+  line malformed) or no token under a key is an error that writes nothing;
 * outputs appear atomically (temporary names renamed at the end); a failed run leaves no
-  half-written `.bin`/`.idx`;
+  half-written `.bin`/`.idx` and says "wrote" for nothing;
 * tokenizer flags other than `--tokenizer-model` are accepted and ignored: the tokenizer is
   whatever `titanlike.data.tokenizer.build_tokenizer(--tokenizer-model)` loads.
 """
@@ -34,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from titanlike.data.errors import DataError  # noqa: E402
 from titanlike.data.indexed import (  # noqa: E402
     IndexedDatasetWriter,
     data_file_path,
@@ -213,6 +215,26 @@ class _Progress:
             print(self.line(docs, tokens, nbytes), file=self.stream, flush=True)
 
 
+def _check_usable(input_path: str, json_keys: list[str], lines: int, docs: int,
+                  key_tokens: dict[str, int], bad_total: dict[str, int],
+                  bad_examples: list[tuple[int, str]]) -> None:
+    """DataError (one sentence) for an input that would give an empty dataset; the caller then
+    removes the temporary outputs, so nothing is published."""
+    if lines == 0:
+        raise DataError(f"input {input_path} is empty: no line to tokenize, nothing written")
+    keys = ", ".join(repr(k) for k in json_keys)
+    if docs == 0:
+        detail = ", ".join(f"{k}={v}" for k, v in bad_total.items() if v)
+        first = ", ".join(f"line {n}: {k}" for n, k in bad_examples[:3])
+        raise DataError(f"no valid line in {input_path}: all {lines} lines are malformed ({detail}; first: "
+                        f"{first}), nothing written; each line must be a JSON object with the key(s) {keys} "
+                        "(--json-keys) holding text")
+    empty = [k for k, n in key_tokens.items() if n == 0]
+    if empty:
+        raise DataError(f"the {docs} valid lines of {input_path} hold no token under "
+                        f"{', '.join(repr(k) for k in empty)} (every document is empty), nothing written")
+
+
 def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
@@ -239,7 +261,8 @@ def preprocess(input_path: str, output_prefix: str, *, json_keys=("text",),
 
     prefixes = {k: output_prefix_for(output_prefix, k) for k in json_keys}
     writers = {k: IndexedDatasetWriter(p, dtype) for k, p in prefixes.items()}
-    docs = tokens = nbytes = 0
+    docs = tokens = nbytes = lines = 0
+    key_tokens = {k: 0 for k in json_keys}
     bad_total = {kind: 0 for kind in MALFORMED_KINDS}
     bad_examples: list[tuple[int, str]] = []
     progress = _Progress(log_interval, stream)
@@ -250,6 +273,8 @@ def preprocess(input_path: str, output_prefix: str, *, json_keys=("text",),
                     _encode_chunk, _chunks(f, chunk_lines), workers, initargs):
                 for k, (tok_bytes, lens, per_doc) in result.items():
                     writers[k].add_encoded(tok_bytes, lens, per_doc)
+                    key_tokens[k] += len(tok_bytes) // dtype.itemsize
+                lines += n_lines
                 docs += n_lines - len(bad)
                 tokens += len(result[json_keys[0]][0]) // dtype.itemsize
                 nbytes += n_bytes
@@ -258,6 +283,7 @@ def preprocess(input_path: str, output_prefix: str, *, json_keys=("text",),
                     if len(bad_examples) < 10:
                         bad_examples.append((lineno, kind))
                 progress.tick(docs, tokens, nbytes)
+        _check_usable(input_path, json_keys, lines, docs, key_tokens, bad_total, bad_examples)
         for w in writers.values():
             w.finalize()
     except BaseException:
@@ -334,9 +360,9 @@ def main(argv: list[str] | None = None, tokenizer_loader: Callable = load_tokeni
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    # Every line malformed almost always means wrong --json-keys: the (empty) outputs are
-    # written, but a non-zero status lets a pipeline notice.
-    return 0 if summary["documents"] or not summary["malformed"] else 1
+    # An input with nothing usable (empty, every line malformed: usually the wrong --json-keys)
+    # raised above and wrote nothing.
+    return 0 if summary["documents"] else 1
 
 
 if __name__ == "__main__":

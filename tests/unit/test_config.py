@@ -148,6 +148,7 @@ def test_help_lists_every_option_with_default_and_doc():
          "selective_ac_option must be 'op' or a positive integer"),
         (["--compile.components", "model,optimizer"], 1, "may only contain model and loss"),
         (["--metrics.log_freq", "0"], 1, "log_freq must be at least 1"),
+        (["--training.skip_nonfinite_steps", "-1"], 1, "training.skip_nonfinite_steps must be 0 (stop on the first)"),
         (["--comm.train_timeout_seconds", "0"], 1, "comm.train_timeout_seconds must be at least 1, got 0"),
         (["--comm.trace_buf_size", "-1"], 1, "comm.trace_buf_size must be 0 (no flight recorder) or more"),
     ],
@@ -188,3 +189,72 @@ def test_valid_layouts_resolve():
 def test_presets_parse(preset):
     cfg = load_job_config(["--job.config_file", f"train_configs/{preset}.toml"])
     assert cfg.model.name == "llama3"
+
+
+# ---------------------------------------------------------------- seq_len within the model's context
+
+
+def test_seq_len_beyond_the_flavor_context_is_refused():
+    # The flavor's max_seq_len is its real context; update_from_config later replaces it with
+    # training.seq_len, so the rule reads the flavor's args (DecoderArgs.validate, shared by families).
+    cfg = load_job_config(["--training.seq_len", "4096"])
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, world_size=1)
+    assert str(err.value) == ("llama3 debugmodel: training.seq_len 4096 exceeds the model's context of 2048 "
+                              "positions; set training.seq_len to at most 2048")
+    validate_config(load_job_config(["--training.seq_len", "2048"]), world_size=1)
+    validate_config(load_job_config(["--model.flavor", "8B", "--training.seq_len", "131072"]), world_size=1)
+    with pytest.raises(ConfigError, match="llama3 8B: training.seq_len 131073 exceeds the model's context of 131072"):
+        validate_config(load_job_config(["--model.flavor", "8B", "--training.seq_len", "131073"]), world_size=1)
+
+
+# ---------------------------------------------------------------- data paths at validation time
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--training.dataset_path", "corpus.txt"],
+     "training.dataset_path is only read by the text, huggingface and megatron datasets; the default dataset is "
+     "the embedded corpus"),
+    (["--training.dataset", "text", "--training.dataset_path", "{tmp}/empty"],
+     "training.dataset_path: no .txt, .txt.gz, .jsonl, .jsonl.gz files under directory '{tmp}/empty'"),
+    (["--training.dataset", "text", "--training.dataset_path", "{tmp}/bad.jsonl"],
+     "training.dataset_path: {tmp}/bad.jsonl holds no usable document: 2 of its 2 lines are not JSON objects"),
+    (["--validation.enable", "--validation.dataset", "text", "--validation.dataset_path", "{tmp}/empty",
+      "--validation.steps", "1"],
+     "validation.dataset_path: no .txt, .txt.gz, .jsonl, .jsonl.gz files under directory"),
+])
+def test_unusable_data_paths_are_config_errors(tmp_path, argv, fragment):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.jsonl").write_text('{"content": "wrong key"}\nnot json\n')
+    cfg = load_job_config([a.format(tmp=tmp_path) for a in argv])
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, world_size=1)
+    assert fragment.format(tmp=tmp_path) in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- memory this machine cannot hold
+
+
+def test_memory_rule_refuses_a_job_no_machine_holds():
+    # 405B unsharded on one rank: terabytes by the analytic estimate, on any machine.
+    cfg = load_job_config(["--model.flavor", "405B", "--training.seq_len", "4096"])
+    validate_config(cfg, world_size=1)  # off by default: the estimator validates jobs for other machines
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, world_size=1, check_memory=True)
+    msg = str(err.value)
+    assert msg.startswith("the job needs about ") and " GiB per rank (" in msg and "by the analytic estimate" in msg
+    assert "lower training.local_batch_size or training.seq_len" in msg and "\n" not in msg
+    validate_config(load_job_config([]), world_size=1, check_memory=True)  # the debug job fits anywhere
+
+
+def test_memory_rule_compares_with_this_machines_share(monkeypatch):
+    import titanlike.train.validate as v
+
+    cfg = load_job_config(["--training.seq_len", "2048", "--training.local_batch_size", "8"])
+    peak, _ = v.estimate_peak_memory(cfg, validate_config(cfg, world_size=1))
+    monkeypatch.setattr(v.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(v, "host_memory", lambda: peak + 2**20)
+    validate_config(cfg, world_size=1, check_memory=True)  # just fits one rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this host: half each
+    with pytest.raises(ConfigError, match=r"this host's \d+\.\d GiB of memory shared by 2 local ranks leave "):
+        validate_config(cfg, world_size=1, check_memory=True)

@@ -393,3 +393,79 @@ def test_default_corpus_holds_out_its_validation_split(tok):
     with pytest.raises(ValueError, match="no held-out 'valid' split"):
         build_dataloader(dataset="text", dataset_path=DEFAULT_CORPUS_PATH, tokenizer=tok, seq_len=SEQ, local_batch_size=1,
                          global_batch_size=1, dp_rank=0, dp_degree=1, seed=0, split_name="valid")
+
+
+# --------------------------------------------------------------------------- DataError: one sentence
+
+
+def test_text_without_usable_document_is_a_data_error_at_construction(tmp_path, tok):
+    from titanlike.data import DataError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"content": "wrong key"}\n{not json\n{"text": ""}\n')
+    with pytest.raises(DataError) as err:
+        _build(tok, dataset="text", dataset_path=str(bad), dp_rank=0, dp_degree=1, local_batch_size=G)
+    assert str(err.value) == (
+        f"{bad} holds no usable document: 2 of its 3 lines are not JSON objects with a string 'text' field "
+        f"(first: {bad} line 1: missing key 'text'), the other 1 have an empty 'text'")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    with pytest.raises(DataError, match="empty holds no usable document: its 1 text file"):
+        list(iter_documents(tmp_path / "empty"))
+
+
+def test_ensure_document_reads_no_further_than_the_first(tmp_path, monkeypatch, caplog):
+    import titanlike.data.text_datasets as td
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "first"}\n{not json\n')
+    td.ensure_document(path)
+    (tmp_path / "a.txt").write_text("x" * 10_000)
+    reads = []
+    real_open = td._open_binary
+    monkeypatch.setattr(td, "_open_binary", lambda p: reads.append(p) or real_open(p))
+    td.ensure_document(tmp_path)  # a.txt comes first and answers: d.jsonl is never opened
+    assert reads == [str(tmp_path / "a.txt")]
+    path.write_text('{"x": 1}\n')
+    with caplog.at_level(logging.WARNING), pytest.raises(td.DataError, match="1 of its 1 lines are not JSON"):
+        td.ensure_document(path)
+    assert not caplog.records  # the one sentence, not a warning before it
+
+
+def test_loader_errors_are_data_errors(tmp_path, tok):
+    from titanlike.data import DataError
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "short.txt").write_text("too short")
+    for overrides in (dict(dataset="text", dataset_path=str(tmp_path / "empty")),
+                      dict(dataset="text", dataset_path=str(tmp_path / "short.txt")),
+                      dict(dataset="text", dataset_path=str(tmp_path / "nope")),
+                      dict(dataset_path="x.txt"), dict(dataset="defualt")):
+        with pytest.raises(DataError):
+            _build(tok, **overrides)
+    with pytest.raises(FileNotFoundError):  # still one, for callers that catch that
+        _build(tok, dataset="text", dataset_path=str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("dataset, path, message", [
+    ("default", "corpus.txt", "training.dataset_path is only read by the text, huggingface and megatron datasets; "
+                              "the default dataset is the embedded corpus"),
+    ("text", "{tmp}/empty", "training.dataset_path: no .txt, .txt.gz, .jsonl, .jsonl.gz files under directory"),
+    ("text", "{tmp}/bad.jsonl", "training.dataset_path: {tmp}/bad.jsonl holds no usable document: 1 of its 1 lines"),
+    ("megatron", "{tmp}/neg", "training.dataset_path: {tmp}/neg.idx: damaged index: sequence 1 (document 1) has "
+                              "a negative size of -2 tokens"),
+])
+def test_validate_dataset_refuses_unusable_paths(tmp_path, dataset, path, message):
+    from titanlike.data import DataError
+    from titanlike.data.indexed import write_indexed_dataset
+    from titanlike.data.loader import validate_dataset
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.jsonl").write_text('{"content": "x"}\n')
+    write_indexed_dataset(str(tmp_path / "neg"), [[1, 2], [3, 4]], np.uint16)
+    raw = bytearray((tmp_path / "neg.idx").read_bytes())
+    raw[34 + 4: 34 + 8] = np.array([-2], "<i4").tobytes()
+    (tmp_path / "neg.idx").write_bytes(bytes(raw))
+    with pytest.raises(DataError) as err:
+        validate_dataset(dataset, path.format(tmp=tmp_path))
+    assert message.format(tmp=tmp_path) in str(err.value) and "\n" not in str(err.value)

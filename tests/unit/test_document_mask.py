@@ -87,7 +87,7 @@ def test_backend_resolution():
 
 
 @pytest.fixture(scope="module")
-def trainer_factory():
+def trainer_factory(tmp_path_factory):
     from titanlike.config import load_job_config
     from titanlike.train.validate import validate_config
     from titanlike.train.trainer import Trainer
@@ -97,7 +97,7 @@ def trainer_factory():
     def make(*overrides: str) -> Trainer:
         cfg = load_job_config(["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
                                "--training.local_batch_size", "2", "--training.steps", "1",
-                               "--job.dump_folder", "/tmp/titanlike-unused", *overrides])
+                               "--job.dump_folder", str(tmp_path_factory.mktemp("dm")), *overrides])
         trainer = Trainer(cfg, validate_config(cfg, world_size=1))
         made.append(trainer)
         return trainer

@@ -203,3 +203,113 @@ def test_truncated_idx(good):
     idx.write_bytes(idx.read_bytes()[:-5])
     with pytest.raises(IndexedDatasetError, match=f"{idx}: truncated index"):
         IndexedDataset(str(good))
+
+
+# -- a damaged index is refused when opened, naming the file and the first bad sequence ----------
+#
+# Megatron's _IndexWriter (and ours) writes pointer[0] = 0, pointer[i+1] = pointer[i] + size[i] *
+# itemsize, and document indices 0, ..., S, non-decreasing. Before these checks, a negative size
+# trained silently and a pointer past the end of the .bin failed steps later ("global sample 0 has
+# shape (0,)").
+
+HEADER = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    """A Megatron-written pair of 5 sequences in 5 documents (one empty, one of two sequences), and a
+    patcher of its index: sequences start at bytes 0, 6, 10, 12, 20 of a 22-byte .bin; documents at 0, 1, 3, 3, 4, 5."""
+    docs = [[[1, 2, 3]], [[4, 5], [6]], [], [[7, 8, 9, 10]], [[11]]]
+    bin_bytes, idx_bytes = reference_files(docs, np.uint16)
+    prefix = tmp_path / "d"
+    prefix.with_suffix(".bin").write_bytes(bin_bytes)
+    prefix.with_suffix(".idx").write_bytes(idx_bytes)
+    assert IndexedDataset(str(prefix)).num_documents == 5  # intact, it opens
+
+    def patch(field, i, value):
+        n_seq = 5
+        off = {"size": (HEADER, "<i4"), "pointer": (HEADER + 4 * n_seq, "<i8"),
+               "document": (HEADER + 12 * n_seq, "<i8")}[field]
+        raw = bytearray(prefix.with_suffix(".idx").read_bytes())
+        width = np.dtype(off[1]).itemsize
+        raw[off[0] + i * width: off[0] + (i + 1) * width] = np.array([value], dtype=off[1]).tobytes()
+        prefix.with_suffix(".idx").write_bytes(bytes(raw))
+        return str(prefix)
+
+    return patch
+
+
+@pytest.mark.parametrize("field, i, value, message", [
+    ("size", 2, -4, r"d\.idx: damaged index: sequence 2 \(document 1\) has a negative size of -4 tokens"),
+    ("size", 0, 2**31 - 1, r"sequence 0 \(document 0\) has 2147483647 tokens \(4294967294 bytes\), more "
+                           r"than the whole d\.bin holds \(22 bytes\)"),
+    ("pointer", 3, 4096, r"sequence 3 \(document 3\) points at byte 4096, past the end of d\.bin \(22 bytes\), "
+                         r"but the sizes before it place it at byte 12"),
+    ("pointer", 1, 2, r"sequence 1 \(document 1\) points at byte 2, but the sizes before it place it at byte 6 "
+                      r"\(Megatron's pointers are the running sum of sizes x 2 bytes\)"),
+    ("size", 1, 1, r"sequence 2 \(document 1\) points at byte 10, but the sizes before it place it at byte 8"),
+    ("document", 3, 0, r"document indices are not monotone: document 3 starts at sequence 0, before document 2 "
+                       r"\(at 3\)"),
+    ("document", 3, 99, r"document 3 starts at sequence 99, outside the 5 sequences of the index"),
+    ("document", 1, -1, r"document 1 starts at sequence -1, outside the 5 sequences"),
+    ("document", 0, 1, r"document 0 starts at sequence 1, but Megatron's document indices start at 0"),
+])
+def test_damaged_index_names_the_first_bad_sequence(damaged, field, i, value, message):
+    prefix = damaged(field, i, value)
+    with pytest.raises(IndexedDatasetError, match=message) as err:
+        IndexedDataset(prefix)
+    assert "\n" not in str(err.value) and str(err.value).startswith(prefix + ".idx: damaged index")
+
+
+def test_last_sequence_ending_past_the_bin_names_it(good):
+    b = good.with_suffix(".bin")
+    b.write_bytes(b.read_bytes()[:-2])
+    with pytest.raises(IndexedDatasetError, match=r"the last, sequence 1 of document 1, ends at byte 10"):
+        IndexedDataset(str(good))
+
+
+def test_damage_found_across_chunk_boundaries(tmp_path, monkeypatch):
+    import titanlike.data.indexed as indexed
+
+    monkeypatch.setattr(indexed, "_CHUNK", 4)  # 11 sequences: three chunks
+    docs = [[[j] * (1 + j % 3)] for j in range(11)]
+    for where in ("size", "document"):
+        bin_bytes, idx_bytes = reference_files(docs, np.uint16)
+        prefix = tmp_path / where
+        prefix.with_suffix(".bin").write_bytes(bin_bytes)
+        raw = bytearray(idx_bytes)
+        if where == "size":  # sequence 7, last of chunk 2, claims 1 token instead of 2: the pointer of
+            # sequence 8, first of chunk 3, then disagrees with the running sum carried across
+            raw[HEADER + 7 * 4: HEADER + 8 * 4] = np.array([1], "<i4").tobytes()
+        else:  # document 8 (first of the third chunk) steps back below document 7
+            raw[HEADER + 12 * 11 + 8 * 8: HEADER + 12 * 11 + 9 * 8] = np.array([2], "<i8").tobytes()
+        prefix.with_suffix(".idx").write_bytes(bytes(raw))
+        match = ("sequence 8 \\(document 8\\) points at byte 30, but the sizes before it place it at byte 28"
+                 if where == "size"
+                 else "not monotone: document 8 starts at sequence 2, before document 7")
+        with pytest.raises(IndexedDatasetError, match=match):
+            IndexedDataset(str(prefix))
+
+
+def test_validation_runs_once_per_file_version(tmp_path, monkeypatch):
+    import titanlike.data.indexed as indexed
+
+    prefix = str(tmp_path / "v")
+    write_indexed_dataset(prefix, [[1, 2, 3], [4]], np.uint16)
+    calls = []
+    real = indexed._check_sequences
+    monkeypatch.setattr(indexed, "_check_sequences", lambda *a: calls.append(1) or real(*a))
+    IndexedDataset(prefix)
+    IndexedDataset(prefix)
+    pickle.loads(pickle.dumps(IndexedDataset(prefix)))  # a loader worker re-opening it
+    IndexedDataset(prefix, validate=False)
+    assert len(calls) == 1
+    write_indexed_dataset(prefix, [[1, 2, 3], [4], [5, 6]], np.uint16)  # rewritten: checked again
+    IndexedDataset(prefix)
+    assert len(calls) == 2
+
+
+def test_index_errors_are_data_errors():
+    from titanlike.data import DataError
+
+    assert issubclass(IndexedDatasetError, DataError) and issubclass(DataError, ValueError)

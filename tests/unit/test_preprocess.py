@@ -198,3 +198,39 @@ def test_cli_with_megatron_flags(tmp_path):
     assert ref["documents"] == len(GOOD)
     assert read_pair(str(tmp_path / "cli_text_document")) == read_pair(
         str(tmp_path / "api_text_document"))
+
+
+# -- an input that gives an empty dataset is an error and publishes nothing ------------------------
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "input {src} is empty: no line to tokenize, nothing written"),
+    (b"{not json\n" + json.dumps({"title": "no text"}).encode() + b"\n[1, 2]\n",
+     "no valid line in {src}: all 3 lines are malformed (bad_json=1, not_an_object=1, missing_key=1; first: "
+     "line 1: bad_json, line 2: missing_key, line 3: not_an_object), nothing written; each line must be a JSON "
+     "object with the key(s) 'text' (--json-keys) holding text"),
+    (json.dumps({"text": ""}).encode() + b"\n" + json.dumps({"text": ["", ""]}).encode() + b"\n",
+     "the 2 valid lines of {src} hold no token under 'text' (every document is empty), nothing written"),
+])
+def test_unusable_input_fails_and_writes_nothing(tmp_path, content, message):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(content)
+    cmd = [sys.executable, str(SCRIPT), "--input", str(src), "--output-prefix", str(tmp_path / "out"),
+           "--workers", "2", "--chunk-lines", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {message.format(src=src)}"], proc.stderr
+    assert "wrote" not in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # no .bin/.idx, no temporaries
+
+
+def test_unusable_input_leaves_an_earlier_output_alone(tmp_path):
+    run(tmp_path, append_eod=True)
+    before = read_pair(str(tmp_path / "out_text_document"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        run(tmp_path, src=empty)
+    assert read_pair(str(tmp_path / "out_text_document")) == before
+    assert not [p for p in os.listdir(tmp_path) if ".tmp." in p]

@@ -10,9 +10,18 @@ Three kinds of checkpoint folder exist:
   ``model.safetensors.index.json``, ``generation_config.json``.
 
 The DCP kinds carry a ``titanlike.json`` sidecar naming the model family and its args
-(``args.to_dict()``), so a checkpoint can be turned into a model without the job's config.
+(``args.to_dict()``), so a checkpoint can be turned into a model without the job's config,
+and the CRC-32 of every other file in the folder (``checksums``), verified before a load.
 A checkpoint folder holds published ``step-N`` folders; ``step-N.tmp`` (a save in flight)
 and ``step-N.purge`` (being deleted) are never read.
+
+Opening a checkpoint runs no code from it. DCP's index (``.metadata``) is a pickle: it is read
+by an allow-list unpickler (``_IndexUnpickler``: DCP's metadata classes, torch.Size, dtypes)
+in every read, ours and DCP's own inside ``dcp.load`` (``SafeFileSystemReader``). Every entry
+is a tensor, read by torch's weights-only loader: non-tensor state (LR schedule, loader
+position, RNG, optimizer hyper-parameters) is stored as UTF-8 JSON in a uint8 tensor
+(``Json``, ``encode_json`` / ``decode_json``), and ``NoPickleLoadPlanner`` refuses the
+pickled entries DCP would otherwise ``torch.load(weights_only=False)``.
 
 Everything here runs in one process on full (unsharded) tensors, and talks to a model family
 only through its ModelSpec and the BaseModelArgs contract. manager.py and hf.py import this
@@ -21,21 +30,31 @@ module and never each other.
 
 from __future__ import annotations
 
+import base64
+import errno
+import io
 import json
 import os
+import pickle
 import re
+import zlib
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
 SIDECAR = "titanlike.json"
 DCP_METADATA = ".metadata"
 HF_INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"
-FORMAT_VERSION = 1
+# 2: non-tensor state as JSON tensors (1 pickled it), per-file CRC-32 checksums in the sidecar.
+FORMAT_VERSION = 2
 MODEL_PREFIX = "model."
 # A full checkpoint always has this key; a model-only one never does.
 FULL_MARKER = "train_state.step"
@@ -76,8 +95,10 @@ def model_description(name: str, args: Any, *, context_len: int | None = None) -
 
 
 def write_sidecar(folder: str, info: dict[str, Any]) -> None:
+    """The sidecar, written last: it records the checksums of every other file in the folder."""
+    checksums = collect_checksums(folder)
     with open(os.path.join(folder, SIDECAR), "w") as f:
-        json.dump({"format_version": FORMAT_VERSION, **info}, f, indent=2, default=str)
+        json.dump({"format_version": FORMAT_VERSION, **info, "checksums": checksums}, f, indent=2, default=str)
         f.flush()
         os.fsync(f.fileno())
 
@@ -140,6 +161,398 @@ def resolve_checkpoint_folder(path: str) -> str:
     )
 
 
+# Reading without running code -------------------------------------------------------------
+
+# What DCP's index pickles (found by unpickling the indexes of full, model-only, async,
+# FSDP, TP, seed, bfloat16-export and Hugging Face-import checkpoints). Anything else in an
+# index is refused before it is looked up, so a crafted index cannot call anything.
+_INDEX_CLASSES = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # a layout by name (torch.strided)
+    "torch": frozenset({"Size"}),  # and the dtypes, checked by type below
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "PureWindowsPath"}),  # StorageMeta.checkpoint_id
+}
+
+
+class ForbiddenInIndex(pickle.UnpicklingError):
+    def __init__(self, name: str):
+        super().__init__(f"{name} is not allowed in a checkpoint index")
+        self.name = name
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a DCP index: only the classes in _INDEX_CLASSES and torch dtypes resolve."""
+
+    def find_class(self, module: str, name: str):
+        if name in _INDEX_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        # vars(), not getattr(): torch's module __getattr__ would import submodules by name.
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
+        raise ForbiddenInIndex(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        raise ForbiddenInIndex("a persistent id")
+
+
+def load_index(stream) -> Metadata:
+    metadata = _IndexUnpickler(stream).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader with the index read by _IndexUnpickler (DCP's uses pickle.load).
+
+    Every dcp.load of a checkpoint folder goes through it, so DCP's own read of the index
+    (on every rank, inside dcp.load) is restricted as well as ours.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
+            metadata = load_index(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class NoPickleLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that a pickled (non-tensor) entry is an error, not a
+    torch.load(weights_only=False). Callers check the index first; this is the backstop."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is pickled; titanlike never unpickles checkpoint entries")
+
+
+def dcp_load(state_dict: dict, path: str, *, process_group=None, no_dist: bool = False) -> None:
+    """dcp.load of a checkpoint folder, reading no pickle (raises DCP's exceptions)."""
+    dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=NoPickleLoadPlanner(),
+             process_group=process_group, no_dist=no_dist)
+
+
+def pickled_entries(keys, metadata: Metadata) -> list[str]:
+    """The checkpoint's pickled entries among keys or under their first name parts (format 1
+    pickled all non-tensor state, under other names than format 2's JSON entries)."""
+    keys = set(keys)
+    heads = {k.split(".")[0] for k in keys}
+    return sorted(k for k, md in metadata.state_dict_metadata.items()
+                  if isinstance(md, BytesStorageMetadata) and (k in keys or k.split(".")[0] in heads))
+
+
+# Non-tensor state as JSON -----------------------------------------------------------------
+
+
+class Json:
+    """A non-tensor value to be stored as one JSON entry (a uint8 tensor) in a DCP checkpoint.
+
+    A leaf for DCP's flattening: the manager turns it into a tensor before saving and, when
+    loading, sizes the template from the index and decodes it back.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _to_json(value: Any, key: str) -> Any:
+    """value as plain JSON; tuples, bytes, tensors, arrays and non-string dict keys are tagged."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list):
+        return [_to_json(v, key) for v in value]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_to_json(v, key) for v in value]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _to_json(v, key) for k, v in value.items()}
+        return {"__dict__": [[_to_json(k, key), _to_json(v, key)] for k, v in value.items()]}
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+        t = value.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {"__tensor__": [str(t.dtype).removeprefix("torch."), list(t.shape), base64.b64encode(raw).decode()]}
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        a = np.ascontiguousarray(value)
+        return {"__ndarray__": [a.dtype.str, list(a.shape), base64.b64encode(a.tobytes()).decode()]}
+    raise CheckpointError(f"checkpoint entry {key!r} holds a {type(value).__name__}, which titanlike cannot "
+                          "store without pickle (JSON types, tuples, bytes, tensors and numeric arrays only)")
+
+
+def _from_json_object(obj: dict) -> Any:
+    if len(obj) != 1:
+        return obj
+    (tag, body), = obj.items()
+    if tag == "__tuple__":
+        return tuple(body)
+    if tag == "__dict__":
+        return {(tuple(k) if isinstance(k, list) else k): v for k, v in body}
+    if tag == "__bytes__":
+        return base64.b64decode(body)
+    if tag == "__tensor__":
+        name, shape, data = body
+        dtype = vars(torch).get(name) if isinstance(name, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown tensor dtype {name!r}")
+        raw = base64.b64decode(data)
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    if tag == "__ndarray__":
+        dtype_str, shape, data = body
+        dtype = np.dtype(dtype_str)
+        if dtype.kind not in "biuf":
+            raise ValueError(f"array dtype {dtype_str!r} is not numeric")
+        return np.frombuffer(base64.b64decode(data), dtype=dtype).reshape(shape).copy()
+    return obj
+
+
+def encode_json(value: Any, key: str) -> torch.Tensor:
+    """value as a 1-D uint8 tensor holding UTF-8 JSON (key names the entry in errors)."""
+    text = json.dumps(_to_json(value, key), separators=(",", ":"), allow_nan=True)
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
+
+
+def decode_json(tensor: torch.Tensor, key: str, path: str) -> Any:
+    """The value of a JSON entry; a CheckpointError naming the entry if it is not ours."""
+    try:
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            raise ValueError(f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}, not UTF-8 JSON bytes")
+        return json.loads(tensor.numpy().tobytes().decode(), object_hook=_from_json_object)
+    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"checkpoint {path}: entry {key!r} is damaged ({type(e).__name__}: {e})") from None
+
+
+def json_template(key: str, metadata: Metadata, path: str) -> torch.Tensor:
+    """An empty tensor of the stored size of JSON entry key, to load it into."""
+    md = metadata.state_dict_metadata.get(key)
+    if md is None:
+        raise CheckpointError(f"checkpoint {path} has no entry {key!r} that this job needs")
+    if not isinstance(md, TensorStorageMetadata) or md.properties.dtype != torch.uint8 or len(md.size) != 1:
+        raise CheckpointError(f"checkpoint {path}: entry {key!r} is not a JSON entry")
+    return torch.empty(md.size, dtype=torch.uint8)
+
+
+# Checksums --------------------------------------------------------------------------------
+
+# Each rank's writer records the CRC-32 of the files it wrote in <prefix>crc32.json (prefix:
+# DCP's per-rank file prefix, "__<rank>_"); the sidecar, written by rank 0 once every rank is
+# done, gathers them and adds the files written otherwise (.metadata, safetensors).
+_CRC_SUFFIX = "crc32.json"
+_CRC_RE = re.compile(r"__\d+_" + re.escape(_CRC_SUFFIX))
+_CHUNK = 8 << 20
+
+
+def file_crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+class _Crc32Stream(io.RawIOBase):
+    """A write stream that computes the CRC-32 of what passes through it, and remembers an
+    OSError of the file system (torch.save's C++ writer turns it into an 'unexpected pos')."""
+
+    def __init__(self, raw, on_error):
+        super().__init__()
+        self.raw, self.on_error, self.crc, self.sequential = raw, on_error, 0, True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        try:
+            n = self.raw.write(view)
+        except OSError as e:
+            self.on_error(e)
+            raise
+        self.crc = zlib.crc32(view[: n if n is not None else len(view)], self.crc)
+        return n if n is not None else len(view)
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self.raw.seekable()
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seek(self, *args) -> int:
+        self.sequential = False  # the running CRC no longer describes the file: read it back
+        return self.raw.seek(*args)
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        try:
+            self.raw.flush()
+        except OSError as e:
+            self.on_error(e)
+            raise
+
+
+class _Crc32FileSystem(FileSystem):
+    def __init__(self):
+        super().__init__()
+        self.crcs: dict[str, str] = {}
+        self.error: OSError | None = None
+
+    def _on_error(self, e: OSError) -> None:
+        self.error = self.error or e
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        try:
+            with super().create_stream(path, mode) as raw:
+                stream = _Crc32Stream(raw, self._on_error)
+                yield stream
+        except OSError as e:
+            self._on_error(e)
+            raise
+        name = os.path.basename(os.fspath(path))
+        self.crcs[name] = f"{stream.crc:08x}" if stream.sequential else file_crc32(os.fspath(path))
+
+
+class ChecksumWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter that records the CRC-32 of every file it writes while writing
+    (<prefix>crc32.json per rank, gathered into the sidecar at publishing), and that reports
+    a file system error (no space left, quota) as the OSError it was."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.fs = _Crc32FileSystem()
+
+    def write_data(self, plan, planner):
+        self.fs.crcs, self.fs.error = {}, None
+        try:
+            future = super().write_data(plan, planner)
+            future.wait()
+            prefix = plan.storage_data.prefix
+            text = json.dumps(self.fs.crcs, sort_keys=True)
+            with open(os.path.join(os.fspath(self.path), f"{prefix}{_CRC_SUFFIX}"), "w") as f:
+                f.write(text)
+        except Exception as e:
+            if self.fs.error is not None and self.fs.error is not e:
+                raise self.fs.error from None
+            raise
+        return future
+
+    def finish(self, metadata, results) -> None:
+        self.fs.error = None
+        try:
+            super().finish(metadata, results)
+        except Exception as e:
+            if self.fs.error is not None and self.fs.error is not e:
+                raise self.fs.error from None
+            raise
+
+
+def dcp_save(state_dict: dict, path: str, *, process_group=None, no_dist: bool = False):
+    """dcp.save through ChecksumWriter (raises DCP's exceptions)."""
+    return dcp.save(state_dict, storage_writer=ChecksumWriter(path), process_group=process_group, no_dist=no_dist)
+
+
+def collect_checksums(folder: str) -> dict[str, Any]:
+    """{"crc32": {file: hex}} for every file in folder but the sidecar: the writers' records,
+    gathered (and their record files removed), and the CRC of the files they did not write."""
+    crcs: dict[str, str] = {}
+    names = sorted(os.listdir(folder))
+    for name in names:
+        if _CRC_RE.fullmatch(name):
+            with open(os.path.join(folder, name)) as f:
+                crcs.update(json.load(f))
+            os.remove(os.path.join(folder, name))
+    for name in names:
+        file = os.path.join(folder, name)
+        if name != SIDECAR and not _CRC_RE.fullmatch(name) and name not in crcs and os.path.isfile(file):
+            crcs[name] = file_crc32(file)
+    return {"crc32": dict(sorted(crcs.items()))}
+
+
+def checksummed_files(path: str) -> dict[str, str] | None:
+    """{file: crc32 hex} from the sidecar, or None if the checkpoint records no checksums."""
+    info = read_sidecar(path)
+    if not info or "checksums" not in info:
+        return None
+    crcs = info["checksums"].get("crc32") if isinstance(info["checksums"], dict) else None
+    if not isinstance(crcs, dict):
+        raise CheckpointError(f"{os.path.join(path, SIDECAR)} is damaged: its checksums are not a table of files")
+    return crcs
+
+
+def verify_files(path: str, crcs: dict[str, str], names) -> str | None:
+    """The first of names whose CRC-32 differs from crcs, as a sentence; None if all match."""
+    for name in names:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"checkpoint file {file} is missing (listed in {SIDECAR})"
+        got = file_crc32(file)
+        if got != crcs[name]:
+            return (f"checkpoint file {file} is corrupt: its CRC-32 is {got}, but {SIDECAR} recorded "
+                    f"{crcs[name]} when it was saved")
+    return None
+
+
+def uncovered_files(metadata: Metadata, crcs: dict[str, str]) -> list[str]:
+    """Data files named by the index that the checksums do not cover."""
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()} | {DCP_METADATA}
+    return sorted(named - set(crcs))
+
+
+def verify_checksums(path: str, metadata: Metadata | None = None) -> str | None:
+    """Check every file of checkpoint path against its sidecar, in this process: the first
+    problem as a sentence, or None (also for a checkpoint that records no checksums)."""
+    crcs = checksummed_files(path)
+    if crcs is None:
+        return None
+    if metadata is not None and (missing := uncovered_files(metadata, crcs)):
+        return f"checkpoint {path}: {SIDECAR} has no checksum for {missing[0]}, which {DCP_METADATA} names"
+    return verify_files(path, crcs, sorted(crcs))
+
+
+# Failures ---------------------------------------------------------------------------------
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_no_space(e: BaseException) -> bool:
+    """Whether a save failed because the file system is full (or over quota), including inside
+    a DCP CheckpointException that carries each rank's exception."""
+    seen = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in _NO_SPACE:
+            return True
+        if "No space left on device" in str(x) or "Disk quota exceeded" in str(x):
+            return True
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        todo.extend([x.__cause__, x.__context__])
+    return False
+
+
 # DCP reading ------------------------------------------------------------------------------
 
 
@@ -153,7 +566,11 @@ def read_dcp_metadata(path: str) -> Metadata:
             f"checkpoint {path} has no {DCP_METADATA} file: it is incomplete or not a DCP checkpoint"
         )
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        return SafeFileSystemReader(path).read_metadata()
+    except ForbiddenInIndex as e:
+        raise CheckpointError(
+            f"checkpoint index {meta_path} refers to {e.name}, which a DCP index never holds; refusing to "
+            "unpickle it (a crafted or foreign file?)") from None
     except Exception as e:  # unpickling garbage raises anything from EOFError to UnpicklingError
         raise CheckpointError(f"checkpoint index {meta_path} is damaged ({type(e).__name__}: {e})") from None
 
@@ -199,6 +616,9 @@ def read_dcp_model(path: str, *, dtype: torch.dtype | None = None) -> dict[str, 
     """The model's full tensors from a full or model-only DCP checkpoint, in one process."""
     metadata = read_dcp_metadata(path)
     check_dcp_files(path, metadata)
+    problem = verify_checksums(path, metadata)
+    if problem:
+        raise CheckpointError(problem)
     names, _ = dcp_model_keys(metadata)
     if not names:
         raise CheckpointError(f"checkpoint {path} holds no model tensors")
@@ -207,7 +627,7 @@ def read_dcp_model(path: str, *, dtype: torch.dtype | None = None) -> dict[str, 
         md = metadata.state_dict_metadata[key]
         template[key] = torch.empty(md.size, dtype=md.properties.dtype)
     try:
-        dcp.load(template, checkpoint_id=path, no_dist=True)
+        dcp_load(template, path, no_dist=True)
     except BaseException as e:  # CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -273,6 +693,9 @@ def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise CheckpointError(f"{config_path} is damaged: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path} is not a JSON object")
+    problem = verify_checksums(path)  # titanlike's own exports record checksums in a sidecar
+    if problem:
+        raise CheckpointError(problem)
     reader = HuggingFaceStorageReader(path)
     try:
         metadata = reader.read_metadata()
@@ -286,7 +709,7 @@ def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if not template:
         raise CheckpointError(f"{path} holds no safetensors tensors")
     try:
-        dcp.load(template, storage_reader=HuggingFaceStorageReader(path), no_dist=True)
+        dcp.load(template, storage_reader=HuggingFaceStorageReader(path), planner=NoPickleLoadPlanner(), no_dist=True)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

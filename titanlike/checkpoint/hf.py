@@ -14,7 +14,6 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from titanlike.checkpoint.format import (
     DCP_METADATA,
@@ -28,6 +27,7 @@ from titanlike.checkpoint.format import (
     build_args,
     check_dcp_files,
     dcp_model_keys,
+    dcp_save,
     drop_aliases,
     is_dcp_folder,
     is_hf_folder,
@@ -86,7 +86,7 @@ def write_dcp_model(state_dict: dict[str, torch.Tensor], out: str, info: dict[st
     """A model-only DCP checkpoint (plus sidecar) from full tensors, in one process."""
     os.makedirs(out, exist_ok=True)
     try:
-        dcp.save(drop_aliases(state_dict), checkpoint_id=out, no_dist=True)
+        dcp_save(drop_aliases(state_dict), out, no_dist=True)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

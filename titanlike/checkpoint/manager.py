@@ -3,19 +3,26 @@
 One checkpoint is one DCP folder ``<dump_folder>/<checkpoint.folder>/step-N`` holding
 
   model.<fqn>            parameters, by full name (DTensor shards: any layout loads any other)
-  optimizer.state.<fqn>.*, optimizer.param_groups.<fqn>.*   (flattened, so layout-free too)
-  lr_scheduler.state     the schedule's state_dict, pickled
-  dataloader.dp_rank_R   each data-parallel rank's loader position, pickled
-  rng.rank_R             each rank's RNG states (torch, CUDA, Python, NumPy), pickled
-  train_state.step       the step the checkpoint was taken after
+  optimizer.state.<fqn>.*   optimizer state tensors, by parameter (flattened: layout-free too)
+  optimizer.param_groups.<fqn>   that parameter's hyper-parameters, JSON
+  lr_scheduler.state     the schedule's state_dict, JSON
+  dataloader.dp_rank_R   each data-parallel rank's loader position, JSON
+  rng.rank_R             each rank's RNG states (torch, CUDA, Python, NumPy), JSON
+  train_state.step       the step the checkpoint was taken after (int64), and format_version
 
-plus ``titanlike.json`` (model family and args, for load_model and the converters).
+plus ``titanlike.json`` (model family and args, for load_model and the converters, and the
+CRC-32 of every file, verified before a load). Every entry is a tensor: JSON entries are
+UTF-8 bytes in a uint8 tensor (format.Json), so loading a checkpoint unpickles nothing but
+DCP's index, and that with an allow-list (format.SafeFileSystemReader).
 
 Publishing is atomic: everything is written to ``step-N.tmp`` and renamed to ``step-N`` by
 rank 0 only once DCP reports the save complete on every rank (DCP's final all-reduce, i.e. a
 barrier, or the async future). Readers only ever consider ``step-N`` folders, so a crash
 mid-save leaves the previous checkpoint as the latest. ``keep_latest_k`` counts published
-checkpoints only, so the one being written never counts against it.
+checkpoints only, so the one being written never counts against it. A save that fails (a full
+disk, ...) removes its ``step-N.tmp``; a step whose parameters are not all finite is not saved.
+Leftover ``.tmp``/``.purge`` folders of a killed job are removed when the manager is built,
+before anything else of the job writes.
 
 A layout change between save and load works at any step boundary: DCP reshards model and
 optimizer, and a new data-parallel rank takes the loader position of the old rank with its
@@ -24,7 +31,6 @@ index if there was one (else rank 0's): every rank is at the same global step.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -43,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -52,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from titanlike.checkpoint import format as fmt
 from titanlike.checkpoint.format import (
@@ -59,6 +67,7 @@ from titanlike.checkpoint.format import (
     STEP_RE,
     TMP_SUFFIX,
     CheckpointError,
+    Json,
     published_steps,
     summarize,
     tied_aliases,
@@ -125,21 +134,6 @@ def validate_checkpoint_config(c, spec) -> None:
           "checkpoint.last_save_in_hf writes the model only, so it needs checkpoint.last_save_model_only")
 
 
-def _pickled(obj: Any) -> io.BytesIO:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return buf
-
-
-def _unpickled(buf: io.BytesIO, what: str) -> Any:
-    buf.seek(0)
-    try:
-        return torch.load(buf, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint entry {what} is damaged ({type(e).__name__}: {e})") from None
-
-
 # Stateful pieces --------------------------------------------------------------------------
 
 
@@ -189,15 +183,31 @@ class OptimizerState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         sd = get_optimizer_state_dict(self.module, self.optimizer, options=self._OPTS)
-        if not self.multi:
-            return sd
-        out = {}
+        if self.multi:
+            out = {}
+            for k, v in sd.items():
+                m = self._KEY.fullmatch(k)
+                out[f"{m.group(1)}.{m.group(3)}" if m else k] = v
+            sd = out
+        # Non-tensor values (a parameter's lr, betas, ...) become one JSON entry per parameter:
+        # "param_groups.<fqn>.lr" -> {"lr": ...} under "param_groups.<fqn>" (names hold no dots).
+        grouped: dict[str, Any] = {}
         for k, v in sd.items():
-            m = self._KEY.fullmatch(k)
-            out[f"{m.group(1)}.{m.group(3)}" if m else k] = v
-        return out
+            if isinstance(v, torch.Tensor):
+                grouped[k] = v
+            else:
+                owner, name = k.rsplit(".", 1)
+                grouped.setdefault(owner, Json({})).value[name] = v
+        return grouped
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        expanded = {}
+        for k, v in state_dict.items():
+            if isinstance(v, dict):  # a decoded JSON entry: the parameter's values by name
+                expanded.update({f"{k}.{name}": value for name, value in v.items()})
+            else:
+                expanded[k] = v
+        state_dict = expanded
         if self.multi:
             renamed = {}
             for k, v in state_dict.items():
@@ -208,21 +218,21 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(self.module, self.optimizer, state_dict, options=self._OPTS)
 
 
-class PickledState(Stateful):
-    """A small non-tensor state saved as one pickled entry."""
+class JsonState(Stateful):
+    """A small non-tensor state (the LR schedule) saved as one JSON entry."""
 
     def __init__(self, obj, name: str):
         self.obj, self.name = obj, name
 
     def state_dict(self) -> dict[str, Any]:
-        return {"state": _pickled(self.obj.state_dict())}
+        return {"state": Json(self.obj.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.obj.load_state_dict(_unpickled(state_dict["state"], f"{self.name}.state"))
+        self.obj.load_state_dict(state_dict["state"])
 
 
 class PerRankState(Stateful):
-    """A state that differs per rank (loader position, RNG): one pickled entry per rank.
+    """A state that differs per rank (loader position, RNG): one JSON entry per rank.
 
     Saving writes only this rank's entry. Loading reads the entry `source` (picked by the
     manager from the checkpoint's index before the load: this rank's own if it exists).
@@ -238,11 +248,10 @@ class PerRankState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         # On load this is the template, so it names the entry to read.
-        return {self.key(self.source): _pickled(self.get())}
+        return {self.key(self.source): Json(self.get())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        key = self.key(self.source)
-        self.put(_unpickled(state_dict[key], f"{self.name}.{key}"))
+        self.put(state_dict[self.key(self.source)])
         self.source = self.rank
 
 
@@ -251,7 +260,8 @@ class TrainState(Stateful):
         self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "format_version": fmt.FORMAT_VERSION}
+        return {"step": torch.tensor(self.step, dtype=torch.int64),
+                "format_version": torch.tensor(fmt.FORMAT_VERSION, dtype=torch.int64)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
@@ -263,7 +273,7 @@ def _rng_state() -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        # As plain lists, so the entry unpickles with weights_only=True.
+        # As plain lists (JSON).
         "python": [*internal, version, gauss],
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
     }
@@ -317,6 +327,7 @@ class CheckpointManager:
         self._stager = None
         self._pg = None
         self._purger: _Purger | None = None
+        self._leftovers_removed = False
         if not self.enabled:
             return
 
@@ -325,7 +336,7 @@ class CheckpointManager:
         self.states: dict[str, Stateful] = {
             MODEL: ModelState(model_parts),
             OPTIMIZER: OptimizerState(model_parts, optimizer),
-            LR_SCHEDULER: PickledState(lr_scheduler, LR_SCHEDULER),
+            LR_SCHEDULER: JsonState(lr_scheduler, LR_SCHEDULER),
             DATALOADER: PerRankState(DATALOADER, "dp_rank_", dp_rank,
                                      dataloader.state_dict, dataloader.load_state_dict),
             RNG: PerRankState(RNG, "rank_", self.rank, _rng_state, _set_rng_state),
@@ -373,6 +384,8 @@ class CheckpointManager:
             # Staging reads the parameters and optimizer state the next optimizer step
             # overwrites in place: that step waits for it.
             optimizer.register_step_pre_hook(lambda *_: self.wait_for_staging())
+        # Before the trainer builds its metrics writers (a full disk would stop them first).
+        self.remove_leftovers()
 
     # Paths -------------------------------------------------------------------------------
 
@@ -394,17 +407,20 @@ class CheckpointManager:
         Loads `checkpoint.load_step` (or the latest checkpoint) if the folder has any,
         otherwise the model from `checkpoint.initial_load_path` if set. With
         `checkpoint.create_seed_checkpoint` writes the initialized model as step 0 instead
-        and returns None: there is nothing to train.
+        and returns None: there is nothing to train. The checkpoint's files are verified
+        against their checksums first; a corrupt latest checkpoint is an error naming the file
+        (or, with `checkpoint.fallback_on_corruption`, the newest one that verifies is loaded).
         """
         if not self.enabled:
             return 0
-        self._remove_leftovers()
+        self.remove_leftovers()
         if self.cfg.create_seed_checkpoint:
             if published_steps(self.folder):
                 raise CheckpointError(
                     f"{self.folder} already holds checkpoints (steps {published_steps(self.folder)}); "
                     "a seed checkpoint goes into an empty checkpoint folder"
                 )
+            self._check_finite(0)
             self._save_model_only(0, torch.float32, in_hf=False)
             return None
 
@@ -433,8 +449,9 @@ class CheckpointManager:
                 "which holds the model only: training cannot resume from it; start a new run with "
                 f"--checkpoint.initial_load_path {path} --checkpoint.initial_load_in_hf"
             )
-        metadata = fmt.read_dcp_metadata(path)
-        fmt.check_dcp_files(path, metadata)
+        metadata, problem = self._open_verified(path)
+        if problem is not None:
+            step, path, metadata = self._after_corruption(step, problem, steps)
         _, full = fmt.dcp_model_keys(metadata)
         if not full:
             if step != 0:
@@ -455,24 +472,107 @@ class CheckpointManager:
             if per_rank in names:
                 state.source = self._pick_source(state, metadata, path)
         template = {name: self.states[name].state_dict() for name in names}
-        self._check_against_index(template, metadata, path)
-        try:
-            dcp.load(template, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
-        except BaseException as e:  # CheckpointException derives from BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise CheckpointError(f"loading checkpoint {path} failed: {summarize(e)}") from None
+        loaded = self._load_entries(template, metadata, path, what=f"loading checkpoint {path}")
         for name in names:
-            self.states[name].load_state_dict(template[name])
+            self.states[name].load_state_dict(loaded[name])
         self.step = self.train_state.step if TRAIN_STATE in names else 0
         if self.rank == 0:
             skipped = f" (not loaded: {', '.join(self.cfg.exclude_from_loading)})" if self.cfg.exclude_from_loading else ""
             logger.info(f"checkpoint: resumed from {path} in {time.monotonic() - begin:.2f} s{skipped}")
         return self.step
 
+    def _load_entries(self, template: dict, metadata: Metadata, path: str, *, what: str) -> dict:
+        """Load template (nested, with Json placeholders) from checkpoint path; returns it with
+        tensors filled in place and JSON entries decoded. Nothing pickled is read."""
+        flat, mappings = flatten_state_dict(template)
+        pickled = fmt.pickled_entries(flat, metadata)
+        if pickled:
+            components = ",".join(c for c in COMPONENTS if any(k.split(".")[0] == c for k in pickled))
+            raise CheckpointError(
+                f"checkpoint {path} holds pickled state ({components}), as an older titanlike wrote it, and "
+                f"titanlike never unpickles checkpoint entries; resume with --checkpoint.exclude_from_loading "
+                f"{components} or re-save it")
+        json_keys = [k for k, v in flat.items() if isinstance(v, Json)]
+        for key in json_keys:
+            if key in metadata.state_dict_metadata:  # a missing key is named by the check below
+                flat[key] = fmt.json_template(key, metadata, path)
+        self._check_against_index(flat, metadata, path)
+        try:
+            fmt.dcp_load(flat, path, process_group=self._pg, no_dist=not self.distributed)
+        except BaseException as e:  # CheckpointException derives from BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"{what} failed: {summarize(e)}") from None
+        for key in json_keys:
+            flat[key] = fmt.decode_json(flat[key], key, path)
+        return unflatten_state_dict(flat, mappings)
+
+    # Verifying ----------------------------------------------------------------------------
+
+    def _open_verified(self, path: str) -> tuple[Metadata | None, str | None]:
+        """(index, None) if checkpoint path is whole, else (index or None, the first problem):
+        a damaged or crafted index, a missing or truncated file, a file whose checksum differs."""
+        try:
+            metadata = fmt.read_dcp_metadata(path)
+            fmt.check_dcp_files(path, metadata)
+        except CheckpointError as e:
+            return None, str(e)
+        return metadata, self._verify(path, metadata)
+
+    def _verify(self, path: str, metadata: Metadata) -> str | None:
+        """The checkpoint's files against the CRC-32s in its sidecar: None if all match (or it
+        records none), else the first problem. The files are split among the ranks of the
+        checkpoint's group and the verdicts gathered, so every rank returns the same answer."""
+        try:
+            crcs = fmt.checksummed_files(path)
+        except CheckpointError as e:
+            return str(e)
+        if crcs is None:
+            if self.rank == 0:
+                logger.info(f"checkpoint: {path} records no checksums (an older titanlike wrote it); "
+                            "its files are not verified")
+            return None
+        if missing := fmt.uncovered_files(metadata, crcs):
+            return f"checkpoint {path}: {fmt.SIDECAR} has no checksum for {missing[0]}, which {fmt.DCP_METADATA} names"
+        names = sorted(crcs)
+        world = dist.get_world_size(self._pg) if self.distributed else 1
+        rank = dist.get_rank(self._pg) if self.distributed else 0
+        try:
+            problem = fmt.verify_files(path, crcs, names[rank::world])
+        except OSError as e:
+            problem = f"checkpoint {path} cannot be read: {e}"
+        if self.distributed:
+            verdicts: list = [None] * world
+            dist.all_gather_object(verdicts, problem, group=self._pg)
+            problem = next((v for v in verdicts if v), None)
+        return problem
+
+    def _after_corruption(self, step: int, problem: str, steps: list[int]) -> tuple[int, str, Metadata]:
+        """A corrupt checkpoint was chosen: an error naming it and the newest older checkpoint that
+        verifies, or (checkpoint.fallback_on_corruption, no explicit load_step) that checkpoint."""
+        if self.cfg.load_step >= 0:
+            raise CheckpointError(problem)
+        for older in reversed([s for s in steps if s < step]):
+            path = self.path(older)
+            if not fmt.is_dcp_folder(path):
+                continue
+            metadata, trouble = self._open_verified(path)
+            if trouble is not None or not (fmt.dcp_model_keys(metadata)[1] or older == 0):
+                continue
+            if self.cfg.fallback_on_corruption:
+                if self.rank == 0:
+                    logger.warning(f"checkpoint: {problem}; resuming from {path} instead, the newest checkpoint "
+                                   "that verifies (checkpoint.fallback_on_corruption)")
+                return older, path, metadata
+            raise CheckpointError(
+                f"{problem}; the newest checkpoint that verifies is {path}: resume from it with "
+                f"--checkpoint.load_step {older} or --checkpoint.fallback_on_corruption")
+        raise CheckpointError(f"{problem}; no older checkpoint in {self.folder} verifies")
+
     def _pick_source(self, state: PerRankState, metadata: Metadata, path: str) -> int:
-        have = sorted(int(k[len(f"{state.name}.{state.prefix}"):]) for k in metadata.state_dict_metadata
-                      if k.startswith(f"{state.name}.{state.prefix}"))
+        head = f"{state.name}.{state.prefix}"
+        have = sorted(int(k[len(head):]) for k in metadata.state_dict_metadata
+                      if k.startswith(head) and k[len(head):].isdigit())
         if not have:
             raise CheckpointError(f"checkpoint {path} has no {state.name} entries")
         if state.rank in have:
@@ -489,8 +589,6 @@ class CheckpointManager:
         The same check runs on every rank against the same index (and all ranks' model and
         optimizer keys are identical), so all ranks fail together instead of hanging.
         """
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
         flat, _ = flatten_state_dict(template)
         saved = metadata.state_dict_metadata
         for key, value in flat.items():
@@ -517,22 +615,17 @@ class CheckpointManager:
         local = model.state_dict()
         prefix = fmt.MODEL_PREFIX if prefixed else ""
         template = {prefix + k: v for k, v in local.items()}
-        self._check_against_index(template, metadata, path)
-        try:
-            dcp.load(template, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
-        except BaseException as e:
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise CheckpointError(f"loading the model from {path} failed: {summarize(e)}") from None
-        model.load_state_dict({k[len(prefix):]: v for k, v in template.items()})
+        loaded = self._load_entries(template, metadata, path, what=f"loading the model from {path}")
+        model.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
 
     def _load_initial(self, path: str) -> None:
         begin = time.monotonic()
         if self.cfg.initial_load_in_hf:
             self._load_model_hf(path)
         else:
-            metadata = fmt.read_dcp_metadata(path)
-            fmt.check_dcp_files(path, metadata)
+            metadata, problem = self._open_verified(path)
+            if problem is not None:
+                raise CheckpointError(problem)
             _, full = fmt.dcp_model_keys(metadata)
             self._load_model_dcp(path, metadata, prefixed=full)
         if self.rank == 0:
@@ -593,15 +686,22 @@ class CheckpointManager:
     # Saving -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def save(self, step: int) -> None:
-        """Call after every training step; saves at the interval and at the last step."""
+    def save(self, step: int, *, force: bool = False) -> None:
+        """Call after every training step; saves at the interval and at the last step. force saves a
+        full, synchronous (resumable) checkpoint now, e.g. before a job is preempted."""
         if not self.enabled:
             return
         begin = time.monotonic()
         self._poll_pending()
         last = step >= self.total_steps
-        if last or step % self.cfg.interval == 0:
+        if force and not last:
+            self._wait_pending()
+            self._check_finite(step)
+            self.train_state.step = step
+            self._save_full_sync(step)
+        elif last or step % self.cfg.interval == 0:
             self._wait_pending()  # one save in flight at a time
+            self._check_finite(step)
             self.train_state.step = step
             if last and self.cfg.last_save_model_only:
                 self._save_model_only(step, _DTYPES[self.cfg.export_dtype], in_hf=self.cfg.last_save_in_hf)
@@ -611,13 +711,48 @@ class CheckpointManager:
                 self._save_full_async(step)
         self.blocked_s += time.monotonic() - begin
 
+    def _check_finite(self, step: int) -> None:
+        """Refuse to save a model with a NaN or infinite parameter: all ranks agree (one all-reduce
+        over the checkpoint's group), so all raise the same error and the previous checkpoint
+        stays the latest. One isfinite().all() per local shard and one device sync."""
+        names, flags = [], []
+        for name, t in self.states[MODEL].state_dict().items():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if local.is_floating_point() and local.numel():
+                names.append(name)
+                flags.append(torch.isfinite(local).all())
+        bad = (~torch.stack(flags)).nonzero().flatten().tolist() if flags else []
+        first = names[bad[0]] if bad else None
+        if self.distributed:
+            flag = torch.tensor([0 if first is None else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+            if flag.item():
+                found: list = [None] * dist.get_world_size(self._pg)
+                dist.all_gather_object(found, first, group=self._pg)
+                first = next(n for n in found if n is not None)
+        if first is not None:
+            raise CheckpointError(f"step {step} has non-finite parameters (first: {first}); not saving it")
+
     def _tmp(self, step: int) -> str:
         return self.path(step) + TMP_SUFFIX
 
+    def _dcp_state(self, states: dict[str, Stateful]) -> dict[str, torch.Tensor]:
+        """The states as DCP saves them: one flat dict of tensors, JSON entries encoded."""
+        flat, _ = flatten_state_dict({name: state.state_dict() for name, state in states.items()})
+        out = {}
+        for key, value in flat.items():
+            if isinstance(value, Json):
+                value = fmt.encode_json(value.value, key)
+            elif not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"checkpoint entry {key!r} holds a {type(value).__name__}, not a tensor; "
+                                      "titanlike stores non-tensor state as JSON only (format.Json)")
+            out[key] = value
+        return out
+
     def _save_full_sync(self, step: int) -> None:
         begin = time.monotonic()
-        self._dcp_save(self.states, self._tmp(step))
-        self._publish(step, "full", time.monotonic() - begin)
+        self._dcp_save(self._dcp_state(self.states), step)
+        self._publish_agreed(step, "full", begin)
 
     def _save_full_async(self, step: int) -> None:
         kwargs = {}
@@ -628,13 +763,14 @@ class CheckpointManager:
             # a single-process job has none, so there the writing stays in a thread.
             kind = AsyncCheckpointerType.PROCESS if self.distributed else AsyncCheckpointerType.THREAD
             kwargs = dict(async_checkpointer_type=kind, async_stager=self._stager)
+        state = self._dcp_state(self.states)
         try:
-            response = dcp.async_save(self.states, checkpoint_id=self._tmp(step), process_group=self._pg,
-                                      no_dist=not self.distributed, **kwargs)
+            response = dcp.async_save(state, storage_writer=fmt.ChecksumWriter(self._tmp(step)),
+                                      process_group=self._pg, no_dist=not self.distributed, **kwargs)
         except BaseException as e:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"starting the save of {self._tmp(step)} failed: {summarize(e)}") from None
+            raise self._save_failed(step, e, f"starting the save of {self._tmp(step)} failed: {summarize(e)}") from None
         if hasattr(response, "upload_completion"):  # staging in the background
             self._staging, future = response.staging_completion, response.upload_completion
         else:
@@ -649,38 +785,69 @@ class CheckpointManager:
             state = {k: v.to(dtype) for k, v in state.items()}
         tmp = self._tmp(step)
         if not in_hf:
-            self._dcp_save(state, tmp)
-            self._publish(step, "model_only", time.monotonic() - begin)
+            self._dcp_save(state, step)
+            self._publish_agreed(step, "model_only", begin)
             return
         # Every rank writes its shards as DCP (any layout, pipeline stages included); rank 0 then
         # converts the whole model, which needs full tensors for the q/k permutation.
         staging = os.path.join(tmp, "dcp")
-        self._dcp_save(state, staging)
-        if self.rank == 0:
+        self._dcp_save(state, step, path=staging)
+
+        def convert() -> None:
             state_dict = fmt.read_dcp_model(staging)
             fmt.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype, context_len=self._context_len,
-                        bos_id=self._tokenizer.get("bos_id"), eos_id=self._tokenizer.get("eos_id"))
+                         bos_id=self._tokenizer.get("bos_id"), eos_id=self._tokenizer.get("eos_id"))
             shutil.rmtree(staging)
-        self._publish(step, "hf", time.monotonic() - begin)
-        if self.distributed:
-            # The other ranks wait for rank 0's conversion here, on the checkpoint's group with its
-            # long timeout, rather than in their next collective on a group with the (short)
-            # comm.train_timeout_seconds.
-            dist.barrier(group=self._pg)
 
-    def _dcp_save(self, state: dict, path: str) -> None:
+        # The other ranks wait for rank 0's conversion in _publish_agreed, on the checkpoint's group
+        # with its long timeout, rather than in their next collective on a group with the (short)
+        # comm.train_timeout_seconds.
+        self._publish_agreed(step, "hf", begin, prepare=convert)
+
+    def _dcp_save(self, state: dict, step: int, *, path: str | None = None) -> None:
+        path = path or self._tmp(step)
         try:
-            dcp.save(state, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
+            fmt.dcp_save(state, path, process_group=self._pg, no_dist=not self.distributed)
         except BaseException as e:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"saving checkpoint {path} failed: {summarize(e)}") from None
+            raise self._save_failed(step, e, f"saving checkpoint {path} failed: {summarize(e)}") from None
+
+    def _save_failed(self, step: int, e: BaseException, message: str) -> CheckpointError:
+        """The error of a save that failed: rank 0 removes the partial step-N.tmp (a full disk
+        stays full otherwise), and the message says what stays the latest checkpoint."""
+        if self.rank == 0:
+            shutil.rmtree(self._tmp(step), ignore_errors=True)
+        steps = published_steps(self.folder)
+        kept = f"{self.path(steps[-1])} stays the latest checkpoint" if steps else "there is no earlier checkpoint"
+        if fmt.is_no_space(e):
+            message = f"no space left on device while saving step {step} to {self.path(step)}"
+        return CheckpointError(f"{message}; removed the partial save, {kept}")
+
+    def _publish_agreed(self, step: int, contents: str, begin: float, prepare=None) -> None:
+        """Publish a synchronous save (after prepare(), on rank 0) and share rank 0's verdict, so
+        that if rank 0 cannot publish (no space for the sidecar, ...) every rank stops with it."""
+        error = None
+        if self.rank == 0:
+            try:
+                if prepare is not None:
+                    prepare()
+                self._publish(step, contents, time.monotonic() - begin)
+            except (CheckpointError, OSError) as e:
+                error = str(self._save_failed(step, e, f"publishing checkpoint {self._tmp(step)} failed: {e}"))
+        if self.distributed:
+            verdict = [error]
+            dist.broadcast_object_list(verdict, src=0, group=self._pg)
+            error = verdict[0]
+        if error:
+            raise CheckpointError(error)
 
     def _publish(self, step: int, contents: str, seconds: float) -> None:
         """Rank 0 renames step-N.tmp to step-N; every rank's data is on disk by now.
 
         DCP's save ends with an all-reduce in which the coordinator (rank 0) writes the index
-        after gathering every rank's write results, so its completion is the barrier.
+        after gathering every rank's write results, so its completion is the barrier. The
+        sidecar, written last, records the checksum of every file (format.collect_checksums).
         """
         if self.rank != 0:
             return
@@ -708,8 +875,13 @@ class CheckpointManager:
             os.rename(self.path(old), doomed)
             self._purger.submit(doomed)
 
-    def _remove_leftovers(self) -> None:
-        """Delete step-N.tmp (a save that never finished) and step-N.purge folders."""
+    def remove_leftovers(self) -> None:
+        """Delete step-N.tmp (a save that never finished) and step-N.purge folders. Runs when
+        the manager is built, before the job's metrics or TensorBoard files are written: a save
+        that filled the disk must not stop the relaunch before it is removed. Once per manager."""
+        if self._leftovers_removed:
+            return
+        self._leftovers_removed = True
         if self.rank == 0 and os.path.isdir(self.folder):
             for name in os.listdir(self.folder):
                 if name.endswith((TMP_SUFFIX, PURGE_SUFFIX)) and STEP_RE.match(name):
@@ -748,9 +920,15 @@ class CheckpointManager:
         except BaseException as e:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(
-                f"saving checkpoint {self._tmp(pending.step)} failed: {summarize(e)}") from None
-        self._publish(pending.step, "full", (pending.finished or time.monotonic()) - pending.started)
+            raise self._save_failed(
+                pending.step, e, f"saving checkpoint {self._tmp(pending.step)} failed: {summarize(e)}") from None
+        # Rank 0 alone publishes an async save, when its future is done (the ranks poll at
+        # different times, so no collective here).
+        try:
+            self._publish(pending.step, "full", (pending.finished or time.monotonic()) - pending.started)
+        except (CheckpointError, OSError) as e:
+            raise self._save_failed(
+                pending.step, e, f"publishing checkpoint {self._tmp(pending.step)} failed: {e}") from None
 
     def close(self) -> None:
         """Finish the save in flight, then stop the purge thread and the checkpoint process."""

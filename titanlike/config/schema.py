@@ -96,6 +96,13 @@ class Training:
     )
     max_norm: float = opt(1.0, "gradient clipping max norm (total L2 norm over all parameters)")
     steps: int = opt(10000, "optimizer steps to train")
+    skip_nonfinite_steps: int = opt(
+        0,
+        "steps with a non-finite loss or gradient norm that may be skipped per launch (grads dropped, "
+        "no optimizer update; the step count, the data and the learning-rate schedule still advance, so "
+        "step N keeps its learning rate); 0 stops the job at the first one, before anything is updated "
+        "or saved",
+    )
     mixed_precision_param: str = opt(
         "bfloat16", "dtype of parameters in forward/backward", choices=("bfloat16", "float32")
     )
@@ -158,6 +165,9 @@ class Checkpoint:
     export_dtype: str = opt("float32", "dtype of model-only exports", choices=("float32", "bfloat16"))
     create_seed_checkpoint: bool = opt(False, "write the initialized model as step 0 and exit")
     exclude_from_loading: list[str] = opt([], "state-dict keys not loaded (e.g. optimizer,lr_scheduler)")
+    fallback_on_corruption: bool = opt(
+        False, "resume from the newest checkpoint that verifies when the latest is corrupt (checksum, truncated "
+               "or missing file, damaged index) instead of stopping; never with an explicit load_step")
 
 
 @dataclass

@@ -36,6 +36,8 @@ def validate_values(cfg: JobConfig) -> None:
     _check(t.local_batch_size >= 1, f"training.local_batch_size must be at least 1, got {t.local_batch_size}")
     _check(t.steps >= 1, f"training.steps must be at least 1, got {t.steps}")
     _check(t.max_norm > 0, f"training.max_norm must be positive, got {t.max_norm}")
+    _check(t.skip_nonfinite_steps >= 0,
+           f"training.skip_nonfinite_steps must be 0 (stop on the first) or more, got {t.skip_nonfinite_steps}")
 
     # Optimizer and schedule.
     o, s = cfg.optimizer, cfg.lr_scheduler

@@ -9,6 +9,7 @@ DEFAULT_CORPUS_PATH = str(ASSETS_DIR / "kjv_chapters.jsonl.gz")
 # 1792 byte-level BPE ranks trained on that corpus; + 256 Llama 3 specials = vocab 2048.
 DEFAULT_TOKENIZER_PATH = str(ASSETS_DIR / "debug_tokenizer.tiktoken")
 
+from titanlike.data.errors import DataError  # noqa: E402
 from titanlike.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 
 # The loader and the text datasets import torch (~2.5 s); data-preparation scripts that only
@@ -31,4 +32,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'titanlike.data' has no attribute {name!r}")
 
 
-__all__ = ["ASSETS_DIR", "DEFAULT_CORPUS_PATH", "DEFAULT_TOKENIZER_PATH", "Tokenizer", "build_tokenizer", *_LAZY]
+__all__ = ["ASSETS_DIR", "DEFAULT_CORPUS_PATH", "DEFAULT_TOKENIZER_PATH", "DataError", "Tokenizer", "build_tokenizer",
+           *_LAZY]

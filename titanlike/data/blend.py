@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from titanlike.data.errors import DataError
 from titanlike.data.gpt_dataset import (
     DEFAULT_SPLIT,
     GPTDataset,
@@ -42,7 +43,7 @@ def parse_blend(spec: str | Sequence[str]) -> tuple[list[str], list[float] | Non
     items = spec.split() if isinstance(spec, str) else [str(s).strip() for s in spec]
     items = [i for i in items if i]
     if not items:
-        raise ValueError("empty dataset path / blend specification")
+        raise DataError("empty dataset path / blend specification")
     if len(items) % 2 == 0:
         try:
             weights = [float(w) for w in items[0::2]]
@@ -51,7 +52,7 @@ def parse_blend(spec: str | Sequence[str]) -> tuple[list[str], list[float] | Non
         if weights is not None:
             prefixes = items[1::2]
             if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-                raise ValueError(f"blend weights must be non-negative with a positive sum: "
+                raise DataError(f"blend weights must be non-negative with a positive sum: "
                                  f"{weights}")
             w = np.array(weights, dtype=np.float64)
             return prefixes, (w / w.sum()).tolist()
@@ -60,7 +61,7 @@ def parse_blend(spec: str | Sequence[str]) -> tuple[list[str], list[float] | Non
             float(i)
         except ValueError:
             continue
-        raise ValueError(f"blend {spec!r}: {i!r} looks like a weight but the items do not pair "
+        raise DataError(f"blend {spec!r}: {i!r} looks like a weight but the items do not pair "
                          "up as 'weight prefix weight prefix ...'")
     return items, None
 
@@ -75,7 +76,7 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     w = [float(x) for x in weights]
     k = len(w)
     if k == 0 or k >= 32767:
-        raise ValueError(f"need 1 to 32766 datasets, got {k}")
+        raise DataError(f"need 1 to 32766 datasets, got {k}")
     counts = [0] * k
     choice = array("h", bytes(2 * size))
     if k == 2:
@@ -116,10 +117,10 @@ class BlendedDataset:
                  cache_dir: str | None = None, is_rank_zero: bool | None = None,
                  barrier: Callable[[], None] | None = None) -> None:
         if len(datasets) != len(weights):
-            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+            raise DataError(f"{len(datasets)} datasets but {len(weights)} weights")
         w = np.asarray(weights, dtype=np.float64)
         if np.any(w < 0) or w.sum() <= 0:
-            raise ValueError(f"weights must be non-negative with a positive sum: {list(weights)}")
+            raise DataError(f"weights must be non-negative with a positive sum: {list(weights)}")
         # normalizing again keeps the floats bit-identical to Megatron's for the same input
         self.weights = (w / w.sum()).tolist()
         self.datasets = list(datasets)
@@ -202,7 +203,7 @@ def build_megatron_dataset(dataset_path: str, *, seq_len: int, num_samples: int 
         return BlendedDataset(members, sizes, size, cache_dir=cache_dir,
                               is_rank_zero=is_rank_zero, barrier=barrier)
     if num_samples is None:
-        raise ValueError(f"a weighted blend needs num_samples (the weights say how to share "
+        raise DataError(f"a weighted blend needs num_samples (the weights say how to share "
                          f"them): {dataset_path!r}")
     members = [GPTDataset(p, num_samples=samples_for_weight(num_samples, w, MID_LEVEL_SURPLUS),
                           **common) for p, w in zip(prefixes, weights)]

@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from titanlike.data.errors import DataError
 from titanlike.data.indexed import IndexedDataset, temp_path, data_file_path
 
 logger = logging.getLogger(__name__)
@@ -60,11 +61,11 @@ def parse_split(split: str) -> list[float]:
     """`"969,30,1"` -> normalized `[train, valid, test]` fractions (missing ones are 0)."""
     parts = [float(p) for p in re.findall(r"[.0-9]+", split)]
     if not parts or len(parts) > 3:
-        raise ValueError(f"split {split!r}: expected 1 to 3 non-negative numbers like '969,30,1'")
+        raise DataError(f"split {split!r}: expected 1 to 3 non-negative numbers like '969,30,1'")
     parts += [0.0] * (3 - len(parts))
     w = np.array(parts, dtype=np.float64)
     if w.sum() <= 0:
-        raise ValueError(f"split {split!r}: the parts sum to zero")
+        raise DataError(f"split {split!r}: the parts sum to zero")
     return (w / w.sum()).tolist()
 
 
@@ -81,14 +82,14 @@ def split_index(split_name: str) -> int:
     try:
         return _SPLIT_ALIASES[split_name]
     except KeyError:
-        raise ValueError(f"unknown split name {split_name!r}; use one of {SPLIT_NAMES}") from None
+        raise DataError(f"unknown split name {split_name!r}; use one of {SPLIT_NAMES}") from None
 
 
 def split_range(split: str, split_name: str, num_sequences: int) -> tuple[int, int]:
     """[begin, end) sequence range of one split, rounded the way Megatron rounds."""
     b = split_bookends(split)[split_index(split_name)]
     if b is None:
-        raise ValueError(f"split {split_name!r} has no share in split string {split!r}")
+        raise DataError(f"split {split_name!r} has no share in split string {split!r}")
     return int(round(b[0] * float(num_sequences))), int(round(b[1] * float(num_sequences)))
 
 
@@ -128,7 +129,7 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     del doc_lens
     total = int(ends[-1]) if ends.size else 0
     if num_samples * seq_len + 1 > total:
-        raise ValueError(f"{num_samples} samples of {seq_len}+1 tokens need "
+        raise DataError(f"{num_samples} samples of {seq_len}+1 tokens need "
                          f"{num_samples * seq_len + 1} tokens, the stream has {total}")
     big = document_index.shape[0] >= np.iinfo(np.int32).max
     out = np.empty((num_samples + 1, 2), dtype=np.int64 if big else np.int32)
@@ -165,7 +166,7 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_l
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
     if tokens_per_epoch < seq_len + 1:
-        raise ValueError(f"the split has {tokens_per_epoch} tokens, fewer than one sample of "
+        raise DataError(f"the split has {tokens_per_epoch} tokens, fewer than one sample of "
                          f"seq_len + 1 = {seq_len + 1}")
     num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_len)
 
@@ -327,7 +328,7 @@ class GPTDataset:
         prefix = self.indexed.path_prefix
         self.split_range = split_range(split, split_name, len(self.indexed))
         if self.split_range[1] <= self.split_range[0]:
-            raise ValueError(f"split {self.split_name!r} of {prefix} is empty: {split!r} over "
+            raise DataError(f"split {self.split_name!r} of {prefix} is empty: {split!r} over "
                              f"{len(self.indexed)} sequences gives range {self.split_range}")
 
         self.description = {

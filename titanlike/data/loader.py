@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlike.data.errors import DataError
 from titanlike.data.text_datasets import (
     HuggingFaceDocuments,
     PackedStream,
@@ -104,7 +105,7 @@ def _default_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None,
 
 def _whole_dataset_only(kind: str, split_name: str) -> None:
     if split_name != "train":
-        raise ValueError(f"dataset {kind!r} has no held-out {split_name!r} split; give the validation data its "
+        raise DataError(f"dataset {kind!r} has no held-out {split_name!r} split; give the validation data its "
                          "own dataset_path")
 
 
@@ -146,7 +147,7 @@ class _MapSamples:
         self.source = source
         self.num = len(source)
         if self.num <= 0:
-            raise ValueError(f"dataset source {source!r} holds no samples")
+            raise DataError(f"dataset source {source!r} holds no samples")
         self.shuffle = shuffle
         self.seed = seed
         self._perm_epoch = -1
@@ -209,7 +210,7 @@ class RankBatches(IterableDataset):
         raw = self.samples.sample(index)
         arr = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
         if arr.shape != (self.seq_len + 1,) or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(
+            raise DataError(
                 f"global sample {index} has shape {arr.shape} and dtype {arr.dtype}; "
                 f"expected {self.seq_len + 1} (seq_len + 1) integer token ids"
             )
@@ -343,23 +344,44 @@ def build_dataloader_from_source(
 
 
 def validate_dataset(dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
-    """A data source's path rules, before any process group: ValueError, one sentence."""
+    """A data source's path rules, before any process group: ValueError, one sentence.
+
+    Cheap checks only, each stopping at the first answer: the path exists, a text folder holds
+    text files and the text holds at least one usable document (read up to the first one), a
+    Megatron prefix's index describes its .bin (validated once per process; the loader's own
+    open is then free). A Hugging Face name is not looked up here.
+    """
+    if dataset == "default" and dataset_path:
+        raise DataError(f"{option}.dataset_path is only read by the text, huggingface and megatron datasets; "
+                        f"the default dataset is the embedded corpus")
     if dataset in ("text", "huggingface", "megatron") and not dataset_path:
-        raise ValueError(f"{option}.dataset {dataset} needs {option}.dataset_path")
-    if dataset == "text" and not os.path.exists(dataset_path):
-        raise ValueError(f"{option}.dataset_path {dataset_path} does not exist")
+        raise DataError(f"{option}.dataset {dataset} needs {option}.dataset_path")
+    if dataset == "text":
+        if not os.path.exists(dataset_path):
+            raise DataError(f"{option}.dataset_path {dataset_path} does not exist")
+        from titanlike.data.text_datasets import ensure_document
+
+        try:
+            ensure_document(dataset_path)
+        except DataError as e:
+            raise DataError(f"{option}.dataset_path: {e}") from None
     if dataset == "megatron":
         from titanlike.data.blend import parse_blend
-        from titanlike.data.indexed import data_file_path, index_file_path
+        from titanlike.data.indexed import IndexedDataset, data_file_path, index_file_path
 
         try:
             prefixes, _ = parse_blend(dataset_path)
         except ValueError as e:
-            raise ValueError(f"{option}.dataset_path: {e}") from None
+            raise DataError(f"{option}.dataset_path: {e}") from None
         for prefix in prefixes:
             for path in (data_file_path(prefix), index_file_path(prefix)):
                 if not os.path.isfile(path):
-                    raise ValueError(f"{option}.dataset_path names the Megatron prefix {prefix}, but {path} does not exist")
+                    raise DataError(f"{option}.dataset_path names the Megatron prefix {prefix}, but {path} does not exist")
+        for prefix in dict.fromkeys(prefixes):
+            try:
+                IndexedDataset(prefix)
+            except DataError as e:
+                raise DataError(f"{option}.dataset_path: {e}") from None
 
 
 def build_dataloader(
@@ -389,6 +411,10 @@ def build_dataloader(
     ``split``/``split_name``: which part of the data (``"train"``, ``"valid"``, ``"test"``): a Megatron
     split string such as ``"969,30,1"`` for ``megatron`` (that is the default); the embedded corpus
     holds out its last 1% (``DEFAULT_CORPUS_SPLIT``); other kinds have only ``"train"``, the whole data.
+
+    Data that cannot be trained on (a bad path, no usable document, a damaged Megatron index, too few
+    tokens for one sample) raises :class:`~titanlike.data.DataError`, a ValueError whose message is one
+    sentence: train.py reports it as ``data error: ...``.
     """
     _validate_layout(
         seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
@@ -398,14 +424,14 @@ def build_dataloader(
     if kind is None:
         close = difflib.get_close_matches(str(dataset), _KINDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown dataset {dataset!r}{hint}; known: {', '.join(dataset_kinds())}")
+        raise DataError(f"unknown dataset {dataset!r}{hint}; known: {', '.join(dataset_kinds())}")
     dataset_path = dataset_path or None
     if kind.needs_path and dataset_path is None:
-        raise ValueError(f"dataset {dataset!r} needs dataset_path")
+        raise DataError(f"dataset {dataset!r} needs dataset_path")
     if not kind.needs_path and dataset_path is not None:
-        raise ValueError(f"dataset {dataset!r} takes no dataset_path (got {dataset_path!r}); use dataset 'text' for files")
+        raise DataError(f"dataset {dataset!r} takes no dataset_path (got {dataset_path!r}); use dataset 'text' for files")
     if num_workers and not kind.workers_ok:
-        raise ValueError(f"dataset {dataset!r} supports num_workers=0 only, got num_workers={num_workers}")
+        raise DataError(f"dataset {dataset!r} supports num_workers=0 only, got num_workers={num_workers}")
     if not all(hasattr(tokenizer, a) for a in ("encode", "bos_id", "eos_id")):
         raise TypeError(
             f"tokenizer must be a Tokenizer (titanlike.data.build_tokenizer(path)), got {type(tokenizer).__name__}"

@@ -36,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from titanlike.data.errors import DataError, DataPathError
 from titanlike.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ __all__ = [
     "PackedStream",
     "PackedTokens",
     "SampleStream",
+    "ensure_document",
     "iter_documents",
     "list_text_files",
     "pack_documents",
@@ -66,10 +68,10 @@ def list_text_files(path: str | os.PathLike) -> list[str]:
     path = os.fspath(path)
     if os.path.isfile(path):
         if not path.endswith(TEXT_SUFFIXES):
-            raise ValueError(f"{path!r} is not a text dataset file: expected one of {', '.join(TEXT_SUFFIXES)}")
+            raise DataError(f"{path!r} is not a text dataset file: expected one of {', '.join(TEXT_SUFFIXES)}")
         return [path]
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"dataset_path {path!r} does not exist")
+        raise DataPathError(f"dataset_path {path!r} does not exist")
     files = sorted(
         os.path.join(root, name)
         for root, _, names in os.walk(path)
@@ -77,7 +79,7 @@ def list_text_files(path: str | os.PathLike) -> list[str]:
         if name.endswith(TEXT_SUFFIXES)
     )
     if not files:
-        raise ValueError(f"no {', '.join(TEXT_SUFFIXES)} files under directory {path!r}")
+        raise DataError(f"no {', '.join(TEXT_SUFFIXES)} files under directory {path!r}")
     return files
 
 
@@ -85,7 +87,15 @@ def _open_binary(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def _iter_jsonl(path: str, text_key: str) -> Iterator[str]:
+class _Tally:
+    """What reading a text dataset skipped, for the one sentence when nothing was usable."""
+
+    def __init__(self) -> None:
+        self.files = self.lines = self.bad = self.empty = 0
+        self.first_bad = ""
+
+
+def _iter_jsonl(path: str, text_key: str, tally: _Tally, *, warn: bool = True) -> Iterator[str]:
     bad = 0
     first_bad = ""
     total = 0
@@ -94,6 +104,7 @@ def _iter_jsonl(path: str, text_key: str) -> Iterator[str]:
             if not raw.strip():
                 continue
             total += 1
+            tally.lines += 1
             try:
                 obj = json.loads(raw)
                 text = obj[text_key]
@@ -101,13 +112,17 @@ def _iter_jsonl(path: str, text_key: str) -> Iterator[str]:
                     raise TypeError(f"{text_key!r} is {type(text).__name__}, not a string")
             except Exception as e:  # noqa: BLE001 - any bad line is skipped, never fatal
                 bad += 1
+                tally.bad += 1
                 if not first_bad:
                     reason = f"missing key {text_key!r}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
                     first_bad = f"line {lineno}: {reason}"
+                    tally.first_bad = tally.first_bad or f"{path} {first_bad}"
                 continue
             if text:
                 yield text
-    if bad:
+            else:
+                tally.empty += 1
+    if bad and warn:
         logger.warning(
             "%s: skipped %d of %d lines that are not JSON objects with a string %r field (first: %s)",
             path, bad, total, text_key, first_bad,
@@ -115,16 +130,60 @@ def _iter_jsonl(path: str, text_key: str) -> Iterator[str]:
 
 
 def iter_documents(path: str | os.PathLike, *, text_key: str = "text") -> Iterator[str]:
-    """Documents of a text file or directory, in a fixed order (see the module docstring)."""
+    """Documents of a text file or directory, in a fixed order (see the module docstring).
+
+    DataError (one sentence saying why) when the whole of `path` holds no usable document.
+    """
+    tally = _Tally()
+    found = False
     for file in list_text_files(path):
+        tally.files += 1
         if file.endswith((".jsonl", ".jsonl.gz")):
-            yield from _iter_jsonl(file, text_key)
+            for text in _iter_jsonl(file, text_key, tally):
+                found = True
+                yield text
         else:
             with _open_binary(file) as f:
                 # A stray invalid byte should not cost the whole file.
                 text = f.read().decode("utf-8", errors="replace")
             if text:
+                found = True
                 yield text
+            else:
+                tally.empty += 1
+    if not found:
+        raise DataError(_no_document_reason(os.fspath(path), text_key, tally))
+
+
+def _no_document_reason(path: str, text_key: str, t: _Tally) -> str:
+    where = f"{path} holds no usable document"
+    if t.bad:
+        rest = f", the other {t.lines - t.bad} have an empty {text_key!r}" if t.lines > t.bad else ""
+        return (f"{where}: {t.bad} of its {t.lines} lines are not JSON objects with a string {text_key!r} field "
+                f"(first: {t.first_bad}){rest}")
+    return f"{where}: its {t.files} text file(s) are empty or hold only empty {text_key!r} fields"
+
+
+def ensure_document(path: str | os.PathLike, *, text_key: str = "text") -> None:
+    """DataError (one sentence saying why) unless `path` holds a usable document. Cheap: reads no
+    further than the first one (one byte of a text file, a JSONL file's lines up to its first
+    usable one), so a whole corpus is read only when it holds nothing usable."""
+    tally = _Tally()
+    for file in list_text_files(path):
+        tally.files += 1
+        if file.endswith((".jsonl", ".jsonl.gz")):
+            docs = _iter_jsonl(file, text_key, tally, warn=False)
+            try:
+                if next(docs, None) is not None:
+                    return
+            finally:
+                docs.close()
+        else:
+            with _open_binary(file) as f:
+                if f.read(1):
+                    return
+            tally.empty += 1
+    raise DataError(_no_document_reason(os.fspath(path), text_key, tally))
 
 
 # --------------------------------------------------------------------------- map-style
@@ -147,7 +206,7 @@ class PackedTokens:
     def __init__(self, tokens: np.ndarray, seq_len: int, *, name: str = "corpus"):
         window = seq_len + 1
         if len(tokens) < window:
-            raise ValueError(
+            raise DataError(
                 f"{name} has only {len(tokens)} tokens, fewer than one sample of seq_len + 1 = {window}; "
                 "use more text or a shorter seq_len"
             )
@@ -173,7 +232,7 @@ class PackedTokens:
 
         begin, end = split_range(split, split_name, self._num)
         if end <= begin:
-            raise ValueError(f"the {split_name!r} part of split {split!r} of {self._num} samples of "
+            raise DataError(f"the {split_name!r} part of split {split!r} of {self._num} samples of "
                              f"seq_len {self.seq_len} holds no sample; use a shorter seq_len")
         part = PackedTokens.__new__(PackedTokens)
         part.tokens, part.seq_len = self.tokens, self.seq_len
@@ -330,7 +389,7 @@ class PackedStream:
                 self._docs_in_epoch += 1
                 return doc
             if self._docs_in_epoch == 0:
-                raise ValueError(f"dataset source {self.source!r} yielded no documents in epoch {self._epoch}")
+                raise DataError(f"dataset source {self.source!r} yielded no documents in epoch {self._epoch}")
             logger.info("dataset stream finished epoch %d; starting over", self._epoch)
             self._epoch += 1
             self._docs_in_epoch = 0

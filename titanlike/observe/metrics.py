@@ -80,13 +80,15 @@ class MetricsLogger:
     def step_done(self) -> None:
         self._steps_since += 1
 
-    def log(self, step: int, *, loss: float, grad_norm: float, lr: float) -> dict:
+    def log(self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict | None = None) -> dict:
+        """One step's record to the console, TensorBoard and JSONL; extra: more scalars for the record."""
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         tps = self._steps_since * self.tokens_per_step_per_device / elapsed
         self._last_time, self._steps_since = now, 0
         mem_label, mem = peak_memory_gib(self.device)
-        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, mem_label: mem}
+        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, mem_label: mem,
+                  **(extra or {})}
         if self.peak_flops:
             record["mfu"] = 100.0 * tps * self.flops_per_token / self.peak_flops
         if not self.is_writer:

@@ -39,8 +39,11 @@ def clip_grad_norm_(
     clip_by_mesh: dict[object, list[torch.Tensor]] = {}
     for p in params:
         clip_by_mesh.setdefault(_mesh_of(p.grad), []).append(p)
+    # A non-finite norm leaves the gradients as they are (clipping by it would make every one of
+    # them nan and hide which parameter went bad); the caller decides to stop or skip the step.
+    clip_by = torch.where(total.isfinite(), total, torch.zeros_like(total))
     for group in clip_by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, clip_by, foreach=foreach)
     return total
 
 

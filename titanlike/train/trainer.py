@@ -4,6 +4,11 @@ Assembly follows shared/design.md: ParallelDims -> model on meta -> parallelize 
 materialize and initialize on the sharded tensors -> optimizer and schedule ->
 data -> loop. The training step is `train_step`: all microbatches of one global
 batch, one clip, one optimizer step.
+
+Faults (titanlike/train/faults.py, titanlike/observe/run_lock.py): rank 0 locks the dump
+folder for the job's life; a step whose loss or gradient norm is non-finite is stopped (or
+skipped, training.skip_nonfinite_steps) before the optimizer step; SIGTERM / SIGUSR1 on any
+rank make all ranks save the step they finish and return from `train`.
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlike.checkpoint import CheckpointManager
+from titanlike.checkpoint import CheckpointError, CheckpointManager
 from titanlike.config.loader import config_to_dict
 from titanlike.config.schema import JobConfig
 from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
@@ -27,11 +33,13 @@ from titanlike.models.common.attention import DocumentMask, describe_sdpa_kernel
 from titanlike.models.converters import build_model_converters
 from titanlike.models.registry import get_model_spec
 from titanlike.observe.metrics import MetricsLogger
+from titanlike.observe.run_lock import FolderInUse, FolderLock
 from titanlike.parallel.context import load_balanced_positions, shard_sequence
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.utils import clip_grad_norm_, sum_over
 from titanlike.train.evaluate import build_validation_data
+from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
 from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss
 from titanlike.train.model_parts import build_model_parts, model_args_for_job
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
@@ -85,6 +93,11 @@ class Trainer:
         self.dims = dims
         self.device = init_distributed(cfg, dims.world_size)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # One job per output folder: rank 0 locks it before anything is written (every rank learns the verdict).
+        self.folder_locks = self._lock_output_folders()
+        self.stop: StopRequest | None = None  # SIGTERM / SIGUSR1 handling, installed by train()
+        self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient norm (training.skip_nonfinite_steps)
+        self.step_skipped = False
         if cfg.debug.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -196,6 +209,35 @@ class Trainer:
             jsonl_path=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
         )
 
+    def _lock_output_folders(self) -> list[FolderLock]:
+        """Rank 0 locks job.dump_folder (and checkpoint.folder when it lies outside it); every
+        rank raises TrainingError if another live job holds one of them."""
+        cfg, locks, error = self.cfg, [], None
+        if self.rank == 0:
+            dump = cfg.job.dump_folder
+            folders = [("job.dump_folder", dump)]
+            ckpt = os.path.join(dump, cfg.checkpoint.folder)
+            if cfg.checkpoint.enable and os.path.commonpath([os.path.abspath(ckpt), os.path.abspath(dump)]) \
+                    != os.path.abspath(dump):
+                folders.append(("checkpoint.folder", ckpt))
+            try:
+                for option, folder in folders:
+                    lock = FolderLock(folder, option=option, description=cfg.job.description)
+                    lock.acquire()
+                    locks.append(lock)
+            except FolderInUse as e:
+                for lock in locks:
+                    lock.release()
+                locks, error = [], str(e)
+        if dist.is_initialized():
+            refused = torch.tensor([int(error is not None)], dtype=torch.int32)  # CPU: gloo
+            dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+            if refused.item() and error is None:
+                error = "another titanlike job holds this job's output folder (rank 0 names it)"
+        if error is not None:
+            raise TrainingError(error)
+        return locks
+
     def _loss_context(self):
         return torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
@@ -285,14 +327,46 @@ class Trainer:
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"),
                                     exclude=frozenset(self.tied.duplicates) if self.tied else frozenset())
+        # Under PP only ranks holding the last stage have a loss (the others 0), so summing over pp too
+        # gives every rank, rank 0 (the metrics writer) included, the global loss.
+        loss = sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp")).item()
+        norm = grad_norm.item()
+        # Both are global (the same on every rank), so every rank takes the same branch. Checked
+        # before the optimizer step: a non-finite update would make the parameters nan and the
+        # next checkpoint would publish them.
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self._skip_or_stop(loss, norm)
+            return loss, norm
         self.optimizer.step()
         self.converters.post_optimizer_step(self.model_parts)
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        # Under PP only ranks holding the last stage have a loss (the others 0), so summing over pp too
-        # gives every rank, rank 0 (the metrics writer) included, the global loss.
-        loss = sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp")).item()
-        return loss, grad_norm.item()
+        return loss, norm
+
+    def _skip_or_stop(self, loss: float, norm: float) -> None:
+        """A step with a non-finite loss or gradient norm: skip it (training.skip_nonfinite_steps)
+        or raise TrainingError. Nothing is updated either way."""
+        if math.isfinite(loss):
+            # A collective on every rank (they all saw the same norm); only now is the scan paid for.
+            what = f"the gradient norm is {norm} at step {self.step} (first non-finite gradient: " \
+                   f"{name_nonfinite_grad(self.model_parts)})"
+        else:
+            what = f"the loss is {loss} at step {self.step}"
+        budget = max(self.cfg.training.skip_nonfinite_steps, 0)
+        if self.skipped_steps >= budget:
+            after = (f" (the {budget} step(s) training.skip_nonfinite_steps allows were already skipped)"
+                     if budget else "")
+            raise TrainingError(f"{what}; stopped before the optimizer step, nothing was updated or saved{after}")
+        self.skipped_steps += 1
+        self.step_skipped = True
+        # The step is dropped: no optimizer update (Adam's moments and step count stay), while the
+        # schedule advances with the step count so that step N keeps the learning rate it has in a
+        # run without skips.
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        if self.rank == 0:
+            logger.warning(f"skipped step {self.step}: {what}; no parameter was updated ({self.skipped_steps} of "
+                           f"training.skip_nonfinite_steps {budget} used)")
 
     @torch.no_grad()
     def validate(self) -> tuple[float, int]:
@@ -314,8 +388,19 @@ class Trainer:
         return (loss_sum / tokens).item(), int(tokens.item())
 
     def train(self) -> list[float]:
-        """Run to training.steps; returns the loss of every step."""
+        """Run to training.steps; returns the loss of every step.
+
+        Stops early, after saving a full checkpoint of the last finished step, when any rank got
+        SIGTERM or SIGUSR1 (see titanlike/train/faults.py); then returns normally.
+        """
         steps = self.cfg.training.steps
+        self.stop = StopRequest(watch_parent=under_torchrun())
+        self.stop.install()
+        finished = self._resume_verdict()
+        if finished is not None:  # a finished run relaunched: say so instead of exiting silently
+            if self.rank == 0:
+                logger.warning(finished)
+            return []
         # Before iter(): the loader applies a loaded position when its iterator is created.
         start = self.checkpointer.load()
         if start is None:  # checkpoint.create_seed_checkpoint: the seed is written, nothing to train
@@ -323,6 +408,11 @@ class Trainer:
         self.step = start
         data = iter(self.dataloader)
         losses = []
+        if self.stop.agreed():
+            if self.rank == 0:
+                logger.info(f"received {StopRequest.describe(self.stop.agreed_code)} before the first step: "
+                            f"nothing new to save (the run is at step {start}); exiting")
+            return losses
         if self.rank == 0:
             logger.info(
                 f"training {steps} steps: global batch {self.global_batch_size} x seq "
@@ -337,29 +427,137 @@ class Trainer:
         with profiler:
             while self.step < steps:
                 self.step += 1
+                self.step_skipped = False
                 lr = self.lr_scheduler.get_last_lr()[0]
                 loss, grad_norm = self.train_step([next(data) for _ in range(self.grad_accum_steps)])
-                if not math.isfinite(loss):
+                if not self.step_skipped and not math.isfinite(loss):
                     raise TrainingError(f"the loss is {loss} at step {self.step}; training stopped")
                 losses.append(loss)
                 self.metrics.step_done()
-                if self.metrics.should_log(self.step, steps):
-                    self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
+                if self.step_skipped or self.metrics.should_log(self.step, steps):
+                    self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr,
+                                     extra={"skipped_steps": self.skipped_steps} if self.skipped_steps else None)
                 if self.validation is not None and (self.step % self.cfg.validation.freq == 0 or self.step == steps):
                     self.metrics.log_validation(self.step, *self.validate())
+                # Every rank, after every step but the last (which saves and ends anyway): one scalar
+                # all-reduce, so a signal seen by any rank stops all of them after this same step.
+                if self.step < steps and self.stop.agreed():
+                    self._save_and_stop()
+                    break
                 self.checkpointer.save(self.step)
                 if self.step == start + 1 and dist.is_initialized():
                     # The first step (compilation, lazy init) is done: a hung collective now fails in
                     # comm.train_timeout_seconds. The checkpoint's group keeps its long timeout.
                     set_train_timeout(self.cfg.comm.train_timeout_seconds, keep=[self.checkpointer.process_group])
                 profiler.step()
+        if self.skipped_steps and self.rank == 0:
+            logger.warning(f"{self.skipped_steps} step(s) with a non-finite loss or gradient norm were skipped "
+                           f"(training.skip_nonfinite_steps {self.cfg.training.skip_nonfinite_steps})")
         return losses
 
-    def close(self) -> None:
-        self.checkpointer.close()
-        self.metrics.close()
+    def _save_and_stop(self) -> None:
+        """A stop signal reached some rank: save a full checkpoint of this step on every rank, say so."""
+        name = StopRequest.describe(self.stop.agreed_code)
+        if not self.checkpointer.enabled:
+            if self.rank == 0:
+                logger.warning(f"received {name}: checkpoint.enable is off, so step {self.step} was not saved; exiting")
+            return
+        if self.rank == 0:
+            logger.info(f"received {name}: saving step {self.step} before exiting")
+        begin = time.monotonic()
+        self.checkpointer.save(self.step, force=True)
+        if self.rank == 0:
+            logger.info(f"received {name}: saved step {self.step} to {self.checkpointer.path(self.step)} in "
+                        f"{time.monotonic() - begin:.1f} s; exiting")
+
+    def _resume_verdict(self) -> str | None:
+        """The sentence to print instead of training when the checkpoint to resume from is already at
+        or past training.steps (a finished run relaunched); raises TrainingError when the latest
+        checkpoint is a model-only final export that cannot be extended, naming the flags to pass.
+        Rank 0 reads the folder; every rank gets its verdict."""
+        c = self.cfg.checkpoint
+        if not self.checkpointer.enabled or c.create_seed_checkpoint:
+            return None
+        verdict = None
+        if self.rank == 0:
+            try:
+                verdict = resume_verdict(self.checkpointer.folder, c.load_step, self.cfg.training.steps)
+            except CheckpointError:
+                verdict = None  # a damaged checkpoint: load() reports it, on every rank
         if dist.is_initialized():
-            # Without a barrier a fast rank can tear gloo down under a slower one
-            # ("terminate called without an active exception").
-            dist.barrier()
-            dist.destroy_process_group()
+            box = [verdict]
+            dist.broadcast_object_list(box, src=0, group=self.checkpointer.process_group)
+            verdict = box[0]
+        if verdict is None:
+            return None
+        kind, message = verdict
+        if kind == "error":
+            raise TrainingError(message)
+        return message
+
+    def close(self) -> None:
+        try:
+            self.checkpointer.close()
+            self.metrics.close()
+            if dist.is_initialized():
+                # Without a barrier a fast rank can tear gloo down under a slower one
+                # ("terminate called without an active exception").
+                dist.barrier()
+                dist.destroy_process_group()
+        finally:
+            for lock in self.folder_locks:
+                lock.release()
+            if self.stop is not None:
+                # Last: a signal during the final saves and the barrier above must not kill the process.
+                self.stop.restore()
+
+
+def resume_verdict(folder: str, load_step: int, steps: int) -> tuple[str, str] | None:
+    """("done", sentence) when the checkpoint a job would resume from is at or past training.steps;
+    ("error", sentence) when it is a model-only final export below training.steps; else None (the
+    checkpoint manager loads normally, or reports what is wrong)."""
+    from titanlike.checkpoint import format as fmt
+
+    published = fmt.published_steps(folder)
+    step = load_step if load_step >= 0 else (published[-1] if published else None)
+    if step is None or step not in published:
+        return None
+    full = _is_full_checkpoint(fmt.step_folder(folder, step))
+    if step >= steps:
+        head = f"the checkpoint in {folder} is at step {step} >= training.steps {steps}: nothing to train"
+        if full:
+            return "done", f"{head}; raise --training.steps to continue"
+        return "done", f"{head}; step {step} is a model-only final export (checkpoint.last_save_model_only): " \
+                       + _how_to_extend(folder, published, step, steps_flag=f"--training.steps > {step} ")
+    if full or load_step >= 0:
+        return None  # resumes; an explicit load_step of a model-only export is the manager's to refuse
+    return "error", f"the latest checkpoint in {folder}, step {step}, is a model-only final export " \
+                    f"(checkpoint.last_save_model_only) that training cannot resume from; " \
+                    + _how_to_extend(folder, published, step, steps_flag="")
+
+
+def _how_to_extend(folder: str, published: list[int], step: int, *, steps_flag: str) -> str:
+    from titanlike.checkpoint import format as fmt
+
+    full = [s for s in published if s < step and _is_full_checkpoint(fmt.step_folder(folder, s))]
+    if full:
+        again = f"step {step} is" if full[-1] + 1 == step else f"steps {full[-1] + 1}..{step} are"
+        return (f"to extend the run, relaunch with {steps_flag}--checkpoint.load_step {full[-1]} "
+                f"(its last full checkpoint; {again} trained again)")
+    path = fmt.step_folder(folder, step)
+    hf = fmt.is_hf_folder(path) and not fmt.is_dcp_folder(path)
+    return (f"no full checkpoint is left to extend the run from; start a new run from it with "
+            f"--checkpoint.initial_load_path {path}" + (" --checkpoint.initial_load_in_hf" if hf else "")
+            + " (checkpoint.no_last_save_model_only keeps the last save resumable)")
+
+
+def _is_full_checkpoint(path: str) -> bool:
+    """Whether a published checkpoint holds the whole training state (not a model-only export)."""
+    from titanlike.checkpoint import format as fmt
+
+    info = fmt.read_sidecar(path)
+    if info is not None and "contents" in info:
+        return info["contents"] == "full"
+    if not fmt.is_dcp_folder(path):
+        return False
+    return fmt.dcp_model_keys(fmt.read_dcp_metadata(path))[1]

@@ -3,10 +3,16 @@ where it lives (the layout's in ParallelDims, the family's in its args, the pipe
 converters', the checkpoint manager's, the data's), in the order a user meets them.
 
 Every failure is one ConfigError sentence naming the option and what would make it valid.
+
+`check_memory=True` (train.py, for the job it is about to run) adds one rule about this machine
+rather than the job: the analytic estimate of the peak memory per rank must fit in this GPU's
+memory (or, on CPU, in this host's memory shared by its local ranks). It stays off by default:
+the estimator and the tests validate jobs meant for other machines.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -15,6 +21,9 @@ from titanlike.config.loader import ConfigError
 from titanlike.config.schema import JobConfig
 from titanlike.config.validate import NOT_YET, validate_values
 from titanlike.parallel.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+GiB = 2**30
 
 
 def resolve_parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -33,8 +42,9 @@ def resolve_parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
         raise ConfigError(str(e)) from None
 
 
-def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """Check the whole job; returns the resolved ParallelDims."""
+def validate_config(cfg: JobConfig, world_size: int, *, check_memory: bool = False) -> ParallelDims:
+    """Check the whole job; returns the resolved ParallelDims. check_memory: also refuse a job
+    whose estimated peak per rank exceeds this machine's memory (see the module docstring)."""
     dims = resolve_parallel_dims(cfg, world_size)
     try:
         _validate(cfg, dims)
@@ -42,7 +52,74 @@ def validate_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if check_memory:
+        validate_memory(cfg, dims)
     return dims
+
+
+def machine_memory() -> tuple[int, str]:
+    """(bytes one rank may use, what they are) on this machine: the GPU this rank will use, or on
+    CPU the host's memory (its cgroup limit if lower) shared by LOCAL_WORLD_SIZE ranks."""
+    if torch.cuda.is_available():
+        # get_device_properties reads the total without creating a CUDA context (mem_get_info
+        # would create one on device 0 in every rank, before each picks its own device).
+        device = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(device)
+        return int(props.total_memory), f"GPU {device} ({props.name}) has"
+    total = host_memory()
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+    if local > 1:
+        return total // local, f"this host's {total / GiB:.1f} GiB of memory shared by {local} local ranks leave"
+    return total, "this host has"
+
+
+def host_memory() -> int:
+    """Bytes of physical memory, or the container's (cgroup v2) limit where that is lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def estimate_peak_memory(cfg: JobConfig, dims: ParallelDims) -> tuple[int, str] | None:
+    """(peak bytes of the busiest rank, its largest parts) from the analytic estimator, or None
+    where it cannot say (estimation/ not importable outside a checkout, a model it does not know)."""
+    try:
+        from estimation.analytic import estimate_analytic
+        from estimation.options import prepare_job
+    except ImportError:
+        return None
+    try:
+        estimates, _ = estimate_analytic(prepare_job(cfg, dims.world_size), granularity=1)
+    except (ValueError, NotImplementedError) as e:  # UnknownBlockError, a family without formulas
+        logger.debug("no memory estimate for this job: %s", e)
+        return None
+    top = max(estimates, key=lambda r: r.peak_bytes)
+    b = top.peak
+    state = b.parameters + b.gathered_parameters + b.gradients + b.optimizer_state
+    parts = (f"{state / GiB:.1f} GiB of weights, gradients and optimizer state, "
+             f"{(b.activations + b.transient) / GiB:.1f} GiB of activations")
+    return top.peak_bytes, parts
+
+
+def validate_memory(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Refuse a job whose analytic peak per rank exceeds what this machine has for one rank."""
+    estimate = estimate_peak_memory(cfg, dims)
+    if estimate is None:
+        return
+    peak, parts = estimate
+    memory, where = machine_memory()
+    if peak > memory:
+        raise ConfigError(
+            f"the job needs about {peak / GiB:.1f} GiB per rank ({parts}, by the analytic estimate) but "
+            f"{where} {memory / GiB:.1f} GiB; lower training.local_batch_size or training.seq_len, set "
+            "activation_checkpoint.mode full, spread the model over more ranks (parallelism degrees) or pick a "
+            "smaller model.flavor")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -95,6 +172,9 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
                f"training.global_batch_size {t.global_batch_size} must be a positive multiple of "
                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp_degree} = {per_pass}")
     validate_dataset(t.dataset, t.dataset_path)
+    v = cfg.validation
+    if v.enable and v.dataset not in (None, "default") and v.dataset_path:
+        validate_dataset(v.dataset, v.dataset_path, option="validation")
     if dims.pp_enabled:
         ac = cfg.activation_checkpoint
         validate_pipeline(p, model=model, n_layers=args.num_layers, has_pipeline_ends=spec.pipeline_ends is not None,

@@ -69,6 +69,11 @@ class DecoderArgs(BaseModelArgs):
         # A head cannot be split across tensor-parallel ranks.
         check_divisible(self.n_heads, "attention heads", dims.tp, "tensor_parallel_degree")
         check_divisible(self.num_kv_heads, "key/value heads", dims.tp, "tensor_parallel_degree")
+        # Called on the flavor's args, before update_from_config sizes max_seq_len for the job: the
+        # positions the model has a table or RoPE angles for (Llama 3.1: 131072, GPT-2: 1024).
+        if seq_len > self.context_len:
+            raise ValueError(f"training.seq_len {seq_len} exceeds the model's context of {self.context_len} "
+                             f"positions; set training.seq_len to at most {self.context_len}")
 
 
 class Decoder(nn.Module):

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from titanlike.models.args import LayoutDegrees
 from titanlike.models.common.attention import Attention
 from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.decoder import Decoder, DecoderArgs
@@ -54,7 +53,7 @@ class GPT2Args(DecoderArgs):
 
     def update_from_config(self, *, vocab_size: int, seq_len: int) -> GPT2Args:
         """Only the vocabulary comes from the job: max_seq_len sizes the learned position table (a
-        weight), so it stays the flavor's context; validate() refuses a longer training.seq_len."""
+        weight), so it stays the flavor's context; DecoderArgs.validate refuses a longer training.seq_len."""
         return dataclasses.replace(self, vocab_size=vocab_size)
 
     def num_params(self, *, exclude_embedding: bool = False) -> int:
@@ -71,15 +70,6 @@ class GPT2Args(DecoderArgs):
         if exclude_embedding:
             total -= positions + (0 if self.tie_word_embeddings else tokens)
         return total
-
-    # Rules ------------------------------------------------------------------------------------
-
-    def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
-        super().validate(dims, seq_len=seq_len)
-        if seq_len > self.max_seq_len:
-            raise ValueError(f"training.seq_len {seq_len} exceeds the model's context of {self.max_seq_len} "
-                             "positions (the rows of its learned position table), so set training.seq_len "
-                             f"to at most {self.max_seq_len}")
 
     # Hugging Face identity ---------------------------------------------------------------------
 

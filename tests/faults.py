@@ -1,0 +1,198 @@
+"""Fault injection for checkpoint tests, in-process or around train.py.
+
+In a test: ``disk_full(monkeypatch, "step-6.tmp", budget)`` makes DCP's file writes under that
+folder fail with ENOSPC once ``budget`` bytes are written, as a full disk does;
+``poison_index`` / ``poison_entry`` turn a checkpoint into one that runs ``touch MARKER`` when
+unpickled freely; ``flip_two_bytes`` corrupts a tensor's data in place.
+
+Around train.py: ``python tests/faults.py <train.py args>`` with TITANLIKE_FAULT set to a JSON
+object runs train.main() with the fault installed:
+
+  {"kind": "disk_full", "where": "step-6.tmp", "budget": 10000}
+  {"kind": "full_while_tmp", "folder": DIR}   the metrics writers fail with ENOSPC while DIR holds
+                                               a step-N.tmp (the disk is full until it is removed)
+  {"kind": "nan_param", "step": 6, "rank": 1}  after step 6's optimizer step, rank 1 writes a NaN
+                                               into its shard of the first parameter it holds
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FullDisk(io.RawIOBase):
+    """A write stream over `raw` that raises ENOSPC once `budget` bytes are written."""
+
+    def __init__(self, raw, budget: int):
+        super().__init__()
+        self.raw, self.budget = raw, budget
+
+    def write(self, b) -> int:
+        n = len(memoryview(b).cast("B"))
+        if n > self.budget:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.budget -= n
+        return self.raw.write(b)
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seekable(self) -> bool:
+        return self.raw.seekable()
+
+    def seek(self, *args) -> int:
+        return self.raw.seek(*args)
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def _full_disk_create_stream(where: str, budget: int):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    original = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with original(self, path, mode) as stream:
+            yield FullDisk(stream, budget) if "w" in mode and where in os.fspath(path) else stream
+
+    return FileSystem, create_stream
+
+
+def disk_full(monkeypatch, where: str, budget: int = 10_000) -> None:
+    """pytest: DCP writes to paths containing `where` fail with ENOSPC after `budget` bytes."""
+    cls, create_stream = _full_disk_create_stream(where, budget)
+    monkeypatch.setattr(cls, "create_stream", create_stream)
+
+
+class Evil:
+    """Unpickled freely, it runs `touch marker` (os.system)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def reseal(path: str) -> None:
+    """Rewrite the sidecar's checksums for the files as they are now (an attacker can too)."""
+    from titanlike.checkpoint import format as fmt
+
+    info = fmt.read_sidecar(path) or {}
+    for key in ("checksums", "format_version"):
+        info.pop(key, None)
+    fmt.write_sidecar(path, info)
+
+
+def poison_index(path: str, marker) -> None:
+    """A valid index that also runs code when unpickled with pickle.load (as DCP's reader does)."""
+    import pickle
+
+    from titanlike.checkpoint import format as fmt
+
+    metadata = fmt.read_dcp_metadata(path)
+    metadata.planner_data = Evil(marker)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    reseal(path)
+
+
+def poison_entry(path: str, key: str, marker) -> None:
+    """Rewrite checkpoint path with entry `key` replaced by a pickle that runs code (DCP pickles
+    any non-tensor value; its loader unpickles it with torch.load(weights_only=False))."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titanlike.checkpoint import format as fmt
+
+    metadata = fmt.read_dcp_metadata(path)
+    state = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in metadata.state_dict_metadata.items()}
+    fmt.dcp_load(state, path, no_dist=True)
+    sidecar = fmt.read_sidecar(path)
+    shutil.rmtree(path)
+    state[key] = Evil(marker)
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    sidecar.pop("checksums")
+    fmt.write_sidecar(path, sidecar)
+
+
+def flip_two_bytes(path: str, key: str = "model.layers.1.attention.wq.weight") -> str:
+    """Flip two bytes in the middle of entry key's data in checkpoint path; returns the file."""
+    from titanlike.checkpoint import format as fmt
+
+    info = next(v for k, v in fmt.read_dcp_metadata(path).storage_data.items() if k.fqn == key)
+    file = os.path.join(path, info.relative_path)
+    with open(file, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        data = bytearray(f.read(2))
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes(b ^ 0x10 for b in data))
+    return file
+
+
+def install(fault: dict) -> None:
+    kind = fault["kind"]
+    if kind == "disk_full":
+        cls, create_stream = _full_disk_create_stream(fault["where"], fault.get("budget", 10_000))
+        cls.create_stream = create_stream
+    elif kind == "full_while_tmp":
+        from titanlike.observe.metrics import MetricsLogger
+
+        init = MetricsLogger.__init__
+
+        def full_init(self, *args, **kwargs):
+            folder = fault["folder"]
+            if os.path.isdir(folder) and any(n.endswith(".tmp") for n in os.listdir(folder)):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(folder, "events"))
+            init(self, *args, **kwargs)
+
+        MetricsLogger.__init__ = full_init
+    elif kind == "nan_param":
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from titanlike.train.trainer import Trainer
+
+        train_step = Trainer.train_step
+
+        def poisoned(self, microbatches):
+            out = train_step(self, microbatches)
+            if self.step == fault["step"] and self.rank == fault.get("rank", 0):
+                with torch.no_grad():
+                    for part in self.model_parts:
+                        for p in part.parameters():
+                            local = p.to_local() if isinstance(p, DTensor) else p
+                            if local.numel():
+                                local.view(-1)[0] = float("nan")
+                                return out
+            return out
+
+        Trainer.train_step = poisoned
+    else:
+        raise ValueError(f"unknown fault {kind!r}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, REPO)
+    install(json.loads(os.environ["TITANLIKE_FAULT"]))
+    sys.argv = [os.path.join(REPO, "train.py"), *sys.argv[1:]]
+    import train
+
+    sys.exit(train.main(sys.argv[1:]))
