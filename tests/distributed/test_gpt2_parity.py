@@ -111,3 +111,18 @@ def test_pp2_zbv_zero_bubble_x_fsdp2(tmp_path, reference):
     got = run(tmp_path, "zbv", *pp(2, "ZBVZeroBubble"), "--training.local_batch_size", "4", nproc=4)
     check(got, reference, "PP2 ZBVZeroBubble x FSDP2")
 
+
+
+@pytest.mark.parametrize("schedule, extra, nproc", [
+    # The remaining schedules, each with another dimension: GPipe x CP2 (one stage per rank, the
+    # position table indexed by global positions on the first stage), LoopedBFS (looped placement,
+    # every forward first), InterleavedZeroBubble x FSDP2 (split backward on resharded-never FSDP),
+    # DualPipeV x FSDP2 (V placement, both tied copies on rank 0).
+    ("GPipe", ("--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"), 4),
+    ("LoopedBFS", ("--training.local_batch_size", "8"), 2),
+    ("InterleavedZeroBubble", ("--training.local_batch_size", "4"), 4),
+    ("DualPipeV", ("--training.local_batch_size", "4"), 4),
+])
+def test_pp2_other_schedules(tmp_path, reference, schedule, extra, nproc):
+    got = run(tmp_path, schedule, *pp(2, schedule), *extra, nproc=nproc)
+    check(got, reference, f"PP2 {schedule} ({nproc} ranks)")

@@ -135,7 +135,7 @@ def test_hf_model_from_our_config_has_our_parameter_count(flavor):
         hf = LlamaForCausalLM(LlamaConfig(**cfg))
         model = Transformer(args)
     hf_count = sum(p.numel() for p in hf.parameters())  # tied weights are one Parameter
-    assert hf_count == model.num_params()
+    assert hf_count == args.num_params() == sum(p.numel() for p in model.parameters())
 
 
 def test_published_hf_config_maps_to_flavor():
