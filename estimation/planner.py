@@ -183,7 +183,7 @@ def throughput(prep: PreparedJob, c: Candidate, global_batch: int, opts: Estimat
     cp_time = 0.0
     heads = args.attention_shape()
     if c.cp > 1 and heads is not None:
-        kv = c.microbatch * seq_local * heads.n_kv_heads * heads.head_dim * e * 2 / c.tp
+        kv = c.microbatch * seq_local * heads.kv_heads * heads.head_dim * e * 2 / c.tp
         cp_time = layers_per_rank * microbatches * passes * (c.cp - 1) * kv / bw(c.tp * c.cp)
 
     per_rank, shapes = stage_layout(prep)

@@ -95,7 +95,7 @@ def test_flops_per_token():
     n = a.num_params(exclude_embedding=True)
     assert n == 124_439_808 - 1024 * 768
     assert a.flops_per_token(1024) == 6 * n + 12 * 12 * 12 * 64 * 1024
-    assert a.attention_shape().n_kv_heads == a.n_heads == 12
+    assert a.attention_shape().kv_heads == a.n_heads == 12
 
 
 def test_update_from_config_keeps_the_context():

@@ -25,8 +25,8 @@ class LayoutDegrees(Protocol):
 class AttentionShape:
     """Heads of a model's attention, for the kernel report and the CP/TP cost models."""
 
-    n_heads: int
-    n_kv_heads: int
+    heads: int  # query heads
+    kv_heads: int  # key/value heads (fewer than heads: grouped-query attention)
     head_dim: int
     causal: bool = True
 

@@ -252,8 +252,7 @@ class Trainer:
             how = "FlexAttention with a document block mask"
         else:
             dense = t.document_masking
-            kernel = describe_sdpa_kernel(n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
-                                          seq_len=t.seq_len, dtype=dtype, device=self.device, dense_mask=dense)
+            kernel = describe_sdpa_kernel(a, seq_len=t.seq_len, dtype=dtype, device=self.device, dense_mask=dense)
             how = f"SDPA {'with a dense document mask' if dense else 'causal'}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
 

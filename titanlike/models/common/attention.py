@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titanlike.models.args import AttentionShape
 from titanlike.models.common.init import LinearInit, zeros_
 from titanlike.models.common.rope import apply_rotary_emb
 
@@ -161,8 +162,8 @@ def validate_attention_backend(backend: str, *, cuda: bool) -> None:
                          "use auto or sdpa")
 
 
-def describe_sdpa_kernel(*, n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int,
-                         dtype: torch.dtype, device: torch.device, dense_mask: bool = False) -> str:
+def describe_sdpa_kernel(shape: AttentionShape, *, seq_len: int, dtype: torch.dtype, device: torch.device,
+                         dense_mask: bool = False) -> str:
     """Name of the SDPA kernel torch picks for this model's attention (flash, cuDNN, efficient, math).
 
     Asks torch's own dispatcher with tiny stand-in tensors of the real head count, head_dim
@@ -171,13 +172,13 @@ def describe_sdpa_kernel(*, n_heads: int, n_kv_heads: int, head_dim: int, seq_le
     from torch.nn.attention import SDPBackend
 
     seq = min(seq_len, 128) if dense_mask else seq_len
-    q = torch.empty(1, n_heads, seq, head_dim, dtype=dtype, device=device)
-    kv_heads = n_kv_heads if sdpa_takes_gqa(q) else n_heads
-    k = torch.empty(1, kv_heads, seq, head_dim, dtype=dtype, device=device)
+    q = torch.empty(1, shape.heads, seq, shape.head_dim, dtype=dtype, device=device)
+    kv_heads = shape.kv_heads if sdpa_takes_gqa(q) else shape.heads
+    k = torch.empty(1, kv_heads, seq, shape.head_dim, dtype=dtype, device=device)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).tril() if dense_mask else None
     try:
         choice = torch._fused_sdp_choice(q, k, k, attn_mask=mask, is_causal=not dense_mask,
-                                         enable_gqa=kv_heads != n_heads)
+                                         enable_gqa=kv_heads != shape.heads)
         return SDPBackend(choice).name.lower()
     except Exception as err:  # a private torch API: report rather than fail the run
         return f"unknown ({type(err).__name__})"
