@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_JOB, _env, launch, read_metrics
+from conftest import REPO, TINY_JOB, _env, descendants, launch, read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -71,7 +71,7 @@ def straight(tmp_path_factory):
 
 
 def test_straight_run_saves_a_full_checkpoint_and_exports_the_model(straight):
-    from titanlike.checkpoint.hf import read_dcp_metadata
+    from titanlike.checkpoint.format import read_dcp_metadata
 
     dump, metrics = straight
     assert sorted(metrics) == list(range(1, 11))
@@ -93,24 +93,6 @@ def test_resume_is_exact(tmp_path, straight):
     assert sorted(got) == [6, 7, 8, 9, 10]
     for s in range(6, 11):
         assert (got[s]["loss"], got[s]["grad_norm"]) == (ref[s]["loss"], ref[s]["grad_norm"]), s
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _last_logged_step(path: Path) -> int:
@@ -145,7 +127,7 @@ def killed_and_resumed(tmp_path_factory):
     finally:
         # Every process at once, like a node failure: torchrun, its workers (each in its own
         # session) and their checkpoint processes.
-        for pid in [proc.pid, *_descendants(proc.pid)]:
+        for pid in [proc.pid, *descendants(proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

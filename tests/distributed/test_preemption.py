@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_JOB, _env, launch, read_metrics
+from conftest import REPO, TINY_JOB, _env, descendants, launch, read_metrics, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -30,32 +30,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
             str(REPO / "train.py")]
 
 
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def _descendants(pid: int) -> list[int]:
-    children, out, todo = _children(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _rank_pids(launcher: int) -> dict[int, int]:
     """{rank: pid} of the train.py processes under a launcher."""
     ranks = {}
-    for pid in _descendants(launcher):
+    for pid in descendants(launcher):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
@@ -86,17 +64,6 @@ def _logged_steps(dump: Path) -> list[int]:
         return []
 
 
-def _wait_for(predicate, proc, what, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended ({proc.returncode}) before {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _published(dump: Path) -> list[int]:
     from titanlike.checkpoint import published_steps
 
@@ -108,7 +75,7 @@ def _by_step(records):
 
 
 def _kill_tree(proc):
-    for pid in [proc.pid, *_descendants(proc.pid)]:
+    for pid in [proc.pid, *descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -129,7 +96,7 @@ def test_sigterm_to_one_rank_stops_all_after_the_same_step_and_resumes_exactly(t
     with open(tmp_path / "log", "w") as log:
         proc = subprocess.Popen([*TORCHRUN, *args], cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_for(lambda: len(_logged_steps(dump)) >= 3, proc, "step 3")
+        wait_for(lambda: len(_logged_steps(dump)) >= 3, proc, "step 3")
         # Only rank 1 hears it (torchrun's own forwarding reaches ranks at different instants too).
         os.kill(_rank_pids(proc.pid)[1], signal.SIGTERM)
         assert proc.wait(timeout=180) == 0, (tmp_path / "log").read_text()[-4000:]
@@ -157,7 +124,7 @@ def test_ranks_of_a_sigkilled_torchrun_save_and_exit(tmp_path):
                                 cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     ranks: dict[int, int] = {}
     try:
-        _wait_for(lambda: len(_logged_steps(dump)) >= 2, proc, "step 2")
+        wait_for(lambda: len(_logged_steps(dump)) >= 2, proc, "step 2")
         ranks = _rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1]
         proc.send_signal(signal.SIGKILL)
@@ -229,7 +196,7 @@ def test_slurm_time_limit_signal_saves_and_requeues(tmp_path):
                                  str(dump), "--training.steps", "1000"], cwd=REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
     try:
-        _wait_for(lambda: len(_logged_steps(dump)) >= 2, proc, "step 2")
+        wait_for(lambda: len(_logged_steps(dump)) >= 2, proc, "step 2")
         proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 does
         assert proc.wait(timeout=180) == 0, (tmp_path / "log").read_text()[-4000:]
     finally:

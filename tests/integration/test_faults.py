@@ -10,12 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import REPO, TINY_JOB, _env, read_metrics
+from conftest import REPO, TINY_JOB, _env, read_metrics, wait_for
 
 POISONED = "layers.1.feed_forward.w1.weight"
 
@@ -146,16 +145,6 @@ def _popen(args, log):
                             stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
-def _wait_for(predicate, proc, timeout=300, what=""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended ({proc.returncode}) before {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def _logged_steps(dump):
     try:
@@ -174,7 +163,7 @@ def test_sigusr1_saves_the_current_step_and_exits_0(tmp_path):
     with open(tmp_path / "log", "w") as log:
         proc = _popen(args, log)
     try:
-        _wait_for(lambda: len(_logged_steps(dump)) >= 2, proc, what="step 2")
+        wait_for(lambda: len(_logged_steps(dump)) >= 2, proc, "step 2")
         proc.send_signal(signal.SIGUSR1)
         assert proc.wait(timeout=120) == 0
     finally:
@@ -197,7 +186,7 @@ def test_second_job_on_a_dump_folder_is_refused_until_the_first_is_gone(tmp_path
     with open(tmp_path / "first.log", "w") as log:
         first = _popen([*args, "--training.steps", "1000"], log)
     try:
-        _wait_for(lambda: lock.exists() and lock.stat().st_size > 0, first, what="the lock")
+        wait_for(lambda: lock.exists() and lock.stat().st_size > 0, first, "the lock")
         holder = json.loads(lock.read_text())
         assert holder["pid"] == first.pid
         second = subprocess.run([sys.executable, str(REPO / "train.py"), *args, "--training.steps", "1"], cwd=REPO,

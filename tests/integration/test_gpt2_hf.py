@@ -15,7 +15,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import titanlike
 from conftest import TINY_JOB, launch, read_metrics
-from titanlike.checkpoint.hf import CheckpointError, export_dcp_to_hf, import_hf_to_dcp
+from titanlike.checkpoint.format import CheckpointError
+from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp
 from titanlike.models.gpt2 import GPT2, GPT2Args, gpt2_flavors, hf_adapter
 
 ATOL = 1e-5

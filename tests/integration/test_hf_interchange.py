@@ -76,7 +76,8 @@ def test_hf_to_titanlike_and_back(tmp_path, tied):
 
 def test_titanlike_weights_give_the_same_logits_in_transformers(tmp_path):
     """The other direction with weights of our own init (not HF's), via a model-only DCP."""
-    from titanlike.checkpoint.hf import model_description, write_dcp_model
+    from titanlike.checkpoint.format import model_description
+    from titanlike.checkpoint.hf import write_dcp_model
     from titanlike.models.llama3 import Transformer
 
     args = tiny_args(False)

@@ -462,7 +462,8 @@ def test_manager_and_hf_depend_on_format_only():
 
 
 def test_load_model_refuses_tensors_that_do_not_fit_the_sidecar(tmp_path):
-    from titanlike.checkpoint.hf import model_description, write_dcp_model
+    from titanlike.checkpoint.format import model_description
+    from titanlike.checkpoint.hf import write_dcp_model
 
     model = Job(tmp_path, steps=1).parts[0]
     claimed = dataclasses.replace(ARGS, vocab_size=400)

@@ -16,24 +16,14 @@ from typing import Any
 import torch
 
 from titanlike.checkpoint.format import (
-    DCP_METADATA,
-    FORMAT_VERSION,
-    FULL_MARKER,
     HF_CONFIG,
-    HF_INDEX,
-    MODEL_PREFIX,
     SIDECAR,
     CheckpointError,
     build_args,
-    check_dcp_files,
-    dcp_model_keys,
     dcp_save,
     drop_aliases,
     is_dcp_folder,
-    is_hf_folder,
     model_description,
-    published_steps,
-    read_dcp_metadata,
     read_dcp_model,
     read_hf,
     read_sidecar,
@@ -173,12 +163,4 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     return model.eval()
 
 
-__all__ = [
-    # Defined here.
-    "check_fits", "export_dcp_to_hf", "hf_model_from_config", "import_hf_to_dcp", "load_model", "write_dcp_model",
-    # Re-exported from format.py (scripts and tests import them from here).
-    "CheckpointError", "DCP_METADATA", "FORMAT_VERSION", "FULL_MARKER", "HF_CONFIG", "HF_INDEX", "MODEL_PREFIX",
-    "SIDECAR", "build_args", "check_dcp_files", "dcp_model_keys", "drop_aliases", "is_dcp_folder", "is_hf_folder",
-    "model_description", "published_steps", "read_dcp_metadata", "read_dcp_model", "read_hf", "read_sidecar",
-    "resolve_checkpoint_folder", "summarize", "tied_aliases", "write_hf", "write_sidecar",
-]
+__all__ = ["check_fits", "export_dcp_to_hf", "hf_model_from_config", "import_hf_to_dcp", "load_model", "write_dcp_model"]

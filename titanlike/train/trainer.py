@@ -351,7 +351,7 @@ class Trainer:
                    f"{name_nonfinite_grad(self.model_parts)})"
         else:
             what = f"the loss is {loss} at step {self.step}"
-        budget = max(self.cfg.training.skip_nonfinite_steps, 0)
+        budget = self.cfg.training.skip_nonfinite_steps
         if self.skipped_steps >= budget:
             after = (f" (the {budget} step(s) training.skip_nonfinite_steps allows were already skipped)"
                      if budget else "")
