@@ -149,6 +149,32 @@ class Parallelism:
 
 
 @dataclass
+class MoE:
+    """Run-time settings of mixture-of-experts layers; empty values keep the model flavor's."""
+
+    token_dispatcher: str = opt(
+        "alltoall", "how tokens reach experts on other expert-parallel ranks: alltoall (uneven splits) or "
+        "allgather (every rank sees all tokens of its expert group)", choices=("alltoall", "allgather"))
+    experts_impl: str = opt("grouped_mm", "expert matmuls: grouped_mm (torch._grouped_mm) or loop (one per "
+                            "expert, the reference)", choices=("grouped_mm", "loop"))
+    capacity_factor: float | None = opt(
+        None, "token dropping: an expert takes at most capacity_factor x seq_len x top_k / experts routes of "
+        "each sequence; empty means the flavor's (dropless unless it says otherwise)")
+    drop_policy: str = opt("probs", "which routes over capacity are dropped: the lowest-probability ones "
+                           "(probs) or the latest in the sequence (position)", choices=("probs", "position"))
+    pad_to_capacity: bool = opt(False, "pad every expert's input to its capacity (static shapes; needs "
+                                "capacity_factor)")
+    aux_loss_coeff: float | None = opt(None, "Switch/GShard load-balancing loss coefficient (per micro-batch); "
+                                       "empty means the flavor's")
+    seq_aux_loss_coeff: float | None = opt(None, "sequence-wise load-balancing loss coefficient (DeepSeek-V3); "
+                                           "empty means the flavor's")
+    z_loss_coeff: float | None = opt(None, "router z-loss coefficient; empty means the flavor's")
+    bias_update_rate: float | None = opt(
+        None, "aux-loss-free balancing: step of the per-expert routing bias after each optimizer step "
+        "(0 turns it off); empty means the flavor's")
+
+
+@dataclass
 class Checkpoint:
     enable: bool = opt(False, "save and load distributed checkpoints")
     folder: str = opt("checkpoint", "checkpoint folder, relative to job.dump_folder")
@@ -258,6 +284,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    moe: MoE = field(default_factory=MoE)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

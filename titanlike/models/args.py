@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from titanlike.models.common.moe import MoEArgs
 
 
 class LayoutDegrees(Protocol):
@@ -73,11 +76,20 @@ class BaseModelArgs:
         """Entries of the model's `layers` (the unit of pipeline splitting and per-block wrapping)."""
         return self.n_layers  # type: ignore[attr-defined]
 
-    def num_params(self, *, exclude_embedding: bool = False) -> int:
+    def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
         """Parameters of the whole model, tied weights once. exclude_embedding leaves out lookup
         tables that do no matmul work (token and position embeddings; a table tied to the output
-        projection stays counted)."""
+        projection stays counted). active counts what one token uses: of a mixture of experts'
+        routed experts only top_k (the same as the total for a dense model)."""
         raise NotImplementedError
+
+    def moe_args(self) -> MoEArgs | None:
+        """The mixture-of-experts settings (models/common/moe.py), or None for a dense model."""
+        return None
+
+    def with_moe_args(self, moe: MoEArgs) -> BaseModelArgs:
+        """A copy with other MoE settings (the job's [moe] overrides); only asked of MoE models."""
+        raise NotImplementedError(f"{type(self).__name__} has no mixture-of-experts settings")
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward): 6 N + the attention term, N without embeddings.

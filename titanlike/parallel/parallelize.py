@@ -37,6 +37,7 @@ class ParallelizeOptions:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     fsdp_reshard_after_forward: str = "default"  # default | always | never
+    token_dispatcher: str = "alltoall"  # alltoall | allgather (expert parallelism)
 
 
 def parallelize_model(model: nn.Module, tp_plan: TensorParallelPlan | None, dims: ParallelDims,

@@ -17,6 +17,15 @@ every block. This module turns style names into torch's ParallelStyles:
                       (attention and the MLP need the whole sequence)
   vocab_output        the output projection split by vocabulary; with loss parallel its logits
                       stay sharded (Shard(-1)) for a vocabulary-parallel cross-entropy
+  head_norm           a norm over each attention head's features (QK-norm) applied to this rank's
+                      heads; its weight stays whole and its gradient is summed over the ranks
+  sequence_local      a module that works token by token on this rank's slice of the sequence as a
+                      plain tensor (a mixture of experts routes each token on its own; its experts
+                      are split by expert parallelism, and its replicated router is data-parallel
+                      over the TP ranks, see parallel/expert_parallel.py)
+
+Entries of the block table that a block does not have (a dense block's `moe`, a MoE block's
+`feed_forward.w1`) are skipped.
 
 With sequence parallelism the activations between the parallel regions stay sharded along the
 sequence (Shard(1)), which turns each all-reduce into a reduce-scatter + all-gather pair and
@@ -38,6 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -45,7 +55,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 STYLES = ("vocab_embedding", "position_embedding", "colwise", "rowwise", "sequence_norm", "gather_input",
-          "vocab_output")
+          "vocab_output", "head_norm", "sequence_local")
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        block_plan = {name: styles.build(style, block, name, plan.block) for name, style in plan.block.items()}
+        block_plan = {name: styles.build(style, block, name, plan.block) for name, style in plan.block.items()
+                      if _present(block, name)}
         parallelize_module(block, tp_mesh, {n: s for n, s in block_plan.items() if s is not None})
     # parallelize_module replaced tied weights (embedding and output) by two separate DTensors
     # of the same layout; make them one parameter again.
@@ -148,6 +159,15 @@ class _Styles:
             if readers and all(_is_float8(module.get_submodule(r)) for r in readers):
                 return _float8_styles()[2](fwd_config_submodule_fqn=readers[0], **layouts)
             return PrepareModuleInput(**layouts)
+        if style == "head_norm":
+            # (batch, seq, heads, head_dim) with this rank's heads: dim 2 is the sharded one.
+            return SequenceParallel(sequence_dim=2, use_local_output=True)
+        if style == "sequence_local":
+            if not self.sequence_parallel:
+                return None
+            return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                            use_local_input=True, output_layouts=(Shard(1),),
+                                            desired_output_layouts=(Shard(1),), use_local_output=False)
         if style == "vocab_output":
             return ColwiseParallel(input_layouts=self.between,
                                    output_layouts=Shard(-1) if self.loss_parallel else Replicate(),

@@ -19,9 +19,17 @@ from titanlike.parallel.parallelize import ParallelizeOptions, parallelize_model
 from titanlike.parallel.pipeline import PipelineLayout, build_stage_modules, plan_layout
 
 
+def flavor_args(cfg: JobConfig, spec: ModelSpec) -> BaseModelArgs:
+    """The flavor's args with the job's [moe] settings (a mixture-of-experts model only).
+    ValueError (one sentence) when a setting is out of range."""
+    args = spec.flavors[cfg.model.flavor]
+    moe = args.moe_args()
+    return args if moe is None else args.with_moe_args(moe.with_run_settings(cfg.moe))
+
+
 def model_args_for_job(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> BaseModelArgs:
     """The flavor's args sized for this job (the tokenizer's vocabulary, training.seq_len)."""
-    return spec.flavors[cfg.model.flavor].update_from_config(vocab_size=vocab_size, seq_len=cfg.training.seq_len)
+    return flavor_args(cfg, spec).update_from_config(vocab_size=vocab_size, seq_len=cfg.training.seq_len)
 
 
 def parallelize_options(cfg: JobConfig, dims: ParallelDims) -> ParallelizeOptions:
@@ -36,6 +44,7 @@ def parallelize_options(cfg: JobConfig, dims: ParallelDims) -> ParallelizeOption
         param_dtype=t.mixed_precision_param,
         reduce_dtype=t.mixed_precision_reduce,
         fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+        token_dispatcher=cfg.moe.token_dispatcher,
     )
 
 

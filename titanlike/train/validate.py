@@ -19,7 +19,7 @@ import torch
 
 from titanlike.config.loader import ConfigError
 from titanlike.config.schema import JobConfig
-from titanlike.config.validate import NOT_YET, validate_values
+from titanlike.config.validate import validate_values
 from titanlike.parallel.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -136,11 +136,11 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
     from titanlike.parallel.context import validate_context_parallel
     from titanlike.parallel.pipeline import validate_pipeline
     from titanlike.parallel.tensor_parallel import validate_tensor_parallel
+    from titanlike.train.model_parts import flavor_args
 
     p, t = cfg.parallelism, cfg.training
     cuda = torch.cuda.is_available()
     compile_blocks = cfg.compile.enable and "model" in cfg.compile.components
-    _check(not dims.ep_enabled, f"expert parallelism (parallelism.expert_parallel_degree) {NOT_YET}")
     validate_values(cfg)
     validate_converters(cfg.model.converters, cfg.float8, tp=dims.tp)
     validate_attention_backend(cfg.model.attention_backend, cuda=cuda)
@@ -155,8 +155,9 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
     if cfg.model.tokenizer_path:
         _check(os.path.isfile(cfg.model.tokenizer_path), f"model.tokenizer_path {cfg.model.tokenizer_path} does not exist")
     model = f"{cfg.model.name} {cfg.model.flavor}"
-    args = spec.flavors[cfg.model.flavor]
+    _validate_experts(cfg, dims, spec.flavors[cfg.model.flavor].moe_args() is not None, model)
     try:
+        args = flavor_args(cfg, spec)
         args.validate(dims, seq_len=t.seq_len)
     except ValueError as e:
         raise ConfigError(f"{model}: {e}") from None
@@ -183,3 +184,16 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
                           validation_enabled=cfg.validation.enable,
                           validation_batch_size=cfg.validation.local_batch_size)
     validate_checkpoint_config(cfg.checkpoint, spec)
+
+
+def _validate_experts(cfg: JobConfig, dims: ParallelDims, has_experts: bool, model: str) -> None:
+    """Expert parallelism and the [moe] settings need a mixture-of-experts model."""
+    if has_experts:
+        return
+    _check(not dims.ep_enabled, f"parallelism.expert_parallel_degree {dims.ep} needs a mixture-of-experts model, "
+                                f"and {model} is dense; set it to 1")
+    m = cfg.moe
+    for name in ("capacity_factor", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+        _check(getattr(m, name) is None, f"moe.{name} is set but {model} has no mixture-of-experts layers; "
+                                         "remove it or pick an MoE model")
+    _check(not m.pad_to_capacity, f"moe.pad_to_capacity is set but {model} has no mixture-of-experts layers")

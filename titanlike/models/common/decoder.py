@@ -13,6 +13,7 @@ embeddings takes hidden states (batch, seq, dim), a stage without output returns
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn as nn
 
 from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, check_divisible
 from titanlike.models.common.attention import DocumentMask
+from titanlike.models.common.moe import MoEArgs
 from titanlike.models.common.norms import init_norm
 
 
@@ -35,8 +37,12 @@ class DecoderArgs(BaseModelArgs):
     max_seq_len: int = 131072
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    # Mixture of experts in the MLP of some layers (MoEArgs.is_moe_layer); None: dense.
+    moe: MoEArgs | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # from a checkpoint sidecar (to_dict)
+            self.moe = MoEArgs(**self.moe)
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.num_kv_heads:
@@ -50,6 +56,12 @@ class DecoderArgs(BaseModelArgs):
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def moe_args(self) -> MoEArgs | None:
+        return self.moe
+
+    def with_moe_args(self, moe: MoEArgs) -> DecoderArgs:
+        return dataclasses.replace(self, moe=moe)
+
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(self.n_heads, self.num_kv_heads, self.head_dim)
 
@@ -60,15 +72,17 @@ class DecoderArgs(BaseModelArgs):
         return weights + ((q_dim + 2 * kv_dim + self.dim) if bias else 0)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """6 N + 12 L H Q T: N parameters without embeddings, L layers, H heads, Q head_dim,
+        """6 N + 12 L H Q T: N parameters a token uses (without embeddings; routed experts: top_k), L layers, H heads, Q head_dim,
         T = seq_len; the attention term counts the full T x T scores (non-causal)."""
-        n = self.num_params(exclude_embedding=True)
+        n = self.num_params(exclude_embedding=True, active=True)
         return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
         # A head cannot be split across tensor-parallel ranks.
         check_divisible(self.n_heads, "attention heads", dims.tp, "tensor_parallel_degree")
         check_divisible(self.num_kv_heads, "key/value heads", dims.tp, "tensor_parallel_degree")
+        if self.moe is not None:
+            self.moe.validate_layout(dim=self.dim, ep=dims.ep, cp=dims.cp)
         # Called on the flavor's args, before update_from_config sizes max_seq_len for the job: the
         # positions the model has a table or RoPE angles for (Llama 3.1: 131072, GPT-2: 1024).
         if seq_len > self.context_len:
@@ -182,7 +196,9 @@ def _parent(root: nn.Module, fqn: str) -> tuple[nn.Module | None, str]:
 def decoder_tp_plan(*, mlp_inputs: tuple[str, ...] = ("w1",), position_embeddings: tuple[str, ...] = ()):
     """The tensor-parallel table of a Decoder built from common blocks: attention split by heads,
     the MLP by hidden units (mlp_inputs read the block's input, w2 writes back), norms sequence
-    parallel, the vocabulary split in the embedding and the output projection."""
+    parallel, the vocabulary split in the embedding and the output projection. A MoE block's `moe`
+    routes the tokens of this rank's sequence slice (its experts are split by expert parallelism,
+    not by TP); entries a block does not have are skipped."""
     from titanlike.parallel.tensor_parallel import TensorParallelPlan
 
     top = {"tok_embeddings": "vocab_embedding", **{name: "position_embedding" for name in position_embeddings},
@@ -196,6 +212,7 @@ def decoder_tp_plan(*, mlp_inputs: tuple[str, ...] = ("w1",), position_embedding
         "feed_forward": "gather_input",
         **{f"feed_forward.{name}": "colwise" for name in mlp_inputs},
         "feed_forward.w2": "rowwise",
+        "moe": "sequence_local",
     }
     return TensorParallelPlan(top=top, block=block)
 

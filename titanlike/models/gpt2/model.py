@@ -56,7 +56,7 @@ class GPT2Args(DecoderArgs):
         weight), so it stays the flavor's context; DecoderArgs.validate refuses a longer training.seq_len."""
         return dataclasses.replace(self, vocab_size=vocab_size)
 
-    def num_params(self, *, exclude_embedding: bool = False) -> int:
+    def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
         d = self.dim
         ln = 2 * d  # LayerNorm weight + bias
         block = self.attention_params(bias=True) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * ln

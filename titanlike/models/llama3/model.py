@@ -54,7 +54,7 @@ class TransformerModelArgs(DecoderArgs):
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
-    def num_params(self, *, exclude_embedding: bool = False) -> int:
+    def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
         block = self.attention_params() + 3 * self.dim * self.ffn_hidden_dim + 2 * self.dim
         table = self.vocab_size * self.dim
         # The output projection is a second table unless tied; a tied table does matmul work.
