@@ -14,13 +14,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def apply_fsdp(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     *,
     param_dtype: str,
     reduce_dtype: str,
@@ -31,23 +32,48 @@ def apply_fsdp(
 
     reshard_after_forward: "default" frees gathered block parameters after forward
     (the root keeps them: backward needs them right away), "always" / "never" force it.
-    A submodule of a block that declares `fsdp_mesh = "<name>"` (e.g. experts: "expert_fsdp")
-    becomes its own FSDP unit over mesh_named(name) first; if that mesh is None (degree 1) its
-    parameters stay unsharded and replicated.
+    A submodule of a block that declares `fsdp_mesh = "<name>"` (an MoE layer's experts:
+    "expert_fsdp", its router: "token_fsdp") becomes its own FSDP unit over mesh_named(name) first,
+    innermost first. If that mesh is None (degree 1) its parameters stay whole; parameters that are
+    already DTensors on another mesh (experts split by expert parallelism) are then left out of the
+    enclosing units. mesh None: no data parallelism; only those submodules are sharded.
     """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     reshard = reshard_after_forward != "never"
+    ignored: set[nn.Parameter] = set()
     for block in model.layers.values():
-        for module in block.modules():
+        # reversed pre-order: every submodule comes before the modules that contain it.
+        for module in reversed(list(block.modules())):
             own = getattr(module, "fsdp_mesh", None)
-            if own is not None and mesh_named is not None and mesh_named(own) is not None:
-                fully_shard(module, mesh=mesh_named(own), mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    # The root holds embeddings, final norm and output; its parameters are needed first in
-    # backward, so by default they stay gathered after forward.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always")
+            if own is None:
+                continue
+            own_mesh = mesh_named(own) if mesh_named is not None else None
+            if own_mesh is None:
+                ignored.update(p for p in module.parameters(recurse=False) if isinstance(p, DTensor))
+            elif own_mesh is not mesh:
+                fully_shard(module, mesh=own_mesh, mp_policy=mp, reshard_after_forward=reshard,
+                            shard_placement_fn=_expert_placement(own_mesh), ignored_params=ignored or None)
+        if mesh is not None:
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored or None)
+    if mesh is not None:
+        # The root holds embeddings, final norm and output; its parameters are needed first in
+        # backward, so by default they stay gathered after forward.
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always",
+                    ignored_params=ignored or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # A factor of 1 needs no pre-scaling: plain SUM collectives (gloo has no PREMUL_SUM).
             module.set_force_sum_reduction_for_comms(True)
+
+
+def _expert_placement(mesh: DeviceMesh):
+    """Shard dim 0 when it splits evenly over the mesh's shard dimension, else dim 1 (an expert
+    group of fewer experts than ranks: sharding within each expert keeps every rank busy)."""
+    shards = mesh.size(-1)
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(0) if local.shape[0] % shards == 0 or local.ndim < 2 else Shard(1)
+
+    return placement

@@ -10,10 +10,15 @@ Every other mesh the job needs is a named view of that one mesh:
   loss         (dp_replicate, dp_shard, cp)   ranks whose losses/token counts are summed
   tp, cp, pp   single dimensions
 
-Expert parallelism (mixture-of-experts layers) views the same ranks differently: the ranks of
-dp_shard x cp x tp are re-cut into (efsdp, ep), so the expert meshes are
-[pp, dp_replicate, efsdp, ep] over the dense mesh's ranks (as torchtitan):
+Mixture-of-experts models (build_mesh(..., experts=True)) view the same ranks differently. Under
+sequence parallelism every rank of dp_shard x cp x tp holds different tokens at a block's MLP, so
+an MoE layer is data-parallel over all of them, and the ranks of dp_shard x cp x tp are re-cut into
+(efsdp, ep): the expert meshes are [pp, dp_replicate, efsdp, ep] over the dense mesh's ranks (as
+torchtitan):
 
+  token_fsdp   (dp_replicate?, dp_shard x cp x tp): the router and shared experts (whole on every
+               rank, fed different tokens) are sharded over it, so their gradients sum over all
+  sequence     (cp x tp): ranks holding slices of the same sequences at an MLP's input
   ep           ranks that hold different experts and exchange tokens (all-to-all)
   efsdp        ranks that FSDP-shard one set of experts (dp_shard x cp x tp / ep)
   expert_fsdp  (dp_replicate?, efsdp): the mesh expert weights are fully_shard-ed over
@@ -134,8 +139,9 @@ class ParallelDims:
 
     # Meshes --------------------------------------------------------------------------
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """Create the world mesh and its named views; None in a single process."""
+    def build_mesh(self, device_type: str, *, experts: bool = False) -> DeviceMesh | None:
+        """Create the world mesh and its named views; None in a single process. experts: the
+        model has mixture-of-experts layers (builds their views, also at ep 1)."""
         degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
                    "cp": self.cp, "tp": self.tp}
         # dp_shard stays in the mesh (possibly of size 1) under replication, so pure data
@@ -158,14 +164,28 @@ class ParallelDims:
             self._meshes["fsdp"] = world["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"]
         elif "dp_shard_cp" in self._meshes:
             self._meshes["fsdp"] = self._meshes["dp_shard_cp"]
-        if self.ep > 1:
+        if experts or self.ep > 1:
             self._expert_views(world)
         return world
 
     def _expert_views(self, world: DeviceMesh) -> None:
-        """ep, efsdp and expert_fsdp: the ranks of dp_replicate x dp_shard x cp x tp re-cut into
-        (replicate, efsdp, ep), ep innermost so that an expert group stays inside a node when tp and
-        cp do."""
+        """token_fsdp, sequence, and ep, efsdp, expert_fsdp: the ranks of dp_replicate x dp_shard x
+        cp x tp re-cut into (replicate, efsdp, ep), ep innermost so that an expert group stays inside
+        a node when tp and cp do."""
+        self._view(world, "sequence", ("cp", "tp"))
+        if self.tp == 1:
+            token = self._meshes.get("fsdp")
+        else:
+            self._view(world, "dp_shard_cp_tp", ("dp_shard", "cp", "tp"))
+            token = (world["dp_replicate", "dp_shard_cp_tp"] if "dp_replicate" in self._meshes
+                     else self._meshes["dp_shard_cp_tp"])
+        if token is not None:
+            self._meshes["token_fsdp"] = token
+        if self.ep == 1:
+            # No expert parallelism: experts are sharded like the router.
+            if token is not None:
+                self._meshes["expert_fsdp"] = token
+            return
         span = tuple(d for d in ("dp_replicate", "dp_shard", "cp", "tp") if d in self._meshes)
         spanned = world[span]._flatten("ep_span") if len(span) > 1 else world[span[0]]
         experts = spanned._unflatten(0, (self.dp_replicate, self.efsdp, self.ep), ("ep_replicate", "efsdp", "ep"))
@@ -189,8 +209,8 @@ class ParallelDims:
             self._meshes[name] = world[present]._flatten(name)
 
     def mesh(self, name: str) -> DeviceMesh | None:
-        """A named mesh (world, dp, fsdp, dp_shard_cp, loss, pp, dp_replicate, dp_shard, cp, tp,
-        ep, efsdp, expert_fsdp), or None when that dimension has degree 1."""
+        """A named mesh (world, dp, fsdp, dp_shard_cp, loss, pp, dp_replicate, dp_shard, cp, tp, and for
+        experts token_fsdp, sequence, ep, efsdp, expert_fsdp), or None when that dimension has degree 1."""
         return self._meshes.get(name)
 
     def dp_rank(self) -> int:

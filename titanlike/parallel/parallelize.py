@@ -3,7 +3,8 @@
 The order matters:
   1. tensor parallel: replaces parameters by DTensors on the tp mesh;
   2. context parallel: swaps the attention that checkpointing and compile are about to wrap;
-  3. expert parallel: shards experts over the ep mesh (MoE families; none yet);
+  3. mixture of experts: shards experts over the ep mesh, sets each MoE layer's dispatcher and
+     sequence group, and names the meshes FSDP shards its parts over (parallel/expert_parallel.py);
   4. activation checkpointing and 5. compile: wrap blocks;
   6. data parallel (FSDP/HSDP) last, so it shards the already TP-sharded parameters over the
      data mesh (a module that declares `fsdp_mesh = "<name>"` is sharded over that mesh
@@ -21,6 +22,7 @@ import torch.nn as nn
 
 from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanlike.parallel.context import apply_context_parallel
+from titanlike.parallel.expert_parallel import apply_expert_parallel
 from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
@@ -64,9 +66,8 @@ def _context_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptio
 
 
 def _expert_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
-    if dims.ep_enabled:
-        # Job validation refuses expert_parallel_degree > 1 until a family has experts to shard.
-        raise NotImplementedError("expert parallelism has no model family with experts yet")
+    apply_expert_parallel(model, ep_mesh=dims.mesh("ep"), sequence_mesh=dims.mesh("sequence"),
+                          token_dispatcher=opts.token_dispatcher)
 
 
 def _activation_checkpointing(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
@@ -82,15 +83,15 @@ def _compile(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> No
 
 
 def _data_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
-    if not dims.fsdp_enabled:
-        return
     reshard = opts.fsdp_reshard_after_forward
     if dims.pp_enabled and reshard == "default":
         # A stage runs the forwards of several microbatches before their backwards: resharding
         # would all-gather every block again per microbatch, and the split-backward (zero-bubble)
         # schedules compute wrong or missing gradients on resharded parameters.
         reshard = "never"
-    apply_fsdp(model, dims.mesh("fsdp"), param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype,
+    # Without data parallelism the blocks stay whole, but a module with its own mesh (an MoE layer's
+    # experts and router under TP or EP) is still sharded over it.
+    apply_fsdp(model, dims.mesh("fsdp") if dims.fsdp_enabled else None, param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype,
                reshard_after_forward=reshard, mesh_named=dims.mesh)
 
 

@@ -20,7 +20,7 @@ every block. This module turns style names into torch's ParallelStyles:
   head_norm           a norm over each attention head's features (QK-norm) applied to this rank's
                       heads; its weight stays whole and its gradient is summed over the ranks
   sequence_local      a module that works token by token on this rank's slice of the sequence as a
-                      plain tensor (a mixture of experts routes each token on its own; its experts
+                      plain tensor, in and out (the residual stream between blocks is local too) (a mixture of experts routes each token on its own; its experts
                       are split by expert parallelism, and its replicated router is data-parallel
                       over the TP ranks, see parallel/expert_parallel.py)
 
@@ -167,7 +167,7 @@ class _Styles:
                 return None
             return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                             use_local_input=True, output_layouts=(Shard(1),),
-                                            desired_output_layouts=(Shard(1),), use_local_output=False)
+                                            desired_output_layouts=(Shard(1),), use_local_output=True)
         if style == "vocab_output":
             return ColwiseParallel(input_layouts=self.between,
                                    output_layouts=Shard(-1) if self.loss_parallel else Replicate(),

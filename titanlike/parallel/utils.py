@@ -47,6 +47,15 @@ def clip_grad_norm_(
     return total
 
 
+@torch.no_grad()
+def scale_gradients(parameters, factor: torch.Tensor | float) -> None:
+    """Multiply every gradient by factor, in place (on the local shard of a DTensor gradient, which
+    scales the whole tensor whatever its placement)."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
+
+
 def _mesh_of(t: torch.Tensor):
     return t.device_mesh if isinstance(t, DTensor) else None
 

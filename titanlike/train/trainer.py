@@ -37,8 +37,9 @@ from titanlike.observe.run_lock import FolderInUse, FolderLock
 from titanlike.parallel.context import load_balanced_positions, shard_sequence
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
-from titanlike.parallel.utils import clip_grad_norm_, sum_over
+from titanlike.parallel.utils import clip_grad_norm_, scale_gradients, sum_over
 from titanlike.train.evaluate import build_validation_data
+from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
 from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss
 from titanlike.train.model_parts import build_model_parts, model_args_for_job
@@ -102,7 +103,9 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.debug.seed)
-        dims.build_mesh(self.device.type)
+        self.spec = get_model_spec(cfg.model.name)
+        moe = self.spec.flavors[cfg.model.flavor].moe_args()
+        dims.build_mesh(self.device.type, experts=moe is not None)
         if self.rank == 0:
             if cfg.job.description:
                 logger.info(cfg.job.description)
@@ -136,13 +139,14 @@ class Trainer:
         ) if cfg.validation.enable else None
 
         # Model: built on meta, parallelized, then materialized shard by shard.
-        self.spec = get_model_spec(cfg.model.name)
         self.model_args = model_args_for_job(cfg, self.spec, self.tokenizer.vocab_size)
         self.flops_per_token = self.model_args.flops_per_token(t.seq_len)
         if self.rank == 0:
+            total, active = self.model_args.num_params(), self.model_args.num_params(active=True)
             logger.info(
-                f"model {cfg.model.name} {cfg.model.flavor}: {self.model_args.num_params():,} "
-                f"parameters, {self.flops_per_token:,.0f} training FLOPs per token"
+                f"model {cfg.model.name} {cfg.model.flavor}: {total:,} parameters"
+                + (f" ({active:,} active per token)" if active != total else "")
+                + f", {self.flops_per_token:,.0f} training FLOPs per token"
             )
         p = cfg.parallelism
         self.converters = build_model_converters(cfg.model.converters, cfg.float8)
@@ -190,6 +194,11 @@ class Trainer:
                 logger.info(f"pipeline {p.pipeline_parallel_schedule}: {self.pp_layout.describe()}; "
                             f"{n_microbatches} microbatches of {p.pipeline_parallel_microbatch_size} per local batch")
 
+        # Mixture of experts: per-step token counts -> expert bias update and load-balance metrics.
+        moe = self.model_args.moe_args()
+        self.expert_balance = None if moe is None else ExpertBalance(
+            self.model_parts, moe, self.model_args.num_layers, self.device,
+            dist.group.WORLD if dist.is_initialized() else None)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.step = 0
@@ -275,22 +284,21 @@ class Trainer:
                 mb.positions = shard_sequence(mb.positions, self.cp_positions)
         return mb
 
-    def forward_backward(self, mb: Microbatch, global_tokens: torch.Tensor, *, backward: bool = True):
-        """Loss of one microbatch divided by global_tokens, and its backward unless backward=False."""
+    def forward_backward(self, mb: Microbatch, *, backward: bool = True):
+        """Loss of one microbatch summed over its target tokens, and its backward unless backward=False."""
         with self.autocast:
             logits = self.model_parts[0](mb.inputs, positions=mb.positions, mask=mb.mask)
         with self._loss_context():
-            loss = self.loss_fn(logits, mb.labels) / global_tokens
+            loss = self.loss_fn(logits, mb.labels)
             if backward:
                 loss.backward()
         return _local_value(loss)
 
-    def pipeline_forward_backward(self, mb: Microbatch, global_tokens: torch.Tensor, *, backward: bool = True):
+    def pipeline_forward_backward(self, mb: Microbatch, *, backward: bool = True):
         """forward_backward of one local batch through the pipeline schedule, which cuts it into
         local_batch_size / pipeline_parallel_microbatch_size microbatches; returns the summed loss
         of those microbatches on the rank holding the last stage, 0 on the others.
         backward=False runs the forwards only (validation)."""
-        self._pp_global_tokens = global_tokens
         size = self.cfg.parallelism.pipeline_parallel_microbatch_size
         extra = None
         if mb.positions is not None or mb.mask is not None:
@@ -308,32 +316,40 @@ class Trainer:
         return self.forward_backward if self.pipeline is None else self.pipeline_forward_backward
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # Called by the schedule per microbatch on the last stage. Dividing by the token count of
-        # the whole step (not of the microbatch) makes the gradients those of train_step without PP.
-        return self.loss_fn(logits, labels) / self._pp_global_tokens
+        # Called by the schedule per microbatch on the last stage; a sum, as without PP.
+        return self.loss_fn(logits, labels)
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over a global batch; returns (global mean loss, grad norm)."""
         microbatches = [self.prepare(inputs, labels) for inputs, labels in microbatches]
-        # Normalize by the target tokens of the whole global batch, counted before any forward.
+        # The loss is a sum over target tokens; the gradients are divided once, after every backward,
+        # by the target tokens of the whole global batch. That keeps gradient accumulation, data
+        # parallelism and pipeline microbatches exact, and lets a term join the objective anywhere in
+        # the model in the same summed units (an MoE layer's balancing losses, on any pipeline stage).
         local_tokens = sum((mb.labels != IGNORE_INDEX).sum() for mb in microbatches)
         global_tokens = sum_over(local_tokens.to(self.device, torch.float32), self.dims.mesh("loss"))
         loss_sum = torch.zeros((), device=self.device)
         for mb in microbatches:
-            loss_sum += self._step_fn(mb, global_tokens)
+            loss_sum += self._step_fn(mb)
         if self.tied is not None:
             self.tied.sync_gradients()
         params = [p for part in self.model_parts for p in part.parameters()]
+        scale_gradients(params, 1.0 / global_tokens)
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"),
                                     exclude=frozenset(self.tied.duplicates) if self.tied else frozenset())
         # Under PP only ranks holding the last stage have a loss (the others 0), so summing over pp too
         # gives every rank, rank 0 (the metrics writer) included, the global loss.
-        loss = sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp")).item()
+        loss = (sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp")) / global_tokens).item()
         norm = grad_norm.item()
+        self.global_tokens = global_tokens.item()
         # Both are global (the same on every rank), so every rank takes the same branch. Checked
         # before the optimizer step: a non-finite update would make the parameters nan and the
         # next checkpoint would publish them.
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if self.expert_balance is not None:
+            # Every rank, every step (a skipped one too: its counts are dropped with it).
+            self.moe_table = self.expert_balance.step_done(update_bias=finite)
+        if not finite:
             self._skip_or_stop(loss, norm)
             return loss, norm
         self.optimizer.step()
@@ -374,12 +390,11 @@ class Trainer:
             part.eval()
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
-        one = torch.ones((), device=self.device)  # sum the losses; divided by the token count at the end
         data = iter(self.validation.loader)
         for _ in range(self.validation.num_batches):
             mb = self.prepare(*next(data))
             tokens += (mb.labels != IGNORE_INDEX).sum()
-            loss_sum += self._step_fn(mb, one, backward=False)
+            loss_sum += self._step_fn(mb, backward=False)
         for part in self.model_parts:
             part.train()
         tokens = sum_over(tokens, self.dims.mesh("loss"))
@@ -434,8 +449,16 @@ class Trainer:
                 losses.append(loss)
                 self.metrics.step_done()
                 if self.step_skipped or self.metrics.should_log(self.step, steps):
-                    self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr,
-                                     extra={"skipped_steps": self.skipped_steps} if self.skipped_steps else None)
+                    extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+                    expert_counts = None
+                    if self.expert_balance is not None:
+                        extra.update(self.expert_balance.summary(self.moe_table, self.global_tokens))
+                        # Routes per expert of each MoE layer: the table's first num_experts columns.
+                        moe = self.expert_balance.args
+                        expert_counts = {i: self.moe_table[i, :moe.num_experts]
+                                         for i in range(self.model_args.num_layers) if moe.is_moe_layer(i)}
+                    self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra or None,
+                                     expert_counts=expert_counts)
                 if self.validation is not None and (self.step % self.cfg.validation.freq == 0 or self.step == steps):
                     self.metrics.log_validation(self.step, *self.validate())
                 # Every rank, after every step but the last (which saves and ends anyway): one scalar
