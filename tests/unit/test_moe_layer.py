@@ -197,8 +197,13 @@ def test_counts_ignore_eval_forwards_and_checkpoint_recomputation():
     layer(x)
     assert layer.tokens_per_expert.sum() == 0
     layer.train()
-    checkpoint(layer, x.requires_grad_(), use_reentrant=False).sum().backward()
-    assert layer.tokens_per_expert.sum() == x.shape[0] * x.shape[1] * 2
+    plain = build(aux_loss_coeff=0.01)
+    plain(x).sum().backward()
+    checkpointed = build(aux_loss_coeff=0.01)
+    checkpoint(checkpointed, x.requires_grad_(), use_reentrant=False).sum().backward()
+    assert checkpointed.tokens_per_expert.sum() == x.shape[0] * x.shape[1] * 2
+    torch.testing.assert_close(checkpointed.step_stats, plain.step_stats)
+    torch.testing.assert_close(checkpointed.router.gate.weight.grad, plain.router.gate.weight.grad)
 
 
 def test_bias_update_pushes_towards_the_mean_load():

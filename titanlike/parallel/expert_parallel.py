@@ -42,6 +42,9 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None, seque
         # Read by parallel/fsdp.py: which mesh each part is sharded over.
         moe.fsdp_mesh = "token_fsdp"
         moe.experts.fsdp_mesh = "expert_fsdp"
+        # Read by the compile step: routing has data-dependent sizes (token counts as Python ints for
+        # the all-to-all splits and the grouped matmul offsets), so the layer runs eagerly.
+        moe.skip_compile = True
         if ep_mesh is None:
             continue
         _shard_experts(moe.experts, ep_mesh)

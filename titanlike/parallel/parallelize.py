@@ -79,7 +79,15 @@ def _compile(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> No
         # Per block and in place: parameter names stay unchanged, and every block of the same
         # shape reuses one compiled graph.
         for block in model.layers.values():
-            block.compile(fullgraph=True)
+            eager = [m for m in block.modules() if getattr(m, "skip_compile", False)]
+            if not eager:
+                block.compile(fullgraph=True)
+                continue
+            # A block holding a module that must stay eager (an MoE layer: data-dependent token
+            # counts, collectives with Python-int splits): compile its other children one by one.
+            for child in block.children():
+                if not any(child is m or any(c is m for c in child.modules()) for m in eager):
+                    child.compile(fullgraph=True)
 
 
 def _data_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:

@@ -31,6 +31,7 @@ without pipelining.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 from collections.abc import Callable
@@ -318,6 +319,31 @@ class _Stage(PipelineStage):
         if self.extra is not None:
             kwargs = {**(kwargs or {}), **self.extra[fwd_chunk_id]}
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *more, **more_kwargs)
+
+    # torch infers the shapes a stage sends by running its forward once on placeholder tensors (on
+    # the first step, and again after switching between training and evaluation). Modules that
+    # keep per-step statistics (MoE token counts for the bias update) must not count that forward:
+    # they declare `record_statistics`, switched off here for its duration. The method's name
+    # differs between torch releases.
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with _statistics_paused(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _shape_inference(self, *args, **kwargs):
+        with _statistics_paused(self.submod):
+            return super()._shape_inference(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _statistics_paused(module: nn.Module):
+    flagged = [m for m in module.modules() if hasattr(m, "record_statistics")]
+    for m in flagged:
+        m.record_statistics = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.record_statistics = True
 
 
 class PipelineRunner:

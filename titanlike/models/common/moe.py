@@ -324,6 +324,7 @@ class MoE(nn.Module):
         self.register_buffer("step_stats", torch.zeros(len(STAT_NAMES)), persistent=False)
         self.dispatcher = LocalDispatcher()
         self.sequence_group: dist.ProcessGroup | None = None
+        self.record_statistics = True  # off while a pipeline infers shapes on placeholder inputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -346,11 +347,15 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(batch, seq, dim)
-        if self.training:
-            aux = self._balancing_losses(routing, batch, seq)
+        # Training forwards only: not evaluation, not the pipeline's shape-inference forward on
+        # placeholder tensors (record_statistics off), and a checkpointed forward's recomputation
+        # adds its losses' gradients again but not its counts (see _counting).
+        if self.training and torch.is_grad_enabled() and self.record_statistics:
+            counting = _counting()
+            aux = self._balancing_losses(routing, batch, seq, record=counting)
             if aux is not None:
                 out = _AttachAux.apply(out, aux)
-            if _counting():
+            if counting:
                 self._record(routing, keep)
         return out
 
@@ -368,7 +373,7 @@ class MoE(nn.Module):
     def _sequence_ranks(self) -> int:
         return 1 if self.sequence_group is None else dist.get_world_size(self.sequence_group)
 
-    def _balancing_losses(self, routing: Routing, batch: int, seq: int) -> torch.Tensor | None:
+    def _balancing_losses(self, routing: Routing, batch: int, seq: int, *, record: bool) -> torch.Tensor | None:
         """The sum of the enabled balancing losses, in summed units (mean-form loss x tokens), as
         this rank's share: the shares of the ranks of sequence_group add up to the whole."""
         a = self.args
@@ -383,18 +388,21 @@ class MoE(nn.Module):
             counts = self._sequence_sum(chosen.sum((0, 1)))
             tokens = batch * full_seq
             loss = a.aux_loss_coeff * e / (k * tokens) * (counts * routing.probs.sum(0)).sum()
-            self.step_stats[STAT_NAMES.index("aux_loss")] += loss.detach()
+            if record:
+                self.step_stats[STAT_NAMES.index("aux_loss")] += loss.detach()
             total = loss
         if a.seq_aux_loss_coeff > 0:
             # DeepSeek-V3: the same per sequence (S tokens), averaged over sequences -> x tokens.
             counts = self._sequence_sum(chosen.sum(1))  # (B, E)
             probsum = routing.probs.view(batch, seq, e).sum(1)
             loss = a.seq_aux_loss_coeff * e / (k * full_seq) * (counts * probsum).sum()
-            self.step_stats[STAT_NAMES.index("seq_aux_loss")] += loss.detach()
+            if record:
+                self.step_stats[STAT_NAMES.index("seq_aux_loss")] += loss.detach()
             total = loss if total is None else total + loss
         if a.z_loss_coeff > 0:
             loss = a.z_loss_coeff * (torch.logsumexp(routing.logits, dim=-1) ** 2).sum()
-            self.step_stats[STAT_NAMES.index("z_loss")] += loss.detach()
+            if record:
+                self.step_stats[STAT_NAMES.index("z_loss")] += loss.detach()
             total = loss if total is None else total + loss
         return total
 

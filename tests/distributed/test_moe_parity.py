@@ -1,0 +1,108 @@
+"""Mixture of experts reproduces its single-process run under expert parallelism and every
+composition with it, through train.py (fp32, same global batch, qwen3 debugmodel_moe: 8 experts,
+top-2, a dense first layer, with all three balancing losses and aux-loss-free bias updates on).
+
+What the layouts check beyond the dense matrix:
+- expert gradients are not ep-times too large (FSDP's averaging trap): EP 2 / 4 equal EP 1;
+- the router (whole on every rank, fed different tokens under sequence parallelism) gets its
+  gradient summed over TP ranks (token_fsdp mesh), TP 2 x EP 2;
+- balancing losses and capacity need whole sequences: their statistics are reduced over the
+  cp x tp ranks of a sequence, CP 2 x EP 2 with token dropping equals one process dropping;
+- the bias update's one all-reduce must not hang on a pipeline stage without MoE layers
+  (Interleaved1F1B with one layer per stage: stage 0 holds the dense layer 0 only);
+- resuming an EP 2 checkpoint at EP 1 and at FSDP 4 (expert DTensors resharded by DCP) is exact.
+
+The aux losses are per micro-batch (Switch form), so every run keeps 2-sample micro-batches: the
+reference accumulates 4 of them; PP uses pipeline microbatches of 2. Tolerances: test_fsdp_parity.py.
+"""
+
+import pytest
+
+from conftest import train_metrics
+from test_fsdp_parity import assert_same_curve
+
+pytestmark = pytest.mark.distributed
+
+MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.steps", "4",
+       "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+       "--moe.seq_aux_loss_coeff", "0.001", "--moe.z_loss_coeff", "0.001", "--moe.bias_update_rate", "0.001")
+DROPPING = ("--moe.capacity_factor", "1.0")
+
+
+def run(tmp_path, name, *extra, nproc=1):
+    return train_metrics(tmp_path, name, *MOE, *extra, nproc=nproc)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("moe_ref"), "single")
+
+
+@pytest.fixture(scope="module")
+def dropping_reference(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("moe_drop_ref"), "single", *DROPPING)
+
+
+def check(got, ref, layout):
+    assert_same_curve(got, ref)
+    for g, r in zip(got, ref):
+        for key in ("moe/aux_loss", "moe/seq_aux_loss", "moe/z_loss", "moe/load_cv", "moe/dropped"):
+            assert g[key] == pytest.approx(r[key], rel=1e-4, abs=1e-9), (layout, key, g[key], r[key])
+
+
+def test_reference_balances_and_learns(reference):
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    assert all(r["moe/aux_loss"] > 0 and r["moe/seq_aux_loss"] > 0 and r["moe/z_loss"] > 0 for r in reference)
+    assert all(r["moe/dropped"] == 0 for r in reference)
+
+
+def test_ep2_alltoall_then_resume_at_ep1_and_fsdp4(tmp_path, reference):
+    save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+            "--checkpoint.folder", str(tmp_path / "ckpt"))
+    got = run(tmp_path, "ep2", "--parallelism.expert_parallel_degree", "2", *save, nproc=2)
+    check(got, reference, "EP2")
+    # Resume step 2's checkpoint under other layouts: steps 3-4 must match the uninterrupted run.
+    load = (*save, "--checkpoint.load_step", "2")
+    for name, layout, nproc in (("ep1", (), 1), ("fsdp4", ("--parallelism.expert_parallel_degree", "1"), 4)):
+        resumed = run(tmp_path, f"resume_{name}", *layout, *load, nproc=nproc)
+        check(resumed, got[2:], f"resume EP2 -> {name}")
+
+
+def test_fsdp4_ep4(tmp_path, reference):
+    check(run(tmp_path, "ep4", "--parallelism.expert_parallel_degree", "4", nproc=4), reference, "FSDP4 x EP4")
+
+
+def test_hsdp_2x2_ep2_allgather_dispatcher(tmp_path, reference):
+    got = run(tmp_path, "hsdp", "--parallelism.data_parallel_replicate_degree", "2",
+              "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
+              "--moe.token_dispatcher", "allgather", nproc=4)
+    check(got, reference, "HSDP 2x2 x EP2 (allgather)")
+
+
+def test_tp2_ep2(tmp_path, reference):
+    got = run(tmp_path, "tp2ep2", "--parallelism.tensor_parallel_degree", "2",
+              "--parallelism.expert_parallel_degree", "2", nproc=2)
+    check(got, reference, "TP2 x EP2")
+
+
+def test_cp2_ep2_with_token_dropping(tmp_path, dropping_reference):
+    assert any(r["moe/dropped"] > 0 for r in dropping_reference)
+    got = run(tmp_path, "cp2ep2", "--parallelism.context_parallel_degree", "2",
+              "--parallelism.expert_parallel_degree", "2", *DROPPING, nproc=2)
+    check(got, dropping_reference, "CP2 x EP2, capacity 1.0")
+
+
+def test_pp2_ep2_with_a_stage_without_moe(tmp_path, reference):
+    # 8 stages of one layer, 4 per rank: stage 0 holds only the dense layer 0.
+    got = run(tmp_path, "pp2ep2", "--parallelism.pipeline_parallel_degree", "2",
+              "--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+              "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1", "--training.local_batch_size", "4",
+              "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=4)
+    check(got, reference, "PP2 x EP2")
+
+
+def test_8_ranks_pp2_tp2_fsdp2_ep4(tmp_path, reference):
+    got = run(tmp_path, "mix8", "--parallelism.pipeline_parallel_degree", "2",
+              "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4",
+              "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=8)
+    check(got, reference, "PP2 x TP2 x FSDP2 x EP4")
