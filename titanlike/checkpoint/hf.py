@@ -107,7 +107,7 @@ def import_hf_to_dcp(src: str, out: str, *, dtype: torch.dtype | None = None) ->
     spec, args = hf_model_from_config(config, where=os.path.join(src, HF_CONFIG))
     try:
         state_dict = spec.hf_adapter.from_hf_state_dict(hf_sd, args)
-    except KeyError as e:
+    except (KeyError, ValueError) as e:
         raise CheckpointError(f"Hugging Face checkpoint {src} does not match its {HF_CONFIG}: {e}") from None
     check_fits(state_dict, spec, args, src)
     # Same keys as the trainer saves: a tied weight once, under its first name (write_dcp_model).
@@ -145,7 +145,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         spec, args = hf_model_from_config(config, where=os.path.join(folder, HF_CONFIG))
         try:
             state_dict = spec.hf_adapter.from_hf_state_dict(hf_sd, args)
-        except KeyError as e:
+        except (KeyError, ValueError) as e:
             raise CheckpointError(f"Hugging Face checkpoint {folder} does not match its {HF_CONFIG}: {e}") from None
         if dtype is not None:
             state_dict = {k: v.to(dtype) for k, v in state_dict.items()}

@@ -643,10 +643,10 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 hf_sd, config = fmt.read_hf(path)
-                if config.get("model_type") != spec.hf_model_type:
+                if config.get("model_type") not in spec.hf_model_types:
                     raise CheckpointError(
                         f"Hugging Face checkpoint {path} has model_type={config.get('model_type')} but this "
-                        f"job's model {spec.name} reads {spec.hf_model_type} (model.name)")
+                        f"job's model {spec.name} reads {' or '.join(spec.hf_model_types)} (model.name)")
                 args = spec.args_cls.from_hf_config(config)
                 self._check_hf_args(args, path)
                 state_dict = spec.hf_adapter.from_hf_state_dict(hf_sd, args)

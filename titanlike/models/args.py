@@ -44,6 +44,10 @@ class BaseModelArgs:
 
     # Hugging Face config.json "model_type" of this family (None: no HF interchange).
     hf_model_type: ClassVar[str | None] = None
+    # Every model_type the family reads, when it maps several transformers classes (Qwen3: dense
+    # "qwen3" and MoE "qwen3_moe"); empty: just hf_model_type. to_hf_config writes the one that
+    # fits the instance.
+    hf_model_types: ClassVar[tuple[str, ...]] = ()
 
     # Sizes set from the job ----------------------------------------------------------------------
 

@@ -74,6 +74,14 @@ class ModelSpec:
     def hf_model_type(self) -> str | None:
         return self.args_cls.hf_model_type if self.hf_adapter is not None else None
 
+    @property
+    def hf_model_types(self) -> tuple[str, ...]:
+        """Every config.json model_type this family reads (one per transformers class it maps)."""
+        if self.hf_adapter is None:
+            return ()
+        cls = self.args_cls
+        return cls.hf_model_types or ((cls.hf_model_type,) if cls.hf_model_type else ())
+
 
 _REGISTRY: dict[str, ModelSpec] = {}
 
@@ -100,9 +108,9 @@ def spec_for_hf_model_type(model_type: str | None) -> ModelSpec:
     """The family that reads Hugging Face folders of this config.json model_type (KeyError if none)."""
     _import_builtin_families()
     for spec in _REGISTRY.values():
-        if spec.hf_model_type is not None and spec.hf_model_type == model_type:
+        if model_type in spec.hf_model_types:
             return spec
-    known = sorted(s.hf_model_type for s in _REGISTRY.values() if s.hf_model_type)
+    known = sorted(t for s in _REGISTRY.values() for t in s.hf_model_types)
     raise KeyError(f"Hugging Face model_type {model_type!r} is not supported; supported: {', '.join(known)}")
 
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlike.models.args import AttentionShape
-from titanlike.models.common.init import LinearInit, zeros_
+from titanlike.models.common.init import LinearInit, ones_, zeros_
 from titanlike.models.common.rope import apply_rotary_emb
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
@@ -190,10 +190,14 @@ class Attention(nn.Module):
     Projections wq, wk, wv (split by heads under tensor parallelism) and wo. `core_attention` is a
     hook, not a fixed call, so that context parallelism can swap in attention across ranks without
     touching this module. causal=False gives bidirectional attention (encoders).
+
+    head_dim need not be dim // n_heads (Qwen3: 128 at any width). qk_norm_eps set adds QK-norm
+    (Qwen3, OLMo 2 style): q_norm and k_norm, RMSNorms over each head's features shared by all
+    heads, applied to q and k before RoPE; they keep attention logits bounded as training goes on.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
-                 causal: bool = True):
+                 causal: bool = True, qk_norm_eps: float | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.causal = causal
@@ -201,6 +205,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.core_attention = core_attention
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None) -> torch.Tensor:
@@ -210,6 +216,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q = apply_rotary_emb(q, rope)
             k = apply_rotary_emb(k, rope)
@@ -228,3 +236,6 @@ class Attention(nn.Module):
             bias = getattr(self, name).bias
             if bias is not None:
                 zeros_(bias)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                ones_(norm.weight)

@@ -39,11 +39,14 @@ class DecoderArgs(BaseModelArgs):
     tie_word_embeddings: bool = False
     # Mixture of experts in the MLP of some layers (MoEArgs.is_moe_layer); None: dense.
     moe: MoEArgs | None = None
+    # Features per attention head when they are not dim // n_heads (Qwen3: 128 at every width);
+    # None: dim // n_heads. Read it through the head_dim property.
+    explicit_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from a checkpoint sidecar (to_dict)
             self.moe = MoEArgs(**self.moe)
-        if self.dim % self.n_heads:
+        if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.num_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.num_kv_heads})")
@@ -54,7 +57,7 @@ class DecoderArgs(BaseModelArgs):
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim if self.explicit_head_dim is not None else self.dim // self.n_heads
 
     def moe_args(self) -> MoEArgs | None:
         return self.moe
@@ -193,12 +196,14 @@ def _parent(root: nn.Module, fqn: str) -> tuple[nn.Module | None, str]:
 
 
 
-def decoder_tp_plan(*, mlp_inputs: tuple[str, ...] = ("w1",), position_embeddings: tuple[str, ...] = ()):
+def decoder_tp_plan(*, mlp_inputs: tuple[str, ...] = ("w1",), position_embeddings: tuple[str, ...] = (),
+                    qk_norm: bool = False):
     """The tensor-parallel table of a Decoder built from common blocks: attention split by heads,
     the MLP by hidden units (mlp_inputs read the block's input, w2 writes back), norms sequence
     parallel, the vocabulary split in the embedding and the output projection. A MoE block's `moe`
     routes the tokens of this rank's sequence slice (its experts are split by expert parallelism,
-    not by TP); entries a block does not have are skipped."""
+    not by TP); entries a block does not have are skipped. qk_norm: the attention has q_norm and
+    k_norm, which normalize each of this rank's heads (their weights stay whole)."""
     from titanlike.parallel.tensor_parallel import TensorParallelPlan
 
     top = {"tok_embeddings": "vocab_embedding", **{name: "position_embedding" for name in position_embeddings},
@@ -213,6 +218,7 @@ def decoder_tp_plan(*, mlp_inputs: tuple[str, ...] = ("w1",), position_embedding
         **{f"feed_forward.{name}": "colwise" for name in mlp_inputs},
         "feed_forward.w2": "rowwise",
         "moe": "sequence_local",
+        **({"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"} if qk_norm else {}),
     }
     return TensorParallelPlan(top=top, block=block)
 

@@ -1,0 +1,59 @@
+"""Mixtral (MixtralForCausalLM): a Llama-like decoder whose every MLP is a mixture of experts.
+
+The module tree is Qwen3-MoE's without QK-norm and with head_dim = dim / n_heads, so the model
+class is Qwen3's decoder; only the args differ. Routing: softmax over all experts, top-k, the k
+gate values renormalized (HF's MixtralSparseMoeBlock), i.e. MoEArgs(score_func="softmax",
+route_norm=True).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from titanlike.models.common.decoder import DecoderArgs
+from titanlike.models.common.moe import MoEArgs
+from titanlike.models.qwen3.model import Qwen3
+
+
+@dataclass
+class MixtralModelArgs(DecoderArgs):
+    rope_theta: float = 1_000_000.0  # (moe, inherited, is required: every layer is MoE)
+
+    # What Qwen3's decoder reads: no QK-norm, and no dense layers (so no ffn_hidden_dim).
+    qk_norm: ClassVar[bool] = False
+    ffn_hidden_dim: ClassVar[None] = None
+
+    hf_model_type = "mixtral"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.moe is None:
+            raise ValueError("Mixtral args need moe (every layer is a mixture of experts)")
+        if self.moe.first_k_dense or self.moe.layer_freq != 1:
+            raise ValueError("Mixtral has a mixture of experts in every layer: set moe first_k_dense 0 and layer_freq 1")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+
+    def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
+        block = self.attention_params() + self.moe.params(self.dim, active=active) + 2 * self.dim
+        table = self.vocab_size * self.dim
+        ends = table + (0 if self.tie_word_embeddings else table)
+        if exclude_embedding and not self.tie_word_embeddings:
+            ends -= table
+        return self.n_layers * block + self.dim + ends
+
+    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
+        from titanlike.models.mixtral.hf_adapter import args_to_hf_config
+
+        return args_to_hf_config(self, max_position_embeddings=max_position_embeddings)
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> MixtralModelArgs:
+        from titanlike.models.mixtral.hf_adapter import args_from_hf_config
+
+        return args_from_hf_config(config)
+
+
+class Mixtral(Qwen3):
+    """Mixtral: tokens (batch, seq) -> logits (batch, seq, vocab_size); Qwen3's decoder on Mixtral's args."""
