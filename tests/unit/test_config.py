@@ -95,6 +95,9 @@ def test_help_lists_every_option_with_default_and_doc():
             assert f"--{section.name}.{f.name} (" in text
 
 
+_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+
+
 @pytest.mark.parametrize(
     "argv, world, fragment",
     [
@@ -103,7 +106,14 @@ def test_help_lists_every_option_with_default_and_doc():
         (["--parallelism.data_parallel_shard_degree", "0"], 1, "must be -1 (the rest) or at least 1"),
         (["--parallelism.tensor_parallel_degree", "0"], 1, "tensor_parallel_degree must be at least 1"),
         (["--parallelism.pipeline_parallel_degree", "0"], 1, "pipeline_parallel_degree must be at least 1"),
-        (["--parallelism.expert_parallel_degree", "2"], 2, "expert parallelism"),
+        (["--parallelism.expert_parallel_degree", "2"], 2,
+         "expert_parallel_degree 2 needs a mixture-of-experts model, and llama3 debugmodel is dense"),
+        (["--moe.aux_loss_coeff", "0.01"], 1, "moe.aux_loss_coeff is set but llama3 debugmodel has no mixture-of-experts"),
+        ([*_MOE, "--moe.capacity_factor", "0"], 1, "moe.capacity_factor must be > 0"),
+        ([*_MOE, "--moe.pad_to_capacity"], 1, "moe.pad_to_capacity needs moe.capacity_factor"),
+        ([*_MOE, "--parallelism.expert_parallel_degree", "3"], 4, "expert_parallel_degree 3 must divide"),
+        ([*_MOE, "--parallelism.expert_parallel_degree", "16"], 16, "must divide the model's 8 experts"),
+        ([*_MOE, "--parallelism.expert_tensor_parallel_degree", "2"], 2, "expert_tensor_parallel_degree"),
         (["--parallelism.enable_async_tensor_parallel"], 1, "needs tensor_parallel_degree > 1"),
         (["--parallelism.enable_async_tensor_parallel", "--parallelism.tensor_parallel_degree", "2"], 2,
          "works through torch.compile"),
