@@ -51,8 +51,22 @@ s x s scores, so the a s^2 term is gone. The all-gathered norm outputs are what 
 sequence parallelism saves for the column-parallel matmuls (Megatron saves the shard and gathers
 again in backward), so that term does not shrink with TP. Context parallelism divides the
 sequence by cp, but all-gather attention saves the gathered keys and values (full length).
-A block made of anything else (another block class, another mixer or MLP, blocks that differ
-from each other) is refused with a ValueError: use the traced estimate for it.
+A block made of anything else (another block class, another mixer or MLP) is refused with a
+ValueError: use the traced estimate for it. Blocks may differ from layer to layer (dense and MoE
+layers): every layer is counted with its own shape.
+
+Mixture of experts (a block holding the common MoE module; sizes from its MoEArgs, the contract).
+Parameters by placement (`Sharding`, as parallel/expert_parallel.py and parallel/fsdp.py place
+them): routed experts split over ep on the expert dimension, then FSDP over efsdp = dp_shard x cp
+x tp / ep (on dim 1 when the local experts do not split evenly); the router and shared experts,
+whole on every TP rank, FSDP over dp_shard x cp x tp; HSDP replicas hold the same shards. FSDP
+gathers a block's experts as one unit: this rank's ep share of them, in the compute dtype.
+Activations (`moe_saved_bytes`, checked tensor by tensor like the dense block): the MoE routes the
+TP rank's slice of the sequence, tokens = microbatch x seq / (cp x tp); per token the router's fp32
+input copy and scores (4 h + 4 E), per routed row (top_k per token; all-to-all brings a rank as many
+as it sends on average; dropless routing varies, so a rank whose experts get more holds more) the
+row, the experts' SwiGLU (4 e F) and the expert output and gated product (2 e h). Backward adds
+the gradients through the experts and, under EP, the all-to-all buffers (`moe_transient_bytes`).
 
 Activation checkpointing: full keeps only each block's input (r h / t per token)
 and recomputes one block at a time in backward; "selective N" does that for every
@@ -70,6 +84,7 @@ backward, which holds the most, there are none yet.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch.nn as nn
@@ -97,11 +112,16 @@ def _prod(dims) -> int:
 
 @dataclass(frozen=True)
 class StageShape:
-    """What one model part holds: some transformer layers, maybe the input and output ends."""
+    """What one model part holds: some transformer layers (their indices in the model), maybe the
+    input and output ends."""
 
-    num_layers: int
+    layers: tuple[int, ...]
     first: bool
     last: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
 
 def stage_layout(prep: PreparedJob) -> tuple[list[list[int]], list[StageShape]]:
@@ -110,8 +130,9 @@ def stage_layout(prep: PreparedJob) -> tuple[list[list[int]], list[StageShape]]:
 
     layout = pipeline_layout(prep.cfg, prep.dims, prep.model_args)
     if layout is None:
-        return [[0]], [StageShape(prep.model_args.num_layers, True, True)]
-    shapes = [StageShape(n, s == 0, s == layout.num_stages - 1) for s, n in enumerate(layout.layers)]
+        return [[0]], [StageShape(tuple(range(prep.model_args.num_layers)), True, True)]
+    shapes = [StageShape(tuple(layout.layer_indices(s)), s == 0, s == layout.num_stages - 1)
+              for s in range(layout.num_stages)]
     return [layout.stages_of_rank(r) for r in range(prep.dims.pp)], shapes
 
 
@@ -170,6 +191,7 @@ class AnalyticDetail:
 
     params_local: int = 0          # parameters this rank stores (after TP and FSDP), elements
     params_tp_local: int = 0       # parameters of this rank's stages after TP only, elements
+    expert_params_local: int = 0   # of those, routed experts after EP, elements
     layer_activation_bytes: int = 0
     stored_per_microbatch: int = 0
     in_flight: int = 1
@@ -189,30 +211,87 @@ class UnknownBlockError(ValueError):
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How one rank's parameters are split, by placement (see ParamShape.placement).
+
+    dense: TP as the plan says, then FSDP over dp_shard x cp (1 without FSDP); token (an MoE
+    layer's router and shared experts, whole on every TP rank, which routes its own tokens): FSDP
+    over dp_shard x cp x tp; expert (routed experts): split over ep on the expert dimension, then
+    FSDP over efsdp = dp_shard x cp x tp / ep. HSDP replicas hold the same shards."""
+
+    tp: int = 1
+    ep: int = 1
+    dense: int = 1
+    token: int = 1
+    expert: int = 1
+
+    @classmethod
+    def of(cls, dims, *, fsdp: bool = True) -> Sharding:
+        """The job's sharding; fsdp False: model parallelism only (what FSDP gathers)."""
+        if not fsdp:
+            return cls(tp=dims.tp, ep=dims.ep)
+        # parallel/fsdp.py shards an MoE layer's parts over their own meshes even without data
+        # parallelism (token_fsdp and expert_fsdp exist whenever dp_shard x cp x tp > 1).
+        return cls(tp=dims.tp, ep=dims.ep, dense=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
+                   token=dims.dp_shard * dims.cp * dims.tp, expert=dims.efsdp)
+
+
+@dataclass(frozen=True)
 class ParamShape:
     """One parameter of the meta model."""
 
-    name: str                       # full name; block parameters are those of the first block
+    name: str                       # full name
     shape: tuple[int, ...]
     style: str | None               # tensor-parallel style of the module holding it (None: not in the plan)
     group: str                      # "block", "inputs" (first stage), "outputs" (last stage) or "always"
     tied_to: str | None = None      # an alias of a tied weight: the group of its owner
+    placement: str = "dense"        # "dense", "token" (MoE router, shared experts) or "expert" (routed experts)
 
     def local(self, tp: int) -> tuple[int, int]:
         """(dim 0, product of the other dims) of this rank's piece after tensor parallelism."""
         dims = list(self.shape) or [1]
-        if tp > 1:
+        if tp > 1 and self.placement == "dense":
             if self.style in ("colwise", "vocab_embedding", "vocab_output"):
                 dims[0] = _ceil_div(dims[0], tp)
             elif self.style == "rowwise" and len(dims) > 1:  # a rowwise bias stays whole
                 dims[1] = _ceil_div(dims[1], tp)
         return dims[0], _prod(dims[1:])
 
+    def pieces(self, sh: Sharding) -> tuple[int, int]:
+        """(elements after model parallelism (TP, or EP for experts), elements this rank stores)."""
+        d0, rest = self.local(sh.tp)
+        dims = [d0, rest]
+        if self.placement == "expert":
+            dims[0] = _ceil_div(d0, sh.ep)
+        model_local = dims[0] * dims[1]
+        shard = {"dense": sh.dense, "token": sh.token, "expert": sh.expert}[self.placement]
+        if shard == 1:
+            return model_local, model_local
+        if self.placement != "dense" and len(self.shape) >= 2 and dims[0] % shard:
+            # parallel/fsdp.py shards an MoE part on dim 1 when dim 0 does not split evenly (an
+            # expert group with fewer experts than FSDP ranks).
+            d1, tail = self.shape[1], _prod(self.shape[2:])
+            return model_local, dims[0] * _ceil_div(d1, shard) * tail
+        return model_local, _ceil_div(dims[0], shard) * dims[1]  # FSDP pads dim 0 to the shard count
+
 
 @dataclass(frozen=True)
 class NormShape:
     kind: str      # "rmsnorm" | "layernorm"
     readers: int   # linears reading its output (autocast casts it once for each)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """An MoE layer's sizes for the activation count (from its MoEArgs, the contract)."""
+
+    experts: int
+    top_k: int
+    hidden: int              # each routed expert's SwiGLU hidden size
+    shared_hidden: int       # the shared experts' SwiGLU hidden size (0: none)
+    capacity_factor: float | None
+    pad_to_capacity: bool
+    z_loss: bool
 
 
 @dataclass(frozen=True)
@@ -225,10 +304,13 @@ class BlockShape:
     kv_dim: int
     heads: int
     attention_inputs: int   # output features of the linears reading the attention's input (q + 2 kv)
-    mlp_saved: int          # MLP elements saved per token, before TP (SwiGLU 4 f, GELU 2 f)
-    mlp_inputs: int         # output features of the MLP's input linears (SwiGLU 2 f, GELU f)
-    mlp_hidden: int         # input features of the MLP's output linear (f)
+    mlp_saved: int          # MLP elements saved per token, before TP (SwiGLU 4 f, GELU 2 f; 0 for MoE)
+    mlp_inputs: int         # output features of the MLP's input linears (SwiGLU 2 f, GELU f; 0 for MoE)
+    mlp_hidden: int         # input features of the MLP's output linear (f; 0 for MoE)
     rowwise_outputs: int    # linears writing back into the residual stream (attention's wo, the MLP's w2)
+    kv_heads: int = 0
+    qk_norm: bool = False   # RMSNorms over each head's q and k (Qwen3)
+    moe: MoEShape | None = None
 
 
 @dataclass
@@ -237,23 +319,34 @@ class ModelShape:
 
     model: object                    # the meta model itself (float8's linear filter runs on it)
     hidden: int
-    block_params: list[ParamShape]
+    layer_params: list[list[ParamShape]]  # per layer, in model order (identical layers share one list)
     end_params: list[ParamShape]
-    block_buffer_bytes: int
+    layer_buffer_bytes: list[int]
     end_buffer_bytes: dict[str, int]  # group -> bytes
     total_params: int                 # tied weights once
     vocab_table: tuple[int, ...] | None   # shape of the vocab_embedding table (its gradient is whole under TP)
     vocab_tied: bool                  # that table is tied to another parameter (the output projection)
     output_vocab: int                 # columns of the logits
     output_norms: tuple[str, ...]     # norm kinds of the output end
-    block: BlockShape | None
+    blocks: list[BlockShape] | None   # per layer, in model order
     unknown: str | None               # why the activation model does not apply, or None
 
-    def require_known(self) -> BlockShape:
-        if self.block is None:
+    @property
+    def block(self) -> BlockShape | None:
+        """The first block (a dense one when there is one: formulas about matmul inputs use it)."""
+        if not self.blocks:
+            return None
+        return next((b for b in self.blocks if b.moe is None), self.blocks[0])
+
+    @property
+    def has_experts(self) -> bool:
+        return any(p.placement == "expert" for params in self.layer_params for p in params)
+
+    def require_known(self) -> list[BlockShape]:
+        if self.blocks is None:
             raise UnknownBlockError(f"the analytic memory model does not know {self.unknown}; "
                                     "use the traced estimate (--estimate.mode traced)")
-        return self.block
+        return self.blocks
 
 
 _SHAPES: dict[tuple[str, str], ModelShape] = {}
@@ -270,6 +363,21 @@ def model_shape(prep: PreparedJob) -> ModelShape:
             _SHAPES.pop(next(iter(_SHAPES)))
         shape = _SHAPES[key] = read_model(get_model_spec(prep.cfg.model.name), prep.model_args)
     return shape
+
+
+def _placements(block: nn.Module) -> dict[str, str]:
+    """Submodule name (relative to the block) -> placement of the parameters it holds directly:
+    an MoE layer's routed experts "expert", the rest of it (router, shared experts) "token"."""
+    from titanlike.models.common.moe import MoE, GroupedExperts
+
+    moes = [name for name, m in block.named_modules() if isinstance(m, MoE)]
+    out: dict[str, str] = {}
+    for name, module in block.named_modules():
+        if isinstance(module, GroupedExperts):
+            out[name] = "expert"
+        elif any(name == m or name.startswith(m + ".") for m in moes):
+            out[name] = "token"
+    return out
 
 
 def read_model(spec, args) -> ModelShape:
@@ -291,33 +399,45 @@ def read_model(spec, args) -> ModelShape:
             return "block"
         return "inputs" if head in inputs else "outputs" if head in outputs else "always"
 
-    first_key = next(iter(model.layers.keys()))
-    prefix = f"layers.{first_key}."
     tied = dict(getattr(model, "tied_weights", {}) or {})
-    block_params, end_params = [], []
+    # Blocks: every layer, but identical layers (most of them) share one parameter list.
+    layer_params: list[list[ParamShape]] = []
+    layer_buffers: list[int] = []
+    seen: dict[tuple, tuple[list[ParamShape], int]] = {}
+    for key, block in model.layers.items():
+        signature = _block_signature(block)
+        if signature not in seen:
+            prefix = f"layers.{key}."
+            placements = _placements(block)
+            params = []
+            for name, p in block.named_parameters():
+                module = name.rpartition(".")[0]
+                params.append(ParamShape(prefix + name, tuple(p.shape), block_styles.get(module), "block",
+                                         placement=placements.get(module, "dense")))
+            buffers = sum(b.numel() * b.element_size() for b in block.buffers())
+            seen[signature] = (params, buffers)
+        layer_params.append(seen[signature][0])
+        layer_buffers.append(seen[signature][1])
+    end_params = []
     for name, p in model.named_parameters(remove_duplicate=False):
         group = group_of(name)
-        module = name.rpartition(".")[0]
         if group == "block":
-            if name.startswith(prefix):
-                block_params.append(ParamShape(name, tuple(p.shape), block_styles.get(module[len(prefix):]), group))
             continue
+        module = name.rpartition(".")[0]
         owner = tied.get(name)
         end_params.append(ParamShape(name, tuple(p.shape), top_styles.get(module), group,
                                      tied_to=group_of(owner) if owner is not None else None))
-    block_buffers, end_buffers = 0, {}
+    end_buffers: dict[str, int] = {}
     for name, b in model.named_buffers():
         group = group_of(name)
-        if group == "block":
-            block_buffers += b.numel() * b.element_size() if name.startswith(prefix) else 0
-        else:
+        if group != "block":
             end_buffers[group] = end_buffers.get(group, 0) + b.numel() * b.element_size()
     total = sum(p.numel() for p in model.parameters())
     hidden = args.hidden_size
     vocab = next((p for p in end_params if p.style == "vocab_embedding"), None)
     vocab_table = vocab.shape if vocab is not None else None
     vocab_tied = vocab is not None and vocab.name in tied.values()
-    block, unknown = _read_block(model, hidden)
+    blocks, unknown = _read_blocks(model, hidden)
     # The ends: the pipeline's, or without a pipeline split the plan's top-level norms and projection.
     if ends is None:
         outputs = {name for name, style in top_styles.items() if style in ("sequence_norm", "vocab_output")}
@@ -330,17 +450,17 @@ def read_model(spec, args) -> ModelShape:
         elif type(module) in _NORMS:
             output_norms.append(_NORMS[type(module)])
         elif module is not None and unknown is None:
-            block, unknown = None, f"the output end {name} of {type(model).__name__} ({type(module).__name__})"
+            blocks, unknown = None, f"the output end {name} of {type(model).__name__} ({type(module).__name__})"
     for name in sorted(inputs):
         module = _submodule(model, name)
         if module is not None and not isinstance(module, nn.Embedding) and unknown is None:
-            block, unknown = None, f"the input end {name} of {type(model).__name__} ({type(module).__name__})"
+            blocks, unknown = None, f"the input end {name} of {type(model).__name__} ({type(module).__name__})"
     if not output_vocab and unknown is None:
-        block, unknown = None, f"the output projection of {type(model).__name__} (no pipeline end or plan names it)"
-    return ModelShape(model=model, hidden=hidden, block_params=block_params, end_params=end_params,
-                      block_buffer_bytes=block_buffers, end_buffer_bytes=end_buffers, total_params=total,
+        blocks, unknown = None, f"the output projection of {type(model).__name__} (no pipeline end or plan names it)"
+    return ModelShape(model=model, hidden=hidden, layer_params=layer_params, end_params=end_params,
+                      layer_buffer_bytes=layer_buffers, end_buffer_bytes=end_buffers, total_params=total,
                       vocab_table=vocab_table, vocab_tied=vocab_tied,
-                      output_vocab=output_vocab, output_norms=tuple(output_norms), block=block, unknown=unknown)
+                      output_vocab=output_vocab, output_norms=tuple(output_norms), blocks=blocks, unknown=unknown)
 
 
 def _submodule(model, name: str):
@@ -350,47 +470,71 @@ def _submodule(model, name: str):
         return None
 
 
-def _read_block(model, hidden: int) -> tuple[BlockShape | None, str | None]:
-    """The common building blocks of model.layers, by module type; (None, what is unknown) otherwise."""
+def _read_blocks(model, hidden: int) -> tuple[list[BlockShape] | None, str | None]:
+    """BlockShape of every layer (identical layers read once); (None, what is unknown) otherwise."""
+    shapes: dict[tuple, BlockShape] = {}
+    out = []
+    for block in model.layers.values():
+        signature = _block_signature(block)
+        if signature not in shapes:
+            shape, unknown = _read_block(model, block, hidden)
+            if shape is None:
+                return None, unknown
+            shapes[signature] = shape
+        out.append(shapes[signature])
+    return out, None
+
+
+def _read_block(model, block, hidden: int) -> tuple[BlockShape | None, str | None]:
+    """The common building blocks of one block, by module type; (None, what is unknown) otherwise."""
     from titanlike.models.common.attention import Attention, core_attention
     from titanlike.models.common.block import TransformerBlock
     from titanlike.models.common.feed_forward import FeedForward, GeluMLP
+    from titanlike.models.common.moe import MoE
 
-    blocks = list(model.layers.values())
-    block = blocks[0]
     what = f"the blocks of {type(model).__name__} ({type(block).__name__})"
     if not isinstance(block, TransformerBlock) or type(block).forward is not TransformerBlock.forward:
         return None, what
     children = dict(block.named_children())
-    if set(children) != {"attention_norm", "attention", "ffn_norm", "feed_forward"} \
+    mlp_name = "moe" if block.moe is not None else "feed_forward"
+    if set(children) != {"attention_norm", "attention", "ffn_norm", mlp_name} \
             or any(True for _ in block.named_parameters(recurse=False)):
         return None, f"{what}: children {', '.join(children)}"
-    attention, mlp = block.attention, block.feed_forward
+    attention, mlp = block.attention, children[mlp_name]
     parts = {"attention_norm": block.attention_norm, "ffn_norm": block.ffn_norm, "attention": attention,
-             "feed_forward": mlp}
+             mlp_name: mlp}
     for name, module in parts.items():
-        known = _NORMS if name.endswith("norm") else (Attention,) if name == "attention" else (FeedForward, GeluMLP)
+        known = (_NORMS if name.endswith("norm") else (Attention,) if name == "attention"
+                 else (MoE,) if name == "moe" else (FeedForward, GeluMLP))
         if type(module) not in known:
             return None, f"{what}: {name} is a {type(module).__name__}"
     if attention.core_attention is not core_attention:
         return None, f"{what}: its attention runs {getattr(attention.core_attention, '__name__', 'another kernel')}"
-    # Every block must be the same (the count is per layer); compare what the count reads.
-    signature = _block_signature(block)
-    for other in blocks[1:]:
-        if _block_signature(other) != signature:
-            return None, f"{what}: its blocks differ from each other"
+    qk_norms = [getattr(attention, n, None) for n in ("q_norm", "k_norm")]
+    if any(n is not None and type(n) is not nn.RMSNorm for n in qk_norms):
+        return None, f"{what}: its attention's q/k norms are not RMSNorm"
     q_dim, kv_dim = attention.wq.out_features, attention.wk.out_features
+    heads = q_dim // attention.head_dim
+    common = dict(hidden=hidden, q_dim=q_dim, kv_dim=kv_dim, heads=heads, kv_heads=kv_dim // attention.head_dim,
+                  attention_inputs=q_dim + 2 * kv_dim, qk_norm=qk_norms[0] is not None)
+    if isinstance(mlp, MoE):
+        a = mlp.args  # MoEArgs: the contract
+        moe = MoEShape(experts=a.num_experts, top_k=a.top_k, hidden=a.hidden_dim,
+                       shared_hidden=a.shared_dim if mlp.shared_experts is not None else 0,
+                       capacity_factor=a.capacity_factor, pad_to_capacity=a.pad_to_capacity,
+                       z_loss=a.z_loss_coeff > 0)
+        # The MoE reads its norm's output locally (no all-gather, no autocast copy of its own).
+        norms = (NormShape(_NORMS[type(block.attention_norm)], 3), NormShape(_NORMS[type(block.ffn_norm)], 1))
+        return BlockShape(norms=norms, mlp_saved=0, mlp_inputs=0, mlp_hidden=0, rowwise_outputs=1, moe=moe,
+                          **common), None
     f = mlp.w1.out_features
     if isinstance(mlp, FeedForward):  # SwiGLU saves w1 x, silu(w1 x), w3 x and their product
         mlp_saved, mlp_inputs, mlp_readers = 4 * f, f + mlp.w3.out_features, 2
     else:  # GELU saves its input (w1 x + b) and its output
         mlp_saved, mlp_inputs, mlp_readers = 2 * f, f, 1
     norms = (NormShape(_NORMS[type(block.attention_norm)], 3), NormShape(_NORMS[type(block.ffn_norm)], mlp_readers))
-    heads = q_dim // attention.head_dim
-    shape = BlockShape(hidden=hidden, norms=norms, q_dim=q_dim, kv_dim=kv_dim, heads=heads,
-                       attention_inputs=q_dim + 2 * kv_dim, mlp_saved=mlp_saved, mlp_inputs=mlp_inputs,
-                       mlp_hidden=mlp.w2.in_features, rowwise_outputs=2)
-    return shape, None
+    return BlockShape(norms=norms, mlp_saved=mlp_saved, mlp_inputs=mlp_inputs, mlp_hidden=mlp.w2.in_features,
+                      rowwise_outputs=2, **common), None
 
 
 def _block_signature(block) -> tuple:
@@ -406,33 +550,112 @@ def norm_bytes(kind: str, hidden: int, e_in: int, device: str = "cuda") -> int:
     return e_in * hidden + 2 * stats
 
 
-def _stage_params(ms: ModelShape, stage: StageShape, tp: int) -> list[tuple[int, int]]:
-    """(dim0, rest) of every parameter of a stage after tensor parallelism."""
+def _stage_params(ms: ModelShape, stage: StageShape) -> list[ParamShape]:
+    """Every parameter a stage holds (tied weights once)."""
     groups = {"always"} | ({"inputs"} if stage.first else set()) | ({"outputs"} if stage.last else set())
-    shapes = [p.local(tp) for p in ms.block_params] * stage.num_layers
-    shapes += [p.local(tp) for p in ms.end_params if p.group in groups and p.tied_to not in groups]
-    return shapes
+    params = [p for i in stage.layers for p in ms.layer_params[i]]
+    params += [p for p in ms.end_params if p.group in groups and p.tied_to not in groups]
+    return params
 
 
 def _stage_buffer_bytes(ms: ModelShape, stage: StageShape) -> int:
     groups = {"always"} | ({"inputs"} if stage.first else set()) | ({"outputs"} if stage.last else set())
-    return ms.block_buffer_bytes * stage.num_layers + sum(n for g, n in ms.end_buffer_bytes.items() if g in groups)
+    return (sum(ms.layer_buffer_bytes[i] for i in stage.layers)
+            + sum(n for g, n in ms.end_buffer_bytes.items() if g in groups))
 
 
-def _stage_param_bytes(ms: ModelShape, stage: StageShape, tp: int, fsdp: int,
-                       granularity: int) -> tuple[int, int, int, int]:
-    """(sharded fp32 bytes, sharded elements, TP-local elements, largest TP-local block elements)."""
-    shapes = _stage_params(ms, stage, tp)
-    sharded = sum(_round(_ceil_div(d0, fsdp) * rest * 4, granularity) for d0, rest in shapes)
-    elements = sum(_ceil_div(d0, fsdp) * rest for d0, rest in shapes)
-    tp_local = sum(d0 * rest for d0, rest in shapes)
-    block = sum(d0 * rest for d0, rest in (p.local(tp) for p in ms.block_params))
-    return sharded, elements, tp_local, block
+@dataclass
+class StageParams:
+    """A stage's parameters on one rank."""
+
+    sharded_bytes: int      # fp32 shards this rank stores (each tensor rounded to the allocator's granularity)
+    sharded: int            # elements this rank stores
+    model_local: int        # elements after model parallelism (TP, EP) only: what FSDP gathers
+    largest_block: int      # model_local elements of the stage's largest block
+    blocks: int             # model_local elements of all its blocks
+    tensors: int            # parameter tensors
+    expert_local: int = 0   # model_local elements of routed experts
+    token_local: int = 0    # model_local elements of MoE routers and shared experts
+
+
+def _stage_param_bytes(ms: ModelShape, stage: StageShape, sh: Sharding, granularity: int) -> StageParams:
+    out = StageParams(0, 0, 0, 0, 0, 0)
+    for p in _stage_params(ms, stage):
+        local, stored = p.pieces(sh)
+        out.sharded_bytes += _round(stored * 4, granularity)
+        out.sharded += stored
+        out.model_local += local
+        out.tensors += 1
+        if p.placement == "expert":
+            out.expert_local += local
+        elif p.placement == "token":
+            out.token_local += local
+    for i in stage.layers:
+        block = sum(p.pieces(sh)[0] for p in ms.layer_params[i])
+        out.blocks += block
+        out.largest_block = max(out.largest_block, block)
+    return out
+
+
+def moe_rows(moe: MoEShape, tokens: int, *, microbatch: int, seq_full: int) -> int:
+    """Routed rows (token copies) an MoE layer's experts on one rank process per microbatch, for
+    `tokens` routed on that rank. Dropless routing varies from rank to rank; this is the average
+    (tokens x top_k: all-to-all brings a rank as many rows as it sends, on average). A capacity
+    drops some routes (fewer rows); pad_to_capacity pads every expert to its per-sequence capacity,
+    computed on the whole sequence even when the rank holds a slice of it (static shapes)."""
+    e, k = moe.experts, moe.top_k
+    if moe.pad_to_capacity and moe.capacity_factor is not None:
+        capacity = min(math.ceil(moe.capacity_factor * seq_full * k / e), seq_full * k)
+        return e * microbatch * capacity
+    return tokens * k
+
+
+def moe_saved_bytes(moe: MoEShape, h: int, tokens: int, rows: int, *, e: int, ep: int) -> tuple[int, int]:
+    """(bytes an MoE layer saves for backward, bytes it keeps under op-level checkpointing) for
+    `tokens` routed tokens and `rows` routed rows on this rank, compute elements of e bytes.
+
+    Per token: the router's fp32 copy of its input (4 h; the input itself when e is 4) and the
+    input kept by the shared experts (e h), the fp32 scores (4 E), the top-k ids, gate values and
+    their sum (8 k + 4 k + 4), with the z-loss the logits and their log-sum-exp (4 E + 8), and the
+    shared experts' SwiGLU (4 e shared_hidden). Per routed row: the row itself (e h), the experts'
+    SwiGLU (4 e hidden), the expert output and its gated product (2 e h: the multiply keeps
+    the first, the index_add combine the second), the gate value (e) and three int64 index vectors
+    (24), plus two more (16) to reorder rows that arrived by all-to-all. Per layer, the router's
+    fp32 copy of a bf16 gate weight (4 E h), the grouped matmuls' int32 offsets and the balancing
+    loss's fp32 counts (8 E). Checked tensor by tensor with saved-tensor hooks
+    (tests/unit/test_estimation.py). Op-level checkpointing keeps the matmul (mm) outputs: the
+    router's logits and the shared experts' three projections; grouped matmuls are recomputed."""
+    shared = moe.shared_hidden
+    per_token = 4 * h + (e * h if shared and e != 4 else 0) + 4 * moe.experts + 12 * moe.top_k + 4
+    if moe.z_loss:
+        per_token += 4 * moe.experts + 8
+    per_token += 4 * e * shared
+    per_row = e * h + 4 * e * moe.hidden + 2 * e * h + e + 24 + (16 if ep > 1 else 0)
+    full = tokens * per_token + rows * per_row + (4 * moe.experts * h if e != 4 else 0) + 8 * moe.experts
+    op = tokens * (4 * moe.experts + (e * (2 * shared + h) if shared else 0))
+    return full, op
+
+
+def moe_transient_bytes(moe: MoEShape, h: int, tokens: int, rows: int, *, e: int, ep: int, microbatch: int,
+                        seq_full: int) -> int:
+    """Temporaries of an MoE layer beyond what it saves: in backward the gradients through the
+    experts (the gradient of the gated output, those of the SwiGLU pieces and of the rows),
+    with expert parallelism the send and receive buffers of the all-to-all; in forward, with a
+    capacity, the (sequence x top_k, experts) one-hot (int64, then bool) and scores that choose
+    the routes each expert keeps, for whole sequences."""
+    backward = rows * (e * h + 2 * e * h + 3 * e * moe.hidden)
+    if ep > 1:
+        backward += 2 * rows * e * h
+    capacity = 0
+    if moe.capacity_factor is not None:
+        capacity = microbatch * seq_full * moe.top_k * moe.experts * 13
+    return max(backward, capacity)
 
 
 def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, e: int, e_res: int, ac: str,
                            rotate_method: str = "allgather", seq_local: int = 0,
-                           autocast: bool = False, device: str = "cuda") -> tuple[int, int]:
+                           autocast: bool = False, device: str = "cuda", ep: int = 1,
+                           microbatch: int = 1) -> tuple[int, int]:
     """(bytes one layer keeps for backward, bytes recomputed at once in its backward) for
     `tokens` = microbatch x local sequence tokens, before sequence parallelism. device "cpu"
     counts LayerNorm statistics as torch's CPU kernel keeps them (for measurements here)."""
@@ -447,11 +670,26 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
         attention += 4 * qd / tp + cp * (8 * kvd / tp + 3 * 4 * n / tp * seq_local + 3 * 4 * qd / tp)
     else:
         attention += e * 2 * kvd / tp
+    if block.qk_norm:
+        # RMSNorm over each head of q and of k: fp32 input and normalized copies, a rstd per head.
+        attention += (8 * qd + 4 * n + 8 * kvd + 4 * block.kv_heads) / tp
     # Autocast casts a norm's fp32 output to bf16 once per matmul that reads it (Llama: wq, wk, wv;
     # w1, w3: five saved copies instead of two).
-    norm_outputs = sum(norm.readers if autocast else 1 for norm in block.norms)
+    attn_norm, mlp_norm = block.norms
+    norm_outputs = attn_norm.readers if autocast else 1
     norms = sum(norm_bytes(norm.kind, h, e_res, device) for norm in block.norms)
-    full = tokens * (norms / tp + norm_outputs * e * h + attention + e * block.mlp_saved / tp)
+    if block.moe is None:
+        norm_outputs += mlp_norm.readers if autocast else 1
+        mlp, moe_full, moe_op = e * block.mlp_saved / tp, 0, 0
+        rowwise, mlp_inputs = block.rowwise_outputs, block.mlp_inputs
+    else:
+        # The MoE routes this rank's slice of the sequence (no all-gather): tokens / tp of them.
+        # Under autocast its inputs stay fp32 (grouped matmuls are not autocast).
+        local = tokens // tp
+        rows = moe_rows(block.moe, local, microbatch=microbatch, seq_full=seq_local * cp)
+        moe_full, moe_op = moe_saved_bytes(block.moe, h, local, rows, e=4 if autocast else e, ep=ep)
+        mlp, rowwise, mlp_inputs = 0, 1, 0
+    full = tokens * (norms / tp + norm_outputs * e * h + attention + mlp) + moe_full
     block_input = tokens * e_res * h / tp
     if ac == "none":
         return int(full), 0
@@ -459,7 +697,7 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
         return int(block_input), int(full)
     # Op-level: matmul and attention outputs (row-parallel ones before their reduce-scatter).
     op = tokens * (e_res * h / tp + e * block.attention_inputs / tp + e * qd / tp + 4 * n / tp
-                   + block.rowwise_outputs * e * h + e * block.mlp_inputs / tp)
+                   + rowwise * e * h + e * mlp_inputs / tp) + moe_op
     return int(op), int(full)
 
 
@@ -498,12 +736,12 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
     """
     dims, cfg = prep.dims, prep.cfg
     ms = model_shape(prep)
-    block = ms.require_known()
+    blocks = ms.require_known()
     h = ms.hidden
     t, p, o = cfg.training, cfg.parallelism, cfg.optimizer
     tp, cp = dims.tp, dims.cp
     fsdp_on = dims.fsdp_enabled
-    shard = dims.dp_shard * dims.cp if fsdp_on else 1
+    sharding = Sharding.of(dims)
     bf16 = t.mixed_precision_param == "bfloat16"
     e = 2 if bf16 else 4
     # Without FSDP, autocast leaves the residual stream (block inputs, norms) in fp32.
@@ -527,23 +765,28 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
     # materializes the whole table's gradient before FSDP (or nothing) shards it again.
     embedding_grad_full = embedding_local = 0
     if tp > 1 and ms.vocab_table is not None:
-        rows, rest = ms.vocab_table[0], _prod(ms.vocab_table[1:])
-        embedding_grad_full, embedding_local = rows * rest, _ceil_div(rows, tp) * rest
+        table_rows, rest = ms.vocab_table[0], _prod(ms.vocab_table[1:])
+        embedding_grad_full, embedding_local = table_rows * rest, _ceil_div(table_rows, tp) * rest
     # The output end's norm(s), on this rank's slice of the sequence.
     output_norms = sum(norm_bytes(kind, h, e_res) for kind in ms.output_norms)
 
     def stage_acts(stage: StageShape) -> tuple[int, int, int]:
         """(stored bytes per microbatch, backward transient, one layer's full activations)."""
-        stored, transient = 0, 0
-        full_layer, _ = layer_activation_bytes(block, tokens, tp=tp, cp=cp, e=e, e_res=e_res, ac="none",
-                                               rotate_method=p.context_parallel_rotate_method, seq_local=seq_local,
-                                               autocast=autocast)
-        for i in range(stage.num_layers):
+        stored, transient, full_layer = 0, 0, 0
+        layer_args = dict(tp=tp, cp=cp, e=e, e_res=e_res, rotate_method=p.context_parallel_rotate_method,
+                          seq_local=seq_local, autocast=autocast, ep=dims.ep, microbatch=microbatch)
+        for i, layer in enumerate(stage.layers):  # i: the index activation checkpointing counts
+            block = blocks[layer]
+            full, _ = layer_activation_bytes(block, tokens, ac="none", **layer_args)
+            full_layer = max(full_layer, full)
             layer_mode = mode if (mode != "full" or i % every == 0) else "none"
-            kept, recompute = layer_activation_bytes(
-                block, tokens, tp=tp, cp=cp, e=e, e_res=e_res, ac=layer_mode,
-                rotate_method=p.context_parallel_rotate_method, seq_local=seq_local, autocast=autocast)
+            kept, recompute = layer_activation_bytes(block, tokens, ac=layer_mode, **layer_args)
             stored += kept
+            if block.moe is not None:
+                local = tokens // tp
+                rows = moe_rows(block.moe, local, microbatch=microbatch, seq_full=seq_local * cp)
+                recompute += moe_transient_bytes(block.moe, h, local, rows, e=4 if autocast else e, ep=dims.ep,
+                                                 microbatch=microbatch, seq_full=seq_local * cp)
             transient = max(transient, recompute)
         if stage.first:
             stored += tokens * 8  # the token ids, kept by the embedding's backward
@@ -570,26 +813,28 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
         holds_embedding = any(shapes[s].first for s in stage_ids)
         stage_grads: dict[int, int] = {}  # what each stage holds as gradients during a pipeline schedule
         for s in stage_ids:
-            sharded_bytes, elements, tp_local, block_elements = _stage_param_bytes(ms, shapes[s], tp, shard,
-                                                                                   granularity)
-            d.params_local += elements
+            sp = _stage_param_bytes(ms, shapes[s], sharding, granularity)
+            sharded_bytes, tp_local = sp.sharded_bytes, sp.model_local
+            d.params_local += sp.sharded
             d.params_tp_local += tp_local
+            d.expert_params_local += sp.expert_local
             static += sharded_bytes
             # exp_avg and exp_avg_sq, plus a scalar step counter per parameter (on the host for foreach and
             # for-loop on GPU, but counted: the trace cannot tell, and it is at most 512 bytes each).
-            n_tensors = len(_stage_params(ms, shapes[s], tp))
-            opt_state += 2 * sharded_bytes + n_tensors * _round(4, granularity)
+            opt_state += 2 * sharded_bytes + sp.tensors * _round(4, granularity)
             grads += sharded_bytes
-            largest_block = max(largest_block, block_elements)
-            ends = tp_local - shapes[s].num_layers * block_elements
+            largest_block = max(largest_block, sp.largest_block)
+            ends = tp_local - sp.blocks
             root_local += ends
             if fsdp_on:
                 if reshard == "never":
                     gathered += tp_local * e
                 else:
-                    # The root stays gathered unless "always"; about two blocks are gathered at a time.
+                    # The root stays gathered unless "always"; about two blocks are gathered at a time
+                    # (an MoE block's experts, router and shared experts are FSDP units of their own,
+                    # gathered inside it: its routed experts gather this rank's ep share of them).
                     root = 0 if reshard == "always" else ends * e
-                    gathered += root + min(shapes[s].num_layers, 2) * block_elements * e
+                    gathered += root + min(shapes[s].num_layers, 2) * sp.largest_block * e
                     gathered_root += root
                 if dims.pp_enabled:
                     # No gradient sync between microbatches: fp32 unsharded accumulators until the end.
@@ -687,21 +932,30 @@ def float8_share(prep: PreparedJob) -> float:
     return linear / ms.total_params
 
 
-def model_parameter_count(args) -> int:
-    """Parameters of the whole model, tied weights once (the family's own count)."""
-    return args.num_params()
+def model_parameter_count(args, *, active: bool = False) -> int:
+    """Parameters of the whole model, tied weights once (the family's own count); active: those one
+    token uses (of a mixture of experts' routed experts only top_k)."""
+    return args.num_params(active=active)
 
 
 def bytes_per_parameter(prep: PreparedJob) -> dict[str, float]:
-    """The textbook per-parameter figures of this layout (bytes per model parameter per rank)."""
+    """The textbook per-parameter figures of this layout (bytes per model parameter per rank); for
+    a mixture of experts also per routed-expert parameter ("experts"), split over ep x efsdp."""
     dims, cfg = prep.dims, prep.cfg
     shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     per = 1 / (shard * dims.tp * dims.pp)
     e = _BYTES[cfg.training.mixed_precision_param]
-    return {"parameters": 4 * per, "gradients": 4 * per, "optimizer_state": 8 * per,
-            "gathered_copy": e / (dims.tp * dims.pp)}
+    out = {"parameters": 4 * per, "gradients": 4 * per, "optimizer_state": 8 * per,
+           "gathered_copy": e / (dims.tp * dims.pp)}
+    if prep.model_args.moe_args() is not None:
+        sh = Sharding.of(dims)
+        per_expert = 1 / (sh.ep * sh.expert * dims.pp)
+        out["experts"] = {"parameters": 4 * per_expert, "gradients": 4 * per_expert,
+                          "optimizer_state": 8 * per_expert, "gathered_copy": e / (sh.ep * dims.pp)}
+    return out
 
 
-__all__ = ["AnalyticDetail", "BlockShape", "ModelShape", "StageShape", "UnknownBlockError", "backward_moments",
-           "bytes_per_parameter", "estimate_analytic", "float8_share", "in_flight_chunks", "layer_activation_bytes",
-           "model_parameter_count", "model_shape", "norm_bytes", "read_model", "stage_layout", "weight_grad_share"]
+__all__ = ["AnalyticDetail", "BlockShape", "MoEShape", "ModelShape", "Sharding", "StageShape", "UnknownBlockError",
+           "backward_moments", "bytes_per_parameter", "estimate_analytic", "float8_share", "in_flight_chunks",
+           "layer_activation_bytes", "model_parameter_count", "model_shape", "moe_rows", "moe_saved_bytes",
+           "moe_transient_bytes", "norm_bytes", "read_model", "stage_layout", "weight_grad_share"]

@@ -10,6 +10,11 @@ Takes every train.py option (the same TOML and overrides) plus the `--estimate.*
 options listed by --help. Prints the traced estimate (the real model, parallelize
 and optimizer on fake tensors under a fake process group) beside the analytic one,
 with the difference explained; `--estimate.plan` ranks layouts instead.
+
+Mixture-of-experts models (with expert parallelism, `--parallelism.expert_parallel_degree`) get
+the analytic estimate only: the trace cannot size their token dispatch, which depends on routing
+values. The report gives total and active parameters and the FLOPs per token of the active ones;
+the planner also searches the expert-parallel degree.
 """
 
 from __future__ import annotations

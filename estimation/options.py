@@ -31,14 +31,16 @@ class EstimateOptions:
         2.0, "GPU memory the tensors cannot use: CUDA context, NCCL communicators, cuBLAS workspaces")
     fragmentation: float = opt(
         0.05, "caching-allocator overhead as a fraction of peak tensor memory (reserved over allocated)")
-    mode: str = opt("both", "which estimates to run", choices=("both", "traced", "analytic"))
+    mode: str = opt("both", "which estimates to run (mixture-of-experts models: analytic only)",
+                    choices=("both", "traced", "analytic"))
     json: bool = opt(False, "print one JSON object instead of the report")
     per_module: bool = opt(False, "also report the traced peak of every module during its forward and backward")
     module_depth: int = opt(2, "deepest module level listed by per_module (1 = the model's children)")
     alloc_granularity: int = opt(
         512, "bytes every tensor is rounded up to, as the CUDA caching allocator does; 1 counts exact bytes")
     # Planner.
-    plan: bool = opt(False, "rank layouts for this model, world size, GPU memory and sequence length")
+    plan: bool = opt(False, "rank layouts for this model, world size, GPU memory and sequence length "
+                            "(and expert-parallel degree for mixture-of-experts models)")
     plan_top: int = opt(5, "layouts the planner prints")
     plan_verify: int = opt(0, "planner: trace this many of the best layouts and drop those the trace says do not fit")
     plan_ac_modes: list[str] = opt(["none", "op", "full"], "planner: activation checkpointing modes to try")
@@ -70,7 +72,11 @@ def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]
 
 
 def estimate_help() -> str:
-    return "\n" + section_help("estimate", EstimateOptions, title="(estimation/estimate.py only)")
+    return ("\n" + section_help("estimate", EstimateOptions, title="(estimation/estimate.py only)")
+            + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, float8, activation checkpointing)"
+            "; mixture-of-experts models with expert parallelism by the analytic estimate (the trace refuses"
+            " them), reporting total and active parameters; the planner searches expert_parallel_degree"
+            " for MoE models.")
 
 
 @dataclass
@@ -166,7 +172,9 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
         p.enable_async_tensor_parallel = False
         notes.append("async tensor parallel: estimated as plain tensor parallel (same tensors, different overlap)")
     if p.expert_parallel_degree != 1 or p.expert_tensor_parallel_degree != 1:
-        if est.model.name in model_names() and not getattr(get_model_spec(est.model.name), "extras", {}).get("moe"):
+        spec = get_model_spec(est.model.name) if est.model.name in model_names() else None
+        flavor = spec.flavors.get(est.model.flavor) if spec is not None else None
+        if flavor is not None and flavor.moe_args() is None:
             notes.append(f"expert parallelism: {est.model.name} is a dense model, so expert degrees change "
                          "nothing; estimated with 1")
             p.expert_parallel_degree = p.expert_tensor_parallel_degree = 1

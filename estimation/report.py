@@ -72,7 +72,7 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
         "model": f"{cfg.model.name} {cfg.model.flavor}",
         "world_size": dims.world_size,
         "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp,
-                   "pp": dims.pp, "ep": dims.ep,
+                   "pp": dims.pp, "ep": dims.ep, "efsdp": dims.efsdp,
                    "pp_schedule": cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None,
                    "activation_checkpoint": cfg.activation_checkpoint.mode
                    + (f" ({cfg.activation_checkpoint.selective_ac_option})"
@@ -94,12 +94,24 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
         top_detail = details[max(range(len(analytic)), key=lambda i: analytic[i].peak_bytes)]
         result["analytic"] = {"peak_bytes": _largest(analytic).peak_bytes,
                               "model_parameters": model_parameter_count(prep.model_args),
+                              "active_parameters": model_parameter_count(prep.model_args, active=True),
+                              "flops_per_token": prep.model_args.flops_per_token(cfg.training.seq_len),
                               "bytes_per_model_parameter": bytes_per_parameter(prep),
                               "layer_activation_bytes": top_detail.layer_activation_bytes,
                               "stored_activation_bytes_per_microbatch": top_detail.stored_per_microbatch,
                               "microbatches_in_flight": top_detail.in_flight,
                               "ranks": [e.as_dict() for e in analytic]}
-    if opts.mode in ("both", "traced"):
+    moe = prep.model_args.moe_args()
+    if analytic is not None and moe is not None and moe.capacity_factor is None:
+        result["notes"].append("mixture of experts: routed-token activations counted at the average load (tokens "
+                               "x top_k per rank); dropless routing can send one rank's experts more, which "
+                               "moe.capacity_factor bounds")
+    from estimation.traced import untraceable
+
+    refusal = untraceable(prep)
+    if opts.mode == "both" and refusal is not None and analytic is not None:
+        result["notes"].append(f"no traced estimate: {refusal}")
+    elif opts.mode in ("both", "traced"):
         from estimation.traced import estimate_traced
 
         t0 = time.perf_counter()
@@ -148,6 +160,7 @@ def format_report(result: dict) -> str:
         f"{result['model']} on {result['world_size']} ranks: dp_replicate {lay['dp_replicate']} x dp_shard "
         f"{lay['dp_shard']} x cp {lay['cp']} x tp {lay['tp']} x pp {lay['pp']}"
         + (f" ({lay['pp_schedule']})" if lay["pp_schedule"] else "")
+        + (f"; experts over ep {lay['ep']} x efsdp {lay['efsdp']}" if lay.get("efsdp") and lay["ep"] > 1 else "")
         + f", activation checkpointing {lay['activation_checkpoint']}",
         f"seq_len {result['seq_len']}, local_batch_size {result['local_batch_size']}, "
         f"params in {result['mixed_precision_param']} for compute",
@@ -174,12 +187,20 @@ def format_report(result: dict) -> str:
     if "analytic" in result:
         a = result["analytic"]
         bpp = a["bytes_per_model_parameter"]
-        lines += ["", f"analytic: {a['model_parameters']:,} parameters; per model parameter this rank keeps "
+        moe = a["active_parameters"] != a["model_parameters"]
+        count = (f"{a['model_parameters']:,} parameters, {a['active_parameters']:,} active per token"
+                 if moe else f"{a['model_parameters']:,} parameters")
+        experts = bpp.get("experts")
+        expert_text = (f" (per routed-expert parameter {experts['parameters']:.3g} + {experts['gradients']:.3g} + "
+                       f"{experts['optimizer_state']:.3g})" if experts else "")
+        lines += ["", f"analytic: {count}; per model parameter this rank keeps "
                       f"{bpp['parameters']:.3g} bytes of fp32 weights + {bpp['gradients']:.3g} of gradients + "
-                      f"{bpp['optimizer_state']:.3g} of AdamW state; one layer's activations (no recompute) "
+                      f"{bpp['optimizer_state']:.3g} of AdamW state{expert_text}; one layer's activations (no recompute) "
                       f"{a['layer_activation_bytes'] / div:.2f} {unit} per microbatch, "
                       f"{a['stored_activation_bytes_per_microbatch'] / div:.2f} {unit} stored per microbatch, "
-                      f"{a['microbatches_in_flight']} in flight"]
+                      f"{a['microbatches_in_flight']} in flight",
+                  f"training FLOPs per token (forward + backward): {a['flops_per_token'] / 1e9:.3g} GFLOP"
+                  + (" from the active parameters (top_k routed experts)" if moe else "")]
     if "comparison" in result:
         lines += ["", "analytic minus traced, and why they differ:"]
         for row in result["comparison"]:

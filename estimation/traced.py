@@ -347,9 +347,29 @@ def _warm_optimizer(parts: list[nn.Module], cfg, converters=None) -> torch.optim
     return optimizer
 
 
+def untraceable(prep: PreparedJob) -> str | None:
+    """Why this job cannot be traced (one sentence), or None.
+
+    Mixture-of-experts layers size their tensors from the routing itself (bincount of the chosen
+    experts, `counts.tolist()` for the all-to-all splits, `int(counts.sum())`): a fake tensor has
+    no values, so FakeTensorMode raises on the first of them. Making them traceable would mean
+    replacing the layer's routing with a made-up one, which would no longer be the real model."""
+    if prep.model_args.moe_args() is not None:
+        return ("the traced estimate cannot run mixture-of-experts models (their token dispatch sizes tensors "
+                "from routing values, which fake tensors do not have); use the analytic estimate "
+                "(--estimate.mode analytic)")
+    return None
+
+
 def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bool = False,
                     module_depth: int = 2, log=None) -> tuple[list[RankEstimate], list[str]]:
-    """Trace the job; returns one estimate per pipeline rank and notes on what was approximated."""
+    """Trace the job; returns one estimate per pipeline rank and notes on what was approximated.
+    Raises ConfigError (one sentence) for a job the trace cannot run (see `untraceable`)."""
+    from titanlike.config.loader import ConfigError
+
+    refusal = untraceable(prep)
+    if refusal is not None:
+        raise ConfigError(refusal)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titanlike.models.converters import build_model_converters

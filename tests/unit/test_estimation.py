@@ -522,3 +522,235 @@ def test_llama_analytic_numbers_did_not_move_with_the_model_contract():
                  4) == [6511488]
     assert peaks(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml")], 512) == [
         52492845740, 43703447077, 43703447077, 43703447077, 43703447077, 43703447077, 43703447077, 43381065046]
+
+
+# Mixture of experts ----------------------------------------------------------------------------
+#
+# A small MoE family defined here (layer 0 dense, the others MoE with a shared expert), so these
+# tests do not depend on a real MoE family's presets. The estimator reads it through the contract
+# (args.moe_args(), num_params(active=), flops_per_token) and the common block types only.
+
+
+def _moe_spec(num_experts: int = 8, top_k: int = 2, shared: int = 1, **moe_kwargs):
+    import math as _math
+    from dataclasses import dataclass
+
+    import torch.nn as nn
+
+    from titanlike.models.common.attention import Attention
+    from titanlike.models.common.block import TransformerBlock
+    from titanlike.models.common.decoder import Decoder, DecoderArgs, decoder_tp_plan
+    from titanlike.models.common.feed_forward import FeedForward
+    from titanlike.models.common.init import LinearInit
+    from titanlike.models.common.moe import MoE, MoEArgs
+    from titanlike.models.registry import ModelSpec, PipelineEnds
+
+    @dataclass
+    class TinyMoEArgs(DecoderArgs):
+        ffn_hidden_dim: int = 128
+
+        def num_params(self, *, exclude_embedding=False, active=False):
+            attention = self.attention_params() + 2 * self.dim
+            blocks = sum(attention + (self.moe.params(self.dim, active=active) if self.moe.is_moe_layer(i)
+                                      else 3 * self.dim * self.ffn_hidden_dim) for i in range(self.n_layers))
+            return blocks + self.dim + (1 if exclude_embedding else 2) * self.vocab_size * self.dim
+
+    class TinyMoE(Decoder):
+        def build_block(self, layer_id):
+            a = self.model_args
+            mlp = (dict(moe=MoE(a.dim, a.moe)) if a.moe.is_moe_layer(layer_id)
+                   else dict(feed_forward=FeedForward(a.dim, a.ffn_hidden_dim)))
+            return TransformerBlock(layer_id, attention=Attention(a.dim, a.n_heads, a.num_kv_heads, a.head_dim),
+                                    attention_norm=self.build_norm(), ffn_norm=self.build_norm(),
+                                    init=LinearInit(std=0.02, out_std=0.02 / _math.sqrt(2 * (layer_id + 1))), **mlp)
+
+        def build_norm(self):
+            return nn.RMSNorm(self.model_args.dim)
+
+        def init_embeddings(self, *, seed):
+            pass
+
+    moe = MoEArgs(num_experts=num_experts, top_k=top_k, hidden_dim=64, num_shared_experts=shared,
+                  first_k_dense=1, route_norm=True, aux_loss_coeff=0.01, **moe_kwargs)
+    args = TinyMoEArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, max_seq_len=2048, moe=moe)
+    return ModelSpec(name="test_moe", model_cls=TinyMoE, flavors={"debugmodel": args},
+                     tp_plan=decoder_tp_plan(mlp_inputs=("w1", "w3")),
+                     pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")))
+
+
+MOE = [*TINY, *BF16, "--model.name", "test_moe", "--model.flavor", "debugmodel"]
+
+
+@pytest.fixture
+def moe_family(monkeypatch):
+    from titanlike.models import registry
+
+    spec = _moe_spec()
+    monkeypatch.setitem(registry._REGISTRY, "test_moe", spec)
+    return spec
+
+
+def _moe_estimate(*overrides: str, world: int):
+    estimates, details = estimate_analytic(prepare_job(load_job_config([*MOE, *overrides]), world))
+    return estimates[0], details[0]
+
+
+def test_moe_parameter_counts_total_and_active(moe_family):
+    """The meta model holds what args.num_params counts; routed experts are read as such (by module
+    type), and the report shows total and active parameters and the active FLOPs."""
+    from estimation.analytic import model_parameter_count, model_shape
+
+    prep = prepare_job(load_job_config(MOE), 1)
+    args = prep.model_args
+    ms = model_shape(prep)
+    assert ms.total_params == model_parameter_count(args) == args.num_params()
+    active = model_parameter_count(args, active=True)
+    assert active == args.num_params(active=True) < args.num_params()
+    moe = args.moe_args()
+    experts = sum(p.shape[0] * p.shape[1] * p.shape[2] for params in ms.layer_params for p in params
+                  if p.placement == "expert")
+    assert experts == moe.num_moe_layers(args.n_layers) * moe.num_experts * 3 * args.dim * moe.hidden_dim
+    assert ms.blocks[0].moe is None and all(b.moe is not None for b in ms.blocks[1:])
+
+    opts, _ = parse_estimate_args(["--estimate.world_size", "1"])
+    result = run_estimate(load_job_config(MOE), opts)
+    a = result["analytic"]
+    assert a["model_parameters"] == args.num_params() and a["active_parameters"] == active
+    assert a["flops_per_token"] == args.flops_per_token(64)
+    from estimation.report import format_report
+
+    text = format_report(result)
+    assert f"{active:,} active per token" in text and "active parameters" in text
+
+
+def test_ep_splits_experts_and_shrinks_gathered_expert_memory(moe_family):
+    """At the same world size, routed experts are stored sharded over ep x efsdp (the same ranks either
+    way, so the stored shard is the same), but a block's gathered experts are this rank's ep share:
+    ep 4 gathers a quarter of what ep 1 gathers. Router and shared experts shard over dp_shard x cp x tp."""
+    from estimation.analytic import Sharding, model_shape
+
+    e1, d1 = _moe_estimate(world=4)
+    e4, d4 = _moe_estimate("--parallelism.expert_parallel_degree", "4", world=4)
+    assert e1.phases["optimizer step"].parameters == e4.phases["optimizer step"].parameters
+    args = moe_family.flavors["debugmodel"]
+    moe = args.moe_args()
+    layer_experts = moe.num_experts * 3 * args.dim * moe.hidden_dim
+    assert d1.expert_params_local == moe.num_moe_layers(args.n_layers) * layer_experts
+    assert d4.expert_params_local == d1.expert_params_local // 4
+    # Two blocks gathered at a time, in bf16: ep 4 holds 3/4 of the experts fewer of each.
+    g1 = e1.phases["start of backward"].gathered_parameters
+    g4 = e4.phases["start of backward"].gathered_parameters
+    assert g1 - g4 == 2 * layer_experts * 3 // 4 * 2
+    assert e4.phases["start of backward"].total < e1.phases["start of backward"].total
+
+    # TP 2 x FSDP 2: dense weights split over tp then sharded over 2 ranks; every MoE part over all 4.
+    prep = prepare_job(load_job_config([*MOE, "--parallelism.tensor_parallel_degree", "2"]), 4)
+    sh = Sharding.of(prep.dims)
+    assert (sh.tp, sh.ep, sh.dense, sh.token, sh.expert) == (2, 1, 2, 4, 4)
+    ms = model_shape(prep)
+    router = next(p for p in ms.layer_params[1] if p.name.endswith("router.gate.weight"))
+    assert router.pieces(sh) == (8 * 64, 8 * 64 // 4)
+    w1 = next(p for p in ms.layer_params[1] if p.name.endswith("experts.w1"))
+    assert w1.pieces(Sharding.of(prepare_job(load_job_config(
+        [*MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]), 4).dims)) \
+        == (4 * 64 * 64, 2 * 64 * 64)
+    # Fewer local experts than FSDP ranks: parallel/fsdp.py shards them on dim 1 instead (no padding).
+    assert w1.pieces(Sharding(ep=4, expert=8)) == (2 * 64 * 64, 2 * 8 * 64)
+
+
+def test_moe_activations_are_the_saved_tensors_of_one_block(moe_family):
+    """The analytic bytes of one MoE block (ac none, tp 1, no expert parallelism) against the tensors it
+    saves for backward, measured with saved-tensor hooks on real CPU tensors (fp32 and bf16): exact
+    to the byte (the average routed rows equal the real ones: every token has top_k routes)."""
+    import torch
+
+    from estimation.analytic import layer_activation_bytes, read_model
+
+    args = moe_family.flavors["debugmodel"]
+    shape = read_model(moe_family, args).blocks[1]
+    torch.manual_seed(0)
+    model = moe_family.model_cls(args)
+    block = model.layers["1"]
+    batch, seq = 2, 64
+    for dtype, e in ((torch.float32, 4), (torch.bfloat16, 2)):
+        part = block.to(dtype)
+        x = torch.randn(batch, seq, args.dim, dtype=dtype, requires_grad=True)
+        measured = _saved_bytes(part, x, None, autocast=False)
+        analytic, _ = layer_activation_bytes(shape, batch * seq, tp=1, cp=1, e=e, e_res=e, ac="none", device="cpu",
+                                             microbatch=batch, seq_local=seq)
+        assert analytic == measured, (dtype, analytic, measured)
+    # More experts per token: more routed rows, more activations.
+    spec4 = _moe_spec(top_k=4)
+    more = read_model(spec4, spec4.flavors["debugmodel"]).blocks[1]
+    assert layer_activation_bytes(more, 128, tp=1, cp=1, e=2, e_res=2, ac="none")[0] > \
+        layer_activation_bytes(shape, 128, tp=1, cp=1, e=2, e_res=2, ac="none")[0]
+
+
+def test_planner_searches_expert_parallel_degrees_for_moe_only(moe_family):
+    """For an MoE model the planner tries every ep dividing dp_shard x cp x tp and the expert count;
+    when memory rules out gathering every expert, only expert-parallel layouts fit. A dense model's
+    layouts all keep ep 1."""
+    from estimation.planner import expert_degrees, run_plan
+
+    assert expert_degrees(8, 8) == [1, 2, 4, 8] and expert_degrees(12, 8) == [1, 2, 4]
+    e1, _ = _moe_estimate(world=8)
+    e8, _ = _moe_estimate("--parallelism.expert_parallel_degree", "8", world=8)
+    limit = (e1.peak_bytes + e8.peak_bytes) / 2 / 2**30
+    opts, _ = parse_estimate_args(["--estimate.world_size", "8", "--estimate.device_memory_gib", str(limit),
+                                   "--estimate.reserved_gib", "0", "--estimate.fragmentation", "0",
+                                   "--estimate.plan_top", "50", "--estimate.plan_ac_modes", "none"])
+    plan = run_plan(load_job_config(MOE), opts)
+    top = plan["top"]
+    assert top and any(c["ep"] > 1 for c in top)
+    assert all(c["ep"] > 1 or c["pp"] > 1 or c["tp"] > 1 for c in top)
+    for c in top:
+        assert (c["dp_shard"] * c["cp"] * c["tp"]) % c["ep"] == 0 and 8 % c["ep"] == 0
+        assert f"--parallelism.expert_parallel_degree {c['ep']}" in c["overrides"]
+    assert plan["active_parameters"] < plan["parameters"]
+    dense = run_plan(load_job_config([*TINY, *BF16]), parse_estimate_args(
+        ["--estimate.world_size", "8", "--estimate.device_memory_gib", "1", "--estimate.reserved_gib", "0",
+         "--estimate.plan_top", "100"])[0])
+    assert dense["top"] and all(c["ep"] == 1 for c in dense["top"])
+    assert all("expert_parallel" not in c["overrides"] for c in dense["top"])
+
+
+def test_traced_estimate_refuses_moe_with_one_sentence(moe_family, capsys):
+    from estimation.estimate import main
+
+    opts, _ = parse_estimate_args(["--estimate.world_size", "2", "--estimate.mode", "traced"])
+    with pytest.raises(ConfigError, match="mixture-of-experts.*analytic estimate") as err:
+        run_estimate(load_job_config(MOE), opts)
+    assert "\n" not in str(err.value) and str(err.value).count(". ") == 0
+    # The default (both) falls back to the analytic estimate and says why.
+    result = run_estimate(load_job_config(MOE), parse_estimate_args(["--estimate.world_size", "2"])[0])
+    assert result["source"] == "analytic" and "traced" not in result
+    assert any("no traced estimate" in n for n in result["notes"])
+    assert main([*MOE, "--estimate.world_size", "2", "--estimate.mode", "traced"]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("config error:") and stderr.count("\n") == 1 and "Traceback" not in stderr
+
+
+QWEN3_PRESETS = [("qwen3_30b_a3b.toml", 8), ("qwen3_30b_a3b_64gpu.toml", 64), ("qwen3_235b_a22b.toml", 256)]
+
+
+@pytest.mark.parametrize("preset, world", QWEN3_PRESETS)
+def test_qwen3_moe_presets_fit_80_gib(preset, world):
+    path = REPO / "train_configs" / preset
+    if not path.exists():
+        pytest.skip(f"{preset} is not in train_configs yet")
+    opts, _ = parse_estimate_args(["--estimate.world_size", str(world), "--estimate.mode", "analytic",
+                                   "--estimate.device_memory_gib", "80"])
+    result = run_estimate(load_job_config(["--job.config_file", str(path)]), opts)
+    assert result["peak_bytes"] < 80 * 2**30, (preset, world, result["peak_bytes"] / 2**30)
+    a = result["analytic"]
+    assert a["active_parameters"] < a["model_parameters"]
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "autocast"])
+def test_qk_norm_block_activations_are_its_saved_tensors(precision):
+    """Qwen3's dense block (QK-norm: RMSNorm over each head of q and k) through the same measurement."""
+    from titanlike.models.registry import model_names
+
+    if "qwen3" not in model_names():
+        pytest.skip("the qwen3 family is not in the tree")
+    test_layer_activation_formula_is_the_saved_tensors_of_one_block("qwen3", precision)

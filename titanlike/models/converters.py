@@ -170,7 +170,7 @@ class LinearSelection:
         text = f"converted {len(self.converted)} of {total} linear layers"
         kept = []
         if self.filtered:
-            kept.append(f"{_names(self.filtered)} (float8.filter_fqns)")
+            kept.append(f"{_names(self.filtered)} (float8.filter_fqns, or kept in high precision by the model)")
         if self.misaligned:
             kept.append(f"{_names(self.misaligned)} (features not multiples of 16)")
         if kept:
@@ -195,7 +195,8 @@ def linear_filter(filter_fqns: Iterable[str], selection: LinearSelection) -> Cal
     def keep(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear):
             return False
-        if any(fqn_matches(fqn, pattern) for pattern in filter_fqns):
+        # A model marks linears that must keep their precision (an MoE router, computed in fp32).
+        if getattr(module, "keep_high_precision", False) or any(fqn_matches(fqn, p) for p in filter_fqns):
             selection.filtered.append(fqn)
             return False
         if module.in_features % 16 or module.out_features % 16:

@@ -164,6 +164,8 @@ class Router(nn.Module):
         super().__init__()
         self.args = args
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        # Read by the float8 converter: the choice is computed in fp32 (see forward).
+        self.gate.keep_high_precision = True
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None) -> Routing:
         a = self.args
@@ -337,13 +339,14 @@ class MoE(nn.Module):
             keep, capacity = self._within_capacity(routing, batch, seq)
         route_ids, counts = group_by_expert(routing.experts, keep, a.num_experts)
         rows = tokens.index_select(0, torch.div(route_ids, a.top_k, rounding_mode="floor"))
-        pad_to = batch * capacity if a.pad_to_capacity else None
+        # Padding: the most routes this rank's slice of its sequences can send one expert.
+        pad_to = batch * min(capacity, seq * a.top_k) if a.pad_to_capacity else None
         expert_out = self.dispatcher(rows, counts, self.experts, pad_to)
-        # Combine: each route's output times its gate value, summed per token.
-        gate = routing.weights.reshape(-1).index_select(0, route_ids).unsqueeze(-1)
-        out = torch.zeros_like(tokens, dtype=torch.float32).index_add_(
-            0, torch.div(route_ids, a.top_k, rounding_mode="floor"), expert_out.float() * gate)
-        out = out.to(x.dtype)
+        # Combine: each route's output times its gate value, summed per token (in the activations'
+        # dtype: an fp32 copy of every routed row would cost more memory than the rows themselves).
+        gate = routing.weights.reshape(-1).index_select(0, route_ids).unsqueeze(-1).to(expert_out.dtype)
+        out = torch.zeros_like(tokens, dtype=expert_out.dtype).index_add_(
+            0, torch.div(route_ids, a.top_k, rounding_mode="floor"), expert_out * gate).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(batch, seq, dim)
