@@ -59,6 +59,14 @@ class DecoderArgs(BaseModelArgs):
     def head_dim(self) -> int:
         return self.explicit_head_dim if self.explicit_head_dim is not None else self.dim // self.n_heads
 
+    def vocab_params(self, *, exclude_embedding: bool) -> int:
+        """The token table and the output projection: two tables unless tied. The table alone is a
+        lookup (left out by exclude_embedding); tied to the output projection it does matmul work."""
+        table = self.vocab_size * self.dim
+        if self.tie_word_embeddings:
+            return table
+        return table if exclude_embedding else 2 * table
+
     def moe_args(self) -> MoEArgs | None:
         return self.moe
 

@@ -56,12 +56,7 @@ class TransformerModelArgs(DecoderArgs):
 
     def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
         block = self.attention_params() + 3 * self.dim * self.ffn_hidden_dim + 2 * self.dim
-        table = self.vocab_size * self.dim
-        # The output projection is a second table unless tied; a tied table does matmul work.
-        ends = table + (0 if self.tie_word_embeddings else table)
-        if exclude_embedding and not self.tie_word_embeddings:
-            ends -= table
-        return self.n_layers * block + self.dim + ends
+        return self.n_layers * block + self.dim + self.vocab_params(exclude_embedding=exclude_embedding)
 
     def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
         from titanlike.models.llama3.hf_adapter import args_to_hf_config

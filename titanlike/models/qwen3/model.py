@@ -55,12 +55,7 @@ class Qwen3ModelArgs(DecoderArgs):
 
     def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
         blocks = sum(self.block_params(i, active=active) for i in range(self.n_layers))
-        table = self.vocab_size * self.dim
-        # The output projection is a second table unless tied; a tied table does matmul work.
-        ends = table + (0 if self.tie_word_embeddings else table)
-        if exclude_embedding and not self.tie_word_embeddings:
-            ends -= table
-        return blocks + self.dim + ends
+        return blocks + self.dim + self.vocab_params(exclude_embedding=exclude_embedding)
 
     def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
         from titanlike.models.qwen3.hf_adapter import args_to_hf_config
