@@ -3,6 +3,11 @@
 MFU follows the 6N + 12*L*H*Q*T FLOPs-per-token convention (N without
 embeddings, attention counted as non-causal) divided by the device's dense bf16
 peak. A device missing from the table gets no MFU rather than a wrong one.
+
+Mixture-of-experts runs add load-balance figures (train/expert_balance.py): every moe/ key goes
+to TensorBoard and JSONL, per layer included, but the console gets one compact summary over all
+layers (a 48-layer model has hundreds of per-layer keys). The routes per expert of each MoE layer
+become a TensorBoard histogram over expert ids (one bucket per expert).
 """
 
 from __future__ import annotations
@@ -51,6 +56,35 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
     return "max_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def format_moe(record: dict) -> str:
+    """The console's MoE summary, e.g. 'moe: cv 0.21 min 0.65 max 1.45 drop 0.0% aux 0.0710';
+    '' without moe/ figures. Losses appear only when the run has them (the summary omits a loss
+    that is off)."""
+    if "moe/load_cv" not in record:
+        return ""
+    parts = [f"cv {record['moe/load_cv']:.2f}", f"min {record['moe/load_min']:.2f}",
+             f"max {record['moe/load_max']:.2f}", f"drop {100 * record['moe/dropped']:.1f}%"]
+    for key, label in (("moe/aux_loss", "aux"), ("moe/seq_aux_loss", "seq_aux"), ("moe/z_loss", "z")):
+        if key in record:
+            parts.append(f"{label} {record[key]:.4f}")
+    return "moe: " + " ".join(parts)
+
+
+def add_expert_histogram(writer, tag: str, counts: list[float], step: int) -> None:
+    """Routes per expert as a TensorBoard histogram over expert ids: bucket e spans (e-0.5, e+0.5]
+    and holds expert e's routes, so the Histograms tab draws the load of every expert in expert
+    order (a histogram of the counts themselves would lose which expert is which)."""
+    ids = range(len(counts))
+    total = sum(counts)
+    if total <= 0:
+        return  # no routes (e.g. a layer on no rank): an empty histogram only confuses the UI
+    used = [e for e in ids if counts[e] > 0]
+    writer.add_histogram_raw(
+        tag, min=used[0], max=used[-1], num=total,
+        sum=sum(e * c for e, c in zip(ids, counts)), sum_squares=sum(e * e * c for e, c in zip(ids, counts)),
+        bucket_limits=[e + 0.5 for e in ids], bucket_counts=list(counts), global_step=step)
+
+
 class MetricsLogger:
     """Accumulates tokens between logs and reports step metrics (rank 0 writes)."""
 
@@ -80,8 +114,11 @@ class MetricsLogger:
     def step_done(self) -> None:
         self._steps_since += 1
 
-    def log(self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict | None = None) -> dict:
-        """One step's record to the console, TensorBoard and JSONL; extra: more scalars for the record."""
+    def log(self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict | None = None,
+            expert_counts: dict[int, torch.Tensor] | None = None) -> dict:
+        """One step's record to the console, TensorBoard and JSONL; extra: more scalars for the record;
+        expert_counts: routes per expert of each MoE layer (layer index -> (experts,) tensor), for the
+        TensorBoard histograms and the JSONL record."""
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         tps = self._steps_since * self.tokens_per_step_per_device / elapsed
@@ -94,17 +131,27 @@ class MetricsLogger:
         if not self.is_writer:
             return record
         mfu = f"  mfu: {record['mfu']:5.2f}%" if "mfu" in record else ""
+        moe = format_moe(record)
         logger.info(
             f"step: {step:5d}  loss: {loss:8.4f}  grad_norm: {grad_norm:7.4f}  lr: {lr:.3e}  "
-            f"tps: {tps:,.0f}{mfu}  {mem_label}: {mem:.2f}GiB"
+            f"tps: {tps:,.0f}{mfu}  {mem_label}: {mem:.2f}GiB" + (f"  {moe}" if moe else "")
         )
+        # Counted on the device; one copy to the host, on the writer and only at log steps.
+        counts = {layer: [float(v) for v in c.tolist()] if torch.is_tensor(c) else [float(v) for v in c]
+                  for layer, c in (expert_counts or {}).items()}
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step":
                     self._tb.add_scalar(key, value, step)
+            for layer, c in counts.items():
+                add_expert_histogram(self._tb, f"moe/layer{layer}/tokens_per_expert", c, step)
             self._tb.flush()
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+            # The counts ride in the JSONL line only, under a key outside moe/ so that every moe/
+            # value stays a scalar (as in the returned record): {layer: [routes of expert 0, 1, ...]}.
+            line = record if not counts else {
+                **record, "tokens_per_expert": {str(layer): [round(v) for v in c] for layer, c in counts.items()}}
+            self._jsonl.write(json.dumps(line) + "\n")
             self._jsonl.flush()
         return record
 

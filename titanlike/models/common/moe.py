@@ -240,8 +240,11 @@ class GroupedExperts(nn.Module):
 def _experts_loop(x, counts, w1, w2, w3) -> torch.Tensor:
     """The reference: one matmul chain per expert."""
     outputs = []
-    for e, rows in enumerate(torch.split(x, counts.tolist())):
-        outputs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
+    # unbind once: indexing w[e] per expert would make every expert's backward write a gradient the
+    # size of the whole stacked weight (quadratic in the expert count).
+    experts = zip(w1.unbind(0), w2.unbind(0), w3.unbind(0))
+    for rows, (a, b, c) in zip(torch.split(x, counts.tolist()), experts):
+        outputs.append((F.silu(rows @ a.T) * (rows @ c.T)) @ b.T)
     return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
 
 
