@@ -231,3 +231,15 @@ def test_bias_update_pushes_towards_the_mean_load():
 def test_bad_settings_are_one_sentence(bad, message):
     with pytest.raises(ValueError, match=message):
         MoEArgs(**{"num_experts": 8, "top_k": 2, "hidden_dim": 16, **bad})
+
+
+def test_float8_leaves_the_router_in_high_precision():
+    from titanlike.models.converters import LinearSelection, linear_filter
+
+    layer = MoE(64, MoEArgs(num_experts=16, top_k=2, hidden_dim=64, num_shared_experts=1))
+    selection = LinearSelection()
+    keep = linear_filter([], selection)
+    assert not keep(layer.router.gate, "layers.1.moe.router.gate")  # 64 x 16: float8-able, but the router
+    assert keep(layer.shared_experts.w1, "layers.1.moe.shared_experts.w1")
+    assert selection.model_kept == ["layers.1.moe.router.gate"]
+    assert "(kept in high precision by the model)" in selection.describe()

@@ -163,14 +163,17 @@ class LinearSelection:
 
     converted: list[str] = dataclasses.field(default_factory=list)
     filtered: list[str] = dataclasses.field(default_factory=list)  # named by filter_fqns
+    model_kept: list[str] = dataclasses.field(default_factory=list)  # marked keep_high_precision (MoE routers)
     misaligned: list[str] = dataclasses.field(default_factory=list)  # a dim not a multiple of 16
 
     def describe(self) -> str:
-        total = len(self.converted) + len(self.filtered) + len(self.misaligned)
+        total = len(self.converted) + len(self.filtered) + len(self.model_kept) + len(self.misaligned)
         text = f"converted {len(self.converted)} of {total} linear layers"
         kept = []
         if self.filtered:
-            kept.append(f"{_names(self.filtered)} (float8.filter_fqns, or kept in high precision by the model)")
+            kept.append(f"{_names(self.filtered)} (float8.filter_fqns)")
+        if self.model_kept:
+            kept.append(f"{_names(self.model_kept)} (kept in high precision by the model)")
         if self.misaligned:
             kept.append(f"{_names(self.misaligned)} (features not multiples of 16)")
         if kept:
@@ -196,7 +199,10 @@ def linear_filter(filter_fqns: Iterable[str], selection: LinearSelection) -> Cal
         if not isinstance(module, nn.Linear):
             return False
         # A model marks linears that must keep their precision (an MoE router, computed in fp32).
-        if getattr(module, "keep_high_precision", False) or any(fqn_matches(fqn, p) for p in filter_fqns):
+        if getattr(module, "keep_high_precision", False):
+            selection.model_kept.append(fqn)
+            return False
+        if any(fqn_matches(fqn, pattern) for pattern in filter_fqns):
             selection.filtered.append(fqn)
             return False
         if module.in_features % 16 or module.out_features % 16:
