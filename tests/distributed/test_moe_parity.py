@@ -10,6 +10,7 @@ What the layouts check beyond the dense matrix:
   cp x tp ranks of a sequence, CP 2 x EP 2 with token dropping equals one process dropping;
 - the bias update's one all-reduce must not hang on a pipeline stage without MoE layers
   (Interleaved1F1B with one layer per stage: stage 0 holds the dense layer 0 only);
+- experts FSDP-sharded over the efsdp ranks left beside ep (the 8-rank mix: efsdp 2);
 - resuming an EP 2 checkpoint at EP 1 and at FSDP 4 (expert DTensors resharded by DCP) is exact.
 
 The aux losses are per micro-batch (Switch form), so every run keeps 2-sample micro-batches: the
@@ -101,8 +102,9 @@ def test_pp2_ep2_with_a_stage_without_moe(tmp_path, reference):
     check(got, reference, "PP2 x EP2")
 
 
-def test_8_ranks_pp2_tp2_fsdp2_ep4(tmp_path, reference):
+def test_8_ranks_pp2_tp2_fsdp2_ep2(tmp_path, reference):
+    # ep 2 of the 4 ranks of fsdp x tp: every expert is also FSDP-sharded over efsdp = 2 ranks.
     got = run(tmp_path, "mix8", "--parallelism.pipeline_parallel_degree", "2",
-              "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4",
+              "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
               "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=8)
-    check(got, reference, "PP2 x TP2 x FSDP2 x EP4")
+    check(got, reference, "PP2 x TP2 x FSDP2 x EP2")
