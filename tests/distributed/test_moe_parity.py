@@ -7,7 +7,8 @@ What the layouts check beyond the dense matrix:
 - the router (whole on every rank, fed different tokens under sequence parallelism) gets its
   gradient summed over TP ranks (token_fsdp mesh), TP 2 x EP 2;
 - balancing losses and capacity need whole sequences: their statistics are reduced over the
-  cp x tp ranks of a sequence, CP 2 x EP 2 with token dropping equals one process dropping;
+  cp x tp ranks of a sequence, CP 2 x EP 2 with token dropping (expert inputs padded to capacity
+  through the all-to-all) equals one process dropping;
 - the bias update's one all-reduce must not hang on a pipeline stage without MoE layers
   (Interleaved1F1B with one layer per stage: stage 0 holds the dense layer 0 only);
 - experts FSDP-sharded over the efsdp ranks left beside ep (the 8-rank mix: efsdp 2);
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.distributed
 MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.steps", "4",
        "--training.local_batch_size", "2", "--training.global_batch_size", "8",
        "--moe.seq_aux_loss_coeff", "0.001", "--moe.z_loss_coeff", "0.001", "--moe.bias_update_rate", "0.001")
-DROPPING = ("--moe.capacity_factor", "1.0")
+DROPPING = ("--moe.capacity_factor", "1.0", "--moe.pad_to_capacity")
 
 
 def run(tmp_path, name, *extra, nproc=1):

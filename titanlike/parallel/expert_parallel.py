@@ -28,7 +28,7 @@ from torch.distributed._functional_collectives import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titanlike.models.common.moe import GroupedExperts, moe_layers, pad_groups
+from titanlike.models.common.moe import Dispatcher, GroupedExperts, moe_layers
 
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -71,20 +71,22 @@ def _source_to_expert_order(counts: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(seg_starts, seg_lengths) + within
 
 
-class AllToAllDispatcher:
-    """Token dispatch by all-to-all with uneven splits: each rank sends every routed row to the
-    rank holding its expert, the experts run on what arrived, and the outputs go back the same way."""
+class _ExpertGroupDispatcher(Dispatcher):
+    """A dispatcher over the ranks of one expert group (the ep mesh): rank r holds experts
+    r x local_experts .. (r + 1) x local_experts - 1."""
 
     def __init__(self, ep_mesh: DeviceMesh, num_experts: int):
         self.group = ep_mesh.get_group()
+        self.rank = ep_mesh.get_local_rank()
         self.ep = ep_mesh.size()
         self.local_experts = num_experts // self.ep
 
-    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts, pad_to: int | None):
-        where = None
-        if pad_to is not None:
-            rows, where = pad_groups(rows, counts, pad_to)
-            counts = torch.full_like(counts, pad_to)
+
+class AllToAllDispatcher(_ExpertGroupDispatcher):
+    """Token dispatch by all-to-all with uneven splits: each rank sends every routed row to the
+    rank holding its expert, the experts run on what arrived, and the outputs go back the same way."""
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         received = received.view(self.ep, self.local_experts)  # (source rank, local expert)
@@ -95,26 +97,15 @@ class AllToAllDispatcher:
         order = _source_to_expert_order(received)
         out = experts(arrived.index_select(0, order), received.sum(0))
         back = torch.zeros_like(out).index_copy(0, order, out)  # back to (source rank, expert) order
-        returned = all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
-        return returned if where is None else returned.index_select(0, where)
+        return all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_ExpertGroupDispatcher):
     """Token dispatch by all-gather: every rank of the expert group gathers all routed rows of the
     group, runs its experts on the rows routed to them, and a reduce-scatter returns each rank the
     outputs of its own rows (Megatron's allgather dispatcher; simpler collectives, more traffic)."""
 
-    def __init__(self, ep_mesh: DeviceMesh, num_experts: int):
-        self.group = ep_mesh.get_group()
-        self.rank = ep_mesh.get_local_rank()
-        self.ep = ep_mesh.size()
-        self.local_experts = num_experts // self.ep
-
-    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts, pad_to: int | None):
-        where = None
-        if pad_to is not None:
-            rows, where = pad_groups(rows, counts, pad_to)
-            counts = torch.full_like(counts, pad_to)
+    def run(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         all_counts = [torch.empty_like(counts) for _ in range(self.ep)]
         dist.all_gather(all_counts, counts, group=self.group)
         all_counts = torch.stack(all_counts)  # (source rank, expert)
@@ -133,8 +124,7 @@ class AllGatherDispatcher:
         out = experts(gathered.index_select(0, index.index_select(0, order)), mine.sum(0))
         contribution = out.new_zeros(self.ep * longest, out.shape[1]).index_add(0, index.index_select(0, order), out)
         returned = reduce_scatter_tensor_autograd(contribution, "sum", scatter_dim=0, group=self.group)
-        returned = returned[: rows.shape[0]]
-        return returned if where is None else returned.index_select(0, where)
+        return returned[: rows.shape[0]]
 
 
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DISPATCHERS", "apply_expert_parallel"]

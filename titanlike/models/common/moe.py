@@ -278,16 +278,26 @@ def pad_groups(rows: torch.Tensor, counts: torch.Tensor, size: int) -> tuple[tor
     return padded, where
 
 
-class LocalDispatcher:
-    """No expert parallelism: every expert is on this rank."""
+class Dispatcher:
+    """How routed rows reach their experts and come back. Subclasses implement `run`; padding to
+    capacity is done here, for all of them."""
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts, pad_to: int | None):
         """rows: (R, D) routed token copies grouped by expert (counts[e] each) -> expert outputs, same order."""
         if pad_to is None:
-            return experts(rows, counts)
+            return self.run(rows, counts, experts)
         padded, where = pad_groups(rows, counts, pad_to)
-        out = experts(padded, torch.full_like(counts, pad_to))
-        return out.index_select(0, where)
+        return self.run(padded, torch.full_like(counts, pad_to), experts).index_select(0, where)
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LocalDispatcher(Dispatcher):
+    """No expert parallelism: every expert is on this rank."""
+
+    def run(self, rows, counts, experts):
+        return experts(rows, counts)
 
 
 # The layer ------------------------------------------------------------------------------------
@@ -480,5 +490,5 @@ def moe_layers(module: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
 
 
-__all__ = ["MoE", "MoEArgs", "GroupedExperts", "LocalDispatcher", "Router", "Routing", "STAT_NAMES",
+__all__ = ["MoE", "MoEArgs", "Dispatcher", "GroupedExperts", "LocalDispatcher", "Router", "Routing", "STAT_NAMES",
            "group_by_expert", "moe_layers", "pad_groups"]
