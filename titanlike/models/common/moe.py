@@ -351,7 +351,8 @@ class MoE(nn.Module):
         if a.capacity_factor is not None:
             keep, capacity = self._within_capacity(routing, batch, seq)
         route_ids, counts = group_by_expert(routing.experts, keep, a.num_experts)
-        rows = tokens.index_select(0, torch.div(route_ids, a.top_k, rounding_mode="floor"))
+        token_of_route = torch.div(route_ids, a.top_k, rounding_mode="floor")
+        rows = tokens.index_select(0, token_of_route)
         # Padding: the most routes this rank's slice of its sequences can send one expert.
         pad_to = batch * min(capacity, seq * a.top_k) if a.pad_to_capacity else None
         expert_out = self.dispatcher(rows, counts, self.experts, pad_to)
@@ -359,7 +360,7 @@ class MoE(nn.Module):
         # dtype: an fp32 copy of every routed row would cost more memory than the rows themselves).
         gate = routing.weights.reshape(-1).index_select(0, route_ids).unsqueeze(-1).to(expert_out.dtype)
         out = torch.zeros_like(tokens, dtype=expert_out.dtype).index_add_(
-            0, torch.div(route_ids, a.top_k, rounding_mode="floor"), expert_out * gate).to(x.dtype)
+            0, token_of_route, expert_out * gate).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(batch, seq, dim)
