@@ -619,8 +619,8 @@ def moe_saved_bytes(moe: MoEShape, h: int, tokens: int, rows: int, *, e: int, ep
     their sum (8 k + 4 k + 4), with the z-loss the logits and their log-sum-exp (4 E + 8), and the
     shared experts' SwiGLU (4 e shared_hidden). Per routed row: the row itself (e h), the experts'
     SwiGLU (4 e hidden), the expert output and its gated product (2 e h: the multiply keeps
-    the first, the index_add combine the second), the gate value (e) and three int64 index vectors
-    (24), plus two more (16) to reorder rows that arrived by all-to-all. Per layer, the router's
+    the first, the index_add combine the second), the gate value (e) and two int64 index vectors
+    (16: the route ids and the token each route came from), plus two more (16) to reorder rows that arrived by all-to-all. Per layer, the router's
     fp32 copy of a bf16 gate weight (4 E h), the grouped matmuls' int32 offsets and the balancing
     loss's fp32 counts (8 E). Checked tensor by tensor with saved-tensor hooks
     (tests/unit/test_estimation.py). Op-level checkpointing keeps the matmul (mm) outputs: the
@@ -630,7 +630,7 @@ def moe_saved_bytes(moe: MoEShape, h: int, tokens: int, rows: int, *, e: int, ep
     if moe.z_loss:
         per_token += 4 * moe.experts + 8
     per_token += 4 * e * shared
-    per_row = e * h + 4 * e * moe.hidden + 2 * e * h + e + 24 + (16 if ep > 1 else 0)
+    per_row = e * h + 4 * e * moe.hidden + 2 * e * h + e + 16 + (16 if ep > 1 else 0)
     full = tokens * per_token + rows * per_row + (4 * moe.experts * h if e != 4 else 0) + 8 * moe.experts
     op = tokens * (4 * moe.experts + (e * (2 * shared + h) if shared else 0))
     return full, op
