@@ -124,3 +124,17 @@ def test_tied_embeddings_split_into_equal_copies_on_the_end_stages():
     assert full.output.weight is full.tok_embeddings.weight
     tokens = torch.randint(0, 128, (2, 16))
     torch.testing.assert_close(last(first(tokens)), full(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("schedule, pp", [("1F1B", 2), ("ZBVZeroBubble", 2)])
+def test_layers_after_the_trunk_go_with_the_output_end(schedule, pp):
+    """Entries of `layers` past the trunk the layout cuts (multi-token-prediction modules) belong to
+    the last stage, wherever the schedule places it."""
+    model = meta_model()
+    model.layers["8"] = meta_model().layers["0"]  # a ninth entry after the 8-layer trunk
+    layout = plan_layout(8, pp, schedule, None)
+    last_stage = layout.num_stages - 1
+    for rank in range(pp):
+        for stage, part in zip(layout.stages_of_rank(rank), build_stage_modules(model, SPEC, layout, rank)):
+            assert ("8" in part.layers) == (stage == last_stage), (rank, stage)
+            assert (part.output is not None) == (stage == last_stage)

@@ -80,6 +80,26 @@ class BaseModelArgs:
         """Entries of the model's `layers` (the unit of pipeline splitting and per-block wrapping)."""
         return self.n_layers  # type: ignore[attr-defined]
 
+    @property
+    def total_layers(self) -> int:
+        """Every entry of the model's `layers`: the num_layers of the trunk first, then any the
+        family keeps after them with the output end (multi-token-prediction modules, numbered as
+        DeepSeek's checkpoints do). Pipeline splitting cuts the trunk and puts the rest on the last
+        stage; per-layer bookkeeping (MoE statistics) spans all of them."""
+        return self.num_layers
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """How many tokens past its next-token label each position's training forward reads (the
+        depth of multi-token prediction). When > 0 the trainer passes `lookahead`, built from the
+        whole sequence before any context-parallel cut (titanlike/train/loss.py)."""
+        return 0
+
+    def reported_losses(self) -> tuple[str, ...]:
+        """Names of the loss terms the model adds to the objective itself and that are logged apart
+        from the loss (e.g. "mtp_loss"), as declared by its modules (titanlike/models/outputs.py)."""
+        return ()
+
     def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
         """Parameters of the whole model, tied weights once. exclude_embedding leaves out lookup
         tables that do no matmul work (token and position embeddings; a table tied to the output

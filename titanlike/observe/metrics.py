@@ -132,8 +132,11 @@ class MetricsLogger:
             return record
         mfu = f"  mfu: {record['mfu']:5.2f}%" if "mfu" in record else ""
         moe = format_moe(record)
+        # Loss terms the model reports apart from the loss (e.g. mtp_loss); per target token too.
+        terms = "".join(f"  {key}: {value:8.4f}" for key, value in (extra or {}).items()
+                        if key.endswith("_loss") and "/" not in key)
         logger.info(
-            f"step: {step:5d}  loss: {loss:8.4f}  grad_norm: {grad_norm:7.4f}  lr: {lr:.3e}  "
+            f"step: {step:5d}  loss: {loss:8.4f}{terms}  grad_norm: {grad_norm:7.4f}  lr: {lr:.3e}  "
             f"tps: {tps:,.0f}{mfu}  {mem_label}: {mem:.2f}GiB" + (f"  {moe}" if moe else "")
         )
         # Counted on the device; one copy to the host, on the writer and only at log steps.

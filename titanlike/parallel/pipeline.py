@@ -209,11 +209,16 @@ def pipeline_stage(model: nn.Module, ends: PipelineEnds, layer_keys: list[str], 
 
 
 def build_stage_modules(model: nn.Module, spec: ModelSpec, layout: PipelineLayout, pp_rank: int) -> list[nn.Module]:
-    """The model parts (one per stage held by pp_rank) cut out of the meta model."""
+    """The model parts (one per stage held by pp_rank) cut out of the meta model. Entries of
+    `layers` after the trunk the layout cuts (multi-token-prediction modules, see the args'
+    total_layers) go with the output end to the last stage."""
     names = list(model.layers.keys())
+    trailing = names[sum(layout.layers):]
     parts = []
     for stage in layout.stages_of_rank(pp_rank):
         keep = [names[i] for i in layout.layer_indices(stage)]
+        if stage == layout.num_stages - 1:
+            keep += trailing
         parts.append(pipeline_stage(model, spec.pipeline_ends, keep, first=stage == 0,
                                     last=stage == layout.num_stages - 1))
     return parts

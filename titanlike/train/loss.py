@@ -42,3 +42,29 @@ def build_cross_entropy_loss(*, compile: bool = False) -> LossFn:
         return ce(output, labels)
 
     return loss_fn
+
+
+def lookahead_targets(raw_labels: torch.Tensor, labels: torch.Tensor, depth: int,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """What multi-token prediction reads, (batch, seq, depth, 2) int64, from a microbatch's labels
+    over the whole sequence (before any context-parallel cut: later tokens may live on another rank).
+
+    For depth k (1-based) at position i: [..., k-1, 0] is the token t(i+k) the k-th prediction module
+    embeds (raw_labels[i+k-1]: the labels before eod_mask_loss, which hides targets but not tokens;
+    0 past the window), and [..., k-1, 1] the token it predicts, t(i+k+1) = labels[i+k], or
+    IGNORE_INDEX past the window, where labels hides it, and (with document_ids, the documents of the
+    input tokens under document masking) where t(i+k) belongs to another document than position i:
+    a prediction never reaches into the next packed document.
+    """
+    batch, seq = labels.shape
+    inputs = torch.zeros(batch, seq, depth, dtype=torch.long, device=labels.device)
+    targets = torch.full((batch, seq, depth), IGNORE_INDEX, dtype=torch.long, device=labels.device)
+    for k in range(1, depth + 1):
+        if k - 1 < seq:
+            inputs[:, : seq - k + 1, k - 1] = raw_labels[:, k - 1:]
+        if k < seq:
+            target = labels[:, k:]
+            if document_ids is not None:
+                target = target.masked_fill(document_ids[:, k:] != document_ids[:, :-k], IGNORE_INDEX)
+            targets[:, : seq - k, k - 1] = target
+    return torch.stack([inputs, targets], dim=-1)

@@ -31,6 +31,7 @@ from titanlike.config.schema import JobConfig
 from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
 from titanlike.models.common.attention import DocumentMask, describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
+from titanlike.models.outputs import reported_loss_sums
 from titanlike.models.registry import get_model_spec
 from titanlike.observe.metrics import MetricsLogger
 from titanlike.observe.run_lock import FolderInUse, FolderLock
@@ -41,7 +42,7 @@ from titanlike.parallel.utils import clip_grad_norm_, scale_gradients, sum_over
 from titanlike.train.evaluate import build_validation_data
 from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
-from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss
+from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss, lookahead_targets
 from titanlike.train.model_parts import build_model_parts, model_args_for_job
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
@@ -62,6 +63,15 @@ class Microbatch:
     labels: torch.Tensor
     positions: torch.Tensor | None = None  # RoPE positions when not 0..seq-1
     mask: DocumentMask | None = None  # attend within documents (training.document_masking)
+    # Multi-token prediction's inputs and targets (train/loss.py lookahead_targets), for models
+    # whose args have lookahead_tokens > 0.
+    lookahead: torch.Tensor | None = None
+
+    def forward_kwargs(self) -> dict:
+        kwargs = {"positions": self.positions, "mask": self.mask}
+        if self.lookahead is not None:
+            kwargs["lookahead"] = self.lookahead
+        return kwargs
 
 
 class TrainingError(RuntimeError):
@@ -98,6 +108,7 @@ class Trainer:
         self.folder_locks = self._lock_output_folders()
         self.stop: StopRequest | None = None  # SIGTERM / SIGUSR1 handling, installed by train()
         self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient norm (training.skip_nonfinite_steps)
+        self.reported_losses: dict[str, float] = {}  # the model's own loss terms of the last step (per target token)
         self.step_skipped = False
         if cfg.debug.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -197,7 +208,7 @@ class Trainer:
         # Mixture of experts: per-step token counts -> expert bias update and load-balance metrics.
         moe = self.model_args.moe_args()
         self.expert_balance = None if moe is None else ExpertBalance(
-            self.model_parts, moe, self.model_args.num_layers, self.device,
+            self.model_parts, moe, self.model_args.total_layers, self.device,
             dist.group.WORLD if dist.is_initialized() else None)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -270,24 +281,31 @@ class Trainer:
         t = self.cfg.training
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         eod = self.tokenizer.eos_id
+        raw_labels = labels
         if t.eod_mask_loss:
             labels = labels.masked_fill(inputs == eod, IGNORE_INDEX)
         mb = Microbatch(inputs, labels, positions=self.cp_positions)
         if t.document_masking:
             mb.mask = DocumentMask.from_tokens(inputs, eod, self.mask_kernel)
             mb.positions = mb.mask.positions
+        depth = self.model_args.lookahead_tokens
+        if depth:
+            mb.lookahead = lookahead_targets(raw_labels, labels, depth,
+                                             mb.mask.document_ids if mb.mask is not None else None)
         if self.cp_positions is not None:
             # Every cp rank of a data-parallel group got the same samples; each keeps its slice
             # before counting, so the token count summed over the loss mesh (which includes cp) is exact.
             mb.inputs, mb.labels = shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
             if t.document_masking:
                 mb.positions = shard_sequence(mb.positions, self.cp_positions)
+            if mb.lookahead is not None:
+                mb.lookahead = shard_sequence(mb.lookahead, self.cp_positions)
         return mb
 
     def forward_backward(self, mb: Microbatch, *, backward: bool = True):
         """Loss of one microbatch summed over its target tokens, and its backward unless backward=False."""
         with self.autocast:
-            logits = self.model_parts[0](mb.inputs, positions=mb.positions, mask=mb.mask)
+            logits = self.model_parts[0](mb.inputs, **mb.forward_kwargs())
         with self._loss_context():
             loss = self.loss_fn(logits, mb.labels)
             if backward:
@@ -301,11 +319,12 @@ class Trainer:
         backward=False runs the forwards only (validation)."""
         size = self.cfg.parallelism.pipeline_parallel_microbatch_size
         extra = None
-        if mb.positions is not None or mb.mask is not None:
+        if mb.positions is not None or mb.mask is not None or mb.lookahead is not None:
             # Every stage needs them, per pipeline microbatch (CP positions are shared by all samples).
             extra = [{"positions": mb.positions if mb.positions is None or mb.positions.ndim == 1
                       else mb.positions[i:i + size],
-                      "mask": None if mb.mask is None else mb.mask.rows(i, i + size)}
+                      "mask": None if mb.mask is None else mb.mask.rows(i, i + size),
+                      **({} if mb.lookahead is None else {"lookahead": mb.lookahead[i:i + size]})}
                      for i in range(0, mb.inputs.shape[0], size)]
         with self.autocast, self._loss_context():
             losses = self.pipeline.step(mb.inputs, mb.labels, extra, backward=backward)
@@ -340,6 +359,13 @@ class Trainer:
         # Under PP only ranks holding the last stage have a loss (the others 0), so summing over pp too
         # gives every rank, rank 0 (the metrics writer) included, the global loss.
         loss = (sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp")) / global_tokens).item()
+        names = self.model_args.reported_losses()
+        if names:
+            # Terms the model added to the objective itself (multi-token prediction), reduced as the
+            # loss is: every rank takes part, holding the module or not.
+            sums = reported_loss_sums(self.model_parts, names, self.device)
+            sums = sum_over(sum_over(sums, self.dims.mesh("loss")), self.dims.mesh("pp")) / global_tokens
+            self.reported_losses = dict(zip(names, sums.tolist()))
         norm = grad_norm.item()
         self.global_tokens = global_tokens.item()
         # Both are global (the same on every rank), so every rank takes the same branch. Checked
@@ -450,13 +476,14 @@ class Trainer:
                 self.metrics.step_done()
                 if self.step_skipped or self.metrics.should_log(self.step, steps):
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+                    extra.update(self.reported_losses)
                     expert_counts = None
                     if self.expert_balance is not None:
                         extra.update(self.expert_balance.summary(self.moe_table, self.global_tokens))
                         # Routes per expert of each MoE layer: the table's first num_experts columns.
                         moe = self.expert_balance.args
                         expert_counts = {i: self.moe_table[i, :moe.num_experts]
-                                         for i in range(self.model_args.num_layers) if moe.is_moe_layer(i)}
+                                         for i in range(self.model_args.total_layers) if moe.is_moe_layer(i)}
                     self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra or None,
                                      expert_counts=expert_counts)
                 if self.validation is not None and (self.step % self.cfg.validation.freq == 0 or self.step == steps):

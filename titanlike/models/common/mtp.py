@@ -1,0 +1,104 @@
+"""Multi-token prediction (DeepSeek-V3, section 2.2): D sequential modules after the trunk, the k-th
+predicting the token k+1 places past the next one.
+
+Module k takes, at every position i, the hidden state the previous depth produced there (the
+trunk's residual stream for k = 1) and the embedding of token t(i+k), each RMS-normalized,
+concatenated and projected back to the model width (eh_proj), then runs one transformer block;
+its own final norm and the model's shared output head give logits for t(i+k+1). The chain keeps
+the causal order: position i never sees a token past i+k, and within a packed document only
+(`lookahead_targets` in titanlike/train/loss.py ignores targets across documents).
+
+The modules are entries of `model.layers` after the trunk (keys n_layers .. n_layers+D-1, as
+DeepSeek's checkpoints number them), so tensor, expert and data parallelism, activation
+checkpointing and compile treat them as blocks, and pipeline splitting puts them on the last
+stage with the output head. Their loss, (weight / D) x the sum over depths of the cross-entropy
+summed over targets, joins the objective through `attach_loss` on the logits: the loss function,
+the pipeline schedule and the trainer stay those of every family. Its unweighted mean over depths
+is logged as "mtp_loss" (per target token, comparable to the loss). Evaluation skips the modules.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titanlike.models.common.block import TransformerBlock
+from titanlike.models.common.init import LinearInit
+from titanlike.models.common.norms import init_norm
+from titanlike.models.outputs import attach_loss
+
+MTP_LOSS = "mtp_loss"
+_IGNORE_INDEX = -100  # the trainer's IGNORE_INDEX (titanlike/train/loss.py)
+
+
+class MTPBlock(TransformerBlock):
+    """One prediction depth: enorm, hnorm and eh_proj in front of a transformer block, head_norm after
+    it (DeepSeek's names, `shared_head.norm` for head_norm). forward returns (the hidden state the
+    next depth reads, its head-normalized copy for the output head)."""
+
+    reported_loss = MTP_LOSS
+
+    def __init__(self, layer_id: int, *, dim: int, build_norm: Callable[[], nn.Module], **block):
+        super().__init__(layer_id, **block)
+        self.enorm = build_norm()
+        self.hnorm = build_norm()
+        self.eh_proj = nn.Linear(2 * dim, dim, bias=False)
+        self.head_norm = build_norm()
+        # This depth's cross-entropy, summed over targets, over this step's training forwards.
+        self.register_buffer("reported_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.record_statistics = True  # off while a pipeline infers shapes on placeholder inputs
+
+    def forward(self, h: torch.Tensor, rope: torch.Tensor | None, mask=None,
+                embedded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        out = super().forward(x, rope, mask)
+        return out, self.head_norm(out)
+
+    def init_weights(self, *, seed: int, prefix: str) -> None:
+        super().init_weights(seed=seed, prefix=prefix)
+        for norm in (self.enorm, self.hnorm, self.head_norm):
+            init_norm(norm)
+        self.init.fill(self.eh_proj.weight, seed=seed, fqn=f"{prefix}eh_proj.weight")
+
+
+def multi_token_prediction(logits: torch.Tensor, h: torch.Tensor, blocks: list[MTPBlock], lookahead: torch.Tensor,
+                           *, embed: nn.Module, head: nn.Module, rope: torch.Tensor | None, mask,
+                           weight: float, training: bool) -> torch.Tensor:
+    """`logits` carrying the prediction modules' weighted loss (attach_loss). h: the trunk's residual
+    stream (batch, seq, dim) before the final norm; lookahead: (batch, seq, D, 2) embedded tokens and
+    targets per depth (train/loss.py lookahead_targets); embed / head: the model's token embedding
+    (a tied copy on the last pipeline stage) and output projection."""
+    depth = len(blocks)
+    total = None
+    for k, block in enumerate(blocks):
+        h, normed = block(h, rope, mask, embedded=embed(lookahead[..., k, 0]))
+        ce = _cross_entropy_sum(head(normed), lookahead[..., k, 1])
+        if training and torch.is_grad_enabled() and block.record_statistics:
+            block.reported_loss_sum += ce.detach().float() / depth
+        total = ce if total is None else total + ce
+    return attach_loss(logits, total * (weight / depth))
+
+
+def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    def ce():
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum",
+                               ignore_index=_IGNORE_INDEX)
+
+    if not isinstance(logits, DTensor):
+        return ce()
+    # Vocabulary-parallel logits (TP with loss parallel): the sharded cross-entropy, as the trainer's
+    # own loss (whose context also covers this term's backward). A plain tensor leaves, so that
+    # attach_loss sees the same kind of value with and without TP.
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        loss = ce()
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+__all__ = ["MTP_LOSS", "MTPBlock", "multi_token_prediction"]
