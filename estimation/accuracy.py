@@ -97,9 +97,11 @@ def estimate(base: list[str], nproc: int, overrides: list[str]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=sorted(MODELS), default="debug")
-    parser.add_argument("--only", nargs="*", default=None)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="debug",
+                        help="debug: the debug model (5 min on 2 cores); 100m: the ~100M flavor (13 min)")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run only the layouts whose name contains one of these (case-insensitive)")
     parser.add_argument("--save", type=Path, default=None,
                         help="also write each layout's per-rank measurements and full estimate as JSON here")
     a = parser.parse_args()

@@ -26,13 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "estimation/estimate.py") -> int:
     from estimation.options import estimate_help, parse_estimate_args
     from titanlike.config import ConfigError, help_text, load_job_config
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
-        print(help_text().replace("train.py", "estimation/estimate.py") + "\n" + estimate_help())
+        print(help_text().replace("usage: train.py", f"usage: {prog} [--estimate.key VALUE ...]", 1)
+              + "\n" + estimate_help())
         return 0
     try:
         opts, rest = parse_estimate_args(argv)

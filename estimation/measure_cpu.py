@@ -22,6 +22,7 @@ as the step ends with what it started with).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -61,6 +62,14 @@ def _live_bytes(trainer) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        epilog="Every other option is a train.py job option (--job.config_file FILE, --section.key VALUE): "
+               "python3 train.py --help lists them.")
+    parser.add_argument("--measure.out", dest="out", metavar="DIR",
+                        help="write each rank's result to DIR/rank{r}.json (default: print it as JSON)")
+    opts, argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -68,12 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from titanlike.train.validate import validate_config
     from titanlike.train.trainer import Trainer
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    out = None
-    if "--measure.out" in argv:
-        i = argv.index("--measure.out")
-        out = argv[i + 1]
-        del argv[i:i + 2]
+    out = opts.out
     cfg = load_job_config(argv)
     dims = validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     trainer = Trainer(cfg, dims)

@@ -72,7 +72,7 @@ def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]
 
 
 def estimate_help() -> str:
-    return ("\n" + section_help("estimate", EstimateOptions, title="(estimation/estimate.py only)")
+    return ("\n" + section_help("estimate", EstimateOptions, title="(estimation/estimate.py and plan.py, not train.py)")
             + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, float8, activation checkpointing)"
             "; mixture-of-experts models with expert parallelism by the analytic estimate (the trace refuses"
             " them), reporting total and active parameters; the planner searches expert_parallel_degree"

@@ -19,7 +19,7 @@ from estimation.estimate import main as _estimate_main  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    return _estimate_main([*argv, "--estimate.plan"])
+    return _estimate_main([*argv, "--estimate.plan"], prog="estimation/plan.py")
 
 
 if __name__ == "__main__":

@@ -38,11 +38,17 @@ def time_steps(step_fn, batches, n: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--bench-warmup", type=int, default=3)
-    parser.add_argument("--bench-steps", type=int, default=10)
-    parser.add_argument("--bench-rounds", type=int, default=3)
-    parser.add_argument("--minimal-loop", action="store_true")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Every other option is a train.py job option (--job.config_file FILE, --section.key VALUE): "
+               "python3 train.py --help lists them.")
+    parser.add_argument("--bench-warmup", type=int, default=3, help="untimed steps first, per loop (default 3)")
+    parser.add_argument("--bench-steps", type=int, default=10, help="timed steps per round (default 10)")
+    parser.add_argument("--bench-rounds", type=int, default=3,
+                        help="timed rounds, alternating the loops; the median is reported (default 3)")
+    parser.add_argument("--minimal-loop", action="store_true",
+                        help="also time a hand-written PyTorch loop and print the trainer's overhead over it "
+                             "(one process, no gradient accumulation)")
     bench, rest = parser.parse_known_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))

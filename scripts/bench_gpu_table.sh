@@ -7,6 +7,11 @@
 # TOKENIZER: the Llama 3 tokenizer.model (tiktoken format, vocab 128256), for example the copy
 # inside the llama-models wheel (carry it to a GPU box without internet); without it the
 # 2048-token debug tokenizer is used and the table says so. Every row prints its command.
+#
+# BENCH_STEPS  timed steps per round of each row (default: 10)
+for arg in "$@"; do  # -h / --help: print the comment block at the top of this file
+    case $arg in -h | --help) awk 'NR > 1 { if (!/^#( |$)/) exit; sub(/^# ?/, ""); print }' "$0"; exit 0 ;; esac
+done
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TOKENIZER=${1:-}

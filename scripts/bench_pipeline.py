@@ -44,10 +44,16 @@ def run_bench(nproc: int, args: list[str]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Every other option is a train.py job option (python3 train.py --help lists them), passed to "
+               "scripts/bench.py for every run; the defaults are train_configs/debug_model.toml at seq 256, "
+               "local batch 8, float32.")
+    parser.add_argument("--pp", type=int, default=2,
+                        help="pipeline ranks (torchrun processes) per schedule (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="sweeps; each figure is the fastest (default 3)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help=f"comma-separated schedules (default: all of {', '.join(SCHEDULES)})")
     opts, rest = parser.parse_known_args()
     args = [*DEFAULTS, *rest]
     names = opts.schedules.split(",")

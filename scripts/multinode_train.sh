@@ -10,7 +10,10 @@
 # RDZV_ENDPOINT host:port of the rendezvous, reachable from every node (default: the first
 #               host of SLURM_JOB_NODELIST, else localhost, port 29500)
 # JOB_ID        rendezvous id shared by the nodes of one job (default: SLURM_JOB_ID, else "titanlike")
-# Everything else is passed to train.py.
+# Every argument is passed to train.py (python3 train.py --help lists its options).
+for arg in "$@"; do  # -h / --help: print the comment block at the top of this file
+    case $arg in -h | --help) awk 'NR > 1 { if (!/^#( |$)/) exit; sub(/^# ?/, ""); print }' "$0"; exit 0 ;; esac
+done
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NNODES=${NNODES:-${SLURM_NNODES:-1}}

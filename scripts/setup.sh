@@ -2,6 +2,13 @@
 # Install titanlike (editable) and its dependencies. `--dev` adds the test tools.
 # An existing torch is kept (GPU boxes ship their own CUDA build); otherwise the
 # CPU build is installed, pinned so pip never pulls several GB of CUDA packages.
+#
+#   bash scripts/setup.sh [--dev]
+#
+# PYTHON  the interpreter to install into (default: python3)
+for arg in "$@"; do  # -h / --help: print the comment block at the top of this file
+    case $arg in -h | --help) awk 'NR > 1 { if (!/^#( |$)/) exit; sub(/^# ?/, ""); print }' "$0"; exit 0 ;; esac
+done
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -1,0 +1,99 @@
+"""Every command-line entry point answers -h / --help: exit 0, its own options on stdout, no traceback.
+
+The entry points are found here, not listed: every scripts/*.py and estimation/*.py with an
+`if __name__ == "__main__":` block, and every shell script in scripts/ (a `#!...sh` first line).
+A script's own options are the `--options` and argparse positionals its source names, and for a
+shell script the environment settings it reads with a default (`${NAME:-...}`); train.py's job
+options (`--<section>.key`) do not count, so a script that only prints train.py's help fails.
+All runs go in parallel threads, once per entry point and flag, in one module-scoped fixture.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanlike.config import JobConfig
+
+REPO = Path(__file__).resolve().parents[2]
+# -h is argparse's own alias of --help (the shell scripts test both in one case statement); checking
+# --help alone halves the cost (each run imports torch).
+FLAGS = ("--help",)
+_MAIN = re.compile(r"""^if __name__ == ["']__main__["']:""", re.M)
+_SHEBANG_SH = re.compile(r"#!.*\b(ba|z|da|k)?sh\b")
+_OPTION = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*(?:\.[\w-]+)?")
+_POSITIONAL = re.compile(r"""add_argument\(\s*["']([A-Za-z]\w*)["']""")
+_ENV_SETTING = re.compile(r"\$\{([A-Z][A-Z0-9_]*):[-=]")
+# train.py's option sections, and the `--section.key` placeholder of its usage line.
+_JOB_SECTIONS = {f.name for f in dataclasses.fields(JobConfig)} | {"section"}
+
+
+def _is_shell(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return bool(_SHEBANG_SH.match(f.readline().decode(errors="replace")))
+
+
+def entry_points() -> list[Path]:
+    python = [p for folder in ("scripts", "estimation") for p in sorted((REPO / folder).glob("*.py"))
+              if _MAIN.search(p.read_text())]
+    shell = [p for p in sorted((REPO / "scripts").iterdir()) if p.is_file() and p.suffix != ".py" and _is_shell(p)]
+    return python + shell
+
+
+def own_options(path: Path) -> set[str]:
+    text = path.read_text()
+    options = {o for o in _OPTION.findall(text)
+               if o != "--help" and not ("." in o and o[2:].split(".")[0] in _JOB_SECTIONS)}
+    options |= set(_POSITIONAL.findall(text))
+    if _is_shell(path):
+        options |= set(_ENV_SETTING.findall(text))
+    return options
+
+
+ENTRY_POINTS = entry_points()
+
+
+def _run(path: Path, flag: str) -> subprocess.CompletedProcess:
+    cmd = ["bash", str(path)] if _is_shell(path) else [sys.executable, str(path)]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        return subprocess.run([*cmd, flag], cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=180)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        return subprocess.CompletedProcess(e.cmd, -1, out, f"timed out after {e.timeout} s")
+
+
+@pytest.fixture(scope="module")
+def help_runs() -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    jobs = [(p, flag) for p in ENTRY_POINTS for flag in FLAGS]
+    # Most of the time is importing torch, one core each: a few more threads than cores.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=(os.cpu_count() or 2) + 2) as pool:
+        results = pool.map(lambda job: _run(*job), jobs)
+        return {(str(p.relative_to(REPO)), flag): r for (p, flag), r in zip(jobs, results)}
+
+
+def test_entry_points_are_found():
+    names = {str(p.relative_to(REPO)) for p in ENTRY_POINTS}
+    assert {"scripts/bench.py", "estimation/estimate.py", "scripts/multinode_train.sh"} <= names
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+@pytest.mark.parametrize("path", ENTRY_POINTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_help(path: Path, flag: str, help_runs):
+    name = str(path.relative_to(REPO))
+    proc = help_runs[name, flag]
+    out = f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{name} {flag} exited {proc.returncode}\n{out}"
+    assert "Traceback" not in proc.stdout + proc.stderr, f"{name} {flag}\n{out}"
+    options = own_options(path)
+    assert options, f"{name} names no options in its source, so its help cannot be checked"
+    assert any(o in proc.stdout for o in options), (
+        f"{name} {flag}: stdout names none of its own options ({', '.join(sorted(options))})\n{out}")
