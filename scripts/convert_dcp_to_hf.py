@@ -5,9 +5,13 @@
 
 IN is a full or model-only checkpoint written by titanlike (its titanlike.json names the
 model), or a checkpoint folder of step-N checkpoints (the latest is taken). OUT receives
-model-0000i-of-0000n.safetensors, model.safetensors.index.json, config.json and
-generation_config.json, loadable with transformers' from_pretrained. A DCP checkpoint
-without titanlike.json (e.g. torchtitan's) needs --model-name/--flavor/--vocab-size.
+model-0000i-of-0000n.safetensors, model.safetensors.index.json, config.json,
+generation_config.json, and the tokenizer the model was trained with as tokenizer.json +
+tokenizer_config.json (same ids as titanlike's tokenizer), so that AutoModelForCausalLM and
+AutoTokenizer both load OUT. The tokenizer is the one titanlike.json records, or --tokenizer;
+one that cannot be converted is copied with a note on how to load it, and the weights are
+written either way. A DCP checkpoint without titanlike.json (e.g. torchtitan's) needs
+--model-name/--flavor/--vocab-size.
 Runs in one process and holds the whole model in host memory.
 """
 
@@ -29,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-name", default="llama3", help="family, when IN has no titanlike.json")
     parser.add_argument("--flavor", help="flavor, when IN has no titanlike.json")
     parser.add_argument("--vocab-size", type=int, help="vocabulary size, when IN has no titanlike.json")
+    parser.add_argument("--tokenizer", help="tokenizer file (tiktoken ranks) to include, instead of the one "
+                                            "IN's titanlike.json records")
     args = parser.parse_args(argv)
 
     import torch
@@ -49,12 +55,18 @@ def main(argv: list[str] | None = None) -> int:
                 flavor = flavor.update_from_config(vocab_size=args.vocab_size, seq_len=flavor.context_len)
             description = model_description(spec.name, flavor)
         src = resolve_checkpoint_folder(args.input)
-        export_dcp_to_hf(src, args.output, dtype=getattr(torch, args.dtype),
-                         max_shard_bytes=parse_size(args.max_shard_size), description=description)
+        tokenizer = export_dcp_to_hf(src, args.output, dtype=getattr(torch, args.dtype),
+                                     max_shard_bytes=parse_size(args.max_shard_size), description=description,
+                                     tokenizer_path=args.tokenizer)
     except (CheckpointError, ValueError, KeyError) as e:
         print(f"convert_dcp_to_hf: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 1
     print(f"wrote {args.output} from {src}")
+    if tokenizer.converted:
+        print(f"tokenizer: {tokenizer.message}")
+    else:
+        hint = "" if args.tokenizer else " (--tokenizer names one)"
+        print(f"convert_dcp_to_hf: warning: {tokenizer.message}{hint}", file=sys.stderr)
     return 0
 
 

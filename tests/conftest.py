@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -120,3 +121,32 @@ def wait_for(predicate, proc, what: str, timeout: float = 300) -> None:
             raise AssertionError(f"the run ended ({proc.returncode}) before {what}")
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def hf_warnings():
+    """Collect what transformers warns about inside the block: its logger's warnings (it does not
+    propagate them to the root logger, so pytest's caplog never sees them) and Python warnings.
+    Yields the list of messages, filled when the block ends."""
+    import logging
+    import warnings
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(level=logging.WARNING)
+    hf_logger = logging.getLogger("transformers")
+    level = hf_logger.level
+    hf_logger.addHandler(handler)
+    hf_logger.setLevel(logging.WARNING)  # whatever TRANSFORMERS_VERBOSITY says
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield messages
+    finally:
+        hf_logger.removeHandler(handler)
+        hf_logger.setLevel(level)
+    messages.extend(f"{w.category.__name__}: {w.message}" for w in caught)

@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 import titanlike
-from conftest import TINY_JOB, launch, read_metrics
+from conftest import TINY_JOB, hf_warnings, launch, read_metrics
 from titanlike.checkpoint.format import CheckpointError
 from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp
 from titanlike.models.gpt2 import GPT2, GPT2Args, gpt2_flavors, hf_adapter
@@ -159,16 +159,23 @@ def test_train_from_hf_and_export_to_hf(tmp_path):
         hf_loss = F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten()).item()
 
     dump = tmp_path / "run"
-    launch([*TINY_JOB, "--model.name", "gpt2", "--model.flavor", "debugmodel", "--job.dump_folder", str(dump),
-            "--training.steps", "2", "--training.local_batch_size", "8",
-            "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-            "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf"])
+    proc = launch([*TINY_JOB, "--model.name", "gpt2", "--model.flavor", "debugmodel", "--job.dump_folder", str(dump),
+                   "--training.steps", "2", "--training.local_batch_size", "8",
+                   "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                   "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf"])
     first = read_metrics(dump)[0]
     assert first["loss"] == pytest.approx(hf_loss, rel=1e-5)
     export = dump / "checkpoint" / "step-2"
     config = json.loads((export / "config.json").read_text())
     assert config["n_positions"] == 1024 and config["eos_token_id"] == tokenizer.eos_id
-    trained = GPT2LMHeadModel.from_pretrained(export).eval()
+    # The job's tokenizer is part of the export, and the log says so.
+    assert "checkpoint: tokenizer.json and tokenizer_config.json from" in proc.stdout + proc.stderr
+    with hf_warnings() as warned:
+        hf_tok = AutoTokenizer.from_pretrained(export)
+        trained = GPT2LMHeadModel.from_pretrained(export).eval()
+    assert warned == []
+    text = "And the evening and the morning were the first day."
+    assert hf_tok(text)["input_ids"] == tokenizer.encode(text, bos=True, eos=False)
     with torch.no_grad():
         got = trained(inputs).logits
         torch.testing.assert_close(got, titanlike.load_model(export)(inputs), rtol=0, atol=ATOL)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import titanlike
-from conftest import REPO, TINY_JOB, launch, read_metrics
+from conftest import REPO, TINY_JOB, hf_warnings, launch, read_metrics
 from titanlike.models.llama3 import hf_adapter, llama3_flavors
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -128,11 +128,16 @@ def test_train_from_hf_and_export_to_hf(tmp_path):
     assert first["loss"] == pytest.approx(hf_loss, rel=1e-5)
 
     export = dump / "checkpoint" / "step-2"
-    assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(os.listdir(export))
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json"} <= set(os.listdir(export))
     assert not (export / "dcp").exists()
     config = json.loads((export / "config.json").read_text())
     assert config["eos_token_id"] == tokenizer.eos_id and config["vocab_size"] == tokenizer.vocab_size
-    trained = LlamaForCausalLM.from_pretrained(export).eval()
+    # The debug flavor's context (2048) is within its RoPE scaling's original one (8192): only
+    # with the scaled context in config.json does transformers load it without a warning.
+    with hf_warnings() as warned:
+        trained = LlamaForCausalLM.from_pretrained(export).eval()
+    assert warned == []
     ours = titanlike.load_model(export)
     with torch.no_grad():
         got, want = trained(inputs).logits, ours(inputs)

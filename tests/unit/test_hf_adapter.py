@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import hf_warnings
 from titanlike.models.llama3 import Transformer, hf_adapter, llama3_flavors
 
 ATOL = 1e-5
@@ -121,9 +122,18 @@ def test_unknown_keys_are_rejected():
 def test_config_round_trip(flavor):
     args = llama3_flavors[flavor]
     cfg = hf_adapter.args_to_hf_config(args)
+    # A context within the RoPE scaling's original one (the debug flavors) is exported as the
+    # context the scaling extends to, the only value transformers accepts without a warning.
+    s = args.rope_scaling
+    if s is not None and args.max_seq_len <= s.original_max_position_embeddings:
+        args = dataclasses.replace(args, max_seq_len=int(s.original_max_position_embeddings * s.factor))
+    assert cfg["max_position_embeddings"] == args.max_seq_len
     assert hf_adapter.args_from_hf_config(cfg) == args
     # transformers 5.x re-serializes rope settings as rope_parameters; we read that too.
-    assert hf_adapter.args_from_hf_config(LlamaConfig(**cfg).to_dict()) == args
+    with hf_warnings() as warned:
+        hf_cfg = LlamaConfig(**cfg)
+    assert warned == []
+    assert hf_adapter.args_from_hf_config(hf_cfg.to_dict()) == args
 
 
 @pytest.mark.parametrize("flavor", ["1B", "8B"])

@@ -39,7 +39,7 @@ import pickle
 import re
 import zlib
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+
+if TYPE_CHECKING:
+    from titanlike.data.hf_tokenizer import TokenizerExport
 
 SIDECAR = "titanlike.json"
 DCP_METADATA = ".metadata"
@@ -740,12 +743,20 @@ def write_hf(
     context_len: int | None = None,
     bos_id: int | None = None,
     eos_id: int | None = None,
-) -> None:
+    tokenizer_path: str | None = None,
+    tokenizer_fingerprint: str | None = None,
+) -> TokenizerExport:
     """Write our full state dict as a Hugging Face folder loadable by transformers.
 
     context_len becomes config.json's max_position_embeddings (default: the args' own).
+    tokenizer_path: the job's tokenizer, written as tokenizer.json + tokenizer_config.json (or
+    copied with a note when it cannot be converted; see titanlike.data.hf_tokenizer), checked
+    against tokenizer_fingerprint when given. Returns that step's TokenizerExport, whose message
+    the caller logs: a folder without a usable tokenizer is still a valid export.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from titanlike.data.hf_tokenizer import write_hf_tokenizer
 
     if spec.hf_adapter is None:
         raise CheckpointError(f"model {spec.name} has no Hugging Face adapter")
@@ -769,3 +780,5 @@ def write_hf(
     for name, content in ((HF_CONFIG, config), ("generation_config.json", generation)):
         with open(os.path.join(out, name), "w") as f:
             json.dump(content, f, indent=2)
+    return write_hf_tokenizer(out, tokenizer_path, fingerprint=tokenizer_fingerprint, vocab_size=args.vocab_size,
+                              model_max_length=context_len or args.context_len)

@@ -11,7 +11,7 @@ family's fields. Everything runs in one process on full (unsharded) tensors.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from titanlike.checkpoint.format import (
     write_hf,
     write_sidecar,
 )
+
+if TYPE_CHECKING:
+    from titanlike.data.hf_tokenizer import TokenizerExport
 
 
 def hf_model_from_config(config: dict[str, Any], *, where: str = HF_CONFIG):
@@ -85,8 +88,13 @@ def write_dcp_model(state_dict: dict[str, torch.Tensor], out: str, info: dict[st
 
 
 def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
-                     max_shard_bytes: int = 5 * 1024**3, description: dict | None = None) -> None:
-    """convert_dcp_to_hf: a titanlike DCP checkpoint (full or model-only) -> Hugging Face folder."""
+                     max_shard_bytes: int = 5 * 1024**3, description: dict | None = None,
+                     tokenizer_path: str | None = None) -> TokenizerExport:
+    """convert_dcp_to_hf: a titanlike DCP checkpoint (full or model-only) -> Hugging Face folder.
+
+    The tokenizer files come from tokenizer_path, else from the tokenizer the checkpoint's
+    sidecar names. Returns the tokenizer step's TokenizerExport (see format.write_hf).
+    """
     info = read_sidecar(src) or {}
     description = description or info.get("model")
     if description is None:
@@ -97,8 +105,10 @@ def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
     state_dict = read_dcp_model(src)
     check_fits(state_dict, spec, args, src)
     tokenizer = info.get("tokenizer", {})
-    write_hf(state_dict, spec, args, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
-             context_len=args.context_len, bos_id=tokenizer.get("bos_id"), eos_id=tokenizer.get("eos_id"))
+    return write_hf(state_dict, spec, args, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                    context_len=args.context_len, bos_id=tokenizer.get("bos_id"), eos_id=tokenizer.get("eos_id"),
+                    tokenizer_path=tokenizer_path or tokenizer.get("path"),
+                    tokenizer_fingerprint=tokenizer.get("fingerprint"))
 
 
 def import_hf_to_dcp(src: str, out: str, *, dtype: torch.dtype | None = None) -> None:

@@ -72,6 +72,7 @@ from titanlike.checkpoint.format import (
     summarize,
     tied_aliases,
 )
+from titanlike.data.hf_tokenizer import tokenizer_record
 
 logger = logging.getLogger("titanlike")
 
@@ -354,8 +355,7 @@ class CheckpointManager:
             flavor = spec.flavors.get(cfg.model.flavor)
             self._context_len = flavor.context_len if flavor is not None else model_args.context_len
             self._description = fmt.model_description(spec.name, model_args, context_len=self._context_len)
-        self._tokenizer = ({"bos_id": int(tokenizer.bos_id), "eos_id": int(tokenizer.eos_id)}
-                           if tokenizer is not None else {})
+        self._tokenizer = tokenizer_record(tokenizer) if tokenizer is not None else {}
         if self.distributed:
             # DCP's own collectives (plans, the final all-reduce) run on a separate gloo group:
             # in a background thread they must not interleave with training collectives, and on
@@ -795,8 +795,11 @@ class CheckpointManager:
 
         def convert() -> None:
             state_dict = fmt.read_dcp_model(staging)
-            fmt.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype, context_len=self._context_len,
-                         bos_id=self._tokenizer.get("bos_id"), eos_id=self._tokenizer.get("eos_id"))
+            tok = self._tokenizer
+            export = fmt.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype,
+                                  context_len=self._context_len, bos_id=tok.get("bos_id"), eos_id=tok.get("eos_id"),
+                                  tokenizer_path=tok.get("path"), tokenizer_fingerprint=tok.get("fingerprint"))
+            (logger.info if export.converted else logger.warning)(f"checkpoint: {export.message}")
             shutil.rmtree(staging)
 
         # The other ranks wait for rank 0's conversion in _publish_agreed, on the checkpoint's group

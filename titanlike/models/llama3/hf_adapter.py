@@ -121,8 +121,15 @@ def args_to_hf_config(args: TransformerModelArgs, *, max_position_embeddings: in
     (vLLM, llama.cpp) understand and transformers 5.x converts to rope_parameters.
     max_position_embeddings defaults to args.max_seq_len; pass the model's real
     context length when args carry a shorter training seq_len.
+
+    With Llama 3 RoPE scaling, a context not above the scaling's original one (the debug
+    flavors: 2048 <= 8192) is written as the context the scaling extends to, original x factor:
+    transformers warns about a scaled model whose context does not exceed its original one,
+    and Llama 3 frequencies never depend on max_position_embeddings, so the model computes the
+    same. Read back, such a folder gives max_seq_len = that longer context.
     """
     rope_scaling = None
+    decoder = args.hf_decoder_config(max_position_embeddings=max_position_embeddings)
     if args.rope_scaling is not None:
         s = args.rope_scaling
         rope_scaling = {
@@ -132,12 +139,14 @@ def args_to_hf_config(args: TransformerModelArgs, *, max_position_embeddings: in
             "high_freq_factor": float(s.high_freq_factor),
             "original_max_position_embeddings": int(s.original_max_position_embeddings),
         }
+        if decoder["max_position_embeddings"] <= s.original_max_position_embeddings:
+            decoder["max_position_embeddings"] = int(s.original_max_position_embeddings * s.factor)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
-        **args.hf_decoder_config(max_position_embeddings=max_position_embeddings),
+        **decoder,
         "rope_scaling": rope_scaling,
         "hidden_act": "silu",
         "attention_bias": False,

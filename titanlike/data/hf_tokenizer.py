@@ -1,0 +1,206 @@
+"""A titanlike tokenizer as Hugging Face tokenizer files, so that an exported model folder
+works with ``transformers.AutoTokenizer.from_pretrained(folder)``.
+
+The tiktoken ranks become a byte-level BPE through transformers' own ``TikTokenConverter``;
+the pre-tokenization regex, the special tokens (ids right after the ranks) and the BOS that
+``encode(bos=True)`` adds are set as our Tokenizer has them. The result is checked against
+tiktoken on probe texts before anything is written. A tokenizer that cannot be converted
+(transformers missing, a file that is not a tiktoken ranks file, a check that fails) is copied
+as is next to a note saying how to load it: the export of the weights never fails for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import NamedTuple
+
+# Not "tokenizer.model" nor "tiktoken.model": transformers converts a file of those names by
+# itself, with its own special tokens, which would give other ids than the model was trained on.
+TOKENIZER_COPY = "tokenizer.tiktoken"
+TOKENIZER_NOTE = "TOKENIZER.md"
+_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# Text the converted tokenizer must encode as tiktoken does: regex edge cases (contractions,
+# digit runs, whitespace runs, CR/LF), multi-byte UTF-8, and special-token strings.
+_PROBES = (
+    "In the beginning God created the heaven and the earth. 1234567 don't I'LL",
+    "Héllo wörld, naïve café. Ελληνικά, русский, 中文测试 😀👍🏽 👨‍👩‍👧‍👦",
+    "a  b   c\t\td\n\n\n e \r\n\r\n   \u00a0\u3000 trailing   ",
+    "<|begin_of_text|>hi<|end_of_text|> <|eot_id|>x<|reserved_special_token_7|>",
+)
+
+
+class TokenizerExport(NamedTuple):
+    converted: bool  # tokenizer.json and tokenizer_config.json were written
+    message: str  # one line for the export's log
+
+
+def tokenizer_record(tokenizer) -> dict:
+    """What a checkpoint records about its job's tokenizer (the sidecar's "tokenizer" entry).
+
+    Besides the special ids, where the tokenizer file is and a fingerprint of its ranks, so that
+    an export made later (convert_dcp_to_hf) can add the tokenizer files, and can tell when the
+    file at that path no longer holds the ranks the model was trained with.
+    """
+    record = {"bos_id": int(tokenizer.bos_id), "eos_id": int(tokenizer.eos_id)}
+    if getattr(tokenizer, "path", None):
+        record["path"] = os.path.abspath(tokenizer.path)
+    if getattr(tokenizer, "fingerprint", None):
+        record["fingerprint"] = tokenizer.fingerprint
+    return record
+
+
+def write_hf_tokenizer(out: str, path: str | None, *, fingerprint: str | None = None,
+                       vocab_size: int | None = None, model_max_length: int | None = None) -> TokenizerExport:
+    """Write the tokenizer at ``path`` into the Hugging Face folder ``out``.
+
+    fingerprint: the ranks' fingerprint the checkpoint recorded (None: not checked);
+    vocab_size: the model's vocabulary, which every token id must fit in;
+    model_max_length: the model's context, for tokenizer_config.json.
+    Returns what was done; raises only for errors writing into ``out``.
+    """
+    from titanlike.data.tokenizer import build_tokenizer
+
+    # A folder exported into before may hold another tokenizer's files, or the note of one that
+    # could not be converted; left there, they would describe the wrong tokenizer.
+    for name in (*_HF_FILES, TOKENIZER_COPY, TOKENIZER_NOTE):
+        if os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    if not path:
+        return TokenizerExport(False, "no tokenizer files written: the checkpoint names no tokenizer")
+    if not os.path.isfile(path):
+        return TokenizerExport(False, f"no tokenizer files written: tokenizer {path} not found")
+    try:
+        tokenizer = build_tokenizer(path)
+    except (OSError, ValueError) as e:
+        return _copy_with_note(out, path, None, f"it is not a tiktoken ranks file titanlike reads ({e})")
+    if fingerprint and tokenizer.fingerprint != fingerprint:
+        return TokenizerExport(False, f"no tokenizer files written: {path} no longer holds the ranks the model "
+                                      "was trained with (its fingerprint differs from the checkpoint's)")
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        return TokenizerExport(False, f"no tokenizer files written: {path} has {tokenizer.vocab_size} ids but "
+                                      f"the model only {vocab_size}")
+    try:
+        fast = _convert(tokenizer, model_max_length)
+    except Exception as e:  # any failure of an optional library: fall back to the copy
+        return _copy_with_note(out, path, tokenizer, f"{type(e).__name__}: {e}")
+    fast.save_pretrained(out)
+    _name_generic_class(out)
+    return TokenizerExport(True, f"tokenizer.json and tokenizer_config.json from {path} "
+                                 f"({tokenizer.vocab_size} ids, same ids as titanlike's tokenizer)")
+
+
+def _convert(tokenizer, model_max_length: int | None):
+    """transformers' fast tokenizer giving our ids; ValueError if the probes say otherwise."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from titanlike.data.tokenizer import load_bpe_ranks
+
+    class _Converter(TikTokenConverter):
+        # TikTokenConverter reads the file through tiktoken's loader, which caches contents by
+        # path: a tokenizer retrained to the same path would be converted from the stale copy.
+        # (transformers 4.x calls tiktoken directly; the probes below catch a stale copy there.)
+        @staticmethod
+        def load_tiktoken_bpe(_):
+            return load_bpe_ranks(tokenizer.path)
+
+    # In id order, so each lands on the id after the last: our special ids. transformers 5 names
+    # the argument extra_special_tokens, 4.x additional_special_tokens; each ignores the other.
+    specials = sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])
+    names = [t for t, _ in specials]
+    backend = _Converter(vocab_file=tokenizer.path, pattern=tokenizer.pat_str, extra_special_tokens=names,
+                         additional_special_tokens=names).converted()
+    bos = _token(tokenizer, tokenizer.bos_id)
+    # Like Meta's Llama 3 tokenizer.json: BOS first by default, as training (and generate.py) encode.
+    backend.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                      special_tokens=[(bos, tokenizer.bos_id)]),
+    ])
+
+    for token, id_ in specials:
+        if backend.token_to_id(token) != id_:
+            raise ValueError(f"special token {token} got id {backend.token_to_id(token)}, not {id_}")
+    for text in _PROBES:
+        want = tokenizer.encode(text, bos=True, eos=False, allowed_special="all")
+        got = backend.encode(text).ids
+        if got != want:
+            raise ValueError(f"the converted tokenizer encodes {text[:30]!r} as {got[:8]}..., "
+                             f"tiktoken as {want[:8]}...")
+        if backend.decode(got, skip_special_tokens=False) != tokenizer.decode(want):
+            raise ValueError(f"the converted tokenizer decodes {text[:30]!r} differently")
+
+    kwargs = {"model_max_length": model_max_length} if model_max_length else {}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token=_token(tokenizer, tokenizer.eos_id),
+        pad_token=_token(tokenizer, tokenizer.pad_id),
+        # Otherwise transformers 4.x drops spaces before punctuation when decoding ("a ." -> "a.").
+        clean_up_tokenization_spaces=False,
+        **kwargs,
+    )
+
+
+def _token(tokenizer, id_: int) -> str:
+    return next(t for t, i in tokenizer.special_tokens.items() if i == id_)
+
+
+def _name_generic_class(out: str) -> None:
+    """tokenizer_config.json names PreTrainedTokenizerFast, as Meta's Llama 3 folders do.
+
+    transformers 5 saves its new class name (TokenizersBackend), which transformers 4.x and the
+    tools pinned to it (vLLM, TGI) do not know; 5.x reads the old name as the same class.
+    """
+    config_path = os.path.join(out, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("backend", None)  # 5.x's default, and unknown to 4.x
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def _copy_with_note(out: str, path: str, tokenizer, reason: str) -> TokenizerExport:
+    from titanlike.data.tokenizer import Tokenizer
+
+    os.makedirs(out, exist_ok=True)
+    shutil.copyfile(path, os.path.join(out, TOKENIZER_COPY))
+    if isinstance(tokenizer, Tokenizer):
+        layout = (
+            f"- tiktoken BPE ranks ({tokenizer.num_bpe_tokens} of them, one `base64(token) rank` per line), "
+            "split by Llama 3's pre-tokenization regex:\n\n"
+            f"      {tokenizer.pat_str}\n\n"
+            f"- {len(tokenizer.special_tokens)} special tokens (Llama 3's) at ids {tokenizer.num_bpe_tokens}.."
+            f"{tokenizer.vocab_size - 1}: BOS `{_token(tokenizer, tokenizer.bos_id)}` = {tokenizer.bos_id}, "
+            f"EOS `{_token(tokenizer, tokenizer.eos_id)}` = {tokenizer.eos_id}; "
+            "training text starts with BOS and ends with EOS.\n"
+        )
+    else:
+        layout = "- the file the model was trained with, copied unchanged.\n"
+    note = (
+        "# Tokenizer\n\n"
+        f"`{TOKENIZER_COPY}` is the tokenizer this model was trained with, copied from `{path}`. "
+        "It could not be converted to Hugging Face's `tokenizer.json`, so "
+        "`transformers.AutoTokenizer.from_pretrained` does not load it from this folder.\n\n"
+        f"Reason: {reason}\n\n"
+        f"{layout}\n"
+        "Load it with titanlike (the same ids as in training):\n\n"
+        "```python\n"
+        "from titanlike.data import build_tokenizer\n"
+        f'tokenizer = build_tokenizer("{TOKENIZER_COPY}")\n'
+        "ids = tokenizer.encode(text, bos=True, eos=False)\n"
+        "```\n"
+    )
+    with open(os.path.join(out, TOKENIZER_NOTE), "w") as f:
+        f.write(note)
+    return TokenizerExport(False, f"tokenizer {path} could not be converted to tokenizer.json ({reason}); "
+                                  f"copied it as {TOKENIZER_COPY}, {TOKENIZER_NOTE} says how to load it")
+
+
+__all__ = ["TOKENIZER_COPY", "TOKENIZER_NOTE", "TokenizerExport", "tokenizer_record", "write_hf_tokenizer"]
