@@ -3,7 +3,8 @@ and CP attention (output and q/k/v gradients) against full causal attention on o
 also with document masks (packed documents whose boundaries fall inside and across chunks).
 
 The distributed check spawns 4 gloo processes once and runs cp=4 on all of them and cp=2
-on both halves of a 2 x 2 mesh, each with both rotate methods, GQA and MHA. Tolerances:
+on both halves of a 2 x 2 mesh, each with both rotate methods, GQA and MHA, and values
+narrower or wider than the keys (multi-head latent attention: v_head_dim != qk_head_dim). Tolerances:
 every rank computes in fp32 and differs from one device only in summation order (measured
 max abs error 1.4e-6 over attention outputs and q/k/v gradients of magnitude up to ~3, and
 1e-5 over model logits and parameter gradients, the largest on output.weight entries of
@@ -96,14 +97,14 @@ def _packed_tokens(seq: int, vocab: int) -> torch.Tensor:
     return tokens
 
 
-def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bool) -> None:
+def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bool, v_dim: int = 16) -> None:
     cp, rank = mesh.size(), mesh.get_local_rank()
     torch.manual_seed(1234)  # the same full tensors on every rank
     b, seq, d = 2, 8 * cp, 16
     q = torch.randn(b, heads, seq, d, requires_grad=True)
     k = torch.randn(b, kv_heads, seq, d, requires_grad=True)
-    v = torch.randn(b, kv_heads, seq, d, requires_grad=True)
-    grad_out = torch.randn(b, heads, seq, d)
+    v = torch.randn(b, kv_heads, seq, v_dim, requires_grad=True)
+    grad_out = torch.randn(b, heads, seq, v_dim)
     tokens = _packed_tokens(seq, 50) if documents else None
     ref = core_attention(q, k, v, DocumentMask.from_tokens(tokens, EOD, "sdpa") if documents else None)
     ref.backward(grad_out)
@@ -114,7 +115,7 @@ def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bo
     out = ContextParallelAttention(mesh, method)(*local, mask)
     out.backward(shard_sequence(grad_out, positions, dim=2))
 
-    what = f"cp={cp} {method} heads={heads}/{kv_heads} documents={documents} cp rank {rank}"
+    what = f"cp={cp} {method} heads={heads}/{kv_heads} v_dim={v_dim} documents={documents} cp rank {rank}"
     torch.testing.assert_close(out, shard_sequence(ref.detach(), positions, dim=2), atol=ATOL, rtol=RTOL,
                                msg=lambda m: f"output, {what}: {m}")
     for name, full, part in zip("qkv", (q, k, v), local):
@@ -176,6 +177,8 @@ def _worker(rank: int, init_file: str) -> None:
                 for heads, kv_heads in ((4, 2), (4, 4)):
                     _check_attention(mesh, method, heads, kv_heads, documents=False)
                 _check_attention(mesh, method, 4, 2, documents=True)
+                _check_attention(mesh, method, 4, 4, documents=False, v_dim=24)
+                _check_attention(mesh, method, 4, 2, documents=True, v_dim=8)
                 for documents in (False, True):
                     _check_model(mesh, method, documents)
         dist.barrier()

@@ -215,7 +215,7 @@ def validate_preset(preset: str, world: int):
     path = REPO / "train_configs" / f"{preset}.toml"
     assert path.read_text().startswith(f"# World size {world}")
     cfg = load_job_config(["--job.config_file", str(path), "--model.tokenizer_path", DEFAULT_TOKENIZER_PATH])
-    assert cfg.model.name == preset.split("_")[0]
+    assert preset.startswith(f"{cfg.model.name}_")
     return cfg, validate_config(cfg, world_size=world)
 
 

@@ -141,13 +141,15 @@ class ContextParallelAttention:
         return (causal & same).unsqueeze(1)
 
     def _allgather(self, q, k, v, layout, documents):
-        # One collective for both: (2, b, h, s, d) gathered on dim 0 -> (cp * 2, b, h, s, d).
-        kv = _all_gather(torch.stack([k, v]), 0, self.mesh)
-        kv = kv.unflatten(0, (self.cp, 2)).movedim(0, 3).flatten(3, 4)  # (2, b, h, cp * s, d)
+        # One collective for both: (b, h, s, dk + dv) gathered on dim 0 -> (cp * b, h, s, dk + dv).
+        # Joined on the feature dim, which k and v need not share (MLA: v_head_dim != qk_head_dim).
+        kv = _all_gather(torch.cat([k, v], dim=-1), 0, self.mesh)
+        kv = kv.unflatten(0, (self.cp, -1)).movedim(0, 2).flatten(2, 3)  # (b, h, cp * s, dk + dv)
+        keys, values = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         # Keys stay in rank-major order: the mask carries their positions, and attention
         # does not care in which order its keys come.
         mask = self._allowed(layout[self.rank], layout.flatten(), documents)
-        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask,
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
     def _shift(self, kv: torch.Tensor) -> torch.Tensor:
@@ -161,11 +163,12 @@ class ContextParallelAttention:
 
     def _ring(self, q, k, v, layout, documents):
         b, hq, s, d = q.shape
-        hkv = k.shape[1]
+        hkv, dk, dv = k.shape[1], k.shape[-1], v.shape[-1]
         q_pos = layout[self.rank]
         # Merging partial softmaxes in bf16 would lose the precision that exactness is about.
         qg = q.float().view(b, hkv, hq // hkv, s, d)  # query heads grouped by the k/v head they share
-        kv = torch.stack([k, v])
+        # One tensor per hop, joined on the feature dim (k and v may differ in width).
+        kv = torch.cat([k, v], dim=-1)
         out = lse = None
         for step in range(self.cp):
             # Start the next hop before computing on the current block, so that an asynchronous
@@ -175,7 +178,8 @@ class ContextParallelAttention:
             allowed = self._allowed(q_pos, k_pos, documents)
             if documents is not None:
                 allowed = allowed.unsqueeze(1)  # (batch, 1, 1, s, s): broadcast over k/v and query groups
-            out_t, lse_t = _partial_attention(qg, kv[0].float().unsqueeze(2), kv[1].float().unsqueeze(2), allowed)
+            k_t, v_t = kv.float().unsqueeze(2).split([dk, dv], dim=-1)
+            out_t, lse_t = _partial_attention(qg, k_t, v_t, allowed)
             if out is None:
                 # Step 0 is this rank's own block: every query sees at least itself, so lse is finite.
                 out, lse = out_t, lse_t
@@ -184,7 +188,7 @@ class ContextParallelAttention:
                 out = out * torch.exp(lse - new_lse) + out_t * torch.exp(lse_t - new_lse)
                 lse = new_lse
             kv = nxt
-        return out.reshape(b, hq, s, d).to(q.dtype)
+        return out.reshape(b, hq, s, dv).to(q.dtype)
 
 
 def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):

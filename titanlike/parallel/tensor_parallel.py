@@ -23,6 +23,16 @@ every block. This module turns style names into torch's ParallelStyles:
                       plain tensor, in and out (the residual stream between blocks is local too) (a mixture of experts routes each token on its own; its experts
                       are split by expert parallelism, and its replicated router is data-parallel
                       over the TP ranks, see parallel/expert_parallel.py)
+  sequence_replicated a per-token module (norm or linear) run on this rank's slice of the sequence
+                      with replicated weights, plain tensors in and out (multi-token prediction's
+                      input norms and projection, which feed a block's residual stream)
+  replicated          a small module computed whole on every rank from the gathered input (MLA's
+                      down projections and latent norms): parameters Replicate DTensors, plain
+                      tensors in and out; its output's gradient must come back whole, which it
+                      does when colwise linears read it (their backward sums it over the ranks)
+  replicated_to_heads as replicated, for an output each rank's local heads read directly (MLA's
+                      RoPE key, shared by all heads): each rank holds its heads' share of the
+                      output's gradient, so backward sums it over the ranks (forward: identity)
 
 Entries of the block table that a block does not have (a dense block's `moe`, a MoE block's
 `feed_forward.w1`) are skipped.
@@ -43,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -55,7 +65,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 STYLES = ("vocab_embedding", "position_embedding", "colwise", "rowwise", "sequence_norm", "gather_input",
-          "vocab_output", "head_norm", "sequence_local")
+          "vocab_output", "head_norm", "sequence_local", "replicated", "replicated_to_heads",
+          "sequence_replicated")
 
 
 @dataclass(frozen=True)
@@ -154,11 +165,18 @@ class _Styles:
             n_inputs = _positional_inputs(module)
             layouts = dict(input_layouts=(Shard(1),) + (None,) * (n_inputs - 1),
                            desired_input_layouts=(Replicate(),) + (None,) * (n_inputs - 1))
-            # The linears that read this input: the plan's colwise entries under this module.
-            readers = [n[len(name) + 1:] for n, s in table.items() if s == "colwise" and n.startswith(f"{name}.")]
-            if readers and all(_is_float8(module.get_submodule(r)) for r in readers):
+            # The linears that read this input: the plan's colwise entries under this module that
+            # it has. Replicated ones (MLA's down projections) take it in high precision, and the
+            # colwise ones there read latents instead: the float8 gather is for plain MLPs/attention.
+            styles = {n[len(name) + 1:]: s for n, s in table.items()
+                      if n.startswith(f"{name}.") and _present(module, n[len(name) + 1:])}
+            readers = [n for n, s in styles.items() if s == "colwise"]
+            if (readers and not {"replicated", "replicated_to_heads"} & set(styles.values())
+                    and all(_is_float8(module.get_submodule(r)) for r in readers)):
                 return _float8_styles()[2](fwd_config_submodule_fqn=readers[0], **layouts)
             return PrepareModuleInput(**layouts)
+        if style == "sequence_replicated":
+            return SequenceParallel(use_local_output=True) if self.sequence_parallel else None
         if style == "head_norm":
             # (batch, seq, heads, head_dim) with this rank's heads: dim 2 is the sharded one.
             return SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -168,6 +186,8 @@ class _Styles:
             return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                             use_local_input=True, output_layouts=(Shard(1),),
                                             desired_output_layouts=(Shard(1),), use_local_output=True)
+        if style in ("replicated", "replicated_to_heads"):
+            return ReplicatedModule(sum_output_grad=style == "replicated_to_heads")
         if style == "vocab_output":
             return ColwiseParallel(input_layouts=self.between,
                                    output_layouts=Shard(-1) if self.loss_parallel else Replicate(),
@@ -191,17 +211,53 @@ class ReplicatedPositionEmbedding(ParallelStyle):
         self.output_layout = output_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def replicate_params(name, mod, mesh):
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
-
         def inputs_as_dtensor(mod, inputs, mesh):
             return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
 
         def output_slice(mod, output, mesh):
             return output.redistribute(placements=[self.output_layout]).to_local()
 
-        return distribute_module(module, device_mesh, replicate_params, inputs_as_dtensor, output_slice)
+        return distribute_module(module, device_mesh, _replicate_params, inputs_as_dtensor, output_slice)
+
+
+class ReplicatedModule(ParallelStyle):
+    """A module every TP rank computes whole on the same (gathered) input, with its parameters as
+    Replicate DTensors: one value on every rank, which FSDP shards like any TP parameter and
+    checkpoints see once. Inputs may be plain or Replicate DTensors; the output is plain.
+
+    The gradient rule is the point. The output's readers are head-split, so in backward each rank
+    holds only its heads' share of the output's gradient. A colwise linear reading the output sums
+    its input gradient over the ranks itself; then the gradient arriving here is whole, and so are
+    the weight and input gradients computed from it. Where the local heads read the output
+    directly, sum_output_grad makes the output an identity whose backward all-reduces the
+    gradient first (Megatron's copy to the tensor-parallel region). Summing a gradient a colwise
+    reader already summed would multiply it by the TP degree, hence two styles.
+    """
+
+    def __init__(self, *, sum_output_grad: bool):
+        super().__init__()
+        self.sum_output_grad = sum_output_grad
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs_as_dtensor(mod, inputs, mesh):
+            return tuple(x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor)
+                         else DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        def output_local(mod, output, mesh):
+            out = output.to_local()  # its gradient: Replicate, i.e. whole on every rank
+            if self.sum_output_grad:
+                # Identity forward; backward reads the local gradient as a partial sum (Partial)
+                # and from_local's backward redistributes it to Replicate: an all-reduce.
+                out = DTensor.from_local(out, mesh, [Replicate()], run_check=False).to_local(
+                    grad_placements=[Partial()])
+            return out
+
+        return distribute_module(module, device_mesh, _replicate_params, inputs_as_dtensor, output_local)
+
+
+def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for pname, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
 
 
 def _is_float8(module: nn.Module) -> bool:
@@ -216,4 +272,5 @@ def _float8_styles():
     return float8_tensor_parallel_styles()
 
 
-__all__ = ["STYLES", "ReplicatedPositionEmbedding", "TensorParallelPlan", "apply_tensor_parallel"]
+__all__ = ["STYLES", "ReplicatedModule", "ReplicatedPositionEmbedding", "TensorParallelPlan",
+           "apply_tensor_parallel"]

@@ -2,10 +2,18 @@
 
 from titanlike.models.common.attention import core_attention, sdpa_takes_gqa
 from titanlike.models.common.init import canonical_fqn, constant_, normal_, ones_, seed_for, trunc_normal_, zeros_
-from titanlike.models.common.rope import RoPEScaling, apply_rotary_emb, precompute_rope_cache, rope_inv_freq
+from titanlike.models.common.rope import (
+    RoPEScaling,
+    YaRNScaling,
+    apply_rotary_emb,
+    precompute_rope_cache,
+    rope_inv_freq,
+    yarn_mscale,
+)
 
 __all__ = [
     "RoPEScaling",
+    "YaRNScaling",
     "apply_rotary_emb",
     "canonical_fqn",
     "core_attention",
@@ -17,5 +25,6 @@ __all__ = [
     "rope_inv_freq",
     "seed_for",
     "trunc_normal_",
+    "yarn_mscale",
     "zeros_",
 ]

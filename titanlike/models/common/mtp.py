@@ -12,7 +12,7 @@ The modules are entries of `model.layers` after the trunk (keys n_layers .. n_la
 DeepSeek's checkpoints number them), so tensor, expert and data parallelism, activation
 checkpointing and compile treat them as blocks, and pipeline splitting puts them on the last
 stage with the output head. Their loss, (weight / D) x the sum over depths of the cross-entropy
-summed over targets, joins the objective through `attach_loss` on the logits: the loss function,
+summed over targets, joins the objective through `attach_loss` on the trunk's output: the loss function,
 the pipeline schedule and the trainer stay those of every family. Its unweighted mean over depths
 is logged as "mtp_loss" (per target token, comparable to the loss). Evaluation skips the modules.
 """
@@ -59,27 +59,33 @@ class MTPBlock(TransformerBlock):
 
     def init_weights(self, *, seed: int, prefix: str) -> None:
         super().init_weights(seed=seed, prefix=prefix)
+        self.reported_loss_sum.zero_()  # after to_empty it holds whatever the memory held
         for norm in (self.enorm, self.hnorm, self.head_norm):
             init_norm(norm)
         self.init.fill(self.eh_proj.weight, seed=seed, fqn=f"{prefix}eh_proj.weight")
 
 
-def multi_token_prediction(logits: torch.Tensor, h: torch.Tensor, blocks: list[MTPBlock], lookahead: torch.Tensor,
+def multi_token_prediction(h: torch.Tensor, blocks: list[MTPBlock], lookahead: torch.Tensor,
                            *, embed: nn.Module, head: nn.Module, rope: torch.Tensor | None, mask,
                            weight: float, training: bool) -> torch.Tensor:
-    """`logits` carrying the prediction modules' weighted loss (attach_loss). h: the trunk's residual
-    stream (batch, seq, dim) before the final norm; lookahead: (batch, seq, D, 2) embedded tokens and
-    targets per depth (train/loss.py lookahead_targets); embed / head: the model's token embedding
-    (a tied copy on the last pipeline stage) and output projection."""
+    """h, the trunk's residual stream (batch, seq, dim) before the final norm, carrying the
+    prediction modules' weighted loss (attach_loss; the caller then computes the logits from it, so
+    a model's output is never the attaching view, which FSDP's output hooks warn about).
+    lookahead: (batch, seq, D, 2) embedded tokens and targets per depth (train/loss.py
+    lookahead_targets); embed / head: the model's token embedding (a tied copy on the last pipeline
+    stage) and output projection."""
     depth = len(blocks)
     total = None
+    x = h
     for k, block in enumerate(blocks):
-        h, normed = block(h, rope, mask, embedded=embed(lookahead[..., k, 0]))
+        x, normed = block(x, rope, mask, embedded=embed(lookahead[..., k, 0]))
         ce = _cross_entropy_sum(head(normed), lookahead[..., k, 1])
         if training and torch.is_grad_enabled() and block.record_statistics:
-            block.reported_loss_sum += ce.detach().float() / depth
+            # add_, not +=: the block may be wrapped (activation checkpointing), and += would
+            # re-bind the name on the wrapper.
+            block.reported_loss_sum.add_(ce.detach().float() / depth)
         total = ce if total is None else total + ce
-    return attach_loss(logits, total * (weight / depth))
+    return attach_loss(h, total * (weight / depth))
 
 
 def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -94,11 +100,25 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     # Vocabulary-parallel logits (TP with loss parallel): the sharded cross-entropy, as the trainer's
     # own loss (whose context also covers this term's backward). A plain tensor leaves, so that
     # attach_loss sees the same kind of value with and without TP.
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    with loss_parallel():
+    with _loss_parallel():
         loss = ce()
     return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def _loss_parallel():
+    """torch's loss_parallel(), unless it is already on. It is not re-entrant: leaving a nested one
+    switches the ops off for the caller too, and pipeline schedules run the forward (this loss)
+    inside the trainer's own loss-parallel context."""
+    import contextlib
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss as tp_loss
+
+    ops = getattr(tp_loss, "customized_loss_ops", None)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    if ops and all(op in handlers for op in ops):
+        return contextlib.nullcontext()
+    return tp_loss.loss_parallel()
 
 
 __all__ = ["MTP_LOSS", "MTPBlock", "multi_token_prediction"]

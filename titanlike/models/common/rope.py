@@ -9,6 +9,10 @@ cos/sin in real arithmetic: complex tensors make inductor warn and fall back to 
 The table is stored as one (max_seq_len, head_dim) float32 tensor holding
 [cos | sin] along the last dim, so that it can be sliced (or sharded for context
 parallelism) along the sequence dim like any other activation.
+
+Two frequency scalings stretch a model's context beyond its pre-training length: Llama 3.1's
+(RoPEScaling) and YaRN (YaRNScaling, DeepSeek-V3 and others), each exactly as Hugging Face
+computes it, so that imported checkpoints see the angles they were trained with.
 """
 
 from __future__ import annotations
@@ -34,13 +38,96 @@ class RoPEScaling:
     original_max_position_embeddings: int = 8192
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RoPEScaling | None = None,
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times: 0.1 mscale ln(scale) + 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class YaRNScaling:
+    """YaRN (Peng et al. 2023; Hugging Face rope_type "yarn").
+
+    Frequencies that turn fewer than beta_slow times over original_max_position_embeddings are
+    divided by `factor` (interpolated), those turning more than beta_fast times are kept
+    (extrapolated), with a linear ramp over the pair indices in between (its ends rounded outward
+    when `truncate`). cos and sin are multiplied by attention_scaling(): `attention_factor` when
+    given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (DeepSeek:
+    1 / 1 = 1, the correction then moves into its softmax scale), else mscale(factor).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def attention_scaling(self) -> float:
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def inv_freq(self, pos_freqs: torch.Tensor, theta: float, head_dim: int) -> torch.Tensor:
+        """Scaled frequencies from the unscaled theta^(2i/head_dim) (pos_freqs). Written as
+        transformers' _compute_yarn_parameters, so the float32 values agree bit for bit."""
+        extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+        low, high = (self._correction_dim(self.beta_fast, head_dim, theta),
+                     self._correction_dim(self.beta_slow, head_dim, theta))
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # a ramp of zero width would divide by zero
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep = (1 - ramp).to(pos_freqs.device)  # the share of each pair's original frequency
+        return interpolated * (1 - keep) + extrapolated * keep
+
+    def _correction_dim(self, rotations: float, head_dim: int, theta: float) -> float:
+        """The (fractional) pair dimension whose frequency turns `rotations` times over the original context."""
+        return (head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(theta))
+
+    def to_hf(self) -> dict:
+        """The rope_scaling entry of a config.json (rope_theta is written beside it)."""
+        out = {"type": "yarn", "rope_type": "yarn", "factor": float(self.factor),
+               "original_max_position_embeddings": int(self.original_max_position_embeddings),
+               "beta_fast": float(self.beta_fast), "beta_slow": float(self.beta_slow)}
+        for key in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(self, key) is not None:
+                out[key] = float(getattr(self, key))
+        if not self.truncate:
+            out["truncate"] = False
+        return out
+
+    @classmethod
+    def from_hf(cls, rope: dict, *, max_position_embeddings: int | None = None) -> YaRNScaling:
+        """From a config.json's rope_scaling (4.x) or rope_parameters (5.x) of type yarn; transformers
+        derives a missing factor from the context ratio, and 0 / missing betas mean the defaults."""
+        original = int(rope.get("original_max_position_embeddings") or max_position_embeddings)
+        factor = rope.get("factor")
+        if factor is None:
+            factor = max_position_embeddings / original
+        optional = {k: float(rope[k]) if rope.get(k) is not None else None
+                    for k in ("mscale", "mscale_all_dim", "attention_factor")}
+        return cls(factor=float(factor), original_max_position_embeddings=original,
+                   beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                   truncate=bool(rope.get("truncate", True)), **optional)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RoPEScaling | YaRNScaling | None = None,
                   device: torch.device | str | None = None) -> torch.Tensor:
     """Per-pair angular frequencies theta^(-2i/head_dim), i < head_dim/2, with optional scaling."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    pos_freqs = theta**exponents
+    if isinstance(scaling, YaRNScaling):
+        return scaling.inv_freq(pos_freqs, theta, head_dim)
+    inv_freq = 1.0 / pos_freqs
     if scaling is None:
         return inv_freq
 
@@ -57,13 +144,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RoPEScaling | None = Non
 
 
 def precompute_rope_cache(head_dim: int, max_seq_len: int, theta: float,
-                          scaling: RoPEScaling | None = None,
+                          scaling: RoPEScaling | YaRNScaling | None = None,
                           device: torch.device | str | None = None) -> torch.Tensor:
-    """The (max_seq_len, head_dim) float32 table [cos | sin] for positions 0..max_seq_len-1."""
+    """The (max_seq_len, head_dim) float32 table [cos | sin] for positions 0..max_seq_len-1
+    (YaRN: times its attention scaling, which scales q.k by its square)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device=device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    if isinstance(scaling, YaRNScaling) and scaling.attention_scaling() != 1.0:
+        table = table * scaling.attention_scaling()
+    return table
 
 
 def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,15 @@ stacks them in memory only). Our experts are stacked (w1 = gate, w3 = up: (E, F,
 (E, D, F)). Our RoPE is pair-interleaved, HF's rotate-half, so the rows of q/k projections and
 the entries of the q/k norm weights are permuted on the way.
 
-The expert mapping is shared with Mixtral (models/mixtral/hf_adapter.py), which differs only in
-names; `HFNames` holds them.
+The mapping is shared with Mixtral (models/mixtral/hf_adapter.py), which differs only in names,
+and DeepSeek-V3 (models/deepseek_v3/hf_adapter.py), which also has its own RoPE row layout;
+`HFNames` holds the names and the layout changes.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,40 +25,6 @@ from titanlike.models.common.init import canonical_fqn
 from titanlike.models.llama3.hf_adapter import half_to_interleaved, interleaved_to_half
 
 
-@dataclass(frozen=True)
-class HFNames:
-    """A HF MoE decoder's parameter names that differ from ours."""
-
-    layer: dict[str, str]  # our per-layer name -> HF's (both under the layer prefix)
-    experts: str  # HF prefix of the per-expert tensors under the layer, e.g. "mlp.experts"
-    expert_weights: dict[str, str]  # our stacked expert parameter -> HF per-expert name
-
-    def our_name(self, hf_name: str) -> str | None:
-        return {v: k for k, v in self.layer.items()}.get(hf_name)
-
-
-_COMMON_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_DENSE_MLP = {
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-}
-QWEN3_NAMES = HFNames(
-    layer={**_COMMON_LAYER, **_DENSE_MLP,
-           "attention.q_norm.weight": "self_attn.q_norm.weight",
-           "attention.k_norm.weight": "self_attn.k_norm.weight",
-           "moe.router.gate.weight": "mlp.gate.weight"},
-    experts="mlp.experts",
-    expert_weights={"moe.experts.w1": "gate_proj.weight", "moe.experts.w2": "down_proj.weight",
-                    "moe.experts.w3": "up_proj.weight"},
-)
 _TOP_KEYS = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -89,6 +56,49 @@ def _to_interleaved(name: str, value: torch.Tensor, args) -> torch.Tensor:
     return value
 
 
+@dataclass(frozen=True)
+class HFNames:
+    """A HF MoE decoder's parameter names that differ from ours, and the layout changes on the way."""
+
+    layer: dict[str, str]  # our per-layer name -> HF's (both under the layer prefix)
+    experts: str  # HF prefix of the per-expert tensors under the layer, e.g. "mlp.experts"
+    expert_weights: dict[str, str]  # our stacked expert parameter -> HF per-expert name
+    # (our per-layer name, tensor, args) -> tensor in HF's layout, and back: the rows of the
+    # projections RoPE rotates are permuted (pair-interleaved ours, rotate-half HF's).
+    to_hf_layout: Callable[[str, torch.Tensor, Any], torch.Tensor] = _to_half
+    from_hf_layout: Callable[[str, torch.Tensor, Any], torch.Tensor] = _to_interleaved
+
+    def our_name(self, hf_name: str) -> str | None:
+        return {v: k for k, v in self.layer.items()}.get(hf_name)
+
+
+_BLOCK_NORMS = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_COMMON_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    **_BLOCK_NORMS,
+}
+_DENSE_MLP = {
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+QWEN3_NAMES = HFNames(
+    layer={**_COMMON_LAYER, **_DENSE_MLP,
+           "attention.q_norm.weight": "self_attn.q_norm.weight",
+           "attention.k_norm.weight": "self_attn.k_norm.weight",
+           "moe.router.gate.weight": "mlp.gate.weight"},
+    experts="mlp.experts",
+    expert_weights={"moe.experts.w1": "gate_proj.weight", "moe.experts.w2": "down_proj.weight",
+                    "moe.experts.w3": "up_proj.weight"},
+)
+
+
 def moe_to_hf_state_dict(sd: Mapping[str, torch.Tensor], args, names: HFNames) -> dict[str, torch.Tensor]:
     """Our state dict (full tensors) -> the HF model's as saved on disk. Wrapper prefixes ignored."""
     hf: dict[str, torch.Tensor] = {}
@@ -107,11 +117,11 @@ def moe_to_hf_state_dict(sd: Mapping[str, torch.Tensor], args, names: HFNames) -
         if name in names.expert_weights:
             for e in range(value.shape[0]):  # stacked (E, ...) -> one tensor per expert
                 hf[f"{prefix}{names.experts}.{e}.{names.expert_weights[name]}"] = value[e]
+        elif name in names.layer:
+            hf[prefix + names.layer[name]] = names.to_hf_layout(name, value, args)
         elif name == "moe.expert_bias":
             raise KeyError("the aux-loss-free balancing bias (moe.bias_update_rate > 0) has no Hugging Face "
                            "equivalent; its routing cannot be exported")
-        elif name in names.layer:
-            hf[prefix + names.layer[name]] = _to_half(name, value, args)
         else:
             raise KeyError(f"no Hugging Face name for parameter {key!r}")
     return hf
@@ -145,7 +155,7 @@ def moe_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args, names: HFNam
         name = names.our_name(hf_name)
         if name is None:
             raise KeyError(f"unexpected Hugging Face parameter {key!r}")
-        sd[f"layers.{layer}.{name}"] = _to_interleaved(name, value, args)
+        sd[f"layers.{layer}.{name}"] = names.from_hf_layout(name, value, args)
     num_experts = args.moe.num_experts if args.moe is not None else 0
     for (layer, name), by_index in sorted(experts.items()):
         if sorted(by_index) != list(range(num_experts)):

@@ -1,0 +1,97 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 / V3).
+
+Keys and values are not projected from the input directly but from a small latent:
+
+    q:   x -> wq                                (q_lora_rank 0)
+         x -> wq_a -> q_norm -> wq_b            (a low-rank query, q_lora_rank > 0)
+         each head's q = [q_nope (qk_nope_head_dim) | q_pe (qk_rope_head_dim)], q_pe rotated
+    kv:  x -> wkv_a -> kv_norm -> wkv_b -> each head's [k_nope (qk_nope_head_dim) | v (v_head_dim)]
+    k:   [k_nope | k_pe], k_pe = rotate(wk_pe x): one RoPE key shared by every head
+    out: attention over the heads -> wo
+
+Only the latent (kv_lora_rank) and the shared RoPE key are what inference caches; training
+computes the full per-head keys and values, as above. DeepSeek's checkpoints (and Hugging Face's
+`kv_a_proj_with_mqa`) keep wkv_a and wk_pe as one matrix of kv_lora_rank + qk_rope_head_dim rows;
+we keep the RoPE key's rows apart because under tensor parallelism they need a different gradient
+rule (every rank's local heads read k_pe directly, while the latent reaches them through wkv_b,
+a colwise linear, see the plan in titanlike/models/deepseek_v3/__init__.py). The HF adapter joins
+and splits the rows.
+
+`core_attention` is the same hook as in common/attention.py (context parallelism swaps it); its
+kernels scale scores by 1/sqrt(q.shape[-1]), so a softmax scale other than qk_head_dim^-0.5 (YaRN's
+mscale correction) is applied by scaling q beforehand.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from titanlike.models.common.attention import DocumentMask, core_attention
+from titanlike.models.common.init import LinearInit, ones_
+from titanlike.models.common.rope import apply_rotary_emb
+
+# DeepSeek's reference and transformers build the latent norms (q_norm, kv_norm) with RMSNorm's
+# default epsilon, not the model's rms_norm_eps (Moonlight: 1e-5 in the blocks, 1e-6 here).
+LATENT_NORM_EPS = 1e-6
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention: (batch, seq, dim) -> (batch, seq, dim).
+
+    softmax_scale_factor multiplies the usual qk_head_dim^-0.5 (YaRN's mscale^2 for DeepSeek-V3;
+    1.0 otherwise).
+    """
+
+    def __init__(self, dim: int, n_heads: int, *, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, softmax_scale_factor: float = 1.0):
+        super().__init__()
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank > 0:
+            self.wq = None
+            self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(q_lora_rank, eps=LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(q_lora_rank, n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
+            self.wq_a = self.q_norm = self.wq_b = None
+        self.wkv_a = nn.Linear(dim, kv_lora_rank, bias=False)
+        self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.wk_pe = nn.Linear(dim, qk_rope_head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+        # The kernels (SDPA, and context parallelism's) scale by 1/sqrt(qk_head_dim); the rest of
+        # the softmax scale is folded into q, so the hook keeps its (q, k, v, mask) signature.
+        self.q_scale = softmax_scale_factor
+        self.core_attention = core_attention
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        """rope: rotary angles for qk_rope_head_dim (see apply_rotary_emb)."""
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+        # -1 heads, not n_heads: under tensor parallelism this rank holds only its local heads.
+        q_nope, q_pe = q.view(bsz, seqlen, -1, self.qk_head_dim).split(
+            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(self.wkv_a(x))).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_pe = apply_rotary_emb(self.wk_pe(x).unsqueeze(2), rope)  # (batch, seq, 1, rope): one for all heads
+        q = torch.cat([q_nope, apply_rotary_emb(q_pe, rope)], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
+        for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wk_pe"):
+            linear = getattr(self, name)
+            if linear is not None:
+                init.fill(linear.weight, seed=seed, fqn=f"{prefix}{name}.weight")
+        init.fill(self.wo.weight, seed=seed, fqn=f"{prefix}wo.weight", output=True)
+        for norm in (self.q_norm, self.kv_norm):
+            if norm is not None:
+                ones_(norm.weight)
+
+
+__all__ = ["LATENT_NORM_EPS", "MLA"]
