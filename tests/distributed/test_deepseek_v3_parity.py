@@ -134,14 +134,18 @@ def _check_tp_gradients(mesh, q_lora_rank: int) -> None:
         model.init_weights(seed=0)
         return model
 
+    from titanlike.train.loss import lookahead_targets
+
     torch.manual_seed(0)  # the same tokens and output gradient on every rank
-    tokens, grad_logits = torch.randint(0, args.vocab_size, (2, 16)), torch.randn(2, 16, args.vocab_size)
+    stream, grad_logits = torch.randint(0, args.vocab_size, (2, 17)), torch.randn(2, 16, args.vocab_size)
+    # The multi-token-prediction module (debugmodel: one) trains too: its loss joins the backward.
+    tokens, lookahead = stream[:, :-1], lookahead_targets(stream[:, 1:], stream[:, 1:], args.mtp_num_layers)
     ref = build()
-    want = ref(tokens)
+    want = ref(tokens, lookahead=lookahead)
     want.backward(grad_logits)
     model = build()
     apply_tensor_parallel(model, mesh, deepseek_v3_tp_plan(), loss_parallel=False)
-    got = model(tokens)
+    got = model(tokens, lookahead=lookahead)
     got.backward(grad_logits)
     what = f"q_lora_rank {q_lora_rank}, tp rank {mesh.get_local_rank()}"
     torch.testing.assert_close(got, want.detach(), atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m: f"logits, {what}: {m}")
