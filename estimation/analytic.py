@@ -9,8 +9,12 @@ Bytes per parameter. Parameters are fp32 masters sharded by FSDP over dp_shard x
 (HSDP replicas hold the same shard); TP first splits them as the plan says: a parameter of a
 colwise linear on dim 0 (weight and bias), of a rowwise linear on dim 1 of the weight (the bias
 stays whole), the vocab_embedding and vocab_output tables on dim 0 with ceil division (uneven
-vocabulary shards: TP rank 0 holds the larger one), everything else (norms, a learned position
-table) whole. Tied weights count once on a stage that holds both ends. Buffers (a RoPE table)
+vocabulary shards: TP rank 0 holds the larger one), everything else whole: norms, a learned
+position table, MLA's replicated down projections and latent norms (styles replicated and
+replicated_to_heads), multi-token prediction's input norms and projection (sequence_replicated).
+Tied weights count once on a stage that holds both ends; a tied table copied to the last pipeline
+stage (multi-token prediction's embedding of the lookahead tokens) counts there again, gradient
+and AdamW state included. Buffers (a RoPE table)
 count their meta-model bytes on every stage that holds them. Gradients take 4 bytes per local
 parameter (the reduce dtype is fp32), AdamW 8 (exp_avg and exp_avg_sq). Compute copies: FSDP
 all-gathers bf16 (or fp32) copies of the blocks it runs: the root (embedding, final
@@ -68,6 +72,33 @@ as it sends on average; dropless routing varies, so a rank whose experts get mor
 row, the experts' SwiGLU (4 e F) and the expert output and gated product (2 e h). Backward adds
 the gradients through the experts and, under EP, the all-to-all buffers (`moe_transient_bytes`).
 
+Multi-head latent attention (the MLA module, DeepSeek-V2/V3; widths read from the module: heads
+H, per-head query/key width qk = nope + rope, value width v, latent ranks c (kv) and r (q, 0 without
+the low-rank query); checked tensor by tensor like the other blocks, with and without the low-rank
+query, dense and MoE). Per token:
+
+    kv latent norm and its output (kept by wkv_b); q's when low-rank   8c + 4 + e c (+ 8r + 4 + e r)
+        (computed whole on every TP rank: not / t)
+    q and k as the kernel reads them (the shared RoPE key expanded)    2 e H qk / t
+    the kv up-projection's output, held whole through v (a view of it) e H (nope + v) / t
+    attention output (wo's input), log-sum-exp                         e H v / t + 4 H / t
+
+RoPE saves nothing (its angles are a buffer); under autocast the attention norm's output is cast
+for its three readers (wq or wq_a, wkv_a, wk_pe). Context parallelism's all-gather saves the
+gathered k and v (e H (qk + v) / t x cp) instead of the local ones. torch's CPU SDPA has no fused
+kernel for q/k and v of different widths: its math kernel keeps fp32 copies of q, k, v and the
+probabilities (4 (2 H qk + H v + H s)) and no log-sum-exp (device "cpu", for measurements here);
+CUDA runs a fused kernel (memory-efficient or cuDNN), which is what the estimate counts.
+
+Multi-token prediction (the MTPBlock module: enorm, hnorm, eh_proj, a block, head_norm; on the
+last pipeline stage after the trunk, args.total_layers): the block as above plus its three norms
+and the concatenated pair eh_proj keeps (2 e h), on this rank's slice of the sequence; full
+checkpointing keeps its two inputs (the previous hidden state and the embedded lookahead tokens).
+Under autocast its residual stream is eh_proj's bf16 output, so its norms' outputs are not cast
+again. The output end adds, per depth, head_norm's output kept (gathered) by the shared output head
+(e h) and the fp32 log-softmax of the depth's own logits (4 V / t; its cross-entropy runs in the
+forward, which frees the logits), and the lookahead ids (batch, seq, depth, 2) int64.
+
 Activation checkpointing: full keeps only each block's input (r h / t per token)
 and recomputes one block at a time in backward; "selective N" does that for every
 N-th block; "op" keeps the outputs of matmuls and attention (row-parallel ones whole, before
@@ -79,7 +110,10 @@ Pipeline parallelism multiplies one microbatch's stage activations by the
 microbatches in flight, from the schedule's warm-up depth (see `in_flight_chunks`,
 which tests check against torch's own schedule tables), and adds the gradients of
 the stages that have already run a backward (`backward_moments`): at the first
-backward, which holds the most, there are none yet.
+backward, which holds the most, there are none yet. With several stages per rank the chunks
+are counted per stage (`in_flight_by_stage`, also checked against torch's tables): the last
+rank's warm-up holds its earlier stages' chunks and one of the last stage, whose chunk holds the
+logits (with multi-token prediction, several vocabulary-sized tensors).
 """
 
 from __future__ import annotations
@@ -125,13 +159,18 @@ class StageShape:
 
 
 def stage_layout(prep: PreparedJob) -> tuple[list[list[int]], list[StageShape]]:
-    """(stage indices held by each pp rank, shape of every stage), as the trainer splits the model."""
+    """(stage indices held by each pp rank, shape of every stage), as the trainer splits the model:
+    the trunk (args.num_layers) cut into stages, the layers after it (args.total_layers: multi-token
+    prediction) with the output end on the last stage."""
     from titanlike.train.model_parts import pipeline_layout
 
-    layout = pipeline_layout(prep.cfg, prep.dims, prep.model_args)
+    args = prep.model_args
+    trailing = tuple(range(args.num_layers, args.total_layers))
+    layout = pipeline_layout(prep.cfg, prep.dims, args)
     if layout is None:
-        return [[0]], [StageShape(tuple(range(prep.model_args.num_layers)), True, True)]
-    shapes = [StageShape(tuple(layout.layer_indices(s)), s == 0, s == layout.num_stages - 1)
+        return [[0]], [StageShape(tuple(range(args.num_layers)) + trailing, True, True)]
+    last = layout.num_stages - 1
+    shapes = [StageShape(tuple(layout.layer_indices(s)) + (trailing if s == last else ()), s == 0, s == last)
               for s in range(layout.num_stages)]
     return [layout.stages_of_rank(r) for r in range(prep.dims.pp)], shapes
 
@@ -183,6 +222,43 @@ def backward_moments(schedule: str, pp: int, pp_rank: int, n_microbatches: int,
     else:
         per_round = 1
     return [(min(w, total - j), min(v, _ceil_div(j, per_round))) for j in range(total)]
+
+
+def in_flight_by_stage(schedule: str, pp: int, pp_rank: int, n_microbatches: int,
+                       stages_per_rank: int) -> list[tuple[int, ...]] | None:
+    """At the start of each backward, the chunks in flight of each of the rank's stages (its first
+    stage first); None for the V schedules, whose order is not modeled (their chunks are taken as
+    spread evenly over the rank's stages).
+
+    The same W forwards, then one forward per backward, as `backward_moments`, with torch's stage
+    order: forwards run one round of microbatches per stage, cycling from the rank's first stage
+    (the interleaved schedules: n / rounds microbatches per round; LoopedBFS: all n), backwards the
+    same rounds from its last stage. What matters is which stages the held chunks belong to: on the
+    last pipeline rank, whose last stage holds the logits, the warm-up is all earlier stages' chunks
+    and one of the last. Tests check the counts against torch's own tables."""
+    v, n = stages_per_rank, n_microbatches
+    total = v * n
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        return None
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        per_round = n // max(1, n // pp)
+    elif schedule == "LoopedBFS":
+        per_round = n
+    else:
+        per_round = max(n, 1)
+    w = in_flight_chunks(schedule, pp, pp_rank, n, v)
+    forward_stage = [(i // per_round) % v for i in range(total)]
+    backward_stage = [v - 1 - (j // per_round) % v for j in range(total)]
+    counts = [0] * v
+    issued = 0
+    out = []
+    for j in range(total):
+        while issued < min(w + j, total):
+            counts[forward_stage[issued]] += 1
+            issued += 1
+        out.append(tuple(counts))
+        counts[backward_stage[j]] -= 1
+    return out
 
 
 @dataclass
@@ -292,6 +368,21 @@ class MoEShape:
     capacity_factor: float | None
     pad_to_capacity: bool
     z_loss: bool
+    aux_loss: bool = True        # the per-micro-batch balancing loss (its expert counts are saved)
+    seq_aux_loss: bool = False   # DeepSeek-V3's sequence-wise balancing loss (counts per sequence)
+    sigmoid: bool = False        # sigmoid scores (a balancing loss renormalizes them: their sum is saved)
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-head latent attention's widths (titanlike/models/deepseek_v3/attention.py MLA), read from
+    the module: the latent ranks and each head's query/key (nope + rope) and value features."""
+
+    q_lora: int      # the low-rank query's width (0: one query projection)
+    kv_lora: int     # the key/value latent's width
+    nope: int        # each head's features without rotary positions (of q and k, and of the kv up-projection)
+    rope: int        # each head's rotary features (the RoPE key is one for all heads)
+    v_head: int      # each head's value features
 
 
 @dataclass(frozen=True)
@@ -303,7 +394,8 @@ class BlockShape:
     q_dim: int
     kv_dim: int
     heads: int
-    attention_inputs: int   # output features of the linears reading the attention's input (q + 2 kv)
+    attention_inputs: int   # output features of the head-split linears reading the attention's input
+                            # (q + 2 kv; MLA: the up projections' q and kv)
     mlp_saved: int          # MLP elements saved per token, before TP (SwiGLU 4 f, GELU 2 f; 0 for MoE)
     mlp_inputs: int         # output features of the MLP's input linears (SwiGLU 2 f, GELU f; 0 for MoE)
     mlp_hidden: int         # input features of the MLP's output linear (f; 0 for MoE)
@@ -311,6 +403,13 @@ class BlockShape:
     kv_heads: int = 0
     qk_norm: bool = False   # RMSNorms over each head's q and k (Qwen3)
     moe: MoEShape | None = None
+    mla: MLAShape | None = None      # the attention is multi-head latent attention
+    mtp: tuple[str, ...] = ()        # a multi-token-prediction block: norm kinds of enorm, hnorm, head_norm
+
+    @property
+    def out_dim(self) -> int:
+        """Width of the attention kernel's output (the input of wo)."""
+        return self.heads * self.mla.v_head if self.mla is not None else self.q_dim
 
 
 @dataclass
@@ -325,7 +424,7 @@ class ModelShape:
     end_buffer_bytes: dict[str, int]  # group -> bytes
     total_params: int                 # tied weights once
     vocab_table: tuple[int, ...] | None   # shape of the vocab_embedding table (its gradient is whole under TP)
-    vocab_tied: bool                  # that table is tied to another parameter (the output projection)
+    vocab_tied: bool                  # that table is tied to the output projection
     output_vocab: int                 # columns of the logits
     output_norms: tuple[str, ...]     # norm kinds of the output end
     blocks: list[BlockShape] | None   # per layer, in model order
@@ -436,7 +535,8 @@ def read_model(spec, args) -> ModelShape:
     hidden = args.hidden_size
     vocab = next((p for p in end_params if p.style == "vocab_embedding"), None)
     vocab_table = vocab.shape if vocab is not None else None
-    vocab_tied = vocab is not None and vocab.name in tied.values()
+    vocab_tied = vocab is not None and any(owner == vocab.name and top_styles.get(alias.rpartition(".")[0])
+                                           == "vocab_output" for alias, owner in tied.items())
     blocks, unknown = _read_blocks(model, hidden)
     # The ends: the pipeline's, or without a pipeline split the plan's top-level norms and projection.
     if ends is None:
@@ -449,6 +549,8 @@ def read_model(spec, args) -> ModelShape:
             output_vocab = module.out_features
         elif type(module) in _NORMS:
             output_norms.append(_NORMS[type(module)])
+        elif isinstance(module, nn.Embedding):
+            pass  # a table the output end reads too (multi-token prediction's lookahead tokens)
         elif module is not None and unknown is None:
             blocks, unknown = None, f"the output end {name} of {type(model).__name__} ({type(module).__name__})"
     for name in sorted(inputs):
@@ -485,46 +587,94 @@ def _read_blocks(model, hidden: int) -> tuple[list[BlockShape] | None, str | Non
     return out, None
 
 
+def _mtp_block_type():
+    try:
+        from titanlike.models.common.mtp import MTPBlock
+    except ImportError:  # an older tree: no multi-token prediction
+        return None
+    return MTPBlock
+
+
+def _mla_type():
+    try:
+        from titanlike.models.deepseek_v3.attention import MLA
+    except ImportError:
+        return None
+    return MLA
+
+
 def _read_block(model, block, hidden: int) -> tuple[BlockShape | None, str | None]:
-    """The common building blocks of one block, by module type; (None, what is unknown) otherwise."""
+    """The common building blocks of one block, by module type; (None, what is unknown) otherwise.
+
+    Known: TransformerBlock and MTPBlock (multi-token prediction: a TransformerBlock with enorm,
+    hnorm, eh_proj and head_norm around it), with Attention or MLA, and FeedForward, GeluMLP or MoE."""
     from titanlike.models.common.attention import Attention, core_attention
     from titanlike.models.common.block import TransformerBlock
     from titanlike.models.common.feed_forward import FeedForward, GeluMLP
     from titanlike.models.common.moe import MoE
 
     what = f"the blocks of {type(model).__name__} ({type(block).__name__})"
-    if not isinstance(block, TransformerBlock) or type(block).forward is not TransformerBlock.forward:
+    mtp_type, mla_type = _mtp_block_type(), _mla_type()
+    is_mtp = mtp_type is not None and type(block) is mtp_type
+    if not isinstance(block, TransformerBlock) or (type(block).forward is not TransformerBlock.forward
+                                                   and not is_mtp):
         return None, what
     children = dict(block.named_children())
     mlp_name = "moe" if block.moe is not None else "feed_forward"
-    if set(children) != {"attention_norm", "attention", "ffn_norm", mlp_name} \
-            or any(True for _ in block.named_parameters(recurse=False)):
+    expected = {"attention_norm", "attention", "ffn_norm", mlp_name}
+    if is_mtp:
+        expected |= {"enorm", "hnorm", "eh_proj", "head_norm"}
+    if set(children) != expected or any(True for _ in block.named_parameters(recurse=False)):
         return None, f"{what}: children {', '.join(children)}"
     attention, mlp = block.attention, children[mlp_name]
     parts = {"attention_norm": block.attention_norm, "ffn_norm": block.ffn_norm, "attention": attention,
              mlp_name: mlp}
+    if is_mtp:
+        parts.update(enorm=block.enorm, hnorm=block.hnorm, head_norm=block.head_norm)
+        if type(block.eh_proj) is not nn.Linear or block.eh_proj.bias is not None:
+            return None, f"{what}: eh_proj is a {type(block.eh_proj).__name__}"
+    attention_types = (Attention,) + ((mla_type,) if mla_type is not None else ())
     for name, module in parts.items():
-        known = (_NORMS if name.endswith("norm") else (Attention,) if name == "attention"
+        known = (_NORMS if name.endswith("norm") else attention_types if name == "attention"
                  else (MoE,) if name == "moe" else (FeedForward, GeluMLP))
         if type(module) not in known:
             return None, f"{what}: {name} is a {type(module).__name__}"
     if attention.core_attention is not core_attention:
         return None, f"{what}: its attention runs {getattr(attention.core_attention, '__name__', 'another kernel')}"
-    qk_norms = [getattr(attention, n, None) for n in ("q_norm", "k_norm")]
-    if any(n is not None and type(n) is not nn.RMSNorm for n in qk_norms):
-        return None, f"{what}: its attention's q/k norms are not RMSNorm"
-    q_dim, kv_dim = attention.wq.out_features, attention.wk.out_features
-    heads = q_dim // attention.head_dim
-    common = dict(hidden=hidden, q_dim=q_dim, kv_dim=kv_dim, heads=heads, kv_heads=kv_dim // attention.head_dim,
-                  attention_inputs=q_dim + 2 * kv_dim, qk_norm=qk_norms[0] is not None)
+    if type(attention) is Attention:
+        qk_norms = [getattr(attention, n, None) for n in ("q_norm", "k_norm")]
+        if any(n is not None and type(n) is not nn.RMSNorm for n in qk_norms):
+            return None, f"{what}: its attention's q/k norms are not RMSNorm"
+        q_dim, kv_dim = attention.wq.out_features, attention.wk.out_features
+        heads = q_dim // attention.head_dim
+        common = dict(hidden=hidden, q_dim=q_dim, kv_dim=kv_dim, heads=heads, kv_heads=kv_dim // attention.head_dim,
+                      attention_inputs=q_dim + 2 * kv_dim, qk_norm=qk_norms[0] is not None)
+        attention_readers = 3  # wq, wk, wv
+    else:
+        latent_norms = [n for n in (attention.q_norm, attention.kv_norm) if n is not None]
+        if any(type(n) is not nn.RMSNorm for n in latent_norms):
+            return None, f"{what}: its attention's latent norms are not RMSNorm"
+        mla = MLAShape(q_lora=attention.wq_a.out_features if attention.wq is None else 0,
+                       kv_lora=attention.wkv_a.out_features, nope=attention.qk_nope_head_dim,
+                       rope=attention.qk_rope_head_dim, v_head=attention.v_head_dim)
+        heads = attention.wkv_b.out_features // (mla.nope + mla.v_head)
+        q_dim = heads * (mla.nope + mla.rope)  # q and k, as the kernel sees them
+        common = dict(hidden=hidden, q_dim=q_dim, kv_dim=q_dim, heads=heads, kv_heads=heads,
+                      attention_inputs=q_dim + heads * (mla.nope + mla.v_head), mla=mla)
+        attention_readers = 3  # wq (or wq_a), wkv_a, wk_pe
+    if is_mtp:
+        common["mtp"] = tuple(_NORMS[type(n)] for n in (block.enorm, block.hnorm, block.head_norm))
     if isinstance(mlp, MoE):
         a = mlp.args  # MoEArgs: the contract
         moe = MoEShape(experts=a.num_experts, top_k=a.top_k, hidden=a.hidden_dim,
                        shared_hidden=a.shared_dim if mlp.shared_experts is not None else 0,
                        capacity_factor=a.capacity_factor, pad_to_capacity=a.pad_to_capacity,
-                       z_loss=a.z_loss_coeff > 0)
+                       z_loss=a.z_loss_coeff > 0, aux_loss=a.aux_loss_coeff > 0,
+                       seq_aux_loss=a.seq_aux_loss_coeff > 0,
+                       sigmoid=a.score_before_topk and a.score_func == "sigmoid")
         # The MoE reads its norm's output locally (no all-gather, no autocast copy of its own).
-        norms = (NormShape(_NORMS[type(block.attention_norm)], 3), NormShape(_NORMS[type(block.ffn_norm)], 1))
+        norms = (NormShape(_NORMS[type(block.attention_norm)], attention_readers),
+                 NormShape(_NORMS[type(block.ffn_norm)], 1))
         return BlockShape(norms=norms, mlp_saved=0, mlp_inputs=0, mlp_hidden=0, rowwise_outputs=1, moe=moe,
                           **common), None
     f = mlp.w1.out_features
@@ -532,7 +682,8 @@ def _read_block(model, block, hidden: int) -> tuple[BlockShape | None, str | Non
         mlp_saved, mlp_inputs, mlp_readers = 4 * f, f + mlp.w3.out_features, 2
     else:  # GELU saves its input (w1 x + b) and its output
         mlp_saved, mlp_inputs, mlp_readers = 2 * f, f, 1
-    norms = (NormShape(_NORMS[type(block.attention_norm)], 3), NormShape(_NORMS[type(block.ffn_norm)], mlp_readers))
+    norms = (NormShape(_NORMS[type(block.attention_norm)], attention_readers),
+             NormShape(_NORMS[type(block.ffn_norm)], mlp_readers))
     return BlockShape(norms=norms, mlp_saved=mlp_saved, mlp_inputs=mlp_inputs, mlp_hidden=mlp.w2.in_features,
                       rowwise_outputs=2, **common), None
 
@@ -550,12 +701,15 @@ def norm_bytes(kind: str, hidden: int, e_in: int, device: str = "cuda") -> int:
     return e_in * hidden + 2 * stats
 
 
+def _stage_end_params(ms: ModelShape, stage: StageShape) -> list[ParamShape]:
+    """The parameters of the model's ends (not its blocks) a stage holds (tied weights once)."""
+    groups = {"always"} | ({"inputs"} if stage.first else set()) | ({"outputs"} if stage.last else set())
+    return [p for p in ms.end_params if p.group in groups and p.tied_to not in groups]
+
+
 def _stage_params(ms: ModelShape, stage: StageShape) -> list[ParamShape]:
     """Every parameter a stage holds (tied weights once)."""
-    groups = {"always"} | ({"inputs"} if stage.first else set()) | ({"outputs"} if stage.last else set())
-    params = [p for i in stage.layers for p in ms.layer_params[i]]
-    params += [p for p in ms.end_params if p.group in groups and p.tied_to not in groups]
-    return params
+    return [p for i in stage.layers for p in ms.layer_params[i]] + _stage_end_params(ms, stage)
 
 
 def _stage_buffer_bytes(ms: ModelShape, stage: StageShape) -> int:
@@ -610,7 +764,8 @@ def moe_rows(moe: MoEShape, tokens: int, *, microbatch: int, seq_full: int) -> i
     return tokens * k
 
 
-def moe_saved_bytes(moe: MoEShape, h: int, tokens: int, rows: int, *, e: int, ep: int) -> tuple[int, int]:
+def moe_saved_bytes(moe: MoEShape, h: int, tokens: int, rows: int, *, e: int, ep: int,
+                    microbatch: int = 1) -> tuple[int, int]:
     """(bytes an MoE layer saves for backward, bytes it keeps under op-level checkpointing) for
     `tokens` routed tokens and `rows` routed rows on this rank, compute elements of e bytes.
 
@@ -620,18 +775,26 @@ def moe_saved_bytes(moe: MoEShape, h: int, tokens: int, rows: int, *, e: int, ep
     shared experts' SwiGLU (4 e shared_hidden). Per routed row: the row itself (e h), the experts'
     SwiGLU (4 e hidden), the expert output and its gated product (2 e h: the multiply keeps
     the first, the index_add combine the second), the gate value (e) and two int64 index vectors
-    (16: the route ids and the token each route came from), plus two more (16) to reorder rows that arrived by all-to-all. Per layer, the router's
-    fp32 copy of a bf16 gate weight (4 E h), the grouped matmuls' int32 offsets and the balancing
-    loss's fp32 counts (8 E). Checked tensor by tensor with saved-tensor hooks
-    (tests/unit/test_estimation.py). Op-level checkpointing keeps the matmul (mm) outputs: the
+    (16: the route ids and the token each route came from), plus two more (16) to reorder rows that
+    arrived by all-to-all. Sigmoid scores that a balancing loss reads are renormalized: their sum per
+    token (4) is saved too. Per layer, the router's fp32 copy of a bf16 gate weight (4 E h), the
+    grouped matmuls' int32 offsets (4 E) and the balancing losses' fp32 expert counts (4 E per
+    micro-batch, 4 E per sequence for the sequence-wise loss). Group-limited routing (DeepSeek's
+    node limit) saves nothing that lives to backward: its top-k and masks only choose the experts.
+    Checked tensor by tensor with saved-tensor hooks, counting what is still held when the forward
+    ends (tests/unit/test_estimation.py). Op-level checkpointing keeps the matmul (mm) outputs: the
     router's logits and the shared experts' three projections; grouped matmuls are recomputed."""
     shared = moe.shared_hidden
     per_token = 4 * h + (e * h if shared and e != 4 else 0) + 4 * moe.experts + 12 * moe.top_k + 4
+    if moe.sigmoid and (moe.aux_loss or moe.seq_aux_loss):
+        per_token += 4
     if moe.z_loss:
         per_token += 4 * moe.experts + 8
     per_token += 4 * e * shared
     per_row = e * h + 4 * e * moe.hidden + 2 * e * h + e + 16 + (16 if ep > 1 else 0)
-    full = tokens * per_token + rows * per_row + (4 * moe.experts * h if e != 4 else 0) + 8 * moe.experts
+    counts = 4 * moe.experts * ((1 if moe.aux_loss else 0) + (microbatch if moe.seq_aux_loss else 0))
+    full = (tokens * per_token + rows * per_row + (4 * moe.experts * h if e != 4 else 0) + 4 * moe.experts
+            + counts)
     op = tokens * (4 * moe.experts + (e * (2 * shared + h) if shared else 0))
     return full, op
 
@@ -658,28 +821,59 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
                            microbatch: int = 1) -> tuple[int, int]:
     """(bytes one layer keeps for backward, bytes recomputed at once in its backward) for
     `tokens` = microbatch x local sequence tokens, before sequence parallelism. device "cpu"
-    counts LayerNorm statistics as torch's CPU kernel keeps them (for measurements here)."""
+    counts what torch's CPU kernels keep where they differ from CUDA's (LayerNorm statistics in the
+    input dtype; MLA's attention, whose q/k and v widths differ, on the math kernel), for
+    measurements here."""
     h, n = block.hidden, block.heads
-    qd, kvd = block.q_dim, block.kv_dim
-    attention = e * 2 * qd / tp + 4 * n / tp
+    qd, kvd, mla = block.q_dim, block.kv_dim, block.mla
+    out_w = block.out_dim
+    if mla is None:
+        k_w = v_w = v_kept = kvd
+    else:
+        k_w, v_w = qd, n * mla.v_head
+        # v is a view of the kv up-projection's output (each head's [k_nope | v]): the kernel keeps
+        # that whole tensor alive.
+        v_kept = n * (mla.nope + mla.v_head)
+    attention = e * (qd + out_w) / tp + 4 * n / tp  # q, the output (wo's input), the log-sum-exp
     if cp > 1 and rotate_method == "allgather":
         # Gathered keys and values are saved at full length, with a bool mask per layer.
-        attention += e * 2 * kvd / tp * cp + seq_local * seq_local * cp / max(tokens, 1)
+        attention += e * (k_w + v_w) / tp * cp + seq_local * seq_local * cp / max(tokens, 1)
     elif cp > 1:
         # Ring: fp32 copies of q and of every hop's k/v and scores blocks (approximate).
-        attention += 4 * qd / tp + cp * (8 * kvd / tp + 3 * 4 * n / tp * seq_local + 3 * 4 * qd / tp)
+        attention += 4 * qd / tp + cp * (4 * (k_w + v_w) / tp + 3 * 4 * n / tp * seq_local + 3 * 4 * out_w / tp)
+    elif device == "cpu" and mla is not None and qd != n * mla.v_head:
+        # torch's CPU SDPA has no fused kernel for q/k and v of different widths: the math kernel keeps
+        # fp32 copies of q, k and v and the probabilities (heads x keys per query), no log-sum-exp.
+        keys = seq_local or tokens
+        attention = 4 * (qd + k_w + v_w + n * keys) / tp + e * out_w / tp
     else:
-        attention += e * 2 * kvd / tp
+        attention += e * (k_w + v_kept) / tp
     if block.qk_norm:
         # RMSNorm over each head of q and of k: fp32 input and normalized copies, a rstd per head.
         attention += (8 * qd + 4 * n + 8 * kvd + 4 * block.kv_heads) / tp
+    if mla is not None:
+        # The latent norms (kv, and q's when it is low-rank) with their outputs, which the up
+        # projections keep; computed whole on every TP rank (replicated).
+        attention += norm_bytes("rmsnorm", mla.kv_lora, e) + e * mla.kv_lora
+        if mla.q_lora:
+            attention += norm_bytes("rmsnorm", mla.q_lora, e) + e * mla.q_lora
     # Autocast casts a norm's fp32 output to bf16 once per matmul that reads it (Llama: wq, wk, wv;
     # w1, w3: five saved copies instead of two).
     attn_norm, mlp_norm = block.norms
-    norm_outputs = attn_norm.readers if autocast else 1
+    # A multi-token-prediction block's residual stream is eh_proj's output, already bf16 under
+    # autocast: its norms' outputs are bf16 too, one copy for all readers.
+    casts = autocast and not block.mtp
+    norm_outputs = attn_norm.readers if casts else 1
     norms = sum(norm_bytes(norm.kind, h, e_res, device) for norm in block.norms)
+    inputs = 1
+    if block.mtp:
+        # Multi-token prediction, on this rank's slice of the sequence: enorm, hnorm and head_norm, and
+        # the concatenated normalized pair that eh_proj keeps. Its two inputs (the previous hidden
+        # state and the embedded lookahead tokens) are what full checkpointing keeps.
+        norms += sum(norm_bytes(kind, h, e_res, device) for kind in block.mtp) + 2 * e * h
+        inputs = 2
     if block.moe is None:
-        norm_outputs += mlp_norm.readers if autocast else 1
+        norm_outputs += mlp_norm.readers if casts else 1
         mlp, moe_full, moe_op = e * block.mlp_saved / tp, 0, 0
         rowwise, mlp_inputs = block.rowwise_outputs, block.mlp_inputs
     else:
@@ -687,17 +881,21 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
         # Under autocast its inputs stay fp32 (grouped matmuls are not autocast).
         local = tokens // tp
         rows = moe_rows(block.moe, local, microbatch=microbatch, seq_full=seq_local * cp)
-        moe_full, moe_op = moe_saved_bytes(block.moe, h, local, rows, e=4 if autocast else e, ep=ep)
+        moe_full, moe_op = moe_saved_bytes(block.moe, h, local, rows, e=4 if autocast else e, ep=ep,
+                                           microbatch=microbatch)
         mlp, rowwise, mlp_inputs = 0, 1, 0
     full = tokens * (norms / tp + norm_outputs * e * h + attention + mlp) + moe_full
-    block_input = tokens * e_res * h / tp
+    block_input = inputs * tokens * e_res * h / tp
     if ac == "none":
         return int(full), 0
     if ac == "full":
         return int(block_input), int(full)
-    # Op-level: matmul and attention outputs (row-parallel ones before their reduce-scatter).
-    op = tokens * (e_res * h / tp + e * block.attention_inputs / tp + e * qd / tp + 4 * n / tp
-                   + rowwise * e * h + e * mlp_inputs / tp) + moe_op
+    # Op-level: matmul and attention outputs (row-parallel ones before their reduce-scatter; MLA's
+    # replicated down projections whole).
+    whole = (mla.q_lora + mla.kv_lora + mla.rope) if mla is not None else 0
+    mtp = e * h / tp if block.mtp else 0  # eh_proj's output
+    op = tokens * (inputs * e_res * h / tp + e * block.attention_inputs / tp + e * whole + e * out_w / tp
+                   + 4 * n / tp + rowwise * e * h + e * mlp_inputs / tp + mtp) + moe_op
     return int(op), int(full)
 
 
@@ -709,10 +907,12 @@ def weight_grad_share(prep: PreparedJob) -> float | None:
         return None
     e = 2 if prep.cfg.training.mixed_precision_param == "bfloat16" else 4
     tp, h = prep.dims.tp, block.hidden
-    matmul_inputs = len(block.norms) * e * h + e * block.q_dim / tp + e * block.mlp_hidden / tp
-    total = (sum(norm_bytes(norm.kind, h, e) for norm in block.norms) / tp + len(block.norms) * e * h
-             + e * (2 * block.q_dim + 2 * block.kv_dim) / tp + 4 * block.heads / tp + e * block.mlp_saved / tp)
-    return matmul_inputs / total
+    matmul_inputs = len(block.norms) * e * h + e * block.out_dim / tp + e * block.mlp_hidden / tp
+    if block.mla is not None:
+        matmul_inputs += e * (block.mla.q_lora + block.mla.kv_lora)  # the latent norms' outputs
+    tokens = 4096
+    total, _ = layer_activation_bytes(block, tokens, tp=tp, cp=1, e=e, e_res=e, ac="none")
+    return matmul_inputs * tokens / total
 
 
 def _ac_mode(cfg) -> tuple[str, int]:
@@ -727,16 +927,21 @@ def _ac_mode(cfg) -> tuple[str, int]:
     return "full", int(ac.selective_ac_option)
 
 
-def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[RankEstimate], list[AnalyticDetail]]:
+def estimate_analytic(prep: PreparedJob, granularity: int = 512,
+                      device: str = "cuda") -> tuple[list[RankEstimate], list[AnalyticDetail]]:
     """Peak bytes and breakdown for every pipeline rank (all other ranks are alike).
 
     The peak is the largest of three moments: the start of backward (every activation
     stored, the loss gradients just created), the end of backward (all gradients, the
-    root's reduction) and the optimizer step.
+    root's reduction) and the optimizer step. device "cpu" counts activations as torch's CPU
+    kernels keep them (see layer_activation_bytes), to compare with runs measured here.
     """
     dims, cfg = prep.dims, prep.cfg
     ms = model_shape(prep)
     blocks = ms.require_known()
+    if len(blocks) != prep.model_args.total_layers:
+        raise UnknownBlockError(f"the model holds {len(blocks)} layers but its args count total_layers "
+                                f"{prep.model_args.total_layers}")
     h = ms.hidden
     t, p, o = cfg.training, cfg.parallelism, cfg.optimizer
     tp, cp = dims.tp, dims.cp
@@ -768,13 +973,13 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
         table_rows, rest = ms.vocab_table[0], _prod(ms.vocab_table[1:])
         embedding_grad_full, embedding_local = table_rows * rest, _ceil_div(table_rows, tp) * rest
     # The output end's norm(s), on this rank's slice of the sequence.
-    output_norms = sum(norm_bytes(kind, h, e_res) for kind in ms.output_norms)
+    output_norms = sum(norm_bytes(kind, h, e_res, device) for kind in ms.output_norms)
 
     def stage_acts(stage: StageShape) -> tuple[int, int, int]:
         """(stored bytes per microbatch, backward transient, one layer's full activations)."""
         stored, transient, full_layer = 0, 0, 0
         layer_args = dict(tp=tp, cp=cp, e=e, e_res=e_res, rotate_method=p.context_parallel_rotate_method,
-                          seq_local=seq_local, autocast=autocast, ep=dims.ep, microbatch=microbatch)
+                          seq_local=seq_local, autocast=autocast, ep=dims.ep, microbatch=microbatch, device=device)
         for i, layer in enumerate(stage.layers):  # i: the index activation checkpointing counts
             block = blocks[layer]
             full, _ = layer_activation_bytes(block, tokens, ac="none", **layer_args)
@@ -796,6 +1001,12 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
             stored += tokens * (output_norms // tp + e * h)  # final norm and its gathered output
             # The logits (held by the step) and the fp32 log-softmax (the fp32 copy of bf16 logits is freed).
             stored += tokens * vocab_local * (e + 4)
+            depths = sum(1 for layer in stage.layers if blocks[layer].mtp)
+            if depths:
+                # Multi-token prediction: every depth's head_norm output, kept (gathered) by the shared
+                # output head, and the fp32 log-softmax of its own logits (its cross-entropy runs in the
+                # forward, which frees the logits); the lookahead ids (batch, seq, depth, 2) int64.
+                stored += depths * tokens * (e * h + 4 * vocab_local) + tokens * 16 * depths
             # Backward starts with two fp32 vocab-sized gradients (of the log-softmax output and input);
             # a block's recompute comes later, so the larger of the two counts.
             transient = max(transient, tokens * vocab_local * 8)
@@ -810,7 +1021,10 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
         d = AnalyticDetail()
         static = opt_state = grads = gathered = gathered_root = accumulated = 0
         largest_block = root_local = 0
-        holds_embedding = any(shapes[s].first for s in stage_ids)
+        # Stages holding a vocab_embedding table: the first, and the last when it keeps its own copy of a
+        # tied table (multi-token prediction's embedding of the lookahead tokens).
+        table_stages = [s for s in stage_ids for p in _stage_end_params(ms, shapes[s]) if p.style == "vocab_embedding"]
+        holds_embedding = bool(table_stages)
         stage_grads: dict[int, int] = {}  # what each stage holds as gradients during a pipeline schedule
         for s in stage_ids:
             sp = _stage_param_bytes(ms, shapes[s], sharding, granularity)
@@ -852,13 +1066,14 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
         if holds_embedding and embedding_grad_full:
             embed_extra = embedding_grad_full - embedding_local
             if dims.pp_enabled and fsdp_on:
-                accumulated += embed_extra * 4
+                accumulated += len(table_stages) * embed_extra * 4
             elif not fsdp_on and tied_here:
                 whole_briefly = embed_extra * 4
             elif not fsdp_on:
-                grads += embed_extra * 4  # the Replicate gradient stays whole until the step
+                grads += len(table_stages) * embed_extra * 4  # the Replicate gradient stays whole until the step
             if dims.pp_enabled:
-                stage_grads[next(s for s in stage_ids if shapes[s].first)] += embed_extra * 4
+                for s in table_stages:
+                    stage_grads[s] += embed_extra * 4
 
         acts = [stage_acts(shapes[s]) for s in stage_ids]
         # In-flight chunks spread over the rank's stages (interleaved warm-up runs them round-robin).
@@ -883,15 +1098,21 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512) -> tuple[list[R
             total_chunks = len(stage_ids) * n_microbatches
             best: tuple[Breakdown, str] | None = None
             starts = backward_moments(p.pipeline_parallel_schedule, dims.pp, pp_rank, n_microbatches, len(stage_ids))
+            # Which of the rank's stages the chunks in flight belong to (their activations differ: the
+            # last stage's include the logits); the V schedules' chunks are spread evenly.
+            by_stage = in_flight_by_stage(p.pipeline_parallel_schedule, dims.pp, pp_rank, n_microbatches,
+                                          len(stage_ids))
             # Distinct (chunks, stages with gradients) -> first backward index: the planner calls this a lot.
-            first_of: dict[tuple[int, int], int] = {}
+            first_of: dict[tuple, int] = {}
             for j, pair in enumerate(starts):
-                first_of.setdefault(pair, j)
-            for (chunks, with_grads), j in first_of.items():
+                first_of.setdefault((pair, by_stage[j] if by_stage is not None else None), j)
+            for ((chunks, with_grads), per_stage), j in first_of.items():
                 held = later_first if grad_accum > 1 else later_first[:with_grads]
+                stored_now = (stored_chunk * chunks if per_stage is None
+                              else sum(c * a[0] for c, a in zip(per_stage, acts)))
                 b = Breakdown(parameters=static, gathered_parameters=gathered,
                               gradients=sum(stage_grads[s] for s in held), optimizer_state=opt_state,
-                              activations=stored_chunk * chunks, transient=transient)
+                              activations=stored_now, transient=transient)
                 if best is None or b.total > best[0].total:
                     best = (b, f"start of backward {j + 1} of {total_chunks} in the schedule")
             moments.append(best)
@@ -955,7 +1176,8 @@ def bytes_per_parameter(prep: PreparedJob) -> dict[str, float]:
     return out
 
 
-__all__ = ["AnalyticDetail", "BlockShape", "MoEShape", "ModelShape", "Sharding", "StageShape", "UnknownBlockError",
-           "backward_moments", "bytes_per_parameter", "estimate_analytic", "float8_share", "in_flight_chunks",
+__all__ = ["AnalyticDetail", "BlockShape", "MLAShape", "MoEShape", "ModelShape", "Sharding", "StageShape",
+           "UnknownBlockError", "backward_moments", "bytes_per_parameter", "estimate_analytic", "float8_share",
+           "in_flight_by_stage", "in_flight_chunks",
            "layer_activation_bytes", "model_parameter_count", "model_shape", "moe_rows", "moe_saved_bytes",
            "moe_transient_bytes", "norm_bytes", "read_model", "stage_layout", "weight_grad_share"]

@@ -4,7 +4,10 @@ Enumeration. For N GPUs: tensor parallel t in {1, 2, 4, 8} (inside a node), pipe
 in {1, 2, 4, ...} (1F1B and Interleaved1F1B), context parallel c in {1, 2, 4, 8},
 data parallel dp = N / (t p c) split into HSDP replicas r and FSDP shards dp / r,
 for mixture-of-experts models expert parallel e dividing both dp_shard x cp x tp and the
-number of experts (dense models: 1), activation checkpointing from `plan_ac_modes`. The global batch (in sequences) is the config's: global_batch_size,
+number of experts (dense models: 1), activation checkpointing from `plan_ac_modes`; for a model
+whose last stage also carries layers after the trunk (multi-token prediction, args.total_layers)
+both the trainer's default pipeline split and ceil(num_layers / stages) layers per stage, which
+lightens the end stages (`stage_splits`). The global batch (in sequences) is the config's: global_batch_size,
 or local_batch_size x the config's own data-parallel degree. Each layout gets the
 largest microbatch that fits. Every candidate goes through the same validation as
 train.py; rejected ones are counted by reason.
@@ -15,7 +18,9 @@ memory; `plan_verify` re-checks the best layouts with the traced estimate.
 Throughput model, per optimizer step, per GPU (stated, not measured):
   compute   = tokens x FLOPs/token / GPUs / (peak x MFU), FLOPs/token from the family's args
               (args.flops_per_token: 6 N + the attention term, e.g. 12 L H Q T; N counts the
-              active parameters, of routed experts top_k, so MFU is that of the work done),
+              active parameters, of routed experts top_k, so MFU is that of the work done;
+              multi-token prediction's depths count there too, each a block and one more
+              pass through the output head),
               times 4/3 for full activation checkpointing (the forward runs twice),
               1 + 1/(3k) for every k-th block, and 1 for op-level (elementwise recompute only)
   TP        = per layer and microbatch, sequence parallelism moves 4 all-gathers or
@@ -80,6 +85,7 @@ class Candidate:
     why: str = ""
     ep: int = 1
     experts: bool = False  # the model has routed experts (the overrides then always set ep)
+    layers_per_stage: int | None = None  # None: the trainer's default split
 
     def label(self) -> str:
         parts = [f"dp_shard {self.dp_shard}"]
@@ -90,6 +96,8 @@ class Candidate:
                 parts.append(f"{name} {getattr(self, name)}")
         if self.pp > 1:
             parts.append(self.schedule)
+        if self.layers_per_stage:
+            parts.append(f"{self.layers_per_stage} layers per stage")
         parts.append(f"AC {self.ac}")
         parts.append(f"microbatch {self.microbatch}")
         return ", ".join(parts)
@@ -112,11 +120,14 @@ class Candidate:
         if self.pp > 1:
             out += [f"--parallelism.pipeline_parallel_schedule {self.schedule}",
                     f"--parallelism.pipeline_parallel_microbatch_size {self.microbatch}"]
+            if self.layers_per_stage:
+                out.append(f"--parallelism.pipeline_parallel_layers_per_stage {self.layers_per_stage}")
         return out
 
     def as_dict(self) -> dict:
         return {"layout": self.label(), "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp, "pp": self.pp, "ep": self.ep, "pp_schedule": self.schedule, "activation_checkpoint": self.ac,
+                "tp": self.tp, "pp": self.pp, "ep": self.ep, "pp_schedule": self.schedule,
+                "layers_per_stage": self.layers_per_stage, "activation_checkpoint": self.ac,
                 "local_batch_size": self.local_batch_size, "microbatch": self.microbatch,
                 "peak_bytes": self.peak_bytes, "traced_peak_bytes": self.traced_peak_bytes,
                 "headroom_bytes": self.headroom_bytes, "step_seconds": self.step_seconds,
@@ -130,7 +141,7 @@ def _apply(cfg, c: Candidate, global_batch: int):
     p.data_parallel_replicate_degree, p.data_parallel_shard_degree = c.dp_replicate, c.dp_shard
     p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree = c.tp, c.cp, c.pp
     p.expert_parallel_degree, p.expert_tensor_parallel_degree = c.ep, 1
-    p.pipeline_parallel_layers_per_stage = None
+    p.pipeline_parallel_layers_per_stage = c.layers_per_stage
     if c.pp > 1:
         p.pipeline_parallel_schedule = c.schedule
         p.pipeline_parallel_microbatch_size = c.microbatch
@@ -161,6 +172,24 @@ def enumerate_layouts(world: int, num_layers: int, opts: EstimateOptions) -> lis
                     for schedule in ((None,) if pp == 1 else ("1F1B", "Interleaved1F1B")):
                         out.append((rep, dp // rep, cp, tp, pp, schedule))
     return out
+
+
+def stage_splits(args, pp: int, schedule: str | None) -> list[int | None]:
+    """Pipeline splits to try: the trainer's default (None), and for a model with layers after its
+    trunk (args.total_layers > num_layers: multi-token prediction, which rides on the last stage with
+    the output head) also `ceil(num_layers / stages)` layers per stage, which takes the shortfall
+    off the end stages (the last first) when that is a valid layout."""
+    if pp == 1 or args.total_layers == args.num_layers:
+        return [None]
+    from titanlike.parallel.pipeline import is_single_stage, plan_layout, schedule_name
+
+    stages = pp * (1 if is_single_stage(schedule_name(schedule)) else 2)
+    per_stage = -(-args.num_layers // stages)
+    try:
+        split = plan_layout(args.num_layers, pp, schedule, per_stage)
+    except ValueError:
+        return [None]
+    return [None] if split.layers == plan_layout(args.num_layers, pp, schedule, None).layers else [None, per_stage]
 
 
 def expert_degrees(span: int, num_experts: int) -> list[int]:
@@ -292,32 +321,65 @@ def run_plan(cfg, opts: EstimateOptions, log=None) -> dict:
             counts["layouts"] += len(opts.plan_ac_modes) * len(eps)
             continue
         local = global_batch // dp
-        for ep, ac in ((ep, ac) for ep in eps for ac in opts.plan_ac_modes):
+        splits = stage_splits(base.model_args, pp, schedule)
+        for ep, ac, split in ((ep, ac, split) for ep in eps for ac in opts.plan_ac_modes for split in splits):
             counts["layouts"] += 1
-            found, reasons, validated = None, [], False
-            # Largest microbatch first: fewer microbatches means fewer FSDP gathers and a smaller bubble
-            # share per step... except that under PP more microbatches shrink the bubble, so try all there.
-            for micro in sorted(_divisors(local), reverse=True):
+            reasons: list[str] = []
+            validated = False
+
+            def probe(micro: int):
+                """(candidate, prepared job) with its peak and verdict; None when validation refuses it."""
+                nonlocal validated
                 c = Candidate(rep, shard, cp, tp, pp, schedule, ac,
                               local_batch_size=local if pp > 1 else micro, microbatch=micro, ep=ep,
-                              experts=moe is not None)
+                              experts=moe is not None, layers_per_stage=split)
                 try:
-                    prep = prepare_job(_apply(base.cfg, c, global_batch), world)
+                    # From the user's config, not base.cfg: prepare_job's own edits (a missing tokenizer
+                    # dropped for the flavor's vocabulary) must not be prepared twice.
+                    prep = prepare_job(_apply(cfg, c, global_batch), world)
                 except ConfigError as err:
                     reasons.append(str(err).split(",")[0])
-                    continue
+                    return None
                 validated = True
                 estimates, _ = estimate_analytic(prep, opts.alloc_granularity)
                 c.peak_bytes = max(e.peak_bytes for e in estimates)
                 v = verdict(c.peak_bytes, opts)
                 c.fits, c.headroom_bytes = v["fits"], v["headroom_bytes"]
-                if not c.fits:
-                    continue
-                throughput(prep, c, global_batch, opts)
-                if found is None or c.tokens_per_second_per_gpu > found[0].tokens_per_second_per_gpu:
-                    found = (c, prep)
-                if pp == 1:
-                    break  # the largest microbatch that fits is the fastest without PP
+                return c, prep
+
+            # Memory does not shrink as the microbatch grows (under PP, microbatch x chunks in flight
+            # does not either): the microbatches that fit are the smallest ones. Without PP the largest
+            # of them is the fastest (fewer FSDP gathers per step): found by bisection. Under PP more
+            # microbatches shrink the bubble, so every one that fits is ranked, smallest first.
+            micros = _divisors(local)
+            found = None
+            if pp == 1:
+                lo, hi = 0, len(micros)  # micros[:lo] known to fit, micros[hi:] known not to
+                for i in dict.fromkeys((len(micros) - 1, 0)):  # the largest, then the smallest
+                    got = probe(micros[i])
+                    if got is not None and got[0].fits:
+                        found, lo = got, i + 1
+                        break
+                    hi = i
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    got = probe(micros[mid])
+                    if got is not None and got[0].fits:
+                        found, lo = got, mid + 1
+                    else:
+                        hi = mid
+                if found is not None:
+                    throughput(found[1], found[0], global_batch, opts)
+            else:
+                for micro in micros:
+                    got = probe(micro)
+                    if got is None:
+                        continue
+                    if not got[0].fits:
+                        break
+                    throughput(got[1], got[0], global_batch, opts)
+                    if found is None or got[0].tokens_per_second_per_gpu > found[0].tokens_per_second_per_gpu:
+                        found = got
             if not validated:
                 rejected[reasons[0]] = rejected.get(reasons[0], 0) + 1
             elif found is None:

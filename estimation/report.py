@@ -106,6 +106,11 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
         result["notes"].append("mixture of experts: routed-token activations counted at the average load (tokens "
                                "x top_k per rank); dropless routing can send one rank's experts more, which "
                                "moe.capacity_factor bounds")
+    args = prep.model_args
+    if analytic is not None and args.total_layers > args.num_layers:
+        result["notes"].append(f"{args.total_layers - args.num_layers} layer(s) after the trunk (multi-token "
+                               "prediction) counted on the last pipeline stage with the output end, each with "
+                               "its own fp32 log-softmax over the vocabulary")
     from estimation.traced import untraceable
 
     refusal = untraceable(prep)

@@ -353,10 +353,16 @@ def untraceable(prep: PreparedJob) -> str | None:
     Mixture-of-experts layers size their tensors from the routing itself (bincount of the chosen
     experts, `counts.tolist()` for the all-to-all splits, `int(counts.sum())`): a fake tensor has
     no values, so FakeTensorMode raises on the first of them. Making them traceable would mean
-    replacing the layer's routing with a made-up one, which would no longer be the real model."""
+    replacing the layer's routing with a made-up one, which would no longer be the real model.
+    Multi-token prediction needs the lookahead tokens the trainer builds; the trace does not feed
+    them, so it would count the model without its prediction modules."""
     if prep.model_args.moe_args() is not None:
         return ("the traced estimate cannot run mixture-of-experts models (their token dispatch sizes tensors "
                 "from routing values, which fake tensors do not have); use the analytic estimate "
+                "(--estimate.mode analytic)")
+    if prep.model_args.lookahead_tokens > 0:
+        return ("the traced estimate does not run multi-token prediction (it feeds the model no lookahead "
+                "tokens, so the prediction modules would be skipped); use the analytic estimate "
                 "(--estimate.mode analytic)")
     return None
 
