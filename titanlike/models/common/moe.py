@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlike.models.common.feed_forward import FeedForward
 from titanlike.models.common.init import LinearInit, zeros_
+from titanlike.models.outputs import attach_loss
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
@@ -303,20 +304,6 @@ class LocalDispatcher(Dispatcher):
 # The layer ------------------------------------------------------------------------------------
 
 
-class _AttachAux(torch.autograd.Function):
-    """Identity on x whose backward also gives `aux` the gradient 1: the aux loss (in the training
-    loss's summed units) joins the objective wherever this layer runs."""
-
-    @staticmethod
-    def forward(ctx, x, aux):
-        ctx.aux_shape = aux.shape
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.ones(ctx.aux_shape, dtype=torch.float32, device=grad.device)
-
-
 class MoE(nn.Module):
     """Routed experts (+ shared experts) replacing a block's MLP. Input and output (B, S, D).
 
@@ -371,7 +358,7 @@ class MoE(nn.Module):
             counting = _counting()
             aux = self._balancing_losses(routing, batch, seq, record=counting)
             if aux is not None:
-                out = _AttachAux.apply(out, aux)
+                out = attach_loss(out, aux)
             if counting:
                 self._record(routing, keep)
         return out
