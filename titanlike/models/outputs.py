@@ -6,6 +6,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+# Labels equal to this are not targets (the value torch's cross-entropy ignores by default).
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token (or masked-token) cross-entropy of (batch, seq, vocab) logits, summed over the
+    targets: the unit of the training loss and of every term a model adds to it."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
 
 
 @dataclass

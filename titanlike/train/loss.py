@@ -14,19 +14,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from titanlike.models.outputs import ModelOutput
+from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, cross_entropy_sum
 
-IGNORE_INDEX = -100
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-    )
 
 
 def build_cross_entropy_loss(*, compile: bool = False) -> LossFn:

@@ -23,15 +23,12 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titanlike.models.common.block import TransformerBlock
-from titanlike.models.common.init import LinearInit
 from titanlike.models.common.norms import init_norm
-from titanlike.models.outputs import attach_loss
+from titanlike.models.outputs import attach_loss, cross_entropy_sum
 
 MTP_LOSS = "mtp_loss"
-_IGNORE_INDEX = -100  # the trainer's IGNORE_INDEX (titanlike/train/loss.py)
 
 
 class MTPBlock(TransformerBlock):
@@ -91,17 +88,13 @@ def multi_token_prediction(h: torch.Tensor, blocks: list[MTPBlock], lookahead: t
 def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    def ce():
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum",
-                               ignore_index=_IGNORE_INDEX)
-
     if not isinstance(logits, DTensor):
-        return ce()
+        return cross_entropy_sum(logits, targets)
     # Vocabulary-parallel logits (TP with loss parallel): the sharded cross-entropy, as the trainer's
     # own loss (whose context also covers this term's backward). A plain tensor leaves, so that
     # attach_loss sees the same kind of value with and without TP.
     with _loss_parallel():
-        loss = ce()
+        loss = cross_entropy_sum(logits, targets)
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 

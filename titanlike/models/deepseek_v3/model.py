@@ -220,8 +220,15 @@ class DeepSeekV3(Qwen3):
     def trunk(self) -> Iterator[nn.Module]:
         """The blocks of the main model this module holds (a pipeline stage holds some), in order;
         entries keyed n_layers and above (multi-token prediction) are not part of it."""
+        return self._layers(trunk=True)
+
+    def predictors(self) -> list[nn.Module]:
+        """The multi-token-prediction modules this module holds (entries n_layers and above)."""
+        return list(self._layers(trunk=False))
+
+    def _layers(self, *, trunk: bool) -> Iterator[nn.Module]:
         n = self.model_args.n_layers
-        return (layer for key, layer in self.layers.items() if int(key) < n)
+        return (layer for key, layer in self.layers.items() if (int(key) < n) == trunk)
 
     def init_embeddings(self, *, seed: int) -> None:
         super().init_embeddings(seed=seed)
@@ -241,8 +248,7 @@ class DeepSeekV3(Qwen3):
             h = layer(h, rope, mask)
         if self.output is None:
             return self.norm(h) if self.norm is not None else h
-        n = self.model_args.n_layers
-        predictors = [layer for key, layer in self.layers.items() if int(key) >= n]
+        predictors = self.predictors()
         if predictors and lookahead is not None and self.training:
             h = multi_token_prediction(h, predictors, lookahead, embed=self.mtp_embeddings, head=self.output,
                                        rope=rope, mask=mask, weight=self.model_args.mtp_loss_weight, training=True)
