@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,97 @@ def train_metrics(tmp_path: Path, name: str, *extra: str, nproc: int = 1) -> lis
     dump = tmp_path / name
     launch([*TINY_JOB, "--job.dump_folder", str(dump), *extra], nproc=nproc)
     return read_metrics(dump)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "train_run(*extra, nproc=1, name='run'): a train.py job (the tiny job plus extra) that the "
+        "test reads through the train_run / train_runs fixtures; jobs of one world size run in one launch. An "
+        "extra may be a function of a scratch folder that returns a path (data the test writes there).")
+
+
+@dataclass
+class TrainRun:
+    """One finished job of the pool: its dump folder, its metrics.jsonl records and what its batch printed."""
+    folder: Path
+    output: str
+
+    @property
+    def metrics(self) -> list[dict]:
+        return read_metrics(self.folder)
+
+
+@dataclass
+class _Job:
+    name: str
+    nproc: int
+    argv: list[str]
+    folder: Path
+
+
+class TrainJobPool:
+    """The train.py jobs the selected tests declare with `train_run` marks, run in batches: the first
+    test that asks for a job launches every pending job of the same world size through
+    tests/run_jobs.py, so process start-up and the gloo rendezvous are paid once per world size."""
+
+    def __init__(self, root: Path, items):
+        self.root = root
+        self.jobs: dict[tuple[str, str], _Job] = {}
+        self.outputs: dict[str, str] = {}  # job name -> the output of its batch
+        for item in items:
+            for mark in item.iter_markers("train_run"):
+                key = (item.nodeid, mark.kwargs.get("name", "run"))
+                if key in self.jobs:
+                    raise ValueError(f"{item.nodeid}: two train_run marks named {key[1]!r}")
+                name = f"{len(self.jobs):03d}"
+                folder = root / name
+                argv = [*TINY_JOB, "--job.dump_folder", str(folder), *mark.args]
+                self.jobs[key] = _Job(name, mark.kwargs.get("nproc", 1), argv, folder)
+
+    def get(self, nodeid: str, name: str = "run") -> TrainRun:
+        job = self.jobs[(nodeid, name)]
+        if job.name not in self.outputs:
+            self._launch([j for j in self.jobs.values() if j.nproc == job.nproc and j.name not in self.outputs])
+        output = self.outputs[job.name]
+        rc_file = self.root / f"{job.name}.rc"
+        rc = rc_file.read_text() if rc_file.exists() else "never finished"
+        if rc != "0":
+            raise AssertionError(f"train.py {' '.join(map(str, job.argv))} failed ({rc}); its batch printed:\n"
+                                 f"{output[-12000:]}")
+        return TrainRun(job.folder, output)
+
+    def _launch(self, batch: list[_Job]) -> None:
+        jobs_file = self.root / f"batch_{batch[0].name}.json"
+        # An argument may be a function of a scratch folder that returns a path (data a test makes).
+        argv = {j.name: [str(a(self.root)) if callable(a) else str(a) for a in j.argv] for j in batch}
+        jobs_file.write_text(json.dumps([{"name": j.name, "argv": argv[j.name]} for j in batch]))
+        nproc = batch[0].nproc
+        runner = str(REPO / "tests" / "run_jobs.py")
+        cmd = ([sys.executable, runner] if nproc == 1 else
+               [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", runner])
+        proc = subprocess.run([*cmd, str(jobs_file)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                              timeout=300 * len(batch))
+        output = f"{proc.stdout}\n{proc.stderr}"
+        for job in batch:
+            self.outputs[job.name] = output
+
+
+@pytest.fixture(scope="session")
+def train_job_pool(request, tmp_path_factory) -> TrainJobPool:
+    return TrainJobPool(tmp_path_factory.mktemp("pool"), request.session.items)
+
+
+@pytest.fixture
+def train_run(request, train_job_pool) -> TrainRun:
+    """The job the test declared with its (one, unnamed) `train_run` mark."""
+    return train_job_pool.get(request.node.nodeid)
+
+
+@pytest.fixture
+def train_runs(request, train_job_pool) -> dict[str, TrainRun]:
+    """The jobs the test declared with several named `train_run` marks, by name."""
+    names = [m.kwargs.get("name", "run") for m in request.node.iter_markers("train_run")]
+    return {name: train_job_pool.get(request.node.nodeid, name) for name in names}
 
 
 @pytest.fixture(scope="session")

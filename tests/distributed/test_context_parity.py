@@ -12,7 +12,6 @@ under RTOL. test_context_attention.py checks positions on a model with sharp att
 
 import pytest
 
-from conftest import train_metrics
 from test_fsdp_parity import assert_same_curve
 
 pytestmark = pytest.mark.distributed
@@ -20,34 +19,34 @@ pytestmark = pytest.mark.distributed
 CP2 = ("--parallelism.context_parallel_degree", "2")
 
 
-@pytest.mark.parametrize("method", ["allgather", "alltoall"])
-def test_cp2(tmp_path, single_process_reference, method):
+@pytest.mark.parametrize("method", [
+    pytest.param(method, marks=pytest.mark.train_run(*CP2, "--parallelism.context_parallel_rotate_method", method,
+                                                     "--training.local_batch_size", "4",
+                                                     "--training.global_batch_size", "8", nproc=2))
+    for method in ("allgather", "alltoall")])
+def test_cp2(train_run, single_process_reference, method):
     # Two microbatches of 4: the token count of an accumulated step is summed after the cut.
-    got = train_metrics(tmp_path, f"cp2_{method}", *CP2, "--parallelism.context_parallel_rotate_method", method,
-                        "--training.local_batch_size", "4", "--training.global_batch_size", "8", nproc=2)
-    assert_same_curve(got, single_process_reference)
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
-def test_cp4_ring(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "cp4", "--parallelism.context_parallel_degree", "4",
-                        "--parallelism.context_parallel_rotate_method", "alltoall",
-                        "--training.local_batch_size", "8", nproc=4)
-    assert_same_curve(got, single_process_reference)
+@pytest.mark.train_run("--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_rotate_method",
+                       "alltoall", "--training.local_batch_size", "8", nproc=4)
+def test_cp4_ring(train_run, single_process_reference):
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
-def test_fsdp2_x_cp2(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "fsdp2cp2", *CP2, "--training.local_batch_size", "4", nproc=4)
-    assert_same_curve(got, single_process_reference)
+@pytest.mark.train_run(*CP2, "--training.local_batch_size", "4", nproc=4)
+def test_fsdp2_x_cp2(train_run, single_process_reference):
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
-def test_tp2_x_cp2(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "tp2cp2", *CP2, "--parallelism.tensor_parallel_degree", "2",
-                        "--parallelism.context_parallel_rotate_method", "alltoall",
-                        "--training.local_batch_size", "8", nproc=4)
-    assert_same_curve(got, single_process_reference)
+@pytest.mark.train_run(*CP2, "--parallelism.tensor_parallel_degree", "2",
+                       "--parallelism.context_parallel_rotate_method", "alltoall", "--training.local_batch_size", "8",
+                       nproc=4)
+def test_tp2_x_cp2(train_run, single_process_reference):
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
-def test_fsdp2_x_cp2_x_tp2(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "fsdp2cp2tp2", *CP2, "--parallelism.tensor_parallel_degree", "2",
-                        "--training.local_batch_size", "4", nproc=8)
-    assert_same_curve(got, single_process_reference)
+@pytest.mark.train_run(*CP2, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4", nproc=8)
+def test_fsdp2_x_cp2_x_tp2(train_run, single_process_reference):
+    assert_same_curve(train_run.metrics, single_process_reference)

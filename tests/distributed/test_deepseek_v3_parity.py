@@ -87,21 +87,26 @@ def test_fsdp2_ep2_then_resume_at_cp2_tp2(tmp_path, run, reference):
     check(resumed, got[2:], "resume FSDP2 x EP2 -> CP2 (allgather) x TP2")
 
 
-def test_pp2_cp2_ring_ep2_with_a_stage_without_moe(tmp_path, run, reference):
+POOLED = (*DEEPSEEK, *masking.SHORT_DOCUMENTS)  # the jobs below run in the shared launches of their world size
+
+
+@pytest.mark.train_run(*POOLED, "--parallelism.pipeline_parallel_degree", "2",
+                       "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method",
+                       "alltoall", "--parallelism.expert_parallel_degree", "2",
+                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                       "--parallelism.pipeline_parallel_layers_per_stage", "1", "--training.local_batch_size", "8",
+                       "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=4)
+def test_pp2_cp2_ring_ep2_with_a_stage_without_moe(train_run, reference):
     # 4 stages of one layer, 2 per rank: stage 0 holds only the dense layer 0.
-    got = run(tmp_path, "pp2cp2ep2", "--parallelism.pipeline_parallel_degree", "2",
-              "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", "alltoall",
-              "--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-              "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1",
-              "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=4)
-    check(got, reference, "PP2 x CP2 (alltoall) x EP2")
+    check(train_run.metrics, reference, "PP2 x CP2 (alltoall) x EP2")
 
 
-def test_8_ranks_pp2_tp2_fsdp2_ep2(tmp_path, run, reference):
-    got = run(tmp_path, "mix8", "--parallelism.pipeline_parallel_degree", "2",
-              "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
-              "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=8)
-    check(got, reference, "PP2 x TP2 x FSDP2 x EP2")
+@pytest.mark.train_run(*POOLED, "--parallelism.pipeline_parallel_degree", "2",
+                       "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                       "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatch_size", "2",
+                       nproc=8)
+def test_8_ranks_pp2_tp2_fsdp2_ep2(train_run, reference):
+    check(train_run.metrics, reference, "PP2 x TP2 x FSDP2 x EP2")
 
 
 # Tensor parallel gradients, parameter by parameter (spawned gloo ranks) --------------------------

@@ -9,6 +9,7 @@ boundaries, which the embedded corpus (chapters of ~1,000 tokens) would rarely d
 import gzip
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -20,12 +21,14 @@ pytestmark = pytest.mark.distributed
 DOC_MASKING = ("--training.document_masking", "--training.eod_mask_loss")
 
 
-@pytest.fixture(scope="module")
-def short_documents(tmp_path_factory) -> str:
+def write_short_documents(folder: Path) -> str:
+    """Short documents of the embedded corpus as JSONL in folder (written once; the same file every time)."""
+    path = folder / "short_docs.jsonl"
+    if path.exists():
+        return str(path)
     with gzip.open(REPO / "titanlike" / "data" / "assets" / "kjv_chapters.jsonl.gz", "rt") as f:
         words = " ".join(json.loads(line)["text"] for _, line in zip(range(60), f)).split()
     rng = random.Random(0)
-    path = tmp_path_factory.mktemp("docs") / "short_docs.jsonl"
     with open(path, "w") as f:
         i = 0
         while i < len(words):
@@ -33,6 +36,14 @@ def short_documents(tmp_path_factory) -> str:
             f.write(json.dumps({"text": " ".join(words[i:i + n])}) + "\n")
             i += n
     return str(path)
+
+
+SHORT_DOCUMENTS = ("--training.dataset", "text", "--training.dataset_path", write_short_documents)
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory) -> str:
+    return write_short_documents(tmp_path_factory.mktemp("docs"))
 
 
 def _run(tmp_path, name, docs, *extra, nproc=1):
@@ -52,16 +63,16 @@ def test_masking_changes_the_curve(tmp_path, short_documents, masked_reference):
     assert max(gaps) > 1e-3, f"document masking left the loss curve unchanged (max relative gap {max(gaps):.1e})"
 
 
-@pytest.mark.parametrize("name, nproc, layout", [
-    ("fsdp2", 2, ("--training.local_batch_size", "2", "--training.global_batch_size", "8")),
-    ("tp2", 2, ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8")),
-    ("cp2_ring", 2, ("--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method",
-                     "alltoall", "--training.local_batch_size", "8")),
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.train_run(
+    *SHORT_DOCUMENTS, *DOC_MASKING, *layout, nproc=2)) for name, layout in [
+    ("fsdp2", ("--training.local_batch_size", "2", "--training.global_batch_size", "8")),
+    ("tp2", ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8")),
+    ("cp2_ring", ("--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method",
+                  "alltoall", "--training.local_batch_size", "8")),
     # Two stages per rank, four microbatches: each stage gets the mask of the microbatch it runs.
-    ("pp2_interleaved", 2, ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-                            "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2",
-                            "--training.local_batch_size", "8")),
-])
-def test_layout_matches_one_process(tmp_path, short_documents, masked_reference, name, nproc, layout):
-    got = _run(tmp_path, name, short_documents, *DOC_MASKING, *layout, nproc=nproc)
-    assert_same_curve(got, masked_reference)
+    ("pp2_interleaved", ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                         "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2",
+                         "--training.local_batch_size", "8")),
+]])
+def test_layout_matches_one_process(train_run, masked_reference, layout):
+    assert_same_curve(train_run.metrics, masked_reference)

@@ -50,28 +50,34 @@ def float8_fp32_reference(tmp_path_factory):
                          *PARITY_STEPS, *FLOAT8)
 
 
-def test_emulated_float8_bf16_run_learns_and_stays_close_to_bf16(tmp_path):
-    bf16 = ["--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "8"]
-    plain = losses(train_metrics(tmp_path, "bf16", *bf16))
-    float8 = losses(train_metrics(tmp_path, "float8", *bf16, *FLOAT8))
+BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "8"]
+
+
+@pytest.mark.train_run(*BF16, name="bf16")
+@pytest.mark.train_run(*BF16, *FLOAT8, name="float8")
+def test_emulated_float8_bf16_run_learns_and_stays_close_to_bf16(train_runs):
+    plain, float8 = losses(train_runs["bf16"].metrics), losses(train_runs["float8"].metrics)
     assert len(float8) == 10 and float8[-1] < float8[0] - 0.5
     gaps = [abs(a - b) for a, b in zip(float8, plain)]
     assert max(gaps) < FLOAT8_VS_BF16, gaps
     assert max(gaps) > 1e-4, "float8 changed nothing: were the linears swapped?"
 
 
-def test_fsdp2_float8_all_gather_with_precomputed_scales(tmp_path, float8_fp32_reference):
-    fsdp = ["--training.local_batch_size", "4", *PARITY_STEPS, *FLOAT8]
-    gathered = train_metrics(tmp_path, "ag", *fsdp, "--float8.enable_fsdp_float8_all_gather",
-                             "--float8.precompute_float8_dynamic_scale_for_fsdp", nproc=2)
-    plain = train_metrics(tmp_path, "plain", *fsdp, nproc=2)
+FSDP2 = ["--training.local_batch_size", "4", *PARITY_STEPS, *FLOAT8]
+
+
+@pytest.mark.train_run(*FSDP2, "--float8.enable_fsdp_float8_all_gather",
+                       "--float8.precompute_float8_dynamic_scale_for_fsdp", nproc=2, name="gathered")
+@pytest.mark.train_run(*FSDP2, nproc=2, name="plain")
+def test_fsdp2_float8_all_gather_with_precomputed_scales(train_runs, float8_fp32_reference):
+    gathered, plain = train_runs["gathered"].metrics, train_runs["plain"].metrics
     assert_close_curve(gathered, plain, EXACT, EXACT)
     assert_close_curve(gathered, float8_fp32_reference, RTOL, GRAD_RTOL)
 
 
-def test_tp2_float8_styles(tmp_path, float8_fp32_reference):
+@pytest.mark.train_run("--training.local_batch_size", "8", *PARITY_STEPS, *FLOAT8,
+                       "--parallelism.tensor_parallel_degree", "2", nproc=2)
+def test_tp2_float8_styles(train_run, float8_fp32_reference):
     # The plan all-gathers activations in float8 (Float8ColwiseParallel, ...); gloo has no
     # float8 dtypes, so the converter sends those bytes as uint8, as NCCL does.
-    got = train_metrics(tmp_path, "tp2", "--training.local_batch_size", "8", *PARITY_STEPS, *FLOAT8,
-                        "--parallelism.tensor_parallel_degree", "2", nproc=2)
-    assert_close_curve(got, float8_fp32_reference, RTOL, GRAD_RTOL)
+    assert_close_curve(train_run.metrics, float8_fp32_reference, RTOL, GRAD_RTOL)

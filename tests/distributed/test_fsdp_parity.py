@@ -39,40 +39,38 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, single_process_ref
 
 
 @pytest.mark.distributed
-def test_fsdp2_with_accumulation(tmp_path, single_process_reference):
+@pytest.mark.train_run("--training.local_batch_size", "2", "--training.global_batch_size", "8", nproc=2)
+def test_fsdp2_with_accumulation(train_run, single_process_reference):
     # 8 = 2 ranks x 2 microbatches x 2 samples.
-    got = train_metrics(tmp_path, "fsdp2", "--training.local_batch_size", "2",
-                        "--training.global_batch_size", "8", nproc=2)
-    assert_same_curve(got, single_process_reference)
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
 @pytest.mark.distributed
-def test_fsdp4(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "fsdp4", "--training.local_batch_size", "2", nproc=4)
-    assert_same_curve(got, single_process_reference)
+@pytest.mark.train_run("--training.local_batch_size", "2", nproc=4)
+def test_fsdp4(train_run, single_process_reference):
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
 @pytest.mark.distributed
-def test_hsdp_2x2(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "hsdp", "--training.local_batch_size", "2",
-                        "--parallelism.data_parallel_replicate_degree", "2",
-                        "--parallelism.data_parallel_shard_degree", "2", nproc=4)
-    assert_same_curve(got, single_process_reference)
+@pytest.mark.train_run("--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "2", nproc=4)
+def test_hsdp_2x2(train_run, single_process_reference):
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
 @pytest.mark.distributed
-def test_pure_replication_ddp(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "ddp", "--training.local_batch_size", "4",
-                        "--parallelism.data_parallel_replicate_degree", "2", nproc=2)
-    assert_same_curve(got, single_process_reference)
+@pytest.mark.train_run("--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2", nproc=2)
+def test_pure_replication_ddp(train_run, single_process_reference):
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
 @pytest.mark.distributed
-def test_fsdp2_bf16_mixed_precision_is_applied(tmp_path, single_process_reference):
+@pytest.mark.train_run("--training.local_batch_size", "4", "--training.steps", "3",
+                       "--training.mixed_precision_param", "bfloat16", nproc=2)
+def test_fsdp2_bf16_mixed_precision_is_applied(train_run, single_process_reference):
     # bf16 parameters in forward/backward with fp32 reduction: close to the fp32 curve, but not
     # equal to it (equality would mean the MixedPrecisionPolicy was silently not applied).
-    got = train_metrics(tmp_path, "bf16", "--training.local_batch_size", "4", "--training.steps", "3",
-                        "--training.mixed_precision_param", "bfloat16", nproc=2)
+    got = train_run.metrics
     diffs = [abs(g["loss"] - r["loss"]) for g, r in zip(got, single_process_reference)]
     assert all(d < 0.05 for d in diffs), diffs
     assert max(diffs) > 1e-5, diffs

@@ -10,7 +10,7 @@ What is specific to GPT-2 and what each layout checks beyond the llama matrix:
   with gradients summed across the two (TiedWeightSync): across ranks for 1F1B / Interleaved1F1B,
   on rank 0 for ZBVZeroBubble's V placement.
 
-Launches are few (one per layout, 10-60 s each on this shared machine). Tolerances and their
+Every layout runs in the shared launch of its world size (conftest.TrainJobPool). Tolerances and their
 rationale: test_fsdp_parity.py.
 """
 
@@ -54,66 +54,63 @@ def test_reference_loss_falls(reference):
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5, losses
 
 
-def test_fsdp2_with_accumulation(tmp_path, reference):
+@pytest.mark.train_run(*GPT2, "--training.local_batch_size", "2", "--training.global_batch_size", "8", nproc=2)
+def test_fsdp2_with_accumulation(train_run, reference):
     # 8 = 2 ranks x 2 microbatches x 2 samples.
-    got = run(tmp_path, "fsdp2", "--training.local_batch_size", "2", "--training.global_batch_size", "8", nproc=2)
-    check(got, reference, "FSDP2 (+ accumulation)")
+    check(train_run.metrics, reference, "FSDP2 (+ accumulation)")
 
 
-def test_hsdp_2x2(tmp_path, reference):
-    got = run(tmp_path, "hsdp", "--training.local_batch_size", "2",
-              "--parallelism.data_parallel_replicate_degree", "2",
-              "--parallelism.data_parallel_shard_degree", "2", nproc=4)
-    check(got, reference, "HSDP 2x2")
+@pytest.mark.train_run(*GPT2, "--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "2", nproc=4)
+def test_hsdp_2x2(train_run, reference):
+    check(train_run.metrics, reference, "HSDP 2x2")
 
 
-def test_tp2_with_loss_parallel(tmp_path, reference):
-    got = run(tmp_path, "tp2", "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
-              nproc=2)
-    check(got, reference, "TP2 (SP + loss parallel)")
+@pytest.mark.train_run(*GPT2, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2", nproc=2)
+def test_tp2_with_loss_parallel(train_run, reference):
+    check(train_run.metrics, reference, "TP2 (SP + loss parallel)")
 
 
-def test_fsdp2_x_tp2(tmp_path, reference):
-    got = run(tmp_path, "fsdp2tp2", "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
-              nproc=4)
-    check(got, reference, "FSDP2 x TP2")
+@pytest.mark.train_run(*GPT2, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2", nproc=4)
+def test_fsdp2_x_tp2(train_run, reference):
+    check(train_run.metrics, reference, "FSDP2 x TP2")
 
 
-def test_cp2(tmp_path, reference):
-    got = run(tmp_path, "cp2", "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8",
-              nproc=2)
-    check(got, reference, "CP2")
+@pytest.mark.train_run(*GPT2, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", nproc=2)
+def test_cp2(train_run, reference):
+    check(train_run.metrics, reference, "CP2")
 
 
-def test_pp2_1f1b_x_tp2(tmp_path, reference):
+@pytest.mark.train_run(*GPT2, *pp(2, "1F1B"), "--parallelism.tensor_parallel_degree", "2",
+                       "--training.local_batch_size", "8", nproc=4)
+def test_pp2_1f1b_x_tp2(train_run, reference):
     # Tied table on pipeline rank 0 (stage 0) and rank 1 (stage 1), each split over TP 2. Without FSDP
     # torch leaves the embedding's gradient Replicate while its parameter is Shard(0): the tied-copy
     # sum must lay the gradient out like the parameter first (it crashed in gloo before).
-    got = run(tmp_path, "pp_1f1b_tp", *pp(2, "1F1B"), "--parallelism.tensor_parallel_degree", "2",
-              "--training.local_batch_size", "8", nproc=4)
-    check(got, reference, "PP2 1F1B x TP2")
+    check(train_run.metrics, reference, "PP2 1F1B x TP2")
 
 
-def test_pp2_interleaved_1f1b(tmp_path, reference):
+@pytest.mark.train_run(*GPT2, *pp(2, "Interleaved1F1B"), "--training.local_batch_size", "8", nproc=2)
+def test_pp2_interleaved_1f1b(train_run, reference):
     # 4 one-layer stages, looped: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (the output).
-    got = run(tmp_path, "pp_i1f1b", *pp(2, "Interleaved1F1B"), "--training.local_batch_size", "8", nproc=2)
-    check(got, reference, "PP2 Interleaved1F1B")
+    check(train_run.metrics, reference, "PP2 Interleaved1F1B")
 
 
-def test_pp2_x_fsdp2_x_tp2(tmp_path, reference):
-    got = run(tmp_path, "pp_fsdp_tp", *pp(2, "1F1B"), "--parallelism.tensor_parallel_degree", "2",
-              "--training.local_batch_size", "4", nproc=8)
-    check(got, reference, "PP2 1F1B x FSDP2 x TP2")
+@pytest.mark.train_run(*GPT2, *pp(2, "1F1B"), "--parallelism.tensor_parallel_degree", "2",
+                       "--training.local_batch_size", "4", nproc=8)
+def test_pp2_x_fsdp2_x_tp2(train_run, reference):
+    check(train_run.metrics, reference, "PP2 1F1B x FSDP2 x TP2")
 
 
-def test_pp2_zbv_zero_bubble_x_fsdp2(tmp_path, reference):
+@pytest.mark.train_run(*GPT2, *pp(2, "ZBVZeroBubble"), "--training.local_batch_size", "4", nproc=4)
+def test_pp2_zbv_zero_bubble_x_fsdp2(train_run, reference):
     # V placement: rank 0 holds stage 0 (embeddings) and stage 3 (output): the tied copies are summed locally.
-    got = run(tmp_path, "zbv", *pp(2, "ZBVZeroBubble"), "--training.local_batch_size", "4", nproc=4)
-    check(got, reference, "PP2 ZBVZeroBubble x FSDP2")
+    check(train_run.metrics, reference, "PP2 ZBVZeroBubble x FSDP2")
 
 
 
-@pytest.mark.parametrize("schedule, extra, nproc", [
+@pytest.mark.parametrize("schedule, nproc", [pytest.param(schedule, nproc, marks=pytest.mark.train_run(
+    *GPT2, *pp(2, schedule), *extra, nproc=nproc)) for schedule, extra, nproc in [
     # The remaining schedules, each with another dimension: GPipe x CP2 (one stage per rank, the
     # position table indexed by global positions on the first stage), LoopedBFS (looped placement,
     # every forward first), InterleavedZeroBubble x FSDP2 (split backward on resharded-never FSDP),
@@ -122,7 +119,6 @@ def test_pp2_zbv_zero_bubble_x_fsdp2(tmp_path, reference):
     ("LoopedBFS", ("--training.local_batch_size", "8"), 2),
     ("InterleavedZeroBubble", ("--training.local_batch_size", "4"), 4),
     ("DualPipeV", ("--training.local_batch_size", "4"), 4),
-])
-def test_pp2_other_schedules(tmp_path, reference, schedule, extra, nproc):
-    got = run(tmp_path, schedule, *pp(2, schedule), *extra, nproc=nproc)
-    check(got, reference, f"PP2 {schedule} ({nproc} ranks)")
+]])
+def test_pp2_other_schedules(train_run, reference, schedule, nproc):
+    check(train_run.metrics, reference, f"PP2 {schedule} ({nproc} ranks)")

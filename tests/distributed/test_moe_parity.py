@@ -70,42 +70,43 @@ def test_ep2_alltoall_then_resume_at_ep1_and_fsdp4(tmp_path, reference):
         check(resumed, got[2:], f"resume EP2 -> {name}")
 
 
-def test_fsdp4_ep4(tmp_path, reference):
-    check(run(tmp_path, "ep4", "--parallelism.expert_parallel_degree", "4", nproc=4), reference, "FSDP4 x EP4")
+EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 
-def test_hsdp_2x2_ep2_allgather_dispatcher(tmp_path, reference):
-    got = run(tmp_path, "hsdp", "--parallelism.data_parallel_replicate_degree", "2",
-              "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
-              "--moe.token_dispatcher", "allgather", nproc=4)
-    check(got, reference, "HSDP 2x2 x EP2 (allgather)")
+@pytest.mark.train_run(*MOE, "--parallelism.expert_parallel_degree", "4", nproc=4)
+def test_fsdp4_ep4(train_run, reference):
+    check(train_run.metrics, reference, "FSDP4 x EP4")
 
 
-def test_tp2_ep2(tmp_path, reference):
-    got = run(tmp_path, "tp2ep2", "--parallelism.tensor_parallel_degree", "2",
-              "--parallelism.expert_parallel_degree", "2", nproc=2)
-    check(got, reference, "TP2 x EP2")
+@pytest.mark.train_run(*MOE, *EP2, "--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "2", "--moe.token_dispatcher", "allgather", nproc=4)
+def test_hsdp_2x2_ep2_allgather_dispatcher(train_run, reference):
+    check(train_run.metrics, reference, "HSDP 2x2 x EP2 (allgather)")
 
 
-def test_cp2_ep2_with_token_dropping(tmp_path, dropping_reference):
+@pytest.mark.train_run(*MOE, *EP2, "--parallelism.tensor_parallel_degree", "2", nproc=2)
+def test_tp2_ep2(train_run, reference):
+    check(train_run.metrics, reference, "TP2 x EP2")
+
+
+@pytest.mark.train_run(*MOE, *EP2, "--parallelism.context_parallel_degree", "2", *DROPPING, nproc=2)
+def test_cp2_ep2_with_token_dropping(train_run, dropping_reference):
     assert any(r["moe/dropped"] > 0 for r in dropping_reference)
-    got = run(tmp_path, "cp2ep2", "--parallelism.context_parallel_degree", "2",
-              "--parallelism.expert_parallel_degree", "2", *DROPPING, nproc=2)
-    check(got, dropping_reference, "CP2 x EP2, capacity 1.0")
+    check(train_run.metrics, dropping_reference, "CP2 x EP2, capacity 1.0")
 
 
-def test_pp2_ep2_with_a_stage_without_moe(tmp_path, reference):
+@pytest.mark.train_run(*MOE, *EP2, "--parallelism.pipeline_parallel_degree", "2",
+                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                       "--parallelism.pipeline_parallel_layers_per_stage", "1", "--training.local_batch_size", "4",
+                       "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=4)
+def test_pp2_ep2_with_a_stage_without_moe(train_run, reference):
     # 8 stages of one layer, 4 per rank: stage 0 holds only the dense layer 0.
-    got = run(tmp_path, "pp2ep2", "--parallelism.pipeline_parallel_degree", "2",
-              "--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-              "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1", "--training.local_batch_size", "4",
-              "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=4)
-    check(got, reference, "PP2 x EP2")
+    check(train_run.metrics, reference, "PP2 x EP2")
 
 
-def test_8_ranks_pp2_tp2_fsdp2_ep2(tmp_path, reference):
+@pytest.mark.train_run(*MOE, *EP2, "--parallelism.pipeline_parallel_degree", "2",
+                       "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4",
+                       "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=8)
+def test_8_ranks_pp2_tp2_fsdp2_ep2(train_run, reference):
     # ep 2 of the 4 ranks of fsdp x tp: every expert is also FSDP-sharded over efsdp = 2 ranks.
-    got = run(tmp_path, "mix8", "--parallelism.pipeline_parallel_degree", "2",
-              "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
-              "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=8)
-    check(got, reference, "PP2 x TP2 x FSDP2 x EP2")
+    check(train_run.metrics, reference, "PP2 x TP2 x FSDP2 x EP2")

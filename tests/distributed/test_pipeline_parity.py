@@ -1,7 +1,7 @@
 """Pipeline parallelism reproduces the single-process run through train.py (fp32, same global
 batch), with every torch schedule and composed with FSDP, TP and CP.
 
-Launches are few (each costs 15-75 s on this shared machine), so every layout carries a
+Every layout runs in the shared launch of its world size (conftest.TrainJobPool), and each carries a
 schedule and every schedule appears once: 1F1B (3 uneven stages, gradient accumulation),
 ZBVZeroBubble (x FSDP, with activation checkpointing), DualPipeV (x FSDP),
 InterleavedZeroBubble (x FSDP x TP, 8 ranks), GPipe (x TP), Interleaved1F1B (pp 4, 8
@@ -19,7 +19,6 @@ loss of a non-last stage reported all move them by far more.
 
 import pytest
 
-from conftest import train_metrics
 from test_fsdp_parity import assert_same_curve
 
 pytestmark = pytest.mark.distributed
@@ -30,44 +29,45 @@ def pp(degree, schedule, *extra):
             "--parallelism.pipeline_parallel_schedule", schedule, *extra)
 
 
-def test_pp3_1f1b_uneven_stages_with_gradient_accumulation(tmp_path, single_process_reference):
+@pytest.mark.train_run(*pp(3, "1F1B"), "--training.local_batch_size", "4", "--training.global_batch_size", "8", nproc=3)
+def test_pp3_1f1b_uneven_stages_with_gradient_accumulation(train_run, single_process_reference):
     # 8 layers over 3 stages: 3, 3, 2. 8 samples = 2 accumulation steps x 4 pipeline microbatches of 1.
-    got = train_metrics(tmp_path, "1f1b", *pp(3, "1F1B"), "--training.local_batch_size", "4",
-                        "--training.global_batch_size", "8", nproc=3)
-    assert_same_curve(got, single_process_reference)
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
-@pytest.mark.parametrize("schedule, extra", [("ZBVZeroBubble", ("--activation_checkpoint.mode", "full")),
-                                             ("DualPipeV", ())])
-def test_pp2_v_schedules_x_fsdp2(tmp_path, single_process_reference, schedule, extra):
+@pytest.mark.parametrize("schedule", [
+    pytest.param(schedule, marks=pytest.mark.train_run(*pp(2, schedule), *extra, "--training.local_batch_size", "4",
+                                                       nproc=4))
+    for schedule, extra in (("ZBVZeroBubble", ("--activation_checkpoint.mode", "full")), ("DualPipeV", ()))])
+def test_pp2_v_schedules_x_fsdp2(train_run, single_process_reference, schedule):
     # V placement: rank 0 holds the first and the last stage. DualPipeV needs 4 microbatches.
     # Block-level activation checkpointing recomputes once per split backward (op-level is refused).
-    got = train_metrics(tmp_path, schedule, *pp(2, schedule), *extra, "--training.local_batch_size", "4", nproc=4)
-    assert_same_curve(got, single_process_reference)
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
-def test_pp2_interleaved_zero_bubble_x_fsdp2_x_tp2(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "izb", *pp(2, "InterleavedZeroBubble", "--parallelism.pipeline_parallel_microbatch_size", "2"),
-                        "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4", nproc=8)
-    assert_same_curve(got, single_process_reference)
+@pytest.mark.train_run(*pp(2, "InterleavedZeroBubble", "--parallelism.pipeline_parallel_microbatch_size", "2"),
+                       "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4", nproc=8)
+def test_pp2_interleaved_zero_bubble_x_fsdp2_x_tp2(train_run, single_process_reference):
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
-def test_pp2_gpipe_x_tp2(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "gpipe_tp", *pp(2, "GPipe", "--parallelism.pipeline_parallel_microbatch_size", "4"),
-                        "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8", nproc=4)
-    assert_same_curve(got, single_process_reference)
+@pytest.mark.train_run(*pp(2, "GPipe", "--parallelism.pipeline_parallel_microbatch_size", "4"),
+                       "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8", nproc=4)
+def test_pp2_gpipe_x_tp2(train_run, single_process_reference):
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
-def test_pp4_interleaved_1f1b_one_layer_stages(tmp_path, single_process_reference):
+@pytest.mark.train_run(*pp(4, "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"),
+                       "--training.local_batch_size", "8", nproc=4)
+def test_pp4_interleaved_1f1b_one_layer_stages(train_run, single_process_reference):
     # 8 stages of one layer, 2 per rank (looped: rank r holds r and r + 4).
-    got = train_metrics(tmp_path, "pp4", *pp(4, "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"),
-                        "--training.local_batch_size", "8", nproc=4)
-    assert_same_curve(got, single_process_reference)
+    assert_same_curve(train_run.metrics, single_process_reference)
 
 
-def test_pp2_looped_bfs_x_cp2(tmp_path, single_process_reference):
-    got = train_metrics(tmp_path, "bfs_cp", *pp(2, "LoopedBFS", "--parallelism.pipeline_parallel_microbatch_size", "2"),
-                        "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", nproc=4)
+@pytest.mark.train_run(*pp(2, "LoopedBFS", "--parallelism.pipeline_parallel_microbatch_size", "2"),
+                       "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", nproc=4)
+def test_pp2_looped_bfs_x_cp2(train_run, single_process_reference):
+    got = train_run.metrics
     assert_same_curve(got, single_process_reference)
     # Every stage must rotate its tokens by their global positions, but the schedule passes
     # keyword arguments to the first stage only. Local positions move the loss of this fresh

@@ -46,15 +46,16 @@ def test_validation_is_reported_and_leaves_training_alone(reference, single_proc
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name, nproc, layout", [
-    ("fsdp2", 2, ("--training.local_batch_size", "4")),
-    ("tp2", 2, ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8")),
-    ("pp2", 2, ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
-                "2", "--training.local_batch_size", "8")),
-])
-def test_layouts_measure_the_same_validation_loss(tmp_path, reference, name, nproc, layout):
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.train_run(*VALIDATE, *layout, nproc=2))
+                                    for name, layout in [
+    ("fsdp2", ("--training.local_batch_size", "4")),
+    ("tp2", ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8")),
+    ("pp2", ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
+             "2", "--training.local_batch_size", "8")),
+]])
+def test_layouts_measure_the_same_validation_loss(train_run, reference, layout):
     _, ref = reference
-    train, valid = _split(train_metrics(tmp_path, name, *VALIDATE, *layout, nproc=nproc))
+    train, valid = _split(train_run.metrics)
     ref_train, ref_valid = _split(ref)
     assert_same_curve(train, ref_train)
     assert [r["validation_tokens"] for r in valid] == [r["validation_tokens"] for r in ref_valid]

@@ -78,8 +78,9 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message is for the user."""
 
 
-def init_distributed(cfg: JobConfig, world_size: int) -> torch.device:
-    """Pick the device and, under torchrun, create the default process group."""
+def init_distributed(cfg: JobConfig, world_size: int) -> tuple[torch.device, bool]:
+    """Pick the device and, under torchrun, create the default process group. Returns the device and
+    whether this call created the group (a caller that brought its own group keeps it after the job)."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -95,14 +96,15 @@ def init_distributed(cfg: JobConfig, world_size: int) -> torch.device:
             os.path.join(cfg.job.dump_folder, "comm_traces") if torch.cuda.is_available() else None))
         # Create the default group ourselves: if the DeviceMesh creates it, the backend reads "undefined".
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.comm.init_timeout_seconds))
-    return device
+        return device, True
+    return device, False
 
 
 class Trainer:
     def __init__(self, cfg: JobConfig, dims: ParallelDims):
         self.cfg = cfg
         self.dims = dims
-        self.device = init_distributed(cfg, dims.world_size)
+        self.device, self.owns_process_group = init_distributed(cfg, dims.world_size)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # One job per output folder: rank 0 locks it before anything is written (every rank learns the verdict).
         self.folder_locks = self._lock_output_folders()
@@ -552,7 +554,8 @@ class Trainer:
                 # Without a barrier a fast rank can tear gloo down under a slower one
                 # ("terminate called without an active exception").
                 dist.barrier()
-                dist.destroy_process_group()
+                if self.owns_process_group:
+                    dist.destroy_process_group()
         finally:
             for lock in self.folder_locks:
                 lock.release()
