@@ -58,11 +58,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"training error: {e}", file=sys.stderr)
         _shutdown_process_group()
         return 1
+    from titanlike.parallel.timeouts import CollectiveFailure
+
     try:
         trainer.train()
     except (TrainingError, CheckpointError) as e:
         if rank == 0:
             print(f"training error: {e}", file=sys.stderr)
+        return 1
+    except CollectiveFailure as e:
+        # Each rank saw the hang its own way (a timeout, a peer gone): every rank says which step.
+        print(f"training error: {e}", file=sys.stderr)
         return 1
     finally:
         trainer.close()

@@ -1,4 +1,4 @@
-"""Fault injection for checkpoint tests, in-process or around train.py.
+"""Fault injection for checkpoint and hang tests, in-process or around train.py.
 
 In a test: ``disk_full(monkeypatch, "step-6.tmp", budget)`` makes DCP's file writes under that
 folder fail with ENOSPC once ``budget`` bytes are written, as a full disk does;
@@ -6,13 +6,17 @@ folder fail with ENOSPC once ``budget`` bytes are written, as a full disk does;
 unpickled freely; ``flip_two_bytes`` corrupts a tensor's data in place.
 
 Around train.py: ``python tests/faults.py <train.py args>`` with TITANLIKE_FAULT set to a JSON
-object runs train.main() with the fault installed:
+object (or a list of them) runs train.main() with the fault(s) installed:
 
   {"kind": "disk_full", "where": "step-6.tmp", "budget": 10000}
   {"kind": "full_while_tmp", "folder": DIR}   the metrics writers fail with ENOSPC while DIR holds
                                                a step-N.tmp (the disk is full until it is removed)
   {"kind": "nan_param", "step": 6, "rank": 1}  after step 6's optimizer step, rank 1 writes a NaN
                                                into its shard of the first parameter it holds
+  {"kind": "slow_optimizer", "rank": 1, "seconds": 0.3}   each optimizer step of rank 1 first sleeps
+                                               (a straggler: a slow GPU or a busy core)
+  {"kind": "stall", "step": 4, "rank": 1, "seconds": 9}   rank 1 sleeps before step 4's work (a
+                                               hung rank that comes back)
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import io
 import json
 import os
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -185,13 +190,38 @@ def install(fault: dict) -> None:
             return out
 
         Trainer.train_step = poisoned
+    elif kind == "slow_optimizer":
+        from titanlike.train.trainer import Trainer
+
+        init = Trainer.__init__
+
+        def slowed(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if self.rank == fault["rank"]:
+                # After the trainer's own hooks, so the straggler detector's timer is already running.
+                self.optimizer.register_step_pre_hook(lambda *_: time.sleep(fault["seconds"]))
+
+        Trainer.__init__ = slowed
+    elif kind == "stall":
+        from titanlike.train.trainer import Trainer
+
+        train_step = Trainer.train_step
+
+        def stalled(self, microbatches):
+            if self.step == fault["step"] and self.rank == fault["rank"]:
+                time.sleep(fault["seconds"])
+            return train_step(self, microbatches)
+
+        Trainer.train_step = stalled
     else:
         raise ValueError(f"unknown fault {kind!r}")
 
 
 if __name__ == "__main__":
     sys.path.insert(0, REPO)
-    install(json.loads(os.environ["TITANLIKE_FAULT"]))
+    faults = json.loads(os.environ["TITANLIKE_FAULT"])
+    for fault in faults if isinstance(faults, list) else [faults]:
+        install(fault)
     sys.argv = [os.path.join(REPO, "train.py"), *sys.argv[1:]]
     import train
 

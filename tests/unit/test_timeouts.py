@@ -1,4 +1,6 @@
-"""The [comm] options: the training timeout after the first step, and the flight recorder's size."""
+"""The [comm] options: the training timeout after the first step, a failed collective reported with
+its step, and the flight recorder (its size, its dump). The whole path through train.py with a
+stalled rank: tests/distributed/test_hangs.py."""
 
 import multiprocessing
 import os
@@ -11,7 +13,14 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from titanlike.parallel import timeouts
-from titanlike.parallel.timeouts import configure_flight_recorder, set_train_timeout
+from titanlike.parallel.timeouts import (
+    CollectiveFailure,
+    CollectiveGuard,
+    configure_flight_recorder,
+    describe_collective_failure,
+    dump_flight_recorder,
+    set_train_timeout,
+)
 
 
 def _timeout(group) -> timedelta:
@@ -94,9 +103,11 @@ def test_flight_recorder_size_is_set_unless_the_user_set_it(monkeypatch, tmp_pat
     for var in (*timeouts.FLIGHT_RECORDER_BUFFER_VARS, *timeouts._DUMP_ON_TIMEOUT_VARS, *timeouts._DUMP_FILE_VARS):
         monkeypatch.delenv(var, raising=False)
     configure_flight_recorder(20000, dump_folder=str(tmp_path / "fr"))
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == os.environ["TORCH_FR_BUFFER_SIZE"] == "20000"
+    # Only the current names: torch warns about the deprecated TORCH_NCCL_TRACE_BUFFER_SIZE.
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "20000" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "fr" / "rank_")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "fr" / "rank_")
+    assert timeouts.flight_recorder_size() == 20000
 
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "5")
@@ -105,3 +116,52 @@ def test_flight_recorder_size_is_set_unless_the_user_set_it(monkeypatch, tmp_pat
 
     with pytest.raises(ValueError, match="comm.trace_buf_size must be 0"):
         configure_flight_recorder(-1)
+
+
+def test_collective_errors_are_told_apart_from_others(one_rank_group):
+    gloo_timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                                "3000ms for recv operation to complete")
+    gloo_peer = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8626")
+    assert describe_collective_failure(gloo_timeout) == "timed out"
+    assert describe_collective_failure(gloo_peer) == "lost a peer"
+    assert describe_collective_failure(dist.DistBackendError("NCCL watchdog")) == "timed out"
+    assert describe_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert describe_collective_failure(RuntimeError("CUDA error: the launch timed out and was terminated")) is None
+    assert describe_collective_failure(ValueError("timed out")) is None
+
+
+def test_guard_names_rank_and_step_and_dumps_the_flight_recorder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")  # read when the group is created
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2))
+        step = 7
+        guard = CollectiveGuard(lambda: step, rank=0, timeout_seconds=5, dump_folder=str(tmp_path / "comm_traces"))
+        with pytest.raises(CollectiveFailure) as failure:
+            with guard:
+                raise RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                                   "5000ms for recv operation to complete")
+        message = str(failure.value)
+        assert message.startswith("rank 0: a collective in step 7 timed out (comm.train_timeout_seconds 5)")
+        assert "Timed out waiting 5000ms" in message and guard.failed
+        path = tmp_path / "comm_traces" / "rank_0"
+        assert f"its last collectives: {path}" in message
+        # torch's flight-recorder dump (a pickle torch wrote a moment ago): this rank's collectives.
+        import pickle
+
+        record = pickle.loads(path.read_bytes())
+        names = [e["profiling_name"] for e in record["entries"]]
+        assert names.count("gloo:all_reduce") >= 3
+
+        # Other errors pass through untouched, and leave the guard as it was.
+        other = CollectiveGuard(lambda: step, rank=0, timeout_seconds=5)
+        with pytest.raises(KeyError):
+            with other:
+                raise KeyError("x")
+        assert not other.failed
+        # With the recorder off there is nothing to dump.
+        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+        assert dump_flight_recorder(str(tmp_path / "off"), 0) is None and not (tmp_path / "off").exists()
+    finally:
+        dist.destroy_process_group()

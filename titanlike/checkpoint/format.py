@@ -37,6 +37,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 import zlib
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -235,10 +236,32 @@ class NoPickleLoadPlanner(DefaultLoadPlanner):
             f"checkpoint entry {read_item.dest_index.fqn!r} is pickled; titanlike never unpickles checkpoint entries")
 
 
+# Without a process group DCP warns on every save and load ("torch.distributed is disabled,
+# unavailable or uninitialized, assuming the intent is to save in a single process"), even when
+# asked for no_dist: a single process is what titanlike means then, so that one warning is dropped.
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+@contextmanager
+def single_process_dcp():
+    """Around a DCP save or load in this thread: no single-process warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        yield
+
+
+def ignore_single_process_warning() -> None:
+    """For asynchronous single-process saves, whose warning comes from DCP's own writer thread
+    after any `catch_warnings` here has ended: drop that one warning for the rest of the process
+    (an idempotent entry in the warnings filters)."""
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+
+
 def dcp_load(state_dict: dict, path: str, *, process_group=None, no_dist: bool = False) -> None:
     """dcp.load of a checkpoint folder, reading no pickle (raises DCP's exceptions)."""
-    dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=NoPickleLoadPlanner(),
-             process_group=process_group, no_dist=no_dist)
+    with single_process_dcp():
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=NoPickleLoadPlanner(),
+                 process_group=process_group, no_dist=no_dist)
 
 
 def pickled_entries(keys, metadata: Metadata) -> list[str]:
@@ -469,7 +492,9 @@ class ChecksumWriter(dcp.FileSystemWriter):
 
 def dcp_save(state_dict: dict, path: str, *, process_group=None, no_dist: bool = False):
     """dcp.save through ChecksumWriter (raises DCP's exceptions)."""
-    return dcp.save(state_dict, storage_writer=ChecksumWriter(path), process_group=process_group, no_dist=no_dist)
+    with single_process_dcp():
+        return dcp.save(state_dict, storage_writer=ChecksumWriter(path), process_group=process_group,
+                        no_dist=no_dist)
 
 
 def collect_checksums(folder: str) -> dict[str, Any]:
@@ -712,7 +737,9 @@ def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if not template:
         raise CheckpointError(f"{path} holds no safetensors tensors")
     try:
-        dcp.load(template, storage_reader=HuggingFaceStorageReader(path), planner=NoPickleLoadPlanner(), no_dist=True)
+        with single_process_dcp():
+            dcp.load(template, storage_reader=HuggingFaceStorageReader(path), planner=NoPickleLoadPlanner(),
+                     no_dist=True)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -766,7 +793,8 @@ def write_hf(
     os.makedirs(out, exist_ok=True)
     writer = HuggingFaceStorageWriter(out, fqn_to_index_mapping=_shard_plan(hf_sd, max_shard_bytes))
     try:
-        dcp.save(hf_sd, storage_writer=writer, no_dist=True)
+        with single_process_dcp():
+            dcp.save(hf_sd, storage_writer=writer, no_dist=True)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

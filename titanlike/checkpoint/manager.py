@@ -764,6 +764,8 @@ class CheckpointManager:
             kind = AsyncCheckpointerType.PROCESS if self.distributed else AsyncCheckpointerType.THREAD
             kwargs = dict(async_checkpointer_type=kind, async_stager=self._stager)
         state = self._dcp_state(self.states)
+        if not self.distributed:
+            fmt.ignore_single_process_warning()
         try:
             response = dcp.async_save(state, storage_writer=fmt.ChecksumWriter(self._tmp(step)),
                                       process_group=self._pg, no_dist=not self.distributed, **kwargs)

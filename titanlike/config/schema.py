@@ -229,26 +229,39 @@ class Metrics:
     log_freq: int = opt(10, "steps between metric logs")
     enable_tensorboard: bool = opt(False, "write TensorBoard events")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder")
-    enable_wandb: bool = opt(False, "log to Weights & Biases")
+    enable_wandb: bool = opt(False, "log to Weights & Biases (needs the wandb extra), with the config")
+    wandb_mode: str = opt(
+        "auto", "auto: online when wandb can log in (WANDB_MODE, WANDB_API_KEY or a saved login), else offline "
+        "into job.dump_folder/wandb for a later `wandb sync`", choices=("auto", "online", "offline"))
     enable_jsonl: bool = opt(
-        False, "also write each logged step as a JSON line to job.dump_folder/metrics.jsonl"
+        True, "also write each logged step as a JSON line to job.dump_folder/metrics.jsonl (read by "
+        "scripts/plot_metrics.py)"
+    )
+    straggler_factor: float = opt(
+        1.5, "at each log, name the ranks whose data-loading or optimizer-step time exceeds this factor x "
+        "the median over ranks (Megatron's straggler detector); 0 turns the per-rank timing off"
     )
 
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = opt(False, "capture torch.profiler traces")
+    enable_profiling: bool = opt(False, "capture a torch.profiler trace of one step in every profile_freq, per rank")
     save_traces_folder: str = opt("profile_traces", "trace folder, relative to job.dump_folder")
-    profile_freq: int = opt(10, "steps between traces")
-    enable_memory_snapshot: bool = opt(False, "dump CUDA memory snapshots")
+    profile_freq: int = opt(10, "steps between traces and memory snapshots")
+    enable_memory_snapshot: bool = opt(
+        False, "write a memory snapshot every profile_freq steps and on out-of-memory: CUDA allocator history "
+        "(for pytorch.org/memory_viz), or on CPU the process and tensor memory as JSON")
     save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder, relative to job.dump_folder")
 
 
 @dataclass
 class Comm:
     init_timeout_seconds: int = opt(300, "timeout for process-group initialization and the first step")
-    train_timeout_seconds: int = opt(100, "collective timeout after the first step")
-    trace_buf_size: int = opt(20000, "flight-recorder entries kept per rank (0 disables)")
+    train_timeout_seconds: int = opt(
+        100, "collective timeout after the first step: a hung rank makes every rank fail, naming the step")
+    trace_buf_size: int = opt(
+        20000, "flight-recorder entries (recent collectives) kept per rank, dumped to "
+        "job.dump_folder/comm_traces when a collective times out (0 disables)")
 
 
 @dataclass

@@ -28,8 +28,6 @@ def validate_values(cfg: JobConfig) -> None:
     _check(p.expert_tensor_parallel_degree == 1, f"parallelism.expert_tensor_parallel_degree {NOT_YET}")
     if cfg.validation.enable:
         _validate_validation(cfg)
-    _check(not cfg.metrics.enable_wandb, f"Weights & Biases logging (metrics.enable_wandb) {NOT_YET}")
-    _check(not cfg.profiling.enable_memory_snapshot, f"memory snapshots (profiling.enable_memory_snapshot) {NOT_YET}")
 
     # Batch and sequence.
     _check(t.seq_len >= 1, f"training.seq_len must be at least 1, got {t.seq_len}")
@@ -67,7 +65,9 @@ def validate_values(cfg: JobConfig) -> None:
     _check(cfg.comm.trace_buf_size >= 0,
            f"comm.trace_buf_size must be 0 (no flight recorder) or more, got {cfg.comm.trace_buf_size}")
     _check(cfg.metrics.log_freq >= 1, f"metrics.log_freq must be at least 1, got {cfg.metrics.log_freq}")
-    if cfg.profiling.enable_profiling:
+    _check(cfg.metrics.straggler_factor == 0 or cfg.metrics.straggler_factor > 1,
+           f"metrics.straggler_factor must be 0 (off) or above 1, got {cfg.metrics.straggler_factor}")
+    if cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot:
         _check(cfg.profiling.profile_freq >= 1,
                f"profiling.profile_freq must be at least 1, got {cfg.profiling.profile_freq}")
 

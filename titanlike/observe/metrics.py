@@ -1,4 +1,9 @@
-"""Training metrics: throughput, MFU, memory; printed by rank 0 and written to TensorBoard/JSONL.
+"""Training metrics: throughput, MFU, memory; printed by rank 0 and written to TensorBoard, JSONL
+and Weights & Biases (observe/wandb_run.py).
+
+The console line is the run's progress: step of total, loss, tokens/s, memory and the time left
+(ETA: the remaining steps at the mean step time since the previous log, checkpoint saves
+included, validation excluded).
 
 MFU follows the 6N + 12*L*H*Q*T FLOPs-per-token convention (N without
 embeddings, attention counted as non-causal) divided by the device's dense bf16
@@ -18,6 +23,7 @@ import math
 import os
 import resource
 import time
+from datetime import timedelta
 
 import torch
 
@@ -85,12 +91,26 @@ def add_expert_histogram(writer, tag: str, counts: list[float], step: int) -> No
         bucket_limits=[e + 0.5 for e in ids], bucket_counts=list(counts), global_step=step)
 
 
+def format_eta(seconds: float) -> str:
+    """'1:02:03' (h:mm:ss), with days when longer: '2 days, 3:04:05'."""
+    return str(timedelta(seconds=round(seconds))) if math.isfinite(seconds) else "?"
+
+
 class MetricsLogger:
-    """Accumulates tokens between logs and reports step metrics (rank 0 writes)."""
+    """Accumulates tokens between logs and reports step metrics (rank 0 writes).
+
+    total_steps: the run's last step, for the progress line's ETA. wandb_run: a started wandb run
+    (observe/wandb_run.py) that gets every record. After the run, `last_loss` and `validations`
+    ((step, loss) of every validation) feed the end-of-run summary.
+    """
 
     def __init__(self, *, device, flops_per_token, tokens_per_step_per_device, log_freq,
-                 is_writer, tb_folder=None, jsonl_path=None):
+                 is_writer, tb_folder=None, jsonl_path=None, total_steps=None, wandb_run=None):
         self.device = device
+        self.total_steps = total_steps
+        self._wandb = wandb_run if is_writer else None
+        self.last_loss: float | None = None
+        self.validations: list[tuple[int, float]] = []
         self.flops_per_token = flops_per_token
         self.tokens_per_step_per_device = tokens_per_step_per_device
         self.log_freq = log_freq
@@ -122,7 +142,9 @@ class MetricsLogger:
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         tps = self._steps_since * self.tokens_per_step_per_device / elapsed
+        seconds_per_step = elapsed / max(self._steps_since, 1)
         self._last_time, self._steps_since = now, 0
+        self.last_loss = loss
         mem_label, mem = peak_memory_gib(self.device)
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, mem_label: mem,
                   **(extra or {})}
@@ -135,9 +157,13 @@ class MetricsLogger:
         # Loss terms the model reports apart from the loss (e.g. mtp_loss); per target token too.
         terms = "".join(f"  {key}: {value:8.4f}" for key, value in (extra or {}).items()
                         if key.endswith("_loss") and "/" not in key)
+        of_total, eta = "", ""
+        if self.total_steps:
+            of_total = f"/{self.total_steps}"
+            eta = f"  eta: {format_eta(max(self.total_steps - step, 0) * seconds_per_step)}"
         logger.info(
-            f"step: {step:5d}  loss: {loss:8.4f}{terms}  grad_norm: {grad_norm:7.4f}  lr: {lr:.3e}  "
-            f"tps: {tps:,.0f}{mfu}  {mem_label}: {mem:.2f}GiB" + (f"  {moe}" if moe else "")
+            f"step: {step:5d}{of_total}  loss: {loss:8.4f}{terms}  grad_norm: {grad_norm:7.4f}  lr: {lr:.3e}  "
+            f"tps: {tps:,.0f}{mfu}  {mem_label}: {mem:.2f}GiB{eta}" + (f"  {moe}" if moe else "")
         )
         # Counted on the device; one copy to the host, on the writer and only at log steps.
         counts = {layer: [float(v) for v in c.tolist()] if torch.is_tensor(c) else [float(v) for v in c]
@@ -156,12 +182,15 @@ class MetricsLogger:
                 **record, "tokens_per_expert": {str(layer): [round(v) for v in c] for layer, c in counts.items()}}
             self._jsonl.write(json.dumps(line) + "\n")
             self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         return record
 
     def log_validation(self, step: int, loss: float, tokens: int) -> dict:
         """Report a validation run: mean loss per target token and its perplexity."""
         perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
         record = {"step": step, "validation_loss": loss, "validation_perplexity": perplexity, "validation_tokens": tokens}
+        self.validations.append((step, loss))
         if not self.is_writer:
             return record
         logger.info(f"validation  step: {step:5d}  loss: {loss:8.4f}  perplexity: {perplexity:,.2f}  "
@@ -173,6 +202,8 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log({"validation/loss": loss, "validation/perplexity": perplexity}, step=step)
         # Validation time is not training time: keep it out of the next tokens/s.
         self._last_time = time.perf_counter()
         return record
@@ -182,3 +213,6 @@ class MetricsLogger:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -33,11 +33,16 @@ from titanlike.models.common.attention import DocumentMask, describe_sdpa_kernel
 from titanlike.models.converters import build_model_converters
 from titanlike.models.outputs import reported_loss_sums
 from titanlike.models.registry import get_model_spec
+from titanlike.observe.memory import MemorySnapshot, tensor_footprint
 from titanlike.observe.metrics import MetricsLogger
+from titanlike.observe.profiler import Profiler
 from titanlike.observe.run_lock import FolderInUse, FolderLock
+from titanlike.observe.stragglers import StragglerDetector, format_stragglers
+from titanlike.observe.summary import RunSummary
 from titanlike.parallel.context import load_balanced_positions, shard_sequence
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
+from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
 from titanlike.parallel.utils import clip_grad_norm_, scale_gradients, sum_over
 from titanlike.train.evaluate import build_validation_data
 from titanlike.train.expert_balance import ExpertBalance
@@ -221,6 +226,12 @@ class Trainer:
 
         dump = cfg.job.dump_folder
         m = cfg.metrics
+        wandb_run = None
+        if m.enable_wandb and self.rank == 0:
+            from titanlike.observe.wandb_run import start_wandb
+
+            wandb_run = start_wandb(mode=m.wandb_mode, folder=dump, config=config_to_dict(cfg))
+        self.wandb_folder = os.path.dirname(wandb_run.dir) if wandb_run is not None else None  # the run's own
         self.metrics = MetricsLogger(
             device=self.device,
             flops_per_token=self.flops_per_token,
@@ -229,7 +240,14 @@ class Trainer:
             is_writer=self.rank == 0,
             tb_folder=os.path.join(dump, m.save_tb_folder) if m.enable_tensorboard else None,
             jsonl_path=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
+            total_steps=t.steps,
+            wandb_run=wandb_run,
         )
+        # Per-rank data and optimizer times, compared over ranks at every log (observe/stragglers.py).
+        self.stragglers = StragglerDetector(factor=m.straggler_factor, device=self.device)
+        self.stragglers.watch(self.optimizer)
+        self.collectives: CollectiveGuard | None = None  # set by train(); tells close() a collective failed
+        self.summary: RunSummary | None = None  # set when train() ends normally; printed by close()
 
     def _lock_output_folders(self) -> list[FolderLock]:
         """Rank 0 locks job.dump_folder (and checkpoint.folder when it lies outside it); every
@@ -448,7 +466,8 @@ class Trainer:
         if start is None:  # checkpoint.create_seed_checkpoint: the seed is written, nothing to train
             return []
         self.step = start
-        data = iter(self.dataloader)
+        begin = time.monotonic()
+        data = self.stragglers.timed(iter(self.dataloader))
         losses = []
         if self.stop.agreed():
             if self.rank == 0:
@@ -460,13 +479,18 @@ class Trainer:
                 f"training {steps} steps: global batch {self.global_batch_size} x seq "
                 f"{self.cfg.training.seq_len}, {self.grad_accum_steps} microbatch(es) per rank"
             )
-        from titanlike.observe.profiler import Profiler
-        from titanlike.parallel.timeouts import set_train_timeout
-
         p = self.cfg.profiling
         profiler = Profiler(enabled=p.enable_profiling, freq=p.profile_freq, rank=self.rank, start_step=start,
                             folder=os.path.join(self.cfg.job.dump_folder, p.save_traces_folder))
-        with profiler:
+        snapshots = MemorySnapshot(
+            enabled=p.enable_memory_snapshot, freq=p.profile_freq, rank=self.rank, device=self.device,
+            folder=os.path.join(self.cfg.job.dump_folder, p.save_memory_snapshot_folder),
+            footprint=lambda: tensor_footprint(self.model_parts, self.optimizer))
+        # A collective that times out (comm.train_timeout_seconds) or loses its peer: an error naming the step.
+        self.collectives = CollectiveGuard(lambda: self.step, rank=self.rank,
+                                           timeout_seconds=self.cfg.comm.train_timeout_seconds,
+                                           dump_folder=os.path.join(self.cfg.job.dump_folder, "comm_traces"))
+        with self.collectives, profiler, snapshots:
             while self.step < steps:
                 self.step += 1
                 self.step_skipped = False
@@ -488,6 +512,9 @@ class Trainer:
                                          for i in range(self.model_args.total_layers) if moe.is_moe_layer(i)}
                     self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra or None,
                                      expert_counts=expert_counts)
+                    slow = self.stragglers.report(self.step)  # a collective: every rank
+                    if slow and self.rank == 0:
+                        logger.warning(format_stragglers(self.step, slow, self.stragglers.factor))
                 if self.validation is not None and (self.step % self.cfg.validation.freq == 0 or self.step == steps):
                     self.metrics.log_validation(self.step, *self.validate())
                 # Every rank, after every step but the last (which saves and ends anyway): one scalar
@@ -501,10 +528,26 @@ class Trainer:
                     # comm.train_timeout_seconds. The checkpoint's group keeps its long timeout.
                     set_train_timeout(self.cfg.comm.train_timeout_seconds, keep=[self.checkpointer.process_group])
                 profiler.step()
+                snapshots.step(self.step)
         if self.skipped_steps and self.rank == 0:
             logger.warning(f"{self.skipped_steps} step(s) with a non-finite loss or gradient norm were skipped "
                            f"(training.skip_nonfinite_steps {self.cfg.training.skip_nonfinite_steps})")
+        self.summary = self._summary(start, time.monotonic() - begin, profiler, snapshots)
         return losses
+
+    def _summary(self, start: int, seconds: float, profiler: Profiler, snapshots: MemorySnapshot) -> RunSummary:
+        cfg, dump = self.cfg, self.cfg.job.dump_folder
+        m, p = cfg.metrics, cfg.profiling
+        return RunSummary(
+            first_step=start + 1, last_step=self.step, seconds=seconds, final_loss=self.metrics.last_loss,
+            validations=self.metrics.validations, skipped_steps=self.skipped_steps,
+            checkpoints=self.checkpointer.folder if self.checkpointer.enabled else None,
+            tensorboard=os.path.join(dump, m.save_tb_folder) if m.enable_tensorboard else None,
+            metrics_jsonl=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
+            profile_traces=os.path.join(dump, p.save_traces_folder) if profiler.traces else None,
+            memory_snapshots=os.path.join(dump, p.save_memory_snapshot_folder) if snapshots.written else None,
+            wandb=self.wandb_folder,
+        )
 
     def _save_and_stop(self) -> None:
         """A stop signal reached some rank: save a full checkpoint of this step on every rank, say so."""
@@ -550,7 +593,18 @@ class Trainer:
         try:
             self.checkpointer.close()
             self.metrics.close()
-            if dist.is_initialized():
+            if self.summary is not None and self.rank == 0:
+                # After the checkpointer's close: an asynchronous last save is published by now.
+                from titanlike.checkpoint.format import published_steps
+
+                if self.summary.checkpoints:
+                    steps = published_steps(self.summary.checkpoints)
+                    self.summary.latest_checkpoint = os.path.basename(self.checkpointer.path(steps[-1])) if steps else None
+                logger.info("\n".join(self.summary.lines()))
+            # After a collective timed out or lost its peer the other ranks may be gone or hung: a
+            # barrier or destroy_process_group would wait on them, so the process exit frees the group.
+            failed = self.collectives is not None and self.collectives.failed
+            if dist.is_initialized() and not failed:
                 # Without a barrier a fast rank can tear gloo down under a slower one
                 # ("terminate called without an active exception").
                 dist.barrier()

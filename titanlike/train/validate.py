@@ -184,6 +184,10 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
                           validation_enabled=cfg.validation.enable,
                           validation_batch_size=cfg.validation.local_batch_size)
     validate_checkpoint_config(cfg.checkpoint, spec)
+    if cfg.metrics.enable_wandb:
+        from titanlike.observe.wandb_run import validate_wandb
+
+        validate_wandb()
 
 
 def _validate_experts(cfg: JobConfig, dims: ParallelDims, has_experts: bool, model: str) -> None:

@@ -1,0 +1,68 @@
+"""The end-of-run summary rank 0 prints: what the run did and where everything it wrote went.
+
+    run summary: 200 step(s) (1 -> 200) in 0:03:12; final loss 4.1210
+      validation loss: final 4.3003 (step 200), best 4.2871 (step 150)
+      checkpoints:     outputs/checkpoint (latest: step-200)
+      tensorboard:     tensorboard --logdir outputs/tb
+      metrics:         outputs/metrics.jsonl (plot: python scripts/plot_metrics.py outputs/metrics.jsonl)
+      ...
+
+Only what the run wrote is listed. Built by the trainer from plain values, printed by rank 0 once
+the checkpointer has closed (so an asynchronous last save is already published).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titanlike.observe.metrics import format_eta
+
+
+@dataclass
+class RunSummary:
+    first_step: int  # the first step this launch trained
+    last_step: int  # the last step it finished (first_step - 1: none)
+    seconds: float
+    final_loss: float | None = None
+    validations: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+    skipped_steps: int = 0
+    # Where things went; None: not written (e.g. TensorBoard off).
+    checkpoints: str | None = None
+    latest_checkpoint: str | None = None
+    tensorboard: str | None = None
+    metrics_jsonl: str | None = None
+    profile_traces: str | None = None
+    memory_snapshots: str | None = None
+    wandb: str | None = None
+
+    def lines(self) -> list[str]:
+        steps = self.last_step - self.first_step + 1
+        head = (f"run summary: {steps} step(s) ({self.first_step} -> {self.last_step}) in {format_eta(self.seconds)}"
+                if steps > 0 else f"run summary: no step trained in {format_eta(self.seconds)}")
+        if self.final_loss is not None:
+            head += f"; final loss {self.final_loss:.4f}"
+        if self.skipped_steps:
+            head += f"; {self.skipped_steps} non-finite step(s) skipped"
+        out = [head]
+        if self.validations:
+            final_step, final = self.validations[-1]
+            best_step, best = min(self.validations, key=lambda v: v[1])
+            out.append(f"  validation loss: final {final:.4f} (step {final_step}), best {best:.4f} (step {best_step})")
+        if self.checkpoints:
+            latest = f" (latest: {self.latest_checkpoint})" if self.latest_checkpoint else " (none published)"
+            out.append(f"  checkpoints:     {self.checkpoints}{latest}")
+        if self.tensorboard:
+            out.append(f"  tensorboard:     tensorboard --logdir {self.tensorboard}")
+        if self.metrics_jsonl:
+            out.append(f"  metrics:         {self.metrics_jsonl} "
+                       f"(plot: python scripts/plot_metrics.py {self.metrics_jsonl})")
+        if self.wandb:
+            out.append(f"  wandb:           {self.wandb}")
+        if self.profile_traces:
+            out.append(f"  profiler traces: {self.profile_traces}")
+        if self.memory_snapshots:
+            out.append(f"  memory snapshots: {self.memory_snapshots}")
+        return out
+
+
+__all__ = ["RunSummary"]
