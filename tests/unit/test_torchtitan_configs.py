@@ -510,13 +510,24 @@ SHORT = ["--training.steps", "3", "--training.seq_len", "64", "--training.local_
          "--metrics.enable_jsonl"]
 
 
-def test_v022_debug_layout_trains(tmp_path, caplog):
+@pytest.fixture
+def one_thread():
+    # As the subprocess launches of tests/conftest.py (OMP_NUM_THREADS=1): the CI machine's cores
+    # are shared, and a tiny model gains nothing from intra-op threads but their spinning.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_v022_debug_layout_trains(tmp_path, caplog, one_thread):
     import train
     from titanlike.train.optimizer import lr_factor
 
     with caplog.at_level("INFO", logger="titanlike"):
         assert train.main([*fixture("llama3_debug_v0.2.2.toml"), *SHORT, "--job.dump_folder", str(tmp_path)]) == 0
     assert "config: metrics.disable_color_printing has no effect in titanlike" in caplog.text
+    assert "model after conversion and parallelization:\nTransformer(" in caplog.text  # model.print_after_conversion
     records = read_metrics(tmp_path)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and all(0 < r["loss"] < 20 for r in steps)
@@ -532,7 +543,7 @@ def test_v022_debug_layout_trains(tmp_path, caplog):
     assert saved["lr_scheduler"]["total_steps"] == 10 and saved["model"]["hf_assets_path"] == "./tests/assets/tokenizer"
 
 
-def test_v010_debug_layout_trains(tmp_path, caplog):
+def test_v010_debug_layout_trains(tmp_path, caplog, one_thread):
     import train
 
     with caplog.at_level("INFO", logger="titanlike"):

@@ -223,7 +223,6 @@ def _describe_unknown(names: list[str]) -> str:
 def _suggest(section: str, key: str, known: list[str]) -> str | None:
     # The key exists verbatim in exactly one other section: most likely misplaced.
     elsewhere = [n for n in known if n.rpartition(".")[2] == key and not n.startswith(section + ".")]
-    target = None
     if len(elsewhere) == 1:
         target = elsewhere[0]
     else:
