@@ -81,7 +81,7 @@ MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE = (
 COMPONENTS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE)
 # What checkpoint.exclude_from_loading may name.
 CHECKPOINT_COMPONENTS = COMPONENTS
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # config.json keys that decide neither whether a Hugging Face checkpoint's weights fit this job's
 # model nor what they compute: the context length (it only sizes position tables), token ids,

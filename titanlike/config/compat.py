@@ -45,6 +45,10 @@ class NotHere:
 # Whole tables torchtitan names differently: (torchtitan prefix, our section).
 SECTION_ALIASES: dict[str, str] = {"quantize.linear.float8": "float8"}
 
+# List items torchtitan names differently: option -> {torchtitan's item: ours}. v0.2.2 registers
+# its float8 linear converter as "quantize.linear.float8"; its presets write "float8", as we do.
+ITEM_ALIASES: dict[str, dict[str, str]] = {"model.converters": {"quantize.linear.float8": "float8"}}
+
 _NOT_YET = "not implemented in titanlike yet"
 _NO_CODE = "titanlike never imports code a config names (model families register in titanlike.models)"
 _NO_FT = "titanlike has no TorchFT integration"
@@ -112,9 +116,11 @@ TORCHTITAN_KEYS: dict[str, Alias | Renamed | NotHere] = {
     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": NotHere("triton", _NO_MX, note=True),
     "quantize.linear.mx.recipe_name": NotHere("mxfp8_cublas", _NO_MX, note=True),
     "quantize.linear.mx.filter_fqns": NotHere(["output"], _NO_MX, note=True),
-    "quantize.grouped_mm.float8.fqns": NotHere([], "float8 grouped GEMMs for experts are " + _NOT_YET),
+    "quantize.grouped_mm.float8.fqns": NotHere(
+        [], "float8 grouped GEMMs for experts are " + _NOT_YET + " (model.converters refuses "
+        "quantize.grouped_mm.float8)", note=True),
     "quantize.grouped_mm.mx.recipe_name": NotHere("mxfp8", _NO_MX, note=True),
-    "quantize.grouped_mm.mx.fqns": NotHere([], _NO_MX),
+    "quantize.grouped_mm.mx.fqns": NotHere([], _NO_MX, note=True),
     "mx.use_fp8_dim1_cast_triton_kernel": NotHere(True, _NO_MX, note=True),
     "mx.recipe_name": Renamed("quantize.linear.mx.recipe_name", "v0.1.0"),
     "mx.filter_fqns": Renamed("quantize.linear.mx.filter_fqns", "v0.1.0"),

@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Sequence
 
-from titanlike.config.compat import SECTION_ALIASES, TORCHTITAN_KEYS, Alias, NotHere, Renamed
+from titanlike.config.compat import ITEM_ALIASES, SECTION_ALIASES, TORCHTITAN_KEYS, Alias, NotHere, Renamed
 from titanlike.config.schema import JobConfig
 
 if sys.version_info >= (3, 11):
@@ -420,7 +420,10 @@ def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | Non
             continue
         if option.renamed is not None:
             found[name] = _deprecated(option)
-        values.setdefault(option.section, {})[option.key] = _convert(option.name, value, option.tp, option.choices)
+        value = _convert(option.name, value, option.tp, option.choices)
+        if option.name in ITEM_ALIASES:
+            value = [ITEM_ALIASES[option.name].get(item, item) for item in value]
+        values.setdefault(option.section, {})[option.key] = value
 
     if notes is not None:
         notes.extend(found.values())

@@ -223,7 +223,7 @@ class Checkpoint:
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face safetensors folder")
     last_save_model_only: bool = opt(True, "the final checkpoint holds the model only")
     last_save_in_hf: bool = opt(False, "write the final checkpoint in Hugging Face format")
-    export_dtype: str = opt("float32", "dtype of model-only exports", choices=("float32", "bfloat16"))
+    export_dtype: str = opt("float32", "dtype of model-only exports", choices=("float32", "bfloat16", "float16"))
     create_seed_checkpoint: bool = opt(False, "write the initialized model as step 0 and exit")
     load_only: bool = opt(False, "load checkpoints but never save one")
     enable_first_step_checkpoint: bool = opt(
