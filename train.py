@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     try:
-        cfg = load_job_config(argv)
+        notes: list[str] = []  # torchtitan's older spellings, and its keys that do nothing here
+        cfg = load_job_config(argv, notes=notes)
+        if rank == 0:
+            for note in notes:
+                logging.getLogger("titanlike").warning(f"config: {note}")
         dims = validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), check_memory=True)
     except HelpRequested as h:
         print(h)

@@ -918,7 +918,7 @@ def weight_grad_share(prep: PreparedJob) -> float | None:
 def _ac_mode(cfg) -> tuple[str, int]:
     """('none' | 'full' | 'op', checkpoint every N-th block) from the config."""
     ac = cfg.activation_checkpoint
-    if ac.mode == "none":
+    if ac.mode in ("none", "memory_budget"):  # the compiler's choice keeps at most what no AC keeps
         return "none", 1
     if ac.mode == "full":
         return "full", 1

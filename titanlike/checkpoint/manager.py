@@ -81,7 +81,7 @@ MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE = (
 COMPONENTS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE)
 # What checkpoint.exclude_from_loading may name.
 CHECKPOINT_COMPONENTS = COMPONENTS
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # config.json keys that decide neither whether a Hugging Face checkpoint's weights fit this job's
 # model nor what they compute: the context length (it only sizes position tables), token ids,
@@ -94,10 +94,19 @@ HF_KEYS_NOT_COMPARED = frozenset({
 })
 
 
-def validate_checkpoint_config(c, spec) -> None:
+def initial_load_path(c, hf_assets_path: str | None) -> str | None:
+    """The checkpoint a run without its own starts from: checkpoint.initial_load_path, or for a
+    Hugging Face load without one, the model's Hugging Face assets folder (as torchtitan does)."""
+    if c.initial_load_path:
+        return c.initial_load_path
+    return hf_assets_path if c.initial_load_in_hf and hf_assets_path else None
+
+
+def validate_checkpoint_config(c, spec, *, hf_assets_path: str | None = None) -> None:
     """The [checkpoint] section's rules, before any process group exists: ValueError, one sentence.
 
-    c: the checkpoint section of the job config; spec: the job's ModelSpec.
+    c: the checkpoint section of the job config; spec: the job's ModelSpec; hf_assets_path:
+    model.hf_assets_path (where initial_load_in_hf loads from without an initial_load_path).
     """
 
     def check(ok: bool, message: str) -> None:
@@ -106,8 +115,12 @@ def validate_checkpoint_config(c, spec) -> None:
 
     for name, on in (("initial_load_path", bool(c.initial_load_path)),
                      ("create_seed_checkpoint", c.create_seed_checkpoint),
-                     ("last_save_in_hf", c.last_save_in_hf)):
+                     ("last_save_in_hf", c.last_save_in_hf),
+                     ("load_only", c.load_only),
+                     ("enable_first_step_checkpoint", c.enable_first_step_checkpoint)):
         check(c.enable or not on, f"checkpoint.{name} needs checkpoint.enable")
+    check(not (c.load_only and (c.create_seed_checkpoint or c.enable_first_step_checkpoint)),
+          "checkpoint.load_only saves nothing, so it excludes create_seed_checkpoint and enable_first_step_checkpoint")
     check(bool(c.folder), "checkpoint.folder must not be empty")
     check(c.interval >= 1, f"checkpoint.interval must be at least 1, got {c.interval}")
     check(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {c.keep_latest_k}")
@@ -115,10 +128,14 @@ def validate_checkpoint_config(c, spec) -> None:
     unknown = [n for n in c.exclude_from_loading if n not in CHECKPOINT_COMPONENTS]
     check(not unknown, f"checkpoint.exclude_from_loading may only name {', '.join(CHECKPOINT_COMPONENTS)}; "
                        f"got {', '.join(unknown)}")
-    check(not c.initial_load_in_hf or bool(c.initial_load_path),
-          "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder)")
-    if c.initial_load_path:
-        path = c.initial_load_path
+    path = initial_load_path(c, hf_assets_path)
+    check(not c.initial_load_in_hf or bool(path),
+          "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder) or "
+          "model.hf_assets_path")
+    check(c.enable or not path, "checkpoint.initial_load_in_hf needs checkpoint.enable")
+    check(c.initial_load_model_only or not c.initial_load_in_hf,
+          "checkpoint.initial_load_in_hf loads a model only, so it needs checkpoint.initial_load_model_only")
+    if path:
         check(os.path.isdir(path), f"checkpoint.initial_load_path {path} does not exist or is not a folder")
         if c.initial_load_in_hf:
             check(os.path.isfile(os.path.join(path, fmt.HF_CONFIG)),
@@ -316,6 +333,7 @@ class CheckpointManager:
         self.cfg = c
         self.enabled = c.enable
         self.folder = os.path.join(cfg.job.dump_folder, c.folder)
+        self.initial_load_path = initial_load_path(c, cfg.model.hf_assets_path)
         self.total_steps = cfg.training.steps
         self.model_parts = model_parts
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -387,6 +405,11 @@ class CheckpointManager:
         # Before the trainer builds its metrics writers (a full disk would stop them first).
         self.remove_leftovers()
 
+    @property
+    def saves(self) -> bool:
+        """Whether this job writes checkpoints (enabled, and not checkpoint.load_only)."""
+        return self.enabled and not self.cfg.load_only
+
     # Paths -------------------------------------------------------------------------------
 
     def path(self, step: int) -> str:
@@ -435,11 +458,14 @@ class CheckpointManager:
         elif steps:
             step = steps[-1]
         else:
-            if self.cfg.initial_load_path:
-                self._load_initial(self.cfg.initial_load_path)
-            elif self.rank == 0:
-                logger.info(f"checkpoint: none in {self.folder}; starting from step 0")
-            return 0
+            if not self.initial_load_path:
+                if self.rank == 0:
+                    logger.info(f"checkpoint: none in {self.folder}; starting from step 0")
+                return 0
+            if self.cfg.initial_load_model_only:
+                self._load_initial(self.initial_load_path)
+                return 0
+            return self._resume_from_initial(self.initial_load_path)
 
         path = self.path(step)
         begin = time.monotonic()
@@ -465,7 +491,22 @@ class CheckpointManager:
             if self.rank == 0:
                 logger.info(f"checkpoint: loaded the seed model from {path}")
             return 0
+        return self._load_full(path, metadata, begin)
 
+    def _resume_from_initial(self, path: str) -> int:
+        """checkpoint.no_initial_load_model_only: continue another run's full checkpoint (model,
+        optimizer, schedule, data position, step) in this run's folder."""
+        begin = time.monotonic()
+        metadata, problem = self._open_verified(path)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint.initial_load_path: {problem}")
+        if not fmt.dcp_model_keys(metadata)[1]:
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path} holds the model only, so it cannot be resumed from with "
+                "checkpoint.initial_load_model_only off; leave it on to start from its model")
+        return self._load_full(path, metadata, begin)
+
+    def _load_full(self, path: str, metadata: Metadata, begin: float) -> int:
         names = [k for k in COMPONENTS if k not in self.cfg.exclude_from_loading]
         for per_rank in (DATALOADER, RNG):
             state: PerRankState = self.states[per_rank]
@@ -687,9 +728,10 @@ class CheckpointManager:
 
     @torch.no_grad()
     def save(self, step: int, *, force: bool = False) -> None:
-        """Call after every training step; saves at the interval and at the last step. force saves a
-        full, synchronous (resumable) checkpoint now, e.g. before a job is preempted."""
-        if not self.enabled:
+        """Call after every training step; saves at the interval, at the last step and, with
+        checkpoint.enable_first_step_checkpoint, after step 1. force saves a full, synchronous
+        (resumable) checkpoint now, e.g. before a job is preempted. Nothing with checkpoint.load_only."""
+        if not self.saves:
             return
         begin = time.monotonic()
         self._poll_pending()
@@ -699,7 +741,7 @@ class CheckpointManager:
             self._check_finite(step)
             self.train_state.step = step
             self._save_full_sync(step)
-        elif last or step % self.cfg.interval == 0:
+        elif last or step % self.cfg.interval == 0 or (step == 1 and self.cfg.enable_first_step_checkpoint):
             self._wait_pending()  # one save in flight at a time
             self._check_finite(step)
             self.train_state.step = step

@@ -9,18 +9,22 @@ So this is a small hand-written parser over the dataclass schema.
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import logging
 import sys
 import types
 import typing
 from typing import Any, Sequence
 
+from titanlike.config.compat import ITEM_ALIASES, SECTION_ALIASES, TORCHTITAN_KEYS, Alias, NotHere, Renamed
 from titanlike.config.schema import JobConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -45,9 +49,40 @@ def _fields(section_cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(section_cls)}
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance where swapping two neighbouring characters also counts as one edit."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            d = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                d = min(d, prev2[j - 2] + 1)
+            cur.append(d)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def near_certain(name: str, candidates: Sequence[str]) -> str | None:
+    """The candidate that `name` is almost surely a typo of, or None.
+
+    Only a match that differs by case, or by one edit (two for names of 8 or more characters),
+    and is the only candidate that close: a suggestion that is merely similar (enable_checkpoint
+    and create_seed_checkpoint share most letters) misleads more than no suggestion.
+    """
+    same_case = [c for c in candidates if c.lower() == name.lower()]
+    if len(same_case) == 1:
+        return same_case[0]
+    limit = 1 if len(name) < 8 else 2
+    scored = sorted((_edit_distance(name, c), c) for c in set(candidates))
+    close = [c for d, c in scored if d <= limit and d == scored[0][0]]
+    return close[0] if len(close) == 1 else None
+
+
 def _nearest(name: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    close = near_certain(name, candidates)
+    return f"; did you mean '{close}'?" if close else ""
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -109,26 +144,102 @@ def _convert(where: str, value: Any, tp: Any, choices: tuple[str, ...] | None) -
     raise TypeError(f"unsupported config field type {tp!r} for {where}")  # a schema bug, not user error
 
 
-def _lookup(section: str, key: str) -> tuple[dataclasses.Field, Any]:
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """Where a key the user wrote lands: a schema field, or a torchtitan key titanlike does not hold."""
+
+    spelled: str  # the dotted name as written
+    section: str | None  # schema section and key; None for a NotHere key
+    key: str | None
+    tp: Any  # the value's type
+    choices: tuple[str, ...] | None = None
+    not_here: NotHere | None = None
+    renamed: Renamed | None = None  # the older spelling it was written in, if any
+    table_key: str | None = None  # a NotHere key's current torchtitan name
+
+    @property
+    def name(self) -> str:
+        return f"{self.section}.{self.key}" if self.section else self.table_key
+
+
+def _value_type(value: Any) -> Any:
+    if isinstance(value, list):
+        return list[str]
+    return str | None if value is None else type(value)
+
+
+def _resolve(name: str) -> _Option | None:
+    """The option a dotted name means: the schema first, then torchtitan's other spellings."""
+    section, _, key = name.partition(".")
     sections = _sections()
-    if section not in sections:
-        raise ConfigError(f"unknown config section '{section}'{_nearest(section, list(sections))}")
-    fields = _fields(sections[section])
-    if key not in fields:
-        # A key that exists verbatim in another section was most likely misplaced.
-        misplaced = [s for s, cls in sections.items() if key in _fields(cls)]
-        if misplaced:
-            hint = f"; did you mean '{misplaced[0]}.{key}'?"
-        else:
-            hint = _nearest(key, list(fields))
-            hint = hint.replace("'", f"'{section}.", 1) if hint else ""
-        raise ConfigError(f"unknown config key '{section}.{key}'{hint}")
-    return fields[key]
+    if section in sections:
+        fields = _fields(sections[section])
+        if key in fields:
+            field_, tp = fields[key]
+            return _Option(name, section, key, tp, field_.metadata.get("choices"))
+    for prefix, ours in SECTION_ALIASES.items():
+        if name.startswith(prefix + "."):
+            found = _resolve(ours + name[len(prefix):])
+            return dataclasses.replace(found, spelled=name) if found else None
+    entry = TORCHTITAN_KEYS.get(name)
+    if isinstance(entry, Alias):
+        found = _resolve(entry.target)
+        return dataclasses.replace(found, spelled=name) if found else None
+    if isinstance(entry, Renamed):
+        found = _resolve(entry.target)
+        return dataclasses.replace(found, spelled=name, renamed=entry) if found else None
+    if isinstance(entry, NotHere):
+        return _Option(name, None, None, _value_type(entry.value), not_here=entry, table_key=name)
+    return None
 
 
-def _split_cli(argv: Sequence[str]) -> list[tuple[str, str, Any]]:
-    """Turn argv into (section, key, raw value) triples; raw value None marks a bare flag."""
-    out: list[tuple[str, str, Any]] = []
+def _known_names() -> list[str]:
+    """Every dotted name the loader reads: the schema's keys and torchtitan's other spellings."""
+    names = [f"{s}.{k}" for s, cls in _sections().items() for k in _fields(cls)]
+    names += [f"{prefix}.{k}" for prefix, ours in SECTION_ALIASES.items() for k in _fields(_sections()[ours])]
+    return names + list(TORCHTITAN_KEYS)
+
+
+def _describe_unknown(names: list[str]) -> str:
+    """One sentence naming every unknown key (a wholly unknown section once), each with a
+    suggestion only when it is near certain."""
+    known = _known_names()
+    sections = sorted({n.split(".")[0] for n in known})
+    items: list[tuple[str, str, str | None]] = []  # (kind, name, suggestion)
+    for name in names:
+        section, _, key = name.partition(".")
+        if section in sections:
+            items.append(("key", name, _suggest(section, key, known)))
+        elif not any(kind == "section" and n == section for kind, n, _ in items):
+            items.append(("section", section, near_certain(section, sections)))
+    if len(items) == 1:
+        kind, name, hint = items[0]
+        return f"unknown config {kind} '{name}'" + (f"; did you mean '{hint}'?" if hint else "")
+    listed = [("section " if kind == "section" else "") + f"'{name}'" + (f" (did you mean '{hint}'?)" if hint else "")
+              for kind, name, hint in items]
+    return f"{len(items)} unknown config keys or sections: " + ", ".join(listed)
+
+
+def _suggest(section: str, key: str, known: list[str]) -> str | None:
+    # The key exists verbatim in exactly one other section: most likely misplaced.
+    elsewhere = [n for n in known if n.rpartition(".")[2] == key and not n.startswith(section + ".")]
+    if len(elsewhere) == 1:
+        target = elsewhere[0]
+    else:
+        mine = [n[len(section) + 1:] for n in known if n.startswith(section + ".")]
+        close = near_certain(key, mine)
+        target = f"{section}.{close}" if close else None
+    if target is None:
+        return None
+    option = _resolve(target)
+    # An older torchtitan spelling is suggested as the key it became.
+    return option.name if option is not None and option.renamed is not None else target
+
+
+def _split_cli(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """argv as (dotted name, raw value) pairs in order, and the names no option answers to."""
+    out: list[tuple[str, Any]] = []
+    unknown: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -137,27 +248,32 @@ def _split_cli(argv: Sequence[str]) -> list[tuple[str, str, Any]]:
                 f"unexpected argument {arg!r}; options look like --section.key value (see --help)"
             )
         name, eq, inline = arg[2:].partition("=")
-        section, _, key = name.partition(".")
-        negated = False
-        if key.startswith("no_") and section in _sections():
-            real = key[3:]
-            if real in _fields(_sections()[section]) and key not in _fields(_sections()[section]):
-                key, negated = real, True
-        _, tp = _lookup(section, key)
-        raw, i = _take_value(argv, i, section, key, tp, negated=negated, eq=eq, inline=inline)
-        out.append((section, key, raw))
-    return out
+        option, negated = _resolve(name), False
+        head, _, last = name.rpartition(".")
+        if option is None and last.startswith("no_"):
+            option, negated = _resolve(f"{head}.{last[3:]}"), True
+            if option is not None:
+                name = f"{head}.{last[3:]}"
+        if option is None:
+            unknown.append(name)
+            # Its type is unknown: a following word that is not an option is taken as its value.
+            i += 1 if eq or i + 1 >= len(argv) or argv[i + 1].startswith("--") else 2
+            continue
+        raw, i = _take_value(argv, i, name, option.tp, negated=negated, eq=eq, inline=inline)
+        out.append((name, raw))
+    return out, unknown
 
 
-def _take_value(argv: Sequence[str], i: int, section: str, key: str, tp: Any, *, negated: bool, eq: str,
+def _take_value(argv: Sequence[str], i: int, name: str, tp: Any, *, negated: bool, eq: str,
                 inline: str) -> tuple[Any, int]:
     """The raw value of the option at argv[i] and the index after it (None-free: a bare flag is True)."""
     is_bool = _unwrap_optional(tp)[0] is bool
+    head, _, last = name.rpartition(".")
     if negated:
         if not is_bool:
-            raise ConfigError(f"--{section}.no_{key} only applies to true/false options")
+            raise ConfigError(f"--{head}.no_{last} only applies to true/false options")
         if eq:
-            raise ConfigError(f"--{section}.no_{key} takes no value")
+            raise ConfigError(f"--{head}.no_{last} takes no value")
         return False, i + 1
     if eq:
         return inline, i + 1
@@ -167,7 +283,7 @@ def _take_value(argv: Sequence[str], i: int, section: str, key: str, tp: Any, *,
             return nxt, i + 2
         return True, i + 1
     if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and "." in argv[i + 1]):
-        raise ConfigError(f"--{section}.{key} needs a value")
+        raise ConfigError(f"--{name} needs a value")
     return argv[i + 1], i + 2
 
 
@@ -194,7 +310,7 @@ def parse_section_options(argv: Sequence[str], section: str, section_cls: type) 
             hint = _nearest(key, list(fields)).replace("'", f"'{section}.", 1)
             raise ConfigError(f"unknown option --{section}.{key}{hint}")
         field_, tp = fields[key]
-        raw, i = _take_value(argv, i, section, key, tp, negated=negated, eq=eq, inline=inline)
+        raw, i = _take_value(argv, i, f"{section}.{key}", tp, negated=negated, eq=eq, inline=inline)
         values[key] = _convert(f"{section}.{key}", raw, tp, field_.metadata.get("choices"))
     return section_cls(**values), rest
 
@@ -209,36 +325,112 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
 
-def load_job_config(argv: Sequence[str] | None = None) -> JobConfig:
-    """Parse argv (default sys.argv[1:]): TOML file first, then CLI overrides in order."""
+def _flatten_toml(toml: dict[str, Any], path: str) -> list[tuple[str, Any]]:
+    """A TOML file's settings as (dotted name, value), nested tables ([quantize.linear.float8]) included."""
+    out: list[tuple[str, Any]] = []
+
+    def walk(prefix: str, table: dict[str, Any]) -> None:
+        for key, value in table.items():
+            if isinstance(value, dict):
+                walk(f"{prefix}.{key}", value)
+            else:
+                out.append((f"{prefix}.{key}", value))
+
+    for section, table in toml.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"top-level key '{section}' in {path} must be a [section] table")
+        walk(section, table)
+    return out
+
+
+def _show(value: Any) -> str:
+    """A value as it is written in TOML, for messages."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value)
+
+
+def _deprecated(option: _Option) -> str:
+    return f"{option.spelled} is deprecated (torchtitan {option.renamed.release}'s spelling); read as {option.name}"
+
+
+def _not_here(option: _Option, value: Any, notes: dict[str, str]) -> None:
+    """A torchtitan key titanlike has no counterpart for: note it, or accept only what titanlike does."""
+    entry, name = option.not_here, option.spelled
+    if entry.value is None:
+        ok = value is None or (isinstance(value, str) and value.lower() in ("", "none"))
+    else:
+        value = _convert(option.name, value, option.tp, None)
+        ok = value == entry.value
+    if ok:
+        if option.renamed:
+            notes[name] = _deprecated(option)
+        return
+    if entry.note:
+        was = (f"{name} is torchtitan {option.renamed.release}'s spelling of {option.name}, which"
+               if option.renamed else name)
+        notes[name] = f"{was} has no effect in titanlike: {entry.why}"
+        return
+    if not ok:
+        keep = "remove it" if entry.value is None else f"remove it or set it to {_show(entry.value)}"
+        raise ConfigError(f"{option.name} = {_show(value)} is not supported: {entry.why}; {keep}")
+
+
+def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | None = None) -> JobConfig:
+    """Parse argv (default sys.argv[1:]): TOML file first, then CLI overrides in order.
+
+    torchtitan's spellings are read too (titanlike/config/compat.py). Each older spelling, and
+    each torchtitan key that has no effect here, gives one line: appended to `notes` when given
+    (train.py prints them on rank 0), else logged as a warning.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         raise HelpRequested(help_text())
-    overrides = _split_cli(argv)
-    values: dict[str, dict[str, Any]] = {}
-    config_file = [v for s, k, v in overrides if (s, k) == ("job", "config_file")]
+    overrides, unknown_in_argv = _split_cli(argv)
+    settings: list[tuple[str, Any, str]] = []  # (dotted name, raw value, where)
+    unknown: list[str] = []
+    config_file = [v for name, v in overrides if name == "job.config_file"]
     if config_file:
-        toml = _read_toml(config_file[-1])
-        for section, table in toml.items():
-            if not isinstance(table, dict):
-                raise ConfigError(
-                    f"top-level key '{section}' in {config_file[-1]} must be a [section] table"
-                )
-            for key, value in table.items():
-                _lookup(section, key)
-                values.setdefault(section, {})[key] = value
-    for section, key, value in overrides:
-        values.setdefault(section, {})[key] = value
+        path = config_file[-1]
+        for name, value in _flatten_toml(_read_toml(path), path):
+            if _resolve(name) is None:
+                unknown.append(name)
+            settings.append((name, value, path))
+    unknown += unknown_in_argv
+    if unknown:
+        raise ConfigError(_describe_unknown(list(dict.fromkeys(unknown))))
+    settings += [(name, value, "") for name, value in overrides]
 
-    sections = _sections()
-    built = {}
-    for section, cls in sections.items():
-        kwargs = {}
-        for key, value in values.get(section, {}).items():
-            field_, tp = _lookup(section, key)
-            kwargs[key] = _convert(f"{section}.{key}", value, tp, field_.metadata.get("choices"))
-        built[section] = cls(**kwargs)
-    return JobConfig(**built)
+    values: dict[str, dict[str, Any]] = {}
+    in_file: dict[str, tuple[str, Any]] = {}  # option -> (the spelling the config file set it with, value)
+    found: dict[str, str] = {}
+    for name, value, where in settings:
+        option = _resolve(name)
+        if where and option.name in in_file and in_file[option.name][0] != name and in_file[option.name][1] != value:
+            raise ConfigError(f"{where} sets {option.name} twice, as {in_file[option.name][0]} and as {name}, to "
+                              f"different values; keep {option.name}")
+        if where:
+            in_file[option.name] = (name, value)
+        if option.not_here is not None:
+            _not_here(option, value, found)
+            continue
+        if option.renamed is not None:
+            found[name] = _deprecated(option)
+        value = _convert(option.name, value, option.tp, option.choices)
+        if option.name in ITEM_ALIASES:
+            value = [ITEM_ALIASES[option.name].get(item, item) for item in value]
+        values.setdefault(option.section, {})[option.key] = value
+
+    if notes is not None:
+        notes.extend(found.values())
+    else:
+        for line in found.values():
+            logger.warning(line)
+    return JobConfig(**{section: cls(**values.get(section, {})) for section, cls in _sections().items()})
 
 
 def help_text() -> str:
@@ -247,6 +439,8 @@ def help_text() -> str:
         "",
         "Options come from a TOML file (--job.config_file) and are overridden by the command line.",
         "Booleans: --section.key, --section.key=false or --section.no_key. Lists: comma-separated.",
+        "torchtitan's keys are read too: v0.2.2's ([quantize.linear.float8] is [float8]) and older spellings",
+        "(training.compile, checkpoint.enable_checkpoint, ...); see titanlike/config/compat.py.",
     ]
     for section, cls in _sections().items():
         lines += ["", section_help(section, cls)]

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# Data sources: ours, then torchtitan's names (c4 streams allenai/c4; c4_test is a slice of the embedded corpus).
+DATASETS = ("default", "text", "huggingface", "megatron", "c4", "c4_test", "c4_validation")
+
+
 def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None) -> Any:
     """A config field with its help text (and allowed values, if an enumeration)."""
     meta = {"doc": doc, "choices": choices}
@@ -26,6 +30,8 @@ class Job:
     dump_folder: str = opt("./outputs", "folder for checkpoints, TensorBoard events and other run outputs")
     description: str = opt("", "free-form description of the job, printed at start")
     print_config: bool = opt(False, "print the resolved configuration at start")
+    save_config_file: str | None = opt(
+        None, "write the resolved configuration as JSON to this file, relative to job.dump_folder (rank 0)")
 
 
 @dataclass
@@ -33,9 +39,15 @@ class Model:
     name: str = opt("llama3", "model family registered in titanlike.models")
     flavor: str = opt("debugmodel", "size preset of the model family (e.g. debugmodel, 8B, 405B)")
     tokenizer_path: str | None = opt(
-        None, "tiktoken BPE file; empty means the debug tokenizer shipped with titanlike"
+        None, "tiktoken BPE file; empty means the debug tokenizer shipped with titanlike (or model.hf_assets_path's)"
+    )
+    hf_assets_path: str | None = opt(
+        None, "Hugging Face assets folder (torchtitan's): its tokenizer.json (+ tokenizer_config.json) is the "
+        "tokenizer, and with checkpoint.initial_load_in_hf and no initial_load_path its weights are loaded"
     )
     converters: list[str] = opt([], "module swaps applied after construction (e.g. float8)")
+    print_after_conversion: bool = opt(
+        False, "print the model as built (rank 0): after the converters swapped its modules and parallelize wrapped it")
     attention_backend: str = opt(
         "auto",
         "kernel for document-masked attention: auto (FlexAttention on CUDA, SDPA with a dense mask "
@@ -60,6 +72,10 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = opt(200, "linear warm-up steps from near zero to the peak learning rate")
+    total_steps: int | None = opt(
+        None, "steps the schedule spans (warm-up, stable, decay); empty means training.steps, so a shorter "
+        "run can follow a longer run's curve"
+    )
     decay_ratio: float | None = opt(
         None,
         "fraction of the steps spent decaying at the end (warmup-stable-decay); "
@@ -74,8 +90,10 @@ class Training:
     dataset: str = opt(
         "default",
         "data source: default (embedded corpus), text (.txt/.jsonl files), "
-        "huggingface (datasets, streaming), megatron (.bin/.idx prefix or weighted blend)",
-        choices=("default", "text", "huggingface", "megatron"),
+        "huggingface (datasets, streaming), megatron (.bin/.idx prefix or weighted blend); torchtitan's "
+        "c4 and c4_validation (allenai/c4 streamed, or from dataset_path) and c4_test (a small local test set: "
+        "the embedded corpus's first 100 chapters)",
+        choices=DATASETS,
     )
     dataset_path: str | None = opt(
         None, "file or folder, Hugging Face NAME[:CONFIG[:SPLIT]], or Megatron prefix / '0.7 a 0.3 b' blend"
@@ -94,6 +112,11 @@ class Training:
     split: str = opt(
         "969,30,1", "Megatron train,valid,test split of megatron datasets (validation uses 'valid')"
     )
+    gc_freq: int = opt(
+        50, "Python's garbage collector runs every gc_freq steps (on every rank at the same step) instead of "
+        "at random points"
+    )
+    gc_debug: bool = opt(False, "collect garbage at every step, to find reference cycles that hold tensors")
     max_norm: float = opt(1.0, "gradient clipping max norm (total L2 norm over all parameters)")
     steps: int = opt(10000, "optimizer steps to train")
     skip_nonfinite_steps: int = opt(
@@ -140,6 +163,14 @@ class Parallelism:
         "transformer layers per pipeline stage (the first and last stages may get fewer); empty means "
         "one stage per rank for GPipe/1F1B, two otherwise, with the layers split evenly",
     )
+    pipeline_parallel_first_stage_less_layers: int | None = opt(
+        None, "layers the embedding counts as when stages are planned (torchtitan's rule: the first stage "
+        "gets that many fewer); empty: titanlike's rule, spare layers go to the middle stages"
+    )
+    pipeline_parallel_last_stage_less_layers: int | None = opt(
+        None, "layers the output projection counts as when stages are planned (torchtitan's rule); empty: "
+        "titanlike's rule"
+    )
     context_parallel_degree: int = opt(1, "context (sequence) parallel degree for attention")
     context_parallel_rotate_method: str = opt(
         "allgather", "how K/V move between context-parallel ranks", choices=("allgather", "alltoall")
@@ -184,12 +215,19 @@ class Checkpoint:
     )
     keep_latest_k: int = opt(10, "checkpoints kept; older ones are purged (0 keeps all)")
     load_step: int = opt(-1, "step to load; -1 means the latest")
-    initial_load_path: str | None = opt(None, "model-only checkpoint to start from when the run has none")
+    initial_load_path: str | None = opt(None, "checkpoint to start from when the run has none")
+    initial_load_model_only: bool = opt(
+        True, "load only the model from initial_load_path; false resumes its whole training state (optimizer, "
+        "schedule, data position, step)"
+    )
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face safetensors folder")
     last_save_model_only: bool = opt(True, "the final checkpoint holds the model only")
     last_save_in_hf: bool = opt(False, "write the final checkpoint in Hugging Face format")
-    export_dtype: str = opt("float32", "dtype of model-only exports", choices=("float32", "bfloat16"))
+    export_dtype: str = opt("float32", "dtype of model-only exports", choices=("float32", "bfloat16", "float16"))
     create_seed_checkpoint: bool = opt(False, "write the initialized model as step 0 and exit")
+    load_only: bool = opt(False, "load checkpoints but never save one")
+    enable_first_step_checkpoint: bool = opt(
+        False, "also save after the first step, to find a broken checkpoint setup early")
     exclude_from_loading: list[str] = opt([], "state-dict keys not loaded (e.g. optimizer,lr_scheduler)")
     fallback_on_corruption: bool = opt(
         False, "resume from the newest checkpoint that verifies when the latest is corrupt (checksum, truncated "
@@ -198,16 +236,26 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
+    mode: str = opt(
+        "none", "recompute activations in backward; memory_budget lets torch.compile's partitioner choose "
+        "(compiled blocks only)", choices=("none", "full", "selective", "memory_budget"))
     selective_ac_option: str = opt(
         "2", "for selective: checkpoint every N-th block, or 'op' for op-level selection"
     )
+    memory_budget: float = opt(
+        0.5, "for memory_budget: activation memory kept, from 0 (recompute all) to 1 (the compiler's default)")
+    preserve_rng_state: bool = opt(False, "replay the RNG state in recomputation (needed with dropout)")
+    determinism_check: str = opt("default", "torch.utils.checkpoint's check that recomputation matches: "
+                                 "default (shapes, dtypes, devices) or none", choices=("default", "none"))
+    debug: bool = opt(False, "record the recomputed ops to explain a determinism_check failure (slower)")
+    early_stop: bool = opt(True, "stop recomputing a block once the tensors backward needs are back")
 
 
 @dataclass
 class Compile:
     enable: bool = opt(False, "torch.compile the components below")
     components: list[str] = opt(["model", "loss"], "what to compile: model (per block), loss")
+    backend: str = opt("inductor", "torch.compile backend (inductor; aot_eager and eager for debugging)")
 
 
 @dataclass
@@ -271,7 +319,7 @@ class Validation:
         None,
         "validation data source, a training.dataset kind; empty means the held-out 'valid' split of the "
         "training data (default: the embedded corpus's last 1%; megatron: training.split)",
-        choices=("default", "text", "huggingface", "megatron"),
+        choices=DATASETS,
     )
     dataset_path: str | None = opt(
         None, "validation data path (as training.dataset_path); empty with a megatron dataset means the "
@@ -281,12 +329,15 @@ class Validation:
     steps: int = opt(-1, "batches per validation; -1 means the whole split (not for streaming datasets)")
     local_batch_size: int = opt(-1, "samples per validation batch on each data-parallel rank; -1 means "
                                 "training.local_batch_size")
+    seq_len: int = opt(-1, "tokens per validation sample, at most training.seq_len; -1 means training.seq_len")
 
 
 @dataclass
 class Debug:
     seed: int = opt(0, "seed for weight initialization, data order and dropout")
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
+    deterministic_warn_only: bool = opt(False, "with deterministic: warn about ops without a deterministic "
+                                        "implementation instead of stopping")
 
 
 @dataclass

@@ -16,6 +16,11 @@ from titanlike.config.schema import JobConfig
 # not implement yet: refused rather than silently ignored.
 NOT_YET = "is not implemented in this release of titanlike"
 
+# Dataset kinds that take no dataset_path (the embedded corpus and c4_test, a slice of it), and
+# streams, which have no end to validate to.
+EMBEDDED_DATASETS = ("default", "c4_test")
+STREAMING_DATASETS = ("huggingface", "c4", "c4_validation")
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -36,6 +41,11 @@ def validate_values(cfg: JobConfig) -> None:
     _check(t.max_norm > 0, f"training.max_norm must be positive, got {t.max_norm}")
     _check(t.skip_nonfinite_steps >= 0,
            f"training.skip_nonfinite_steps must be 0 (stop on the first) or more, got {t.skip_nonfinite_steps}")
+    _check(t.gc_freq >= 1, f"training.gc_freq must be at least 1, got {t.gc_freq}")
+    _check(not (cfg.model.tokenizer_path and cfg.model.hf_assets_path),
+           "model.tokenizer_path and model.hf_assets_path both name a tokenizer; set only one")
+    _check(cfg.debug.deterministic or not cfg.debug.deterministic_warn_only,
+           "debug.deterministic_warn_only only applies with debug.deterministic")
 
     # Optimizer and schedule.
     o, s = cfg.optimizer, cfg.lr_scheduler
@@ -47,6 +57,8 @@ def validate_values(cfg: JobConfig) -> None:
     _check(s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
            f"lr_scheduler.decay_ratio must lie in [0, 1], got {s.decay_ratio}")
     _check(0 <= s.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor must lie in [0, 1], got {s.min_lr_factor}")
+    _check(s.total_steps is None or s.total_steps >= 1,
+           f"lr_scheduler.total_steps must be at least 1 (or empty: training.steps), got {s.total_steps}")
 
     # Activation checkpointing and compile.
     ac = cfg.activation_checkpoint
@@ -55,8 +67,18 @@ def validate_values(cfg: JobConfig) -> None:
                                                   and int(ac.selective_ac_option) >= 1),
                f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, "
                f"got {ac.selective_ac_option!r}")
+    if ac.mode == "memory_budget":
+        _check(0 <= ac.memory_budget <= 1,
+               f"activation_checkpoint.memory_budget must lie in [0, 1], got {ac.memory_budget}")
+        _check(cfg.compile.enable and "model" in cfg.compile.components,
+               "activation_checkpoint.mode memory_budget is decided by torch.compile's partitioner, so it needs "
+               "compile.enable with model in compile.components")
     unknown = set(cfg.compile.components) - {"model", "loss"}
     _check(not unknown, f"compile.components may only contain model and loss, got {', '.join(sorted(unknown))}")
+    _check(bool(cfg.compile.backend), "compile.backend must name a torch.compile backend (e.g. inductor)")
+    for end in ("first", "last"):
+        n = getattr(p, f"pipeline_parallel_{end}_stage_less_layers")
+        _check(n is None or n >= 0, f"parallelism.pipeline_parallel_{end}_stage_less_layers must be 0 or more, got {n}")
 
     _check(cfg.comm.init_timeout_seconds >= 1,
            f"comm.init_timeout_seconds must be at least 1, got {cfg.comm.init_timeout_seconds}")
@@ -78,6 +100,9 @@ def _validate_validation(cfg: JobConfig) -> None:
     _check(v.steps == -1 or v.steps >= 1, f"validation.steps must be -1 (the whole split) or at least 1, got {v.steps}")
     _check(v.local_batch_size == -1 or v.local_batch_size >= 1,
            f"validation.local_batch_size must be -1 (training's) or at least 1, got {v.local_batch_size}")
+    _check(v.seq_len == -1 or 1 <= v.seq_len <= t.seq_len,
+           f"validation.seq_len must be -1 (training's) or 1 to training.seq_len {t.seq_len} (the model's positions "
+           f"are sized for training), got {v.seq_len}")
     if v.dataset is None:
         _check(t.dataset in ("default", "megatron"),
                f"validation needs validation.dataset and validation.dataset_path: a {t.dataset} training "
@@ -85,10 +110,10 @@ def _validate_validation(cfg: JobConfig) -> None:
         kind = t.dataset
     else:
         kind = v.dataset
-        if kind == "default":
-            _check(not v.dataset_path, "validation.dataset default (the embedded corpus) takes no dataset_path")
-        else:
+        if kind in EMBEDDED_DATASETS:
+            _check(not v.dataset_path, f"validation.dataset {kind} (the embedded corpus) takes no dataset_path")
+        elif kind not in ("c4", "c4_validation"):  # allenai/c4 unless dataset_path names a copy
             _check(bool(v.dataset_path), f"validation.dataset {kind} needs validation.dataset_path")
-    _check(kind != "huggingface" or v.steps >= 1,
-           "validation.steps must be set (>= 1) for a streaming huggingface dataset, which has no end to run to")
+    _check(kind not in STREAMING_DATASETS or v.steps >= 1,
+           f"validation.steps must be set (>= 1) for a streaming {kind} dataset, which has no end to run to")
 

@@ -70,6 +70,8 @@ def write_hf_tokenizer(out: str, path: str | None, *, fingerprint: str | None = 
             os.remove(os.path.join(out, name))
     if not path:
         return TokenizerExport(False, "no tokenizer files written: the checkpoint names no tokenizer")
+    if os.path.isdir(path):
+        return _copy_hf_folder(out, path, fingerprint=fingerprint, vocab_size=vocab_size)
     if not os.path.isfile(path):
         return TokenizerExport(False, f"no tokenizer files written: tokenizer {path} not found")
     try:
@@ -90,6 +92,26 @@ def write_hf_tokenizer(out: str, path: str | None, *, fingerprint: str | None = 
     _name_generic_class(out)
     return TokenizerExport(True, f"tokenizer.json and tokenizer_config.json from {path} "
                                  f"({tokenizer.vocab_size} ids, same ids as titanlike's tokenizer)")
+
+
+def _copy_hf_folder(out: str, folder: str, *, fingerprint: str | None, vocab_size: int | None) -> TokenizerExport:
+    """A job trained with a Hugging Face tokenizer folder (model.hf_assets_path): its files, as they are."""
+    from titanlike.data.tokenizer_json import HuggingFaceTokenizer
+
+    try:
+        tokenizer = HuggingFaceTokenizer(folder)
+    except (ImportError, OSError, ValueError) as e:
+        return TokenizerExport(False, f"no tokenizer files written: {e}")
+    if fingerprint and tokenizer.fingerprint != fingerprint:
+        return TokenizerExport(False, f"no tokenizer files written: {folder} no longer holds the tokenizer the model "
+                                      "was trained with (its fingerprint differs from the checkpoint's)")
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        return TokenizerExport(False, f"no tokenizer files written: {folder} has {tokenizer.vocab_size} ids but "
+                                      f"the model only {vocab_size}")
+    copied = [name for name in _HF_FILES if os.path.isfile(os.path.join(folder, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
+    return TokenizerExport(True, f"{', '.join(copied)} copied from {folder} (the tokenizer the model was trained with)")
 
 
 def _convert(tokenizer, model_max_length: int | None):

@@ -78,15 +78,18 @@ class DatasetKind:
     shuffle: bool  # reshuffle a map-style source's samples every epoch from `seed`
     needs_path: bool
     workers_ok: bool  # False where the source cannot be read whole inside each loader worker
+    optional_path: bool = False  # reads dataset_path when given, works without it too
 
 
 _KINDS: dict[str, DatasetKind] = {}
 
 
 def register_dataset_kind(
-    name: str, factory: SourceFactory, *, shuffle: bool, needs_path: bool = True, workers_ok: bool = True
+    name: str, factory: SourceFactory, *, shuffle: bool, needs_path: bool = True, workers_ok: bool = True,
+    optional_path: bool = False,
 ) -> None:
-    _KINDS[name] = DatasetKind(factory=factory, shuffle=shuffle, needs_path=needs_path, workers_ok=workers_ok)
+    _KINDS[name] = DatasetKind(factory=factory, shuffle=shuffle, needs_path=needs_path and not optional_path,
+                               workers_ok=workers_ok, optional_path=optional_path)
 
 
 def dataset_kinds() -> list[str]:
@@ -137,6 +140,48 @@ register_dataset_kind("megatron", _megatron_source, shuffle=False)
 # `datasets` hands each torch loader worker a disjoint share of a stream's shards, while every
 # worker here must see the whole stream to keep the global sample order.
 register_dataset_kind("huggingface", _huggingface_source, shuffle=False, workers_ok=False)
+
+
+# torchtitan's dataset names. c4 and c4_validation stream allenai/c4 (English) from the Hugging Face
+# Hub, or from dataset_path when it names a copy `datasets` can read. c4_test is torchtitan's small
+# local test set (2,000 C4 documents, no held-out split); no C4 text ships with titanlike, so here
+# it is the embedded corpus's first C4_TEST_DOCUMENTS chapters (Genesis 1 to Leviticus 10, about
+# 0.4 M characters, 110 K tokens with the debug tokenizer).
+C4_HUB_NAME = "allenai/c4"
+C4_TEST_DOCUMENTS = 100
+
+
+def _c4_source(hf_split: str) -> SourceFactory:
+    def factory(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
+        kind = "c4" if hf_split == "train" else f"c4_{hf_split}"
+        _whole_dataset_only(kind, split_name)
+        name = dataset_path or C4_HUB_NAME
+        try:
+            documents = HuggingFaceDocuments(f"{name}:en:{hf_split}")
+        except ImportError:
+            raise DataError(f"dataset {kind} streams {name} through the `datasets` package, which is not "
+                            "installed (pip install datasets); without it use c4_test or a text dataset") from None
+        except Exception as e:  # the Hub or the files: any failure of load_dataset, said in one line
+            reason = " ".join(str(e).split())[:200] or type(e).__name__
+            raise DataError(f"dataset {kind} could not open {name} (en, {hf_split} split) with `datasets` "
+                            f"({type(e).__name__}: {reason}); offline, set training.dataset_path to a local "
+                            "copy of C4 or use c4_test") from None
+        return PackedStream(documents, tokenizer, seq_len)
+
+    return factory
+
+
+def _c4_test_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
+    from titanlike.data import DEFAULT_CORPUS_PATH
+
+    _whole_dataset_only("c4_test", split_name)
+    return packed_text_corpus(DEFAULT_CORPUS_PATH, tokenizer, seq_len, max_documents=C4_TEST_DOCUMENTS)
+
+
+register_dataset_kind("c4", _c4_source("train"), shuffle=False, workers_ok=False, optional_path=True)
+register_dataset_kind("c4_validation", _c4_source("validation"), shuffle=False, workers_ok=False,
+                      optional_path=True)
+register_dataset_kind("c4_test", _c4_test_source, shuffle=True, needs_path=False)
 
 
 class _MapSamples:
@@ -351,9 +396,9 @@ def validate_dataset(dataset: str, dataset_path: str | None, *, option: str = "t
     Megatron prefix's index describes its .bin (validated once per process; the loader's own
     open is then free). A Hugging Face name is not looked up here.
     """
-    if dataset == "default" and dataset_path:
-        raise DataError(f"{option}.dataset_path is only read by the text, huggingface and megatron datasets; "
-                        f"the default dataset is the embedded corpus")
+    if dataset in ("default", "c4_test") and dataset_path:
+        raise DataError(f"{option}.dataset_path is only read by the text, huggingface and megatron datasets"
+                        f"{' (and c4)' if dataset == 'c4_test' else ''}; the {dataset} dataset is the embedded corpus")
     if dataset in ("text", "huggingface", "megatron") and not dataset_path:
         raise DataError(f"{option}.dataset {dataset} needs {option}.dataset_path")
     if dataset == "text":
@@ -406,7 +451,9 @@ def build_dataloader(
     ``"text"`` (``dataset_path``: a ``.txt``/``.jsonl``/``.jsonl.gz`` file or a directory of them),
     ``"huggingface"`` (``dataset_path``: ``NAME[:CONFIG[:SPLIT]]`` for ``datasets.load_dataset``
     with ``streaming=True``), ``"megatron"`` (``dataset_path``: a Megatron ``.bin``/``.idx`` prefix or a
-    blend ``"0.7 prefix/a 0.3 prefix/b"``), or a kind added with :func:`register_dataset_kind`.
+    blend ``"0.7 prefix/a 0.3 prefix/b"``), torchtitan's ``"c4"`` / ``"c4_validation"`` (allenai/c4 streamed,
+    or the copy ``dataset_path`` names) and ``"c4_test"`` (a slice of the embedded corpus), or a kind
+    added with :func:`register_dataset_kind`.
     ``num_samples``: how many global samples the run will read (sizes Megatron's epochs).
     ``split``/``split_name``: which part of the data (``"train"``, ``"valid"``, ``"test"``): a Megatron
     split string such as ``"969,30,1"`` for ``megatron`` (that is the default); the embedded corpus
@@ -428,7 +475,7 @@ def build_dataloader(
     dataset_path = dataset_path or None
     if kind.needs_path and dataset_path is None:
         raise DataError(f"dataset {dataset!r} needs dataset_path")
-    if not kind.needs_path and dataset_path is not None:
+    if not kind.needs_path and not kind.optional_path and dataset_path is not None:
         raise DataError(f"dataset {dataset!r} takes no dataset_path (got {dataset_path!r}); use dataset 'text' for files")
     if num_workers and not kind.workers_ok:
         raise DataError(f"dataset {dataset!r} supports num_workers=0 only, got num_workers={num_workers}")

@@ -244,13 +244,15 @@ _PACK_CACHE: dict[tuple, np.ndarray] = {}
 _PACK_LOCK = threading.Lock()
 
 
-def packed_text_corpus(path: str | os.PathLike, tokenizer: Tokenizer, seq_len: int) -> PackedTokens:
-    """Tokenize (once per process) every document under ``path`` into a :class:`PackedTokens`."""
+def packed_text_corpus(path: str | os.PathLike, tokenizer: Tokenizer, seq_len: int, *,
+                       max_documents: int | None = None) -> PackedTokens:
+    """Tokenize (once per process) every document under ``path`` (the first ``max_documents``
+    if given) into a :class:`PackedTokens`."""
     files = list_text_files(path)
     stats = [os.stat(f) for f in files]
     # Keyed on file identity and tokenizer ranks, not seq_len: every layout and seq_len of a
     # run (and every loader a test builds) shares one tokenization.
-    key = (tuple((f, s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)), tokenizer.fingerprint)
+    key = (tuple((f, s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)), tokenizer.fingerprint, max_documents)
     with _PACK_LOCK:
         tokens = _PACK_CACHE.get(key)
         if tokens is None:
@@ -261,14 +263,15 @@ def packed_text_corpus(path: str | os.PathLike, tokenizer: Tokenizer, seq_len: i
                     "Megatron .bin/.idx format (scripts/preprocess_data.py)", nbytes / 2**30,
                 )
             t0 = time.perf_counter()
-            tokens = pack_documents(iter_documents(path), tokenizer)
+            tokens = pack_documents(itertools.islice(iter_documents(path), max_documents), tokenizer)
             tokens.setflags(write=False)
             logger.info(
                 "tokenized %s: %d files, %d tokens in %.1fs",
                 os.fspath(path), len(files), len(tokens), time.perf_counter() - t0,
             )
             _PACK_CACHE[key] = tokens
-    return PackedTokens(tokens, seq_len, name=f"dataset {os.fspath(path)!r}")
+    name = f"dataset {os.fspath(path)!r}" + (f" (its first {max_documents} documents)" if max_documents else "")
+    return PackedTokens(tokens, seq_len, name=name)
 
 
 # --------------------------------------------------------------------------- streams

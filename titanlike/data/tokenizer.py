@@ -210,5 +210,11 @@ class Tokenizer:
         return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
 
 
-def build_tokenizer(path: str | os.PathLike) -> Tokenizer:
+def build_tokenizer(path: str | os.PathLike):
+    """A tiktoken ranks file (Tokenizer), or a Hugging Face folder holding tokenizer.json
+    (HuggingFaceTokenizer, torchtitan's model.hf_assets_path); both answer alike."""
+    if os.path.isdir(path):
+        from titanlike.data.tokenizer_json import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(path)
     return Tokenizer(path)

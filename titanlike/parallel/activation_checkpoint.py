@@ -7,6 +7,7 @@ little memory for most of the recompute cost of full AC.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -34,20 +35,42 @@ def _op_level_contexts():
     return create_selective_checkpoint_contexts(_op_policy)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, selective_ac_option: str) -> None:
-    """Wrap blocks of model.layers in place. mode: none | full | selective."""
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """torch.utils.checkpoint's own settings for every wrapped block (activation_checkpoint.*)."""
+
+    preserve_rng_state: bool = False  # replay RNG in recomputation: only dropout needs it
+    determinism_check: str = "default"
+    debug: bool = False
+    early_stop: bool = True
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, selective_ac_option: str,
+                                   options: CheckpointOptions = CheckpointOptions(),
+                                   memory_budget: float = 0.5) -> None:
+    """Wrap blocks of model.layers in place. mode: none | full | selective | memory_budget.
+
+    memory_budget wraps nothing: torch.compile's min-cut partitioner decides what each compiled
+    block recomputes, keeping about `memory_budget` of the activations it would keep without
+    recomputation. That budget is a process-wide torch setting, read when a block is compiled.
+    """
     if mode == "none":
         return
+    if mode == "memory_budget":
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = memory_budget
+        return
+    wrap = partial(checkpoint_wrapper, preserve_rng_state=options.preserve_rng_state,
+                   determinism_check=options.determinism_check, debug=options.debug, early_stop=options.early_stop)
     for index, (name, block) in enumerate(list(model.layers.items())):
         if mode == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = wrap(block)
         elif selective_ac_option == "op":
-            wrapped = checkpoint_wrapper(
-                block, context_fn=partial(_op_level_contexts), preserve_rng_state=False
-            )
+            wrapped = wrap(block, context_fn=partial(_op_level_contexts))
         else:
             every = int(selective_ac_option)
             if index % every:
                 continue
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = wrap(block)
         model.layers[name] = wrapped

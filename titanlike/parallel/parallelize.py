@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
+from titanlike.parallel.activation_checkpoint import CheckpointOptions, apply_activation_checkpointing
 from titanlike.parallel.context import apply_context_parallel
 from titanlike.parallel.expert_parallel import apply_expert_parallel
 from titanlike.parallel.fsdp import apply_fsdp
@@ -33,9 +33,12 @@ class ParallelizeOptions:
     loss_parallel: bool = True
     async_tensor_parallel: bool = False
     context_parallel_rotate_method: str = "allgather"
-    activation_checkpoint_mode: str = "none"  # none | full | selective
+    activation_checkpoint_mode: str = "none"  # none | full | selective | memory_budget
     selective_ac_option: str = "2"  # every N-th block, or "op"
+    checkpoint_options: CheckpointOptions = CheckpointOptions()
+    memory_budget: float = 0.5  # activation_checkpoint_mode memory_budget: compiled blocks keep this share
     compile_blocks: bool = False
+    compile_backend: str = "inductor"
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     fsdp_reshard_after_forward: str = "default"  # default | always | never
@@ -71,7 +74,8 @@ def _expert_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOption
 
 
 def _activation_checkpointing(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
-    apply_activation_checkpointing(model, opts.activation_checkpoint_mode, opts.selective_ac_option)
+    apply_activation_checkpointing(model, opts.activation_checkpoint_mode, opts.selective_ac_option,
+                                   opts.checkpoint_options, opts.memory_budget)
 
 
 def _compile(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
@@ -81,13 +85,13 @@ def _compile(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> No
         for block in model.layers.values():
             eager = [m for m in block.modules() if getattr(m, "skip_compile", False)]
             if not eager:
-                block.compile(fullgraph=True)
+                block.compile(fullgraph=True, backend=opts.compile_backend)
                 continue
             # A block holding a module that must stay eager (an MoE layer: data-dependent token
             # counts, collectives with Python-int splits): compile its other children one by one.
             for child in block.children():
                 if not any(child is m or any(c is m for c in child.modules()) for m in eager):
-                    child.compile(fullgraph=True)
+                    child.compile(fullgraph=True, backend=opts.compile_backend)
 
 
 def _data_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:

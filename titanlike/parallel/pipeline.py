@@ -120,15 +120,27 @@ class PipelineLayout:
                 f"layers per stage {list(self.layers)}")
 
 
-def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | None) -> PipelineLayout:
+def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | None,
+                first_stage_less_layers: int | None = None, last_stage_less_layers: int | None = None
+                ) -> PipelineLayout:
     """The stage layout for a model of n_layers transformer layers.
+
+    With first/last_stage_less_layers (either; the other then counts as torchtitan's default, 1),
+    torchtitan's rule: the embedding counts as that many layers on the first stage and the output
+    projection as that many on the last, and these "effective" layers are spread evenly, earlier
+    stages taking the remainder.
 
     Raises ValueError (one sentence naming the option to change) when the layers cannot
     fill the stages or the stage count does not suit the schedule.
     """
     name = schedule_name(schedule)
     single = is_single_stage(name)
-    if layers_per_stage is None:
+    if first_stage_less_layers is not None or last_stage_less_layers is not None:
+        layers = _weighted_layers(n_layers, pp, single, layers_per_stage,
+                                  1 if first_stage_less_layers is None else first_stage_less_layers,
+                                  1 if last_stage_less_layers is None else last_stage_less_layers)
+        num_stages = len(layers)
+    elif layers_per_stage is None:
         num_stages = pp * (1 if single else 2)
         if n_layers < num_stages:
             raise ValueError(
@@ -168,6 +180,34 @@ def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | N
             f"{name} needs exactly 2 stages per rank, but pipeline_parallel_layers_per_stage {layers_per_stage} "
             f"gives {per_rank}; use {-(-n_layers // (2 * pp))} layers per stage")
     return PipelineLayout(pp=pp, layers=tuple(layers), v_shaped=name in V_SCHEDULES)
+
+
+def _weighted_layers(n_layers: int, pp: int, single: bool, layers_per_stage: int | None, first: int,
+                     last: int) -> list[int]:
+    """Layers per stage by torchtitan's rule (parallelism.pipeline_parallel_{first,last}_stage_less_layers)."""
+    effective = n_layers + first + last
+    if layers_per_stage is None:
+        num_stages = pp * (1 if single else 2)
+    else:
+        if layers_per_stage < 1:
+            raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage must be at least 1, got {layers_per_stage}")
+        num_stages = -(-effective // layers_per_stage)
+        if num_stages % pp:
+            raise ValueError(
+                f"{n_layers} layers + {first} (first stage) + {last} (last stage) at pipeline_parallel_layers_per_stage "
+                f"{layers_per_stage} make {num_stages} stages, not a multiple of pipeline_parallel_degree {pp}")
+    base, extra = divmod(effective, num_stages)
+    layers = [base + (s < extra) for s in range(num_stages)]
+    layers[0] -= first
+    layers[-1] -= last
+    for end, less, stage in (("first", first, 0), ("last", last, num_stages - 1)):
+        if layers[stage] < 1:
+            raise ValueError(
+                f"with parallelism.pipeline_parallel_{end}_stage_less_layers {less}, the {end} of {num_stages} "
+                f"stages over {n_layers} layers would hold no transformer layer; lower it")
+    if min(layers) < 1:
+        raise ValueError(f"{n_layers} layers cannot fill {num_stages} pipeline stages with at least one layer each")
+    return layers
 
 
 def microbatch_problem(schedule: str, n_microbatches: int, layout: PipelineLayout) -> str | None:
@@ -423,7 +463,8 @@ def validate_pipeline(p, *, model: str, n_layers: int, has_pipeline_ends: bool, 
     check(has_pipeline_ends, f"model {model.split()[0]} has no pipeline split rule, so pipeline_parallel_degree must be 1")
     name = schedule_name(p.pipeline_parallel_schedule)
     try:
-        layout = plan_layout(n_layers, p.pipeline_parallel_degree, name, p.pipeline_parallel_layers_per_stage)
+        layout = plan_layout(n_layers, p.pipeline_parallel_degree, name, p.pipeline_parallel_layers_per_stage,
+                             p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
     mbs = p.pipeline_parallel_microbatch_size

@@ -21,9 +21,10 @@ from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, cross_entropy_su
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
 
-def build_cross_entropy_loss(*, compile: bool = False) -> LossFn:
-    """loss_fn(output, labels): cross_entropy_sum of the logits plus the output's auxiliary losses."""
-    ce = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
+def build_cross_entropy_loss(*, compile: bool = False, backend: str = "inductor") -> LossFn:
+    """loss_fn(output, labels): cross_entropy_sum of the logits plus the output's auxiliary losses.
+    compile: torch.compile the cross-entropy with `backend`."""
+    ce = torch.compile(cross_entropy_sum, backend=backend) if compile else cross_entropy_sum
 
     def loss_fn(output, labels: torch.Tensor) -> torch.Tensor:
         if isinstance(output, ModelOutput):

@@ -15,6 +15,7 @@ from titanlike.models.args import BaseModelArgs
 from titanlike.models.converters import ModelConverters
 from titanlike.models.registry import ModelSpec
 from titanlike.parallel.parallel_dims import ParallelDims
+from titanlike.parallel.activation_checkpoint import CheckpointOptions
 from titanlike.parallel.parallelize import ParallelizeOptions, parallelize_model
 from titanlike.parallel.pipeline import PipelineLayout, build_stage_modules, plan_layout
 
@@ -40,7 +41,12 @@ def parallelize_options(cfg: JobConfig, dims: ParallelDims) -> ParallelizeOption
         context_parallel_rotate_method=p.context_parallel_rotate_method,
         activation_checkpoint_mode=ac.mode,
         selective_ac_option=ac.selective_ac_option,
+        checkpoint_options=CheckpointOptions(preserve_rng_state=ac.preserve_rng_state,
+                                             determinism_check=ac.determinism_check, debug=ac.debug,
+                                             early_stop=ac.early_stop),
+        memory_budget=ac.memory_budget,
         compile_blocks=cfg.compile.enable and "model" in cfg.compile.components,
+        compile_backend=cfg.compile.backend,
         param_dtype=t.mixed_precision_param,
         reduce_dtype=t.mixed_precision_reduce,
         fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
@@ -52,7 +58,8 @@ def pipeline_layout(cfg: JobConfig, dims: ParallelDims, args: BaseModelArgs) -> 
     if not dims.pp_enabled:
         return None
     p = cfg.parallelism
-    return plan_layout(args.num_layers, dims.pp, p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage)
+    return plan_layout(args.num_layers, dims.pp, p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage,
+                       p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
 
 
 def build_model_parts(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: BaseModelArgs,

@@ -47,6 +47,7 @@ from titanlike.parallel.utils import clip_grad_norm_, scale_gradients, sum_over
 from titanlike.train.evaluate import build_validation_data
 from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
+from titanlike.train.gc_schedule import PeriodicGC
 from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss, lookahead_targets
 from titanlike.train.model_parts import build_model_parts, model_args_for_job
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
@@ -119,7 +120,7 @@ class Trainer:
         self.step_skipped = False
         if cfg.debug.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
+            torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
         torch.manual_seed(cfg.debug.seed)
         self.spec = get_model_spec(cfg.model.name)
         moe = self.spec.flavors[cfg.model.flavor].moe_args()
@@ -129,11 +130,13 @@ class Trainer:
                 logger.info(cfg.job.description)
             if cfg.job.print_config:
                 logger.info(f"config: {config_to_dict(cfg)}")
+            if cfg.job.save_config_file:
+                self._save_config(os.path.join(cfg.job.dump_folder, cfg.job.save_config_file))
             logger.info(f"world size {dims.world_size} on {self.device.type}: {dims}")
 
         # Data.
         t = cfg.training
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path or cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.global_batch_size = (
             t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
         )
@@ -169,6 +172,9 @@ class Trainer:
         p = cfg.parallelism
         self.converters = build_model_converters(cfg.model.converters, cfg.float8)
         parts, self.pp_layout = build_model_parts(cfg, dims, self.spec, self.model_args, self.converters)
+        if cfg.model.print_after_conversion and self.rank == 0:
+            for part in parts:
+                logger.info(f"model after conversion and parallelization:\n{part}")
         self.model_parts = []
         for part in parts:
             part.to_empty(device=self.device)
@@ -196,7 +202,7 @@ class Trainer:
         if self.rank == 0:
             self._log_attention()
         build_loss = self.spec.build_loss or (lambda job: build_cross_entropy_loss(
-            compile=job.compile.enable and "loss" in job.compile.components))
+            compile=job.compile.enable and "loss" in job.compile.components, backend=job.compile.backend))
         self.loss_fn = build_loss(cfg)
         self.pipeline = None
         # Tied weights cut apart by the pipeline split: their copies' gradients are summed after backward.
@@ -218,7 +224,8 @@ class Trainer:
             self.model_parts, moe, self.model_args.total_layers, self.device,
             dist.group.WORLD if dist.is_initialized() else None)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        # lr_scheduler.total_steps lets a short run follow a longer run's curve.
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps)
         self.step = 0
         self.checkpointer = CheckpointManager(
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
@@ -248,6 +255,15 @@ class Trainer:
         self.stragglers.watch(self.optimizer)
         self.collectives: CollectiveGuard | None = None  # set by train(); tells close() a collective failed
         self.summary: RunSummary | None = None  # set when train() ends normally; printed by close()
+
+    def _save_config(self, path: str) -> None:
+        """job.save_config_file: the resolved configuration as JSON (rank 0)."""
+        import json
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(config_to_dict(self.cfg), f, indent=2)
+        logger.info(f"config saved to {path}")
 
     def _lock_output_folders(self) -> list[FolderLock]:
         """Rank 0 locks job.dump_folder (and checkpoint.folder when it lies outside it); every
@@ -490,7 +506,8 @@ class Trainer:
         self.collectives = CollectiveGuard(lambda: self.step, rank=self.rank,
                                            timeout_seconds=self.cfg.comm.train_timeout_seconds,
                                            dump_folder=os.path.join(self.cfg.job.dump_folder, "comm_traces"))
-        with self.collectives, profiler, snapshots:
+        gc_schedule = PeriodicGC(self.cfg.training.gc_freq, debug=self.cfg.training.gc_debug)
+        with self.collectives, profiler, snapshots, gc_schedule:
             while self.step < steps:
                 self.step += 1
                 self.step_skipped = False
@@ -529,6 +546,7 @@ class Trainer:
                     set_train_timeout(self.cfg.comm.train_timeout_seconds, keep=[self.checkpointer.process_group])
                 profiler.step()
                 snapshots.step(self.step)
+                gc_schedule.step_done(self.step)
         if self.skipped_steps and self.rank == 0:
             logger.warning(f"{self.skipped_steps} step(s) with a non-finite loss or gradient norm were skipped "
                            f"(training.skip_nonfinite_steps {self.cfg.training.skip_nonfinite_steps})")
@@ -552,9 +570,10 @@ class Trainer:
     def _save_and_stop(self) -> None:
         """A stop signal reached some rank: save a full checkpoint of this step on every rank, say so."""
         name = StopRequest.describe(self.stop.agreed_code)
-        if not self.checkpointer.enabled:
+        if not self.checkpointer.saves:
             if self.rank == 0:
-                logger.warning(f"received {name}: checkpoint.enable is off, so step {self.step} was not saved; exiting")
+                why = "checkpoint.load_only is set" if self.checkpointer.enabled else "checkpoint.enable is off"
+                logger.warning(f"received {name}: {why}, so step {self.step} was not saved; exiting")
             return
         if self.rank == 0:
             logger.info(f"received {name}: saving step {self.step} before exiting")

@@ -154,6 +154,8 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
            f"known flavors: {', '.join(spec.flavors)}")
     if cfg.model.tokenizer_path:
         _check(os.path.isfile(cfg.model.tokenizer_path), f"model.tokenizer_path {cfg.model.tokenizer_path} does not exist")
+    if cfg.model.hf_assets_path:
+        _validate_hf_assets(cfg.model.hf_assets_path)
     model = f"{cfg.model.name} {cfg.model.flavor}"
     _validate_experts(cfg, dims, spec.flavors[cfg.model.flavor].moe_args() is not None, model)
     try:
@@ -174,6 +176,16 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp_degree} = {per_pass}")
     validate_dataset(t.dataset, t.dataset_path)
     v = cfg.validation
+    if v.enable and v.seq_len not in (-1, t.seq_len):
+        _check(not dims.cp_enabled and not dims.pp_enabled,
+               f"validation.seq_len {v.seq_len} must be -1 or training.seq_len {t.seq_len} under "
+               f"{'context' if dims.cp_enabled else 'pipeline'} parallelism, which is set up for training's "
+               "sequence length")
+        _check(v.seq_len % dims.tp == 0,
+               f"validation.seq_len {v.seq_len} must be divisible by tensor_parallel_degree {dims.tp} "
+               "(sequence parallelism cuts it)")
+    if cfg.compile.enable:
+        _validate_compile_backend(cfg.compile.backend)
     if v.enable and v.dataset not in (None, "default") and v.dataset_path:
         validate_dataset(v.dataset, v.dataset_path, option="validation")
     if dims.pp_enabled:
@@ -183,11 +195,33 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
                           compile_blocks=compile_blocks, ac_mode=ac.mode, ac_option=ac.selective_ac_option,
                           validation_enabled=cfg.validation.enable,
                           validation_batch_size=cfg.validation.local_batch_size)
-    validate_checkpoint_config(cfg.checkpoint, spec)
+    validate_checkpoint_config(cfg.checkpoint, spec, hf_assets_path=cfg.model.hf_assets_path)
     if cfg.metrics.enable_wandb:
         from titanlike.observe.wandb_run import validate_wandb
 
         validate_wandb()
+
+
+def _validate_hf_assets(path: str) -> None:
+    """model.hf_assets_path: a folder whose tokenizer.json the tokenizer reads."""
+    from titanlike.data.tokenizer import build_tokenizer
+    from titanlike.data.tokenizer_json import TOKENIZER_JSON, is_tokenizer_folder
+
+    _check(os.path.isdir(path), f"model.hf_assets_path {path} does not exist or is not a folder")
+    _check(is_tokenizer_folder(path),
+           f"model.hf_assets_path {path} has no {TOKENIZER_JSON} (torchtitan's scripts/download_hf_assets.py "
+           "--assets tokenizer fetches it; a tiktoken tokenizer.model goes in model.tokenizer_path)")
+    try:
+        build_tokenizer(path)
+    except (ImportError, OSError, ValueError) as e:
+        raise ConfigError(f"model.hf_assets_path: {e}") from None
+
+
+def _validate_compile_backend(backend: str) -> None:
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    _check(backend in known, f"compile.backend {backend!r} is not a torch.compile backend; known: {', '.join(known)}")
 
 
 def _validate_experts(cfg: JobConfig, dims: ParallelDims, has_experts: bool, model: str) -> None:

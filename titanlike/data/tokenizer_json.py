@@ -1,0 +1,118 @@
+"""The tokenizer of a Hugging Face assets folder (``tokenizer.json``), with our Tokenizer's interface.
+
+torchtitan points ``model.hf_assets_path`` at a folder downloaded from the Hugging Face Hub; its
+``tokenizer.json`` is the tokenizer and its ``tokenizer_config.json`` names the BOS and EOS tokens.
+The ``tokenizers`` package (Rust; the ``hf`` extra, and a dependency of transformers) reads it.
+
+Ids are the folder's own: BOS and EOS are added here (never by the file's post-processor, so a
+document gets exactly one of each), and special-token strings inside training text are encoded as
+plain text, as with the tiktoken tokenizer: a document cannot forge an EOS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import AbstractSet, Literal
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+# Names of BOS / EOS tokens tried, in order, when tokenizer_config.json does not name them.
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|endoftext|>", "<bos>")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
+
+
+def is_tokenizer_folder(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(path, TOKENIZER_JSON))
+
+
+def _config_token(config: dict, key: str) -> str | None:
+    # tokenizer_config.json writes a token as a string or as {"content": "<s>", ...}.
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+class HuggingFaceTokenizer:
+    """``tokenizer.json`` of a Hugging Face folder, answering like titanlike's Tokenizer."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.path = os.fspath(folder)
+        file = os.path.join(self.path, TOKENIZER_JSON)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{self.path} has no {TOKENIZER_JSON}, so it is not a Hugging Face tokenizer folder")
+        try:
+            from tokenizers import Tokenizer as Backend
+        except ImportError as e:
+            raise ImportError(f"reading {file} needs the `tokenizers` package (pip install tokenizers, or "
+                              "titanlike[hf])") from e
+        with open(file, "rb") as f:
+            raw = f.read()
+        try:
+            self.model = Backend.from_str(raw.decode("utf-8"))
+        except Exception as e:  # the Rust parser's error: one line
+            raise ValueError(f"{file} is not a tokenizer.json the `tokenizers` package reads: "
+                             f"{' '.join(str(e).split())[:200]}") from None
+        self.model.encode_special_tokens = True  # special-token strings in text stay plain text
+        config: dict = {}
+        config_file = os.path.join(self.path, TOKENIZER_CONFIG)
+        if os.path.isfile(config_file):
+            try:
+                with open(config_file) as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+        self.eos_id = self._special_id(config, "eos_token", _EOS_NAMES)
+        if self.eos_id is None:
+            raise ValueError(f"{self.path}: no EOS token (tokenizer_config.json names no eos_token and none of "
+                             f"{', '.join(_EOS_NAMES)} is in the vocabulary); documents need one to be separated")
+        bos = self._special_id(config, "bos_token", _BOS_NAMES)
+        # Tokenizers without a BOS (GPT-2's) separate documents with EOS alone: BOS is EOS.
+        self.bos_id = self.eos_id if bos is None else bos
+        self.vocab_size = self.model.get_vocab_size(with_added_tokens=True)
+        digest = hashlib.sha256(raw)
+        digest.update(f"{self.bos_id},{self.eos_id}".encode())
+        self.fingerprint = digest.hexdigest()
+
+    def _special_id(self, config: dict, key: str, names: Sequence[str]) -> int | None:
+        named = _config_token(config, key)
+        for token in (named,) if named else names:
+            token_id = self.model.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        if named:
+            raise ValueError(f"{self.path}: tokenizer_config.json names {key} {named!r}, which is not in the vocabulary")
+        return None
+
+    def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode(self, text: str, *, bos: bool, eos: bool,
+               allowed_special: Literal["all"] | AbstractSet[str] = frozenset()) -> list[int]:
+        """Token ids of ``text``; special-token strings in it are plain text unless ``allowed_special``
+        is given (the backend cannot allow only some: any non-empty set allows them all)."""
+        if not isinstance(text, str):
+            raise TypeError(f"Tokenizer.encode expects str, got {type(text).__name__}")
+        if allowed_special:
+            self.model.encode_special_tokens = False
+            try:
+                ids = self.model.encode(text, add_special_tokens=False).ids
+            finally:
+                self.model.encode_special_tokens = True
+        else:
+            ids = self.model.encode(text, add_special_tokens=False).ids
+        return self._wrap(ids, bos, eos)
+
+    def encode_batch(self, texts: Iterable[str], *, bos: bool, eos: bool) -> list[list[int]]:
+        encoded = self.model.encode_batch(list(texts), add_special_tokens=False)
+        return [self._wrap(e.ids, bos, eos) for e in encoded]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.model.decode(list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HuggingFaceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
