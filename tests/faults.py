@@ -13,6 +13,11 @@ object runs train.main() with the fault installed:
                                                a step-N.tmp (the disk is full until it is removed)
   {"kind": "nan_param", "step": 6, "rank": 1}  after step 6's optimizer step, rank 1 writes a NaN
                                                into its shard of the first parameter it holds
+  {"kind": "inf_grad", "step": 3, "rank": 1}   at step 3, after backward and before the gradient norm,
+                                               rank 1 finds an inf in its shard of the first gradient
+                                               (as a float16 overflow leaves one); every rank then
+                                               prints INF_GRAD_STEP_KEPT_PARAMETERS <rank> <True/False>:
+                                               whether its parameter shards came out of that step unchanged
 """
 
 from __future__ import annotations
@@ -185,6 +190,39 @@ def install(fault: dict) -> None:
             return out
 
         Trainer.train_step = poisoned
+    elif kind == "inf_grad":
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        import titanlike.train.trainer as trainer_module
+
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        at = {}
+        train_step = trainer_module.Trainer.train_step
+        scale_gradients = trainer_module.scale_gradients
+
+        def step_with_check(self, microbatches):
+            at["self"] = self
+            if self.step != fault["step"]:
+                return train_step(self, microbatches)
+            before = [local(p).detach().clone() for part in self.model_parts for p in part.parameters()]
+            out = train_step(self, microbatches)
+            after = [local(p).detach() for part in self.model_parts for p in part.parameters()]
+            kept = all(torch.equal(b, a) for b, a in zip(before, after))
+            print(f"INF_GRAD_STEP_KEPT_PARAMETERS {self.rank} {kept}", flush=True)
+            return out
+
+        def poisoned_scale(params, factor):
+            scale_gradients(params, factor)
+            trainer = at["self"]
+            if trainer.step == fault["step"] and trainer.rank == fault.get("rank", 0):
+                grad = next(local(p.grad) for p in params if p.grad is not None and local(p.grad).numel())
+                grad.view(-1)[0] = float("inf")
+
+        trainer_module.Trainer.train_step = step_with_check
+        trainer_module.scale_gradients = poisoned_scale
     else:
         raise ValueError(f"unknown fault {kind!r}")
 
