@@ -27,6 +27,15 @@ gradients across microbatches and reduce them once at the end of the step.
 Under TP, torch's DTensor gives the vocabulary-sharded embedding a Replicate
 gradient (measured with real tensors: placements (Replicate(),) for a Shard(0)
 weight), so the rank holding the embedding briefly holds the whole table's gradient.
+float16 compute (training.mixed_precision_param float16, loss-scaled) takes the same bytes as
+bfloat16: fp32 masters, 2-byte gathered copies and activations; the loss scale is a scalar.
+FSDP CPU offload (training.enable_cpu_offload) moves the sharded fp32 parameters, their
+gradients and the AdamW state to host memory, and the optimizer step with them: the device keeps
+buffers, the gathered copies, activations and the unsharded gradients of the block being reduced
+(under pipeline parallelism, the unsharded accumulators until the end of the step); what moved is
+reported as host bytes. A batch ramp-up (training.rampup_batch_size) is estimated at its final
+batch, global_batch_size: microbatches only add steps of accumulation, and the full batch holds
+accumulated gradients at least as long as any smaller one.
 
 Activations, after Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models"), who count the tensors each layer saves for backward.
@@ -126,7 +135,7 @@ import torch.nn as nn
 from estimation.memory import Breakdown, RankEstimate
 from estimation.options import PreparedJob
 
-_BYTES = {"bfloat16": 2, "float32": 4}
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -271,6 +280,7 @@ class AnalyticDetail:
     layer_activation_bytes: int = 0
     stored_per_microbatch: int = 0
     in_flight: int = 1
+    host_bytes: int = 0            # offloaded to host memory (training.enable_cpu_offload), not in the peak
     notes: list[str] = field(default_factory=list)
 
 
@@ -905,7 +915,7 @@ def weight_grad_share(prep: PreparedJob) -> float | None:
     block = model_shape(prep).block
     if block is None:
         return None
-    e = 2 if prep.cfg.training.mixed_precision_param == "bfloat16" else 4
+    e = _BYTES[prep.cfg.training.mixed_precision_param]
     tp, h = prep.dims.tp, block.hidden
     matmul_inputs = len(block.norms) * e * h + e * block.out_dim / tp + e * block.mlp_hidden / tp
     if block.mla is not None:
@@ -947,11 +957,12 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
     tp, cp = dims.tp, dims.cp
     fsdp_on = dims.fsdp_enabled
     sharding = Sharding.of(dims)
-    bf16 = t.mixed_precision_param == "bfloat16"
-    e = 2 if bf16 else 4
+    half = t.mixed_precision_param in ("bfloat16", "float16")
+    e = _BYTES[t.mixed_precision_param]
     # Without FSDP, autocast leaves the residual stream (block inputs, norms) in fp32.
-    e_res = e if fsdp_on or not bf16 else 4
-    autocast = bf16 and not fsdp_on
+    e_res = e if fsdp_on or not half else 4
+    autocast = half and not fsdp_on
+    offload = t.enable_cpu_offload and fsdp_on
     seq_local = t.seq_len // cp
     mode, every = _ac_mode(cfg)
     reshard = p.fsdp_reshard_after_forward
@@ -1053,11 +1064,14 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
                 if dims.pp_enabled:
                     # No gradient sync between microbatches: fp32 unsharded accumulators until the end.
                     accumulated += tp_local * 4
-            elif bf16:
-                gathered += tp_local * 2  # autocast's bf16 weight copies, saved for backward
+            elif half:
+                gathered += tp_local * 2  # autocast's half-precision weight copies, saved for backward
             stage_grads[s] = tp_local * 4 if fsdp_on else sharded_bytes
         if not fsdp_on:
             gathered_root = gathered
+        if offload:
+            # Sharded parameters, their gradients and the optimizer state live in host memory.
+            d.host_bytes, static, grads, opt_state = static + grads + opt_state, 0, 0, 0
         static += sum(_stage_buffer_bytes(ms, shapes[s]) for s in stage_ids)  # buffers (a RoPE table)
         embed_extra = whole_briefly = 0
         # A table tied to the output projection of the same stage has one gradient, the projection's
@@ -1130,6 +1144,8 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
                                       optimizer_state=opt_state, transient=end), "end of backward"))
         # Optimizer step: foreach AdamW materializes one state-sized intermediate (sqrt(exp_avg_sq)).
         opt_tmp = {"foreach": grads, "fused": 0}.get(o.implementation, largest_block * 4)
+        if offload:
+            opt_tmp = 0  # the optimizer steps on the host
         moments.append((Breakdown(parameters=static, gradients=grads, optimizer_state=opt_state,
                                   transient=opt_tmp), "optimizer step"))
         peak, phase = max(moments, key=lambda m: m[0].total)
@@ -1167,7 +1183,9 @@ def bytes_per_parameter(prep: PreparedJob) -> dict[str, float]:
     per = 1 / (shard * dims.tp * dims.pp)
     e = _BYTES[cfg.training.mixed_precision_param]
     out = {"parameters": 4 * per, "gradients": 4 * per, "optimizer_state": 8 * per,
-           "gathered_copy": e / (dims.tp * dims.pp)}
+           "gathered_copy": e / (dims.tp * dims.pp),
+           # training.enable_cpu_offload: parameters, gradients and optimizer state are in host memory.
+           "host_memory": bool(cfg.training.enable_cpu_offload and dims.fsdp_enabled)}
     if prep.model_args.moe_args() is not None:
         sh = Sharding.of(dims)
         per_expert = 1 / (sh.ep * sh.expert * dims.pp)

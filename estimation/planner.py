@@ -205,7 +205,7 @@ def throughput(prep: PreparedJob, c: Candidate, global_batch: int, opts: Estimat
     args, cfg, dims = prep.model_args, prep.cfg, prep.dims
     world = dims.world_size
     seq = cfg.training.seq_len
-    e = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
+    e = 4 if cfg.training.mixed_precision_param == "float32" else 2
     # Training FLOPs per token from the args contract: of a mixture of experts, the active parameters.
     flops_per_token = args.flops_per_token(seq)
     # Op-level recompute redoes only elementwise ops: few FLOPs, but memory-bound time (assumed 5%).

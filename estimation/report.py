@@ -106,6 +106,15 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
         result["notes"].append("mixture of experts: routed-token activations counted at the average load (tokens "
                                "x top_k per rank); dropless routing can send one rank's experts more, which "
                                "moe.capacity_factor bounds")
+    if analytic is not None and cfg.training.enable_cpu_offload and dims.fsdp_enabled:
+        host = max(d.host_bytes for d in details)
+        result["analytic"]["host_bytes"] = host
+        result["notes"].append(f"CPU offload: {host / GiB:.2f} GiB per rank of sharded parameters, their gradients "
+                               "and optimizer state live in host memory (not in the peak), and the optimizer "
+                               "steps there")
+    if analytic is not None and cfg.training.rampup_batch_size:
+        result["notes"].append("batch ramp-up: estimated at the final global batch (global_batch_size), the "
+                               "largest gradient accumulation")
     args = prep.model_args
     if analytic is not None and args.total_layers > args.num_layers:
         result["notes"].append(f"{args.total_layers - args.num_layers} layer(s) after the trunk (multi-token "
@@ -200,7 +209,9 @@ def format_report(result: dict) -> str:
                        f"{experts['optimizer_state']:.3g})" if experts else "")
         lines += ["", f"analytic: {count}; per model parameter this rank keeps "
                       f"{bpp['parameters']:.3g} bytes of fp32 weights + {bpp['gradients']:.3g} of gradients + "
-                      f"{bpp['optimizer_state']:.3g} of AdamW state{expert_text}; one layer's activations (no recompute) "
+                      f"{bpp['optimizer_state']:.3g} of AdamW state{expert_text}"
+                      + (" in host memory (CPU offload)" if bpp.get("host_memory") else "")
+                      + "; one layer's activations (no recompute) "
                       f"{a['layer_activation_bytes'] / div:.2f} {unit} per microbatch, "
                       f"{a['stored_activation_bytes_per_microbatch'] / div:.2f} {unit} stored per microbatch, "
                       f"{a['microbatches_in_flight']} in flight",

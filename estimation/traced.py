@@ -66,6 +66,7 @@ from estimation.memory import Breakdown, RankEstimate
 from estimation.options import PreparedJob
 
 DEVICE = torch.device("cpu")
+_HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # compute dtypes other than float32
 
 # torch's tracker categories -> our buckets. Anything unknown counts as transient.
 _CATEGORY = {
@@ -307,7 +308,7 @@ class _Context:
     prep: PreparedJob
     granularity: int
     spec: object
-    bf16_autocast: bool
+    autocast_dtype: torch.dtype | None  # bf16 / fp16 compute without FSDP: the trainer's autocast
     loss_parallel: bool
     mode: object
     parallelize: object = None       # ParallelizeOptions, as the trainer derives them
@@ -319,7 +320,7 @@ class _Context:
     notes: list[str] = field(default_factory=list)
 
     def autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16_autocast else contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
 
     def loss_ctx(self):
         if self.loss_parallel:
@@ -360,6 +361,9 @@ def untraceable(prep: PreparedJob) -> str | None:
         return ("the traced estimate cannot run mixture-of-experts models (their token dispatch sizes tensors "
                 "from routing values, which fake tensors do not have); use the analytic estimate "
                 "(--estimate.mode analytic)")
+    if prep.cfg.training.enable_cpu_offload:
+        return ("the traced estimate does not model FSDP CPU offload (it runs on one fake device, so it cannot "
+                "tell host from device memory); use the analytic estimate (--estimate.mode analytic)")
     if prep.model_args.lookahead_tokens > 0:
         return ("the traced estimate does not run multi-token prediction (it feeds the model no lookahead "
                 "tokens, so the prediction modules would be skipped); use the analytic estimate "
@@ -408,7 +412,7 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
         # One mode for the whole estimate: fake tensors of different modes cannot meet in one op.
         # Non-fake inputs are allowed because DeviceMesh keeps real rank tensors.
         ctx = _Context(prep, granularity, spec,
-                       bf16_autocast=cfg.training.mixed_precision_param == "bfloat16" and not dims.fsdp_enabled,
+                       autocast_dtype=None if dims.fsdp_enabled else _HALF.get(cfg.training.mixed_precision_param),
                        loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
                        mode=FakeTensorMode(allow_non_fake_inputs=True), parallelize=parallelize_options(cfg, dims),
                        loss_fn=build_loss(cfg), vocab_size=_token_vocab(model, spec, args),
@@ -595,7 +599,7 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
         persistent_opt = _optimizer_state_bytes(optimizer, ctx.granularity)
         # Sequence parallelism hands the next stage its sequence shard; the dtype is that of the blocks.
         hidden_seq = seq_local // dims.tp if dims.tp_enabled else seq_local
-        hidden_dtype = torch.bfloat16 if (t.mixed_precision_param == "bfloat16" and fsdp) else torch.float32
+        hidden_dtype = _HALF.get(t.mixed_precision_param, torch.float32) if fsdp else torch.float32
         stage = PipelineStage(part, stage_index, layout.num_stages, DEVICE, group=dims.mesh("pp").get_group())
         kwargs = {} if ctx.positions is None else {"positions": ctx.positions}
         gc.collect()

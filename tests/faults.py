@@ -17,6 +17,11 @@ object (or a list of them) runs train.main() with the fault(s) installed:
                                                (a straggler: a slow GPU or a busy core)
   {"kind": "stall", "step": 4, "rank": 1, "seconds": 9}   rank 1 sleeps before step 4's work (a
                                                hung rank that comes back)
+  {"kind": "inf_grad", "step": 3, "rank": 1}   at step 3, after backward and before the gradient norm,
+                                               rank 1 finds an inf in its shard of the first gradient
+                                               (as a float16 overflow leaves one); every rank then
+                                               prints INF_GRAD_STEP_KEPT_PARAMETERS <rank> <True/False>:
+                                               whether its parameter shards came out of that step unchanged
 """
 
 from __future__ import annotations
@@ -213,6 +218,39 @@ def install(fault: dict) -> None:
             return train_step(self, microbatches)
 
         Trainer.train_step = stalled
+    elif kind == "inf_grad":
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        import titanlike.train.trainer as trainer_module
+
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        at = {}
+        train_step = trainer_module.Trainer.train_step
+        scale_gradients = trainer_module.scale_gradients
+
+        def step_with_check(self, microbatches):
+            at["self"] = self
+            if self.step != fault["step"]:
+                return train_step(self, microbatches)
+            before = [local(p).detach().clone() for part in self.model_parts for p in part.parameters()]
+            out = train_step(self, microbatches)
+            after = [local(p).detach() for part in self.model_parts for p in part.parameters()]
+            kept = all(torch.equal(b, a) for b, a in zip(before, after))
+            print(f"INF_GRAD_STEP_KEPT_PARAMETERS {self.rank} {kept}", flush=True)
+            return out
+
+        def poisoned_scale(params, factor):
+            scale_gradients(params, factor)
+            trainer = at["self"]
+            if trainer.step == fault["step"] and trainer.rank == fault.get("rank", 0):
+                grad = next(local(p.grad) for p in params if p.grad is not None and local(p.grad).numel())
+                grad.view(-1)[0] = float("inf")
+
+        trainer_module.Trainer.train_step = step_with_check
+        trainer_module.scale_gradients = poisoned_scale
     else:
         raise ValueError(f"unknown fault {kind!r}")
 

@@ -56,7 +56,7 @@ def test_lists_and_optionals():
         (["--training.steps", "three"], "training.steps must be an integer"),
         (["--optimizer.lr", "fast"], "optimizer.lr must be a number"),
         (["--metrics.enable_tensorboard=maybe"], "must be true or false"),
-        (["--training.mixed_precision_param", "bf16"], "must be one of bfloat16, float32"),
+        (["--training.mixed_precision_param", "bf16"], "must be one of bfloat16, float16, float32"),
         (["--training.steps"], "--training.steps needs a value"),
         (["--training.no_steps"], "only applies to true/false options"),
         (["stray"], "unexpected argument 'stray'"),

@@ -240,7 +240,6 @@ def test_suggestions_only_when_near_certain():
     (["--parallelism.module_fqns_per_model_part", "layers.0"], "parallelism.module_fqns_per_model_part"),
     (["--training.dataloader.num_workers", "4"], "training.dataloader.num_workers = 4 is not supported"),
     (["--comm.mode", "fake_backend"], "a dry run without GPUs is estimation/estimate.py"),
-    (["--training.enable_cpu_offload"], "training.enable_cpu_offload = true is not supported"),
 ])
 def test_unsupported_values_are_refused_in_one_sentence(argv, message):
     with pytest.raises(ConfigError) as err:

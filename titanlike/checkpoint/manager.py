@@ -9,6 +9,7 @@ One checkpoint is one DCP folder ``<dump_folder>/<checkpoint.folder>/step-N`` ho
   dataloader.dp_rank_R   each data-parallel rank's loader position, JSON
   rng.rank_R             each rank's RNG states (torch, CUDA, Python, NumPy), JSON
   train_state.step       the step the checkpoint was taken after (int64), and format_version
+  loss_scaler.state      float16 loss scaling's scale and counters, JSON (jobs that scale the loss)
 
 plus ``titanlike.json`` (model family and args, for load_model and the converters, and the
 CRC-32 of every file, verified before a load). Every entry is a tensor: JSON entries are
@@ -76,9 +77,10 @@ from titanlike.data.hf_tokenizer import tokenizer_record
 
 logger = logging.getLogger("titanlike")
 
-MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE = (
-    "model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state")
-COMPONENTS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE)
+MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE, LOSS_SCALER = (
+    "model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state", "loss_scaler")
+# LOSS_SCALER is saved and loaded only by jobs that scale the loss (float16).
+COMPONENTS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE, LOSS_SCALER)
 # What checkpoint.exclude_from_loading may name.
 CHECKPOINT_COMPONENTS = COMPONENTS
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -328,7 +330,7 @@ class CheckpointManager:
     """
 
     def __init__(self, cfg, *, dims, model_parts: list[nn.Module], optimizer, lr_scheduler,
-                 dataloader, model_args=None, tokenizer=None):
+                 dataloader, model_args=None, tokenizer=None, loss_scaler=None):
         c = cfg.checkpoint
         self.cfg = c
         self.enabled = c.enable
@@ -361,6 +363,8 @@ class CheckpointManager:
             RNG: PerRankState(RNG, "rank_", self.rank, _rng_state, _set_rng_state),
             TRAIN_STATE: self.train_state,
         }
+        if loss_scaler is not None:
+            self.states[LOSS_SCALER] = JsonState(loss_scaler, LOSS_SCALER)
         self._description = None
         self._context_len = None
         if model_args is not None:
@@ -507,7 +511,7 @@ class CheckpointManager:
         return self._load_full(path, metadata, begin)
 
     def _load_full(self, path: str, metadata: Metadata, begin: float) -> int:
-        names = [k for k in COMPONENTS if k not in self.cfg.exclude_from_loading]
+        names = [k for k in self.states if k not in self.cfg.exclude_from_loading]
         for per_rank in (DATALOADER, RNG):
             state: PerRankState = self.states[per_rank]
             if per_rank in names:

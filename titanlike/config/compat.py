@@ -78,7 +78,6 @@ TORCHTITAN_KEYS: dict[str, Alias | Renamed | NotHere] = {
     "training.seed": Renamed("debug.seed", "v0.2.0"),
     "training.deterministic": Renamed("debug.deterministic", "v0.2.0"),
     "training.debug_moe_force_load_balance": Renamed("debug.moe_force_load_balance", "v0.2.0"),
-    "training.enable_cpu_offload": NotHere(False, _NOT_YET),
     "training.dtype": NotHere("float32", "parameters and optimizer state stay float32 here (bfloat16 compute "
                                          "is training.mixed_precision_param)"),
     "training.dataloader.num_workers": NotHere(0, _IN_PROCESS),

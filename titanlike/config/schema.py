@@ -127,11 +127,43 @@ class Training:
         "or saved",
     )
     mixed_precision_param: str = opt(
-        "bfloat16", "dtype of parameters in forward/backward", choices=("bfloat16", "float32")
+        "bfloat16",
+        "dtype of parameters in forward/backward (fp32 master weights either way); float16 turns on dynamic "
+        "loss scaling ([loss_scaling])",
+        choices=("bfloat16", "float16", "float32"),
     )
     mixed_precision_reduce: str = opt(
         "float32", "dtype of gradient reduction across data-parallel ranks", choices=("float32",)
     )
+    enable_cpu_offload: bool = opt(
+        False, "FSDP keeps the sharded parameters, gradients and optimizer state in host memory and runs the "
+        "optimizer step there (needs data_parallel_shard_degree > 1)")
+    rampup_batch_size: list[int] = opt(
+        [], "Megatron's batch-size ramp-up start,increment,samples: the global batch starts at start and grows by "
+        "increment at even intervals until it reaches global_batch_size after samples samples (start and increment "
+        "multiples of local_batch_size x data-parallel degree); the learning-rate schedule then counts samples, in "
+        "units of global_batch_size; empty means no ramp-up")
+
+
+@dataclass
+class LossScaling:
+    """Loss scaling for float16 training, as Megatron's --fp16 does it (DynamicGradScaler): the loss is
+    multiplied by the scale before backward, gradients are divided by it after; a step whose
+    gradients overflow is skipped on every rank (no update, learning rate held) and, once
+    `hysteresis` overflows have been seen since the last growth, the scale halves; after `window`
+    steps without overflow it doubles."""
+
+    mode: str = opt(
+        "auto", "auto: dynamic with training.mixed_precision_param float16, none otherwise; dynamic; static "
+        "(always initial_scale, overflowing steps still skipped); none", choices=("auto", "dynamic", "static", "none"))
+    initial_scale: float = opt(
+        2.0**16, "the loss scale to start from (dynamic) or to keep (static); Megatron's --initial-loss-scale "
+        "defaults to 2^32, which spends more skipped steps halving down at the start")
+    min_scale: float = opt(1.0, "dynamic: the scale never halves below this (Megatron --min-loss-scale)")
+    window: int = opt(1000, "dynamic: steps without overflow before the scale doubles (Megatron --loss-scale-window)")
+    hysteresis: int = opt(
+        2, "dynamic: the scale halves at the hysteresis-th overflow since it last grew, and at every one after "
+        "(Megatron --hysteresis)")
 
 
 @dataclass
@@ -347,6 +379,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    loss_scaling: LossScaling = field(default_factory=LossScaling)
     parallelism: Parallelism = field(default_factory=Parallelism)
     moe: MoE = field(default_factory=MoE)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -46,6 +46,11 @@ def validate_values(cfg: JobConfig) -> None:
            "model.tokenizer_path and model.hf_assets_path both name a tokenizer; set only one")
     _check(cfg.debug.deterministic or not cfg.debug.deterministic_warn_only,
            "debug.deterministic_warn_only only applies with debug.deterministic")
+    if t.rampup_batch_size:
+        _check(len(t.rampup_batch_size) == 3 and min(t.rampup_batch_size) >= 1,
+               "training.rampup_batch_size must be three positive integers start,increment,samples (Megatron's "
+               f"--rampup-batch-size), got {','.join(map(str, t.rampup_batch_size))}")
+    _validate_loss_scaling(cfg)
 
     # Optimizer and schedule.
     o, s = cfg.optimizer, cfg.lr_scheduler
@@ -92,6 +97,15 @@ def validate_values(cfg: JobConfig) -> None:
     if cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot:
         _check(cfg.profiling.profile_freq >= 1,
                f"profiling.profile_freq must be at least 1, got {cfg.profiling.profile_freq}")
+
+
+def _validate_loss_scaling(cfg: JobConfig) -> None:
+    s = cfg.loss_scaling
+    _check(s.initial_scale > 0, f"loss_scaling.initial_scale must be positive, got {s.initial_scale}")
+    _check(0 < s.min_scale <= s.initial_scale,
+           f"loss_scaling.min_scale must be positive and at most initial_scale {s.initial_scale}, got {s.min_scale}")
+    _check(s.window >= 1, f"loss_scaling.window must be at least 1, got {s.window}")
+    _check(s.hysteresis >= 1, f"loss_scaling.hysteresis must be at least 1, got {s.hysteresis}")
 
 
 def _validate_validation(cfg: JobConfig) -> None:

@@ -4,9 +4,11 @@ Contract (the parity tests across parallel layouts rely on it):
 
 * A dataset kind resolves to a *global sample source*: global sample ``i`` is a window of
   ``seq_len + 1`` token ids, the same on every rank and for every layout.
-* Global step ``k`` consumes samples ``[k*G, (k+1)*G)``, ``G = global_batch_size``.
-* With data-parallel degree ``D``, rank ``r`` takes the contiguous block of ``G/D`` samples
-  starting at ``k*G + r*G/D`` and yields it as ``G/(D*L)`` consecutive microbatches of
+* Global step ``k`` consumes samples ``[S_k, S_k + G_k)``: ``G_k = G = global_batch_size`` and
+  ``S_k = k*G``, or, under a batch ramp-up, the batch and the samples before step ``k`` that
+  :class:`~titanlike.data.batch_schedule.BatchSchedule` gives.
+* With data-parallel degree ``D``, rank ``r`` takes the contiguous block of ``G_k/D`` samples
+  starting at ``S_k + r*G_k/D`` and yields it as ``G_k/(D*L)`` consecutive microbatches of
   ``L = local_batch_size`` samples, each as ``(inputs, labels)`` int64 tensors of shape
   ``(L, seq_len)`` with ``labels = window[1:]``, ``inputs = window[:-1]``.
 
@@ -38,6 +40,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlike.data.batch_schedule import BatchSchedule
 from titanlike.data.errors import DataError
 from titanlike.data.text_datasets import (
     HuggingFaceDocuments,
@@ -225,8 +228,10 @@ class _MapSamples:
 class RankBatches(IterableDataset):
     """This rank's microbatches of the global sample stream, forever (see the module docstring).
 
-    Position is the index ``n`` of the next microbatch this rank yields (step ``n // M``,
-    microbatch ``n % M`` within it, ``M = G/(D*L)``). With ``W`` loader workers, worker ``w``
+    Position is the index ``n`` of the next microbatch this rank yields. Every rank yields
+    ``G_k/(D*L)`` microbatches at step ``k``, so ``n*D*L`` counts the samples of all ranks'
+    microbatches before it: microbatch ``n`` belongs to the step that consumes sample ``n*D*L``
+    (step ``n // M``, ``M = G/(D*L)``, without a ramp-up). With ``W`` loader workers, worker ``w``
     makes microbatches ``n = w, w+W, ...`` and the loader's round-robin restores the order.
     """
 
@@ -239,6 +244,7 @@ class RankBatches(IterableDataset):
         global_batch_size: int,
         dp_rank: int,
         dp_degree: int,
+        rampup: list[int] | tuple[int, ...] = (),
     ):
         super().__init__()
         self.samples = samples
@@ -247,7 +253,7 @@ class RankBatches(IterableDataset):
         self.global_batch_size = global_batch_size
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
-        self.microbatches_per_step = global_batch_size // (dp_degree * local_batch_size)
+        self.batches = BatchSchedule(global_batch_size, rampup)
         self._next = 0
         self._pending: dict[str, Any] | None = None
 
@@ -262,12 +268,11 @@ class RankBatches(IterableDataset):
         return arr
 
     def microbatch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        step, m = divmod(n, self.microbatches_per_step)
-        start = (
-            step * self.global_batch_size
-            + self.dp_rank * (self.global_batch_size // self.dp_degree)
-            + m * self.local_batch_size
-        )
+        per_pass = self.dp_degree * self.local_batch_size
+        step = self.batches.step_of_sample(n * per_pass)
+        step_start = self.batches.samples_before(step)
+        m = (n * per_pass - step_start) // per_pass
+        start = step_start + self.dp_rank * (self.batches.batch_size(step) // self.dp_degree) + m * self.local_batch_size
         windows = np.stack([self._sample(start + j) for j in range(self.local_batch_size)]).astype(np.int64)
         batch = torch.from_numpy(windows)
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
@@ -294,27 +299,33 @@ class RankBatches(IterableDataset):
             yield batch
 
     def _resume_position(self, state: dict[str, Any], num_workers: int) -> int:
-        for key, mine in (("global_batch_size", self.global_batch_size), ("seq_len", self.seq_len)):
-            if state[key] != mine:
+        saved_rampup = ",".join(map(str, state.get("rampup", ()))) or "none"
+        for key, theirs, mine in (("global_batch_size", state["global_batch_size"], self.global_batch_size),
+                                  ("seq_len", state["seq_len"], self.seq_len),
+                                  ("rampup_batch_size", saved_rampup, ",".join(map(str, self.batches.rampup)) or "none")):
+            if theirs != mine:
                 raise ValueError(
-                    f"dataloader checkpoint has {key}={state[key]} but this run uses {mine}: "
+                    f"dataloader checkpoint has {key}={theirs} but this run uses {mine}: "
                     "the global sample stream differs, so the position cannot be carried over"
                 )
         n = int(state["next_microbatch"])
         if (state["dp_degree"], state["local_batch_size"]) == (self.dp_degree, self.local_batch_size):
             return n
-        old_m = state["global_batch_size"] // (state["dp_degree"] * state["local_batch_size"])
         # Another data-parallel layout: the position is a global step, valid at a step boundary.
-        if num_workers != 1 or n % old_m != 0:
+        consumed = n * state["dp_degree"] * state["local_batch_size"]
+        step = self.batches.step_of_sample(consumed)
+        within = (consumed - self.batches.samples_before(step)) // (state["dp_degree"] * state["local_batch_size"])
+        if num_workers != 1 or within:
+            old_m = self.batches.batch_size(step) // (state["dp_degree"] * state["local_batch_size"])
             raise ValueError(
                 f"dataloader checkpoint was saved with dp_degree={state['dp_degree']}, "
                 f"local_batch_size={state['local_batch_size']}"
-                + (f" in the middle of a step (microbatch {n % old_m} of {old_m})" if n % old_m else "")
+                + (f" in the middle of a step (microbatch {within} of {old_m})" if within else "")
                 + f"; resuming with dp_degree={self.dp_degree}, local_batch_size={self.local_batch_size}"
                 + (f" and num_workers={num_workers}" if num_workers != 1 else "")
                 + " is only possible at a step boundary with num_workers=0"
             )
-        return (n // old_m) * self.microbatches_per_step
+        return consumed // (self.dp_degree * self.local_batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -323,6 +334,7 @@ class RankBatches(IterableDataset):
             "dp_degree": self.dp_degree,
             "local_batch_size": self.local_batch_size,
             "global_batch_size": self.global_batch_size,
+            "rampup": list(self.batches.rampup),
             "seq_len": self.seq_len,
             "samples": self.samples.state_dict(),
         }
@@ -337,7 +349,8 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _validate_layout(*, seq_len, local_batch_size, global_batch_size, dp_rank, dp_degree, num_workers) -> None:
+def _validate_layout(*, seq_len, local_batch_size, global_batch_size, dp_rank, dp_degree, num_workers,
+                     rampup=()) -> None:
     _check_int("seq_len", seq_len, 1)
     _check_int("local_batch_size", local_batch_size, 1)
     _check_int("global_batch_size", global_batch_size, 1)
@@ -352,6 +365,24 @@ def _validate_layout(*, seq_len, local_batch_size, global_batch_size, dp_rank, d
             f"local_batch_size * dp_degree ({local_batch_size} * {dp_degree} = {local_batch_size * dp_degree}): "
             "each step gives every data-parallel rank the same whole number of microbatches"
         )
+    if rampup:
+        validate_rampup(rampup, global_batch_size, local_batch_size * dp_degree)
+
+
+def validate_rampup(rampup, global_batch_size: int, per_pass: int, *, option: str = "rampup_batch_size") -> None:
+    """A batch ramp-up [start, increment, samples] that every step can split into whole microbatches
+    of every data-parallel rank: ValueError, one sentence."""
+    if len(rampup) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in rampup):
+        raise ValueError(f"{option} must be three positive integers start,increment,samples, got {list(rampup)}")
+    start, increment, _ = rampup
+    if start % per_pass or increment % per_pass:
+        raise ValueError(
+            f"{option} start {start} and increment {increment} must be multiples of local_batch_size x "
+            f"data-parallel degree ({per_pass}): every step's batch is split into whole microbatches of every rank")
+    if start >= global_batch_size or (global_batch_size - start) % increment:
+        raise ValueError(
+            f"{option} start {start} must be below global_batch_size {global_batch_size} and increment "
+            f"{increment} must divide their difference, so that the ramp ends exactly at global_batch_size")
 
 
 def build_dataloader_from_source(
@@ -365,11 +396,13 @@ def build_dataloader_from_source(
     seed: int = 0,
     shuffle: bool = False,
     num_workers: int = 0,
+    rampup: list[int] | tuple[int, ...] = (),
 ) -> StatefulDataLoader:
-    """Loader over an already built global sample source (map-style or a :class:`SampleStream`)."""
+    """Loader over an already built global sample source (map-style or a :class:`SampleStream`).
+    rampup: a batch ramp-up [start, increment, samples] (see :mod:`titanlike.data.batch_schedule`)."""
     _validate_layout(
         seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
-        dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers,
+        dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers, rampup=rampup,
     )
     if isinstance(source, SampleStream):
         samples = source
@@ -379,7 +412,7 @@ def build_dataloader_from_source(
         raise TypeError(f"{type(source).__name__} is neither map-style (__len__/__getitem__) nor a SampleStream")
     dataset = RankBatches(
         samples, seq_len=seq_len, local_batch_size=local_batch_size,
-        global_batch_size=global_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+        global_batch_size=global_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, rampup=rampup,
     )
     with warnings.catch_warnings():
         # torchdata 0.11 calls an API torch has since deprecated; the warning is not actionable here.
@@ -444,6 +477,7 @@ def build_dataloader(
     num_samples: int | None = None,
     split: str | None = None,
     split_name: str = "train",
+    rampup: list[int] | tuple[int, ...] = (),
 ) -> StatefulDataLoader:
     """This data-parallel rank's infinite loader of ``(inputs, labels)`` microbatches.
 
@@ -458,6 +492,8 @@ def build_dataloader(
     ``split``/``split_name``: which part of the data (``"train"``, ``"valid"``, ``"test"``): a Megatron
     split string such as ``"969,30,1"`` for ``megatron`` (that is the default); the embedded corpus
     holds out its last 1% (``DEFAULT_CORPUS_SPLIT``); other kinds have only ``"train"``, the whole data.
+    ``rampup``: Megatron's batch-size ramp-up ``[start, increment, samples]``; the step's microbatches
+    per rank then follow :class:`~titanlike.data.batch_schedule.BatchSchedule`.
 
     Data that cannot be trained on (a bad path, no usable document, a damaged Megatron index, too few
     tokens for one sample) raises :class:`~titanlike.data.DataError`, a ValueError whose message is one
@@ -465,7 +501,7 @@ def build_dataloader(
     """
     _validate_layout(
         seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
-        dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers,
+        dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers, rampup=rampup,
     )
     kind = _KINDS.get(dataset)
     if kind is None:
@@ -490,4 +526,5 @@ def build_dataloader(
     return build_dataloader_from_source(
         source, seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=kind.shuffle, num_workers=num_workers,
+        rampup=rampup,
     )

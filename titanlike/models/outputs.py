@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import torch
@@ -38,26 +40,69 @@ def logits_of(output: torch.Tensor | ModelOutput) -> torch.Tensor:
     return output.logits if isinstance(output, ModelOutput) else output
 
 
+# The weight backward gives the objective: 1, except under loss scaling (train/loss_scaling.py),
+# where the trainer differentiates scale / tokens x the summed loss. Terms attached deep inside a
+# model (attach_loss) must get the same weight as the loss the trainer backpropagates, and passing
+# it down through every family's forward would change the model contract; so it reaches them the
+# way autocast's dtype does, as a context the trainer sets around its forwards. attach_loss reads it
+# in forward, so a backward run later (a pipeline schedule, activation-checkpoint recomputation)
+# uses the weight of the forward it belongs to.
+_OBJECTIVE_WEIGHT: contextvars.ContextVar[float] = contextvars.ContextVar("objective_weight", default=1.0)
+
+
+@contextlib.contextmanager
+def objective_weight(weight: float):
+    """Inside the block the objective is differentiated with `weight`: the loss wrapped in
+    `weighted_objective` and every term the block's forwards attach (`attach_loss`)."""
+    token = _OBJECTIVE_WEIGHT.set(float(weight))
+    try:
+        yield
+    finally:
+        _OBJECTIVE_WEIGHT.reset(token)
+
+
 class _AttachLoss(torch.autograd.Function):
-    """Identity on x whose backward also gives `loss` the gradient 1."""
+    """Identity on x whose backward also gives `loss` the gradient `weight`."""
 
     @staticmethod
-    def forward(ctx, x, loss):
-        ctx.loss_shape = loss.shape
+    def forward(ctx, x, loss, weight):
+        ctx.loss_shape, ctx.weight = loss.shape, weight
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.ones(ctx.loss_shape, dtype=torch.float32, device=grad.device)
+        return grad, torch.full(ctx.loss_shape, ctx.weight, dtype=torch.float32, device=grad.device), None
 
 
 def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """x, carrying `loss` (in the training loss's summed units) into the objective: whatever
-    backward reaches x also differentiates `loss` with weight 1. A term computed deep inside a model
-    (a balancing loss, a multi-token-prediction loss on the last pipeline stage) joins the
-    objective this way without changing what forward returns, which keeps the pipeline schedule
-    and the loss function the same for every family."""
-    return _AttachLoss.apply(x, loss)
+    backward reaches x also differentiates `loss` with the objective's weight (1, or the loss
+    scale's under `objective_weight`). A term computed deep inside a model (a balancing loss, a
+    multi-token-prediction loss on the last pipeline stage) joins the objective this way without
+    changing what forward returns, which keeps the pipeline schedule and the loss function the same
+    for every family."""
+    return _AttachLoss.apply(x, loss, _OBJECTIVE_WEIGHT.get())
+
+
+class _WeighGradient(torch.autograd.Function):
+    """Identity whose backward multiplies the incoming gradient by `weight`."""
+
+    @staticmethod
+    def forward(ctx, loss, weight):
+        ctx.weight = weight
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.weight, None
+
+
+def weighted_objective(loss: torch.Tensor) -> torch.Tensor:
+    """loss, unchanged in value, whose backward carries the objective's weight (`objective_weight`):
+    the loss the trainer backpropagates, scaled for backward while still reporting the unscaled value
+    (a pipeline schedule returns what it differentiates)."""
+    weight = _OBJECTIVE_WEIGHT.get()
+    return loss if weight == 1.0 else _WeighGradient.apply(loss, weight)
 
 
 # Loss terms reported apart. A module that adds a term to the objective (attach_loss) and wants it

@@ -127,12 +127,16 @@ class MetricsLogger:
             self._jsonl = open(jsonl_path, "a")
         self._last_time = time.perf_counter()
         self._steps_since = 0
+        self._tokens_since = 0.0
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
 
-    def step_done(self) -> None:
+    def step_done(self, tokens_per_device: float | None = None) -> None:
+        """A step ended; tokens_per_device: its tokens per device when not tokens_per_step_per_device
+        (a batch ramp-up's smaller batches)."""
         self._steps_since += 1
+        self._tokens_since += self.tokens_per_step_per_device if tokens_per_device is None else tokens_per_device
 
     def log(self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict | None = None,
             expert_counts: dict[int, torch.Tensor] | None = None) -> dict:
@@ -141,9 +145,9 @@ class MetricsLogger:
         TensorBoard histograms and the JSONL record."""
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
-        tps = self._steps_since * self.tokens_per_step_per_device / elapsed
+        tps = self._tokens_since / elapsed
         seconds_per_step = elapsed / max(self._steps_since, 1)
-        self._last_time, self._steps_since = now, 0
+        self._last_time, self._steps_since, self._tokens_since = now, 0, 0.0
         self.last_loss = loss
         mem_label, mem = peak_memory_gib(self.device)
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, mem_label: mem,

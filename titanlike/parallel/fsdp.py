@@ -4,6 +4,11 @@ Gradients are reduced with a plain sum (divide factor 1): the loss is already
 normalized by the global count of target tokens, so averaging over ranks again
 would scale gradients by 1/dp. This is what makes every data-parallel degree
 produce the same update as one process.
+
+CPU offload (training.enable_cpu_offload, FSDP2's CPUOffloadPolicy): every FSDP unit keeps its
+sharded parameters and gradients in host memory; they are copied to the device for each all-gather
+and back after each reduce-scatter, and the optimizer (its state created next to its parameters)
+steps on the host. Pinned host memory makes those copies asynchronous; it needs CUDA.
 """
 
 from __future__ import annotations
@@ -13,10 +18,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def apply_fsdp(
@@ -27,6 +32,7 @@ def apply_fsdp(
     reduce_dtype: str,
     reshard_after_forward: str,
     mesh_named: Callable[[str], DeviceMesh | None] | None = None,
+    cpu_offload: bool = False,
 ) -> None:
     """fully_shard every block of model.layers, then the whole model (in place).
 
@@ -37,8 +43,10 @@ def apply_fsdp(
     innermost first. If that mesh is None (degree 1) its parameters stay whole; parameters that are
     already DTensors on another mesh (experts split by expert parallelism) are then left out of the
     enclosing units. mesh None: no data parallelism; only those submodules are sharded.
+    cpu_offload: every unit keeps its shards in host memory (see the module docstring).
     """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     reshard = reshard_after_forward != "never"
     ignored: set[nn.Parameter] = set()
     for block in model.layers.values():
@@ -52,14 +60,16 @@ def apply_fsdp(
                 ignored.update(p for p in module.parameters(recurse=False) if isinstance(p, DTensor))
             elif own_mesh is not mesh:
                 fully_shard(module, mesh=own_mesh, mp_policy=mp, reshard_after_forward=reshard,
-                            shard_placement_fn=_expert_placement(own_mesh), ignored_params=ignored or None)
+                            shard_placement_fn=_expert_placement(own_mesh), ignored_params=ignored or None,
+                            offload_policy=offload)
         if mesh is not None:
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored or None)
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored or None,
+                        offload_policy=offload)
     if mesh is not None:
         # The root holds embeddings, final norm and output; its parameters are needed first in
         # backward, so by default they stay gathered after forward.
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always",
-                    ignored_params=ignored or None)
+                    ignored_params=ignored or None, offload_policy=offload)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

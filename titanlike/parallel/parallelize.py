@@ -42,6 +42,7 @@ class ParallelizeOptions:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     fsdp_reshard_after_forward: str = "default"  # default | always | never
+    cpu_offload: bool = False  # FSDP keeps shards, gradients and optimizer state in host memory
     token_dispatcher: str = "alltoall"  # alltoall | allgather (expert parallelism)
 
 
@@ -104,7 +105,7 @@ def _data_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions)
     # Without data parallelism the blocks stay whole, but a module with its own mesh (an MoE layer's
     # experts and router under TP or EP) is still sharded over it.
     apply_fsdp(model, dims.mesh("fsdp") if dims.fsdp_enabled else None, param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype,
-               reshard_after_forward=reshard, mesh_named=dims.mesh)
+               reshard_after_forward=reshard, mesh_named=dims.mesh, cpu_offload=opts.cpu_offload)
 
 
 def enable_async_tensor_parallel(tp_mesh) -> None:

@@ -53,6 +53,9 @@ def scale_gradients(parameters, factor: torch.Tensor | float) -> None:
     scales the whole tensor whatever its placement)."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
     if grads:
+        if isinstance(factor, torch.Tensor):
+            # Gradients offloaded to the host (FSDP CPU offload) are scaled by a host copy.
+            factor = factor.to(grads[0].device)
         torch._foreach_mul_(grads, factor)
 
 

@@ -50,6 +50,7 @@ def parallelize_options(cfg: JobConfig, dims: ParallelDims) -> ParallelizeOption
         param_dtype=t.mixed_precision_param,
         reduce_dtype=t.mixed_precision_reduce,
         fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+        cpu_offload=t.enable_cpu_offload,
         token_dispatcher=cfg.moe.token_dispatcher,
     )
 

@@ -1,4 +1,11 @@
-"""Optimizer and learning-rate schedule (warmup, stable, decay: WSD)."""
+"""Optimizer and learning-rate schedule (warmup, stable, decay: WSD).
+
+The schedule advances once per optimizer update: a step skipped for a float16 overflow
+(train/loss_scaling.py) does not move it, as in Megatron. Under a batch ramp-up
+(training.rampup_batch_size) it counts samples, as Megatron's does: the k-th update is at
+samples_before(k) / global_batch_size "full steps", so warmup_steps and the decay are measured in
+full global batches and the schedule ends at the samples training.steps consume.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from titanlike.config.schema import LRScheduler, Optimizer
+from titanlike.data.batch_schedule import BatchSchedule
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer) -> torch.optim.Optimizer:
@@ -29,10 +37,10 @@ def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer) -> torch.optim
 
 
 def lr_factor(
-    step: int,
+    step: float,
     *,
     warmup_steps: int,
-    total_steps: int,
+    total_steps: float,
     decay_ratio: float | None,
     decay_type: str,
     min_lr_factor: float,
@@ -60,13 +68,18 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * curve
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
-    fn = partial(
-        lr_factor,
-        warmup_steps=cfg.warmup_steps,
-        total_steps=total_steps,
-        decay_ratio=cfg.decay_ratio,
-        decay_type=cfg.decay_type,
-        min_lr_factor=cfg.min_lr_factor,
-    )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int,
+                       batches: BatchSchedule | None = None):
+    """LambdaLR over lr_factor; batches: the job's batch schedule, whose ramp-up (if any) makes the
+    schedule count samples (see the module docstring)."""
+    shape = dict(warmup_steps=cfg.warmup_steps, decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type,
+                 min_lr_factor=cfg.min_lr_factor)
+    if batches is None or not batches.ramps:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, total_steps=total_steps, **shape))
+    full = batches.global_batch_size
+    total = batches.samples_before(total_steps) / full
+
+    def by_samples(update: int) -> float:
+        return lr_factor(batches.samples_before(update) / full, total_steps=total, **shape)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, by_samples)

@@ -8,7 +8,9 @@ batch, one clip, one optimizer step.
 Faults (titanlike/train/faults.py, titanlike/observe/run_lock.py): rank 0 locks the dump
 folder for the job's life; a step whose loss or gradient norm is non-finite is stopped (or
 skipped, training.skip_nonfinite_steps) before the optimizer step; SIGTERM / SIGUSR1 on any
-rank make all ranks save the step they finish and return from `train`.
+rank make all ranks save the step they finish and return from `train`. Under float16 loss scaling
+(titanlike/train/loss_scaling.py) a non-finite gradient norm with a finite loss is an overflow
+instead: every rank skips the step, the learning rate is held and the scale backs off.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from titanlike.checkpoint import CheckpointError, CheckpointManager
 from titanlike.config.loader import config_to_dict
 from titanlike.config.schema import JobConfig
 from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
+from titanlike.data.batch_schedule import BatchSchedule
 from titanlike.models.common.attention import DocumentMask, describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
-from titanlike.models.outputs import reported_loss_sums
+from titanlike.models.outputs import objective_weight, reported_loss_sums, weighted_objective
 from titanlike.models.registry import get_model_spec
 from titanlike.observe.memory import MemorySnapshot, tensor_footprint
 from titanlike.observe.metrics import MetricsLogger
@@ -49,6 +52,7 @@ from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
 from titanlike.train.gc_schedule import PeriodicGC
 from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss, lookahead_targets
+from titanlike.train.loss_scaling import build_loss_scaler
 from titanlike.train.model_parts import build_model_parts, model_args_for_job
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
@@ -140,6 +144,8 @@ class Trainer:
         self.global_batch_size = (
             t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
         )
+        # The batch of every step (a ramp-up's, or always global_batch_size); microbatches per rank follow it.
+        self.batches = BatchSchedule(self.global_batch_size, t.rampup_batch_size)
         self.grad_accum_steps = self.global_batch_size // (t.local_batch_size * dims.dp_degree)
         self.dataloader = build_dataloader(
             dataset=t.dataset,
@@ -151,8 +157,9 @@ class Trainer:
             dp_rank=dims.dp_rank(),
             dp_degree=dims.dp_degree,
             seed=cfg.debug.seed,
-            num_samples=t.steps * self.global_batch_size,
+            num_samples=self.batches.samples_before(t.steps),
             split=t.split,  # validation reads the 'valid' part of the same split
+            rampup=t.rampup_batch_size,
         )
 
         self.validation = build_validation_data(
@@ -176,19 +183,23 @@ class Trainer:
             for part in parts:
                 logger.info(f"model after conversion and parallelization:\n{part}")
         self.model_parts = []
+        # CPU offload: FSDP keeps the parameter shards in host memory; buffers (RoPE) stay on the device.
+        offload = t.enable_cpu_offload
         for part in parts:
-            part.to_empty(device=self.device)
-            part.init_weights(seed=cfg.debug.seed, buffer_device=None)
+            part.to_empty(device="cpu" if offload else self.device)
+            part.init_weights(seed=cfg.debug.seed, buffer_device=self.device if offload else None)
             part.train()
             self.model_parts.append(part)
 
-        # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same bf16 compute.
-        bf16 = t.mixed_precision_param == "bfloat16"
+        # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same bf16 / fp16 compute.
+        half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(t.mixed_precision_param)
         self.autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if bf16 and not dims.fsdp_enabled
+            torch.autocast(self.device.type, dtype=half)
+            if half is not None and not dims.fsdp_enabled
             else contextlib.nullcontext()
         )
+        # float16: the loss is scaled before backward and steps whose gradients overflow are skipped.
+        self.loss_scaler = build_loss_scaler(cfg)
         self.loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         # Context parallel: the global positions of the tokens this rank keeps of every sequence.
         self.cp_positions = (
@@ -225,11 +236,13 @@ class Trainer:
             dist.group.WORLD if dist.is_initialized() else None)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         # lr_scheduler.total_steps lets a short run follow a longer run's curve.
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps,
+                                               self.batches)
         self.step = 0
         self.checkpointer = CheckpointManager(
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer)
+            dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
+            loss_scaler=self.loss_scaler)
 
         dump = cfg.job.dump_folder
         m = cfg.metrics
@@ -299,7 +312,7 @@ class Trainer:
 
     def _log_attention(self) -> None:
         a, t = self.model_args.attention_shape(), self.cfg.training
-        dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(t.mixed_precision_param, torch.float32)
         if a is None:
             return
         if self.dims.cp_enabled:
@@ -345,7 +358,7 @@ class Trainer:
         with self._loss_context():
             loss = self.loss_fn(logits, mb.labels)
             if backward:
-                loss.backward()
+                weighted_objective(loss).backward()
         return _local_value(loss)
 
     def pipeline_forward_backward(self, mb: Microbatch, *, backward: bool = True):
@@ -372,7 +385,7 @@ class Trainer:
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Called by the schedule per microbatch on the last stage; a sum, as without PP.
-        return self.loss_fn(logits, labels)
+        return weighted_objective(self.loss_fn(logits, labels))
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over a global batch; returns (global mean loss, grad norm)."""
@@ -383,13 +396,17 @@ class Trainer:
         # the model in the same summed units (an MoE layer's balancing losses, on any pipeline stage).
         local_tokens = sum((mb.labels != IGNORE_INDEX).sum() for mb in microbatches)
         global_tokens = sum_over(local_tokens.to(self.device, torch.float32), self.dims.mesh("loss"))
+        # float16 loss scaling: backward differentiates scale / global_tokens x the summed loss, so the one
+        # multiplication unscaling the gradients replaces the division by the token count.
+        scaler = self.loss_scaler
         loss_sum = torch.zeros((), device=self.device)
-        for mb in microbatches:
-            loss_sum += self._step_fn(mb)
+        with objective_weight(scaler.scale / global_tokens.item() if scaler is not None else 1.0):
+            for mb in microbatches:
+                loss_sum += self._step_fn(mb)
         if self.tied is not None:
             self.tied.sync_gradients()
         params = [p for part in self.model_parts for p in part.parameters()]
-        scale_gradients(params, 1.0 / global_tokens)
+        scale_gradients(params, 1.0 / scaler.scale if scaler is not None else 1.0 / global_tokens)
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"),
                                     exclude=frozenset(self.tied.duplicates) if self.tied else frozenset())
         # Under PP only ranks holding the last stage have a loss (the others 0), so summing over pp too
@@ -412,13 +429,30 @@ class Trainer:
             # Every rank, every step (a skipped one too: its counts are dropped with it).
             self.moe_table = self.expert_balance.step_done(update_bias=finite)
         if not finite:
-            self._skip_or_stop(loss, norm)
+            if scaler is not None and math.isfinite(loss):  # under loss scaling, an overflow rather than a fault
+                self._skip_overflow(norm)
+            else:
+                self._skip_or_stop(loss, norm)
             return loss, norm
         self.optimizer.step()
         self.converters.post_optimizer_step(self.model_parts)
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
+        if scaler is not None:
+            scaler.update(overflow=False)
         return loss, norm
+
+    def _skip_overflow(self, norm: float) -> None:
+        """Scaled float16 gradients overflowed: every rank drops the step (the norm is global), with no
+        update and, as in Megatron, no learning-rate step; the scaler backs off (train/loss_scaling.py)."""
+        scale = self.loss_scaler.scale
+        self.loss_scaler.update(overflow=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_skipped = True
+        if self.rank == 0:
+            logger.info(f"skipped step {self.step}: gradients overflowed at loss scale {scale:g} (norm {norm}); no "
+                        f"update, learning rate held; loss scale now {self.loss_scaler.scale:g} "
+                        f"({self.loss_scaler.skipped_steps} step(s) skipped for overflow so far)")
 
     def _skip_or_stop(self, loss: float, norm: float) -> None:
         """A step with a non-finite loss or gradient norm: skip it (training.skip_nonfinite_steps)
@@ -492,8 +526,10 @@ class Trainer:
             return losses
         if self.rank == 0:
             logger.info(
-                f"training {steps} steps: global batch {self.global_batch_size} x seq "
+                f"training {steps} steps: {self.batches.describe()} x seq "
                 f"{self.cfg.training.seq_len}, {self.grad_accum_steps} microbatch(es) per rank"
+                + (" at the full batch" if self.batches.ramps else "")
+                + (f"; {self.loss_scaler.describe()}" if self.loss_scaler is not None else "")
             )
         p = self.cfg.profiling
         profiler = Profiler(enabled=p.enable_profiling, freq=p.profile_freq, rank=self.rank, start_step=start,
@@ -512,13 +548,15 @@ class Trainer:
                 self.step += 1
                 self.step_skipped = False
                 lr = self.lr_scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step([next(data) for _ in range(self.grad_accum_steps)])
+                batch = self.batches.batch_size(self.step - 1)  # a ramp-up's, else global_batch_size
+                loss, grad_norm = self.train_step([next(data) for _ in range(self.microbatches_per_rank(batch))])
                 if not self.step_skipped and not math.isfinite(loss):
                     raise TrainingError(f"the loss is {loss} at step {self.step}; training stopped")
                 losses.append(loss)
-                self.metrics.step_done()
+                self.metrics.step_done(batch * self.cfg.training.seq_len / self.dims.world_size)
                 if self.step_skipped or self.metrics.should_log(self.step, steps):
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+                    extra.update(self._precision_and_batch_metrics(batch))
                     extra.update(self.reported_losses)
                     expert_counts = None
                     if self.expert_balance is not None:
@@ -566,6 +604,19 @@ class Trainer:
             memory_snapshots=os.path.join(dump, p.save_memory_snapshot_folder) if snapshots.written else None,
             wandb=self.wandb_folder,
         )
+
+    def microbatches_per_rank(self, batch: int) -> int:
+        """Microbatches each data-parallel rank runs for a global batch of `batch` samples."""
+        return batch // (self.cfg.training.local_batch_size * self.dims.dp_degree)
+
+    def _precision_and_batch_metrics(self, batch: int) -> dict:
+        """The loss scale and the steps skipped for overflow (float16), the step's batch (ramp-up)."""
+        out = {}
+        if self.loss_scaler is not None:
+            out.update(loss_scale=self.loss_scaler.scale, overflow_skipped_steps=self.loss_scaler.skipped_steps)
+        if self.batches.ramps:
+            out["global_batch_size"] = batch
+        return out
 
     def _save_and_stop(self) -> None:
         """A stop signal reached some rank: save a full checkpoint of this step on every rank, say so."""

@@ -129,7 +129,7 @@ def _check(ok: bool, message: str) -> None:
 
 def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
     from titanlike.checkpoint.manager import validate_checkpoint_config
-    from titanlike.data.loader import validate_dataset
+    from titanlike.data.loader import validate_dataset, validate_rampup
     from titanlike.models.common.attention import validate_attention_backend
     from titanlike.models.converters import validate_converters
     from titanlike.models.registry import get_model_spec, model_names
@@ -174,6 +174,12 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
         _check(t.global_batch_size >= 1 and t.global_batch_size % per_pass == 0,
                f"training.global_batch_size {t.global_batch_size} must be a positive multiple of "
                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp_degree} = {per_pass}")
+    if t.rampup_batch_size:
+        validate_rampup(t.rampup_batch_size, t.global_batch_size if t.global_batch_size != -1 else per_pass, per_pass,
+                        option="training.rampup_batch_size")
+    _check(not t.enable_cpu_offload or dims.fsdp_enabled,
+           "training.enable_cpu_offload offloads FSDP's shards, so it needs data_parallel_shard_degree > 1 "
+           f"(this layout has {dims.dp_shard})")
     validate_dataset(t.dataset, t.dataset_path)
     v = cfg.validation
     if v.enable and v.seq_len not in (-1, t.seq_len):
