@@ -120,6 +120,13 @@ class BaseModelArgs:
         The attention term counts the full T x T score matrix (attention counted non-causal)."""
         raise NotImplementedError
 
+    def layer_costs(self, seq_len: int) -> list[float] | None:
+        """Relative compute of each trunk layer at this sequence length (e.g. forward FLOPs per token),
+        for models whose layers differ in cost (a hybrid's Mamba, attention and MLP layers): the
+        pipeline split then balances the stages' summed costs. None (the default): every layer costs
+        the same, and the split balances layer counts."""
+        return None
+
     def attention_shape(self) -> AttentionShape | None:
         """The attention heads, or None for a model without attention."""
         return None

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,8 +120,14 @@ class PipelineLayout:
                 f"layers per stage {list(self.layers)}")
 
 
-def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | None) -> PipelineLayout:
+def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | None,
+                layer_costs: Sequence[float] | None = None) -> PipelineLayout:
     """The stage layout for a model of n_layers transformer layers.
+
+    layer_costs: each layer's relative compute (the args' `layer_costs`, for models whose layers
+    differ: a hybrid's Mamba, attention and MLP layers); without layers_per_stage, the stages then
+    get contiguous runs of layers whose summed costs are as even as possible (the most expensive
+    stage as cheap as it can be) instead of equal layer counts.
 
     Raises ValueError (one sentence naming the option to change) when the layers cannot
     fill the stages or the stage count does not suit the schedule.
@@ -134,12 +140,15 @@ def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | N
             raise ValueError(
                 f"{name} at pipeline_parallel_degree {pp} needs {num_stages} stages of at least one layer each, "
                 f"but the model has {n_layers} layers")
-        base, extra = divmod(n_layers, num_stages)
-        # The middle stages take the spare layers; the end stages already hold the embedding
-        # and the output projection. Ties go to the earlier stage: the output projection is
-        # the heavier end.
-        by_preference = sorted(range(num_stages), key=lambda s: (-min(s, num_stages - 1 - s), s))
-        layers = [base + (s in by_preference[:extra]) for s in range(num_stages)]
+        if layer_costs is not None:
+            layers = balance_by_cost(layer_costs, num_stages)
+        else:
+            base, extra = divmod(n_layers, num_stages)
+            # The middle stages take the spare layers; the end stages already hold the embedding
+            # and the output projection. Ties go to the earlier stage: the output projection is
+            # the heavier end.
+            by_preference = sorted(range(num_stages), key=lambda s: (-min(s, num_stages - 1 - s), s))
+            layers = [base + (s in by_preference[:extra]) for s in range(num_stages)]
     else:
         if layers_per_stage < 1:
             raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage must be at least 1, got {layers_per_stage}")
@@ -168,6 +177,38 @@ def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | N
             f"{name} needs exactly 2 stages per rank, but pipeline_parallel_layers_per_stage {layers_per_stage} "
             f"gives {per_rank}; use {-(-n_layers // (2 * pp))} layers per stage")
     return PipelineLayout(pp=pp, layers=tuple(layers), v_shaped=name in V_SCHEDULES)
+
+
+def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Layers per stage: contiguous runs of `costs` (one per layer, in order), each stage at least
+    one layer, minimizing the largest stage's summed cost (dynamic programming, exact). Among equally
+    good splits, earlier stages take the longer runs: the last stage also holds the output
+    projection, which the layer costs do not count."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
+    prefix = [0.0]
+    for c in costs:
+        if c < 0:
+            raise ValueError(f"layer costs must be non-negative, got {c}")
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest possible largest-stage cost of layers i.. split into k stages;
+    # cut[k][i]: where the first of those k stages ends.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][n] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(n - k, -1, -1):
+            for j in range(n - k + 1, i, -1):  # first stage i..j-1; the longest first on ties
+                value = max(prefix[j] - prefix[i], best[k - 1][j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    layers, i = [], 0
+    for k in range(num_stages, 0, -1):
+        layers.append(cut[k][i] - i)
+        i = cut[k][i]
+    return layers
 
 
 def microbatch_problem(schedule: str, n_microbatches: int, layout: PipelineLayout) -> str | None:

@@ -52,7 +52,8 @@ def pipeline_layout(cfg: JobConfig, dims: ParallelDims, args: BaseModelArgs) -> 
     if not dims.pp_enabled:
         return None
     p = cfg.parallelism
-    return plan_layout(args.num_layers, dims.pp, p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage)
+    return plan_layout(args.num_layers, dims.pp, p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage,
+                       layer_costs=args.layer_costs(cfg.training.seq_len))
 
 
 def build_model_parts(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: BaseModelArgs,
