@@ -1,9 +1,9 @@
 """Hybrid models <-> Hugging Face NemotronHForCausalLM and Mamba2ForCausalLM (state dicts, config.json).
 
-A pattern of Mamba-2 layers only is exported as Mamba2ForCausalLM ("mamba2", keys under
-`backbone.`) when its inner width is a whole multiple of the model width (Mamba2Config's
-`expand`); every other pattern as NemotronHForCausalLM ("nemotron_h", keys under `model.`, the
-pattern as `layers_block_type`). Both are read.
+A pattern of Mamba-2 layers only is exported as Mamba2ForCausalLM ("mamba2") when its inner width
+is a whole multiple of the model width (Mamba2Config's `expand`); every other pattern as
+NemotronHForCausalLM ("nemotron_h", the pattern as `layers_block_type`). Both are read. On disk
+both keep the trunk under `backbone.` (NemotronH's in-memory `model.` is read too).
 
 Per layer, HF keeps the mixer under `mixer.`: Mamba-2's in_proj, conv1d (C, 1, K), dt_bias, A_log,
 D, norm, out_proj; attention's q/k/v/o_proj; the MLP's up_proj and down_proj. Our Mamba-2 keeps
@@ -65,8 +65,10 @@ def hf_model_type(args) -> str:
     return NEMOTRON_H
 
 
-def _prefix(model_type: str) -> str:
-    return "backbone." if model_type == MAMBA2 else "model."
+# Both classes save their trunk under "backbone." (NemotronH renames its in-memory "model." on
+# save, as NVIDIA's checkpoints are written); NemotronH's in-memory state dict is read too.
+DISK_PREFIX = "backbone."
+_PREFIXES = {MAMBA2: (DISK_PREFIX,), NEMOTRON_H: (DISK_PREFIX, "model.")}
 
 
 def _to_hf_layout(name: str, value: torch.Tensor, args) -> torch.Tensor:
@@ -92,7 +94,7 @@ def _from_hf_layout(name: str, value: torch.Tensor, args) -> torch.Tensor:
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
     """Our state dict (full tensors) -> the HF model's, as saved on disk."""
     _check_exportable(args)
-    prefix = _prefix(hf_model_type(args))
+    prefix = DISK_PREFIX
     top = {"tok_embeddings.weight": f"{prefix}embeddings.weight", "norm.weight": f"{prefix}norm_f.weight",
            "output.weight": "lm_head.weight"}
     hf: dict[str, torch.Tensor] = {}
@@ -114,17 +116,19 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args) -> dict[str, torch.Te
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
     """The HF model's state dict -> ours (load_state_dict strict). KeyError for a tensor we have
     no name for or a missing output projection."""
-    prefix = _prefix(hf_model_type(args))
-    top = {f"{prefix}embeddings.weight": "tok_embeddings.weight", f"{prefix}norm_f.weight": "norm.weight",
-           "lm_head.weight": "output.weight"}
+    prefixes = _PREFIXES[hf_model_type(args)]
     sd: dict[str, torch.Tensor] = {}
     for key, value in hf_sd.items():
-        if key == "lm_head.weight" and args.tie_word_embeddings:
+        if key == "lm_head.weight":
+            if not args.tie_word_embeddings:
+                sd["output.weight"] = value
             continue
-        if key in top:
-            sd[top[key]] = value
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        name = None if prefix is None else key[len(prefix):]
+        if name in ("embeddings.weight", "norm_f.weight"):
+            sd["tok_embeddings.weight" if name == "embeddings.weight" else "norm.weight"] = value
             continue
-        m = re.fullmatch(rf"{re.escape(prefix)}layers\.(\d+)\.(.+)", key)
+        m = None if name is None else re.fullmatch(r"layers\.(\d+)\.(.+)", name)
         if m is None or m.group(2) not in _HF_LAYER_NAMES:
             raise KeyError(f"unexpected Hugging Face parameter {key!r}")
         layer, hf_name = m.groups()
@@ -132,7 +136,7 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args) -> dict[str, tor
         sd[f"layers.{layer}.{name}"] = _from_hf_layout(name, value, args)
     if args.tie_word_embeddings:
         if "tok_embeddings.weight" not in sd:
-            raise KeyError(f"tied model without {prefix}embeddings.weight")
+            raise KeyError(f"tied model without {DISK_PREFIX}embeddings.weight")
         sd["output.weight"] = sd["tok_embeddings.weight"]
     elif "output.weight" not in sd:
         raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
@@ -219,6 +223,13 @@ def _refuse(cfg: Mapping[str, Any], key: str, ok, why: str) -> None:
         raise ValueError(f"config.json {key} = {cfg[key]!r} is not supported: {why}")
 
 
+def _float(value) -> float:
+    """A config.json number; transformers writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(value, Mapping) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
+
+
 def args_from_hf_config(cfg: Mapping[str, Any]):
     from titanlike.models.hybrid.model import HybridModelArgs
 
@@ -227,12 +238,12 @@ def args_from_hf_config(cfg: Mapping[str, Any]):
     _refuse(cfg, "use_conv_bias", lambda v: isinstance(v, bool), "expected true or false")
     if model_type == MAMBA2:
         _refuse(cfg, "hidden_act", lambda v: v == "silu", "Mamba-2's conv activation is SiLU")
-        limit = cfg.get("time_step_limit", (0.0, math.inf))
+        limit = [_float(v) for v in cfg.get("time_step_limit", (0.0, math.inf))]
         mamba = Mamba2Args(
             num_heads=cfg["num_heads"], head_dim=cfg["head_dim"], state_size=cfg["state_size"],
             n_groups=cfg["n_groups"], conv_kernel=cfg["conv_kernel"], chunk_size=cfg["chunk_size"],
-            conv_bias=cfg.get("use_conv_bias", True), dt_limit_min=float(limit[0]),
-            dt_limit_max=None if math.isinf(limit[1]) else float(limit[1]),
+            conv_bias=cfg.get("use_conv_bias", True), dt_limit_min=limit[0],
+            dt_limit_max=None if math.isinf(limit[1]) else limit[1],
             dt_min=cfg["time_step_min"], dt_max=cfg["time_step_max"], dt_init_floor=cfg["time_step_floor"])
         if cfg["hidden_size"] * cfg.get("expand", 2) != mamba.inner_dim:
             raise ValueError(f"config.json hidden_size x expand ({cfg['hidden_size']} x {cfg.get('expand', 2)}) must "
