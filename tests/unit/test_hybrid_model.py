@@ -190,3 +190,18 @@ def test_trainer_layout_uses_the_costs():
                            "Interleaved1F1B"])
     d = validate_config(cfg, world_size=2)
     assert pipeline_layout(cfg, d, TINY).layers == (2, 1, 1, 2)
+
+
+@pytest.mark.parametrize("preset, world", [("hybrid_debug", 1), ("hybrid_nemotron_h_8b", 8),
+                                           ("hybrid_nemotron_h_56b", 64), ("mamba2_2.7b", 8)])
+def test_presets_parse_and_validate(preset, world):
+    from conftest import REPO
+    from titanlike.data import DEFAULT_TOKENIZER_PATH
+
+    path = REPO / "train_configs" / f"{preset}.toml"
+    assert path.read_text().startswith(f"# World size {world}")  # the world the preset is laid out for
+    cfg = load_job_config(["--job.config_file", str(path), "--model.tokenizer_path", DEFAULT_TOKENIZER_PATH])
+    layout = validate_config(cfg, world_size=world)
+    assert cfg.model.name == "hybrid" and cfg.model.flavor in hybrid_flavors
+    if preset == "hybrid_nemotron_h_56b":
+        assert (layout.tp, layout.dp_shard) == (8, 8)

@@ -26,7 +26,8 @@ scan's state across pieces (a linear recurrence over pieces). Exact, not an appr
 
 Kernels. On CUDA with the `mamba_ssm` package installed (an optional extra) the scan runs in
 its Triton kernel (`mamba_chunk_scan_combined`); elsewhere, and with `kernel = "torch"`, in the
-PyTorch chunked scan. Which one runs is logged once per process.
+PyTorch chunked scan. The choice is made when the weights are initialized on their device (the
+model is built on the meta device) and logged once per process.
 """
 
 from __future__ import annotations
@@ -214,6 +215,9 @@ class Mamba2Mixer(nn.Module):
         # Context parallelism's hook (parallel/context.py ContextParallelCarry); None: this rank
         # holds whole sequences.
         self.sequence_carry = None
+        # "mamba_ssm" or "torch", picked by init_weights once the parameters are on their device
+        # (a plain attribute, so compiled code reads a constant); None: picked at the first forward.
+        self.scan_impl: str | None = None
 
     def forward(self, u: torch.Tensor, mask=None) -> torch.Tensor:
         """u: (batch, seq, dim); mask: a DocumentMask (the state resets where a document starts)."""
@@ -302,7 +306,8 @@ class Mamba2Mixer(nn.Module):
         return y.view(pieces, batch, length, *y.shape[2:]).transpose(0, 1).reshape(batch, seq, *y.shape[2:])
 
     def _chunked_scan(self, x, dt, A, B, C, documents):
-        if scan_implementation(self.args.kernel, x.device.type) == "mamba_ssm":
+        impl = self.scan_impl or scan_implementation(self.args.kernel, x.device.type)
+        if impl == "mamba_ssm":
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
             seq_idx = None if documents is None else documents.to(torch.int32).contiguous()
@@ -316,6 +321,7 @@ class Mamba2Mixer(nn.Module):
     @torch.no_grad()
     def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
         a = self.args
+        self.scan_impl = scan_implementation(a.kernel, _local(self.A_log).device.type)
         init.fill(self.in_proj.weight, seed=seed, fqn=f"{prefix}in_proj.weight")
         init.fill(self.out_proj.weight, seed=seed, fqn=f"{prefix}out_proj.weight", output=True)
         # The conv as PyTorch initializes a depthwise Conv1d: uniform within 1/sqrt(K).
