@@ -2,7 +2,8 @@
 as the sequence grows, on this machine: training step time and peak memory at each sequence length.
 
 Both models are the width of the Llama debug model (dim 256); the hybrid's 16 layers are 7 Mamba-2,
-2 attention and 7 MLP layers, Llama's 8 blocks are 8 attention + 8 MLPs. Every run trains on the same
+2 attention and 7 MLP layers, Llama's 8 blocks are 8 attention + 8 MLPs (`--models` adds `mamba2`,
+8 Mamba-2 layers and nothing else). Every run trains on the same
 number of tokens per step (--tokens, split into sequences of the length under test), so a model
 whose cost per token is constant (Mamba-2's chunked scan) keeps its step time, while attention's
 grows with the sequence. Each run is a fresh process (so its peak RSS is its own): the model built
@@ -27,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MODELS = {"hybrid": ("hybrid", "debugmodel"), "llama3": ("llama3", "debugmodel")}
+MODELS = {"hybrid": ("hybrid", "debugmodel"), "llama3": ("llama3", "debugmodel"),
+          "mamba2": ("hybrid", "debugmodel_mamba2")}
 VOCAB = 2256  # the debug tokenizer's
 
 
@@ -78,7 +80,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", default="1024,4096,16384", help="comma-separated sequence lengths")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per training step (batch = tokens / seq)")
-    ap.add_argument("--models", default="hybrid,llama3", help="comma-separated: hybrid, llama3")
+    ap.add_argument("--models", default="hybrid,llama3",
+                    help="comma-separated: hybrid, llama3, mamba2 (the pure Mamba-2 debug model, 8 layers)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps run first and not measured")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads per run")
@@ -97,7 +100,7 @@ def main() -> int:
         ap.error(f"unknown model(s) {sorted(unknown)}; choose from {', '.join(MODELS)}")
     print(f"{os.cpu_count()} CPUs, {args.threads} threads per run, load average {os.getloadavg()[0]:.1f}; "
           f"{args.tokens} tokens per step, fp32, median of {args.steps} steps after {args.warmup} warm-up")
-    print(f"{'model':20s} {'seq':>6s} {'batch':>5s} {'ms/step':>9s} {'tokens/s':>9s} {'peak RSS GiB':>12s} "
+    print(f"{'model':26s} {'seq':>6s} {'batch':>5s} {'ms/step':>9s} {'tokens/s':>9s} {'peak RSS GiB':>12s} "
           f"{'GFLOP/token':>11s}")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -110,7 +113,7 @@ def main() -> int:
                 print(f"{model} seq {seq}: failed ({proc.returncode}): {proc.stderr[-2000:]}", file=sys.stderr)
                 return 1
             r = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"{r['model']:20s} {seq:6d} {r['batch']:5d} {r['step_ms']:9.0f} {r['tokens_per_s']:9,.0f} "
+            print(f"{r['model']:26s} {seq:6d} {r['batch']:5d} {r['step_ms']:9.0f} {r['tokens_per_s']:9,.0f} "
                   f"{r['peak_rss_gib']:12.2f} {r['gflop_per_token']:11.3f}", flush=True)
     return 0
 

@@ -24,14 +24,14 @@ K/V between the cp ranks:
     the backward, so this does not save activation memory over "allgather".)
 With document masking both masks also require query and key to be in the same
 document; every cp rank holds the document ids of the whole sequence, so no ids move.
+Both are written with torch's functional collectives, which are differentiable
+(the backward of the all-gather is a reduce-scatter, that of a ring hop is the
+hop back), so they run and train on CPU/gloo.
 
 Sequence mixers that carry state instead of attending (a Mamba-2 layer's scan and causal
 conv) get a `ContextParallelCarry` through their `sequence_carry` hook: it hands each piece
 of the sequence what the piece before it ends with (all-gathered, one small tensor per
 piece), so they too compute exactly what one rank would.
-Both are written with torch's functional collectives, which are differentiable
-(the backward of the all-gather is a reduce-scatter, that of a ring hop is the
-hop back), so they run and train on CPU/gloo.
 
 On GPU the built-in `torch.distributed.tensor.experimental.context_parallel`
 (fused flash/efficient kernels, overlapped ring) should be preferred; wiring it

@@ -141,6 +141,8 @@ def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | N
                 f"{name} at pipeline_parallel_degree {pp} needs {num_stages} stages of at least one layer each, "
                 f"but the model has {n_layers} layers")
         if layer_costs is not None:
+            if len(layer_costs) != n_layers:
+                raise ValueError(f"the model gives {len(layer_costs)} layer costs for its {n_layers} layers")
             layers = balance_by_cost(layer_costs, num_stages)
         else:
             base, extra = divmod(n_layers, num_stages)

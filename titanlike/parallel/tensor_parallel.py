@@ -165,6 +165,9 @@ class _Styles:
         if style == "sequence_norm":
             return SequenceParallel() if self.sequence_parallel else None
         if style == "head_split":
+            if not hasattr(module, "head_split_parameters"):
+                raise ValueError(f"tensor-parallel plan: {name!r} ({type(module).__name__}) has style head_split but "
+                                 "names no head_split_parameters")
             return HeadSplitModule(module.head_split_parameters,
                                    gather=self._gather_layouts(module) if self.sequence_parallel else None)
         if style == "gather_input":
@@ -199,7 +202,6 @@ class _Styles:
                                    output_layouts=Shard(-1) if self.loss_parallel else Replicate(),
                                    use_local_output=not self.loss_parallel)
         raise ValueError(f"unknown tensor-parallel style {style!r}")
-
 
     @staticmethod
     def _gather_layouts(module: nn.Module) -> dict:
