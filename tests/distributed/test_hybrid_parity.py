@@ -5,7 +5,8 @@ chunks of 16 tokens), fp32, same global batch, 4 steps, on short documents with 
 document starts are exercised in every layout.
 
 What the layouts check:
-- FSDP 2, then resuming its step-2 checkpoint at TP 2 x CP 2: the Mamba-2 mixer split by head groups
+- FSDP 2 (full activation checkpointing), then resuming its step-2 checkpoint at TP 2 x CP 2 (op-level
+  selective checkpointing): the Mamba-2 mixer split by head groups
   (in_proj colwise, out_proj rowwise, conv filters, per-head vectors and gated norm head_split),
   sequence parallel between; context parallelism carrying the conv inputs and the scan's state
   across the load-balanced pieces of the sequence (exact); the resumed steps equal the uninterrupted;
@@ -61,11 +62,14 @@ def test_reference_learns(reference):
 def test_fsdp2_then_resume_at_tp2_cp2(tmp_path, run, reference):
     save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
             "--checkpoint.folder", str(tmp_path / "ckpt"))
-    got = run(tmp_path, "fsdp2", "--training.local_batch_size", "4", *save, nproc=2)
+    # Activation checkpointing wraps blocks of three kinds (recomputation changes no number).
+    got = run(tmp_path, "fsdp2", "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full", *save,
+              nproc=2)
     assert_same_curve(got, reference)
     resumed = run(tmp_path, "resume_tp2cp2", "--parallelism.tensor_parallel_degree", "2",
-                  "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", *save,
-                  "--checkpoint.load_step", "2", nproc=4)
+                  "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8",
+                  "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
+                  *save, "--checkpoint.load_step", "2", nproc=4)
     assert_same_curve(resumed, got[2:])
 
 

@@ -311,8 +311,9 @@ class Mamba2Mixer(nn.Module):
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
             seq_idx = None if documents is None else documents.to(torch.int32).contiguous()
-            y, final = mamba_chunk_scan_combined(x, dt, A, B, C, self.args.chunk_size, seq_idx=seq_idx,
-                                                 return_final_states=True)
+            # Its Triton kernels want the feature dims contiguous (ours are views of in_proj's output).
+            y, final = mamba_chunk_scan_combined(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(),
+                                                 self.args.chunk_size, seq_idx=seq_idx, return_final_states=True)
             return y.float(), final.float()
         return ssd_scan(x, dt, A, B, C, chunk_size=self.args.chunk_size, documents=documents)
 
