@@ -45,6 +45,9 @@ class Model:
         None, "Hugging Face assets folder (torchtitan's): its tokenizer.json (+ tokenizer_config.json) is the "
         "tokenizer, and with checkpoint.initial_load_in_hf and no initial_load_path its weights are loaded"
     )
+    hybrid_layer_pattern: str = opt(
+        "", "Megatron's --hybrid-layer-pattern, one character per layer (M Mamba-2, * attention, - MLP, E MoE): "
+        "replaces the flavor's layer pattern in families built from one (hybrid); empty keeps the flavor's")
     converters: list[str] = opt([], "module swaps applied after construction (e.g. float8)")
     print_after_conversion: bool = opt(
         False, "print the model as built (rank 0): after the converters swapped its modules and parallelize wrapped it")

@@ -115,10 +115,23 @@ class BaseModelArgs:
         """A copy with other MoE settings (the job's [moe] overrides); only asked of MoE models."""
         raise NotImplementedError(f"{type(self).__name__} has no mixture-of-experts settings")
 
+    def with_layer_pattern(self, pattern: str) -> BaseModelArgs:
+        """A copy built from another layer pattern (model.hybrid_layer_pattern, Megatron's
+        --hybrid-layer-pattern); ValueError in one sentence from a family not built from one."""
+        raise ValueError(f"model.hybrid_layer_pattern {pattern!r} is set, but {type(self).__name__} is not built "
+                         "from a layer pattern; remove it or pick a family that is (hybrid)")
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward): 6 N + the attention term, N without embeddings.
         The attention term counts the full T x T score matrix (attention counted non-causal)."""
         raise NotImplementedError
+
+    def layer_costs(self, seq_len: int) -> list[float] | None:
+        """Relative compute of each trunk layer at this sequence length (e.g. forward FLOPs per token),
+        for models whose layers differ in cost (a hybrid's Mamba, attention and MLP layers): the
+        pipeline split then balances the stages' summed costs. None (the default): every layer costs
+        the same, and the split balances layer counts."""
+        return None
 
     def attention_shape(self) -> AttentionShape | None:
         """The attention heads, or None for a model without attention."""

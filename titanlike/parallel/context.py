@@ -28,6 +28,11 @@ Both are written with torch's functional collectives, which are differentiable
 (the backward of the all-gather is a reduce-scatter, that of a ring hop is the
 hop back), so they run and train on CPU/gloo.
 
+Sequence mixers that carry state instead of attending (a Mamba-2 layer's scan and causal
+conv) get a `ContextParallelCarry` through their `sequence_carry` hook: it hands each piece
+of the sequence what the piece before it ends with (all-gathered, one small tensor per
+piece), so they too compute exactly what one rank would.
+
 On GPU the built-in `torch.distributed.tensor.experimental.context_parallel`
 (fused flash/efficient kernels, overlapped ring) should be preferred; wiring it
 in is future work. It fails on CPU: its dispatcher knows only the CUDA attention
@@ -211,20 +216,90 @@ def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return out, lse
 
 
+class ContextParallelCarry:
+    """For sequence mixers that carry information along the sequence instead of attending (a
+    state-space scan, a short causal convolution): what crosses from each piece of the sequence
+    to the next when the pieces live on different cp ranks.
+
+    Under the load-balanced layout a rank holds `pieces` (2) contiguous pieces of every sequence,
+    in its local order; globally the sequence is the 2 x cp pieces in order. A mixer computes each
+    of its pieces as if it started the sequence, asks `previous` for what the piece before each of
+    its own hands on (the last inputs of a convolution) and `incoming` for the state entering it
+    (a recurrence state_{i+1} = decay_i state_i + final_i over the pieces in order), and corrects.
+    Both all-gather one small tensor per piece (differentiable: the backward reduce-scatters), so
+    the result is exact. A plain object, not an nn.Module: it holds no state.
+    """
+
+    pieces = 2
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        if cp_mesh.ndim != 1:
+            raise ValueError(f"context parallelism needs a 1-D cp mesh, got {cp_mesh.ndim} dims")
+        self.mesh = cp_mesh
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+        # Global index of each piece of each rank: the layout of a sequence of one token per piece.
+        self.order = load_balanced_layout(self.pieces * self.cp, self.cp)  # (cp, pieces)
+
+    def __repr__(self) -> str:
+        return f"ContextParallelCarry(cp={self.cp})"
+
+    def local_positions(self, local_len: int, device=None) -> torch.Tensor:
+        """Global positions (local_len,) of this rank's tokens, in local order."""
+        return load_balanced_positions(local_len * self.cp, self.cp, self.rank, device)
+
+    def positions_before(self, local_len: int, count: int, device=None) -> torch.Tensor:
+        """(pieces, count): the global positions of the `count` tokens before each local piece
+        (negative before the sequence's start)."""
+        length = local_len // self.pieces
+        starts = self.order[self.rank].to(device) * length
+        return starts[:, None] - count + torch.arange(count, device=device)
+
+    def _in_order(self, t: torch.Tensor) -> torch.Tensor:
+        """(pieces, ...) of every rank, gathered and put in sequence order: (cp x pieces, ...)."""
+        gathered = _all_gather(t.contiguous(), 0, self.mesh)  # rank-major
+        return gathered[self.order.flatten().argsort().to(t.device)]
+
+    def previous(self, last: torch.Tensor) -> torch.Tensor:
+        """last: (pieces, ...) what each local piece hands to the piece after it. Returns
+        (pieces, ...): what each local piece gets from the piece before it (zeros for the first)."""
+        ordered = torch.cat([torch.zeros_like(last[:1]), self._in_order(last)])
+        return ordered[self.order[self.rank].to(last.device)]  # piece i gets entry i (= piece i-1's)
+
+    def incoming(self, final: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+        """final: (pieces, ...) each local piece's state at its end when started from zero; decay:
+        (pieces, ...) broadcastable, the factor by which a piece scales the state entering it.
+        Returns (pieces, ...): the state entering each local piece."""
+        finals, decays = self._in_order(final), self._in_order(decay)
+        state = torch.zeros_like(final[0])
+        entering = []
+        for f, d in zip(finals.unbind(0), decays.unbind(0)):
+            entering.append(state)
+            state = d * state + f
+        entering = torch.stack(entering)
+        return entering[self.order[self.rank].to(final.device)]
+
+
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str) -> int:
-    """Point the `core_attention` hook of every attention module of model at CP attention.
+    """Point the `core_attention` hook of every attention module of model at CP attention, and the
+    `sequence_carry` hook of every module that carries state along the sequence (a state-space
+    mixer) at a ContextParallelCarry.
 
     Must run before activation checkpointing and compile wrap the blocks. Returns the
     number of modules switched; 0 means the model family has no hook, which is an error
     because it would silently attend within each rank's slice only.
     """
     attention = ContextParallelAttention(cp_mesh, rotate_method)
+    carry = ContextParallelCarry(cp_mesh)
     switched = 0
     for module in model.modules():
         if "core_attention" in vars(module):
             module.core_attention = attention
             switched += 1
+        if "sequence_carry" in vars(module):
+            module.sequence_carry = carry
+            switched += 1
     if switched == 0:
-        raise ValueError(f"{type(model).__name__} has no attention module with a core_attention hook, "
-                         "so it cannot run context parallel")
+        raise ValueError(f"{type(model).__name__} has no attention module with a core_attention hook (nor a "
+                         "sequence mixer with a sequence_carry hook), so it cannot run context parallel")
     return switched

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,14 +121,19 @@ class PipelineLayout:
 
 
 def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | None,
-                first_stage_less_layers: int | None = None, last_stage_less_layers: int | None = None
-                ) -> PipelineLayout:
+                first_stage_less_layers: int | None = None, last_stage_less_layers: int | None = None,
+                layer_costs: Sequence[float] | None = None) -> PipelineLayout:
     """The stage layout for a model of n_layers transformer layers.
 
     With first/last_stage_less_layers (either; the other then counts as torchtitan's default, 1),
     torchtitan's rule: the embedding counts as that many layers on the first stage and the output
     projection as that many on the last, and these "effective" layers are spread evenly, earlier
     stages taking the remainder.
+
+    layer_costs: each layer's relative compute (the args' `layer_costs`, for models whose layers
+    differ: a hybrid's Mamba, attention and MLP layers); without layers_per_stage (or the rule
+    above), the stages then get contiguous runs of layers whose summed costs are as even as possible
+    (the most expensive stage as cheap as it can be) instead of equal layer counts.
 
     Raises ValueError (one sentence naming the option to change) when the layers cannot
     fill the stages or the stage count does not suit the schedule.
@@ -146,12 +151,17 @@ def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | N
             raise ValueError(
                 f"{name} at pipeline_parallel_degree {pp} needs {num_stages} stages of at least one layer each, "
                 f"but the model has {n_layers} layers")
-        base, extra = divmod(n_layers, num_stages)
-        # The middle stages take the spare layers; the end stages already hold the embedding
-        # and the output projection. Ties go to the earlier stage: the output projection is
-        # the heavier end.
-        by_preference = sorted(range(num_stages), key=lambda s: (-min(s, num_stages - 1 - s), s))
-        layers = [base + (s in by_preference[:extra]) for s in range(num_stages)]
+        if layer_costs is not None:
+            if len(layer_costs) != n_layers:
+                raise ValueError(f"the model gives {len(layer_costs)} layer costs for its {n_layers} layers")
+            layers = balance_by_cost(layer_costs, num_stages)
+        else:
+            base, extra = divmod(n_layers, num_stages)
+            # The middle stages take the spare layers; the end stages already hold the embedding
+            # and the output projection. Ties go to the earlier stage: the output projection is
+            # the heavier end.
+            by_preference = sorted(range(num_stages), key=lambda s: (-min(s, num_stages - 1 - s), s))
+            layers = [base + (s in by_preference[:extra]) for s in range(num_stages)]
     else:
         if layers_per_stage < 1:
             raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage must be at least 1, got {layers_per_stage}")
@@ -207,6 +217,38 @@ def _weighted_layers(n_layers: int, pp: int, single: bool, layers_per_stage: int
                 f"stages over {n_layers} layers would hold no transformer layer; lower it")
     if min(layers) < 1:
         raise ValueError(f"{n_layers} layers cannot fill {num_stages} pipeline stages with at least one layer each")
+    return layers
+
+
+def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Layers per stage: contiguous runs of `costs` (one per layer, in order), each stage at least
+    one layer, minimizing the largest stage's summed cost (dynamic programming, exact). Among equally
+    good splits, earlier stages take the longer runs: the last stage also holds the output
+    projection, which the layer costs do not count."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
+    prefix = [0.0]
+    for c in costs:
+        if c < 0:
+            raise ValueError(f"layer costs must be non-negative, got {c}")
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest possible largest-stage cost of layers i.. split into k stages;
+    # cut[k][i]: where the first of those k stages ends.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][n] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(n - k, -1, -1):
+            for j in range(n - k + 1, i, -1):  # first stage i..j-1; the longest first on ties
+                value = max(prefix[j] - prefix[i], best[k - 1][j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    layers, i = [], 0
+    for k in range(num_stages, 0, -1):
+        layers.append(cut[k][i] - i)
+        i = cut[k][i]
     return layers
 
 

@@ -33,6 +33,12 @@ every block. This module turns style names into torch's ParallelStyles:
   replicated_to_heads as replicated, for an output each rank's local heads read directly (MLA's
                       RoPE key, shared by all heads): each rank holds its heads' share of the
                       output's gradient, so backward sums it over the ranks (forward: identity)
+  head_split          a sequence mixer split by heads other than attention (a Mamba-2 mixer): the
+                      parameters it names in `head_split_parameters` (per-head vectors, per-channel
+                      conv filters, norm weights, laid out head by head) are split on dim 0 with
+                      its heads, and it reads them with to_local(); its input is all-gathered
+                      from sequence slices on entry as gather_input does; its linears take their
+                      own entries (colwise in, rowwise out)
 
 Entries of the block table that a block does not have (a dense block's `moe`, a MoE block's
 `feed_forward.w1`) are skipped.
@@ -66,7 +72,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 STYLES = ("vocab_embedding", "position_embedding", "colwise", "rowwise", "sequence_norm", "gather_input",
           "vocab_output", "head_norm", "sequence_local", "replicated", "replicated_to_heads",
-          "sequence_replicated")
+          "sequence_replicated", "head_split")
 
 
 @dataclass(frozen=True)
@@ -158,13 +164,16 @@ class _Styles:
             return (_float8_styles()[1] if _is_float8(module) else RowwiseParallel)(output_layouts=self.between)
         if style == "sequence_norm":
             return SequenceParallel() if self.sequence_parallel else None
+        if style == "head_split":
+            if not hasattr(module, "head_split_parameters"):
+                raise ValueError(f"tensor-parallel plan: {name!r} ({type(module).__name__}) has style head_split but "
+                                 "names no head_split_parameters")
+            return HeadSplitModule(module.head_split_parameters,
+                                   gather=self._gather_layouts(module) if self.sequence_parallel else None)
         if style == "gather_input":
             if not self.sequence_parallel:
                 return None
-            # The other inputs (RoPE angles, document mask) are plain values left alone.
-            n_inputs = _positional_inputs(module)
-            layouts = dict(input_layouts=(Shard(1),) + (None,) * (n_inputs - 1),
-                           desired_input_layouts=(Replicate(),) + (None,) * (n_inputs - 1))
+            layouts = self._gather_layouts(module)
             # The linears that read this input: the plan's colwise entries under this module that
             # it has. Replicated ones (MLA's down projections) take it in high precision, and the
             # colwise ones there read latents instead: the float8 gather is for plain MLPs/attention.
@@ -193,6 +202,14 @@ class _Styles:
                                    output_layouts=Shard(-1) if self.loss_parallel else Replicate(),
                                    use_local_output=not self.loss_parallel)
         raise ValueError(f"unknown tensor-parallel style {style!r}")
+
+    @staticmethod
+    def _gather_layouts(module: nn.Module) -> dict:
+        """PrepareModuleInput's layouts that all-gather a module's first input from sequence slices;
+        the other inputs (RoPE angles, document mask) are plain values left alone."""
+        n_inputs = _positional_inputs(module)
+        return dict(input_layouts=(Shard(1),) + (None,) * (n_inputs - 1),
+                    desired_input_layouts=(Replicate(),) + (None,) * (n_inputs - 1))
 
 
 def _positional_inputs(module: nn.Module) -> int:
@@ -255,6 +272,30 @@ class ReplicatedModule(ParallelStyle):
         return distribute_module(module, device_mesh, _replicate_params, inputs_as_dtensor, output_local)
 
 
+class HeadSplitModule(ParallelStyle):
+    """The `head_split` style: the named parameters of a mixer split on dim 0 (Shard(0)) over the TP
+    ranks with its heads; gather: PrepareModuleInput layouts for its input (sequence parallel), or
+    None. Parameters it names but does not have (an optional bias) are skipped. Their gradients
+    are complete on each rank (a rank's heads are the only readers of its slice), so nothing is
+    summed over the ranks."""
+
+    def __init__(self, names: tuple[str, ...], *, gather: dict | None):
+        super().__init__()
+        self.names, self.gather = names, gather
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            path, _, attr = name.rpartition(".")
+            owner = module.get_submodule(path) if path else module
+            param = getattr(owner, attr, None)
+            if param is None:
+                continue
+            owner.register_parameter(attr, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)])))
+        if self.gather is not None:
+            PrepareModuleInput(**self.gather)._apply(module, device_mesh)
+        return module
+
+
 def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     for pname, param in list(module.named_parameters(recurse=False)):
         module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
@@ -272,5 +313,5 @@ def _float8_styles():
     return float8_tensor_parallel_styles()
 
 
-__all__ = ["STYLES", "ReplicatedModule", "ReplicatedPositionEmbedding", "TensorParallelPlan",
+__all__ = ["STYLES", "HeadSplitModule", "ReplicatedModule", "ReplicatedPositionEmbedding", "TensorParallelPlan",
            "apply_tensor_parallel"]

@@ -21,9 +21,11 @@ from titanlike.parallel.pipeline import PipelineLayout, build_stage_modules, pla
 
 
 def flavor_args(cfg: JobConfig, spec: ModelSpec) -> BaseModelArgs:
-    """The flavor's args with the job's [moe] settings (a mixture-of-experts model only).
-    ValueError (one sentence) when a setting is out of range."""
+    """The flavor's args with the job's layer pattern (model.hybrid_layer_pattern) and [moe] settings
+    (a mixture-of-experts model only). ValueError (one sentence) when a setting is out of range."""
     args = spec.flavors[cfg.model.flavor]
+    if cfg.model.hybrid_layer_pattern:
+        args = args.with_layer_pattern(cfg.model.hybrid_layer_pattern)
     moe = args.moe_args()
     return args if moe is None else args.with_moe_args(moe.with_run_settings(cfg.moe))
 
@@ -60,7 +62,8 @@ def pipeline_layout(cfg: JobConfig, dims: ParallelDims, args: BaseModelArgs) -> 
         return None
     p = cfg.parallelism
     return plan_layout(args.num_layers, dims.pp, p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage,
-                       p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
+                       p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers,
+                       layer_costs=args.layer_costs(cfg.training.seq_len))
 
 
 def build_model_parts(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: BaseModelArgs,

@@ -76,6 +76,10 @@ def normal_(param: torch.Tensor, *, std: float = 1.0, mean: float = 0.0,
                   seed=seed, fqn=fqn)
 
 
+def uniform_(param: torch.Tensor, *, low: float, high: float, seed: int, fqn: str) -> torch.Tensor:
+    return _fill_(param, lambda t, g: t.uniform_(low, high, generator=g), seed=seed, fqn=fqn)
+
+
 def trunc_normal_(param: torch.Tensor, *, std: float, mean: float = 0.0, a: float = -2.0,
                   b: float = 2.0, seed: int, fqn: str) -> torch.Tensor:
     """Normal(mean, std) truncated to [a, b]; note a and b are absolute values, as in torch.nn.init."""

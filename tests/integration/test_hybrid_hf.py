@@ -1,0 +1,136 @@
+"""Hybrid models' Hugging Face interchange, against transformers' own NemotronHForCausalLM (Mamba-2,
+attention and MLP layers from the pattern) and Mamba2ForCausalLM (pure Mamba-2), built offline from
+small configs with random weights, in fp32, both ways, through the path users take:
+save_pretrained -> convert_hf_to_dcp.py -> titanlike.load_model, and our DCP -> convert_dcp_to_hf.py
+-> from_pretrained. Two Mamba groups, so a wrong permutation of in_proj's grouped rows or the
+conv's channels shows; sequences of 40 tokens with chunks of 16 (a partial chunk on both sides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+import titanlike
+from conftest import REPO
+from titanlike.checkpoint.format import model_description
+from titanlike.checkpoint.hf import write_dcp_model
+from titanlike.models.common.mamba2 import Mamba2Args
+from titanlike.models.hybrid import HybridModel, HybridModelArgs, hybrid_flavors
+
+sys.path.insert(0, str(REPO / "scripts"))
+import convert_dcp_to_hf  # noqa: E402
+import convert_hf_to_dcp  # noqa: E402
+
+ATOL = 2e-5
+MAMBA = Mamba2Args(num_heads=4, head_dim=32, state_size=16, n_groups=2, chunk_size=16)
+
+
+def nemotron_h() -> HybridModelArgs:
+    # Every layer kind NemotronH has: Mamba-2, MLP (squared ReLU), attention without positions.
+    return dataclasses.replace(hybrid_flavors["debugmodel_tiny"], hybrid_layer_pattern="M-M*-M", vocab_size=300,
+                               max_seq_len=128)
+
+
+def mamba2(tied: bool = True) -> HybridModelArgs:
+    return HybridModelArgs(dim=64, hybrid_layer_pattern="MMM", vocab_size=300, max_seq_len=2048,
+                           tie_word_embeddings=tied, mamba=MAMBA)
+
+
+CASES = {
+    "nemotron_h": (nemotron_h, NemotronHConfig, NemotronHForCausalLM),
+    "mamba2": (mamba2, Mamba2Config, Mamba2ForCausalLM),
+    "mamba2_untied": (lambda: mamba2(tied=False), Mamba2Config, Mamba2ForCausalLM),
+}
+
+
+def hf_model(case: str, seed: int = 0):
+    """A random HF model whose per-head and per-channel parameters are away from their init (norm
+    weights 1, D 1), so a mis-mapped or mis-permuted one shows in the logits."""
+    make_args, config_cls, model_cls = CASES[case]
+    args = make_args()
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**args.to_hf_config())).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith((".D", "dt_bias", "conv1d.bias")):
+                p.add_(0.2 * torch.randn_like(p))
+    return args, model
+
+
+def tokens(vocab: int, seq: int = 40) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_to_titanlike_and_back(tmp_path, case):
+    args, hf = hf_model(case)
+    assert HybridModelArgs.from_hf_config(hf.config.to_dict()) == args
+    hf.save_pretrained(tmp_path / "hf")
+    t = tokens(args.vocab_size)
+    with torch.no_grad():
+        want = hf(t).logits
+
+    assert convert_hf_to_dcp.main([str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
+    assert json.loads((tmp_path / "dcp" / "titanlike.json").read_text())["model"]["name"] == "hybrid"
+    with torch.no_grad():
+        torch.testing.assert_close(titanlike.load_model(tmp_path / "dcp")(t), want, rtol=0, atol=ATOL)
+        torch.testing.assert_close(titanlike.load_model(tmp_path / "hf")(t), want, rtol=0, atol=ATOL)
+
+    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "out")]) == 0
+    written = set(json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"])
+    assert written == set(load_file(tmp_path / "hf" / "model.safetensors"))  # the keys save_pretrained writes
+    back = CASES[case][2].from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(t).logits, want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", ["nemotron_h", "mamba2"])
+def test_titanlike_weights_give_the_same_logits_in_transformers(tmp_path, case):
+    """The other direction with weights of our own init, via a model-only DCP."""
+    make_args, _, model_cls = CASES[case]
+    args = make_args()
+    with torch.device("meta"):
+        model = HybridModel(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key or key.endswith((".D", "conv_bias")):
+                p.add_(0.2 * torch.randn_like(p))
+    model.eval()
+    write_dcp_model(model.state_dict(), str(tmp_path / "dcp"),
+                    {"contents": "model_only", "step": 0, "model": model_description("hybrid", args)})
+    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == case
+    hf = model_cls.from_pretrained(tmp_path / "hf").eval()
+    t = tokens(args.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(t).logits, model(t), rtol=0, atol=ATOL)
+
+
+def test_what_transformers_cannot_express_is_refused_in_one_sentence():
+    base = nemotron_h().to_hf_config()
+    assert base["layers_block_type"] == ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
+                                         "linear_attention"]
+    # The legacy pattern string reads the same.
+    legacy = {k: v for k, v in base.items() if k != "layers_block_type"} | {"hybrid_override_pattern": "M-M*-M"}
+    assert HybridModelArgs.from_hf_config(legacy) == nemotron_h()
+    for changes, fragment in [
+        ({"layers_block_type": ["linear_attention", "moe"]}, "mixture-of-experts layers"),
+        ({"mlp_hidden_act": "silu"}, "mlp_hidden_act = 'silu' is not supported"),
+        ({"num_nextn_predict_layers": 1}, "multi-token prediction"),
+        ({"use_bias": True}, "projections have no bias"),
+    ]:
+        with pytest.raises(ValueError, match=fragment):
+            HybridModelArgs.from_hf_config({**base, **changes})
+    with pytest.raises(ValueError, match="SwiGLU experts"):
+        hybrid_flavors["debugmodel_moe"].to_hf_config()
+    with pytest.raises(ValueError, match="need mamba dt_limit_min > 0"):
+        dataclasses.replace(nemotron_h(), mamba=dataclasses.replace(MAMBA, dt_limit_min=0.0)).to_hf_config()
