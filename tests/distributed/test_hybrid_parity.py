@@ -91,8 +91,9 @@ def test_pp2_1f1b_by_cost(train_run, reference):
 
 @pytest.mark.train_run(*POOLED, "--parallelism.pipeline_parallel_degree", "2",
                        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                       "--parallelism.pipeline_parallel_microbatch_size", "2", "--parallelism.tensor_parallel_degree", "2",
-                       "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", nproc=8)
+                       "--parallelism.pipeline_parallel_microbatch_size", "2",
+                       "--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+                       "--training.local_batch_size", "8", nproc=8)
 def test_8_ranks_pp2_by_cost_tp2_cp2(train_run, reference):
     # Interleaved1F1B: 4 stages of [2, 1, 1, 2] layers (balanced by cost), 4 microbatches of 2.
     assert_same_curve(train_run.metrics, reference)
