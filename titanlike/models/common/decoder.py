@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, check_divisible
 from titanlike.models.common.attention import DocumentMask
+from titanlike.models.common.init import normal_, trunc_normal_
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.common.norms import init_norm
 
@@ -150,8 +151,24 @@ class Decoder(nn.Module):
         return None
 
     def init_embeddings(self, *, seed: int) -> None:
-        """Initialize the input and output ends this module holds (tok_embeddings, output, ...)."""
-        raise NotImplementedError
+        """Initialize the input and output ends this module holds (tok_embeddings, output, ...).
+
+        The default (Llama's): a unit-normal table and an output projection drawn with std
+        dim^-0.5, truncated at 3 std, so initial logits are O(1) (every block normalizes its
+        input). Tied, the one matrix gets the projection's scale. Draws are seeded by parameter
+        name, the tied matrix under the owner's, so pipeline stages holding separate copies (first
+        and last) agree. Families with other ends (learned positions, other scales) override it.
+        """
+        std = self.model_args.dim**-0.5
+        if self.model_args.tie_word_embeddings:
+            shared = self.tok_embeddings if self.tok_embeddings is not None else self.output
+            if shared is not None:
+                trunc_normal_(shared.weight, std=std, a=-3 * std, b=3 * std, seed=seed, fqn="tok_embeddings.weight")
+            return
+        if self.tok_embeddings is not None:
+            normal_(self.tok_embeddings.weight, std=1.0, seed=seed, fqn="tok_embeddings.weight")
+        if self.output is not None:
+            trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std, seed=seed, fqn="output.weight")
 
     def init_buffers(self, buffer_device: torch.device | str | None) -> None:
         """Rebuild non-persistent buffers after to_empty (e.g. a RoPE table)."""

@@ -18,7 +18,7 @@ from titanlike.models.common.attention import Attention
 from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.decoder import Decoder, DecoderArgs
 from titanlike.models.common.feed_forward import FeedForward
-from titanlike.models.common.init import LinearInit, normal_, trunc_normal_
+from titanlike.models.common.init import LinearInit
 from titanlike.models.common.rope import RoPEScaling, precompute_rope_cache
 
 # Standard deviation of the input projections (and of the output projections before depth
@@ -102,21 +102,3 @@ class Transformer(Decoder):
 
     def init_buffers(self, buffer_device) -> None:
         self.rope_cache = self._rope_cache(device=buffer_device or self.rope_cache.device)
-
-    def init_embeddings(self, *, seed: int) -> None:
-        if self.model_args.tie_word_embeddings:
-            # One matrix serves as table and projection, with the projection's scale so initial
-            # logits are O(1) (every block normalizes its input). Seeded under one name, so that
-            # pipeline stages holding separate copies (first and last) agree.
-            shared = self.tok_embeddings if self.tok_embeddings is not None else self.output
-            if shared is not None:
-                self._init_output_projection(shared.weight, seed=seed, fqn="tok_embeddings.weight")
-            return
-        if self.tok_embeddings is not None:
-            normal_(self.tok_embeddings.weight, std=1.0, seed=seed, fqn="tok_embeddings.weight")
-        if self.output is not None:
-            self._init_output_projection(self.output.weight, seed=seed, fqn="output.weight")
-
-    def _init_output_projection(self, weight: torch.Tensor, *, seed: int, fqn: str) -> None:
-        std = self.model_args.dim**-0.5
-        trunc_normal_(weight, std=std, a=-3 * std, b=3 * std, seed=seed, fqn=fqn)

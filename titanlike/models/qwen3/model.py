@@ -20,7 +20,7 @@ from titanlike.models.common.attention import Attention
 from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.decoder import Decoder, DecoderArgs
 from titanlike.models.common.feed_forward import FeedForward
-from titanlike.models.common.init import LinearInit, normal_, trunc_normal_
+from titanlike.models.common.init import LinearInit
 from titanlike.models.common.moe import MoE
 from titanlike.models.common.rope import precompute_rope_cache
 
@@ -107,17 +107,3 @@ class Qwen3(Decoder):
 
     def init_buffers(self, buffer_device) -> None:
         self.rope_cache = self._rope_cache(device=buffer_device or self.rope_cache.device)
-
-    def init_embeddings(self, *, seed: int) -> None:
-        std = self.model_args.dim**-0.5
-        if self.model_args.tie_word_embeddings:
-            # One matrix is table and projection: the projection's scale keeps initial logits
-            # O(1). Seeded under one name so first and last pipeline stages agree.
-            shared = self.tok_embeddings if self.tok_embeddings is not None else self.output
-            if shared is not None:
-                trunc_normal_(shared.weight, std=std, a=-3 * std, b=3 * std, seed=seed, fqn="tok_embeddings.weight")
-            return
-        if self.tok_embeddings is not None:
-            normal_(self.tok_embeddings.weight, std=1.0, seed=seed, fqn="tok_embeddings.weight")
-        if self.output is not None:
-            trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std, seed=seed, fqn="output.weight")
