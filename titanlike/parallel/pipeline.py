@@ -163,13 +163,7 @@ def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | N
             by_preference = sorted(range(num_stages), key=lambda s: (-min(s, num_stages - 1 - s), s))
             layers = [base + (s in by_preference[:extra]) for s in range(num_stages)]
     else:
-        if layers_per_stage < 1:
-            raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage must be at least 1, got {layers_per_stage}")
-        num_stages = -(-n_layers // layers_per_stage)
-        if num_stages % pp:
-            raise ValueError(
-                f"{n_layers} layers at pipeline_parallel_layers_per_stage {layers_per_stage} make {num_stages} "
-                f"stages, not a multiple of pipeline_parallel_degree {pp}")
+        num_stages = _stages_at(n_layers, layers_per_stage, pp, f"{n_layers} layers")
         # Stages hold layers_per_stage layers except for the shortfall (< layers_per_stage),
         # taken alternately off the last and the first stage so that neither becomes empty.
         layers = [layers_per_stage] * num_stages
@@ -192,6 +186,18 @@ def plan_layout(n_layers: int, pp: int, schedule: str, layers_per_stage: int | N
     return PipelineLayout(pp=pp, layers=tuple(layers), v_shaped=name in V_SCHEDULES)
 
 
+def _stages_at(layers: int, layers_per_stage: int, pp: int, described: str) -> int:
+    """How many stages `layers` (effective) layers make at layers_per_stage; ValueError in one
+    sentence when that is not a multiple of the pipeline degree. described: the layers, as counted."""
+    if layers_per_stage < 1:
+        raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage must be at least 1, got {layers_per_stage}")
+    num_stages = -(-layers // layers_per_stage)
+    if num_stages % pp:
+        raise ValueError(f"{described} at pipeline_parallel_layers_per_stage {layers_per_stage} make {num_stages} "
+                         f"stages, not a multiple of pipeline_parallel_degree {pp}")
+    return num_stages
+
+
 def _weighted_layers(n_layers: int, pp: int, single: bool, layers_per_stage: int | None, first: int,
                      last: int) -> list[int]:
     """Layers per stage by torchtitan's rule (parallelism.pipeline_parallel_{first,last}_stage_less_layers)."""
@@ -199,13 +205,8 @@ def _weighted_layers(n_layers: int, pp: int, single: bool, layers_per_stage: int
     if layers_per_stage is None:
         num_stages = pp * (1 if single else 2)
     else:
-        if layers_per_stage < 1:
-            raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage must be at least 1, got {layers_per_stage}")
-        num_stages = -(-effective // layers_per_stage)
-        if num_stages % pp:
-            raise ValueError(
-                f"{n_layers} layers + {first} (first stage) + {last} (last stage) at pipeline_parallel_layers_per_stage "
-                f"{layers_per_stage} make {num_stages} stages, not a multiple of pipeline_parallel_degree {pp}")
+        num_stages = _stages_at(effective, layers_per_stage, pp,
+                                f"{n_layers} layers + {first} (first stage) + {last} (last stage)")
     base, extra = divmod(effective, num_stages)
     layers = [base + (s < extra) for s in range(num_stages)]
     layers[0] -= first
