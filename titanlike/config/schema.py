@@ -112,6 +112,16 @@ class Training:
         "document; a document ends at the tokenizer's EOS token",
     )
     eod_mask_loss: bool = opt(False, "no loss on the prediction made from an EOS token (the next document's start)")
+    mask_prob: float = opt(
+        0.15, "masked-LM (BERT) and span-corruption (T5) models: the fraction of tokens masked or replaced by "
+        "noise spans (Megatron's --mask-prob)")
+    short_seq_prob: float = opt(
+        0.1, "masked-LM and span-corruption models: the probability that a sample is built shorter than seq_len "
+        "(and padded), so the model also sees short inputs (Megatron's --short-seq-prob)")
+    mean_noise_span_length: float = opt(3.0, "span-corruption models (T5): the mean length of a noise span")
+    decoder_seq_len: int = opt(
+        128, "encoder-decoder models (T5): decoder tokens per sample; training.seq_len is the encoder's "
+        "(Megatron's --decoder-seq-length)")
     split: str = opt(
         "969,30,1", "Megatron train,valid,test split of megatron datasets (validation uses 'valid')"
     )

@@ -36,6 +36,11 @@ def validate_values(cfg: JobConfig) -> None:
 
     # Batch and sequence.
     _check(t.seq_len >= 1, f"training.seq_len must be at least 1, got {t.seq_len}")
+    _check(0 < t.mask_prob < 1, f"training.mask_prob must be between 0 and 1 (exclusive), got {t.mask_prob}")
+    _check(0 <= t.short_seq_prob <= 1, f"training.short_seq_prob must be between 0 and 1, got {t.short_seq_prob}")
+    _check(t.mean_noise_span_length >= 1,
+           f"training.mean_noise_span_length must be at least 1, got {t.mean_noise_span_length}")
+    _check(t.decoder_seq_len >= 2, f"training.decoder_seq_len must be at least 2, got {t.decoder_seq_len}")
     _check(t.local_batch_size >= 1, f"training.local_batch_size must be at least 1, got {t.local_batch_size}")
     _check(t.steps >= 1, f"training.steps must be at least 1, got {t.steps}")
     _check(t.max_norm > 0, f"training.max_norm must be positive, got {t.max_norm}")

@@ -34,6 +34,42 @@ class AttentionShape:
     causal: bool = True
 
 
+@dataclass(frozen=True)
+class SampleFormat:
+    """What one training sample of a family looks like: the data pipeline builds its samples to
+    this, the trainer passes their fields to the model, and the tokenizer gets the special tokens
+    it needs.
+
+    kind:
+      - "causal_lm": a window of seq_len + 1 tokens; inputs = window[:-1], labels = window[1:]
+        (GPT, Llama, every decoder). No other field.
+      - "masked_lm": BERT. Fields `inputs` (seq,) with [CLS] A [SEP] B [SEP] and masked tokens,
+        then [PAD]; `labels` (seq,) the original token where one was masked, IGNORE_INDEX
+        elsewhere; `token_types` (seq,) 0 for segment A (its [CLS] and [SEP] too) and padding, 1 for
+        segment B; `document_ids` (seq,) 0 for real tokens, 1 for padding; with sentence_pairs also
+        `binary_labels` () 1 where the two segments were swapped, else 0, and `binary_weights` () the
+        sample's number of labels that are not IGNORE_INDEX (the binary loss's weight, see the BERT model).
+      - "span_corruption": T5. `inputs` (seq,) the encoder's tokens with noise spans replaced by
+        sentinels, then [PAD]; `document_ids` (seq,) 0 real, 1 padding; `decoder_inputs`
+        (decoder_seq,) and `labels` (decoder_seq,) the spans after their sentinels, labels shifted
+        one left of decoder_inputs, IGNORE_INDEX on padding.
+    A `document_ids` field turns into the model's `mask`: tokens attend, both ways, only to tokens of
+    their own document, so padding is never attended to by a real token. Every other field that
+    is not inputs or labels is passed to the model's forward as a keyword argument of its name.
+    """
+
+    kind: str = "causal_lm"
+    sentence_pairs: bool = False  # masked_lm: two segments per sample and the binary label
+    # Fields laid out along the sequence of `inputs` (cut with it under context parallelism).
+    token_fields: tuple[str, ...] = ()
+
+    KINDS: ClassVar[tuple[str, ...]] = ("causal_lm", "masked_lm", "span_corruption")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"sample format kind must be one of {self.KINDS}, got {self.kind!r}")
+
+
 @dataclass
 class BaseModelArgs:
     """Base class of every family's model args (a dataclass of plain values, JSON-serialisable).
@@ -94,6 +130,10 @@ class BaseModelArgs:
         depth of multi-token prediction). When > 0 the trainer passes `lookahead`, built from the
         whole sequence before any context-parallel cut (titanlike/train/loss.py)."""
         return 0
+
+    def sample_format(self) -> SampleFormat:
+        """The samples this model trains on (the default: next-token prediction on token windows)."""
+        return SampleFormat()
 
     def reported_losses(self) -> tuple[str, ...]:
         """Names of the loss terms the model adds to the objective itself and that are logged apart
@@ -175,4 +215,4 @@ def check_divisible(count: int, what: str, degree: int, option: str) -> None:
         raise ValueError(f"{count} {what} are not divisible by {option} {degree}")
 
 
-__all__ = ["AttentionShape", "BaseModelArgs", "LayoutDegrees", "check_divisible"]
+__all__ = ["AttentionShape", "BaseModelArgs", "LayoutDegrees", "SampleFormat", "check_divisible"]

@@ -69,6 +69,8 @@ class DocumentMask:
     positions: torch.Tensor  # (batch, seq) int: each token's position within its document
     dense: torch.Tensor | None = None  # (batch, 1, seq, seq) bool, True where attention is allowed
     block_mask: object | None = None  # torch.nn.attention.flex_attention.BlockMask
+    # False: a token sees every token of its document, later ones too (an encoder's padding mask).
+    causal: bool = True
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, eod_id: int, kernel: str | None) -> DocumentMask:
@@ -78,21 +80,28 @@ class DocumentMask:
         """
         is_eod = (tokens == eod_id).long()
         # A token's document is the number of EODs strictly before it: the EOD closes its own.
-        document_ids = is_eod.cumsum(1) - is_eod
-        seq = tokens.shape[1]
-        index = torch.arange(seq, device=tokens.device).expand_as(tokens)
+        return cls.from_document_ids(is_eod.cumsum(1) - is_eod, kernel)
+
+    @classmethod
+    def from_document_ids(cls, document_ids: torch.Tensor, kernel: str | None, *, causal: bool = True) -> DocumentMask:
+        """The mask of (batch, seq) document ids that are non-decreasing along each sample (a sample
+        field such as an encoder's 0 for real tokens, 1 for padding). causal=False: each token sees
+        its whole document, both ways."""
+        seq = document_ids.shape[1]
+        index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
         # Position = index - index of the document's first token (a running max over starts).
         starts = torch.where(document_ids != F.pad(document_ids, (1, -1), value=-1), index, 0)
         positions = index - starts.cummax(1).values
         dense = block_mask = None
         if kernel == "sdpa":
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
-            dense = (causal & (document_ids[:, :, None] == document_ids[:, None, :])).unsqueeze(1)
+            dense = (document_ids[:, :, None] == document_ids[:, None, :]).unsqueeze(1)
+            if causal:
+                dense = dense & torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
         elif kernel == "flex":
-            block_mask = _flex_block_mask(document_ids)
+            block_mask = _flex_block_mask(document_ids, causal=causal)
         elif kernel is not None:
             raise ValueError(f"unknown document-mask kernel {kernel!r}; expected 'sdpa', 'flex' or None")
-        return cls(document_ids, positions, dense, block_mask)
+        return cls(document_ids, positions, dense, block_mask, causal)
 
     def rows(self, start: int, stop: int) -> DocumentMask:
         """The mask of samples start..stop-1 (a pipeline microbatch of this batch)."""
@@ -100,18 +109,24 @@ class DocumentMask:
             self.document_ids[start:stop], self.positions[start:stop],
             dense=None if self.dense is None else self.dense[start:stop],
             # Rebuilt rather than sliced: the mask function indexes document ids by sample.
-            block_mask=None if self.block_mask is None else _flex_block_mask(self.document_ids[start:stop]),
+            block_mask=None if self.block_mask is None else _flex_block_mask(self.document_ids[start:stop],
+                                                                             causal=self.causal),
+            causal=self.causal,
         )
 
 
-def _flex_block_mask(document_ids: torch.Tensor):
+def _flex_block_mask(document_ids: torch.Tensor, *, causal: bool = True):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
+    def same_document(b, h, q_idx, kv_idx):
+        return document_ids[b, q_idx] == document_ids[b, kv_idx]
+
     batch, seq = document_ids.shape
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+    return create_block_mask(same_document_causal if causal else same_document, batch, None, seq, seq,
+                             device=document_ids.device)
 
 
 @functools.cache
@@ -132,11 +147,12 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Attention over (batch, heads, seq, head_dim); k/v may have fewer heads than q (GQA).
 
     mask None is plain causal attention (or full attention with causal=False); a DocumentMask
-    restricts causal attention to each document.
+    restricts attention to each document (its own `causal` says whether to later tokens too).
     """
-    if not causal:
-        if mask is not None:
-            raise ValueError("document masks are causal; bidirectional attention takes no DocumentMask")
+    if mask is not None and mask.causal != causal:
+        raise ValueError(f"a {'causal' if mask.causal else 'bidirectional'} document mask was given to "
+                         f"{'causal' if causal else 'bidirectional'} attention")
+    if not causal and mask is None:
         return _sdpa(q, k, v)
     if mask is None:
         return _sdpa(q, k, v, is_causal=True)
