@@ -438,6 +438,25 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
     return estimates, ctx.notes
 
 
+def _fake_microbatch(ctx: _Context, batch: int, seq_local: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(inputs, labels, forward kwargs) of one microbatch as the trainer hands it to the model: token
+    windows, or the fields of the family's sample format (BERT's, T5's) with their padding mask."""
+    from titanlike.train.trainer import microbatch_of_fields
+
+    t = ctx.prep.cfg.training
+    fmt = ctx.prep.model_args.sample_format()
+    shapes = fmt.field_shapes(t.seq_len, t.decoder_seq_len)
+    if not shapes:
+        tokens = torch.randint(0, ctx.vocab_size, (batch, seq_local), device=DEVICE)
+        labels = torch.randint(0, ctx.vocab_size, (batch, seq_local), device=DEVICE)
+        return tokens, labels, ({} if ctx.positions is None else {"positions": ctx.positions})
+    fields = {name: torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=DEVICE)
+              for name, (shape, dtype) in shapes.items()}
+    mb = microbatch_of_fields(fields, token_fields=fmt.token_fields, cp_positions=ctx.positions,
+                              mask_kernel=None if ctx.positions is not None else "sdpa")
+    return mb.inputs, mb.labels, mb.forward_kwargs()
+
+
 def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: int, log) -> RankEstimate:
     """One full training step of the whole model (no pipeline parallelism)."""
     from titanlike.parallel.parallelize import parallelize_model
@@ -454,8 +473,7 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
         optimizer = _warm_optimizer([model], cfg, ctx.converters)
         persistent_opt = _optimizer_state_bytes(optimizer, ctx.granularity)
         seq_local = t.seq_len // dims.cp
-        tokens = torch.randint(0, ctx.vocab_size, (t.local_batch_size, seq_local), device=DEVICE)
-        labels = torch.randint(0, ctx.vocab_size, (t.local_batch_size, seq_local), device=DEVICE)
+        tokens, labels, kwargs = _fake_microbatch(ctx, t.local_batch_size, seq_local)
         modules: dict[str, tuple[int, int]] = {}
         peak_phase, best = "", Breakdown()
         phases: dict[str, Breakdown] = {}
@@ -463,13 +481,13 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
         # the cyclic collector only costs time on the millions of objects a trace creates.
         gc.collect()
         gc.disable()
-        with _Tracker(model, optimizer, (tokens, labels)) as tr:
+        fields = tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor) and v is not ctx.positions)
+        with _Tracker(model, optimizer, (tokens, labels, *fields)) as tr:
             for mb in range(traced_microbatches):
                 if mb:
                     modules = tr.per_module(depth) if per_module else modules
                     tr.tracker.reset_mod_stats()
                 tr.reset_peak()
-                kwargs = {} if ctx.positions is None else {"positions": ctx.positions}
                 with ctx.autocast():
                     logits = model(tokens, **kwargs)
                 with ctx.loss_ctx():
@@ -601,7 +619,6 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
         hidden_seq = seq_local // dims.tp if dims.tp_enabled else seq_local
         hidden_dtype = _HALF.get(t.mixed_precision_param, torch.float32) if fsdp else torch.float32
         stage = PipelineStage(part, stage_index, layout.num_stages, DEVICE, group=dims.mesh("pp").get_group())
-        kwargs = {} if ctx.positions is None else {"positions": ctx.positions}
         gc.collect()
         gc.disable()
         in_flight: list[tuple] = []
@@ -619,15 +636,15 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
             def forward(mb: int):
                 if mb:
                     tr.tracker.reset_mod_stats()
+                tokens, labels, kwargs = _fake_microbatch(ctx, mbs, seq_local)
                 if first:
-                    x = torch.randint(0, ctx.vocab_size, (mbs, seq_local), device=DEVICE)
+                    x = tokens
                 else:
                     x = torch.empty(mbs, hidden_seq, args.hidden_size, dtype=hidden_dtype, device=DEVICE,
                                     requires_grad=True)
                 with ctx.autocast():
                     out = part(x, **kwargs)
                 if last:
-                    labels = torch.randint(0, ctx.vocab_size, (mbs, seq_local), device=DEVICE)
                     with ctx.loss_ctx():
                         out_or_loss = (out, ctx.loss(out, labels))
                 else:

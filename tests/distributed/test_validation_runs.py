@@ -1,4 +1,4 @@
-"""Validation runs through train.py: the held-out loss and perplexity reach the console,
+"""Validation runs through train.py: the held-out loss, perplexity and accuracy reach the console,
 TensorBoard and the JSONL metrics; they leave training untouched; and every parallel layout
 measures the same validation loss as one process (tolerance: test_fsdp_parity.py's RTOL)."""
 
@@ -34,6 +34,9 @@ def test_validation_is_reported_and_leaves_training_alone(reference, single_proc
     for r in valid:
         assert r["validation_perplexity"] == pytest.approx(math.exp(r["validation_loss"]), rel=1e-9)
         assert r["validation_tokens"] == 2 * 8 * 64  # 2 batches of 8 samples of 64 targets
+        # Next-token accuracy: a fraction of the targets, well above chance (1/2048) once trained.
+        assert 0 <= r["validation_accuracy"] <= 1
+    assert valid[1]["validation_accuracy"] > 10 / 2048
     assert valid[1]["validation_loss"] < valid[0]["validation_loss"]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -61,3 +64,5 @@ def test_layouts_measure_the_same_validation_loss(train_run, reference, layout):
     assert [r["validation_tokens"] for r in valid] == [r["validation_tokens"] for r in ref_valid]
     for g, r in zip(valid, ref_valid):
         assert g["validation_loss"] == pytest.approx(r["validation_loss"], rel=RTOL), (g, r)
+        # The same predictions (vocabulary-parallel logits are gathered under TP); a near-tie may flip one.
+        assert g["validation_accuracy"] == pytest.approx(r["validation_accuracy"], abs=1.5 / r["validation_tokens"])

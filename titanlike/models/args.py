@@ -69,6 +69,21 @@ class SampleFormat:
         if self.kind not in self.KINDS:
             raise ValueError(f"sample format kind must be one of {self.KINDS}, got {self.kind!r}")
 
+    def field_shapes(self, seq_len: int, decoder_seq_len: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Each field of one sample: name -> (shape, "int64" | "float32"); causal_lm has no fields
+        (its samples are token windows)."""
+        if self.kind == "causal_lm":
+            return {}
+        tokens = ((seq_len,), "int64")
+        shapes = {"inputs": tokens, "labels": tokens, "document_ids": tokens}
+        if self.kind == "masked_lm":
+            shapes["token_types"] = tokens
+            if self.sentence_pairs:
+                shapes.update(binary_labels=((), "int64"), binary_weights=((), "float32"))
+        else:
+            shapes.update(decoder_inputs=((decoder_seq_len,), "int64"), labels=((decoder_seq_len,), "int64"))
+        return shapes
+
 
 @dataclass
 class BaseModelArgs:

@@ -190,24 +190,30 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         return record
 
-    def log_validation(self, step: int, loss: float, tokens: int) -> dict:
-        """Report a validation run: mean loss per target token and its perplexity."""
+    def log_validation(self, step: int, loss: float, tokens: int, accuracy: float | None = None) -> dict:
+        """Report a validation run: mean loss per target token, its perplexity, and the accuracy (the
+        fraction of targets, next or masked tokens, whose most likely token is right)."""
         perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
         record = {"step": step, "validation_loss": loss, "validation_perplexity": perplexity, "validation_tokens": tokens}
+        if accuracy is not None:
+            record["validation_accuracy"] = accuracy
         self.validations.append((step, loss))
         if not self.is_writer:
             return record
         logger.info(f"validation  step: {step:5d}  loss: {loss:8.4f}  perplexity: {perplexity:,.2f}  "
-                    f"tokens: {tokens:,}")
+                    + (f"accuracy: {accuracy:.2%}  " if accuracy is not None else "") + f"tokens: {tokens:,}")
+        scalars = {"validation/loss": loss, "validation/perplexity": perplexity}
+        if accuracy is not None:
+            scalars["validation/accuracy"] = accuracy
         if self._tb is not None:
-            self._tb.add_scalar("validation/loss", loss, step)
-            self._tb.add_scalar("validation/perplexity", perplexity, step)
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, step)
             self._tb.flush()
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
         if self._wandb is not None:
-            self._wandb.log({"validation/loss": loss, "validation/perplexity": perplexity}, step=step)
+            self._wandb.log(scalars, step=step)
         # Validation time is not training time: keep it out of the next tokens/s.
         self._last_time = time.perf_counter()
         return record

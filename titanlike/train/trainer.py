@@ -34,7 +34,7 @@ from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_token
 from titanlike.data.batch_schedule import BatchSchedule
 from titanlike.models.common.attention import DocumentMask, describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
-from titanlike.models.outputs import objective_weight, reported_loss_sums, weighted_objective
+from titanlike.models.outputs import logits_of, objective_weight, reported_loss_sums, weighted_objective
 from titanlike.models.registry import get_model_spec
 from titanlike.observe.memory import MemorySnapshot, tensor_footprint
 from titanlike.observe.metrics import MetricsLogger
@@ -72,16 +72,49 @@ class Microbatch:
     inputs: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None  # RoPE positions when not 0..seq-1
-    mask: DocumentMask | None = None  # attend within documents (training.document_masking)
+    mask: DocumentMask | None = None  # attend within documents (training.document_masking, or a padding mask)
     # Multi-token prediction's inputs and targets (train/loss.py lookahead_targets), for models
     # whose args have lookahead_tokens > 0.
     lookahead: torch.Tensor | None = None
+    # The sample's other fields (models/args.py SampleFormat: BERT's token types, T5's decoder
+    # inputs, ...), passed to the model's forward under their names.
+    fields: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def forward_kwargs(self) -> dict:
-        kwargs = {"positions": self.positions, "mask": self.mask}
+        kwargs = {"positions": self.positions, "mask": self.mask, **self.fields}
         if self.lookahead is not None:
             kwargs["lookahead"] = self.lookahead
         return kwargs
+
+    def rows(self, start: int, stop: int) -> dict:
+        """forward_kwargs of samples start..stop-1 (a pipeline microbatch); per-sample tensors are cut,
+        the positions shared by every sample (context parallel's, 1-D) are not."""
+        positions = self.positions
+        return {
+            "positions": positions if positions is None or positions.ndim == 1 else positions[start:stop],
+            "mask": None if self.mask is None else self.mask.rows(start, stop),
+            **{name: value[start:stop] for name, value in self.fields.items()},
+            **({} if self.lookahead is None else {"lookahead": self.lookahead[start:stop]}),
+        }
+
+
+def microbatch_of_fields(fields: dict[str, torch.Tensor], *, token_fields: tuple[str, ...],
+                         cp_positions: torch.Tensor | None, mask_kernel: str | None) -> Microbatch:
+    """A microbatch of a sample format's fields (models/args.py SampleFormat) as the model sees it:
+    `document_ids` become a bidirectional mask (padding apart), and under context parallelism the
+    inputs, labels and token fields are cut to this rank's positions."""
+    fields = dict(fields)
+    mb = Microbatch(fields.pop("inputs"), fields.pop("labels"), positions=cp_positions)
+    documents = fields.pop("document_ids", None)
+    if documents is not None:
+        # Every cp rank keeps the ids of the whole sequence: its attention picks its rows.
+        mb.mask = DocumentMask.from_document_ids(documents, mask_kernel, causal=False)
+    if cp_positions is not None:
+        mb.inputs, mb.labels = shard_sequence(mb.inputs, cp_positions), shard_sequence(mb.labels, cp_positions)
+        for name in token_fields:
+            fields[name] = shard_sequence(fields[name], cp_positions)
+    mb.fields = fields
+    return mb
 
 
 class TrainingError(RuntimeError):
@@ -122,6 +155,7 @@ class Trainer:
         self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient norm (training.skip_nonfinite_steps)
         self.reported_losses: dict[str, float] = {}  # the model's own loss terms of the last step (per target token)
         self.step_skipped = False
+        self._correct: torch.Tensor | None = None  # correct predictions, counted during validation
         if cfg.debug.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
@@ -141,6 +175,9 @@ class Trainer:
         # Data.
         t = cfg.training
         self.tokenizer = build_tokenizer(cfg.model.hf_assets_path or cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+        self.model_args = model_args_for_job(cfg, self.spec, self.tokenizer.vocab_size)
+        # What a sample holds (token windows, or BERT's / T5's fields): the data are built to it.
+        self.sample_format = self.model_args.sample_format()
         self.global_batch_size = (
             t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
         )
@@ -167,7 +204,6 @@ class Trainer:
         ) if cfg.validation.enable else None
 
         # Model: built on meta, parallelized, then materialized shard by shard.
-        self.model_args = model_args_for_job(cfg, self.spec, self.tokenizer.vocab_size)
         self.flops_per_token = self.model_args.flops_per_token(t.seq_len)
         if self.rank == 0:
             total, active = self.model_args.num_params(), self.model_args.num_params(active=True)
@@ -325,10 +361,16 @@ class Trainer:
             how = f"SDPA {'with a dense document mask' if dense else 'causal'}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
 
-    def prepare(self, inputs: torch.Tensor, labels: torch.Tensor) -> Microbatch:
-        """A loader microbatch as the model sees it: on the device, masked, and cut to this cp rank."""
+    def prepare(self, batch: tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]) -> Microbatch:
+        """A loader microbatch as the model sees it: on the device, masked, and cut to this cp rank.
+
+        batch: (inputs, labels) token windows, or a dict of a sample format's fields (models/args.py
+        SampleFormat), whose `document_ids` become a bidirectional mask and whose other fields go to
+        the model by name."""
+        if isinstance(batch, dict):
+            return self._prepare_fields(batch)
         t = self.cfg.training
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        inputs, labels = (x.to(self.device) for x in batch)
         eod = self.tokenizer.eos_id
         raw_labels = labels
         if t.eod_mask_loss:
@@ -351,12 +393,17 @@ class Trainer:
                 mb.lookahead = shard_sequence(mb.lookahead, self.cp_positions)
         return mb
 
+    def _prepare_fields(self, batch: dict[str, torch.Tensor]) -> Microbatch:
+        return microbatch_of_fields({name: value.to(self.device) for name, value in batch.items()},
+                                    token_fields=self.sample_format.token_fields, cp_positions=self.cp_positions,
+                                    mask_kernel=self.mask_kernel)
+
     def forward_backward(self, mb: Microbatch, *, backward: bool = True):
         """Loss of one microbatch summed over its target tokens, and its backward unless backward=False."""
         with self.autocast:
             logits = self.model_parts[0](mb.inputs, **mb.forward_kwargs())
         with self._loss_context():
-            loss = self.loss_fn(logits, mb.labels)
+            loss = self._objective(logits, mb.labels)
             if backward:
                 weighted_objective(loss).backward()
         return _local_value(loss)
@@ -368,13 +415,9 @@ class Trainer:
         backward=False runs the forwards only (validation)."""
         size = self.cfg.parallelism.pipeline_parallel_microbatch_size
         extra = None
-        if mb.positions is not None or mb.mask is not None or mb.lookahead is not None:
-            # Every stage needs them, per pipeline microbatch (CP positions are shared by all samples).
-            extra = [{"positions": mb.positions if mb.positions is None or mb.positions.ndim == 1
-                      else mb.positions[i:i + size],
-                      "mask": None if mb.mask is None else mb.mask.rows(i, i + size),
-                      **({} if mb.lookahead is None else {"lookahead": mb.lookahead[i:i + size]})}
-                     for i in range(0, mb.inputs.shape[0], size)]
+        if mb.positions is not None or mb.mask is not None or mb.lookahead is not None or mb.fields:
+            # Every stage gets them, per pipeline microbatch.
+            extra = [mb.rows(i, i + size) for i in range(0, mb.inputs.shape[0], size)]
         with self.autocast, self._loss_context():
             losses = self.pipeline.step(mb.inputs, mb.labels, extra, backward=backward)
         return sum((_local_value(loss) for loss in losses), torch.zeros((), device=self.device))
@@ -385,11 +428,22 @@ class Trainer:
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Called by the schedule per microbatch on the last stage; a sum, as without PP.
-        return weighted_objective(self.loss_fn(logits, labels))
+        return weighted_objective(self._objective(logits, labels))
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """One optimizer step over a global batch; returns (global mean loss, grad norm)."""
-        microbatches = [self.prepare(inputs, labels) for inputs, labels in microbatches]
+    def _objective(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of one microbatch (summed over its targets); during validation also counts the
+        targets the model's most likely token gets right (next-token or masked-token accuracy)."""
+        if self._correct is not None:
+            logits = logits_of(output).detach()
+            if isinstance(logits, DTensor):  # vocabulary-parallel logits (loss parallel): validation only
+                logits = logits.full_tensor()
+            targets = labels != IGNORE_INDEX
+            self._correct += (logits.argmax(-1) == labels)[targets].sum()
+        return self.loss_fn(output, labels)
+
+    def train_step(self, microbatches: list) -> tuple[float, float]:
+        """One optimizer step over a global batch of loader microbatches; returns (global mean loss, grad norm)."""
+        microbatches = [self.prepare(batch) for batch in microbatches]
         # The loss is a sum over target tokens; the gradients are divided once, after every backward,
         # by the target tokens of the whole global batch. That keeps gradient accumulation, data
         # parallelism and pipeline microbatches exact, and lets a term join the objective anywhere in
@@ -480,22 +534,29 @@ class Trainer:
                            f"training.skip_nonfinite_steps {budget} used)")
 
     @torch.no_grad()
-    def validate(self) -> tuple[float, int]:
-        """One run over the validation data: (mean loss per target token, target tokens)."""
+    def validate(self) -> tuple[float, int, float]:
+        """One run over the validation data: (mean loss per target token, target tokens, accuracy:
+        the fraction of targets whose most likely token is right)."""
         for part in self.model_parts:
             part.eval()
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
+        self._correct = torch.zeros((), device=self.device)
         data = iter(self.validation.loader)
-        for _ in range(self.validation.num_batches):
-            mb = self.prepare(*next(data))
-            tokens += (mb.labels != IGNORE_INDEX).sum()
-            loss_sum += self._step_fn(mb, backward=False)
-        for part in self.model_parts:
-            part.train()
+        try:
+            for _ in range(self.validation.num_batches):
+                mb = self.prepare(next(data))
+                tokens += (mb.labels != IGNORE_INDEX).sum()
+                loss_sum += self._step_fn(mb, backward=False)
+            # Loss and correct counts live where the last stage is: summed over the loss mesh and pp.
+            sums = torch.stack([loss_sum, self._correct.float()])
+        finally:
+            self._correct = None
+            for part in self.model_parts:
+                part.train()
         tokens = sum_over(tokens, self.dims.mesh("loss"))
-        loss_sum = sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp"))
-        return (loss_sum / tokens).item(), int(tokens.item())
+        loss_sum, correct = sum_over(sum_over(sums, self.dims.mesh("loss")), self.dims.mesh("pp"))
+        return (loss_sum / tokens).item(), int(tokens.item()), (correct / tokens).item()
 
     def train(self) -> list[float]:
         """Run to training.steps; returns the loss of every step.

@@ -163,6 +163,13 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
         args.validate(dims, seq_len=t.seq_len)
     except ValueError as e:
         raise ConfigError(f"{model}: {e}") from None
+    fmt = args.sample_format()
+    if fmt.kind != "causal_lm":
+        # Documents and their ends are a packed token stream's; these samples carry their own masks.
+        for option in ("document_masking", "eod_mask_loss"):
+            _check(not getattr(t, option), f"training.{option} applies to next-token models packed from documents; "
+                   f"{model} trains on {fmt.kind.replace('_', '-')} samples, which carry their own padding mask: "
+                   f"remove training.{option}")
 
     # Layout.
     validate_tensor_parallel(tp=dims.tp, seq_len=t.seq_len, has_plan=spec.tp_plan is not None, model=cfg.model.name,
