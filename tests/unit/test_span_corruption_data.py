@@ -144,7 +144,6 @@ def test_hostile_documents(tok):
     sep = special_token_ids(tok, ("sep",))["sep"]
     lengths = []
     for i in range(len(ds)):
-        first, end, _ = ds.samples.packed_row(i)
         rebuilt, _ = reconstruct(ds[i], sentinels, sep)
         lengths.append(rebuilt.size)
     assert sorted(lengths) == [1, 2, 3, ds.raw_len]  # a one-sequence document is cut to raw_len

@@ -110,7 +110,8 @@ class SpanCorruptionSamples:
                             "are too short")
         ids = special_token_ids(tokenizer, ("sep", "pad"))
         self.sep_id, self.pad_id = ids["sep"], ids["pad"]
-        max_spans = max(noise_counts(n, self.mask_prob, self.mean_noise_span_length)[1] for n in range(self.raw_len + 1))
+        max_spans = max(noise_counts(n, self.mask_prob, self.mean_noise_span_length)[1]
+                        for n in range(self.raw_len + 1))
         self.sentinels = np.asarray(sentinel_ids(tokenizer, max_spans), dtype=np.int64)
         self.samples = SentenceSamples(
             sentences, split=split, split_name=split_name, max_len=self.raw_len, short_seq_prob=short_seq_prob,
