@@ -82,7 +82,12 @@ def pack_sentences(sentence_lengths: np.ndarray, document_indices: np.ndarray, d
     Empty sentences are left out of the count, so a document of empty sentences gives nothing.
     """
     lengths = np.asarray(sentence_lengths, dtype=np.int64)
+    bounds = np.asarray(document_indices, dtype=np.int64)
     rows: list[tuple[int, int, int]] = []
+    # Plain Python ints in the loop below: numpy scalars cost several times more per sentence.
+    nonempty_before = np.concatenate(([0], np.cumsum(lengths > 0))).tolist()
+    length_of = lengths.tolist()
+    bound_of = bounds.tolist()
 
     def target() -> int:
         if short_seq_prob > 0 and rng.random() < short_seq_prob:
@@ -90,20 +95,22 @@ def pack_sentences(sentence_lengths: np.ndarray, document_indices: np.ndarray, d
         return max_len
 
     for d in documents:
-        first, last = int(document_indices[d]), int(document_indices[d + 1])
-        nonempty = np.flatnonzero(lengths[first:last] > 0) + first
-        if nonempty.size < min_sentences:
+        first, last = bound_of[d], bound_of[d + 1]
+        remaining = nonempty_before[last] - nonempty_before[first]
+        if remaining < min_sentences:
             continue
         goal = target()
         start, tokens, count = first, 0, 0
-        remaining = nonempty.size
-        for s in nonempty:
-            tokens += int(lengths[s])
+        for s in range(first, last):
+            size = length_of[s]
+            if size == 0:
+                continue
+            tokens += size
             count += 1
             remaining -= 1
             if (tokens >= goal and count >= min_sentences and remaining >= min_sentences) or remaining == 0:
-                rows.append((start, int(s) + 1, goal))
-                start, tokens, count = int(s) + 1, 0, 0
+                rows.append((start, s + 1, goal))
+                start, tokens, count = s + 1, 0, 0
                 goal = target()
     return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
