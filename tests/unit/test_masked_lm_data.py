@@ -275,9 +275,11 @@ def test_split_sentences_round_trip_feeds_the_loader(tmp_path, tok, ids):
 
 
 def test_embedded_corpus_default_kind(tok):
-    objective = ObjectiveData.from_training(PAIRS, type("T", (), dict(mask_prob=0.2, short_seq_prob=0.0,
-                                                                      mean_noise_span_length=3.0, decoder_seq_len=8)))
-    assert objective.mask_prob == 0.2 and ObjectiveData.from_training(SampleFormat(), None) is None
+    from titanlike.config.schema import Training
+
+    objective = ObjectiveData.from_training(PAIRS, Training(mask_prob=0.2, short_seq_prob=0.0))
+    assert (objective.mask_prob, objective.short_seq_prob, objective.format) == (0.2, 0.0, PAIRS)
+    assert ObjectiveData.from_training(SampleFormat(), Training()) is None  # causal_lm: the usual windows
     common = dict(dataset="default", dataset_path=None, tokenizer=tok, seq_len=SEQ, local_batch_size=2,
                   global_batch_size=2, dp_rank=0, dp_degree=1, seed=0, objective=objective)
     train, valid = build_dataloader(**common), build_dataloader(**common, split_name="valid")

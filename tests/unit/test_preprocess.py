@@ -197,6 +197,16 @@ def test_split_sentences_writes_one_sequence_per_sentence(tmp_path, capsys):
     assert not os.path.exists(str(tmp_path / "o_text_document.bin"))
 
 
+def test_split_sentences_two_workers_give_identical_bytes(tmp_path):
+    lines = [{"text": f"Verse {i}. And it was so! Is it? It is. Mr. Jones agreed."} for i in range(40)]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    one = run(tmp_path, "one", workers=1, src=src, split_sentences=True, sentence_splitter="regex", chunk_lines=8)
+    two = run(tmp_path, "two", workers=2, src=src, split_sentences=True, sentence_splitter="regex", chunk_lines=8)
+    assert one["outputs"]["text"].endswith("one_text_sentence")
+    assert read_pair(one["outputs"]["text"]) == read_pair(two["outputs"]["text"])
+    assert len(IndexedDataset(one["outputs"]["text"])) == 40 * 5
+
+
 def test_split_sentences_nltk_without_nltk_is_a_clear_error(tmp_path, capsys, monkeypatch):
     from titanlike.data import sentences
 
