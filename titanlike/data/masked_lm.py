@@ -21,6 +21,12 @@ Sample ``i`` (fields: :class:`titanlike.models.args.SampleFormat`, kind ``"maske
 
 Random numbers come from a generator seeded with ``(seed, i)``: a sample does not depend on which
 rank, or how many, read it.
+
+Differences from Megatron-LM, on purpose: tokens are masked one by one (the original BERT's and
+Hugging Face's collator's rule; Megatron masks whole words in n-grams of up to 3 with WordPiece
+``##`` continuations, which a byte-level BPE does not mark), the count is taken over the maskable
+tokens (Megatron's includes [CLS]/[SEP]), and the random generator is numpy's ``Generator``, so
+the samples are Megatron's in distribution, not bit for bit.
 """
 
 from __future__ import annotations
