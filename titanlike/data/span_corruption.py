@@ -19,6 +19,10 @@ Sample ``i`` (fields: :class:`titanlike.models.args.SampleFormat`, kind ``"span_
    ``decoder_seq_len`` long; ``labels[j]`` is predicted from ``decoder_inputs[:j + 1]``.
 
 Random numbers come from a generator seeded with ``(seed, i)``.
+
+The noise follows T5's own preprocessing (exact counts, uniformly random span lengths) rather than
+Megatron's T5 dataset (n-gram spans of geometric length drawn like its BERT masking, [BOS] as the
+decoder start), so that a model trained here sees what a Hugging Face T5 checkpoint was trained on.
 """
 
 from __future__ import annotations
