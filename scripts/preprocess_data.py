@@ -8,6 +8,12 @@ tools/preprocess_data.py).
 writes `data/corpus_text_document.bin` and `.idx` (one pair per JSON key). The files are
 byte-compatible with Megatron's: Megatron-LM can train on them and we can train on theirs.
 
+With `--split-sentences` (the data of masked-LM / span-corruption models, BERT and T5), each
+sentence of a document is one sequence and the `.idx` document index groups a document's
+sentences, as Megatron writes them; the outputs are then `{prefix}_{key}_sentence.bin/.idx`.
+Sentences are split by NLTK's punkt when NLTK and its data are already installed, otherwise
+by titanlike's rule-based splitter (`--sentence-splitter`, see titanlike/data/sentences.py).
+
 Differences from Megatron, on purpose:
 * a malformed line (bad JSON, missing key, value neither a string nor a list of strings) is
   counted, reported at the end and skipped; but an input with no valid line (empty, or every
@@ -79,10 +85,14 @@ _WORKER: dict = {}
 
 
 def _init_worker(loader: Callable, tokenizer_path: str, json_keys: list[str], append_eod: bool,
-                 dtype: str) -> None:
+                 dtype: str, splitter: str | None = None) -> None:
     tok = loader(tokenizer_path)
+    split = None
+    if splitter is not None:
+        from titanlike.data.sentences import sentence_splitter
+        split = sentence_splitter(splitter)[1]
     _WORKER.update(tok=tok, keys=json_keys, eod=append_eod, dtype=np.dtype(dtype),
-                   eos=tok.eos_id)
+                   eos=tok.eos_id, split=split)
 
 
 def _encode_chunk(chunk: tuple[int, list[bytes]]):
@@ -117,6 +127,8 @@ def _encode_chunk(chunk: tuple[int, list[bytes]]):
             else:
                 bad.append((lineno, "not_text"))
                 break
+            if _WORKER["split"] is not None:  # --split-sentences: one sequence per sentence
+                texts[k] = [s for text in texts[k] for s in _WORKER["split"](text)]
         else:
             for k in keys:
                 toks, lens, docs = out[k]
@@ -235,15 +247,21 @@ def _check_usable(input_path: str, json_keys: list[str], lines: int, docs: int,
                         f"{', '.join(repr(k) for k in empty)} (every document is empty), nothing written")
 
 
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    return f"{output_prefix}_{key}_document"
+def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
+    """Megatron's output name: level "document", or "sentence" with --split-sentences."""
+    return f"{output_prefix}_{key}_{level}"
 
 
 def preprocess(input_path: str, output_prefix: str, *, json_keys=("text",),
                append_eod: bool = False, workers: int = 1, tokenizer_path: str | None = None,
                tokenizer_loader: Callable = load_tokenizer, chunk_lines: int = 256,
-               log_interval: int = 1000, stream=sys.stderr) -> dict:
-    """Tokenize one JSONL(.gz) file; returns a summary dict (counts, outputs, timings)."""
+               log_interval: int = 1000, stream=sys.stderr, split_sentences: bool = False,
+               sentence_splitter: str = "auto") -> dict:
+    """Tokenize one JSONL(.gz) file; returns a summary dict (counts, outputs, timings).
+
+    split_sentences: one sequence per sentence, split by `sentence_splitter` ("auto", "nltk",
+    "regex"; see titanlike.data.sentences), written under the "sentence" level name.
+    """
     json_keys = list(json_keys)
     if not json_keys or len(set(json_keys)) != len(json_keys):
         raise ValueError(f"--json-keys must be distinct and non-empty: {json_keys}")
@@ -254,19 +272,25 @@ def preprocess(input_path: str, output_prefix: str, *, json_keys=("text",),
                                "DEFAULT_TOKENIZER_PATH")
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"input not found: {input_path}")
+    splitter = None
+    if split_sentences:
+        from titanlike.data.sentences import sentence_splitter as resolve_splitter
+        splitter = resolve_splitter(sentence_splitter)[0]  # "auto" settles here, once for every worker
+        print(f"splitting sentences with the {splitter} splitter", file=stream, flush=True)
     tok = tokenizer_loader(tokenizer_path)
     dtype = optimal_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
 
-    prefixes = {k: output_prefix_for(output_prefix, k) for k in json_keys}
+    level = "sentence" if split_sentences else "document"
+    prefixes = {k: output_prefix_for(output_prefix, k, level) for k in json_keys}
     writers = {k: IndexedDatasetWriter(p, dtype) for k, p in prefixes.items()}
     docs = tokens = nbytes = lines = 0
     key_tokens = {k: 0 for k in json_keys}
     bad_total = {kind: 0 for kind in MALFORMED_KINDS}
     bad_examples: list[tuple[int, str]] = []
     progress = _Progress(log_interval, stream)
-    initargs = (tokenizer_loader, tokenizer_path, json_keys, append_eod, dtype.str)
+    initargs = (tokenizer_loader, tokenizer_path, json_keys, append_eod, dtype.str, splitter)
     try:
         with _open_input(input_path) as f:
             for result, bad, n_lines, n_bytes in _ordered_results(
@@ -313,7 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="keys to extract; one output pair per key (default: text)")
     g.add_argument("--split-sentences", action="store_true",
-                   help="not supported (needs NLTK punkt data); rejected with an error")
+                   help="one sequence per sentence, documents grouped in the index (BERT / T5 data); "
+                        "writes {prefix}_{key}_sentence.bin/.idx")
+    g.add_argument("--sentence-splitter", choices=("auto", "nltk", "regex"), default="auto",
+                   help="auto: NLTK punkt when NLTK and its data are installed, else the rule-based "
+                        "regex splitter (default auto)")
     g = p.add_argument_group("tokenization")
     g.add_argument("--tokenizer-model", default=None,
                    help="tokenizer path for titanlike's build_tokenizer (default: the shipped "
@@ -339,10 +367,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, tokenizer_loader: Callable = load_tokenizer) -> int:
     args = build_parser().parse_args(argv)
-    if args.split_sentences:
-        print("error: --split-sentences is not supported (it needs NLTK); GPT training uses "
-              "document-level data", file=sys.stderr)
-        return 2
     if args.workers < 1:
         print("error: --workers must be >= 1", file=sys.stderr)
         return 2
@@ -356,7 +380,8 @@ def main(argv: list[str] | None = None, tokenizer_loader: Callable = load_tokeni
                              append_eod=args.append_eod, workers=args.workers,
                              tokenizer_path=args.tokenizer_model,
                              tokenizer_loader=tokenizer_loader, chunk_lines=args.chunk_lines,
-                             log_interval=args.log_interval)
+                             log_interval=args.log_interval, split_sentences=args.split_sentences,
+                             sentence_splitter=args.sentence_splitter)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

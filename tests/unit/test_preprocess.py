@@ -169,12 +169,72 @@ def test_failure_leaves_no_output(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
 
-def test_split_sentences_is_refused(tmp_path, capsys):
+def test_split_sentences_writes_one_sequence_per_sentence(tmp_path, capsys):
+    # Megatron's --split-sentences layout: one sequence per sentence, the document index groups
+    # a document's sentences, outputs under the "sentence" level name; a list value's strings are
+    # split too, empty texts stay documents with no sequence.
+    lines = [
+        {"text": "In the beginning God created the heaven. And the earth was void! Was it? Yes."},
+        {"text": ["Mr. Smith came. He left.", "", "One more."]},
+        {"text": ""},
+        {"text": "No terminal punctuation at all"},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    rc = pp.main(["--input", str(src), "--output-prefix", str(tmp_path / "o"), "--split-sentences",
+                  "--sentence-splitter", "regex", "--append-eod"])
+    assert rc == 0, capsys.readouterr().err
+    tok = build_tokenizer(DEFAULT_TOKENIZER_PATH)
+    sentences = [["In the beginning God created the heaven.", "And the earth was void!", "Was it?", "Yes."],
+                 ["Mr. Smith came.", "He left.", "One more."], [], ["No terminal punctuation at all"]]
+    docs = [[tok.encode(x, bos=False, eos=False) for x in doc] for doc in sentences]
+    for doc in docs:
+        if doc:
+            doc[-1] = doc[-1] + [tok.eos_id]
+    prefix = str(tmp_path / "o_text_sentence")
+    assert read_pair(prefix) == reference_bytes(docs)
+    ds = IndexedDataset(prefix)
+    assert ds.num_documents == 4 and list(ds.document_indices) == [0, 4, 7, 7, 8]
+    assert not os.path.exists(str(tmp_path / "o_text_document.bin"))
+
+
+def test_split_sentences_two_workers_give_identical_bytes(tmp_path):
+    lines = [{"text": f"Verse {i}. And it was so! Is it? It is. Mr. Jones agreed."} for i in range(40)]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    one = run(tmp_path, "one", workers=1, src=src, split_sentences=True, sentence_splitter="regex", chunk_lines=8)
+    two = run(tmp_path, "two", workers=2, src=src, split_sentences=True, sentence_splitter="regex", chunk_lines=8)
+    assert one["outputs"]["text"].endswith("one_text_sentence")
+    assert read_pair(one["outputs"]["text"]) == read_pair(two["outputs"]["text"])
+    assert len(IndexedDataset(one["outputs"]["text"])) == 40 * 5
+
+
+def test_split_sentences_nltk_without_nltk_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    from titanlike.data import sentences
+
+    monkeypatch.setattr(sentences, "_nltk_punkt", lambda: None)
     src = write_jsonl(tmp_path / "in.jsonl", LINES)
-    rc = pp.main(["--input", str(src), "--output-prefix", str(tmp_path / "o"),
-                  "--split-sentences"])
-    assert rc == 2 and "--split-sentences is not supported" in capsys.readouterr().err
+    rc = pp.main(["--input", str(src), "--output-prefix", str(tmp_path / "o"), "--split-sentences",
+                  "--sentence-splitter", "nltk"])
+    assert rc == 1 and "punkt" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+    # auto falls back to the regex splitter when punkt is not there
+    assert sentences.sentence_splitter("auto")[0] == "regex"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Mr. Smith went to Washington. He said \"Hi!\" Then he left.",
+     ["Mr. Smith went to Washington.", 'He said "Hi!"', "Then he left."]),
+    ("J. R. R. Tolkien wrote e.g. books, etc. and more. The end?! Yes...  Right.",
+     ["J. R. R. Tolkien wrote e.g. books, etc. and more.", "The end?!", "Yes...", "Right."]),
+    ("first paragraph without a stop\n\n  second one. 3 follows.", ["first paragraph without a stop",
+                                                                     "second one.", "3 follows."]),
+    ("lower case after a stop. does not split", ["lower case after a stop. does not split"]),
+    ("", []),
+    ("   \n\n  ", []),
+])
+def test_regex_sentence_splitter(text, expected):
+    from titanlike.data.sentences import regex_split_sentences
+
+    assert regex_split_sentences(text) == expected
 
 
 def test_missing_input_is_a_clear_error(tmp_path, capsys):

@@ -13,6 +13,12 @@ Contract (the parity tests across parallel layouts rely on it):
   ``(L, seq_len)`` with ``labels = window[1:]``, ``inputs = window[:-1]``.
 
 So the union of all ranks' microbatches at a step does not depend on ``D`` or ``L``.
+
+Masked-LM (BERT) and span-corruption (T5) models read other samples: given an
+:class:`ObjectiveData`, the ``megatron`` and ``default`` kinds build a source whose global sample
+``i`` is a dict of numpy arrays (the fields of ``SampleFormat``, titanlike/models/args.py), and each
+microbatch is a dict of tensors ``(L, ...)``: int64, ``binary_weights`` float32. The slicing by
+rank and step is the same.
 Map-style sources wrap around into a new epoch (reshuffled from ``seed`` when the kind asks
 for shuffling); streams are infinite by themselves. Every rank reads the whole stream of a
 streaming source and keeps its own block: exact layout-independence costs ``D`` times the
@@ -55,6 +61,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DatasetKind",
     "MapSampleSource",
+    "ObjectiveData",
     "RankBatches",
     "build_dataloader",
     "build_dataloader_from_source",
@@ -187,6 +194,94 @@ register_dataset_kind("c4_validation", _c4_source("validation"), shuffle=False, 
 register_dataset_kind("c4_test", _c4_test_source, shuffle=True, needs_path=False)
 
 
+# --------------------------------------------------------------------------- masked-LM / span corruption
+
+
+@dataclass(frozen=True)
+class ObjectiveData:
+    """How to build the samples of a non-causal objective (the model's ``SampleFormat`` and the
+    ``training`` options it reads): ``format.kind`` ``"masked_lm"`` (BERT, ``format.sentence_pairs``
+    for the binary head) or ``"span_corruption"`` (T5). ``decoder_seq_len``: T5's decoder tokens."""
+
+    format: Any  # titanlike.models.args.SampleFormat (duck-typed: data does not import the models)
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    mean_noise_span_length: float = 3.0
+    decoder_seq_len: int = 128
+
+    @classmethod
+    def from_training(cls, sample_format, training) -> ObjectiveData | None:
+        """From a model's ``sample_format()`` and the job's ``training`` section; None for causal_lm
+        (the loader's default samples)."""
+        if sample_format is None or sample_format.kind == "causal_lm":
+            return None
+        return cls(format=sample_format, mask_prob=training.mask_prob, short_seq_prob=training.short_seq_prob,
+                   mean_noise_span_length=training.mean_noise_span_length, decoder_seq_len=training.decoder_seq_len)
+
+    @property
+    def kind(self) -> str:
+        return self.format.kind
+
+    def build(self, sentences, tokenizer, *, seq_len: int, seed: int, split: str, split_name: str,
+              num_samples: int | None):
+        """The map-style source of these samples over sentence-split documents."""
+        common = dict(seq_len=seq_len, mask_prob=self.mask_prob, short_seq_prob=self.short_seq_prob, seed=seed,
+                      split=split, split_name=split_name, num_samples=num_samples)
+        if self.kind == "masked_lm":
+            from titanlike.data.masked_lm import MaskedLMSamples
+
+            return MaskedLMSamples(sentences, tokenizer, sentence_pairs=self.format.sentence_pairs, **common)
+        if self.kind == "span_corruption":
+            from titanlike.data.span_corruption import SpanCorruptionSamples
+
+            return SpanCorruptionSamples(sentences, tokenizer, decoder_seq_len=self.decoder_seq_len,
+                                         mean_noise_span_length=self.mean_noise_span_length, **common)
+        raise ValueError(f"no data pipeline for sample format kind {self.kind!r}")
+
+
+def _objective_default_source(objective: ObjectiveData, *, dataset_path, tokenizer, seq_len, seed, num_samples=None,
+                              split=None, split_name="train"):
+    # The embedded corpus, sentence-split in memory with the rule-based splitter; its last 1% of
+    # documents held out, as for GPT samples.
+    from titanlike.data import DEFAULT_CORPUS_PATH
+    from titanlike.data.sentence_samples import sentence_split_corpus
+
+    return objective.build(sentence_split_corpus(DEFAULT_CORPUS_PATH, tokenizer), tokenizer, seq_len=seq_len,
+                           seed=seed, split=DEFAULT_CORPUS_SPLIT, split_name=split_name, num_samples=num_samples)
+
+
+def _objective_megatron_source(objective: ObjectiveData, *, dataset_path, tokenizer, seq_len, seed,
+                               num_samples=None, split=None, split_name="train"):
+    # One prefix of sentence-split data (preprocess_data.py --split-sentences); training.split
+    # divides its documents (Megatron splits BERT / T5 data by documents too).
+    from titanlike.data.blend import parse_blend
+    from titanlike.data.gpt_dataset import DEFAULT_SPLIT
+    from titanlike.data.indexed import IndexedDataset
+
+    prefixes, _ = parse_blend(dataset_path)
+    if len(prefixes) != 1:
+        raise DataError(f"{objective.kind} samples read one Megatron prefix, not a blend of {len(prefixes)}; "
+                        "merge the data into one prefix")
+    return objective.build(IndexedDataset(prefixes[0]), tokenizer, seq_len=seq_len, seed=seed,
+                           split=split or DEFAULT_SPLIT, split_name=split_name, num_samples=num_samples)
+
+
+# Dataset kinds that can give masked-LM / span-corruption samples (they need sentence-split documents).
+_OBJECTIVE_SOURCES: dict[str, Callable[..., MapSampleSource]] = {
+    "default": _objective_default_source,
+    "megatron": _objective_megatron_source,
+}
+
+
+def _check_field(index: int, name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    kind_ok = np.issubdtype(arr.dtype, np.floating if dtype.kind == "f" else np.integer)
+    if arr.shape != shape or not kind_ok:
+        raise DataError(f"global sample {index} field {name!r} has shape {arr.shape} and dtype {arr.dtype}; "
+                        f"expected shape {shape} of {'floats' if dtype.kind == 'f' else 'integers'}")
+    return arr
+
+
 class _MapSamples:
     """Infinite global indexing over a map-style source: epoch ``e`` is ``source`` permuted by
     ``(seed, e)`` (or in order), so any sample is computable directly, on any rank."""
@@ -245,9 +340,12 @@ class RankBatches(IterableDataset):
         dp_rank: int,
         dp_degree: int,
         rampup: list[int] | tuple[int, ...] = (),
+        fields: dict[str, tuple[tuple[int, ...], Any]] | None = None,
     ):
         super().__init__()
         self.samples = samples
+        # None: causal-LM windows (seq_len + 1 ids); else field name -> (shape, dtype) of dict samples.
+        self.fields = None if fields is None else {k: (tuple(shape), np.dtype(dt)) for k, (shape, dt) in fields.items()}
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
         self.global_batch_size = global_batch_size
@@ -267,12 +365,24 @@ class RankBatches(IterableDataset):
             )
         return arr
 
-    def microbatch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dict_sample(self, index: int) -> dict[str, np.ndarray]:
+        raw = self.samples.sample(index)
+        if not isinstance(raw, dict) or set(raw) != set(self.fields):
+            got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+            raise DataError(f"global sample {index} is {got}; expected a dict of the fields {sorted(self.fields)}")
+        return {name: _check_field(index, name, raw[name], shape, dtype)
+                for name, (shape, dtype) in self.fields.items()}
+
+    def microbatch(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
         per_pass = self.dp_degree * self.local_batch_size
         step = self.batches.step_of_sample(n * per_pass)
         step_start = self.batches.samples_before(step)
         m = (n * per_pass - step_start) // per_pass
         start = step_start + self.dp_rank * (self.batches.batch_size(step) // self.dp_degree) + m * self.local_batch_size
+        if self.fields is not None:
+            samples = [self._dict_sample(start + j) for j in range(self.local_batch_size)]
+            return {name: torch.from_numpy(np.stack([s[name] for s in samples]).astype(dtype))
+                    for name, (_, dtype) in self.fields.items()}
         windows = np.stack([self._sample(start + j) for j in range(self.local_batch_size)]).astype(np.int64)
         batch = torch.from_numpy(windows)
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
@@ -300,8 +410,10 @@ class RankBatches(IterableDataset):
 
     def _resume_position(self, state: dict[str, Any], num_workers: int) -> int:
         saved_rampup = ",".join(map(str, state.get("rampup", ()))) or "none"
+        mine_fields = ",".join(sorted(self.fields)) if self.fields is not None else "none"
         for key, theirs, mine in (("global_batch_size", state["global_batch_size"], self.global_batch_size),
                                   ("seq_len", state["seq_len"], self.seq_len),
+                                  ("sample_fields", state.get("sample_fields", "none"), mine_fields),
                                   ("rampup_batch_size", saved_rampup, ",".join(map(str, self.batches.rampup)) or "none")):
             if theirs != mine:
                 raise ValueError(
@@ -337,6 +449,7 @@ class RankBatches(IterableDataset):
             "rampup": list(self.batches.rampup),
             "seq_len": self.seq_len,
             "samples": self.samples.state_dict(),
+            **({"sample_fields": ",".join(sorted(self.fields))} if self.fields is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -397,9 +510,12 @@ def build_dataloader_from_source(
     shuffle: bool = False,
     num_workers: int = 0,
     rampup: list[int] | tuple[int, ...] = (),
+    sample_fields: dict[str, tuple[tuple[int, ...], Any]] | None = None,
 ) -> StatefulDataLoader:
     """Loader over an already built global sample source (map-style or a :class:`SampleStream`).
-    rampup: a batch ramp-up [start, increment, samples] (see :mod:`titanlike.data.batch_schedule`)."""
+    rampup: a batch ramp-up [start, increment, samples] (see :mod:`titanlike.data.batch_schedule`).
+    sample_fields: for dict samples, field name -> (shape, dtype); microbatches are then dicts of
+    tensors stacked along a new first dimension. None: ``seq_len + 1`` windows, ``(inputs, labels)``."""
     _validate_layout(
         seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers, rampup=rampup,
@@ -413,6 +529,7 @@ def build_dataloader_from_source(
     dataset = RankBatches(
         samples, seq_len=seq_len, local_batch_size=local_batch_size,
         global_batch_size=global_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, rampup=rampup,
+        fields=sample_fields,
     )
     with warnings.catch_warnings():
         # torchdata 0.11 calls an API torch has since deprecated; the warning is not actionable here.
@@ -478,8 +595,10 @@ def build_dataloader(
     split: str | None = None,
     split_name: str = "train",
     rampup: list[int] | tuple[int, ...] = (),
+    objective: ObjectiveData | None = None,
 ) -> StatefulDataLoader:
-    """This data-parallel rank's infinite loader of ``(inputs, labels)`` microbatches.
+    """This data-parallel rank's infinite loader of ``(inputs, labels)`` microbatches (dicts of
+    tensors for an ``objective``).
 
     ``dataset``: ``"default"`` (embedded corpus, ``dataset_path`` must be unset),
     ``"text"`` (``dataset_path``: a ``.txt``/``.jsonl``/``.jsonl.gz`` file or a directory of them),
@@ -494,6 +613,9 @@ def build_dataloader(
     holds out its last 1% (``DEFAULT_CORPUS_SPLIT``); other kinds have only ``"train"``, the whole data.
     ``rampup``: Megatron's batch-size ramp-up ``[start, increment, samples]``; the step's microbatches
     per rank then follow :class:`~titanlike.data.batch_schedule.BatchSchedule`.
+    ``objective``: masked-LM or span-corruption samples (:class:`ObjectiveData`; None or causal_lm:
+    the windows above), from ``default`` (the embedded corpus, sentence-split in memory) or ``megatron``
+    (one prefix of ``preprocess_data.py --split-sentences`` data, ``split`` over its documents).
 
     Data that cannot be trained on (a bad path, no usable document, a damaged Megatron index, too few
     tokens for one sample) raises :class:`~titanlike.data.DataError`, a ValueError whose message is one
@@ -518,6 +640,20 @@ def build_dataloader(
     if not all(hasattr(tokenizer, a) for a in ("encode", "bos_id", "eos_id")):
         raise TypeError(
             f"tokenizer must be a Tokenizer (titanlike.data.build_tokenizer(path)), got {type(tokenizer).__name__}"
+        )
+    if objective is not None and objective.kind != "causal_lm":
+        factory = _OBJECTIVE_SOURCES.get(dataset)
+        if factory is None:
+            raise DataError(f"dataset {dataset!r} cannot give {objective.kind} samples, which need sentence-split "
+                            "documents; use dataset 'megatron' (data from preprocess_data.py --split-sentences) or "
+                            "'default'")
+        source = factory(objective, dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
+                         num_samples=num_samples, split=split, split_name=split_name)
+        # The source permutes its samples every epoch itself.
+        return build_dataloader_from_source(
+            source, seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
+            dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=False, num_workers=num_workers,
+            rampup=rampup, sample_fields=source.fields,
         )
     source = kind.factory(
         dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed, num_samples=num_samples,
