@@ -273,6 +273,14 @@ _OBJECTIVE_SOURCES: dict[str, Callable[..., MapSampleSource]] = {
 }
 
 
+def validate_objective_dataset(kind: str, dataset: str, *, option: str = "training") -> None:
+    """DataError (one sentence) when `dataset` cannot give samples of this kind (a SampleFormat kind)."""
+    if kind != "causal_lm" and dataset not in _OBJECTIVE_SOURCES:
+        raise DataError(f"{option}.dataset {dataset!r} cannot give {kind} samples, which need sentence-split "
+                        "documents; use dataset 'megatron' (data from preprocess_data.py --split-sentences) or "
+                        "'default'")
+
+
 def _check_field(index: int, name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     kind_ok = np.issubdtype(arr.dtype, np.floating if dtype.kind == "f" else np.integer)
@@ -642,11 +650,8 @@ def build_dataloader(
             f"tokenizer must be a Tokenizer (titanlike.data.build_tokenizer(path)), got {type(tokenizer).__name__}"
         )
     if objective is not None and objective.kind != "causal_lm":
-        factory = _OBJECTIVE_SOURCES.get(dataset)
-        if factory is None:
-            raise DataError(f"dataset {dataset!r} cannot give {objective.kind} samples, which need sentence-split "
-                            "documents; use dataset 'megatron' (data from preprocess_data.py --split-sentences) or "
-                            "'default'")
+        validate_objective_dataset(objective.kind, dataset)
+        factory = _OBJECTIVE_SOURCES[dataset]
         source = factory(objective, dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
                          num_samples=num_samples, split=split, split_name=split_name)
         # The source permutes its samples every epoch itself.

@@ -1,4 +1,4 @@
-"""Validation runs: loss and perplexity of the model being trained on held-out data.
+"""Validation runs: loss, perplexity and accuracy of the model being trained on held-out data.
 
 The validation data go through the same loader as training (same data-parallel slicing,
 same microbatch preparation: document masks, context-parallel cut), from the start of the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanlike.config.schema import JobConfig
-from titanlike.data import build_dataloader
+from titanlike.data import ObjectiveData, build_dataloader
 from titanlike.data.tokenizer import Tokenizer
 
 
@@ -23,7 +23,8 @@ class ValidationData:
 
 
 def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_degree: int,
-                          seed: int) -> ValidationData:
+                          seed: int, objective: ObjectiveData | None = None) -> ValidationData:
+    """objective: the samples of a masked-LM or span-corruption model (None: token windows)."""
     v, t = cfg.validation, cfg.training
     local_batch_size = v.local_batch_size if v.local_batch_size != -1 else t.local_batch_size
     global_batch_size = local_batch_size * dp_degree
@@ -48,6 +49,7 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int,
         num_samples=None if v.steps == -1 else v.steps * global_batch_size,
         split=split,
         split_name=part,
+        objective=objective,
     )
     if v.steps != -1:
         num_batches = v.steps

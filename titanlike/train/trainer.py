@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from titanlike.checkpoint import CheckpointError, CheckpointManager
 from titanlike.config.loader import config_to_dict
 from titanlike.config.schema import JobConfig
-from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
+from titanlike.data import DEFAULT_TOKENIZER_PATH, ObjectiveData, build_dataloader, build_tokenizer
 from titanlike.data.batch_schedule import BatchSchedule
 from titanlike.models.common.attention import DocumentMask, describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
@@ -178,6 +178,7 @@ class Trainer:
         self.model_args = model_args_for_job(cfg, self.spec, self.tokenizer.vocab_size)
         # What a sample holds (token windows, or BERT's / T5's fields): the data are built to it.
         self.sample_format = self.model_args.sample_format()
+        self.objective = ObjectiveData.from_training(self.sample_format, t)
         self.global_batch_size = (
             t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
         )
@@ -197,10 +198,12 @@ class Trainer:
             num_samples=self.batches.samples_before(t.steps),
             split=t.split,  # validation reads the 'valid' part of the same split
             rampup=t.rampup_batch_size,
+            objective=self.objective,
         )
 
         self.validation = build_validation_data(
             cfg, self.tokenizer, dp_rank=dims.dp_rank(), dp_degree=dims.dp_degree, seed=cfg.debug.seed,
+            objective=self.objective,
         ) if cfg.validation.enable else None
 
         # Model: built on meta, parallelized, then materialized shard by shard.

@@ -165,6 +165,11 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"{model}: {e}") from None
     fmt = args.sample_format()
     if fmt.kind != "causal_lm":
+        from titanlike.data.loader import validate_objective_dataset
+
+        validate_objective_dataset(fmt.kind, t.dataset)
+        if cfg.validation.enable and cfg.validation.dataset is not None:
+            validate_objective_dataset(fmt.kind, cfg.validation.dataset, option="validation")
         # Documents and their ends are a packed token stream's; these samples carry their own masks.
         for option in ("document_masking", "eod_mask_loss"):
             _check(not getattr(t, option), f"training.{option} applies to next-token models packed from documents; "

@@ -1,0 +1,83 @@
+"""The t5 family reproduces its single-process run under every layout it supports, through
+train.py (fp32, same global batch, the tiny job of conftest with --model.name t5), on
+span-corruption samples of the embedded corpus (encoder 64 tokens, decoder 16).
+
+What is specific to T5: encoder and decoder blocks in one `layers` (FSDP units and TP plans per
+block, cross-attention split by heads like self-attention), the relative-position bias table of
+each stack's first block cut by heads under TP, the encoder's padding mask reaching the encoder's
+self-attention and the decoder's cross-attention, and the decoder's own length (its labels count
+the tokens). Pipeline and context parallelism are refused for T5 (tests/unit/test_t5_model.py).
+
+Tolerances: test_fsdp_parity.py's.
+"""
+
+import pytest
+
+from conftest import train_metrics
+from test_fsdp_parity import RTOL, assert_same_curve
+
+pytestmark = pytest.mark.distributed
+
+T5 = ("--model.name", "t5", "--model.flavor", "debugmodel", "--training.steps", "6",
+      "--training.decoder_seq_len", "16",
+      "--validation.enable", "--validation.freq", "3", "--validation.steps", "1")
+
+
+def _split(records):
+    return [r for r in records if "loss" in r], [r for r in records if "validation_loss" in r]
+
+
+def check(records, reference, layout):
+    train, valid = _split(records)
+    ref_train, ref_valid = _split(reference)
+    print(f"\n[t5 parity] {layout}: losses {[round(r['loss'], 5) for r in train]}")
+    assert_same_curve(train, ref_train)
+    assert [r["step"] for r in valid] == [3, 6]
+    for g, r in zip(valid, ref_valid):
+        assert g["validation_tokens"] == r["validation_tokens"]
+        assert g["validation_loss"] == pytest.approx(r["validation_loss"], rel=RTOL), (layout, g, r)
+        assert g["validation_accuracy"] == pytest.approx(r["validation_accuracy"], abs=1.5 / r["validation_tokens"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return train_metrics(tmp_path_factory.mktemp("t5_ref"), "single", *T5, "--training.local_batch_size", "8")
+
+
+def test_reference_learns(reference):
+    train, valid = _split(reference)
+    assert len(train) == 6 and train[-1]["loss"] < train[0]["loss"] - 0.5, train
+    # Decoder targets only: at most 16 per sample, padding excluded.
+    assert 0 < valid[0]["validation_tokens"] <= 8 * 16
+
+
+@pytest.mark.train_run(*T5, "--training.local_batch_size", "2", "--training.global_batch_size", "8", nproc=2)
+def test_fsdp2_with_accumulation(train_run, reference):
+    check(train_run.metrics, reference, "FSDP2 (+ accumulation)")
+
+
+@pytest.mark.train_run(*T5, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8", nproc=2)
+def test_tp2_with_loss_parallel(train_run, reference):
+    check(train_run.metrics, reference, "TP2 (SP + loss parallel)")
+
+
+@pytest.mark.train_run(*T5, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4", nproc=4)
+def test_fsdp2_x_tp2(train_run, reference):
+    check(train_run.metrics, reference, "FSDP2 x TP2")
+
+
+@pytest.mark.train_run(*T5, "--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2", nproc=4)
+def test_hsdp_2x2(train_run, reference):
+    check(train_run.metrics, reference, "HSDP 2x2")
+
+
+def test_fsdp2_then_resume_at_tp2(tmp_path, reference):
+    save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+            "--checkpoint.folder", str(tmp_path / "ckpt"))
+    got = train_metrics(tmp_path, "fsdp2", *T5, "--training.local_batch_size", "4", "--activation_checkpoint.mode",
+                        "full", *save, nproc=2)
+    check(got, reference, "FSDP2 + full AC (saving)")
+    resumed = train_metrics(tmp_path, "resume", *T5, "--parallelism.tensor_parallel_degree", "2",
+                            "--training.local_batch_size", "8", *save, "--checkpoint.load_step", "2", nproc=2)
+    assert_same_curve(_split(resumed)[0], _split(got)[0][2:])
