@@ -36,13 +36,14 @@ def bert_tp_plan() -> TensorParallelPlan:
         norms write the residual stream itself, which stays a plain sequence slice between modules;
       - the position and token-type tables are replicated and cut to the sequence slice;
       - the MLM transform runs token by token on the slice (replicated weights);
-      - the pooler all-gathers the final hidden states (position 0 is on the first TP rank only)
-        and, with the binary head, is computed whole on every rank (replicated weights, whose
-        gradients are then whole on every rank, as the binary loss is)."""
+      - the binary head all-gathers the final hidden states (position 0 is on the first TP rank
+        only) and its pooler and classifier are computed whole on every rank (replicated weights,
+        whose gradients are then whole on every rank, as the binary loss is)."""
     base = decoder_tp_plan(mlp_inputs=("w1",), position_embeddings=("pos_embeddings", "type_embeddings"))
     norm = "sequence_replicated"
     top = {**base.top, "embedding_norm": norm, "norm": norm, "lm_head.dense": norm, "lm_head.norm": norm,
-           "pooler": "gather_input", "pooler.dense": "replicated", "binary_head": "replicated"}
+           "binary_head": "gather_input", "binary_head.pooler": "replicated",
+           "binary_head.classifier": "replicated"}
     block = {**base.block, "attention_norm": norm, "ffn_norm": norm}
     block.pop("moe")
     return TensorParallelPlan(top=top, block=block)
@@ -56,7 +57,7 @@ register_model_spec(
         tp_plan=bert_tp_plan(),
         pipeline_ends=PipelineEnds(
             inputs=("tok_embeddings", "pos_embeddings", "type_embeddings", "embedding_norm"),
-            outputs=("norm", "lm_head", "output", "pooler", "binary_head")),
+            outputs=("norm", "lm_head", "output", "binary_head")),
         hf_adapter=hf_adapter,
     )
 )

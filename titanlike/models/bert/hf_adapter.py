@@ -6,8 +6,8 @@ Differences besides names:
   back as an alias). Its bias is cls.predictions.bias, which transformers also lists as
   cls.predictions.decoder.bias (the same tensor): either spelling is read, the first is written.
 - HF's next-sentence label 1 means "B is a random sentence", ours (Megatron's sentence order) 1
-  means "the segments were swapped": both are "not in order", so cls.seq_relationship maps onto
-  binary_head unchanged.
+  means "the segments were swapped": both are "not in order", so bert.pooler.dense and
+  cls.seq_relationship map onto binary_head.pooler and binary_head.classifier unchanged.
 - Checkpoints converted from the original TensorFlow release name LayerNorm parameters gamma and
   beta, and some carry position_ids / token_type_ids buffers (not weights, skipped).
 - HF's BERT is post-norm only: a pre_norm model (Megatron's block order) has no HF class.
@@ -42,8 +42,8 @@ _TOP_MODULES = {
     "embedding_norm": "bert.embeddings.LayerNorm",
     "lm_head.dense": "cls.predictions.transform.dense",
     "lm_head.norm": "cls.predictions.transform.LayerNorm",
-    "pooler.dense": "bert.pooler.dense",
-    "binary_head": "cls.seq_relationship",
+    "binary_head.pooler": "bert.pooler.dense",
+    "binary_head.classifier": "cls.seq_relationship",
 }
 _TOP_KEYS = {f"{ours}.{kind}": f"{hf}.{kind}" for ours, hf in _TOP_MODULES.items() for kind in ("weight", "bias")}
 _TOP_KEYS = {k: v for k, v in _TOP_KEYS.items() if "_embeddings.bias" not in k}
@@ -90,7 +90,7 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: BertArgs) -> dic
             continue  # the word table again
         if key in _HF_TOP_KEYS:
             name = _HF_TOP_KEYS[key]
-            if name.startswith(("pooler.", "binary_head.")) and not args.binary_head:
+            if name.startswith("binary_head.") and not args.binary_head:
                 raise KeyError(f"{key} belongs to the binary head, which this config (BertForMaskedLM) has not")
             sd[name] = value
             continue

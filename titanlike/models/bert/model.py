@@ -11,8 +11,8 @@ Heads, on the last pipeline stage:
   - masked LM: lm_head (dense + GELU + LayerNorm), then `output`, the projection tied to the word
     embeddings, with its own bias (vocab,). forward returns these logits; the trainer's
     cross-entropy on the masked positions (labels IGNORE_INDEX elsewhere) is the MLM loss.
-  - binary (next-sentence / sentence-order prediction, binary_head=True): pooler (dense + tanh of
-    position 0, the [CLS] token), then binary_head, a Linear(dim, 2). Its loss joins the objective
+  - binary (next-sentence / sentence-order prediction, binary_head=True): binary_head, a pooler
+    (dense + tanh of position 0, the [CLS] token) and a Linear(dim, 2) classifier. Its loss joins the objective
     inside forward (attach_loss), so the loss function and the pipeline schedule stay generic.
 
 No dropout: parity across parallel layouts needs a deterministic forward.
@@ -164,29 +164,28 @@ class LMHeadTransform(nn.Module):
         return self.norm(F.gelu(self.dense(h)))
 
 
-class Pooler(nn.Module):
-    """tanh(dense(h[:, 0])): the sequence's summary, read at position 0 ([CLS])."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.dense = nn.Linear(dim, dim)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(h[:, 0]))
-
-
-class BinaryHead(nn.Linear):
-    """Linear(dim, 2) on the pooled state: logit 1 = the segments were swapped / B is random.
+class BinaryHead(nn.Module):
+    """The binary (NSP/SOP) head: classifier(tanh(pooler(h[:, 0]))), the pooler reading position 0
+    ([CLS]) and the classifier a Linear(dim, 2) whose logit 1 means "not in order" (segments
+    swapped / B random).
 
     It declares the binary loss as a reported loss (titanlike/models/outputs.py): training forwards
-    add the loss they attach to `reported_loss_sum`, which the trainer reads and zeroes each step."""
+    add the loss they attach to `reported_loss_sum`, which the trainer reads and zeroes each step.
+    The buffer sits on this wrapper, which tensor parallelism leaves a plain module (its linears are
+    distributed), so it stays a plain tensor."""
 
     reported_loss = BINARY_LOSS
 
     def __init__(self, dim: int):
-        super().__init__(dim, 2)
+        super().__init__()
+        self.pooler = nn.Linear(dim, dim)
+        self.classifier = nn.Linear(dim, 2)
         self.register_buffer("reported_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
         self.record_statistics = True  # off while a pipeline infers shapes on placeholder inputs
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """(batch, 2) logits from the final hidden states (batch, seq, dim)."""
+        return self.classifier(torch.tanh(self.pooler(h[:, 0])))
 
 
 class Bert(Decoder):
@@ -202,7 +201,6 @@ class Bert(Decoder):
         self.lm_head: LMHeadTransform | None = LMHeadTransform(args.dim, args.norm_eps)
         # The decoder's output projection has no bias; BERT's has one (its weight stays tied).
         self.output = nn.Linear(args.dim, args.vocab_size, bias=True)
-        self.pooler: Pooler | None = Pooler(args.dim) if args.binary_head else None
         self.binary_head: BinaryHead | None = BinaryHead(args.dim) if args.binary_head else None
         self.tie_weights()
 
@@ -250,7 +248,7 @@ class Bert(Decoder):
 
     def binary_logits(self, h: torch.Tensor) -> torch.Tensor:
         """(batch, 2) logits of the binary head from the final hidden states h (batch, seq, dim)."""
-        return self.binary_head(self.pooler(h))
+        return self.binary_head(h)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: DocumentMask | None = None, token_types: torch.Tensor | None = None,
@@ -315,13 +313,12 @@ class Bert(Decoder):
             init_norm(self.lm_head.norm)
         if self.output is not None:
             zeros_(self.output.bias)
-        if self.pooler is not None:
-            normal_(self.pooler.dense.weight, std=std, seed=seed, fqn="pooler.dense.weight")
-            zeros_(self.pooler.dense.bias)
         if self.binary_head is not None:
-            normal_(self.binary_head.weight, std=std, seed=seed, fqn="binary_head.weight")
-            zeros_(self.binary_head.bias)
+            for name in ("pooler", "classifier"):
+                linear = getattr(self.binary_head, name)
+                normal_(linear.weight, std=std, seed=seed, fqn=f"binary_head.{name}.weight")
+                zeros_(linear.bias)
             self.binary_head.reported_loss_sum.zero_()  # after to_empty it holds whatever memory held
 
 
-__all__ = ["BINARY_LOSS", "Bert", "BertArgs", "BertBlock", "BinaryHead", "LMHeadTransform", "Pooler"]
+__all__ = ["BINARY_LOSS", "Bert", "BertArgs", "BertBlock", "BinaryHead", "LMHeadTransform"]
