@@ -1,9 +1,10 @@
 """BERT under tensor + sequence parallelism (the family's plan, two spawned gloo ranks): MLM logits,
-the binary loss and the gradient of every parameter equal one process's, for post-norm and
-pre-norm blocks. Parity through train.py (FSDP, PP, CP, TP layouts) lives with the trainer's tests."""
+the loss (MLM cross-entropy, vocabulary-parallel or not, plus the attached binary loss) and the
+gradient of every parameter equal one process's, for post-norm and pre-norm blocks. Parity through train.py (FSDP, PP, CP, TP layouts) lives with the trainer's tests."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -18,10 +19,14 @@ ATOL, RTOL = 2e-5, 1e-4  # fp32 summation order
 TIMEOUT_S = 120
 
 
-def _check(mesh, pre_norm: bool) -> None:
+def _check(mesh, pre_norm: bool, loss_parallel: bool) -> None:
+    """The trainer's objective: the MLM cross-entropy summed over masked positions (vocabulary
+    parallel with loss_parallel) plus the binary loss the model attaches."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
 
     from titanlike.models.bert import Bert, bert_flavors, bert_tp_plan
+    from titanlike.models.outputs import IGNORE_INDEX, cross_entropy_sum
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
     args = dataclasses.replace(bert_flavors["debugmodel_tiny"], vocab_size=96, max_seq_len=32, pre_norm=pre_norm)
@@ -41,17 +46,23 @@ def _check(mesh, pre_norm: bool) -> None:
     tokens = torch.randint(0, args.vocab_size, (2, 16))
     fields = dict(token_types=(torch.arange(16) >= 7).long().expand(2, 16),
                   binary_labels=torch.tensor([1, 0]), binary_weights=torch.tensor([2.0, 5.0]))
-    grad_logits = torch.randn(2, 16, args.vocab_size)
+    labels = torch.where(torch.rand(2, 16) < 0.3, torch.randint(0, args.vocab_size, (2, 16)), IGNORE_INDEX)
     ref = build()
     want = ref(tokens, **fields)
-    want.backward(grad_logits)
+    want_loss = cross_entropy_sum(want, labels)
+    want_loss.backward()
     model = build()
-    apply_tensor_parallel(model, mesh, bert_tp_plan(), loss_parallel=False)
+    apply_tensor_parallel(model, mesh, bert_tp_plan(), loss_parallel=loss_parallel)
     assert model.output.weight is model.tok_embeddings.weight
     got = model(tokens, **fields)
-    got.backward(grad_logits)
-    what = f"pre_norm {pre_norm}, tp rank {mesh.get_local_rank()}"
+    with vocab_parallel_loss() if loss_parallel else contextlib.nullcontext():
+        loss = cross_entropy_sum(got, labels)
+        loss.backward()
+    what = f"pre_norm {pre_norm}, loss_parallel {loss_parallel}, tp rank {mesh.get_local_rank()}"
+    if loss_parallel:
+        got, loss = got.full_tensor(), loss.full_tensor()
     torch.testing.assert_close(got, want.detach(), atol=ATOL, rtol=RTOL, msg=lambda m: f"logits, {what}: {m}")
+    torch.testing.assert_close(loss, want_loss.detach(), atol=ATOL, rtol=RTOL, msg=lambda m: f"loss, {what}: {m}")
     assert not isinstance(model.binary_head.reported_loss_sum, DTensor)  # the trainer sums it with plain tensors
     torch.testing.assert_close(model.binary_head.reported_loss_sum, ref.binary_head.reported_loss_sum,
                                atol=ATOL, rtol=RTOL)
@@ -69,8 +80,8 @@ def _worker(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        for pre_norm in (False, True):
-            _check(mesh, pre_norm)
+        _check(mesh, pre_norm=False, loss_parallel=True)
+        _check(mesh, pre_norm=True, loss_parallel=False)
         dist.barrier()
     finally:
         dist.destroy_process_group()

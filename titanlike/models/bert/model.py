@@ -180,6 +180,9 @@ class BinaryHead(nn.Module):
         super().__init__()
         self.pooler = nn.Linear(dim, dim)
         self.classifier = nn.Linear(dim, 2)
+        # Low-precision converters (float8) leave these alone: they multiply one row per sequence,
+        # too few for float8 matmuls and too little work to gain from them.
+        self.pooler.keep_high_precision = self.classifier.keep_high_precision = True
         self.register_buffer("reported_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
         self.record_statistics = True  # off while a pipeline infers shapes on placeholder inputs
 
