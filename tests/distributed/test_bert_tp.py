@@ -1,6 +1,7 @@
 """BERT under tensor + sequence parallelism (the family's plan, two spawned gloo ranks): MLM logits,
 the loss (MLM cross-entropy, vocabulary-parallel or not, plus the attached binary loss) and the
-gradient of every parameter equal one process's, for post-norm and pre-norm blocks. Parity through train.py (FSDP, PP, CP, TP layouts) lives with the trainer's tests."""
+gradient of every parameter equal one process's, for post-norm and pre-norm blocks. Parity through train.py (FSDP, PP, CP, TP layouts) lives with the trainer's
+tests."""
 
 from __future__ import annotations
 
