@@ -14,7 +14,7 @@ from titanlike.models.args import SampleFormat
 from titanlike.models.bert import BINARY_LOSS, Bert, BertArgs, bert_flavors
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import reported_loss_sums
-from titanlike.models.registry import get_model_spec, model_names
+from titanlike.models.registry import get_model_spec, model_names, spec_for_hf_model_type
 from titanlike.parallel.pipeline import build_stage_modules, plan_layout
 from titanlike.parallel.tensor_parallel import STYLES
 
@@ -50,7 +50,7 @@ def batch(args, seq=16, seed=0):
 
 def test_registered_by_its_folder_alone():
     assert "bert" in model_names()
-    assert SPEC.model_cls is Bert and SPEC.hf_model_type == "bert"
+    assert SPEC.model_cls is Bert and SPEC.hf_model_type == "bert" and spec_for_hf_model_type("bert") is SPEC
     assert {"debugmodel", "debugmodel_tiny", "base", "large", "3.9B"} <= set(SPEC.flavors)
     debug = bert_flavors["debugmodel"]
     assert (debug.dim, debug.n_layers, debug.n_heads, debug.vocab_size, debug.max_seq_len) == (256, 4, 8, 2048, 512)
