@@ -11,6 +11,9 @@ Differences besides names:
 - Checkpoints converted from the original TensorFlow release name LayerNorm parameters gamma and
   beta, and some carry position_ids / token_type_ids buffers (not weights, skipped).
 - HF's BERT is post-norm only: a pre_norm model (Megatron's block order) has no HF class.
+- A folder whose config names BertForMaskedLM reads as a model without the binary head; the pooler
+  and cls.seq_relationship weights such folders may still hold (google-bert/bert-base-uncased's
+  do) are left out, as transformers' BertForMaskedLM.from_pretrained leaves them.
 
 Works on plain tensors (DTensors must be gathered first).
 """
@@ -91,7 +94,7 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: BertArgs) -> dic
         if key in _HF_TOP_KEYS:
             name = _HF_TOP_KEYS[key]
             if name.startswith("binary_head.") and not args.binary_head:
-                raise KeyError(f"{key} belongs to the binary head, which this config (BertForMaskedLM) has not")
+                continue  # a BertForMaskedLM folder holding pretraining weights
             sd[name] = value
             continue
         m = _HF_LAYER_RE.fullmatch(key)
@@ -144,6 +147,9 @@ _FIXED = {"hidden_act": "gelu", "is_decoder": False, "add_cross_attention": Fals
           "position_embedding_type": "absolute", "tie_word_embeddings": True}
 
 
+_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM")
+
+
 def args_from_hf_config(cfg: Mapping[str, Any]) -> BertArgs:
     """BertArgs for a BertForPreTraining / BertForMaskedLM config.json (dict); ValueError naming an
     unsupported key."""
@@ -155,6 +161,9 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> BertArgs:
         raise ValueError(f"unsupported BERT config: intermediate_size={cfg['intermediate_size']!r} "
                          f"(only 4 x hidden_size = {4 * dim})")
     architectures = cfg.get("architectures") or ["BertForPreTraining"]
+    unknown = sorted(set(architectures) - set(_ARCHITECTURES))
+    if unknown:
+        raise ValueError(f"unsupported BERT config: architectures={unknown} (supported: {', '.join(_ARCHITECTURES)})")
     return BertArgs(
         dim=dim,
         n_layers=cfg["num_hidden_layers"],
