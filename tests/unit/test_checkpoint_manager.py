@@ -438,8 +438,8 @@ def test_sidecar_records_the_args_with_the_flavors_context(tmp_path):
 def test_unknown_hf_model_type_is_a_checkpoint_error():
     from titanlike.checkpoint.hf import hf_model_from_config
 
-    with pytest.raises(CheckpointError, match=r"^x/config\.json: Hugging Face model_type 'bert' is not supported"):
-        hf_model_from_config({"model_type": "bert"}, where="x/config.json")
+    with pytest.raises(CheckpointError, match=r"^x/config\.json: Hugging Face model_type 'whisper' is not supported"):
+        hf_model_from_config({"model_type": "whisper"}, where="x/config.json")
 
 
 def test_manager_and_hf_depend_on_format_only():

@@ -1,0 +1,65 @@
+"""BERT family (BERT base and large, Megatron-LM's BERT 3.9B, and CPU-sized debug models).
+
+Sizes are the published ones: Devlin et al. 2019 (base: 12 layers, 768 wide, 12 heads; large: 24,
+1024, 16), 512 positions, two token types, the 30522-token WordPiece vocabulary; Shoeybi et al.
+2019, Table 4 (3.9B: 48 layers, 2560 wide, 40 heads, pre-norm blocks). vocab_size is a placeholder
+the trainer replaces with the tokenizer's (update_from_config); max_seq_len is the position
+table's rows and stays.
+
+This package is the whole family: the registry discovers it, and no generic file names it.
+"""
+
+from titanlike.models.bert import hf_adapter
+from titanlike.models.bert.model import BINARY_LOSS, Bert, BertArgs
+from titanlike.models.common.decoder import decoder_tp_plan
+from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
+from titanlike.parallel.tensor_parallel import TensorParallelPlan
+
+BERT_VOCAB = 30522
+
+bert_flavors: dict[str, BertArgs] = {
+    # CPU-sized: 8 heads so TP 2, 4 and 8 divide them; 4 layers so PP 2 with two stages per rank
+    # still has a layer per stage. vocab 2048 is the debug tokenizer's.
+    "debugmodel": BertArgs(dim=256, n_layers=4, n_heads=8, vocab_size=2048, max_seq_len=512),
+    # For tests: seconds on a CPU.
+    "debugmodel_tiny": BertArgs(dim=64, n_layers=2, n_heads=4, vocab_size=2048, max_seq_len=128),
+    "base": BertArgs(dim=768, n_layers=12, n_heads=12, vocab_size=BERT_VOCAB, max_seq_len=512),
+    "large": BertArgs(dim=1024, n_layers=24, n_heads=16, vocab_size=BERT_VOCAB, max_seq_len=512),
+    "3.9B": BertArgs(dim=2560, n_layers=48, n_heads=40, vocab_size=BERT_VOCAB, max_seq_len=512, pre_norm=True),
+}
+
+
+def bert_tp_plan() -> TensorParallelPlan:
+    """The decoder's plan (attention by heads, MLP by hidden units, vocabulary-split word table and
+    output projection) with BERT's differences:
+      - every LayerNorm is `sequence_replicated` (plain tensors in and out): a post-norm block's
+        norms write the residual stream itself, which stays a plain sequence slice between modules;
+      - the position and token-type tables are replicated and cut to the sequence slice;
+      - the MLM transform runs token by token on the slice (replicated weights);
+      - the binary head all-gathers the final hidden states (position 0 is on the first TP rank
+        only) and its pooler and classifier are computed whole on every rank (replicated weights,
+        whose gradients are then whole on every rank, as the binary loss is)."""
+    base = decoder_tp_plan(mlp_inputs=("w1",), position_embeddings=("pos_embeddings", "type_embeddings"))
+    norm = "sequence_replicated"
+    top = {**base.top, "embedding_norm": norm, "norm": norm, "lm_head.dense": norm, "lm_head.norm": norm,
+           "binary_head": "gather_input", "binary_head.pooler": "replicated",
+           "binary_head.classifier": "replicated"}
+    block = {**base.block, "attention_norm": norm, "ffn_norm": norm}
+    block.pop("moe")
+    return TensorParallelPlan(top=top, block=block)
+
+
+register_model_spec(
+    ModelSpec(
+        name="bert",
+        model_cls=Bert,
+        flavors=bert_flavors,
+        tp_plan=bert_tp_plan(),
+        pipeline_ends=PipelineEnds(
+            inputs=("tok_embeddings", "pos_embeddings", "type_embeddings", "embedding_norm"),
+            outputs=("norm", "lm_head", "output", "binary_head")),
+        hf_adapter=hf_adapter,
+    )
+)
+
+__all__ = ["BERT_VOCAB", "BINARY_LOSS", "Bert", "BertArgs", "bert_flavors", "bert_tp_plan"]
