@@ -6,6 +6,10 @@ The family is new files only (titanlike/models/t5/); these tests reach it throug
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +22,7 @@ from titanlike.models.t5 import T5, T5Args, t5_flavors
 from titanlike.models.t5.model import relative_position_bucket
 
 SPEC = get_model_spec("t5")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_args(**overrides) -> T5Args:
@@ -104,7 +109,8 @@ def _matmul_flops(model: T5, tokens, decoder_inputs) -> int:
 def test_flops_per_token_matches_the_module(tied):
     # torch counts 2 FLOPs per multiply-add in the forward; training is 3x that. Norm weights are
     # parameters in our formula but elementwise work for torch: the difference is tiny and known.
-    args = tiny_args(tie_word_embeddings=tied, scale_decoder_outputs=tied, feed_forward="relu" if tied else "gated-gelu")
+    args = tiny_args(tie_word_embeddings=tied, scale_decoder_outputs=tied,
+                     feed_forward="relu" if tied else "gated-gelu")
     model = build(args)
     seq = 32
     tokens, dec = batch(args, seq=seq, dec=args.decoder_len(seq))
@@ -225,3 +231,84 @@ def test_layout_rules_are_one_sentence():
         t5_flavors["small"].validate(dims(tp=4), seq_len=128)
     with pytest.raises(ValueError, match="feed_forward"):
         tiny_args(feed_forward="swiglu")
+
+
+# ---------------------------------------------------------------- two ranks: TP (+SP) and FSDP
+
+
+def test_tensor_parallel_and_fsdp_match_single_process():
+    """Two gloo ranks: tensor parallelism (with and without sequence parallelism and loss
+    parallelism, both variants, padded encoder inputs), then FSDP: the same init, loss and
+    gradients as one process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("T5_PARALLEL_OK") == 2, proc.stdout
+
+
+def _check_parallel() -> None:
+    from contextlib import nullcontext
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
+
+    from titanlike.parallel.fsdp import apply_fsdp
+    from titanlike.parallel.tensor_parallel import apply_tensor_parallel
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 320, (2, 16), generator=g)
+    decoder_inputs = torch.randint(0, 320, (2, 8), generator=g)
+    labels = torch.randint(0, 320, (2, 8), generator=g)
+    doc = torch.zeros(2, 16, dtype=torch.long)
+    doc[1, 11:] = 1
+    mask = DocumentMask.from_document_ids(doc, "sdpa", causal=False)
+    cases = [("tp", False, True, True), ("tp", True, False, False), ("tp", True, True, True),
+             ("fsdp", False, False, False)]
+    for how, tied, sp, lp in cases:
+        tag = f"{how} tied={tied} sequence_parallel={sp} loss_parallel={lp}"
+        args = tiny_args(tie_word_embeddings=tied, scale_decoder_outputs=tied,
+                         feed_forward="relu" if tied else "gated-gelu")
+        reference = build(args, seed=21).train()
+        with torch.device("meta"):
+            model = T5(args)
+        if how == "tp":
+            apply_tensor_parallel(model, mesh, SPEC.tp_plan, loss_parallel=lp, sequence_parallel=sp)
+        else:
+            apply_fsdp(model, mesh, param_dtype="float32", reduce_dtype="float32", reshard_after_forward="default")
+        model.to_empty(device="cpu")
+        model.init_weights(seed=21)
+        ref_params = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            assert torch.equal(full(p), ref_params[name]), f"{tag}: init of {name} differs"
+        ref_loss = F.cross_entropy(reference(tokens, mask=mask, decoder_inputs=decoder_inputs).flatten(0, 1),
+                                   labels.flatten())
+        ref_loss.backward()
+        with loss_parallel_ctx() if lp else nullcontext():
+            logits = model(tokens, mask=mask, decoder_inputs=decoder_inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6, msg=tag)
+        # FSDP sums gradients over its ranks (divide factor 1), which both saw the same batch here.
+        scale = dist.get_world_size() if how == "fsdp" else 1
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(full(p.grad) / scale, ref_params[name].grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{tag}: grad of {name}: {m}")
+    print(f"T5_PARALLEL_OK rank {dist.get_rank()}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _check_parallel()
