@@ -233,6 +233,21 @@ def test_layout_rules_are_one_sentence():
         tiny_args(feed_forward="swiglu")
 
 
+
+def test_preset_parses_and_layouts_are_checked_before_any_process_group():
+    from titanlike.config import load_job_config
+    from titanlike.train.validate import validate_config
+
+    preset = ["--job.config_file", str(REPO / "train_configs" / "t5_debug.toml")]
+    cfg = load_job_config(preset)
+    assert (cfg.model.name, cfg.model.flavor, cfg.training.seq_len, cfg.training.decoder_seq_len) == (
+        "t5", "debugmodel", 128, 32)
+    validate_config(cfg, world_size=1)
+    validate_config(load_job_config([*preset, "--parallelism.tensor_parallel_degree", "2"]), world_size=2)
+    for option in ("pipeline_parallel_degree", "context_parallel_degree"):
+        with pytest.raises(ValueError, match=f"T5 does not support {option}"):
+            validate_config(load_job_config([*preset, f"--parallelism.{option}", "2"]), world_size=2)
+
 # ---------------------------------------------------------------- two ranks: TP (+SP) and FSDP
 
 
