@@ -115,6 +115,13 @@ def test_unsupported_configs_are_refused_by_name():
     legacy = {k: v for k, v in hf_adapter.args_to_hf_config(tiny_args("original")).items()
               if k != "scale_decoder_outputs"}
     assert T5Args.from_hf_config(legacy) == tiny_args("original")
+    # transformers 5 saves every T5 config with tie_word_embeddings=true; a folder that still holds
+    # a different lm_head is refused in one sentence rather than read as tied.
+    args = tiny_args("original")
+    hf_sd = hf_adapter.to_hf_state_dict(ours(args).state_dict(), dataclasses.replace(args, tie_word_embeddings=False))
+    hf_sd["lm_head.weight"] = hf_sd["lm_head.weight"] + 1
+    with pytest.raises(ValueError, match="tie_word_embeddings false"):
+        hf_adapter.from_hf_state_dict(hf_sd, args)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
