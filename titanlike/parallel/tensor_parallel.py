@@ -39,6 +39,14 @@ every block. This module turns style names into torch's ParallelStyles:
                       its heads, and it reads them with to_local(); its input is all-gathered
                       from sequence slices on entry as gather_input does; its linears take their
                       own entries (colwise in, rowwise out)
+  head_table          a per-head lookup table (T5's relative position bias, stored (heads, buckets)):
+                      the parameters it names in `head_split_parameters` are split on dim 0 with the
+                      heads, as head_split does, and read with to_local(); its inputs are not
+                      activations (lengths) and are left alone; gradients are complete per rank.
+
+A module whose first N positional inputs are all sequence-sharded activations (cross-attention
+reads its own stream and the encoder's output) says so with a class attribute `sequence_inputs = N`;
+gather_input and head_split then all-gather each of them (default 1: only the first).
 
 Entries of the block table that a block does not have (a dense block's `moe`, a MoE block's
 `feed_forward.w1`) are skipped.
@@ -72,7 +80,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 STYLES = ("vocab_embedding", "position_embedding", "colwise", "rowwise", "sequence_norm", "gather_input",
           "vocab_output", "head_norm", "sequence_local", "replicated", "replicated_to_heads",
-          "sequence_replicated", "head_split")
+          "sequence_replicated", "head_split", "head_table")
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,8 @@ class _Styles:
                                  "names no head_split_parameters")
             return HeadSplitModule(module.head_split_parameters,
                                    gather=self._gather_layouts(module) if self.sequence_parallel else None)
+        if style == "head_table":
+            return HeadSplitModule(module.head_split_parameters, gather=None)
         if style == "gather_input":
             if not self.sequence_parallel:
                 return None
@@ -205,11 +215,12 @@ class _Styles:
 
     @staticmethod
     def _gather_layouts(module: nn.Module) -> dict:
-        """PrepareModuleInput's layouts that all-gather a module's first input from sequence slices;
-        the other inputs (RoPE angles, document mask) are plain values left alone."""
-        n_inputs = _positional_inputs(module)
-        return dict(input_layouts=(Shard(1),) + (None,) * (n_inputs - 1),
-                    desired_input_layouts=(Replicate(),) + (None,) * (n_inputs - 1))
+        """PrepareModuleInput's layouts that all-gather a module's first input (its first
+        `sequence_inputs`) from sequence slices; the other inputs (RoPE angles, document mask) are
+        plain values left alone."""
+        n_inputs, n_seq = _positional_inputs(module), getattr(module, "sequence_inputs", 1)
+        return dict(input_layouts=(Shard(1),) * n_seq + (None,) * (n_inputs - n_seq),
+                    desired_input_layouts=(Replicate(),) * n_seq + (None,) * (n_inputs - n_seq))
 
 
 def _positional_inputs(module: nn.Module) -> int:

@@ -1,0 +1,329 @@
+"""T5 family: registry, sizes, FLOPs, relative buckets, masks, causality and its layout rules.
+
+The family is new files only (titanlike/models/t5/); these tests reach it through the registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titanlike.models.args import SampleFormat
+from titanlike.models.common.attention import DocumentMask
+from titanlike.models.registry import get_model_spec, model_names
+from titanlike.models.t5 import T5, T5Args, t5_flavors
+from titanlike.models.t5.model import relative_position_bucket
+
+SPEC = get_model_spec("t5")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_args(**overrides) -> T5Args:
+    return dataclasses.replace(t5_flavors["debugmodel"], **{"dim": 64, "n_heads": 4, "head_dim": 16,
+                                                            "ffn_hidden_dim": 96, "vocab_size": 320, **overrides})
+
+
+def build(args, seed=0) -> T5:
+    """The trainer's sequence: meta construction, to_empty, init_weights."""
+    with torch.device("meta"):
+        model = T5(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    return model.eval()
+
+
+def held(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # a tied Parameter once
+
+
+def batch(args, seq=24, dec=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, args.vocab_size, (2, seq), generator=g),
+            torch.randint(0, args.vocab_size, (2, dec), generator=g))
+
+
+# ---------------------------------------------------------------- registry, sizes, FLOPs
+
+
+def test_registered_by_its_folder_alone():
+    assert "t5" in model_names()
+    assert SPEC.model_cls is T5 and SPEC.hf_model_type == "t5" and SPEC.pipeline_ends is None
+    assert {"debugmodel", "small", "base", "large", "3B", "11B"} <= set(SPEC.flavors)
+    assert SPEC.tp_plan.top["encoder_relative_bias"] == "head_table"
+    assert SPEC.tp_plan.block["cross_attention.wo"] == "rowwise"
+    assert t5_flavors["debugmodel"].sample_format() == SampleFormat(kind="span_corruption")
+    d = t5_flavors["debugmodel"]
+    assert (d.dim, d.n_encoder_layers, d.n_decoder_layers, d.n_heads, d.head_dim, d.ffn_hidden_dim, d.vocab_size) == (
+        256, 2, 2, 8, 32, 512, 2048)
+
+
+@pytest.mark.parametrize("flavor", sorted(t5_flavors))
+def test_num_params_counts_the_meta_model(flavor):
+    args = t5_flavors[flavor]
+    with torch.device("meta"):
+        model = T5(args)
+    assert args.num_params() == held(model)
+    lookups = model.encoder_relative_bias.weight.numel() * 2 + model.tok_embeddings.weight.numel()
+    assert args.num_params(exclude_embedding=True) == held(model) - lookups
+    assert len(model.layers) == args.num_layers
+    assert model.layers["0"].cross_attention is None and model.layers[str(args.n_encoder_layers)].cross_attention
+
+
+def test_published_v1_1_sizes():
+    # google/t5-v1_1-*: 77M (small), 248M (base), 783M (large), 2.85B (xl), 11.1B (xxl).
+    published = {"small": 76.96e6, "base": 247.6e6, "large": 783.2e6, "3B": 2.85e9, "11B": 11.14e9}
+    for flavor, count in published.items():
+        assert t5_flavors[flavor].num_params() == pytest.approx(count, rel=0.01), flavor
+
+
+def test_tied_relu_variant_counts_one_table():
+    args = tiny_args(feed_forward="relu", tie_word_embeddings=True, scale_decoder_outputs=True)
+    model = build(args)
+    assert model.output.weight is model.tok_embeddings.weight and model.tied_weights
+    assert model.layers["0"].feed_forward.w3 is None
+    assert args.num_params() == held(model)
+    tables = 2 * model.encoder_relative_bias.weight.numel()
+    assert args.num_params(exclude_embedding=True) == held(model) - tables
+
+
+def _matmul_flops(model: T5, tokens, decoder_inputs) -> int:
+    """Forward FLOPs of every matrix multiply, counted by torch (linears and attention scores). SDPA
+    runs as its math decomposition (bmm), which the counter sees on CPU; the fused CPU kernel it
+    does not count."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(tokens, decoder_inputs=decoder_inputs)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_per_token_matches_the_module(tied):
+    # torch counts 2 FLOPs per multiply-add in the forward; training is 3x that. Norm weights are
+    # parameters in our formula but elementwise work for torch: the difference is tiny and known.
+    args = tiny_args(tie_word_embeddings=tied, scale_decoder_outputs=tied,
+                     feed_forward="relu" if tied else "gated-gelu")
+    model = build(args)
+    seq = 32
+    tokens, dec = batch(args, seq=seq, dec=args.decoder_len(seq))
+    counted = 3 * _matmul_flops(model, tokens, dec) / tokens.shape[0] / seq
+    norms = 6 * (args.n_encoder_layers * 2 + 1 + (args.n_decoder_layers * 3 + 1) * args.decoder_len_ratio) * args.dim
+    assert args.flops_per_token(seq) == pytest.approx(counted + norms, rel=1e-3)
+
+
+# ---------------------------------------------------------------- relative buckets
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_buckets_match_transformers(bidirectional):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    offsets = torch.arange(-300, 301)[None, :]
+    for buckets, distance in ((32, 128), (8, 20)):
+        want = T5Attention._relative_position_bucket(offsets, bidirectional=bidirectional, num_buckets=buckets,
+                                                     max_distance=distance)
+        got = relative_position_bucket(offsets, bidirectional=bidirectional, num_buckets=buckets, max_distance=distance)
+        assert torch.equal(got, want)
+    # A few by hand (32 buckets, 128): exact up to 7 (bidirectional) or 15, log-spaced, then capped.
+    got = relative_position_bucket(torch.tensor([0, -1, 1, -7, 7, -127, -500, 500]), bidirectional=True,
+                                   num_buckets=32, max_distance=128)
+    assert got.tolist() == [0, 1, 17, 7, 23, 15, 15, 31]
+
+
+def test_bias_table_is_shared_by_each_stack():
+    args = tiny_args()
+    model = build(args)
+    tokens, dec = batch(args)
+    with torch.no_grad():
+        before = model(tokens, decoder_inputs=dec)
+        model.encoder_relative_bias.weight.add_(0.5 * torch.randn_like(model.encoder_relative_bias.weight))
+        enc_changed = model(tokens, decoder_inputs=dec)
+        model.decoder_relative_bias.weight.add_(0.5 * torch.randn_like(model.decoder_relative_bias.weight))
+        dec_changed = model(tokens, decoder_inputs=dec)
+    assert (before - enc_changed).abs().max() > 1e-4 and (enc_changed - dec_changed).abs().max() > 1e-4
+
+
+# ---------------------------------------------------------------- masks and causality
+
+
+def test_shapes_and_decoder_inputs_are_required():
+    args = tiny_args()
+    model = build(args)
+    tokens, dec = batch(args, seq=24, dec=10)
+    assert model(tokens, decoder_inputs=dec).shape == (2, 10, args.vocab_size)
+    with pytest.raises(ValueError, match="decoder_inputs"):
+        model(tokens)
+
+
+def test_padding_changes_no_real_output():
+    args = tiny_args()
+    model = build(args)
+    tokens, dec = batch(args, seq=24)
+    doc = torch.zeros(2, 24, dtype=torch.long)
+    doc[0, 17:] = 1  # sample 0: 7 tokens of padding at the end
+    mask = DocumentMask.from_document_ids(doc, "sdpa", causal=False)
+    other = tokens.clone()
+    other[0, 17:] = (other[0, 17:] + 5) % args.vocab_size
+    with torch.no_grad():
+        logits = model(tokens, mask=mask, decoder_inputs=dec)
+        torch.testing.assert_close(model(other, mask=mask, decoder_inputs=dec), logits, rtol=0, atol=1e-5)
+        # Without the mask the padding is attended to: the test can fail.
+        assert (model(other, decoder_inputs=dec)[0] - model(tokens, decoder_inputs=dec)[0]).abs().max() > 1e-3
+        # The mask kernel does not matter: the model reads document_ids.
+        ids_only = DocumentMask.from_document_ids(doc, None, causal=False)
+        torch.testing.assert_close(model(tokens, mask=ids_only, decoder_inputs=dec), logits, rtol=0, atol=1e-6)
+
+
+def test_decoder_is_causal():
+    args = tiny_args()
+    model = build(args)
+    tokens, dec = batch(args, dec=12)
+    later = dec.clone()
+    later[:, 7] = (later[:, 7] + 3) % args.vocab_size
+    with torch.no_grad():
+        a, b = model(tokens, decoder_inputs=dec), model(tokens, decoder_inputs=later)
+    torch.testing.assert_close(a[:, :7], b[:, :7], rtol=0, atol=1e-5)
+    assert (a[:, 7:] - b[:, 7:]).abs().max() > 1e-3
+
+
+def test_gradients_reach_every_parameter():
+    args = tiny_args()
+    model = build(args).train()
+    tokens, dec = batch(args)
+    model(tokens, decoder_inputs=dec).square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_init_depends_on_seed_and_name_only():
+    args = tiny_args()
+    a, b = build(args, seed=3), build(args, seed=3)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    assert not torch.equal(build(args, seed=4).tok_embeddings.weight, a.tok_embeddings.weight)
+    wq = a.layers["0"].attention.wq.weight
+    assert wq.std().item() == pytest.approx((args.dim * args.head_dim) ** -0.5, rel=0.1)
+
+
+# ---------------------------------------------------------------- layout rules
+
+
+def dims(tp=1, pp=1, cp=1):
+    return SimpleNamespace(tp=tp, pp=pp, cp=cp, ep=1)
+
+
+def test_layout_rules_are_one_sentence():
+    args = t5_flavors["debugmodel"]
+    args.validate(dims(tp=8), seq_len=4096)  # relative positions: any length
+    for layout, option in ((dims(pp=2), "pipeline_parallel_degree"), (dims(cp=2), "context_parallel_degree")):
+        with pytest.raises(ValueError, match=option) as err:
+            args.validate(layout, seq_len=128)
+        message = str(err.value)
+        assert message.count(". ") == 0 and message.count(";") == 1, message
+    with pytest.raises(ValueError, match="tensor_parallel_degree"):
+        t5_flavors["small"].validate(dims(tp=4), seq_len=128)
+    with pytest.raises(ValueError, match="feed_forward"):
+        tiny_args(feed_forward="swiglu")
+
+
+
+def test_preset_parses_and_layouts_are_checked_before_any_process_group():
+    from titanlike.config import load_job_config
+    from titanlike.train.validate import validate_config
+
+    preset = ["--job.config_file", str(REPO / "train_configs" / "t5_debug.toml")]
+    cfg = load_job_config(preset)
+    assert (cfg.model.name, cfg.model.flavor, cfg.training.seq_len, cfg.training.decoder_seq_len) == (
+        "t5", "debugmodel", 128, 32)
+    validate_config(cfg, world_size=1)
+    validate_config(load_job_config([*preset, "--parallelism.tensor_parallel_degree", "2"]), world_size=2)
+    for option in ("pipeline_parallel_degree", "context_parallel_degree"):
+        with pytest.raises(ValueError, match=f"T5 does not support {option}"):
+            validate_config(load_job_config([*preset, f"--parallelism.{option}", "2"]), world_size=2)
+
+# ---------------------------------------------------------------- two ranks: TP (+SP) and FSDP
+
+
+def test_tensor_parallel_and_fsdp_match_single_process():
+    """Two gloo ranks: tensor parallelism (with and without sequence parallelism and loss
+    parallelism, both variants, padded encoder inputs), then FSDP: the same init, loss and
+    gradients as one process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("T5_PARALLEL_OK") == 2, proc.stdout
+
+
+def _check_parallel() -> None:
+    from contextlib import nullcontext
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
+
+    from titanlike.parallel.fsdp import apply_fsdp
+    from titanlike.parallel.tensor_parallel import apply_tensor_parallel
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 320, (2, 16), generator=g)
+    decoder_inputs = torch.randint(0, 320, (2, 8), generator=g)
+    labels = torch.randint(0, 320, (2, 8), generator=g)
+    doc = torch.zeros(2, 16, dtype=torch.long)
+    doc[1, 11:] = 1
+    mask = DocumentMask.from_document_ids(doc, "sdpa", causal=False)
+    cases = [("tp", False, True, True), ("tp", True, False, False), ("tp", True, True, True),
+             ("fsdp", False, False, False)]
+    for how, tied, sp, lp in cases:
+        tag = f"{how} tied={tied} sequence_parallel={sp} loss_parallel={lp}"
+        args = tiny_args(tie_word_embeddings=tied, scale_decoder_outputs=tied,
+                         feed_forward="relu" if tied else "gated-gelu")
+        reference = build(args, seed=21).train()
+        with torch.device("meta"):
+            model = T5(args)
+        if how == "tp":
+            apply_tensor_parallel(model, mesh, SPEC.tp_plan, loss_parallel=lp, sequence_parallel=sp)
+        else:
+            apply_fsdp(model, mesh, param_dtype="float32", reduce_dtype="float32", reshard_after_forward="default")
+        model.to_empty(device="cpu")
+        model.init_weights(seed=21)
+        ref_params = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            assert torch.equal(full(p), ref_params[name]), f"{tag}: init of {name} differs"
+        ref_loss = F.cross_entropy(reference(tokens, mask=mask, decoder_inputs=decoder_inputs).flatten(0, 1),
+                                   labels.flatten())
+        ref_loss.backward()
+        with loss_parallel_ctx() if lp else nullcontext():
+            logits = model(tokens, mask=mask, decoder_inputs=decoder_inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+        torch.testing.assert_close(full(loss), ref_loss, rtol=1e-5, atol=1e-6, msg=tag)
+        # FSDP sums gradients over its ranks (divide factor 1), which both saw the same batch here.
+        scale = dist.get_world_size() if how == "fsdp" else 1
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(full(p.grad) / scale, ref_params[name].grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{tag}: grad of {name}: {m}")
+    print(f"T5_PARALLEL_OK rank {dist.get_rank()}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _check_parallel()

@@ -1,0 +1,69 @@
+"""T5 family: encoder-decoder with relative position buckets (Raffel et al. 2020).
+
+Flavors are T5 v1.1's sizes (google/t5-v1_1-*: gated-GELU MLP, untied output projection that is
+not scaled): small, base, large, and xl / xxl under the names 3B and 11B. vocab_size 32128 is
+T5's SentencePiece vocabulary padded; a placeholder the trainer replaces with the tokenizer's. The
+original T5's variant (ReLU MLP, tied and scaled output) is the args' feed_forward="relu",
+tie_word_embeddings=True, scale_decoder_outputs=True (T5Args), read from and written to Hugging
+Face folders like v1.1.
+
+Parallelism: FSDP/HSDP and tensor (+ sequence) parallelism; pipeline and context parallelism are
+refused by T5Args.validate. This package is the whole family: the registry discovers it.
+"""
+
+from titanlike.models.registry import ModelSpec, register_model_spec
+from titanlike.models.t5 import hf_adapter
+from titanlike.models.t5.model import T5, T5Args
+
+
+def _v1_1(dim: int, layers: int, heads: int, ffn: int, vocab: int = 32128) -> T5Args:
+    return T5Args(dim=dim, n_encoder_layers=layers, n_decoder_layers=layers, n_heads=heads, head_dim=64,
+                  ffn_hidden_dim=ffn, vocab_size=vocab, feed_forward="gated-gelu", tie_word_embeddings=False,
+                  scale_decoder_outputs=False)
+
+
+t5_flavors: dict[str, T5Args] = {
+    # CPU-sized: 8 heads so TP 2, 4 and 8 divide them; vocab 2048 is the debug tokenizer's.
+    "debugmodel": T5Args(dim=256, n_encoder_layers=2, n_decoder_layers=2, n_heads=8, head_dim=32,
+                         ffn_hidden_dim=512, vocab_size=2048, max_seq_len=512),
+    "small": _v1_1(512, 8, 6, 1024),  # 6 heads: TP 2, 3 or 6
+    "base": _v1_1(768, 12, 12, 2048),
+    "large": _v1_1(1024, 24, 16, 2816),
+    "3B": _v1_1(2048, 24, 32, 5120),  # t5-v1_1-xl
+    "11B": _v1_1(4096, 24, 64, 10240),  # t5-v1_1-xxl
+}
+
+
+def t5_tp_plan():
+    """Heads split in self- and cross-attention (wq, wk, wv by output features, wo by input
+    features), the MLP by hidden units, norms sequence parallel, the vocabulary split in the token
+    table and the output projection, and each relative-bias table split by heads (head_table).
+    Cross-attention all-gathers both of its sequence inputs (its own stream and the encoder's
+    output; CrossAttention.sequence_inputs). Encoder blocks have no cross-attention entries (skipped)."""
+    from titanlike.parallel.tensor_parallel import TensorParallelPlan
+
+    top = {"tok_embeddings": "vocab_embedding", "encoder_relative_bias": "head_table",
+           "decoder_relative_bias": "head_table", "encoder_norm": "sequence_norm", "norm": "sequence_norm",
+           "output": "vocab_output"}
+    block = {}
+    for attention in ("attention", "cross_attention"):
+        block.update({f"{attention}_norm": "sequence_norm", attention: "gather_input",
+                      f"{attention}.wq": "colwise", f"{attention}.wk": "colwise", f"{attention}.wv": "colwise",
+                      f"{attention}.wo": "rowwise"})
+    block.update({"ffn_norm": "sequence_norm", "feed_forward": "gather_input", "feed_forward.w1": "colwise",
+                  "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"})
+    return TensorParallelPlan(top=top, block=block)
+
+
+register_model_spec(
+    ModelSpec(
+        name="t5",
+        model_cls=T5,
+        flavors=t5_flavors,
+        tp_plan=t5_tp_plan(),
+        pipeline_ends=None,  # no pipeline parallelism (T5Args.validate says why)
+        hf_adapter=hf_adapter,
+    )
+)
+
+__all__ = ["T5", "T5Args", "t5_flavors", "t5_tp_plan"]
