@@ -102,8 +102,10 @@ class BaseModelArgs:
 
     # Sizes set from the job ----------------------------------------------------------------------
 
-    def update_from_config(self, *, vocab_size: int, seq_len: int) -> BaseModelArgs:
-        """A copy sized for a job: the tokenizer's vocabulary and the training sequence length.
+    def update_from_config(self, *, vocab_size: int, seq_len: int, decoder_seq_len: int | None = None) -> BaseModelArgs:
+        """A copy sized for a job: the tokenizer's vocabulary and the training sequence length
+        (decoder_seq_len: an encoder-decoder's decoder tokens per sample, training.decoder_seq_len;
+        models without a decoder stack ignore it).
 
         The default replaces `vocab_size` and `max_seq_len`; a family whose vocabulary is fixed
         by its weights or whose context is not a field overrides it.

@@ -31,8 +31,11 @@ def flavor_args(cfg: JobConfig, spec: ModelSpec) -> BaseModelArgs:
 
 
 def model_args_for_job(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> BaseModelArgs:
-    """The flavor's args sized for this job (the tokenizer's vocabulary, training.seq_len)."""
-    return flavor_args(cfg, spec).update_from_config(vocab_size=vocab_size, seq_len=cfg.training.seq_len)
+    """The flavor's args sized for this job (the tokenizer's vocabulary, training.seq_len and, for an
+    encoder-decoder, training.decoder_seq_len)."""
+    t = cfg.training
+    return flavor_args(cfg, spec).update_from_config(vocab_size=vocab_size, seq_len=t.seq_len,
+                                                     decoder_seq_len=t.decoder_seq_len)
 
 
 def parallelize_options(cfg: JobConfig, dims: ParallelDims) -> ParallelizeOptions:

@@ -170,6 +170,10 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
         validate_objective_dataset(fmt.kind, t.dataset)
         if cfg.validation.enable and cfg.validation.dataset is not None:
             validate_objective_dataset(fmt.kind, cfg.validation.dataset, option="validation")
+        if "decoder_inputs" in fmt.field_shapes(t.seq_len, t.decoder_seq_len):
+            _check(t.decoder_seq_len % dims.tp == 0,
+                   f"training.decoder_seq_len {t.decoder_seq_len} must be divisible by tensor_parallel_degree "
+                   f"{dims.tp} (sequence parallelism cuts the decoder's sequence too)")
         # Documents and their ends are a packed token stream's; these samples carry their own masks.
         for option in ("document_masking", "eod_mask_loss"):
             _check(not getattr(t, option), f"training.{option} applies to next-token models packed from documents; "

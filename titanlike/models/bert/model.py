@@ -85,7 +85,7 @@ class BertArgs(DecoderArgs):
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(self.n_heads, self.n_heads, self.head_dim, causal=False)
 
-    def update_from_config(self, *, vocab_size: int, seq_len: int) -> BertArgs:
+    def update_from_config(self, *, vocab_size: int, seq_len: int, decoder_seq_len: int | None = None) -> BertArgs:
         """Only the vocabulary comes from the job: max_seq_len sizes the learned position table (a
         weight), so it stays the flavor's context; validate refuses a longer training.seq_len."""
         return dataclasses.replace(self, vocab_size=vocab_size)

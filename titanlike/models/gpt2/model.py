@@ -51,7 +51,7 @@ class GPT2Args(DecoderArgs):
 
     # Sizes ------------------------------------------------------------------------------------
 
-    def update_from_config(self, *, vocab_size: int, seq_len: int) -> GPT2Args:
+    def update_from_config(self, *, vocab_size: int, seq_len: int, decoder_seq_len: int | None = None) -> GPT2Args:
         """Only the vocabulary comes from the job: max_seq_len sizes the learned position table (a
         weight), so it stays the flavor's context; DecoderArgs.validate refuses a longer training.seq_len."""
         return dataclasses.replace(self, vocab_size=vocab_size)

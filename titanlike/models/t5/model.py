@@ -24,6 +24,7 @@ root module. The Hugging Face adapter maps them to HF's block-0 names.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -111,6 +112,12 @@ class T5Args(BaseModelArgs):
             # The tied table is the output projection (matmul work) and stays counted.
             total -= tables + (0 if self.tie_word_embeddings else tokens)
         return total
+
+    def update_from_config(self, *, vocab_size: int, seq_len: int, decoder_seq_len: int | None = None) -> T5Args:
+        """The job's vocabulary and encoder length; the decoder's length sets decoder_len_ratio, so
+        flops_per_token (per encoder token) counts the decoder the job really runs."""
+        ratio = self.decoder_len_ratio if decoder_seq_len is None else decoder_seq_len / seq_len
+        return dataclasses.replace(self, vocab_size=vocab_size, max_seq_len=seq_len, decoder_len_ratio=ratio)
 
     def decoder_len(self, seq_len: int) -> int:
         return max(1, round(seq_len * self.decoder_len_ratio))
