@@ -59,7 +59,8 @@ def test_reference_learns_both_objectives(reference):
     assert valid[-1]["validation_accuracy"] > 1 / 2048
 
 
-@pytest.mark.train_run(*BERT, "--training.local_batch_size", "2", "--training.global_batch_size", "8", nproc=2)
+@pytest.mark.train_run(*BERT, "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+                       "--validation.local_batch_size", "4", nproc=2)  # validation: 8 samples, as one process
 def test_fsdp2_with_accumulation(train_run, reference):
     check(train_run.metrics, reference, "FSDP2 (+ accumulation)")
 
