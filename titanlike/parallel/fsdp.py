@@ -13,6 +13,7 @@ steps on the host. Pinned host memory makes those copies asynchronous; it needs 
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -45,6 +46,10 @@ def apply_fsdp(
     enclosing units. mesh None: no data parallelism; only those submodules are sharded.
     cpu_offload: every unit keeps its shards in host memory (see the module docstring).
     """
+    # torch warns when a wrapped module returns a view (a linear with bias over (batch, seq, dim)
+    # inputs does: BERT's output projection), because an in-place op on it would skip FSDP's
+    # pre-backward hook. The trainer and the pipeline loss only read model outputs, never write them.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     reshard = reshard_after_forward != "never"

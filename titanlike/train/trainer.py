@@ -354,14 +354,18 @@ class Trainer:
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(t.mixed_precision_param, torch.float32)
         if a is None:
             return
+        # Samples with document ids (BERT's, T5's) attend both ways within their real tokens.
+        padded = "document_ids" in self.sample_format.field_shapes(t.seq_len, t.decoder_seq_len)
+        masked = t.document_masking or padded
+        what = "a padding mask" if padded else "a document mask"
+        direction = "causal" if a.causal else "bidirectional"
         if self.dims.cp_enabled:
-            how = f"context parallel ({self.cfg.parallelism.context_parallel_rotate_method})"
-        elif t.document_masking and self.mask_kernel == "flex":
-            how = "FlexAttention with a document block mask"
+            how = f"context parallel ({self.cfg.parallelism.context_parallel_rotate_method}), {direction}"
+        elif masked and self.mask_kernel == "flex":
+            how = f"FlexAttention, {direction}, with {what} as a block mask"
         else:
-            dense = t.document_masking
-            kernel = describe_sdpa_kernel(a, seq_len=t.seq_len, dtype=dtype, device=self.device, dense_mask=dense)
-            how = f"SDPA {'with a dense document mask' if dense else 'causal'}, {kernel} kernel"
+            kernel = describe_sdpa_kernel(a, seq_len=t.seq_len, dtype=dtype, device=self.device, dense_mask=masked)
+            how = f"SDPA {direction}{f' with {what} (dense)' if masked else ''}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
 
     def prepare(self, batch: tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]) -> Microbatch:

@@ -193,7 +193,7 @@ def describe_sdpa_kernel(shape: AttentionShape, *, seq_len: int, dtype: torch.dt
     k = torch.empty(1, kv_heads, seq, shape.head_dim, dtype=dtype, device=device)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).tril() if dense_mask else None
     try:
-        choice = torch._fused_sdp_choice(q, k, k, attn_mask=mask, is_causal=not dense_mask,
+        choice = torch._fused_sdp_choice(q, k, k, attn_mask=mask, is_causal=shape.causal and not dense_mask,
                                          enable_gqa=kv_heads != shape.heads)
         return SDPBackend(choice).name.lower()
     except Exception as err:  # a private torch API: report rather than fail the run
