@@ -11,8 +11,10 @@ on the meta device:
     pipeline splitting, activation checkpointing, compile and FSDP wrapping;
   - `init_weights(seed=..., buffer_device=None)`: initialize whatever the module holds after
     parallelization and `to_empty`, as a function of (seed, parameter name, args) only;
-  - `forward(tokens, positions=None, mask=None)`: tokens (or, on a later pipeline stage, hidden
-    states) -> logits, or a ModelOutput with auxiliary losses (titanlike/models/outputs.py);
+  - `forward(tokens, positions=None, mask=None, **fields)`: tokens (or, on a later pipeline stage,
+    hidden states) -> logits, or a ModelOutput with auxiliary losses (titanlike/models/outputs.py);
+    `fields` are the other fields of the family's samples (args.sample_format(): BERT's token
+    types, T5's decoder inputs), given to every pipeline stage;
   - `tied_weights`: {alias name: owner name} for parameters that are one Parameter under two
     names (tied input/output embeddings), {} otherwise;
   - the input-end and output-end modules named in `pipeline_ends`, settable to None.
