@@ -67,12 +67,6 @@ def test_fsdp2_x_tp2(train_run, reference):
     check(train_run.metrics, reference, "FSDP2 x TP2")
 
 
-@pytest.mark.train_run(*T5, "--parallelism.data_parallel_replicate_degree", "2",
-                       "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2", nproc=4)
-def test_hsdp_2x2(train_run, reference):
-    check(train_run.metrics, reference, "HSDP 2x2")
-
-
 def test_fsdp2_then_resume_at_tp2(tmp_path, reference):
     save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
             "--checkpoint.folder", str(tmp_path / "ckpt"))
