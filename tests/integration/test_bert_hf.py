@@ -27,6 +27,7 @@ from titanlike.models.outputs import IGNORE_INDEX, cross_entropy_sum
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_dcp_to_hf  # noqa: E402
 import convert_hf_to_dcp  # noqa: E402
+import generate  # noqa: E402
 
 ATOL = 2e-5
 SEQ = 40
@@ -236,3 +237,12 @@ def test_our_weights_export_and_pre_norm_refusal(tmp_path, capsys):
     assert convert_dcp_to_hf.main([str(tmp_path / "pre"), str(tmp_path / "pre_hf")]) == 1
     assert "convert_dcp_to_hf: Hugging Face's BERT is post-norm" in capsys.readouterr().err
     assert not (tmp_path / "pre_hf").exists()
+
+
+def test_generate_refuses_an_encoder(tmp_path, capsys):
+    """scripts/generate.py samples next tokens; a masked-LM checkpoint is refused in one line."""
+    hf_model(tiny_args()).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()  # transformers' progress bar
+    assert generate.main([str(tmp_path / "hf"), "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "decoder-only" in err and "masked_lm samples" in err, err

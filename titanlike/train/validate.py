@@ -177,7 +177,7 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
         # Documents and their ends are a packed token stream's; these samples carry their own masks.
         for option in ("document_masking", "eod_mask_loss"):
             _check(not getattr(t, option), f"training.{option} applies to next-token models packed from documents; "
-                   f"{model} trains on {fmt.kind.replace('_', '-')} samples, which carry their own padding mask: "
+                   f"{model} trains on {fmt.kind} samples, which carry their own padding mask: "
                    f"remove training.{option}")
 
     # Layout.
