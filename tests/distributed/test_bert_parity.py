@@ -18,6 +18,7 @@ import pytest
 
 from conftest import train_metrics
 from test_fsdp_parity import RTOL, assert_same_curve
+from test_validation_runs import assert_same_validation, split_records
 
 pytestmark = pytest.mark.distributed
 
@@ -25,22 +26,15 @@ BERT = ("--model.name", "bert", "--model.flavor", "debugmodel", "--training.step
         "--validation.enable", "--validation.freq", "3", "--validation.steps", "1")
 
 
-def _split(records):
-    return [r for r in records if "loss" in r], [r for r in records if "validation_loss" in r]
-
-
 def check(records, reference, layout):
-    train, valid = _split(records)
-    ref_train, ref_valid = _split(reference)
+    train, valid = split_records(records)
+    ref_train, ref_valid = split_records(reference)
     print(f"\n[bert parity] {layout}: losses {[round(r['loss'], 5) for r in train]}")
     assert_same_curve(train, ref_train)
     for g, r in zip(train, ref_train):
         assert g["binary_loss"] == pytest.approx(r["binary_loss"], rel=RTOL), (layout, g, r)
     assert [r["step"] for r in valid] == [3, 6]
-    for g, r in zip(valid, ref_valid):
-        assert g["validation_tokens"] == r["validation_tokens"]
-        assert g["validation_loss"] == pytest.approx(r["validation_loss"], rel=RTOL), (layout, g, r)
-        assert g["validation_accuracy"] == pytest.approx(r["validation_accuracy"], abs=1.5 / r["validation_tokens"])
+    assert_same_validation(valid, ref_valid)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +43,7 @@ def reference(tmp_path_factory):
 
 
 def test_reference_learns_both_objectives(reference):
-    train, valid = _split(reference)
+    train, valid = split_records(reference)
     assert len(train) == 6 and train[-1]["loss"] < train[0]["loss"] - 0.5, train
     # The binary loss starts near ln 2 per sample; weighted by ~10 masked tokens per sample it is a
     # visible share of the loss, not a rounding error.
@@ -113,6 +107,6 @@ def test_fsdp2_then_resume_at_tp2_cp2(tmp_path, reference):
     resumed = train_metrics(tmp_path, "resume", *BERT, "--parallelism.tensor_parallel_degree", "2",
                             "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", *save,
                             "--checkpoint.load_step", "2", nproc=4)
-    train, _ = _split(resumed)
+    train, _ = split_records(resumed)
     # The data position, the RNG and the optimizer come back: steps 3-6 equal the uninterrupted run's.
-    assert_same_curve(train, _split(got)[0][2:])
+    assert_same_curve(train, split_records(got)[0][2:])

@@ -14,7 +14,8 @@ Tolerances: test_fsdp_parity.py's.
 import pytest
 
 from conftest import train_metrics
-from test_fsdp_parity import RTOL, assert_same_curve
+from test_fsdp_parity import assert_same_curve
+from test_validation_runs import assert_same_validation, split_records
 
 pytestmark = pytest.mark.distributed
 
@@ -23,20 +24,13 @@ T5 = ("--model.name", "t5", "--model.flavor", "debugmodel", "--training.steps", 
       "--validation.enable", "--validation.freq", "3", "--validation.steps", "1")
 
 
-def _split(records):
-    return [r for r in records if "loss" in r], [r for r in records if "validation_loss" in r]
-
-
 def check(records, reference, layout):
-    train, valid = _split(records)
-    ref_train, ref_valid = _split(reference)
+    train, valid = split_records(records)
+    ref_train, ref_valid = split_records(reference)
     print(f"\n[t5 parity] {layout}: losses {[round(r['loss'], 5) for r in train]}")
     assert_same_curve(train, ref_train)
     assert [r["step"] for r in valid] == [3, 6]
-    for g, r in zip(valid, ref_valid):
-        assert g["validation_tokens"] == r["validation_tokens"]
-        assert g["validation_loss"] == pytest.approx(r["validation_loss"], rel=RTOL), (layout, g, r)
-        assert g["validation_accuracy"] == pytest.approx(r["validation_accuracy"], abs=1.5 / r["validation_tokens"])
+    assert_same_validation(valid, ref_valid)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +39,7 @@ def reference(tmp_path_factory):
 
 
 def test_reference_learns(reference):
-    train, valid = _split(reference)
+    train, valid = split_records(reference)
     assert len(train) == 6 and train[-1]["loss"] < train[0]["loss"] - 0.5, train
     # Decoder targets only: at most 16 per sample, padding excluded.
     assert 0 < valid[0]["validation_tokens"] <= 8 * 16
@@ -75,4 +69,4 @@ def test_fsdp2_then_resume_at_tp2(tmp_path, reference):
     check(got, reference, "FSDP2 + full AC (saving)")
     resumed = train_metrics(tmp_path, "resume", *T5, "--parallelism.tensor_parallel_degree", "2",
                             "--training.local_batch_size", "8", *save, "--checkpoint.load_step", "2", nproc=2)
-    assert_same_curve(_split(resumed)[0], _split(got)[0][2:])
+    assert_same_curve(split_records(resumed)[0], split_records(got)[0][2:])

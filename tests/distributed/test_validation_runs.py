@@ -12,10 +12,22 @@ from test_fsdp_parity import RTOL, assert_same_curve
 VALIDATE = ("--validation.enable", "--validation.freq", "5", "--validation.steps", "2")
 
 
-def _split(records):
+def split_records(records):
+    """(training records, validation records) of a metrics.jsonl."""
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "validation_loss" in r]
     return train, valid
+
+
+def assert_same_validation(valid, ref_valid):
+    """Validation runs of a layout measure what one process measured: the same target count, loss
+    (RTOL) and accuracy (the same predictions; vocabulary-parallel logits are gathered under TP, and a
+    near-tie may flip one)."""
+    assert [r["step"] for r in valid] == [r["step"] for r in ref_valid]
+    for g, r in zip(valid, ref_valid):
+        assert g["validation_tokens"] == r["validation_tokens"], (g, r)
+        assert g["validation_loss"] == pytest.approx(r["validation_loss"], rel=RTOL), (g, r)
+        assert g["validation_accuracy"] == pytest.approx(r["validation_accuracy"], abs=1.5 / r["validation_tokens"])
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +40,7 @@ def reference(tmp_path_factory):
 
 def test_validation_is_reported_and_leaves_training_alone(reference, single_process_reference):
     dump, records = reference
-    train, valid = _split(records)
+    train, valid = split_records(records)
     assert_same_curve(train, single_process_reference)
     assert [r["step"] for r in valid] == [5, 10]
     for r in valid:
@@ -58,11 +70,7 @@ def test_validation_is_reported_and_leaves_training_alone(reference, single_proc
 ]])
 def test_layouts_measure_the_same_validation_loss(train_run, reference, layout):
     _, ref = reference
-    train, valid = _split(train_run.metrics)
-    ref_train, ref_valid = _split(ref)
+    train, valid = split_records(train_run.metrics)
+    ref_train, ref_valid = split_records(ref)
     assert_same_curve(train, ref_train)
-    assert [r["validation_tokens"] for r in valid] == [r["validation_tokens"] for r in ref_valid]
-    for g, r in zip(valid, ref_valid):
-        assert g["validation_loss"] == pytest.approx(r["validation_loss"], rel=RTOL), (g, r)
-        # The same predictions (vocabulary-parallel logits are gathered under TP); a near-tie may flip one.
-        assert g["validation_accuracy"] == pytest.approx(r["validation_accuracy"], abs=1.5 / r["validation_tokens"])
+    assert_same_validation(valid, ref_valid)
