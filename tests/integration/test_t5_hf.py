@@ -151,6 +151,8 @@ def test_checkpoint_round_trip_and_load_model(tmp_path, variant):
     export_dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "out"), max_shard_bytes=100_000)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["T5ForConditionalGeneration"] and config["model_type"] == "t5"
+    # The pad id travels through the sidecar; generation starts the decoder from it (as our samples do).
+    assert config["pad_token_id"] == config["decoder_start_token_id"] == hf.config.pad_token_id
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
     with hf_warnings() as warned:
         back = T5ForConditionalGeneration.from_pretrained(tmp_path / "out").eval()

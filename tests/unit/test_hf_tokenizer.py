@@ -73,8 +73,9 @@ def test_tokenizer_config_is_readable_by_transformers_4(hf_folder):
 
 def test_record_names_the_tokenizer(tok):
     record = tokenizer_record(tok)
-    assert record == {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "path": str(Path(tok.path).resolve()),
-                      "fingerprint": tok.fingerprint}
+    pad = tok.encode("<|finetune_right_pad_id|>", bos=False, eos=False, allowed_special="all")
+    assert record == {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": pad[0],
+                      "path": str(Path(tok.path).resolve()), "fingerprint": tok.fingerprint}
 
 
 def test_a_tokenizer_that_cannot_be_converted_is_copied_with_a_note(tmp_path, tok, monkeypatch):

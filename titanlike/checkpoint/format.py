@@ -770,12 +770,14 @@ def write_hf(
     context_len: int | None = None,
     bos_id: int | None = None,
     eos_id: int | None = None,
+    pad_id: int | None = None,
     tokenizer_path: str | None = None,
     tokenizer_fingerprint: str | None = None,
 ) -> TokenizerExport:
     """Write our full state dict as a Hugging Face folder loadable by transformers.
 
-    context_len becomes config.json's max_position_embeddings (default: the args' own).
+    context_len becomes config.json's max_position_embeddings (default: the args' own). bos_id, eos_id
+    (and, for masked-LM and span-corruption models, pad_id) become config.json's token ids.
     tokenizer_path: the job's tokenizer, written as tokenizer.json + tokenizer_config.json (or
     copied with a note when it cannot be converted; see titanlike.data.hf_tokenizer), checked
     against tokenizer_fingerprint when given. Returns that step's TokenizerExport, whose message
@@ -805,6 +807,13 @@ def write_hf(
     for name, value in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
         if value is not None:
             config[name] = generation[name] = int(value)
+    kind = args.sample_format().kind
+    if kind != "causal_lm" and pad_id is not None:
+        # Encoder samples are padded; transformers reads the id to batch and generate. Our
+        # span-corruption samples also start the decoder from it (data/span_corruption.py).
+        config["pad_token_id"] = generation["pad_token_id"] = int(pad_id)
+        if kind == "span_corruption":
+            config["decoder_start_token_id"] = generation["decoder_start_token_id"] = int(pad_id)
     for name, content in ((HF_CONFIG, config), ("generation_config.json", generation)):
         with open(os.path.join(out, name), "w") as f:
             json.dump(content, f, indent=2)

@@ -107,7 +107,7 @@ def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
     tokenizer = info.get("tokenizer", {})
     return write_hf(state_dict, spec, args, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
                     context_len=args.context_len, bos_id=tokenizer.get("bos_id"), eos_id=tokenizer.get("eos_id"),
-                    tokenizer_path=tokenizer_path or tokenizer.get("path"),
+                    pad_id=tokenizer.get("pad_id"), tokenizer_path=tokenizer_path or tokenizer.get("path"),
                     tokenizer_fingerprint=tokenizer.get("fingerprint"))
 
 
@@ -126,7 +126,8 @@ def import_hf_to_dcp(src: str, out: str, *, dtype: torch.dtype | None = None) ->
         "contents": "model_only",
         "step": 0,
         "model": model_description(spec.name, args),
-        "tokenizer": {k: config[h] for k, h in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"))
+        "tokenizer": {k: config[h] for k, h in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"),
+                                                ("pad_id", "pad_token_id"))
                       if isinstance(config.get(h), int)},
         "source": os.path.abspath(src),
     }

@@ -846,7 +846,8 @@ class CheckpointManager:
             tok = self._tokenizer
             export = fmt.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype,
                                   context_len=self._context_len, bos_id=tok.get("bos_id"), eos_id=tok.get("eos_id"),
-                                  tokenizer_path=tok.get("path"), tokenizer_fingerprint=tok.get("fingerprint"))
+                                  pad_id=tok.get("pad_id"), tokenizer_path=tok.get("path"),
+                                  tokenizer_fingerprint=tok.get("fingerprint"))
             (logger.info if export.converted else logger.warning)(f"checkpoint: {export.message}")
             shutil.rmtree(staging)
 

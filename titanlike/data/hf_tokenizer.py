@@ -45,11 +45,24 @@ def tokenizer_record(tokenizer) -> dict:
     file at that path no longer holds the ranks the model was trained with.
     """
     record = {"bos_id": int(tokenizer.bos_id), "eos_id": int(tokenizer.eos_id)}
+    pad_id = _pad_id(tokenizer)
+    if pad_id is not None:  # what masked-LM and span-corruption samples are padded with
+        record["pad_id"] = pad_id
     if getattr(tokenizer, "path", None):
         record["path"] = os.path.abspath(tokenizer.path)
     if getattr(tokenizer, "fingerprint", None):
         record["fingerprint"] = tokenizer.fingerprint
     return record
+
+
+def _pad_id(tokenizer) -> int | None:
+    from titanlike.data.errors import DataError
+    from titanlike.data.special_tokens import special_token_ids
+
+    try:
+        return special_token_ids(tokenizer, ["pad"])["pad"]
+    except DataError:
+        return None
 
 
 def write_hf_tokenizer(out: str, path: str | None, *, fingerprint: str | None = None,

@@ -138,8 +138,8 @@ def args_to_hf_config(args: T5Args, *, max_position_embeddings: int | None = Non
     """config.json contents for T5ForConditionalGeneration.
 
     n_positions is informative only (relative positions have no table); dropout is 0, as the model
-    was trained. bos/eos ids are left to the checkpoint writer (the tokenizer's); pad_token_id and
-    decoder_start_token_id, which only generation reads, are left unset.
+    was trained. Token ids (bos, eos, pad and decoder_start, the pad token of our samples) are the
+    checkpoint writer's, which knows the tokenizer (titanlike/checkpoint/format.py write_hf).
     """
     return {
         "architectures": ["T5ForConditionalGeneration"],
