@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titanlike.config import load_job_config
 from titanlike.train.validate import validate_config  # noqa: E402
 from titanlike.observe.metrics import device_peak_flops, peak_memory_gib  # noqa: E402
-from titanlike.train.trainer import Trainer  # noqa: E402
+from titanlike.models.outputs import logits_of  # noqa: E402
+from titanlike.train.trainer import Trainer, microbatch_of_fields  # noqa: E402
 
 
 def time_steps(step_fn, batches, n: int) -> float:
@@ -73,9 +74,14 @@ def main() -> None:
                                 weight_decay=o.weight_decay, foreach=True)
 
         def minimal_step(batches):
-            inputs, labels = batches[0]
-            inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
-            loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
+            batch = batches[0]
+            if isinstance(batch, dict):  # a BERT / T5 sample's fields, with their padding mask
+                mb = microbatch_of_fields({k: v.to(trainer.device) for k, v in batch.items()}, token_fields=(),
+                                          cp_positions=None, mask_kernel=trainer.mask_kernel)
+                inputs, labels, kwargs = mb.inputs, mb.labels, mb.forward_kwargs()
+            else:
+                inputs, labels, kwargs = batch[0].to(trainer.device), batch[1].to(trainer.device), {}
+            loss = F.cross_entropy(logits_of(model(inputs, **kwargs)).flatten(0, 1).float(), labels.flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
             opt.step()
