@@ -99,6 +99,17 @@ def test_8_ranks_pp2_by_cost_tp2_cp2(train_run, reference):
     assert_same_curve(train_run.metrics, reference)
 
 
+@pytest.mark.train_run(*POOLED, "--parallelism.pipeline_parallel_degree", "2",
+                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                       "--parallelism.pipeline_parallel_layers_per_stage", "1",
+                       "--parallelism.pipeline_parallel_microbatch_size", "2",
+                       "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", nproc=4)
+def test_pp2_one_layer_stages_x_cp2(train_run, reference):
+    # Six one-layer stages, two of them a lone MLP ("-"): nothing for CP to switch there, which is
+    # fine; the whole model's hooks are checked once, before the split.
+    assert_same_curve(train_run.metrics, reference)
+
+
 # Direct checks on spawned gloo ranks ------------------------------------------------------------
 
 ATOL, RTOL = 2e-5, 1e-4  # fp32 summation order

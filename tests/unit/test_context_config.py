@@ -46,3 +46,16 @@ def test_unknown_rotate_method_is_refused():
     with pytest.raises(ConfigError) as err:
         load_job_config(["--parallelism.context_parallel_rotate_method", "ring"])
     assert "allgather" in str(err.value) and "alltoall" in str(err.value)
+
+
+def test_a_model_without_sequence_hooks_is_refused_whole():
+    """CP needs an attention (core_attention) or state-carrying mixer (sequence_carry) hook somewhere
+    in the model; a model with none would attend within each rank's slice only."""
+    import torch.nn as nn
+
+    from titanlike.models.common.attention import Attention
+    from titanlike.parallel.context import require_context_parallel_hooks
+
+    with pytest.raises(ValueError, match="Sequential has no attention module with a core_attention hook"):
+        require_context_parallel_hooks(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
+    require_context_parallel_hooks(nn.Sequential(nn.Linear(4, 4), Attention(16, 2, 2, 8)))

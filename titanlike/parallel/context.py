@@ -283,26 +283,37 @@ class ContextParallelCarry:
         return entering[self.order[self.rank].to(final.device)]
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str) -> int:
-    """Point the `core_attention` hook of every attention module of model at CP attention, and the
-    `sequence_carry` hook of every module that carries state along the sequence (a state-space
-    mixer) at a ContextParallelCarry.
+def _sequence_hooks(model: nn.Module):
+    """(module, hook name) of every attention module's `core_attention` and every state-carrying
+    sequence mixer's `sequence_carry`."""
+    for module in model.modules():
+        for hook in ("core_attention", "sequence_carry"):
+            if hook in vars(module):
+                yield module, hook
 
-    Must run before activation checkpointing and compile wrap the blocks. Returns the
-    number of modules switched; 0 means the model family has no hook, which is an error
-    because it would silently attend within each rank's slice only.
+
+def require_context_parallel_hooks(model: nn.Module) -> None:
+    """ValueError unless the whole model has a hook context parallelism can switch: a model without
+    one would silently attend within each rank's slice only. Asked of the whole model, before a
+    pipeline split: a stage of MLP layers only has none and needs none."""
+    if next(_sequence_hooks(model), None) is None:
+        raise ValueError(f"{type(model).__name__} has no attention module with a core_attention hook (nor a "
+                         "sequence mixer with a sequence_carry hook), so it cannot run context parallel")
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str) -> int:
+    """Point the `core_attention` hook of every attention module of model (a whole model or a
+    pipeline stage) at CP attention, and the `sequence_carry` hook of every module that carries
+    state along the sequence (a state-space mixer) at a ContextParallelCarry.
+
+    Must run before activation checkpointing and compile wrap the blocks. Returns the number of
+    modules switched (0 for a stage without attention or mixers; require_context_parallel_hooks
+    checks the whole model).
     """
     attention = ContextParallelAttention(cp_mesh, rotate_method)
     carry = ContextParallelCarry(cp_mesh)
     switched = 0
-    for module in model.modules():
-        if "core_attention" in vars(module):
-            module.core_attention = attention
-            switched += 1
-        if "sequence_carry" in vars(module):
-            module.sequence_carry = carry
-            switched += 1
-    if switched == 0:
-        raise ValueError(f"{type(model).__name__} has no attention module with a core_attention hook (nor a "
-                         "sequence mixer with a sequence_carry hook), so it cannot run context parallel")
+    for module, hook in _sequence_hooks(model):
+        setattr(module, hook, attention if hook == "core_attention" else carry)
+        switched += 1
     return switched

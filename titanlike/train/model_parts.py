@@ -16,6 +16,7 @@ from titanlike.models.converters import ModelConverters
 from titanlike.models.registry import ModelSpec
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.activation_checkpoint import CheckpointOptions
+from titanlike.parallel.context import require_context_parallel_hooks
 from titanlike.parallel.parallelize import ParallelizeOptions, parallelize_model
 from titanlike.parallel.pipeline import PipelineLayout, build_stage_modules, plan_layout
 
@@ -76,6 +77,8 @@ def build_model_parts(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args:
         model = spec.model_cls(args)
     # Converters (float8, te) swap modules of the whole meta model, before any pipeline split.
     converters.convert(model)
+    if dims.cp_enabled:
+        require_context_parallel_hooks(model)
     layout = pipeline_layout(cfg, dims, args)
     parts = [model]
     if layout is not None:

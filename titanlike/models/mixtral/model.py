@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from titanlike.models.common.decoder import DecoderArgs
-from titanlike.models.common.moe import MoEArgs
 from titanlike.models.qwen3.model import Qwen3
 
 
