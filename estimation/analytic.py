@@ -337,7 +337,7 @@ class ParamShape:
         """(dim 0, product of the other dims) of this rank's piece after tensor parallelism."""
         dims = list(self.shape) or [1]
         if tp > 1 and self.placement == "dense":
-            if self.style in ("colwise", "vocab_embedding", "vocab_output"):
+            if self.style in ("colwise", "vocab_embedding", "vocab_output", "head_table"):
                 dims[0] = _ceil_div(dims[0], tp)
             elif self.style == "rowwise" and len(dims) > 1:  # a rowwise bias stays whole
                 dims[1] = _ceil_div(dims[1], tp)
@@ -415,6 +415,8 @@ class BlockShape:
     moe: MoEShape | None = None
     mla: MLAShape | None = None      # the attention is multi-head latent attention
     mtp: tuple[str, ...] = ()        # a multi-token-prediction block: norm kinds of enorm, hnorm, head_norm
+    score_bias: bool = False         # self-attention adds a float bias to the scores (T5's relative positions)
+    cross_attention: bool = False    # a decoder block: cross-attention over the encoder's output
 
     @property
     def out_dim(self) -> int:
@@ -439,6 +441,11 @@ class ModelShape:
     output_norms: tuple[str, ...]     # norm kinds of the output end
     blocks: list[BlockShape] | None   # per layer, in model order
     unknown: str | None               # why the activation model does not apply, or None
+    input_norms: tuple[str, ...] = ()  # norm kinds of the input end (BERT's embedding LayerNorm)
+    token_fields: int = 0             # per-token int64 sample fields the model indexes (BERT's token types)
+    output_linears: int = 0           # linears of the output end before the projection (MLM transform)
+    output_activations: int = 0       # elementwise activations there (each keeps its input)
+    gathers_output: bool = False      # a per-sequence head all-gathers the final hidden states under TP
 
     @property
     def block(self) -> BlockShape | None:
@@ -553,6 +560,8 @@ def read_model(spec, args) -> ModelShape:
         outputs = {name for name, style in top_styles.items() if style in ("sequence_norm", "vocab_output")}
         inputs = {name for name, style in top_styles.items() if style in ("vocab_embedding", "position_embedding")}
     output_vocab, output_norms = 0, []
+    transform = {"linear": 0, "activation": 0}
+    gathers_output = False
     for name in sorted(outputs):
         module = _submodule(model, name)
         if isinstance(module, nn.Linear):
@@ -561,18 +570,56 @@ def read_model(spec, args) -> ModelShape:
             output_norms.append(_NORMS[type(module)])
         elif isinstance(module, nn.Embedding):
             pass  # a table the output end reads too (multi-token prediction's lookahead tokens)
+        elif getattr(module, "per_token_ops", None) and _per_token_ops(module, transform, output_norms):
+            pass  # a per-token transform before the projection (BERT's MLM head)
+        elif getattr(module, "per_sequence", False):
+            # Reads one token per sequence: nothing per token, except that under TP its gather_input
+            # style all-gathers the final hidden states, which the token it keeps (a view) holds.
+            gathers_output = top_styles.get(name) == "gather_input"
         elif module is not None and unknown is None:
             blocks, unknown = None, f"the output end {name} of {type(model).__name__} ({type(module).__name__})"
+    input_norms = []
     for name in sorted(inputs):
         module = _submodule(model, name)
-        if module is not None and not isinstance(module, nn.Embedding) and unknown is None:
+        if type(module) in _NORMS:
+            input_norms.append(_NORMS[type(module)])  # BERT's embedding LayerNorm
+        elif module is not None and not isinstance(module, nn.Embedding) and unknown is None:
             blocks, unknown = None, f"the input end {name} of {type(model).__name__} ({type(module).__name__})"
     if not output_vocab and unknown is None:
         blocks, unknown = None, f"the output projection of {type(model).__name__} (no pipeline end or plan names it)"
     return ModelShape(model=model, hidden=hidden, layer_params=layer_params, end_params=end_params,
                       layer_buffer_bytes=layer_buffers, end_buffer_bytes=end_buffers, total_params=total,
                       vocab_table=vocab_table, vocab_tied=vocab_tied,
-                      output_vocab=output_vocab, output_norms=tuple(output_norms), blocks=blocks, unknown=unknown)
+                      output_vocab=output_vocab, output_norms=tuple(output_norms), blocks=blocks, unknown=unknown,
+                      input_norms=tuple(input_norms), token_fields=len(args.sample_format().token_fields),
+                      output_linears=transform["linear"], output_activations=transform["activation"],
+                      gathers_output=gathers_output)
+
+
+# Elementwise activations a module's `per_token_ops` may name between its children.
+_ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
+
+
+def _per_token_ops(module, counts: dict[str, int], norms: list[str]) -> bool:
+    """Count a module that declares `per_token_ops` (its children and elementwise activations, in
+    order, each applied token by token): every nn.Linear and activation keeps its input (counted in
+    `counts`), every norm its statistics (appended to `norms`). False when a name is not one of those."""
+    found = {"linear": 0, "activation": 0}
+    kinds = []
+    for op in module.per_token_ops:
+        child = getattr(module, op, None) if op not in _ACTIVATIONS else None
+        if op in _ACTIVATIONS:
+            found["activation"] += 1
+        elif type(child) is nn.Linear:
+            found["linear"] += 1
+        elif type(child) in _NORMS:
+            kinds.append(_NORMS[type(child)])
+        else:
+            return False
+    for key, n in found.items():
+        counts[key] += n
+    norms.extend(kinds)
+    return True
 
 
 def _submodule(model, name: str):
@@ -626,8 +673,13 @@ def _read_block(model, block, hidden: int) -> tuple[BlockShape | None, str | Non
     what = f"the blocks of {type(model).__name__} ({type(block).__name__})"
     mtp_type, mla_type = _mtp_block_type(), _mla_type()
     is_mtp = mtp_type is not None and type(block) is mtp_type
+    if not isinstance(block, TransformerBlock) and getattr(type(block), "sublayers", None):
+        return _read_sublayer_block(block, hidden, what)
+    # A TransformerBlock whose forward is its own declares where its norms sit (BERT: post-norm);
+    # either order saves the same tensors (see the module docstring).
+    declared_order = getattr(block, "norm_order", None) in ("pre", "post")
     if not isinstance(block, TransformerBlock) or (type(block).forward is not TransformerBlock.forward
-                                                   and not is_mtp):
+                                                   and not is_mtp and not declared_order):
         return None, what
     children = dict(block.named_children())
     mlp_name = "moe" if block.moe is not None else "feed_forward"
@@ -687,15 +739,80 @@ def _read_block(model, block, hidden: int) -> tuple[BlockShape | None, str | Non
                  NormShape(_NORMS[type(block.ffn_norm)], 1))
         return BlockShape(norms=norms, mlp_saved=0, mlp_inputs=0, mlp_hidden=0, rowwise_outputs=1, moe=moe,
                           **common), None
-    f = mlp.w1.out_features
-    if isinstance(mlp, FeedForward):  # SwiGLU saves w1 x, silu(w1 x), w3 x and their product
-        mlp_saved, mlp_inputs, mlp_readers = 4 * f, f + mlp.w3.out_features, 2
-    else:  # GELU saves its input (w1 x + b) and its output
-        mlp_saved, mlp_inputs, mlp_readers = 2 * f, f, 1
+    mlp_saved, mlp_inputs, mlp_readers = _mlp_shape(mlp)
     norms = (NormShape(_NORMS[type(block.attention_norm)], attention_readers),
              NormShape(_NORMS[type(block.ffn_norm)], mlp_readers))
     return BlockShape(norms=norms, mlp_saved=mlp_saved, mlp_inputs=mlp_inputs, mlp_hidden=mlp.w2.in_features,
                       rowwise_outputs=2, **common), None
+
+
+def _mlp_shape(mlp) -> tuple[int, int, int] | None:
+    """(elements saved per token, output features of the input linears, linears reading the norm's
+    output) of a dense MLP: the common FeedForward (SwiGLU) and GeluMLP, or a module with w1 (w3
+    when gated) and w2 linears that declares its `activation`; None for anything else."""
+    from titanlike.models.common.feed_forward import FeedForward, GeluMLP
+
+    f = mlp.w1.out_features
+    if isinstance(mlp, FeedForward):  # SwiGLU saves w1 x, silu(w1 x), w3 x and their product
+        return 4 * f, f + mlp.w3.out_features, 2
+    if isinstance(mlp, GeluMLP):  # GELU saves its input (w1 x + b) and its output
+        return 2 * f, f, 1
+    activation = getattr(mlp, "activation", None)
+    if activation not in ("gelu", "relu", "silu") or any(
+            type(getattr(mlp, n, None)) is not nn.Linear for n in ("w1", "w2")):
+        return None
+    w3 = getattr(mlp, "w3", None)
+    if w3 is not None:  # gated: act(w1 x) * w3 x saves w1 x, act(w1 x), w3 x and the product
+        return 4 * f, f + w3.out_features, 2
+    # ReLU's backward reads its output, the same tensor w2 keeps; GELU and SiLU keep their input too.
+    return (f if activation == "relu" else 2 * f), f, 1
+
+
+def _read_sublayer_block(block, hidden: int, what: str) -> tuple[BlockShape | None, str | None]:
+    """A block that declares `sublayers`, its pre-norm residual (norm, mixer) pairs in order (T5):
+    self-attention first (the common Attention, or one that declares `score_bias`: scores plus a
+    float bias its caller passes), maybe a cross-attention (an attention whose `sequence_inputs` is 2:
+    its keys and values read the encoder's output), a dense MLP last."""
+    from titanlike.models.common.attention import Attention
+
+    pairs = [(getattr(block, n, None), getattr(block, m, None)) for n, m in type(block).sublayers]
+    present = [(n, m) for (n, m), (norm, mixer) in zip(type(block).sublayers, pairs) if mixer is not None]
+    children = dict(block.named_children())
+    if (set(children) != {x for pair in present for x in pair} or len(present) not in (2, 3)
+            or any(True for _ in block.named_parameters(recurse=False))):
+        return None, f"{what}: children {', '.join(children)}"
+    norms, mixers = [children[n] for n, _ in present], [children[m] for _, m in present]
+    if any(type(n) not in _NORMS for n in norms):
+        return None, f"{what}: a norm is not RMSNorm or LayerNorm"
+
+    def attention_kind(module) -> str | None:
+        if type(module) is Attention and getattr(module, "q_norm", None) is None:
+            return "plain"
+        linears = all(type(getattr(module, n, None)) is nn.Linear for n in ("wq", "wk", "wv", "wo"))
+        if linears and getattr(module, "score_bias", False) and isinstance(getattr(module, "head_dim", None), int):
+            return "cross" if getattr(module, "sequence_inputs", 1) == 2 else "biased"
+        return None
+
+    kinds = [attention_kind(m) for m in mixers[:-1]]
+    if kinds[0] not in ("plain", "biased") or (len(kinds) == 2 and kinds[1] != "cross"):
+        return None, f"{what}: its attention is a {type(mixers[0]).__name__}"
+    mlp = _mlp_shape(mixers[-1])
+    if mlp is None:
+        return None, f"{what}: its MLP is a {type(mixers[-1]).__name__}"
+    attention = mixers[0]
+    q_dim, kv_dim = attention.wq.out_features, attention.wk.out_features
+    heads = q_dim // attention.head_dim
+    if len(kinds) == 2:
+        cross = mixers[1]
+        if (cross.wq.out_features, cross.wk.out_features) != (q_dim, kv_dim):
+            return None, f"{what}: its cross-attention's widths differ from its self-attention's"
+    mlp_saved, mlp_inputs, mlp_readers = mlp
+    readers = [3] + ([1] if len(kinds) == 2 else []) + [mlp_readers]  # cross-attention's norm: wq only
+    return BlockShape(hidden=hidden, norms=tuple(NormShape(_NORMS[type(n)], r) for n, r in zip(norms, readers)),
+                      q_dim=q_dim, kv_dim=kv_dim, heads=heads, kv_heads=kv_dim // attention.head_dim,
+                      attention_inputs=q_dim + 2 * kv_dim, mlp_saved=mlp_saved, mlp_inputs=mlp_inputs,
+                      mlp_hidden=mixers[-1].w2.in_features, rowwise_outputs=len(mixers),
+                      score_bias=kinds[0] == "biased", cross_attention=len(kinds) == 2), None
 
 
 def _block_signature(block) -> tuple:
@@ -828,12 +945,13 @@ def moe_transient_bytes(moe: MoEShape, h: int, tokens: int, rows: int, *, e: int
 def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, e: int, e_res: int, ac: str,
                            rotate_method: str = "allgather", seq_local: int = 0,
                            autocast: bool = False, device: str = "cuda", ep: int = 1,
-                           microbatch: int = 1) -> tuple[int, int]:
+                           microbatch: int = 1, memory_tokens: int = 0) -> tuple[int, int]:
     """(bytes one layer keeps for backward, bytes recomputed at once in its backward) for
     `tokens` = microbatch x local sequence tokens, before sequence parallelism. device "cpu"
     counts what torch's CPU kernels keep where they differ from CUDA's (LayerNorm statistics in the
-    input dtype; MLA's attention, whose q/k and v widths differ, on the math kernel), for
-    measurements here."""
+    input dtype; MLA's attention, whose q/k and v widths differ, and attention with a float score
+    bias that needs a gradient, on the math kernel), for measurements here. memory_tokens: the
+    encoder tokens a decoder block's cross-attention reads (microbatch x encoder length)."""
     h, n = block.hidden, block.heads
     qd, kvd, mla = block.q_dim, block.kv_dim, block.mla
     out_w = block.out_dim
@@ -851,13 +969,28 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
     elif cp > 1:
         # Ring: fp32 copies of q and of every hop's k/v and scores blocks (approximate).
         attention += 4 * qd / tp + cp * (4 * (k_w + v_w) / tp + 3 * 4 * n / tp * seq_local + 3 * 4 * out_w / tp)
-    elif device == "cpu" and mla is not None and qd != n * mla.v_head:
-        # torch's CPU SDPA has no fused kernel for q/k and v of different widths: the math kernel keeps
-        # fp32 copies of q, k and v and the probabilities (heads x keys per query), no log-sum-exp.
+    elif device == "cpu" and ((mla is not None and qd != n * mla.v_head) or block.score_bias):
+        # torch's CPU SDPA has no fused kernel for q/k and v of different widths, nor for a float mask
+        # that needs a gradient (T5's relative position bias): the math kernel keeps fp32 copies of
+        # q, k and v and the probabilities (heads x keys per query), no log-sum-exp.
         keys = seq_local or tokens
         attention = 4 * (qd + k_w + v_w + n * keys) / tp + e * out_w / tp
     else:
         attention += e * (k_w + v_kept) / tp
+        if block.score_bias and autocast:
+            # The memory-efficient kernel keeps its bias; under autocast each layer casts the fp32 bias
+            # (batch, heads, queries, keys) to bf16 (a decoder's unbatched one errs high by the batch).
+            attention += e * n * (seq_local or tokens) / tp
+    cross = 0
+    if block.cross_attention:
+        # Per decoder token q, the output and the log-sum-exp (no bias gradient: a fused kernel on
+        # CPU too); per encoder token k and v, and the encoder output as wk and wv read it: under
+        # autocast two bf16 casts, under TP the all-gathered copy (gather_input), otherwise the
+        # encoder's output itself, counted once for the model.
+        cross = tokens * (e * 2 * qd / tp + 4 * n / tp)
+        reads = 2 * e * h if autocast else e_res * h if tp > 1 else 0
+        # Under autocast the kernel keeps a bf16 cast of the (batch, 1, 1, keys) padding bias too.
+        cross += memory_tokens * (e * 2 * kvd / tp + reads + (e if autocast else 0))
     if block.qk_norm:
         # RMSNorm over each head of q and of k: fp32 input and normalized copies, a rstd per head.
         attention += (8 * qd + 4 * n + 8 * kvd + 4 * block.kv_heads) / tp
@@ -869,11 +1002,11 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
             attention += norm_bytes("rmsnorm", mla.q_lora, e) + e * mla.q_lora
     # Autocast casts a norm's fp32 output to bf16 once per matmul that reads it (Llama: wq, wk, wv;
     # w1, w3: five saved copies instead of two).
-    attn_norm, mlp_norm = block.norms
     # A multi-token-prediction block's residual stream is eh_proj's output, already bf16 under
-    # autocast: its norms' outputs are bf16 too, one copy for all readers.
+    # autocast: its norms' outputs are bf16 too, one copy for all readers. The MLP's norm comes last.
     casts = autocast and not block.mtp
-    norm_outputs = attn_norm.readers if casts else 1
+    norm_outputs = sum(norm.readers if casts else 1 for norm in block.norms[:-1])
+    mlp_norm = block.norms[-1]
     norms = sum(norm_bytes(norm.kind, h, e_res, device) for norm in block.norms)
     inputs = 1
     if block.mtp:
@@ -894,7 +1027,7 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
         moe_full, moe_op = moe_saved_bytes(block.moe, h, local, rows, e=4 if autocast else e, ep=ep,
                                            microbatch=microbatch)
         mlp, rowwise, mlp_inputs = 0, 1, 0
-    full = tokens * (norms / tp + norm_outputs * e * h + attention + mlp) + moe_full
+    full = tokens * (norms / tp + norm_outputs * e * h + attention + mlp) + moe_full + cross
     block_input = inputs * tokens * e_res * h / tp
     if ac == "none":
         return int(full), 0
@@ -906,6 +1039,8 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
     mtp = e * h / tp if block.mtp else 0  # eh_proj's output
     op = tokens * (inputs * e_res * h / tp + e * block.attention_inputs / tp + e * whole + e * out_w / tp
                    + 4 * n / tp + rowwise * e * h + e * mlp_inputs / tp + mtp) + moe_op
+    if block.cross_attention:  # cross-attention's q, output and log-sum-exp; its k and v
+        op += tokens * (e * 2 * qd / tp + 4 * n / tp) + memory_tokens * e * 2 * kvd / tp
     return int(op), int(full)
 
 

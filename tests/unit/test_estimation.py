@@ -355,10 +355,11 @@ GPT2 = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "
         "--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "4"]
 
 
-def _saved_bytes(block, x, rope, *, autocast: bool, **inputs) -> int:
+def _saved_bytes(block, x, rope, *, autocast: bool, exclude=(), **inputs) -> int:
     """Bytes of the tensors one block saves for backward and still holds when its forward returns
-    (distinct storages, parameters and buffers excluded): a tensor saved by a node that the graph
-    drops at once (group-limited routing's top-k, which only chooses experts) is not counted."""
+    (distinct storages, parameters and buffers excluded, and the tensors in `exclude`: inputs the
+    model shares between blocks): a tensor saved by a node that the graph drops at once
+    (group-limited routing's top-k, which only chooses experts) is not counted."""
     import gc
     import weakref
 
@@ -367,6 +368,7 @@ def _saved_bytes(block, x, rope, *, autocast: bool, **inputs) -> int:
     own = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers())}
     if rope is not None:
         own.add(rope.untyped_storage().data_ptr())
+    own |= {t.untyped_storage().data_ptr() for t in exclude}
 
     class Saved:
         __slots__ = ("tensor", "__weakref__")
@@ -1064,3 +1066,88 @@ def test_planner_tries_lighter_end_stages_when_layers_follow_the_trunk():
                   layers_per_stage=4)
     assert "--parallelism.pipeline_parallel_layers_per_stage 4" in c.overrides() and "4 layers per stage" in c.label()
     assert stage_splits(get_model_spec("llama3").flavors["405B"], 8, "Interleaved1F1B") == [None]
+
+
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_bert_block_activations_are_its_saved_tensors(pre_norm):
+    """A BERT block (common Attention without causality, biases, erf-GELU MLP, LayerNorms), post-norm
+    (the original order, declared by BertBlock.norm_order) and pre-norm, against the tensors it saves:
+    fp32, bf16, fp32 under bf16 autocast, exact to the byte on torch's CPU kernels. The block input is
+    not a leaf (as between blocks), since autocast caches its casts of a leaf; no padding mask (the
+    trainer's CUDA default is a FlexAttention block mask, which keeps nothing per layer)."""
+    import dataclasses
+
+    import torch
+    import torch.nn as nn
+
+    from estimation.analytic import layer_activation_bytes, read_model
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec("bert")
+    args = dataclasses.replace(spec.flavors["debugmodel"], pre_norm=pre_norm)
+    shape = read_model(spec, args).blocks[0]
+    assert [n.kind for n in shape.norms] == ["layernorm", "layernorm"] and shape.mlp_saved == 2 * 4 * args.dim
+    torch.manual_seed(0)
+    block = spec.model_cls(args).layers["0"]
+    batch, seq = 2, 64
+    for precision in ("float32", "bfloat16", "autocast"):
+        e, e_res = {"float32": (4, 4), "bfloat16": (2, 2), "autocast": (2, 4)}[precision]
+        dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+        block = block.to(dtype)
+        x = torch.randn(batch, seq, args.dim, dtype=dtype, requires_grad=True) * 1
+        measured = _saved_bytes(block, x, None, autocast=precision == "autocast")
+        if precision == "autocast":  # autocast's bf16 weight copies are counted as gathered parameters
+            measured -= sum(2 * m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+        analytic, _ = layer_activation_bytes(shape, batch * seq, tp=1, cp=1, e=e, e_res=e_res, ac="none",
+                                             autocast=precision == "autocast", device="cpu", seq_local=seq)
+        assert analytic == measured, (pre_norm, precision, analytic, measured)
+
+
+@pytest.mark.parametrize("feed_forward", ["gated-gelu", "relu"])
+def test_t5_block_activations_are_its_saved_tensors(feed_forward):
+    """T5's encoder block (self-attention with the relative position bias, RMSNorms, the MLP) and
+    decoder block (+ cross-attention over an encoder output of another length) against the tensors
+    they save, both MLP variants, fp32, bf16 and fp32 under autocast, exact to the byte. The biases
+    and the encoder output are computed once per stack and shared by every block (the estimate counts
+    them once for the model), so the block's count excludes them. On CPU self-attention, whose float
+    bias needs a gradient, runs the math kernel (device "cpu"); cross-attention a fused one."""
+    import dataclasses
+
+    import torch
+    import torch.nn as nn
+
+    from estimation.analytic import layer_activation_bytes, read_model
+    from titanlike.models.registry import get_model_spec
+    from titanlike.models.t5.model import masked_bias
+
+    spec = get_model_spec("t5")
+    args = dataclasses.replace(spec.flavors["debugmodel"], feed_forward=feed_forward)
+    ms = read_model(spec, args)
+    encoder, decoder = ms.blocks[0], ms.blocks[args.n_encoder_layers]
+    assert encoder.score_bias and not encoder.cross_attention and decoder.cross_attention
+    torch.manual_seed(0)
+    model = spec.model_cls(args)
+    batch, seq, dec_seq = 2, 64, 16
+    for precision in ("float32", "bfloat16", "autocast"):
+        e, e_res = {"float32": (4, 4), "bfloat16": (2, 2), "autocast": (2, 4)}[precision]
+        dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+        model = model.to(dtype)
+        real = torch.ones(batch, 1, 1, seq, dtype=torch.bool)
+        real[0, ..., 50:] = False  # padding at the end of the first sample
+        bias = masked_bias(model.encoder_relative_bias(seq), real)
+        decoder_bias = masked_bias(model.decoder_relative_bias(dec_seq), torch.ones(dec_seq, dec_seq).tril().bool())
+        cross_bias = masked_bias(torch.zeros((), dtype=decoder_bias.dtype), real)
+        encoder_out = torch.randn(batch, seq, args.dim, dtype=dtype, requires_grad=True) * 1
+        kwargs = dict(tp=1, cp=1, e=e, e_res=e_res, ac="none", autocast=precision == "autocast", device="cpu")
+        for shape, layer, tokens, inputs in (
+                (encoder, "0", seq, {}),
+                (decoder, str(args.n_encoder_layers), dec_seq, dict(encoder_out=encoder_out, cross_bias=cross_bias))):
+            block = model.layers[layer]
+            x = torch.randn(batch, tokens, args.dim, dtype=dtype, requires_grad=True) * 1
+            measured = _saved_bytes(block, x, bias if not inputs else decoder_bias, autocast=precision == "autocast",
+                                    exclude=(encoder_out, cross_bias), **inputs)
+            if precision == "autocast":
+                measured -= sum(2 * m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+            analytic, _ = layer_activation_bytes(shape, batch * tokens, seq_local=tokens,
+                                                 memory_tokens=batch * seq if inputs else 0, **kwargs)
+            assert analytic == measured, (feed_forward, precision, layer, analytic, measured)
