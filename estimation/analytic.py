@@ -442,6 +442,9 @@ class ModelShape:
     blocks: list[BlockShape] | None   # per layer, in model order
     unknown: str | None               # why the activation model does not apply, or None
     input_norms: tuple[str, ...] = ()  # norm kinds of the input end (BERT's embedding LayerNorm)
+    # An encoder-decoder's output-end norms other than the final one (named "norm" in every family):
+    # they normalize the encoder's output (T5's encoder_norm), over the encoder's tokens.
+    encoder_norms: tuple[str, ...] = ()
     token_fields: int = 0             # per-token int64 sample fields the model indexes (BERT's token types)
     output_linears: int = 0           # linears of the output end before the projection (MLM transform)
     output_activations: int = 0       # elementwise activations there (each keeps its input)
@@ -559,13 +562,15 @@ def read_model(spec, args) -> ModelShape:
     if ends is None:
         outputs = {name for name, style in top_styles.items() if style in ("sequence_norm", "vocab_output")}
         inputs = {name for name, style in top_styles.items() if style in ("vocab_embedding", "position_embedding")}
-    output_vocab, output_norms = 0, []
+    output_vocab, output_norms, encoder_norms = 0, [], []
     transform = {"linear": 0, "activation": 0}
     gathers_output = False
     for name in sorted(outputs):
         module = _submodule(model, name)
         if isinstance(module, nn.Linear):
             output_vocab = module.out_features
+        elif type(module) in _NORMS and name != "norm" and blocks and any(b.cross_attention for b in blocks):
+            encoder_norms.append(_NORMS[type(module)])  # an encoder-decoder's norm of the encoder output
         elif type(module) in _NORMS:
             output_norms.append(_NORMS[type(module)])
         elif isinstance(module, nn.Embedding):
@@ -591,7 +596,7 @@ def read_model(spec, args) -> ModelShape:
                       layer_buffer_bytes=layer_buffers, end_buffer_bytes=end_buffers, total_params=total,
                       vocab_table=vocab_table, vocab_tied=vocab_tied,
                       output_vocab=output_vocab, output_norms=tuple(output_norms), blocks=blocks, unknown=unknown,
-                      input_norms=tuple(input_norms), token_fields=len(args.sample_format().token_fields),
+                      input_norms=tuple(input_norms), encoder_norms=tuple(encoder_norms), token_fields=len(args.sample_format().token_fields),
                       output_linears=transform["linear"], output_activations=transform["activation"],
                       gathers_output=gathers_output)
 
@@ -1120,18 +1125,29 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
         embedding_grad_full, embedding_local = table_rows * rest, _ceil_div(table_rows, tp) * rest
     # The output end's norm(s), on this rank's slice of the sequence.
     output_norms = sum(norm_bytes(kind, h, e_res, device) for kind in ms.output_norms)
+    encoder_norms = sum(norm_bytes(kind, h, e_res, device) for kind in ms.encoder_norms)
+    # An encoder-decoder (blocks with cross-attention): decoder blocks and the output end run the
+    # decoder's training.decoder_seq_len tokens; cross-attention reads the encoder's tokens.
+    encoder_decoder = any(b.cross_attention for b in blocks)
+    dec_seq = t.decoder_seq_len if encoder_decoder else seq_local
+    dec_tokens = microbatch * dec_seq
+    out_tokens = dec_tokens if encoder_decoder else tokens
 
     def stage_acts(stage: StageShape) -> tuple[int, int, int]:
         """(stored bytes per microbatch, backward transient, one layer's full activations)."""
         stored, transient, full_layer = 0, 0, 0
         layer_args = dict(tp=tp, cp=cp, e=e, e_res=e_res, rotate_method=p.context_parallel_rotate_method,
-                          seq_local=seq_local, autocast=autocast, ep=dims.ep, microbatch=microbatch, device=device)
+                          autocast=autocast, ep=dims.ep, microbatch=microbatch, device=device)
         for i, layer in enumerate(stage.layers):  # i: the index activation checkpointing counts
             block = blocks[layer]
-            full, _ = layer_activation_bytes(block, tokens, ac="none", **layer_args)
+            if block.cross_attention:
+                run = dict(layer_args, tokens=dec_tokens, seq_local=dec_seq, memory_tokens=tokens)
+            else:
+                run = dict(layer_args, tokens=tokens, seq_local=seq_local)
+            full, _ = layer_activation_bytes(block, ac="none", **run)
             full_layer = max(full_layer, full)
             layer_mode = mode if (mode != "full" or i % every == 0) else "none"
-            kept, recompute = layer_activation_bytes(block, tokens, ac=layer_mode, **layer_args)
+            kept, recompute = layer_activation_bytes(block, ac=layer_mode, **run)
             stored += kept
             if block.moe is not None:
                 local = tokens // tp
@@ -1140,13 +1156,23 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
                                                  microbatch=microbatch, seq_full=seq_local * cp)
             transient = max(transient, recompute)
         if stage.first:
-            stored += tokens * 8  # the token ids, kept by the embedding's backward
+            # The token ids, kept by the embedding's backward (an encoder-decoder's decoder ids too), and
+            # the per-token int64 sample fields the model indexes (BERT's token types); an input-end
+            # norm (BERT's embedding LayerNorm) on this rank's slice of the sequence.
+            stored += (tokens + (dec_tokens if encoder_decoder else 0)) * 8 + tokens * 8 * ms.token_fields
+            stored += tokens * sum(norm_bytes(kind, h, e_res, device) for kind in ms.input_norms) // tp
         else:
             stored += tokens * e_res * h // tp  # the stage input received from the previous stage
         if stage.last:
-            stored += tokens * (output_norms // tp + e * h)  # final norm and its gathered output
+            # Final norm and its gathered output; an encoder-decoder's norm of the encoder output.
+            stored += out_tokens * (output_norms // tp + e * h) + tokens * encoder_norms // tp
+            # A per-token transform before the projection (BERT's MLM head: dense, GELU, LayerNorm):
+            # its linears and activations keep their inputs, on this rank's slice of the sequence.
+            stored += tokens * (ms.output_linears + ms.output_activations) * e * h // tp
+            if ms.gathers_output and tp > 1:
+                stored += tokens * e * h  # a per-sequence head's all-gathered hidden states
             # The logits (held by the step) and the fp32 log-softmax (the fp32 copy of bf16 logits is freed).
-            stored += tokens * vocab_local * (e + 4)
+            stored += out_tokens * vocab_local * (e + 4)
             depths = sum(1 for layer in stage.layers if blocks[layer].mtp)
             if depths:
                 # Multi-token prediction: every depth's head_norm output, kept (gathered) by the shared
@@ -1155,12 +1181,33 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
                 stored += depths * tokens * (e * h + 4 * vocab_local) + tokens * 16 * depths
             # Backward starts with two fp32 vocab-sized gradients (of the log-softmax output and input);
             # a block's recompute comes later, so the larger of the two counts.
-            transient = max(transient, tokens * vocab_local * 8)
+            transient = max(transient, out_tokens * vocab_local * 8)
         else:
             stored += tokens * e_res * h // tp  # the stage output, kept until its gradient arrives
-        # The gradient flowing back through the residual stream, plus the one being computed.
-        transient += 2 * tokens * e * h
+        if encoder_decoder and stage.first and not autocast and tp == 1:
+            # The encoder's output, which every decoder block's cross-attention keeps (wk and wv read
+            # it); under autocast they keep bf16 casts of it, under TP gathered copies (per block).
+            stored += tokens * e_res * h
+        stored += score_bias_bytes(stage)
+        # The gradient flowing back through the residual stream, plus the one being computed (an
+        # encoder-decoder's backward starts in the decoder, whose tokens are the output's).
+        transient += 2 * (out_tokens if stage.last else tokens) * e * h
         return stored, transient, full_layer
+
+    def score_bias_bytes(stage: StageShape) -> int:
+        """A float score bias (T5's relative positions) is computed once per stack and kept by every
+        block's attention kernel: (batch, heads, s, s) for an encoder, whose bias includes the padding
+        mask, (1, heads, s, s) for a causal decoder, in the parameters' compute dtype, with the int64
+        (s, s) bucket ids its table lookup keeps."""
+        out = 0
+        for decoder, length in ((False, seq_local), (True, dec_seq)):
+            if any(blocks[i].score_bias and blocks[i].cross_attention == decoder for i in stage.layers):
+                heads = next(blocks[i].heads for i in stage.layers if blocks[i].score_bias)
+                rows = 1 if decoder else microbatch
+                out += 8 * length * length
+                if device != "cpu":  # torch's CPU math kernel keeps its probabilities, not the bias
+                    out += rows * heads // tp * length * length * (e if fsdp_on else 4)
+        return out
 
     estimates, details = [], []
     for pp_rank, stage_ids in enumerate(per_rank):
