@@ -1184,10 +1184,11 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
             transient = max(transient, out_tokens * vocab_local * 8)
         else:
             stored += tokens * e_res * h // tp  # the stage output, kept until its gradient arrives
-        if encoder_decoder and stage.first and not autocast and tp == 1:
+        if encoder_decoder and stage.first and ((not autocast and tp == 1) or mode == "full"):
             # The encoder's output, which every decoder block's cross-attention keeps (wk and wv read
-            # it); under autocast they keep bf16 casts of it, under TP gathered copies (per block).
-            stored += tokens * e_res * h
+            # it; under autocast they keep bf16 casts of it, under TP gathered copies, per block), or
+            # the decoder blocks' checkpoints keep as their input.
+            stored += tokens * e_res * h // tp
         stored += score_bias_bytes(stage)
         # The gradient flowing back through the residual stream, plus the one being computed (an
         # encoder-decoder's backward starts in the decoder, whose tokens are the output's).
