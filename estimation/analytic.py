@@ -108,6 +108,44 @@ again. The output end adds, per depth, head_norm's output kept (gathered) by the
 (e h) and the fp32 log-softmax of the depth's own logits (4 V / t; its cross-entropy runs in the
 forward, which frees the logits), and the lookahead ids (batch, seq, depth, 2) int64.
 
+Encoders and encoder-decoders (BERT, T5), through small declarative hooks on the family's modules
+rather than their classes (checked tensor by tensor like the other blocks: BERT post- and pre-norm,
+T5 encoder and decoder blocks with either MLP, fp32, bf16 and fp32 under autocast):
+- A TransformerBlock with its own forward that declares `norm_order` "post" (BERT: h = norm1(x +
+  attn(x)); out = norm2(h + mlp(h))) saves what the pre-norm block saves: wq/wk/wv keep the block
+  input where attention_norm kept it, norm1 keeps x + attn(x) as ffn_norm kept h, w1 keeps norm1's
+  output as it kept ffn_norm's, and norm2's output is the next block's input. Under autocast the
+  same four bf16 casts (the input for wq, wk, wv; norm1's output for w1). BERT's sequence_replicated
+  LayerNorms run on the sequence slice like sequence_norm ones (parameters whole).
+- A block that declares `sublayers`, its pre-norm (norm, mixer) pairs (T5): self-attention, then
+  maybe cross-attention (an attention whose `sequence_inputs` is 2), then the MLP. An MLP that
+  declares `activation` with w1, w2 (and w3: gated) saves like SwiGLU when gated (4 e f), like the
+  GELU MLP ungated (2 e f), and ReLU only its output, which w2 keeps (e f).
+- An attention that declares `score_bias` (T5: no scaling, a float bias on the scores computed once
+  per stack): on CUDA the memory-efficient kernel keeps q, k, v, the output and the log-sum-exp, as
+  above, and the bias, once per stack: (microbatch, n/t, s, s) for the encoder (it includes the
+  padding mask), (1, n/t, D, D) for the causal decoder, in the compute dtype, with the int64 (s, s)
+  bucket ids of the table lookup (8 s^2); under autocast each layer keeps a bf16 cast of the bias
+  (e n s / t per token). On CPU the bias needs a gradient, so SDPA runs the math kernel (fp32 q, k,
+  v and probabilities, 4 (qd + 2 kvd + n s) / t per token, as for MLA above) and keeps no bias.
+- Cross-attention in a decoder block, per decoder token: its norm (and its output, read by wq), q,
+  the output and the log-sum-exp, e 2 qd / t + 4 n / t (no bias gradient: a fused kernel on CPU
+  too); per encoder token: k and v, e 2 kvd / t, and the encoder output as wk and wv read it: two
+  bf16 casts under autocast (2 e h, plus a cast of the (batch, 1, 1, s) padding bias), the
+  all-gathered copy under TP (r h), otherwise the encoder's own output, counted once (r h). Decoder
+  blocks and the output end (logits, final norm) run on training.decoder_seq_len tokens D; the
+  encoder's final norm (an output-end norm not named "norm") on the encoder's s.
+- Ends: input-end norms (BERT's embedding LayerNorm) and the int64 per-token sample fields the
+  model indexes (SampleFormat.token_fields: BERT's token types, 8 bytes per token); an encoder-
+  decoder's decoder token ids too. An output-end module that declares `per_token_ops` (BERT's MLM
+  transform: dense, gelu, norm) keeps each op's input (e h / t per linear and activation, the norm's
+  bytes); one that declares `per_sequence` (the binary head, position 0 only) keeps nothing per
+  token, except under TP the all-gathered final hidden states its pooler's input is a view of (e h).
+- Not counted: a dense (batch, 1, s, s) padding or document mask, which torch's CPU SDPA converts to
+  a float mask per layer (e batch s^2; the trainer's CUDA default is a FlexAttention block mask);
+  the gradient of a stack's score bias, built during the encoder's backward after the decoder's
+  activations are freed.
+
 Activation checkpointing: full keeps only each block's input (r h / t per token)
 and recomputes one block at a time in backward; "selective N" does that for every
 N-th block; "op" keeps the outputs of matmuls and attention (row-parallel ones whole, before
