@@ -488,12 +488,13 @@ def test_a_block_the_analytic_model_does_not_know_is_refused_not_guessed(monkeyp
         run_plan(load_job_config([*TINY, *overrides]), opts)
 
 
-@pytest.mark.parametrize("family", ["llama3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama3", "gpt2", "bert", "t5"])
 def test_meta_model_holds_what_the_family_counts(family):
     """Parameters read from the meta model (tied weights once) are the family's own num_params."""
     from estimation.analytic import model_parameter_count, model_shape
 
-    flags = GPT2 if family == "gpt2" else TINY
+    flags = (GPT2 if family == "gpt2" else TINY if family == "llama3"
+             else ["--job.config_file", str(REPO / "train_configs" / f"{family}_debug.toml")])
     prep = prepare_job(load_job_config(flags), 1)
     assert model_shape(prep).total_params == model_parameter_count(prep.model_args) == prep.model_args.num_params()
 
@@ -1198,8 +1199,18 @@ def test_encoder_tensor_parallel_activations_match_the_trace(family):
     prep = prepare_job(load_job_config(["--job.config_file", str(ENCODER_PRESETS[family]),
                                         "--parallelism.tensor_parallel_degree", "2",
                                         "--parallelism.data_parallel_shard_degree", "1"]), 2)
-    analytic = estimate_analytic(prep, device="cpu")[0][0].peak.activations
-    traced = estimate_traced(prep)[0][0].peak.activations
+    analytic_rank, traced_rank = estimate_analytic(prep, device="cpu")[0][0], estimate_traced(prep)[0][0]
+    if family == "t5":  # each relative-bias table (heads, buckets) is split by heads (style head_table)
+        from estimation.analytic import model_shape
+
+        tables = [p for p in model_shape(prep).end_params if p.style == "head_table"]
+        a = prep.model_args
+        assert len(tables) == 2 and all(p.local(2) == (a.n_heads // 2, a.relative_attention_num_buckets)
+                                        for p in tables)
+    for bucket in ("parameters", "optimizer_state", "gradients"):
+        a, t = (getattr(r.phases["optimizer step"], bucket) for r in (analytic_rank, traced_rank))
+        assert abs(t - a) <= STATIC_TOLERANCE * a, (family, bucket, a, t)
+    analytic, traced = analytic_rank.peak.activations, traced_rank.peak.activations
     t = prep.cfg.training
     dense_masks = 4 * t.local_batch_size * t.seq_len ** 2 * prep.model_args.num_layers if family == "bert" else 0
     assert abs(analytic + dense_masks - traced) <= 0.001 * traced, (family, analytic, traced)
