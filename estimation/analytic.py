@@ -634,7 +634,8 @@ def read_model(spec, args) -> ModelShape:
                       layer_buffer_bytes=layer_buffers, end_buffer_bytes=end_buffers, total_params=total,
                       vocab_table=vocab_table, vocab_tied=vocab_tied,
                       output_vocab=output_vocab, output_norms=tuple(output_norms), blocks=blocks, unknown=unknown,
-                      input_norms=tuple(input_norms), encoder_norms=tuple(encoder_norms), token_fields=len(args.sample_format().token_fields),
+                      input_norms=tuple(input_norms), encoder_norms=tuple(encoder_norms),
+                      token_fields=len(args.sample_format().token_fields),
                       output_linears=transform["linear"], output_activations=transform["activation"],
                       gathers_output=gathers_output)
 
