@@ -108,6 +108,44 @@ again. The output end adds, per depth, head_norm's output kept (gathered) by the
 (e h) and the fp32 log-softmax of the depth's own logits (4 V / t; its cross-entropy runs in the
 forward, which frees the logits), and the lookahead ids (batch, seq, depth, 2) int64.
 
+Encoders and encoder-decoders (BERT, T5), through small declarative hooks on the family's modules
+rather than their classes (checked tensor by tensor like the other blocks: BERT post- and pre-norm,
+T5 encoder and decoder blocks with either MLP, fp32, bf16 and fp32 under autocast):
+- A TransformerBlock with its own forward that declares `norm_order` "post" (BERT: h = norm1(x +
+  attn(x)); out = norm2(h + mlp(h))) saves what the pre-norm block saves: wq/wk/wv keep the block
+  input where attention_norm kept it, norm1 keeps x + attn(x) as ffn_norm kept h, w1 keeps norm1's
+  output as it kept ffn_norm's, and norm2's output is the next block's input. Under autocast the
+  same four bf16 casts (the input for wq, wk, wv; norm1's output for w1). BERT's sequence_replicated
+  LayerNorms run on the sequence slice like sequence_norm ones (parameters whole).
+- A block that declares `sublayers`, its pre-norm (norm, mixer) pairs (T5): self-attention, then
+  maybe cross-attention (an attention whose `sequence_inputs` is 2), then the MLP. An MLP that
+  declares `activation` with w1, w2 (and w3: gated) saves like SwiGLU when gated (4 e f), like the
+  GELU MLP ungated (2 e f), and ReLU only its output, which w2 keeps (e f).
+- An attention that declares `score_bias` (T5: no scaling, a float bias on the scores computed once
+  per stack): on CUDA the memory-efficient kernel keeps q, k, v, the output and the log-sum-exp, as
+  above, and the bias, once per stack: (microbatch, n/t, s, s) for the encoder (it includes the
+  padding mask), (1, n/t, D, D) for the causal decoder, in the compute dtype, with the int64 (s, s)
+  bucket ids of the table lookup (8 s^2); under autocast each layer keeps a bf16 cast of the bias
+  (e n s / t per token). On CPU the bias needs a gradient, so SDPA runs the math kernel (fp32 q, k,
+  v and probabilities, 4 (qd + 2 kvd + n s) / t per token, as for MLA above) and keeps no bias.
+- Cross-attention in a decoder block, per decoder token: its norm (and its output, read by wq), q,
+  the output and the log-sum-exp, e 2 qd / t + 4 n / t (no bias gradient: a fused kernel on CPU
+  too); per encoder token: k and v, e 2 kvd / t, and the encoder output as wk and wv read it: two
+  bf16 casts under autocast (2 e h, plus a cast of the (batch, 1, 1, s) padding bias), the
+  all-gathered copy under TP (r h), otherwise the encoder's own output, counted once (r h). Decoder
+  blocks and the output end (logits, final norm) run on training.decoder_seq_len tokens D; the
+  encoder's final norm (an output-end norm not named "norm") on the encoder's s.
+- Ends: input-end norms (BERT's embedding LayerNorm) and the int64 per-token sample fields the
+  model indexes (SampleFormat.token_fields: BERT's token types, 8 bytes per token); an encoder-
+  decoder's decoder token ids too. An output-end module that declares `per_token_ops` (BERT's MLM
+  transform: dense, gelu, norm) keeps each op's input (e h / t per linear and activation, the norm's
+  bytes); one that declares `per_sequence` (the binary head, position 0 only) keeps nothing per
+  token, except under TP the all-gathered final hidden states its pooler's input is a view of (e h).
+- Not counted: a dense (batch, 1, s, s) padding or document mask, which torch's CPU SDPA converts to
+  a float mask per layer (e batch s^2; the trainer's CUDA default is a FlexAttention block mask);
+  the gradient of a stack's score bias, built during the encoder's backward after the decoder's
+  activations are freed.
+
 Activation checkpointing: full keeps only each block's input (r h / t per token)
 and recomputes one block at a time in backward; "selective N" does that for every
 N-th block; "op" keeps the outputs of matmuls and attention (row-parallel ones whole, before
@@ -337,7 +375,7 @@ class ParamShape:
         """(dim 0, product of the other dims) of this rank's piece after tensor parallelism."""
         dims = list(self.shape) or [1]
         if tp > 1 and self.placement == "dense":
-            if self.style in ("colwise", "vocab_embedding", "vocab_output"):
+            if self.style in ("colwise", "vocab_embedding", "vocab_output", "head_table"):
                 dims[0] = _ceil_div(dims[0], tp)
             elif self.style == "rowwise" and len(dims) > 1:  # a rowwise bias stays whole
                 dims[1] = _ceil_div(dims[1], tp)
@@ -415,6 +453,8 @@ class BlockShape:
     moe: MoEShape | None = None
     mla: MLAShape | None = None      # the attention is multi-head latent attention
     mtp: tuple[str, ...] = ()        # a multi-token-prediction block: norm kinds of enorm, hnorm, head_norm
+    score_bias: bool = False         # self-attention adds a float bias to the scores (T5's relative positions)
+    cross_attention: bool = False    # a decoder block: cross-attention over the encoder's output
 
     @property
     def out_dim(self) -> int:
@@ -439,6 +479,14 @@ class ModelShape:
     output_norms: tuple[str, ...]     # norm kinds of the output end
     blocks: list[BlockShape] | None   # per layer, in model order
     unknown: str | None               # why the activation model does not apply, or None
+    input_norms: tuple[str, ...] = ()  # norm kinds of the input end (BERT's embedding LayerNorm)
+    # An encoder-decoder's output-end norms other than the final one (named "norm" in every family):
+    # they normalize the encoder's output (T5's encoder_norm), over the encoder's tokens.
+    encoder_norms: tuple[str, ...] = ()
+    token_fields: int = 0             # per-token int64 sample fields the model indexes (BERT's token types)
+    output_linears: int = 0           # linears of the output end before the projection (MLM transform)
+    output_activations: int = 0       # elementwise activations there (each keeps its input)
+    gathers_output: bool = False      # a per-sequence head all-gathers the final hidden states under TP
 
     @property
     def block(self) -> BlockShape | None:
@@ -552,27 +600,70 @@ def read_model(spec, args) -> ModelShape:
     if ends is None:
         outputs = {name for name, style in top_styles.items() if style in ("sequence_norm", "vocab_output")}
         inputs = {name for name, style in top_styles.items() if style in ("vocab_embedding", "position_embedding")}
-    output_vocab, output_norms = 0, []
+    output_vocab, output_norms, encoder_norms = 0, [], []
+    transform = {"linear": 0, "activation": 0}
+    gathers_output = False
     for name in sorted(outputs):
         module = _submodule(model, name)
         if isinstance(module, nn.Linear):
             output_vocab = module.out_features
+        elif type(module) in _NORMS and name != "norm" and blocks and any(b.cross_attention for b in blocks):
+            encoder_norms.append(_NORMS[type(module)])  # an encoder-decoder's norm of the encoder output
         elif type(module) in _NORMS:
             output_norms.append(_NORMS[type(module)])
         elif isinstance(module, nn.Embedding):
             pass  # a table the output end reads too (multi-token prediction's lookahead tokens)
+        elif getattr(module, "per_token_ops", None) and _per_token_ops(module, transform, output_norms):
+            pass  # a per-token transform before the projection (BERT's MLM head)
+        elif getattr(module, "per_sequence", False):
+            # Reads one token per sequence: nothing per token, except that under TP its gather_input
+            # style all-gathers the final hidden states, which the token it keeps (a view) holds.
+            gathers_output = top_styles.get(name) == "gather_input"
         elif module is not None and unknown is None:
             blocks, unknown = None, f"the output end {name} of {type(model).__name__} ({type(module).__name__})"
+    input_norms = []
     for name in sorted(inputs):
         module = _submodule(model, name)
-        if module is not None and not isinstance(module, nn.Embedding) and unknown is None:
+        if type(module) in _NORMS:
+            input_norms.append(_NORMS[type(module)])  # BERT's embedding LayerNorm
+        elif module is not None and not isinstance(module, nn.Embedding) and unknown is None:
             blocks, unknown = None, f"the input end {name} of {type(model).__name__} ({type(module).__name__})"
     if not output_vocab and unknown is None:
         blocks, unknown = None, f"the output projection of {type(model).__name__} (no pipeline end or plan names it)"
     return ModelShape(model=model, hidden=hidden, layer_params=layer_params, end_params=end_params,
                       layer_buffer_bytes=layer_buffers, end_buffer_bytes=end_buffers, total_params=total,
                       vocab_table=vocab_table, vocab_tied=vocab_tied,
-                      output_vocab=output_vocab, output_norms=tuple(output_norms), blocks=blocks, unknown=unknown)
+                      output_vocab=output_vocab, output_norms=tuple(output_norms), blocks=blocks, unknown=unknown,
+                      input_norms=tuple(input_norms), encoder_norms=tuple(encoder_norms),
+                      token_fields=len(args.sample_format().token_fields),
+                      output_linears=transform["linear"], output_activations=transform["activation"],
+                      gathers_output=gathers_output)
+
+
+# Elementwise activations a module's `per_token_ops` may name between its children.
+_ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
+
+
+def _per_token_ops(module, counts: dict[str, int], norms: list[str]) -> bool:
+    """Count a module that declares `per_token_ops` (its children and elementwise activations, in
+    order, each applied token by token): every nn.Linear and activation keeps its input (counted in
+    `counts`), every norm its statistics (appended to `norms`). False when a name is not one of those."""
+    found = {"linear": 0, "activation": 0}
+    kinds = []
+    for op in module.per_token_ops:
+        child = getattr(module, op, None) if op not in _ACTIVATIONS else None
+        if op in _ACTIVATIONS:
+            found["activation"] += 1
+        elif type(child) is nn.Linear:
+            found["linear"] += 1
+        elif type(child) in _NORMS:
+            kinds.append(_NORMS[type(child)])
+        else:
+            return False
+    for key, n in found.items():
+        counts[key] += n
+    norms.extend(kinds)
+    return True
 
 
 def _submodule(model, name: str):
@@ -626,8 +717,13 @@ def _read_block(model, block, hidden: int) -> tuple[BlockShape | None, str | Non
     what = f"the blocks of {type(model).__name__} ({type(block).__name__})"
     mtp_type, mla_type = _mtp_block_type(), _mla_type()
     is_mtp = mtp_type is not None and type(block) is mtp_type
+    if not isinstance(block, TransformerBlock) and getattr(type(block), "sublayers", None):
+        return _read_sublayer_block(block, hidden, what)
+    # A TransformerBlock whose forward is its own declares where its norms sit (BERT: post-norm);
+    # either order saves the same tensors (see the module docstring).
+    declared_order = getattr(block, "norm_order", None) in ("pre", "post")
     if not isinstance(block, TransformerBlock) or (type(block).forward is not TransformerBlock.forward
-                                                   and not is_mtp):
+                                                   and not is_mtp and not declared_order):
         return None, what
     children = dict(block.named_children())
     mlp_name = "moe" if block.moe is not None else "feed_forward"
@@ -687,15 +783,80 @@ def _read_block(model, block, hidden: int) -> tuple[BlockShape | None, str | Non
                  NormShape(_NORMS[type(block.ffn_norm)], 1))
         return BlockShape(norms=norms, mlp_saved=0, mlp_inputs=0, mlp_hidden=0, rowwise_outputs=1, moe=moe,
                           **common), None
-    f = mlp.w1.out_features
-    if isinstance(mlp, FeedForward):  # SwiGLU saves w1 x, silu(w1 x), w3 x and their product
-        mlp_saved, mlp_inputs, mlp_readers = 4 * f, f + mlp.w3.out_features, 2
-    else:  # GELU saves its input (w1 x + b) and its output
-        mlp_saved, mlp_inputs, mlp_readers = 2 * f, f, 1
+    mlp_saved, mlp_inputs, mlp_readers = _mlp_shape(mlp)
     norms = (NormShape(_NORMS[type(block.attention_norm)], attention_readers),
              NormShape(_NORMS[type(block.ffn_norm)], mlp_readers))
     return BlockShape(norms=norms, mlp_saved=mlp_saved, mlp_inputs=mlp_inputs, mlp_hidden=mlp.w2.in_features,
                       rowwise_outputs=2, **common), None
+
+
+def _mlp_shape(mlp) -> tuple[int, int, int] | None:
+    """(elements saved per token, output features of the input linears, linears reading the norm's
+    output) of a dense MLP: the common FeedForward (SwiGLU) and GeluMLP, or a module with w1 (w3
+    when gated) and w2 linears that declares its `activation`; None for anything else."""
+    from titanlike.models.common.feed_forward import FeedForward, GeluMLP
+
+    f = mlp.w1.out_features
+    if isinstance(mlp, FeedForward):  # SwiGLU saves w1 x, silu(w1 x), w3 x and their product
+        return 4 * f, f + mlp.w3.out_features, 2
+    if isinstance(mlp, GeluMLP):  # GELU saves its input (w1 x + b) and its output
+        return 2 * f, f, 1
+    activation = getattr(mlp, "activation", None)
+    if activation not in ("gelu", "relu", "silu") or any(
+            type(getattr(mlp, n, None)) is not nn.Linear for n in ("w1", "w2")):
+        return None
+    w3 = getattr(mlp, "w3", None)
+    if w3 is not None:  # gated: act(w1 x) * w3 x saves w1 x, act(w1 x), w3 x and the product
+        return 4 * f, f + w3.out_features, 2
+    # ReLU's backward reads its output, the same tensor w2 keeps; GELU and SiLU keep their input too.
+    return (f if activation == "relu" else 2 * f), f, 1
+
+
+def _read_sublayer_block(block, hidden: int, what: str) -> tuple[BlockShape | None, str | None]:
+    """A block that declares `sublayers`, its pre-norm residual (norm, mixer) pairs in order (T5):
+    self-attention first (the common Attention, or one that declares `score_bias`: scores plus a
+    float bias its caller passes), maybe a cross-attention (an attention whose `sequence_inputs` is 2:
+    its keys and values read the encoder's output), a dense MLP last."""
+    from titanlike.models.common.attention import Attention
+
+    pairs = [(getattr(block, n, None), getattr(block, m, None)) for n, m in type(block).sublayers]
+    present = [(n, m) for (n, m), (norm, mixer) in zip(type(block).sublayers, pairs) if mixer is not None]
+    children = dict(block.named_children())
+    if (set(children) != {x for pair in present for x in pair} or len(present) not in (2, 3)
+            or any(True for _ in block.named_parameters(recurse=False))):
+        return None, f"{what}: children {', '.join(children)}"
+    norms, mixers = [children[n] for n, _ in present], [children[m] for _, m in present]
+    if any(type(n) not in _NORMS for n in norms):
+        return None, f"{what}: a norm is not RMSNorm or LayerNorm"
+
+    def attention_kind(module) -> str | None:
+        if type(module) is Attention and getattr(module, "q_norm", None) is None:
+            return "plain"
+        linears = all(type(getattr(module, n, None)) is nn.Linear for n in ("wq", "wk", "wv", "wo"))
+        if linears and getattr(module, "score_bias", False) and isinstance(getattr(module, "head_dim", None), int):
+            return "cross" if getattr(module, "sequence_inputs", 1) == 2 else "biased"
+        return None
+
+    kinds = [attention_kind(m) for m in mixers[:-1]]
+    if kinds[0] not in ("plain", "biased") or (len(kinds) == 2 and kinds[1] != "cross"):
+        return None, f"{what}: its attention is a {type(mixers[0]).__name__}"
+    mlp = _mlp_shape(mixers[-1])
+    if mlp is None:
+        return None, f"{what}: its MLP is a {type(mixers[-1]).__name__}"
+    attention = mixers[0]
+    q_dim, kv_dim = attention.wq.out_features, attention.wk.out_features
+    heads = q_dim // attention.head_dim
+    if len(kinds) == 2:
+        cross = mixers[1]
+        if (cross.wq.out_features, cross.wk.out_features) != (q_dim, kv_dim):
+            return None, f"{what}: its cross-attention's widths differ from its self-attention's"
+    mlp_saved, mlp_inputs, mlp_readers = mlp
+    readers = [3] + ([1] if len(kinds) == 2 else []) + [mlp_readers]  # cross-attention's norm: wq only
+    return BlockShape(hidden=hidden, norms=tuple(NormShape(_NORMS[type(n)], r) for n, r in zip(norms, readers)),
+                      q_dim=q_dim, kv_dim=kv_dim, heads=heads, kv_heads=kv_dim // attention.head_dim,
+                      attention_inputs=q_dim + 2 * kv_dim, mlp_saved=mlp_saved, mlp_inputs=mlp_inputs,
+                      mlp_hidden=mixers[-1].w2.in_features, rowwise_outputs=len(mixers),
+                      score_bias=kinds[0] == "biased", cross_attention=len(kinds) == 2), None
 
 
 def _block_signature(block) -> tuple:
@@ -828,12 +989,13 @@ def moe_transient_bytes(moe: MoEShape, h: int, tokens: int, rows: int, *, e: int
 def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, e: int, e_res: int, ac: str,
                            rotate_method: str = "allgather", seq_local: int = 0,
                            autocast: bool = False, device: str = "cuda", ep: int = 1,
-                           microbatch: int = 1) -> tuple[int, int]:
+                           microbatch: int = 1, memory_tokens: int = 0) -> tuple[int, int]:
     """(bytes one layer keeps for backward, bytes recomputed at once in its backward) for
     `tokens` = microbatch x local sequence tokens, before sequence parallelism. device "cpu"
     counts what torch's CPU kernels keep where they differ from CUDA's (LayerNorm statistics in the
-    input dtype; MLA's attention, whose q/k and v widths differ, on the math kernel), for
-    measurements here."""
+    input dtype; MLA's attention, whose q/k and v widths differ, and attention with a float score
+    bias that needs a gradient, on the math kernel), for measurements here. memory_tokens: the
+    encoder tokens a decoder block's cross-attention reads (microbatch x encoder length)."""
     h, n = block.hidden, block.heads
     qd, kvd, mla = block.q_dim, block.kv_dim, block.mla
     out_w = block.out_dim
@@ -851,13 +1013,28 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
     elif cp > 1:
         # Ring: fp32 copies of q and of every hop's k/v and scores blocks (approximate).
         attention += 4 * qd / tp + cp * (4 * (k_w + v_w) / tp + 3 * 4 * n / tp * seq_local + 3 * 4 * out_w / tp)
-    elif device == "cpu" and mla is not None and qd != n * mla.v_head:
-        # torch's CPU SDPA has no fused kernel for q/k and v of different widths: the math kernel keeps
-        # fp32 copies of q, k and v and the probabilities (heads x keys per query), no log-sum-exp.
+    elif device == "cpu" and ((mla is not None and qd != n * mla.v_head) or block.score_bias):
+        # torch's CPU SDPA has no fused kernel for q/k and v of different widths, nor for a float mask
+        # that needs a gradient (T5's relative position bias): the math kernel keeps fp32 copies of
+        # q, k and v and the probabilities (heads x keys per query), no log-sum-exp.
         keys = seq_local or tokens
         attention = 4 * (qd + k_w + v_w + n * keys) / tp + e * out_w / tp
     else:
         attention += e * (k_w + v_kept) / tp
+        if block.score_bias and autocast:
+            # The memory-efficient kernel keeps its bias; under autocast each layer casts the fp32 bias
+            # (batch, heads, queries, keys) to bf16 (a decoder's unbatched one errs high by the batch).
+            attention += e * n * (seq_local or tokens) / tp
+    cross = 0
+    if block.cross_attention:
+        # Per decoder token q, the output and the log-sum-exp (no bias gradient: a fused kernel on
+        # CPU too); per encoder token k and v, and the encoder output as wk and wv read it: under
+        # autocast two bf16 casts, under TP the all-gathered copy (gather_input), otherwise the
+        # encoder's output itself, counted once for the model.
+        cross = tokens * (e * 2 * qd / tp + 4 * n / tp)
+        reads = 2 * e * h if autocast else e_res * h if tp > 1 else 0
+        # Under autocast the kernel keeps a bf16 cast of the (batch, 1, 1, keys) padding bias too.
+        cross += memory_tokens * (e * 2 * kvd / tp + reads + (e if autocast else 0))
     if block.qk_norm:
         # RMSNorm over each head of q and of k: fp32 input and normalized copies, a rstd per head.
         attention += (8 * qd + 4 * n + 8 * kvd + 4 * block.kv_heads) / tp
@@ -869,11 +1046,11 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
             attention += norm_bytes("rmsnorm", mla.q_lora, e) + e * mla.q_lora
     # Autocast casts a norm's fp32 output to bf16 once per matmul that reads it (Llama: wq, wk, wv;
     # w1, w3: five saved copies instead of two).
-    attn_norm, mlp_norm = block.norms
     # A multi-token-prediction block's residual stream is eh_proj's output, already bf16 under
-    # autocast: its norms' outputs are bf16 too, one copy for all readers.
+    # autocast: its norms' outputs are bf16 too, one copy for all readers. The MLP's norm comes last.
     casts = autocast and not block.mtp
-    norm_outputs = attn_norm.readers if casts else 1
+    norm_outputs = sum(norm.readers if casts else 1 for norm in block.norms[:-1])
+    mlp_norm = block.norms[-1]
     norms = sum(norm_bytes(norm.kind, h, e_res, device) for norm in block.norms)
     inputs = 1
     if block.mtp:
@@ -894,7 +1071,7 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
         moe_full, moe_op = moe_saved_bytes(block.moe, h, local, rows, e=4 if autocast else e, ep=ep,
                                            microbatch=microbatch)
         mlp, rowwise, mlp_inputs = 0, 1, 0
-    full = tokens * (norms / tp + norm_outputs * e * h + attention + mlp) + moe_full
+    full = tokens * (norms / tp + norm_outputs * e * h + attention + mlp) + moe_full + cross
     block_input = inputs * tokens * e_res * h / tp
     if ac == "none":
         return int(full), 0
@@ -906,6 +1083,8 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
     mtp = e * h / tp if block.mtp else 0  # eh_proj's output
     op = tokens * (inputs * e_res * h / tp + e * block.attention_inputs / tp + e * whole + e * out_w / tp
                    + 4 * n / tp + rowwise * e * h + e * mlp_inputs / tp + mtp) + moe_op
+    if block.cross_attention:  # cross-attention's q, output and log-sum-exp; its k and v
+        op += tokens * (e * 2 * qd / tp + 4 * n / tp) + memory_tokens * e * 2 * kvd / tp
     return int(op), int(full)
 
 
@@ -985,18 +1164,29 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
         embedding_grad_full, embedding_local = table_rows * rest, _ceil_div(table_rows, tp) * rest
     # The output end's norm(s), on this rank's slice of the sequence.
     output_norms = sum(norm_bytes(kind, h, e_res, device) for kind in ms.output_norms)
+    encoder_norms = sum(norm_bytes(kind, h, e_res, device) for kind in ms.encoder_norms)
+    # An encoder-decoder (blocks with cross-attention): decoder blocks and the output end run the
+    # decoder's training.decoder_seq_len tokens; cross-attention reads the encoder's tokens.
+    encoder_decoder = any(b.cross_attention for b in blocks)
+    dec_seq = t.decoder_seq_len if encoder_decoder else seq_local
+    dec_tokens = microbatch * dec_seq
+    out_tokens = dec_tokens if encoder_decoder else tokens
 
     def stage_acts(stage: StageShape) -> tuple[int, int, int]:
         """(stored bytes per microbatch, backward transient, one layer's full activations)."""
         stored, transient, full_layer = 0, 0, 0
         layer_args = dict(tp=tp, cp=cp, e=e, e_res=e_res, rotate_method=p.context_parallel_rotate_method,
-                          seq_local=seq_local, autocast=autocast, ep=dims.ep, microbatch=microbatch, device=device)
+                          autocast=autocast, ep=dims.ep, microbatch=microbatch, device=device)
         for i, layer in enumerate(stage.layers):  # i: the index activation checkpointing counts
             block = blocks[layer]
-            full, _ = layer_activation_bytes(block, tokens, ac="none", **layer_args)
+            if block.cross_attention:
+                run = dict(layer_args, tokens=dec_tokens, seq_local=dec_seq, memory_tokens=tokens)
+            else:
+                run = dict(layer_args, tokens=tokens, seq_local=seq_local)
+            full, _ = layer_activation_bytes(block, ac="none", **run)
             full_layer = max(full_layer, full)
             layer_mode = mode if (mode != "full" or i % every == 0) else "none"
-            kept, recompute = layer_activation_bytes(block, tokens, ac=layer_mode, **layer_args)
+            kept, recompute = layer_activation_bytes(block, ac=layer_mode, **run)
             stored += kept
             if block.moe is not None:
                 local = tokens // tp
@@ -1005,13 +1195,23 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
                                                  microbatch=microbatch, seq_full=seq_local * cp)
             transient = max(transient, recompute)
         if stage.first:
-            stored += tokens * 8  # the token ids, kept by the embedding's backward
+            # The token ids, kept by the embedding's backward (an encoder-decoder's decoder ids too), and
+            # the per-token int64 sample fields the model indexes (BERT's token types); an input-end
+            # norm (BERT's embedding LayerNorm) on this rank's slice of the sequence.
+            stored += (tokens + (dec_tokens if encoder_decoder else 0)) * 8 + tokens * 8 * ms.token_fields
+            stored += tokens * sum(norm_bytes(kind, h, e_res, device) for kind in ms.input_norms) // tp
         else:
             stored += tokens * e_res * h // tp  # the stage input received from the previous stage
         if stage.last:
-            stored += tokens * (output_norms // tp + e * h)  # final norm and its gathered output
+            # Final norm and its gathered output; an encoder-decoder's norm of the encoder output.
+            stored += out_tokens * (output_norms // tp + e * h) + tokens * encoder_norms // tp
+            # A per-token transform before the projection (BERT's MLM head: dense, GELU, LayerNorm):
+            # its linears and activations keep their inputs, on this rank's slice of the sequence.
+            stored += tokens * (ms.output_linears + ms.output_activations) * e * h // tp
+            if ms.gathers_output and tp > 1:
+                stored += tokens * e * h  # a per-sequence head's all-gathered hidden states
             # The logits (held by the step) and the fp32 log-softmax (the fp32 copy of bf16 logits is freed).
-            stored += tokens * vocab_local * (e + 4)
+            stored += out_tokens * vocab_local * (e + 4)
             depths = sum(1 for layer in stage.layers if blocks[layer].mtp)
             if depths:
                 # Multi-token prediction: every depth's head_norm output, kept (gathered) by the shared
@@ -1020,12 +1220,34 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
                 stored += depths * tokens * (e * h + 4 * vocab_local) + tokens * 16 * depths
             # Backward starts with two fp32 vocab-sized gradients (of the log-softmax output and input);
             # a block's recompute comes later, so the larger of the two counts.
-            transient = max(transient, tokens * vocab_local * 8)
+            transient = max(transient, out_tokens * vocab_local * 8)
         else:
             stored += tokens * e_res * h // tp  # the stage output, kept until its gradient arrives
-        # The gradient flowing back through the residual stream, plus the one being computed.
-        transient += 2 * tokens * e * h
+        if encoder_decoder and stage.first and ((not autocast and tp == 1) or mode == "full"):
+            # The encoder's output, which every decoder block's cross-attention keeps (wk and wv read
+            # it; under autocast they keep bf16 casts of it, under TP gathered copies, per block), or
+            # the decoder blocks' checkpoints keep as their input.
+            stored += tokens * e_res * h // tp
+        stored += score_bias_bytes(stage)
+        # The gradient flowing back through the residual stream, plus the one being computed (an
+        # encoder-decoder's backward starts in the decoder, whose tokens are the output's).
+        transient += 2 * (out_tokens if stage.last else tokens) * e * h
         return stored, transient, full_layer
+
+    def score_bias_bytes(stage: StageShape) -> int:
+        """A float score bias (T5's relative positions) is computed once per stack and kept by every
+        block's attention kernel: (batch, heads, s, s) for an encoder, whose bias includes the padding
+        mask, (1, heads, s, s) for a causal decoder, in the parameters' compute dtype, with the int64
+        (s, s) bucket ids its table lookup keeps."""
+        out = 0
+        for decoder, length in ((False, seq_local), (True, dec_seq)):
+            if any(blocks[i].score_bias and blocks[i].cross_attention == decoder for i in stage.layers):
+                heads = next(blocks[i].heads for i in stage.layers if blocks[i].score_bias)
+                rows = 1 if decoder else microbatch
+                out += 8 * length * length
+                if device != "cpu":  # torch's CPU math kernel keeps its probabilities, not the bias
+                    out += rows * heads // tp * length * length * (e if fsdp_on else 4)
+        return out
 
     estimates, details = [], []
     for pp_rank, stage_ids in enumerate(per_rank):
