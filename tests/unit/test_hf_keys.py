@@ -62,3 +62,18 @@ def test_tables_must_be_one_to_one():
         HFKeyMap(top={"a": "x", "b": "x"}, layer={}, hf_layers="h.")
     with pytest.raises(ValueError, match="one-to-one"):
         HFKeyMap(top={}, layer={"a": "x", "b": "x"}, hf_layers="h.")
+
+
+def test_tie_output():
+    table = object()
+    sd = {"tok_embeddings.weight": table}
+    KEYS.tie_output(sd, tied=True)
+    assert sd["output.weight"] is table
+    with pytest.raises(KeyError, match="tied model without model.embed_tokens.weight"):
+        KEYS.tie_output({}, tied=True)
+    with pytest.raises(KeyError, match="untied model without lm_head.weight"):
+        KEYS.tie_output({"tok_embeddings.weight": table}, tied=False)
+    head = object()
+    sd = {"tok_embeddings.weight": table, "output.weight": head}
+    KEYS.tie_output(sd, tied=False)
+    assert sd["output.weight"] is head

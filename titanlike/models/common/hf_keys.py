@@ -6,6 +6,8 @@ table of per-layer names. `HFKeyMap` holds those tables and renames one key eith
 anything it does not know comes back as None, so the adapter handles its special cases (fused
 or stacked tensors, skipped buffers, aliases) around it and raises its own KeyError. Tensors
 are not touched here: layout changes (transposes, RoPE row order) stay with the adapter.
+`tie_output` is the decoders' shared last step on import: the output head of a tied model is
+its embedding table.
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ class HFKeyMap:
         """The per-layer part of one of our keys (what layout changes key on); None for a top-level key."""
         split = self.split(key)
         return None if split is None else split[1]
+
+    def tie_output(self, sd: dict, tied: bool) -> None:
+        """After reading a decoder's HF weights: a tied output head is the embedding table (HF
+        stores no lm_head for it); an untied one must have been read. KeyError naming HF's key."""
+        if tied:
+            if "tok_embeddings.weight" not in sd:
+                raise KeyError(f"tied model without {self.top['tok_embeddings.weight']}")
+            sd["output.weight"] = sd["tok_embeddings.weight"]
+        elif "output.weight" not in sd:
+            raise KeyError(f"untied model without {self.top['output.weight']} (is tie_word_embeddings set correctly?)")
 
 
 __all__ = ["HFKeyMap"]

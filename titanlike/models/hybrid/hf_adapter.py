@@ -125,12 +125,7 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args) -> dict[str, tor
         if name is None:
             raise KeyError(f"unexpected Hugging Face parameter {key!r}")
         sd[name] = _from_hf_layout(KEYS.layer_name(name), value, args)
-    if args.tie_word_embeddings:
-        if "tok_embeddings.weight" not in sd:
-            raise KeyError(f"tied model without {DISK_PREFIX}embeddings.weight")
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    elif "output.weight" not in sd:
-        raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
+    KEYS.tie_output(sd, args.tie_word_embeddings)
     return sd
 
 

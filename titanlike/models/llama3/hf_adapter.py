@@ -95,12 +95,7 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: TransformerModel
         if name is None:
             raise KeyError(f"unexpected Hugging Face Llama parameter {key!r}")
         sd[name] = _permute_qk(name, value, args, half_to_interleaved)
-    if args.tie_word_embeddings:
-        if "tok_embeddings.weight" not in sd:
-            raise KeyError("tied model without model.embed_tokens.weight")
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    elif "output.weight" not in sd:
-        raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
+    KEYS.tie_output(sd, args.tie_word_embeddings)
     return sd
 
 

@@ -27,25 +27,23 @@ from titanlike.models.llama3.hf_adapter import KEYS as LLAMA_KEYS
 from titanlike.models.llama3.hf_adapter import half_to_interleaved, interleaved_to_half
 
 
-def _to_half(name: str, value: torch.Tensor, args) -> torch.Tensor:
-    """Our (interleaved RoPE) tensor -> HF's (rotate-half) for the q/k projections and norms."""
-    if name == "attention.wq.weight":
-        return interleaved_to_half(value, args.n_heads)
-    if name == "attention.wk.weight":
-        return interleaved_to_half(value, args.num_kv_heads)
-    if name in ("attention.q_norm.weight", "attention.k_norm.weight"):  # one head's features
-        return interleaved_to_half(value.view(-1, 1), 1).view(-1)
-    return value
+def _rope_layout(convert):
+    """(our per-layer name, tensor, args) -> tensor with `convert` (one RoPE row order to the
+    other) applied to the q/k projections and norms; other tensors unchanged."""
+    def change(name: str, value: torch.Tensor, args) -> torch.Tensor:
+        if name == "attention.wq.weight":
+            return convert(value, args.n_heads)
+        if name == "attention.wk.weight":
+            return convert(value, args.num_kv_heads)
+        if name in ("attention.q_norm.weight", "attention.k_norm.weight"):  # one head's features
+            return convert(value.view(-1, 1), 1).view(-1)
+        return value
+
+    return change
 
 
-def _to_interleaved(name: str, value: torch.Tensor, args) -> torch.Tensor:
-    if name == "attention.wq.weight":
-        return half_to_interleaved(value, args.n_heads)
-    if name == "attention.wk.weight":
-        return half_to_interleaved(value, args.num_kv_heads)
-    if name in ("attention.q_norm.weight", "attention.k_norm.weight"):
-        return half_to_interleaved(value.view(-1, 1), 1).view(-1)
-    return value
+_to_half = _rope_layout(interleaved_to_half)
+_to_interleaved = _rope_layout(half_to_interleaved)
 
 
 @dataclass(frozen=True)
@@ -152,12 +150,7 @@ def moe_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args, names: HFNam
                              f"unexpected {extra[:8]})")
         # Sorted by integer index (string order would put expert 10 before 2).
         sd[f"layers.{layer}.{name}"] = torch.stack([by_index[i] for i in range(num_experts)])
-    if args.tie_word_embeddings:
-        if "tok_embeddings.weight" not in sd:
-            raise KeyError("tied model without model.embed_tokens.weight")
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    elif "output.weight" not in sd:
-        raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
+    keys.tie_output(sd, args.tie_word_embeddings)
     return sd
 
 
