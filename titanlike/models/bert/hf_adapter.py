@@ -26,9 +26,12 @@ from typing import Any, Mapping
 import torch
 
 from titanlike.models.bert.model import BertArgs
+from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.init import canonical_fqn
 
-_LAYER_KEYS = {
+# Our module names -> HF's: top-level, and per layer (under layers.N. / bert.encoder.layer.N.),
+# each with its weight and bias.
+_LAYER_MODULES = {
     "attention.wq": "attention.self.query",
     "attention.wk": "attention.self.key",
     "attention.wv": "attention.self.value",
@@ -48,17 +51,24 @@ _TOP_MODULES = {
     "binary_head.pooler": "bert.pooler.dense",
     "binary_head.classifier": "cls.seq_relationship",
 }
-_TOP_KEYS = {f"{ours}.{kind}": f"{hf}.{kind}" for ours, hf in _TOP_MODULES.items() for kind in ("weight", "bias")}
-_TOP_KEYS = {k: v for k, v in _TOP_KEYS.items() if "_embeddings.bias" not in k}
-_TOP_KEYS["output.bias"] = "cls.predictions.bias"
-_HF_TOP_KEYS = {v: k for k, v in _TOP_KEYS.items()}
-_HF_TOP_KEYS["cls.predictions.decoder.bias"] = "output.bias"
-_HF_LAYER_MODULES = {v: k for k, v in _LAYER_KEYS.items()}
-_OUR_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
-_HF_LAYER_RE = re.compile(r"bert\.encoder\.layer\.(\d+)\.(.+)\.(weight|bias|gamma|beta)")
+
+
+def _params(modules: dict[str, str]) -> dict[str, str]:
+    return {f"{ours}.{kind}": f"{hf}.{kind}" for ours, hf in modules.items() for kind in ("weight", "bias")}
+
+
+KEYS = HFKeyMap(
+    top={**{k: v for k, v in _params(_TOP_MODULES).items() if "_embeddings.bias" not in k},
+         "output.bias": "cls.predictions.bias"},
+    layer=_params(_LAYER_MODULES),
+    hf_layers="bert.encoder.layer.",
+)
 _TIED = "cls.predictions.decoder.weight"
-_HF_BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
+# Other HF spellings: transformers also lists the output bias under the decoder, TensorFlow
+# conversions name LayerNorm parameters gamma and beta.
+_HF_ALIASES = {"cls.predictions.decoder.bias": "cls.predictions.bias"}
 _TF_NAMES = {"gamma": "weight", "beta": "bias"}
+_HF_BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: BertArgs) -> dict[str, torch.Tensor]:
@@ -71,14 +81,10 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: BertArgs) -> dict[str
         key = canonical_fqn(key)
         if key == "output.weight":
             continue  # the word table
-        if key in _TOP_KEYS:
-            hf[_TOP_KEYS[key]] = value
-            continue
-        m = _OUR_LAYER_RE.fullmatch(key)
-        if m is None or m.group(2) not in _LAYER_KEYS:
+        hf_key = KEYS.to_hf(key)
+        if hf_key is None:
             raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        layer, module, kind = m.groups()
-        hf[f"bert.encoder.layer.{layer}.{_LAYER_KEYS[module]}.{kind}"] = value
+        hf[hf_key] = value
     return hf
 
 
@@ -87,21 +93,14 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: BertArgs) -> dic
     sd: dict[str, torch.Tensor] = {}
     for key, value in hf_sd.items():
         key = re.sub(r"\.(gamma|beta)$", lambda m: "." + _TF_NAMES[m.group(1)], key)
-        if key in _HF_BUFFERS:
-            continue
-        if key == _TIED:
-            continue  # the word table again
-        if key in _HF_TOP_KEYS:
-            name = _HF_TOP_KEYS[key]
-            if name.startswith("binary_head.") and not args.binary_head:
-                continue  # a BertForMaskedLM folder holding pretraining weights
-            sd[name] = value
-            continue
-        m = _HF_LAYER_RE.fullmatch(key)
-        if m is None or m.group(2) not in _HF_LAYER_MODULES:
+        if key in _HF_BUFFERS or key == _TIED:
+            continue  # not weights, or the word table again
+        name = KEYS.from_hf(_HF_ALIASES.get(key, key))
+        if name is None:
             raise KeyError(f"unexpected Hugging Face BERT parameter {key!r}")
-        layer, module, kind = m.groups()
-        sd[f"layers.{layer}.{_HF_LAYER_MODULES[module]}.{kind}"] = value
+        if name.startswith("binary_head.") and not args.binary_head:
+            continue  # a BertForMaskedLM folder holding pretraining weights
+        sd[name] = value
     if "tok_embeddings.weight" not in sd:
         raise KeyError("no bert.embeddings.word_embeddings.weight (word embeddings)")
     sd["output.weight"] = sd["tok_embeddings.weight"]

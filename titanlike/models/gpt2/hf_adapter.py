@@ -16,40 +16,41 @@ Works on plain tensors (DTensors must be gathered first).
 
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 import torch
 
+from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.init import canonical_fqn
 from titanlike.models.gpt2.model import GPT2Args
 
-# Our per-layer names -> HF's (under transformer.h.N.), for tensors that only need a rename
-# (transpose=True: a Conv1D weight).
-_LAYER_KEYS = {
-    "attention_norm.weight": ("ln_1.weight", False),
-    "attention_norm.bias": ("ln_1.bias", False),
-    "attention.wo.weight": ("attn.c_proj.weight", True),
-    "attention.wo.bias": ("attn.c_proj.bias", False),
-    "ffn_norm.weight": ("ln_2.weight", False),
-    "ffn_norm.bias": ("ln_2.bias", False),
-    "feed_forward.w1.weight": ("mlp.c_fc.weight", True),
-    "feed_forward.w1.bias": ("mlp.c_fc.bias", False),
-    "feed_forward.w2.weight": ("mlp.c_proj.weight", True),
-    "feed_forward.w2.bias": ("mlp.c_proj.bias", False),
-}
+# Our names -> HF's for tensors that only need a rename (the layers' under layers.N. /
+# transformer.h.N.); wq, wk and wv are fused into c_attn.
+KEYS = HFKeyMap(
+    top={
+        "tok_embeddings.weight": "transformer.wte.weight",
+        "pos_embeddings.weight": "transformer.wpe.weight",
+        "norm.weight": "transformer.ln_f.weight",
+        "norm.bias": "transformer.ln_f.bias",
+        "output.weight": "lm_head.weight",
+    },
+    layer={
+        "attention_norm.weight": "ln_1.weight",
+        "attention_norm.bias": "ln_1.bias",
+        "attention.wo.weight": "attn.c_proj.weight",
+        "attention.wo.bias": "attn.c_proj.bias",
+        "ffn_norm.weight": "ln_2.weight",
+        "ffn_norm.bias": "ln_2.bias",
+        "feed_forward.w1.weight": "mlp.c_fc.weight",
+        "feed_forward.w1.bias": "mlp.c_fc.bias",
+        "feed_forward.w2.weight": "mlp.c_proj.weight",
+        "feed_forward.w2.bias": "mlp.c_proj.bias",
+    },
+    hf_layers="transformer.h.",
+)
+# Our per-layer weights that are a Conv1D weight in HF (stored transposed).
+_CONV1D = ("attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight")
 _QKV = ("wq", "wk", "wv")
-_TOP_KEYS = {
-    "tok_embeddings.weight": "transformer.wte.weight",
-    "pos_embeddings.weight": "transformer.wpe.weight",
-    "norm.weight": "transformer.ln_f.weight",
-    "norm.bias": "transformer.ln_f.bias",
-    "output.weight": "lm_head.weight",
-}
-_HF_LAYER_KEYS = {hf: (ours, t) for ours, (hf, t) in _LAYER_KEYS.items()}
-_HF_TOP_KEYS = {v: k for k, v in _TOP_KEYS.items()}
-_OUR_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER_RE = re.compile(r"transformer\.h\.(\d+)\.(.+)")
 # Non-persistent attention-mask buffers some transformers versions saved.
 _HF_BUFFERS = ("attn.bias", "attn.masked_bias")
 
@@ -69,21 +70,15 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: GPT2Args) -> dict[str
         key = canonical_fqn(key)
         if key == "output.weight" and args.tie_word_embeddings:
             continue
-        if key in _TOP_KEYS:
-            hf[_TOP_KEYS[key]] = value
+        hf_key = KEYS.to_hf(key)
+        if hf_key is not None:
+            hf[hf_key] = _t(value) if KEYS.layer_name(key) in _CONV1D else value
             continue
-        m = _OUR_LAYER_RE.fullmatch(key)
-        if m is None:
-            raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        layer, name = m.groups()
+        layer, name = KEYS.split(key) or (None, "")
         parts = name.split(".")
-        if len(parts) == 3 and parts[0] == "attention" and parts[1] in _QKV:
-            qkv.setdefault(layer, {}).setdefault(parts[2], {})[parts[1]] = value
-            continue
-        if name not in _LAYER_KEYS:
+        if len(parts) != 3 or parts[0] != "attention" or parts[1] not in _QKV:
             raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        hf_name, transpose = _LAYER_KEYS[name]
-        hf[f"transformer.h.{layer}.{hf_name}"] = _t(value) if transpose else value
+        qkv.setdefault(layer, {}).setdefault(parts[2], {})[parts[1]] = value
     for layer, kinds in qkv.items():
         for kind, proj in kinds.items():
             if set(proj) != set(_QKV):
@@ -101,27 +96,21 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: GPT2Args) -> dic
             key = f"transformer.{key}"  # GPT2Model's keys (the original openai-community files)
         if key == "lm_head.weight" and args.tie_word_embeddings:
             continue
-        if key in _HF_TOP_KEYS:
-            sd[_HF_TOP_KEYS[key]] = value
+        name = KEYS.from_hf(key)
+        if name is not None:
+            sd[name] = _t(value) if KEYS.layer_name(name) in _CONV1D else value
             continue
-        m = _HF_LAYER_RE.fullmatch(key)
-        if m is None:
-            raise KeyError(f"unexpected Hugging Face GPT-2 parameter {key!r}")
-        layer, hf_name = m.groups()
+        layer, hf_name = KEYS.split_hf(key) or (None, "")
         if hf_name in _HF_BUFFERS:
             continue
-        if hf_name in ("attn.c_attn.weight", "attn.c_attn.bias"):
-            kind = hf_name.rsplit(".", 1)[1]
-            fused = _t(value) if kind == "weight" else value  # (3 dim, dim) or (3 dim,)
-            if fused.shape[0] != 3 * args.dim:
-                raise KeyError(f"{key} has {fused.shape[0]} output features, expected 3 x {args.dim}")
-            for name, part in zip(_QKV, fused.chunk(3, dim=0)):
-                sd[f"layers.{layer}.attention.{name}.{kind}"] = part.contiguous()
-            continue
-        if hf_name not in _HF_LAYER_KEYS:
+        if hf_name not in ("attn.c_attn.weight", "attn.c_attn.bias"):
             raise KeyError(f"unexpected Hugging Face GPT-2 parameter {key!r}")
-        name, transpose = _HF_LAYER_KEYS[hf_name]
-        sd[f"layers.{layer}.{name}"] = _t(value) if transpose else value
+        kind = hf_name.rsplit(".", 1)[1]
+        fused = _t(value) if kind == "weight" else value  # (3 dim, dim) or (3 dim,)
+        if fused.shape[0] != 3 * args.dim:
+            raise KeyError(f"{key} has {fused.shape[0]} output features, expected 3 x {args.dim}")
+        for name, part in zip(_QKV, fused.chunk(3, dim=0)):
+            sd[f"layers.{layer}.attention.{name}.{kind}"] = part.contiguous()
     if "tok_embeddings.weight" not in sd:
         raise KeyError("no transformer.wte.weight (token embeddings)")
     if args.tie_word_embeddings:

@@ -17,12 +17,12 @@ position encoding).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.init import canonical_fqn
 from titanlike.models.common.mamba2 import Mamba2Args, grouped_rows
 
@@ -53,7 +53,6 @@ _LAYER_NAMES = {
     "feed_forward.w1.weight": "mixer.up_proj.weight",
     "feed_forward.w2.weight": "mixer.down_proj.weight",
 }
-_HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 # Mixer parameters of ours whose first dim is in-proj rows or conv channels (permuted both ways).
 _ROWS, _CHANNELS = ("mamba.in_proj.weight",), ("mamba.conv_weight", "mamba.conv_bias")
 
@@ -69,9 +68,15 @@ def hf_model_type(args) -> str:
 # save, as NVIDIA's checkpoints are written); NemotronH's in-memory state dict is read too.
 DISK_PREFIX = "backbone."
 _PREFIXES = {MAMBA2: (DISK_PREFIX,), NEMOTRON_H: (DISK_PREFIX, "model.")}
+KEYS = HFKeyMap(
+    top={"tok_embeddings.weight": f"{DISK_PREFIX}embeddings.weight", "norm.weight": f"{DISK_PREFIX}norm_f.weight",
+         "output.weight": "lm_head.weight"},
+    layer=_LAYER_NAMES,
+    hf_layers=f"{DISK_PREFIX}layers.",
+)
 
 
-def _to_hf_layout(name: str, value: torch.Tensor, args) -> torch.Tensor:
+def _to_hf_layout(name: str | None, value: torch.Tensor, args) -> torch.Tensor:
     rows, channels = grouped_rows(args.mamba)
     if name in _ROWS:
         return value[rows.argsort()]
@@ -81,7 +86,7 @@ def _to_hf_layout(name: str, value: torch.Tensor, args) -> torch.Tensor:
     return value
 
 
-def _from_hf_layout(name: str, value: torch.Tensor, args) -> torch.Tensor:
+def _from_hf_layout(name: str | None, value: torch.Tensor, args) -> torch.Tensor:
     rows, channels = grouped_rows(args.mamba)
     if name in _ROWS:
         return value[rows]
@@ -94,22 +99,15 @@ def _from_hf_layout(name: str, value: torch.Tensor, args) -> torch.Tensor:
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
     """Our state dict (full tensors) -> the HF model's, as saved on disk."""
     _check_exportable(args)
-    prefix = DISK_PREFIX
-    top = {"tok_embeddings.weight": f"{prefix}embeddings.weight", "norm.weight": f"{prefix}norm_f.weight",
-           "output.weight": "lm_head.weight"}
     hf: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         key = canonical_fqn(key)
         if key == "rope_cache" or (key == "output.weight" and args.tie_word_embeddings):
             continue
-        if key in top:
-            hf[top[key]] = value
-            continue
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
-        if m is None or m.group(2) not in _LAYER_NAMES:
+        hf_key = KEYS.to_hf(key)
+        if hf_key is None:
             raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        layer, name = m.groups()
-        hf[f"{prefix}layers.{layer}.{_LAYER_NAMES[name]}"] = _to_hf_layout(name, value, args)
+        hf[hf_key] = _to_hf_layout(KEYS.layer_name(key), value, args)
     return hf
 
 
@@ -119,27 +117,15 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args) -> dict[str, tor
     prefixes = _PREFIXES[hf_model_type(args)]
     sd: dict[str, torch.Tensor] = {}
     for key, value in hf_sd.items():
-        if key == "lm_head.weight":
-            if not args.tie_word_embeddings:
-                sd["output.weight"] = value
+        if key == "lm_head.weight" and args.tie_word_embeddings:
             continue
+        # Another accepted trunk prefix (NemotronH's in-memory "model.") reads as the disk one.
         prefix = next((p for p in prefixes if key.startswith(p)), None)
-        name = None if prefix is None else key[len(prefix):]
-        if name in ("embeddings.weight", "norm_f.weight"):
-            sd["tok_embeddings.weight" if name == "embeddings.weight" else "norm.weight"] = value
-            continue
-        m = None if name is None else re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-        if m is None or m.group(2) not in _HF_LAYER_NAMES:
+        name = KEYS.from_hf(key if prefix is None else DISK_PREFIX + key[len(prefix):])
+        if name is None:
             raise KeyError(f"unexpected Hugging Face parameter {key!r}")
-        layer, hf_name = m.groups()
-        name = _HF_LAYER_NAMES[hf_name]
-        sd[f"layers.{layer}.{name}"] = _from_hf_layout(name, value, args)
-    if args.tie_word_embeddings:
-        if "tok_embeddings.weight" not in sd:
-            raise KeyError(f"tied model without {DISK_PREFIX}embeddings.weight")
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    elif "output.weight" not in sd:
-        raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
+        sd[name] = _from_hf_layout(KEYS.layer_name(name), value, args)
+    KEYS.tie_output(sd, args.tie_word_embeddings)
     return sd
 
 

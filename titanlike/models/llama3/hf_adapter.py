@@ -14,36 +14,35 @@ Works on plain tensors (DTensors must be gathered first).
 
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 import torch
 
+from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.init import canonical_fqn
 from titanlike.models.common.rope import RoPEScaling
 from titanlike.models.llama3.model import TransformerModelArgs
 
-# Our per-layer names -> HF's (under model.layers.N.).
-_LAYER_KEYS = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_KEYS = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_HF_LAYER_KEYS = {v: k for k, v in _LAYER_KEYS.items()}
-_HF_TOP_KEYS = {v: k for k, v in _TOP_KEYS.items()}
-_OUR_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Our names -> HF's: top-level, and per layer (under layers.N. / model.layers.N.).
+KEYS = HFKeyMap(
+    top={
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    },
+    layer={
+        "attention.wq.weight": "self_attn.q_proj.weight",
+        "attention.wk.weight": "self_attn.k_proj.weight",
+        "attention.wv.weight": "self_attn.v_proj.weight",
+        "attention.wo.weight": "self_attn.o_proj.weight",
+        "feed_forward.w1.weight": "mlp.gate_proj.weight",
+        "feed_forward.w2.weight": "mlp.down_proj.weight",
+        "feed_forward.w3.weight": "mlp.up_proj.weight",
+        "attention_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+    },
+    hf_layers="model.layers.",
+)
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -60,27 +59,27 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
+def _permute_qk(key: str, value: torch.Tensor, args: TransformerModelArgs, convert) -> torch.Tensor:
+    """`convert` (one RoPE row order to the other) applied to a q/k projection; others unchanged."""
+    name = KEYS.layer_name(key)
+    if name == "attention.wq.weight":
+        return convert(value, args.n_heads)
+    if name == "attention.wk.weight":
+        return convert(value, args.num_kv_heads)
+    return value
+
+
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
     """Our state dict (full tensors) -> LlamaForCausalLM's. Wrapper prefixes in keys are ignored."""
     hf: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         key = canonical_fqn(key)
-        if key == "rope_cache":
+        if key == "rope_cache" or (key == "output.weight" and args.tie_word_embeddings):
             continue
-        if key == "output.weight" and args.tie_word_embeddings:
-            continue
-        if key in _TOP_KEYS:
-            hf[_TOP_KEYS[key]] = value
-            continue
-        m = _OUR_LAYER_RE.fullmatch(key)
-        if m is None or m.group(2) not in _LAYER_KEYS:
+        hf_key = KEYS.to_hf(key)
+        if hf_key is None:
             raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        layer, name = m.groups()
-        if name == "attention.wq.weight":
-            value = interleaved_to_half(value, args.n_heads)
-        elif name == "attention.wk.weight":
-            value = interleaved_to_half(value, args.num_kv_heads)
-        hf[f"model.layers.{layer}.{_LAYER_KEYS[name]}"] = value
+        hf[hf_key] = _permute_qk(key, value, args, interleaved_to_half)
     return hf
 
 
@@ -92,25 +91,11 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: TransformerModel
             continue
         if key == "lm_head.weight" and args.tie_word_embeddings:
             continue
-        if key in _HF_TOP_KEYS:
-            sd[_HF_TOP_KEYS[key]] = value
-            continue
-        m = _HF_LAYER_RE.fullmatch(key)
-        if m is None or m.group(2) not in _HF_LAYER_KEYS:
+        name = KEYS.from_hf(key)
+        if name is None:
             raise KeyError(f"unexpected Hugging Face Llama parameter {key!r}")
-        layer, hf_name = m.groups()
-        name = _HF_LAYER_KEYS[hf_name]
-        if name == "attention.wq.weight":
-            value = half_to_interleaved(value, args.n_heads)
-        elif name == "attention.wk.weight":
-            value = half_to_interleaved(value, args.num_kv_heads)
-        sd[f"layers.{layer}.{name}"] = value
-    if args.tie_word_embeddings:
-        if "tok_embeddings.weight" not in sd:
-            raise KeyError("tied model without model.embed_tokens.weight")
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    elif "output.weight" not in sd:
-        raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
+        sd[name] = _permute_qk(name, value, args, half_to_interleaved)
+    KEYS.tie_output(sd, args.tie_word_embeddings)
     return sd
 
 

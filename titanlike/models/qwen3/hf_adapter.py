@@ -16,44 +16,34 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.init import canonical_fqn
+from titanlike.models.llama3.hf_adapter import KEYS as LLAMA_KEYS
 from titanlike.models.llama3.hf_adapter import half_to_interleaved, interleaved_to_half
 
 
-_TOP_KEYS = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_HF_TOP_KEYS = {v: k for k, v in _TOP_KEYS.items()}
-_OUR_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+def _rope_layout(convert):
+    """(our per-layer name, tensor, args) -> tensor with `convert` (one RoPE row order to the
+    other) applied to the q/k projections and norms; other tensors unchanged."""
+    def change(name: str, value: torch.Tensor, args) -> torch.Tensor:
+        if name == "attention.wq.weight":
+            return convert(value, args.n_heads)
+        if name == "attention.wk.weight":
+            return convert(value, args.num_kv_heads)
+        if name in ("attention.q_norm.weight", "attention.k_norm.weight"):  # one head's features
+            return convert(value.view(-1, 1), 1).view(-1)
+        return value
+
+    return change
 
 
-def _to_half(name: str, value: torch.Tensor, args) -> torch.Tensor:
-    """Our (interleaved RoPE) tensor -> HF's (rotate-half) for the q/k projections and norms."""
-    if name == "attention.wq.weight":
-        return interleaved_to_half(value, args.n_heads)
-    if name == "attention.wk.weight":
-        return interleaved_to_half(value, args.num_kv_heads)
-    if name in ("attention.q_norm.weight", "attention.k_norm.weight"):  # one head's features
-        return interleaved_to_half(value.view(-1, 1), 1).view(-1)
-    return value
-
-
-def _to_interleaved(name: str, value: torch.Tensor, args) -> torch.Tensor:
-    if name == "attention.wq.weight":
-        return half_to_interleaved(value, args.n_heads)
-    if name == "attention.wk.weight":
-        return half_to_interleaved(value, args.num_kv_heads)
-    if name in ("attention.q_norm.weight", "attention.k_norm.weight"):
-        return half_to_interleaved(value.view(-1, 1), 1).view(-1)
-    return value
+_to_half = _rope_layout(interleaved_to_half)
+_to_interleaved = _rope_layout(half_to_interleaved)
 
 
 @dataclass(frozen=True)
@@ -67,9 +57,12 @@ class HFNames:
     # projections RoPE rotates are permuted (pair-interleaved ours, rotate-half HF's).
     to_hf_layout: Callable[[str, torch.Tensor, Any], torch.Tensor] = _to_half
     from_hf_layout: Callable[[str, torch.Tensor, Any], torch.Tensor] = _to_interleaved
+    # The plain renames: Llama's top-level names and `layer` under model.layers.N.
+    keys: HFKeyMap = field(init=False, repr=False, compare=False)
 
-    def our_name(self, hf_name: str) -> str | None:
-        return {v: k for k, v in self.layer.items()}.get(hf_name)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", HFKeyMap(top=LLAMA_KEYS.top, layer=self.layer,
+                                                  hf_layers=LLAMA_KEYS.hf_layers))
 
 
 _BLOCK_NORMS = {
@@ -101,24 +94,19 @@ QWEN3_NAMES = HFNames(
 
 def moe_to_hf_state_dict(sd: Mapping[str, torch.Tensor], args, names: HFNames) -> dict[str, torch.Tensor]:
     """Our state dict (full tensors) -> the HF model's as saved on disk. Wrapper prefixes ignored."""
+    keys = names.keys
     hf: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         key = canonical_fqn(key)
         if key == "rope_cache" or (key == "output.weight" and args.tie_word_embeddings):
             continue
-        if key in _TOP_KEYS:
-            hf[_TOP_KEYS[key]] = value
-            continue
-        m = _OUR_LAYER_RE.fullmatch(key)
-        if m is None:
-            raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        layer, name = m.groups()
-        prefix = f"model.layers.{layer}."
-        if name in names.expert_weights:
+        hf_key = keys.to_hf(key)
+        layer, name = keys.split(key) or (None, None)
+        if hf_key is not None:
+            hf[hf_key] = value if name is None else names.to_hf_layout(name, value, args)
+        elif name in names.expert_weights:
             for e in range(value.shape[0]):  # stacked (E, ...) -> one tensor per expert
-                hf[f"{prefix}{names.experts}.{e}.{names.expert_weights[name]}"] = value[e]
-        elif name in names.layer:
-            hf[prefix + names.layer[name]] = names.to_hf_layout(name, value, args)
+                hf[f"{keys.hf_layers}{layer}.{names.experts}.{e}.{names.expert_weights[name]}"] = value[e]
         elif name == "moe.expert_bias":
             raise KeyError("the aux-loss-free balancing bias (moe.bias_update_rate > 0) has no Hugging Face "
                            "equivalent; its routing cannot be exported")
@@ -132,6 +120,7 @@ def moe_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args, names: HFNam
 
     KeyError for a tensor we have no name for; ValueError for a layer whose experts are not
     exactly 0..num_experts-1."""
+    keys = names.keys
     sd: dict[str, torch.Tensor] = {}
     expert_re = re.compile(rf"{re.escape(names.experts)}\.(\d+)\.(.+)")
     hf_expert_weights = {v: k for k, v in names.expert_weights.items()}
@@ -141,21 +130,16 @@ def moe_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args, names: HFNam
             continue
         if key == "lm_head.weight" and args.tie_word_embeddings:
             continue
-        if key in _HF_TOP_KEYS:
-            sd[_HF_TOP_KEYS[key]] = value
+        ours = keys.from_hf(key)
+        if ours is not None:
+            name = keys.layer_name(ours)
+            sd[ours] = value if name is None else names.from_hf_layout(name, value, args)
             continue
-        m = _HF_LAYER_RE.fullmatch(key)
-        if m is None:
-            raise KeyError(f"unexpected Hugging Face parameter {key!r}")
-        layer, hf_name = m.groups()
+        layer, hf_name = keys.split_hf(key) or (None, "")
         e = expert_re.fullmatch(hf_name)
-        if e is not None and e.group(2) in hf_expert_weights:
-            experts.setdefault((layer, hf_expert_weights[e.group(2)]), {})[int(e.group(1))] = value
-            continue
-        name = names.our_name(hf_name)
-        if name is None:
+        if e is None or e.group(2) not in hf_expert_weights:
             raise KeyError(f"unexpected Hugging Face parameter {key!r}")
-        sd[f"layers.{layer}.{name}"] = names.from_hf_layout(name, value, args)
+        experts.setdefault((layer, hf_expert_weights[e.group(2)]), {})[int(e.group(1))] = value
     num_experts = args.moe.num_experts if args.moe is not None else 0
     for (layer, name), by_index in sorted(experts.items()):
         if sorted(by_index) != list(range(num_experts)):
@@ -166,12 +150,7 @@ def moe_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args, names: HFNam
                              f"unexpected {extra[:8]})")
         # Sorted by integer index (string order would put expert 10 before 2).
         sd[f"layers.{layer}.{name}"] = torch.stack([by_index[i] for i in range(num_experts)])
-    if args.tie_word_embeddings:
-        if "tok_embeddings.weight" not in sd:
-            raise KeyError("tied model without model.embed_tokens.weight")
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    elif "output.weight" not in sd:
-        raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
+    keys.tie_output(sd, args.tie_word_embeddings)
     return sd
 
 
