@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import tempfile
-import time
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from family_checks import materialize, run_on_gloo_ranks
 
 ATOL, RTOL = 2e-5, 1e-4  # fp32 summation order
 TIMEOUT_S = 120
@@ -27,10 +24,7 @@ TIMEOUT_S = 120
 def _build(args):
     from titanlike.models.bert import Bert
 
-    with torch.device("meta"):
-        model = Bert(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
+    model = materialize(Bert, args, seed=0)
     with torch.no_grad():  # norms and biases off their init, so a wrong gradient rule shows
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -121,35 +115,18 @@ def _check_cp(mesh, rotate_method: str) -> None:
                                    msg=lambda m, name=name: f"grad {name}, {what}: {m}")
 
 
-def _worker(rank: int, init_file: str) -> None:
+def _worker(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanlike.parallel.context import ROTATE_METHODS
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        _check_tp(mesh, pre_norm=False, loss_parallel=True)
-        _check_tp(mesh, pre_norm=True, loss_parallel=False)
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-        for rotate_method in ROTATE_METHODS:
-            _check_cp(mesh, rotate_method)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    _check_tp(mesh, pre_norm=False, loss_parallel=True)
+    _check_tp(mesh, pre_norm=True, loss_parallel=False)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    for rotate_method in ROTATE_METHODS:
+        _check_cp(mesh, rotate_method)
 
 
 def test_tp2_and_cp2_loss_and_gradients_equal_one_process():
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(os.path.join(tmp, "store"),), nprocs=2, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=5):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"parallel workers did not finish within {TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+    run_on_gloo_ranks(_worker, world=2, timeout_s=TIMEOUT_S, what="parallel workers")

@@ -14,16 +14,13 @@ position is off by 1e-2 or more (logits) and O(1) (attention gradients).
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import sharp_llama
+from family_checks import run_on_gloo_ranks
 from titanlike.models.common.attention import DocumentMask, core_attention
 from titanlike.models.common.rope import apply_rotary_emb, precompute_rope_cache
 from titanlike.parallel.context import (
@@ -164,41 +161,22 @@ def _check_model(mesh, method: str, documents: bool) -> None:
 WORLD = 4
 
 
-def _worker(rank: int, init_file: str) -> None:
+def _worker(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        cp4 = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
-        cp2 = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("dp", "cp"))["cp"]
-        for mesh in (cp2, cp4):
-            for method in ROTATE_METHODS:
-                for heads, kv_heads in ((4, 2), (4, 4)):
-                    _check_attention(mesh, method, heads, kv_heads, documents=False)
-                _check_attention(mesh, method, 4, 2, documents=True)
-                _check_attention(mesh, method, 4, 4, documents=False, v_dim=24)
-                _check_attention(mesh, method, 4, 2, documents=True, v_dim=8)
-                for documents in (False, True):
-                    _check_model(mesh, method, documents)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    cp4 = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+    cp2 = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("dp", "cp"))["cp"]
+    for mesh in (cp2, cp4):
+        for method in ROTATE_METHODS:
+            for heads, kv_heads in ((4, 2), (4, 4)):
+                _check_attention(mesh, method, heads, kv_heads, documents=False)
+            _check_attention(mesh, method, 4, 2, documents=True)
+            _check_attention(mesh, method, 4, 4, documents=False, v_dim=24)
+            _check_attention(mesh, method, 4, 2, documents=True, v_dim=8)
+            for documents in (False, True):
+                _check_model(mesh, method, documents)
 
 
 @pytest.mark.distributed
 def test_cp_attention_matches_full_attention():
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(os.path.join(tmp, "store"),), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            # join() raises ProcessRaisedException (with the worker's traceback) if a rank failed.
-            while not ctx.join(timeout=5):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"context-parallel attention workers did not finish within {TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-
+    run_on_gloo_ranks(_worker, world=WORLD, timeout_s=TIMEOUT_S, what="context-parallel attention workers")

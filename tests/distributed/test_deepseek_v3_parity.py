@@ -26,17 +26,14 @@ test_moe_parity.py.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import test_document_masking_parity as masking
 from conftest import train_metrics
+from family_checks import materialize, run_on_gloo_ranks
 from test_fsdp_parity import assert_same_curve
 
 pytestmark = pytest.mark.distributed
@@ -133,11 +130,7 @@ def _check_tp_gradients(mesh, q_lora_rank: int) -> None:
                                v_head_dim=24, moe=dataclasses.replace(debug.moe, hidden_dim=32, seq_aux_loss_coeff=0.0))
 
     def build():
-        with torch.device("meta"):
-            model = DeepSeekV3(args)
-        model.to_empty(device="cpu")
-        model.init_weights(seed=0)
-        return model
+        return materialize(DeepSeekV3, args, seed=0)
 
     from titanlike.train.loss import lookahead_targets
 
@@ -165,30 +158,13 @@ def _check_tp_gradients(mesh, q_lora_rank: int) -> None:
                                    msg=lambda m, name=name: f"grad {name}, {what}: {m}")
 
 
-def _tp_worker(rank: int, init_file: str) -> None:
+def _tp_worker(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        for q_lora_rank in (48, 0):
-            _check_tp_gradients(mesh, q_lora_rank)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    for q_lora_rank in (48, 0):
+        _check_tp_gradients(mesh, q_lora_rank)
 
 
 def test_tp2_gradients_of_every_parameter_equal_one_process():
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_tp_worker, args=(os.path.join(tmp, "store"),), nprocs=2, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=5):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"tensor-parallel gradient workers did not finish within {TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+    run_on_gloo_ranks(_tp_worker, world=2, timeout_s=TIMEOUT_S, what="tensor-parallel gradient workers")

@@ -21,17 +21,14 @@ Tolerances: test_fsdp_parity.py's (losses rel 2e-5, grad norms rel 5e-4).
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import test_document_masking_parity as masking
 from conftest import train_metrics
+from family_checks import materialize, run_on_gloo_ranks
 from test_fsdp_parity import assert_same_curve
 
 pytestmark = pytest.mark.distributed
@@ -121,10 +118,7 @@ EOS = 7  # a token that ends documents in the data below
 def _build(args):
     from titanlike.models.hybrid import HybridModel
 
-    with torch.device("meta"):
-        model = HybridModel(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
+    model = materialize(HybridModel, args, seed=0)
     with torch.no_grad():  # per-head parameters away from their init, so a wrong split shows
         for name, p in model.named_parameters():
             if name.endswith((".D", "dt_bias", "norm.weight")):
@@ -200,38 +194,21 @@ def _cp_exact(mesh, args, masked: bool, rotate: str) -> None:
         _check(grad, reference[name].grad, f"grad {name}, {what}")
 
 
-def _worker(rank: int, init_file: str) -> None:
+def _worker(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanlike.models.hybrid import hybrid_flavors
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        # Chunks of 8: several per CP piece (8 tokens) and a remainder in none; two groups of two heads.
-        args = dataclasses.replace(hybrid_flavors["debugmodel_tiny"], vocab_size=VOCAB,
-                                   mamba=dataclasses.replace(hybrid_flavors["debugmodel_tiny"].mamba, chunk_size=8))
-        tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        for masked in (False, True):
-            _tp_gradients(tp, args, masked)
-        cp = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-        _cp_exact(cp, args, masked=False, rotate="allgather")
-        _cp_exact(cp, args, masked=True, rotate="alltoall")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # Chunks of 8: several per CP piece (8 tokens) and a remainder in none; two groups of two heads.
+    args = dataclasses.replace(hybrid_flavors["debugmodel_tiny"], vocab_size=VOCAB,
+                               mamba=dataclasses.replace(hybrid_flavors["debugmodel_tiny"].mamba, chunk_size=8))
+    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    for masked in (False, True):
+        _tp_gradients(tp, args, masked)
+    cp = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    _cp_exact(cp, args, masked=False, rotate="allgather")
+    _cp_exact(cp, args, masked=True, rotate="alltoall")
 
 
 def test_tp2_gradients_and_cp2_outputs_equal_one_process():
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(os.path.join(tmp, "store"),), nprocs=2, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=5):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"hybrid TP/CP workers did not finish within {TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+    run_on_gloo_ranks(_worker, world=2, timeout_s=TIMEOUT_S, what="hybrid TP/CP workers")

@@ -18,6 +18,7 @@ from transformers import BertConfig, BertForMaskedLM, BertForPreTraining
 
 import titanlike
 from conftest import REPO
+from family_checks import materialize
 from titanlike.checkpoint.format import model_description
 from titanlike.checkpoint.hf import write_dcp_model
 from titanlike.models.bert import Bert, BertArgs, bert_flavors, hf_adapter
@@ -55,10 +56,7 @@ def hf_model(args, seed=0):
 
 
 def ours(args, seed=3) -> Bert:
-    with torch.device("meta"):
-        model = Bert(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
+    model = materialize(Bert, args, seed=seed)
     with torch.no_grad():  # off their init too
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):

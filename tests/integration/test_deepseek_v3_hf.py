@@ -25,6 +25,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 import titanlike
 from conftest import REPO
+from family_checks import check_hf_export, check_hf_import, materialize, probe_tokens, write_model_only_dcp
 from titanlike.checkpoint.format import model_description, read_hf
 from titanlike.checkpoint.hf import write_dcp_model
 from titanlike.models.common.rope import YaRNScaling
@@ -33,7 +34,6 @@ from titanlike.models.registry import get_model_spec
 
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_dcp_to_hf  # noqa: E402
-import convert_hf_to_dcp  # noqa: E402
 
 ATOL = 1e-5
 SPEC = get_model_spec("deepseek_v3")
@@ -82,55 +82,38 @@ def hf_model(case: str, seed: int = 0):
     return args, model
 
 
-def tokens(vocab: int, seq: int = 40) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
-
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_to_titanlike_and_back(tmp_path, case):
     args, hf = hf_model(case)
     assert DeepSeekV3ModelArgs.from_hf_config(hf.config.to_dict()) == args
-    hf.save_pretrained(tmp_path / "hf")
-    t = tokens(args.vocab_size)
-    with torch.no_grad():
-        want = hf(t).logits
+    t = probe_tokens(args.vocab_size)
+    want = check_hf_import(hf, tmp_path / "hf", tmp_path / "dcp", "deepseek_v3", t, ATOL)
 
-    assert convert_hf_to_dcp.main([str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    assert json.loads((tmp_path / "dcp" / "titanlike.json").read_text())["model"]["name"] == "deepseek_v3"
-    with torch.no_grad():
-        torch.testing.assert_close(titanlike.load_model(tmp_path / "dcp")(t), want, rtol=0, atol=ATOL)
-        torch.testing.assert_close(titanlike.load_model(tmp_path / "hf")(t), want, rtol=0, atol=ATOL)
-
-    # DCP -> HF -> transformers: the tensors save_pretrained wrote, bit for bit (permutations and
-    # the kv_a join included), and the same logits.
-    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "out")]) == 0
+    # DCP -> HF -> transformers: the same logits, and the tensors save_pretrained wrote, bit for bit
+    # (permutations and the kv_a join included).
+    check_hf_export(tmp_path / "dcp", tmp_path / "out", DeepseekV3ForCausalLM, t, want, ATOL,
+                    experts_implementation="eager")
     (saved, _), (written, _) = read_hf(str(tmp_path / "hf")), read_hf(str(tmp_path / "out"))
     assert set(written) == set(saved)
     assert all(torch.equal(written[k], saved[k]) for k in saved)
-    back = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(back(t).logits, want, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_titanlike_weights_give_the_same_logits_in_transformers(tmp_path, interleave):
     """The other direction with weights of our own init (not HF's), via a model-only DCP."""
     args = tiny(hf_rope_interleave=interleave, rope_scaling=YARN)
-    with torch.device("meta"):
-        model = SPEC.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=3)
+    model = materialize(SPEC.model_cls, args, seed=3)
     sharpen([*model.named_parameters(), *model.named_buffers()], args.moe.num_experts)
     model.eval()
-    write_dcp_model(model.state_dict(), str(tmp_path / "dcp"),
-                    {"contents": "model_only", "step": 0, "model": model_description("deepseek_v3", args)})
-    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf")]) == 0
+    write_model_only_dcp(model, "deepseek_v3", args, tmp_path / "dcp")
+    t = probe_tokens(args.vocab_size)
+    with torch.no_grad():
+        want = model(t)
+    check_hf_export(tmp_path / "dcp", tmp_path / "hf", DeepseekV3ForCausalLM, t, want, ATOL,
+                    experts_implementation="eager")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["model_type"], config["rope_interleave"]) == ("deepseek_v3", interleave)
-    hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager").eval()
-    t = tokens(args.vocab_size)
-    with torch.no_grad():
-        torch.testing.assert_close(hf(t).logits, model(t), rtol=0, atol=ATOL)
 
 
 def test_routing_bias_without_aux_loss_free_balancing():
@@ -212,10 +195,7 @@ def test_multi_token_prediction_layers_export_after_the_trunk(tmp_path):
     folder reads back with the module bit for bit; a folder whose config lists the module but whose
     weights lack it (transformers' save_pretrained drops it) is refused in one sentence."""
     args = tiny(mtp_num_layers=1)
-    with torch.device("meta"):
-        model = SPEC.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=3)
+    model = materialize(SPEC.model_cls, args, seed=3)
     model.eval()
     write_dcp_model(model.state_dict(), str(tmp_path / "dcp"),
                     {"contents": "model_only", "step": 0, "model": model_description("deepseek_v3", args)})
@@ -227,7 +207,7 @@ def test_multi_token_prediction_layers_export_after_the_trunk(tmp_path):
             "embed_tokens.weight", "self_attn.kv_b_proj.weight", "mlp.gate.weight"} <= mtp
     assert torch.equal(written["model.layers.3.embed_tokens.weight"], written["model.embed_tokens.weight"])
     hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager").eval()
-    t = tokens(args.vocab_size)
+    t = probe_tokens(args.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(hf(t).logits, model(t), rtol=0, atol=ATOL)
     back = titanlike.load_model(tmp_path / "hf")

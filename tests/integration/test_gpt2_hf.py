@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 import titanlike
 from conftest import TINY_JOB, hf_warnings, launch, read_metrics
+from family_checks import first_batch_and_hf_loss, materialize, probe_tokens
 from titanlike.checkpoint.format import CheckpointError
 from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp
 from titanlike.models.gpt2 import GPT2, GPT2Args, gpt2_flavors, hf_adapter
@@ -40,22 +40,15 @@ def hf_model(args, seed=0) -> GPT2LMHeadModel:
 
 
 def ours(args, seed=3) -> GPT2:
-    with torch.device("meta"):
-        model = GPT2(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model.eval()
+    return materialize(GPT2, args, seed=seed).eval()
 
-
-def tokens(vocab, seq=40):
-    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_adapter_both_ways(tied):
     args = tiny_args(tied)
     hf = hf_model(args)
-    t = tokens(args.vocab_size)
+    t = probe_tokens(args.vocab_size)
     positions = torch.stack([torch.arange(40), torch.arange(40) % 13])  # restarting per "document"
 
     # HF -> ours.
@@ -88,7 +81,7 @@ def test_original_gpt2_key_spelling_and_mask_buffers():
         sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     model = ours(args)
     model.load_state_dict(hf_adapter.from_hf_state_dict(sd, args), strict=True)
-    t = tokens(args.vocab_size)
+    t = probe_tokens(args.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(model(t), hf(t).logits, rtol=0, atol=ATOL)
 
@@ -114,7 +107,7 @@ def test_checkpoint_round_trip_and_load_model(tmp_path):
     args = tiny_args()
     hf = hf_model(args)
     hf.save_pretrained(tmp_path / "hf")
-    t = tokens(args.vocab_size)
+    t = probe_tokens(args.vocab_size)
     with torch.no_grad():
         want = hf(t).logits
 
@@ -146,17 +139,13 @@ def test_checkpoint_round_trip_and_load_model(tmp_path):
 def test_train_from_hf_and_export_to_hf(tmp_path):
     """train.py (one process) starts from an HF folder of the debug flavor: its first loss is
     transformers' loss on the same batch; its final HF export loads in transformers."""
-    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
     args = gpt2_flavors["debugmodel"].update_from_config(vocab_size=tokenizer.vocab_size, seq_len=64)
     hf = hf_model(args, seed=4)
     hf.save_pretrained(tmp_path / "hf")
-    inputs, labels = next(iter(build_dataloader(
-        dataset="default", dataset_path=None, tokenizer=tokenizer, seq_len=64, local_batch_size=8,
-        global_batch_size=8, dp_rank=0, dp_degree=1, seed=0)))
-    with torch.no_grad():
-        hf_loss = F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten()).item()
+    inputs, hf_loss = first_batch_and_hf_loss(hf, tokenizer)
 
     dump = tmp_path / "run"
     proc = launch([*TINY_JOB, "--model.name", "gpt2", "--model.flavor", "debugmodel", "--job.dump_folder", str(dump),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, hf_warnings
+from family_checks import materialize
 from titanlike.checkpoint.format import model_description
 from titanlike.checkpoint.hf import write_dcp_model
 from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
@@ -36,10 +37,7 @@ def trained_checkpoint(tmp_path, name: str, tokenizer):
     spec = get_model_spec(name)
     flavor = dataclasses.replace(spec.flavors["debugmodel"], n_layers=2)
     args = flavor.update_from_config(vocab_size=tokenizer.vocab_size, seq_len=64)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=7)
+    model = materialize(spec.model_cls, args, seed=7)
     write_dcp_model(model.state_dict(), str(tmp_path / "dcp"), {
         "contents": "model_only", "step": 1, "tokenizer": tokenizer_record(tokenizer),
         "model": model_description(spec.name, args, context_len=flavor.context_len),

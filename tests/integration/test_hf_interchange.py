@@ -16,11 +16,18 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import titanlike
 from conftest import REPO, TINY_JOB, hf_warnings, launch, read_metrics
+from family_checks import (
+    check_hf_export,
+    check_hf_import,
+    first_batch_and_hf_loss,
+    materialize,
+    probe_tokens,
+    write_model_only_dcp,
+)
 from titanlike.models.llama3 import hf_adapter, llama3_flavors
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -40,59 +47,36 @@ def hf_model(args, seed=0) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**hf_adapter.args_to_hf_config(args))).eval()
 
 
-def tokens(vocab, seq=40):
-    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
-
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_to_titanlike_and_back(tmp_path, tied):
     args = tiny_args(tied)
     hf = hf_model(args)
-    hf.save_pretrained(tmp_path / "hf")
-    t = tokens(args.vocab_size)
-    with torch.no_grad():
-        want = hf(t).logits
-
-    # HF -> DCP -> our model.
-    assert convert_hf_to_dcp.main([str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    ours = titanlike.load_model(tmp_path / "dcp")
-    with torch.no_grad():
-        torch.testing.assert_close(ours(t), want, rtol=0, atol=ATOL)
-        # load_model also reads the HF folder directly.
-        torch.testing.assert_close(titanlike.load_model(tmp_path / "hf")(t), want, rtol=0, atol=ATOL)
+    t = probe_tokens(args.vocab_size)
+    # HF -> DCP -> our model, and load_model reading the HF folder directly.
+    want = check_hf_import(hf, tmp_path / "hf", tmp_path / "dcp", "llama3", t, ATOL)
 
     # DCP -> HF (forced into several shards) -> transformers.
-    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "out"), "--max-shard-size", "60KB"]) == 0
     out = tmp_path / "out"
+    check_hf_export(tmp_path / "dcp", out, LlamaForCausalLM, t, want, ATOL, ("--max-shard-size", "60KB"))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) > 2 and set(index["weight_map"].values()) == set(shards)
     assert ("lm_head.weight" in index["weight_map"]) is not tied
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == hf.config.eos_token_id
-    back = LlamaForCausalLM.from_pretrained(out).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(back(t).logits, want, rtol=0, atol=ATOL)
 
 
 def test_titanlike_weights_give_the_same_logits_in_transformers(tmp_path):
     """The other direction with weights of our own init (not HF's), via a model-only DCP."""
-    from titanlike.checkpoint.format import model_description
-    from titanlike.checkpoint.hf import write_dcp_model
     from titanlike.models.llama3 import Transformer
 
     args = tiny_args(False)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=3)
-    model.eval()
-    write_dcp_model(model.state_dict(), str(tmp_path / "dcp"),
-                    {"contents": "model_only", "step": 0, "model": model_description("llama3", args)})
-    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf")]) == 0
-    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    t = tokens(args.vocab_size)
+    model = materialize(Transformer, args, seed=3).eval()
+    write_model_only_dcp(model, "llama3", args, tmp_path / "dcp")
+    t = probe_tokens(args.vocab_size)
     with torch.no_grad():
-        torch.testing.assert_close(hf(t).logits, model(t), rtol=0, atol=ATOL)
+        want = model(t)
+    check_hf_export(tmp_path / "dcp", tmp_path / "hf", LlamaForCausalLM, t, want, ATOL)
 
 
 def test_convert_reports_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):
@@ -106,17 +90,13 @@ def test_convert_reports_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):
 def test_train_from_hf_and_export_to_hf(tmp_path):
     """On 2 ranks (FSDP2): rank 0 reads the HF weights and broadcasts them into the shards;
     at the end every rank writes its shards and rank 0 converts them to HF."""
-    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
     args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=tokenizer.vocab_size, max_seq_len=64)
     hf = hf_model(args, seed=4)
     hf.save_pretrained(tmp_path / "hf")
-    inputs, labels = next(iter(build_dataloader(
-        dataset="default", dataset_path=None, tokenizer=tokenizer, seq_len=64, local_batch_size=8,
-        global_batch_size=8, dp_rank=0, dp_degree=1, seed=0)))
-    with torch.no_grad():
-        hf_loss = F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten()).item()
+    inputs, hf_loss = first_batch_and_hf_loss(hf, tokenizer)
 
     dump = tmp_path / "run"
     launch([*TINY_JOB, "--job.dump_folder", str(dump), "--training.steps", "2",

@@ -10,23 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
 
-import titanlike
-from conftest import REPO
-from titanlike.checkpoint.format import model_description
-from titanlike.checkpoint.hf import write_dcp_model
+from family_checks import check_hf_export, check_hf_import, materialize, probe_tokens, write_model_only_dcp
 from titanlike.models.common.mamba2 import Mamba2Args
 from titanlike.models.hybrid import HybridModel, HybridModelArgs, hybrid_flavors
 
-sys.path.insert(0, str(REPO / "scripts"))
-import convert_dcp_to_hf  # noqa: E402
-import convert_hf_to_dcp  # noqa: E402
 
 ATOL = 2e-5
 MAMBA = Mamba2Args(num_heads=4, head_dim=32, state_size=16, n_groups=2, chunk_size=16)
@@ -64,31 +57,17 @@ def hf_model(case: str, seed: int = 0):
     return args, model
 
 
-def tokens(vocab: int, seq: int = 40) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
-
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_to_titanlike_and_back(tmp_path, case):
     args, hf = hf_model(case)
     assert HybridModelArgs.from_hf_config(hf.config.to_dict()) == args
-    hf.save_pretrained(tmp_path / "hf")
-    t = tokens(args.vocab_size)
-    with torch.no_grad():
-        want = hf(t).logits
+    t = probe_tokens(args.vocab_size)
+    want = check_hf_import(hf, tmp_path / "hf", tmp_path / "dcp", "hybrid", t, ATOL)
 
-    assert convert_hf_to_dcp.main([str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    assert json.loads((tmp_path / "dcp" / "titanlike.json").read_text())["model"]["name"] == "hybrid"
-    with torch.no_grad():
-        torch.testing.assert_close(titanlike.load_model(tmp_path / "dcp")(t), want, rtol=0, atol=ATOL)
-        torch.testing.assert_close(titanlike.load_model(tmp_path / "hf")(t), want, rtol=0, atol=ATOL)
-
-    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "out")]) == 0
+    check_hf_export(tmp_path / "dcp", tmp_path / "out", CASES[case][2], t, want, ATOL)
     written = set(json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"])
     assert written == set(load_file(tmp_path / "hf" / "model.safetensors"))  # the keys save_pretrained writes
-    back = CASES[case][2].from_pretrained(tmp_path / "out").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(back(t).logits, want, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("case", ["nemotron_h", "mamba2"])
@@ -96,23 +75,18 @@ def test_titanlike_weights_give_the_same_logits_in_transformers(tmp_path, case):
     """The other direction with weights of our own init, via a model-only DCP."""
     make_args, _, model_cls = CASES[case]
     args = make_args()
-    with torch.device("meta"):
-        model = HybridModel(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=3)
+    model = materialize(HybridModel, args, seed=3)
     with torch.no_grad():
         for key, p in model.named_parameters():
             if "norm" in key or key.endswith((".D", "conv_bias")):
                 p.add_(0.2 * torch.randn_like(p))
     model.eval()
-    write_dcp_model(model.state_dict(), str(tmp_path / "dcp"),
-                    {"contents": "model_only", "step": 0, "model": model_description("hybrid", args)})
-    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf")]) == 0
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == case
-    hf = model_cls.from_pretrained(tmp_path / "hf").eval()
-    t = tokens(args.vocab_size)
+    write_model_only_dcp(model, "hybrid", args, tmp_path / "dcp")
+    t = probe_tokens(args.vocab_size)
     with torch.no_grad():
-        torch.testing.assert_close(hf(t).logits, model(t), rtol=0, atol=ATOL)
+        want = model(t)
+    check_hf_export(tmp_path / "dcp", tmp_path / "hf", model_cls, t, want, ATOL)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == case
 
 
 def test_what_transformers_cannot_express_is_refused_in_one_sentence():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import pytest
 import torch
@@ -25,17 +24,13 @@ from transformers import (
 )
 
 import titanlike
-from conftest import REPO
-from titanlike.checkpoint.format import CheckpointError, model_description
-from titanlike.checkpoint.hf import write_dcp_model
+from family_checks import check_hf_export, check_hf_import, materialize, probe_tokens, write_model_only_dcp
+from titanlike.checkpoint.format import CheckpointError
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.mixtral import MixtralModelArgs, mixtral_flavors
 from titanlike.models.qwen3 import Qwen3ModelArgs, qwen3_flavors
 from titanlike.models.registry import get_model_spec
 
-sys.path.insert(0, str(REPO / "scripts"))
-import convert_dcp_to_hf  # noqa: E402
-import convert_hf_to_dcp  # noqa: E402
 
 ATOL = 1e-5
 
@@ -86,36 +81,22 @@ def hf_model(case: str, seed: int = 0):
     return args, model
 
 
-def tokens(vocab: int, seq: int = 40) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
-
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_to_titanlike_and_back(tmp_path, case):
     args, hf = hf_model(case)
     # The config both ways (HF's own to_dict spells the expert count num_local_experts).
     assert type(args).from_hf_config(hf.config.to_dict()) == args
-    hf.save_pretrained(tmp_path / "hf")
-    t = tokens(args.vocab_size)
-    with torch.no_grad():
-        want = hf(t).logits
-
+    t = probe_tokens(args.vocab_size)
     # HF folder -> DCP -> our model, and the HF folder read directly.
-    assert convert_hf_to_dcp.main([str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    sidecar = json.loads((tmp_path / "dcp" / "titanlike.json").read_text())
-    assert sidecar["model"]["name"] == CASES[case][0]
-    with torch.no_grad():
-        torch.testing.assert_close(titanlike.load_model(tmp_path / "dcp")(t), want, rtol=0, atol=ATOL)
-        torch.testing.assert_close(titanlike.load_model(tmp_path / "hf")(t), want, rtol=0, atol=ATOL)
+    want = check_hf_import(hf, tmp_path / "hf", tmp_path / "dcp", CASES[case][0], t, ATOL)
 
     # DCP -> HF (several shards) -> transformers: the per-expert keys save_pretrained writes.
-    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "out"), "--max-shard-size", "60KB"]) == 0
+    check_hf_export(tmp_path / "dcp", tmp_path / "out", CASES[case][3], t, want, ATOL, ("--max-shard-size", "60KB"),
+                    experts_implementation="eager")
     written = set(json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"])
     saved = set(load_file(tmp_path / "hf" / "model.safetensors"))
     assert written == saved
-    back = CASES[case][3].from_pretrained(tmp_path / "out", experts_implementation="eager").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(back(t).logits, want, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "mixtral"])
@@ -123,10 +104,7 @@ def test_titanlike_weights_give_the_same_logits_in_transformers(tmp_path, case):
     """The other direction with weights of our own init (not HF's), via a model-only DCP."""
     name, make_args, _, model_cls = CASES[case]
     args, spec = make_args(), get_model_spec(name)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=3)
+    model = materialize(spec.model_cls, args, seed=3)
     with torch.no_grad():  # norms away from 1 (QK-norm permutation), a sharp router
         for key, p in model.named_parameters():
             if "norm" in key:
@@ -134,15 +112,13 @@ def test_titanlike_weights_give_the_same_logits_in_transformers(tmp_path, case):
             elif key.endswith("router.gate.weight"):
                 p.normal_(std=0.5)
     model.eval()
-    write_dcp_model(model.state_dict(), str(tmp_path / "dcp"),
-                    {"contents": "model_only", "step": 0, "model": model_description(name, args)})
-    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf")]) == 0
+    write_model_only_dcp(model, name, args, tmp_path / "dcp")
+    t = probe_tokens(args.vocab_size)
+    with torch.no_grad():
+        want = model(t)
+    check_hf_export(tmp_path / "dcp", tmp_path / "hf", model_cls, t, want, ATOL, experts_implementation="eager")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == (
         {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}[case])
-    hf = model_cls.from_pretrained(tmp_path / "hf", experts_implementation="eager").eval()
-    t = tokens(args.vocab_size)
-    with torch.no_grad():
-        torch.testing.assert_close(hf(t).logits, model(t), rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])

@@ -17,6 +17,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 import titanlike
 from conftest import hf_warnings
+from family_checks import materialize
 from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.t5 import T5, T5Args, hf_adapter, t5_flavors
@@ -50,11 +51,7 @@ def hf_model(args: T5Args, seed=0) -> T5ForConditionalGeneration:
 
 
 def ours(args: T5Args, seed=3) -> T5:
-    with torch.device("meta"):
-        model = T5(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model.eval()
+    return materialize(T5, args, seed=seed).eval()
 
 
 def inputs(vocab: int):

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from family_checks import check_stages_initialized_as_full, held_params, init_pipeline_stages, materialize, run_stages
 from titanlike.models.args import SampleFormat
 from titanlike.models.bert import BINARY_LOSS, Bert, BertArgs, bert_flavors
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import reported_loss_sums
 from titanlike.models.registry import get_model_spec, model_names, spec_for_hf_model_type
-from titanlike.parallel.pipeline import build_stage_modules, plan_layout
+from titanlike.parallel.pipeline import plan_layout
 from titanlike.parallel.tensor_parallel import STYLES
 
 SPEC = get_model_spec("bert")
@@ -26,16 +27,7 @@ def tiny_args(**overrides) -> BertArgs:
 
 
 def build(args, seed=0) -> Bert:
-    """The trainer's sequence: meta construction, to_empty, init_weights."""
-    with torch.device("meta"):
-        model = Bert(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
-
-
-def held(model) -> int:
-    return sum(p.numel() for p in model.parameters())  # a tied Parameter once
+    return materialize(Bert, args, seed)
 
 
 def batch(args, seq=16, seed=0):
@@ -70,9 +62,9 @@ def test_num_params_counts_the_meta_model(flavor):
     with torch.device("meta"):
         model = Bert(args)
     assert model.output.weight is model.tok_embeddings.weight and model.output.bias is not None
-    assert args.num_params() == held(model)
+    assert args.num_params() == held_params(model)
     lookups = model.pos_embeddings.weight.numel() + model.type_embeddings.weight.numel()
-    assert args.num_params(exclude_embedding=True) == held(model) - lookups
+    assert args.num_params(exclude_embedding=True) == held_params(model) - lookups
     assert (model.norm is not None) == args.pre_norm
     assert bert_flavors["base"].num_params() == pytest.approx(110e6, rel=0.01)  # BERT-base's published size
     assert bert_flavors["large"].num_params() == pytest.approx(340e6, rel=0.02)
@@ -82,7 +74,7 @@ def test_num_params_counts_the_meta_model(flavor):
 def test_variants_count_and_flops(overrides):
     args = tiny_args(**overrides)
     model = build(args)
-    assert args.num_params() == held(model)
+    assert args.num_params() == held_params(model)
     # FLOPs: 6 x the per-token matmul parameters (no lookup tables, no once-per-sequence pooler and
     # binary head; the tied table and the MLM transform counted) + 12 L H Q T.
     per_sequence = {"pos_embeddings", "type_embeddings", "binary_head"}
@@ -230,28 +222,16 @@ def test_pipeline_stages_compose_to_the_full_model():
     with torch.device("meta"):
         full = Bert(args)
     layout = plan_layout(4, 2, "Interleaved1F1B", None)
-    parts = {}
-    for rank in range(2):
-        for stage, part in zip(layout.stages_of_rank(rank), build_stage_modules(full, SPEC, layout, rank)):
-            part.to_empty(device="cpu")
-            part.init_weights(seed=3)
-            parts[stage] = part
+    parts = init_pipeline_stages(full, SPEC, layout, seed=3)
     first, last = parts[0], parts[layout.num_stages - 1]
     assert first.type_embeddings is not None and first.embedding_norm is not None and first.output is None
     assert first.binary_head is None and first.lm_head is None
     assert last.tok_embeddings is None and last.type_embeddings is None and last.binary_head is not None
     assert last.output.weight is not None and last.tied_weights == {"output.weight": "tok_embeddings.weight"}
-    full.to_empty(device="cpu")
-    full.init_weights(seed=3)
-    full_params = dict(full.named_parameters(remove_duplicate=False))
-    for part in parts.values():
-        for name, param in part.named_parameters():
-            assert torch.equal(param, full_params[name]), name
+    check_stages_initialized_as_full(parts, full, seed=3)
     tokens, token_types = batch(args)
     labels = torch.tensor([1, 0, 1])
-    h = tokens
-    for stage in range(layout.num_stages):  # every stage gets every field; only the ends read them
-        h = parts[stage](h, token_types=token_types, binary_labels=labels)
+    h = run_stages(parts, tokens, token_types=token_types, binary_labels=labels)  # only the ends read them
     torch.testing.assert_close(h, full(tokens, token_types=token_types, binary_labels=labels), rtol=0, atol=0)
     assert last.binary_head.reported_loss_sum.item() == pytest.approx(full.binary_head.reported_loss_sum.item())
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, _env
+from family_checks import check_stages_initialized_as_full, held_params, init_pipeline_stages, materialize, run_stages
 from titanlike.models.gpt2 import GPT2, GPT2Args, gpt2_flavors
 from titanlike.models.registry import get_model_spec, model_names
 from titanlike.parallel.pipeline import build_stage_modules, plan_layout
@@ -28,16 +29,7 @@ def tiny_args(**overrides) -> GPT2Args:
 
 
 def build(args, seed=0) -> GPT2:
-    """The trainer's sequence: meta construction, to_empty, init_weights."""
-    with torch.device("meta"):
-        model = GPT2(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
-
-
-def held(model) -> int:
-    return sum(p.numel() for p in model.parameters())  # a tied Parameter once
+    return materialize(GPT2, args, seed)
 
 
 # ---------------------------------------------------------------- registry, sizes, FLOPs
@@ -59,9 +51,9 @@ def test_num_params_counts_the_meta_model(flavor):
     with torch.device("meta"):
         model = GPT2(args)
     assert model.output.weight is model.tok_embeddings.weight
-    assert args.num_params() == held(model)
+    assert args.num_params() == held_params(model)
     # Without embeddings: the position table goes, the tied table (the output projection) stays.
-    assert args.num_params(exclude_embedding=True) == held(model) - model.pos_embeddings.weight.numel()
+    assert args.num_params(exclude_embedding=True) == held_params(model) - model.pos_embeddings.weight.numel()
     block = model.layers["0"]
     assert block.attention.wq.bias is not None and block.feed_forward.w2.bias is not None
     assert block.feed_forward.w1.weight.shape == (4 * args.dim, args.dim)
@@ -72,9 +64,9 @@ def test_untied_variant_counts_both_tables():
     args = tiny_args(tie_word_embeddings=False)
     model = build(args)
     assert model.output.weight is not model.tok_embeddings.weight
-    assert args.num_params() == held(model)
+    assert args.num_params() == held_params(model)
     table = args.vocab_size * args.dim
-    assert args.num_params(exclude_embedding=True) == held(model) - table - args.max_seq_len * args.dim
+    assert args.num_params(exclude_embedding=True) == held_params(model) - table - args.max_seq_len * args.dim
 
 
 def test_published_sizes():
@@ -156,12 +148,7 @@ def test_pipeline_stages_compose_to_the_full_model():
     with torch.device("meta"):
         full = GPT2(full_args)
     layout = plan_layout(4, 2, "Interleaved1F1B", None)  # 4 one-layer stages, looped
-    parts = {}
-    for rank in range(2):
-        for stage, part in zip(layout.stages_of_rank(rank), build_stage_modules(full, SPEC, layout, rank)):
-            part.to_empty(device="cpu")
-            part.init_weights(seed=3)
-            parts[stage] = part
+    parts = init_pipeline_stages(full, SPEC, layout, seed=3)
     first, last = parts[0], parts[layout.num_stages - 1]
     assert first.pos_embeddings is not None and first.output is None
     assert last.tok_embeddings is None and last.pos_embeddings is None
@@ -169,18 +156,11 @@ def test_pipeline_stages_compose_to_the_full_model():
     assert set(dict(last.named_parameters())) >= {"output.weight", "norm.weight", "norm.bias"}
     assert all(p.pos_embeddings is None for s, p in parts.items() if s)
     torch.testing.assert_close(last.output.weight, first.tok_embeddings.weight, rtol=0, atol=0)
-    full.to_empty(device="cpu")
-    full.init_weights(seed=3)
-    full_params = dict(full.named_parameters(remove_duplicate=False))
-    for part in parts.values():
-        for name, param in part.named_parameters():
-            assert torch.equal(param, full_params[name]), name
+    check_stages_initialized_as_full(parts, full, seed=3)
     tokens = torch.randint(0, full_args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     positions = torch.stack([torch.arange(16), torch.arange(16) % 5])
     for pos in (None, positions):
-        h = tokens
-        for stage in range(layout.num_stages):
-            h = parts[stage](h, positions=pos)  # every stage gets the positions; only the first reads them
+        h = run_stages(parts, tokens, positions=pos)  # only the first stage reads the positions
         with torch.no_grad():
             torch.testing.assert_close(h, full(tokens, positions=pos), rtol=0, atol=0)
 

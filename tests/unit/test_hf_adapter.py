@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import hf_warnings
+from family_checks import materialize
 from titanlike.models.llama3 import Transformer, hf_adapter, llama3_flavors
 
 ATOL = 1e-5
@@ -29,11 +30,7 @@ def hf_model(args, seed=0):
 
 
 def ours(args, seed=0):
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model.eval()
+    return materialize(Transformer, args, seed=seed).eval()
 
 
 def tokens(args, seq=40):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from family_checks import held_params, materialize
 from titanlike.models.common import attention as attention_mod
 from titanlike.models.common.init import canonical_fqn, seed_for
 from titanlike.models.common.rope import RoPEScaling, apply_rotary_emb, precompute_rope_cache, rope_inv_freq
@@ -28,22 +29,13 @@ TINY = llama3_flavors["debugmodel_tiny"]
 SPEC = get_model_spec("llama3")
 
 
-def held(model) -> int:
-    """Parameters a module holds (a tied Parameter once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def tiny_args(**overrides):
     return dataclasses.replace(TINY, **{"vocab_size": 320, "max_seq_len": 64, **overrides})
 
 
 def build(args, seed=0, device="cpu"):
     """The trainer's sequence: meta construction, to_empty, init_weights."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=device)
-    model.init_weights(seed=seed)
-    return model
+    return materialize(Transformer, args, seed=seed, device=device)
 
 
 # ---------------------------------------------------------------- shapes and sizes
@@ -79,8 +71,8 @@ def test_flavor_shapes_on_meta(flavor):
     assert model.layers["0"].feed_forward.w1.weight.shape == (args.ffn_hidden_dim, args.dim)
     assert model.output.weight.shape == (args.vocab_size, args.dim)
     assert model.rope_cache.shape == (args.max_seq_len, hd)
-    assert held(model) == args.num_params()
-    assert held(model) - (0 if args.tie_word_embeddings else args.vocab_size * args.dim) == \
+    assert held_params(model) == args.num_params()
+    assert held_params(model) - (0 if args.tie_word_embeddings else args.vocab_size * args.dim) == \
         args.num_params(exclude_embedding=True)
     if flavor in PUBLISHED:
         total, hidden = PUBLISHED[flavor]
@@ -281,7 +273,7 @@ def test_tied_embeddings():
     model = build(args, seed=1)
     # to_empty from meta must not untie (it creates new Parameters per module).
     assert model.output.weight is model.tok_embeddings.weight
-    assert held(model) == held(untied) - args.vocab_size * args.dim == args.num_params()
+    assert held_params(model) == held_params(untied) - args.vocab_size * args.dim == args.num_params()
     # The shared matrix is also the output projection: it stays in the FLOP count.
     assert args.num_params(exclude_embedding=True) == args.num_params()
     assert model.tied_weights == {"output.weight": "tok_embeddings.weight"}
@@ -394,7 +386,7 @@ def test_num_flops_per_token_hand_computed():
     ffn = 3 * 64 * 192
     n = 8 * (attention + ffn + 2 * 64) + 64 + 2256 * 64  # blocks, final norm, output projection
     assert args.num_params(exclude_embedding=True) == n == 538688
-    assert held(model) == n + 2256 * 64
+    assert held_params(model) == n + 2256 * 64
     assert args.flops_per_token(128) == 6 * n + 12 * 8 * 4 * 16 * 128
 
 
@@ -402,8 +394,9 @@ def test_num_flops_per_token_hand_computed():
 
 
 def _run_torchrun(check: str, nproc: int = 2, timeout: int = 240) -> str:
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        [repo, os.path.join(repo, "tests"),  # tests/: this file imports family_checks
          os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.abspath(__file__), check]

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from family_checks import check_forward_backward, materialize
 from test_qwen3_model import validate_preset
 from titanlike.models.common.moe import MoEArgs, Router
 from titanlike.models.mixtral import Mixtral, MixtralModelArgs, mixtral_flavors
@@ -24,11 +25,7 @@ def tiny(**changes) -> MixtralModelArgs:
 
 
 def build(args: MixtralModelArgs, seed: int = 0) -> Mixtral:
-    with torch.device("meta"):
-        model = Mixtral(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
+    return materialize(Mixtral, args, seed)
 
 
 def test_registry():
@@ -65,12 +62,7 @@ def test_routing_is_hf_mixtral():
 
 def test_forward_backward():
     args = tiny()
-    model = build(args).train()
-    t = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    logits = model(t)
-    assert logits.shape == (2, 16, args.vocab_size)
-    logits.sum().backward()
-    assert all(p.grad is not None for p in model.parameters())
+    check_forward_backward(build(args), args.vocab_size)
 
 
 @pytest.mark.parametrize("flavor", sorted(mixtral_flavors))

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from family_checks import check_stages_initialized_as_full, init_pipeline_stages, run_stages
 from titanlike.models.llama3 import llama3_flavors
 from titanlike.models.registry import get_model_spec
 from titanlike.parallel.pipeline import build_stage_modules, plan_layout
@@ -88,23 +89,10 @@ def test_stages_are_initialized_and_compute_as_the_full_model():
     torch.manual_seed(0)
     full = meta_model("debugmodel_tiny", vocab_size=128, max_seq_len=16)
     layout = plan_layout(8, 2, "Interleaved1F1B", None)
-    parts = {}
-    for rank in range(2):
-        for stage, part in zip(layout.stages_of_rank(rank), build_stage_modules(full, SPEC, layout, rank)):
-            part.to_empty(device="cpu")
-            part.init_weights(seed=3)
-            parts[stage] = part
-    full.to_empty(device="cpu")
-    full.init_weights(seed=3)
-    full_params = dict(full.named_parameters())
-    for part in parts.values():
-        for name, param in part.named_parameters():
-            assert torch.equal(param, full_params[name]), name
+    parts = init_pipeline_stages(full, SPEC, layout, seed=3)
+    check_stages_initialized_as_full(parts, full, seed=3)
     tokens = torch.randint(0, 128, (2, 16))
-    h = tokens
-    for stage in range(layout.num_stages):
-        h = parts[stage](h)
-    torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
+    torch.testing.assert_close(run_stages(parts, tokens), full(tokens), rtol=0, atol=0)
 
 
 def test_tied_embeddings_split_into_equal_copies_on_the_end_stages():

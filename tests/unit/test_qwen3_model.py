@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from family_checks import check_causal, check_forward_backward, materialize
 from titanlike.models.common.attention import Attention
 from titanlike.models.common.init import LinearInit
 from titanlike.models.common.moe import MoE, MoEArgs
@@ -33,11 +34,7 @@ def tiny(moe: bool = True, **changes) -> Qwen3ModelArgs:
 
 
 def build(args: Qwen3ModelArgs, seed: int = 0) -> Qwen3:
-    with torch.device("meta"):
-        model = Qwen3(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
+    return materialize(Qwen3, args, seed)
 
 
 def test_registry_reads_both_hf_model_types_and_writes_the_fitting_one():
@@ -84,17 +81,9 @@ def test_explicit_head_dim_sizes_the_projections():
 @pytest.mark.parametrize("moe", [False, True])
 def test_forward_backward_and_causality(moe):
     args = tiny(moe)
-    model = build(args).train()
-    t = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    logits = model(t)
-    assert logits.shape == (2, 16, args.vocab_size)
-    logits.sum().backward()
-    assert all(p.grad is not None for p in model.parameters())
-    model.eval()
-    with torch.no_grad():
-        t2 = t.clone()
-        t2[:, 10:] = (t2[:, 10:] + 1) % args.vocab_size
-        torch.testing.assert_close(model(t)[:, :10], model(t2)[:, :10])
+    model = build(args)
+    t = check_forward_backward(model, args.vocab_size)
+    check_causal(model, t, args.vocab_size)
 
 
 def test_qk_norm_makes_attention_invariant_to_the_scale_of_q_and_k():

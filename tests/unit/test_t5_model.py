@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from family_checks import held_params, materialize
 from titanlike.models.args import SampleFormat
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.registry import get_model_spec, model_names
@@ -32,15 +33,7 @@ def tiny_args(**overrides) -> T5Args:
 
 def build(args, seed=0) -> T5:
     """The trainer's sequence: meta construction, to_empty, init_weights."""
-    with torch.device("meta"):
-        model = T5(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model.eval()
-
-
-def held(model) -> int:
-    return sum(p.numel() for p in model.parameters())  # a tied Parameter once
+    return materialize(T5, args, seed=seed).eval()
 
 
 def batch(args, seq=24, dec=12, seed=0):
@@ -69,9 +62,9 @@ def test_num_params_counts_the_meta_model(flavor):
     args = t5_flavors[flavor]
     with torch.device("meta"):
         model = T5(args)
-    assert args.num_params() == held(model)
+    assert args.num_params() == held_params(model)
     lookups = model.encoder_relative_bias.weight.numel() * 2 + model.tok_embeddings.weight.numel()
-    assert args.num_params(exclude_embedding=True) == held(model) - lookups
+    assert args.num_params(exclude_embedding=True) == held_params(model) - lookups
     assert len(model.layers) == args.num_layers
     assert model.layers["0"].cross_attention is None and model.layers[str(args.n_encoder_layers)].cross_attention
 
@@ -88,9 +81,9 @@ def test_tied_relu_variant_counts_one_table():
     model = build(args)
     assert model.output.weight is model.tok_embeddings.weight and model.tied_weights
     assert model.layers["0"].feed_forward.w3 is None
-    assert args.num_params() == held(model)
+    assert args.num_params() == held_params(model)
     tables = 2 * model.encoder_relative_bias.weight.numel()
-    assert args.num_params(exclude_embedding=True) == held(model) - tables
+    assert args.num_params(exclude_embedding=True) == held_params(model) - tables
 
 
 def _matmul_flops(model: T5, tokens, decoder_inputs) -> int:
@@ -265,8 +258,8 @@ def test_tensor_parallel_and_fsdp_match_single_process():
     """Two gloo ranks: tensor parallelism (with and without sequence parallelism and loss
     parallelism, both variants, padded encoder inputs), then FSDP: the same init, loss and
     gradients as one process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",  # tests/: this file imports family_checks
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.abspath(__file__)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
