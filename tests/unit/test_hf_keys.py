@@ -77,3 +77,16 @@ def test_tie_output():
     sd = {"tok_embeddings.weight": table, "output.weight": head}
     KEYS.tie_output(sd, tied=False)
     assert sd["output.weight"] is head
+
+
+def test_export_decoder_renames_skips_and_converts():
+    keys = HFKeyMap(top={"tok_embeddings.weight": "embed.weight", "output.weight": "lm_head.weight"},
+                    layer={"w.weight": "proj.weight"}, hf_layers="model.layers.")
+    sd = {"_orig_mod.tok_embeddings.weight": 1, "layers.0.w.weight": 2, "output.weight": 3, "rope_cache": 4}
+    doubled = keys.export_decoder(sd, tied=False, convert=lambda key, value: (key, 2 * value))
+    assert doubled == {"embed.weight": ("tok_embeddings.weight", 2),
+                       "model.layers.0.proj.weight": ("layers.0.w.weight", 4),
+                       "lm_head.weight": ("output.weight", 6)}
+    assert "lm_head.weight" not in keys.export_decoder(sd, tied=True, convert=lambda key, value: value)
+    with pytest.raises(KeyError, match="no Hugging Face name for parameter 'layers.0.extra'"):
+        keys.export_decoder({"layers.0.extra": 0}, tied=False, convert=lambda key, value: value)

@@ -6,16 +6,19 @@ table of per-layer names. `HFKeyMap` holds those tables and renames one key eith
 anything it does not know comes back as None, so the adapter handles its special cases (fused
 or stacked tensors, skipped buffers, aliases) around it and raises its own KeyError. Tensors
 are not touched here: layout changes (transposes, RoPE row order) stay with the adapter.
-`tie_output` is the decoders' shared last step on import: the output head of a tied model is
-its embedding table.
+`export_decoder` and `tie_output` are the decoders' shared export loop and last import step (the
+output head of a tied model is its embedding table).
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from titanlike.models.common.init import canonical_fqn
 
 
 def _invert(table: Mapping[str, str], what: str) -> dict[str, str]:
@@ -82,6 +85,21 @@ class HFKeyMap:
         """The per-layer part of one of our keys (what layout changes key on); None for a top-level key."""
         split = self.split(key)
         return None if split is None else split[1]
+
+    def export_decoder(self, sd: Mapping, *, tied: bool, convert: Callable[[str, Any], Any]) -> dict:
+        """A decoder's state dict renamed to HF's, every key a plain rename: wrapper prefixes dropped,
+        the RoPE cache (a buffer) and a tied output head (HF ties lm_head itself) skipped, each value
+        passed through convert(our key, value) for its layout. KeyError for a key with no HF name."""
+        hf = {}
+        for key, value in sd.items():
+            key = canonical_fqn(key)
+            if key == "rope_cache" or (key == "output.weight" and tied):
+                continue
+            hf_key = self.to_hf(key)
+            if hf_key is None:
+                raise KeyError(f"no Hugging Face name for parameter {key!r}")
+            hf[hf_key] = convert(key, value)
+        return hf
 
     def tie_output(self, sd: dict, tied: bool) -> None:
         """After reading a decoder's HF weights: a tied output head is the embedding table (HF

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from titanlike.models.common.hf_keys import HFKeyMap
-from titanlike.models.common.init import canonical_fqn
 from titanlike.models.common.mamba2 import Mamba2Args, grouped_rows
 
 MAMBA2 = "mamba2"
@@ -99,16 +98,8 @@ def _from_hf_layout(name: str | None, value: torch.Tensor, args) -> torch.Tensor
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
     """Our state dict (full tensors) -> the HF model's, as saved on disk."""
     _check_exportable(args)
-    hf: dict[str, torch.Tensor] = {}
-    for key, value in sd.items():
-        key = canonical_fqn(key)
-        if key == "rope_cache" or (key == "output.weight" and args.tie_word_embeddings):
-            continue
-        hf_key = KEYS.to_hf(key)
-        if hf_key is None:
-            raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        hf[hf_key] = _to_hf_layout(KEYS.layer_name(key), value, args)
-    return hf
+    return KEYS.export_decoder(sd, tied=args.tie_word_embeddings,
+                               convert=lambda key, value: _to_hf_layout(KEYS.layer_name(key), value, args))
 
 
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args) -> dict[str, torch.Tensor]:

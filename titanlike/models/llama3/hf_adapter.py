@@ -19,7 +19,6 @@ from typing import Any, Mapping
 import torch
 
 from titanlike.models.common.hf_keys import HFKeyMap
-from titanlike.models.common.init import canonical_fqn
 from titanlike.models.common.rope import RoPEScaling
 from titanlike.models.llama3.model import TransformerModelArgs
 
@@ -71,16 +70,8 @@ def _permute_qk(key: str, value: torch.Tensor, args: TransformerModelArgs, conve
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
     """Our state dict (full tensors) -> LlamaForCausalLM's. Wrapper prefixes in keys are ignored."""
-    hf: dict[str, torch.Tensor] = {}
-    for key, value in sd.items():
-        key = canonical_fqn(key)
-        if key == "rope_cache" or (key == "output.weight" and args.tie_word_embeddings):
-            continue
-        hf_key = KEYS.to_hf(key)
-        if hf_key is None:
-            raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        hf[hf_key] = _permute_qk(key, value, args, interleaved_to_half)
-    return hf
+    return KEYS.export_decoder(sd, tied=args.tie_word_embeddings,
+                               convert=lambda key, value: _permute_qk(key, value, args, interleaved_to_half))
 
 
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
