@@ -56,11 +56,6 @@ def test_tp2_with_loss_parallel(train_run, reference):
     check(train_run.metrics, reference, "TP2 (SP + loss parallel)")
 
 
-@pytest.mark.train_run(*T5, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4", nproc=4)
-def test_fsdp2_x_tp2(train_run, reference):
-    check(train_run.metrics, reference, "FSDP2 x TP2")
-
-
 def test_fsdp2_then_resume_at_tp2(tmp_path, reference):
     save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
             "--checkpoint.folder", str(tmp_path / "ckpt"))
