@@ -34,21 +34,13 @@ from __future__ import annotations
 import numpy as np
 
 from titanlike.data.errors import DataError
-from titanlike.data.sentence_samples import SentenceSamples
+from titanlike.data.sentence_samples import SentenceSamples, numpy_fields
 from titanlike.data.special_tokens import ordinary_token_ids, special_token_ids
+from titanlike.models.args import SampleFormat
 
 IGNORE_INDEX = -100  # the loss's ignore index (titanlike.models.args / the trainer's cross-entropy)
 
-__all__ = ["MaskedLMSamples", "mask_tokens", "masked_lm_fields"]
-
-
-def masked_lm_fields(seq_len: int, sentence_pairs: bool) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Field name -> (shape, dtype) of one masked-LM sample."""
-    fields = {name: ((seq_len,), np.dtype(np.int64)) for name in ("inputs", "labels", "token_types", "document_ids")}
-    if sentence_pairs:
-        fields["binary_labels"] = ((), np.dtype(np.int64))
-        fields["binary_weights"] = ((), np.dtype(np.float32))
-    return fields
+__all__ = ["MaskedLMSamples", "mask_tokens"]
 
 
 def mask_tokens(tokens: np.ndarray, maskable: np.ndarray, *, mask_prob: float, mask_id: int,
@@ -119,7 +111,7 @@ class MaskedLMSamples:
             sentences, split=split, split_name=split_name, max_len=self.seq_len - specials,
             short_seq_prob=short_seq_prob, min_sentences=2 if sentence_pairs else 1, seed=seed,
             num_samples=num_samples, what="masked-LM sentence-pair" if sentence_pairs else "masked-LM")
-        self.fields = masked_lm_fields(self.seq_len, self.sentence_pairs)
+        self.fields = numpy_fields(SampleFormat("masked_lm", self.sentence_pairs), self.seq_len)
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from titanlike.data.errors import DataError
+from titanlike.models.args import SampleFormat
 
 __all__ = ["InMemorySentences", "SentenceSamples", "pack_sentences", "sentence_split_corpus", "split_documents"]
 
@@ -191,3 +192,10 @@ def sentence_split_corpus(path: str | os.PathLike, tokenizer) -> InMemorySentenc
                 documents.append([ids for ids in encoded if ids])
             cached = _CORPUS_CACHE[key] = InMemorySentences(documents, name=f"corpus {os.fspath(path)}")
     return cached
+
+
+def numpy_fields(fmt: SampleFormat, seq_len: int,
+                 decoder_seq_len: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Field name -> (shape, numpy dtype) of one sample of this format (the contract's field_shapes),
+    what a sample source checks its samples against."""
+    return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in fmt.field_shapes(seq_len, decoder_seq_len).items()}

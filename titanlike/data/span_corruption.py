@@ -31,17 +31,11 @@ import numpy as np
 
 from titanlike.data.errors import DataError
 from titanlike.data.masked_lm import IGNORE_INDEX
-from titanlike.data.sentence_samples import SentenceSamples
+from titanlike.data.sentence_samples import SentenceSamples, numpy_fields
 from titanlike.data.special_tokens import sentinel_ids, special_token_ids
+from titanlike.models.args import SampleFormat
 
-__all__ = ["SpanCorruptionSamples", "corrupted_lengths", "random_spans_noise_mask", "span_corruption_fields"]
-
-
-def span_corruption_fields(seq_len: int, decoder_seq_len: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Field name -> (shape, dtype) of one span-corruption sample."""
-    i64 = np.dtype(np.int64)
-    return {"inputs": ((seq_len,), i64), "document_ids": ((seq_len,), i64),
-            "decoder_inputs": ((decoder_seq_len,), i64), "labels": ((decoder_seq_len,), i64)}
+__all__ = ["SpanCorruptionSamples", "corrupted_lengths", "random_spans_noise_mask"]
 
 
 def noise_counts(length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
@@ -120,7 +114,7 @@ class SpanCorruptionSamples:
         self.samples = SentenceSamples(
             sentences, split=split, split_name=split_name, max_len=self.raw_len, short_seq_prob=short_seq_prob,
             min_sentences=1, seed=seed, num_samples=num_samples, what="span-corruption")
-        self.fields = span_corruption_fields(self.seq_len, self.decoder_seq_len)
+        self.fields = numpy_fields(SampleFormat("span_corruption"), self.seq_len, self.decoder_seq_len)
 
     def __len__(self) -> int:
         return len(self.samples)
