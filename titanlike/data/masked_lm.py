@@ -37,8 +37,8 @@ from titanlike.data.errors import DataError
 from titanlike.data.sentence_samples import SentenceSamples, numpy_fields
 from titanlike.data.special_tokens import ordinary_token_ids, special_token_ids
 from titanlike.models.args import SampleFormat
+from titanlike.models.outputs import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # the loss's ignore index (titanlike.models.args / the trainer's cross-entropy)
 
 __all__ = ["MaskedLMSamples", "mask_tokens"]
 
