@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    kind = model.model_args.sample_format().kind
-    if kind != "causal_lm":
-        print(f"error: this script samples next tokens from decoder-only models; {type(model).__name__} was trained "
-              f"on {kind} samples (load it with titanlike.load_model and call it, or export it to "
-              "Hugging Face)", file=sys.stderr)
+    attention = model.model_args.attention_shape()
+    if attention is not None and not attention.causal:
+        print(f"error: this script samples next tokens from decoder-only models; {type(model).__name__} is an "
+              "encoder, its attention reads both ways (load it with titanlike.load_model and call it, or export it "
+              "to Hugging Face)", file=sys.stderr)
         return 1
     vocab = vocab_size(model)
     if tokenizer.vocab_size != vocab:

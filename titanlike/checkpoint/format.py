@@ -777,7 +777,7 @@ def write_hf(
     """Write our full state dict as a Hugging Face folder loadable by transformers.
 
     context_len becomes config.json's max_position_embeddings (default: the args' own). bos_id, eos_id
-    (and, for masked-LM and span-corruption models, pad_id) become config.json's token ids.
+    (and, for encoders, trained on padded samples, pad_id) become config.json's token ids.
     tokenizer_path: the job's tokenizer, written as tokenizer.json + tokenizer_config.json (or
     copied with a note when it cannot be converted; see titanlike.data.hf_tokenizer), checked
     against tokenizer_fingerprint when given. Returns that step's TokenizerExport, whose message
@@ -807,12 +807,13 @@ def write_hf(
     for name, value in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
         if value is not None:
             config[name] = generation[name] = int(value)
-    kind = args.sample_format().kind
-    if kind != "causal_lm" and pad_id is not None:
-        # Encoder samples are padded; transformers reads the id to batch and generate. Our
-        # span-corruption samples also start the decoder from it (data/span_corruption.py).
+    attention = args.attention_shape()
+    if attention is not None and not attention.causal and pad_id is not None:
+        # An encoder's samples (masked LM, span corruption) are padded; transformers reads the id to
+        # batch and generate. Our span-corruption samples also start the decoder from it
+        # (data/span_corruption.py): filled where the config declares a decoder start.
         config["pad_token_id"] = generation["pad_token_id"] = int(pad_id)
-        if kind == "span_corruption":
+        if "decoder_start_token_id" in config:
             config["decoder_start_token_id"] = generation["decoder_start_token_id"] = int(pad_id)
     for name, content in ((HF_CONFIG, config), ("generation_config.json", generation)):
         with open(os.path.join(out, name), "w") as f:

@@ -13,7 +13,7 @@ on the meta device:
     parallelization and `to_empty`, as a function of (seed, parameter name, args) only;
   - `forward(tokens, positions=None, mask=None, **fields)`: tokens (or, on a later pipeline stage,
     hidden states) -> logits, or a ModelOutput with auxiliary losses (titanlike/models/outputs.py);
-    `fields` are the other fields of the family's samples (args.sample_format(): BERT's token
+    `fields` are the other fields of its objective's samples (spec.objective: BERT's token
     types, T5's decoder inputs), given to every pipeline stage;
   - `tied_weights`: {alias name: owner name} for parameters that are one Parameter under two
     names (tied input/output embeddings), {} otherwise;
@@ -27,7 +27,9 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
+from titanlike.config.sections import register_section
 from titanlike.models.args import BaseModelArgs
+from titanlike.objectives.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,20 @@ class PipelineEnds:
     outputs: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class ModelOptions:
+    """A family's own config section (Megatron's --hybrid-layer-pattern for the hybrid family): the
+    loader reads `[section]` into `options_cls` (a dataclass of opt(...) fields, registered with the
+    config loader when the spec is), and `apply(flavor_args, section)` gives the flavor's args under
+    the job's values (ValueError, one sentence, for values the family refuses)."""
+
+    section: str
+    options_cls: type
+    apply: Callable[[BaseModelArgs, Any], BaseModelArgs]
+    # Older spellings of its keys: old dotted name -> key of this section (config/sections.py).
+    renamed: dict[str, str] | None = None
+
+
 @dataclass
 class ModelSpec:
     name: str
@@ -54,12 +70,14 @@ class ModelSpec:
     tp_plan: Any = None
     # Input and output ends for the pipeline split. None: no pipeline parallelism.
     pipeline_ends: PipelineEnds | None = None
-    # The training objective: build_loss(job_config) -> loss_fn(model_output, labels) returning
-    # the loss summed over target tokens (titanlike/train/loss.py). None: next-token cross-entropy.
-    build_loss: Callable[..., Callable] | None = None
+    # The family's training objective (titanlike/objectives/): objective(job_config, flavor_args)
+    # builds it, an Objective class's for_job or the family's own factory.
+    objective: Callable[..., Any] = CausalLM.for_job
     # Hugging Face weights: to_hf_state_dict(sd, args) and from_hf_state_dict(sd, args) on full
     # tensors (the config.json side is the args' to_hf_config / from_hf_config). None: no HF.
     hf_adapter: Any = None
+    # The family's own config section, or None.
+    options: ModelOptions | None = None
 
     def __post_init__(self) -> None:
         kinds = {type(args) for args in self.flavors.values()}
@@ -91,6 +109,8 @@ _REGISTRY: dict[str, ModelSpec] = {}
 def register_model_spec(spec: ModelSpec) -> None:
     if spec.name in _REGISTRY:
         raise ValueError(f"model spec {spec.name!r} is already registered")
+    if spec.options is not None:
+        register_section(spec.options.section, spec.options.options_cls, renamed=spec.options.renamed)
     _REGISTRY[spec.name] = spec
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanlike.config.schema import JobConfig
-from titanlike.data import ObjectiveData, build_dataloader
+from titanlike.data import build_dataloader
 from titanlike.data.tokenizer import Tokenizer
+from titanlike.objectives.base import Objective
 
 
 @dataclass
@@ -23,8 +24,8 @@ class ValidationData:
 
 
 def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_degree: int,
-                          seed: int, objective: ObjectiveData | None = None) -> ValidationData:
-    """objective: the samples of a masked-LM or span-corruption model (None: token windows)."""
+                          seed: int, objective: Objective | None = None) -> ValidationData:
+    """objective: the job's (its samples; None: the dataset kind's token windows)."""
     v, t = cfg.validation, cfg.training
     local_batch_size = v.local_batch_size if v.local_batch_size != -1 else t.local_batch_size
     global_batch_size = local_batch_size * dp_degree

@@ -13,6 +13,7 @@ from titanlike.models.bert import hf_adapter
 from titanlike.models.bert.model import BINARY_LOSS, Bert, BertArgs
 from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
+from titanlike.objectives.masked_lm import MaskedLM
 from titanlike.parallel.tensor_parallel import TensorParallelPlan
 
 BERT_VOCAB = 30522
@@ -49,6 +50,12 @@ def bert_tp_plan() -> TensorParallelPlan:
     return TensorParallelPlan(top=top, block=block)
 
 
+def bert_objective(cfg, args: BertArgs) -> MaskedLM:
+    """Masked LM; with the binary head, on sentence pairs whose order the head predicts (Megatron's
+    BERT; a flavor without it trains on single segments, as --bert-no-binary-head)."""
+    return MaskedLM.for_job(cfg, args, sentence_pairs=args.binary_head)
+
+
 register_model_spec(
     ModelSpec(
         name="bert",
@@ -59,6 +66,7 @@ register_model_spec(
             inputs=("tok_embeddings", "pos_embeddings", "type_embeddings", "embedding_norm"),
             outputs=("norm", "lm_head", "output", "binary_head")),
         hf_adapter=hf_adapter,
+        objective=bert_objective,
     )
 )
 

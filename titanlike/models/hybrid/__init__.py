@@ -9,12 +9,16 @@ and max_seq_len are placeholders the trainer overwrites (update_from_config); ma
 context the model was trained at.
 """
 
+import dataclasses
+from dataclasses import dataclass
+
+from titanlike.config.schema import opt
 from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.mamba2 import Mamba2Args
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.hybrid import hf_adapter
 from titanlike.models.hybrid.model import HybridModel, HybridModelArgs
-from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
+from titanlike.models.registry import ModelOptions, ModelSpec, PipelineEnds, register_model_spec
 from titanlike.parallel.tensor_parallel import TensorParallelPlan
 
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
@@ -80,6 +84,21 @@ def hybrid_tp_plan() -> TensorParallelPlan:
     return TensorParallelPlan(top=base.top, block=block)
 
 
+@dataclass
+class HybridOptions:
+    """[hybrid]: the job's own layer pattern."""
+
+    layer_pattern: str = opt(
+        "", "Megatron's --hybrid-layer-pattern, one character per layer (M Mamba-2, * attention, - MLP, E MoE): "
+        "replaces the flavor's layer pattern; empty keeps the flavor's")
+
+
+def _with_options(args: HybridModelArgs, options: HybridOptions) -> HybridModelArgs:
+    if not options.layer_pattern:
+        return args
+    return dataclasses.replace(args, hybrid_layer_pattern=options.layer_pattern)
+
+
 register_model_spec(
     ModelSpec(
         name="hybrid",
@@ -88,8 +107,10 @@ register_model_spec(
         tp_plan=hybrid_tp_plan(),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf_adapter=hf_adapter,
+        options=ModelOptions("hybrid", HybridOptions, _with_options,
+                             renamed={"model.hybrid_layer_pattern": "layer_pattern"}),
     )
 )
 
-__all__ = ["HybridModel", "HybridModelArgs", "NEMOTRON_H_56B_PATTERN", "NEMOTRON_H_8B_PATTERN", "hybrid_flavors",
+__all__ = ["HybridModel", "HybridOptions", "HybridModelArgs", "NEMOTRON_H_56B_PATTERN", "NEMOTRON_H_8B_PATTERN", "hybrid_flavors",
            "hybrid_tp_plan"]

@@ -14,6 +14,7 @@ refused by T5Args.validate. This package is the whole family: the registry disco
 from titanlike.models.registry import ModelSpec, register_model_spec
 from titanlike.models.t5 import hf_adapter
 from titanlike.models.t5.model import T5, T5Args
+from titanlike.objectives.span_corruption import SpanCorruption
 
 
 def _v1_1(dim: int, layers: int, heads: int, ffn: int, vocab: int = 32128) -> T5Args:
@@ -63,6 +64,7 @@ register_model_spec(
         tp_plan=t5_tp_plan(),
         pipeline_ends=None,  # no pipeline parallelism (T5Args.validate says why)
         hf_adapter=hf_adapter,
+        objective=SpanCorruption.for_job,
     )
 )
 
