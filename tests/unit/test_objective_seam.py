@@ -1,7 +1,7 @@
 """The objective seam: a family's forward may return auxiliary losses beside the logits, and its
-spec may build the loss; the trainer only calls loss_fn(output, labels) and divides by the step's
-target tokens. A test-only family (Llama 3 whose forward adds a logit-size penalty) goes through
-the real Trainer in one process."""
+spec names its objective; the trainer only calls objective.loss(output, labels) and divides by the
+step's target tokens. A test-only family (Llama 3 whose forward adds a logit-size penalty, with an
+objective that records what its loss got) goes through the real Trainer in one process."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from conftest import TINY_JOB
 from titanlike.config import load_job_config
 from titanlike.models.llama3 import Transformer, llama3_flavors
-from titanlike.models.outputs import ModelOutput
+from titanlike.models.outputs import IGNORE_INDEX, ModelOutput
 from titanlike.models.registry import ModelSpec, get_model_spec, model_names, register_model_spec
-from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss
+from titanlike.objectives import CausalLM
 from titanlike.train.trainer import Trainer
 from titanlike.train.validate import validate_config
 
@@ -30,14 +30,10 @@ class PenalizedLlama(Transformer):
         return ModelOutput(logits, {"logit_penalty": PENALTY * logits.float().pow(2).sum()})
 
 
-def recording_loss(cfg):
-    default = build_cross_entropy_loss()
-
-    def loss_fn(output, labels):
+class RecordingCausalLM(CausalLM):
+    def loss(self, output, labels):
         SEEN.append((output, labels))
-        return default(output, labels)
-
-    return loss_fn
+        return super().loss(output, labels)
 
 
 def _register() -> None:
@@ -45,7 +41,7 @@ def _register() -> None:
         llama = get_model_spec("llama3")
         register_model_spec(ModelSpec(name="test_penalized_llama", model_cls=PenalizedLlama, flavors=llama3_flavors,
                                       tp_plan=llama.tp_plan, pipeline_ends=llama.pipeline_ends,
-                                      build_loss=recording_loss))
+                                      objective=RecordingCausalLM.for_job))
 
 
 def first_step(tmp_path, name: str) -> tuple[float, float]:
@@ -64,7 +60,7 @@ def test_auxiliary_losses_reach_the_loss_and_the_gradients(tmp_path):
     SEEN.clear()
     plain_loss, plain_norm = first_step(tmp_path, "llama3")
     loss, norm = first_step(tmp_path, "test_penalized_llama")
-    # The spec's loss builder was used, and it got the whole ModelOutput.
+    # The spec's objective was used, and its loss got the whole ModelOutput.
     assert len(SEEN) == 1
     output, labels = SEEN[0]
     assert isinstance(output, ModelOutput) and set(output.aux_losses) == {"logit_penalty"}

@@ -46,8 +46,9 @@ def _job_sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig) if f.name != "registered"}
 
 
-def _sections() -> dict[str, type]:
-    """Every section the loader reads: JobConfig's, then those objectives and families registered."""
+def config_sections() -> dict[str, type]:
+    """Every section the loader reads, name -> its dataclass: JobConfig's, then those objectives and
+    model families registered (titanlike/config/sections.py)."""
     return {**_job_sections(), **registered_sections()}
 
 
@@ -192,7 +193,7 @@ def _value_type(value: Any) -> Any:
 def _resolve(name: str) -> _Option | None:
     """The option a dotted name means: the schema first, then torchtitan's other spellings."""
     section, _, key = name.partition(".")
-    sections = _sections()
+    sections = config_sections()
     if section in sections:
         fields = _fields(sections[section])
         if key in fields:
@@ -216,8 +217,8 @@ def _resolve(name: str) -> _Option | None:
 
 def _known_names() -> list[str]:
     """Every dotted name the loader reads: the schema's keys and torchtitan's other spellings."""
-    names = [f"{s}.{k}" for s, cls in _sections().items() for k in _fields(cls)]
-    names += [f"{prefix}.{k}" for prefix, ours in SECTION_ALIASES.items() for k in _fields(_sections()[ours])]
+    names = [f"{s}.{k}" for s, cls in config_sections().items() for k in _fields(cls)]
+    names += [f"{prefix}.{k}" for prefix, ours in SECTION_ALIASES.items() for k in _fields(config_sections()[ours])]
     return names + list(TORCHTITAN_KEYS) + list(renamed_keys())
 
 
@@ -470,7 +471,7 @@ def help_text() -> str:
         "torchtitan's keys are read too: v0.2.2's ([quantize.linear.float8] is [float8]) and older spellings",
         "(training.compile, checkpoint.enable_checkpoint, ...); see titanlike/config/compat.py.",
     ]
-    for section, cls in _sections().items():
+    for section, cls in config_sections().items():
         lines += ["", section_help(section, cls)]
     return "\n".join(lines)
 
@@ -491,4 +492,4 @@ def section_help(section: str, section_cls: type, *, title: str = "") -> str:
 
 def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
     """Every section as a dict of its values: JobConfig's, then the registered ones (defaults included)."""
-    return {section: dataclasses.asdict(getattr(cfg, section)) for section in _sections()}
+    return {section: dataclasses.asdict(getattr(cfg, section)) for section in config_sections()}

@@ -15,6 +15,7 @@ it has.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -101,9 +102,15 @@ class Objective:
     attention_mask: str | None = None
 
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
-        # compile.components "loss": the cross-entropy compiled with compile.backend.
-        self._cross_entropy = (torch.compile(cross_entropy_sum, backend=compile_backend) if compile_loss
-                               else cross_entropy_sum)
+        # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so
+        # that building an objective to check a job's rules compiles nothing).
+        self.compile_backend = compile_backend if compile_loss else None
+
+    @functools.cached_property
+    def _cross_entropy(self):
+        if self.compile_backend is None:
+            return cross_entropy_sum
+        return torch.compile(cross_entropy_sum, backend=self.compile_backend)
 
     @staticmethod
     def compile_options(cfg: JobConfig) -> dict[str, Any]:
