@@ -43,9 +43,10 @@ class HFAdapter(abc.ABC):
 
     @abc.abstractmethod
     def args_to_config(self, args: BaseModelArgs, *, max_position_embeddings: int | None = None) -> dict[str, Any]:
-        """config.json contents for transformers' class of these args, without the tokenizer's ids
-        (token_ids). max_position_embeddings: the model's real context when args carry a shorter
-        training seq_len (default: args.max_seq_len). ValueError for args with no HF equivalent."""
+        """config.json contents for transformers' class of these args (the tokenizer's ids are
+        token_ids', set by the checkpoint writer). max_position_embeddings: the model's real context
+        when args carry a shorter training seq_len (default: args.max_seq_len). ValueError for args
+        with no HF equivalent."""
 
     @abc.abstractmethod
     def to_hf_state_dict(self, sd: StateDict, args: BaseModelArgs) -> dict[str, torch.Tensor]:
