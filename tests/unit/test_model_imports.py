@@ -17,12 +17,17 @@ MODELS = Path(titanlike.models.__file__).parent
 SHARED = "common"
 FAMILIES = sorted(p.name for p in MODELS.iterdir() if (p / "__init__.py").is_file() and p.name != SHARED)
 
-# What a family may import from titanlike besides its own package.
+# What a family may import from titanlike besides its own package: the shared model code and the
+# contracts its spec fills (issue 26: the module-hook protocol, the objective it trains with, and
+# the config loader's leaf package for a family's own config section).
 ALLOWED_ROOTS = (
     "titanlike.models.common",
     "titanlike.models.args",
     "titanlike.models.outputs",
     "titanlike.models.registry",
+    "titanlike.models.protocol",
+    "titanlike.objectives",
+    "titanlike.config",
 )
 # Still imported by families while their tensor-parallel plans move under models/ (issue 26, the
 # family's `shard`); drop it from here when that lands.
