@@ -1,4 +1,5 @@
-"""Model families stay independent: a family package imports itself and the shared model code only.
+"""Model families stay independent: a family package imports itself and the shared model code only,
+and the model code imports none of the packages that apply it (parallel, train, data, checkpoint).
 
 Read from the source (ast), so every import counts, including one inside a function. What one
 family shares with another lives in titanlike/models/common/, which imports no family.
@@ -29,7 +30,9 @@ ALLOWED_ROOTS = (
     "titanlike.objectives",
     "titanlike.config",
 )
-# Still imported by families while their tensor-parallel plans move under models/ (issue 26, the
+# The packages that apply the models: nothing under titanlike/models imports them.
+APPLIERS = ("titanlike.parallel", "titanlike.train", "titanlike.data", "titanlike.checkpoint")
+# Still imported by model code while the tensor-parallel plans move under models/ (issue 26, the
 # family's `shard`); drop it from here when that lands.
 PENDING_ROOTS = ("titanlike.parallel",)
 
@@ -87,6 +90,13 @@ def test_shared_model_code_imports_no_family():
     families = tuple(f"titanlike.models.{family}" for family in FAMILIES)
     wrong = [f"{path.relative_to(MODELS)}:{line} imports {module}"
              for path in shared for line, module in titanlike_imports(path) if _under(module, families)]
+    assert wrong == []
+
+
+def test_model_code_imports_none_of_the_packages_that_apply_it():
+    wrong = [f"{path.relative_to(MODELS)}:{line} imports {module}"
+             for path in sorted(MODELS.rglob("*.py")) for line, module in titanlike_imports(path)
+             if _under(module, APPLIERS) and not _under(module, PENDING_ROOTS)]
     assert wrong == []
 
 
