@@ -42,7 +42,7 @@ def batch(args, seq=16, seed=0):
 
 def test_registered_by_its_folder_alone():
     assert "bert" in model_names()
-    assert SPEC.model_cls is Bert and SPEC.hf_model_type == "bert" and spec_for_hf_model_type("bert") is SPEC
+    assert SPEC.model_cls is Bert and SPEC.hf.model_types == ("bert",) and spec_for_hf_model_type("bert") is SPEC
     assert {"debugmodel", "debugmodel_tiny", "base", "large", "3.9B"} <= set(SPEC.flavors)
     debug = bert_flavors["debugmodel"]
     assert (debug.dim, debug.n_layers, debug.n_heads, debug.vocab_size, debug.max_seq_len) == (256, 4, 8, 2048, 512)

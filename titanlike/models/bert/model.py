@@ -57,7 +57,6 @@ class BertArgs(DecoderArgs):
     # use init_std / sqrt(2 * n_layers), as Megatron-LM's scaled init.
     init_std: float = 0.02
 
-    hf_model_type = "bert"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,19 +120,6 @@ class BertArgs(DecoderArgs):
     def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
         # Heads divisible by TP, seq_len within the position table.
         super().validate(dims, seq_len=seq_len)
-
-    # Hugging Face identity ---------------------------------------------------------------------
-
-    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
-        from titanlike.models.bert.hf_adapter import args_to_hf_config
-
-        return args_to_hf_config(self, max_position_embeddings=max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> BertArgs:
-        from titanlike.models.bert.hf_adapter import args_from_hf_config
-
-        return args_from_hf_config(config)
 
 
 class BertBlock(TransformerBlock):
