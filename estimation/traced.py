@@ -438,10 +438,10 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
     return estimates, ctx.notes
 
 
-def _fake_microbatch(ctx: _Context, batch: int, seq_local: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(inputs, labels, forward kwargs) of one microbatch as the trainer hands it to the model: token
+def _fake_microbatch(ctx: _Context, batch: int, seq_local: int):
+    """One microbatch (train/trainer.py Microbatch) as the trainer hands it to the step: token
     windows, or the fields of the family's sample format (BERT's, T5's) with their padding mask."""
-    from titanlike.train.trainer import microbatch_of_fields
+    from titanlike.train.trainer import Microbatch, microbatch_of_fields
 
     t = ctx.prep.cfg.training
     fmt = ctx.prep.model_args.sample_format()
@@ -449,18 +449,18 @@ def _fake_microbatch(ctx: _Context, batch: int, seq_local: int) -> tuple[torch.T
     if not shapes:
         tokens = torch.randint(0, ctx.vocab_size, (batch, seq_local), device=DEVICE)
         labels = torch.randint(0, ctx.vocab_size, (batch, seq_local), device=DEVICE)
-        return tokens, labels, ({} if ctx.positions is None else {"positions": ctx.positions})
+        return Microbatch(tokens, labels, positions=ctx.positions)
     fields = {name: torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=DEVICE)
               for name, (shape, dtype) in shapes.items()}
-    mb = microbatch_of_fields(fields, token_fields=fmt.token_fields, cp_positions=ctx.positions,
-                              mask_kernel=None if ctx.positions is not None else "sdpa")
-    return mb.inputs, mb.labels, mb.forward_kwargs()
+    return microbatch_of_fields(fields, token_fields=fmt.token_fields, cp_positions=ctx.positions,
+                                mask_kernel=None if ctx.positions is not None else "sdpa")
 
 
 def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: int, log) -> RankEstimate:
-    """One full training step of the whole model (no pipeline parallelism)."""
+    """One full training step of the whole model (no pipeline parallelism), run by the trainer's own
+    TrainStep: its forward/backward per microbatch, then its update (scaling, clipping, optimizer)."""
     from titanlike.parallel.parallelize import parallelize_model
-    from titanlike.parallel.utils import clip_grad_norm_
+    from titanlike.train.step import StepLoss, TrainStep
 
     cfg = ctx.prep.cfg
     t = cfg.training
@@ -473,7 +473,12 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
         optimizer = _warm_optimizer([model], cfg, ctx.converters)
         persistent_opt = _optimizer_state_bytes(optimizer, ctx.granularity)
         seq_local = t.seq_len // dims.cp
-        tokens, labels, kwargs = _fake_microbatch(ctx, t.local_batch_size, seq_local)
+        microbatch = _fake_microbatch(ctx, t.local_batch_size, seq_local)
+        tokens, labels, kwargs = microbatch.inputs, microbatch.labels, microbatch.forward_kwargs()
+        step = TrainStep(model_parts=[model], step_loss=StepLoss(ctx.loss_fn, None), optimizer=optimizer,
+                         device=DEVICE, max_norm=t.max_norm, tp_mesh=dims.mesh("tp"), autocast=ctx.autocast(),
+                         loss_parallel=ctx.loss_parallel, converters=ctx.converters,
+                         reported_losses=ctx.prep.model_args.reported_losses())
         modules: dict[str, tuple[int, int]] = {}
         peak_phase, best = "", Breakdown()
         phases: dict[str, Breakdown] = {}
@@ -488,23 +493,14 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
                     modules = tr.per_module(depth) if per_module else modules
                     tr.tracker.reset_mod_stats()
                 tr.reset_peak()
-                with ctx.autocast():
-                    logits = model(tokens, **kwargs)
-                with ctx.loss_ctx():
-                    loss = ctx.loss(logits, labels)
-                    loss.backward()
-                del logits, loss
+                step.forward_backward(microbatch)
                 phase_peak = tr.peak()
                 phases[f"forward/backward of microbatch {mb}"] = phase_peak
                 if phase_peak.total > best.total:
                     best, peak_phase = phase_peak, f"forward/backward of microbatch {mb}"
                 log(f"  microbatch {mb}: peak {phase_peak.total / 2**30:.3f} GiB")
             tr.reset_peak()
-            params = [p for p in model.parameters()]
-            clip_grad_norm_(params, t.max_norm)
-            optimizer.step()
-            ctx.converters.post_optimizer_step([model])
-            optimizer.zero_grad(set_to_none=True)
+            step.update(torch.zeros((), device=DEVICE), ctx.global_tokens, torch.zeros(0, device=DEVICE))
             phase_peak = tr.peak()
             phases["optimizer step"] = phase_peak
             if phase_peak.total > best.total:
@@ -636,7 +632,8 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
             def forward(mb: int):
                 if mb:
                     tr.tracker.reset_mod_stats()
-                tokens, labels, kwargs = _fake_microbatch(ctx, mbs, seq_local)
+                fake = _fake_microbatch(ctx, mbs, seq_local)
+                tokens, labels, kwargs = fake.inputs, fake.labels, fake.forward_kwargs()
                 if first:
                     x = tokens
                 else:

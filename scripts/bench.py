@@ -60,7 +60,7 @@ def main() -> None:
     step_batches = iter(lambda: [next(data) for _ in range(accum)], None)
 
     def trainer_step(batches):
-        trainer.train_step(batches)
+        trainer.train_step([trainer.prepare(batch) for batch in batches])
 
     step_fns = {"titanlike": trainer_step}
     if bench.minimal_loop:
@@ -71,7 +71,8 @@ def main() -> None:
         model.init_weights(seed=cfg.debug.seed)
         o = cfg.optimizer
         opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                weight_decay=o.weight_decay, foreach=True)
+                                weight_decay=o.weight_decay, foreach=o.implementation == "foreach",
+                                fused=o.implementation == "fused")
 
         def minimal_step(batches):
             batch = batches[0]

@@ -731,6 +731,39 @@ class CheckpointManager:
     # Saving -------------------------------------------------------------------------------
 
     @torch.no_grad()
+    def saves_at(self, step: int) -> bool:
+        """Whether save(step) writes a checkpoint (the interval, the last step, the first step with
+        checkpoint.enable_first_step_checkpoint); the loop reads the step's results before those."""
+        return self.saves and (step >= self.total_steps or step % self.cfg.interval == 0
+                               or (step == 1 and self.cfg.enable_first_step_checkpoint))
+
+    def resume_verdict(self) -> str | None:
+        """The sentence to print instead of training when the checkpoint to resume from is already at
+        or past training.steps (a finished run relaunched); raises CheckpointError when the latest
+        checkpoint is a model-only final export that cannot be extended, naming the flags to pass.
+        Rank 0 reads the folder; every rank gets its verdict."""
+        from titanlike.checkpoint.resume import resume_verdict
+
+        c = self.cfg
+        if not self.enabled or c.create_seed_checkpoint:
+            return None
+        verdict = None
+        if self.rank == 0:
+            try:
+                verdict = resume_verdict(self.folder, c.load_step, self.total_steps)
+            except CheckpointError:
+                verdict = None  # a damaged checkpoint: load() reports it, on every rank
+        if self.distributed:
+            box = [verdict]
+            dist.broadcast_object_list(box, src=0, group=self.process_group)
+            verdict = box[0]
+        if verdict is None:
+            return None
+        kind, message = verdict
+        if kind == "error":
+            raise CheckpointError(message)
+        return message
+
     def save(self, step: int, *, force: bool = False) -> None:
         """Call after every training step; saves at the interval, at the last step and, with
         checkpoint.enable_first_step_checkpoint, after step 1. force saves a full, synchronous
@@ -745,7 +778,7 @@ class CheckpointManager:
             self._check_finite(step)
             self.train_state.step = step
             self._save_full_sync(step)
-        elif last or step % self.cfg.interval == 0 or (step == 1 and self.cfg.enable_first_step_checkpoint):
+        elif self.saves_at(step):
             self._wait_pending()  # one save in flight at a time
             self._check_finite(step)
             self.train_state.step = step

@@ -205,6 +205,9 @@ class Bert(Decoder):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=True)
         self.binary_head: BinaryHead | None = BinaryHead(args.dim) if args.binary_head else None
         self.tie_weights()
+        # The objective's weight for the binary loss (attach_loss): the step's weight tensor, set
+        # once at build time; None: 1.
+        self.loss_weight: torch.Tensor | None = None
 
     def _layernorm(self) -> nn.Module:
         return build_norm("layernorm", self.model_args.dim, eps=self.model_args.norm_eps, bias=True)
@@ -269,7 +272,7 @@ class Bert(Decoder):
         if self.output is None:
             return h
         if self.binary_head is not None and binary_labels is not None:
-            h = attach_loss(h, self._binary_loss(h, positions, binary_labels, binary_weights))
+            h = attach_loss(h, self._binary_loss(h, positions, binary_labels, binary_weights), self.loss_weight)
         return self.output(self.lm_head(h))
 
     def _binary_loss(self, h: torch.Tensor, positions: torch.Tensor | None, labels: torch.Tensor,

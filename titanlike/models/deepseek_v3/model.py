@@ -174,6 +174,9 @@ class DeepSeekV3(MoEDecoder):
             self.mtp_embeddings = nn.Embedding(args.vocab_size, args.dim)
             self.tied_weights["mtp_embeddings.weight"] = "tok_embeddings.weight"
             self.tie_weights()
+        # The objective's weight for the prediction modules' loss (attach_loss): the step's weight
+        # tensor, set once at build time; None: 1.
+        self.loss_weight: torch.Tensor | None = None
 
     def build_block(self, layer_id: int) -> nn.Module:
         a = self.model_args
@@ -225,7 +228,8 @@ class DeepSeekV3(MoEDecoder):
         predictors = self.predictors()
         if predictors and lookahead is not None and self.training:
             h = multi_token_prediction(h, predictors, lookahead, embed=self.mtp_embeddings, head=self.output,
-                                       rope=rope, mask=mask, weight=self.model_args.mtp_loss_weight, training=True)
+                                       rope=rope, mask=mask, weight=self.model_args.mtp_loss_weight, training=True,
+                                       loss_weight=self.loss_weight)
         return self.output(self.norm(h))
 
 
