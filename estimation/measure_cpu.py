@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.checkpointer.load()
         data = iter(trainer.dataloader)
         for _ in range(2):
-            trainer.train_step([next(data) for _ in range(trainer.grad_accum_steps)])
-        batch = [next(data) for _ in range(trainer.grad_accum_steps)]
+            trainer.train_step([trainer.prepare(next(data)) for _ in range(trainer.grad_accum_steps)])
+        batch = [trainer.prepare(next(data)) for _ in range(trainer.grad_accum_steps)]
         baseline = _live_bytes(trainer)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.train_step(batch)

@@ -412,7 +412,8 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
                        autocast_dtype=None if dims.fsdp_enabled else _HALF.get(cfg.training.mixed_precision_param),
                        loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
                        mode=FakeTensorMode(allow_non_fake_inputs=True), parallelize=parallelize_options(cfg, dims),
-                       objective=prep.objective, converters=converters)
+                       objective=prep.objective,
+                       converters=converters)
         with ctx.mode:
             if dims.cp_enabled:
                 ctx.positions = load_balanced_positions(cfg.training.seq_len, dims.cp, 0, DEVICE)
@@ -434,10 +435,10 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
     return estimates, ctx.notes
 
 
-def _fake_microbatch(ctx: _Context, batch: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(inputs, labels, forward kwargs) of one microbatch as the trainer hands it to the model: the
-    objective's sample fields (token windows, BERT's, T5's), prepared by the objective (masks, the
-    context-parallel cut, multi-token prediction's lookahead)."""
+def _fake_microbatch(ctx: _Context, batch: int):
+    """One microbatch as the trainer hands it to the step: the objective's sample fields (token
+    windows, BERT's, T5's), prepared by the objective (masks, the context-parallel cut, multi-token
+    prediction's lookahead)."""
     from titanlike.objectives.base import BatchContext
 
     t = ctx.prep.cfg.training
@@ -446,14 +447,14 @@ def _fake_microbatch(ctx: _Context, batch: int) -> tuple[torch.Tensor, torch.Ten
     # Token values do not matter to fake tensors: 0 stands in for the tokenizer's end of document.
     batch_ctx = BatchContext(DEVICE, cp_positions=ctx.positions, mask_kernel=None if ctx.positions is not None else "sdpa",
                              eos_id=0, lookahead_tokens=ctx.prep.model_args.lookahead_tokens)
-    mb = ctx.objective.prepare(fields, batch_ctx)
-    return mb.inputs, mb.labels, mb.forward_kwargs()
+    return ctx.objective.prepare(fields, batch_ctx)
 
 
 def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: int, log) -> RankEstimate:
-    """One full training step of the whole model (no pipeline parallelism)."""
+    """One full training step of the whole model (no pipeline parallelism), run by the trainer's own
+    TrainStep: its forward/backward per microbatch, then its update (scaling, clipping, optimizer)."""
     from titanlike.parallel.parallelize import parallelize_model
-    from titanlike.parallel.utils import clip_grad_norm_
+    from titanlike.train.step import StepLoss, TrainStep
 
     cfg = ctx.prep.cfg
     t = cfg.training
@@ -465,7 +466,12 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
         model.train()
         optimizer = _warm_optimizer([model], cfg, ctx.converters)
         persistent_opt = _optimizer_state_bytes(optimizer, ctx.granularity)
-        tokens, labels, kwargs = _fake_microbatch(ctx, t.local_batch_size)
+        microbatch = _fake_microbatch(ctx, t.local_batch_size)
+        tokens, labels, kwargs = microbatch.inputs, microbatch.labels, microbatch.forward_kwargs()
+        step = TrainStep(model_parts=[model], step_loss=StepLoss(ctx.objective.loss, None), optimizer=optimizer,
+                         device=DEVICE, max_norm=t.max_norm, tp_mesh=dims.mesh("tp"), autocast=ctx.autocast(),
+                         loss_parallel=ctx.loss_parallel, converters=ctx.converters,
+                         reported_losses=ctx.prep.model_args.reported_losses())
         modules: dict[str, tuple[int, int]] = {}
         peak_phase, best = "", Breakdown()
         phases: dict[str, Breakdown] = {}
@@ -480,23 +486,14 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
                     modules = tr.per_module(depth) if per_module else modules
                     tr.tracker.reset_mod_stats()
                 tr.reset_peak()
-                with ctx.autocast():
-                    logits = model(tokens, **kwargs)
-                with ctx.loss_ctx():
-                    loss = ctx.loss(logits, labels)
-                    loss.backward()
-                del logits, loss
+                step.forward_backward(microbatch)
                 phase_peak = tr.peak()
                 phases[f"forward/backward of microbatch {mb}"] = phase_peak
                 if phase_peak.total > best.total:
                     best, peak_phase = phase_peak, f"forward/backward of microbatch {mb}"
                 log(f"  microbatch {mb}: peak {phase_peak.total / 2**30:.3f} GiB")
             tr.reset_peak()
-            params = [p for p in model.parameters()]
-            clip_grad_norm_(params, t.max_norm)
-            optimizer.step()
-            ctx.converters.post_optimizer_step([model])
-            optimizer.zero_grad(set_to_none=True)
+            step.update(torch.zeros((), device=DEVICE), ctx.global_tokens, torch.zeros(0, device=DEVICE))
             phase_peak = tr.peak()
             phases["optimizer step"] = phase_peak
             if phase_peak.total > best.total:
@@ -628,7 +625,8 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
             def forward(mb: int):
                 if mb:
                     tr.tracker.reset_mod_stats()
-                tokens, labels, kwargs = _fake_microbatch(ctx, mbs)
+                fake = _fake_microbatch(ctx, mbs)
+                tokens, labels, kwargs = fake.inputs, fake.labels, fake.forward_kwargs()
                 if first:
                     x = tokens
                 else:

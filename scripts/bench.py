@@ -61,7 +61,7 @@ def main() -> None:
     step_batches = iter(lambda: [next(data) for _ in range(accum)], None)
 
     def trainer_step(batches):
-        trainer.train_step(batches)
+        trainer.train_step([trainer.prepare(batch) for batch in batches])
 
     step_fns = {"titanlike": trainer_step}
     if bench.minimal_loop:
@@ -72,7 +72,8 @@ def main() -> None:
         model.init_weights(seed=cfg.debug.seed)
         o = cfg.optimizer
         opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                weight_decay=o.weight_decay, foreach=True)
+                                weight_decay=o.weight_decay, foreach=o.implementation == "foreach",
+                                fused=o.implementation == "fused")
 
         # The objective's batch (token windows as they are; BERT's / T5's fields with their padding mask).
         batch_ctx = BatchContext(trainer.device, mask_kernel=trainer.mask_kernel, eos_id=trainer.tokenizer.eos_id)

@@ -180,10 +180,10 @@ def install(fault: dict) -> None:
 
         from titanlike.train.trainer import Trainer
 
-        train_step = Trainer.train_step
+        run_step = Trainer._run_step
 
-        def poisoned(self, microbatches):
-            out = train_step(self, microbatches)
+        def poisoned(self, data):
+            out = run_step(self, data)
             if self.step == fault["step"] and self.rank == fault.get("rank", 0):
                 with torch.no_grad():
                     for part in self.model_parts:
@@ -194,7 +194,7 @@ def install(fault: dict) -> None:
                                 return out
             return out
 
-        Trainer.train_step = poisoned
+        Trainer._run_step = poisoned
     elif kind == "slow_optimizer":
         from titanlike.train.trainer import Trainer
 
@@ -210,33 +210,34 @@ def install(fault: dict) -> None:
     elif kind == "stall":
         from titanlike.train.trainer import Trainer
 
-        train_step = Trainer.train_step
+        run_step = Trainer._run_step
 
-        def stalled(self, microbatches):
+        def stalled(self, data):
             if self.step == fault["step"] and self.rank == fault["rank"]:
                 time.sleep(fault["seconds"])
-            return train_step(self, microbatches)
+            return run_step(self, data)
 
-        Trainer.train_step = stalled
+        Trainer._run_step = stalled
     elif kind == "inf_grad":
         import torch
         from torch.distributed.tensor import DTensor
 
-        import titanlike.train.trainer as trainer_module
+        import titanlike.train.step as step_module
+        from titanlike.train.trainer import Trainer
 
         def local(t):
             return t.to_local() if isinstance(t, DTensor) else t
 
         at = {}
-        train_step = trainer_module.Trainer.train_step
-        scale_gradients = trainer_module.scale_gradients
+        run_step = Trainer._run_step
+        scale_gradients = step_module.scale_gradients
 
-        def step_with_check(self, microbatches):
+        def step_with_check(self, data):
             at["self"] = self
             if self.step != fault["step"]:
-                return train_step(self, microbatches)
+                return run_step(self, data)
             before = [local(p).detach().clone() for part in self.model_parts for p in part.parameters()]
-            out = train_step(self, microbatches)
+            out = run_step(self, data)
             after = [local(p).detach() for part in self.model_parts for p in part.parameters()]
             kept = all(torch.equal(b, a) for b, a in zip(before, after))
             print(f"INF_GRAD_STEP_KEPT_PARAMETERS {self.rank} {kept}", flush=True)
@@ -249,8 +250,8 @@ def install(fault: dict) -> None:
                 grad = next(local(p.grad) for p in params if p.grad is not None and local(p.grad).numel())
                 grad.view(-1)[0] = float("inf")
 
-        trainer_module.Trainer.train_step = step_with_check
-        trainer_module.scale_gradients = poisoned_scale
+        Trainer._run_step = step_with_check
+        step_module.scale_gradients = poisoned_scale
     else:
         raise ValueError(f"unknown fault {kind!r}")
 

@@ -21,15 +21,17 @@ from conftest import REPO
 from family_checks import materialize
 from titanlike.checkpoint.format import model_description
 from titanlike.checkpoint.hf import write_dcp_model
-from titanlike.models.bert import Bert, BertArgs, bert_flavors, hf_adapter
+from titanlike.models.bert import Bert, BertArgs, bert_flavors
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX, cross_entropy_sum
+from titanlike.models.registry import get_model_spec
 
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_dcp_to_hf  # noqa: E402
 import convert_hf_to_dcp  # noqa: E402
 import generate  # noqa: E402
 
+HF = get_model_spec("bert").hf
 ATOL = 2e-5
 SEQ = 40
 
@@ -47,7 +49,7 @@ def hf_model(args, seed=0):
     """A random transformers model whose norms and biases are not at their init (1 and 0), so a
     mis-mapped bias or LayerNorm shows in the logits."""
     torch.manual_seed(seed)
-    model = hf_class(args)(BertConfig(**hf_adapter.args_to_hf_config(args))).eval()
+    model = hf_class(args)(BertConfig(**HF.args_to_config(args))).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "LayerNorm" in name or name.endswith("bias"):
@@ -82,9 +84,9 @@ def test_adapter_both_ways(binary_head):
     tokens, token_types = inputs(args.vocab_size)
 
     # HF -> ours.
-    assert BertArgs.from_hf_config(hf.config.to_dict()) == args
+    assert HF.config_to_args(hf.config.to_dict()) == args
     model = ours(args)
-    model.load_state_dict(hf_adapter.from_hf_state_dict(hf.state_dict(), args), strict=True)
+    model.load_state_dict(HF.from_hf_state_dict(hf.state_dict(), args), strict=True)
     assert model.output.weight is model.tok_embeddings.weight
     with torch.no_grad():
         want = hf(input_ids=tokens, token_type_ids=token_types)
@@ -102,8 +104,8 @@ def test_adapter_both_ways(binary_head):
 
     # Ours (our own init) -> HF.
     mine = ours(args, seed=5)
-    back = hf_class(args)(BertConfig(**mine.model_args.to_hf_config())).eval()
-    missing, unexpected = back.load_state_dict(hf_adapter.to_hf_state_dict(mine.state_dict(), args), strict=False)
+    back = hf_class(args)(BertConfig(**HF.args_to_config(mine.model_args))).eval()
+    missing, unexpected = back.load_state_dict(HF.to_hf_state_dict(mine.state_dict(), args), strict=False)
     # The tied decoder weight and bias are transformers' aliases of the word table and the bias.
     assert unexpected == [] and set(missing) <= {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
     assert back.cls.predictions.decoder.weight is back.bert.embeddings.word_embeddings.weight
@@ -121,7 +123,7 @@ def test_pretraining_loss_matches_transformers():
     args = tiny_args()
     hf = hf_model(args)
     model = ours(args)
-    model.load_state_dict(hf_adapter.from_hf_state_dict(hf.state_dict(), args), strict=True)
+    model.load_state_dict(HF.from_hf_state_dict(hf.state_dict(), args), strict=True)
     tokens, token_types = inputs(args.vocab_size)
     labels = torch.full_like(tokens, IGNORE_INDEX)
     labels[:, ::5] = tokens[:, ::5]
@@ -144,20 +146,20 @@ def test_original_checkpoint_spellings():
           for k, v in hf.state_dict().items() if k != "cls.predictions.bias"}
     sd["bert.embeddings.position_ids"] = torch.arange(48)[None]
     model = ours(args)
-    model.load_state_dict(hf_adapter.from_hf_state_dict(sd, args), strict=True)
+    model.load_state_dict(HF.from_hf_state_dict(sd, args), strict=True)
     tokens, token_types = inputs(args.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens, token_types=token_types),
                                    hf(input_ids=tokens, token_type_ids=token_types).prediction_logits,
                                    rtol=0, atol=ATOL)
     with pytest.raises(KeyError, match="unexpected"):
-        hf_adapter.from_hf_state_dict({**sd, "bert.encoder.layer.0.crossattention.x.weight": sd[
+        HF.from_hf_state_dict({**sd, "bert.encoder.layer.0.crossattention.x.weight": sd[
             "cls.seq_relationship.weight"]}, args)
     # A BertForMaskedLM config over pretraining weights (as google-bert/bert-base-uncased): the
     # binary head's weights are left out, as transformers' BertForMaskedLM does.
     masked_only = tiny_args(binary_head=False)
     model = ours(masked_only)
-    model.load_state_dict(hf_adapter.from_hf_state_dict(sd, masked_only), strict=True)
+    model.load_state_dict(HF.from_hf_state_dict(sd, masked_only), strict=True)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens, token_types=token_types),
                                    hf(input_ids=tokens, token_type_ids=token_types).prediction_logits,
@@ -172,13 +174,13 @@ def test_original_checkpoint_spellings():
     ("is_decoder", True),
 ])
 def test_unsupported_configs_are_refused_by_name(key, value):
-    config = {**hf_adapter.args_to_hf_config(tiny_args()), key: value}
+    config = {**HF.args_to_config(tiny_args()), key: value}
     with pytest.raises(ValueError, match=key):
-        BertArgs.from_hf_config(config)
+        HF.config_to_args(config)
     with pytest.raises(ValueError, match="post-norm"):
-        dataclasses.replace(tiny_args(), pre_norm=True).to_hf_config()
+        HF.args_to_config(dataclasses.replace(tiny_args(), pre_norm=True))
     with pytest.raises(ValueError, match="position table has 48 rows"):
-        tiny_args().to_hf_config(max_position_embeddings=512)
+        HF.args_to_config(tiny_args(), max_position_embeddings=512)
 
 
 @pytest.mark.parametrize("binary_head", [True, False])

@@ -37,6 +37,7 @@ import convert_dcp_to_hf  # noqa: E402
 
 ATOL = 1e-5
 SPEC = get_model_spec("deepseek_v3")
+HF = SPEC.hf
 
 
 def tiny(**changes) -> DeepSeekV3ModelArgs:
@@ -76,7 +77,7 @@ def sharpen(named_tensors, num_experts: int) -> None:
 def hf_model(case: str, seed: int = 0):
     args = CASES[case]()
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**args.to_hf_config())).eval()
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**HF.args_to_config(args))).eval()
     model.set_experts_implementation("eager")
     sharpen([*model.named_parameters(), *model.named_buffers()], args.moe.num_experts)
     return args, model
@@ -86,7 +87,7 @@ def hf_model(case: str, seed: int = 0):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_to_titanlike_and_back(tmp_path, case):
     args, hf = hf_model(case)
-    assert DeepSeekV3ModelArgs.from_hf_config(hf.config.to_dict()) == args
+    assert HF.config_to_args(hf.config.to_dict()) == args
     t = probe_tokens(args.vocab_size)
     want = check_hf_import(hf, tmp_path / "hf", tmp_path / "dcp", "deepseek_v3", t, ATOL)
 
@@ -123,11 +124,11 @@ def test_routing_bias_without_aux_loss_free_balancing():
     plain = dataclasses.replace(args, moe=dataclasses.replace(args.moe, bias_update_rate=0.0))
     with torch.device("meta"):
         model = SPEC.model_cls(plain)
-    exported = SPEC.hf_adapter.to_hf_state_dict(model.state_dict(), plain)
+    exported = HF.to_hf_state_dict(model.state_dict(), plain)
     assert exported["model.layers.1.mlp.gate.e_score_correction_bias"].shape == (12,)
     hf_sd = hf.state_dict()
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.gate.e_score_correction_bias is not zero.*update_rate"):
-        SPEC.hf_adapter.from_hf_state_dict(_on_disk(hf_sd), plain)
+        HF.from_hf_state_dict(_on_disk(hf_sd), plain)
 
 
 def _on_disk(hf_sd: dict) -> dict:
@@ -163,7 +164,7 @@ def test_published_configs_read():
           "vocab_size": 129280}
     ours = deepseek_v3_flavors["671B"]
     # The config's aux_loss_alpha (0.001) is not the report's sequence-wise factor (1e-4), which the flavor keeps.
-    assert DeepSeekV3ModelArgs.from_hf_config(v3) == dataclasses.replace(
+    assert HF.config_to_args(v3) == dataclasses.replace(
         ours, moe=dataclasses.replace(ours.moe, seq_aux_loss_coeff=0.001))
     moonlight = {**v3, "first_k_dense_replace": 1, "hidden_size": 2048, "intermediate_size": 11264,
                  "max_position_embeddings": 8192, "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 64,
@@ -171,22 +172,22 @@ def test_published_configs_read():
                  "num_key_value_heads": 16, "num_nextn_predict_layers": 0, "q_lora_rank": None, "rms_norm_eps": 1e-05,
                  "rope_scaling": None, "rope_theta": 50000.0, "routed_scaling_factor": 2.446, "topk_group": 1,
                  "vocab_size": 163840}
-    assert DeepSeekV3ModelArgs.from_hf_config(moonlight) == deepseek_v3_flavors["16B"]
+    assert HF.config_to_args(moonlight) == deepseek_v3_flavors["16B"]
 
 
 @pytest.mark.parametrize("key, value", [("scoring_func", "softmax"), ("topk_method", "greedy"), ("hidden_act", "gelu"),
                                         ("num_key_value_heads", 2), ("moe_layer_freq", 2)])
 def test_unsupported_configs_are_refused_by_name(key, value):
     with pytest.raises(ValueError, match=key):
-        DeepSeekV3ModelArgs.from_hf_config({**tiny().to_hf_config(), key: value})
+        HF.config_to_args({**HF.args_to_config(tiny()), key: value})
 
 
 def test_routing_without_hf_equivalent_is_refused():
     args = tiny()
     with pytest.raises(ValueError, match="sigmoid"):
-        dataclasses.replace(args, moe=dataclasses.replace(args.moe, score_func="softmax")).to_hf_config()
+        HF.args_to_config(dataclasses.replace(args, moe=dataclasses.replace(args.moe, score_func="softmax")))
     with pytest.raises(ValueError, match="layer_freq 1"):
-        dataclasses.replace(args, moe=dataclasses.replace(args.moe, layer_freq=2)).to_hf_config()
+        HF.args_to_config(dataclasses.replace(args, moe=dataclasses.replace(args.moe, layer_freq=2)))
 
 
 def test_multi_token_prediction_layers_export_after_the_trunk(tmp_path):

@@ -102,6 +102,56 @@ def test_skip_nonfinite_steps_skips_counts_and_logs_then_stops_when_spent(tmp_pa
     assert all(torch.isfinite(v).all() for v in three.values())
 
 
+def test_a_step_the_host_reads_late_is_still_skipped_counted_and_logged(tmp_path, caplog):
+    """Step 2 neither logs nor saves, so the host reads its verdict after step 3 is queued: the device
+    skipped it all the same, and the count, the warning and its metrics record follow one step later."""
+    from titanlike.train.trainer import TrainingError
+
+    trainer = _trainer(tmp_path, "--training.steps", "6", "--checkpoint.interval", "6", "--metrics.log_freq", "4",
+                       "--training.skip_nonfinite_steps", "1")
+    _poison(trainer, {2, 5})
+    try:
+        with caplog.at_level("WARNING", logger="titanlike"), pytest.raises(TrainingError) as e:
+            trainer.train()
+        assert trainer.skipped_steps == 1
+    finally:
+        trainer.close()
+    assert (f"skipped step 2: the gradient norm is inf at step 2 (first non-finite gradient: {POISONED}); no "
+            "parameter was updated (1 of training.skip_nonfinite_steps 1 used)") in caplog.text
+    # Step 5 is read after step 6 is queued (the last step: read at once, then step 5's late verdict).
+    assert str(e.value) == (
+        f"the gradient norm is inf at step 5 (first non-finite gradient: {POISONED}); its update was skipped and "
+        "training stopped after step 6, nothing was saved after it (the 1 step(s) training.skip_nonfinite_steps "
+        "allows were already skipped)")
+    records = {r["step"]: r for r in read_metrics(tmp_path)}
+    assert sorted(records) == [1, 2, 4]  # step 2 is logged because it was skipped
+    assert records[2]["grad_norm"] == math.inf and records[4]["skipped_steps"] == 1
+
+
+def test_a_stop_signal_between_log_steps_stops_every_rank_one_step_later(tmp_path, caplog):
+    """A signal seen at step 2 rides in that step's sum over ranks; the host reads it after step 3 is
+    queued, then saves step 3 and stops."""
+    from titanlike.checkpoint import published_steps
+
+    trainer = _trainer(tmp_path, "--training.steps", "8", "--checkpoint.interval", "100", "--metrics.log_freq", "4")
+    run_step = trainer._run_step
+
+    def signal_at_step_2(data):
+        if trainer.step == 2:
+            trainer.stop.code = int(signal.SIGUSR1)
+        return run_step(data)
+
+    trainer._run_step = signal_at_step_2
+    try:
+        with caplog.at_level("INFO", logger="titanlike"):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.step == 3
+    assert f"received SIGUSR1: saved step 3 to {tmp_path / 'checkpoint' / 'step-3'}" in caplog.text
+    assert published_steps(str(tmp_path / "checkpoint")) == [3]
+
+
 def test_relaunching_a_finished_run_says_what_to_pass(tmp_path, caplog, capsys):
     import train
 
@@ -210,7 +260,7 @@ def test_second_job_on_a_dump_folder_is_refused_until_the_first_is_gone(tmp_path
 
 
 def test_resume_verdict_when_no_full_checkpoint_is_left(tmp_path):
-    from titanlike.train.trainer import resume_verdict
+    from titanlike.checkpoint.resume import resume_verdict
 
     (tmp_path / "step-5").mkdir()
     (tmp_path / "step-5" / "titanlike.json").write_text(json.dumps({"contents": "model_only", "step": 5}))

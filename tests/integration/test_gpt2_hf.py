@@ -17,8 +17,10 @@ from conftest import TINY_JOB, hf_warnings, launch, read_metrics
 from family_checks import first_batch_and_hf_loss, materialize, probe_tokens
 from titanlike.checkpoint.format import CheckpointError
 from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp
-from titanlike.models.gpt2 import GPT2, GPT2Args, gpt2_flavors, hf_adapter
+from titanlike.models.gpt2 import GPT2, GPT2Args, gpt2_flavors
+from titanlike.models.registry import get_model_spec
 
+HF = get_model_spec("gpt2").hf
 ATOL = 1e-5
 
 
@@ -31,7 +33,7 @@ def hf_model(args, seed=0) -> GPT2LMHeadModel:
     """A random GPT2LMHeadModel whose norms and biases are not at their init (1 and 0), so a
     mis-mapped bias or LayerNorm shows in the logits."""
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(**hf_adapter.args_to_hf_config(args))).eval()
+    model = GPT2LMHeadModel(GPT2Config(**HF.args_to_config(args))).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "ln_" in name or name.endswith(".bias"):
@@ -52,9 +54,9 @@ def test_adapter_both_ways(tied):
     positions = torch.stack([torch.arange(40), torch.arange(40) % 13])  # restarting per "document"
 
     # HF -> ours.
-    assert GPT2Args.from_hf_config(hf.config.to_dict()) == args
+    assert HF.config_to_args(hf.config.to_dict()) == args
     model = ours(args)
-    model.load_state_dict(hf_adapter.from_hf_state_dict(hf.state_dict(), args), strict=True)
+    model.load_state_dict(HF.from_hf_state_dict(hf.state_dict(), args), strict=True)
     with torch.no_grad():
         torch.testing.assert_close(model(t), hf(t).logits, rtol=0, atol=ATOL)
         torch.testing.assert_close(model(t, positions=positions), hf(t, position_ids=positions).logits,
@@ -62,8 +64,8 @@ def test_adapter_both_ways(tied):
 
     # Ours (our own init) -> HF.
     mine = ours(args, seed=5)
-    back = GPT2LMHeadModel(GPT2Config(**mine.model_args.to_hf_config())).eval()
-    missing, unexpected = back.load_state_dict(hf_adapter.to_hf_state_dict(mine.state_dict(), args), strict=False)
+    back = GPT2LMHeadModel(GPT2Config(**HF.args_to_config(mine.model_args))).eval()
+    missing, unexpected = back.load_state_dict(HF.to_hf_state_dict(mine.state_dict(), args), strict=False)
     assert unexpected == [] and missing == (["lm_head.weight"] if tied else [])
     assert (back.lm_head.weight is back.transformer.wte.weight) is tied
     with torch.no_grad():
@@ -80,7 +82,7 @@ def test_original_gpt2_key_spelling_and_mask_buffers():
         sd[f"h.{i}.attn.bias"] = torch.ones(1, 1, 48, 48).tril()
         sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     model = ours(args)
-    model.load_state_dict(hf_adapter.from_hf_state_dict(sd, args), strict=True)
+    model.load_state_dict(HF.from_hf_state_dict(sd, args), strict=True)
     t = probe_tokens(args.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(model(t), hf(t).logits, rtol=0, atol=ATOL)
@@ -94,13 +96,13 @@ def test_original_gpt2_key_spelling_and_mask_buffers():
     ("n_inner", 100),
 ])
 def test_unsupported_configs_are_refused_by_name(key, value):
-    config = {**hf_adapter.args_to_hf_config(tiny_args()), key: value}
+    config = {**HF.args_to_config(tiny_args()), key: value}
     with pytest.raises(ValueError, match=key):
-        GPT2Args.from_hf_config(config)
+        HF.config_to_args(config)
     # gelu_pytorch_tanh is the same function as gelu_new.
-    assert GPT2Args.from_hf_config({**config, key: hf_adapter.args_to_hf_config(tiny_args())[key]}) == tiny_args()
-    assert GPT2Args.from_hf_config({**config, "activation_function": "gelu_pytorch_tanh", key:
-                                    hf_adapter.args_to_hf_config(tiny_args())[key]}) == tiny_args()
+    assert HF.config_to_args({**config, key: HF.args_to_config(tiny_args())[key]}) == tiny_args()
+    assert HF.config_to_args({**config, "activation_function": "gelu_pytorch_tanh", key:
+                              HF.args_to_config(tiny_args())[key]}) == tiny_args()
 
 
 def test_checkpoint_round_trip_and_load_model(tmp_path):

@@ -28,12 +28,14 @@ from family_checks import (
     probe_tokens,
     write_model_only_dcp,
 )
-from titanlike.models.llama3 import hf_adapter, llama3_flavors
+from titanlike.models.llama3 import llama3_flavors
+from titanlike.models.registry import get_model_spec
 
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_dcp_to_hf  # noqa: E402
 import convert_hf_to_dcp  # noqa: E402
 
+HF = get_model_spec("llama3").hf
 ATOL = 1e-5
 
 
@@ -44,7 +46,7 @@ def tiny_args(tied: bool):
 
 def hf_model(args, seed=0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**hf_adapter.args_to_hf_config(args))).eval()
+    return LlamaForCausalLM(LlamaConfig(**HF.args_to_config(args))).eval()
 
 
 

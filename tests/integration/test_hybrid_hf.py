@@ -19,8 +19,10 @@ from transformers import Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, Nemot
 from family_checks import check_hf_export, check_hf_import, materialize, probe_tokens, write_model_only_dcp
 from titanlike.models.common.mamba2 import Mamba2Args
 from titanlike.models.hybrid import HybridModel, HybridModelArgs, hybrid_flavors
+from titanlike.models.registry import get_model_spec
 
 
+HF = get_model_spec("hybrid").hf
 ATOL = 2e-5
 MAMBA = Mamba2Args(num_heads=4, head_dim=32, state_size=16, n_groups=2, chunk_size=16)
 
@@ -49,7 +51,7 @@ def hf_model(case: str, seed: int = 0):
     make_args, config_cls, model_cls = CASES[case]
     args = make_args()
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**args.to_hf_config())).eval()
+    model = model_cls(config_cls(**HF.args_to_config(args))).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith((".D", "dt_bias", "conv1d.bias")):
@@ -61,7 +63,7 @@ def hf_model(case: str, seed: int = 0):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_to_titanlike_and_back(tmp_path, case):
     args, hf = hf_model(case)
-    assert HybridModelArgs.from_hf_config(hf.config.to_dict()) == args
+    assert HF.config_to_args(hf.config.to_dict()) == args
     t = probe_tokens(args.vocab_size)
     want = check_hf_import(hf, tmp_path / "hf", tmp_path / "dcp", "hybrid", t, ATOL)
 
@@ -90,12 +92,12 @@ def test_titanlike_weights_give_the_same_logits_in_transformers(tmp_path, case):
 
 
 def test_what_transformers_cannot_express_is_refused_in_one_sentence():
-    base = nemotron_h().to_hf_config()
+    base = HF.args_to_config(nemotron_h())
     assert base["layers_block_type"] == ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
                                          "linear_attention"]
     # The legacy pattern string reads the same.
     legacy = {k: v for k, v in base.items() if k != "layers_block_type"} | {"hybrid_override_pattern": "M-M*-M"}
-    assert HybridModelArgs.from_hf_config(legacy) == nemotron_h()
+    assert HF.config_to_args(legacy) == nemotron_h()
     for changes, fragment in [
         ({"layers_block_type": ["linear_attention", "moe"]}, "mixture-of-experts layers"),
         ({"mlp_hidden_act": "silu"}, "mlp_hidden_act = 'silu' is not supported"),
@@ -103,8 +105,8 @@ def test_what_transformers_cannot_express_is_refused_in_one_sentence():
         ({"use_bias": True}, "projections have no bias"),
     ]:
         with pytest.raises(ValueError, match=fragment):
-            HybridModelArgs.from_hf_config({**base, **changes})
+            HF.config_to_args({**base, **changes})
     with pytest.raises(ValueError, match="SwiGLU experts"):
-        hybrid_flavors["debugmodel_moe"].to_hf_config()
+        HF.args_to_config(hybrid_flavors["debugmodel_moe"])
     with pytest.raises(ValueError, match="need mamba dt_limit_min > 0"):
-        dataclasses.replace(nemotron_h(), mamba=dataclasses.replace(MAMBA, dt_limit_min=0.0)).to_hf_config()
+        HF.args_to_config(dataclasses.replace(nemotron_h(), mamba=dataclasses.replace(MAMBA, dt_limit_min=0.0)))

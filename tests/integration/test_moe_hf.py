@@ -31,7 +31,7 @@ from titanlike.models.mixtral import MixtralModelArgs, mixtral_flavors
 from titanlike.models.qwen3 import Qwen3ModelArgs, qwen3_flavors
 from titanlike.models.registry import get_model_spec
 
-
+QWEN3_HF = get_model_spec("qwen3").hf
 ATOL = 1e-5
 
 
@@ -67,10 +67,10 @@ CASES = {
 def hf_model(case: str, seed: int = 0):
     """A random HF model whose norms are not at their init (1), so a mis-mapped or mis-permuted
     norm weight shows in the logits, and whose router is sharp (no near-ties in the top-k)."""
-    _, make_args, config_cls, model_cls = CASES[case]
+    family, make_args, config_cls, model_cls = CASES[case]
     args = make_args()
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**args.to_hf_config())).eval()
+    model = model_cls(config_cls(**get_model_spec(family).hf.args_to_config(args))).eval()
     model.set_experts_implementation("eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -86,7 +86,7 @@ def hf_model(case: str, seed: int = 0):
 def test_hf_to_titanlike_and_back(tmp_path, case):
     args, hf = hf_model(case)
     # The config both ways (HF's own to_dict spells the expert count num_local_experts).
-    assert type(args).from_hf_config(hf.config.to_dict()) == args
+    assert get_model_spec(CASES[case][0]).hf.config_to_args(hf.config.to_dict()) == args
     t = probe_tokens(args.vocab_size)
     # HF folder -> DCP -> our model, and the HF folder read directly.
     want = check_hf_import(hf, tmp_path / "hf", tmp_path / "dcp", CASES[case][0], t, ATOL)
@@ -130,7 +130,7 @@ def test_incomplete_expert_set_is_refused(tmp_path, case):
     dropped = [k for k in sd if ".experts.7." in k and k.endswith(("up_proj.weight", "w3.weight"))][0]
     del sd[dropped]
     save_file(sd, path, metadata={"format": "pt"})
-    adapter = get_model_spec(CASES[case][0]).hf_adapter
+    adapter = get_model_spec(CASES[case][0]).hf
     with pytest.raises(ValueError, match=r"experts are incomplete for 10|experts are incomplete for 12"):
         adapter.from_hf_state_dict(sd, args)
     with pytest.raises(CheckpointError, match=r"missing \[7\]"):
@@ -151,34 +151,34 @@ def test_experts_are_stacked_by_integer_index():
                 on_disk[f"{key.removesuffix('down_proj')}{e}.down_proj.weight"] = value[e]
         else:
             on_disk[key] = value
-    ours = get_model_spec("qwen3").hf_adapter.from_hf_state_dict(dict(reversed(on_disk.items())), args)
+    ours = QWEN3_HF.from_hf_state_dict(dict(reversed(on_disk.items())), args)
     for e in (2, 10, 11):
         assert torch.equal(ours["layers.1.moe.experts.w1"][e], on_disk[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"])
         assert torch.equal(ours["layers.2.moe.experts.w2"][e], on_disk[f"model.layers.2.mlp.experts.{e}.down_proj.weight"])
 
 
 def test_moe_layer_patterns_map_both_ways():
-    base = qwen3_moe().to_hf_config()
+    base = QWEN3_HF.args_to_config(qwen3_moe())
     assert base["mlp_only_layers"] == [0] and base["decoder_sparse_step"] == 1
     # Every second layer from layer 1 (HF's decoder_sparse_step 2) is first_k_dense 1, layer_freq 2.
-    args = Qwen3ModelArgs.from_hf_config({**base, "num_hidden_layers": 4, "mlp_only_layers": [],
-                                          "decoder_sparse_step": 2})
+    args = QWEN3_HF.config_to_args({**base, "num_hidden_layers": 4, "mlp_only_layers": [],
+                                    "decoder_sparse_step": 2})
     assert (args.moe.first_k_dense, args.moe.layer_freq) == (1, 2)
-    assert Qwen3ModelArgs.from_hf_config(args.to_hf_config()) == args
+    assert QWEN3_HF.config_to_args(QWEN3_HF.args_to_config(args)) == args
     # Layers 0, 2 and 3 are MoE (layer 1 dense): no first_k_dense / layer_freq says that.
     with pytest.raises(ValueError, match=r"MoE layers \[0, 2, 3\] are not every k-th layer"):
-        Qwen3ModelArgs.from_hf_config({**base, "num_hidden_layers": 4, "mlp_only_layers": [1]})
+        QWEN3_HF.config_to_args({**base, "num_hidden_layers": 4, "mlp_only_layers": [1]})
     with pytest.raises(ValueError, match="no MoE layer"):
-        Qwen3ModelArgs.from_hf_config({**base, "mlp_only_layers": [0, 1, 2]})
+        QWEN3_HF.config_to_args({**base, "mlp_only_layers": [0, 1, 2]})
 
 
 @pytest.mark.parametrize("key, value", [("hidden_act", "gelu"), ("attention_bias", True), ("use_sliding_window", True)])
 def test_unsupported_qwen3_configs_are_refused_by_name(key, value):
     with pytest.raises(ValueError, match=key):
-        Qwen3ModelArgs.from_hf_config({**qwen3_moe().to_hf_config(), key: value})
+        QWEN3_HF.config_to_args({**QWEN3_HF.args_to_config(qwen3_moe()), key: value})
 
 
 def test_routing_without_hf_equivalent_is_refused():
     moe = dataclasses.replace(qwen3_moe().moe, score_func="sigmoid")
     with pytest.raises(ValueError, match="only softmax top-k routing"):
-        dataclasses.replace(qwen3_moe(), moe=moe).to_hf_config()
+        QWEN3_HF.args_to_config(dataclasses.replace(qwen3_moe(), moe=moe))

@@ -20,8 +20,10 @@ from conftest import hf_warnings
 from family_checks import materialize
 from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp
 from titanlike.models.common.attention import DocumentMask
-from titanlike.models.t5 import T5, T5Args, hf_adapter, t5_flavors
+from titanlike.models.registry import get_model_spec
+from titanlike.models.t5 import T5, T5Args, t5_flavors
 
+HF = get_model_spec("t5").hf
 ATOL = 1e-5
 VARIANTS = {"v1_1": dict(feed_forward="gated-gelu", tie_word_embeddings=False, scale_decoder_outputs=False),
             "original": dict(feed_forward="relu", tie_word_embeddings=True, scale_decoder_outputs=True)}
@@ -40,7 +42,7 @@ def hf_model(args: T5Args, seed=0) -> T5ForConditionalGeneration:
     norm shows in the logits. transformers 5 builds lm_head as an alias of shared whatever the
     config says; an untied model gets its own lm_head here (as loading a v1.1 checkpoint does)."""
     torch.manual_seed(seed)
-    model = T5ForConditionalGeneration(T5Config(**hf_adapter.args_to_hf_config(args))).eval()
+    model = T5ForConditionalGeneration(T5Config(**HF.args_to_config(args))).eval()
     with torch.no_grad():
         if not args.tie_word_embeddings:
             model.lm_head.weight = torch.nn.Parameter(0.05 * torch.randn_like(model.lm_head.weight))
@@ -79,12 +81,12 @@ def test_adapter_both_ways(variant):
     batch = inputs(args.vocab_size)
     # The config we write reads back as the same args (transformers 5's in-memory config always
     # says tie_word_embeddings=True, so the written one is the reference).
-    assert T5Args.from_hf_config(hf_adapter.args_to_hf_config(args)) == args
+    assert HF.config_to_args(HF.args_to_config(args)) == args
     assert hf.config.scale_decoder_outputs is args.scale_decoder_outputs
 
     # HF -> ours.
     model = ours(args)
-    model.load_state_dict(hf_adapter.from_hf_state_dict(hf.state_dict(), args), strict=True)
+    model.load_state_dict(HF.from_hf_state_dict(hf.state_dict(), args), strict=True)
     with torch.no_grad():
         want = hf_logits(hf, *batch)
         torch.testing.assert_close(our_logits(model, *batch), want, rtol=0, atol=ATOL)
@@ -93,10 +95,10 @@ def test_adapter_both_ways(variant):
 
     # Ours (our own init) -> HF.
     mine = ours(args, seed=5)
-    back = T5ForConditionalGeneration(T5Config(**mine.model_args.to_hf_config())).eval()
+    back = T5ForConditionalGeneration(T5Config(**HF.args_to_config(mine.model_args))).eval()
     if not args.tie_word_embeddings:
         back.lm_head.weight = torch.nn.Parameter(torch.empty_like(back.lm_head.weight))
-    missing, unexpected = back.load_state_dict(hf_adapter.to_hf_state_dict(mine.state_dict(), args), strict=False)
+    missing, unexpected = back.load_state_dict(HF.to_hf_state_dict(mine.state_dict(), args), strict=False)
     aliases = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
     assert unexpected == [] and set(missing) == aliases | ({"lm_head.weight"} if args.tie_word_embeddings else set())
     assert (back.lm_head.weight is back.shared.weight) is args.tie_word_embeddings
@@ -105,20 +107,20 @@ def test_adapter_both_ways(variant):
 
 
 def test_unsupported_configs_are_refused_by_name():
-    config = hf_adapter.args_to_hf_config(tiny_args("v1_1"))
+    config = HF.args_to_config(tiny_args("v1_1"))
     with pytest.raises(ValueError, match="feed_forward_proj"):
-        T5Args.from_hf_config({**config, "feed_forward_proj": "gated-silu"})
+        HF.config_to_args({**config, "feed_forward_proj": "gated-silu"})
     # transformers 4's configs have no scale_decoder_outputs: tying implies the scale.
-    legacy = {k: v for k, v in hf_adapter.args_to_hf_config(tiny_args("original")).items()
+    legacy = {k: v for k, v in HF.args_to_config(tiny_args("original")).items()
               if k != "scale_decoder_outputs"}
-    assert T5Args.from_hf_config(legacy) == tiny_args("original")
+    assert HF.config_to_args(legacy) == tiny_args("original")
     # transformers 5 saves every T5 config with tie_word_embeddings=true; a folder that still holds
     # a different lm_head is refused in one sentence rather than read as tied.
     args = tiny_args("original")
-    hf_sd = hf_adapter.to_hf_state_dict(ours(args).state_dict(), dataclasses.replace(args, tie_word_embeddings=False))
+    hf_sd = HF.to_hf_state_dict(ours(args).state_dict(), dataclasses.replace(args, tie_word_embeddings=False))
     hf_sd["lm_head.weight"] = hf_sd["lm_head.weight"] + 1
     with pytest.raises(ValueError, match="tie_word_embeddings false"):
-        hf_adapter.from_hf_state_dict(hf_sd, args)
+        HF.from_hf_state_dict(hf_sd, args)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from conftest import TINY_JOB, launch
 
@@ -59,8 +60,16 @@ def test_non_finite_loss_stops_training(tmp_path, monkeypatch):
 
     cfg = load_job_config([*TINY_JOB, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)])
     trainer = Trainer(cfg, validate_config(cfg, world_size=1))
-    calls = iter([(5.0, 1.0), (float("nan"), 1.0)])
-    monkeypatch.setattr(trainer, "train_step", lambda batches: next(calls))
-    with pytest.raises(TrainingError, match="the loss is nan at step 2"):
+    run_step = trainer._run_step
+    output_weight = dict(trainer.model_parts[0].named_parameters())["output.weight"]
+
+    def nan_logits_at_step_2(data):
+        if trainer.step == 2:
+            with torch.no_grad():
+                output_weight.fill_(float("nan"))  # every logit, so the loss, is nan
+        return run_step(data)
+
+    monkeypatch.setattr(trainer, "_run_step", nan_logits_at_step_2)
+    with pytest.raises(TrainingError, match="the loss is nan at step 2; stopped before the optimizer step"):
         trainer.train()
     trainer.close()

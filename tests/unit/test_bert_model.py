@@ -14,7 +14,7 @@ from family_checks import check_stages_initialized_as_full, held_params, init_pi
 from titanlike.config import load_job_config
 from titanlike.models.bert import BINARY_LOSS, Bert, BertArgs, bert_flavors
 from titanlike.models.common.attention import DocumentMask
-from titanlike.models.outputs import reported_loss_sums
+from titanlike.models.outputs import LossReports
 from titanlike.models.registry import get_model_spec, model_names, spec_for_hf_model_type
 from titanlike.objectives import MaskedLM
 from titanlike.parallel.pipeline import plan_layout
@@ -43,7 +43,7 @@ def batch(args, seq=16, seed=0):
 
 def test_registered_by_its_folder_alone():
     assert "bert" in model_names()
-    assert SPEC.model_cls is Bert and SPEC.hf_model_type == "bert" and spec_for_hf_model_type("bert") is SPEC
+    assert SPEC.model_cls is Bert and SPEC.hf.model_types == ("bert",) and spec_for_hf_model_type("bert") is SPEC
     assert {"debugmodel", "debugmodel_tiny", "base", "large", "3.9B"} <= set(SPEC.flavors)
     debug = bert_flavors["debugmodel"]
     assert (debug.dim, debug.n_layers, debug.n_heads, debug.vocab_size, debug.max_seq_len) == (256, 4, 8, 2048, 512)
@@ -171,7 +171,7 @@ def test_binary_loss_is_weighted_attached_and_reported():
 
     logits = model(tokens, token_types=token_types, binary_labels=labels, binary_weights=weights)
     (logits * grad_logits).sum().backward()
-    sums = reported_loss_sums([model], args.reported_losses(), torch.device("cpu"))
+    sums = LossReports([model], args.reported_losses(), torch.device("cpu")).collect()
     assert sums.item() == pytest.approx(manual.item(), rel=1e-6)
     assert model.binary_head.reported_loss_sum.item() == 0  # read and zeroed
     ref_params = dict(ref.named_parameters())

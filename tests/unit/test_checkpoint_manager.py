@@ -24,10 +24,12 @@ from titanlike.config import load_job_config
 from titanlike.train.validate import validate_config
 from titanlike.data.loader import build_dataloader_from_source
 from titanlike.models.llama3 import Transformer, llama3_flavors
+from titanlike.models.registry import get_model_spec
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
 SEQ = 16
 ARGS = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=2, vocab_size=320, max_seq_len=SEQ)
+HF = get_model_spec("llama3").hf
 
 
 class Job:
@@ -376,21 +378,19 @@ def test_seed_checkpoint_refuses_a_folder_with_checkpoints(saved):
 def test_initial_load_in_hf_and_last_save_in_hf(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from titanlike.models.llama3 import hf_adapter
-
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**ARGS.to_hf_config())).eval()
+    hf = LlamaForCausalLM(LlamaConfig(**HF.args_to_config(ARGS))).eval()
     hf.save_pretrained(tmp_path / "hf")
     job = Job(tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
               "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", steps=2, seed=3)
     assert job.start() == 0
-    assert_same_tensors(job.params(), hf_adapter.from_hf_state_dict(hf.state_dict(), ARGS))
+    assert_same_tensors(job.params(), HF.from_hf_state_dict(hf.state_dict(), ARGS))
     job.train(2)
     job.manager.close()
     export = os.path.join(job.folder(), "step-2")
     assert ckpt_format.is_hf_folder(export) and not os.path.exists(os.path.join(export, "dcp"))
     back = LlamaForCausalLM.from_pretrained(export).eval()
-    assert_same_tensors(hf_adapter.from_hf_state_dict(back.state_dict(), ARGS), job.params())
+    assert_same_tensors(HF.from_hf_state_dict(back.state_dict(), ARGS), job.params())
     # A Hugging Face export is not something training resumes from.
     with pytest.raises(CheckpointError, match="is a Hugging Face export"):
         Job(tmp_path / "run", steps=4).start()
@@ -400,7 +400,7 @@ def test_initial_load_in_hf_of_another_size_is_refused(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     other = dataclasses.replace(ARGS, dim=128)
-    LlamaForCausalLM(LlamaConfig(**other.to_hf_config())).save_pretrained(tmp_path / "hf")
+    LlamaForCausalLM(LlamaConfig(**HF.args_to_config(other))).save_pretrained(tmp_path / "hf")
     job = Job(tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
               "--checkpoint.initial_load_in_hf")
     with pytest.raises(CheckpointError, match=r"hf has hidden_size=128 but this job's model has 64 \(model\.flavor"):
@@ -408,10 +408,11 @@ def test_initial_load_in_hf_of_another_size_is_refused(tmp_path):
 
 
 def test_hf_config_comparison_is_key_by_key_and_ignores_the_context():
-    """_check_hf_args compares the two models' to_hf_config, so it needs no family's field names."""
+    """_check_hf_args compares the two models' configs from the family's adapter, so it needs no
+    family's field names."""
     from types import SimpleNamespace
 
-    job = SimpleNamespace(model_args=ARGS)
+    job = SimpleNamespace(model_args=ARGS, spec=get_model_spec("llama3"))
     CheckpointManager._check_hf_args(job, ARGS.with_context_len(4096), "hf")  # context: not compared
     with pytest.raises(CheckpointError, match=r"^Hugging Face checkpoint hf has rope_theta=10000\.0 but this "
                                               r"job's model has 500000\.0 \(model\.flavor / tokenizer\)$"):

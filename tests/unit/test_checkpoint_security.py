@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from faults import Evil, poison_entry, poison_index
-from test_checkpoint_manager import ARGS, Job, run
+from test_checkpoint_manager import ARGS, HF, Job, run
 
 from titanlike.checkpoint import CheckpointError, load_model
 from titanlike.checkpoint import format as fmt
@@ -45,7 +45,7 @@ def checkpoints(tmp_path_factory):
     seed.manager.close()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(**ARGS.to_hf_config())).save_pretrained(root / "hf")
+    LlamaForCausalLM(LlamaConfig(**HF.args_to_config(ARGS))).save_pretrained(root / "hf")
     import_hf_to_dcp(str(root / "hf"), str(root / "hfimport"))
     return {
         "full": root / "full" / "checkpoint" / "step-3",

@@ -51,7 +51,7 @@ def dims(**degrees) -> ParallelDims:
 
 
 def test_registry_and_tp_plan():
-    assert SPEC.model_cls is DeepSeekV3 and SPEC.hf_model_types == ("deepseek_v3",)
+    assert SPEC.model_cls is DeepSeekV3 and SPEC.hf.model_types == ("deepseek_v3",)
     assert spec_for_hf_model_type("deepseek_v3") is SPEC
     assert SPEC.pipeline_ends.inputs == ("tok_embeddings",) and SPEC.pipeline_ends.outputs[:2] == ("norm", "output")
     block = SPEC.tp_plan.block
@@ -143,7 +143,7 @@ def _hf_counts(args: DeepSeekV3ModelArgs) -> tuple[int, int]:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**args.to_hf_config()))
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**SPEC.hf.args_to_config(args)))
     total = sum(p.numel() for p in model.parameters())
     experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
     per_expert = sum(p.numel() for p in experts[0].parameters()) // args.moe.num_experts
@@ -246,7 +246,7 @@ def test_routing_equals_transformers_deepseek_router():
     moe = MoEArgs(num_experts=16, top_k=4, hidden_dim=8, num_shared_experts=1, score_func="sigmoid", route_norm=True,
                   route_scale=2.5, n_groups=4, topk_groups=2, bias_update_rate=1e-3)
     args = dataclasses.replace(tiny(), moe=moe)
-    hf = DeepseekV3TopkRouter(DeepseekV3Config(**args.to_hf_config()))
+    hf = DeepseekV3TopkRouter(DeepseekV3Config(**SPEC.hf.args_to_config(args)))
     ours = Router(64, moe)
     torch.manual_seed(0)
     with torch.no_grad():

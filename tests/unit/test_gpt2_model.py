@@ -37,7 +37,7 @@ def build(args, seed=0) -> GPT2:
 
 def test_registered_by_its_folder_alone():
     assert "gpt2" in model_names()
-    assert SPEC.model_cls is GPT2 and SPEC.hf_model_type == "gpt2"
+    assert SPEC.model_cls is GPT2 and SPEC.hf.model_types == ("gpt2",)
     assert {"debugmodel", "124M", "355M", "774M", "1.5B", "175B"} <= set(SPEC.flavors)
     assert SPEC.tp_plan.top["pos_embeddings"] == "position_embedding"
     assert SPEC.tp_plan.block["feed_forward.w1"] == "colwise" and "feed_forward.w3" not in SPEC.tp_plan.block

@@ -13,8 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import hf_warnings
 from family_checks import materialize
-from titanlike.models.llama3 import Transformer, hf_adapter, llama3_flavors
+from titanlike.models.common.hf import half_to_interleaved, interleaved_to_half
+from titanlike.models.llama3 import Transformer, llama3_flavors
+from titanlike.models.registry import get_model_spec
 
+HF = get_model_spec("llama3").hf
 ATOL = 1e-5
 
 
@@ -26,7 +29,7 @@ def small_args(tied: bool, **overrides):
 
 def hf_model(args, seed=0):
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**hf_adapter.args_to_hf_config(args))).eval()
+    return LlamaForCausalLM(LlamaConfig(**HF.args_to_config(args))).eval()
 
 
 def ours(args, seed=0):
@@ -42,7 +45,7 @@ def test_hf_weights_give_hf_logits(tied):
     args = small_args(tied)
     hf = hf_model(args)
     model = ours(args, seed=5)
-    model.load_state_dict(hf_adapter.from_hf_state_dict(hf.state_dict(), args), strict=True)
+    model.load_state_dict(HF.from_hf_state_dict(hf.state_dict(), args), strict=True)
     if tied:
         assert model.output.weight is model.tok_embeddings.weight
     t = tokens(args)
@@ -55,7 +58,7 @@ def test_our_weights_give_our_logits_in_hf(tied):
     args = small_args(tied)
     model = ours(args, seed=9)
     hf = hf_model(args, seed=1)
-    hf_sd = hf_adapter.to_hf_state_dict(model.state_dict(), args)
+    hf_sd = HF.to_hf_state_dict(model.state_dict(), args)
     missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
     assert unexpected == []
     # A tied HF checkpoint has no lm_head.weight; the model ties it to the embedding.
@@ -72,7 +75,7 @@ def test_multi_query_and_plain_multi_head_attention():
         args = small_args(False, n_kv_heads=n_kv, rope_scaling=None, rope_theta=10000.0)
         hf = hf_model(args, seed=n_kv)
         model = ours(args)
-        model.load_state_dict(hf_adapter.from_hf_state_dict(hf.state_dict(), args))
+        model.load_state_dict(HF.from_hf_state_dict(hf.state_dict(), args))
         t = tokens(args, seq=17)
         with torch.no_grad():
             torch.testing.assert_close(model(t), hf(t).logits, rtol=0, atol=ATOL)
@@ -81,9 +84,9 @@ def test_multi_query_and_plain_multi_head_attention():
 def test_state_dict_round_trip_and_qk_permutation():
     args = small_args(False)
     sd = ours(args, seed=2).state_dict()
-    hf_sd = hf_adapter.to_hf_state_dict(sd, args)
+    hf_sd = HF.to_hf_state_dict(sd, args)
     assert set(hf_sd) == set(hf_model(args).state_dict())
-    back = hf_adapter.from_hf_state_dict(hf_sd, args)
+    back = HF.from_hf_state_dict(hf_sd, args)
     assert set(back) == set(sd)
     for key in sd:
         assert torch.equal(back[key], sd[key]), key
@@ -93,16 +96,16 @@ def test_state_dict_round_trip_and_qk_permutation():
     assert torch.equal(hf_sd["model.layers.0.self_attn.v_proj.weight"], sd["layers.0.attention.wv.weight"])
     # Within a head, pair (2i, 2i+1) moves to rows (i, i + head_dim/2).
     w = torch.arange(8.0).repeat_interleave(3).view(8, 3)  # one head of dim 8, input dim 3
-    half = hf_adapter.interleaved_to_half(w, n_heads=1)
+    half = interleaved_to_half(w, n_heads=1)
     assert half[:, 0].tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
-    assert torch.equal(hf_adapter.half_to_interleaved(half, n_heads=1), w)
+    assert torch.equal(half_to_interleaved(half, n_heads=1), w)
 
 
 def test_wrapper_prefixes_are_ignored_on_export():
     args = small_args(False)
     sd = {k.replace("layers.0.", "layers.0._checkpoint_wrapped_module."): v
           for k, v in ours(args).state_dict().items()}
-    assert "model.layers.0.mlp.gate_proj.weight" in hf_adapter.to_hf_state_dict(sd, args)
+    assert "model.layers.0.mlp.gate_proj.weight" in HF.to_hf_state_dict(sd, args)
 
 
 def test_unknown_keys_are_rejected():
@@ -110,33 +113,33 @@ def test_unknown_keys_are_rejected():
     hf_sd = dict(hf_model(args).state_dict())
     hf_sd["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
     with pytest.raises(KeyError, match="q_proj.bias"):
-        hf_adapter.from_hf_state_dict(hf_sd, args)
+        HF.from_hf_state_dict(hf_sd, args)
     with pytest.raises(KeyError, match="lm_head"):
-        hf_adapter.from_hf_state_dict({"model.embed_tokens.weight": torch.zeros(300, 64)}, args)
+        HF.from_hf_state_dict({"model.embed_tokens.weight": torch.zeros(300, 64)}, args)
 
 
 @pytest.mark.parametrize("flavor", sorted(llama3_flavors))
 def test_config_round_trip(flavor):
     args = llama3_flavors[flavor]
-    cfg = hf_adapter.args_to_hf_config(args)
+    cfg = HF.args_to_config(args)
     # A context within the RoPE scaling's original one (the debug flavors) is exported as the
     # context the scaling extends to, the only value transformers accepts without a warning.
     s = args.rope_scaling
     if s is not None and args.max_seq_len <= s.original_max_position_embeddings:
         args = dataclasses.replace(args, max_seq_len=int(s.original_max_position_embeddings * s.factor))
     assert cfg["max_position_embeddings"] == args.max_seq_len
-    assert hf_adapter.args_from_hf_config(cfg) == args
+    assert HF.config_to_args(cfg) == args
     # transformers 5.x re-serializes rope settings as rope_parameters; we read that too.
     with hf_warnings() as warned:
         hf_cfg = LlamaConfig(**cfg)
     assert warned == []
-    assert hf_adapter.args_from_hf_config(hf_cfg.to_dict()) == args
+    assert HF.config_to_args(hf_cfg.to_dict()) == args
 
 
 @pytest.mark.parametrize("flavor", ["1B", "8B"])
 def test_hf_model_from_our_config_has_our_parameter_count(flavor):
     args = llama3_flavors[flavor]
-    cfg = hf_adapter.args_to_hf_config(args)
+    cfg = HF.args_to_config(args)
     assert cfg["rope_scaling"]["rope_type"] == "llama3"
     with torch.device("meta"):
         hf = LlamaForCausalLM(LlamaConfig(**cfg))
@@ -158,19 +161,19 @@ def test_published_hf_config_maps_to_flavor():
         "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "use_cache": True, "vocab_size": 128256,
     }
-    assert hf_adapter.args_from_hf_config(published) == llama3_flavors["8B"]
+    assert HF.config_to_args(published) == llama3_flavors["8B"]
 
 
 def test_unpublished_ffn_sizes_are_reproduced():
     for intermediate in (100, 170, 171, 1000):
-        cfg = hf_adapter.args_to_hf_config(small_args(False))
+        cfg = HF.args_to_config(small_args(False))
         cfg["intermediate_size"] = intermediate
-        assert hf_adapter.args_from_hf_config(cfg).ffn_hidden_dim == intermediate
+        assert HF.config_to_args(cfg).ffn_hidden_dim == intermediate
 
 
 def test_unsupported_configs_are_rejected():
-    cfg = hf_adapter.args_to_hf_config(small_args(False))
+    cfg = HF.args_to_config(small_args(False))
     with pytest.raises(ValueError, match="rope_type"):
-        hf_adapter.args_from_hf_config({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        HF.config_to_args({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="attention_bias"):
-        hf_adapter.args_from_hf_config({**cfg, "attention_bias": True})
+        HF.config_to_args({**cfg, "attention_bias": True})

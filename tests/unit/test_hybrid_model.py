@@ -35,13 +35,14 @@ def dims(tp=1, cp=1, pp=1, ep=1) -> ParallelDims:
 
 
 def test_registry_spec_and_hf_types():
-    assert SPEC.model_cls is HybridModel and SPEC.hf_model_types == ("nemotron_h", "mamba2")
+    assert SPEC.model_cls is HybridModel and SPEC.hf.model_types == ("nemotron_h", "mamba2")
     assert spec_for_hf_model_type("nemotron_h") is SPEC and spec_for_hf_model_type("mamba2") is SPEC
     block = SPEC.tp_plan.block
     assert (block["mamba"], block["mamba.in_proj"], block["mamba.out_proj"]) == ("head_split", "colwise", "rowwise")
     assert block["norm"] == "sequence_norm" and block["moe"] == "sequence_local"
-    assert hybrid_flavors["nemotron_h_8b"].to_hf_config()["model_type"] == "nemotron_h"
-    assert hybrid_flavors["mamba2_2.7b"].to_hf_config()["model_type"] == "mamba2"
+    for flavor, model_type in (("nemotron_h_8b", "nemotron_h"), ("mamba2_2.7b", "mamba2")):
+        args = hybrid_flavors[flavor]
+        assert SPEC.hf.model_type(args) == SPEC.hf.args_to_config(args)["model_type"] == model_type
 
 
 def test_each_pattern_character_builds_its_block():

@@ -54,7 +54,7 @@ def test_registry_exposes_llama3():
     spec = get_model_spec("llama3")
     assert spec.model_cls is Transformer
     assert {"debugmodel", "debugmodel_tiny", "100M", "1B", "3B", "8B", "70B", "405B"} <= set(spec.flavors)
-    assert spec.hf_adapter is not None
+    assert spec.hf is not None
 
 
 @pytest.mark.parametrize("flavor", sorted(llama3_flavors))

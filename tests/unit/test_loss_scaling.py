@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from titanlike.config import ConfigError, load_job_config
-from titanlike.models.outputs import attach_loss, objective_weight, weighted_objective
+from titanlike.models.outputs import attach_loss, modules_attaching_losses, weighted_objective
 from titanlike.train.loss_scaling import LossScaler, build_loss_scaler
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,10 +115,10 @@ def test_objective_weight_scales_the_loss_and_every_attached_term_alike():
     def grads(weight):
         a_ = a.clone().requires_grad_()
         b_ = b.clone().requires_grad_()
-        with objective_weight(weight):
-            hidden = attach_loss(a_ * 2, (b_ ** 2).sum())  # an auxiliary term on b, attached to a's path
-            loss = hidden.sum()
-            scaled = weighted_objective(loss)
+        w = torch.tensor(weight)
+        hidden = attach_loss(a_ * 2, (b_ ** 2).sum(), w)  # an auxiliary term on b, attached to a's path
+        loss = hidden.sum()
+        scaled = weighted_objective(loss, w)
         assert scaled.item() == loss.item()  # the reported value stays the unscaled loss
         scaled.backward()
         return a_.grad, b_.grad
@@ -129,15 +129,18 @@ def test_objective_weight_scales_the_loss_and_every_attached_term_alike():
     assert torch.equal(a2, 1024 * a1) and torch.allclose(b2, 1024 * b1)
 
 
-def test_objective_weight_is_read_in_forward_and_restored_after_the_block():
+def test_objective_weight_is_explicit_and_none_means_one():
     x = torch.ones(2, requires_grad=True)
     aux = torch.tensor(3.0, requires_grad=True)
-    with objective_weight(8.0):
-        y = attach_loss(x, aux * aux)
-    y.sum().backward()  # backward outside the block still uses the forward's weight
+    weight = torch.tensor(8.0)
+    y = attach_loss(x, aux * aux, weight)
+    y.sum().backward()
     assert aux.grad.item() == 8.0 * 2 * 3.0
+    aux.grad = None
+    attach_loss(x, aux * aux).sum().backward()  # no weight: 1
+    assert aux.grad.item() == 2 * 3.0
     loss = torch.tensor(2.0, requires_grad=True)
-    assert weighted_objective(loss) is loss  # weight 1 again: nothing is wrapped
+    assert weighted_objective(loss, None) is loss  # nothing is wrapped
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
@@ -158,12 +161,19 @@ def test_moe_balancing_loss_gradient_follows_the_objective_weight(checkpointing)
     model.init_weights(seed=0)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
 
-    def grads(weight):
+    # The step hands every loss-attaching module its weight tensor once; it rewrites it in place.
+    weight = torch.ones(())
+    attaching = modules_attaching_losses(model)
+    assert attaching
+    for module in attaching:
+        module.loss_weight = weight
+
+    def grads(value):
         model.zero_grad(set_to_none=True)
-        with objective_weight(weight):
-            out = model(tokens)
-            logits = out.logits if hasattr(out, "logits") else out
-            weighted_objective(logits.float().logsumexp(-1).sum()).backward()
+        weight.fill_(value)
+        out = model(tokens)
+        logits = out.logits if hasattr(out, "logits") else out
+        weighted_objective(logits.float().logsumexp(-1).sum(), weight).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain, scaled = grads(1.0), grads(256.0)

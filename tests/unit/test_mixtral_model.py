@@ -29,7 +29,7 @@ def build(args: MixtralModelArgs, seed: int = 0) -> Mixtral:
 
 
 def test_registry():
-    assert SPEC.model_cls is Mixtral and SPEC.hf_model_types == ("mixtral",)
+    assert SPEC.model_cls is Mixtral and SPEC.hf.model_types == ("mixtral",)
     assert spec_for_hf_model_type("mixtral") is SPEC
     assert "attention.q_norm" not in SPEC.tp_plan.block and SPEC.tp_plan.block["moe"] == "sequence_local"
     assert SPEC.pipeline_ends.outputs == ("norm", "output")
@@ -72,7 +72,7 @@ def test_num_params_equal_the_meta_model_and_transformers(flavor):
     args = mixtral_flavors[flavor]
     with torch.device("meta"):
         ours = sum(p.numel() for p in Mixtral(args).parameters())
-        hf = MixtralForCausalLM(MixtralConfig(**args.to_hf_config()))
+        hf = MixtralForCausalLM(MixtralConfig(**SPEC.hf.args_to_config(args)))
     total = sum(p.numel() for p in hf.parameters())
     experts = [m for name, m in hf.named_modules() if name.endswith("mlp.experts")]
     per_expert = sum(p.numel() for p in experts[0].parameters()) // 8
@@ -93,12 +93,13 @@ def test_published_sizes():
 
 def test_hf_config_round_trip_and_sidecar():
     for args in mixtral_flavors.values():
-        assert MixtralModelArgs.from_hf_config(args.to_hf_config()) == args
+        assert SPEC.hf.config_to_args(SPEC.hf.args_to_config(args)) == args
         assert MixtralModelArgs.from_dict(args.to_dict()) == args
     with pytest.raises(ValueError, match="sliding_window"):
-        MixtralModelArgs.from_hf_config({**DEBUG.to_hf_config(), "sliding_window": 4096})
+        SPEC.hf.config_to_args({**SPEC.hf.args_to_config(DEBUG), "sliding_window": 4096})
     with pytest.raises(ValueError, match="only softmax top-k routing"):
-        dataclasses.replace(DEBUG, moe=MoEArgs(num_experts=8, top_k=2, score_func="sigmoid")).to_hf_config()
+        SPEC.hf.args_to_config(
+            dataclasses.replace(DEBUG, moe=MoEArgs(num_experts=8, top_k=2, score_func="sigmoid")))
 
 
 @pytest.mark.parametrize("preset, world", [("mixtral_debug", 1), ("mixtral_8x7b", 32), ("mixtral_8x22b", 128)])

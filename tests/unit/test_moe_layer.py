@@ -213,7 +213,7 @@ def test_bias_update_pushes_towards_the_mean_load():
     model.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
     model.layers["0"].moe = layer
     balance = ExpertBalance([model], layer.args, num_layers=1, device=torch.device("cpu"), group=None)
-    table = balance.step_done(update_bias=True)
+    table = balance.step_done(applied=torch.tensor(True))
     assert table[0, :8].tolist() == [10.0, 0, 0, 0, 0, 0, 0, 6]
     bias = layer.expert_bias
     assert bias[0] < 0 and bias[7] < 0 and (bias[1:7] > 0).all()

@@ -4,7 +4,7 @@ loss joins the objective (models/outputs.py attach_loss) and the per-step report
 import torch
 
 from titanlike.models.common.attention import DocumentMask
-from titanlike.models.outputs import IGNORE_INDEX, attach_loss, reported_loss_sums
+from titanlike.models.outputs import IGNORE_INDEX, LossReports, attach_loss
 from titanlike.objectives.causal_lm import lookahead_targets
 
 EOD = 0
@@ -68,6 +68,6 @@ def test_reported_sums_are_read_once_per_name():
             self.register_buffer("reported_loss_sum", torch.tensor(value))
 
     model = torch.nn.Sequential(Term("mtp_loss", 2.0), Term("mtp_loss", 3.0), Term("other_loss", 1.0))
-    got = reported_loss_sums([model], ("other_loss", "mtp_loss"), torch.device("cpu"))
-    assert got.tolist() == [1.0, 5.0]
-    assert reported_loss_sums([model], ("other_loss", "mtp_loss"), torch.device("cpu")).tolist() == [0.0, 0.0]
+    reports = LossReports([model], ("other_loss", "mtp_loss"), torch.device("cpu"))
+    assert reports.collect().tolist() == [1.0, 5.0]
+    assert reports.collect().tolist() == [0.0, 0.0]

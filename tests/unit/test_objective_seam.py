@@ -50,7 +50,8 @@ def first_step(tmp_path, name: str) -> tuple[float, float]:
     trainer = Trainer(cfg, validate_config(cfg, world_size=1))
     try:
         data = iter(trainer.dataloader)
-        return trainer.train_step([next(data)])
+        out = trainer.train_step([trainer.prepare(next(data))])
+        return (out.loss_sum / out.tokens).item(), out.grad_norm.item()
     finally:
         trainer.close()
 

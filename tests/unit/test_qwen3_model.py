@@ -38,10 +38,11 @@ def build(args: Qwen3ModelArgs, seed: int = 0) -> Qwen3:
 
 
 def test_registry_reads_both_hf_model_types_and_writes_the_fitting_one():
-    assert SPEC.model_cls is Qwen3 and SPEC.hf_model_types == ("qwen3", "qwen3_moe")
+    assert SPEC.model_cls is Qwen3 and SPEC.hf.model_types == ("qwen3", "qwen3_moe")
     assert spec_for_hf_model_type("qwen3") is SPEC and spec_for_hf_model_type("qwen3_moe") is SPEC
-    assert qwen3_flavors["8B"].to_hf_config()["model_type"] == "qwen3"
-    assert qwen3_flavors["30B-A3B"].to_hf_config()["model_type"] == "qwen3_moe"
+    for flavor, model_type in (("8B", "qwen3"), ("30B-A3B", "qwen3_moe")):
+        args = qwen3_flavors[flavor]
+        assert SPEC.hf.model_type(args) == SPEC.hf.args_to_config(args)["model_type"] == model_type
     assert SPEC.pipeline_ends.inputs == ("tok_embeddings",) and SPEC.pipeline_ends.outputs == ("norm", "output")
     assert SPEC.tp_plan.block["attention.q_norm"] == SPEC.tp_plan.block["attention.k_norm"] == "head_norm"
     assert SPEC.tp_plan.block["feed_forward.w3"] == "colwise" and SPEC.tp_plan.block["moe"] == "sequence_local"
@@ -132,7 +133,7 @@ def _hf_counts(args: Qwen3ModelArgs) -> tuple[int, int]:
     """(total, active) parameters of transformers' model built from our config (on meta)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = args.to_hf_config()
+    cfg = SPEC.hf.args_to_config(args)
     config = AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -48,7 +48,7 @@ def batch(args, seq=24, dec=12, seed=0):
 
 def test_registered_by_its_folder_alone():
     assert "t5" in model_names()
-    assert SPEC.model_cls is T5 and SPEC.hf_model_type == "t5" and SPEC.pipeline_ends is None
+    assert SPEC.model_cls is T5 and SPEC.hf.model_types == ("t5",) and SPEC.pipeline_ends is None
     assert {"debugmodel", "small", "base", "large", "3B", "11B"} <= set(SPEC.flavors)
     assert SPEC.tp_plan.top["encoder_relative_bias"] == "head_table"
     assert SPEC.tp_plan.block["cross_attention.wo"] == "rowwise"

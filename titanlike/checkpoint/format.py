@@ -777,7 +777,7 @@ def write_hf(
     """Write our full state dict as a Hugging Face folder loadable by transformers.
 
     context_len becomes config.json's max_position_embeddings (default: the args' own). bos_id, eos_id
-    (and, for encoders, trained on padded samples, pad_id) become config.json's token ids.
+    and pad_id become the config.json token ids the family's adapter writes (spec.hf.token_ids).
     tokenizer_path: the job's tokenizer, written as tokenizer.json + tokenizer_config.json (or
     copied with a note when it cannot be converted; see titanlike.data.hf_tokenizer), checked
     against tokenizer_fingerprint when given. Returns that step's TokenizerExport, whose message
@@ -787,9 +787,9 @@ def write_hf(
 
     from titanlike.data.hf_tokenizer import write_hf_tokenizer
 
-    if spec.hf_adapter is None:
+    if spec.hf is None:
         raise CheckpointError(f"model {spec.name} has no Hugging Face adapter")
-    hf_sd = spec.hf_adapter.to_hf_state_dict(state_dict, args)
+    hf_sd = spec.hf.to_hf_state_dict(state_dict, args)
     # Contiguous: converted tensors may be views (permuted rows), and safetensors stores raw storage.
     hf_sd = {k: v.to(dtype).contiguous() for k, v in hf_sd.items()}
     os.makedirs(out, exist_ok=True)
@@ -801,20 +801,11 @@ def write_hf(
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise CheckpointError(f"writing Hugging Face checkpoint {out} failed: {summarize(e)}") from None
-    config = args.to_hf_config(max_position_embeddings=context_len)
+    config = spec.hf.args_to_config(args, max_position_embeddings=context_len)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     generation = {"_from_model_config": True}
-    for name, value in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
-        if value is not None:
-            config[name] = generation[name] = int(value)
-    attention = args.attention_shape()
-    if attention is not None and not attention.causal and pad_id is not None:
-        # An encoder's samples (masked LM, span corruption) are padded; transformers reads the id to
-        # batch and generate. Our span-corruption samples also start the decoder from it
-        # (data/span_corruption.py): filled where the config declares a decoder start.
-        config["pad_token_id"] = generation["pad_token_id"] = int(pad_id)
-        if "decoder_start_token_id" in config:
-            config["decoder_start_token_id"] = generation["decoder_start_token_id"] = int(pad_id)
+    for name, value in spec.hf.token_ids(bos=bos_id, eos=eos_id, pad=pad_id).items():
+        config[name] = generation[name] = value
     for name, content in ((HF_CONFIG, config), ("generation_config.json", generation)):
         with open(os.path.join(out, name), "w") as f:
             json.dump(content, f, indent=2)

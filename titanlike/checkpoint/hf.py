@@ -3,9 +3,9 @@ checkpoint of either kind -> an unsharded model.
 
 The on-disk formats (sidecar, DCP index checks, safetensors reading and writing) live in
 format.py, shared with the manager. A family is found from a config.json's model_type with
-registry.spec_for_hf_model_type and speaks through its args (from_hf_config / to_hf_config)
-and its spec's hf_adapter (to_hf_state_dict / from_hf_state_dict); nothing here reads a
-family's fields. Everything runs in one process on full (unsharded) tensors.
+registry.spec_for_hf_model_type and speaks through its spec's Hugging Face adapter, spec.hf
+(config_to_args / args_to_config, to_hf_state_dict / from_hf_state_dict, token_ids); nothing here
+reads a family's fields. Everything runs in one process on full (unsharded) tensors.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def hf_model_from_config(config: dict[str, Any], *, where: str = HF_CONFIG):
     except KeyError as e:
         raise CheckpointError(f"{where}: {e.args[0] if e.args else e}") from None
     try:
-        args = spec.args_cls.from_hf_config(config)
+        args = spec.hf.config_to_args(config)
     except (KeyError, TypeError, ValueError) as e:
         detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
         raise CheckpointError(f"{where}: not a supported {spec.name} configuration ({detail})") from None
@@ -116,7 +116,7 @@ def import_hf_to_dcp(src: str, out: str, *, dtype: torch.dtype | None = None) ->
     hf_sd, config = read_hf(src)
     spec, args = hf_model_from_config(config, where=os.path.join(src, HF_CONFIG))
     try:
-        state_dict = spec.hf_adapter.from_hf_state_dict(hf_sd, args)
+        state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"Hugging Face checkpoint {src} does not match its {HF_CONFIG}: {e}") from None
     check_fits(state_dict, spec, args, src)
@@ -155,7 +155,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         hf_sd, config = read_hf(folder)
         spec, args = hf_model_from_config(config, where=os.path.join(folder, HF_CONFIG))
         try:
-            state_dict = spec.hf_adapter.from_hf_state_dict(hf_sd, args)
+            state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"Hugging Face checkpoint {folder} does not match its {HF_CONFIG}: {e}") from None
         if dtype is not None:

@@ -87,7 +87,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # config.json keys that decide neither whether a Hugging Face checkpoint's weights fit this job's
 # model nor what they compute: the context length (it only sizes position tables), token ids,
-# dtype and bookkeeping. Every other key of the family's to_hf_config must agree.
+# dtype and bookkeeping. Every other key of the family's adapter's args_to_config must agree.
 HF_KEYS_NOT_COMPARED = frozenset({
     "max_position_embeddings", "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
     "use_cache", "architectures", "initializer_range", "transformers_version", "_name_or_path",
@@ -148,8 +148,8 @@ def validate_checkpoint_config(c, spec, *, hf_assets_path: str | None = None) ->
                   f"checkpoint.initial_load_path {path} has no {fmt.DCP_METADATA}, so it is not a DCP checkpoint "
                   "(add --checkpoint.initial_load_in_hf for a Hugging Face folder)")
     if c.initial_load_in_hf or c.last_save_in_hf:
-        check(spec.hf_adapter is not None, f"model {spec.name} has no Hugging Face adapter, so "
-                                           "checkpoint.initial_load_in_hf and last_save_in_hf are unavailable")
+        check(spec.hf is not None, f"model {spec.name} has no Hugging Face adapter, so "
+                                   "checkpoint.initial_load_in_hf and last_save_in_hf are unavailable")
     check(not c.last_save_in_hf or c.last_save_model_only,
           "checkpoint.last_save_in_hf writes the model only, so it needs checkpoint.last_save_model_only")
 
@@ -688,13 +688,13 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 hf_sd, config = fmt.read_hf(path)
-                if config.get("model_type") not in spec.hf_model_types:
+                if config.get("model_type") not in spec.hf.model_types:
                     raise CheckpointError(
                         f"Hugging Face checkpoint {path} has model_type={config.get('model_type')} but this "
-                        f"job's model {spec.name} reads {' or '.join(spec.hf_model_types)} (model.name)")
-                args = spec.args_cls.from_hf_config(config)
+                        f"job's model {spec.name} reads {' or '.join(spec.hf.model_types)} (model.name)")
+                args = spec.hf.config_to_args(config)
                 self._check_hf_args(args, path)
-                state_dict = spec.hf_adapter.from_hf_state_dict(hf_sd, args)
+                state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
                 with torch.device("meta"):
                     expected = set(spec.model_cls(self.model_args).state_dict())
                 if expected - set(state_dict):
@@ -716,10 +716,10 @@ class CheckpointManager:
     def _check_hf_args(self, args, path: str) -> None:
         """The Hugging Face checkpoint's model is this job's: same config.json, key by key.
 
-        Both sides go through the family's to_hf_config, so the comparison is between normalized
-        configs and needs no family's field names; HF_KEYS_NOT_COMPARED lists what may differ.
+        Both sides go through the family's adapter (args_to_config), so the comparison is between
+        normalized configs and needs no family's field names; HF_KEYS_NOT_COMPARED lists what may differ.
         """
-        mine, theirs = self.model_args.to_hf_config(), args.to_hf_config()
+        mine, theirs = self.spec.hf.args_to_config(self.model_args), self.spec.hf.args_to_config(args)
         for key in [*mine, *(k for k in theirs if k not in mine)]:
             if key in HF_KEYS_NOT_COMPARED or mine.get(key) == theirs.get(key):
                 continue
@@ -731,6 +731,39 @@ class CheckpointManager:
     # Saving -------------------------------------------------------------------------------
 
     @torch.no_grad()
+    def saves_at(self, step: int) -> bool:
+        """Whether save(step) writes a checkpoint (the interval, the last step, the first step with
+        checkpoint.enable_first_step_checkpoint); the loop reads the step's results before those."""
+        return self.saves and (step >= self.total_steps or step % self.cfg.interval == 0
+                               or (step == 1 and self.cfg.enable_first_step_checkpoint))
+
+    def resume_verdict(self) -> str | None:
+        """The sentence to print instead of training when the checkpoint to resume from is already at
+        or past training.steps (a finished run relaunched); raises CheckpointError when the latest
+        checkpoint is a model-only final export that cannot be extended, naming the flags to pass.
+        Rank 0 reads the folder; every rank gets its verdict."""
+        from titanlike.checkpoint.resume import resume_verdict
+
+        c = self.cfg
+        if not self.enabled or c.create_seed_checkpoint:
+            return None
+        verdict = None
+        if self.rank == 0:
+            try:
+                verdict = resume_verdict(self.folder, c.load_step, self.total_steps)
+            except CheckpointError:
+                verdict = None  # a damaged checkpoint: load() reports it, on every rank
+        if self.distributed:
+            box = [verdict]
+            dist.broadcast_object_list(box, src=0, group=self.process_group)
+            verdict = box[0]
+        if verdict is None:
+            return None
+        kind, message = verdict
+        if kind == "error":
+            raise CheckpointError(message)
+        return message
+
     def save(self, step: int, *, force: bool = False) -> None:
         """Call after every training step; saves at the interval, at the last step and, with
         checkpoint.enable_first_step_checkpoint, after step 1. force saves a full, synchronous
@@ -745,7 +778,7 @@ class CheckpointManager:
             self._check_finite(step)
             self.train_state.step = step
             self._save_full_sync(step)
-        elif last or step % self.cfg.interval == 0 or (step == 1 and self.cfg.enable_first_step_checkpoint):
+        elif self.saves_at(step):
             self._wait_pending()  # one save in flight at a time
             self._check_finite(step)
             self.train_state.step = step

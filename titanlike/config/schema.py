@@ -67,7 +67,8 @@ class Optimizer:
     eps: float = opt(1e-8, "Adam epsilon")
     weight_decay: float = opt(0.1, "decoupled weight decay")
     implementation: str = opt(
-        "foreach", "optimizer kernel implementation", choices=("foreach", "fused", "for-loop")
+        "fused", "optimizer kernel implementation; fused skips a non-finite step on the device, foreach and "
+        "for-loop make the host read every step's verdict first", choices=("foreach", "fused", "for-loop")
     )
 
 

@@ -38,16 +38,9 @@ class AttentionShape:
 class BaseModelArgs:
     """Base class of every family's model args (a dataclass of plain values, JSON-serialisable).
 
-    Subclasses set `hf_model_type` when they can be read from and written to Hugging Face
-    folders, and implement the methods that raise NotImplementedError.
+    Subclasses implement the methods that raise NotImplementedError. The Hugging Face side
+    (config.json, weights) is the family's adapter, ModelSpec.hf (models/common/hf.py).
     """
-
-    # Hugging Face config.json "model_type" of this family (None: no HF interchange).
-    hf_model_type: ClassVar[str | None] = None
-    # Every model_type the family reads, when it maps several transformers classes (Qwen3: dense
-    # "qwen3" and MoE "qwen3_moe"); empty: just hf_model_type. to_hf_config writes the one that
-    # fits the instance.
-    hf_model_types: ClassVar[tuple[str, ...]] = ()
 
     # Sizes set from the job ----------------------------------------------------------------------
 
@@ -139,17 +132,6 @@ class BaseModelArgs:
     def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
         """Raise ValueError (one sentence naming the option to change) when this model cannot run
         under these degrees or at this sequence length. Called before any process group exists."""
-
-    # Hugging Face identity ------------------------------------------------------------------------
-
-    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict[str, Any]:
-        """config.json contents for transformers' class of this family."""
-        raise NotImplementedError(f"{type(self).__name__} has no Hugging Face config mapping")
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> BaseModelArgs:
-        """Args from a Hugging Face config.json (dict); ValueError when the config is unsupported."""
-        raise NotImplementedError(f"{cls.__name__} has no Hugging Face config mapping")
 
     # Serialisation (checkpoint sidecars) -------------------------------------------------------
 

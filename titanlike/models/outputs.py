@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, field
 
 import torch
@@ -41,28 +39,15 @@ def logits_of(output: torch.Tensor | ModelOutput) -> torch.Tensor:
 
 
 # The weight backward gives the objective: 1, except under loss scaling (train/loss_scaling.py),
-# where the trainer differentiates scale / tokens x the summed loss. Terms attached deep inside a
-# model (attach_loss) must get the same weight as the loss the trainer backpropagates, and passing
-# it down through every family's forward would change the model contract; so it reaches them the
-# way autocast's dtype does, as a context the trainer sets around its forwards. attach_loss reads it
-# in forward, so a backward run later (a pipeline schedule, activation-checkpoint recomputation)
-# uses the weight of the forward it belongs to.
-_OBJECTIVE_WEIGHT: contextvars.ContextVar[float] = contextvars.ContextVar("objective_weight", default=1.0)
-
-
-@contextlib.contextmanager
-def objective_weight(weight: float):
-    """Inside the block the objective is differentiated with `weight`: the loss wrapped in
-    `weighted_objective` and every term the block's forwards attach (`attach_loss`)."""
-    token = _OBJECTIVE_WEIGHT.set(float(weight))
-    try:
-        yield
-    finally:
-        _OBJECTIVE_WEIGHT.reset(token)
+# where the step differentiates scale / tokens x the summed loss. It is a 0-d device tensor the
+# training step owns and rewrites in place every step (no host value, so no host read), handed
+# explicitly: to the loss the step backpropagates (weighted_objective) and, once at build time, to
+# every module that attaches a loss deep inside the model (its `loss_weight` hook, see
+# modules_attaching_losses). None means 1.
 
 
 class _AttachLoss(torch.autograd.Function):
-    """Identity on x whose backward also gives `loss` the gradient `weight`."""
+    """Identity on x whose backward also gives `loss` the gradient `weight` (1 when None)."""
 
     @staticmethod
     def forward(ctx, x, loss, weight):
@@ -71,17 +56,22 @@ class _AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full(ctx.loss_shape, ctx.weight, dtype=torch.float32, device=grad.device), None
+        if ctx.weight is None:
+            loss_grad = torch.ones(ctx.loss_shape, dtype=torch.float32, device=grad.device)
+        else:
+            loss_grad = ctx.weight.detach().to(device=grad.device, dtype=torch.float32).expand(ctx.loss_shape).clone()
+        return grad, loss_grad, None
 
 
-def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+def attach_loss(x: torch.Tensor, loss: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """x, carrying `loss` (in the training loss's summed units) into the objective: whatever
-    backward reaches x also differentiates `loss` with the objective's weight (1, or the loss
-    scale's under `objective_weight`). A term computed deep inside a model (a balancing loss, a
-    multi-token-prediction loss on the last pipeline stage) joins the objective this way without
-    changing what forward returns, which keeps the pipeline schedule and the loss function the same
-    for every family."""
-    return _AttachLoss.apply(x, loss, _OBJECTIVE_WEIGHT.get())
+    backward reaches x also differentiates `loss` with `weight` (the calling module's `loss_weight`
+    hook: the step's objective weight, or None for 1). A term computed deep inside a model (a
+    balancing loss, a multi-token-prediction loss on the last pipeline stage) joins the objective
+    this way without changing what forward returns, which keeps the pipeline schedule and the loss
+    function the same for every family. The weight is read in backward, which happens within the
+    step that wrote it (pipeline schedules and activation-checkpoint recomputation included)."""
+    return _AttachLoss.apply(x, loss, weight)
 
 
 class _WeighGradient(torch.autograd.Function):
@@ -94,31 +84,43 @@ class _WeighGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.weight, None
+        return grad * ctx.weight.detach().to(grad.dtype), None
 
 
-def weighted_objective(loss: torch.Tensor) -> torch.Tensor:
-    """loss, unchanged in value, whose backward carries the objective's weight (`objective_weight`):
-    the loss the trainer backpropagates, scaled for backward while still reporting the unscaled value
-    (a pipeline schedule returns what it differentiates)."""
-    weight = _OBJECTIVE_WEIGHT.get()
-    return loss if weight == 1.0 else _WeighGradient.apply(loss, weight)
+def weighted_objective(loss: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """loss, unchanged in value, whose backward carries the objective's `weight` (None: 1): the loss
+    the step backpropagates, scaled for backward while still reporting the unscaled value (a
+    pipeline schedule returns what it differentiates)."""
+    return loss if weight is None else _WeighGradient.apply(loss, weight)
+
+
+def modules_attaching_losses(model: nn.Module) -> list[nn.Module]:
+    """Every module of `model` that attaches a loss (declares the `loss_weight` hook, None until the
+    trainer points it at the step's weight tensor once, at build time)."""
+    return [m for m in model.modules() if "loss_weight" in vars(m)]
 
 
 # Loss terms reported apart. A module that adds a term to the objective (attach_loss) and wants it
 # logged declares `reported_loss = "<name>"` (a name listed by its args' reported_losses()) and
 # keeps a float32 scalar buffer `reported_loss_sum`, to which its training forwards add the term's
-# value in summed units; the trainer reads and zeroes it once per step. Eval forwards, a pipeline's
+# value in summed units; the step collects and zeroes it once per step (LossReports). Eval forwards, a pipeline's
 # shape inference (record_statistics off) and activation-checkpoint recomputation do not add.
 
 
-def reported_loss_sums(parts: list[nn.Module], names: tuple[str, ...], device: torch.device) -> torch.Tensor:
-    """(len(names),) this rank's sums since the last call, per name; the buffers are zeroed."""
-    sums = torch.zeros(len(names), device=device)
-    for part in parts:
-        for module in part.modules():
-            name = getattr(module, "reported_loss", None)
-            if name is not None:
-                sums[names.index(name)] += module.reported_loss_sum.to(device)
-                module.reported_loss_sum.zero_()
-    return sums
+class LossReports:
+    """The modules whose loss terms are reported apart, found once at build time (not per step)."""
+
+    def __init__(self, parts: list[nn.Module], names: tuple[str, ...], device: torch.device):
+        self.names = names
+        self.device = device
+        self.modules = [(names.index(m.reported_loss), m) for part in parts for m in part.modules()
+                        if getattr(m, "reported_loss", None) is not None]
+
+    def collect(self) -> torch.Tensor:
+        """(len(names),) this rank's sums since the last call, per name; the buffers are zeroed.
+        Device work only: nothing is read back to the host."""
+        sums = torch.zeros(len(self.names), device=self.device)
+        for index, module in self.modules:
+            sums[index] += module.reported_loss_sum.to(self.device)
+            module.reported_loss_sum.zero_()
+        return sums

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from titanlike.config.sections import register_section
 from titanlike.models.args import BaseModelArgs
+from titanlike.models.common.hf import HFAdapter
 from titanlike.objectives.causal_lm import CausalLM
 
 
@@ -73,9 +74,9 @@ class ModelSpec:
     # The family's training objective (titanlike/objectives/): objective(job_config, flavor_args)
     # builds it, an Objective class's for_job or the family's own factory.
     objective: Callable[..., Any] = CausalLM.for_job
-    # Hugging Face weights: to_hf_state_dict(sd, args) and from_hf_state_dict(sd, args) on full
-    # tensors (the config.json side is the args' to_hf_config / from_hf_config). None: no HF.
-    hf_adapter: Any = None
+    # Hugging Face interchange (models/common/hf.py): the config.json model_types the family reads,
+    # config.json <-> args, state dicts, token ids. None: no HF.
+    hf: HFAdapter | None = None
     # The family's own config section, or None.
     options: ModelOptions | None = None
 
@@ -85,22 +86,12 @@ class ModelSpec:
             raise ValueError(f"model spec {self.name!r}: every flavor must use one args class, got {kinds}")
         if not issubclass(next(iter(kinds)), BaseModelArgs):
             raise TypeError(f"model spec {self.name!r}: args must derive from BaseModelArgs")
+        if self.hf is not None and not (isinstance(self.hf, HFAdapter) and self.hf.model_types):
+            raise TypeError(f"model spec {self.name!r}: hf must be an HFAdapter naming its model_types")
 
     @property
     def args_cls(self) -> type[BaseModelArgs]:
         return type(next(iter(self.flavors.values())))
-
-    @property
-    def hf_model_type(self) -> str | None:
-        return self.args_cls.hf_model_type if self.hf_adapter is not None else None
-
-    @property
-    def hf_model_types(self) -> tuple[str, ...]:
-        """Every config.json model_type this family reads (one per transformers class it maps)."""
-        if self.hf_adapter is None:
-            return ()
-        cls = self.args_cls
-        return cls.hf_model_types or ((cls.hf_model_type,) if cls.hf_model_type else ())
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -129,10 +120,11 @@ def model_names() -> list[str]:
 def spec_for_hf_model_type(model_type: str | None) -> ModelSpec:
     """The family that reads Hugging Face folders of this config.json model_type (KeyError if none)."""
     _import_builtin_families()
-    for spec in _REGISTRY.values():
-        if model_type in spec.hf_model_types:
+    readers = [spec for spec in _REGISTRY.values() if spec.hf is not None]
+    for spec in readers:
+        if model_type in spec.hf.model_types:
             return spec
-    known = sorted(t for s in _REGISTRY.values() for t in s.hf_model_types)
+    known = sorted(t for spec in readers for t in spec.hf.model_types)
     raise KeyError(f"Hugging Face model_type {model_type!r} is not supported; supported: {', '.join(known)}")
 
 

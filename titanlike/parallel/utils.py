@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 
+@dataclass
+class GradNorm:
+    """The global gradient norm of a step (before clipping), and where it first went non-finite.
+
+    total: the L2 norm over every gradient of every rank, the same value on every rank.
+    nonfinite_at: a device tensor, so that locating a bad gradient costs no host read until someone
+    asks (nonfinite_param): the position in `order` of a parameter of this rank whose local gradient
+    (its shard under FSDP/TP) holds inf or nan, -1 when none does.
+    order: parameter indices (in the order given to clip_grad_norm_) in the order they were measured.
+    """
+
+    total: torch.Tensor
+    nonfinite_at: torch.Tensor
+    order: list[int]
+
+    def nonfinite_param(self) -> int | None:
+        """Index of this rank's parameter whose gradient was non-finite, or None (reads the device)."""
+        at = int(self.nonfinite_at)
+        return None if at < 0 else self.order[at]
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters, max_norm: float, *, pp_mesh: DeviceMesh | None = None, exclude: frozenset[int] = frozenset(),
-    foreach: bool | None = None,
-) -> torch.Tensor:
+) -> GradNorm:
     """Clip gradients to a total L2 norm over every parameter of every rank; return that norm.
 
     With FSDP/TP the grads are DTensors whose norm's full_tensor() already reduces over their
@@ -21,30 +43,44 @@ def clip_grad_norm_(
     stages hold disjoint parameters, so their squares are summed over the pp mesh too.
     exclude: ids of parameters whose gradient is a copy of one counted elsewhere (the last
     stage's copy of a tied embedding); they are clipped but not counted.
+
+    The per-parameter norms come from one foreach kernel per (mesh, device, dtype) group, as in
+    torch.nn.utils.get_total_norm; keeping their local parts also locates a non-finite gradient
+    at no extra cost. Nothing is read back to the host.
     """
-    params = [p for p in parameters if p.grad is not None]
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if id(p) not in exclude:
-            by_mesh.setdefault(_mesh_of(p.grad), []).append(p.grad)
-    total = torch.zeros((), device=params[0].grad.device if params else "cpu")
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=foreach)
+    params = list(parameters)
+    device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.grad is not None and id(p) not in exclude:
+            g = p.grad
+            groups.setdefault((_mesh_of(g), g.device, g.dtype), []).append(i)
+    total = torch.zeros((), device=device)
+    local_norms = []
+    for indices in groups.values():
+        norms = torch._foreach_norm([params[i].grad for i in indices], 2.0)
+        local_norms += [(n.to_local() if isinstance(n, DTensor) else n).float().to(device) for n in norms]
+        norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        total = total + norm.float() ** 2
+        total = total + norm.float().to(device) ** 2
     if pp_mesh is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
     total = total.sqrt()
+    nonfinite_at = torch.full((), -1, device=device)
+    if local_norms:
+        bad = ~torch.stack(local_norms).isfinite()
+        nonfinite_at = torch.where(bad.any(), bad.int().argmax(), nonfinite_at)
     clip_by_mesh: dict[object, list[torch.Tensor]] = {}
     for p in params:
-        clip_by_mesh.setdefault(_mesh_of(p.grad), []).append(p)
+        if p.grad is not None:
+            clip_by_mesh.setdefault(_mesh_of(p.grad), []).append(p)
     # A non-finite norm leaves the gradients as they are (clipping by it would make every one of
-    # them nan and hide which parameter went bad); the caller decides to stop or skip the step.
+    # them nan); the step that follows is skipped anyway.
     clip_by = torch.where(total.isfinite(), total, torch.zeros_like(total))
     for group in clip_by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, clip_by, foreach=foreach)
-    return total
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, clip_by)
+    return GradNorm(total, nonfinite_at, [i for indices in groups.values() for i in indices])
 
 
 @torch.no_grad()
@@ -69,4 +105,20 @@ def sum_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
         return value
     value = value.clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return value
+
+
+def first_rank_of(*meshes: DeviceMesh | None) -> bool:
+    """Whether this rank is the first of each mesh given (None: a degree-1 dimension, always first).
+    A value replicated over those meshes is counted once in a sum over all ranks by contributing it
+    only where this is True."""
+    return all(mesh is None or mesh.get_local_rank() == 0 for mesh in meshes)
+
+
+def sum_over_world(value: torch.Tensor) -> torch.Tensor:
+    """All-reduce SUM over every rank (the default group); identity in one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value

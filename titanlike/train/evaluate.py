@@ -1,20 +1,33 @@
-"""Validation runs: loss, perplexity and accuracy of the model being trained on held-out data.
+"""Validation runs: loss, perplexity and accuracy of the model being trained, on held-out data.
 
-The validation data go through the same loader as training (same data-parallel slicing,
-same microbatch preparation: document masks, context-parallel cut), from the start of the
-split at every run, so successive runs measure the same tokens. The loss is summed
-cross-entropy over all target tokens of the run divided by their count, exactly as the
-training loss, so it is the same number for every parallel layout.
+The validation data go through the same loader and microbatch preparation as training (the same
+data-parallel slicing, document masks, context-parallel cut) and through the step's own forward
+(the pipeline schedule's forward-only mode under pipeline parallelism), from the start of the
+split at every run, so successive runs measure the same tokens. The loss is the objective's
+summed loss over all target tokens of the run divided by their count, exactly as the training
+loss, so it is the same number for every parallel layout.
+
+Accuracy is the evaluator's, not the objective's: the fraction of targets (labels that are not
+IGNORE_INDEX: next tokens, masked tokens, decoder targets) whose most likely token is right,
+counted from the logits the step's loss sees (an observer on StepLoss; vocabulary-parallel logits
+are gathered for it, in validation only).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
 
 from titanlike.config.schema import JobConfig
 from titanlike.data import build_dataloader
 from titanlike.data.tokenizer import Tokenizer
+from titanlike.models.outputs import IGNORE_INDEX, logits_of
 from titanlike.objectives.base import Objective
+from titanlike.parallel.utils import sum_over_world
+from titanlike.train.step import TrainStep
 
 
 @dataclass
@@ -62,3 +75,49 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int,
             raise ValueError(f"the validation split holds {num_samples} samples, fewer than one global "
                              f"batch of {global_batch_size}; use a smaller validation.local_batch_size")
     return ValidationData(loader, num_batches)
+
+
+class Evaluator:
+    def __init__(self, step: TrainStep, data, prepare: Callable):
+        """data: a ValidationData (loader + batches per run, above); prepare: the
+        trainer's loader microbatch -> Microbatch."""
+        self.step, self.data, self.prepare = step, data, prepare
+
+    @torch.no_grad()
+    def run(self) -> tuple[float, int, float]:
+        """(mean loss per target token, target tokens, accuracy); every rank calls it."""
+        step = self.step
+        device = step.device
+        correct = torch.zeros((), device=device)
+
+        def count(output, labels: torch.Tensor) -> None:
+            nonlocal correct
+            logits = logits_of(output).detach()
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()
+            targets = labels != IGNORE_INDEX
+            correct = correct + (logits.argmax(-1) == labels)[targets].sum()
+
+        for part in step.model_parts:
+            part.eval()
+        step.step_loss.observer = count
+        loss_sum = torch.zeros((), device=device)
+        tokens = torch.zeros((), device=device)
+        data = iter(self.data.loader)
+        try:
+            for _ in range(self.data.num_batches):
+                mb = self.prepare(next(data))
+                tokens += (mb.labels != IGNORE_INDEX).sum()
+                loss_sum += step.forward_backward(mb, backward=False)
+        finally:
+            step.step_loss.observer = None
+            for part in step.model_parts:
+                part.train()
+        # Tokens are seen by every tp rank and stage, the loss and correct counts by the last stage's.
+        sums = sum_over_world(torch.stack([tokens * step.token_share, loss_sum * step.loss_share,
+                                           correct.float() * step.loss_share]))
+        tokens, loss_sum, correct = sums.tolist()
+        return loss_sum / tokens, int(tokens), correct / tokens
+
+
+__all__ = ["Evaluator", "ValidationData", "build_validation_data"]

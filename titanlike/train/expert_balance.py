@@ -44,10 +44,10 @@ class ExpertBalance:
                     raise ValueError(f"MoE layer {name} is not inside model.layers")
                 self.layers[int(match.group(1))] = layer
 
-    def step_done(self, *, update_bias: bool) -> torch.Tensor:
-        """Collect and reset this step's counts; update the biases (unless the step was skipped).
-        Returns the table (num_layers, experts + len(STAT_NAMES)), on every rank; the rows of
-        dense layers are zero."""
+    def step_done(self, *, applied: torch.Tensor) -> torch.Tensor:
+        """Collect and reset this step's counts; update the biases unless the step was skipped
+        (applied: a device bool, so nothing is read back to the host). Returns the table
+        (num_layers, experts + len(STAT_NAMES)), on every rank; the rows of dense layers are zero."""
         e = self.args.num_experts
         table = torch.zeros(self.num_layers, e + len(STAT_NAMES), device=self.device)
         for index, layer in self.layers.items():
@@ -58,12 +58,13 @@ class ExpertBalance:
         if self.group is not None:
             dist.all_reduce(table, group=self.group)
         rate = self.args.bias_update_rate
-        if update_bias and rate > 0:
+        if rate > 0:
+            keep = applied.to(table.dtype)
             with torch.no_grad():
                 for index, layer in self.layers.items():
                     counts = table[index, :e]
                     delta = rate * torch.sign(counts.mean() - counts)
-                    layer.expert_bias += delta - delta.mean()
+                    layer.expert_bias += (delta - delta.mean()) * keep
         return table
 
     def summary(self, table: torch.Tensor, global_tokens: float) -> dict[str, float]:

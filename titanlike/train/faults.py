@@ -5,11 +5,13 @@ Stop protocol (SIGTERM / SIGUSR1, e.g. Kubernetes or SLURM preemption; see scrip
 
 * `StopRequest.install()` (at the start of `Trainer.train`) replaces the SIGTERM and SIGUSR1
   handlers by one that only records the signal: the step in progress is never interrupted.
-* After every step each rank calls `StopRequest.agreed()`: one all-reduce (MAX) of a scalar over
-  the world group, so a signal that reached some ranks (or reached them at different steps)
-  stops every rank after the same step. The trainer then saves a full checkpoint of that step
+* Every step carries each rank's `StopRequest.flags()` in the sum over all ranks it makes anyway
+  (train/step.py), so agreeing costs no collective of its own. The loop reads the sums (one step
+  later on steps it does not otherwise read, so the device is never waited for: see the trainer),
+  and a signal that reached some ranks (or reached them at different steps) stops every rank after
+  the same step. The trainer then saves a full checkpoint of that step
   (`CheckpointManager.save(step, force=True)`), says so, and `train()` returns normally: the
-  process exits 0 after the usual `close()`. The stop costs at most one step and one full
+  process exits 0 after the usual `close()`. The stop costs at most two steps and one full
   synchronous save; the launcher's grace time must cover that (torchrun: `--shutdown_timeout`
   or TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s; SLURM: the lead time of `--signal`, KillWait;
   Kubernetes: terminationGracePeriodSeconds, default 30 s).
@@ -17,8 +19,8 @@ Stop protocol (SIGTERM / SIGUSR1, e.g. Kubernetes or SLURM preemption; see scrip
 
 A rank under torchrun also asks the kernel for SIGTERM when its launcher dies
 (`set_parent_death_signal`, Linux prctl PR_SET_PDEATHSIG): a SIGKILLed torchrun no longer leaves
-ranks training and saving on their own; they stop through the same path (and since the all-reduce
-is over the world group, ranks on other nodes stop after the same step). PR_SET_PDEATHSIG fires
+ranks training and saving on their own; they stop through the same path (and since the sum
+is over every rank, ranks on other nodes stop after the same step). PR_SET_PDEATHSIG fires
 when the *thread* that forked the rank exits; torchrun's agent starts its workers with
 subprocess.Popen from its main thread, so the rank is signalled when torchrun exits. Where prctl
 is unavailable (not Linux), `StopRequest` also notices a changed parent pid after each step.
@@ -34,7 +36,6 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("titanlike")
 
@@ -105,8 +106,19 @@ class StopRequest:
             self.code = int(signal.SIGTERM)
         return self.code
 
+    def flags(self) -> list[float]:
+        """This rank's stop state, one 0/1 value per STOP_SIGNALS entry: the training step sums them
+        over all ranks in the collective it makes anyway (train/step.py), then agree() reads the sums."""
+        code = self.local()
+        return [float(code == int(sig)) for sig in STOP_SIGNALS]
+
+    def agree(self, counts) -> int:
+        """The largest stop code any rank had, from the summed flags() (the same on every rank)."""
+        self.agreed_code = max((int(sig) for sig, n in zip(STOP_SIGNALS, counts) if n > 0), default=0)
+        return self.agreed_code
+
     def agreed(self) -> int:
-        """The largest stop code of all ranks (a collective: every rank calls it after every step)."""
+        """The largest stop code of all ranks, by a collective of its own (before the first step)."""
         code = self.local()
         if dist.is_available() and dist.is_initialized():
             # A CPU scalar: gloo (also under "cpu:gloo,cuda:nccl"), so no device synchronization.
@@ -124,41 +136,16 @@ class StopRequest:
             return f"signal {code}"
 
 
-@torch.no_grad()
-def first_nonfinite_grad(model_parts) -> tuple[str | None, bool]:
-    """(name of this rank's first parameter whose local gradient holds inf or nan, whether every
-    local gradient does). Only called once the global norm is non-finite, so a healthy run never
-    pays for the scan. Under FSDP/TP the name is that of a parameter whose shard on this rank is
-    non-finite."""
-    first, total, bad = None, 0, 0
-    for part in model_parts:
-        for name, p in part.named_parameters():
-            g = p.grad
-            if g is None:
-                continue
-            local = g.to_local() if isinstance(g, DTensor) else g
-            if not local.numel():
-                continue
-            total += 1
-            if not bool(torch.isfinite(local).all()):
-                bad += 1
-                first = first or name
-    return first, total > 1 and bad == total
-
-
-def name_nonfinite_grad(model_parts) -> str:
-    """The first parameter with a non-finite gradient over all ranks, e.g. 'layers.1.w1.weight'
-    or 'layers.1.w1.weight (rank 1's shard)'. A collective: every rank calls it (they all saw the
+def name_nonfinite_grad(local: str | None) -> str:
+    """The first parameter with a non-finite gradient over all ranks, e.g. 'layers.1.w1.weight' or
+    'layers.1.w1.weight (rank 1's shard)', from each rank's own first one (None: none on that rank;
+    train/step.py locates it on the device). A collective: every rank calls it (they all saw the
     same global norm, so they all take this path)."""
-    mine = first_nonfinite_grad(model_parts)
-    found = [mine]
+    found = [local]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, mine)
-    if all(every for _, every in found):
-        # clip_grad_norm_ scales every gradient by max_norm / norm: a nan norm turns all of them nan.
-        return "unknown: clipping by the nan norm made every gradient nan"
-    for rank, (name, _) in enumerate(found):
+        dist.all_gather_object(found, local)
+    for rank, name in enumerate(found):
         if name is not None:
             return name if len(found) == 1 else f"{name} (rank {rank}'s shard)"
     return "none found"

@@ -2,20 +2,22 @@
 
 Assembly follows shared/design.md: ParallelDims -> model on meta -> parallelize ->
 materialize and initialize on the sharded tensors -> optimizer and schedule ->
-data -> loop. The training step is `train_step`: all microbatches of one global
-batch, one clip, one optimizer step.
+data -> loop. The training step is `TrainStep` (titanlike/train/step.py): all microbatches of
+one global batch, one clip, one optimizer step, device tensors out; the loop decides when the
+host reads them (`train`).
 
 Faults (titanlike/train/faults.py, titanlike/observe/run_lock.py): rank 0 locks the dump
-folder for the job's life; a step whose loss or gradient norm is non-finite is stopped (or
-skipped, training.skip_nonfinite_steps) before the optimizer step; SIGTERM / SIGUSR1 on any
-rank make all ranks save the step they finish and return from `train`. Under float16 loss scaling
-(titanlike/train/loss_scaling.py) a non-finite gradient norm with a finite loss is an overflow
-instead: every rank skips the step, the learning rate is held and the scale backs off.
+folder for the job's life; a step whose loss or gradient norm is non-finite is skipped on the
+device and then stops the job (or is counted, training.skip_nonfinite_steps); SIGTERM / SIGUSR1 on
+any rank make all ranks save the step they finish and return from `train`. Under float16 loss
+scaling (titanlike/train/loss_scaling.py) a non-finite gradient norm with a finite loss is an
+overflow instead: every rank skips the step, the learning rate is held and the scale backs off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -24,16 +26,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from titanlike.checkpoint import CheckpointError, CheckpointManager
+from titanlike.checkpoint import CheckpointManager
 from titanlike.config.loader import config_to_dict
 from titanlike.config.schema import JobConfig
 from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
 from titanlike.data.batch_schedule import BatchSchedule
 from titanlike.models.common.attention import describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
-from titanlike.models.outputs import IGNORE_INDEX, logits_of, objective_weight, reported_loss_sums, weighted_objective
 from titanlike.models.registry import get_model_spec
 from titanlike.observe.memory import MemorySnapshot, tensor_footprint
 from titanlike.observe.metrics import MetricsLogger
@@ -46,22 +46,53 @@ from titanlike.parallel.context import load_balanced_positions
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
-from titanlike.parallel.utils import clip_grad_norm_, scale_gradients, sum_over
-from titanlike.train.evaluate import build_validation_data
+from titanlike.parallel.utils import sum_over_world
+from titanlike.train.evaluate import Evaluator, build_validation_data
 from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
 from titanlike.train.gc_schedule import PeriodicGC
 from titanlike.train.loss_scaling import build_loss_scaler
+from titanlike.train.step import StepLoss, StepOutput, TrainStep
 from titanlike.train.model_parts import build_model_parts, job_objective, model_args_for_job
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("titanlike")
 
 
-def _local_value(loss: torch.Tensor) -> torch.Tensor:
-    # Under loss parallel the loss is a DTensor replicated over tp; its value is the loss.
-    loss = loss.detach()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+class HostCopy:
+    """A few device values on their way to the host, read later without draining the device queue: on
+    CUDA a non-blocking copy into pinned memory and an event recorded after it, so that reading waits
+    for that point of the stream only; elsewhere the values themselves (nothing to wait for)."""
+
+    def __init__(self, values: torch.Tensor):
+        self._ready = None
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = values
+
+    def read(self) -> list[float]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.numpy().tolist()  # host memory by now: numpy's list, no device read
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """A finished step as the loop keeps it until the host reads it: its learning rate and batch, its
+    device results, and its flags (finite, then the summed side values: stop signals) on their way."""
+
+    step: int
+    lr: float
+    batch: int
+    out: StepOutput
+    flags: HostCopy = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.flags = HostCopy(torch.cat([self.out.finite.reshape(1).float(), self.out.side]))
 
 
 class TrainingError(RuntimeError):
@@ -100,9 +131,6 @@ class Trainer:
         self.folder_locks = self._lock_output_folders()
         self.stop: StopRequest | None = None  # SIGTERM / SIGUSR1 handling, installed by train()
         self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient norm (training.skip_nonfinite_steps)
-        self.reported_losses: dict[str, float] = {}  # the model's own loss terms of the last step (per target token)
-        self.step_skipped = False
-        self._correct: torch.Tensor | None = None  # correct predictions, counted during validation
         if cfg.debug.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
@@ -183,8 +211,6 @@ class Trainer:
             if half is not None and not dims.fsdp_enabled
             else contextlib.nullcontext()
         )
-        # float16: the loss is scaled before backward and steps whose gradients overflow are skipped.
-        self.loss_scaler = build_loss_scaler(cfg)
         self.loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         # Context parallel: the global positions of the tokens this rank keeps of every sequence.
         self.cp_positions = (
@@ -200,6 +226,11 @@ class Trainer:
                                           lookahead_tokens=self.model_args.lookahead_tokens)
         if self.rank == 0:
             self._log_attention()
+        # float16: the loss is scaled before backward and steps whose gradients overflow are skipped.
+        self.loss_scaler = build_loss_scaler(cfg)
+        # The objective's weight for backward: a device tensor the step rewrites (loss scaling), or 1.
+        self.step_loss = StepLoss(self.objective.loss, torch.ones((), device=self.device)
+                                  if self.loss_scaler is not None else None)
         self.pipeline = None
         # Tied weights cut apart by the pipeline split: their copies' gradients are summed after backward.
         self.tied = None
@@ -209,7 +240,7 @@ class Trainer:
             n_microbatches = t.local_batch_size // p.pipeline_parallel_microbatch_size
             self.pipeline = build_schedule(
                 self.model_parts, self.pp_layout, dims.mesh("pp"), self.device, schedule=p.pipeline_parallel_schedule,
-                n_microbatches=n_microbatches, loss_fn=self._pipeline_loss)
+                n_microbatches=n_microbatches, loss_fn=self.step_loss)
             if self.rank == 0:
                 logger.info(f"pipeline {p.pipeline_parallel_schedule}: {self.pp_layout.describe()}; "
                             f"{n_microbatches} microbatches of {p.pipeline_parallel_microbatch_size} per local batch")
@@ -220,6 +251,15 @@ class Trainer:
             self.model_parts, moe, self.model_args.total_layers, self.device,
             dist.group.WORLD if dist.is_initialized() else None)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
+        self.train_step = TrainStep(
+            model_parts=self.model_parts, step_loss=self.step_loss, optimizer=self.optimizer, device=self.device,
+            max_norm=t.max_norm, pipeline=self.pipeline, pipeline_microbatch_size=p.pipeline_parallel_microbatch_size,
+            tp_mesh=dims.mesh("tp"), pp_mesh=dims.mesh("pp"), autocast=self.autocast,
+            loss_parallel=self.loss_parallel, tied=self.tied, converters=self.converters,
+            expert_balance=self.expert_balance, reported_losses=self.model_args.reported_losses(),
+            loss_scaler=self.loss_scaler)
+        self.evaluator = Evaluator(self.train_step, self.validation, self.prepare) if self.validation is not None else None
+        self.pending: StepRecord | None = None  # the last step, until the host reads it (see train)
         # lr_scheduler.total_steps lets a short run follow a longer run's curve.
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps,
                                                self.batches)
@@ -292,9 +332,6 @@ class Trainer:
             raise TrainingError(error)
         return locks
 
-    def _loss_context(self):
-        return torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel else contextlib.nullcontext()
-
     def _log_attention(self) -> None:
         a, t = self.model_args.attention_shape(), self.cfg.training
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(t.mixed_precision_param, torch.float32)
@@ -317,176 +354,24 @@ class Trainer:
         and cut to this cp rank, by the objective."""
         return self.objective.prepare(batch, self.batch_context)
 
-    def forward_backward(self, mb: Microbatch, *, backward: bool = True):
-        """Loss of one microbatch summed over its target tokens, and its backward unless backward=False."""
-        with self.autocast:
-            logits = self.model_parts[0](mb.inputs, **mb.forward_kwargs())
-        with self._loss_context():
-            loss = self._objective(logits, mb.labels)
-            if backward:
-                weighted_objective(loss).backward()
-        return _local_value(loss)
-
-    def pipeline_forward_backward(self, mb: Microbatch, *, backward: bool = True):
-        """forward_backward of one local batch through the pipeline schedule, which cuts it into
-        local_batch_size / pipeline_parallel_microbatch_size microbatches; returns the summed loss
-        of those microbatches on the rank holding the last stage, 0 on the others.
-        backward=False runs the forwards only (validation)."""
-        size = self.cfg.parallelism.pipeline_parallel_microbatch_size
-        extra = None
-        if mb.positions is not None or mb.mask is not None or mb.lookahead is not None or mb.fields:
-            # Every stage gets them, per pipeline microbatch.
-            extra = [mb.rows(i, i + size) for i in range(0, mb.inputs.shape[0], size)]
-        with self.autocast, self._loss_context():
-            losses = self.pipeline.step(mb.inputs, mb.labels, extra, backward=backward)
-        return sum((_local_value(loss) for loss in losses), torch.zeros((), device=self.device))
-
-    @property
-    def _step_fn(self):
-        return self.forward_backward if self.pipeline is None else self.pipeline_forward_backward
-
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # Called by the schedule per microbatch on the last stage; a sum, as without PP.
-        return weighted_objective(self._objective(logits, labels))
-
-    def _objective(self, output, labels: torch.Tensor) -> torch.Tensor:
-        """The loss of one microbatch (summed over its targets); during validation also counts the
-        targets the model's most likely token gets right (next-token or masked-token accuracy)."""
-        if self._correct is not None:
-            logits = logits_of(output).detach()
-            if isinstance(logits, DTensor):  # vocabulary-parallel logits (loss parallel): validation only
-                logits = logits.full_tensor()
-            targets = labels != IGNORE_INDEX
-            self._correct += (logits.argmax(-1) == labels)[targets].sum()
-        return self.objective.loss(output, labels)
-
-    def train_step(self, microbatches: list) -> tuple[float, float]:
-        """One optimizer step over a global batch of loader microbatches; returns (global mean loss, grad norm)."""
-        microbatches = [self.prepare(batch) for batch in microbatches]
-        # The loss is a sum over target tokens; the gradients are divided once, after every backward,
-        # by the target tokens of the whole global batch. That keeps gradient accumulation, data
-        # parallelism and pipeline microbatches exact, and lets a term join the objective anywhere in
-        # the model in the same summed units (an MoE layer's balancing losses, on any pipeline stage).
-        local_tokens = sum((mb.labels != IGNORE_INDEX).sum() for mb in microbatches)
-        global_tokens = sum_over(local_tokens.to(self.device, torch.float32), self.dims.mesh("loss"))
-        # float16 loss scaling: backward differentiates scale / global_tokens x the summed loss, so the one
-        # multiplication unscaling the gradients replaces the division by the token count.
-        scaler = self.loss_scaler
-        loss_sum = torch.zeros((), device=self.device)
-        with objective_weight(scaler.scale / global_tokens.item() if scaler is not None else 1.0):
-            for mb in microbatches:
-                loss_sum += self._step_fn(mb)
-        if self.tied is not None:
-            self.tied.sync_gradients()
-        params = [p for part in self.model_parts for p in part.parameters()]
-        scale_gradients(params, 1.0 / scaler.scale if scaler is not None else 1.0 / global_tokens)
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.mesh("pp"),
-                                    exclude=frozenset(self.tied.duplicates) if self.tied else frozenset())
-        # Under PP only ranks holding the last stage have a loss (the others 0), so summing over pp too
-        # gives every rank, rank 0 (the metrics writer) included, the global loss.
-        loss = (sum_over(sum_over(loss_sum, self.dims.mesh("loss")), self.dims.mesh("pp")) / global_tokens).item()
-        names = self.model_args.reported_losses()
-        if names:
-            # Terms the model added to the objective itself (multi-token prediction), reduced as the
-            # loss is: every rank takes part, holding the module or not.
-            sums = reported_loss_sums(self.model_parts, names, self.device)
-            sums = sum_over(sum_over(sums, self.dims.mesh("loss")), self.dims.mesh("pp")) / global_tokens
-            self.reported_losses = dict(zip(names, sums.tolist()))
-        norm = grad_norm.item()
-        self.global_tokens = global_tokens.item()
-        # Both are global (the same on every rank), so every rank takes the same branch. Checked
-        # before the optimizer step: a non-finite update would make the parameters nan and the
-        # next checkpoint would publish them.
-        finite = math.isfinite(loss) and math.isfinite(norm)
-        if self.expert_balance is not None:
-            # Every rank, every step (a skipped one too: its counts are dropped with it).
-            self.moe_table = self.expert_balance.step_done(update_bias=finite)
-        if not finite:
-            if scaler is not None and math.isfinite(loss):  # under loss scaling, an overflow rather than a fault
-                self._skip_overflow(norm)
-            else:
-                self._skip_or_stop(loss, norm)
-            return loss, norm
-        self.optimizer.step()
-        self.converters.post_optimizer_step(self.model_parts)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        if scaler is not None:
-            scaler.update(overflow=False)
-        return loss, norm
-
-    def _skip_overflow(self, norm: float) -> None:
-        """Scaled float16 gradients overflowed: every rank drops the step (the norm is global), with no
-        update and, as in Megatron, no learning-rate step; the scaler backs off (train/loss_scaling.py)."""
-        scale = self.loss_scaler.scale
-        self.loss_scaler.update(overflow=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_skipped = True
-        if self.rank == 0:
-            logger.info(f"skipped step {self.step}: gradients overflowed at loss scale {scale:g} (norm {norm}); no "
-                        f"update, learning rate held; loss scale now {self.loss_scaler.scale:g} "
-                        f"({self.loss_scaler.skipped_steps} step(s) skipped for overflow so far)")
-
-    def _skip_or_stop(self, loss: float, norm: float) -> None:
-        """A step with a non-finite loss or gradient norm: skip it (training.skip_nonfinite_steps)
-        or raise TrainingError. Nothing is updated either way."""
-        if math.isfinite(loss):
-            # A collective on every rank (they all saw the same norm); only now is the scan paid for.
-            what = f"the gradient norm is {norm} at step {self.step} (first non-finite gradient: " \
-                   f"{name_nonfinite_grad(self.model_parts)})"
-        else:
-            what = f"the loss is {loss} at step {self.step}"
-        budget = self.cfg.training.skip_nonfinite_steps
-        if self.skipped_steps >= budget:
-            after = (f" (the {budget} step(s) training.skip_nonfinite_steps allows were already skipped)"
-                     if budget else "")
-            raise TrainingError(f"{what}; stopped before the optimizer step, nothing was updated or saved{after}")
-        self.skipped_steps += 1
-        self.step_skipped = True
-        # The step is dropped: no optimizer update (Adam's moments and step count stay), while the
-        # schedule advances with the step count so that step N keeps the learning rate it has in a
-        # run without skips.
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        if self.rank == 0:
-            logger.warning(f"skipped step {self.step}: {what}; no parameter was updated ({self.skipped_steps} of "
-                           f"training.skip_nonfinite_steps {budget} used)")
-
-    @torch.no_grad()
-    def validate(self) -> tuple[float, int, float]:
-        """One run over the validation data: (mean loss per target token, target tokens, accuracy:
-        the fraction of targets whose most likely token is right)."""
-        for part in self.model_parts:
-            part.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), device=self.device)
-        self._correct = torch.zeros((), device=self.device)
-        data = iter(self.validation.loader)
-        try:
-            for _ in range(self.validation.num_batches):
-                mb = self.prepare(next(data))
-                tokens += (mb.labels != IGNORE_INDEX).sum()
-                loss_sum += self._step_fn(mb, backward=False)
-            # Loss and correct counts live where the last stage is: summed over the loss mesh and pp.
-            sums = torch.stack([loss_sum, self._correct.float()])
-        finally:
-            self._correct = None
-            for part in self.model_parts:
-                part.train()
-        tokens = sum_over(tokens, self.dims.mesh("loss"))
-        loss_sum, correct = sum_over(sum_over(sums, self.dims.mesh("loss")), self.dims.mesh("pp"))
-        return (loss_sum / tokens).item(), int(tokens.item()), (correct / tokens).item()
-
     def train(self) -> list[float]:
-        """Run to training.steps; returns the loss of every step.
+        """Run to training.steps; returns the loss of every step the host read (log, save and
+        validation steps, and any step that was skipped).
 
         Stops early, after saving a full checkpoint of the last finished step, when any rank got
         SIGTERM or SIGUSR1 (see titanlike/train/faults.py); then returns normally.
+
+        The host reads a step's results only where it needs them: on log, save and validation
+        steps and the last one (one all-reduce for the logged values, then one read), and under
+        float16 loss scaling on every step (a skipped step holds the learning rate, so the schedule
+        must know). Any other step is settled one step late: its small flags (finite, stop signals)
+        travel to the host while the next step is queued, and reading them waits for that step
+        only, never for the device queue behind it.
         """
         steps = self.cfg.training.steps
         self.stop = StopRequest(watch_parent=under_torchrun())
         self.stop.install()
-        finished = self._resume_verdict()
+        finished = self.checkpointer.resume_verdict()
         if finished is not None:  # a finished run relaunched: say so instead of exiting silently
             if self.rank == 0:
                 logger.warning(finished)
@@ -498,12 +383,12 @@ class Trainer:
         self.step = start
         begin = time.monotonic()
         data = self.stragglers.timed(iter(self.dataloader))
-        losses = []
+        self.losses: list[float] = []
         if self.stop.agreed():
             if self.rank == 0:
                 logger.info(f"received {StopRequest.describe(self.stop.agreed_code)} before the first step: "
                             f"nothing new to save (the run is at step {start}); exiting")
-            return losses
+            return self.losses
         if self.rank == 0:
             logger.info(
                 f"training {steps} steps: {self.batches.describe()} x seq "
@@ -526,36 +411,18 @@ class Trainer:
         with self.collectives, profiler, snapshots, gc_schedule:
             while self.step < steps:
                 self.step += 1
-                self.step_skipped = False
-                lr = self.lr_scheduler.get_last_lr()[0]
-                batch = self.batches.batch_size(self.step - 1)  # a ramp-up's, else global_batch_size
-                loss, grad_norm = self.train_step([next(data) for _ in range(self.microbatches_per_rank(batch))])
-                if not self.step_skipped and not math.isfinite(loss):
-                    raise TrainingError(f"the loss is {loss} at step {self.step}; training stopped")
-                losses.append(loss)
-                self.metrics.step_done(batch * self.cfg.training.seq_len / self.dims.world_size)
-                if self.step_skipped or self.metrics.should_log(self.step, steps):
-                    extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
-                    extra.update(self._precision_and_batch_metrics(batch))
-                    extra.update(self.reported_losses)
-                    expert_counts = None
-                    if self.expert_balance is not None:
-                        extra.update(self.expert_balance.summary(self.moe_table, self.global_tokens))
-                        # Routes per expert of each MoE layer: the table's first num_experts columns.
-                        moe = self.expert_balance.args
-                        expert_counts = {i: self.moe_table[i, :moe.num_experts]
-                                         for i in range(self.model_args.total_layers) if moe.is_moe_layer(i)}
-                    self.metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra or None,
-                                     expert_counts=expert_counts)
-                    slow = self.stragglers.report(self.step)  # a collective: every rank
-                    if slow and self.rank == 0:
-                        logger.warning(format_stragglers(self.step, slow, self.stragglers.factor))
-                if self.validation is not None and (self.step % self.cfg.validation.freq == 0 or self.step == steps):
-                    self.metrics.log_validation(self.step, *self.validate())
-                # Every rank, after every step but the last (which saves and ends anyway): one scalar
-                # all-reduce, so a signal seen by any rank stops all of them after this same step.
-                if self.step < steps and self.stop.agreed():
-                    self._save_and_stop()
+                record = self._run_step(data)
+                # The previous step, now that this one is queued; this one too if its results are needed now.
+                stop = self._settle(self.pending) if self.pending is not None else 0
+                self.pending = None
+                if self._reads_at(self.step):
+                    stop = self._settle(record, now=True) or stop
+                else:
+                    self.pending = record
+                if self._validates_at(self.step):
+                    self.metrics.log_validation(self.step, *self.evaluator.run())
+                if self.step < steps and stop:
+                    self._save_and_stop(stop)
                     break
                 self.checkpointer.save(self.step)
                 if self.step == start + 1 and dist.is_initialized():
@@ -569,7 +436,110 @@ class Trainer:
             logger.warning(f"{self.skipped_steps} step(s) with a non-finite loss or gradient norm were skipped "
                            f"(training.skip_nonfinite_steps {self.cfg.training.skip_nonfinite_steps})")
         self.summary = self._summary(start, time.monotonic() - begin, profiler, snapshots)
-        return losses
+        return self.losses
+
+    def _run_step(self, data) -> StepRecord:
+        """One training step on the device (nothing read back); the learning rate moves with it,
+        except under loss scaling, where it waits for the step's verdict (_settle)."""
+        lr = self.lr_scheduler.get_last_lr()[0]
+        batch = self.batches.batch_size(self.step - 1)  # a ramp-up's, else global_batch_size
+        microbatches = [self.prepare(next(data)) for _ in range(self.microbatches_per_rank(batch))]
+        out = self.train_step(microbatches, side=self.stop.flags())
+        if self.loss_scaler is None:
+            self.lr_scheduler.step()  # a skipped step too: step N keeps its learning rate in a run without skips
+        self.metrics.step_done(batch * self.cfg.training.seq_len / self.dims.world_size)
+        return StepRecord(self.step, lr, batch, out)
+
+    def _reads_at(self, step: int) -> bool:
+        """Whether the host reads this step's results as soon as it is queued."""
+        return (self.loss_scaler is not None or step == self.cfg.training.steps
+                or self.metrics.should_log(step, self.cfg.training.steps) or self.checkpointer.saves_at(step)
+                or self._validates_at(step))
+
+    def _validates_at(self, step: int) -> bool:
+        return self.evaluator is not None and (step % self.cfg.validation.freq == 0 or step == self.cfg.training.steps)
+
+    def _settle(self, record: StepRecord, *, now: bool = False) -> int:
+        """Read a step's verdict: count or refuse a skipped step, update the loss scale, log it if it is
+        a log step (now) or was skipped. Returns the stop signal every rank agreed on (0: none)."""
+        finite, *side = record.flags.read()
+        stop = self.stop.agree(side)
+        if finite and not now:
+            return stop
+        loss, norm, tokens, *reported = self._read_values(record.out)
+        skipped = not (finite and math.isfinite(loss))
+        overflow = self.loss_scaler is not None and skipped and math.isfinite(loss)
+        if overflow:
+            self._skip_overflow(record.step, norm)
+        elif skipped:
+            self._skip_or_stop(record, loss, norm, late=not now)
+        if self.loss_scaler is not None:
+            if not skipped:
+                self.loss_scaler.update(overflow=False)
+            if not overflow:
+                self.lr_scheduler.step()
+        self.losses.append(loss)
+        if skipped or self.metrics.should_log(record.step, self.cfg.training.steps):
+            self._log(record, loss, norm, tokens, reported)
+        return stop
+
+    def _read_values(self, out: StepOutput) -> list[float]:
+        """The step's global loss per target token, grad norm, target tokens and reported loss terms:
+        one sum over all ranks, one read."""
+        local = out.loss_sum.reshape(1) if out.reported is None else torch.cat([out.loss_sum.reshape(1), out.reported])
+        summed = sum_over_world(local) / out.tokens
+        return torch.cat([summed[:1], out.grad_norm.reshape(1), out.tokens.reshape(1), summed[1:]]).tolist()
+
+    def _log(self, record: StepRecord, loss: float, norm: float, tokens: float, reported: list[float]) -> None:
+        extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+        extra.update(self._precision_and_batch_metrics(record.batch))
+        extra.update(zip(self.model_args.reported_losses(), reported))
+        expert_counts = None
+        if self.expert_balance is not None:
+            table = record.out.expert_table
+            extra.update(self.expert_balance.summary(table, tokens))
+            # Routes per expert of each MoE layer: the table's first num_experts columns.
+            moe = self.expert_balance.args
+            expert_counts = {i: table[i, :moe.num_experts]
+                             for i in range(self.model_args.total_layers) if moe.is_moe_layer(i)}
+        self.metrics.log(record.step, loss=loss, grad_norm=norm, lr=record.lr, extra=extra or None,
+                         expert_counts=expert_counts)
+        slow = self.stragglers.report(record.step)  # a collective: every rank
+        if slow and self.rank == 0:
+            logger.warning(format_stragglers(record.step, slow, self.stragglers.factor))
+
+    def _skip_overflow(self, step: int, norm: float) -> None:
+        """Scaled float16 gradients overflowed: every rank dropped the step (the norm is global), with no
+        update and, as in Megatron, no learning-rate step; the scaler backs off (train/loss_scaling.py)."""
+        scale = self.loss_scaler.scale
+        self.loss_scaler.update(overflow=True)
+        if self.rank == 0:
+            logger.info(f"skipped step {step}: gradients overflowed at loss scale {scale:g} (norm {norm}); no "
+                        f"update, learning rate held; loss scale now {self.loss_scaler.scale:g} "
+                        f"({self.loss_scaler.skipped_steps} step(s) skipped for overflow so far)")
+
+    def _skip_or_stop(self, record: StepRecord, loss: float, norm: float, *, late: bool) -> None:
+        """A step with a non-finite loss or gradient norm, which the device did not apply: count it
+        (training.skip_nonfinite_steps) or raise TrainingError. late: read one step after it ran
+        (the step after it was applied, but nothing was saved since)."""
+        step = record.step
+        if math.isfinite(loss):
+            # A collective on every rank (they all saw the same norm).
+            what = f"the gradient norm is {norm} at step {step} (first non-finite gradient: " \
+                   f"{name_nonfinite_grad(record.out.nonfinite_param())})"
+        else:
+            what = f"the loss is {loss} at step {step}"
+        budget = self.cfg.training.skip_nonfinite_steps
+        if self.skipped_steps >= budget:
+            after = (f" (the {budget} step(s) training.skip_nonfinite_steps allows were already skipped)"
+                     if budget else "")
+            stopped = (f"its update was skipped and training stopped after step {self.step}, nothing was saved "
+                       "after it" if late else "stopped before the optimizer step, nothing was updated or saved")
+            raise TrainingError(f"{what}; {stopped}{after}")
+        self.skipped_steps += 1
+        if self.rank == 0:
+            logger.warning(f"skipped step {step}: {what}; no parameter was updated ({self.skipped_steps} of "
+                           f"training.skip_nonfinite_steps {budget} used)")
 
     def _summary(self, start: int, seconds: float, profiler: Profiler, snapshots: MemorySnapshot) -> RunSummary:
         cfg, dump = self.cfg, self.cfg.job.dump_folder
@@ -598,9 +568,9 @@ class Trainer:
             out["global_batch_size"] = batch
         return out
 
-    def _save_and_stop(self) -> None:
+    def _save_and_stop(self, code: int) -> None:
         """A stop signal reached some rank: save a full checkpoint of this step on every rank, say so."""
-        name = StopRequest.describe(self.stop.agreed_code)
+        name = StopRequest.describe(code)
         if not self.checkpointer.saves:
             if self.rank == 0:
                 why = "checkpoint.load_only is set" if self.checkpointer.enabled else "checkpoint.enable is off"
@@ -613,31 +583,6 @@ class Trainer:
         if self.rank == 0:
             logger.info(f"received {name}: saved step {self.step} to {self.checkpointer.path(self.step)} in "
                         f"{time.monotonic() - begin:.1f} s; exiting")
-
-    def _resume_verdict(self) -> str | None:
-        """The sentence to print instead of training when the checkpoint to resume from is already at
-        or past training.steps (a finished run relaunched); raises TrainingError when the latest
-        checkpoint is a model-only final export that cannot be extended, naming the flags to pass.
-        Rank 0 reads the folder; every rank gets its verdict."""
-        c = self.cfg.checkpoint
-        if not self.checkpointer.enabled or c.create_seed_checkpoint:
-            return None
-        verdict = None
-        if self.rank == 0:
-            try:
-                verdict = resume_verdict(self.checkpointer.folder, c.load_step, self.cfg.training.steps)
-            except CheckpointError:
-                verdict = None  # a damaged checkpoint: load() reports it, on every rank
-        if dist.is_initialized():
-            box = [verdict]
-            dist.broadcast_object_list(box, src=0, group=self.checkpointer.process_group)
-            verdict = box[0]
-        if verdict is None:
-            return None
-        kind, message = verdict
-        if kind == "error":
-            raise TrainingError(message)
-        return message
 
     def close(self) -> None:
         try:
@@ -666,54 +611,3 @@ class Trainer:
             if self.stop is not None:
                 # Last: a signal during the final saves and the barrier above must not kill the process.
                 self.stop.restore()
-
-
-def resume_verdict(folder: str, load_step: int, steps: int) -> tuple[str, str] | None:
-    """("done", sentence) when the checkpoint a job would resume from is at or past training.steps;
-    ("error", sentence) when it is a model-only final export below training.steps; else None (the
-    checkpoint manager loads normally, or reports what is wrong)."""
-    from titanlike.checkpoint import format as fmt
-
-    published = fmt.published_steps(folder)
-    step = load_step if load_step >= 0 else (published[-1] if published else None)
-    if step is None or step not in published:
-        return None
-    full = _is_full_checkpoint(fmt.step_folder(folder, step))
-    if step >= steps:
-        head = f"the checkpoint in {folder} is at step {step} >= training.steps {steps}: nothing to train"
-        if full:
-            return "done", f"{head}; raise --training.steps to continue"
-        return "done", f"{head}; step {step} is a model-only final export (checkpoint.last_save_model_only): " \
-                       + _how_to_extend(folder, published, step, steps_flag=f"--training.steps > {step} ")
-    if full or load_step >= 0:
-        return None  # resumes; an explicit load_step of a model-only export is the manager's to refuse
-    return "error", f"the latest checkpoint in {folder}, step {step}, is a model-only final export " \
-                    f"(checkpoint.last_save_model_only) that training cannot resume from; " \
-                    + _how_to_extend(folder, published, step, steps_flag="")
-
-
-def _how_to_extend(folder: str, published: list[int], step: int, *, steps_flag: str) -> str:
-    from titanlike.checkpoint import format as fmt
-
-    full = [s for s in published if s < step and _is_full_checkpoint(fmt.step_folder(folder, s))]
-    if full:
-        again = f"step {step} is" if full[-1] + 1 == step else f"steps {full[-1] + 1}..{step} are"
-        return (f"to extend the run, relaunch with {steps_flag}--checkpoint.load_step {full[-1]} "
-                f"(its last full checkpoint; {again} trained again)")
-    path = fmt.step_folder(folder, step)
-    hf = fmt.is_hf_folder(path) and not fmt.is_dcp_folder(path)
-    return (f"no full checkpoint is left to extend the run from; start a new run from it with "
-            f"--checkpoint.initial_load_path {path}" + (" --checkpoint.initial_load_in_hf" if hf else "")
-            + " (checkpoint.no_last_save_model_only keeps the last save resumable)")
-
-
-def _is_full_checkpoint(path: str) -> bool:
-    """Whether a published checkpoint holds the whole training state (not a model-only export)."""
-    from titanlike.checkpoint import format as fmt
-
-    info = fmt.read_sidecar(path)
-    if info is not None and "contents" in info:
-        return info["contents"] == "full"
-    if not fmt.is_dcp_folder(path):
-        return False
-    return fmt.dcp_model_keys(fmt.read_dcp_metadata(path))[1]

@@ -9,7 +9,7 @@ table's rows and stays.
 This package is the whole family: the registry discovers it, and no generic file names it.
 """
 
-from titanlike.models.bert import hf_adapter
+from titanlike.models.bert.hf_adapter import BertHF
 from titanlike.models.bert.model import BINARY_LOSS, Bert, BertArgs
 from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
@@ -65,7 +65,7 @@ register_model_spec(
         pipeline_ends=PipelineEnds(
             inputs=("tok_embeddings", "pos_embeddings", "type_embeddings", "embedding_norm"),
             outputs=("norm", "lm_head", "output", "binary_head")),
-        hf_adapter=hf_adapter,
+        hf=BertHF(),
         objective=bert_objective,
     )
 )

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from titanlike.models.bert.model import BertArgs
+from titanlike.models.common.hf import HFAdapter, known_ids
 from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.init import canonical_fqn
 
@@ -71,76 +72,6 @@ _TF_NAMES = {"gamma": "weight", "beta": "bias"}
 _HF_BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
 
 
-def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: BertArgs) -> dict[str, torch.Tensor]:
-    """Our state dict (full tensors) -> BertForPreTraining's (BertForMaskedLM's without the binary
-    head). Wrapper prefixes in keys are ignored."""
-    if args.pre_norm:
-        raise ValueError("Hugging Face's BERT is post-norm: a pre_norm BERT has no transformers class")
-    hf: dict[str, torch.Tensor] = {}
-    for key, value in sd.items():
-        key = canonical_fqn(key)
-        if key == "output.weight":
-            continue  # the word table
-        hf_key = KEYS.to_hf(key)
-        if hf_key is None:
-            raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        hf[hf_key] = value
-    return hf
-
-
-def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: BertArgs) -> dict[str, torch.Tensor]:
-    """BertForPreTraining's (or BertForMaskedLM's) state dict -> ours (load_state_dict(strict=True))."""
-    sd: dict[str, torch.Tensor] = {}
-    for key, value in hf_sd.items():
-        key = re.sub(r"\.(gamma|beta)$", lambda m: "." + _TF_NAMES[m.group(1)], key)
-        if key in _HF_BUFFERS or key == _TIED:
-            continue  # not weights, or the word table again
-        name = KEYS.from_hf(_HF_ALIASES.get(key, key))
-        if name is None:
-            raise KeyError(f"unexpected Hugging Face BERT parameter {key!r}")
-        if name.startswith("binary_head.") and not args.binary_head:
-            continue  # a BertForMaskedLM folder holding pretraining weights
-        sd[name] = value
-    if "tok_embeddings.weight" not in sd:
-        raise KeyError("no bert.embeddings.word_embeddings.weight (word embeddings)")
-    sd["output.weight"] = sd["tok_embeddings.weight"]
-    return sd
-
-
-def args_to_hf_config(args: BertArgs, *, max_position_embeddings: int | None = None) -> dict[str, Any]:
-    """config.json contents for BertForPreTraining (BertForMaskedLM without the binary head).
-
-    max_position_embeddings is the position table's rows (a weight): args.max_seq_len; another
-    value is refused rather than written into an unloadable folder. Dropout is 0, as trained.
-    """
-    if args.pre_norm:
-        raise ValueError("Hugging Face's BERT is post-norm: a pre_norm BERT has no transformers class")
-    if max_position_embeddings not in (None, args.max_seq_len):
-        raise ValueError(f"BERT's position table has {args.max_seq_len} rows; its config cannot say "
-                         f"max_position_embeddings={max_position_embeddings}")
-    return {
-        "architectures": ["BertForPreTraining" if args.binary_head else "BertForMaskedLM"],
-        "model_type": "bert",
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "intermediate_size": args.ffn_hidden_dim,
-        "hidden_act": "gelu",
-        "max_position_embeddings": args.max_seq_len,
-        "type_vocab_size": args.type_vocab_size,
-        "vocab_size": args.vocab_size,
-        "layer_norm_eps": args.norm_eps,
-        "initializer_range": args.init_std,
-        "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0,
-        "tie_word_embeddings": True,
-        "is_decoder": False,
-        "add_cross_attention": False,
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
-
-
 # Settings BertConfig has that change the computation, with the value our model computes.
 _FIXED = {"hidden_act": "gelu", "is_decoder": False, "add_cross_attention": False,
           "position_embedding_type": "absolute", "tie_word_embeddings": True}
@@ -149,31 +80,108 @@ _FIXED = {"hidden_act": "gelu", "is_decoder": False, "add_cross_attention": Fals
 _ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM")
 
 
-def args_from_hf_config(cfg: Mapping[str, Any]) -> BertArgs:
-    """BertArgs for a BertForPreTraining / BertForMaskedLM config.json (dict); ValueError naming an
-    unsupported key."""
-    for key, expected in _FIXED.items():
-        if key in cfg and cfg[key] != expected:
-            raise ValueError(f"unsupported BERT config: {key}={cfg[key]!r} (only {expected!r} is supported)")
-    dim = cfg["hidden_size"]
-    if cfg.get("intermediate_size", 4 * dim) != 4 * dim:
-        raise ValueError(f"unsupported BERT config: intermediate_size={cfg['intermediate_size']!r} "
-                         f"(only 4 x hidden_size = {4 * dim})")
-    architectures = cfg.get("architectures") or ["BertForPreTraining"]
-    unknown = sorted(set(architectures) - set(_ARCHITECTURES))
-    if unknown:
-        raise ValueError(f"unsupported BERT config: architectures={unknown} (supported: {', '.join(_ARCHITECTURES)})")
-    return BertArgs(
-        dim=dim,
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=cfg["num_attention_heads"],
-        vocab_size=cfg["vocab_size"],
-        max_seq_len=cfg.get("max_position_embeddings", 512),
-        type_vocab_size=cfg.get("type_vocab_size", 2),
-        norm_eps=cfg.get("layer_norm_eps", 1e-12),
-        init_std=cfg.get("initializer_range", 0.02),
-        binary_head="BertForMaskedLM" not in architectures,
-    )
+class BertHF(HFAdapter):
+    """BertForPreTraining (binary_head) and BertForMaskedLM."""
+
+    model_types = ("bert",)
+
+    def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: BertArgs) -> dict[str, torch.Tensor]:
+        """Our state dict (full tensors) -> BertForPreTraining's (BertForMaskedLM's without the binary
+        head). Wrapper prefixes in keys are ignored."""
+        if args.pre_norm:
+            raise ValueError("Hugging Face's BERT is post-norm: a pre_norm BERT has no transformers class")
+        hf: dict[str, torch.Tensor] = {}
+        for key, value in sd.items():
+            key = canonical_fqn(key)
+            if key == "output.weight":
+                continue  # the word table
+            hf_key = KEYS.to_hf(key)
+            if hf_key is None:
+                raise KeyError(f"no Hugging Face name for parameter {key!r}")
+            hf[hf_key] = value
+        return hf
+
+    def from_hf_state_dict(self, hf_sd: Mapping[str, torch.Tensor], args: BertArgs) -> dict[str, torch.Tensor]:
+        """BertForPreTraining's (or BertForMaskedLM's) state dict -> ours (load_state_dict(strict=True))."""
+        sd: dict[str, torch.Tensor] = {}
+        for key, value in hf_sd.items():
+            key = re.sub(r"\.(gamma|beta)$", lambda m: "." + _TF_NAMES[m.group(1)], key)
+            if key in _HF_BUFFERS or key == _TIED:
+                continue  # not weights, or the word table again
+            name = KEYS.from_hf(_HF_ALIASES.get(key, key))
+            if name is None:
+                raise KeyError(f"unexpected Hugging Face BERT parameter {key!r}")
+            if name.startswith("binary_head.") and not args.binary_head:
+                continue  # a BertForMaskedLM folder holding pretraining weights
+            sd[name] = value
+        if "tok_embeddings.weight" not in sd:
+            raise KeyError("no bert.embeddings.word_embeddings.weight (word embeddings)")
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+        return sd
+
+    def args_to_config(self, args: BertArgs, *, max_position_embeddings: int | None = None) -> dict[str, Any]:
+        """config.json contents for BertForPreTraining (BertForMaskedLM without the binary head).
+
+        max_position_embeddings is the position table's rows (a weight): args.max_seq_len; another
+        value is refused rather than written into an unloadable folder. Dropout is 0, as trained.
+        """
+        if args.pre_norm:
+            raise ValueError("Hugging Face's BERT is post-norm: a pre_norm BERT has no transformers class")
+        if max_position_embeddings not in (None, args.max_seq_len):
+            raise ValueError(f"BERT's position table has {args.max_seq_len} rows; its config cannot say "
+                             f"max_position_embeddings={max_position_embeddings}")
+        return {
+            "architectures": ["BertForPreTraining" if args.binary_head else "BertForMaskedLM"],
+            "model_type": self.model_type(args),
+            "hidden_size": args.dim,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "intermediate_size": args.ffn_hidden_dim,
+            "hidden_act": "gelu",
+            "max_position_embeddings": args.max_seq_len,
+            "type_vocab_size": args.type_vocab_size,
+            "vocab_size": args.vocab_size,
+            "layer_norm_eps": args.norm_eps,
+            "initializer_range": args.init_std,
+            "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0,
+            "tie_word_embeddings": True,
+            "is_decoder": False,
+            "add_cross_attention": False,
+            "bos_token_id": None,
+            "eos_token_id": None,
+        }
+
+    def config_to_args(self, cfg: Mapping[str, Any]) -> BertArgs:
+        """BertArgs for a BertForPreTraining / BertForMaskedLM config.json (dict); ValueError naming an
+        unsupported key."""
+        for key, expected in _FIXED.items():
+            if key in cfg and cfg[key] != expected:
+                raise ValueError(f"unsupported BERT config: {key}={cfg[key]!r} (only {expected!r} is supported)")
+        dim = cfg["hidden_size"]
+        if cfg.get("intermediate_size", 4 * dim) != 4 * dim:
+            raise ValueError(f"unsupported BERT config: intermediate_size={cfg['intermediate_size']!r} "
+                             f"(only 4 x hidden_size = {4 * dim})")
+        architectures = cfg.get("architectures") or ["BertForPreTraining"]
+        unknown = sorted(set(architectures) - set(_ARCHITECTURES))
+        if unknown:
+            raise ValueError(f"unsupported BERT config: architectures={unknown} "
+                             f"(supported: {', '.join(_ARCHITECTURES)})")
+        return BertArgs(
+            dim=dim,
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"],
+            vocab_size=cfg["vocab_size"],
+            max_seq_len=cfg.get("max_position_embeddings", 512),
+            type_vocab_size=cfg.get("type_vocab_size", 2),
+            norm_eps=cfg.get("layer_norm_eps", 1e-12),
+            init_std=cfg.get("initializer_range", 0.02),
+            binary_head="BertForMaskedLM" not in architectures,
+        )
+
+    def token_ids(self, *, bos: int | None, eos: int | None, pad: int | None) -> dict[str, int]:
+        """With the pad id: our masked-LM samples are padded, and transformers reads it to batch."""
+        return known_ids(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
 
 
-__all__ = ["args_from_hf_config", "args_to_hf_config", "from_hf_state_dict", "to_hf_state_dict"]
+__all__ = ["KEYS", "BertHF"]

@@ -57,7 +57,6 @@ class BertArgs(DecoderArgs):
     # use init_std / sqrt(2 * n_layers), as Megatron-LM's scaled init.
     init_std: float = 0.02
 
-    hf_model_type = "bert"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,19 +117,6 @@ class BertArgs(DecoderArgs):
     def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
         # Heads divisible by TP, seq_len within the position table.
         super().validate(dims, seq_len=seq_len)
-
-    # Hugging Face identity ---------------------------------------------------------------------
-
-    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
-        from titanlike.models.bert.hf_adapter import args_to_hf_config
-
-        return args_to_hf_config(self, max_position_embeddings=max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> BertArgs:
-        from titanlike.models.bert.hf_adapter import args_from_hf_config
-
-        return args_from_hf_config(config)
 
 
 class BertBlock(TransformerBlock):
@@ -216,6 +202,9 @@ class Bert(Decoder):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=True)
         self.binary_head: BinaryHead | None = BinaryHead(args.dim) if args.binary_head else None
         self.tie_weights()
+        # The objective's weight for the binary loss (attach_loss): the step's weight tensor, set
+        # once at build time; None: 1.
+        self.loss_weight: torch.Tensor | None = None
 
     def _layernorm(self) -> nn.Module:
         return build_norm("layernorm", self.model_args.dim, eps=self.model_args.norm_eps, bias=True)
@@ -280,7 +269,7 @@ class Bert(Decoder):
         if self.output is None:
             return h
         if self.binary_head is not None and binary_labels is not None:
-            h = attach_loss(h, self._binary_loss(h, positions, binary_labels, binary_weights))
+            h = attach_loss(h, self._binary_loss(h, positions, binary_labels, binary_weights), self.loss_weight)
         return self.output(self.lm_head(h))
 
     def _binary_loss(self, h: torch.Tensor, positions: torch.Tensor | None, labels: torch.Tensor,

@@ -68,22 +68,6 @@ class DecoderArgs(BaseModelArgs):
             return table
         return table if exclude_embedding else 2 * table
 
-    def hf_decoder_config(self, *, max_position_embeddings: int | None = None) -> dict:
-        """The config.json fields transformers' Llama-style decoders (Llama, Qwen3, Mixtral) share;
-        a family's to_hf_config adds its model_type, MLP sizes and RoPE variant. Assumes a family
-        with rope_theta (every one of those)."""
-        return {
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "max_position_embeddings": max_position_embeddings or self.max_seq_len,
-            "rms_norm_eps": self.norm_eps,
-            "rope_theta": float(self.rope_theta),  # type: ignore[attr-defined]
-            "tie_word_embeddings": self.tie_word_embeddings,
-        }
-
     def moe_args(self) -> MoEArgs | None:
         return self.moe
 

@@ -327,6 +327,9 @@ class MoE(nn.Module):
         self.dispatcher = LocalDispatcher()
         self.sequence_group: dist.ProcessGroup | None = None
         self.record_statistics = True  # off while a pipeline infers shapes on placeholder inputs
+        # The objective's weight for the balancing losses' backward: the step's weight tensor, set
+        # once at build time (models/outputs.py attach_loss); None: 1.
+        self.loss_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -358,7 +361,7 @@ class MoE(nn.Module):
             counting = _counting()
             aux = self._balancing_losses(routing, batch, seq, record=counting)
             if aux is not None:
-                out = attach_loss(out, aux)
+                out = attach_loss(out, aux, self.loss_weight)
             if counting:
                 self._record(routing, keep)
         return out

@@ -64,13 +64,14 @@ class MTPBlock(TransformerBlock):
 
 def multi_token_prediction(h: torch.Tensor, blocks: list[MTPBlock], lookahead: torch.Tensor,
                            *, embed: nn.Module, head: nn.Module, rope: torch.Tensor | None, mask,
-                           weight: float, training: bool) -> torch.Tensor:
+                           weight: float, training: bool, loss_weight: torch.Tensor | None = None) -> torch.Tensor:
     """h, the trunk's residual stream (batch, seq, dim) before the final norm, carrying the
     prediction modules' weighted loss (attach_loss; the caller then computes the logits from it, so
     a model's output is never the attaching view, which FSDP's output hooks warn about).
     lookahead: (batch, seq, D, 2) embedded tokens and targets per depth (objectives/causal_lm.py
     lookahead_targets); embed / head: the model's token embedding (a tied copy on the last pipeline
-    stage) and output projection."""
+    stage) and output projection; loss_weight: the calling model's `loss_weight` hook (the step's
+    objective weight)."""
     depth = len(blocks)
     total = None
     x = h
@@ -82,7 +83,7 @@ def multi_token_prediction(h: torch.Tensor, blocks: list[MTPBlock], lookahead: t
             # re-bind the name on the wrapper.
             block.reported_loss_sum.add_(ce.detach().float() / depth)
         total = ce if total is None else total + ce
-    return attach_loss(h, total * (weight / depth))
+    return attach_loss(h, total * (weight / depth), loss_weight)
 
 
 def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

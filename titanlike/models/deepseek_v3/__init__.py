@@ -11,7 +11,7 @@ real context.
 from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.common.rope import YaRNScaling
-from titanlike.models.deepseek_v3 import hf_adapter
+from titanlike.models.deepseek_v3.hf_adapter import DeepSeekV3HF
 from titanlike.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3ModelArgs
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 from titanlike.parallel.tensor_parallel import TensorParallelPlan
@@ -91,7 +91,7 @@ register_model_spec(
         flavors=deepseek_v3_flavors,
         tp_plan=deepseek_v3_tp_plan(),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output", "mtp_embeddings")),
-        hf_adapter=hf_adapter,
+        hf=DeepSeekV3HF(),
     )
 )
 

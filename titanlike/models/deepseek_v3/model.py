@@ -19,7 +19,6 @@ and, in training, the prediction modules after it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,18 +29,12 @@ from titanlike.models.args import AttentionShape
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.decoder import DecoderArgs
-from titanlike.models.common.feed_forward import FeedForward
-from titanlike.models.common.init import LinearInit
 from titanlike.models.common.init import normal_
-from titanlike.models.common.moe import MoE, MoEArgs
+from titanlike.models.common.moe import MoEArgs
+from titanlike.models.common.moe_decoder import MoEDecoder, depth_scaled_init
 from titanlike.models.common.mtp import MTP_LOSS, MTPBlock, multi_token_prediction
 from titanlike.models.common.rope import YaRNScaling, precompute_rope_cache, yarn_mscale
 from titanlike.models.deepseek_v3.attention import MLA
-from titanlike.models.qwen3.model import Qwen3
-
-# Standard deviation of the input projections (and of the output projections before depth
-# scaling), as torchtitan's DeepSeek-V3.
-_BASE_INIT_STD = 0.02
 
 
 @dataclass
@@ -64,8 +57,6 @@ class DeepSeekV3ModelArgs(DecoderArgs):
     # of their loss.
     mtp_num_layers: int = 0
     mtp_loss_weight: float = 0.1
-
-    hf_model_type = "deepseek_v3"
 
     def __post_init__(self) -> None:
         # DecoderArgs' own checks are grouped-query attention's (dim split into heads); MLA's heads
@@ -165,25 +156,13 @@ class DeepSeekV3ModelArgs(DecoderArgs):
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(self.n_heads, self.n_heads, self.qk_head_dim)
 
-    # Hugging Face -------------------------------------------------------------------------------
 
-    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
-        from titanlike.models.deepseek_v3.hf_adapter import args_to_hf_config
-
-        return args_to_hf_config(self, max_position_embeddings=max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> DeepSeekV3ModelArgs:
-        from titanlike.models.deepseek_v3.hf_adapter import args_from_hf_config
-
-        return args_from_hf_config(config)
-
-
-class DeepSeekV3(Qwen3):
+class DeepSeekV3(MoEDecoder):
     """DeepSeek-V3: tokens (batch, seq) -> logits (batch, seq, vocab_size).
 
-    Qwen3's decoder supplies the RoPE table plumbing, the final norm and the embedding init; the
-    blocks, the table's width and scaling, and the forward over the trunk are this family's.
+    The shared MoE decoder (models/common/moe_decoder.py) supplies the RoPE table plumbing, the final
+    norm, the MLPs and the embedding init; the blocks' attention (MLA) and prediction modules, the
+    table's width and scaling, and the forward over the trunk are this family's.
     """
 
     def __init__(self, args: DeepSeekV3ModelArgs):
@@ -195,20 +174,18 @@ class DeepSeekV3(Qwen3):
             self.mtp_embeddings = nn.Embedding(args.vocab_size, args.dim)
             self.tied_weights["mtp_embeddings.weight"] = "tok_embeddings.weight"
             self.tie_weights()
+        # The objective's weight for the prediction modules' loss (attach_loss): the step's weight
+        # tensor, set once at build time; None: 1.
+        self.loss_weight: torch.Tensor | None = None
 
     def build_block(self, layer_id: int) -> nn.Module:
         a = self.model_args
-        # Output projections scaled by depth, as torchtitan's DeepSeek-V3.
-        init = LinearInit(std=_BASE_INIT_STD, out_std=_BASE_INIT_STD / math.sqrt(2 * (layer_id + 1)))
         attention = MLA(a.dim, a.n_heads, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
                         qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
                         v_head_dim=a.v_head_dim, softmax_scale_factor=a.softmax_scale_factor)
-        if a.moe is not None and a.moe.is_moe_layer(layer_id):
-            mlp = dict(moe=MoE(a.dim, a.moe))
-        else:
-            mlp = dict(feed_forward=FeedForward(a.dim, a.ffn_hidden_dim))
-        parts = dict(attention=attention, attention_norm=self.build_norm(), ffn_norm=self.build_norm(), init=init,
-                     **mlp)
+        # Output projections scaled by depth, as torchtitan's DeepSeek-V3.
+        parts = dict(attention=attention, attention_norm=self.build_norm(), ffn_norm=self.build_norm(),
+                     init=depth_scaled_init(layer_id), **self.build_mlp(layer_id))
         if layer_id >= a.n_layers:
             return MTPBlock(layer_id, dim=a.dim, build_norm=self.build_norm, **parts)
         return TransformerBlock(layer_id, **parts)
@@ -234,7 +211,7 @@ class DeepSeekV3(Qwen3):
         super().init_embeddings(seed=seed)
         if self.mtp_embeddings is not None and self.tok_embeddings is None:
             # The last pipeline stage's copy of the table: drawn under the owner's name, so it
-            # starts equal to the first stage's (untied output: Qwen3's table init).
+            # starts equal to the first stage's (untied output: the Decoder's table init).
             normal_(self.mtp_embeddings.weight, std=1.0, seed=seed, fqn="tok_embeddings.weight")
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
@@ -251,7 +228,8 @@ class DeepSeekV3(Qwen3):
         predictors = self.predictors()
         if predictors and lookahead is not None and self.training:
             h = multi_token_prediction(h, predictors, lookahead, embed=self.mtp_embeddings, head=self.output,
-                                       rope=rope, mask=mask, weight=self.model_args.mtp_loss_weight, training=True)
+                                       rope=rope, mask=mask, weight=self.model_args.mtp_loss_weight, training=True,
+                                       loss_weight=self.loss_weight)
         return self.output(self.norm(h))
 
 

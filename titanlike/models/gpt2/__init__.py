@@ -10,7 +10,7 @@ This package is the whole family: the registry discovers it, and no generic file
 """
 
 from titanlike.models.common.decoder import decoder_tp_plan
-from titanlike.models.gpt2 import hf_adapter
+from titanlike.models.gpt2.hf_adapter import GPT2HF
 from titanlike.models.gpt2.model import GPT2, GPT2Args
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
@@ -42,7 +42,7 @@ register_model_spec(
         flavors=gpt2_flavors,
         tp_plan=decoder_tp_plan(mlp_inputs=("w1",), position_embeddings=("pos_embeddings",)),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings", "pos_embeddings"), outputs=("norm", "output")),
-        hf_adapter=hf_adapter,
+        hf=GPT2HF(),
     )
 )
 

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from titanlike.models.common.hf import HFAdapter
 from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.init import canonical_fqn
 from titanlike.models.gpt2.model import GPT2Args
@@ -62,102 +63,6 @@ def _t(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous()
 
 
-def to_hf_state_dict(sd: Mapping[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
-    """Our state dict (full tensors) -> GPT2LMHeadModel's. Wrapper prefixes in keys are ignored."""
-    hf: dict[str, torch.Tensor] = {}
-    qkv: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # layer -> weight|bias -> wq|wk|wv -> tensor
-    for key, value in sd.items():
-        key = canonical_fqn(key)
-        if key == "output.weight" and args.tie_word_embeddings:
-            continue
-        hf_key = KEYS.to_hf(key)
-        if hf_key is not None:
-            hf[hf_key] = _t(value) if KEYS.layer_name(key) in _CONV1D else value
-            continue
-        layer, name = KEYS.split(key) or (None, "")
-        parts = name.split(".")
-        if len(parts) != 3 or parts[0] != "attention" or parts[1] not in _QKV:
-            raise KeyError(f"no Hugging Face name for parameter {key!r}")
-        qkv.setdefault(layer, {}).setdefault(parts[2], {})[parts[1]] = value
-    for layer, kinds in qkv.items():
-        for kind, proj in kinds.items():
-            if set(proj) != set(_QKV):
-                raise KeyError(f"layer {layer}: attention {kind} needs wq, wk and wv, got {sorted(proj)}")
-            fused = torch.cat([proj[p] for p in _QKV], dim=0)  # (3 dim, dim) or (3 dim,)
-            hf[f"transformer.h.{layer}.attn.c_attn.{kind}"] = _t(fused) if kind == "weight" else fused
-    return hf
-
-
-def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's (or GPT2Model's) state dict -> ours (loadable with load_state_dict(strict=True))."""
-    sd: dict[str, torch.Tensor] = {}
-    for key, value in hf_sd.items():
-        if not key.startswith(("transformer.", "lm_head.")):
-            key = f"transformer.{key}"  # GPT2Model's keys (the original openai-community files)
-        if key == "lm_head.weight" and args.tie_word_embeddings:
-            continue
-        name = KEYS.from_hf(key)
-        if name is not None:
-            sd[name] = _t(value) if KEYS.layer_name(name) in _CONV1D else value
-            continue
-        layer, hf_name = KEYS.split_hf(key) or (None, "")
-        if hf_name in _HF_BUFFERS:
-            continue
-        if hf_name not in ("attn.c_attn.weight", "attn.c_attn.bias"):
-            raise KeyError(f"unexpected Hugging Face GPT-2 parameter {key!r}")
-        kind = hf_name.rsplit(".", 1)[1]
-        fused = _t(value) if kind == "weight" else value  # (3 dim, dim) or (3 dim,)
-        if fused.shape[0] != 3 * args.dim:
-            raise KeyError(f"{key} has {fused.shape[0]} output features, expected 3 x {args.dim}")
-        for name, part in zip(_QKV, fused.chunk(3, dim=0)):
-            sd[f"layers.{layer}.attention.{name}.{kind}"] = part.contiguous()
-    if "tok_embeddings.weight" not in sd:
-        raise KeyError("no transformer.wte.weight (token embeddings)")
-    if args.tie_word_embeddings:
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    elif "output.weight" not in sd:
-        raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
-    return sd
-
-
-def args_to_hf_config(args: GPT2Args, *, max_position_embeddings: int | None = None) -> dict[str, Any]:
-    """config.json contents for GPT2LMHeadModel.
-
-    n_positions is the row count of the position table (a weight): it is args.max_seq_len, and a
-    different max_position_embeddings is refused rather than written into an unloadable folder.
-    bos/eos ids are left unset (the checkpoint writer adds the tokenizer's); dropout is 0, as
-    the model was trained.
-    """
-    if max_position_embeddings not in (None, args.max_seq_len):
-        raise ValueError(f"GPT-2's position table has {args.max_seq_len} rows; its config cannot say "
-                         f"n_positions={max_position_embeddings}")
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "n_embd": args.dim,
-        "n_layer": args.n_layers,
-        "n_head": args.n_heads,
-        "n_inner": args.ffn_hidden_dim,
-        "n_positions": args.max_seq_len,
-        "n_ctx": args.max_seq_len,
-        "vocab_size": args.vocab_size,
-        "layer_norm_epsilon": args.norm_eps,
-        "activation_function": "gelu_new",
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "initializer_range": args.init_std,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "add_cross_attention": False,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "use_cache": True,
-    }
-
-
 # Settings GPT2Config has that change the computation, with the value our model computes.
 _FIXED = {
     "scale_attn_weights": True,
@@ -167,32 +72,130 @@ _FIXED = {
 }
 
 
-def args_from_hf_config(cfg: Mapping[str, Any]) -> GPT2Args:
-    """GPT2Args for a GPT2LMHeadModel config.json (dict); ValueError naming an unsupported key."""
-    for key, expected in _FIXED.items():
-        if key in cfg and bool(cfg[key]) != expected:
-            raise ValueError(f"unsupported GPT-2 config: {key}={cfg[key]!r} (only {expected!r} is supported)")
-    activation = cfg.get("activation_function", "gelu_new")
-    if activation not in _TANH_GELU:
-        raise ValueError(f"unsupported GPT-2 config: activation_function={activation!r} "
-                         f"(supported: {', '.join(_TANH_GELU)})")
-    dim = cfg["n_embd"]
-    n_inner = cfg.get("n_inner")
-    if n_inner not in (None, 4 * dim):
-        raise ValueError(f"unsupported GPT-2 config: n_inner={n_inner!r} (only None or 4 x n_embd = {4 * dim})")
-    n_positions = cfg["n_positions"]
-    if cfg.get("n_ctx") not in (None, n_positions):
-        raise ValueError(f"unsupported GPT-2 config: n_ctx={cfg['n_ctx']!r} differs from n_positions={n_positions}")
-    return GPT2Args(
-        dim=dim,
-        n_layers=cfg["n_layer"],
-        n_heads=cfg["n_head"],
-        vocab_size=cfg["vocab_size"],
-        max_seq_len=n_positions,
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-        init_std=cfg.get("initializer_range", 0.02),
-    )
+class GPT2HF(HFAdapter):
+    """GPT2LMHeadModel (and GPT2Model's keys, read)."""
+
+    model_types = ("gpt2",)
+
+    def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
+        """Our state dict (full tensors) -> GPT2LMHeadModel's. Wrapper prefixes in keys are ignored."""
+        hf: dict[str, torch.Tensor] = {}
+        qkv: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # layer -> weight|bias -> wq|wk|wv -> tensor
+        for key, value in sd.items():
+            key = canonical_fqn(key)
+            if key == "output.weight" and args.tie_word_embeddings:
+                continue
+            hf_key = KEYS.to_hf(key)
+            if hf_key is not None:
+                hf[hf_key] = _t(value) if KEYS.layer_name(key) in _CONV1D else value
+                continue
+            layer, name = KEYS.split(key) or (None, "")
+            parts = name.split(".")
+            if len(parts) != 3 or parts[0] != "attention" or parts[1] not in _QKV:
+                raise KeyError(f"no Hugging Face name for parameter {key!r}")
+            qkv.setdefault(layer, {}).setdefault(parts[2], {})[parts[1]] = value
+        for layer, kinds in qkv.items():
+            for kind, proj in kinds.items():
+                if set(proj) != set(_QKV):
+                    raise KeyError(f"layer {layer}: attention {kind} needs wq, wk and wv, got {sorted(proj)}")
+                fused = torch.cat([proj[p] for p in _QKV], dim=0)  # (3 dim, dim) or (3 dim,)
+                hf[f"transformer.h.{layer}.attn.c_attn.{kind}"] = _t(fused) if kind == "weight" else fused
+        return hf
+
+    def from_hf_state_dict(self, hf_sd: Mapping[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
+        """GPT2LMHeadModel's (or GPT2Model's) state dict -> ours (loadable with load_state_dict(strict=True))."""
+        sd: dict[str, torch.Tensor] = {}
+        for key, value in hf_sd.items():
+            if not key.startswith(("transformer.", "lm_head.")):
+                key = f"transformer.{key}"  # GPT2Model's keys (the original openai-community files)
+            if key == "lm_head.weight" and args.tie_word_embeddings:
+                continue
+            name = KEYS.from_hf(key)
+            if name is not None:
+                sd[name] = _t(value) if KEYS.layer_name(name) in _CONV1D else value
+                continue
+            layer, hf_name = KEYS.split_hf(key) or (None, "")
+            if hf_name in _HF_BUFFERS:
+                continue
+            if hf_name not in ("attn.c_attn.weight", "attn.c_attn.bias"):
+                raise KeyError(f"unexpected Hugging Face GPT-2 parameter {key!r}")
+            kind = hf_name.rsplit(".", 1)[1]
+            fused = _t(value) if kind == "weight" else value  # (3 dim, dim) or (3 dim,)
+            if fused.shape[0] != 3 * args.dim:
+                raise KeyError(f"{key} has {fused.shape[0]} output features, expected 3 x {args.dim}")
+            for name, part in zip(_QKV, fused.chunk(3, dim=0)):
+                sd[f"layers.{layer}.attention.{name}.{kind}"] = part.contiguous()
+        if "tok_embeddings.weight" not in sd:
+            raise KeyError("no transformer.wte.weight (token embeddings)")
+        if args.tie_word_embeddings:
+            sd["output.weight"] = sd["tok_embeddings.weight"]
+        elif "output.weight" not in sd:
+            raise KeyError("untied model without lm_head.weight (is tie_word_embeddings set correctly?)")
+        return sd
+
+    def args_to_config(self, args: GPT2Args, *, max_position_embeddings: int | None = None) -> dict[str, Any]:
+        """config.json contents for GPT2LMHeadModel.
+
+        n_positions is the row count of the position table (a weight): it is args.max_seq_len, and a
+        different max_position_embeddings is refused rather than written into an unloadable folder.
+        bos/eos ids are left unset (the checkpoint writer adds the tokenizer's); dropout is 0, as
+        the model was trained.
+        """
+        if max_position_embeddings not in (None, args.max_seq_len):
+            raise ValueError(f"GPT-2's position table has {args.max_seq_len} rows; its config cannot say "
+                             f"n_positions={max_position_embeddings}")
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": self.model_type(args),
+            "n_embd": args.dim,
+            "n_layer": args.n_layers,
+            "n_head": args.n_heads,
+            "n_inner": args.ffn_hidden_dim,
+            "n_positions": args.max_seq_len,
+            "n_ctx": args.max_seq_len,
+            "vocab_size": args.vocab_size,
+            "layer_norm_epsilon": args.norm_eps,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": args.tie_word_embeddings,
+            "initializer_range": args.init_std,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "add_cross_attention": False,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "use_cache": True,
+        }
+
+    def config_to_args(self, cfg: Mapping[str, Any]) -> GPT2Args:
+        """GPT2Args for a GPT2LMHeadModel config.json (dict); ValueError naming an unsupported key."""
+        for key, expected in _FIXED.items():
+            if key in cfg and bool(cfg[key]) != expected:
+                raise ValueError(f"unsupported GPT-2 config: {key}={cfg[key]!r} (only {expected!r} is supported)")
+        activation = cfg.get("activation_function", "gelu_new")
+        if activation not in _TANH_GELU:
+            raise ValueError(f"unsupported GPT-2 config: activation_function={activation!r} "
+                             f"(supported: {', '.join(_TANH_GELU)})")
+        dim = cfg["n_embd"]
+        n_inner = cfg.get("n_inner")
+        if n_inner not in (None, 4 * dim):
+            raise ValueError(f"unsupported GPT-2 config: n_inner={n_inner!r} (only None or 4 x n_embd = {4 * dim})")
+        n_positions = cfg["n_positions"]
+        if cfg.get("n_ctx") not in (None, n_positions):
+            raise ValueError(f"unsupported GPT-2 config: n_ctx={cfg['n_ctx']!r} differs from n_positions={n_positions}")
+        return GPT2Args(
+            dim=dim,
+            n_layers=cfg["n_layer"],
+            n_heads=cfg["n_head"],
+            vocab_size=cfg["vocab_size"],
+            max_seq_len=n_positions,
+            norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            init_std=cfg.get("initializer_range", 0.02),
+        )
 
 
-__all__ = ["args_from_hf_config", "args_to_hf_config", "from_hf_state_dict", "to_hf_state_dict"]
+__all__ = ["KEYS", "GPT2HF"]

@@ -37,7 +37,6 @@ class GPT2Args(DecoderArgs):
     # Megatron's default; Megatron's GPT-3 175B script uses 0.006 (its --init-method-std).
     init_std: float = 0.02
 
-    hf_model_type = "gpt2"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -70,19 +69,6 @@ class GPT2Args(DecoderArgs):
         if exclude_embedding:
             total -= positions + (0 if self.tie_word_embeddings else tokens)
         return total
-
-    # Hugging Face identity ---------------------------------------------------------------------
-
-    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
-        from titanlike.models.gpt2.hf_adapter import args_to_hf_config
-
-        return args_to_hf_config(self, max_position_embeddings=max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> GPT2Args:
-        from titanlike.models.gpt2.hf_adapter import args_from_hf_config
-
-        return args_from_hf_config(config)
 
 
 class GPT2(Decoder):

@@ -16,7 +16,7 @@ from titanlike.config.schema import opt
 from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.mamba2 import Mamba2Args
 from titanlike.models.common.moe import MoEArgs
-from titanlike.models.hybrid import hf_adapter
+from titanlike.models.hybrid.hf_adapter import HybridHF
 from titanlike.models.hybrid.model import HybridModel, HybridModelArgs
 from titanlike.models.registry import ModelOptions, ModelSpec, PipelineEnds, register_model_spec
 from titanlike.parallel.tensor_parallel import TensorParallelPlan
@@ -106,7 +106,7 @@ register_model_spec(
         flavors=hybrid_flavors,
         tp_plan=hybrid_tp_plan(),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
-        hf_adapter=hf_adapter,
+        hf=HybridHF(),
         options=ModelOptions("hybrid", HybridOptions, _with_options,
                              renamed={"model.hybrid_layer_pattern": "layer_pattern"}),
     )

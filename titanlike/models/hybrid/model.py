@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -95,9 +94,6 @@ class HybridModelArgs(BaseModelArgs):
     mamba: Mamba2Args = field(default_factory=Mamba2Args)
     # Mixture-of-experts layers (E); rebuilt as PatternMoEArgs listing the pattern's E layers.
     moe: MoEArgs | None = None
-
-    hf_model_type = "nemotron_h"
-    hf_model_types: ClassVar[tuple[str, ...]] = ("nemotron_h", "mamba2")
 
     def __post_init__(self) -> None:
         parse_pattern(self.hybrid_layer_pattern)
@@ -204,19 +200,6 @@ class HybridModelArgs(BaseModelArgs):
         if self.rope_theta is not None and seq_len > self.context_len:
             raise ValueError(f"training.seq_len {seq_len} exceeds the model's RoPE table of {self.context_len} "
                              f"positions; set training.seq_len to at most {self.context_len}")
-
-    # Hugging Face ------------------------------------------------------------------------------
-
-    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
-        from titanlike.models.hybrid.hf_adapter import args_to_hf_config
-
-        return args_to_hf_config(self, max_position_embeddings=max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> HybridModelArgs:
-        from titanlike.models.hybrid.hf_adapter import args_from_hf_config
-
-        return args_from_hf_config(config)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

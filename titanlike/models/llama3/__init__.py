@@ -7,7 +7,7 @@ tokenizer and training.seq_len) through update_from_config; max_seq_len is the r
 
 from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.rope import RoPEScaling
-from titanlike.models.llama3 import hf_adapter
+from titanlike.models.llama3.hf_adapter import Llama3HF
 from titanlike.models.llama3.model import Transformer, TransformerModelArgs
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
@@ -67,7 +67,7 @@ register_model_spec(
         flavors=llama3_flavors,
         tp_plan=decoder_tp_plan(mlp_inputs=("w1", "w3")),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
-        hf_adapter=hf_adapter,
+        hf=Llama3HF(llama3_flavors),
     )
 )
 

@@ -37,8 +37,6 @@ class TransformerModelArgs(DecoderArgs):
     # rather than by the total number of layers.
     depth_init: bool = True
 
-    hf_model_type = "llama"
-
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.head_dim % 2:
@@ -57,17 +55,6 @@ class TransformerModelArgs(DecoderArgs):
     def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
         block = self.attention_params() + 3 * self.dim * self.ffn_hidden_dim + 2 * self.dim
         return self.n_layers * block + self.dim + self.vocab_params(exclude_embedding=exclude_embedding)
-
-    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
-        from titanlike.models.llama3.hf_adapter import args_to_hf_config
-
-        return args_to_hf_config(self, max_position_embeddings=max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> TransformerModelArgs:
-        from titanlike.models.llama3.hf_adapter import args_from_hf_config
-
-        return args_from_hf_config(config)
 
 
 class Transformer(Decoder):

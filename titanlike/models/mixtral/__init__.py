@@ -8,7 +8,7 @@ coefficient 0.02. vocab_size and max_seq_len are placeholders the trainer overwr
 
 from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.moe import MoEArgs
-from titanlike.models.mixtral import hf_adapter
+from titanlike.models.mixtral.hf_adapter import MixtralHF
 from titanlike.models.mixtral.model import Mixtral, MixtralModelArgs
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
@@ -36,7 +36,7 @@ register_model_spec(
         flavors=mixtral_flavors,
         tp_plan=decoder_tp_plan(mlp_inputs=("w1", "w3")),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
-        hf_adapter=hf_adapter,
+        hf=MixtralHF(),
     )
 )
 

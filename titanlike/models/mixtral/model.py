@@ -1,8 +1,8 @@
 """Mixtral (MixtralForCausalLM): a Llama-like decoder whose every MLP is a mixture of experts.
 
-The module tree is Qwen3-MoE's without QK-norm and with head_dim = dim / n_heads, so the model
-class is Qwen3's decoder; only the args differ. Routing: softmax over all experts, top-k, the k
-gate values renormalized (HF's MixtralSparseMoeBlock), i.e. MoEArgs(score_func="softmax",
+The module tree is Qwen3-MoE's without QK-norm and with head_dim = dim / n_heads: the shared MoE
+decoder (models/common/moe_decoder.py); only the args differ. Routing: softmax over all experts,
+top-k, the k gate values renormalized (HF's MixtralSparseMoeBlock), i.e. MoEArgs(score_func="softmax",
 route_norm=True).
 """
 
@@ -12,18 +12,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from titanlike.models.common.decoder import DecoderArgs
-from titanlike.models.qwen3.model import Qwen3
+from titanlike.models.common.moe_decoder import MoEDecoder
 
 
 @dataclass
 class MixtralModelArgs(DecoderArgs):
     rope_theta: float = 1_000_000.0  # (moe, inherited, is required: every layer is MoE)
 
-    # What Qwen3's decoder reads: no QK-norm, and no dense layers (so no ffn_hidden_dim).
+    # What the MoE decoder reads: no QK-norm, and no dense layers (so no ffn_hidden_dim).
     qk_norm: ClassVar[bool] = False
     ffn_hidden_dim: ClassVar[None] = None
-
-    hf_model_type = "mixtral"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -38,17 +36,6 @@ class MixtralModelArgs(DecoderArgs):
         block = self.attention_params() + self.moe.params(self.dim, active=active) + 2 * self.dim
         return self.n_layers * block + self.dim + self.vocab_params(exclude_embedding=exclude_embedding)
 
-    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
-        from titanlike.models.mixtral.hf_adapter import args_to_hf_config
 
-        return args_to_hf_config(self, max_position_embeddings=max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> MixtralModelArgs:
-        from titanlike.models.mixtral.hf_adapter import args_from_hf_config
-
-        return args_from_hf_config(config)
-
-
-class Mixtral(Qwen3):
-    """Mixtral: tokens (batch, seq) -> logits (batch, seq, vocab_size); Qwen3's decoder on Mixtral's args."""
+class Mixtral(MoEDecoder):
+    """Mixtral: tokens (batch, seq) -> logits (batch, seq, vocab_size); the shared MoE decoder on Mixtral's args."""

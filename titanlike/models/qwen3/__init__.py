@@ -9,7 +9,7 @@ overwrites (update_from_config); max_seq_len is the real context.
 
 from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.moe import MoEArgs
-from titanlike.models.qwen3 import hf_adapter
+from titanlike.models.qwen3.hf_adapter import Qwen3HF
 from titanlike.models.qwen3.model import Qwen3, Qwen3ModelArgs
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
@@ -64,7 +64,7 @@ register_model_spec(
         flavors=qwen3_flavors,
         tp_plan=decoder_tp_plan(mlp_inputs=("w1", "w3"), qk_norm=True),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
-        hf_adapter=hf_adapter,
+        hf=Qwen3HF(),
     )
 )
 

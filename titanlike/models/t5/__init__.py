@@ -12,7 +12,7 @@ refused by T5Args.validate. This package is the whole family: the registry disco
 """
 
 from titanlike.models.registry import ModelSpec, register_model_spec
-from titanlike.models.t5 import hf_adapter
+from titanlike.models.t5.hf_adapter import T5HF
 from titanlike.models.t5.model import T5, T5Args
 from titanlike.objectives.span_corruption import SpanCorruption
 
@@ -63,7 +63,7 @@ register_model_spec(
         flavors=t5_flavors,
         tp_plan=t5_tp_plan(),
         pipeline_ends=None,  # no pipeline parallelism (T5Args.validate says why)
-        hf_adapter=hf_adapter,
+        hf=T5HF(),
         objective=SpanCorruption.for_job,
     )
 )

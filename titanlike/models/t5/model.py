@@ -67,7 +67,6 @@ class T5Args(BaseModelArgs):
     # 128) and our preset's (128 / 32).
     decoder_len_ratio: float = 0.25
 
-    hf_model_type = "t5"
 
     def __post_init__(self) -> None:
         if self.feed_forward not in FEED_FORWARD_VARIANTS:
@@ -150,19 +149,6 @@ class T5Args(BaseModelArgs):
             raise ValueError("T5 does not support context_parallel_degree > 1: context-parallel attention splits "
                              "neither the relative position bias nor cross-attention; set context_parallel_degree "
                              "to 1")
-
-    # Hugging Face identity ----------------------------------------------------------------------
-
-    def to_hf_config(self, *, max_position_embeddings: int | None = None) -> dict:
-        from titanlike.models.t5.hf_adapter import args_to_hf_config
-
-        return args_to_hf_config(self, max_position_embeddings=max_position_embeddings)
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> T5Args:
-        from titanlike.models.t5.hf_adapter import args_from_hf_config
-
-        return args_from_hf_config(config)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int,

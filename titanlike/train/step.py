@@ -1,0 +1,186 @@
+"""The training step: one optimizer update over a global batch, a function of its microbatches.
+
+`TrainStep(microbatches)` runs forward and backward of every microbatch (through the pipeline
+schedule under pipeline parallelism), divides the gradients once by the global count of target
+tokens, clips them, and steps the optimizer. It returns device tensors (`StepOutput`) and reads
+nothing back to the host: the loop decides when to look (titanlike/train/trainer.py).
+
+Exact arithmetic: the loss is a sum over target tokens, and the gradients are divided once, after
+every backward, by the target tokens of the whole global batch. That keeps gradient accumulation,
+data parallelism and pipeline microbatches exact, and lets a term join the objective anywhere in
+the model in the same summed units (an MoE layer's balancing losses, on any pipeline stage).
+
+The step's one collective of its own, at its start: a sum over all ranks of [target tokens, side
+values]. The token count divides the gradients; the side values are whatever the caller needs
+agreed by every rank at no extra collective (the loop's stop signals). A value replicated over
+tensor-parallel ranks or pipeline stages is contributed by the first of them only, so one sum over
+the world counts it once.
+
+Non-finite steps are skipped on the device. The gradient norm is global (reduced over every mesh a
+gradient lives on and over the pipeline stages), and a non-finite loss anywhere makes non-finite
+gradients, so `finite` is the same on every rank with no extra collective. The fused AdamW kernels
+take it as their `found_inf` flag (torch's mechanism for gradient scalers): on a non-finite step
+they leave parameters, moments and step counts as they were, without the host knowing. torch's
+foreach and for-loop kernels have no such flag; with those (optimizer.implementation) the step
+reads the flag on the host before updating, one synchronization per step.
+
+float16 loss scaling (train/loss_scaling.py): backward differentiates scale / global_tokens x the
+summed loss, and the one multiplication unscaling the gradients replaces the division by the
+token count. The weight is a device tensor the step rewrites in place, given explicitly to the
+loss it backpropagates and, once at build time, to every module that attaches a loss
+(models/outputs.py attach_loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from titanlike.models.outputs import IGNORE_INDEX, LossReports, modules_attaching_losses, weighted_objective
+from titanlike.parallel.utils import clip_grad_norm_, first_rank_of, scale_gradients, sum_over_world
+
+
+def local_value(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain detached tensor (under loss parallel it is a DTensor replicated over tp)."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+class StepLoss:
+    """What the step differentiates for one microbatch's output: the objective's summed loss,
+    carrying the objective weight for backward. The pipeline schedule calls it on the last stage;
+    `observer` (the evaluator's accuracy count) may look at every output on its way."""
+
+    def __init__(self, loss_fn: Callable[[object, torch.Tensor], torch.Tensor], weight: torch.Tensor | None):
+        self.loss_fn = loss_fn
+        self.weight = weight
+        self.observer: Callable[[object, torch.Tensor], None] | None = None
+
+    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
+        if self.observer is not None:
+            self.observer(output, labels)
+        return weighted_objective(self.loss_fn(output, labels), self.weight)
+
+
+@dataclass
+class StepOutput:
+    """One step, on the device. loss_sum is this rank's share of the summed loss, already counted
+    once per tensor-parallel group (0 on ranks without the last pipeline stage), so a sum over all
+    ranks gives the global summed loss; tokens is the global target count (every rank); grad_norm the
+    global norm before clipping; finite whether the update was applied; side the summed side values;
+    reported this rank's share of the model's reported loss terms (LossReports), counted like
+    loss_sum; expert_table the MoE bookkeeping (train/expert_balance.py), or None."""
+
+    loss_sum: torch.Tensor
+    tokens: torch.Tensor
+    grad_norm: torch.Tensor
+    finite: torch.Tensor
+    side: torch.Tensor
+    reported: torch.Tensor | None
+    expert_table: torch.Tensor | None
+    nonfinite_param: Callable[[], str | None]  # this rank's first non-finite gradient's name (reads the device)
+
+
+class TrainStep:
+    """See the module docstring. Built once by the trainer from its parts; called once per step."""
+
+    def __init__(self, *, model_parts: list[nn.Module], step_loss: StepLoss, optimizer: torch.optim.Optimizer,
+                 device: torch.device, max_norm: float, pipeline=None, pipeline_microbatch_size: int = 1,
+                 tp_mesh=None, pp_mesh=None, autocast=contextlib.nullcontext(), loss_parallel: bool = False,
+                 tied=None, converters=None, expert_balance=None, reported_losses: tuple[str, ...] = (),
+                 loss_scaler=None):
+        self.model_parts, self.step_loss, self.optimizer = model_parts, step_loss, optimizer
+        self.device, self.max_norm = device, max_norm
+        self.pipeline, self.pipeline_microbatch_size = pipeline, pipeline_microbatch_size
+        self.pp_mesh, self.autocast, self.loss_parallel = pp_mesh, autocast, loss_parallel
+        self.tied, self.converters, self.expert_balance = tied, converters, expert_balance
+        self.loss_scaler = loss_scaler
+        self.named_params = [(name, p) for part in model_parts for name, p in part.named_parameters()]
+        self.params = [p for _, p in self.named_params]
+        # Counted once over the world sum: tokens are seen by every tp rank and pipeline stage, the
+        # loss (and reported terms) by every tp rank of the last stage.
+        self.token_share = float(first_rank_of(tp_mesh, pp_mesh))
+        self.loss_share = float(first_rank_of(tp_mesh))
+        self.reports = LossReports(model_parts, reported_losses, device) if reported_losses else None
+        # fused AdamW skips a step itself on found_inf (see the module docstring).
+        self.device_skips = bool(optimizer.defaults.get("fused"))
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
+        self.optimizer_device = local[0].device if local else device
+        if step_loss.weight is not None:
+            for part in model_parts:
+                for module in modules_attaching_losses(part):
+                    module.loss_weight = step_loss.weight
+
+    def __call__(self, microbatches: list, side: list[float] = ()) -> StepOutput:
+        global_tokens, agreed = self.count_tokens(microbatches, side)
+        loss_sum = torch.zeros((), device=self.device)
+        for mb in microbatches:
+            loss_sum += self.forward_backward(mb)
+        return self.update(loss_sum, global_tokens, agreed)
+
+    def count_tokens(self, microbatches: list, side: list[float] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's collective: (global target tokens, the side values summed over all ranks). Under
+        loss scaling it also sets the objective weight backward will use."""
+        tokens = sum((mb.labels != IGNORE_INDEX).sum() for mb in microbatches).float()
+        values = torch.zeros(1 + len(side), device=self.device)
+        values[0] = tokens * self.token_share
+        for i, value in enumerate(side):
+            values[1 + i].fill_(value)  # a kernel argument, not a host-to-device copy
+        agreed = sum_over_world(values)
+        if self.loss_scaler is not None:
+            self.step_loss.weight.copy_(self.loss_scaler.scale / agreed[0])
+        return agreed[0], agreed[1:]
+
+    def update(self, loss_sum: torch.Tensor, global_tokens: torch.Tensor, side: torch.Tensor) -> StepOutput:
+        """After every backward: divide the gradients by the global token count (or unscale them),
+        clip, and step the optimizer unless something is non-finite."""
+        if self.tied is not None:
+            self.tied.sync_gradients()
+        scale_gradients(self.params, 1.0 / self.loss_scaler.scale if self.loss_scaler is not None
+                        else 1.0 / global_tokens)
+        norm = clip_grad_norm_(self.params, self.max_norm, pp_mesh=self.pp_mesh,
+                               exclude=frozenset(self.tied.duplicates) if self.tied else frozenset())
+        finite = norm.total.isfinite()
+        if self.device_skips:
+            self.optimizer.found_inf = (~finite).float().to(self.optimizer_device)
+            self.optimizer.step()
+        elif bool(finite):  # torch's foreach / for-loop kernels: the host decides
+            self.optimizer.step()
+        if self.converters is not None:
+            self.converters.post_optimizer_step(self.model_parts)
+        self.optimizer.zero_grad(set_to_none=True)
+        table = self.expert_balance.step_done(applied=finite) if self.expert_balance is not None else None
+        reported = self.reports.collect() * self.loss_share if self.reports is not None else None
+        return StepOutput(loss_sum * self.loss_share, global_tokens, norm.total, finite, side, reported,
+                          table, lambda: self._param_name(norm.nonfinite_param()))
+
+    def forward_backward(self, mb, *, backward: bool = True) -> torch.Tensor:
+        """The summed loss of one loader microbatch (0 where this rank holds no last pipeline stage),
+        with its backward unless backward=False."""
+        loss_context = torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel \
+            else contextlib.nullcontext()
+        if self.pipeline is not None:
+            # The schedule cuts the batch into pipeline microbatches; every stage gets their fields.
+            size = self.pipeline_microbatch_size
+            extra = [mb.rows(i, i + size) for i in range(0, mb.inputs.shape[0], size)]
+            with self.autocast, loss_context:
+                losses = self.pipeline.step(mb.inputs, mb.labels, extra, backward=backward)
+            return sum((local_value(loss) for loss in losses), torch.zeros((), device=self.device))
+        with self.autocast:
+            output = self.model_parts[0](mb.inputs, **mb.forward_kwargs())
+        with loss_context:
+            loss = self.step_loss(output, mb.labels)
+            if backward:
+                loss.backward()
+        return local_value(loss)
+
+    def _param_name(self, index: int | None) -> str | None:
+        return None if index is None else self.named_params[index][0]
+
+
+__all__ = ["StepLoss", "StepOutput", "TrainStep", "local_value"]
