@@ -445,8 +445,9 @@ def _fake_microbatch(ctx: _Context, batch: int):
     fields = {name: torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=DEVICE)
               for name, (shape, dtype) in ctx.objective.sample_fields(t.seq_len).items()}
     # Token values do not matter to fake tensors: 0 stands in for the tokenizer's end of document.
-    batch_ctx = BatchContext(DEVICE, cp_positions=ctx.positions, mask_kernel=None if ctx.positions is not None else "sdpa",
-                             eos_id=0, lookahead_tokens=ctx.prep.model_args.lookahead_tokens)
+    batch_ctx = BatchContext(DEVICE, cp_positions=ctx.positions,
+                             mask_kernel=None if ctx.positions is not None else "sdpa", eos_id=0,
+                             lookahead_tokens=ctx.prep.model_args.lookahead_tokens)
     return ctx.objective.prepare(fields, batch_ctx)
 
 

@@ -54,7 +54,8 @@ def test_sections_of_objectives_and_families_are_read_printed_and_default():
                            "--hybrid.layer_pattern", "M*"])
     assert (cfg.masked_lm.mask_prob, cfg.span_corruption.decoder_seq_len, cfg.hybrid.layer_pattern) == (0.2, 16, "M*")
     printed = config_to_dict(cfg)
-    assert printed["masked_lm"] == {"mask_prob": 0.2, "short_seq_prob": 0.1} and printed["hybrid"]["layer_pattern"] == "M*"
+    assert printed["masked_lm"] == {"mask_prob": 0.2, "short_seq_prob": 0.1}
+    assert printed["hybrid"]["layer_pattern"] == "M*"
     assert JobConfig().span_corruption.decoder_seq_len == 128  # a config built in code reads the defaults
     with pytest.raises(AttributeError):
         JobConfig().no_such_section

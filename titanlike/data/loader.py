@@ -106,6 +106,13 @@ class GlobalSamples:
     fields: dict[str, tuple[tuple[int, ...], Any]] | None = None
 
 
+class SampleObjective(Protocol):
+    """What the loader asks of a training objective (titanlike/objectives/): its global samples of a
+    dataset kind; source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name."""
+
+    def samples(self, dataset: str, **source_args) -> GlobalSamples: ...
+
+
 def register_dataset_kind(
     name: str, factory: SourceFactory, *, shuffle: bool, needs_path: bool = True, workers_ok: bool = True,
     optional_path: bool = False,
@@ -529,7 +536,7 @@ def build_dataloader(
     split: str | None = None,
     split_name: str = "train",
     rampup: list[int] | tuple[int, ...] = (),
-    objective: Any = None,
+    objective: SampleObjective | None = None,
 ) -> StatefulDataLoader:
     """This data-parallel rank's infinite loader of microbatches, dicts of named tensors
     (``{"inputs", "labels"}`` token windows, or the fields of an ``objective``'s samples).
@@ -577,7 +584,8 @@ def build_dataloader(
         )
     source_args = dict(dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
                        num_samples=num_samples, split=split, split_name=split_name)
-    samples = window_samples(dataset, **source_args) if objective is None else objective.samples(dataset, **source_args)
+    # Next-token windows without an objective; else its samples of this dataset kind.
+    samples = (window_samples if objective is None else objective.samples)(dataset, **source_args)
     return build_dataloader_from_source(
         samples.source, seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=samples.shuffle, num_workers=num_workers,

@@ -112,5 +112,5 @@ register_model_spec(
     )
 )
 
-__all__ = ["HybridModel", "HybridOptions", "HybridModelArgs", "NEMOTRON_H_56B_PATTERN", "NEMOTRON_H_8B_PATTERN", "hybrid_flavors",
-           "hybrid_tp_plan"]
+__all__ = ["HybridModel", "HybridModelArgs", "HybridOptions", "NEMOTRON_H_56B_PATTERN", "NEMOTRON_H_8B_PATTERN",
+           "hybrid_flavors", "hybrid_tp_plan"]
