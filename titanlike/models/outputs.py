@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titanlike.models import protocol
+
 # Labels equal to this are not targets (the value torch's cross-entropy ignores by default).
 IGNORE_INDEX = -100
 
@@ -117,8 +119,8 @@ def reported_loss_sums(parts: list[nn.Module], names: tuple[str, ...], device: t
     sums = torch.zeros(len(names), device=device)
     for part in parts:
         for module in part.modules():
-            name = getattr(module, "reported_loss", None)
+            name = protocol.reported_loss(module)
             if name is not None:
-                sums[names.index(name)] += module.reported_loss_sum.to(device)
-                module.reported_loss_sum.zero_()
+                sums[names.index(name)] += protocol.reported_loss_sum(module).to(device)
+                protocol.reported_loss_sum(module).zero_()
     return sums
