@@ -5,7 +5,7 @@ rank 0 of the requested world size, builds the job's DeviceMesh, and assembles t
 as the trainer does (titanlike/train/model_parts.py): the family's model on meta from the
 job's args, the job's model converters (float8: torchao's Float8Linear, with its float8
 casts, scales and float8 FSDP all-gather), the pipeline split by the family's pipeline
-ends, then the real `parallelize_model` with the family's tensor-parallel plan (TP, CP,
+ends, then the real `parallelize_model` with the family's shard function (TP, CP,
 AC, FSDP) and the family's loss. It materializes the parts inside FakeTensorMode: tensors
 carry shapes, dtypes and storages but no data, and collectives return without
 communicating. torch's memory trackers then
