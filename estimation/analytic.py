@@ -638,8 +638,9 @@ def read_model(spec, args, *, tensor_parallel: bool = False) -> ModelShape:
     vocab_table = vocab.shape if vocab is not None else None
     # The table is the output projection's weight too (not only another embedding's, as multi-token
     # prediction's copy of it is).
-    vocab_tied = vocab is not None and any(owner == vocab.name and isinstance(_submodule(model, alias.rpartition(".")[0]),
-                                                                              nn.Linear) for alias, owner in tied.items())
+    vocab_tied = vocab is not None and any(
+        owner == vocab.name and isinstance(_submodule(model, alias.rpartition(".")[0]), nn.Linear)
+        for alias, owner in tied.items())
     blocks, unknown = _read_blocks(model, hidden)
     output_vocab, output_norms, encoder_norms = 0, [], []
     transform = {"linear": 0, "activation": 0}

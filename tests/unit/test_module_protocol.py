@@ -124,7 +124,8 @@ def _meaning(name: str, value, module: nn.Module, args, reported: set[str]) -> l
     if name == "reported_loss":
         reported.add(value)
         buffer = dict(module.named_buffers(recurse=False)).get("reported_loss_sum")
-        problems = [] if value in args.reported_losses() else [f"reported_loss {value!r} is not in args.reported_losses()"]
+        problems = ([] if value in args.reported_losses()
+                    else [f"reported_loss {value!r} is not in args.reported_losses()"])
         if buffer is None or buffer.dtype != torch.float32 or buffer.dim() != 0:
             problems.append("reported_loss without a float32 scalar buffer reported_loss_sum")
         return problems
@@ -143,10 +144,12 @@ def _meaning(name: str, value, module: nn.Module, args, reported: set[str]) -> l
     if name == "per_token_ops":
         unknown = [op for op in value if op not in children and op not in ACTIVATIONS]
         return [f"per_token_ops names {unknown}, which are neither children nor activations"] if unknown else []
-    if name == "score_bias" and value and not all(isinstance(children.get(n), nn.Linear) for n in ("wq", "wk", "wv", "wo")):
+    linears = all(isinstance(children.get(n), nn.Linear) for n in ("wq", "wk", "wv", "wo"))
+    if name == "score_bias" and value and not linears:
         return ["score_bias on an attention without wq, wk, wv, wo linears"]
     if name == "latent_attention" and value:
-        needed = ("wq", "wkv_a", "kv_norm", "wkv_b", "wk_pe", "wo", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        needed = ("wq", "wkv_a", "kv_norm", "wkv_b", "wk_pe", "wo", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim")
         absent = [n for n in needed if not hasattr(module, n)]
         return [f"latent_attention without {absent}"] if absent else []
     return []

@@ -45,7 +45,8 @@ def test_registry_reads_both_hf_model_types_and_writes_the_fitting_one():
     assert qwen3_flavors["30B-A3B"].to_hf_config()["model_type"] == "qwen3_moe"
     assert SPEC.pipeline_ends.inputs == ("tok_embeddings",) and SPEC.pipeline_ends.outputs == ("norm", "output")
     assert SPEC.shard.block["attention.q_norm"] is SPEC.shard.block["attention.k_norm"] is sharding.head_norm
-    assert SPEC.shard.block["feed_forward.w3"] is sharding.colwise and SPEC.shard.block["moe"] is sharding.sequence_local
+    assert SPEC.shard.block["feed_forward.w3"] is sharding.colwise
+    assert SPEC.shard.block["moe"] is sharding.sequence_local
 
 
 def test_debugmodel_moe_layers_and_shapes():

@@ -15,8 +15,8 @@ holding [z of its heads, x of its heads, B, C, dt of its heads], and the conv ch
 So a tensor-parallel split of the output features by rank (a plain column split, Shard(0)) hands
 each rank whole groups with everything they need, as attention's heads are split: in_proj
 colwise, out_proj rowwise, the conv filters, per-head vectors and norm weight split on dim 0
-(`mamba2_sharding`, at the end of this file), and the gated norm, which normalizes per group, needs no communication. The
-tensor-parallel degree must divide the groups. Hugging Face and Megatron keep in_proj as
+(`mamba2_sharding`, at the end of this file), and the gated norm, which normalizes per group,
+needs no communication. The tensor-parallel degree must divide the groups. Hugging Face and Megatron keep in_proj as
 [z, x, B, C, dt] over all heads; `grouped_rows` gives the permutation (hybrid/hf_adapter.py).
 
 Context parallelism. The conv and the scan carry information along the sequence, so a rank

@@ -331,7 +331,7 @@ def _float8_styles():
     return float8_tensor_parallel_styles()
 
 
-__all__ = ["GatherInput", "HeadSplitParameters", "ReplicatedModule", "ReplicatedPositionEmbedding", "ShardingPlan", "Style",
-           "between_blocks", "colwise", "decoder_sharding", "gather_input", "gather_layouts", "head_norm",
+__all__ = ["GatherInput", "HeadSplitParameters", "ReplicatedModule", "ReplicatedPositionEmbedding", "ShardingPlan",
+           "Style", "between_blocks", "colwise", "decoder_sharding", "gather_input", "gather_layouts", "head_norm",
            "position_embedding", "replicate_parameters", "replicated", "rowwise", "sequence_local", "sequence_norm",
            "sequence_replicated", "shard_modules", "split_heads", "vocab_embedding", "vocab_output"]
