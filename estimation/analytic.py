@@ -584,14 +584,8 @@ def read_model(spec, args, *, tensor_parallel: bool = False) -> ModelShape:
         model = spec.model_cls(args)
     tp_dims = tensor_parallel_dims(spec, args) if tensor_parallel else {}
     ends = spec.pipeline_ends
-    if ends is not None:
-        inputs, outputs = set(ends.inputs), set(ends.outputs)
-    else:
-        # No pipeline split: the top-level embeddings are the input end, the top-level norms and
-        # linears (final norm, output projection) the output end.
-        top = dict(model.named_children())
-        inputs = {name for name, m in top.items() if isinstance(m, nn.Embedding)}
-        outputs = {name for name, m in top.items() if type(m) in _NORMS or isinstance(m, nn.Linear)}
+    inputs = set(ends.inputs) if ends is not None else set()
+    outputs = set(ends.outputs) if ends is not None else set()
 
     def group_of(name: str) -> str:
         head = name.split(".", 1)[0]
@@ -642,6 +636,12 @@ def read_model(spec, args, *, tensor_parallel: bool = False) -> ModelShape:
         owner == vocab.name and isinstance(_submodule(model, alias.rpartition(".")[0]), nn.Linear)
         for alias, owner in tied.items())
     blocks, unknown = _read_blocks(model, hidden)
+    if ends is None:
+        # No pipeline split: the top-level embeddings are the input end, the top-level norms and
+        # linears (final norm, output projection) the output end.
+        top = dict(model.named_children())
+        inputs = {name for name, m in top.items() if isinstance(m, nn.Embedding)}
+        outputs = {name for name, m in top.items() if type(m) in _NORMS or isinstance(m, nn.Linear)}
     output_vocab, output_norms, encoder_norms = 0, [], []
     transform = {"linear": 0, "activation": 0}
     gathers_output = False
