@@ -2,16 +2,19 @@
 
 What the model is, is read from the family's own meta model (built once per job, see
 `model_shape`), never from its args' field names: the parameters and buffers with their shapes,
-the family's tensor-parallel plan, its pipeline ends and tied weights, and the building blocks
-of its transformer block, recognized by module type.
+how the family's own `shard` places them, its pipeline ends and tied weights, and the building
+blocks of its transformer block, recognized by module type and by the hooks of
+titanlike/models/protocol.py.
 
 Bytes per parameter. Parameters are fp32 masters sharded by FSDP over dp_shard x cp
-(HSDP replicas hold the same shard); TP first splits them as the plan says: a parameter of a
-colwise linear on dim 0 (weight and bias), of a rowwise linear on dim 1 of the weight (the bias
-stays whole), the vocab_embedding and vocab_output tables on dim 0 with ceil division (uneven
-vocabulary shards: TP rank 0 holds the larger one), everything else whole: norms, a learned
-position table, MLA's replicated down projections and latent norms (styles replicated and
-replicated_to_heads), multi-token prediction's input norms and projection (sequence_replicated).
+(HSDP replicas hold the same shard); TP first splits them as the family's shard function
+places them: read once per model by applying ModelSpec.shard to a meta copy over a fake 2-rank TP
+mesh (no data, no communication) and taking each parameter's DTensor placement. A colwise linear
+is split on dim 0 (weight and bias), a rowwise linear on dim 1 of the weight (the bias stays
+whole), the vocabulary-split embedding and output projection on dim 0, with ceil division
+(uneven vocabulary shards: TP rank 0 holds the larger one); everything replicated stays whole:
+norms, a learned position table, MLA's down projections and latent norms, multi-token
+prediction's input norms and projection.
 Tied weights count once on a stage that holds both ends; a tied table copied to the last pipeline
 stage (multi-token prediction's embedding of the lookahead tokens) counts there again, gradient
 and AdamW state included. Buffers (a RoPE table)
@@ -81,7 +84,8 @@ as it sends on average; dropless routing varies, so a rank whose experts get mor
 row, the experts' SwiGLU (4 e F) and the expert output and gated product (2 e h). Backward adds
 the gradients through the experts and, under EP, the all-to-all buffers (`moe_transient_bytes`).
 
-Multi-head latent attention (the MLA module, DeepSeek-V2/V3; widths read from the module: heads
+Multi-head latent attention (an attention declaring the latent_attention hook: DeepSeek-V2/V3's
+MLA; widths read from the module: heads
 H, per-head query/key width qk = nope + rope, value width v, latent ranks c (kv) and r (q, 0 without
 the low-rank query); checked tensor by tensor like the other blocks, with and without the low-rank
 query, dense and MoE). Per token:
@@ -115,8 +119,8 @@ T5 encoder and decoder blocks with either MLP, fp32, bf16 and fp32 under autocas
   attn(x)); out = norm2(h + mlp(h))) saves what the pre-norm block saves: wq/wk/wv keep the block
   input where attention_norm kept it, norm1 keeps x + attn(x) as ffn_norm kept h, w1 keeps norm1's
   output as it kept ffn_norm's, and norm2's output is the next block's input. Under autocast the
-  same four bf16 casts (the input for wq, wk, wv; norm1's output for w1). BERT's sequence_replicated
-  LayerNorms run on the sequence slice like sequence_norm ones (parameters whole).
+  same four bf16 casts (the input for wq, wk, wv; norm1's output for w1). BERT's LayerNorms, replicated
+  under TP, run on the sequence slice like the decoders' sequence-parallel norms (parameters whole).
 - A block that declares `sublayers`, its pre-norm (norm, mixer) pairs (T5): self-attention, then
   maybe cross-attention (an attention whose `sequence_inputs` is 2), then the MLP. An MLP that
   declares `activation` with w1, w2 (and w3: gated) saves like SwiGLU when gated (4 e f), like the
@@ -338,7 +342,7 @@ class UnknownBlockError(ValueError):
 class Sharding:
     """How one rank's parameters are split, by placement (see ParamShape.placement).
 
-    dense: TP as the plan says, then FSDP over dp_shard x cp (1 without FSDP); token (an MoE
+    dense: TP as the family's shard function places them, then FSDP over dp_shard x cp (1 without FSDP); token (an MoE
     layer's router and shared experts, whole on every TP rank, which routes its own tokens): FSDP
     over dp_shard x cp x tp; expert (routed experts): split over ep on the expert dimension, then
     FSDP over efsdp = dp_shard x cp x tp / ep. HSDP replicas hold the same shards."""
@@ -366,19 +370,17 @@ class ParamShape:
 
     name: str                       # full name
     shape: tuple[int, ...]
-    style: str | None               # tensor-parallel style of the module holding it (None: not in the plan)
+    tp_dim: int | None              # the dim tensor parallelism splits (None: whole on every TP rank)
     group: str                      # "block", "inputs" (first stage), "outputs" (last stage) or "always"
     tied_to: str | None = None      # an alias of a tied weight: the group of its owner
     placement: str = "dense"        # "dense", "token" (MoE router, shared experts) or "expert" (routed experts)
+    vocab_table: bool = False       # an end's embedding table split by vocabulary (its gradient is whole under TP)
 
     def local(self, tp: int) -> tuple[int, int]:
         """(dim 0, product of the other dims) of this rank's piece after tensor parallelism."""
         dims = list(self.shape) or [1]
-        if tp > 1 and self.placement == "dense":
-            if self.style in ("colwise", "vocab_embedding", "vocab_output", "head_table"):
-                dims[0] = _ceil_div(dims[0], tp)
-            elif self.style == "rowwise" and len(dims) > 1:  # a rowwise bias stays whole
-                dims[1] = _ceil_div(dims[1], tp)
+        if tp > 1 and self.placement == "dense" and self.tp_dim is not None:
+            dims[self.tp_dim] = _ceil_div(dims[self.tp_dim], tp)
         return dims[0], _prod(dims[1:])
 
     def pieces(self, sh: Sharding) -> tuple[int, int]:
@@ -423,8 +425,8 @@ class MoEShape:
 
 @dataclass(frozen=True)
 class MLAShape:
-    """Multi-head latent attention's widths (titanlike/models/deepseek_v3/attention.py MLA), read from
-    the module: the latent ranks and each head's query/key (nope + rope) and value features."""
+    """Multi-head latent attention's widths (an attention declaring latent_attention, models/protocol.py),
+    read from the module: the latent ranks and each head's query/key (nope + rope) and value features."""
 
     q_lora: int      # the low-rank query's width (0: one query projection)
     kv_lora: int     # the key/value latent's width
@@ -473,7 +475,7 @@ class ModelShape:
     layer_buffer_bytes: list[int]
     end_buffer_bytes: dict[str, int]  # group -> bytes
     total_params: int                 # tied weights once
-    vocab_table: tuple[int, ...] | None   # shape of the vocab_embedding table (its gradient is whole under TP)
+    vocab_table: tuple[int, ...] | None   # shape of the vocabulary-split table (its gradient is whole under TP)
     vocab_tied: bool                  # that table is tied to the output projection
     output_vocab: int                 # columns of the logits
     output_norms: tuple[str, ...]     # norm kinds of the output end
@@ -505,20 +507,54 @@ class ModelShape:
         return self.blocks
 
 
-_SHAPES: dict[tuple[str, str], ModelShape] = {}
+_SHAPES: dict[tuple[str, str, bool], ModelShape] = {}
 
 
-def model_shape(prep: PreparedJob) -> ModelShape:
-    """The job's model as the analytic estimate sees it; built on meta once per (family, args)."""
+def model_shape(prep: PreparedJob, *, placements: bool = True) -> ModelShape:
+    """The job's model as the analytic estimate sees it; built on meta once per (family, args), and
+    once more with the TP placements for a TP layout (placements=False: the blocks are all the
+    caller reads, e.g. inside the traced estimate's own fake process group)."""
     from titanlike.models.registry import get_model_spec
 
-    key = (prep.cfg.model.name, repr(prep.model_args))
+    tensor_parallel = placements and prep.dims.tp > 1
+    key = (prep.cfg.model.name, repr(prep.model_args), tensor_parallel)
     shape = _SHAPES.get(key)
     if shape is None:
         if len(_SHAPES) >= 8:
             _SHAPES.pop(next(iter(_SHAPES)))
-        shape = _SHAPES[key] = read_model(get_model_spec(prep.cfg.model.name), prep.model_args)
+        shape = _SHAPES[key] = read_model(get_model_spec(prep.cfg.model.name), prep.model_args,
+                                          tensor_parallel=tensor_parallel)
     return shape
+
+
+def tensor_parallel_dims(spec, args) -> dict[str, int]:
+    """{parameter name: the dim the family's shard function splits it on} (aliases of tied weights
+    included; parameters it leaves whole are absent), read from the DTensor placements of a meta
+    model sharded over a fake 2-rank TP mesh: what the trainer's apply_tensor_parallel does, without
+    data or communication. UnknownBlockError where a process group already exists."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from estimation.traced import fake_world
+    from titanlike.parallel.tensor_parallel import apply_tensor_parallel
+
+    if spec.shard is None:
+        return {}
+    if dist.is_initialized():
+        raise UnknownBlockError("the analytic estimate reads the tensor-parallel placements in a fake process "
+                                "group of its own, and this process already has one")
+    with fake_world(2):
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), spec.shard, loss_parallel=True)
+        dims = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            placement = param.placements[0] if isinstance(param, DTensor) else None
+            if isinstance(placement, Shard):
+                dims[name] = placement.dim % param.ndim
+    return dims
 
 
 def _placements(block: nn.Module) -> dict[str, str]:
@@ -536,15 +572,16 @@ def _placements(block: nn.Module) -> dict[str, str]:
     return out
 
 
-def read_model(spec, args) -> ModelShape:
-    """Build spec.model_cls(args) on meta and read its parameters, buffers and blocks."""
+def read_model(spec, args, *, tensor_parallel: bool = False) -> ModelShape:
+    """Build spec.model_cls(args) on meta and read its parameters, buffers and blocks;
+    tensor_parallel: also how the family's shard function splits each parameter (tp_dim)."""
     import torch
+
+    from titanlike.models import protocol
 
     with torch.device("meta"):
         model = spec.model_cls(args)
-    plan = spec.tp_plan
-    top_styles = dict(plan.top) if plan is not None else {}
-    block_styles = dict(plan.block) if plan is not None else {}
+    tp_dims = tensor_parallel_dims(spec, args) if tensor_parallel else {}
     ends = spec.pipeline_ends
     inputs = set(ends.inputs) if ends is not None else set()
     outputs = set(ends.outputs) if ends is not None else set()
@@ -555,7 +592,7 @@ def read_model(spec, args) -> ModelShape:
             return "block"
         return "inputs" if head in inputs else "outputs" if head in outputs else "always"
 
-    tied = dict(getattr(model, "tied_weights", {}) or {})
+    tied = protocol.tied_weights(model)
     # Blocks: every layer, but identical layers (most of them) share one parameter list.
     layer_params: list[list[ParamShape]] = []
     layer_buffers: list[int] = []
@@ -568,7 +605,7 @@ def read_model(spec, args) -> ModelShape:
             params = []
             for name, p in block.named_parameters():
                 module = name.rpartition(".")[0]
-                params.append(ParamShape(prefix + name, tuple(p.shape), block_styles.get(module), "block",
+                params.append(ParamShape(prefix + name, tuple(p.shape), tp_dims.get(prefix + name), "block",
                                          placement=placements.get(module, "dense")))
             buffers = sum(b.numel() * b.element_size() for b in block.buffers())
             seen[signature] = (params, buffers)
@@ -579,10 +616,10 @@ def read_model(spec, args) -> ModelShape:
         group = group_of(name)
         if group == "block":
             continue
-        module = name.rpartition(".")[0]
         owner = tied.get(name)
-        end_params.append(ParamShape(name, tuple(p.shape), top_styles.get(module), group,
-                                     tied_to=group_of(owner) if owner is not None else None))
+        end_params.append(ParamShape(name, tuple(p.shape), tp_dims.get(name), group,
+                                     tied_to=group_of(owner) if owner is not None else None,
+                                     vocab_table=tp_dims.get(name) == 0 and _is_embedding(model, name)))
     end_buffers: dict[str, int] = {}
     for name, b in model.named_buffers():
         group = group_of(name)
@@ -590,15 +627,20 @@ def read_model(spec, args) -> ModelShape:
             end_buffers[group] = end_buffers.get(group, 0) + b.numel() * b.element_size()
     total = sum(p.numel() for p in model.parameters())
     hidden = args.hidden_size
-    vocab = next((p for p in end_params if p.style == "vocab_embedding"), None)
+    vocab = next((p for p in end_params if p.vocab_table), None)
     vocab_table = vocab.shape if vocab is not None else None
-    vocab_tied = vocab is not None and any(owner == vocab.name and top_styles.get(alias.rpartition(".")[0])
-                                           == "vocab_output" for alias, owner in tied.items())
+    # The table is the output projection's weight too (not only another embedding's, as multi-token
+    # prediction's copy of it is).
+    vocab_tied = vocab is not None and any(
+        owner == vocab.name and isinstance(_submodule(model, alias.rpartition(".")[0]), nn.Linear)
+        for alias, owner in tied.items())
     blocks, unknown = _read_blocks(model, hidden)
-    # The ends: the pipeline's, or without a pipeline split the plan's top-level norms and projection.
     if ends is None:
-        outputs = {name for name, style in top_styles.items() if style in ("sequence_norm", "vocab_output")}
-        inputs = {name for name, style in top_styles.items() if style in ("vocab_embedding", "position_embedding")}
+        # No pipeline split: the top-level embeddings are the input end, the top-level norms and
+        # linears (final norm, output projection) the output end.
+        top = dict(model.named_children())
+        inputs = {name for name, m in top.items() if isinstance(m, nn.Embedding)}
+        outputs = {name for name, m in top.items() if type(m) in _NORMS or isinstance(m, nn.Linear)}
     output_vocab, output_norms, encoder_norms = 0, [], []
     transform = {"linear": 0, "activation": 0}
     gathers_output = False
@@ -612,12 +654,12 @@ def read_model(spec, args) -> ModelShape:
             output_norms.append(_NORMS[type(module)])
         elif isinstance(module, nn.Embedding):
             pass  # a table the output end reads too (multi-token prediction's lookahead tokens)
-        elif getattr(module, "per_token_ops", None) and _per_token_ops(module, transform, output_norms):
+        elif protocol.per_token_ops(module) and _per_token_ops(module, transform, output_norms):
             pass  # a per-token transform before the projection (BERT's MLM head)
-        elif getattr(module, "per_sequence", False):
-            # Reads one token per sequence: nothing per token, except that under TP its gather_input
-            # style all-gathers the final hidden states, which the token it keeps (a view) holds.
-            gathers_output = top_styles.get(name) == "gather_input"
+        elif protocol.per_sequence(module):
+            # Reads one token per sequence: nothing per token, except that under TP (with sequence
+            # parallelism) it all-gathers the final hidden states, which the token it keeps (a view) holds.
+            gathers_output = True
         elif module is not None and unknown is None:
             blocks, unknown = None, f"the output end {name} of {type(model).__name__} ({type(module).__name__})"
     input_norms = []
@@ -642,13 +684,19 @@ def read_model(spec, args) -> ModelShape:
 _ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
 
 
+def _is_embedding(model, param_name: str) -> bool:
+    return isinstance(_submodule(model, param_name.rpartition(".")[0]), nn.Embedding)
+
+
 def _per_token_ops(module, counts: dict[str, int], norms: list[str]) -> bool:
     """Count a module that declares `per_token_ops` (its children and elementwise activations, in
     order, each applied token by token): every nn.Linear and activation keeps its input (counted in
     `counts`), every norm its statistics (appended to `norms`). False when a name is not one of those."""
     found = {"linear": 0, "activation": 0}
     kinds = []
-    for op in module.per_token_ops:
+    from titanlike.models import protocol
+
+    for op in protocol.per_token_ops(module):
         child = getattr(module, op, None) if op not in _ACTIVATIONS else None
         if op in _ACTIVATIONS:
             found["activation"] += 1
@@ -694,32 +742,26 @@ def _mtp_block_type():
     return MTPBlock
 
 
-def _mla_type():
-    try:
-        from titanlike.models.deepseek_v3.attention import MLA
-    except ImportError:
-        return None
-    return MLA
-
-
 def _read_block(model, block, hidden: int) -> tuple[BlockShape | None, str | None]:
     """The common building blocks of one block, by module type; (None, what is unknown) otherwise.
 
     Known: TransformerBlock and MTPBlock (multi-token prediction: a TransformerBlock with enorm,
-    hnorm, eh_proj and head_norm around it), with Attention or MLA, and FeedForward, GeluMLP or MoE."""
+    hnorm, eh_proj and head_norm around it), with the common Attention or a latent attention (the
+    `latent_attention` hook: MLA), and FeedForward, GeluMLP or MoE."""
+    from titanlike.models import protocol
     from titanlike.models.common.attention import Attention, core_attention
     from titanlike.models.common.block import TransformerBlock
     from titanlike.models.common.feed_forward import FeedForward, GeluMLP
     from titanlike.models.common.moe import MoE
 
     what = f"the blocks of {type(model).__name__} ({type(block).__name__})"
-    mtp_type, mla_type = _mtp_block_type(), _mla_type()
+    mtp_type = _mtp_block_type()
     is_mtp = mtp_type is not None and type(block) is mtp_type
-    if not isinstance(block, TransformerBlock) and getattr(type(block), "sublayers", None):
+    if not isinstance(block, TransformerBlock) and protocol.sublayers(block):
         return _read_sublayer_block(block, hidden, what)
     # A TransformerBlock whose forward is its own declares where its norms sit (BERT: post-norm);
     # either order saves the same tensors (see the module docstring).
-    declared_order = getattr(block, "norm_order", None) in ("pre", "post")
+    declared_order = protocol.norm_order(block) in ("pre", "post")
     if not isinstance(block, TransformerBlock) or (type(block).forward is not TransformerBlock.forward
                                                    and not is_mtp and not declared_order):
         return None, what
@@ -737,11 +779,13 @@ def _read_block(model, block, hidden: int) -> tuple[BlockShape | None, str | Non
         parts.update(enorm=block.enorm, hnorm=block.hnorm, head_norm=block.head_norm)
         if type(block.eh_proj) is not nn.Linear or block.eh_proj.bias is not None:
             return None, f"{what}: eh_proj is a {type(block.eh_proj).__name__}"
-    attention_types = (Attention,) + ((mla_type,) if mla_type is not None else ())
     for name, module in parts.items():
-        known = (_NORMS if name.endswith("norm") else attention_types if name == "attention"
-                 else (MoE,) if name == "moe" else (FeedForward, GeluMLP))
-        if type(module) not in known:
+        if name == "attention":
+            known = type(module) is Attention or protocol.latent_attention(module)
+        else:
+            known = type(module) in (_NORMS if name.endswith("norm") else (MoE,) if name == "moe"
+                                     else (FeedForward, GeluMLP))
+        if not known:
             return None, f"{what}: {name} is a {type(module).__name__}"
     if attention.core_attention is not core_attention:
         return None, f"{what}: its attention runs {getattr(attention.core_attention, '__name__', 'another kernel')}"
@@ -799,7 +843,9 @@ def _mlp_shape(mlp) -> tuple[int, int, int] | None:
         return 4 * f, f + mlp.w3.out_features, 2
     if isinstance(mlp, GeluMLP):  # GELU saves its input (w1 x + b) and its output
         return 2 * f, f, 1
-    activation = getattr(mlp, "activation", None)
+    from titanlike.models import protocol
+
+    activation = protocol.activation(mlp)
     if activation not in ("gelu", "relu", "silu") or any(
             type(getattr(mlp, n, None)) is not nn.Linear for n in ("w1", "w2")):
         return None
@@ -815,10 +861,12 @@ def _read_sublayer_block(block, hidden: int, what: str) -> tuple[BlockShape | No
     self-attention first (the common Attention, or one that declares `score_bias`: scores plus a
     float bias its caller passes), maybe a cross-attention (an attention whose `sequence_inputs` is 2:
     its keys and values read the encoder's output), a dense MLP last."""
+    from titanlike.models import protocol
     from titanlike.models.common.attention import Attention
 
-    pairs = [(getattr(block, n, None), getattr(block, m, None)) for n, m in type(block).sublayers]
-    present = [(n, m) for (n, m), (norm, mixer) in zip(type(block).sublayers, pairs) if mixer is not None]
+    declared = protocol.sublayers(block)
+    pairs = [(getattr(block, n, None), getattr(block, m, None)) for n, m in declared]
+    present = [(n, m) for (n, m), (norm, mixer) in zip(declared, pairs) if mixer is not None]
     children = dict(block.named_children())
     if (set(children) != {x for pair in present for x in pair} or len(present) not in (2, 3)
             or any(True for _ in block.named_parameters(recurse=False))):
@@ -831,8 +879,8 @@ def _read_sublayer_block(block, hidden: int, what: str) -> tuple[BlockShape | No
         if type(module) is Attention and getattr(module, "q_norm", None) is None:
             return "plain"
         linears = all(type(getattr(module, n, None)) is nn.Linear for n in ("wq", "wk", "wv", "wo"))
-        if linears and getattr(module, "score_bias", False) and isinstance(getattr(module, "head_dim", None), int):
-            return "cross" if getattr(module, "sequence_inputs", 1) == 2 else "biased"
+        if linears and protocol.score_bias(module) and isinstance(getattr(module, "head_dim", None), int):
+            return "cross" if protocol.sequence_inputs(module) == 2 else "biased"
         return None
 
     kinds = [attention_kind(m) for m in mixers[:-1]]
@@ -1027,7 +1075,7 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
     if block.cross_attention:
         # Per decoder token q, the output and the log-sum-exp (no bias gradient: a fused kernel on
         # CPU too); per encoder token k and v, and the encoder output as wk and wv read it: under
-        # autocast two bf16 casts, under TP the all-gathered copy (gather_input), otherwise the
+        # autocast two bf16 casts, under TP the all-gathered copy (sequence parallelism), otherwise the
         # encoder's output itself, counted once for the model.
         cross = tokens * (e * 2 * qd / tp + 4 * n / tp)
         reads = 2 * e * h if autocast else e_res * h if tp > 1 else 0
@@ -1089,7 +1137,7 @@ def layer_activation_bytes(block: BlockShape, tokens: int, *, tp: int, cp: int, 
 def weight_grad_share(prep: PreparedJob) -> float | None:
     """Share of a layer's saved activations that are matmul inputs (what a split backward's W step
     still needs after I); None when the analytic model does not know the block."""
-    block = model_shape(prep).block
+    block = model_shape(prep, placements=False).block
     if block is None:
         return None
     e = _BYTES[prep.cfg.training.mixed_precision_param]
@@ -1255,9 +1303,9 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
         d = AnalyticDetail()
         static = opt_state = grads = gathered = gathered_root = accumulated = 0
         largest_block = root_local = 0
-        # Stages holding a vocab_embedding table: the first, and the last when it keeps its own copy of a
+        # Stages holding a vocabulary-split table: the first, and the last when it keeps its own copy of a
         # tied table (multi-token prediction's embedding of the lookahead tokens).
-        table_stages = [s for s in stage_ids for p in _stage_end_params(ms, shapes[s]) if p.style == "vocab_embedding"]
+        table_stages = [s for s in stage_ids for p in _stage_end_params(ms, shapes[s]) if p.vocab_table]
         holds_embedding = bool(table_stages)
         stage_grads: dict[int, int] = {}  # what each stage holds as gradients during a pipeline schedule
         for s in stage_ids:

@@ -5,7 +5,7 @@ rank 0 of the requested world size, builds the job's DeviceMesh, and assembles t
 as the trainer does (titanlike/train/model_parts.py): the family's model on meta from the
 job's args, the job's model converters (float8: torchao's Float8Linear, with its float8
 casts, scales and float8 FSDP all-gather), the pipeline split by the family's pipeline
-ends, then the real `parallelize_model` with the family's tensor-parallel plan (TP, CP,
+ends, then the real `parallelize_model` with the family's shard function (TP, CP,
 AC, FSDP) and the family's loss. It materializes the parts inside FakeTensorMode: tensors
 carry shapes, dtypes and storages but no data, and collectives return without
 communicating. torch's memory trackers then
@@ -459,7 +459,7 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
 
     cfg = ctx.prep.cfg
     t = cfg.training
-    model = parallelize_model(model, ctx.spec.tp_plan, dims, ctx.parallelize)
+    model = parallelize_model(model, ctx.spec.shard, dims, ctx.parallelize)
     grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp_degree)
     traced_microbatches = min(grad_accum, 2)
     with ctx.mode:
@@ -595,7 +595,7 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
 
     cfg, args = ctx.prep.cfg, ctx.prep.model_args
     t, p = cfg.training, cfg.parallelism
-    part = parallelize_model(part, ctx.spec.tp_plan, dims, ctx.parallelize)
+    part = parallelize_model(part, ctx.spec.shard, dims, ctx.parallelize)
     first, last = stage_index == 0, stage_index == layout.num_stages - 1
     mbs = p.pipeline_parallel_microbatch_size
     seq_local = t.seq_len // dims.cp

@@ -38,7 +38,7 @@ def _check_tp(mesh, pre_norm: bool, loss_parallel: bool) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
 
-    from titanlike.models.bert import bert_flavors, bert_tp_plan
+    from titanlike.models.bert import bert_flavors, bert_sharding
     from titanlike.models.outputs import IGNORE_INDEX, cross_entropy_sum
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -54,7 +54,7 @@ def _check_tp(mesh, pre_norm: bool, loss_parallel: bool) -> None:
     want_loss = cross_entropy_sum(want, labels)
     want_loss.backward()
     model = _build(args)
-    apply_tensor_parallel(model, mesh, bert_tp_plan(), loss_parallel=loss_parallel)
+    apply_tensor_parallel(model, mesh, bert_sharding, loss_parallel=loss_parallel)
     assert model.output.weight is model.tok_embeddings.weight
     got = model(tokens, **fields)
     with vocab_parallel_loss() if loss_parallel else contextlib.nullcontext():

@@ -119,7 +119,7 @@ def _check_tp_gradients(mesh, q_lora_rank: int) -> None:
     ranks (token_fsdp); summed here by hand."""
     from torch.distributed.tensor import DTensor
 
-    from titanlike.models.deepseek_v3 import deepseek_v3_flavors, deepseek_v3_tp_plan
+    from titanlike.models.deepseek_v3 import deepseek_v3_flavors, deepseek_v3_sharding
     from titanlike.models.deepseek_v3.model import DeepSeekV3
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -142,7 +142,7 @@ def _check_tp_gradients(mesh, q_lora_rank: int) -> None:
     want = ref(tokens, lookahead=lookahead)
     want.backward(grad_logits)
     model = build()
-    apply_tensor_parallel(model, mesh, deepseek_v3_tp_plan(), loss_parallel=False)
+    apply_tensor_parallel(model, mesh, deepseek_v3_sharding, loss_parallel=False)
     got = model(tokens, lookahead=lookahead)
     got.backward(grad_logits)
     what = f"q_lora_rank {q_lora_rank}, tp rank {mesh.get_local_rank()}"

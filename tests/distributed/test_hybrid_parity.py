@@ -153,7 +153,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def _tp_gradients(mesh, args, masked: bool) -> None:
     from titanlike.models.common.attention import DocumentMask
-    from titanlike.models.hybrid import hybrid_tp_plan
+    from titanlike.models.hybrid import hybrid_sharding
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
     tokens, grad_logits = _data()
@@ -162,7 +162,7 @@ def _tp_gradients(mesh, args, masked: bool) -> None:
     want = ref(tokens, mask=mask)
     want.backward(grad_logits)
     model = _build(args)
-    apply_tensor_parallel(model, mesh, hybrid_tp_plan(), loss_parallel=False)
+    apply_tensor_parallel(model, mesh, hybrid_sharding, loss_parallel=False)
     got = model(tokens, mask=mask)
     got.backward(grad_logits)
     what = f"TP 2, masked {masked}, rank {mesh.get_local_rank()}"

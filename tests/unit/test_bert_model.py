@@ -18,7 +18,6 @@ from titanlike.models.outputs import LossReports
 from titanlike.models.registry import get_model_spec, model_names, spec_for_hf_model_type
 from titanlike.objectives import MaskedLM
 from titanlike.parallel.pipeline import plan_layout
-from titanlike.parallel.tensor_parallel import STYLES
 
 SPEC = get_model_spec("bert")
 
@@ -57,7 +56,7 @@ def test_registered_by_its_folder_alone():
     assert SPEC.objective(cfg, tiny_args(binary_head=False)).sentence_pairs is False
     assert debug.attention_shape().causal is False
     assert debug.reported_losses() == (BINARY_LOSS,) and tiny_args(binary_head=False).reported_losses() == ()
-    assert all(style in STYLES for style in {**SPEC.tp_plan.top, **SPEC.tp_plan.block}.values())
+    assert all(callable(style) for style in {**SPEC.shard.top, **SPEC.shard.block}.values())
 
 
 @pytest.mark.parametrize("flavor", sorted(bert_flavors))

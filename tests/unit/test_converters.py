@@ -154,13 +154,11 @@ def test_precompute_scales_runs_after_each_step_only_when_asked(monkeypatch):
 
 
 def _block_styles(model):
-    from torch.distributed.tensor import Shard
+    from titanlike.models.registry import ShardOptions
 
-    from titanlike.parallel.tensor_parallel import _Styles
-
-    block, table = model.layers["0"], get_model_spec("llama3").tp_plan.block
-    styles = _Styles(Shard(1), loss_parallel=True, sequence_parallel=True)
-    return tuple(type(styles.build(table[name], block, name, table)).__name__
+    block, table = model.layers["0"], get_model_spec("llama3").shard.block
+    opts = ShardOptions(loss_parallel=True, sequence_parallel=True)
+    return tuple(type(table[name](block.get_submodule(name), opts)).__name__
                  for name in ("attention.wq", "attention.wo", "attention", "feed_forward"))
 
 

@@ -17,10 +17,12 @@ import torch
 
 from family_checks import check_causal, check_forward_backward, materialize
 from test_qwen3_model import validate_preset
+from titanlike.models.common import sharding
 from titanlike.models.common.moe import MoE, MoEArgs, Router
 from titanlike.models.common.rope import YaRNScaling, precompute_rope_cache, rope_inv_freq, yarn_mscale
 from titanlike.models.deepseek_v3 import DeepSeekV3, DeepSeekV3ModelArgs, deepseek_v3_flavors
 from titanlike.models.deepseek_v3.attention import MLA
+from titanlike.models.deepseek_v3.sharding import replicated_to_heads
 from titanlike.models.registry import get_model_spec, spec_for_hf_model_type
 from titanlike.parallel.parallel_dims import ParallelDims
 
@@ -50,15 +52,16 @@ def dims(**degrees) -> ParallelDims:
     return ParallelDims.resolve(world_size=world, **d)
 
 
-def test_registry_and_tp_plan():
+def test_registry_and_sharding():
     assert SPEC.model_cls is DeepSeekV3 and SPEC.hf.model_types == ("deepseek_v3",)
     assert spec_for_hf_model_type("deepseek_v3") is SPEC
     assert SPEC.pipeline_ends.inputs == ("tok_embeddings",) and SPEC.pipeline_ends.outputs[:2] == ("norm", "output")
-    block = SPEC.tp_plan.block
-    assert block["attention"] == "gather_input" and block["attention.wo"] == "rowwise"
-    assert all(block[f"attention.{n}"] == "colwise" for n in ("wq", "wq_b", "wkv_b"))
-    assert all(block[f"attention.{n}"] == "replicated" for n in ("wq_a", "q_norm", "wkv_a", "kv_norm"))
-    assert block["attention.wk_pe"] == "replicated_to_heads" and block["moe"] == "sequence_local"
+    block = SPEC.shard.block
+    # The replicated down projections read the gathered input in high precision: no float8 readers.
+    assert block["attention"] == sharding.gather_input() and block["attention.wo"] is sharding.rowwise
+    assert all(block[f"attention.{n}"] is sharding.colwise for n in ("wq", "wq_b", "wkv_b"))
+    assert all(block[f"attention.{n}"] is sharding.replicated for n in ("wq_a", "q_norm", "wkv_a", "kv_norm"))
+    assert block["attention.wk_pe"] is replicated_to_heads and block["moe"] is sharding.sequence_local
     assert "attention.wk" not in block and "attention.wv" not in block
 
 

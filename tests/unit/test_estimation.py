@@ -573,10 +573,11 @@ def _moe_spec(num_experts: int = 8, top_k: int = 2, shared: int = 1, **moe_kwarg
 
     from titanlike.models.common.attention import Attention
     from titanlike.models.common.block import TransformerBlock
-    from titanlike.models.common.decoder import Decoder, DecoderArgs, decoder_tp_plan
+    from titanlike.models.common.decoder import Decoder, DecoderArgs
     from titanlike.models.common.feed_forward import FeedForward
     from titanlike.models.common.init import LinearInit
     from titanlike.models.common.moe import MoE, MoEArgs
+    from titanlike.models.common.sharding import decoder_sharding
     from titanlike.models.registry import ModelSpec, PipelineEnds
 
     @dataclass
@@ -608,7 +609,7 @@ def _moe_spec(num_experts: int = 8, top_k: int = 2, shared: int = 1, **moe_kwarg
                   first_k_dense=1, route_norm=True, aux_loss_coeff=0.01, **moe_kwargs)
     args = TinyMoEArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, max_seq_len=2048, moe=moe)
     return ModelSpec(name="test_moe", model_cls=TinyMoE, flavors={"debugmodel": args},
-                     tp_plan=decoder_tp_plan(mlp_inputs=("w1", "w3")),
+                     shard=decoder_sharding(mlp_inputs=("w1", "w3")),
                      pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")))
 
 
@@ -921,7 +922,7 @@ def test_deepseek_parameters_are_those_of_the_parallelized_model(deepseek_family
         with torch.device("meta"):
             model = deepseek_family.model_cls(args)
         keys = list(model.layers.keys())
-        model = parallelize_model(model, deepseek_family.tp_plan, dims, parallelize_options(cfg, dims))
+        model = parallelize_model(model, deepseek_family.shard, dims, parallelize_options(cfg, dims))
         local = {canonical_fqn(n): (p.to_local() if hasattr(p, "to_local") else p).numel()
                  for n, p in model.named_parameters()}
     expected = {}
@@ -929,10 +930,11 @@ def test_deepseek_parameters_are_those_of_the_parallelized_model(deepseek_family
         expected.update({f"layers.{key}.{p.name.split('.', 2)[2]}": p.pieces(sh)[1] for p in params})
     expected.update({p.name: p.pieces(sh)[1] for p in _stage_params(ms, shapes[0]) if not p.name.startswith("layers.")})
     assert local == expected
-    styles = {p.name.split(".", 2)[2]: (p.style, p.placement) for p in ms.layer_params[4]}
-    assert styles["attention.wq_a.weight"] == ("replicated", "dense")
-    assert styles["attention.wkv_b.weight"] == ("colwise", "dense")
-    assert styles["eh_proj.weight"][0] == "sequence_replicated" and styles["moe.experts.w1"][1] == "expert"
+    # Which dim TP splits (None: replicated), read from the family's own sharding.
+    splits = {p.name.split(".", 2)[2]: (p.tp_dim, p.placement) for p in ms.layer_params[4]}
+    assert splits["attention.wq_a.weight"] == (None, "dense")
+    assert splits["attention.wkv_b.weight"] == (0, "dense") and splits["attention.wo.weight"] == (1, "dense")
+    assert splits["eh_proj.weight"][0] is None and splits["moe.experts.w1"][1] == "expert"
 
 
 def test_mtp_sits_on_the_last_stage_with_its_logits(deepseek_family):
@@ -1200,10 +1202,10 @@ def test_encoder_tensor_parallel_activations_match_the_trace(family):
                                         "--parallelism.tensor_parallel_degree", "2",
                                         "--parallelism.data_parallel_shard_degree", "1"]), 2)
     analytic_rank, traced_rank = estimate_analytic(prep, device="cpu")[0][0], estimate_traced(prep)[0][0]
-    if family == "t5":  # each relative-bias table (heads, buckets) is split by heads (style head_table)
+    if family == "t5":  # each relative-bias table (heads, buckets) is split by heads (dim 0)
         from estimation.analytic import model_shape
 
-        tables = [p for p in model_shape(prep).end_params if p.style == "head_table"]
+        tables = [p for p in model_shape(prep).end_params if "relative_bias" in p.name and p.tp_dim == 0]
         a = prep.model_args
         assert len(tables) == 2 and all(p.local(2) == (a.n_heads // 2, a.relative_attention_num_buckets)
                                         for p in tables)

@@ -16,6 +16,7 @@ import torch
 
 from conftest import REPO, _env
 from family_checks import check_stages_initialized_as_full, held_params, init_pipeline_stages, materialize, run_stages
+from titanlike.models.common import sharding
 from titanlike.models.gpt2 import GPT2, GPT2Args, gpt2_flavors
 from titanlike.models.registry import get_model_spec, model_names
 from titanlike.parallel.pipeline import build_stage_modules, plan_layout
@@ -39,8 +40,8 @@ def test_registered_by_its_folder_alone():
     assert "gpt2" in model_names()
     assert SPEC.model_cls is GPT2 and SPEC.hf.model_types == ("gpt2",)
     assert {"debugmodel", "124M", "355M", "774M", "1.5B", "175B"} <= set(SPEC.flavors)
-    assert SPEC.tp_plan.top["pos_embeddings"] == "position_embedding"
-    assert SPEC.tp_plan.block["feed_forward.w1"] == "colwise" and "feed_forward.w3" not in SPEC.tp_plan.block
+    assert SPEC.shard.top["pos_embeddings"] is sharding.position_embedding
+    assert SPEC.shard.block["feed_forward.w1"] is sharding.colwise and "feed_forward.w3" not in SPEC.shard.block
     assert SPEC.pipeline_ends.inputs == ("tok_embeddings", "pos_embeddings")
     assert all(a.tie_word_embeddings for a in gpt2_flavors.values())
 

@@ -17,7 +17,8 @@ import torch
 
 from titanlike.config import ConfigError, load_job_config
 from titanlike.models.args import BaseModelArgs
-from titanlike.models.common.mamba2 import Mamba2Mixer
+from titanlike.models.common import sharding
+from titanlike.models.common.mamba2 import Mamba2Mixer, mamba2_head_split
 from titanlike.models.common.moe import MoE
 from titanlike.models.hybrid import HybridModel, HybridModelArgs, hybrid_flavors
 from titanlike.models.hybrid.model import HybridBlock, SquaredReLUMLP
@@ -37,9 +38,10 @@ def dims(tp=1, cp=1, pp=1, ep=1) -> ParallelDims:
 def test_registry_spec_and_hf_types():
     assert SPEC.model_cls is HybridModel and SPEC.hf.model_types == ("nemotron_h", "mamba2")
     assert spec_for_hf_model_type("nemotron_h") is SPEC and spec_for_hf_model_type("mamba2") is SPEC
-    block = SPEC.tp_plan.block
-    assert (block["mamba"], block["mamba.in_proj"], block["mamba.out_proj"]) == ("head_split", "colwise", "rowwise")
-    assert block["norm"] == "sequence_norm" and block["moe"] == "sequence_local"
+    block = SPEC.shard.block
+    assert (block["mamba"], block["mamba.in_proj"], block["mamba.out_proj"]) == (
+        mamba2_head_split, sharding.colwise, sharding.rowwise)
+    assert block["norm"] is sharding.sequence_norm and block["moe"] is sharding.sequence_local
     for flavor, model_type in (("nemotron_h_8b", "nemotron_h"), ("mamba2_2.7b", "mamba2")):
         args = hybrid_flavors[flavor]
         assert SPEC.hf.model_type(args) == SPEC.hf.args_to_config(args)["model_type"] == model_type

@@ -497,7 +497,7 @@ def _check_tp() -> None:
         reference = build(args, seed=21)
         with torch.device("meta"):
             model = Transformer(args)
-        apply_tensor_parallel(model, mesh, SPEC.tp_plan, loss_parallel=lp, sequence_parallel=sp)
+        apply_tensor_parallel(model, mesh, SPEC.shard, loss_parallel=lp, sequence_parallel=sp)
         if tied:
             assert model.output.weight is model.tok_embeddings.weight
         model.to_empty(device="cpu")
@@ -538,7 +538,7 @@ def _check_fsdp_tp_init() -> None:
     reference = build(args, seed=5)
     with torch.device("meta"):
         model = Transformer(args)
-    apply_tensor_parallel(model, mesh["tp"], SPEC.tp_plan, loss_parallel=False)
+    apply_tensor_parallel(model, mesh["tp"], SPEC.shard, loss_parallel=False)
     for layer in model.layers.values():
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])

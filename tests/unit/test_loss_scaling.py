@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from titanlike.config import ConfigError, load_job_config
-from titanlike.models.outputs import attach_loss, modules_attaching_losses, weighted_objective
+from titanlike.models import protocol
+from titanlike.models.outputs import attach_loss, weighted_objective
 from titanlike.train.loss_scaling import LossScaler, build_loss_scaler
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,7 +164,7 @@ def test_moe_balancing_loss_gradient_follows_the_objective_weight(checkpointing)
 
     # The step hands every loss-attaching module its weight tensor once; it rewrites it in place.
     weight = torch.ones(())
-    attaching = modules_attaching_losses(model)
+    attaching = protocol.loss_attaching_modules(model)
     assert attaching
     for module in attaching:
         module.loss_weight = weight

@@ -10,6 +10,7 @@ import torch
 
 from family_checks import check_forward_backward, materialize
 from test_qwen3_model import validate_preset
+from titanlike.models.common import sharding
 from titanlike.models.common.moe import MoEArgs, Router
 from titanlike.models.mixtral import Mixtral, MixtralModelArgs, mixtral_flavors
 from titanlike.models.registry import get_model_spec, spec_for_hf_model_type
@@ -31,7 +32,7 @@ def build(args: MixtralModelArgs, seed: int = 0) -> Mixtral:
 def test_registry():
     assert SPEC.model_cls is Mixtral and SPEC.hf.model_types == ("mixtral",)
     assert spec_for_hf_model_type("mixtral") is SPEC
-    assert "attention.q_norm" not in SPEC.tp_plan.block and SPEC.tp_plan.block["moe"] == "sequence_local"
+    assert "attention.q_norm" not in SPEC.shard.block and SPEC.shard.block["moe"] is sharding.sequence_local
     assert SPEC.pipeline_ends.outputs == ("norm", "output")
 
 

@@ -32,9 +32,6 @@ ALLOWED_ROOTS = (
 )
 # The packages that apply the models: nothing under titanlike/models imports them.
 APPLIERS = ("titanlike.parallel", "titanlike.train", "titanlike.data", "titanlike.checkpoint")
-# Still imported by model code while the tensor-parallel plans move under models/ (issue 26, the
-# family's `shard`); drop it from here when that lands.
-PENDING_ROOTS = ("titanlike.parallel",)
 
 
 def _under(module: str, roots: tuple[str, ...]) -> bool:
@@ -71,7 +68,7 @@ def test_a_family_imports_only_itself_and_the_shared_model_code(family):
     wrong = [f"{path.relative_to(MODELS)}:{line} imports {module}"
              for path in sorted((MODELS / family).rglob("*.py"))
              for line, module in titanlike_imports(path)
-             if not _under(module, own + ALLOWED_ROOTS + PENDING_ROOTS)]
+             if not _under(module, own + ALLOWED_ROOTS)]
     assert wrong == [], "a family imports only its own package and " + ", ".join(ALLOWED_ROOTS)
 
 
@@ -96,7 +93,7 @@ def test_shared_model_code_imports_no_family():
 def test_model_code_imports_none_of_the_packages_that_apply_it():
     wrong = [f"{path.relative_to(MODELS)}:{line} imports {module}"
              for path in sorted(MODELS.rglob("*.py")) for line, module in titanlike_imports(path)
-             if _under(module, APPLIERS) and not _under(module, PENDING_ROOTS)]
+             if _under(module, APPLIERS)]
     assert wrong == []
 
 

@@ -40,7 +40,7 @@ def _register() -> None:
     if "test_penalized_llama" not in model_names():
         llama = get_model_spec("llama3")
         register_model_spec(ModelSpec(name="test_penalized_llama", model_cls=PenalizedLlama, flavors=llama3_flavors,
-                                      tp_plan=llama.tp_plan, pipeline_ends=llama.pipeline_ends,
+                                      shard=llama.shard, pipeline_ends=llama.pipeline_ends,
                                       objective=RecordingCausalLM.for_job))
 
 

@@ -13,6 +13,7 @@ import torch
 
 from conftest import REPO
 from family_checks import check_causal, check_forward_backward, materialize
+from titanlike.models.common import sharding
 from titanlike.models.common.attention import Attention
 from titanlike.models.common.init import LinearInit
 from titanlike.models.common.moe import MoE, MoEArgs
@@ -44,8 +45,9 @@ def test_registry_reads_both_hf_model_types_and_writes_the_fitting_one():
         args = qwen3_flavors[flavor]
         assert SPEC.hf.model_type(args) == SPEC.hf.args_to_config(args)["model_type"] == model_type
     assert SPEC.pipeline_ends.inputs == ("tok_embeddings",) and SPEC.pipeline_ends.outputs == ("norm", "output")
-    assert SPEC.tp_plan.block["attention.q_norm"] == SPEC.tp_plan.block["attention.k_norm"] == "head_norm"
-    assert SPEC.tp_plan.block["feed_forward.w3"] == "colwise" and SPEC.tp_plan.block["moe"] == "sequence_local"
+    assert SPEC.shard.block["attention.q_norm"] is SPEC.shard.block["attention.k_norm"] is sharding.head_norm
+    assert SPEC.shard.block["feed_forward.w3"] is sharding.colwise
+    assert SPEC.shard.block["moe"] is sharding.sequence_local
 
 
 def test_debugmodel_moe_layers_and_shapes():

@@ -17,6 +17,7 @@ import torch
 
 from family_checks import held_params, materialize
 from titanlike.config import load_job_config
+from titanlike.models.common import sharding
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.registry import get_model_spec, model_names
 from titanlike.models.t5 import T5, T5Args, t5_flavors
@@ -50,8 +51,8 @@ def test_registered_by_its_folder_alone():
     assert "t5" in model_names()
     assert SPEC.model_cls is T5 and SPEC.hf.model_types == ("t5",) and SPEC.pipeline_ends is None
     assert {"debugmodel", "small", "base", "large", "3B", "11B"} <= set(SPEC.flavors)
-    assert SPEC.tp_plan.top["encoder_relative_bias"] == "head_table"
-    assert SPEC.tp_plan.block["cross_attention.wo"] == "rowwise"
+    assert SPEC.shard.top["encoder_relative_bias"] is sharding.split_heads
+    assert SPEC.shard.block["cross_attention.wo"] is sharding.rowwise
     assert isinstance(SPEC.objective(load_job_config([]), t5_flavors["debugmodel"]), SpanCorruption)
     d = t5_flavors["debugmodel"]
     assert (d.dim, d.n_encoder_layers, d.n_decoder_layers, d.n_heads, d.head_dim, d.ffn_hidden_dim, d.vocab_size) == (
@@ -302,7 +303,7 @@ def _check_parallel() -> None:
         with torch.device("meta"):
             model = T5(args)
         if how == "tp":
-            apply_tensor_parallel(model, mesh, SPEC.tp_plan, loss_parallel=lp, sequence_parallel=sp)
+            apply_tensor_parallel(model, mesh, SPEC.shard, loss_parallel=lp, sequence_parallel=sp)
         else:
             apply_fsdp(model, mesh, param_dtype="float32", reduce_dtype="float32", reshard_after_forward="default")
         model.to_empty(device="cpu")

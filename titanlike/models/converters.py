@@ -12,7 +12,7 @@ job config.
   projection by default). The tensorwise recipe can all-gather FSDP parameters in float8
   (`enable_fsdp_float8_all_gather`), with their scales computed for all parameters at once after
   each optimizer step (`precompute_float8_dynamic_scale_for_fsdp`), and makes the tensor-parallel
-  plan cast activations to float8 before its all-gathers (parallel/tensor_parallel.py).
+  styles cast activations to float8 before their all-gathers (models/common/sharding.py).
 - `te`: NVIDIA Transformer Engine's Linear for the same layers, run under its fp8 autocast.
 """
 
@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from titanlike.config.schema import Float8
+from titanlike.models import protocol
 
 logger = logging.getLogger("titanlike")
 
@@ -199,7 +200,7 @@ def linear_filter(filter_fqns: Iterable[str], selection: LinearSelection) -> Cal
         if not isinstance(module, nn.Linear):
             return False
         # A model marks linears that must keep their precision (an MoE router, computed in fp32).
-        if getattr(module, "keep_high_precision", False):
+        if protocol.keeps_high_precision(module):
             selection.model_kept.append(fqn)
             return False
         if any(fqn_matches(fqn, pattern) for pattern in filter_fqns):

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titanlike.models import protocol
+
 # Labels equal to this are not targets (the value torch's cross-entropy ignores by default).
 IGNORE_INDEX = -100
 
@@ -42,8 +44,8 @@ def logits_of(output: torch.Tensor | ModelOutput) -> torch.Tensor:
 # where the step differentiates scale / tokens x the summed loss. It is a 0-d device tensor the
 # training step owns and rewrites in place every step (no host value, so no host read), handed
 # explicitly: to the loss the step backpropagates (weighted_objective) and, once at build time, to
-# every module that attaches a loss deep inside the model (its `loss_weight` hook, see
-# modules_attaching_losses). None means 1.
+# every module that attaches a loss deep inside the model (its `loss_weight` hook,
+# models/protocol.py). None means 1.
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -94,12 +96,6 @@ def weighted_objective(loss: torch.Tensor, weight: torch.Tensor | None) -> torch
     return loss if weight is None else _WeighGradient.apply(loss, weight)
 
 
-def modules_attaching_losses(model: nn.Module) -> list[nn.Module]:
-    """Every module of `model` that attaches a loss (declares the `loss_weight` hook, None until the
-    trainer points it at the step's weight tensor once, at build time)."""
-    return [m for m in model.modules() if "loss_weight" in vars(m)]
-
-
 # Loss terms reported apart. A module that adds a term to the objective (attach_loss) and wants it
 # logged declares `reported_loss = "<name>"` (a name listed by its args' reported_losses()) and
 # keeps a float32 scalar buffer `reported_loss_sum`, to which its training forwards add the term's
@@ -113,14 +109,15 @@ class LossReports:
     def __init__(self, parts: list[nn.Module], names: tuple[str, ...], device: torch.device):
         self.names = names
         self.device = device
-        self.modules = [(names.index(m.reported_loss), m) for part in parts for m in part.modules()
-                        if getattr(m, "reported_loss", None) is not None]
+        self.modules = [(names.index(protocol.reported_loss(m)), m) for part in parts for m in part.modules()
+                        if protocol.reported_loss(m) is not None]
 
     def collect(self) -> torch.Tensor:
         """(len(names),) this rank's sums since the last call, per name; the buffers are zeroed.
         Device work only: nothing is read back to the host."""
         sums = torch.zeros(len(self.names), device=self.device)
         for index, module in self.modules:
-            sums[index] += module.reported_loss_sum.to(self.device)
-            module.reported_loss_sum.zero_()
+            total = protocol.reported_loss_sum(module)
+            sums[index] += total.to(self.device)
+            total.zero_()
         return sums

@@ -5,25 +5,14 @@ touches no generic file: the trainer, the parallelisms, the checkpoint and Huggi
 and the estimator ask the spec and the args contract (titanlike/models/args.py), never a
 family's field names.
 
-What a model class (spec.model_cls) must provide, beyond being an nn.Module built from its args
-on the meta device:
-  - `layers`: an nn.ModuleDict of blocks keyed by their index ("0", "1", ...): the unit of
-    pipeline splitting, activation checkpointing, compile and FSDP wrapping;
-  - `init_weights(seed=..., buffer_device=None)`: initialize whatever the module holds after
-    parallelization and `to_empty`, as a function of (seed, parameter name, args) only;
-  - `forward(tokens, positions=None, mask=None, **fields)`: tokens (or, on a later pipeline stage,
-    hidden states) -> logits, or a ModelOutput with auxiliary losses (titanlike/models/outputs.py);
-    `fields` are the other fields of its objective's samples (spec.objective: BERT's token
-    types, T5's decoder inputs), given to every pipeline stage;
-  - `tied_weights`: {alias name: owner name} for parameters that are one Parameter under two
-    names (tied input/output embeddings), {} otherwise;
-  - the input-end and output-end modules named in `pipeline_ends`, settable to None.
+What a model class (spec.model_cls) must provide, and every attribute of it or of its modules
+that generic code reads, is declared in titanlike/models/protocol.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch.nn as nn
 
@@ -31,6 +20,9 @@ from titanlike.config.sections import register_section
 from titanlike.models.args import BaseModelArgs
 from titanlike.models.common.hf import HFAdapter
 from titanlike.objectives.causal_lm import CausalLM
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -59,6 +51,23 @@ class ModelOptions:
     renamed: dict[str, str] | None = None
 
 
+@dataclass(frozen=True)
+class ShardOptions:
+    """What the job asks of a family's `shard`. loss_parallel: the output projection leaves its logits
+    sharded over the vocabulary (a DTensor, Shard(-1)) for a vocabulary-parallel loss, otherwise
+    they are gathered into a plain replicated tensor. sequence_parallel: the activations between
+    the parallel regions stay split along the sequence (the sequence length is divisible by the
+    TP degree)."""
+
+    loss_parallel: bool
+    sequence_parallel: bool = True
+
+
+# shard(model, tp_mesh, opts): shard a whole model or a pipeline stage of one (skipping the modules it
+# does not hold) over the 1-D tp_mesh in place, with torch ParallelStyles (models/common/sharding.py).
+ShardFn = Callable[[nn.Module, "DeviceMesh", ShardOptions], None]
+
+
 @dataclass
 class ModelSpec:
     name: str
@@ -66,9 +75,9 @@ class ModelSpec:
     model_cls: type[nn.Module]
     # flavor name -> model args (a BaseModelArgs dataclass), e.g. "debugmodel", "8B".
     flavors: dict[str, BaseModelArgs]
-    # Tensor-parallel plan (titanlike.parallel.tensor_parallel.TensorParallelPlan): module name ->
-    # style name, for the top-level modules and for those of every block. None: no TP.
-    tp_plan: Any = None
+    # The family's tensor/sequence-parallel function (ShardFn above), usually a ShardingPlan of
+    # models/common/sharding.py. None: no tensor parallelism.
+    shard: ShardFn | None = None
     # Input and output ends for the pipeline split. None: no pipeline parallelism.
     pipeline_ends: PipelineEnds | None = None
     # The family's training objective (titanlike/objectives/): objective(job_config, flavor_args)

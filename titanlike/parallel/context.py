@@ -49,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanlike.models import protocol
 from titanlike.models.common.attention import DocumentMask
 
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -283,20 +284,11 @@ class ContextParallelCarry:
         return entering[self.order[self.rank].to(final.device)]
 
 
-def _sequence_hooks(model: nn.Module):
-    """(module, hook name) of every attention module's `core_attention` and every state-carrying
-    sequence mixer's `sequence_carry`."""
-    for module in model.modules():
-        for hook in ("core_attention", "sequence_carry"):
-            if hook in vars(module):
-                yield module, hook
-
-
 def require_context_parallel_hooks(model: nn.Module) -> None:
     """ValueError unless the whole model has a hook context parallelism can switch: a model without
     one would silently attend within each rank's slice only. Asked of the whole model, before a
     pipeline split: a stage of MLP layers only has none and needs none."""
-    if next(_sequence_hooks(model), None) is None:
+    if not protocol.core_attention_modules(model) and not protocol.sequence_carry_modules(model):
         raise ValueError(f"{type(model).__name__} has no attention module with a core_attention hook (nor a "
                          "sequence mixer with a sequence_carry hook), so it cannot run context parallel")
 
@@ -312,8 +304,10 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, rotate_method:
     """
     attention = ContextParallelAttention(cp_mesh, rotate_method)
     carry = ContextParallelCarry(cp_mesh)
-    switched = 0
-    for module, hook in _sequence_hooks(model):
-        setattr(module, hook, attention if hook == "core_attention" else carry)
-        switched += 1
-    return switched
+    attention_modules = protocol.core_attention_modules(model)
+    carry_modules = protocol.sequence_carry_modules(model)
+    for module in attention_modules:
+        protocol.set_core_attention(module, attention)
+    for module in carry_modules:
+        protocol.set_sequence_carry(module, carry)
+    return len(attention_modules) + len(carry_modules)

@@ -28,6 +28,7 @@ from torch.distributed._functional_collectives import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from titanlike.models import protocol
 from titanlike.models.common.moe import Dispatcher, GroupedExperts, moe_layers
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -40,11 +41,11 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None, seque
     for _, moe in layers:
         moe.sequence_group = sequence_mesh.get_group() if sequence_mesh is not None else None
         # Read by parallel/fsdp.py: which mesh each part is sharded over.
-        moe.fsdp_mesh = "token_fsdp"
-        moe.experts.fsdp_mesh = "expert_fsdp"
+        protocol.set_fsdp_mesh(moe, "token_fsdp")
+        protocol.set_fsdp_mesh(moe.experts, "expert_fsdp")
         # Read by the compile step: routing has data-dependent sizes (token counts as Python ints for
         # the all-to-all splits and the grouped matmul offsets), so the layer runs eagerly.
-        moe.skip_compile = True
+        protocol.set_skip_compile(moe)
         if ep_mesh is None:
             continue
         _shard_experts(moe.experts, ep_mesh)

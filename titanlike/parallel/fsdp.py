@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from titanlike.models import protocol
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,7 +41,7 @@ def apply_fsdp(
 
     reshard_after_forward: "default" frees gathered block parameters after forward
     (the root keeps them: backward needs them right away), "always" / "never" force it.
-    A submodule of a block that declares `fsdp_mesh = "<name>"` (an MoE layer's experts:
+    A submodule of a block whose `fsdp_mesh` hook names a mesh (an MoE layer's experts:
     "expert_fsdp", its router: "token_fsdp") becomes its own FSDP unit over mesh_named(name) first,
     innermost first. If that mesh is None (degree 1) its parameters stay whole; parameters that are
     already DTensors on another mesh (experts split by expert parallelism) are then left out of the
@@ -57,7 +59,7 @@ def apply_fsdp(
     for block in model.layers.values():
         # reversed pre-order: every submodule comes before the modules that contain it.
         for module in reversed(list(block.modules())):
-            own = getattr(module, "fsdp_mesh", None)
+            own = protocol.fsdp_mesh(module)
             if own is None:
                 continue
             own_mesh = mesh_named(own) if mesh_named is not None else None

@@ -7,11 +7,11 @@ The order matters:
      sequence group, and names the meshes FSDP shards its parts over (parallel/expert_parallel.py);
   4. activation checkpointing and 5. compile: wrap blocks;
   6. data parallel (FSDP/HSDP) last, so it shards the already TP-sharded parameters over the
-     data mesh (a module that declares `fsdp_mesh = "<name>"` is sharded over that mesh
+     data mesh (a module whose `fsdp_mesh` hook names a mesh is sharded over that mesh
      instead, e.g. experts over expert_fsdp).
 Nothing here is specific to a model family: family differences live in the ModelSpec (its
-tensor-parallel plan) and in the module attributes the steps read. The options are plain values
-the trainer derives from its config; this module does not read a JobConfig.
+`shard` function) and in the module hooks the steps read (models/protocol.py). The options are
+plain values the trainer derives from its config; this module does not read a JobConfig.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from titanlike.models import protocol
+from titanlike.models.registry import ShardFn
 from titanlike.parallel.activation_checkpoint import CheckpointOptions, apply_activation_checkpointing
 from titanlike.parallel.context import apply_context_parallel
 from titanlike.parallel.expert_parallel import apply_expert_parallel
 from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.parallel_dims import ParallelDims
-from titanlike.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
+from titanlike.parallel.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -46,45 +48,47 @@ class ParallelizeOptions:
     token_dispatcher: str = "alltoall"  # alltoall | allgather (expert parallelism)
 
 
-def parallelize_model(model: nn.Module, tp_plan: TensorParallelPlan | None, dims: ParallelDims,
+def parallelize_model(model: nn.Module, shard: ShardFn | None, dims: ParallelDims,
                       opts: ParallelizeOptions) -> nn.Module:
+    """model (a whole model or a pipeline stage of one) through every step, in place; shard: the
+    family's ModelSpec.shard."""
     for step in (_tensor_parallel, _context_parallel, _expert_parallel, _activation_checkpointing, _compile,
                  _data_parallel):
-        step(model, tp_plan, dims, opts)
+        step(model, shard, dims, opts)
     return model
 
 
-def _tensor_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+def _tensor_parallel(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     if not dims.tp_enabled:
         return
-    if tp_plan is None:
+    if shard is None:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan")
-    apply_tensor_parallel(model, dims.mesh("tp"), tp_plan, loss_parallel=opts.loss_parallel)
+    apply_tensor_parallel(model, dims.mesh("tp"), shard, loss_parallel=opts.loss_parallel)
     if opts.async_tensor_parallel:
         enable_async_tensor_parallel(dims.mesh("tp"))
 
 
-def _context_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+def _context_parallel(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     if dims.cp_enabled:
         apply_context_parallel(model, dims.mesh("cp"), opts.context_parallel_rotate_method)
 
 
-def _expert_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+def _expert_parallel(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     apply_expert_parallel(model, ep_mesh=dims.mesh("ep"), sequence_mesh=dims.mesh("sequence"),
                           token_dispatcher=opts.token_dispatcher)
 
 
-def _activation_checkpointing(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+def _activation_checkpointing(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     apply_activation_checkpointing(model, opts.activation_checkpoint_mode, opts.selective_ac_option,
                                    opts.checkpoint_options, opts.memory_budget)
 
 
-def _compile(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+def _compile(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     if opts.compile_blocks:
         # Per block and in place: parameter names stay unchanged, and every block of the same
         # shape reuses one compiled graph.
         for block in model.layers.values():
-            eager = [m for m in block.modules() if getattr(m, "skip_compile", False)]
+            eager = [m for m in block.modules() if protocol.skips_compile(m)]
             if not eager:
                 block.compile(fullgraph=True, backend=opts.compile_backend)
                 continue
@@ -95,7 +99,7 @@ def _compile(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> No
                     child.compile(fullgraph=True, backend=opts.compile_backend)
 
 
-def _data_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions) -> None:
+def _data_parallel(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     reshard = opts.fsdp_reshard_after_forward
     if dims.pp_enabled and reshard == "default":
         # A stage runs the forwards of several microbatches before their backwards: resharding
@@ -107,14 +111,3 @@ def _data_parallel(model, tp_plan, dims: ParallelDims, opts: ParallelizeOptions)
     apply_fsdp(model, dims.mesh("fsdp") if dims.fsdp_enabled else None, param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype,
                reshard_after_forward=reshard, mesh_named=dims.mesh, cpu_offload=opts.cpu_offload)
 
-
-def enable_async_tensor_parallel(tp_mesh) -> None:
-    """Micro-pipelined TP: inductor splits each TP matmul and overlaps the pieces with their
-    all-gather / reduce-scatter. Its kernels exchange data through symmetric memory, so the TP
-    group must be registered for it. Takes effect in compiled blocks only (validation requires
-    compile and CUDA)."""
-    import torch._inductor.config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _torch_schedules
 
+from titanlike.models import protocol
 from titanlike.models.registry import ModelSpec, PipelineEnds
 
 # Our names for torch's schedule classes (torchtitan's names). DualPipeV only exists in newer
@@ -329,7 +330,7 @@ class TiedWeightSync:
     def __init__(self, parts: list[nn.Module], layout: PipelineLayout, pp_mesh: DeviceMesh, world_mesh: DeviceMesh):
         self.pairs: list[tuple[str, str]] = []
         for part in parts:
-            self.pairs += list(getattr(part, "tied_weights", {}).items())
+            self.pairs += list(protocol.tied_weights(part).items())
         self.pairs = sorted(set(self.pairs))
         held: dict[str, nn.Parameter] = {}
         for part in parts:
@@ -424,14 +425,14 @@ class _Stage(PipelineStage):
 
 @contextlib.contextmanager
 def _statistics_paused(module: nn.Module):
-    flagged = [m for m in module.modules() if hasattr(m, "record_statistics")]
+    flagged = protocol.statistics_recorders(module)
     for m in flagged:
-        m.record_statistics = False
+        protocol.set_record_statistics(m, False)
     try:
         yield
     finally:
         for m in flagged:
-            m.record_statistics = True
+            protocol.set_record_statistics(m, True)
 
 
 class PipelineRunner:

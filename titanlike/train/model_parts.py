@@ -92,4 +92,4 @@ def build_model_parts(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args:
         # same parallelize as a whole model.
         parts = build_stage_modules(model, spec, layout, dims.mesh("pp").get_local_rank())
     opts = parallelize_options(cfg, dims)
-    return [parallelize_model(part, spec.tp_plan, dims, opts) for part in parts], layout
+    return [parallelize_model(part, spec.shard, dims, opts) for part in parts], layout

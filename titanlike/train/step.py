@@ -41,7 +41,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from titanlike.models.outputs import IGNORE_INDEX, LossReports, modules_attaching_losses, weighted_objective
+from titanlike.models import protocol
+from titanlike.models.outputs import IGNORE_INDEX, LossReports, weighted_objective
 from titanlike.parallel.utils import clip_grad_norm_, first_rank_of, scale_gradients, sum_over_world
 
 
@@ -113,8 +114,8 @@ class TrainStep:
         self.optimizer_device = local[0].device if local else device
         if step_loss.weight is not None:
             for part in model_parts:
-                for module in modules_attaching_losses(part):
-                    module.loss_weight = step_loss.weight
+                for module in protocol.loss_attaching_modules(part):
+                    protocol.set_loss_weight(module, step_loss.weight)
 
     def __call__(self, microbatches: list, side: list[float] = ()) -> StepOutput:
         global_tokens, agreed = self.count_tokens(microbatches, side)

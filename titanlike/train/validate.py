@@ -168,7 +168,7 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
     spec.objective(cfg, args).validate(cfg, dims, model=model)
 
     # Layout.
-    validate_tensor_parallel(tp=dims.tp, seq_len=t.seq_len, has_plan=spec.tp_plan is not None, model=cfg.model.name,
+    validate_tensor_parallel(tp=dims.tp, seq_len=t.seq_len, shardable=spec.shard is not None, model=cfg.model.name,
                              async_tp=p.enable_async_tensor_parallel, compile_blocks=compile_blocks, cuda=cuda)
     if dims.cp_enabled:
         validate_context_parallel(t.seq_len, dims.cp, dims.tp)

@@ -11,10 +11,9 @@ This package is the whole family: the registry discovers it, and no generic file
 
 from titanlike.models.bert.hf_adapter import BertHF
 from titanlike.models.bert.model import BINARY_LOSS, Bert, BertArgs
-from titanlike.models.common.decoder import decoder_tp_plan
+from titanlike.models.bert.sharding import bert_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 from titanlike.objectives.masked_lm import MaskedLM
-from titanlike.parallel.tensor_parallel import TensorParallelPlan
 
 BERT_VOCAB = 30522
 
@@ -30,26 +29,6 @@ bert_flavors: dict[str, BertArgs] = {
 }
 
 
-def bert_tp_plan() -> TensorParallelPlan:
-    """The decoder's plan (attention by heads, MLP by hidden units, vocabulary-split word table and
-    output projection) with BERT's differences:
-      - every LayerNorm is `sequence_replicated` (plain tensors in and out): a post-norm block's
-        norms write the residual stream itself, which stays a plain sequence slice between modules;
-      - the position and token-type tables are replicated and cut to the sequence slice;
-      - the MLM transform runs token by token on the slice (replicated weights);
-      - the binary head all-gathers the final hidden states (position 0 is on the first TP rank
-        only) and its pooler and classifier are computed whole on every rank (replicated weights,
-        whose gradients are then whole on every rank, as the binary loss is)."""
-    base = decoder_tp_plan(mlp_inputs=("w1",), position_embeddings=("pos_embeddings", "type_embeddings"))
-    norm = "sequence_replicated"
-    top = {**base.top, "embedding_norm": norm, "norm": norm, "lm_head.dense": norm, "lm_head.norm": norm,
-           "binary_head": "gather_input", "binary_head.pooler": "replicated",
-           "binary_head.classifier": "replicated"}
-    block = {**base.block, "attention_norm": norm, "ffn_norm": norm}
-    block.pop("moe")
-    return TensorParallelPlan(top=top, block=block)
-
-
 def bert_objective(cfg, args: BertArgs) -> MaskedLM:
     """Masked LM; with the binary head, on sentence pairs whose order the head predicts (Megatron's
     BERT; a flavor without it trains on single segments, as --bert-no-binary-head)."""
@@ -61,7 +40,7 @@ register_model_spec(
         name="bert",
         model_cls=Bert,
         flavors=bert_flavors,
-        tp_plan=bert_tp_plan(),
+        shard=bert_sharding,
         pipeline_ends=PipelineEnds(
             inputs=("tok_embeddings", "pos_embeddings", "type_embeddings", "embedding_norm"),
             outputs=("norm", "lm_head", "output", "binary_head")),
@@ -70,4 +49,4 @@ register_model_spec(
     )
 )
 
-__all__ = ["BERT_VOCAB", "BINARY_LOSS", "Bert", "BertArgs", "bert_flavors", "bert_tp_plan"]
+__all__ = ["BERT_VOCAB", "BINARY_LOSS", "Bert", "BertArgs", "bert_flavors", "bert_sharding"]

@@ -218,33 +218,4 @@ def _parent(root: nn.Module, fqn: str) -> tuple[nn.Module | None, str]:
     return module, attr
 
 
-
-
-
-def decoder_tp_plan(*, mlp_inputs: tuple[str, ...] = ("w1",), position_embeddings: tuple[str, ...] = (),
-                    qk_norm: bool = False):
-    """The tensor-parallel table of a Decoder built from common blocks: attention split by heads,
-    the MLP by hidden units (mlp_inputs read the block's input, w2 writes back), norms sequence
-    parallel, the vocabulary split in the embedding and the output projection. A MoE block's `moe`
-    routes the tokens of this rank's sequence slice (its experts are split by expert parallelism,
-    not by TP); entries a block does not have are skipped. qk_norm: the attention has q_norm and
-    k_norm, which normalize each of this rank's heads (their weights stay whole)."""
-    from titanlike.parallel.tensor_parallel import TensorParallelPlan
-
-    top = {"tok_embeddings": "vocab_embedding", **{name: "position_embedding" for name in position_embeddings},
-           "norm": "sequence_norm", "output": "vocab_output"}
-    block = {
-        "attention_norm": "sequence_norm",
-        "attention": "gather_input",
-        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
-        "attention.wo": "rowwise",
-        "ffn_norm": "sequence_norm",
-        "feed_forward": "gather_input",
-        **{f"feed_forward.{name}": "colwise" for name in mlp_inputs},
-        "feed_forward.w2": "rowwise",
-        "moe": "sequence_local",
-        **({"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"} if qk_norm else {}),
-    }
-    return TensorParallelPlan(top=top, block=block)
-
-__all__ = ["Decoder", "DecoderArgs", "decoder_tp_plan"]
+__all__ = ["Decoder", "DecoderArgs"]

@@ -14,9 +14,9 @@ holding [z of its heads, x of its heads, B, C, dt of its heads], and the conv ch
 [x of its heads, B, C]; per-head vectors (A_log, D, dt_bias) and the gated norm follow head order.
 So a tensor-parallel split of the output features by rank (a plain column split, Shard(0)) hands
 each rank whole groups with everything they need, as attention's heads are split: in_proj
-colwise, out_proj rowwise, the conv filters, per-head vectors and norm weight split on dim 0 (the
-`head_split` style), and the gated norm, which normalizes per group, needs no communication. The
-tensor-parallel degree must divide the groups. Hugging Face and Megatron keep in_proj as
+colwise, out_proj rowwise, the conv filters, per-head vectors and norm weight split on dim 0
+(`mamba2_sharding`, at the end of this file), and the gated norm, which normalizes per group,
+needs no communication. The tensor-parallel degree must divide the groups. Hugging Face and Megatron keep in_proj as
 [z, x, B, C, dt] over all heads; `grouped_rows` gives the permutation (hybrid/hf_adapter.py).
 
 Context parallelism. The conv and the scan carry information along the sequence, so a rank
@@ -40,10 +40,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import PrepareModuleInput
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from titanlike.models import protocol
 from titanlike.models.common.init import LinearInit, ones_, uniform_
+from titanlike.models.common.sharding import HeadSplitParameters, Style, colwise, gather_layouts, rowwise
 from titanlike.models.common.ssd import carried_output, ssd_scan
+from titanlike.models.registry import ShardOptions
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +204,7 @@ def scan_implementation(kernel: str, device_type: str) -> str:
 class Mamba2Mixer(nn.Module):
     """The mixer: (batch, seq, dim) -> (batch, seq, dim). See the module docstring."""
 
-    # What the tensor-parallel style `head_split` splits on dim 0 with the heads.
+    # The parameters tensor parallelism splits on dim 0 with the heads (models/protocol.py).
     head_split_parameters = ("conv_weight", "conv_bias", "dt_bias", "A_log", "D", "norm.weight")
 
     def __init__(self, dim: int, args: Mamba2Args, *, norm_eps: float):
@@ -340,4 +346,33 @@ class Mamba2Mixer(nn.Module):
         ones_(self.norm.weight)
 
 
-__all__ = ["GatedRMSNorm", "Mamba2Args", "Mamba2Mixer", "causal_conv", "grouped_rows", "scan_implementation"]
+class Mamba2HeadSplit(HeadSplitParameters):
+    """The mixer split by groups of heads: the parameters it names in `head_split_parameters` split
+    on dim 0 (HeadSplitParameters), and, with sequence parallelism, its input all-gathered from
+    sequence slices on entry (`gather`: PrepareModuleInput's layouts, or None). Its linears take
+    their own entries (mamba2_sharding)."""
+
+    def __init__(self, names: tuple[str, ...], *, gather: dict | None):
+        super().__init__(names)
+        self.gather = gather
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        if self.gather is not None:
+            PrepareModuleInput(**self.gather)._apply(module, device_mesh)
+        return module
+
+
+def mamba2_head_split(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    return Mamba2HeadSplit(protocol.head_split_parameters(module),
+                           gather=gather_layouts(module) if opts.sequence_parallel else None)
+
+
+def mamba2_sharding(name: str) -> dict[str, Style]:
+    """The sharding-plan entries of a Mamba2Mixer at `name` in a block: in_proj colwise, out_proj
+    rowwise, the mixer itself split by heads."""
+    return {f"{name}.in_proj": colwise, f"{name}.out_proj": rowwise, name: mamba2_head_split}
+
+
+__all__ = ["GatedRMSNorm", "Mamba2Args", "Mamba2HeadSplit", "Mamba2Mixer", "causal_conv", "grouped_rows",
+           "mamba2_head_split", "mamba2_sharding", "scan_implementation"]

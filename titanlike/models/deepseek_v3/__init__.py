@@ -8,13 +8,12 @@ and max_seq_len are placeholders the trainer overwrites (update_from_config); ma
 real context.
 """
 
-from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.common.rope import YaRNScaling
 from titanlike.models.deepseek_v3.hf_adapter import DeepSeekV3HF
 from titanlike.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3ModelArgs
+from titanlike.models.deepseek_v3.sharding import deepseek_v3_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
-from titanlike.parallel.tensor_parallel import TensorParallelPlan
 
 
 def _debug_moe() -> MoEArgs:
@@ -63,36 +62,15 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
 }
 
 
-def deepseek_v3_tp_plan() -> TensorParallelPlan:
-    """Heads split: the gathered input feeds the query (wq, or wq_a -> q_norm -> wq_b) and the latent
-    (wkv_a -> kv_norm -> wkv_b); the down projections and latent norms run whole on every rank
-    (replicated), the up projections are colwise, wo rowwise. The RoPE key (wk_pe) is read by each
-    rank's heads directly, not through a colwise linear, so its gradient is summed over the ranks
-    (replicated_to_heads). MLP and MoE as every decoder."""
-    base = decoder_tp_plan(mlp_inputs=("w1", "w3"))
-    block = {name: style for name, style in base.block.items() if name not in ("attention.wk", "attention.wv")}
-    block.update({
-        "attention.wq_a": "replicated", "attention.q_norm": "replicated", "attention.wq_b": "colwise",
-        "attention.wkv_a": "replicated", "attention.kv_norm": "replicated", "attention.wkv_b": "colwise",
-        "attention.wk_pe": "replicated_to_heads",
-        # Multi-token prediction modules (entries after the trunk): their input norms and projection
-        # work per token on the sequence slice and feed the block's residual stream as plain tensors;
-        # head_norm feeds the shared output head as the final norm does.
-        "enorm": "sequence_replicated", "hnorm": "sequence_replicated", "eh_proj": "sequence_replicated",
-        "head_norm": "sequence_norm",
-    })
-    return TensorParallelPlan(top={**base.top, "mtp_embeddings": "vocab_embedding"}, block=block)
-
-
 register_model_spec(
     ModelSpec(
         name="deepseek_v3",
         model_cls=DeepSeekV3,
         flavors=deepseek_v3_flavors,
-        tp_plan=deepseek_v3_tp_plan(),
+        shard=deepseek_v3_sharding,
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output", "mtp_embeddings")),
         hf=DeepSeekV3HF(),
     )
 )
 
-__all__ = ["DeepSeekV3", "DeepSeekV3ModelArgs", "deepseek_v3_flavors", "deepseek_v3_tp_plan"]
+__all__ = ["DeepSeekV3", "DeepSeekV3ModelArgs", "deepseek_v3_flavors", "deepseek_v3_sharding"]

@@ -9,9 +9,9 @@ learned position table has that many rows.
 This package is the whole family: the registry discovers it, and no generic file names it.
 """
 
-from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.gpt2.hf_adapter import GPT2HF
 from titanlike.models.gpt2.model import GPT2, GPT2Args
+from titanlike.models.common.sharding import decoder_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
 GPT2_VOCAB = 50257
@@ -40,7 +40,7 @@ register_model_spec(
         name="gpt2",
         model_cls=GPT2,
         flavors=gpt2_flavors,
-        tp_plan=decoder_tp_plan(mlp_inputs=("w1",), position_embeddings=("pos_embeddings",)),
+        shard=decoder_sharding(mlp_inputs=("w1",), position_embeddings=("pos_embeddings",)),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings", "pos_embeddings"), outputs=("norm", "output")),
         hf=GPT2HF(),
     )

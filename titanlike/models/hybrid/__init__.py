@@ -13,13 +13,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlike.config.schema import opt
-from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.mamba2 import Mamba2Args
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.hybrid.hf_adapter import HybridHF
 from titanlike.models.hybrid.model import HybridModel, HybridModelArgs
+from titanlike.models.hybrid.sharding import hybrid_sharding
 from titanlike.models.registry import ModelOptions, ModelSpec, PipelineEnds, register_model_spec
-from titanlike.parallel.tensor_parallel import TensorParallelPlan
 
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 NEMOTRON_H_56B_PATTERN = ("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-"
@@ -73,17 +72,6 @@ hybrid_flavors: dict[str, HybridModelArgs] = {
 }
 
 
-def hybrid_tp_plan() -> TensorParallelPlan:
-    """Attention, MLP and MoE as every decoder (one norm per block, sequence parallel); a Mamba-2
-    mixer split by groups of heads: in_proj colwise, out_proj rowwise, its conv filters, per-head
-    vectors and gated norm split with the heads (head_split), its input gathered on entry."""
-    base = decoder_tp_plan(mlp_inputs=("w1", "w3"))
-    block = {name: style for name, style in base.block.items() if name not in ("attention_norm", "ffn_norm")}
-    block.update({"norm": "sequence_norm", "mamba.in_proj": "colwise", "mamba.out_proj": "rowwise",
-                  "mamba": "head_split"})
-    return TensorParallelPlan(top=base.top, block=block)
-
-
 @dataclass
 class HybridOptions:
     """[hybrid]: the job's own layer pattern."""
@@ -104,7 +92,7 @@ register_model_spec(
         name="hybrid",
         model_cls=HybridModel,
         flavors=hybrid_flavors,
-        tp_plan=hybrid_tp_plan(),
+        shard=hybrid_sharding,
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf=HybridHF(),
         options=ModelOptions("hybrid", HybridOptions, _with_options,
@@ -113,4 +101,4 @@ register_model_spec(
 )
 
 __all__ = ["HybridModel", "HybridModelArgs", "HybridOptions", "NEMOTRON_H_56B_PATTERN", "NEMOTRON_H_8B_PATTERN",
-           "hybrid_flavors", "hybrid_tp_plan"]
+           "hybrid_flavors", "hybrid_sharding"]

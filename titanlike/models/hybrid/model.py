@@ -11,7 +11,7 @@ One character per layer, each layer one residual block `x + mixer(norm(x))`:
         pattern (PatternMoEArgs)
 
 so "M-M-M*-" is Mamba, MLP, Mamba, MLP, Mamba, attention, MLP. A block keeps its mixer under the
-name of its kind (mamba, attention, feed_forward, moe), so one tensor-parallel table covers every
+name of its kind (mamba, attention, feed_forward, moe), so one sharding plan (sharding.py) covers every
 kind (entries a block does not have are skipped) and checkpoints say what each layer is.
 A pattern of M only is a pure Mamba-2 model (Mamba2ForCausalLM).
 

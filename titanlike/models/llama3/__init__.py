@@ -5,10 +5,10 @@ vocab_size and max_seq_len of every flavor are placeholders the trainer overwrit
 tokenizer and training.seq_len) through update_from_config; max_seq_len is the real context length.
 """
 
-from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.rope import RoPEScaling
 from titanlike.models.llama3.hf_adapter import Llama3HF
 from titanlike.models.llama3.model import Transformer, TransformerModelArgs
+from titanlike.models.common.sharding import decoder_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
 LLAMA31_ROPE_SCALING = RoPEScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -65,7 +65,7 @@ register_model_spec(
         name="llama3",
         model_cls=Transformer,
         flavors=llama3_flavors,
-        tp_plan=decoder_tp_plan(mlp_inputs=("w1", "w3")),
+        shard=decoder_sharding(mlp_inputs=("w1", "w3")),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf=Llama3HF(llama3_flavors),
     )

@@ -6,10 +6,10 @@ coefficient 0.02. vocab_size and max_seq_len are placeholders the trainer overwr
 (update_from_config); max_seq_len is the real context.
 """
 
-from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.mixtral.hf_adapter import MixtralHF
 from titanlike.models.mixtral.model import Mixtral, MixtralModelArgs
+from titanlike.models.common.sharding import decoder_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
 
@@ -34,7 +34,7 @@ register_model_spec(
         name="mixtral",
         model_cls=Mixtral,
         flavors=mixtral_flavors,
-        tp_plan=decoder_tp_plan(mlp_inputs=("w1", "w3")),
+        shard=decoder_sharding(mlp_inputs=("w1", "w3")),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf=MixtralHF(),
     )

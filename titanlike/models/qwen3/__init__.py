@@ -7,10 +7,10 @@ output projection to the embeddings. vocab_size and max_seq_len are placeholders
 overwrites (update_from_config); max_seq_len is the real context.
 """
 
-from titanlike.models.common.decoder import decoder_tp_plan
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.qwen3.hf_adapter import Qwen3HF
 from titanlike.models.qwen3.model import Qwen3, Qwen3ModelArgs
+from titanlike.models.common.sharding import decoder_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
 QWEN3_VOCAB = 151936
@@ -62,7 +62,7 @@ register_model_spec(
         name="qwen3",
         model_cls=Qwen3,
         flavors=qwen3_flavors,
-        tp_plan=decoder_tp_plan(mlp_inputs=("w1", "w3"), qk_norm=True),
+        shard=decoder_sharding(mlp_inputs=("w1", "w3"), qk_norm=True),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf=Qwen3HF(),
     )

@@ -14,6 +14,7 @@ refused by T5Args.validate. This package is the whole family: the registry disco
 from titanlike.models.registry import ModelSpec, register_model_spec
 from titanlike.models.t5.hf_adapter import T5HF
 from titanlike.models.t5.model import T5, T5Args
+from titanlike.models.t5.sharding import t5_sharding
 from titanlike.objectives.span_corruption import SpanCorruption
 
 
@@ -35,37 +36,16 @@ t5_flavors: dict[str, T5Args] = {
 }
 
 
-def t5_tp_plan():
-    """Heads split in self- and cross-attention (wq, wk, wv by output features, wo by input
-    features), the MLP by hidden units, norms sequence parallel, the vocabulary split in the token
-    table and the output projection, and each relative-bias table split by heads (head_table).
-    Cross-attention all-gathers both of its sequence inputs (its own stream and the encoder's
-    output; CrossAttention.sequence_inputs). Encoder blocks have no cross-attention entries (skipped)."""
-    from titanlike.parallel.tensor_parallel import TensorParallelPlan
-
-    top = {"tok_embeddings": "vocab_embedding", "encoder_relative_bias": "head_table",
-           "decoder_relative_bias": "head_table", "encoder_norm": "sequence_norm", "norm": "sequence_norm",
-           "output": "vocab_output"}
-    block = {}
-    for attention in ("attention", "cross_attention"):
-        block.update({f"{attention}_norm": "sequence_norm", attention: "gather_input",
-                      f"{attention}.wq": "colwise", f"{attention}.wk": "colwise", f"{attention}.wv": "colwise",
-                      f"{attention}.wo": "rowwise"})
-    block.update({"ffn_norm": "sequence_norm", "feed_forward": "gather_input", "feed_forward.w1": "colwise",
-                  "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"})
-    return TensorParallelPlan(top=top, block=block)
-
-
 register_model_spec(
     ModelSpec(
         name="t5",
         model_cls=T5,
         flavors=t5_flavors,
-        tp_plan=t5_tp_plan(),
+        shard=t5_sharding,
         pipeline_ends=None,  # no pipeline parallelism (T5Args.validate says why)
         hf=T5HF(),
         objective=SpanCorruption.for_job,
     )
 )
 
-__all__ = ["T5", "T5Args", "t5_flavors", "t5_tp_plan"]
+__all__ = ["T5", "T5Args", "t5_flavors", "t5_sharding"]

@@ -176,7 +176,7 @@ def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: 
 
 class RelativePositionBias(nn.Module):
     """A stack's learned bias per head and offset bucket, stored (n_heads, num_buckets) so tensor
-    parallelism splits dim 0 with the heads (style head_table): a rank reads only its heads' rows."""
+    parallelism splits dim 0 with the heads (head_split_parameters): a rank reads only its heads' rows."""
 
     head_split_parameters = ("weight",)
 
@@ -203,7 +203,7 @@ def masked_bias(bias: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 class T5Attention(nn.Module):
     """Multi-head attention without biases or score scaling; `bias` (additive, broadcast to (batch,
     heads, queries, keys)) carries the relative positions and the masks. Projections wq, wk, wv,
-    wo are named as the common Attention's, so the tensor-parallel plan splits them by heads."""
+    wo are named as the common Attention's, so the sharding plan (sharding.py) splits them by heads."""
 
     # Declares to the analytic memory estimate (estimation/analytic.py): SDPA with an additive float
     # bias (attn_mask) that the caller computes once per stack.
@@ -244,7 +244,7 @@ class SelfAttention(T5Attention):
 
 class CrossAttention(T5Attention):
     # Both x and the encoder's output are sequence-sharded activations under sequence parallelism:
-    # the tensor-parallel gather_input style all-gathers this many leading inputs.
+    # the sharding's gather_input style all-gathers this many leading inputs (models/protocol.py).
     sequence_inputs = 2
 
     def forward(self, x: torch.Tensor, encoder_out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
