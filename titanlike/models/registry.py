@@ -12,7 +12,7 @@ that generic code reads, is declared in titanlike/models/protocol.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.nn as nn
 
