@@ -137,10 +137,10 @@ T5 encoder and decoder blocks with either MLP, fp32, bf16 and fp32 under autocas
   too); per encoder token: k and v, e 2 kvd / t, and the encoder output as wk and wv read it: two
   bf16 casts under autocast (2 e h, plus a cast of the (batch, 1, 1, s) padding bias), the
   all-gathered copy under TP (r h), otherwise the encoder's own output, counted once (r h). Decoder
-  blocks and the output end (logits, final norm) run on training.decoder_seq_len tokens D; the
+  blocks and the output end (logits, final norm) run on span_corruption.decoder_seq_len tokens D; the
   encoder's final norm (an output-end norm not named "norm") on the encoder's s.
 - Ends: input-end norms (BERT's embedding LayerNorm) and the int64 per-token sample fields the
-  model indexes (SampleFormat.token_fields: BERT's token types, 8 bytes per token); an encoder-
+  model indexes (the objective's token_fields: BERT's token types, 8 bytes per token); an encoder-
   decoder's decoder token ids too. An output-end module that declares `per_token_ops` (BERT's MLM
   transform: dense, gelu, norm) keeps each op's input (e h / t per linear and activation, the norm's
   bytes); one that declares `per_sequence` (the binary head, position 0 only) keeps nothing per
@@ -485,7 +485,6 @@ class ModelShape:
     # An encoder-decoder's output-end norms other than the final one (named "norm" in every family):
     # they normalize the encoder's output (T5's encoder_norm), over the encoder's tokens.
     encoder_norms: tuple[str, ...] = ()
-    token_fields: int = 0             # per-token int64 sample fields the model indexes (BERT's token types)
     output_linears: int = 0           # linears of the output end before the projection (MLM transform)
     output_activations: int = 0       # elementwise activations there (each keeps its input)
     gathers_output: bool = False      # a per-sequence head all-gathers the final hidden states under TP
@@ -677,7 +676,6 @@ def read_model(spec, args, *, tensor_parallel: bool = False) -> ModelShape:
                       vocab_table=vocab_table, vocab_tied=vocab_tied,
                       output_vocab=output_vocab, output_norms=tuple(output_norms), blocks=blocks, unknown=unknown,
                       input_norms=tuple(input_norms), encoder_norms=tuple(encoder_norms),
-                      token_fields=len(args.sample_format().token_fields),
                       output_linears=transform["linear"], output_activations=transform["activation"],
                       gathers_output=gathers_output)
 
@@ -1214,9 +1212,12 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
     output_norms = sum(norm_bytes(kind, h, e_res, device) for kind in ms.output_norms)
     encoder_norms = sum(norm_bytes(kind, h, e_res, device) for kind in ms.encoder_norms)
     # An encoder-decoder (blocks with cross-attention): decoder blocks and the output end run the
-    # decoder's training.decoder_seq_len tokens; cross-attention reads the encoder's tokens.
+    # decoder tokens its objective adds (span_corruption.decoder_seq_len); cross-attention reads the
+    # encoder's tokens.
     encoder_decoder = any(b.cross_attention for b in blocks)
-    dec_seq = t.decoder_seq_len if encoder_decoder else seq_local
+    dec_seq = prep.objective.model_lengths()["decoder_seq_len"] if encoder_decoder else seq_local
+    # Per-token int64 sample fields the model indexes besides the token ids (BERT's token types).
+    token_fields = len(prep.objective.token_fields)
     dec_tokens = microbatch * dec_seq
     out_tokens = dec_tokens if encoder_decoder else tokens
 
@@ -1246,7 +1247,7 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
             # The token ids, kept by the embedding's backward (an encoder-decoder's decoder ids too), and
             # the per-token int64 sample fields the model indexes (BERT's token types); an input-end
             # norm (BERT's embedding LayerNorm) on this rank's slice of the sequence.
-            stored += (tokens + (dec_tokens if encoder_decoder else 0)) * 8 + tokens * 8 * ms.token_fields
+            stored += (tokens + (dec_tokens if encoder_decoder else 0)) * 8 + tokens * 8 * token_fields
             stored += tokens * sum(norm_bytes(kind, h, e_res, device) for kind in ms.input_norms) // tp
         else:
             stored += tokens * e_res * h // tp  # the stage input received from the previous stage

@@ -98,6 +98,7 @@ class PreparedJob:
     cfg: JobConfig
     dims: ParallelDims
     model_args: Any
+    objective: Any = None  # the job's training objective (titanlike/objectives/): its samples and loss
     notes: list[str] = field(default_factory=list)
     float8: Float8Adjustment | None = None
 
@@ -131,7 +132,7 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
     that cannot run at all.
     """
     from titanlike.models.registry import get_model_spec, model_names
-    from titanlike.train.model_parts import model_args_for_job
+    from titanlike.train.model_parts import job_objective, model_args_for_job
 
     est = copy.deepcopy(cfg)
     notes: list[str] = []
@@ -203,5 +204,6 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
     spec = get_model_spec(est.model.name)
     if vocab_size is None:
         vocab_size = spec.flavors[est.model.flavor].vocab_size
-    model_args = model_args_for_job(est, spec, vocab_size)
-    return PreparedJob(cfg=est, dims=dims, model_args=model_args, notes=notes, float8=float8)
+    objective = job_objective(est, spec)
+    model_args = model_args_for_job(est, spec, vocab_size, objective)
+    return PreparedJob(cfg=est, dims=dims, model_args=model_args, objective=objective, notes=notes, float8=float8)

@@ -312,8 +312,7 @@ class _Context:
     loss_parallel: bool
     mode: object
     parallelize: object = None       # ParallelizeOptions, as the trainer derives them
-    loss_fn: object = None           # the family's loss (sum over target tokens)
-    vocab_size: int = 0              # rows of the token embedding (ids the trace feeds)
+    objective: object = None         # the job's objective: its batch and its loss (sum over target tokens)
     converters: object = None
     positions: torch.Tensor | None = None
     global_tokens: torch.Tensor | None = None
@@ -329,8 +328,8 @@ class _Context:
         return contextlib.nullcontext()
 
     def loss(self, logits, labels):
-        # As the trainer: the family's loss summed over target tokens, over the step's global token count.
-        return self.loss_fn(logits, labels) / self.global_tokens
+        # As the trainer: the objective's loss summed over target tokens, over the step's global token count.
+        return self.objective.loss(logits, labels) / self.global_tokens
 
 
 def _warm_optimizer(parts: list[nn.Module], cfg, converters=None) -> torch.optim.Optimizer:
@@ -386,7 +385,6 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
     from titanlike.models.registry import get_model_spec
     from titanlike.parallel.context import load_balanced_positions
     from titanlike.parallel.parallel_dims import ParallelDims
-    from titanlike.train.loss import build_cross_entropy_loss
     from titanlike.train.model_parts import parallelize_options
 
     log = log or (lambda msg: None)
@@ -408,14 +406,13 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
         # meta model, before any pipeline split.
         converters = build_model_converters(cfg.model.converters, cfg.float8)
         converters.convert(model)
-        build_loss = spec.build_loss or (lambda job: build_cross_entropy_loss())
         # One mode for the whole estimate: fake tensors of different modes cannot meet in one op.
         # Non-fake inputs are allowed because DeviceMesh keeps real rank tensors.
         ctx = _Context(prep, granularity, spec,
                        autocast_dtype=None if dims.fsdp_enabled else _HALF.get(cfg.training.mixed_precision_param),
                        loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
                        mode=FakeTensorMode(allow_non_fake_inputs=True), parallelize=parallelize_options(cfg, dims),
-                       loss_fn=build_loss(cfg), vocab_size=_token_vocab(model, spec, args),
+                       objective=prep.objective,
                        converters=converters)
         with ctx.mode:
             if dims.cp_enabled:
@@ -438,22 +435,20 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
     return estimates, ctx.notes
 
 
-def _fake_microbatch(ctx: _Context, batch: int, seq_local: int):
-    """One microbatch (train/trainer.py Microbatch) as the trainer hands it to the step: token
-    windows, or the fields of the family's sample format (BERT's, T5's) with their padding mask."""
-    from titanlike.train.trainer import Microbatch, microbatch_of_fields
+def _fake_microbatch(ctx: _Context, batch: int):
+    """One microbatch as the trainer hands it to the step: the objective's sample fields (token
+    windows, BERT's, T5's), prepared by the objective (masks, the context-parallel cut, multi-token
+    prediction's lookahead)."""
+    from titanlike.objectives.base import BatchContext
 
     t = ctx.prep.cfg.training
-    fmt = ctx.prep.model_args.sample_format()
-    shapes = fmt.field_shapes(t.seq_len, t.decoder_seq_len)
-    if not shapes:
-        tokens = torch.randint(0, ctx.vocab_size, (batch, seq_local), device=DEVICE)
-        labels = torch.randint(0, ctx.vocab_size, (batch, seq_local), device=DEVICE)
-        return Microbatch(tokens, labels, positions=ctx.positions)
     fields = {name: torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=DEVICE)
-              for name, (shape, dtype) in shapes.items()}
-    return microbatch_of_fields(fields, token_fields=fmt.token_fields, cp_positions=ctx.positions,
-                                mask_kernel=None if ctx.positions is not None else "sdpa")
+              for name, (shape, dtype) in ctx.objective.sample_fields(t.seq_len).items()}
+    # Token values do not matter to fake tensors: 0 stands in for the tokenizer's end of document.
+    batch_ctx = BatchContext(DEVICE, cp_positions=ctx.positions,
+                             mask_kernel=None if ctx.positions is not None else "sdpa", eos_id=0,
+                             lookahead_tokens=ctx.prep.model_args.lookahead_tokens)
+    return ctx.objective.prepare(fields, batch_ctx)
 
 
 def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: int, log) -> RankEstimate:
@@ -472,10 +467,9 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
         model.train()
         optimizer = _warm_optimizer([model], cfg, ctx.converters)
         persistent_opt = _optimizer_state_bytes(optimizer, ctx.granularity)
-        seq_local = t.seq_len // dims.cp
-        microbatch = _fake_microbatch(ctx, t.local_batch_size, seq_local)
+        microbatch = _fake_microbatch(ctx, t.local_batch_size)
         tokens, labels, kwargs = microbatch.inputs, microbatch.labels, microbatch.forward_kwargs()
-        step = TrainStep(model_parts=[model], step_loss=StepLoss(ctx.loss_fn, None), optimizer=optimizer,
+        step = TrainStep(model_parts=[model], step_loss=StepLoss(ctx.objective.loss, None), optimizer=optimizer,
                          device=DEVICE, max_norm=t.max_norm, tp_mesh=dims.mesh("tp"), autocast=ctx.autocast(),
                          loss_parallel=ctx.loss_parallel, converters=ctx.converters,
                          reported_losses=ctx.prep.model_args.reported_losses())
@@ -632,7 +626,7 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
             def forward(mb: int):
                 if mb:
                     tr.tracker.reset_mod_stats()
-                fake = _fake_microbatch(ctx, mbs, seq_local)
+                fake = _fake_microbatch(ctx, mbs)
                 tokens, labels, kwargs = fake.inputs, fake.labels, fake.forward_kwargs()
                 if first:
                     x = tokens
@@ -696,21 +690,6 @@ def _trace_stage(ctx: _Context, part: nn.Module, stage_index: int, layout, dims,
     del persistent_opt
     return _StageStats(base=base, f_excess=[f_ex, f2_ex], f_delta=[f_d, f2_d], b_excess=[b_ex, b2_ex],
                        b_delta=[b_d, b2_d], r_excess=r_ex, r_delta=r_d, opt_excess=o_ex, modules=modules)
-
-
-def _token_vocab(model: nn.Module, spec, args) -> int:
-    """Rows of the token embedding (the ids the trace may feed): the first embedding of the
-    pipeline's input end, else the model's first top-level embedding, else args.vocab_size."""
-    ends = spec.pipeline_ends
-    names = list(ends.inputs) if ends is not None else [name for name, _ in model.named_children()]
-    for name in names:
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            continue
-        if isinstance(module, nn.Embedding):
-            return module.num_embeddings
-    return args.vocab_size
 
 
 def _replay(actions: list, stats: dict[int, _StageStats], w_share: float) -> RankEstimate:

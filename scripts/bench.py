@@ -26,7 +26,8 @@ from titanlike.config import load_job_config
 from titanlike.train.validate import validate_config  # noqa: E402
 from titanlike.observe.metrics import device_peak_flops, peak_memory_gib  # noqa: E402
 from titanlike.models.outputs import logits_of  # noqa: E402
-from titanlike.train.trainer import Trainer, microbatch_of_fields  # noqa: E402
+from titanlike.objectives.base import BatchContext  # noqa: E402
+from titanlike.train.trainer import Trainer  # noqa: E402
 
 
 def time_steps(step_fn, batches, n: int) -> float:
@@ -74,14 +75,12 @@ def main() -> None:
                                 weight_decay=o.weight_decay, foreach=o.implementation == "foreach",
                                 fused=o.implementation == "fused")
 
+        # The objective's batch (token windows as they are; BERT's / T5's fields with their padding mask).
+        batch_ctx = BatchContext(trainer.device, mask_kernel=trainer.mask_kernel, eos_id=trainer.tokenizer.eos_id)
+
         def minimal_step(batches):
-            batch = batches[0]
-            if isinstance(batch, dict):  # a BERT / T5 sample's fields, with their padding mask
-                mb = microbatch_of_fields({k: v.to(trainer.device) for k, v in batch.items()}, token_fields=(),
-                                          cp_positions=None, mask_kernel=trainer.mask_kernel)
-                inputs, labels, kwargs = mb.inputs, mb.labels, mb.forward_kwargs()
-            else:
-                inputs, labels, kwargs = batch[0].to(trainer.device), batch[1].to(trainer.device), {}
+            mb = trainer.objective.prepare(batches[0], batch_ctx)
+            inputs, labels, kwargs = mb.inputs, mb.labels, mb.forward_kwargs()
             loss = F.cross_entropy(logits_of(model(inputs, **kwargs)).flatten(0, 1).float(), labels.flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)

@@ -62,6 +62,15 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: 
     return new
 
 
+def training_objective(model):
+    """The objective the model's family trains with (its ModelSpec's, for these args)."""
+    from titanlike.config import JobConfig
+    from titanlike.models.registry import get_model_spec, model_names
+
+    spec = next(get_model_spec(name) for name in model_names() if get_model_spec(name).model_cls is type(model))
+    return spec.objective(JobConfig(), model.model_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="DCP step folder, checkpoint folder (latest step), or HF folder")
@@ -77,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from titanlike.checkpoint import CheckpointError, load_model
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+    from titanlike.objectives import CausalLM
 
     tokenizer = build_tokenizer(args.tokenizer or DEFAULT_TOKENIZER_PATH)
     try:
@@ -84,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    kind = model.model_args.sample_format().kind
-    if kind != "causal_lm":
+    objective = training_objective(model)
+    if not isinstance(objective, CausalLM):
         print(f"error: this script samples next tokens from decoder-only models; {type(model).__name__} was trained "
-              f"on {kind} samples (load it with titanlike.load_model and call it, or export it to "
+              f"on {objective.name} samples (load it with titanlike.load_model and call it, or export it to "
               "Hugging Face)", file=sys.stderr)
         return 1
     vocab = vocab_size(model)

@@ -150,9 +150,10 @@ def first_batch_and_hf_loss(hf, tokenizer, seq_len: int = 64, batch: int = 8) ->
     model's cross-entropy on it: what a job that starts from hf's weights must log first."""
     from titanlike.data import build_dataloader
 
-    inputs, labels = next(iter(build_dataloader(
+    first = next(iter(build_dataloader(
         dataset="default", dataset_path=None, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=batch,
         global_batch_size=batch, dp_rank=0, dp_degree=1, seed=0)))
+    inputs, labels = first["inputs"], first["labels"]
     with torch.no_grad():
         hf_loss = F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten()).item()
     return inputs, hf_loss

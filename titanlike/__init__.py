@@ -13,4 +13,23 @@ def load_model(path, device="cpu", *, dtype=None):
     return _load_model(path, device, dtype=dtype)
 
 
+def _register_config_sections() -> None:
+    """Import what registers config sections (titanlike/config/sections.py): the objectives and every
+    model family. The config loader runs this the first time it needs the list of sections, so a
+    section is read whichever module a program imported first."""
+    import titanlike.objectives  # noqa: F401
+    from titanlike.models.registry import model_names
+
+    model_names()  # imports every family
+
+
+def _install_config_discovery() -> None:
+    # config/ is a leaf that cannot import its owners; the package root hands it the importer.
+    from titanlike.config.sections import add_discovery
+
+    add_discovery(_register_config_sections)
+
+
+_install_config_discovery()
+
 __all__ = ["load_model"]

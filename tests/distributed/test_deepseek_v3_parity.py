@@ -132,7 +132,7 @@ def _check_tp_gradients(mesh, q_lora_rank: int) -> None:
     def build():
         return materialize(DeepSeekV3, args, seed=0)
 
-    from titanlike.train.loss import lookahead_targets
+    from titanlike.objectives.causal_lm import lookahead_targets
 
     torch.manual_seed(0)  # the same tokens and output gradient on every rank
     stream, grad_logits = torch.randint(0, args.vocab_size, (2, 17)), torch.randn(2, 16, args.vocab_size)

@@ -20,7 +20,7 @@ from test_validation_runs import assert_same_validation, split_records
 pytestmark = pytest.mark.distributed
 
 T5 = ("--model.name", "t5", "--model.flavor", "debugmodel", "--training.steps", "6",
-      "--training.decoder_seq_len", "16",
+      "--span_corruption.decoder_seq_len", "16",
       "--validation.enable", "--validation.freq", "3", "--validation.steps", "1")
 
 

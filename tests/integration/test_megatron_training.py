@@ -89,7 +89,8 @@ def sentence_prefix(tmp_path_factory):
     return str(tmp / "chapters_text_sentence")
 
 
-@pytest.mark.parametrize("family", [("bert", ()), ("t5", ("--training.decoder_seq_len", "16"))], ids=["bert", "t5"])
+@pytest.mark.parametrize("family", [("bert", ()), ("t5", ("--span_corruption.decoder_seq_len", "16"))],
+                         ids=["bert", "t5"])
 def test_encoder_families_train_on_sentence_split_data(tmp_path, sentence_prefix, family):
     name, extra = family
     launch([*TINY_JOB, "--model.name", name, "--model.flavor", "debugmodel", *extra, "--training.steps", "3",

@@ -93,7 +93,7 @@ def _step_samples(iters, schedule: BatchSchedule, step: int, local: int, dp: int
     n = schedule.batch_size(step) // (local * dp)
     samples = []
     for it in iters:
-        samples += [int(x) for _ in range(n) for x in next(it)[0][:, 0]]
+        samples += [int(x) for _ in range(n) for x in next(it)["inputs"][:, 0]]
     return samples
 
 

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from family_checks import check_stages_initialized_as_full, held_params, init_pipeline_stages, materialize, run_stages
-from titanlike.models.args import SampleFormat
+from titanlike.config import load_job_config
 from titanlike.models.bert import BINARY_LOSS, Bert, BertArgs, bert_flavors
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import LossReports
 from titanlike.models.registry import get_model_spec, model_names, spec_for_hf_model_type
+from titanlike.objectives import MaskedLM
 from titanlike.parallel.pipeline import plan_layout
 
 SPEC = get_model_spec("bert")
@@ -48,8 +49,11 @@ def test_registered_by_its_folder_alone():
     big = bert_flavors["3.9B"]
     assert (big.n_layers, big.dim, big.n_heads, big.pre_norm) == (48, 2560, 40, True)
     assert debug.norm_eps == 1e-12 and not debug.pre_norm and debug.binary_head
-    assert debug.sample_format() == SampleFormat("masked_lm", sentence_pairs=True, token_fields=("token_types",))
-    assert tiny_args(binary_head=False).sample_format().sentence_pairs is False
+    # Its objective: masked LM, on sentence pairs exactly when the flavor has the binary head.
+    cfg = load_job_config([])
+    objective = SPEC.objective(cfg, debug)
+    assert isinstance(objective, MaskedLM) and objective.sentence_pairs and objective.token_fields == ("token_types",)
+    assert SPEC.objective(cfg, tiny_args(binary_head=False)).sentence_pairs is False
     assert debug.attention_shape().causal is False
     assert debug.reported_losses() == (BINARY_LOSS,) and tiny_args(binary_head=False).reported_losses() == ()
     assert all(callable(style) for style in {**SPEC.shard.top, **SPEC.shard.block}.values())

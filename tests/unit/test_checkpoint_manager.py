@@ -78,7 +78,8 @@ class Job:
         losses = []
         for _ in range(n):
             self.step += 1
-            inputs, labels = next(self.data)
+            batch = next(self.data)
+            inputs, labels = batch["inputs"], batch["labels"]
             loss = F.cross_entropy(self.forward(inputs).flatten(0, 1), labels.flatten())
             loss.backward()
             self.optimizer.step()

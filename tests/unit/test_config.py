@@ -47,6 +47,38 @@ def test_lists_and_optionals():
     assert load_job_config(["--lr_scheduler.decay_ratio", "none"]).lr_scheduler.decay_ratio is None
 
 
+def test_sections_of_objectives_and_families_are_read_printed_and_default():
+    from titanlike.config import JobConfig, config_to_dict
+
+    cfg = load_job_config(["--masked_lm.mask_prob", "0.2", "--span_corruption.decoder_seq_len", "16",
+                           "--hybrid.layer_pattern", "M*"])
+    assert (cfg.masked_lm.mask_prob, cfg.span_corruption.decoder_seq_len, cfg.hybrid.layer_pattern) == (0.2, 16, "M*")
+    printed = config_to_dict(cfg)
+    assert printed["masked_lm"] == {"mask_prob": 0.2, "short_seq_prob": 0.1}
+    assert printed["hybrid"]["layer_pattern"] == "M*"
+    assert JobConfig().span_corruption.decoder_seq_len == 128  # a config built in code reads the defaults
+    with pytest.raises(AttributeError):
+        JobConfig().no_such_section
+
+
+def test_old_spellings_of_moved_keys_load_with_a_note(tmp_path):
+    """training.mask_prob & co. before [masked_lm] / [span_corruption] held them: one old key feeds
+    every section that now holds it, with the loader's one-line note."""
+    notes: list[str] = []
+    cfg = load_job_config(["--training.mask_prob", "0.3", "--training.decoder_seq_len", "16"], notes=notes)
+    assert (cfg.masked_lm.mask_prob, cfg.span_corruption.mask_prob, cfg.span_corruption.decoder_seq_len) == (
+        0.3, 0.3, 16)
+    assert notes == [
+        "training.mask_prob is deprecated (titanlike 0.1.0's spelling); read as masked_lm.mask_prob and "
+        "span_corruption.mask_prob",
+        "training.decoder_seq_len is deprecated (titanlike 0.1.0's spelling); read as span_corruption.decoder_seq_len"]
+    path = tmp_path / "both.toml"
+    path.write_text("[training]\nmask_prob = 0.3\n[masked_lm]\nmask_prob = 0.2\n")
+    with pytest.raises(ConfigError, match="sets masked_lm.mask_prob twice, as training.mask_prob and as "
+                                          "masked_lm.mask_prob, to different values; keep masked_lm.mask_prob"):
+        load_job_config(["--job.config_file", str(path)])
+
+
 @pytest.mark.parametrize(
     "argv, fragment",
     [
@@ -88,11 +120,13 @@ def test_help_lists_every_option_with_default_and_doc():
     assert "(foreach | fused | for-loop)" in text
     from dataclasses import fields
 
-    from titanlike.config.schema import JobConfig
+    from titanlike.config import config_sections
 
-    for section in fields(JobConfig):
-        for f in fields(getattr(JobConfig(), section.name)):
-            assert f"--{section.name}.{f.name} (" in text
+    # JobConfig's sections and those objectives and model families register.
+    assert {"training", "masked_lm", "span_corruption", "hybrid"} <= set(config_sections())
+    for name, section in config_sections().items():
+        for f in fields(section):
+            assert f"--{name}.{f.name} (" in text
 
 
 _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
@@ -161,6 +195,11 @@ _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
         (["--training.skip_nonfinite_steps", "-1"], 1, "training.skip_nonfinite_steps must be 0 (stop on the first)"),
         (["--comm.train_timeout_seconds", "0"], 1, "comm.train_timeout_seconds must be at least 1, got 0"),
         (["--comm.trace_buf_size", "-1"], 1, "comm.trace_buf_size must be 0 (no flight recorder) or more"),
+        # Sections of objectives check their values whatever the model.
+        (["--masked_lm.mask_prob", "1"], 1, "masked_lm.mask_prob must be between 0 and 1 (exclusive), got 1.0"),
+        (["--span_corruption.short_seq_prob", "2"], 1, "span_corruption.short_seq_prob must be between 0 and 1, got"),
+        (["--span_corruption.mean_noise_span_length", "0.5"], 1, "mean_noise_span_length must be at least 1"),
+        (["--span_corruption.decoder_seq_len", "1"], 1, "span_corruption.decoder_seq_len must be at least 2, got 1"),
     ],
 )
 def test_validation_rules(argv, world, fragment):

@@ -43,8 +43,11 @@ def docs():
 
 
 def take(loader, n):
+    """The next n microbatches of token windows, as (inputs, labels) (the loader yields them by name)."""
     it = iter(loader)
-    return [next(it) for _ in range(n)]
+    batches = [next(it) for _ in range(n)]
+    assert all(set(batch) == {"inputs", "labels"} for batch in batches)
+    return [(batch["inputs"], batch["labels"]) for batch in batches]
 
 
 def default_loader(tok, *, rank=0, dp=1, local=G, seed=0, seq_len=SEQ, num_workers=0):
@@ -192,7 +195,7 @@ def test_resume_mid_stream(tok, docs, kind):
     for _ in range(5):  # mid-step: microbatch 1 of step 2
         next(it)
     state = original.state_dict()
-    expected = [next(it) for _ in range(7)]
+    expected = [(batch["inputs"], batch["labels"]) for batch in (next(it) for _ in range(7))]
     # Serialized after the original moved on: the snapshot must not alias live state.
     state = pickle.loads(pickle.dumps(state))
 

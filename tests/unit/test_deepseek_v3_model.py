@@ -315,7 +315,8 @@ def test_presets_parse_and_validate(preset, world):
 def test_multi_token_prediction_joins_the_objective_in_training_only():
     """The prediction module after the trunk: its weighted loss reaches every parameter's gradient
     through the logits, its per-depth value is reported, and evaluation skips it."""
-    from titanlike.train.loss import cross_entropy_sum, lookahead_targets
+    from titanlike.models.outputs import cross_entropy_sum
+    from titanlike.objectives.causal_lm import lookahead_targets
 
     args = tiny(mtp_num_layers=2, mtp_loss_weight=0.5)
     assert (args.total_layers, args.lookahead_tokens, args.reported_losses()) == (5, 2, ("mtp_loss",))

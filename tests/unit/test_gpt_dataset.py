@@ -424,7 +424,7 @@ def test_serves_the_stateful_loader_and_resumes_exactly(corpus, tmp_path):
                                             global_batch_size=4, dp_rank=rank, dp_degree=2)
 
     it0, it1 = iter(loader(0)), iter(loader(1))
-    (x0, y0), (x1, y1) = next(it0), next(it1)
+    (x0, y0), (x1, y1) = ((b["inputs"], b["labels"]) for b in (next(it0), next(it1)))
     windows = np.stack([ds[i] for i in range(4)])  # step 0 is global samples 0..3, in order
     assert np.array_equal(np.concatenate([x0.numpy(), x1.numpy()]), windows[:, :-1])
     assert np.array_equal(np.concatenate([y0.numpy(), y1.numpy()]), windows[:, 1:])
@@ -436,7 +436,8 @@ def test_serves_the_stateful_loader_and_resumes_exactly(corpus, tmp_path):
     resumed = loader(0)
     resumed.load_state_dict(state)
     got = next(iter(resumed))
-    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got, expected))
+    assert got.keys() == expected.keys() == {"inputs", "labels"}
+    assert all(np.array_equal(got[name].numpy(), expected[name].numpy()) for name in got)
 
 
 # -- against Megatron-LM itself (optional: needs megatron-core) ----------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -210,19 +211,29 @@ def test_presets_parse_and_validate(preset, world):
         assert (layout.tp, layout.dp_shard) == (8, 8)
 
 
-def test_model_hybrid_layer_pattern_replaces_the_flavor_s_pattern():
+def test_hybrid_layer_pattern_replaces_the_flavor_s_pattern():
     from titanlike.train.model_parts import flavor_args
 
-    cfg = load_job_config(["--model.name", "hybrid", "--model.flavor", "debugmodel", "--model.hybrid_layer_pattern",
+    cfg = load_job_config(["--model.name", "hybrid", "--model.flavor", "debugmodel", "--hybrid.layer_pattern",
                            "MM*-MM"])
     args = flavor_args(cfg, get_model_spec("hybrid"))
     assert args.hybrid_layer_pattern == "MM*-MM" != hybrid_flavors["debugmodel"].hybrid_layer_pattern
     assert args.n_layers == 6
     validate_config(cfg, world_size=1)
     for argv, message in (
-        (["--model.name", "llama3"], "is not built from a layer pattern"),
+        (["--model.name", "llama3"], "hybrid.layer_pattern 'M*E' is set, but it configures the hybrid family and "
+                                     "model.name is llama3; remove it or set model.name hybrid"),
         (["--model.name", "hybrid"], "has E (mixture-of-experts) layers but the model has no moe settings"),
     ):
-        bad = load_job_config([*argv, "--model.hybrid_layer_pattern", "M*E"])
-        with pytest.raises(ConfigError, match="^[^\n]*" + message.replace("(", r"\(").replace(")", r"\)")):
+        bad = load_job_config([*argv, "--hybrid.layer_pattern", "M*E"])
+        with pytest.raises(ConfigError, match="^[^\n]*" + re.escape(message)):
             validate_config(bad, world_size=1)
+
+
+def test_model_hybrid_layer_pattern_still_loads_with_a_note():
+    """The spelling before [hybrid] held it: read as hybrid.layer_pattern, with the loader's one-line note."""
+    notes: list[str] = []
+    cfg = load_job_config(["--model.name", "hybrid", "--model.hybrid_layer_pattern", "MM*-MM"], notes=notes)
+    assert cfg.hybrid.layer_pattern == "MM*-MM"
+    assert notes == ["model.hybrid_layer_pattern is deprecated (titanlike 0.1.0's spelling); read as "
+                     "hybrid.layer_pattern"]

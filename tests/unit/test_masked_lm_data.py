@@ -12,16 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from titanlike.data import DEFAULT_TOKENIZER_PATH, DataError, ObjectiveData, build_dataloader, build_tokenizer
+from titanlike.data import DEFAULT_TOKENIZER_PATH, DataError, build_dataloader, build_tokenizer
 from titanlike.data.indexed import IndexedDataset
 from titanlike.data.loader import build_dataloader_from_source
 from titanlike.data.masked_lm import IGNORE_INDEX, MaskedLMSamples
 from titanlike.data.sentence_samples import InMemorySentences
 from titanlike.data.special_tokens import special_token_ids
-from titanlike.models.args import SampleFormat
+from titanlike.objectives import MaskedLM
 
 SEQ = 48
-PAIRS = SampleFormat("masked_lm", sentence_pairs=True, token_fields=("token_types",))
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +258,7 @@ def test_split_sentences_round_trip_feeds_the_loader(tmp_path, tok, ids):
         # document order unless the pair was swapped
         a, b = find_run(row, orig[1:sep]), find_run(row, orig[sep + 1:n - 1])
         assert (a > b) == bool(s["binary_labels"]), (a, b)
-    objective = ObjectiveData(PAIRS)
+    objective = MaskedLM(sentence_pairs=True)
     common = dict(tokenizer=tok, seq_len=64, local_batch_size=2, global_batch_size=4, dp_degree=1, seed=0,
                   objective=objective)
     train = build_dataloader(dataset="megatron", dataset_path=prefix, dp_rank=0, split="80,20", **common)
@@ -275,14 +274,20 @@ def test_split_sentences_round_trip_feeds_the_loader(tmp_path, tok, ids):
 
 
 def test_embedded_corpus_default_kind(tok):
-    from titanlike.config.schema import Training
+    from titanlike.config import load_job_config
+    from titanlike.models.registry import get_model_spec
+    from titanlike.objectives import CausalLM
+    from titanlike.train.model_parts import job_objective
 
-    objective = ObjectiveData.from_training(PAIRS, Training(mask_prob=0.2, short_seq_prob=0.0))
-    assert (objective.mask_prob, objective.short_seq_prob, objective.format) == (0.2, 0.0, PAIRS)
-    assert ObjectiveData.from_training(SampleFormat(), Training()) is None  # causal_lm: the usual windows
+    cfg = load_job_config(["--model.name", "bert", "--masked_lm.mask_prob", "0.2", "--masked_lm.short_seq_prob", "0"])
+    objective = job_objective(cfg, get_model_spec("bert"))
+    assert isinstance(objective, MaskedLM) and objective.sentence_pairs  # the debug flavor's binary head
+    assert (objective.options.mask_prob, objective.options.short_seq_prob) == (0.2, 0.0)
+    assert isinstance(job_objective(load_job_config([]), get_model_spec("llama3")), CausalLM)  # the usual windows
     common = dict(dataset="default", dataset_path=None, tokenizer=tok, seq_len=SEQ, local_batch_size=2,
                   global_batch_size=2, dp_rank=0, dp_degree=1, seed=0, objective=objective)
     train, valid = build_dataloader(**common), build_dataloader(**common, split_name="valid")
+    assert train.dataset.samples.source.mask_prob == 0.2 and train.dataset.samples.source.sentence_pairs
     train_docs = train.dataset.samples.source.samples.documents
     valid_docs = valid.dataset.samples.source.samples.documents
     assert train_docs.stop == valid_docs.start and valid_docs.stop == 1189  # 99,1 of the chapters

@@ -1,11 +1,11 @@
-"""Multi-token prediction's generic pieces: the rolled inputs and targets (train/loss.py), the way its
+"""Multi-token prediction's generic pieces: the rolled inputs and targets (objectives/causal_lm.py), the way its
 loss joins the objective (models/outputs.py attach_loss) and the per-step report."""
 
 import torch
 
 from titanlike.models.common.attention import DocumentMask
-from titanlike.models.outputs import LossReports, attach_loss
-from titanlike.train.loss import IGNORE_INDEX, lookahead_targets
+from titanlike.models.outputs import IGNORE_INDEX, LossReports, attach_loss
+from titanlike.objectives.causal_lm import lookahead_targets
 
 EOD = 0
 

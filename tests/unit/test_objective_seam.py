@@ -1,7 +1,7 @@
 """The objective seam: a family's forward may return auxiliary losses beside the logits, and its
-spec may build the loss; the trainer only calls loss_fn(output, labels) and divides by the step's
-target tokens. A test-only family (Llama 3 whose forward adds a logit-size penalty) goes through
-the real Trainer in one process."""
+spec names its objective; the trainer only calls objective.loss(output, labels) and divides by the
+step's target tokens. A test-only family (Llama 3 whose forward adds a logit-size penalty, with an
+objective that records what its loss got) goes through the real Trainer in one process."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from conftest import TINY_JOB
 from titanlike.config import load_job_config
 from titanlike.models.llama3 import Transformer, llama3_flavors
-from titanlike.models.outputs import ModelOutput
+from titanlike.models.outputs import IGNORE_INDEX, ModelOutput
 from titanlike.models.registry import ModelSpec, get_model_spec, model_names, register_model_spec
-from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss
+from titanlike.objectives import CausalLM
 from titanlike.train.trainer import Trainer
 from titanlike.train.validate import validate_config
 
@@ -30,14 +30,10 @@ class PenalizedLlama(Transformer):
         return ModelOutput(logits, {"logit_penalty": PENALTY * logits.float().pow(2).sum()})
 
 
-def recording_loss(cfg):
-    default = build_cross_entropy_loss()
-
-    def loss_fn(output, labels):
+class RecordingCausalLM(CausalLM):
+    def loss(self, output, labels):
         SEEN.append((output, labels))
-        return default(output, labels)
-
-    return loss_fn
+        return super().loss(output, labels)
 
 
 def _register() -> None:
@@ -45,7 +41,7 @@ def _register() -> None:
         llama = get_model_spec("llama3")
         register_model_spec(ModelSpec(name="test_penalized_llama", model_cls=PenalizedLlama, flavors=llama3_flavors,
                                       shard=llama.shard, pipeline_ends=llama.pipeline_ends,
-                                      build_loss=recording_loss))
+                                      objective=RecordingCausalLM.for_job))
 
 
 def first_step(tmp_path, name: str) -> tuple[float, float]:
@@ -65,7 +61,7 @@ def test_auxiliary_losses_reach_the_loss_and_the_gradients(tmp_path):
     SEEN.clear()
     plain_loss, plain_norm = first_step(tmp_path, "llama3")
     loss, norm = first_step(tmp_path, "test_penalized_llama")
-    # The spec's loss builder was used, and it got the whole ModelOutput.
+    # The spec's objective was used, and its loss got the whole ModelOutput.
     assert len(SEEN) == 1
     output, labels = SEEN[0]
     assert isinstance(output, ModelOutput) and set(output.aux_losses) == {"logit_penalty"}
@@ -78,3 +74,85 @@ def test_auxiliary_losses_reach_the_loss_and_the_gradients(tmp_path):
     assert loss == pytest.approx((ce + penalty) / tokens, rel=1e-6)
     # The penalty's gradient flowed: the clipped norm is not the plain one.
     assert math.isfinite(norm) and abs(norm - plain_norm) > 1e-3 * plain_norm
+
+
+# ---------------------------------------------------------------- the objectives' own pieces
+
+
+def _loader(objective, seq_len: int = 32):
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
+
+    return build_dataloader(dataset="default", dataset_path=None, tokenizer=build_tokenizer(DEFAULT_TOKENIZER_PATH),
+                            seq_len=seq_len, local_batch_size=2, global_batch_size=2, dp_rank=0, dp_degree=1, seed=0,
+                            objective=objective)
+
+
+@pytest.mark.parametrize("name", ["causal_lm", "masked_lm", "span_corruption"])
+def test_the_loader_yields_the_fields_each_objective_declares(name):
+    """sample_fields (what the estimator fakes batches from) is what the loader yields, by name,
+    shape and dtype, for every objective (causal LM's token windows included)."""
+    from titanlike.objectives import CausalLM, MaskedLM, SpanCorruption, SpanCorruptionOptions
+
+    objective = {"causal_lm": CausalLM(), "masked_lm": MaskedLM(sentence_pairs=True),
+                 "span_corruption": SpanCorruption(SpanCorruptionOptions(decoder_seq_len=8))}[name]
+    batch = next(iter(_loader(objective)))
+    want = objective.sample_fields(32)
+    assert {k: (tuple(v.shape), str(v.dtype)) for k, v in batch.items()} == {
+        k: ((2, *shape), f"torch.{dtype}") for k, (shape, dtype) in want.items()}
+
+
+def test_causal_lm_prepares_masks_lookahead_and_the_context_parallel_cut():
+    """Labels masked after an end of document, positions restarting per document, multi-token
+    prediction's targets built on the whole sequence; then every per-token tensor cut to this cp
+    rank's load-balanced positions, the document ids kept whole."""
+    from titanlike.models.common.attention import DocumentMask
+    from titanlike.objectives import BatchContext, lookahead_targets
+    from titanlike.parallel.context import load_balanced_positions
+
+    eos = 0
+    inputs = torch.tensor([[7, 8, eos, 9, 10, 11, 12, 13], [eos, 5, 6, 7, eos, 8, 9, 10]])
+    labels = torch.cat([inputs[:, 1:], torch.tensor([[14], [11]])], 1)
+    objective = CausalLM(document_masking=True, eod_mask_loss=True)
+    positions = load_balanced_positions(8, 2, 1, "cpu")
+    ctx = BatchContext(torch.device("cpu"), cp_positions=positions, eos_id=eos, lookahead_tokens=2)
+    mb = objective.prepare({"inputs": inputs, "labels": labels}, ctx)
+    masked = labels.masked_fill(inputs == eos, IGNORE_INDEX)
+    whole = DocumentMask.from_tokens(inputs, eos, None)
+    assert torch.equal(mb.inputs, inputs[:, positions]) and torch.equal(mb.labels, masked[:, positions])
+    assert torch.equal(mb.positions, whole.positions[:, positions])
+    assert torch.equal(mb.mask.document_ids, whole.document_ids)  # whole: cp attention picks its rows
+    want = lookahead_targets(labels, masked, 2, whole.document_ids)[:, positions]
+    assert torch.equal(mb.lookahead, want)
+    assert set(mb.forward_kwargs()) == {"positions", "mask", "lookahead"}
+    plain = CausalLM().prepare({"inputs": inputs, "labels": labels}, BatchContext(torch.device("cpu")))
+    assert plain.mask is None and plain.positions is None and plain.lookahead is None
+    assert torch.equal(plain.labels, labels) and plain.forward_kwargs() == {"positions": None, "mask": None}
+
+
+def test_padded_samples_cut_their_token_fields_only():
+    """Masked LM: document ids -> a bidirectional padding mask; under context parallelism inputs,
+    labels and token types are cut, the per-sample binary fields are not."""
+    from titanlike.objectives import BatchContext, MaskedLM
+    from titanlike.parallel.context import load_balanced_positions
+
+    batch = next(iter(_loader(MaskedLM(sentence_pairs=True))))
+    positions = load_balanced_positions(32, 2, 0, "cpu")
+    mb = MaskedLM(sentence_pairs=True).prepare(batch, BatchContext(torch.device("cpu"), cp_positions=positions))
+    assert torch.equal(mb.inputs, batch["inputs"][:, positions])
+    assert torch.equal(mb.labels, batch["labels"][:, positions])
+    assert torch.equal(mb.fields["token_types"], batch["token_types"][:, positions])
+    assert torch.equal(mb.fields["binary_labels"], batch["binary_labels"])
+    assert not mb.mask.causal and torch.equal(mb.mask.document_ids, batch["document_ids"])
+    assert set(mb.rows(0, 1)) == {"positions", "mask", "token_types", "binary_labels", "binary_weights"}
+
+
+def test_loss_adds_auxiliary_losses_and_compiles_only_when_used():
+    logits, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    labels[0, 0] = IGNORE_INDEX
+    objective = CausalLM(compile_loss=True, compile_backend="no_such_backend")
+    assert "_cross_entropy" not in vars(objective)  # building one to check a job's rules compiles nothing
+    plain = CausalLM()
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    assert torch.equal(plain.loss(logits, labels), ce)
+    aux = torch.tensor(0.25)
+    assert torch.equal(plain.loss(ModelOutput(logits, {"aux": aux}), labels), ce + aux)

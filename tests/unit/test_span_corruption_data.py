@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from titanlike.data import DEFAULT_TOKENIZER_PATH, DataError, ObjectiveData, build_dataloader, build_tokenizer
+from titanlike.data import DEFAULT_TOKENIZER_PATH, DataError, build_dataloader, build_tokenizer
 from titanlike.data.loader import build_dataloader_from_source
 from titanlike.data.masked_lm import IGNORE_INDEX
 from titanlike.data.sentence_samples import InMemorySentences
@@ -19,7 +19,7 @@ from titanlike.data.span_corruption import (
     raw_length_for,
 )
 from titanlike.data.special_tokens import sentinel_ids, special_token_ids
-from titanlike.models.args import SampleFormat
+from titanlike.objectives import SpanCorruption, SpanCorruptionOptions
 
 SEQ, DEC = 64, 24
 
@@ -154,7 +154,7 @@ def test_hostile_documents(tok):
 
 
 def test_embedded_corpus_loader(tok):
-    objective = ObjectiveData(SampleFormat("span_corruption"), decoder_seq_len=DEC)
+    objective = SpanCorruption(SpanCorruptionOptions(decoder_seq_len=DEC))
     loader = build_dataloader(dataset="default", dataset_path=None, tokenizer=tok, seq_len=SEQ, local_batch_size=2,
                               global_batch_size=2, dp_rank=0, dp_degree=1, seed=0, objective=objective)
     batch = next(iter(loader))

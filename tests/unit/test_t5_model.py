@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from family_checks import held_params, materialize
-from titanlike.models.args import SampleFormat
+from titanlike.config import load_job_config
 from titanlike.models.common import sharding
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.registry import get_model_spec, model_names
 from titanlike.models.t5 import T5, T5Args, t5_flavors
 from titanlike.models.t5.model import relative_position_bucket
+from titanlike.objectives import SpanCorruption
 
 SPEC = get_model_spec("t5")
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +53,7 @@ def test_registered_by_its_folder_alone():
     assert {"debugmodel", "small", "base", "large", "3B", "11B"} <= set(SPEC.flavors)
     assert SPEC.shard.top["encoder_relative_bias"] is sharding.split_heads
     assert SPEC.shard.block["cross_attention.wo"] is sharding.rowwise
-    assert t5_flavors["debugmodel"].sample_format() == SampleFormat(kind="span_corruption")
+    assert isinstance(SPEC.objective(load_job_config([]), t5_flavors["debugmodel"]), SpanCorruption)
     d = t5_flavors["debugmodel"]
     assert (d.dim, d.n_encoder_layers, d.n_decoder_layers, d.n_heads, d.head_dim, d.ffn_hidden_dim, d.vocab_size) == (
         256, 2, 2, 8, 32, 512, 2048)
@@ -229,12 +230,11 @@ def test_layout_rules_are_one_sentence():
 
 
 def test_preset_parses_and_layouts_are_checked_before_any_process_group():
-    from titanlike.config import load_job_config
     from titanlike.train.validate import validate_config
 
     preset = ["--job.config_file", str(REPO / "train_configs" / "t5_debug.toml")]
     cfg = load_job_config(preset)
-    assert (cfg.model.name, cfg.model.flavor, cfg.training.seq_len, cfg.training.decoder_seq_len) == (
+    assert (cfg.model.name, cfg.model.flavor, cfg.training.seq_len, cfg.span_corruption.decoder_seq_len) == (
         "t5", "debugmodel", 128, 32)
     validate_config(cfg, world_size=1)
     validate_config(load_job_config([*preset, "--parallelism.tensor_parallel_degree", "2"]), world_size=2)
@@ -244,7 +244,7 @@ def test_preset_parses_and_layouts_are_checked_before_any_process_group():
     # Generic rules of encoder samples: sequence parallelism cuts the decoder too; packed-document
     # options do not apply; only sentence-split sources give these samples.
     with pytest.raises(ValueError, match="decoder_seq_len 30 must be divisible by tensor_parallel_degree 4"):
-        validate_config(load_job_config([*preset, "--training.decoder_seq_len", "30",
+        validate_config(load_job_config([*preset, "--span_corruption.decoder_seq_len", "30",
                                          "--parallelism.tensor_parallel_degree", "4"]), world_size=4)
     for flag in ("--training.document_masking", "--training.eod_mask_loss"):
         with pytest.raises(ValueError, match=f"training.{flag[11:]} applies to next-token models"):

@@ -116,8 +116,8 @@ def test_defaults_that_differ_from_torchtitan_are_listed_in_the_readme():
 def test_compat_table_holds_no_key_of_the_schema():
     # Schema keys are resolved first: a table entry for one would never be read (e.g. a torchtitan
     # key that a later change implemented): delete the entry then.
-    schema = {f"{s.name}.{f.name}" for s in dataclasses.fields(JobConfig)
-              for f in dataclasses.fields(getattr(JobConfig(), s.name))}
+    schema = {f"{name}.{f.name}" for name, section in config_loader.config_sections().items()
+              for f in dataclasses.fields(section)}
     assert not schema & set(TORCHTITAN_KEYS)
     for name, entry in TORCHTITAN_KEYS.items():
         if not isinstance(entry, NotHere):
@@ -336,7 +336,8 @@ def test_c4_test_is_a_small_local_slice_of_the_embedded_corpus():
     loader = _loader("c4_test")
     assert len(loader.dataset.samples.source) == len(tokens) // 65  # windows of seq_len + 1 tokens
     assert len(loader.dataset.samples.source) < len(_loader("default").dataset.samples.source) / 9
-    inputs, labels = next(iter(loader))
+    batch = next(iter(loader))
+    inputs, labels = batch["inputs"], batch["labels"]
     assert inputs.shape == (2, 64) and torch.equal(inputs[:, 1:], labels[:, :-1])
 
 

@@ -7,7 +7,8 @@ a key in the schema first, then here:
 * ``Alias``: torchtitan's current spelling of one of our options (``[quantize.linear.float8]``
   is our ``[float8]``); read silently.
 * ``Renamed``: an older torchtitan spelling (``training.compile``); read as the new key with a
-  one-line deprecation note naming it.
+  one-line deprecation note naming it. titanlike's own older spellings (``training.mask_prob``) are
+  registered with the section that now holds them (titanlike/config/sections.py) and read the same way.
 * ``NotHere``: an option titanlike has no counterpart for. ``value`` is what titanlike does
   (mostly torchtitan's default, "off"): that value is accepted silently since it is what
   happens, any other is refused in one sentence saying why. With ``note=True`` another value is
@@ -32,7 +33,9 @@ class Alias:
 @dataclass(frozen=True)
 class Renamed:
     target: str
-    release: str  # the last torchtitan release that spelled it this way
+    release: str  # the last release that spelled it this way
+    by: str = "torchtitan"  # whose release: torchtitan's, or titanlike's own (config/sections.py)
+    also: tuple[str, ...] = ()  # further keys the value is read as (one old key feeding several sections)
 
 
 @dataclass(frozen=True)

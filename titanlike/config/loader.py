@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from titanlike.config.compat import ITEM_ALIASES, SECTION_ALIASES, TORCHTITAN_KEYS, Alias, NotHere, Renamed
 from titanlike.config.schema import JobConfig
+from titanlike.config.sections import RENAMED_SINCE, registered_sections, renamed_keys
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,9 +40,24 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-def _sections() -> dict[str, type]:
+def _job_sections() -> dict[str, type]:
+    """The sections every JobConfig has (its fields)."""
     hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig) if f.name != "registered"}
+
+
+def config_sections() -> dict[str, type]:
+    """Every section the loader reads, name -> its dataclass: JobConfig's, then those objectives and
+    model families registered (titanlike/config/sections.py)."""
+    return {**_job_sections(), **registered_sections()}
+
+
+def _renamed(name: str) -> Renamed | None:
+    """titanlike's own older spelling `name`, as registered with the section(s) now holding it."""
+    targets = renamed_keys().get(name)
+    if not targets:
+        return None
+    return Renamed(targets[0], RENAMED_SINCE, by="titanlike", also=tuple(targets[1:]))
 
 
 def _fields(section_cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
@@ -161,6 +177,12 @@ class _Option:
     def name(self) -> str:
         return f"{self.section}.{self.key}" if self.section else self.table_key
 
+    @property
+    def targets(self) -> list[_Option]:
+        """The options a value written here sets: this one, and those an old key also feeds."""
+        also = [_resolve(name) for name in self.renamed.also] if self.renamed is not None else []
+        return [self, *also]
+
 
 def _value_type(value: Any) -> Any:
     if isinstance(value, list):
@@ -171,7 +193,7 @@ def _value_type(value: Any) -> Any:
 def _resolve(name: str) -> _Option | None:
     """The option a dotted name means: the schema first, then torchtitan's other spellings."""
     section, _, key = name.partition(".")
-    sections = _sections()
+    sections = config_sections()
     if section in sections:
         fields = _fields(sections[section])
         if key in fields:
@@ -181,7 +203,7 @@ def _resolve(name: str) -> _Option | None:
         if name.startswith(prefix + "."):
             found = _resolve(ours + name[len(prefix):])
             return dataclasses.replace(found, spelled=name) if found else None
-    entry = TORCHTITAN_KEYS.get(name)
+    entry = TORCHTITAN_KEYS.get(name) or _renamed(name)
     if isinstance(entry, Alias):
         found = _resolve(entry.target)
         return dataclasses.replace(found, spelled=name) if found else None
@@ -195,9 +217,9 @@ def _resolve(name: str) -> _Option | None:
 
 def _known_names() -> list[str]:
     """Every dotted name the loader reads: the schema's keys and torchtitan's other spellings."""
-    names = [f"{s}.{k}" for s, cls in _sections().items() for k in _fields(cls)]
-    names += [f"{prefix}.{k}" for prefix, ours in SECTION_ALIASES.items() for k in _fields(_sections()[ours])]
-    return names + list(TORCHTITAN_KEYS)
+    names = [f"{s}.{k}" for s, cls in config_sections().items() for k in _fields(cls)]
+    names += [f"{prefix}.{k}" for prefix, ours in SECTION_ALIASES.items() for k in _fields(config_sections()[ours])]
+    return names + list(TORCHTITAN_KEYS) + list(renamed_keys())
 
 
 def _describe_unknown(names: list[str]) -> str:
@@ -355,7 +377,9 @@ def _show(value: Any) -> str:
 
 
 def _deprecated(option: _Option) -> str:
-    return f"{option.spelled} is deprecated (torchtitan {option.renamed.release}'s spelling); read as {option.name}"
+    r = option.renamed
+    return (f"{option.spelled} is deprecated ({r.by} {r.release}'s spelling); read as "
+            + " and ".join(target.name for target in option.targets))
 
 
 def _not_here(option: _Option, value: Any, notes: dict[str, str]) -> None:
@@ -410,27 +434,32 @@ def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | Non
     found: dict[str, str] = {}
     for name, value, where in settings:
         option = _resolve(name)
-        if where and option.name in in_file and in_file[option.name][0] != name and in_file[option.name][1] != value:
-            raise ConfigError(f"{where} sets {option.name} twice, as {in_file[option.name][0]} and as {name}, to "
-                              f"different values; keep {option.name}")
-        if where:
-            in_file[option.name] = (name, value)
+        for target in option.targets:
+            seen = in_file.get(target.name)
+            if where and seen is not None and seen[0] != name and seen[1] != value:
+                raise ConfigError(f"{where} sets {target.name} twice, as {seen[0]} and as {name}, to different "
+                                  f"values; keep {target.name}")
+            if where:
+                in_file[target.name] = (name, value)
         if option.not_here is not None:
             _not_here(option, value, found)
             continue
         if option.renamed is not None:
             found[name] = _deprecated(option)
-        value = _convert(option.name, value, option.tp, option.choices)
-        if option.name in ITEM_ALIASES:
-            value = [ITEM_ALIASES[option.name].get(item, item) for item in value]
-        values.setdefault(option.section, {})[option.key] = value
+        for target in option.targets:
+            converted = _convert(target.name, value, target.tp, target.choices)
+            if target.name in ITEM_ALIASES:
+                converted = [ITEM_ALIASES[target.name].get(item, item) for item in converted]
+            values.setdefault(target.section, {})[target.key] = converted
 
     if notes is not None:
         notes.extend(found.values())
     else:
         for line in found.values():
             logger.warning(line)
-    return JobConfig(**{section: cls(**values.get(section, {})) for section, cls in _sections().items()})
+    return JobConfig(**{section: cls(**values.get(section, {})) for section, cls in _job_sections().items()},
+                     registered={section: cls(**values.get(section, {}))
+                                 for section, cls in registered_sections().items()})
 
 
 def help_text() -> str:
@@ -442,7 +471,7 @@ def help_text() -> str:
         "torchtitan's keys are read too: v0.2.2's ([quantize.linear.float8] is [float8]) and older spellings",
         "(training.compile, checkpoint.enable_checkpoint, ...); see titanlike/config/compat.py.",
     ]
-    for section, cls in _sections().items():
+    for section, cls in config_sections().items():
         lines += ["", section_help(section, cls)]
     return "\n".join(lines)
 
@@ -462,4 +491,5 @@ def section_help(section: str, section_cls: type, *, title: str = "") -> str:
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """Every section as a dict of its values: JobConfig's, then the registered ones (defaults included)."""
+    return {section: dataclasses.asdict(getattr(cfg, section)) for section in config_sections()}

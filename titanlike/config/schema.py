@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from titanlike.config.sections import section_default
+
 
 # Data sources: ours, then torchtitan's names (c4 streams allenai/c4; c4_test is a slice of the embedded corpus).
 DATASETS = ("default", "text", "huggingface", "megatron", "c4", "c4_test", "c4_validation")
@@ -45,9 +47,6 @@ class Model:
         None, "Hugging Face assets folder (torchtitan's): its tokenizer.json (+ tokenizer_config.json) is the "
         "tokenizer, and with checkpoint.initial_load_in_hf and no initial_load_path its weights are loaded"
     )
-    hybrid_layer_pattern: str = opt(
-        "", "Megatron's --hybrid-layer-pattern, one character per layer (M Mamba-2, * attention, - MLP, E MoE): "
-        "replaces the flavor's layer pattern in families built from one (hybrid); empty keeps the flavor's")
     converters: list[str] = opt([], "module swaps applied after construction (e.g. float8)")
     print_after_conversion: bool = opt(
         False, "print the model as built (rank 0): after the converters swapped its modules and parallelize wrapped it")
@@ -113,16 +112,6 @@ class Training:
         "document; a document ends at the tokenizer's EOS token",
     )
     eod_mask_loss: bool = opt(False, "no loss on the prediction made from an EOS token (the next document's start)")
-    mask_prob: float = opt(
-        0.15, "masked-LM (BERT) and span-corruption (T5) models: the fraction of tokens masked or replaced by "
-        "noise spans (Megatron's --mask-prob)")
-    short_seq_prob: float = opt(
-        0.1, "masked-LM and span-corruption models: the probability that a sample is built shorter than seq_len "
-        "(and padded), so the model also sees short inputs (Megatron's --short-seq-prob)")
-    mean_noise_span_length: float = opt(3.0, "span-corruption models (T5): the mean length of a noise span")
-    decoder_seq_len: int = opt(
-        128, "encoder-decoder models (T5): decoder tokens per sample; training.seq_len is the encoder's "
-        "(Megatron's --decoder-seq-length)")
     split: str = opt(
         "969,30,1", "Megatron train,valid,test split of megatron datasets (validation uses 'valid')"
     )
@@ -388,6 +377,9 @@ class Debug:
 
 @dataclass
 class JobConfig:
+    """Every section of a job. Besides the fields below, the sections that objectives and model families
+    register (titanlike/config/sections.py) are attributes too: `cfg.masked_lm`, `cfg.hybrid`."""
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
@@ -405,3 +397,18 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
+    # The registered sections the job set (the loader fills every one); a section missing here reads
+    # as its defaults.
+    registered: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when `name` is not a field: a registered section.
+        registered = self.__dict__.get("registered")
+        if registered is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name not in registered:
+            try:
+                registered[name] = section_default(name)
+            except KeyError:
+                raise AttributeError(f"JobConfig has no section {name!r}") from None
+        return registered[name]

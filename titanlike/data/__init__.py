@@ -15,7 +15,7 @@ from titanlike.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 # The loader and the text datasets import torch (~2.5 s); data-preparation scripts that only
 # need the tokenizer or the indexed format should not pay for it, so these load on first use.
 _LAZY = {
-    "ObjectiveData": "loader",
+    "GlobalSamples": "loader",
     "RankBatches": "loader",
     "build_dataloader": "loader",
     "build_dataloader_from_source": "loader",

@@ -9,16 +9,16 @@ Contract (the parity tests across parallel layouts rely on it):
   :class:`~titanlike.data.batch_schedule.BatchSchedule` gives.
 * With data-parallel degree ``D``, rank ``r`` takes the contiguous block of ``G_k/D`` samples
   starting at ``S_k + r*G_k/D`` and yields it as ``G_k/(D*L)`` consecutive microbatches of
-  ``L = local_batch_size`` samples, each as ``(inputs, labels)`` int64 tensors of shape
-  ``(L, seq_len)`` with ``labels = window[1:]``, ``inputs = window[:-1]``.
+  ``L = local_batch_size`` samples, each a dict of named tensors: ``{"inputs", "labels"}`` int64
+  of shape ``(L, seq_len)`` with ``labels = window[1:]``, ``inputs = window[:-1]``.
 
 So the union of all ranks' microbatches at a step does not depend on ``D`` or ``L``.
 
-Masked-LM (BERT) and span-corruption (T5) models read other samples: given an
-:class:`ObjectiveData`, the ``megatron`` and ``default`` kinds build a source whose global sample
-``i`` is a dict of numpy arrays (the fields of ``SampleFormat``, titanlike/models/args.py), and each
-microbatch is a dict of tensors ``(L, ...)``: int64, ``binary_weights`` float32. The slicing by
-rank and step is the same.
+The training objective (titanlike/objectives/) chooses the source: next-token prediction reads the
+token windows of the dataset kind; masked-LM (BERT) and span-corruption (T5) objectives build a
+source whose global sample ``i`` is a dict of numpy arrays (:class:`GlobalSamples` ``fields``), and
+each microbatch is a dict of those fields' tensors ``(L, ...)``. The slicing by rank and step is
+the same.
 Map-style sources wrap around into a new epoch (reshuffled from ``seed`` when the kind asks
 for shuffling); streams are infinite by themselves. Every rank reads the whole stream of a
 streaming source and keeps its own block: exact layout-independence costs ``D`` times the
@@ -60,13 +60,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DatasetKind",
+    "GlobalSamples",
     "MapSampleSource",
-    "ObjectiveData",
     "RankBatches",
     "build_dataloader",
     "build_dataloader_from_source",
     "dataset_kinds",
     "register_dataset_kind",
+    "window_samples",
 ]
 
 
@@ -92,6 +93,24 @@ class DatasetKind:
 
 
 _KINDS: dict[str, DatasetKind] = {}
+
+
+@dataclass(frozen=True)
+class GlobalSamples:
+    """A global sample source as the loader slices it (what an objective's `samples` returns)."""
+
+    source: SampleSource
+    shuffle: bool  # permute a map-style source's samples every epoch from the seed
+    # Dict samples: field name -> (shape, dtype), microbatches stack each field. None: every sample
+    # is a window of seq_len + 1 token ids, cut into inputs and labels.
+    fields: dict[str, tuple[tuple[int, ...], Any]] | None = None
+
+
+class SampleObjective(Protocol):
+    """What the loader asks of a training objective (titanlike/objectives/): its global samples of a
+    dataset kind; source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name."""
+
+    def samples(self, dataset: str, **source_args) -> GlobalSamples: ...
 
 
 def register_dataset_kind(
@@ -194,93 +213,6 @@ register_dataset_kind("c4_validation", _c4_source("validation"), shuffle=False, 
 register_dataset_kind("c4_test", _c4_test_source, shuffle=True, needs_path=False)
 
 
-# --------------------------------------------------------------------------- masked-LM / span corruption
-
-
-@dataclass(frozen=True)
-class ObjectiveData:
-    """How to build the samples of a non-causal objective (the model's ``SampleFormat`` and the
-    ``training`` options it reads): ``format.kind`` ``"masked_lm"`` (BERT, ``format.sentence_pairs``
-    for the binary head) or ``"span_corruption"`` (T5). ``decoder_seq_len``: T5's decoder tokens."""
-
-    format: Any  # titanlike.models.args.SampleFormat (duck-typed: data does not import the models)
-    mask_prob: float = 0.15
-    short_seq_prob: float = 0.1
-    mean_noise_span_length: float = 3.0
-    decoder_seq_len: int = 128
-
-    @classmethod
-    def from_training(cls, sample_format, training) -> ObjectiveData | None:
-        """From a model's ``sample_format()`` and the job's ``training`` section; None for causal_lm
-        (the loader's default samples)."""
-        if sample_format is None or sample_format.kind == "causal_lm":
-            return None
-        return cls(format=sample_format, mask_prob=training.mask_prob, short_seq_prob=training.short_seq_prob,
-                   mean_noise_span_length=training.mean_noise_span_length, decoder_seq_len=training.decoder_seq_len)
-
-    @property
-    def kind(self) -> str:
-        return self.format.kind
-
-    def build(self, sentences, tokenizer, *, seq_len: int, seed: int, split: str, split_name: str,
-              num_samples: int | None):
-        """The map-style source of these samples over sentence-split documents."""
-        common = dict(seq_len=seq_len, mask_prob=self.mask_prob, short_seq_prob=self.short_seq_prob, seed=seed,
-                      split=split, split_name=split_name, num_samples=num_samples)
-        if self.kind == "masked_lm":
-            from titanlike.data.masked_lm import MaskedLMSamples
-
-            return MaskedLMSamples(sentences, tokenizer, sentence_pairs=self.format.sentence_pairs, **common)
-        if self.kind == "span_corruption":
-            from titanlike.data.span_corruption import SpanCorruptionSamples
-
-            return SpanCorruptionSamples(sentences, tokenizer, decoder_seq_len=self.decoder_seq_len,
-                                         mean_noise_span_length=self.mean_noise_span_length, **common)
-        raise ValueError(f"no data pipeline for sample format kind {self.kind!r}")
-
-
-def _objective_default_source(objective: ObjectiveData, *, dataset_path, tokenizer, seq_len, seed, num_samples=None,
-                              split=None, split_name="train"):
-    # The embedded corpus, sentence-split in memory with the rule-based splitter; its last 1% of
-    # documents held out, as for GPT samples.
-    from titanlike.data import DEFAULT_CORPUS_PATH
-    from titanlike.data.sentence_samples import sentence_split_corpus
-
-    return objective.build(sentence_split_corpus(DEFAULT_CORPUS_PATH, tokenizer), tokenizer, seq_len=seq_len,
-                           seed=seed, split=DEFAULT_CORPUS_SPLIT, split_name=split_name, num_samples=num_samples)
-
-
-def _objective_megatron_source(objective: ObjectiveData, *, dataset_path, tokenizer, seq_len, seed,
-                               num_samples=None, split=None, split_name="train"):
-    # One prefix of sentence-split data (preprocess_data.py --split-sentences); training.split
-    # divides its documents (Megatron splits BERT / T5 data by documents too).
-    from titanlike.data.blend import parse_blend
-    from titanlike.data.gpt_dataset import DEFAULT_SPLIT
-    from titanlike.data.indexed import IndexedDataset
-
-    prefixes, _ = parse_blend(dataset_path)
-    if len(prefixes) != 1:
-        raise DataError(f"{objective.kind} samples read one Megatron prefix, not a blend of {len(prefixes)}; "
-                        "merge the data into one prefix")
-    return objective.build(IndexedDataset(prefixes[0]), tokenizer, seq_len=seq_len, seed=seed,
-                           split=split or DEFAULT_SPLIT, split_name=split_name, num_samples=num_samples)
-
-
-# Dataset kinds that can give masked-LM / span-corruption samples (they need sentence-split documents).
-_OBJECTIVE_SOURCES: dict[str, Callable[..., MapSampleSource]] = {
-    "default": _objective_default_source,
-    "megatron": _objective_megatron_source,
-}
-
-
-def validate_objective_dataset(kind: str, dataset: str, *, option: str = "training") -> None:
-    """DataError (one sentence) when `dataset` cannot give samples of this kind (a SampleFormat kind)."""
-    if kind != "causal_lm" and dataset not in _OBJECTIVE_SOURCES:
-        raise DataError(f"{option}.dataset {dataset!r} cannot give {kind} samples, which need sentence-split "
-                        "documents; use dataset 'megatron' (data from preprocess_data.py --split-sentences) or "
-                        "'default'")
-
-
 def _check_field(index: int, name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     kind_ok = np.issubdtype(arr.dtype, np.floating if dtype.kind == "f" else np.integer)
@@ -381,7 +313,7 @@ class RankBatches(IterableDataset):
         return {name: _check_field(index, name, raw[name], shape, dtype)
                 for name, (shape, dtype) in self.fields.items()}
 
-    def microbatch(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
+    def microbatch(self, n: int) -> dict[str, torch.Tensor]:
         per_pass = self.dp_degree * self.local_batch_size
         step = self.batches.step_of_sample(n * per_pass)
         step_start = self.batches.samples_before(step)
@@ -393,7 +325,7 @@ class RankBatches(IterableDataset):
                     for name, (_, dtype) in self.fields.items()}
         windows = np.stack([self._sample(start + j) for j in range(self.local_batch_size)]).astype(np.int64)
         batch = torch.from_numpy(windows)
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        return {"inputs": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
 
     def __iter__(self):
         info = get_worker_info()
@@ -523,7 +455,8 @@ def build_dataloader_from_source(
     """Loader over an already built global sample source (map-style or a :class:`SampleStream`).
     rampup: a batch ramp-up [start, increment, samples] (see :mod:`titanlike.data.batch_schedule`).
     sample_fields: for dict samples, field name -> (shape, dtype); microbatches are then dicts of
-    tensors stacked along a new first dimension. None: ``seq_len + 1`` windows, ``(inputs, labels)``."""
+    tensors stacked along a new first dimension. None: ``seq_len + 1`` windows, yielded as
+    ``{"inputs", "labels"}``."""
     _validate_layout(
         seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers, rampup=rampup,
@@ -603,10 +536,10 @@ def build_dataloader(
     split: str | None = None,
     split_name: str = "train",
     rampup: list[int] | tuple[int, ...] = (),
-    objective: ObjectiveData | None = None,
+    objective: SampleObjective | None = None,
 ) -> StatefulDataLoader:
-    """This data-parallel rank's infinite loader of ``(inputs, labels)`` microbatches (dicts of
-    tensors for an ``objective``).
+    """This data-parallel rank's infinite loader of microbatches, dicts of named tensors
+    (``{"inputs", "labels"}`` token windows, or the fields of an ``objective``'s samples).
 
     ``dataset``: ``"default"`` (embedded corpus, ``dataset_path`` must be unset),
     ``"text"`` (``dataset_path``: a ``.txt``/``.jsonl``/``.jsonl.gz`` file or a directory of them),
@@ -621,9 +554,9 @@ def build_dataloader(
     holds out its last 1% (``DEFAULT_CORPUS_SPLIT``); other kinds have only ``"train"``, the whole data.
     ``rampup``: Megatron's batch-size ramp-up ``[start, increment, samples]``; the step's microbatches
     per rank then follow :class:`~titanlike.data.batch_schedule.BatchSchedule`.
-    ``objective``: masked-LM or span-corruption samples (:class:`ObjectiveData`; None or causal_lm:
-    the windows above), from ``default`` (the embedded corpus, sentence-split in memory) or ``megatron``
-    (one prefix of ``preprocess_data.py --split-sentences`` data, ``split`` over its documents).
+    ``objective``: the training objective (titanlike/objectives/), whose ``samples(dataset, ...)`` gives
+    the :class:`GlobalSamples` (BERT's masked-LM samples, T5's span corruption, ...); None: the token
+    windows of the dataset kind (:func:`window_samples`, next-token prediction's).
 
     Data that cannot be trained on (a bad path, no usable document, a damaged Megatron index, too few
     tokens for one sample) raises :class:`~titanlike.data.DataError`, a ValueError whose message is one
@@ -649,23 +582,19 @@ def build_dataloader(
         raise TypeError(
             f"tokenizer must be a Tokenizer (titanlike.data.build_tokenizer(path)), got {type(tokenizer).__name__}"
         )
-    if objective is not None and objective.kind != "causal_lm":
-        validate_objective_dataset(objective.kind, dataset)
-        factory = _OBJECTIVE_SOURCES[dataset]
-        source = factory(objective, dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
-                         num_samples=num_samples, split=split, split_name=split_name)
-        # The source permutes its samples every epoch itself.
-        return build_dataloader_from_source(
-            source, seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
-            dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=False, num_workers=num_workers,
-            rampup=rampup, sample_fields=source.fields,
-        )
-    source = kind.factory(
-        dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed, num_samples=num_samples,
-        split=split, split_name=split_name,
-    )
+    source_args = dict(dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
+                       num_samples=num_samples, split=split, split_name=split_name)
+    # Next-token windows without an objective; else its samples of this dataset kind.
+    samples = (window_samples if objective is None else objective.samples)(dataset, **source_args)
     return build_dataloader_from_source(
-        source, seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
-        dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=kind.shuffle, num_workers=num_workers,
-        rampup=rampup,
+        samples.source, seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
+        dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=samples.shuffle, num_workers=num_workers,
+        rampup=rampup, sample_fields=samples.fields,
     )
+
+
+def window_samples(dataset: str, **source_args) -> GlobalSamples:
+    """The dataset kind's own samples, windows of seq_len + 1 token ids (next-token prediction's).
+    source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name."""
+    kind = _KINDS[dataset]
+    return GlobalSamples(kind.factory(**source_args), shuffle=kind.shuffle)

@@ -1,6 +1,6 @@
 """BERT's masked-LM samples from sentence-split documents (Megatron's ``BERTMaskedWordPieceDataset``).
 
-Sample ``i`` (fields: :class:`titanlike.models.args.SampleFormat`, kind ``"masked_lm"``):
+Sample ``i`` (its fields: :func:`masked_lm_fields`):
 
 1. Consecutive sentences of one document, packed up to a target length (``seq_len`` minus the
    special tokens, or shorter with probability ``short_seq_prob``; see
@@ -36,11 +36,24 @@ import numpy as np
 from titanlike.data.errors import DataError
 from titanlike.data.sentence_samples import SentenceSamples, numpy_fields
 from titanlike.data.special_tokens import ordinary_token_ids, special_token_ids
-from titanlike.models.args import SampleFormat
 from titanlike.models.outputs import IGNORE_INDEX
 
 
-__all__ = ["MaskedLMSamples", "mask_tokens"]
+__all__ = ["MaskedLMSamples", "mask_tokens", "masked_lm_fields"]
+
+
+def masked_lm_fields(seq_len: int, sentence_pairs: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The fields of one sample, name -> (shape, dtype): ``inputs`` [CLS] A [SEP] B [SEP] with masked
+    tokens, then [PAD]; ``labels`` the original token where one was masked, IGNORE_INDEX elsewhere;
+    ``token_types`` 0 for segment A (its [CLS] and [SEP] too) and padding, 1 for segment B;
+    ``document_ids`` 0 for real tokens, 1 for padding; with sentence_pairs also ``binary_labels`` 1
+    where the two segments were swapped, else 0, and ``binary_weights`` the sample's number of labels
+    that are not IGNORE_INDEX (the binary loss's weight, see the BERT model)."""
+    tokens = ((seq_len,), "int64")
+    fields = {"inputs": tokens, "labels": tokens, "document_ids": tokens, "token_types": tokens}
+    if sentence_pairs:
+        fields.update(binary_labels=((), "int64"), binary_weights=((), "float32"))
+    return fields
 
 
 def mask_tokens(tokens: np.ndarray, maskable: np.ndarray, *, mask_prob: float, mask_id: int,
@@ -111,7 +124,7 @@ class MaskedLMSamples:
             sentences, split=split, split_name=split_name, max_len=self.seq_len - specials,
             short_seq_prob=short_seq_prob, min_sentences=2 if sentence_pairs else 1, seed=seed,
             num_samples=num_samples, what="masked-LM sentence-pair" if sentence_pairs else "masked-LM")
-        self.fields = numpy_fields(SampleFormat("masked_lm", self.sentence_pairs), self.seq_len)
+        self.fields = numpy_fields(masked_lm_fields(self.seq_len, self.sentence_pairs))
 
     def __len__(self) -> int:
         return len(self.samples)

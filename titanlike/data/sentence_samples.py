@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from titanlike.data.errors import DataError
-from titanlike.models.args import SampleFormat
 
-__all__ = ["InMemorySentences", "SentenceSamples", "pack_sentences", "sentence_split_corpus", "split_documents"]
+__all__ = ["SENTENCE_DATASETS", "InMemorySentences", "SentenceSamples", "numpy_fields", "pack_sentences",
+           "sentence_documents", "sentence_split_corpus", "split_documents", "validate_sentence_dataset"]
 
 
 class InMemorySentences:
@@ -194,8 +194,43 @@ def sentence_split_corpus(path: str | os.PathLike, tokenizer) -> InMemorySentenc
     return cached
 
 
-def numpy_fields(fmt: SampleFormat, seq_len: int,
-                 decoder_seq_len: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Field name -> (shape, numpy dtype) of one sample of this format (the contract's field_shapes),
-    what a sample source checks its samples against."""
-    return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in fmt.field_shapes(seq_len, decoder_seq_len).items()}
+def numpy_fields(shapes: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Field name -> (shape, numpy dtype) of one sample, from its (shape, dtype name) table: what a
+    sample source checks its samples against."""
+    return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in shapes.items()}
+
+
+# Dataset kinds that give sentence-split documents (masked-LM and span-corruption samples are built
+# from sentences).
+SENTENCE_DATASETS = ("default", "megatron")
+
+
+def validate_sentence_dataset(dataset: str, what: str, *, option: str = "training") -> None:
+    """DataError (one sentence) when `dataset` cannot give sentence-split documents for `what` samples."""
+    if dataset not in SENTENCE_DATASETS:
+        raise DataError(f"{option}.dataset {dataset!r} cannot give {what} samples, which need sentence-split "
+                        "documents; use dataset 'megatron' (data from preprocess_data.py --split-sentences) or "
+                        "'default'")
+
+
+def sentence_documents(dataset: str, *, dataset_path, tokenizer, split: str | None, what: str):
+    """(sentence-split documents, the split string over them) of a dataset kind, for `what` samples."""
+    validate_sentence_dataset(dataset, what)
+    if dataset == "default":
+        # The embedded corpus, sentence-split in memory with the rule-based splitter; its last 1% of
+        # documents held out, as for GPT samples.
+        from titanlike.data import DEFAULT_CORPUS_PATH
+        from titanlike.data.loader import DEFAULT_CORPUS_SPLIT
+
+        return sentence_split_corpus(DEFAULT_CORPUS_PATH, tokenizer), DEFAULT_CORPUS_SPLIT
+    # One prefix of sentence-split data (preprocess_data.py --split-sentences); training.split
+    # divides its documents (Megatron splits BERT / T5 data by documents too).
+    from titanlike.data.blend import parse_blend
+    from titanlike.data.gpt_dataset import DEFAULT_SPLIT
+    from titanlike.data.indexed import IndexedDataset
+
+    prefixes, _ = parse_blend(dataset_path)
+    if len(prefixes) != 1:
+        raise DataError(f"{what} samples read one Megatron prefix, not a blend of {len(prefixes)}; "
+                        "merge the data into one prefix")
+    return IndexedDataset(prefixes[0]), split or DEFAULT_SPLIT

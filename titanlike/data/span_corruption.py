@@ -1,6 +1,6 @@
 """T5's span-corruption samples from (sentence-split) documents.
 
-Sample ``i`` (fields: :class:`titanlike.models.args.SampleFormat`, kind ``"span_corruption"``):
+Sample ``i`` (its fields: :func:`span_corruption_fields`):
 
 1. Consecutive sentences of one document, concatenated up to ``raw_len`` tokens, the most that
    still fit once corrupted: the encoder's ``seq_len`` and the decoder's ``decoder_seq_len``
@@ -33,9 +33,17 @@ from titanlike.data.errors import DataError
 from titanlike.data.masked_lm import IGNORE_INDEX
 from titanlike.data.sentence_samples import SentenceSamples, numpy_fields
 from titanlike.data.special_tokens import sentinel_ids, special_token_ids
-from titanlike.models.args import SampleFormat
 
-__all__ = ["SpanCorruptionSamples", "corrupted_lengths", "random_spans_noise_mask"]
+__all__ = ["SpanCorruptionSamples", "corrupted_lengths", "random_spans_noise_mask", "span_corruption_fields"]
+
+
+def span_corruption_fields(seq_len: int, decoder_seq_len: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The fields of one sample, name -> (shape, dtype): ``inputs`` (seq_len,) the encoder's tokens with
+    noise spans replaced by sentinels, then [PAD]; ``document_ids`` (seq_len,) 0 real, 1 padding;
+    ``decoder_inputs`` and ``labels`` (decoder_seq_len,) the spans after their sentinels, labels one
+    left of decoder_inputs, IGNORE_INDEX on padding."""
+    tokens, decoder = ((seq_len,), "int64"), ((decoder_seq_len,), "int64")
+    return {"inputs": tokens, "labels": decoder, "document_ids": tokens, "decoder_inputs": decoder}
 
 
 def noise_counts(length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
@@ -114,7 +122,7 @@ class SpanCorruptionSamples:
         self.samples = SentenceSamples(
             sentences, split=split, split_name=split_name, max_len=self.raw_len, short_seq_prob=short_seq_prob,
             min_sentences=1, seed=seed, num_samples=num_samples, what="span-corruption")
-        self.fields = numpy_fields(SampleFormat("span_corruption"), self.seq_len, self.decoder_seq_len)
+        self.fields = numpy_fields(span_corruption_fields(self.seq_len, self.decoder_seq_len))
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from titanlike.models.common.moe import MoEArgs
@@ -34,57 +34,6 @@ class AttentionShape:
     causal: bool = True
 
 
-@dataclass(frozen=True)
-class SampleFormat:
-    """What one training sample of a family looks like: the data pipeline builds its samples to
-    this, the trainer passes their fields to the model, and the tokenizer gets the special tokens
-    it needs.
-
-    kind:
-      - "causal_lm": a window of seq_len + 1 tokens; inputs = window[:-1], labels = window[1:]
-        (GPT, Llama, every decoder). No other field.
-      - "masked_lm": BERT. Fields `inputs` (seq,) with [CLS] A [SEP] B [SEP] and masked tokens,
-        then [PAD]; `labels` (seq,) the original token where one was masked, IGNORE_INDEX
-        elsewhere; `token_types` (seq,) 0 for segment A (its [CLS] and [SEP] too) and padding, 1 for
-        segment B; `document_ids` (seq,) 0 for real tokens, 1 for padding; with sentence_pairs also
-        `binary_labels` () 1 where the two segments were swapped, else 0, and `binary_weights` () the
-        sample's number of labels that are not IGNORE_INDEX (the binary loss's weight, see the BERT model).
-      - "span_corruption": T5. `inputs` (seq,) the encoder's tokens with noise spans replaced by
-        sentinels, then [PAD]; `document_ids` (seq,) 0 real, 1 padding; `decoder_inputs`
-        (decoder_seq,) and `labels` (decoder_seq,) the spans after their sentinels, labels shifted
-        one left of decoder_inputs, IGNORE_INDEX on padding.
-    A `document_ids` field turns into the model's `mask`: tokens attend, both ways, only to tokens of
-    their own document, so padding is never attended to by a real token. Every other field that
-    is not inputs or labels is passed to the model's forward as a keyword argument of its name.
-    """
-
-    kind: str = "causal_lm"
-    sentence_pairs: bool = False  # masked_lm: two segments per sample and the binary label
-    # Fields laid out along the sequence of `inputs` (cut with it under context parallelism).
-    token_fields: tuple[str, ...] = ()
-
-    KINDS: ClassVar[tuple[str, ...]] = ("causal_lm", "masked_lm", "span_corruption")
-
-    def __post_init__(self) -> None:
-        if self.kind not in self.KINDS:
-            raise ValueError(f"sample format kind must be one of {self.KINDS}, got {self.kind!r}")
-
-    def field_shapes(self, seq_len: int, decoder_seq_len: int) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Each field of one sample: name -> (shape, "int64" | "float32"); causal_lm has no fields
-        (its samples are token windows)."""
-        if self.kind == "causal_lm":
-            return {}
-        tokens = ((seq_len,), "int64")
-        shapes = {"inputs": tokens, "labels": tokens, "document_ids": tokens}
-        if self.kind == "masked_lm":
-            shapes["token_types"] = tokens
-            if self.sentence_pairs:
-                shapes.update(binary_labels=((), "int64"), binary_weights=((), "float32"))
-        else:
-            shapes.update(decoder_inputs=((decoder_seq_len,), "int64"), labels=((decoder_seq_len,), "int64"))
-        return shapes
-
-
 @dataclass
 class BaseModelArgs:
     """Base class of every family's model args (a dataclass of plain values, JSON-serialisable).
@@ -96,9 +45,10 @@ class BaseModelArgs:
     # Sizes set from the job ----------------------------------------------------------------------
 
     def update_from_config(self, *, vocab_size: int, seq_len: int, decoder_seq_len: int | None = None) -> BaseModelArgs:
-        """A copy sized for a job: the tokenizer's vocabulary and the training sequence length
-        (decoder_seq_len: an encoder-decoder's decoder tokens per sample, training.decoder_seq_len;
-        models without a decoder stack ignore it).
+        """A copy sized for a job: the tokenizer's vocabulary and the training sequence length, plus
+        the lengths the job's objective adds (its model_lengths(): decoder_seq_len, an encoder-decoder's
+        decoder tokens per sample, from span_corruption.decoder_seq_len; models without a decoder
+        stack ignore it).
 
         The default replaces `vocab_size` and `max_seq_len`; a family whose vocabulary is fixed
         by its weights or whose context is not a field overrides it.
@@ -138,12 +88,8 @@ class BaseModelArgs:
     def lookahead_tokens(self) -> int:
         """How many tokens past its next-token label each position's training forward reads (the
         depth of multi-token prediction). When > 0 the trainer passes `lookahead`, built from the
-        whole sequence before any context-parallel cut (titanlike/train/loss.py)."""
+        whole sequence before any context-parallel cut (titanlike/objectives/causal_lm.py)."""
         return 0
-
-    def sample_format(self) -> SampleFormat:
-        """The samples this model trains on (the default: next-token prediction on token windows)."""
-        return SampleFormat()
 
     def reported_losses(self) -> tuple[str, ...]:
         """Names of the loss terms the model adds to the objective itself and that are logged apart
@@ -164,12 +110,6 @@ class BaseModelArgs:
     def with_moe_args(self, moe: MoEArgs) -> BaseModelArgs:
         """A copy with other MoE settings (the job's [moe] overrides); only asked of MoE models."""
         raise NotImplementedError(f"{type(self).__name__} has no mixture-of-experts settings")
-
-    def with_layer_pattern(self, pattern: str) -> BaseModelArgs:
-        """A copy built from another layer pattern (model.hybrid_layer_pattern, Megatron's
-        --hybrid-layer-pattern); ValueError in one sentence from a family not built from one."""
-        raise ValueError(f"model.hybrid_layer_pattern {pattern!r} is set, but {type(self).__name__} is not built "
-                         "from a layer pattern; remove it or pick a family that is (hybrid)")
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward): 6 N + the attention term, N without embeddings.
@@ -214,4 +154,4 @@ def check_divisible(count: int, what: str, degree: int, option: str) -> None:
         raise ValueError(f"{count} {what} are not divisible by {option} {degree}")
 
 
-__all__ = ["AttentionShape", "BaseModelArgs", "LayoutDegrees", "SampleFormat", "check_divisible"]
+__all__ = ["AttentionShape", "BaseModelArgs", "LayoutDegrees", "check_divisible"]

@@ -12,12 +12,14 @@ that generic code reads, is declared in titanlike/models/protocol.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.nn as nn
 
+from titanlike.config.sections import register_section
 from titanlike.models.args import BaseModelArgs
 from titanlike.models.common.hf import HFAdapter
+from titanlike.objectives.causal_lm import CausalLM
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -33,6 +35,20 @@ class PipelineEnds:
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """A family's own config section (Megatron's --hybrid-layer-pattern for the hybrid family): the
+    loader reads `[section]` into `options_cls` (a dataclass of opt(...) fields, registered with the
+    config loader when the spec is), and `apply(flavor_args, section)` gives the flavor's args under
+    the job's values (ValueError, one sentence, for values the family refuses)."""
+
+    section: str
+    options_cls: type
+    apply: Callable[[BaseModelArgs, Any], BaseModelArgs]
+    # Older spellings of its keys: old dotted name -> key of this section (config/sections.py).
+    renamed: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,12 +80,14 @@ class ModelSpec:
     shard: ShardFn | None = None
     # Input and output ends for the pipeline split. None: no pipeline parallelism.
     pipeline_ends: PipelineEnds | None = None
-    # The training objective: build_loss(job_config) -> loss_fn(model_output, labels) returning
-    # the loss summed over target tokens (titanlike/train/loss.py). None: next-token cross-entropy.
-    build_loss: Callable[..., Callable] | None = None
+    # The family's training objective (titanlike/objectives/): objective(job_config, flavor_args)
+    # builds it, an Objective class's for_job or the family's own factory.
+    objective: Callable[..., Any] = CausalLM.for_job
     # Hugging Face interchange (models/common/hf.py): the config.json model_types the family reads,
     # config.json <-> args, state dicts, token ids. None: no HF.
     hf: HFAdapter | None = None
+    # The family's own config section, or None.
+    options: ModelOptions | None = None
 
     def __post_init__(self) -> None:
         kinds = {type(args) for args in self.flavors.values()}
@@ -91,6 +109,8 @@ _REGISTRY: dict[str, ModelSpec] = {}
 def register_model_spec(spec: ModelSpec) -> None:
     if spec.name in _REGISTRY:
         raise ValueError(f"model spec {spec.name!r} is already registered")
+    if spec.options is not None:
+        register_section(spec.options.section, spec.options.options_cls, renamed=spec.options.renamed)
     _REGISTRY[spec.name] = spec
 
 

@@ -22,9 +22,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titanlike.config.schema import JobConfig
-from titanlike.data import ObjectiveData, build_dataloader
+from titanlike.data import build_dataloader
 from titanlike.data.tokenizer import Tokenizer
 from titanlike.models.outputs import IGNORE_INDEX, logits_of
+from titanlike.objectives.base import Objective
 from titanlike.parallel.utils import sum_over_world
 from titanlike.train.step import TrainStep
 
@@ -36,8 +37,8 @@ class ValidationData:
 
 
 def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_degree: int,
-                          seed: int, objective: ObjectiveData | None = None) -> ValidationData:
-    """objective: the samples of a masked-LM or span-corruption model (None: token windows)."""
+                          seed: int, objective: Objective | None = None) -> ValidationData:
+    """objective: the job's (its samples; None: the dataset kind's token windows)."""
     v, t = cfg.validation, cfg.training
     local_batch_size = v.local_batch_size if v.local_batch_size != -1 else t.local_batch_size
     global_batch_size = local_batch_size * dp_degree

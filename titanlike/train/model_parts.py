@@ -14,6 +14,7 @@ from titanlike.config.schema import JobConfig
 from titanlike.models.args import BaseModelArgs
 from titanlike.models.converters import ModelConverters
 from titanlike.models.registry import ModelSpec
+from titanlike.objectives.base import Objective
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.activation_checkpoint import CheckpointOptions
 from titanlike.parallel.context import require_context_parallel_hooks
@@ -22,21 +23,26 @@ from titanlike.parallel.pipeline import PipelineLayout, build_stage_modules, pla
 
 
 def flavor_args(cfg: JobConfig, spec: ModelSpec) -> BaseModelArgs:
-    """The flavor's args with the job's layer pattern (model.hybrid_layer_pattern) and [moe] settings
-    (a mixture-of-experts model only). ValueError (one sentence) when a setting is out of range."""
+    """The flavor's args under the family's own section (spec.options: the hybrid's layer pattern) and
+    the [moe] settings (a mixture-of-experts model only). ValueError (one sentence) when a setting is
+    out of range."""
     args = spec.flavors[cfg.model.flavor]
-    if cfg.model.hybrid_layer_pattern:
-        args = args.with_layer_pattern(cfg.model.hybrid_layer_pattern)
+    if spec.options is not None:
+        args = spec.options.apply(args, getattr(cfg, spec.options.section))
     moe = args.moe_args()
     return args if moe is None else args.with_moe_args(moe.with_run_settings(cfg.moe))
 
 
-def model_args_for_job(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> BaseModelArgs:
-    """The flavor's args sized for this job (the tokenizer's vocabulary, training.seq_len and, for an
-    encoder-decoder, training.decoder_seq_len)."""
-    t = cfg.training
-    return flavor_args(cfg, spec).update_from_config(vocab_size=vocab_size, seq_len=t.seq_len,
-                                                     decoder_seq_len=t.decoder_seq_len)
+def job_objective(cfg: JobConfig, spec: ModelSpec) -> Objective:
+    """The training objective of this job: the family's (spec.objective), for the flavor's args."""
+    return spec.objective(cfg, flavor_args(cfg, spec))
+
+
+def model_args_for_job(cfg: JobConfig, spec: ModelSpec, vocab_size: int, objective: Objective) -> BaseModelArgs:
+    """The flavor's args sized for this job: the tokenizer's vocabulary, training.seq_len and the lengths
+    the objective adds (an encoder-decoder's decoder tokens)."""
+    return flavor_args(cfg, spec).update_from_config(vocab_size=vocab_size, seq_len=cfg.training.seq_len,
+                                                     **objective.model_lengths())
 
 
 def parallelize_options(cfg: JobConfig, dims: ParallelDims) -> ParallelizeOptions:

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config.loader import config_to_dict
 from titanlike.config.schema import JobConfig
-from titanlike.data import DEFAULT_TOKENIZER_PATH, ObjectiveData, build_dataloader, build_tokenizer
+from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
 from titanlike.data.batch_schedule import BatchSchedule
-from titanlike.models.common.attention import DocumentMask, describe_sdpa_kernel, resolve_attention_backend
+from titanlike.models.common.attention import describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
 from titanlike.models.registry import get_model_spec
 from titanlike.observe.memory import MemorySnapshot, tensor_footprint
@@ -41,7 +41,8 @@ from titanlike.observe.profiler import Profiler
 from titanlike.observe.run_lock import FolderInUse, FolderLock
 from titanlike.observe.stragglers import StragglerDetector, format_stragglers
 from titanlike.observe.summary import RunSummary
-from titanlike.parallel.context import load_balanced_positions, shard_sequence
+from titanlike.objectives.base import BatchContext, Microbatch
+from titanlike.parallel.context import load_balanced_positions
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
@@ -50,10 +51,9 @@ from titanlike.train.evaluate import Evaluator, build_validation_data
 from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
 from titanlike.train.gc_schedule import PeriodicGC
-from titanlike.train.loss import IGNORE_INDEX, build_cross_entropy_loss, lookahead_targets
 from titanlike.train.loss_scaling import build_loss_scaler
 from titanlike.train.step import StepLoss, StepOutput, TrainStep
-from titanlike.train.model_parts import build_model_parts, model_args_for_job
+from titanlike.train.model_parts import build_model_parts, job_objective, model_args_for_job
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("titanlike")
@@ -93,58 +93,6 @@ class StepRecord:
 
     def __post_init__(self) -> None:
         self.flags = HostCopy(torch.cat([self.out.finite.reshape(1).float(), self.out.side]))
-
-
-@dataclasses.dataclass
-class Microbatch:
-    """What the model and the loss of one microbatch get, on this rank's device and slice."""
-
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    positions: torch.Tensor | None = None  # RoPE positions when not 0..seq-1
-    mask: DocumentMask | None = None  # attend within documents (training.document_masking, or a padding mask)
-    # Multi-token prediction's inputs and targets (train/loss.py lookahead_targets), for models
-    # whose args have lookahead_tokens > 0.
-    lookahead: torch.Tensor | None = None
-    # The sample's other fields (models/args.py SampleFormat: BERT's token types, T5's decoder
-    # inputs, ...), passed to the model's forward under their names.
-    fields: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-
-    def forward_kwargs(self) -> dict:
-        kwargs = {"positions": self.positions, "mask": self.mask, **self.fields}
-        if self.lookahead is not None:
-            kwargs["lookahead"] = self.lookahead
-        return kwargs
-
-    def rows(self, start: int, stop: int) -> dict:
-        """forward_kwargs of samples start..stop-1 (a pipeline microbatch); per-sample tensors are cut,
-        the positions shared by every sample (context parallel's, 1-D) are not."""
-        positions = self.positions
-        return {
-            "positions": positions if positions is None or positions.ndim == 1 else positions[start:stop],
-            "mask": None if self.mask is None else self.mask.rows(start, stop),
-            **{name: value[start:stop] for name, value in self.fields.items()},
-            **({} if self.lookahead is None else {"lookahead": self.lookahead[start:stop]}),
-        }
-
-
-def microbatch_of_fields(fields: dict[str, torch.Tensor], *, token_fields: tuple[str, ...],
-                         cp_positions: torch.Tensor | None, mask_kernel: str | None) -> Microbatch:
-    """A microbatch of a sample format's fields (models/args.py SampleFormat) as the model sees it:
-    `document_ids` become a bidirectional mask (padding apart), and under context parallelism the
-    inputs, labels and token fields are cut to this rank's positions."""
-    fields = dict(fields)
-    mb = Microbatch(fields.pop("inputs"), fields.pop("labels"), positions=cp_positions)
-    documents = fields.pop("document_ids", None)
-    if documents is not None:
-        # Every cp rank keeps the ids of the whole sequence: its attention picks its rows.
-        mb.mask = DocumentMask.from_document_ids(documents, mask_kernel, causal=False)
-    if cp_positions is not None:
-        mb.inputs, mb.labels = shard_sequence(mb.inputs, cp_positions), shard_sequence(mb.labels, cp_positions)
-        for name in token_fields:
-            fields[name] = shard_sequence(fields[name], cp_positions)
-    mb.fields = fields
-    return mb
 
 
 class TrainingError(RuntimeError):
@@ -202,10 +150,9 @@ class Trainer:
         # Data.
         t = cfg.training
         self.tokenizer = build_tokenizer(cfg.model.hf_assets_path or cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-        self.model_args = model_args_for_job(cfg, self.spec, self.tokenizer.vocab_size)
-        # What a sample holds (token windows, or BERT's / T5's fields): the data are built to it.
-        self.sample_format = self.model_args.sample_format()
-        self.objective = ObjectiveData.from_training(self.sample_format, t)
+        # The family's objective: its samples, the batch the model gets, the loss (titanlike/objectives/).
+        self.objective = job_objective(cfg, self.spec)
+        self.model_args = model_args_for_job(cfg, self.spec, self.tokenizer.vocab_size, self.objective)
         self.global_batch_size = (
             t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
         )
@@ -274,15 +221,15 @@ class Trainer:
         # (none under CP, whose attention builds its own masks from the document ids).
         self.mask_kernel = None if dims.cp_enabled else resolve_attention_backend(
             cfg.model.attention_backend, self.device.type)
+        self.batch_context = BatchContext(self.device, cp_positions=self.cp_positions, mask_kernel=self.mask_kernel,
+                                          eos_id=self.tokenizer.eos_id,
+                                          lookahead_tokens=self.model_args.lookahead_tokens)
         if self.rank == 0:
             self._log_attention()
-        build_loss = self.spec.build_loss or (lambda job: build_cross_entropy_loss(
-            compile=job.compile.enable and "loss" in job.compile.components, backend=job.compile.backend))
-        self.loss_fn = build_loss(cfg)
         # float16: the loss is scaled before backward and steps whose gradients overflow are skipped.
         self.loss_scaler = build_loss_scaler(cfg)
         # The objective's weight for backward: a device tensor the step rewrites (loss scaling), or 1.
-        self.step_loss = StepLoss(self.loss_fn, torch.ones((), device=self.device)
+        self.step_loss = StepLoss(self.objective.loss, torch.ones((), device=self.device)
                                   if self.loss_scaler is not None else None)
         self.pipeline = None
         # Tied weights cut apart by the pipeline split: their copies' gradients are summed after backward.
@@ -390,10 +337,8 @@ class Trainer:
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(t.mixed_precision_param, torch.float32)
         if a is None:
             return
-        # Samples with document ids (BERT's, T5's) attend both ways within their real tokens.
-        padded = "document_ids" in self.sample_format.field_shapes(t.seq_len, t.decoder_seq_len)
-        masked = t.document_masking or padded
-        what = "a padding mask" if padded else "a document mask"
+        what = self.objective.attention_mask  # a document mask, a padding mask, or none
+        masked = what is not None
         direction = "causal" if a.causal else "bidirectional"
         if self.dims.cp_enabled:
             how = f"context parallel ({self.cfg.parallelism.context_parallel_rotate_method}), {direction}"
@@ -404,42 +349,10 @@ class Trainer:
             how = f"SDPA {direction}{f' with {what} (dense)' if masked else ''}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
 
-    def prepare(self, batch: tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]) -> Microbatch:
-        """A loader microbatch as the model sees it: on the device, masked, and cut to this cp rank.
-
-        batch: (inputs, labels) token windows, or a dict of a sample format's fields (models/args.py
-        SampleFormat), whose `document_ids` become a bidirectional mask and whose other fields go to
-        the model by name."""
-        if isinstance(batch, dict):
-            return self._prepare_fields(batch)
-        t = self.cfg.training
-        inputs, labels = (x.to(self.device) for x in batch)
-        eod = self.tokenizer.eos_id
-        raw_labels = labels
-        if t.eod_mask_loss:
-            labels = labels.masked_fill(inputs == eod, IGNORE_INDEX)
-        mb = Microbatch(inputs, labels, positions=self.cp_positions)
-        if t.document_masking:
-            mb.mask = DocumentMask.from_tokens(inputs, eod, self.mask_kernel)
-            mb.positions = mb.mask.positions
-        depth = self.model_args.lookahead_tokens
-        if depth:
-            mb.lookahead = lookahead_targets(raw_labels, labels, depth,
-                                             mb.mask.document_ids if mb.mask is not None else None)
-        if self.cp_positions is not None:
-            # Every cp rank of a data-parallel group got the same samples; each keeps its slice
-            # before counting, so the token count summed over the loss mesh (which includes cp) is exact.
-            mb.inputs, mb.labels = shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
-            if t.document_masking:
-                mb.positions = shard_sequence(mb.positions, self.cp_positions)
-            if mb.lookahead is not None:
-                mb.lookahead = shard_sequence(mb.lookahead, self.cp_positions)
-        return mb
-
-    def _prepare_fields(self, batch: dict[str, torch.Tensor]) -> Microbatch:
-        return microbatch_of_fields({name: value.to(self.device) for name, value in batch.items()},
-                                    token_fields=self.sample_format.token_fields, cp_positions=self.cp_positions,
-                                    mask_kernel=self.mask_kernel)
+    def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
+        """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
+        and cut to this cp rank, by the objective."""
+        return self.objective.prepare(batch, self.batch_context)
 
     def train(self) -> list[float]:
         """Run to training.steps; returns the loss of every step the host read (log, save and

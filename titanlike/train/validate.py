@@ -158,27 +158,14 @@ def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
         _validate_hf_assets(cfg.model.hf_assets_path)
     model = f"{cfg.model.name} {cfg.model.flavor}"
     _validate_experts(cfg, dims, spec.flavors[cfg.model.flavor].moe_args() is not None, model)
+    _validate_family_options(cfg, spec)
     try:
         args = flavor_args(cfg, spec)
         args.validate(dims, seq_len=t.seq_len)
     except ValueError as e:
         raise ConfigError(f"{model}: {e}") from None
-    fmt = args.sample_format()
-    if fmt.kind != "causal_lm":
-        from titanlike.data.loader import validate_objective_dataset
-
-        validate_objective_dataset(fmt.kind, t.dataset)
-        if cfg.validation.enable and cfg.validation.dataset is not None:
-            validate_objective_dataset(fmt.kind, cfg.validation.dataset, option="validation")
-        if "decoder_inputs" in fmt.field_shapes(t.seq_len, t.decoder_seq_len):
-            _check(t.decoder_seq_len % dims.tp == 0,
-                   f"training.decoder_seq_len {t.decoder_seq_len} must be divisible by tensor_parallel_degree "
-                   f"{dims.tp} (sequence parallelism cuts the decoder's sequence too)")
-        # Documents and their ends are a packed token stream's; these samples carry their own masks.
-        for option in ("document_masking", "eod_mask_loss"):
-            _check(not getattr(t, option), f"training.{option} applies to next-token models packed from documents; "
-                   f"{model} trains on {fmt.kind} samples, which carry their own padding mask: "
-                   f"remove training.{option}")
+    # The objective's own rules (the data it can read, the options that apply to its samples).
+    spec.objective(cfg, args).validate(cfg, dims, model=model)
 
     # Layout.
     validate_tensor_parallel(tp=dims.tp, seq_len=t.seq_len, shardable=spec.shard is not None, model=cfg.model.name,
@@ -244,6 +231,25 @@ def _validate_compile_backend(backend: str) -> None:
 
     known = torch._dynamo.list_backends(exclude_tags=())
     _check(backend in known, f"compile.backend {backend!r} is not a torch.compile backend; known: {', '.join(known)}")
+
+
+def _validate_family_options(cfg: JobConfig, spec) -> None:
+    """A model family's own section (ModelSpec.options) is read only when that family is trained: one
+    set for another family is refused rather than ignored."""
+    import dataclasses
+
+    from titanlike.models.registry import get_model_spec, model_names
+
+    for name in model_names():
+        options = get_model_spec(name).options
+        if options is None or name == spec.name or (spec.options and spec.options.section == options.section):
+            continue
+        section = getattr(cfg, options.section)
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            _check(value == getattr(options.options_cls(), field.name),
+                   f"{options.section}.{field.name} {value!r} is set, but it configures the {name} family and "
+                   f"model.name is {cfg.model.name}; remove it or set model.name {name}")
 
 
 def _validate_experts(cfg: JobConfig, dims: ParallelDims, has_experts: bool, model: str) -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titanlike.models.args import AttentionShape, LayoutDegrees, SampleFormat
+from titanlike.models.args import AttentionShape, LayoutDegrees
 from titanlike.models.common.attention import Attention, DocumentMask
 from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.decoder import Decoder, DecoderArgs
@@ -74,9 +74,6 @@ class BertArgs(DecoderArgs):
         return 4 * self.dim
 
     # Samples and shapes ------------------------------------------------------------------------
-
-    def sample_format(self) -> SampleFormat:
-        return SampleFormat("masked_lm", sentence_pairs=self.binary_head, token_fields=("token_types",))
 
     def reported_losses(self) -> tuple[str, ...]:
         return (BINARY_LOSS,) if self.binary_head else ()

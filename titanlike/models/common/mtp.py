@@ -6,7 +6,7 @@ trunk's residual stream for k = 1) and the embedding of token t(i+k), each RMS-n
 concatenated and projected back to the model width (eh_proj), then runs one transformer block;
 its own final norm and the model's shared output head give logits for t(i+k+1). The chain keeps
 the causal order: position i never sees a token past i+k, and within a packed document only
-(`lookahead_targets` in titanlike/train/loss.py ignores targets across documents).
+(`lookahead_targets` in titanlike/objectives/causal_lm.py ignores targets across documents).
 
 The modules are entries of `model.layers` after the trunk (keys n_layers .. n_layers+D-1, as
 DeepSeek's checkpoints number them), so tensor, expert and data parallelism, activation
@@ -68,7 +68,7 @@ def multi_token_prediction(h: torch.Tensor, blocks: list[MTPBlock], lookahead: t
     """h, the trunk's residual stream (batch, seq, dim) before the final norm, carrying the
     prediction modules' weighted loss (attach_loss; the caller then computes the logits from it, so
     a model's output is never the attaching view, which FSDP's output hooks warn about).
-    lookahead: (batch, seq, D, 2) embedded tokens and targets per depth (train/loss.py
+    lookahead: (batch, seq, D, 2) embedded tokens and targets per depth (objectives/causal_lm.py
     lookahead_targets); embed / head: the model's token embedding (a tied copy on the last pipeline
     stage) and output projection; loss_weight: the calling model's `loss_weight` hook (the step's
     objective weight)."""

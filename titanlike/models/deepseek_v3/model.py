@@ -217,7 +217,7 @@ class DeepSeekV3(MoEDecoder):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: DocumentMask | None = None, lookahead: torch.Tensor | None = None) -> torch.Tensor:
         """As Decoder.forward (positions, mask: see there), over the trunk; lookahead (training
-        with multi-token prediction, see train/loss.py lookahead_targets) adds the prediction
+        with multi-token prediction, see objectives/causal_lm.py lookahead_targets) adds the prediction
         modules' loss to the objective."""
         h = self.embed(tokens, positions) if self.tok_embeddings is not None else tokens
         rope = self.rotary_angles(positions)

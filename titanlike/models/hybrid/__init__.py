@@ -9,12 +9,16 @@ and max_seq_len are placeholders the trainer overwrites (update_from_config); ma
 context the model was trained at.
 """
 
+import dataclasses
+from dataclasses import dataclass
+
+from titanlike.config.schema import opt
 from titanlike.models.common.mamba2 import Mamba2Args
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.hybrid.hf_adapter import HybridHF
 from titanlike.models.hybrid.model import HybridModel, HybridModelArgs
 from titanlike.models.hybrid.sharding import hybrid_sharding
-from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
+from titanlike.models.registry import ModelOptions, ModelSpec, PipelineEnds, register_model_spec
 
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 NEMOTRON_H_56B_PATTERN = ("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-"
@@ -68,6 +72,21 @@ hybrid_flavors: dict[str, HybridModelArgs] = {
 }
 
 
+@dataclass
+class HybridOptions:
+    """[hybrid]: the job's own layer pattern."""
+
+    layer_pattern: str = opt(
+        "", "Megatron's --hybrid-layer-pattern, one character per layer (M Mamba-2, * attention, - MLP, E MoE): "
+        "replaces the flavor's layer pattern; empty keeps the flavor's")
+
+
+def _with_options(args: HybridModelArgs, options: HybridOptions) -> HybridModelArgs:
+    if not options.layer_pattern:
+        return args
+    return dataclasses.replace(args, hybrid_layer_pattern=options.layer_pattern)
+
+
 register_model_spec(
     ModelSpec(
         name="hybrid",
@@ -76,8 +95,10 @@ register_model_spec(
         shard=hybrid_sharding,
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf=HybridHF(),
+        options=ModelOptions("hybrid", HybridOptions, _with_options,
+                             renamed={"model.hybrid_layer_pattern": "layer_pattern"}),
     )
 )
 
-__all__ = ["HybridModel", "HybridModelArgs", "NEMOTRON_H_56B_PATTERN", "NEMOTRON_H_8B_PATTERN", "hybrid_flavors",
-           "hybrid_sharding"]
+__all__ = ["HybridModel", "HybridModelArgs", "HybridOptions", "NEMOTRON_H_56B_PATTERN", "NEMOTRON_H_8B_PATTERN",
+           "hybrid_flavors", "hybrid_sharding"]

@@ -114,9 +114,6 @@ class HybridModelArgs(BaseModelArgs):
             fields = self.moe if isinstance(self.moe, dict) else dataclasses.asdict(self.moe)
             self.moe = PatternMoEArgs(**{**fields, "layers": moe_layers})
 
-    def with_layer_pattern(self, pattern: str) -> HybridModelArgs:
-        return dataclasses.replace(self, hybrid_layer_pattern=pattern)
-
     def has(self, kind: str) -> bool:
         return kind in self.hybrid_layer_pattern
 

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, SampleFormat, check_divisible
+from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, check_divisible
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.common.init import normal_, ones_
 
@@ -83,9 +83,6 @@ class T5Args(BaseModelArgs):
     @property
     def num_layers(self) -> int:
         return self.n_encoder_layers + self.n_decoder_layers
-
-    def sample_format(self) -> SampleFormat:
-        return SampleFormat(kind="span_corruption")
 
     def attention_shape(self) -> AttentionShape:
         # The encoder's (training.seq_len is its length): bidirectional.

@@ -1,0 +1,13 @@
+"""Training objectives: each owns its options, rules, samples, batch and loss (objectives/base.py).
+
+A model family names its default objective in its ModelSpec (`objective`); importing this package
+registers every objective's config section.
+"""
+
+from titanlike.objectives.base import BatchContext, Microbatch, Objective
+from titanlike.objectives.causal_lm import CausalLM, lookahead_targets
+from titanlike.objectives.masked_lm import MaskedLM, MaskedLMOptions
+from titanlike.objectives.span_corruption import SpanCorruption, SpanCorruptionOptions
+
+__all__ = ["BatchContext", "CausalLM", "MaskedLM", "MaskedLMOptions", "Microbatch", "Objective", "SpanCorruption",
+           "SpanCorruptionOptions", "lookahead_targets"]

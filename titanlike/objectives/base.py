@@ -1,0 +1,162 @@
+"""What every training objective provides, and the microbatch it hands the training step.
+
+An objective (causal LM, masked LM, span corruption) owns, for the model family that trains with it
+(ModelSpec.objective builds it from the job and the flavor's args):
+  - its options: a config section registered with the loader (titanlike/config/sections.py);
+  - its rules (`validate`): one sentence, before any process group;
+  - its samples (`samples`): the global sample source the data loader slices by rank and step;
+  - its batch (`prepare`): the loader's dict of named tensors -> a Microbatch on the device, masked
+    and cut to this rank's context-parallel positions, as the model and the loss take it;
+  - its loss (`loss`): summed over the target tokens, the model's auxiliary losses added.
+Generic code (data/, train/, checkpoint/, estimation/) calls these and never asks which objective
+it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from titanlike.models.common.attention import DocumentMask
+from titanlike.models.outputs import ModelOutput, cross_entropy_sum
+
+if TYPE_CHECKING:
+    from titanlike.config.schema import JobConfig
+    from titanlike.models.args import LayoutDegrees
+
+# Field name -> (shape of one sample, "int64" | "float32").
+FieldShapes = dict[str, tuple[tuple[int, ...], str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchContext:
+    """What `prepare` needs beyond the loader's batch: where the tensors go and how this rank cuts them."""
+
+    device: torch.device
+    # Context parallel: the global positions of the tokens this rank keeps of every sequence.
+    cp_positions: torch.Tensor | None = None
+    # The kernel a document or padding mask is built for ("sdpa", "flex"), None under context
+    # parallelism (its attention builds its own masks from the document ids).
+    mask_kernel: str | None = None
+    eos_id: int | None = None  # the tokenizer's end-of-document token
+    # The depth of multi-token prediction (the model args' lookahead_tokens); 0: none.
+    lookahead_tokens: int = 0
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """What the model and the loss of one microbatch get, on this rank's device and slice."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None = None  # RoPE positions when not 0..seq-1
+    mask: DocumentMask | None = None  # attend within documents (training.document_masking, or a padding mask)
+    # Multi-token prediction's inputs and targets (objectives/causal_lm.py lookahead_targets), for
+    # models whose args have lookahead_tokens > 0.
+    lookahead: torch.Tensor | None = None
+    # The sample's other fields (BERT's token types, T5's decoder inputs, ...), passed to the model's
+    # forward under their names.
+    fields: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def forward_kwargs(self) -> dict:
+        kwargs = {"positions": self.positions, "mask": self.mask, **self.fields}
+        if self.lookahead is not None:
+            kwargs["lookahead"] = self.lookahead
+        return kwargs
+
+    def rows(self, start: int, stop: int) -> dict:
+        """forward_kwargs of samples start..stop-1 (a pipeline microbatch); per-sample tensors are cut,
+        the positions shared by every sample (context parallel's, 1-D) are not."""
+        positions = self.positions
+        return {
+            "positions": positions if positions is None or positions.ndim == 1 else positions[start:stop],
+            "mask": None if self.mask is None else self.mask.rows(start, stop),
+            **{name: value[start:stop] for name, value in self.fields.items()},
+            **({} if self.lookahead is None else {"lookahead": self.lookahead[start:stop]}),
+        }
+
+
+def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+    """This rank's tokens of a per-token tensor (batch, seq, ...) under context parallelism."""
+    if ctx.cp_positions is None:
+        return x
+    from titanlike.parallel.context import shard_sequence
+
+    return shard_sequence(x, ctx.cp_positions)
+
+
+class Objective:
+    """Base of every objective: the loss they share (cross-entropy summed over the targets, plus the
+    model's auxiliary losses). Subclasses implement the rest (see the module docstring)."""
+
+    # Name shown in messages ("masked_lm"); nothing dispatches on it.
+    name: ClassVar[str] = ""
+    # Fields of a sample laid out along the sequence of `inputs` (cut with it under context
+    # parallelism), besides inputs and labels.
+    token_fields: ClassVar[tuple[str, ...]] = ()
+    # What the attention mask of its samples is, for the start-up log: "a document mask", "a padding
+    # mask", or None (plain causal or bidirectional attention).
+    attention_mask: str | None = None
+
+    def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
+        # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so
+        # that building an objective to check a job's rules compiles nothing).
+        self.compile_backend = compile_backend if compile_loss else None
+
+    @functools.cached_property
+    def _cross_entropy(self):
+        if self.compile_backend is None:
+            return cross_entropy_sum
+        return torch.compile(cross_entropy_sum, backend=self.compile_backend)
+
+    @staticmethod
+    def compile_options(cfg: JobConfig) -> dict[str, Any]:
+        """The loss's compile settings from the job's [compile] section (for subclasses' for_job)."""
+        c = cfg.compile
+        return {"compile_loss": c.enable and "loss" in c.components, "compile_backend": c.backend}
+
+    # Rules ------------------------------------------------------------------------------------
+
+    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+        """Raise ValueError (one sentence naming the option) when this job cannot train with this
+        objective; `model` names the model in messages. Called before any process group exists."""
+
+    def model_lengths(self) -> dict[str, int]:
+        """Lengths the objective adds to the model's sizing (update_from_config's keywords beyond
+        vocab_size and seq_len), e.g. an encoder-decoder's decoder tokens."""
+        return {}
+
+    # Samples ----------------------------------------------------------------------------------
+
+    def sample_fields(self, seq_len: int) -> FieldShapes:
+        """Each field of one sample as the loader yields it: name -> (shape, dtype)."""
+        raise NotImplementedError
+
+    def samples(self, dataset: str, **source_args):
+        """The global sample source (titanlike.data.loader.GlobalSamples) of `dataset` for this
+        objective; source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name."""
+        raise NotImplementedError
+
+    # Batch ------------------------------------------------------------------------------------
+
+    def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
+        """A loader microbatch (a dict of named tensors) as the model and the loss take it."""
+        raise NotImplementedError
+
+    # Loss -------------------------------------------------------------------------------------
+
+    def loss(self, output: torch.Tensor | ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """The microbatch's loss summed over its target tokens, with the output's auxiliary losses (in
+        the same summed units). The trainer divides the step's total once by its global target count."""
+        if isinstance(output, ModelOutput):
+            loss = self._cross_entropy(output.logits, labels)
+            for aux in output.aux_losses.values():
+                loss = loss + aux
+            return loss
+        return self._cross_entropy(output, labels)
+
+
+__all__ = ["BatchContext", "FieldShapes", "Microbatch", "Objective", "cut_sequence"]
