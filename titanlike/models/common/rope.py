@@ -182,6 +182,41 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
             )
         angles = rope_cache[:seqlen].view(1, seqlen, 1, head_dim)
     cos, sin = angles.float().chunk(2, dim=-1)
+    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+        return rotate_pairs_real(x, cos, sin)
+    return rotate_pairs_complex(x, cos, sin)
+
+
+# Two spellings of one rotation, (a + ib)(cos + i sin) on the pairs (x[2i], x[2i+1]), which give the
+# same float32 numbers (a cos - b sin and a sin + b cos, each rounded once).
+#
+# In eager, the complex spelling is the fast one: the multiply is a single vectorized pass over x
+# (views make the pairs complex and back for free), and its backward is a single pass too
+# (grad * conj(cos + i sin)). The real spelling is about ten passes in eager (strided selects of the
+# even and odd halves, four multiplies, two adds, a stack), and its backward adds zero-filled
+# select gradients: on the debug model (batch 8, seq 256, head_dim 16, CPU) it cost ~8x the time of
+# the complex one, about 5% of a training step (docs/performance.md).
+#
+# Under torch.compile, the real spelling is the one to trace: inductor fuses it into one kernel,
+# whereas it cannot generate code for complex operators (it warns and falls back to eager). Tensor
+# subclasses (DTensor, FakeTensor, ...) take the real spelling too: every subclass handles real
+# elementwise ops, not every one handles complex views.
+
+
+def rotate_pairs_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) rotated pairwise by the angles whose cos and sin are (..., head_dim / 2),
+    broadcast against x's pairs, as complex numbers in float32; cast back to x's dtype."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    # view_as_complex needs an even offset and even strides (a slice of a wider head, as DeepSeek's
+    # rotary part, may start at an odd column): a fresh copy has them.
+    if pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-1]):
+        pairs = pairs.clone(memory_format=torch.contiguous_format)
+    rotated = torch.view_as_complex(pairs) * torch.complex(cos, sin)
+    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+
+
+def rotate_pairs_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_pairs_complex in real arithmetic: the same numbers, the form inductor compiles."""
     pairs = x.float().unflatten(-1, (-1, 2))
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
