@@ -229,3 +229,30 @@ def test_writes_leave_no_temporary_files(cache, tmp_path, tokenizer):
     packed_text_corpus(corpus, tokenizer, 8)
     assert [p.name for p in (cache / "tokens").iterdir()] == [entries(cache)[0].name]
     assert zipfile.is_zipfile(entries(cache)[0])
+
+
+def test_the_entries_used_last_are_kept(cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "_KEEP", 2)
+    corpus = write_corpus(tmp_path / "c.jsonl.gz", TEXTS)
+    abandoned = cache / "tokens" / ".abandoned.tmp"
+
+    def run(shift):
+        forget(monkeypatch)
+        return packed_text_corpus(corpus, ShiftedTokenizer(shift), 8).tokens
+
+    first = run(0)
+    abandoned.write_bytes(b"half an entry")
+    os.utime(abandoned, (0, 0))
+    run(1)
+    os.utime(entries(cache)[0], (1, 1))  # both entries old; reading one of them refreshes it
+    os.utime(entries(cache)[1], (1, 1))
+    forget(monkeypatch)
+    with monkeypatch.context() as m:
+        tokenizing_forbidden(m)
+        assert np.array_equal(run(0), first)
+    run(2)  # a third entry: the least recently used (shift 1) goes
+    assert len(entries(cache)) == 2 and not abandoned.exists()
+    with monkeypatch.context() as m:
+        tokenizing_forbidden(m)
+        run(0)
+        run(2)

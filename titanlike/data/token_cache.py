@@ -22,6 +22,9 @@ written, and pass the caller's own check (token ids within the vocabulary, consi
 Anything else is a miss, and the entry is rebuilt and rewritten. A cache folder that cannot be
 created or written is no cache: the corpus is tokenized as before, without a word beyond a
 debug log.
+
+Since an edit of the reading code makes new entries, the folder keeps only the _KEEP entries used
+last (a read refreshes an entry's mtime) and drops temporary files that writers left behind.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -50,6 +54,10 @@ _FORMAT = 1
 _META = "__meta__"
 _INTEGER_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _CHUNK = 1 << 20
+# Entries kept (the ones used last): the embedded corpus takes two (packed, sentence-split) per
+# version of the reading code.
+_KEEP = 8
+_ABANDONED_TMP_SECONDS = 3600
 
 
 def cache_dir() -> Path:
@@ -156,6 +164,23 @@ def _write(path: Path, key: str, arrays: dict[str, np.ndarray]) -> None:
         logger.debug("could not write the token cache entry %s (%s): not caching", path, e)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        return
+    _prune(path.parent)
+
+
+def _prune(folder: Path) -> None:
+    """Keep the _KEEP entries used last; remove temporary files abandoned by crashed writers."""
+    entries, now = [], time.time()
+    with contextlib.suppress(OSError):
+        for item in os.scandir(folder):
+            with contextlib.suppress(OSError):
+                if item.name.endswith(".npz"):
+                    entries.append((item.stat().st_mtime, item.path))
+                elif item.name.endswith(".tmp") and now - item.stat().st_mtime > _ABANDONED_TMP_SECONDS:
+                    os.unlink(item.path)
+    for _, stale in sorted(entries, reverse=True)[_KEEP:]:
+        with contextlib.suppress(OSError):
+            os.unlink(stale)
 
 
 def cached_arrays(key: str, names: Iterable[str], build: Callable[[], dict[str, np.ndarray]],
@@ -166,6 +191,8 @@ def cached_arrays(key: str, names: Iterable[str], build: Callable[[], dict[str, 
     arrays = _read(path, key, set(names))
     if arrays is not None and valid(arrays):
         logger.info("read the tokenized corpus from the cache: %s", path)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used: the last to be pruned
         return arrays
     arrays = build()
     _write(path, key, arrays)
