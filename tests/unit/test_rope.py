@@ -22,21 +22,22 @@ SCALINGS = {
 }
 
 
-def _angles(scaling, positions=None):
-    """cos and sin broadcastable against (batch, seq, heads, head_dim / 2), as apply_rotary_emb takes them."""
+def _rotation(scaling, positions=None):
+    """(cos, sin) pairs broadcastable against (batch, seq, heads, head_dim / 2, 2), as apply_rotary_emb
+    passes them on."""
     table = precompute_rope_cache(HEAD_DIM, 2048, 500000.0, scaling)
     rows = table[:SEQ].unsqueeze(0) if positions is None else table[positions]
-    return rows.unsqueeze(2).chunk(2, dim=-1)
+    return rows.unsqueeze(2).unflatten(-1, (-1, 2))
 
 
 @pytest.mark.parametrize("scaling", SCALINGS.values(), ids=SCALINGS.keys())
 @pytest.mark.parametrize("heads", [16, 8])
 def test_complex_and_real_spellings_agree_in_float32(scaling, heads):
     torch.manual_seed(0)
-    cos, sin = _angles(scaling)
+    rotation = _rotation(scaling)
     x = torch.randn(BATCH, SEQ, heads, HEAD_DIM, requires_grad=True)
     grad = torch.randn(BATCH, SEQ, heads, HEAD_DIM)
-    fast, real = rotate_pairs_complex(x, cos, sin), rotate_pairs_real(x, cos, sin)
+    fast, real = rotate_pairs_complex(x, rotation), rotate_pairs_real(x, rotation)
     torch.testing.assert_close(fast, real, rtol=0, atol=5e-7)
     (fast_grad,), (real_grad,) = torch.autograd.grad(fast, x, grad), torch.autograd.grad(real, x, grad)
     torch.testing.assert_close(fast_grad, real_grad, rtol=0, atol=5e-7)
@@ -48,21 +49,21 @@ def test_per_token_angles_agree():
     # Positions that restart per document (or a context-parallel slice): one row per token.
     torch.manual_seed(0)
     positions = torch.cat([torch.arange(100), torch.arange(SEQ - 100)]).expand(BATCH, SEQ)
-    cos, sin = _angles(SCALINGS["llama3.1"], positions)
+    rotation = _rotation(SCALINGS["llama3.1"], positions)
     x = torch.randn(BATCH, SEQ, 8, HEAD_DIM)
     rows = precompute_rope_cache(HEAD_DIM, 2048, 500000.0, SCALINGS["llama3.1"])[positions]
-    torch.testing.assert_close(apply_rotary_emb(x, rows), rotate_pairs_real(x, cos, sin), rtol=0, atol=5e-7)
+    torch.testing.assert_close(apply_rotary_emb(x, rows), rotate_pairs_real(x, rotation), rtol=0, atol=5e-7)
 
 
 def test_bfloat16_rotates_in_float32_and_keeps_its_dtype():
     torch.manual_seed(0)
-    cos, sin = _angles(SCALINGS["llama3.1"])
+    rotation = _rotation(SCALINGS["llama3.1"])
     x = torch.randn(BATCH, SEQ, 8, HEAD_DIM)
     out = apply_rotary_emb(x.bfloat16(), precompute_rope_cache(HEAD_DIM, 2048, 500000.0, SCALINGS["llama3.1"]))
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, rotate_pairs_real(x.bfloat16(), cos, sin), rtol=0, atol=0)
+    torch.testing.assert_close(out, rotate_pairs_real(x.bfloat16(), rotation), rtol=0, atol=0)
     # One bf16 rounding of the input and one of the output: within a few bf16 ulps of float32.
-    torch.testing.assert_close(out.float(), rotate_pairs_real(x, cos, sin), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), rotate_pairs_real(x, rotation), rtol=2e-2, atol=2e-2)
 
 
 def test_a_slice_at_an_odd_column_is_rotated():
@@ -70,8 +71,8 @@ def test_a_slice_at_an_odd_column_is_rotated():
     torch.manual_seed(0)
     heads = torch.randn(2, 5, 3, 5 + HEAD_DIM)
     tail = heads[..., 5:]
-    cos, sin = precompute_rope_cache(HEAD_DIM, 5, 10000.0)[:5].view(1, 5, 1, HEAD_DIM).chunk(2, dim=-1)
-    torch.testing.assert_close(rotate_pairs_complex(tail, cos, sin), rotate_pairs_real(tail, cos, sin),
+    rotation = precompute_rope_cache(HEAD_DIM, 5, 10000.0).view(1, 5, 1, -1, 2)
+    torch.testing.assert_close(rotate_pairs_complex(tail, rotation), rotate_pairs_real(tail, rotation),
                                rtol=0, atol=5e-7)
 
 

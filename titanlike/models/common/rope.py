@@ -3,12 +3,13 @@
 Meta's reference Llama rotates the pairs (x[2i], x[2i+1]) of each head as complex
 numbers. We keep that pairing, because it is the layout of Meta's original
 checkpoints and torchtitan's (Hugging Face's rotate-half layout differs only by a
-fixed row permutation of wq/wk, applied in the HF adapter), but we compute it with
-cos/sin in real arithmetic: complex tensors make inductor warn and fall back to eager.
+fixed row permutation of wq/wk, applied in the HF adapter). The rotation is a complex
+multiply in eager and real arithmetic under torch.compile (see rotate_pairs_complex).
 
-The table is stored as one (max_seq_len, head_dim) float32 tensor holding
-[cos | sin] along the last dim, so that it can be sliced (or sharded for context
-parallelism) along the sequence dim like any other activation.
+The table is stored as one real (max_seq_len, head_dim) float32 tensor holding the pairs
+(cos, sin) of each frequency, i.e. the real view of the complex table cos + i sin
+(torchtitan's freqs_cis), so that it can be sliced (or sharded for context parallelism)
+along the sequence dim like any other activation, and seen as complex without a copy.
 
 Two frequency scalings stretch a model's context beyond its pre-training length: Llama 3.1's
 (RoPEScaling) and YaRN (YaRNScaling, DeepSeek-V3 and others), each exactly as Hugging Face
@@ -146,12 +147,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RoPEScaling | YaRNScalin
 def precompute_rope_cache(head_dim: int, max_seq_len: int, theta: float,
                           scaling: RoPEScaling | YaRNScaling | None = None,
                           device: torch.device | str | None = None) -> torch.Tensor:
-    """The (max_seq_len, head_dim) float32 table [cos | sin] for positions 0..max_seq_len-1
+    """The (max_seq_len, head_dim) float32 table of (cos, sin) pairs for positions 0..max_seq_len-1
     (YaRN: times its attention scaling, which scales q.k by its square)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device=device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
-    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1).flatten(-2)
     if isinstance(scaling, YaRNScaling) and scaling.attention_scaling() != 1.0:
         table = table * scaling.attention_scaling()
     return table
@@ -181,10 +182,10 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
                 f"head_dim {head_dim}; is the sequence longer than max_seq_len?"
             )
         angles = rope_cache[:seqlen].view(1, seqlen, 1, head_dim)
-    cos, sin = angles.float().chunk(2, dim=-1)
+    rotation = angles.float().unflatten(-1, (-1, 2))
     if torch.compiler.is_compiling() or type(x) is not torch.Tensor:
-        return rotate_pairs_real(x, cos, sin)
-    return rotate_pairs_complex(x, cos, sin)
+        return rotate_pairs_real(x, rotation)
+    return rotate_pairs_complex(x, rotation)
 
 
 # Two spellings of one rotation, (a + ib)(cos + i sin) on the pairs (x[2i], x[2i+1]), which give the
@@ -203,20 +204,24 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
 # elementwise ops, not every one handles complex views.
 
 
-def rotate_pairs_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (..., head_dim) rotated pairwise by the angles whose cos and sin are (..., head_dim / 2),
+def rotate_pairs_complex(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) rotated pairwise by `rotation`, float32 (cos, sin) pairs (..., head_dim / 2, 2)
     broadcast against x's pairs, as complex numbers in float32; cast back to x's dtype."""
-    pairs = x.float().unflatten(-1, (-1, 2))
+    rotated = _as_complex(x.float().unflatten(-1, (-1, 2))) * _as_complex(rotation)
+    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+
+
+def _as_complex(pairs: torch.Tensor) -> torch.Tensor:
     # view_as_complex needs an even offset and even strides (a slice of a wider head, as DeepSeek's
     # rotary part, may start at an odd column): a fresh copy has them.
     if pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-1]):
         pairs = pairs.clone(memory_format=torch.contiguous_format)
-    rotated = torch.view_as_complex(pairs) * torch.complex(cos, sin)
-    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+    return torch.view_as_complex(pairs)
 
 
-def rotate_pairs_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_pairs_real(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """rotate_pairs_complex in real arithmetic: the same numbers, the form inductor compiles."""
+    cos, sin = rotation[..., 0], rotation[..., 1]
     pairs = x.float().unflatten(-1, (-1, 2))
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
