@@ -61,6 +61,10 @@ def _stand_in(name: str, **attributes) -> None:
     sys.modules[name] = module
 
 
+def _missing(name: str) -> bool:
+    return name not in sys.modules and importlib.util.find_spec(name) is None
+
+
 def _unused(*args, **kwargs):
     raise RuntimeError("a stand-in of bench_torchtitan.py was called: this benchmark does not support that path")
 
@@ -73,11 +77,11 @@ def import_torchtitan(path: str | None) -> types.SimpleNamespace:
         raise SystemExit("torchtitan is not importable (it is not a titanlike dependency): install it apart with "
                          "`pip install --no-deps --target /tmp/tt torchtitan==0.2.2 tyro docstring-parser shtab "
                          "typeguard` and pass --torchtitan-path /tmp/tt.")
-    if importlib.util.find_spec("datasets") is None:
+    if _missing("datasets"):
         _stand_in("datasets", Dataset=object, load_dataset=_unused)
         _stand_in("datasets.distributed", split_dataset_by_node=_unused)
         sys.modules["datasets"].distributed = sys.modules["datasets.distributed"]
-    if importlib.util.find_spec("triton") is None:
+    if _missing("triton"):
         _stand_in("torchtitan.models.moe.kernels", generate_permute_indices=_unused, fill_indices_wrapper=_unused)
     try:
         modules = {name: importlib.import_module(f"torchtitan.{name}") for name in (

@@ -174,15 +174,15 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         if rope_cache.shape != (batch, seqlen, head_dim):
             raise ValueError(f"per-token rope angles of shape {tuple(rope_cache.shape)} do not match "
                              f"(batch, seq, head_dim) = {(batch, seqlen, head_dim)}")
-        angles = rope_cache.unsqueeze(2)
+        rotation = rope_cache.unsqueeze(2)  # (batch, seq, 1, head_dim): one row for all heads
     else:
         if rope_cache.shape[0] < seqlen or rope_cache.shape[1] != head_dim:
             raise ValueError(
                 f"rope_cache of shape {tuple(rope_cache.shape)} cannot rotate {seqlen} positions of "
                 f"head_dim {head_dim}; is the sequence longer than max_seq_len?"
             )
-        angles = rope_cache[:seqlen].view(1, seqlen, 1, head_dim)
-    rotation = angles.float().unflatten(-1, (-1, 2))
+        # (seq, 1, head_dim), broadcast over batch and heads (sliced only when the table is longer).
+        rotation = (rope_cache if rope_cache.shape[0] == seqlen else rope_cache[:seqlen]).unsqueeze(1)
     if torch.compiler.is_compiling() or type(x) is not torch.Tensor:
         return rotate_pairs_real(x, rotation)
     return rotate_pairs_complex(x, rotation)
@@ -205,23 +205,23 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_pairs_complex(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x (..., head_dim) rotated pairwise by `rotation`, float32 (cos, sin) pairs (..., head_dim / 2, 2)
-    broadcast against x's pairs, as complex numbers in float32; cast back to x's dtype."""
-    rotated = _as_complex(x.float().unflatten(-1, (-1, 2))) * _as_complex(rotation)
-    return torch.view_as_real(rotated).flatten(-2).type_as(x)
-
-
-def _as_complex(pairs: torch.Tensor) -> torch.Tensor:
-    # view_as_complex needs an even offset and even strides (a slice of a wider head, as DeepSeek's
-    # rotary part, may start at an odd column): a fresh copy has them.
-    if pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-1]):
-        pairs = pairs.clone(memory_format=torch.contiguous_format)
-    return torch.view_as_complex(pairs)
+    """x (..., head_dim) rotated pairwise by `rotation`, (cos, sin) pairs (..., head_dim) broadcast
+    against x (a table's rows), as complex numbers in float32; cast back to x's dtype."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    try:
+        pairs = torch.view_as_complex(pairs)
+    except RuntimeError:  # an odd offset or stride (a slice of a wider head, as DeepSeek's rotary part)
+        pairs = torch.view_as_complex(pairs.clone(memory_format=torch.contiguous_format))
+    if rotation.requires_grad:
+        angles = torch.view_as_complex(rotation.float().unflatten(-1, (-1, 2)))
+    else:  # a dtype view: one op, where no gradient has to flow (the tables are buffers)
+        angles = rotation.float().view(torch.complex64)
+    return torch.view_as_real(pairs * angles).flatten(-2).type_as(x)
 
 
 def rotate_pairs_real(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """rotate_pairs_complex in real arithmetic: the same numbers, the form inductor compiles."""
-    cos, sin = rotation[..., 0], rotation[..., 1]
+    cos, sin = rotation.float().unflatten(-1, (-1, 2)).unbind(-1)
     pairs = x.float().unflatten(-1, (-1, 2))
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
