@@ -3,7 +3,8 @@ titanlike's train_step and by torchtitan's own Trainer.train_step, in alternatin
 
     pip install --no-deps --target /tmp/tt torchtitan==0.2.2 tyro docstring-parser shtab typeguard
     OMP_NUM_THREADS=2 python scripts/bench_torchtitan.py --torchtitan-path /tmp/tt \\
-        [--bench-warmup 3] [--bench-steps 10] [--bench-rounds 5] [--real-rope] [--rope-only] [train.py options]
+        [--bench-warmup 3] [--bench-steps 10] [--bench-rounds 5] [--real-rope] [--rope-only] [--profile]
+        [train.py options]
 
 torchtitan is not a dependency of titanlike: install it apart (the line above; tyro and its small
 dependencies are what torchtitan's config module imports) and name the folder. Without train.py options
@@ -28,7 +29,8 @@ on a shared machine, compare only figures taken at a low load.
 --real-rope adds a third loop: titanlike with RoPE in its real-valued form in eager too (the form
 inductor compiles, and the only form before 2026-11-25), to measure what the complex multiply saves.
 --rope-only times just the rotary embedding (forward and backward of q and k, every layer of a step)
-in the three forms instead of whole steps.
+in the three forms instead of whole steps. --profile runs torch.profiler over the loops instead of
+timing them, and prints each operator's self CPU time and calls per step side by side.
 
 On a CPU-only machine torchtitan's package needs two stand-ins, installed only when the real module is
 missing: `datasets` (imported by its Hugging Face dataloader, unused here) and its MoE Triton kernels
@@ -249,6 +251,29 @@ def rope_only(tt, titanlike_model, tt_model, batch_size: int, seq_len: int, args
     print(f"load average after: {load()}")
 
 
+def profile_steps(step_fns: dict, fetch, *, warmup: int, steps: int, rows: int = 30) -> None:
+    """torch.profiler over `steps` steps of each loop (same batches): self CPU ms and calls per step of
+    every operator, side by side, the costliest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batches = fetch(warmup + steps)
+    per_op = {}
+    for name, fn in step_fns.items():
+        time_steps(fn, batches[:warmup])
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            time_steps(fn, batches[warmup:])
+        per_op[name] = {e.key: (e.self_cpu_time_total / steps / 1000, e.count / steps) for e in prof.key_averages()}
+    names = list(per_op)
+    ops = sorted({op for table in per_op.values() for op in table},
+                 key=lambda op: -max(table.get(op, (0, 0))[0] for table in per_op.values()))
+    print(f"load average: {load()}; self CPU ms per step (calls per step), {steps} profiled steps per loop")
+    print(f"{'operator':48s}" + "".join(f" {name[:24]:>24s}" for name in names))
+    for op in ops[:rows]:
+        cells = (per_op[name].get(op, (0.0, 0)) for name in names)
+        print(f"{op[:48]:48s}" + "".join(f" {f'{ms:.2f} ({calls:g})':>24s}" for ms, calls in cells))
+    print(f"{'total':48s}" + "".join(f" {sum(ms for ms, _ in per_op[n].values()):24.1f}" for n in names))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -264,6 +289,9 @@ def main() -> None:
                         help="also time titanlike with its real-valued RoPE in eager (the form before 2026-11-25)")
     parser.add_argument("--rope-only", action="store_true",
                         help="time only the rotary embedding (forward + backward of q and k) in each form")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, profile --bench-steps steps of each loop with torch.profiler and "
+                             "print every operator's self CPU time and calls per step, side by side")
     bench, rest = parser.parse_known_args()
     if not _given(rest, "--job.config_file"):
         rest = ["--job.config_file", str(DEFAULT_CONFIG), *rest]
@@ -332,9 +360,14 @@ def main() -> None:
     step_fns = {"titanlike": titanlike_step, f"torchtitan {tt.version}": torchtitan_step}
     if bench.real_rope:
         step_fns["titanlike, real RoPE in eager"] = titanlike_real_rope_step
+    fetch = lambda n: [next(data) for _ in range(n)]  # noqa: E731
+    if bench.profile:
+        profile_steps(step_fns, fetch, warmup=bench.bench_warmup, steps=bench.bench_steps)
+        trainer.close()
+        return
     print(f"load average before: {load()}")
-    times = paired_rounds(step_fns, lambda n: [next(data) for _ in range(n)], warmup=bench.bench_warmup,
-                          steps=bench.bench_steps, rounds=bench.bench_rounds)
+    times = paired_rounds(step_fns, fetch, warmup=bench.bench_warmup, steps=bench.bench_steps,
+                          rounds=bench.bench_rounds)
     report(times, "ms/step")
     print(f"load average after: {load()}")
     trainer.close()
