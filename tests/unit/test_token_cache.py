@@ -256,3 +256,11 @@ def test_the_entries_used_last_are_kept(cache, tmp_path, monkeypatch):
         tokenizing_forbidden(m)
         run(0)
         run(2)
+
+
+def test_a_corpus_too_large_for_memory_is_not_cached(cache, tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setattr(text_datasets, "_LARGE_CORPUS_BYTES", 10)
+    corpus = write_corpus(tmp_path / "c.jsonl.gz", TEXTS)
+    expected = text_datasets.pack_documents(text_datasets.iter_documents(corpus), tokenizer)
+    assert np.array_equal(packed_text_corpus(corpus, tokenizer, 8).tokens, expected)
+    assert not (cache / "tokens").exists()

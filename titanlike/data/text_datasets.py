@@ -277,16 +277,20 @@ def _pack_files(path: str | os.PathLike, files: list[str], tokenizer: Tokenizer,
     dtype = _token_dtype(tokenizer)
 
     def pack() -> dict[str, np.ndarray]:
-        if nbytes > _LARGE_CORPUS_BYTES:
-            logger.warning(
-                "tokenizing %.1f GiB of text in memory at start; corpora this size belong in the "
-                "Megatron .bin/.idx format (scripts/preprocess_data.py)", nbytes / 2**30,
-            )
         t0 = time.perf_counter()
         tokens = pack_documents(itertools.islice(iter_documents(path), max_documents), tokenizer)
         logger.info("tokenized %s: %d files, %d tokens in %.1fs",
                     os.fspath(path), len(files), len(tokens), time.perf_counter() - t0)
         return {"tokens": tokens}
+
+    if nbytes > _LARGE_CORPUS_BYTES:
+        # Not cached either: a copy of this size in the user's cache folder is not wanted, and
+        # preprocessing it once is the way (the .bin/.idx files are that cache).
+        logger.warning(
+            "tokenizing %.1f GiB of text in memory at start; corpora this size belong in the "
+            "Megatron .bin/.idx format (scripts/preprocess_data.py)", nbytes / 2**30,
+        )
+        return pack()["tokens"]
 
     def valid(arrays: dict[str, np.ndarray]) -> bool:
         tokens = arrays["tokens"]

@@ -24,7 +24,8 @@ created or written is no cache: the corpus is tokenized as before, without a wor
 debug log.
 
 Since an edit of the reading code makes new entries, the folder keeps only the _KEEP entries used
-last (a read refreshes an entry's mtime) and drops temporary files that writers left behind.
+last (a read refreshes an entry's mtime) and drops temporary files that writers left behind. The
+callers do not cache corpora over 1 GiB of text (they belong in the preprocessed .bin/.idx format).
 """
 
 from __future__ import annotations
