@@ -195,8 +195,8 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
 # (views make the pairs complex and back for free), and its backward is a single pass too
 # (grad * conj(cos + i sin)). The real spelling is about ten passes in eager (strided selects of the
 # even and odd halves, four multiplies, two adds, a stack), and its backward adds zero-filled
-# select gradients: on the debug model (batch 8, seq 256, head_dim 16, CPU) it cost ~8x the time of
-# the complex one, about 5% of a training step (docs/performance.md).
+# select gradients: on the debug model (batch 8, seq 256, head_dim 16, CPU) it cost 7 to 9 times the
+# time of the complex one, 2 to 3% of a training step (docs/performance.md).
 #
 # Under torch.compile, the real spelling is the one to trace: inductor fuses it into one kernel,
 # whereas it cannot generate code for complex operators (it warns and falls back to eager). Tensor
