@@ -153,6 +153,14 @@ def train_runs(request, train_job_pool) -> dict[str, TrainRun]:
     return {name: train_job_pool.get(request.node.nodeid, name) for name in names}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_cache_folder(tmp_path_factory) -> None:
+    """Tokenized corpora (titanlike/data/token_cache.py) go to a folder of this session, shared by
+    all its train.py launches, never to the user's cache, unless TITANLIKE_CACHE_DIR names one."""
+    if not os.environ.get("TITANLIKE_CACHE_DIR"):
+        os.environ["TITANLIKE_CACHE_DIR"] = str(tmp_path_factory.mktemp("token-cache"))
+
+
 @pytest.fixture(scope="session")
 def single_process_reference(tmp_path_factory):
     """The single-process run every layout must reproduce: global batch 8 in one microbatch."""

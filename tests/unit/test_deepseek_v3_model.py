@@ -212,7 +212,7 @@ def test_yarn_matches_transformers(case):
     # The table carries the factor on cos and sin, as transformers' rotary embedding.
     table = precompute_rope_cache(64, 16, 10000.0, scaling)
     angles = torch.outer(torch.arange(16, dtype=torch.float32), inv_freq)
-    torch.testing.assert_close(table, torch.cat([angles.cos(), angles.sin()], -1) * attention_factor)
+    torch.testing.assert_close(table, torch.stack([angles.cos(), angles.sin()], -1).flatten(-2) * attention_factor)
     assert YaRNScaling.from_hf(scaling.to_hf()) == scaling
 
 

@@ -19,12 +19,14 @@ The packing is drawn once from the seed; the sources permute the samples every e
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from titanlike.data.errors import DataError
+from titanlike.data.token_cache import cached_arrays, corpus_cache_key, ids_within_vocabulary
 
 __all__ = ["SENTENCE_DATASETS", "InMemorySentences", "SentenceSamples", "numpy_fields", "pack_sentences",
            "sentence_documents", "sentence_split_corpus", "split_documents", "validate_sentence_dataset"]
@@ -44,11 +46,35 @@ class InMemorySentences:
                 chunks.append(arr)
                 lengths.append(arr.size)
             bounds.append(len(lengths))
-        self.tokens = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
-        self.sequence_lengths = np.asarray(lengths, dtype=np.int64)
-        self.sequence_pointers = np.concatenate(([0], np.cumsum(self.sequence_lengths)))[:-1].astype(np.int64)
-        self.document_indices = np.asarray(bounds, dtype=np.int64)
+        self._hold(np.concatenate(chunks) if chunks else np.zeros(0, np.int64), np.asarray(lengths, dtype=np.int64),
+                   np.asarray(bounds, dtype=np.int64), name)
+
+    def _hold(self, tokens: np.ndarray, sequence_lengths: np.ndarray, document_indices: np.ndarray, name: str) -> None:
+        self.tokens, self.sequence_lengths, self.document_indices = tokens, sequence_lengths, document_indices
+        self.sequence_pointers = np.concatenate(([0], np.cumsum(sequence_lengths)))[:-1].astype(np.int64)
         self.path_prefix = name
+
+    # The arrays that hold it all (sequence_pointers derive from the lengths), as the disk cache stores them.
+    ARRAYS = ("tokens", "sequence_lengths", "document_indices")
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in self.ARRAYS}
+
+    @staticmethod
+    def consistent(tokens: np.ndarray, sequence_lengths: np.ndarray, document_indices: np.ndarray) -> bool:
+        """Whether arrays read back (from a cache) describe sentences of `tokens` grouped into documents."""
+        return (tokens.dtype == sequence_lengths.dtype == document_indices.dtype == np.int64
+                and len(document_indices) >= 1 and document_indices[0] == 0
+                and document_indices[-1] == len(sequence_lengths)
+                and bool(np.all(np.diff(document_indices) >= 0)) and bool(np.all(sequence_lengths >= 0))
+                and int(sequence_lengths.sum()) == len(tokens))
+
+    @classmethod
+    def from_arrays(cls, tokens: np.ndarray, sequence_lengths: np.ndarray, document_indices: np.ndarray, *,
+                    name: str = "sentences") -> InMemorySentences:
+        self = cls.__new__(cls)
+        self._hold(tokens, sequence_lengths, document_indices, name)
+        return self
 
     @property
     def num_documents(self) -> int:
@@ -176,22 +202,38 @@ _CORPUS_LOCK = threading.Lock()
 def sentence_split_corpus(path: str | os.PathLike, tokenizer) -> InMemorySentences:
     """Every document under ``path`` (text files, as the ``text`` dataset reads them) split into
     sentences by the rule-based splitter and tokenized, once per process (keyed on the files and the
-    tokenizer): the embedded corpus's masked-LM / span-corruption data."""
-    from titanlike.data.sentences import regex_split_sentences
-    from titanlike.data.text_datasets import iter_documents, list_text_files
+    tokenizer), and once on disk while the files, tokenizer and code stay the same
+    (titanlike/data/token_cache.py): the embedded corpus's masked-LM / span-corruption data."""
+    from titanlike.data.text_datasets import list_text_files
 
     files = list_text_files(path)
     key = (tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files), tokenizer.fingerprint)
     with _CORPUS_LOCK:
         cached = _CORPUS_CACHE.get(key)
         if cached is None:
-            documents = []
-            for text in iter_documents(path):
-                # One call per sentence: cheaper here than the threaded batch encoder for short texts.
-                encoded = (tokenizer.encode(s, bos=False, eos=False) for s in regex_split_sentences(text))
-                documents.append([ids for ids in encoded if ids])
-            cached = _CORPUS_CACHE[key] = InMemorySentences(documents, name=f"corpus {os.fspath(path)}")
+            arrays = _split_and_encode(path, files, tokenizer)
+            cached = _CORPUS_CACHE[key] = InMemorySentences.from_arrays(**arrays, name=f"corpus {os.fspath(path)}")
     return cached
+
+
+def _split_and_encode(path: str | os.PathLike, files: list[str], tokenizer) -> dict[str, np.ndarray]:
+    """InMemorySentences.ARRAYS of the corpus, through the disk cache."""
+    from titanlike.data import sentences, text_datasets
+
+    def build() -> dict[str, np.ndarray]:
+        documents = []
+        for text in text_datasets.iter_documents(path):
+            # One call per sentence: cheaper here than the threaded batch encoder for short texts.
+            encoded = (tokenizer.encode(s, bos=False, eos=False) for s in sentences.regex_split_sentences(text))
+            documents.append([ids for ids in encoded if ids])
+        return InMemorySentences(documents).arrays()
+
+    def valid(arrays: dict[str, np.ndarray]) -> bool:
+        return InMemorySentences.consistent(**arrays) and ids_within_vocabulary(arrays["tokens"], tokenizer.vocab_size)
+
+    key = corpus_cache_key(path, files, tokenizer, kind="sentences",
+                           readers=(text_datasets, sentences, sys.modules[__name__]))
+    return cached_arrays(key, InMemorySentences.ARRAYS, build, valid)
 
 
 def numpy_fields(shapes: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -29,6 +29,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from titanlike.data.errors import DataError, DataPathError
+from titanlike.data.token_cache import cached_arrays, corpus_cache_key, ids_within_vocabulary
 from titanlike.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -189,9 +191,13 @@ def ensure_document(path: str | os.PathLike, *, text_key: str = "text") -> None:
 # --------------------------------------------------------------------------- map-style
 
 
+def _token_dtype(tokenizer: Tokenizer) -> np.dtype:
+    return np.dtype(np.int32 if tokenizer.vocab_size < 2**31 else np.int64)
+
+
 def pack_documents(documents: Iterable[str], tokenizer: Tokenizer, *, batch_docs: int = 512) -> np.ndarray:
     """All documents as one ``[BOS] doc [EOS] [BOS] doc [EOS] ...`` token array."""
-    dtype = np.int32 if tokenizer.vocab_size < 2**31 else np.int64
+    dtype = _token_dtype(tokenizer)
     parts: list[np.ndarray] = []
     docs = iter(documents)
     while batch := list(itertools.islice(docs, batch_docs)):
@@ -246,8 +252,9 @@ _PACK_LOCK = threading.Lock()
 
 def packed_text_corpus(path: str | os.PathLike, tokenizer: Tokenizer, seq_len: int, *,
                        max_documents: int | None = None) -> PackedTokens:
-    """Tokenize (once per process) every document under ``path`` (the first ``max_documents``
-    if given) into a :class:`PackedTokens`."""
+    """Tokenize (once per process, and once on disk while the files, tokenizer and code stay the
+    same) every document under ``path`` (the first ``max_documents`` if given) into a
+    :class:`PackedTokens`."""
     files = list_text_files(path)
     stats = [os.stat(f) for f in files]
     # Keyed on file identity and tokenizer ranks, not seq_len: every layout and seq_len of a
@@ -256,22 +263,42 @@ def packed_text_corpus(path: str | os.PathLike, tokenizer: Tokenizer, seq_len: i
     with _PACK_LOCK:
         tokens = _PACK_CACHE.get(key)
         if tokens is None:
-            nbytes = sum(s.st_size for s in stats)
-            if nbytes > _LARGE_CORPUS_BYTES:
-                logger.warning(
-                    "tokenizing %.1f GiB of text in memory at start; corpora this size belong in the "
-                    "Megatron .bin/.idx format (scripts/preprocess_data.py)", nbytes / 2**30,
-                )
-            t0 = time.perf_counter()
-            tokens = pack_documents(itertools.islice(iter_documents(path), max_documents), tokenizer)
+            tokens = _pack_files(path, files, tokenizer, max_documents, nbytes=sum(s.st_size for s in stats))
             tokens.setflags(write=False)
-            logger.info(
-                "tokenized %s: %d files, %d tokens in %.1fs",
-                os.fspath(path), len(files), len(tokens), time.perf_counter() - t0,
-            )
             _PACK_CACHE[key] = tokens
     name = f"dataset {os.fspath(path)!r}" + (f" (its first {max_documents} documents)" if max_documents else "")
     return PackedTokens(tokens, seq_len, name=name)
+
+
+def _pack_files(path: str | os.PathLike, files: list[str], tokenizer: Tokenizer, max_documents: int | None, *,
+                nbytes: int) -> np.ndarray:
+    """pack_documents of the corpus (`nbytes` of text in `files`), through the disk cache
+    (titanlike/data/token_cache.py)."""
+    dtype = _token_dtype(tokenizer)
+
+    def pack() -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        tokens = pack_documents(itertools.islice(iter_documents(path), max_documents), tokenizer)
+        logger.info("tokenized %s: %d files, %d tokens in %.1fs",
+                    os.fspath(path), len(files), len(tokens), time.perf_counter() - t0)
+        return {"tokens": tokens}
+
+    if nbytes > _LARGE_CORPUS_BYTES:
+        # Not cached either: a copy of this size in the user's cache folder is not wanted, and
+        # preprocessing it once is the way (the .bin/.idx files are that cache).
+        logger.warning(
+            "tokenizing %.1f GiB of text in memory at start; corpora this size belong in the "
+            "Megatron .bin/.idx format (scripts/preprocess_data.py)", nbytes / 2**30,
+        )
+        return pack()["tokens"]
+
+    def valid(arrays: dict[str, np.ndarray]) -> bool:
+        tokens = arrays["tokens"]
+        return tokens.dtype == dtype and ids_within_vocabulary(tokens, tokenizer.vocab_size)
+
+    key = corpus_cache_key(path, files, tokenizer, readers=(sys.modules[__name__],), kind="packed",
+                           max_documents=max_documents)
+    return cached_arrays(key, ("tokens",), pack, valid)["tokens"]
 
 
 # --------------------------------------------------------------------------- streams

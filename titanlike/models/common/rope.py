@@ -3,12 +3,13 @@
 Meta's reference Llama rotates the pairs (x[2i], x[2i+1]) of each head as complex
 numbers. We keep that pairing, because it is the layout of Meta's original
 checkpoints and torchtitan's (Hugging Face's rotate-half layout differs only by a
-fixed row permutation of wq/wk, applied in the HF adapter), but we compute it with
-cos/sin in real arithmetic: complex tensors make inductor warn and fall back to eager.
+fixed row permutation of wq/wk, applied in the HF adapter). The rotation is a complex
+multiply in eager and real arithmetic under torch.compile (see rotate_pairs_complex).
 
-The table is stored as one (max_seq_len, head_dim) float32 tensor holding
-[cos | sin] along the last dim, so that it can be sliced (or sharded for context
-parallelism) along the sequence dim like any other activation.
+The table is stored as one real (max_seq_len, head_dim) float32 tensor holding the pairs
+(cos, sin) of each frequency, i.e. the real view of the complex table cos + i sin
+(torchtitan's freqs_cis), so that it can be sliced (or sharded for context parallelism)
+along the sequence dim like any other activation, and seen as complex without a copy.
 
 Two frequency scalings stretch a model's context beyond its pre-training length: Llama 3.1's
 (RoPEScaling) and YaRN (YaRNScaling, DeepSeek-V3 and others), each exactly as Hugging Face
@@ -146,12 +147,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RoPEScaling | YaRNScalin
 def precompute_rope_cache(head_dim: int, max_seq_len: int, theta: float,
                           scaling: RoPEScaling | YaRNScaling | None = None,
                           device: torch.device | str | None = None) -> torch.Tensor:
-    """The (max_seq_len, head_dim) float32 table [cos | sin] for positions 0..max_seq_len-1
+    """The (max_seq_len, head_dim) float32 table of (cos, sin) pairs for positions 0..max_seq_len-1
     (YaRN: times its attention scaling, which scales q.k by its square)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device=device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
-    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1).flatten(-2)
     if isinstance(scaling, YaRNScaling) and scaling.attention_scaling() != 1.0:
         table = table * scaling.attention_scaling()
     return table
@@ -173,15 +174,54 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         if rope_cache.shape != (batch, seqlen, head_dim):
             raise ValueError(f"per-token rope angles of shape {tuple(rope_cache.shape)} do not match "
                              f"(batch, seq, head_dim) = {(batch, seqlen, head_dim)}")
-        angles = rope_cache.unsqueeze(2)
+        rotation = rope_cache.unsqueeze(2)  # (batch, seq, 1, head_dim): one row for all heads
     else:
         if rope_cache.shape[0] < seqlen or rope_cache.shape[1] != head_dim:
             raise ValueError(
                 f"rope_cache of shape {tuple(rope_cache.shape)} cannot rotate {seqlen} positions of "
                 f"head_dim {head_dim}; is the sequence longer than max_seq_len?"
             )
-        angles = rope_cache[:seqlen].view(1, seqlen, 1, head_dim)
-    cos, sin = angles.float().chunk(2, dim=-1)
+        # (seq, 1, head_dim), broadcast over batch and heads (sliced only when the table is longer).
+        rotation = (rope_cache if rope_cache.shape[0] == seqlen else rope_cache[:seqlen]).unsqueeze(1)
+    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+        return rotate_pairs_real(x, rotation)
+    return rotate_pairs_complex(x, rotation)
+
+
+# Two spellings of one rotation, (a + ib)(cos + i sin) on the pairs (x[2i], x[2i+1]), which give the
+# same float32 numbers (a cos - b sin and a sin + b cos, each rounded once).
+#
+# In eager, the complex spelling is the fast one: the multiply is a single vectorized pass over x
+# (views make the pairs complex and back for free), and its backward is a single pass too
+# (grad * conj(cos + i sin)). The real spelling is about ten passes in eager (strided selects of the
+# even and odd halves, four multiplies, two adds, a stack), and its backward adds zero-filled
+# select gradients: on the debug model (batch 8, seq 256, head_dim 16, CPU) it cost 7 to 9 times the
+# time of the complex one, 2 to 3% of a training step (docs/performance.md).
+#
+# Under torch.compile, the real spelling is the one to trace: inductor fuses it into one kernel,
+# whereas it cannot generate code for complex operators (it warns and falls back to eager). Tensor
+# subclasses (DTensor, FakeTensor, ...) take the real spelling too: every subclass handles real
+# elementwise ops, not every one handles complex views.
+
+
+def rotate_pairs_complex(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) rotated pairwise by `rotation`, (cos, sin) pairs (..., head_dim) broadcast
+    against x (a table's rows), as complex numbers in float32; cast back to x's dtype."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    try:
+        pairs = torch.view_as_complex(pairs)
+    except RuntimeError:  # an odd offset or stride (a slice of a wider head, as DeepSeek's rotary part)
+        pairs = torch.view_as_complex(pairs.clone(memory_format=torch.contiguous_format))
+    if rotation.requires_grad:
+        angles = torch.view_as_complex(rotation.float().unflatten(-1, (-1, 2)))
+    else:  # a dtype view: one op, where no gradient has to flow (the tables are buffers)
+        angles = rotation.float().view(torch.complex64)
+    return torch.view_as_real(pairs * angles).flatten(-2).type_as(x)
+
+
+def rotate_pairs_real(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """rotate_pairs_complex in real arithmetic: the same numbers, the form inductor compiles."""
+    cos, sin = rotation.float().unflatten(-1, (-1, 2)).unbind(-1)
     pairs = x.float().unflatten(-1, (-1, 2))
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
