@@ -13,7 +13,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from titanlike.config import ConfigError, HelpRequested, load_job_config
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     rank = int(os.environ.get("RANK", 0))
     from titanlike.train.faults import set_parent_death_signal, under_torchrun
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             for note in notes:
                 logging.getLogger("titanlike").warning(f"config: {note}")
-        dims = validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), check_memory=True)
+        plan = plan_job(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        check_memory(plan, rank)
     except HelpRequested as h:
         print(h)
         return 0
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from titanlike.train.trainer import Trainer, TrainingError
 
     try:
-        trainer = Trainer(cfg, dims)
+        trainer = Trainer(plan)
     except DataError as e:
         # The data the job names cannot be read or used (found while building the loaders); every
         # rank builds the same data, so every rank fails alike.
@@ -78,6 +79,21 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close()
     # A stop on SIGTERM / SIGUSR1 also ends here, after its checkpoint was saved: exit 0.
     return 0
+
+
+def check_memory(plan, rank: int) -> None:
+    """Refuse, before any process group exists, a job whose estimated peak memory per rank exceeds
+    this machine's (estimation/fits.py; ConfigError, one sentence). The estimator is a package of this
+    repository beside the library, which never imports it: where it is not importable, or cannot
+    model the job, the check is skipped and says so."""
+    try:
+        from estimation.fits import check_fits
+    except ImportError as e:
+        skipped = f"the estimator is not importable here ({e}); install titanlike from a checkout"
+    else:
+        skipped = check_fits(plan)
+    if skipped is not None and rank == 0:
+        logging.getLogger("titanlike").info(f"memory check skipped: {skipped}")
 
 
 def _shutdown_process_group() -> None:

@@ -213,11 +213,9 @@ def stage_layout(prep: PreparedJob) -> tuple[list[list[int]], list[StageShape]]:
     """(stage indices held by each pp rank, shape of every stage), as the trainer splits the model:
     the trunk (args.num_layers) cut into stages, the layers after it (args.total_layers: multi-token
     prediction) with the output end on the last stage."""
-    from titanlike.train.model_parts import pipeline_layout
-
     args = prep.model_args
     trailing = tuple(range(args.num_layers, args.total_layers))
-    layout = pipeline_layout(prep.cfg, prep.dims, args)
+    layout = prep.plan.pipeline
     if layout is None:
         return [[0]], [StageShape(tuple(range(args.num_layers)) + trailing, True, True)]
     last = layout.num_stages - 1
@@ -1193,9 +1191,7 @@ def estimate_analytic(prep: PreparedJob, granularity: int = 512,
     reshard = p.fsdp_reshard_after_forward
     if dims.pp_enabled and reshard == "default":
         reshard = "never"
-    grad_accum = 1
-    if t.global_batch_size != -1:
-        grad_accum = t.global_batch_size // (t.local_batch_size * dims.dp_degree)
+    grad_accum = prep.plan.batch.grad_accum_steps
 
     per_rank, shapes = stage_layout(prep)
     microbatch = p.pipeline_parallel_microbatch_size if dims.pp_enabled else t.local_batch_size

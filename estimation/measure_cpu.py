@@ -74,13 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from titanlike.config import load_job_config
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
     from titanlike.train.trainer import Trainer
 
     out = opts.out
     cfg = load_job_config(argv)
-    dims = validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    trainer = Trainer(cfg, dims)
+    trainer = Trainer(plan_job(cfg, int(os.environ.get("WORLD_SIZE", 1))))
     try:
         trainer.checkpointer.load()
         data = iter(trainer.dataloader)

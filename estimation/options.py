@@ -13,11 +13,11 @@ import copy
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from titanlike.config.loader import ConfigError, parse_section_options, section_help
 from titanlike.config.schema import JobConfig, opt
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import JobPlan, plan_job
 from titanlike.parallel.parallel_dims import ParallelDims
 
 
@@ -92,23 +92,40 @@ class Float8Adjustment:
 
 @dataclass
 class PreparedJob:
-    """A job ready to estimate: the config the trace runs (features it cannot trace removed),
-    the resolved layout, the model args the trainer would build, and what was changed."""
+    """A job ready to estimate: its plan (titanlike/train/plan.py, made from the config the trace runs,
+    features it cannot trace removed) and what was changed."""
 
-    cfg: JobConfig
-    dims: ParallelDims
-    model_args: Any
-    objective: Any = None  # the job's training objective (titanlike/objectives/): its samples and loss
+    plan: JobPlan
     notes: list[str] = field(default_factory=list)
     float8: Float8Adjustment | None = None
 
+    @property
+    def cfg(self) -> JobConfig:
+        return self.plan.cfg
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.plan.dims
+
+    @property
+    def model_args(self):
+        return self.plan.model_args
+
+    @property
+    def objective(self):
+        return self.plan.objective
+
 
 @functools.lru_cache(maxsize=8)
-def _vocab_size(path: str) -> int:
+def _vocab_size(tokenizer_path: str | None, hf_assets_path: str | None) -> int:
     # The planner prepares thousands of layouts of one job: load its tokenizer once.
-    from titanlike.data import build_tokenizer
+    from titanlike.data import DEFAULT_TOKENIZER_PATH
+    from titanlike.data.tokenizer import job_tokenizer
 
-    return build_tokenizer(path).vocab_size
+    try:
+        return job_tokenizer(tokenizer_path, hf_assets_path, DEFAULT_TOKENIZER_PATH).vocab_size
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _torchao_available() -> bool:
@@ -124,15 +141,23 @@ def default_world_size(cfg: JobConfig) -> int:
             * p.tensor_parallel_degree * p.pipeline_parallel_degree)
 
 
+def prepare_plan(plan: JobPlan) -> PreparedJob:
+    """A job already planned for training (train.py's memory check): estimated as it is, with float8
+    as the analytic formula (no re-planning: the analytic estimate reads nothing a trace cannot run)."""
+    f = plan.cfg.float8
+    float8 = (Float8Adjustment(f.enable_fsdp_float8_all_gather, list(f.filter_fqns))
+              if any(name.lower() == "float8" for name in plan.cfg.model.converters) else None)
+    return PreparedJob(plan, float8=float8)
+
+
 def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
-    """Validate cfg for world_size with the training rules, after taking out what an
+    """Plan cfg for world_size with the training rules (plan_job), after taking out what an
     estimate cannot run (each removal is recorded in `notes`).
 
-    Raises ConfigError (one sentence, from the same validation train.py uses) for layouts
+    Raises ConfigError (one sentence, from the same planning train.py does) for layouts
     that cannot run at all.
     """
     from titanlike.models.registry import get_model_spec, model_names
-    from titanlike.train.model_parts import job_objective, model_args_for_job
 
     est = copy.deepcopy(cfg)
     notes: list[str] = []
@@ -188,22 +213,15 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
     est.metrics.enable_wandb = est.metrics.enable_tensorboard = False
     est.profiling.enable_memory_snapshot = est.profiling.enable_profiling = False
 
-    vocab_size = None
+    # The trainer sizes the embedding by the tokenizer it loads (the debug one by default); without
+    # the tokenizer, the flavor's own vocabulary stands in for it.
     path = est.model.tokenizer_path
     if path and not os.path.isfile(path):
         notes.append(f"tokenizer {path} not found: vocab_size taken from the {est.model.flavor} flavor")
         est.model.tokenizer_path = None
+        spec = get_model_spec(est.model.name) if est.model.name in model_names() else None
+        flavor = spec.flavors.get(est.model.flavor) if spec is not None else None
+        vocab_size = flavor.vocab_size if flavor is not None else 1  # an unknown model: planning says so
     else:
-        # The trainer sizes the embedding by the tokenizer it loads (the debug one by default).
-        from titanlike.data import DEFAULT_TOKENIZER_PATH
-        vocab_size = _vocab_size(path or DEFAULT_TOKENIZER_PATH)
-    dims = validate_config(est, world_size)
-
-    # The args the trainer builds the model from (model_parts.model_args_for_job); without the
-    # tokenizer, the flavor's own vocabulary stands in for it.
-    spec = get_model_spec(est.model.name)
-    if vocab_size is None:
-        vocab_size = spec.flavors[est.model.flavor].vocab_size
-    objective = job_objective(est, spec)
-    model_args = model_args_for_job(est, spec, vocab_size, objective)
-    return PreparedJob(cfg=est, dims=dims, model_args=model_args, objective=objective, notes=notes, float8=float8)
+        vocab_size = _vocab_size(path, est.model.hf_assets_path)
+    return PreparedJob(plan_job(est, world_size, vocab_size=vocab_size), notes=notes, float8=float8)

@@ -385,7 +385,6 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
     from titanlike.models.registry import get_model_spec
     from titanlike.parallel.context import load_balanced_positions
     from titanlike.parallel.parallel_dims import ParallelDims
-    from titanlike.train.model_parts import parallelize_options
 
     log = log or (lambda msg: None)
     # DTensor warns on every gradient-norm redistribution over a 2-D mesh; the trace is not the place.
@@ -409,9 +408,9 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
         # One mode for the whole estimate: fake tensors of different modes cannot meet in one op.
         # Non-fake inputs are allowed because DeviceMesh keeps real rank tensors.
         ctx = _Context(prep, granularity, spec,
-                       autocast_dtype=None if dims.fsdp_enabled else _HALF.get(cfg.training.mixed_precision_param),
+                       autocast_dtype=prep.plan.precision.autocast_dtype,
                        loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-                       mode=FakeTensorMode(allow_non_fake_inputs=True), parallelize=parallelize_options(cfg, dims),
+                       mode=FakeTensorMode(allow_non_fake_inputs=True), parallelize=prep.plan.parallelize,
                        objective=prep.objective,
                        converters=converters)
         with ctx.mode:
@@ -460,8 +459,7 @@ def _trace_step(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: 
     cfg = ctx.prep.cfg
     t = cfg.training
     model = parallelize_model(model, ctx.spec.shard, dims, ctx.parallelize)
-    grad_accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp_degree)
-    traced_microbatches = min(grad_accum, 2)
+    traced_microbatches = min(ctx.prep.plan.batch.grad_accum_steps, 2)
     with ctx.mode:
         model.to_empty(device=DEVICE)
         model.train()
@@ -533,11 +531,10 @@ def _stage_signature(layout, stage: int) -> tuple[int, bool, bool]:
 def _trace_pipeline(ctx: _Context, model: nn.Module, dims, per_module: bool, depth: int, log) -> list[RankEstimate]:
     from estimation.analytic import weight_grad_share
     from titanlike.parallel.pipeline import pipeline_stage, schedule_name
-    from titanlike.train.model_parts import pipeline_layout
 
     cfg = ctx.prep.cfg
     p = cfg.parallelism
-    layout = pipeline_layout(cfg, dims, ctx.prep.model_args)
+    layout = ctx.prep.plan.pipeline
     n_microbatches = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
     order = _pipeline_order(layout, dims, n_microbatches, p.pipeline_parallel_schedule)
     names = list(model.layers.keys())

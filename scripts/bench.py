@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlike.config import load_job_config
-from titanlike.train.validate import validate_config  # noqa: E402
+from titanlike.train.plan import plan_job  # noqa: E402
 from titanlike.observe.metrics import device_peak_flops, peak_memory_gib  # noqa: E402
 from titanlike.models.outputs import logits_of  # noqa: E402
 from titanlike.objectives.base import BatchContext  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_job_config(rest)
-    trainer = Trainer(cfg, validate_config(cfg, world))
+    trainer = Trainer(plan_job(cfg, world))
     data = iter(trainer.dataloader)
     accum = trainer.grad_accum_steps
     step_batches = iter(lambda: [next(data) for _ in range(accum)], None)
@@ -107,7 +107,7 @@ def main() -> None:
         for name, samples in times.items():
             med = statistics.median(samples)
             tps = tokens_per_device / med
-            mfu = f", MFU {100 * tps * trainer.flops_per_token / peak:.1f}%" if peak else ", MFU n/a"
+            mfu = f", MFU {100 * tps * trainer.model_args.flops_per_token(cfg.training.seq_len) / peak:.1f}%" if peak else ", MFU n/a"
             print(f"{name:13s}: {med / bench.bench_steps * 1000:8.1f} ms/step, {tps:10,.0f} tokens/s/device{mfu}"
                   f"  (rounds: {', '.join(f'{s / bench.bench_steps * 1000:.1f}' for s in samples)} ms/step)")
         print(f"peak {mem_label}: {mem:.2f} GiB")

@@ -22,11 +22,11 @@ POISONED = "layers.1.feed_forward.w1.weight"
 def _trainer(dump, *extra):
     from titanlike.config import load_job_config
     from titanlike.train.trainer import Trainer
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     cfg = load_job_config([*TINY_JOB, "--training.local_batch_size", "2", "--job.dump_folder", str(dump),
                            "--checkpoint.enable", *extra])
-    return Trainer(cfg, validate_config(cfg, world_size=1))
+    return Trainer(plan_job(cfg, 1))
 
 
 def _poison(trainer, steps):

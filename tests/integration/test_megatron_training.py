@@ -61,13 +61,13 @@ def test_validation_on_the_held_out_split(tmp_path, prefixes):
 def test_training_reads_the_train_part_of_training_split(tmp_path, prefixes):
     # Training and validation must cut the same split, or the 'valid' part overlaps training data.
     from titanlike.config import load_job_config
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
     from titanlike.train.trainer import Trainer
 
     cfg = load_job_config([*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "1",
                            "--training.dataset", "megatron", "--training.dataset_path", prefixes[0],
                            "--training.split", "50,50,0", "--job.dump_folder", str(tmp_path)])
-    trainer = Trainer(cfg, validate_config(cfg, world_size=1))
+    trainer = Trainer(plan_job(cfg, 1))
     try:
         source = trainer.dataloader.dataset.samples.source
         assert (source.split, source.split_name) == ("50,50,0", "train")

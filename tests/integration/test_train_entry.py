@@ -55,11 +55,11 @@ def test_bad_layout_under_torchrun_fails_fast(tmp_path):
 
 def test_non_finite_loss_stops_training(tmp_path, monkeypatch):
     from titanlike.config import load_job_config
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
     from titanlike.train.trainer import Trainer, TrainingError
 
     cfg = load_job_config([*TINY_JOB, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)])
-    trainer = Trainer(cfg, validate_config(cfg, world_size=1))
+    trainer = Trainer(plan_job(cfg, 1))
     run_step = trainer._run_step
     output_weight = dict(trainer.model_parts[0].named_parameters())["output.weight"]
 

@@ -184,11 +184,11 @@ def test_learning_rate_counts_samples_during_the_ramp():
      "increment 8 must divide their difference"),
 ])
 def test_bad_ramp_is_one_sentence(args, world, fragment):
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     cfg = load_job_config(["--training.local_batch_size", "2", "--training.global_batch_size", "12", *args])
     with pytest.raises(ConfigError) as e:
-        validate_config(cfg, world_size=world)
+        plan_job(cfg, world_size=world)
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 

@@ -3,11 +3,11 @@
 import pytest
 
 from titanlike.config import ConfigError, load_job_config
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import plan_job
 
 
 def check(argv, world=1):
-    validate_config(load_job_config(argv), world_size=world)
+    plan_job(load_job_config(argv), world_size=world)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from titanlike.checkpoint import CheckpointError, CheckpointManager, load_model, published_steps
 from titanlike.checkpoint import format as ckpt_format
 from titanlike.config import load_job_config
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import plan_job
 from titanlike.data.loader import build_dataloader_from_source
 from titanlike.models.llama3 import Transformer, llama3_flavors
 from titanlike.models.registry import get_model_spec
@@ -41,7 +41,7 @@ class Job:
             "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2",
             "--checkpoint.enable", "--checkpoint.interval", "3", *overrides,
         ])
-        dims = validate_config(self.cfg, world_size=1)
+        dims = plan_job(self.cfg, world_size=1).dims
         if parts is None:
             with torch.device("meta"):
                 model = Transformer(args)

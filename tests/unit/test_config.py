@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from titanlike.config import ConfigError, HelpRequested, help_text, load_job_config
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import plan_job
 
 
 def write(tmp_path, text):
@@ -205,7 +205,7 @@ _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 def test_validation_rules(argv, world, fragment):
     cfg = load_job_config(argv)
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg, world_size=world)
+        plan_job(cfg, world_size=world)
     assert fragment in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -216,21 +216,21 @@ def test_tensor_parallel_head_divisibility():
     cfg = load_job_config(["--parallelism.tensor_parallel_degree", "16"])
     with pytest.raises(ConfigError, match="llama3 debugmodel: 8 key/value heads are not divisible by "
                                           "tensor_parallel_degree 16"):
-        validate_config(cfg, world_size=16)
+        plan_job(cfg, world_size=16)
     cfg = load_job_config(["--parallelism.tensor_parallel_degree", "3"])
     with pytest.raises(ConfigError, match="16 attention heads are not divisible by tensor_parallel_degree 3"):
-        validate_config(cfg, world_size=3)
+        plan_job(cfg, world_size=3)
     cfg = load_job_config(["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63"])
     with pytest.raises(ConfigError, match="seq_len 63 must be divisible by tensor_parallel_degree 2"):
-        validate_config(cfg, world_size=2)
-    validate_config(load_job_config(["--parallelism.tensor_parallel_degree", "8"]), world_size=8)
+        plan_job(cfg, world_size=2)
+    plan_job(load_job_config(["--parallelism.tensor_parallel_degree", "8"]), world_size=8)
 
 
 def test_valid_layouts_resolve():
-    dims = validate_config(load_job_config([]), world_size=8)
+    dims = plan_job(load_job_config([]), world_size=8).dims
     assert (dims.dp_replicate, dims.dp_shard) == (1, 8)
     cfg = load_job_config(["--parallelism.data_parallel_replicate_degree", "2"])
-    dims = validate_config(cfg, world_size=4)
+    dims = plan_job(cfg, world_size=4).dims
     assert (dims.dp_replicate, dims.dp_shard, dims.dp_degree) == (2, 2, 4)
 
 
@@ -248,13 +248,13 @@ def test_seq_len_beyond_the_flavor_context_is_refused():
     # training.seq_len, so the rule reads the flavor's args (DecoderArgs.validate, shared by families).
     cfg = load_job_config(["--training.seq_len", "4096"])
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg, world_size=1)
+        plan_job(cfg, world_size=1)
     assert str(err.value) == ("llama3 debugmodel: training.seq_len 4096 exceeds the model's context of 2048 "
                               "positions; set training.seq_len to at most 2048")
-    validate_config(load_job_config(["--training.seq_len", "2048"]), world_size=1)
-    validate_config(load_job_config(["--model.flavor", "8B", "--training.seq_len", "131072"]), world_size=1)
+    plan_job(load_job_config(["--training.seq_len", "2048"]), world_size=1)
+    plan_job(load_job_config(["--model.flavor", "8B", "--training.seq_len", "131072"]), world_size=1)
     with pytest.raises(ConfigError, match="llama3 8B: training.seq_len 131073 exceeds the model's context of 131072"):
-        validate_config(load_job_config(["--model.flavor", "8B", "--training.seq_len", "131073"]), world_size=1)
+        plan_job(load_job_config(["--model.flavor", "8B", "--training.seq_len", "131073"]), world_size=1)
 
 
 # ---------------------------------------------------------------- data paths at validation time
@@ -277,7 +277,7 @@ def test_unusable_data_paths_are_config_errors(tmp_path, argv, fragment):
     (tmp_path / "bad.jsonl").write_text('{"content": "wrong key"}\nnot json\n')
     cfg = load_job_config([a.format(tmp=tmp_path) for a in argv])
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg, world_size=1)
+        plan_job(cfg, world_size=1)
     assert fragment.format(tmp=tmp_path) in str(err.value) and "\n" not in str(err.value)
 
 
@@ -285,25 +285,27 @@ def test_unusable_data_paths_are_config_errors(tmp_path, argv, fragment):
 
 
 def test_memory_rule_refuses_a_job_no_machine_holds():
+    from estimation.fits import check_fits
+
     # 405B unsharded on one rank: terabytes by the analytic estimate, on any machine.
     cfg = load_job_config(["--model.flavor", "405B", "--training.seq_len", "4096"])
-    validate_config(cfg, world_size=1)  # off by default: the estimator validates jobs for other machines
+    plan = plan_job(cfg, world_size=1)  # planning does not look at this machine: the estimator plans for others
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg, world_size=1, check_memory=True)
+        check_fits(plan)
     msg = str(err.value)
     assert msg.startswith("the job needs about ") and " GiB per rank (" in msg and "by the analytic estimate" in msg
     assert "lower training.local_batch_size or training.seq_len" in msg and "\n" not in msg
-    validate_config(load_job_config([]), world_size=1, check_memory=True)  # the debug job fits anywhere
+    assert check_fits(plan_job(load_job_config([]), world_size=1)) is None  # the debug job fits anywhere
 
 
 def test_memory_rule_compares_with_this_machines_share(monkeypatch):
-    import titanlike.train.validate as v
+    import estimation.fits as fits
 
-    cfg = load_job_config(["--training.seq_len", "2048", "--training.local_batch_size", "8"])
-    peak, _ = v.estimate_peak_memory(cfg, validate_config(cfg, world_size=1))
-    monkeypatch.setattr(v.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(v, "host_memory", lambda: peak + 2**20)
-    validate_config(cfg, world_size=1, check_memory=True)  # just fits one rank
+    plan = plan_job(load_job_config(["--training.seq_len", "2048", "--training.local_batch_size", "8"]), world_size=1)
+    peak, _ = fits.estimate_peak_memory(plan)
+    monkeypatch.setattr(fits.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(fits, "host_memory", lambda: peak + 2**20)
+    assert fits.check_fits(plan) is None  # just fits one rank
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this host: half each
     with pytest.raises(ConfigError, match=r"this host's \d+\.\d GiB of memory shared by 2 local ranks leave "):
-        validate_config(cfg, world_size=1, check_memory=True)
+        fits.check_fits(plan)

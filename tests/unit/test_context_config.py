@@ -3,11 +3,11 @@
 import pytest
 
 from titanlike.config import ConfigError, load_job_config
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import plan_job
 
 
 def check(argv, world):
-    return validate_config(load_job_config(argv), world_size=world)
+    return plan_job(load_job_config(argv), world_size=world).dims
 
 
 @pytest.mark.parametrize("method", ["allgather", "alltoall"])

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from titanlike.config import ConfigError, load_job_config
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import plan_job
 from titanlike.models.converters import (
     build_model_converters,
     fqn_matches,
@@ -258,7 +258,7 @@ NO_FLOAT8_GPU = not (torch.cuda.is_available() and torch.cuda.get_device_capabil
 def refusal(argv: list[str], world: int = 1) -> str:
     cfg = load_job_config(argv)
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg, world_size=world)
+        plan_job(cfg, world_size=world)
     message = str(err.value)
     assert "\n" not in message
     return message
@@ -308,10 +308,10 @@ def test_te_rules(monkeypatch, fake_transformer_engine):
 
 
 def test_valid_float8_configs_pass():
-    validate_config(float8_cfg("--float8.enable_fsdp_float8_all_gather",
-                               "--float8.precompute_float8_dynamic_scale_for_fsdp"), world_size=2)
-    validate_config(float8_cfg("--float8.recipe_name", "rowwise",
-                               "--parallelism.tensor_parallel_degree", "2"), world_size=2)
+    plan_job(float8_cfg("--float8.enable_fsdp_float8_all_gather",
+                               "--float8.precompute_float8_dynamic_scale_for_fsdp"), world_size=2).dims
+    plan_job(float8_cfg("--float8.recipe_name", "rowwise",
+                               "--parallelism.tensor_parallel_degree", "2"), world_size=2).dims
 
 
 @pytest.mark.skipif(not NO_FLOAT8_GPU, reason="the refusal is for machines without an SM 8.9+ GPU")

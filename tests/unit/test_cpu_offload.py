@@ -18,12 +18,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_offload_policy_reaches_every_fsdp_unit_and_the_step_matches():
     from titanlike.config import load_job_config
-    from titanlike.parallel.parallel_dims import ParallelDims
-    from titanlike.train.model_parts import parallelize_options
+    from titanlike.train.plan import plan_job
 
-    dims = ParallelDims.resolve(world_size=2, dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1)
-    assert parallelize_options(load_job_config(["--training.enable_cpu_offload"]), dims).cpu_offload
-    assert not parallelize_options(load_job_config([]), dims).cpu_offload
+    assert plan_job(load_job_config(["--training.enable_cpu_offload"]), 2).parallelize.cpu_offload
+    assert not plan_job(load_job_config([]), 2).parallelize.cpu_offload
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,7 +66,7 @@ def _step(offload: bool):
     norm = clip_grad_norm_(params, 0.5)
     optimizer.step()
     state = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-    return norm.item(), state, {s["exp_avg"].device.type for s in optimizer.state.values()}
+    return norm.total.item(), state, {s["exp_avg"].device.type for s in optimizer.state.values()}
 
 
 def _check() -> None:

@@ -89,7 +89,7 @@ def test_backend_resolution():
 @pytest.fixture(scope="module")
 def trainer_factory(tmp_path_factory):
     from titanlike.config import load_job_config
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
     from titanlike.train.trainer import Trainer
 
     made = []
@@ -98,7 +98,7 @@ def trainer_factory(tmp_path_factory):
         cfg = load_job_config(["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
                                "--training.local_batch_size", "2", "--training.steps", "1",
                                "--job.dump_folder", str(tmp_path_factory.mktemp("dm")), *overrides])
-        trainer = Trainer(cfg, validate_config(cfg, world_size=1))
+        trainer = Trainer(plan_job(cfg, 1))
         made.append(trainer)
         return trainer
 

@@ -903,7 +903,6 @@ def test_deepseek_parameters_are_those_of_the_parallelized_model(deepseek_family
     from titanlike.models.common.init import canonical_fqn
     from titanlike.parallel.parallel_dims import ParallelDims
     from titanlike.parallel.parallelize import parallelize_model
-    from titanlike.train.model_parts import parallelize_options
 
     cfg = load_job_config([*DEEPSEEK, "--parallelism.tensor_parallel_degree", "2",
                            "--parallelism.expert_parallel_degree", "2"])
@@ -922,7 +921,7 @@ def test_deepseek_parameters_are_those_of_the_parallelized_model(deepseek_family
         with torch.device("meta"):
             model = deepseek_family.model_cls(args)
         keys = list(model.layers.keys())
-        model = parallelize_model(model, deepseek_family.shard, dims, parallelize_options(cfg, dims))
+        model = parallelize_model(model, deepseek_family.shard, dims, prep.plan.parallelize)
         local = {canonical_fqn(n): (p.to_local() if hasattr(p, "to_local") else p).numel()
                  for n, p in model.named_parameters()}
     expected = {}

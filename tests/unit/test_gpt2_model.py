@@ -202,25 +202,25 @@ def test_family_rules_refuse_with_one_sentence(argv, world, fragment):
 
 def test_family_rules_accept_valid_layouts():
     from titanlike.config import load_job_config
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     # 25 heads split over 5 ranks (sequence parallelism also needs seq_len divisible by 5).
     cfg = load_job_config(["--model.name", "gpt2", "--model.flavor", "1.5B", "--training.seq_len", "1000",
                            "--parallelism.tensor_parallel_degree", "5"])
-    assert validate_config(cfg, world_size=5).tp == 5
+    assert plan_job(cfg, world_size=5).dims.tp == 5
 
 
 @pytest.mark.parametrize("preset", ["gpt2_debug", "gpt2_124m", "gpt3_175b"])
 def test_presets_parse_and_validate(preset):
     from titanlike.config import load_job_config
     from titanlike.data import DEFAULT_TOKENIZER_PATH
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     cfg = load_job_config(["--job.config_file", str(REPO / "train_configs" / f"{preset}.toml"),
                            "--model.tokenizer_path", DEFAULT_TOKENIZER_PATH])
     assert cfg.model.name == "gpt2"
     world = {"gpt2_debug": 1, "gpt2_124m": 8, "gpt3_175b": 1024}[preset]
-    dims = validate_config(cfg, world_size=world)
+    dims = plan_job(cfg, world_size=world).dims
     if preset == "gpt3_175b":
         assert (dims.tp, dims.pp, dims.dp_degree) == (8, 16, 8)
         assert (cfg.training.seq_len, cfg.training.global_batch_size, cfg.optimizer.lr) == (2048, 1536, 0.6e-4)

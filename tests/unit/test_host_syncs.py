@@ -47,12 +47,12 @@ def syncs_per_step(tmp_path, *extra: str) -> tuple[dict[int, list[str]], set[int
     next step's start) and the steps the host reads at once."""
     from titanlike.config import load_job_config
     from titanlike.train.trainer import Trainer
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     cfg = load_job_config([*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "8",
                            "--metrics.log_freq", "4", "--training.local_batch_size", "2",
                            "--job.dump_folder", str(tmp_path), *extra])
-    trainer = Trainer(cfg, validate_config(cfg, world_size=1))
+    trainer = Trainer(plan_job(cfg, 1))
     counter = {"on": False, "calls": []}
     per_step: dict[int, list[str]] = {}
     run_step = trainer._run_step

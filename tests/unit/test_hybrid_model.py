@@ -25,7 +25,7 @@ from titanlike.models.hybrid.model import HybridBlock, SquaredReLUMLP
 from titanlike.models.registry import get_model_spec, spec_for_hf_model_type
 from titanlike.parallel.pipeline import balance_by_cost, plan_layout
 from titanlike.parallel.parallel_dims import ParallelDims
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import plan_job
 
 SPEC = get_model_spec("hybrid")
 TINY = hybrid_flavors["debugmodel_tiny"]
@@ -144,7 +144,7 @@ def test_config_refuses_tp_over_one_group_before_any_process_group():
     cfg = load_job_config(["--model.name", "hybrid", "--model.flavor", "debugmodel_mamba2",
                            "--parallelism.tensor_parallel_degree", "2"])
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg, world_size=2)
+        plan_job(cfg, world_size=2)
     assert str(err.value).startswith("hybrid debugmodel_mamba2: 1 Mamba-2 head groups") and "\n" not in str(err.value)
 
 
@@ -187,13 +187,10 @@ def test_pipeline_stages_are_balanced_by_layer_cost_not_count():
 
 
 def test_trainer_layout_uses_the_costs():
-    from titanlike.train.model_parts import pipeline_layout
-
     cfg = load_job_config(["--model.name", "hybrid", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64",
                            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                            "Interleaved1F1B"])
-    d = validate_config(cfg, world_size=2)
-    assert pipeline_layout(cfg, d, TINY).layers == (2, 1, 1, 2)
+    assert plan_job(cfg, world_size=2).pipeline.layers == (2, 1, 1, 2)
 
 
 @pytest.mark.parametrize("preset, world", [("hybrid_debug", 1), ("hybrid_nemotron_h_8b", 8),
@@ -205,21 +202,21 @@ def test_presets_parse_and_validate(preset, world):
     path = REPO / "train_configs" / f"{preset}.toml"
     assert path.read_text().startswith(f"# World size {world}")  # the world the preset is laid out for
     cfg = load_job_config(["--job.config_file", str(path), "--model.tokenizer_path", DEFAULT_TOKENIZER_PATH])
-    layout = validate_config(cfg, world_size=world)
+    layout = plan_job(cfg, world_size=world).dims
     assert cfg.model.name == "hybrid" and cfg.model.flavor in hybrid_flavors
     if preset == "hybrid_nemotron_h_56b":
         assert (layout.tp, layout.dp_shard) == (8, 8)
 
 
 def test_hybrid_layer_pattern_replaces_the_flavor_s_pattern():
-    from titanlike.train.model_parts import flavor_args
+    from titanlike.train.plan import flavor_args
 
     cfg = load_job_config(["--model.name", "hybrid", "--model.flavor", "debugmodel", "--hybrid.layer_pattern",
                            "MM*-MM"])
     args = flavor_args(cfg, get_model_spec("hybrid"))
     assert args.hybrid_layer_pattern == "MM*-MM" != hybrid_flavors["debugmodel"].hybrid_layer_pattern
     assert args.n_layers == 6
-    validate_config(cfg, world_size=1)
+    plan_job(cfg, world_size=1)
     for argv, message in (
         (["--model.name", "llama3"], "hybrid.layer_pattern 'M*E' is set, but it configures the hybrid family and "
                                      "model.name is llama3; remove it or set model.name hybrid"),
@@ -227,7 +224,7 @@ def test_hybrid_layer_pattern_replaces_the_flavor_s_pattern():
     ):
         bad = load_job_config([*argv, "--hybrid.layer_pattern", "M*E"])
         with pytest.raises(ConfigError, match="^[^\n]*" + re.escape(message)):
-            validate_config(bad, world_size=1)
+            plan_job(bad, world_size=1)
 
 
 def test_model_hybrid_layer_pattern_still_loads_with_a_note():

@@ -16,6 +16,7 @@ from titanlike.config import ConfigError, load_job_config
 from titanlike.models import protocol
 from titanlike.models.outputs import attach_loss, weighted_objective
 from titanlike.train.loss_scaling import LossScaler, build_loss_scaler
+from titanlike.train.plan import plan_job
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,7 +75,7 @@ def test_state_round_trips_through_json():
 def test_the_mode_picks_the_scaler(dtype, mode, expected):
     cfg = load_job_config(["--training.mixed_precision_param", dtype, "--loss_scaling.mode", mode,
                            "--loss_scaling.initial_scale", "512"])
-    scaler = build_loss_scaler(cfg)
+    scaler = build_loss_scaler(cfg.loss_scaling, plan_job(cfg, 1).precision.loss_scaling)
     if expected is None:
         assert scaler is None
     else:
@@ -83,7 +84,7 @@ def test_the_mode_picks_the_scaler(dtype, mode, expected):
 
 def test_megatron_defaults():
     cfg = load_job_config(["--training.mixed_precision_param", "float16"])
-    scaler = build_loss_scaler(cfg)
+    scaler = build_loss_scaler(cfg.loss_scaling, plan_job(cfg, 1).precision.loss_scaling)
     assert (scaler.scale, scaler.min_scale, scaler.window, scaler.hysteresis) == (2.0**16, 1.0, 1000, 2)
 
 
@@ -96,10 +97,10 @@ def test_megatron_defaults():
     (["--loss_scaling.mode", "dynamc"], "did you mean 'dynamic'"),
 ])
 def test_bad_loss_scaling_values_are_one_sentence(args, fragment):
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     with pytest.raises(ConfigError) as e:
-        validate_config(load_job_config(args), world_size=1)
+        plan_job(load_job_config(args), world_size=1)
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 

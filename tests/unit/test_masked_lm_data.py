@@ -275,15 +275,15 @@ def test_split_sentences_round_trip_feeds_the_loader(tmp_path, tok, ids):
 
 def test_embedded_corpus_default_kind(tok):
     from titanlike.config import load_job_config
-    from titanlike.models.registry import get_model_spec
     from titanlike.objectives import CausalLM
-    from titanlike.train.model_parts import job_objective
+    from titanlike.train.plan import plan_job
 
-    cfg = load_job_config(["--model.name", "bert", "--masked_lm.mask_prob", "0.2", "--masked_lm.short_seq_prob", "0"])
-    objective = job_objective(cfg, get_model_spec("bert"))
+    cfg = load_job_config(["--model.name", "bert", "--training.seq_len", "128", "--masked_lm.mask_prob", "0.2",
+                           "--masked_lm.short_seq_prob", "0"])
+    objective = plan_job(cfg, 1).objective
     assert isinstance(objective, MaskedLM) and objective.sentence_pairs  # the debug flavor's binary head
     assert (objective.options.mask_prob, objective.options.short_seq_prob) == (0.2, 0.0)
-    assert isinstance(job_objective(load_job_config([]), get_model_spec("llama3")), CausalLM)  # the usual windows
+    assert isinstance(plan_job(load_job_config([]), 1).objective, CausalLM)  # the usual windows
     common = dict(dataset="default", dataset_path=None, tokenizer=tok, seq_len=SEQ, local_batch_size=2,
                   global_batch_size=2, dp_rank=0, dp_degree=1, seed=0, objective=objective)
     train, valid = build_dataloader(**common), build_dataloader(**common, split_name="valid")

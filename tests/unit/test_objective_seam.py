@@ -18,7 +18,7 @@ from titanlike.models.outputs import IGNORE_INDEX, ModelOutput
 from titanlike.models.registry import ModelSpec, get_model_spec, model_names, register_model_spec
 from titanlike.objectives import CausalLM
 from titanlike.train.trainer import Trainer
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import plan_job
 
 PENALTY = 1e-3
 SEEN: list[tuple[ModelOutput, torch.Tensor]] = []
@@ -47,7 +47,7 @@ def _register() -> None:
 def first_step(tmp_path, name: str) -> tuple[float, float]:
     cfg = load_job_config([*TINY_JOB, "--model.name", name, "--training.steps", "1", "--training.local_batch_size", "2",
                            "--job.dump_folder", str(tmp_path / name)])
-    trainer = Trainer(cfg, validate_config(cfg, world_size=1))
+    trainer = Trainer(plan_job(cfg, 1))
     try:
         data = iter(trainer.dataloader)
         out = trainer.train_step([trainer.prepare(next(data))])

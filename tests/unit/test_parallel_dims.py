@@ -66,8 +66,9 @@ def test_clip_grad_norm_over_parameters_on_several_meshes():
                 p.grad = grad.clone()
             params.append(p)
         expected = torch.cat([t.flatten() for t in grads]).norm()
-        total = clip_grad_norm_(params, max_norm=1.0)
-        torch.testing.assert_close(total, expected)
+        norm = clip_grad_norm_(params, max_norm=1.0)
+        torch.testing.assert_close(norm.total, expected)
+        assert norm.nonfinite_param() is None
         scale = 1.0 / (expected + 1e-6)
         for p, grad in zip(params, grads):
             local = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -75,7 +76,12 @@ def test_clip_grad_norm_over_parameters_on_several_meshes():
         # A parameter named in `exclude` (a tied copy counted elsewhere) is clipped but not counted.
         for p, grad in zip(params, grads):
             p.grad = distribute_tensor(grad.clone(), p.device_mesh, p.placements) if hasattr(p, "device_mesh") else grad.clone()
-        total = clip_grad_norm_(params, max_norm=1e9, exclude=frozenset({id(params[1])}))
-        torch.testing.assert_close(total, torch.cat([grads[0].flatten(), grads[2].flatten()]).norm())
+        norm = clip_grad_norm_(params, max_norm=1e9, exclude=frozenset({id(params[1])}))
+        torch.testing.assert_close(norm.total, torch.cat([grads[0].flatten(), grads[2].flatten()]).norm())
+        # A non-finite gradient makes the norm non-finite, leaves the gradients unclipped, and is located.
+        params[2].grad[0, 1] = float("inf")
+        norm = clip_grad_norm_(params, max_norm=1.0)
+        assert not norm.total.isfinite() and norm.nonfinite_param() == 2
+        torch.testing.assert_close(params[2].grad[1], grads[2][1])
     finally:
         dist.destroy_process_group()

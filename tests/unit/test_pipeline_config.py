@@ -8,14 +8,14 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
 from titanlike.config import ConfigError, load_job_config
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import plan_job
 from titanlike.parallel.pipeline import SCHEDULES, is_single_stage, microbatch_problem, plan_layout
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 
 
 def check(argv, world):
-    return validate_config(load_job_config(argv), world_size=world)
+    return plan_job(load_job_config(argv), world_size=world).dims
 
 
 def schedule(name):

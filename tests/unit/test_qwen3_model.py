@@ -202,13 +202,13 @@ def validate_preset(preset: str, world: int):
     """The preset names its intended world size on its first line and validates for it."""
     from titanlike.config import load_job_config
     from titanlike.data import DEFAULT_TOKENIZER_PATH
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     path = REPO / "train_configs" / f"{preset}.toml"
     assert path.read_text().startswith(f"# World size {world}")
     cfg = load_job_config(["--job.config_file", str(path), "--model.tokenizer_path", DEFAULT_TOKENIZER_PATH])
     assert preset.startswith(f"{cfg.model.name}_")
-    return cfg, validate_config(cfg, world_size=world)
+    return cfg, plan_job(cfg, world_size=world).dims
 
 
 @pytest.mark.parametrize("preset, world", [("qwen3_debug_moe", 1), ("qwen3_30b_a3b", 8),

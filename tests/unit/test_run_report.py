@@ -73,11 +73,11 @@ def test_wandb_mode_is_offline_unless_wandb_can_log_in(monkeypatch, tmp_path):
 
 def test_wandb_without_the_package_is_a_config_error(monkeypatch):
     from titanlike.config import ConfigError, load_job_config
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     find_spec = wandb_run.importlib.util.find_spec
     monkeypatch.setattr(wandb_run.importlib.util, "find_spec",
                         lambda name, *args: None if name == "wandb" else find_spec(name, *args))
     cfg = load_job_config(["--metrics.enable_wandb", "--training.seq_len", "64"])
     with pytest.raises(ConfigError, match=r"metrics.enable_wandb needs the wandb package: pip install"):
-        validate_config(cfg, world_size=1)
+        plan_job(cfg, world_size=1)

@@ -230,27 +230,27 @@ def test_layout_rules_are_one_sentence():
 
 
 def test_preset_parses_and_layouts_are_checked_before_any_process_group():
-    from titanlike.train.validate import validate_config
+    from titanlike.train.plan import plan_job
 
     preset = ["--job.config_file", str(REPO / "train_configs" / "t5_debug.toml")]
     cfg = load_job_config(preset)
     assert (cfg.model.name, cfg.model.flavor, cfg.training.seq_len, cfg.span_corruption.decoder_seq_len) == (
         "t5", "debugmodel", 128, 32)
-    validate_config(cfg, world_size=1)
-    validate_config(load_job_config([*preset, "--parallelism.tensor_parallel_degree", "2"]), world_size=2)
+    plan_job(cfg, world_size=1)
+    plan_job(load_job_config([*preset, "--parallelism.tensor_parallel_degree", "2"]), world_size=2)
     for option in ("pipeline_parallel_degree", "context_parallel_degree"):
         with pytest.raises(ValueError, match=f"T5 does not support {option}"):
-            validate_config(load_job_config([*preset, f"--parallelism.{option}", "2"]), world_size=2)
+            plan_job(load_job_config([*preset, f"--parallelism.{option}", "2"]), world_size=2)
     # Generic rules of encoder samples: sequence parallelism cuts the decoder too; packed-document
     # options do not apply; only sentence-split sources give these samples.
     with pytest.raises(ValueError, match="decoder_seq_len 30 must be divisible by tensor_parallel_degree 4"):
-        validate_config(load_job_config([*preset, "--span_corruption.decoder_seq_len", "30",
-                                         "--parallelism.tensor_parallel_degree", "4"]), world_size=4)
+        plan_job(load_job_config([*preset, "--span_corruption.decoder_seq_len", "30",
+                                         "--parallelism.tensor_parallel_degree", "4"]), world_size=4).dims
     for flag in ("--training.document_masking", "--training.eod_mask_loss"):
         with pytest.raises(ValueError, match=f"training.{flag[11:]} applies to next-token models"):
-            validate_config(load_job_config([*preset, flag]), world_size=1)
+            plan_job(load_job_config([*preset, flag]), world_size=1)
     with pytest.raises(ValueError, match="cannot give span_corruption samples"):
-        validate_config(load_job_config([*preset, "--training.dataset", "c4_test"]), world_size=1)
+        plan_job(load_job_config([*preset, "--training.dataset", "c4_test"]), world_size=1)
 
 # ---------------------------------------------------------------- two ranks: TP (+SP) and FSDP
 

@@ -27,7 +27,7 @@ from titanlike.config import loader as config_loader
 from titanlike.config.compat import TORCHTITAN_KEYS, NotHere
 from titanlike.config.loader import near_certain
 from titanlike.config.schema import JobConfig
-from titanlike.train.validate import validate_config
+from titanlike.train.plan import plan_job
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "torchtitan"
@@ -65,7 +65,7 @@ def noted_keys(notes: list[str]) -> set[str]:
 
 def test_every_v022_key_at_its_default_loads_and_validates():
     cfg, notes = load(*fixture("v0.2.2_defaults.toml"))
-    validate_config(cfg, world_size=1)
+    plan_job(cfg, world_size=1)
     # Only keys at a value titanlike does not act on are noted; the rest do what they say.
     assert noted_keys(notes) == {
         "profiling.profiler_warmup", "metrics.disable_color_printing",
@@ -134,7 +134,7 @@ def test_v022_debug_layout_loads_and_validates():
     assert cfg.float8.filter_fqns == ["output"] and cfg.model.hf_assets_path == "./tests/assets/tokenizer"
     assert (cfg.lr_scheduler.total_steps, cfg.training.gc_freq, cfg.validation.seq_len) == (10, 2, 32)
     assert cfg.checkpoint.enable_first_step_checkpoint and cfg.activation_checkpoint.selective_ac_option == "2"
-    dims = validate_config(cfg, world_size=8)
+    dims = plan_job(cfg, world_size=8).dims
     assert dims.dp_shard == 8
 
 
@@ -142,10 +142,10 @@ def test_v022_8b_layout_validates_once_its_assets_exist():
     cfg, notes = load(*fixture("llama3_8b_v0.2.2.toml"))
     assert notes == []
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg, world_size=64)
+        plan_job(cfg, world_size=64)
     assert str(err.value) == "model.hf_assets_path ./assets/hf/Llama-3.1-8B does not exist or is not a folder"
     cfg, _ = load(*fixture("llama3_8b_v0.2.2.toml"), "--model.hf_assets_path", str(HF_TOKENIZER))
-    assert validate_config(cfg, world_size=64).dp_shard == 64
+    assert plan_job(cfg, world_size=64).dims.dp_shard == 64
     assert (cfg.training.dataset, cfg.metrics.enable_tensorboard, cfg.profiling.enable_profiling) == ("c4", True, True)
 
 
@@ -166,7 +166,7 @@ def test_v010_spellings_are_read_with_a_note_naming_the_new_key():
     assert set(by_key) == {"job.use_for_integration_test", "metrics.disable_color_printing"}
     assert (cfg.debug.seed, cfg.lr_scheduler.min_lr_factor, cfg.compile.enable, cfg.checkpoint.enable) == (7, 0.1, False, False)
     assert cfg.checkpoint.last_save_model_only is False and cfg.float8.filter_fqns == ["output"]
-    validate_config(cfg, world_size=1)
+    plan_job(cfg, world_size=1)
 
 
 @pytest.mark.parametrize("argv, section, key, value", [
@@ -312,7 +312,7 @@ def test_hf_assets_path_problems_are_config_errors(tmp_path):
     ]
     for argv, fragment in cases:
         with pytest.raises(ConfigError) as err:
-            validate_config(load(*argv)[0], world_size=1)
+            plan_job(load(*argv)[0], world_size=1)
         assert fragment in str(err.value) and "\n" not in str(err.value), argv
 
 
@@ -374,7 +374,7 @@ def test_c4_offline_fails_in_one_sentence(monkeypatch):
 ])
 def test_dataset_and_validation_rules(argv, fragment):
     with pytest.raises(ConfigError) as err:
-        validate_config(load(*argv)[0], world_size=2 if "2" in argv else 1)
+        plan_job(load(*argv)[0], world_size=2 if "2" in argv else 1)
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
@@ -394,16 +394,14 @@ def test_pipeline_first_and_last_stage_less_layers_follow_torchtitans_rule():
                                          "4 stages over 8 layers would hold no transformer layer"):
         plan_layout(8, 4, "1F1B", None, 4, 1)
     with pytest.raises(ConfigError, match="pipeline_parallel_last_stage_less_layers must be 0 or more, got -1"):
-        validate_config(load("--parallelism.pipeline_parallel_last_stage_less_layers", "-1")[0], world_size=1)
+        plan_job(load("--parallelism.pipeline_parallel_last_stage_less_layers", "-1")[0], world_size=1)
 
 
 def test_activation_checkpoint_options_reach_torch_checkpoint():
     from titanlike.models.llama3 import Transformer, llama3_flavors
-    from titanlike.train.model_parts import parallelize_options
-
     cfg, _ = load("--activation_checkpoint.mode", "full", "--activation_checkpoint.preserve_rng_state",
                   "--activation_checkpoint.determinism_check", "none", "--activation_checkpoint.no_early_stop")
-    opts = parallelize_options(cfg, validate_config(cfg, world_size=1))
+    opts = plan_job(cfg, world_size=1).parallelize
     from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
 
     with torch.device("meta"):
@@ -422,8 +420,8 @@ def test_memory_budget_mode_sets_the_partitioners_budget(monkeypatch):
 
     with pytest.raises(ConfigError, match="memory_budget is decided by torch.compile's partitioner, so it needs "
                                           "compile.enable"):
-        validate_config(load("--activation_checkpoint.mode", "memory_budget")[0], world_size=1)
-    validate_config(load("--activation_checkpoint.mode", "memory_budget", "--compile.enable")[0], world_size=1)
+        plan_job(load("--activation_checkpoint.mode", "memory_budget")[0], world_size=1)
+    plan_job(load("--activation_checkpoint.mode", "memory_budget", "--compile.enable")[0], world_size=1)
     monkeypatch.setattr(functorch_config, "activation_memory_budget", 1.0)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2)})
@@ -434,8 +432,8 @@ def test_memory_budget_mode_sets_the_partitioners_budget(monkeypatch):
 
 def test_compile_backend_must_be_torchs():
     with pytest.raises(ConfigError, match="compile.backend 'inductr' is not a torch.compile backend; known: "):
-        validate_config(load("--compile.enable", "--compile.backend", "inductr")[0], world_size=1)
-    validate_config(load("--compile.enable", "--compile.backend", "aot_eager")[0], world_size=1)
+        plan_job(load("--compile.enable", "--compile.backend", "inductr")[0], world_size=1)
+    plan_job(load("--compile.enable", "--compile.backend", "aot_eager")[0], world_size=1)
 
 
 def test_periodic_gc_collects_at_its_steps_only():
@@ -505,7 +503,7 @@ def test_checkpoint_load_only_first_step_and_full_initial_load(tmp_path):
 ])
 def test_rules_of_the_new_keys(argv, fragment):
     with pytest.raises(ConfigError) as err:
-        validate_config(load(*argv)[0], world_size=1)
+        plan_job(load(*argv)[0], world_size=1)
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 

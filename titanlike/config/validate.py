@@ -3,7 +3,7 @@
 This module depends on nothing above config/. Rules that need the world size, the model, the
 machine or the files a job names live next to what they protect (ParallelDims, the pipeline, the
 converters, the model family, the checkpoint manager, the data loader) and are called, in order,
-by titanlike/train/validate.py. Every rule raises ConfigError with one sentence that names the
+by titanlike/train/plan.py (plan_job). Every rule raises ConfigError with one sentence that names the
 option and what would make it valid.
 """
 

@@ -23,6 +23,7 @@ __all__ = [
     "LLAMA3_SPECIAL_TOKENS",
     "Tokenizer",
     "build_tokenizer",
+    "job_tokenizer",
     "load_bpe_ranks",
     "save_bpe_ranks",
 ]
@@ -218,3 +219,25 @@ def build_tokenizer(path: str | os.PathLike):
 
         return HuggingFaceTokenizer(path)
     return Tokenizer(path)
+
+
+def job_tokenizer(tokenizer_path: str | None, hf_assets_path: str | None, default: str):
+    """The tokenizer a job names (model.hf_assets_path, a folder with tokenizer.json, or
+    model.tokenizer_path, a tiktoken ranks file; else `default`), built once. ValueError, one
+    sentence, when what is named is not there or cannot be read."""
+    if hf_assets_path:
+        from titanlike.data.tokenizer_json import TOKENIZER_JSON, is_tokenizer_folder
+
+        if not os.path.isdir(hf_assets_path):
+            raise ValueError(f"model.hf_assets_path {hf_assets_path} does not exist or is not a folder")
+        if not is_tokenizer_folder(hf_assets_path):
+            raise ValueError(f"model.hf_assets_path {hf_assets_path} has no {TOKENIZER_JSON} (torchtitan's "
+                             "scripts/download_hf_assets.py --assets tokenizer fetches it; a tiktoken tokenizer.model "
+                             "goes in model.tokenizer_path)")
+        try:
+            return build_tokenizer(hf_assets_path)
+        except (ImportError, OSError, ValueError) as e:
+            raise ValueError(f"model.hf_assets_path: {e}") from None
+    if tokenizer_path and not os.path.isfile(tokenizer_path):
+        raise ValueError(f"model.tokenizer_path {tokenizer_path} does not exist")
+    return build_tokenizer(tokenizer_path or default)

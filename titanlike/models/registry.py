@@ -126,6 +126,33 @@ def model_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def resolve_model(name: str, flavor: str) -> ModelSpec:
+    """The spec of model.name, checking model.flavor: ValueError, one sentence naming what is known."""
+    if name not in model_names():
+        raise ValueError(f"model.name {name!r} is unknown; known models: {', '.join(model_names())}")
+    spec = _REGISTRY[name]
+    if flavor not in spec.flavors:
+        raise ValueError(f"model.flavor {flavor!r} is unknown for {name}; known flavors: {', '.join(spec.flavors)}")
+    return spec
+
+
+def check_other_families_sections(job_config, spec: ModelSpec) -> None:
+    """A family's own section (ModelSpec.options) is read only when that family is trained: one set
+    for another family is refused rather than ignored (ValueError, one sentence)."""
+    import dataclasses
+
+    for name in model_names():
+        options = _REGISTRY[name].options
+        if options is None or name == spec.name or (spec.options and spec.options.section == options.section):
+            continue
+        section = getattr(job_config, options.section)
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            if value != getattr(options.options_cls(), field.name):
+                raise ValueError(f"{options.section}.{field.name} {value!r} is set, but it configures the {name} "
+                                 f"family and model.name is {job_config.model.name}; remove it or set model.name {name}")
+
+
 def spec_for_hf_model_type(model_type: str | None) -> ModelSpec:
     """The family that reads Hugging Face folders of this config.json model_type (KeyError if none)."""
     _import_builtin_families()

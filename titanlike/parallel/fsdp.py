@@ -94,3 +94,10 @@ def _expert_placement(mesh: DeviceMesh):
         return Shard(0) if local.shape[0] % shards == 0 or local.ndim < 2 else Shard(1)
 
     return placement
+
+
+def validate_cpu_offload(enabled: bool, *, fsdp_enabled: bool, dp_shard: int) -> None:
+    """training.enable_cpu_offload offloads FSDP's shards: ValueError, one sentence, without FSDP."""
+    if enabled and not fsdp_enabled:
+        raise ValueError("training.enable_cpu_offload offloads FSDP's shards, so it needs data_parallel_shard_degree > 1 "
+                         f"(this layout has {dp_shard})")

@@ -42,7 +42,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
-    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, init=False)
 
     @classmethod
     def resolve(
@@ -90,6 +90,13 @@ class ParallelDims:
                 f"context_parallel_degree {cp} x tensor_parallel_degree {tp} = {dp_shard * cp * tp}, the ranks "
                 "experts are spread over")
         return cls(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
+
+    @classmethod
+    def from_config(cls, p, world_size: int) -> "ParallelDims":
+        """resolve() from the [parallelism] section p."""
+        return cls.resolve(world_size=world_size, dp_replicate=p.data_parallel_replicate_degree,
+                           dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
+                           tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree)
 
     # Degrees and switches ------------------------------------------------------------
 

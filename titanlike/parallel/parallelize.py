@@ -111,3 +111,11 @@ def _data_parallel(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -
     apply_fsdp(model, dims.mesh("fsdp") if dims.fsdp_enabled else None, param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype,
                reshard_after_forward=reshard, mesh_named=dims.mesh, cpu_offload=opts.cpu_offload)
 
+
+def validate_compile_backend(backend: str) -> None:
+    """compile.backend must be a backend torch.compile knows: ValueError, one sentence."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"compile.backend {backend!r} is not a torch.compile backend; known: {', '.join(known)}")

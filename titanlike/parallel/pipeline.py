@@ -492,13 +492,12 @@ def build_schedule(
 
 
 
-def validate_pipeline(p, *, model: str, n_layers: int, has_pipeline_ends: bool, local_batch_size: int,
-                      fsdp_enabled: bool, compile_blocks: bool, ac_mode: str, ac_option: str,
-                      validation_enabled: bool, validation_batch_size: int) -> None:
-    """The pipeline rules, before any process group: ValueError, one sentence naming the option.
-
-    p: the [parallelism] section; model: "name flavor" for messages.
-    """
+def plan_pipeline(p, *, model: str, n_layers: int, layer_costs: Sequence[float] | None, has_pipeline_ends: bool,
+                  local_batch_size: int, fsdp_enabled: bool, compile_blocks: bool, ac_mode: str, ac_option: str,
+                  validation_enabled: bool, validation_batch_size: int) -> PipelineLayout:
+    """The job's pipeline layout (plan_layout over the [parallelism] section p, balanced by the layers'
+    costs when they differ), checked against the schedule's rules before any process group:
+    ValueError, one sentence naming the option. model: "name flavor" for messages."""
 
     def check(ok: bool, message: str) -> None:
         if not ok:
@@ -508,7 +507,8 @@ def validate_pipeline(p, *, model: str, n_layers: int, has_pipeline_ends: bool, 
     name = schedule_name(p.pipeline_parallel_schedule)
     try:
         layout = plan_layout(n_layers, p.pipeline_parallel_degree, name, p.pipeline_parallel_layers_per_stage,
-                             p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
+                             p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers,
+                             layer_costs=layer_costs)
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
     mbs = p.pipeline_parallel_microbatch_size
@@ -539,3 +539,4 @@ def validate_pipeline(p, *, model: str, n_layers: int, has_pipeline_ends: bool, 
               f"{name} runs two backward passes over each stage (input, then weight gradients), which op-level "
               f"selective activation checkpointing forbids, so use activation_checkpoint.mode full or a "
               f"block interval for selective_ac_option")
+    return layout

@@ -77,6 +77,23 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int,
     return ValidationData(loader, num_batches)
 
 
+
+def validate_validation_layout(v, t, dims) -> None:
+    """The [validation] rules that depend on the layout: ValueError, one sentence. v: the
+    validation section, t: the training section, dims: ParallelDims."""
+    from titanlike.data.loader import validate_dataset
+
+    if v.seq_len not in (-1, t.seq_len):
+        if dims.cp_enabled or dims.pp_enabled:
+            raise ValueError(f"validation.seq_len {v.seq_len} must be -1 or training.seq_len {t.seq_len} under "
+                             f"{'context' if dims.cp_enabled else 'pipeline'} parallelism, which is set up for "
+                             "training's sequence length")
+        if v.seq_len % dims.tp:
+            raise ValueError(f"validation.seq_len {v.seq_len} must be divisible by tensor_parallel_degree {dims.tp} "
+                             "(sequence parallelism cuts it)")
+    if v.dataset not in (None, "default") and v.dataset_path:
+        validate_dataset(v.dataset, v.dataset_path, option="validation")
+
 class Evaluator:
     def __init__(self, step: TrainStep, data, prepare: Callable):
         """data: a ValidationData (loader + batches per run, above); prepare: the

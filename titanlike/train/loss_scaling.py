@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from titanlike.config.schema import JobConfig
 
 GROWTH_FACTOR = 2.0  # Megatron's, fixed: powers of two scale and unscale without rounding
 BACKOFF_FACTOR = 0.5
@@ -90,14 +89,11 @@ class LossScaler:
                 "one after)")
 
 
-def build_loss_scaler(cfg: JobConfig) -> LossScaler | None:
-    """The job's scaler, or None when the loss is not scaled (loss_scaling.mode, 'auto': dynamic
-    scaling with float16 parameters, none otherwise: bfloat16 has float32's exponent range)."""
-    s = cfg.loss_scaling
-    mode = s.mode
-    if mode == "auto":
-        mode = "dynamic" if cfg.training.mixed_precision_param == "float16" else "none"
+def build_loss_scaler(section, mode: str) -> LossScaler | None:
+    """The job's scaler from its [loss_scaling] section, or None when the loss is not scaled. mode:
+    the plan's resolved loss_scaling.mode (titanlike/train/plan.py PrecisionPlan: "auto" is dynamic
+    scaling with float16 parameters, none otherwise, since bfloat16 has float32's exponent range)."""
     if mode == "none":
         return None
-    return LossScaler(initial_scale=s.initial_scale, dynamic=mode == "dynamic", min_scale=s.min_scale,
-                      window=s.window, hysteresis=s.hysteresis)
+    return LossScaler(initial_scale=section.initial_scale, dynamic=mode == "dynamic", min_scale=section.min_scale,
+                      window=section.window, hysteresis=section.hysteresis)

@@ -30,11 +30,9 @@ import torch.distributed as dist
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config.loader import config_to_dict
 from titanlike.config.schema import JobConfig
-from titanlike.data import DEFAULT_TOKENIZER_PATH, build_dataloader, build_tokenizer
-from titanlike.data.batch_schedule import BatchSchedule
+from titanlike.data import build_dataloader
 from titanlike.models.common.attention import describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
-from titanlike.models.registry import get_model_spec
 from titanlike.observe.memory import MemorySnapshot, tensor_footprint
 from titanlike.observe.metrics import MetricsLogger
 from titanlike.observe.profiler import Profiler
@@ -43,7 +41,6 @@ from titanlike.observe.stragglers import StragglerDetector, format_stragglers
 from titanlike.observe.summary import RunSummary
 from titanlike.objectives.base import BatchContext, Microbatch
 from titanlike.parallel.context import load_balanced_positions
-from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
 from titanlike.parallel.utils import sum_over_world
@@ -53,7 +50,8 @@ from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torch
 from titanlike.train.gc_schedule import PeriodicGC
 from titanlike.train.loss_scaling import build_loss_scaler
 from titanlike.train.step import StepLoss, StepOutput, TrainStep
-from titanlike.train.model_parts import build_model_parts, job_objective, model_args_for_job
+from titanlike.train.model_parts import build_model_parts
+from titanlike.train.plan import JobPlan
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("titanlike")
@@ -122,9 +120,11 @@ def init_distributed(cfg: JobConfig, world_size: int) -> tuple[torch.device, boo
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, dims: ParallelDims):
-        self.cfg = cfg
-        self.dims = dims
+    """Builds a planned job (titanlike/train/plan.py) on this process's ranks and trains it."""
+
+    def __init__(self, plan: JobPlan):
+        cfg, dims = plan.cfg, plan.dims
+        self.plan, self.cfg, self.dims = plan, cfg, dims
         self.device, self.owns_process_group = init_distributed(cfg, dims.world_size)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # One job per output folder: rank 0 locks it before anything is written (every rank learns the verdict).
@@ -135,83 +135,71 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
         torch.manual_seed(cfg.debug.seed)
-        self.spec = get_model_spec(cfg.model.name)
-        moe = self.spec.flavors[cfg.model.flavor].moe_args()
-        dims.build_mesh(self.device.type, experts=moe is not None)
+        self.spec, self.objective, self.model_args = plan.spec, plan.objective, plan.model_args
+        self.tokenizer, self.batches = plan.tokenizer, plan.batch
+        dims.build_mesh(self.device.type, experts=self.model_args.moe_args() is not None)
         if self.rank == 0:
-            if cfg.job.description:
-                logger.info(cfg.job.description)
-            if cfg.job.print_config:
-                logger.info(f"config: {config_to_dict(cfg)}")
-            if cfg.job.save_config_file:
-                self._save_config(os.path.join(cfg.job.dump_folder, cfg.job.save_config_file))
-            logger.info(f"world size {dims.world_size} on {self.device.type}: {dims}")
+            self._log_job()
+        self._build_data()
+        self._build_model()
+        self._build_step()
+        self.checkpointer = CheckpointManager(
+            cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
+            loss_scaler=self.loss_scaler)
+        self._build_observers()
+        self.step = 0
+        self.pending: StepRecord | None = None  # the last step, until the host reads it (see train)
+        self.collectives: CollectiveGuard | None = None  # set by train(); tells close() a collective failed
+        self.summary: RunSummary | None = None  # set when train() ends normally; printed by close()
 
-        # Data.
-        t = cfg.training
-        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path or cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-        # The family's objective: its samples, the batch the model gets, the loss (titanlike/objectives/).
-        self.objective = job_objective(cfg, self.spec)
-        self.model_args = model_args_for_job(cfg, self.spec, self.tokenizer.vocab_size, self.objective)
-        self.global_batch_size = (
-            t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
-        )
-        # The batch of every step (a ramp-up's, or always global_batch_size); microbatches per rank follow it.
-        self.batches = BatchSchedule(self.global_batch_size, t.rampup_batch_size)
-        self.grad_accum_steps = self.global_batch_size // (t.local_batch_size * dims.dp_degree)
+    def _log_job(self) -> None:
+        cfg, dims, args = self.cfg, self.dims, self.model_args
+        if cfg.job.description:
+            logger.info(cfg.job.description)
+        if cfg.job.print_config:
+            logger.info(f"config: {config_to_dict(cfg)}")
+        if cfg.job.save_config_file:
+            self._save_config(os.path.join(cfg.job.dump_folder, cfg.job.save_config_file))
+        logger.info(f"world size {dims.world_size} on {self.device.type}: {dims}")
+        total, active = args.num_params(), args.num_params(active=True)
+        logger.info(f"model {self.plan.model_name}: {total:,} parameters"
+                    + (f" ({active:,} active per token)" if active != total else "")
+                    + f", {args.flops_per_token(cfg.training.seq_len):,.0f} training FLOPs per token")
+
+    def _build_data(self) -> None:
+        """The training loader (every step's samples of this data-parallel rank) and the validation data."""
+        cfg, dims, t = self.cfg, self.dims, self.cfg.training
         self.dataloader = build_dataloader(
-            dataset=t.dataset,
-            dataset_path=t.dataset_path,
-            tokenizer=self.tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            global_batch_size=self.global_batch_size,
-            dp_rank=dims.dp_rank(),
-            dp_degree=dims.dp_degree,
-            seed=cfg.debug.seed,
-            num_samples=self.batches.samples_before(t.steps),
+            dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer, seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size, global_batch_size=self.batches.global_batch_size,
+            dp_rank=dims.dp_rank(), dp_degree=dims.dp_degree, seed=cfg.debug.seed,
+            num_samples=self.batches.schedule.samples_before(t.steps),
             split=t.split,  # validation reads the 'valid' part of the same split
-            rampup=t.rampup_batch_size,
-            objective=self.objective,
-        )
-
+            rampup=t.rampup_batch_size, objective=self.objective)
         self.validation = build_validation_data(
             cfg, self.tokenizer, dp_rank=dims.dp_rank(), dp_degree=dims.dp_degree, seed=cfg.debug.seed,
             objective=self.objective,
         ) if cfg.validation.enable else None
 
-        # Model: built on meta, parallelized, then materialized shard by shard.
-        self.flops_per_token = self.model_args.flops_per_token(t.seq_len)
-        if self.rank == 0:
-            total, active = self.model_args.num_params(), self.model_args.num_params(active=True)
-            logger.info(
-                f"model {cfg.model.name} {cfg.model.flavor}: {total:,} parameters"
-                + (f" ({active:,} active per token)" if active != total else "")
-                + f", {self.flops_per_token:,.0f} training FLOPs per token"
-            )
-        p = cfg.parallelism
+    def _build_model(self) -> None:
+        """This rank's model parts: built on meta, converted, parallelized, then materialized shard by
+        shard and initialized; and what the objective's batches need on this rank."""
+        cfg, dims, t = self.cfg, self.dims, self.cfg.training
         self.converters = build_model_converters(cfg.model.converters, cfg.float8)
-        parts, self.pp_layout = build_model_parts(cfg, dims, self.spec, self.model_args, self.converters)
+        parts = build_model_parts(self.plan, self.converters)
         if cfg.model.print_after_conversion and self.rank == 0:
             for part in parts:
                 logger.info(f"model after conversion and parallelization:\n{part}")
-        self.model_parts = []
         # CPU offload: FSDP keeps the parameter shards in host memory; buffers (RoPE) stay on the device.
         offload = t.enable_cpu_offload
         for part in parts:
             part.to_empty(device="cpu" if offload else self.device)
             part.init_weights(seed=cfg.debug.seed, buffer_device=self.device if offload else None)
             part.train()
-            self.model_parts.append(part)
-
-        # Without FSDP there is no MixedPrecisionPolicy: autocast gives the same bf16 / fp16 compute.
-        half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(t.mixed_precision_param)
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=half)
-            if half is not None and not dims.fsdp_enabled
-            else contextlib.nullcontext()
-        )
-        self.loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        self.model_parts = parts
+        half = self.plan.precision.autocast_dtype
+        self.autocast = torch.autocast(self.device.type, dtype=half) if half is not None else contextlib.nullcontext()
         # Context parallel: the global positions of the tokens this rank keeps of every sequence.
         self.cp_positions = (
             load_balanced_positions(t.seq_len, dims.cp, dims.mesh("cp").get_local_rank(), self.device)
@@ -226,51 +214,49 @@ class Trainer:
                                           lookahead_tokens=self.model_args.lookahead_tokens)
         if self.rank == 0:
             self._log_attention()
+
+    def _build_step(self) -> None:
+        """The pipeline schedule, the optimizer and LR schedule, the training step and the evaluator."""
+        cfg, dims, t, p = self.cfg, self.dims, self.cfg.training, self.cfg.parallelism
         # float16: the loss is scaled before backward and steps whose gradients overflow are skipped.
-        self.loss_scaler = build_loss_scaler(cfg)
+        self.loss_scaler = build_loss_scaler(cfg.loss_scaling, self.plan.precision.loss_scaling)
         # The objective's weight for backward: a device tensor the step rewrites (loss scaling), or 1.
         self.step_loss = StepLoss(self.objective.loss, torch.ones((), device=self.device)
                                   if self.loss_scaler is not None else None)
-        self.pipeline = None
-        # Tied weights cut apart by the pipeline split: their copies' gradients are summed after backward.
-        self.tied = None
-        if dims.pp_enabled:
-            tied = TiedWeightSync(self.model_parts, self.pp_layout, dims.mesh("pp"), dims.mesh("world"))
-            self.tied = tied if tied.active else None
-            n_microbatches = t.local_batch_size // p.pipeline_parallel_microbatch_size
-            self.pipeline = build_schedule(
-                self.model_parts, self.pp_layout, dims.mesh("pp"), self.device, schedule=p.pipeline_parallel_schedule,
-                n_microbatches=n_microbatches, loss_fn=self.step_loss)
+        pipeline = tied = None
+        if self.plan.pipeline is not None:
+            layout = self.plan.pipeline
+            # Tied weights cut apart by the pipeline split: their copies' gradients are summed after backward.
+            tied = TiedWeightSync(self.model_parts, layout, dims.mesh("pp"), dims.mesh("world"))
+            tied = tied if tied.active else None
+            n = self.batches.pipeline_microbatches
+            pipeline = build_schedule(self.model_parts, layout, dims.mesh("pp"), self.device,
+                                      schedule=p.pipeline_parallel_schedule, n_microbatches=n, loss_fn=self.step_loss)
             if self.rank == 0:
-                logger.info(f"pipeline {p.pipeline_parallel_schedule}: {self.pp_layout.describe()}; "
-                            f"{n_microbatches} microbatches of {p.pipeline_parallel_microbatch_size} per local batch")
-
+                logger.info(f"pipeline {p.pipeline_parallel_schedule}: {layout.describe()}; "
+                            f"{n} microbatches of {p.pipeline_parallel_microbatch_size} per local batch")
         # Mixture of experts: per-step token counts -> expert bias update and load-balance metrics.
         moe = self.model_args.moe_args()
         self.expert_balance = None if moe is None else ExpertBalance(
             self.model_parts, moe, self.model_args.total_layers, self.device,
             dist.group.WORLD if dist.is_initialized() else None)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
-        self.train_step = TrainStep(
-            model_parts=self.model_parts, step_loss=self.step_loss, optimizer=self.optimizer, device=self.device,
-            max_norm=t.max_norm, pipeline=self.pipeline, pipeline_microbatch_size=p.pipeline_parallel_microbatch_size,
-            tp_mesh=dims.mesh("tp"), pp_mesh=dims.mesh("pp"), autocast=self.autocast,
-            loss_parallel=self.loss_parallel, tied=self.tied, converters=self.converters,
-            expert_balance=self.expert_balance, reported_losses=self.model_args.reported_losses(),
-            loss_scaler=self.loss_scaler)
-        self.evaluator = Evaluator(self.train_step, self.validation, self.prepare) if self.validation is not None else None
-        self.pending: StepRecord | None = None  # the last step, until the host reads it (see train)
         # lr_scheduler.total_steps lets a short run follow a longer run's curve.
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps,
-                                               self.batches)
-        self.step = 0
-        self.checkpointer = CheckpointManager(
-            cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
-            loss_scaler=self.loss_scaler)
+                                               self.batches.schedule)
+        self.train_step = TrainStep(
+            model_parts=self.model_parts, step_loss=self.step_loss, optimizer=self.optimizer, device=self.device,
+            max_norm=t.max_norm, pipeline=pipeline, pipeline_microbatch_size=p.pipeline_parallel_microbatch_size,
+            tp_mesh=dims.mesh("tp"), pp_mesh=dims.mesh("pp"), autocast=self.autocast,
+            loss_parallel=dims.tp_enabled and self.plan.parallelize.loss_parallel, tied=tied,
+            converters=self.converters, expert_balance=self.expert_balance,
+            reported_losses=self.model_args.reported_losses(), loss_scaler=self.loss_scaler)
+        self.evaluator = Evaluator(self.train_step, self.validation, self.prepare) if self.validation is not None else None
 
+    def _build_observers(self) -> None:
+        """Metrics (console, TensorBoard, JSONL, W&B) and the straggler detector."""
+        cfg, t, m = self.cfg, self.cfg.training, self.cfg.metrics
         dump = cfg.job.dump_folder
-        m = cfg.metrics
         wandb_run = None
         if m.enable_wandb and self.rank == 0:
             from titanlike.observe.wandb_run import start_wandb
@@ -278,21 +264,23 @@ class Trainer:
             wandb_run = start_wandb(mode=m.wandb_mode, folder=dump, config=config_to_dict(cfg))
         self.wandb_folder = os.path.dirname(wandb_run.dir) if wandb_run is not None else None  # the run's own
         self.metrics = MetricsLogger(
-            device=self.device,
-            flops_per_token=self.flops_per_token,
-            tokens_per_step_per_device=self.global_batch_size * t.seq_len / dims.world_size,
-            log_freq=m.log_freq,
-            is_writer=self.rank == 0,
+            device=self.device, flops_per_token=self.model_args.flops_per_token(t.seq_len),
+            tokens_per_step_per_device=self.batches.global_batch_size * t.seq_len / self.dims.world_size,
+            log_freq=m.log_freq, is_writer=self.rank == 0,
             tb_folder=os.path.join(dump, m.save_tb_folder) if m.enable_tensorboard else None,
             jsonl_path=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
-            total_steps=t.steps,
-            wandb_run=wandb_run,
-        )
+            total_steps=t.steps, wandb_run=wandb_run)
         # Per-rank data and optimizer times, compared over ranks at every log (observe/stragglers.py).
         self.stragglers = StragglerDetector(factor=m.straggler_factor, device=self.device)
         self.stragglers.watch(self.optimizer)
-        self.collectives: CollectiveGuard | None = None  # set by train(); tells close() a collective failed
-        self.summary: RunSummary | None = None  # set when train() ends normally; printed by close()
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batches.global_batch_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.batches.grad_accum_steps
 
     def _save_config(self, path: str) -> None:
         """job.save_config_file: the resolved configuration as JSON (rank 0)."""
@@ -391,9 +379,9 @@ class Trainer:
             return self.losses
         if self.rank == 0:
             logger.info(
-                f"training {steps} steps: {self.batches.describe()} x seq "
+                f"training {steps} steps: {self.batches.schedule.describe()} x seq "
                 f"{self.cfg.training.seq_len}, {self.grad_accum_steps} microbatch(es) per rank"
-                + (" at the full batch" if self.batches.ramps else "")
+                + (" at the full batch" if self.batches.schedule.ramps else "")
                 + (f"; {self.loss_scaler.describe()}" if self.loss_scaler is not None else "")
             )
         p = self.cfg.profiling
@@ -442,8 +430,8 @@ class Trainer:
         """One training step on the device (nothing read back); the learning rate moves with it,
         except under loss scaling, where it waits for the step's verdict (_settle)."""
         lr = self.lr_scheduler.get_last_lr()[0]
-        batch = self.batches.batch_size(self.step - 1)  # a ramp-up's, else global_batch_size
-        microbatches = [self.prepare(next(data)) for _ in range(self.microbatches_per_rank(batch))]
+        batch = self.batches.batch_size(self.step)  # a ramp-up's, else global_batch_size
+        microbatches = [self.prepare(next(data)) for _ in range(self.batches.microbatches(self.step))]
         out = self.train_step(microbatches, side=self.stop.flags())
         if self.loss_scaler is None:
             self.lr_scheduler.step()  # a skipped step too: step N keeps its learning rate in a run without skips
@@ -555,16 +543,12 @@ class Trainer:
             wandb=self.wandb_folder,
         )
 
-    def microbatches_per_rank(self, batch: int) -> int:
-        """Microbatches each data-parallel rank runs for a global batch of `batch` samples."""
-        return batch // (self.cfg.training.local_batch_size * self.dims.dp_degree)
-
     def _precision_and_batch_metrics(self, batch: int) -> dict:
         """The loss scale and the steps skipped for overflow (float16), the step's batch (ramp-up)."""
         out = {}
         if self.loss_scaler is not None:
             out.update(loss_scale=self.loss_scaler.scale, overflow_skipped_steps=self.loss_scaler.skipped_steps)
-        if self.batches.ramps:
+        if self.batches.schedule.ramps:
             out["global_batch_size"] = batch
         return out
 

@@ -476,6 +476,22 @@ def _gather_sequence(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def validate_moe_job(section, *, has_experts: bool, ep: int, model: str) -> None:
+    """Expert parallelism and the [moe] settings need a mixture-of-experts model: ValueError, one
+    sentence. section: the job's [moe] section; model: "name flavor" for the message."""
+    if has_experts:
+        return
+    if ep > 1:
+        raise ValueError(f"parallelism.expert_parallel_degree {ep} needs a mixture-of-experts model, and {model} is "
+                         "dense; set it to 1")
+    for name in ("capacity_factor", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+        if getattr(section, name) is not None:
+            raise ValueError(f"moe.{name} is set but {model} has no mixture-of-experts layers; remove it or pick "
+                             "an MoE model")
+    if section.pad_to_capacity:
+        raise ValueError(f"moe.pad_to_capacity is set but {model} has no mixture-of-experts layers")
+
+
 def moe_layers(module: nn.Module) -> list[tuple[str, MoE]]:
     """(name, layer) of every MoE layer in a model or pipeline stage."""
     return [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]

@@ -1,0 +1,85 @@
+"""Does a planned job fit this machine? The check train.py makes before any process group exists.
+
+The analytic estimate (estimation/analytic.py) of the busiest rank's peak memory, for the JobPlan
+train.py is about to run, against what this machine has for one rank: the GPU's memory, or on CPU
+the host's (its cgroup limit if lower) shared by the local ranks. A job that does not fit is refused
+in one sentence; a job the estimate cannot model is let through with a note saying the check was
+skipped. The library never imports this package: train.py does, as a step of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from titanlike.config.loader import ConfigError
+from titanlike.train.plan import JobPlan
+
+logger = logging.getLogger(__name__)
+GiB = 2**30
+
+
+def machine_memory() -> tuple[int, str]:
+    """(bytes one rank may use, what they are) on this machine: the GPU this rank will use, or on
+    CPU the host's memory (its cgroup limit if lower) shared by LOCAL_WORLD_SIZE ranks."""
+    if torch.cuda.is_available():
+        # get_device_properties reads the total without creating a CUDA context (mem_get_info
+        # would create one on device 0 in every rank, before each picks its own device).
+        device = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(device)
+        return int(props.total_memory), f"GPU {device} ({props.name}) has"
+    total = host_memory()
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+    if local > 1:
+        return total // local, f"this host's {total / GiB:.1f} GiB of memory shared by {local} local ranks leave"
+    return total, "this host has"
+
+
+def host_memory() -> int:
+    """Bytes of physical memory, or the container's (cgroup v2) limit where that is lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def estimate_peak_memory(plan: JobPlan) -> tuple[int, str]:
+    """(peak bytes of the busiest rank, its largest parts) by the analytic estimate. Raises ValueError
+    or NotImplementedError where the estimate cannot model the job (a family without formulas)."""
+    from estimation.analytic import estimate_analytic
+    from estimation.options import prepare_plan
+
+    estimates, _ = estimate_analytic(prepare_plan(plan), granularity=1)
+    top = max(estimates, key=lambda r: r.peak_bytes)
+    b = top.peak
+    state = b.parameters + b.gathered_parameters + b.gradients + b.optimizer_state
+    parts = (f"{state / GiB:.1f} GiB of weights, gradients and optimizer state, "
+             f"{(b.activations + b.transient) / GiB:.1f} GiB of activations")
+    return top.peak_bytes, parts
+
+
+def check_fits(plan: JobPlan) -> str | None:
+    """Refuse (ConfigError, one sentence) a job whose analytic peak per rank exceeds what this
+    machine has for one rank; returns the reason when there is no estimate to check (None when checked)."""
+    try:
+        peak, parts = estimate_peak_memory(plan)
+    except (ValueError, NotImplementedError) as e:  # UnknownBlockError, a family without formulas
+        return f"the analytic estimate cannot model this job ({e})"
+    memory, where = machine_memory()
+    if peak > memory:
+        raise ConfigError(
+            f"the job needs about {peak / GiB:.1f} GiB per rank ({parts}, by the analytic estimate) but "
+            f"{where} {memory / GiB:.1f} GiB; lower training.local_batch_size or training.seq_len, set "
+            "activation_checkpoint.mode full, spread the model over more ranks (parallelism degrees) or pick a "
+            "smaller model.flavor")
+    return None
+
+
+__all__ = ["check_fits", "estimate_peak_memory", "host_memory", "machine_memory"]
