@@ -303,13 +303,13 @@ def main() -> None:
 
     from titanlike.config import load_job_config
     from titanlike.models.outputs import logits_of
+    from titanlike.train.plan import plan_job
     from titanlike.train.trainer import Trainer
-    from titanlike.train.validate import validate_config
 
     if int(os.environ.get("WORLD_SIZE", 1)) != 1:
         raise SystemExit("bench_torchtitan.py compares one process: run it without torchrun.")
     cfg = load_job_config(rest)
-    trainer = Trainer(cfg, validate_config(cfg, 1))
+    trainer = Trainer(plan_job(cfg, 1))
     if trainer.grad_accum_steps != 1 or cfg.training.mixed_precision_param != "float32" or cfg.compile.enable:
         raise SystemExit("bench_torchtitan.py compares eager float32 steps without gradient accumulation: "
                          "leave training.global_batch_size, mixed_precision_param and compile at the debug job's.")
@@ -346,11 +346,11 @@ def main() -> None:
     tt_trainer = torchtitan_trainer(tt, cfg, tt_model)
 
     def titanlike_step(batch):
-        trainer.train_step([batch])
+        trainer.train_step([trainer.prepare(batch)])
 
     def titanlike_real_rope_step(batch):
         with real_rope_in_eager():
-            trainer.train_step([batch])
+            trainer.train_step([trainer.prepare(batch)])
 
     def torchtitan_step(batch):
         inputs, labels = inputs_and_labels(batch)
