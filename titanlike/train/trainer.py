@@ -357,33 +357,13 @@ class Trainer:
         only, never for the device queue behind it.
         """
         steps = self.cfg.training.steps
-        self.stop = StopRequest(watch_parent=under_torchrun())
-        self.stop.install()
-        finished = self.checkpointer.resume_verdict()
-        if finished is not None:  # a finished run relaunched: say so instead of exiting silently
-            if self.rank == 0:
-                logger.warning(finished)
-            return []
-        # Before iter(): the loader applies a loaded position when its iterator is created.
-        start = self.checkpointer.load()
-        if start is None:  # checkpoint.create_seed_checkpoint: the seed is written, nothing to train
-            return []
+        self.losses: list[float] = []
+        start = self._start()
+        if start is None:
+            return self.losses
         self.step = start
         begin = time.monotonic()
         data = self.stragglers.timed(iter(self.dataloader))
-        self.losses: list[float] = []
-        if self.stop.agreed():
-            if self.rank == 0:
-                logger.info(f"received {StopRequest.describe(self.stop.agreed_code)} before the first step: "
-                            f"nothing new to save (the run is at step {start}); exiting")
-            return self.losses
-        if self.rank == 0:
-            logger.info(
-                f"training {steps} steps: {self.batches.schedule.describe()} x seq "
-                f"{self.cfg.training.seq_len}, {self.grad_accum_steps} microbatch(es) per rank"
-                + (" at the full batch" if self.batches.schedule.ramps else "")
-                + (f"; {self.loss_scaler.describe()}" if self.loss_scaler is not None else "")
-            )
         p = self.cfg.profiling
         profiler = Profiler(enabled=p.enable_profiling, freq=p.profile_freq, rank=self.rank, start_step=start,
                             folder=os.path.join(self.cfg.job.dump_folder, p.save_traces_folder))
@@ -425,6 +405,35 @@ class Trainer:
                            f"(training.skip_nonfinite_steps {self.cfg.training.skip_nonfinite_steps})")
         self.summary = self._summary(start, time.monotonic() - begin, profiler, snapshots)
         return self.losses
+
+    def _start(self) -> int | None:
+        """Install the stop-signal handlers and load the checkpoint to resume from; the step to train
+        after, or None when there is nothing to train (a finished run relaunched, a seed checkpoint
+        written, a stop signal before the first step), said in one line."""
+        self.stop = StopRequest(watch_parent=under_torchrun())
+        self.stop.install()
+        finished = self.checkpointer.resume_verdict()
+        if finished is not None:  # a finished run relaunched: say so instead of exiting silently
+            if self.rank == 0:
+                logger.warning(finished)
+            return None
+        # Before iter(): the loader applies a loaded position when its iterator is created.
+        start = self.checkpointer.load()
+        if start is None:  # checkpoint.create_seed_checkpoint: the seed is written, nothing to train
+            return None
+        if self.stop.agreed():
+            if self.rank == 0:
+                logger.info(f"received {StopRequest.describe(self.stop.agreed_code)} before the first step: "
+                            f"nothing new to save (the run is at step {start}); exiting")
+            return None
+        if self.rank == 0:
+            logger.info(
+                f"training {self.cfg.training.steps} steps: {self.batches.schedule.describe()} x seq "
+                f"{self.cfg.training.seq_len}, {self.grad_accum_steps} microbatch(es) per rank"
+                + (" at the full batch" if self.batches.schedule.ramps else "")
+                + (f"; {self.loss_scaler.describe()}" if self.loss_scaler is not None else "")
+            )
+        return start
 
     def _run_step(self, data) -> StepRecord:
         """One training step on the device (nothing read back); the learning rate moves with it,
