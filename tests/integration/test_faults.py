@@ -40,6 +40,20 @@ def _poison(trainer, steps):
     param.register_post_accumulate_grad_hook(hook)
 
 
+def _train_until_refused(tmp_path, caplog, poisoned: set[int], *extra):
+    """Train with the gradient poisoned at those steps until the job refuses; (trainer, its error)."""
+    from titanlike.train.trainer import TrainingError
+
+    trainer = _trainer(tmp_path, *extra)
+    _poison(trainer, poisoned)
+    try:
+        with caplog.at_level("WARNING", logger="titanlike"), pytest.raises(TrainingError) as e:
+            trainer.train()
+    finally:
+        trainer.close()
+    return trainer, str(e.value)
+
+
 def _model(folder, step):
     from titanlike.checkpoint.format import read_dcp_model
 
@@ -71,20 +85,13 @@ def test_non_finite_gradient_stops_before_the_optimizer_step(tmp_path):
 
 def test_skip_nonfinite_steps_skips_counts_and_logs_then_stops_when_spent(tmp_path, caplog):
     from titanlike.checkpoint import published_steps
-    from titanlike.train.trainer import TrainingError
 
-    trainer = _trainer(tmp_path, "--training.steps", "5", "--checkpoint.interval", "1",
-                       "--training.skip_nonfinite_steps", "1")
-    _poison(trainer, {2, 4})
-    try:
-        with caplog.at_level("WARNING", logger="titanlike"), pytest.raises(TrainingError) as e:
-            trainer.train()
-        assert trainer.skipped_steps == 1
-    finally:
-        trainer.close()
-    assert str(e.value).startswith(f"the gradient norm is inf at step 4 (first non-finite gradient: {POISONED}); "
+    trainer, error = _train_until_refused(tmp_path, caplog, {2, 4}, "--training.steps", "5",
+                                          "--checkpoint.interval", "1", "--training.skip_nonfinite_steps", "1")
+    assert trainer.skipped_steps == 1
+    assert error.startswith(f"the gradient norm is inf at step 4 (first non-finite gradient: {POISONED}); "
                                    "stopped before the optimizer step, nothing was updated or saved")
-    assert "training.skip_nonfinite_steps allows" in str(e.value)
+    assert "training.skip_nonfinite_steps allows" in error
     assert (f"skipped step 2: the gradient norm is inf at step 2 (first non-finite gradient: {POISONED}); no "
             "parameter was updated (1 of training.skip_nonfinite_steps 1 used)") in caplog.text
     records = {r["step"]: r for r in read_metrics(tmp_path)}
@@ -105,21 +112,14 @@ def test_skip_nonfinite_steps_skips_counts_and_logs_then_stops_when_spent(tmp_pa
 def test_a_step_the_host_reads_late_is_still_skipped_counted_and_logged(tmp_path, caplog):
     """Step 2 neither logs nor saves, so the host reads its verdict after step 3 is queued: the device
     skipped it all the same, and the count, the warning and its metrics record follow one step later."""
-    from titanlike.train.trainer import TrainingError
 
-    trainer = _trainer(tmp_path, "--training.steps", "6", "--checkpoint.interval", "6", "--metrics.log_freq", "4",
-                       "--training.skip_nonfinite_steps", "1")
-    _poison(trainer, {2, 5})
-    try:
-        with caplog.at_level("WARNING", logger="titanlike"), pytest.raises(TrainingError) as e:
-            trainer.train()
-        assert trainer.skipped_steps == 1
-    finally:
-        trainer.close()
+    trainer, error = _train_until_refused(tmp_path, caplog, {2, 5}, "--training.steps", "6", "--checkpoint.interval",
+                                          "6", "--metrics.log_freq", "4", "--training.skip_nonfinite_steps", "1")
+    assert trainer.skipped_steps == 1
     assert (f"skipped step 2: the gradient norm is inf at step 2 (first non-finite gradient: {POISONED}); no "
             "parameter was updated (1 of training.skip_nonfinite_steps 1 used)") in caplog.text
     # Step 5 is read after step 6 is queued (the last step: read at once, then step 5's late verdict).
-    assert str(e.value) == (
+    assert error == (
         f"the gradient norm is inf at step 5 (first non-finite gradient: {POISONED}); its update was skipped and "
         "training stopped after step 6, nothing was saved after it (the 1 step(s) training.skip_nonfinite_steps "
         "allows were already skipped)")
