@@ -185,17 +185,19 @@ class HeadMajorQKV(ParallelStyle):
 
 def toy_sharding() -> ShardingPlan:
     """Plain TP: the residual stream is whole (Replicate) on every rank between blocks, so it ignores
-    ShardOptions.sequence_parallel. It also ignores ShardOptions.loss_parallel and always gathers the
-    logits whole: its objective's label-smoothed loss cannot take vocabulary-sharded logits (torch's
-    loss_parallel() covers plain cross-entropy only; with label_smoothing, F.cross_entropy on Shard(-1)
-    logits fails too, torch 2.13), and a 2048-entry vocabulary costs nothing to gather."""
+    ShardOptions.sequence_parallel. The logits stay split over the vocabulary when
+    ShardOptions.loss_parallel asks for it; the plan never does for this family's objective, whose
+    label-smoothed loss needs whole logits (ToyCopy.vocab_parallel_loss: torch's loss_parallel()
+    covers plain cross-entropy only; with label_smoothing, F.cross_entropy on Shard(-1) logits fails
+    too, torch 2.13)."""
     whole = Replicate()
     return ShardingPlan(
         top={
             "tok_embeddings": lambda m, o: RowwiseParallel(input_layouts=whole, output_layouts=whole),
             "pos_embeddings": replicated,
             "norm": replicated,
-            "output": lambda m, o: ColwiseParallel(output_layouts=whole),
+            "output": lambda m, o: ColwiseParallel(output_layouts=Shard(-1) if o.loss_parallel else whole,
+                                                   use_local_output=not o.loss_parallel),
         },
         block={
             "norm": replicated,
@@ -238,6 +240,7 @@ class CopySamples:
 
 class ToyCopy(Objective):
     name = "toy_copy"
+    vocab_parallel_loss = False  # its label-smoothed loss needs whole logits (see toy_sharding)
     ALPHABET = 64  # the copied ids are 0..63 of the tokenizer's vocabulary
 
     def __init__(self, options: ToyCopyOptions | None = None, **loss_options):

@@ -126,6 +126,11 @@ def test_plan_reads_the_toy_copy_section():
     plan = plan_job(load_job_config([*TOY_JOB, "--toy_copy.label_smoothing", "0.25"]), 1)
     assert isinstance(plan.objective, toy_family.ToyCopy)
     assert plan.objective.options.label_smoothing == 0.25
+    # The objective's loss needs whole logits, so the plan keeps TP's logits gathered for it, while a
+    # cross-entropy objective keeps them vocabulary-parallel.
+    tp2 = ["--parallelism.tensor_parallel_degree", "2"]
+    assert not plan_job(load_job_config([*TOY_JOB, *tp2]), 2).parallelize.loss_parallel
+    assert plan_job(load_job_config(["--training.seq_len", "64", *tp2]), 2).parallelize.loss_parallel
 
 
 def test_labels_cover_only_the_copied_half():

@@ -100,6 +100,11 @@ class Objective:
     # What the attention mask of its samples is, for the start-up log: "a document mask", "a padding
     # mask", or None (plain causal or bidirectional attention).
     attention_mask: str | None = None
+    # Whether `loss` works on logits split over the vocabulary (a DTensor, Shard(-1)) inside torch's
+    # loss_parallel(): cross-entropy does. Under tensor parallelism the plan then keeps the logits
+    # sharded (parallelism.disable_loss_parallel off); an objective whose loss needs whole logits says
+    # False, and the output projection gathers them.
+    vocab_parallel_loss: ClassVar[bool] = True
 
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
         # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so

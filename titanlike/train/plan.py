@@ -165,7 +165,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
                                    **objective.model_lengths())
 
     # The layout.
-    parallelize = parallelize_options(cfg)
+    parallelize = parallelize_options(cfg, objective)
     validate_tensor_parallel(tp=dims.tp, seq_len=t.seq_len, shardable=spec.shard is not None, model=m.name,
                              async_tp=p.enable_async_tensor_parallel, compile_blocks=parallelize.compile_blocks,
                              cuda=cuda)
@@ -199,12 +199,14 @@ def flavor_args(cfg: JobConfig, spec: ModelSpec) -> BaseModelArgs:
     return args if moe is None else args.with_moe_args(moe.with_run_settings(cfg.moe))
 
 
-def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
+def parallelize_options(cfg: JobConfig, objective: Objective) -> ParallelizeOptions:
+    """What parallelize_model applies, from the job's sections; logits stay vocabulary-parallel under
+    TP unless the job or the objective's loss (Objective.vocab_parallel_loss) says otherwise."""
     from titanlike.parallel.activation_checkpoint import CheckpointOptions
 
     p, ac, t = cfg.parallelism, cfg.activation_checkpoint, cfg.training
     return ParallelizeOptions(
-        loss_parallel=not p.disable_loss_parallel,
+        loss_parallel=not p.disable_loss_parallel and objective.vocab_parallel_loss,
         async_tensor_parallel=p.enable_async_tensor_parallel,
         context_parallel_rotate_method=p.context_parallel_rotate_method,
         activation_checkpoint_mode=ac.mode,
