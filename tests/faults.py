@@ -230,7 +230,7 @@ def install(fault: dict) -> None:
 
         at = {}
         run_step = Trainer._run_step
-        scale_gradients = step_module.scale_gradients
+        clip_grad_norm_ = step_module.clip_grad_norm_
 
         def step_with_check(self, data):
             at["self"] = self
@@ -243,15 +243,16 @@ def install(fault: dict) -> None:
             print(f"INF_GRAD_STEP_KEPT_PARAMETERS {self.rank} {kept}", flush=True)
             return out
 
-        def poisoned_scale(params, factor):
-            scale_gradients(params, factor)
+        def poisoned_clip(params, *args, **kwargs):
+            # The gradients as backward left them on this rank, before they are scaled and clipped.
             trainer = at["self"]
             if trainer.step == fault["step"] and trainer.rank == fault.get("rank", 0):
                 grad = next(local(p.grad) for p in params if p.grad is not None and local(p.grad).numel())
                 grad.view(-1)[0] = float("inf")
+            return clip_grad_norm_(params, *args, **kwargs)
 
         Trainer._run_step = step_with_check
-        step_module.scale_gradients = poisoned_scale
+        step_module.clip_grad_norm_ = poisoned_clip
     else:
         raise ValueError(f"unknown fault {kind!r}")
 

@@ -34,8 +34,13 @@ class GradNorm:
 @torch.no_grad()
 def clip_grad_norm_(
     parameters, max_norm: float, *, pp_mesh: DeviceMesh | None = None, exclude: frozenset[int] = frozenset(),
+    prescale: torch.Tensor | float = 1.0,
 ) -> GradNorm:
-    """Clip gradients to a total L2 norm over every parameter of every rank; return that norm.
+    """Scale the gradients by `prescale`, clip them to a total L2 norm of max_norm over every
+    parameter of every rank, and return that norm (of the scaled gradients, before clipping).
+
+    prescale folds the step's one division of the gradients (by the global target count, or by the
+    loss scale) into the clipping multiplication: one pass over the gradients instead of two.
 
     With FSDP/TP the grads are DTensors whose norm's full_tensor() already reduces over their
     mesh. Grads on different meshes (e.g. dense and expert parameters) cannot meet in one
@@ -58,28 +63,23 @@ def clip_grad_norm_(
     total = torch.zeros((), device=device)
     local_norms = []
     for indices in groups.values():
-        norms = torch._foreach_norm([params[i].grad for i in indices], 2.0)
-        local_norms += [(n.to_local() if isinstance(n, DTensor) else n).float().to(device) for n in norms]
-        norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        norms = torch.stack(torch._foreach_norm([params[i].grad for i in indices], 2.0))
+        local_norms.append((norms.to_local() if isinstance(norms, DTensor) else norms).float().to(device))
+        norm = torch.linalg.vector_norm(norms, 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total = total + norm.float().to(device) ** 2
     if pp_mesh is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
-    total = total.sqrt()
+    total = total.sqrt() * prescale
     nonfinite_at = torch.full((), -1, device=device)
     if local_norms:
-        bad = ~torch.stack(local_norms).isfinite()
+        bad = ~torch.cat(local_norms).isfinite()
         nonfinite_at = torch.where(bad.any(), bad.int().argmax(), nonfinite_at)
-    clip_by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            clip_by_mesh.setdefault(_mesh_of(p.grad), []).append(p)
-    # A non-finite norm leaves the gradients as they are (clipping by it would make every one of
-    # them nan); the step that follows is skipped anyway.
-    clip_by = torch.where(total.isfinite(), total, torch.zeros_like(total))
-    for group in clip_by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, clip_by)
+    # torch's clip_grads_with_norm_ coefficient. A non-finite norm does not clip (clipping by it
+    # would make every gradient nan); the step that follows is skipped anyway.
+    clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scale_gradients(params, torch.where(total.isfinite(), clip, torch.ones_like(clip)) * prescale)
     return GradNorm(total, nonfinite_at, [i for indices in groups.values() for i in indices])
 
 

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlike.models import protocol
 from titanlike.models.outputs import IGNORE_INDEX, LossReports, weighted_objective
-from titanlike.parallel.utils import clip_grad_norm_, first_rank_of, scale_gradients, sum_over_world
+from titanlike.parallel.utils import clip_grad_norm_, first_rank_of, sum_over_world
 
 
 def local_value(loss: torch.Tensor) -> torch.Tensor:
@@ -138,14 +138,14 @@ class TrainStep:
         return agreed[0], agreed[1:]
 
     def update(self, loss_sum: torch.Tensor, global_tokens: torch.Tensor, side: torch.Tensor) -> StepOutput:
-        """After every backward: divide the gradients by the global token count (or unscale them),
-        clip, and step the optimizer unless something is non-finite."""
+        """After every backward: divide the gradients by the global token count (or unscale them) and
+        clip them, in one pass, and step the optimizer unless something is non-finite."""
         if self.tied is not None:
             self.tied.sync_gradients()
-        scale_gradients(self.params, 1.0 / self.loss_scaler.scale if self.loss_scaler is not None
-                        else 1.0 / global_tokens)
         norm = clip_grad_norm_(self.params, self.max_norm, pp_mesh=self.pp_mesh,
-                               exclude=frozenset(self.tied.duplicates) if self.tied else frozenset())
+                               exclude=frozenset(self.tied.duplicates) if self.tied else frozenset(),
+                               prescale=1.0 / self.loss_scaler.scale if self.loss_scaler is not None
+                               else 1.0 / global_tokens)
         finite = norm.total.isfinite()
         if self.device_skips:
             self.optimizer.found_inf = (~finite).float().to(self.optimizer_device)
