@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from titanlike.checkpoint import CheckpointError, load_model
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
-    from titanlike.objectives import CausalLM
 
     tokenizer = build_tokenizer(args.tokenizer or DEFAULT_TOKENIZER_PATH)
     try:
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     objective = training_objective(model)
-    if not isinstance(objective, CausalLM):
+    if not objective.predicts_next_token:
         print(f"error: this script samples next tokens from decoder-only models; {type(model).__name__} was trained "
               f"on {objective.name} samples (load it with titanlike.load_model and call it, or export it to "
               "Hugging Face)", file=sys.stderr)

@@ -105,6 +105,9 @@ class Objective:
     # sharded (parallelism.disable_loss_parallel off); an objective whose loss needs whole logits says
     # False, and the output projection gathers them.
     vocab_parallel_loss: ClassVar[bool] = True
+    # Whether the model it trains predicts the next token from the tokens before it, so it can be
+    # sampled from left to right (scripts/generate.py asks; the later inference issue builds on it).
+    predicts_next_token: ClassVar[bool] = False
 
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
         # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so
