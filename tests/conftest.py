@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import toy_family  # noqa: F401  (registers the test-only toy family: every family-wide check sees it)
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A small but real job: the 8-layer debug model on the embedded corpus, fp32 so that

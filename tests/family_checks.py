@@ -208,3 +208,97 @@ def run_on_gloo_ranks(checks: Callable[[int], None], world: int, timeout_s: floa
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+
+
+# ---------------------------------------------------------------- a family's job, planned and fed as the trainer does
+
+
+def family_flavors(*, debug_only: bool = False) -> list[tuple[str, str]]:
+    """(family, flavor) of every registered family (the toy family of tests/toy_family.py included:
+    tests/conftest.py registers it). debug_only: the flavors a test materializes, each family's
+    smallest and its other debug-sized ones (their structure differs: DeepSeek's query without LoRA,
+    the hybrid's MoE and pure Mamba-2 patterns)."""
+    from titanlike.models.registry import get_model_spec, model_names
+
+    out = []
+    for name in model_names():
+        spec = get_model_spec(name)
+        smallest = min(spec.flavors, key=lambda f: spec.flavors[f].num_params())
+        out += [(name, f) for f in spec.flavors if not debug_only or f == smallest or f.startswith("debug")]
+    return out
+
+
+def structure(spec, args) -> frozenset:
+    """What a flavor's model is made of, sizes aside: (module path with layer numbers as N, class) of
+    every module, and the optional parameters it leaves None."""
+    import re
+
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    parts = set()
+    for name, module in model.named_modules():
+        path = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1N", name)
+        parts.add((path, type(module).__name__))
+        parts.update((path, f"{attr}=None") for attr, p in module._parameters.items() if p is None)
+    return frozenset(parts)
+
+
+def distinct_flavors(*, min_layers: int = 0) -> list[tuple[str, str]]:
+    """Of family_flavors(debug_only=True), the smallest flavor of each distinct structure (llama's
+    debugmodel builds what its debugmodel_tiny builds, only wider): what the materialized checks run.
+    min_layers: prefer flavors with at least this many trunk layers (a pipeline split into 4 stages)."""
+    from titanlike.models.registry import get_model_spec
+
+    chosen: dict[tuple[str, frozenset], str] = {}
+    for name, flavor in family_flavors(debug_only=True):
+        spec = get_model_spec(name)
+        args = spec.flavors[flavor]
+        key = (name, structure(spec, args))
+        best = chosen.get(key)
+        rank = lambda a: (a.num_layers < min_layers, a.num_params())  # noqa: E731
+        if best is None or rank(args) < rank(spec.flavors[best]):
+            chosen[key] = flavor
+    return sorted((name, flavor) for (name, _), flavor in chosen.items())
+
+
+SEQ = 32  # what the materialized checks feed: long enough for every family's chunks and rules
+
+
+def plan_family(family: str, flavor: str, *extra: str, world_size: int = 1, seq_len: int = SEQ,
+                local_batch_size: int = 2):
+    """plan_job of a tiny fp32 job of this family and flavor (the job's tokenizer sizes the model)."""
+    from titanlike.config import load_job_config
+    from titanlike.train.plan import plan_job
+
+    cfg = load_job_config(["--model.name", family, "--model.flavor", flavor, "--training.seq_len", str(seq_len),
+                           "--training.local_batch_size", str(local_batch_size),
+                           "--training.mixed_precision_param", "float32", *extra])
+    return plan_job(cfg, world_size)
+
+
+def loader_batch(plan, batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The first global batch train.py's data loader gives one process for this plan (its objective's
+    samples of the embedded corpus): a dict of named tensors."""
+    from titanlike.data import build_dataloader
+
+    t = plan.cfg.training
+    return next(iter(build_dataloader(
+        dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=plan.tokenizer, seq_len=t.seq_len,
+        local_batch_size=batch, global_batch_size=batch, dp_rank=0, dp_degree=1, seed=seed,
+        objective=plan.objective)))
+
+
+def microbatch(plan, batch: dict[str, torch.Tensor], cp_positions: torch.Tensor | None = None):
+    """What the trainer hands the model and the loss for this loader batch (objective.prepare)."""
+    from titanlike.objectives.base import BatchContext
+
+    ctx = BatchContext(torch.device("cpu"), cp_positions=cp_positions, mask_kernel=None if cp_positions is not None
+                       else "sdpa", eos_id=plan.tokenizer.eos_id, lookahead_tokens=plan.model_args.lookahead_tokens)
+    return plan.objective.prepare(batch, ctx)
+
+
+def logits_of(output) -> torch.Tensor:
+    """A forward's logits (a ModelOutput carries auxiliary losses beside them)."""
+    from titanlike.models.outputs import ModelOutput
+
+    return output.logits if isinstance(output, ModelOutput) else output
