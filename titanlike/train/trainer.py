@@ -583,11 +583,17 @@ class Trainer:
             self.metrics.close()
             if self.summary is not None and self.rank == 0:
                 # After the checkpointer's close: an asynchronous last save is published by now.
-                from titanlike.checkpoint.format import published_steps
+                from titanlike.checkpoint.format import CheckpointError, published_steps, read_sidecar
 
                 if self.summary.checkpoints:
                     steps = published_steps(self.summary.checkpoints)
-                    self.summary.latest_checkpoint = os.path.basename(self.checkpointer.path(steps[-1])) if steps else None
+                    if steps:
+                        latest = self.checkpointer.path(steps[-1])
+                        self.summary.latest_checkpoint = os.path.basename(latest)
+                        try:
+                            self.summary.latest_contents = (read_sidecar(latest) or {}).get("contents")
+                        except CheckpointError:
+                            pass  # the summary then names the step alone; a load says what is wrong
                 logger.info("\n".join(self.summary.lines()))
             # After a collective timed out or lost its peer the other ranks may be gone or hung: a
             # barrier or destroy_process_group would wait on them, so the process exit frees the group.
