@@ -3,7 +3,7 @@
     run summary: 200 step(s) (1 -> 200) in 0:03:12; final loss 4.1210
       validation loss: final 4.3003 (step 200), best 4.2871 (step 150)
       checkpoints:     outputs/checkpoint (latest: step-200, the model only; sample: python scripts/generate.py outputs/checkpoint)
-      tensorboard:     tensorboard --logdir outputs/tb
+      tensorboard:     tensorboard --logdir outputs/tb (this run: outputs/tb/20260101-1200)
       metrics:         outputs/metrics.jsonl (plot: python scripts/plot_metrics.py outputs/metrics.jsonl)
       ...
 
@@ -30,7 +30,8 @@ class RunSummary:
     checkpoints: str | None = None
     latest_checkpoint: str | None = None
     latest_contents: str | None = None  # the latest checkpoint's sidecar "contents": full, model_only, hf
-    tensorboard: str | None = None
+    tensorboard: str | None = None  # the --logdir: every launch's run below it
+    tensorboard_run: str | None = None  # this launch's events (torchtitan's timestamped subfolder)
     metrics_jsonl: str | None = None
     profile_traces: str | None = None
     memory_snapshots: str | None = None
@@ -52,7 +53,8 @@ class RunSummary:
         if self.checkpoints:
             out.append(f"  checkpoints:     {self.checkpoints}{self._latest()}")
         if self.tensorboard:
-            out.append(f"  tensorboard:     tensorboard --logdir {self.tensorboard}")
+            run = f" (this run: {self.tensorboard_run})" if self.tensorboard_run else ""
+            out.append(f"  tensorboard:     tensorboard --logdir {self.tensorboard}{run}")
         if self.metrics_jsonl:
             out.append(f"  metrics:         {self.metrics_jsonl} "
                        f"(plot: python scripts/plot_metrics.py {self.metrics_jsonl})")
