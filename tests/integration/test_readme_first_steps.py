@@ -29,11 +29,13 @@ def test_tokenizers_is_a_base_dependency():
 
 
 def test_readme_runs_the_demo_then_samples_from_its_checkpoint():
+    # The first commands a reader meets: set up and train the demo, then sample from what it saved.
     readme = (REPO / "README.md").read_text()
-    demo = readme.index("train.py --job.config_file train_configs/debug_model.toml")
-    sample = readme.index("scripts/generate.py outputs/checkpoint")
-    assert demo < sample
-    assert "debug_model.toml" in readme[sample - 2000:sample]  # the sampling step names the demo it follows
+    first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    assert first_block[0] == "bash scripts/setup.sh && python3 train.py --job.config_file train_configs/debug_model.toml"
+    assert first_block[1].startswith("python3 scripts/generate.py outputs/checkpoint ")
+    # and how long the demo and the suite take on a 2-core machine
+    assert re.search(r"\| the demo .*\| \d+ min \d+ s", readme) and re.search(r"\| the test suite .*\| \d+ min \d+ s", readme)
 
 
 def test_demo_saves_its_final_model_and_generate_samples_from_it(tmp_path):
