@@ -34,6 +34,9 @@ class Job:
     print_config: bool = opt(False, "print the resolved configuration at start")
     save_config_file: str | None = opt(
         None, "write the resolved configuration as JSON to this file, relative to job.dump_folder (rank 0)")
+    validate_only: bool = opt(
+        False, "check the configuration, plan the job for WORLD_SIZE ranks and check its memory, then exit 0 "
+        "without training (launchers run it once before starting torchrun)")
 
 
 @dataclass
