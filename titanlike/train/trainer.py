@@ -36,7 +36,7 @@ from titanlike.models.converters import build_model_converters
 from titanlike.observe.memory import MemorySnapshot, tensor_footprint
 from titanlike.observe.metrics import MetricsLogger
 from titanlike.observe.profiler import Profiler
-from titanlike.observe.run_lock import FolderInUse, FolderLock
+from titanlike.observe.run_lock import FolderLock, FolderRefused, lock_folders, output_folders
 from titanlike.observe.stragglers import StragglerDetector, format_stragglers
 from titanlike.observe.summary import RunSummary
 from titanlike.objectives.base import BatchContext, Microbatch
@@ -292,30 +292,20 @@ class Trainer:
         logger.info(f"config saved to {path}")
 
     def _lock_output_folders(self) -> list[FolderLock]:
-        """Rank 0 locks job.dump_folder (and checkpoint.folder when it lies outside it); every
-        rank raises TrainingError if another live job holds one of them."""
-        cfg, locks, error = self.cfg, [], None
+        """Rank 0 locks every folder the job writes into (observe/run_lock.py output_folders: the
+        dump folder, the checkpoint folder, ... wherever each lies); every rank raises TrainingError
+        if one cannot be created or another live job holds it."""
+        locks, error = [], None
         if self.rank == 0:
-            dump = cfg.job.dump_folder
-            folders = [("job.dump_folder", dump)]
-            ckpt = os.path.join(dump, cfg.checkpoint.folder)
-            if cfg.checkpoint.enable and os.path.commonpath([os.path.abspath(ckpt), os.path.abspath(dump)]) \
-                    != os.path.abspath(dump):
-                folders.append(("checkpoint.folder", ckpt))
             try:
-                for option, folder in folders:
-                    lock = FolderLock(folder, option=option, description=cfg.job.description)
-                    lock.acquire()
-                    locks.append(lock)
-            except FolderInUse as e:
-                for lock in locks:
-                    lock.release()
-                locks, error = [], str(e)
+                locks = lock_folders(output_folders(self.cfg), description=self.cfg.job.description)
+            except FolderRefused as e:
+                error = str(e)
         if dist.is_initialized():
             refused = torch.tensor([int(error is not None)], dtype=torch.int32)  # CPU: gloo
             dist.all_reduce(refused, op=dist.ReduceOp.MAX)
             if refused.item() and error is None:
-                error = "another titanlike job holds this job's output folder (rank 0 names it)"
+                error = "another titanlike job holds this job's output folder, or it cannot be created (rank 0 names it)"
         if error is not None:
             raise TrainingError(error)
         return locks

@@ -1,0 +1,81 @@
+"""Issue 33: hostile files, careless relaunches and faults outside the training loop, each refused in
+one sentence (docs/reliability.md lists every case).
+
+In-process wherever no process is needed (a Trainer, the converters' functions, train.main); one
+torchrun launch of 2 ranks checks that a verdict rank 0 reaches on a hostile Hugging Face config.json
+reaches every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_JOB, _env
+
+JOB = [*TINY_JOB, "--training.local_batch_size", "2", "--training.steps", "2", "--metrics.log_freq", "1"]
+
+
+def _cfg(dump, *extra):
+    from titanlike.config import load_job_config
+
+    return load_job_config([*JOB, "--job.dump_folder", str(dump), *extra])
+
+
+def _trainer(dump, *extra):
+    from titanlike.train.plan import plan_job
+    from titanlike.train.trainer import Trainer
+
+    return Trainer(plan_job(_cfg(dump, *extra), 1))
+
+
+def _main(*args: str) -> int:
+    import train
+
+    return train.main(list(args))
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+# ------------------------------------------------------------------ 1. the folder lock
+
+
+@pytest.mark.parametrize("option, folder", [
+    ("checkpoint.folder", "B/checkpoint"),
+    ("metrics.save_tb_folder", "B/tb"),
+])
+def test_a_folder_another_job_writes_is_refused_whatever_path_leads_there(tmp_path, option, folder):
+    from titanlike.train.trainer import TrainingError
+
+    # Job A writes into B's folders through an absolute path; job B reaches them as its own.
+    first = _trainer(tmp_path / "A", "--checkpoint.enable", "--metrics.enable_tensorboard",
+                     f"--{option}", str(tmp_path / folder))
+    try:
+        with pytest.raises(TrainingError) as e:
+            _trainer(tmp_path / "B", "--checkpoint.enable", "--metrics.enable_tensorboard")
+        assert str(e.value).startswith(
+            f"{option} {tmp_path / folder} is in use by another titanlike job (pid {os.getpid()} on "), e.value
+        # Nothing of B's stays locked: once A is gone, B runs.
+    finally:
+        first.close()
+    _trainer(tmp_path / "B", "--checkpoint.enable").close()
+
+
+def test_an_output_folder_that_cannot_be_created_is_one_sentence(tmp_path):
+    from titanlike.train.trainer import TrainingError
+
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(TrainingError, match=rf"^job.dump_folder {tmp_path}/file/run cannot be created or used as a "
+                                            r"folder \(Not a directory\)$"):
+        _trainer(tmp_path / "file" / "run")
