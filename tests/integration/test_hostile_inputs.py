@@ -79,3 +79,46 @@ def test_an_output_folder_that_cannot_be_created_is_one_sentence(tmp_path):
     with pytest.raises(TrainingError, match=rf"^job.dump_folder {tmp_path}/file/run cannot be created or used as a "
                                             r"folder \(Not a directory\)$"):
         _trainer(tmp_path / "file" / "run")
+
+
+# ------------------------------------------------------------------ 2. a checkpoint of another family
+
+FULL = ["--checkpoint.enable", "--checkpoint.no_last_save_model_only"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_run(tmp_path_factory):
+    """Two steps of Qwen3's debug model, a full checkpoint at step 2."""
+    dump = tmp_path_factory.mktemp("qwen3")
+    assert _main(*JOB, *FULL, "--model.name", "qwen3", "--job.dump_folder", str(dump)) == 0
+    return dump
+
+
+def test_a_checkpoint_of_another_family_is_refused_unless_a_partial_load_is_asked_for(qwen3_run, tmp_path, capsys,
+                                                                                     caplog):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(qwen3_run / "checkpoint", folder)
+    resume = [*JOB, *FULL, "--training.steps", "3", "--job.dump_folder", str(tmp_path / "llama"),
+              "--checkpoint.folder", str(folder)]
+    assert _main(*resume) == 1
+    assert _last_line(capsys.readouterr().err) == (
+        f"training error: checkpoint {folder}/step-2 holds a qwen3 debugmodel model but this job's is llama3 "
+        "debugmodel (model.name, model.flavor): loading it would drop or misread weights; resume it with its own "
+        "model, or pass --checkpoint.allow_partial_load to load only the tensors the two models share")
+    # A sidecar that names this family (an older or edited one): the extra tensors give it away.
+    from faults import reseal
+
+    info = json.loads((folder / "step-2" / "titanlike.json").read_text())
+    info["model"] = {"name": "llama3", "args": info["model"]["args"]}
+    (folder / "step-2" / "titanlike.json").write_text(json.dumps(info))
+    reseal(str(folder / "step-2"))
+    assert _main(*resume) == 1
+    assert _last_line(capsys.readouterr().err) == (
+        f"training error: checkpoint {folder}/step-2 holds 16 model tensor(s) this job's model does not have (e.g. "
+        "layers.0.attention.k_norm.weight, layers.0.attention.q_norm.weight, layers.1.attention.k_norm.weight); was "
+        "it written for another model? pass --checkpoint.allow_partial_load to load only the tensors the two models "
+        "share")
+    # Asked for: the shared tensors load, the rest is named.
+    with caplog.at_level("WARNING", logger="titanlike"):
+        assert _main(*resume, "--checkpoint.allow_partial_load") == 0
+    assert "16 model tensor(s) of" in caplog.text

@@ -86,8 +86,10 @@ def published_steps(folder: str) -> list[int]:
 # Sidecar ----------------------------------------------------------------------------------
 
 
-def model_description(name: str, args: Any, *, context_len: int | None = None) -> dict[str, Any]:
-    """What load_model needs to rebuild the model: family name and its args (``args.to_dict()``).
+def model_description(name: str, args: Any, *, context_len: int | None = None,
+                      flavor: str | None = None) -> dict[str, Any]:
+    """What load_model needs to rebuild the model: family name and its args (``args.to_dict()``),
+    and the flavor a job trained (a resume compares family and flavor with its own).
 
     context_len replaces the args' context length: a job's args carry training.seq_len, which
     only sizes position tables (the weights do not depend on it); the sidecar records the
@@ -95,7 +97,7 @@ def model_description(name: str, args: Any, *, context_len: int | None = None) -
     """
     if context_len is not None:
         args = args.with_context_len(context_len)
-    return {"name": name, "args": args.to_dict()}
+    return {"name": name, **({"flavor": flavor} if flavor is not None else {}), "args": args.to_dict()}
 
 
 def write_sidecar(folder: str, info: dict[str, Any]) -> None:

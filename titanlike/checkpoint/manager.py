@@ -367,6 +367,8 @@ class CheckpointManager:
             self.states[LOSS_SCALER] = JsonState(loss_scaler, LOSS_SCALER)
         self._description = None
         self._context_len = None
+        self._pp = dims is not None and dims.pp_enabled  # model parts hold one pipeline stage's keys
+        self._whole_keys: set[str] | None = None
         if model_args is not None:
             from titanlike.models.registry import get_model_spec
 
@@ -376,7 +378,8 @@ class CheckpointManager:
             # flavor's real one (it sizes position tables only, never the weights).
             flavor = spec.flavors.get(cfg.model.flavor)
             self._context_len = flavor.context_len if flavor is not None else model_args.context_len
-            self._description = fmt.model_description(spec.name, model_args, context_len=self._context_len)
+            self._description = fmt.model_description(spec.name, model_args, context_len=self._context_len,
+                                                       flavor=cfg.model.flavor)
         self._tokenizer = tokenizer_record(tokenizer) if tokenizer is not None else {}
         if self.distributed:
             # DCP's own collectives (plans, the final all-reduce) run on a separate gloo group:
@@ -512,6 +515,8 @@ class CheckpointManager:
 
     def _load_full(self, path: str, metadata: Metadata, begin: float) -> int:
         names = [k for k in self.states if k not in self.cfg.exclude_from_loading]
+        if MODEL in names:
+            self._check_same_model(path, metadata)
         for per_rank in (DATALOADER, RNG):
             state: PerRankState = self.states[per_rank]
             if per_rank in names:
@@ -627,6 +632,47 @@ class CheckpointManager:
                         f"ranks without their own entry take {state.name}.{state.prefix}{have[0]}")
         return have[0]
 
+    def _check_same_model(self, path: str, metadata: Metadata) -> None:
+        """The checkpoint holds this job's model: the family and flavor its sidecar records are the
+        job's, and it has no model tensor the job's model lacks (they would be dropped silently);
+        a missing or misshapen one is _check_against_index's. checkpoint.allow_partial_load skips
+        both checks (the extra tensors are named in a log line). Every rank reads the same files and
+        decides alike."""
+        if self._description is None:
+            return
+        partial = self.cfg.allow_partial_load
+        recorded = (fmt.read_sidecar(path) or {}).get("model")
+        if isinstance(recorded, dict) and not partial:
+            theirs = (recorded.get("name"), recorded.get("flavor"))
+            mine = (self.spec.name, self._description.get("flavor"))
+            if theirs[0] != mine[0] or (theirs[1] is not None and theirs[1] != mine[1]):
+                held = " ".join(str(x) for x in theirs if x is not None)
+                raise CheckpointError(
+                    f"checkpoint {path} holds a {held} model but this job's is {' '.join(mine)} (model.name, "
+                    "model.flavor): loading it would drop or misread weights; resume it with its own model, or "
+                    "pass --checkpoint.allow_partial_load to load only the tensors the two models share")
+        extra = sorted(set(fmt.dcp_model_keys(metadata)[0]) - self._model_keys())
+        if extra and not partial:
+            raise CheckpointError(
+                f"checkpoint {path} holds {len(extra)} model tensor(s) this job's model does not have (e.g. "
+                f"{', '.join(extra[:3])}); was it written for another model? pass --checkpoint.allow_partial_load "
+                "to load only the tensors the two models share")
+        if extra and self.rank == 0:
+            logger.warning(f"checkpoint: {len(extra)} model tensor(s) of {path} that this job's model does not have "
+                           f"are not loaded (checkpoint.allow_partial_load), e.g. {', '.join(extra[:3])}")
+
+    def _model_keys(self) -> set[str]:
+        """The whole model's state-dict keys (tied aliases left out, as saved): this rank's parts', or
+        under pipeline parallelism every stage's (gathered once over the checkpoint's group)."""
+        if self._whole_keys is None:
+            keys = set(self.states[MODEL].state_dict())
+            if self._pp and self.distributed:
+                found: list = [None] * dist.get_world_size(self._pg)
+                dist.all_gather_object(found, sorted(keys), group=self._pg)
+                keys = set().union(*found)
+            self._whole_keys = keys
+        return self._whole_keys
+
     @staticmethod
     def _check_against_index(template: dict, metadata: Metadata, path: str) -> None:
         """Every key we load exists in the checkpoint with the same shape.
@@ -656,6 +702,7 @@ class CheckpointManager:
                     )
 
     def _load_model_dcp(self, path: str, metadata: Metadata, *, prefixed: bool) -> None:
+        self._check_same_model(path, metadata)
         model = self.states[MODEL]
         local = model.state_dict()
         prefix = fmt.MODEL_PREFIX if prefixed else ""
