@@ -122,3 +122,74 @@ def test_a_checkpoint_of_another_family_is_refused_unless_a_partial_load_is_aske
     with caplog.at_level("WARNING", logger="titanlike"):
         assert _main(*resume, "--checkpoint.allow_partial_load") == 0
     assert "16 model tensor(s) of" in caplog.text
+
+
+# ------------------------------------------------------------------ 3. nothing a checkpoint records leads out of it
+
+
+def _convert_dcp_to_hf(*args: str) -> int:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import convert_dcp_to_hf
+
+    return convert_dcp_to_hf.main(list(args))
+
+
+def _edit_sidecar(step: Path, edit) -> None:
+    """Change a checkpoint's sidecar as an attacker can: checksums resealed, then the JSON edited."""
+    from faults import reseal
+
+    info = json.loads((step / "titanlike.json").read_text())
+    info["tokenizer"] = {}  # (resealing would store a tokenizer it names by path)
+    (step / "titanlike.json").write_text(json.dumps(info))
+    reseal(str(step))
+    info = json.loads((step / "titanlike.json").read_text())
+    edit(info)
+    (step / "titanlike.json").write_text(json.dumps(info))
+
+
+def test_a_checkpoint_stores_its_tokenizer_and_no_recorded_path_is_followed(qwen3_run, tmp_path, capsys):
+    step = tmp_path / "step-2"
+    shutil.copytree(qwen3_run / "checkpoint" / "step-2", step)
+    info = json.loads((step / "titanlike.json").read_text())
+    assert info["tokenizer"]["files"] == ["tokenizer.tiktoken"] and "path" not in info["tokenizer"]
+    assert "tokenizer.tiktoken" in info["checksums"]["crc32"]
+    assert _convert_dcp_to_hf(str(step), str(tmp_path / "hf")) == 0
+    assert "tokenizer: tokenizer.json and tokenizer_config.json from " in capsys.readouterr().out
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET-LINE\n")
+    (step / "tokenizer.tiktoken").unlink()
+
+    def by_path(info):
+        info["tokenizer"] = {"bos_id": 1, "eos_id": 2, "path": str(secret)}
+
+    _edit_sidecar(step, by_path)
+    assert _convert_dcp_to_hf(str(step), str(tmp_path / "out")) == 0
+    err = capsys.readouterr().err
+    assert "SECRET" not in err and not (tmp_path / "out" / "tokenizer.tiktoken").exists()
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json",
+                                                    "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert f"the checkpoint names its tokenizer by a path outside itself ({secret}), which is not read" in err
+
+    # A link inside the checkpoint is not followed either, listed in the checksums or not.
+    os.symlink(secret, step / "tokenizer.tiktoken")
+
+    def by_link(info):
+        info["tokenizer"] = {"bos_id": 1, "eos_id": 2, "files": ["tokenizer.tiktoken"]}
+        del info["checksums"]["crc32"]["tokenizer.tiktoken"]
+
+    _edit_sidecar(step, by_link)
+    assert _convert_dcp_to_hf(str(step), str(tmp_path / "out")) == 0
+    err = capsys.readouterr().err
+    assert "SECRET" not in err and not (tmp_path / "out" / "tokenizer.tiktoken").exists()
+    assert "tokenizer file 'tokenizer.tiktoken' is not a plain file inside" in err
+    (step / "tokenizer.tiktoken").unlink()
+    _edit_sidecar(step, lambda info: info["tokenizer"].update(files=["../secret.txt"]))
+    assert _convert_dcp_to_hf(str(step), str(tmp_path / "out")) == 0
+    assert "tokenizer file '../secret.txt' is not a plain file inside" in capsys.readouterr().err
+    # The index or the checksums naming a file outside the checkpoint: refused.
+    _edit_sidecar(step, lambda info: info["checksums"]["crc32"].update({"../secret.txt": "00000000"}))
+    assert _convert_dcp_to_hf(str(step), str(tmp_path / "out")) == 1
+    assert _last_line(capsys.readouterr().err) == (
+        f"convert_dcp_to_hf: checkpoint {step}: titanlike.json names '../secret.txt', which is not a plain file of "
+        "the checkpoint")

@@ -101,7 +101,13 @@ def model_description(name: str, args: Any, *, context_len: int | None = None,
 
 
 def write_sidecar(folder: str, info: dict[str, Any]) -> None:
-    """The sidecar, written last: it records the checksums of every other file in the folder."""
+    """The sidecar, written last: it records the checksums of every other file in the folder. A
+    tokenizer the info names by its path is copied into the folder first and recorded by its file
+    names (data/hf_tokenizer.py store_tokenizer): nothing a checkpoint records points outside it."""
+    from titanlike.data.hf_tokenizer import store_tokenizer
+
+    if isinstance(info.get("tokenizer"), dict):
+        info = {**info, "tokenizer": store_tokenizer(folder, info["tokenizer"])}
     checksums = collect_checksums(folder)
     with open(os.path.join(folder, SIDECAR), "w") as f:
         json.dump({"format_version": FORMAT_VERSION, **info, "checksums": checksums}, f, indent=2, default=str)
@@ -527,9 +533,18 @@ def checksummed_files(path: str) -> dict[str, str] | None:
     return crcs
 
 
+def plain_file(name: Any) -> bool:
+    """Whether `name`, as a checkpoint records it (index, sidecar), is a plain file name: no
+    path ('/', '..'), no NUL. What a checkpoint names may not lead outside it."""
+    return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name
+            and os.sep not in name and "\0" not in name)
+
+
 def verify_files(path: str, crcs: dict[str, str], names) -> str | None:
     """The first of names whose CRC-32 differs from crcs, as a sentence; None if all match."""
     for name in names:
+        if not plain_file(name) or os.path.islink(os.path.join(path, name)):
+            return f"checkpoint {path}: {SIDECAR} names {name!r:.200}, which is not a plain file of the checkpoint"
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             return f"checkpoint file {file} is missing (listed in {SIDECAR})"
@@ -613,8 +628,15 @@ def check_dcp_files(path: str, metadata: Metadata) -> None:
     """
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+        rel = getattr(info, "relative_path", None)
+        if not plain_file(rel) or os.path.islink(os.path.join(path, rel)):
+            raise CheckpointError(f"checkpoint index {os.path.join(path, DCP_METADATA)} names data file {rel!r:.200}, "
+                                  "which is not a plain file of the checkpoint (a path or a link leading out of it)")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise CheckpointError(f"checkpoint index {os.path.join(path, DCP_METADATA)} is damaged: {rel} has "
+                                  f"offset {offset!r:.50} and length {length!r:.50}")
+        needed[rel] = max(needed.get(rel, 0), offset + length)
     for rel, end in sorted(needed.items()):
         file = os.path.join(path, rel)
         if not os.path.isfile(file):

@@ -10,6 +10,7 @@ reads a family's fields. Everything runs in one process on full (unsharded) tens
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ from titanlike.checkpoint.format import (
     write_hf,
     write_sidecar,
 )
+
+from titanlike.data.hf_tokenizer import stored_tokenizer
 
 if TYPE_CHECKING:
     from titanlike.data.hf_tokenizer import TokenizerExport
@@ -104,11 +107,30 @@ def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
     spec, args = build_args(description, where=os.path.join(src, SIDECAR))
     state_dict = read_dcp_model(src)
     check_fits(state_dict, spec, args, src)
-    tokenizer = info.get("tokenizer", {})
-    return write_hf(state_dict, spec, args, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                    context_len=args.context_len, bos_id=tokenizer.get("bos_id"), eos_id=tokenizer.get("eos_id"),
-                    pad_id=tokenizer.get("pad_id"), tokenizer_path=tokenizer_path or tokenizer.get("path"),
-                    tokenizer_fingerprint=tokenizer.get("fingerprint"))
+    tokenizer = info.get("tokenizer")
+    tokenizer = tokenizer if isinstance(tokenizer, dict) else {}
+    # Only the tokenizer stored inside the checkpoint (verified with its other files) or the one
+    # passed: a path the sidecar records is never followed.
+    stored, why_not = stored_tokenizer(src, tokenizer)
+    ids = {name: _token_id(tokenizer, name, args.vocab_size, src) for name in ("bos_id", "eos_id", "pad_id")}
+    fingerprint = tokenizer.get("fingerprint")
+    export = write_hf(state_dict, spec, args, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                      context_len=args.context_len, **ids, tokenizer_path=tokenizer_path or stored,
+                      tokenizer_fingerprint=fingerprint if isinstance(fingerprint, str) else None)
+    if why_not and not tokenizer_path:
+        export = export._replace(message=f"no tokenizer files written: {why_not}")
+    return export
+
+
+def _token_id(record: dict, name: str, vocab_size: int, src: str) -> int | None:
+    """A special token id of the sidecar's tokenizer entry: None, or an id of the vocabulary."""
+    value = record.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise CheckpointError(f"{os.path.join(src, SIDECAR)}: tokenizer {name} is {json.dumps(value)[:50]}, not a "
+                              f"token id below the model's vocabulary size {vocab_size}")
+    return value
 
 
 def import_hf_to_dcp(src: str, out: str, *, dtype: torch.dtype | None = None) -> None:

@@ -984,7 +984,10 @@ class CheckpointManager:
         if self.rank != 0:
             return
         tmp, final = self._tmp(step), self.path(step)
-        info = {"contents": contents, "step": step, "tokenizer": self._tokenizer}
+        # The tokenizer's files go into the checkpoint (write_sidecar), except into a Hugging Face
+        # export, which already holds them as transformers reads them.
+        tokenizer = self._tokenizer if contents != "hf" else {k: v for k, v in self._tokenizer.items() if k != "path"}
+        info = {"contents": contents, "step": step, "tokenizer": tokenizer}
         if self._description is not None:
             info["model"] = self._description
         fmt.write_sidecar(tmp, info)
