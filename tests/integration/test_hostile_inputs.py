@@ -193,3 +193,33 @@ def test_a_checkpoint_stores_its_tokenizer_and_no_recorded_path_is_followed(qwen
     assert _last_line(capsys.readouterr().err) == (
         f"convert_dcp_to_hf: checkpoint {step}: titanlike.json names '../secret.txt', which is not a plain file of "
         "the checkpoint")
+
+
+# ------------------------------------------------------------------ 4. checksums cannot be switched off
+
+
+def test_a_checkpoint_without_its_sidecar_is_refused_and_the_fallback_still_works(tmp_path, capsys):
+    from faults import flip_two_bytes
+
+    dump = tmp_path / "run"
+    job = [*JOB, *FULL, "--checkpoint.interval", "1", "--job.dump_folder", str(dump)]
+    assert _main(*job) == 0
+    folder = dump / "checkpoint"
+    flip_two_bytes(str(folder / "step-2"), "model.tok_embeddings.weight")
+    (folder / "step-2" / "titanlike.json").unlink()
+    capsys.readouterr()
+    assert _main(*job, "--training.steps", "3") == 1
+    assert _last_line(capsys.readouterr().err) == (
+        f"training error: checkpoint {folder}/step-2 has no titanlike.json, but its index says titanlike checkpoint "
+        "format 2 wrote it, which records every file's checksum there: its files cannot be verified; the newest "
+        f"checkpoint that verifies is {folder}/step-1: resume from it with --checkpoint.load_step 1 or "
+        "--checkpoint.fallback_on_corruption")
+    assert _main(*job, "--training.steps", "3", "--checkpoint.fallback_on_corruption") == 0
+    # A model-only export (its index is marked too): the converter, told the model, refuses it.
+    (folder / "step-3" / "titanlike.json").unlink()
+    capsys.readouterr()
+    assert _convert_dcp_to_hf(str(folder / "step-3"), str(tmp_path / "hf"), "--flavor", "debugmodel",
+                              "--vocab-size", "2048") == 1
+    assert _last_line(capsys.readouterr().err) == (
+        f"convert_dcp_to_hf: checkpoint {folder}/step-3 has no titanlike.json, but its index says titanlike "
+        "checkpoint format 2 wrote it, which records every file's checksum there: its files cannot be verified")

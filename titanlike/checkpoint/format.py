@@ -464,14 +464,26 @@ class _Crc32FileSystem(FileSystem):
         self.crcs[name] = f"{stream.crc:08x}" if stream.sequential else file_crc32(os.fspath(path))
 
 
+# Written into the index of every checkpoint this format writes (StorageMeta.modules, a list of names
+# DCP keeps but never reads): a checkpoint whose sidecar is gone still says it had one.
+INDEX_MARK = f"titanlike checkpoint format {FORMAT_VERSION}"
+
+
 class ChecksumWriter(dcp.FileSystemWriter):
     """DCP's FileSystemWriter that records the CRC-32 of every file it writes while writing
-    (<prefix>crc32.json per rank, gathered into the sidecar at publishing), and that reports
-    a file system error (no space left, quota) as the OSError it was."""
+    (<prefix>crc32.json per rank, gathered into the sidecar at publishing), that marks the index
+    as this format's (INDEX_MARK), and that reports a file system error (no space left, quota)
+    as the OSError it was."""
 
     def __init__(self, path: str):
         super().__init__(path)
         self.fs = _Crc32FileSystem()
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if meta is not None:
+            meta.modules = [*meta.modules, INDEX_MARK]
+        return meta
 
     def write_data(self, plan, planner):
         self.fs.crcs, self.fs.error = {}, None
@@ -561,12 +573,32 @@ def uncovered_files(metadata: Metadata, crcs: dict[str, str]) -> list[str]:
     return sorted(named - set(crcs))
 
 
+def records_checksums(metadata: Metadata) -> bool:
+    """Whether the index says a writer that records checksums wrote it: format 2 marks its index
+    (INDEX_MARK) and stores train_state.format_version as a tensor (format 1 pickled it)."""
+    meta = getattr(metadata, "storage_meta", None)
+    modules = getattr(meta, "modules", None) or []
+    if any(isinstance(m, str) and m.startswith("titanlike checkpoint format ") for m in modules):
+        return True
+    return isinstance(metadata.state_dict_metadata.get("train_state.format_version"), TensorStorageMetadata)
+
+
+def missing_checksums(path: str, metadata: Metadata) -> str | None:
+    """For a checkpoint whose sidecar records no checksums: the sentence refusing it when its index
+    says it was written with them (the sidecar was deleted or emptied), None for an older one."""
+    if not records_checksums(metadata):
+        return None
+    what = f"has no {SIDECAR}" if not os.path.isfile(os.path.join(path, SIDECAR)) else f"has a {SIDECAR} without checksums"
+    return (f"checkpoint {path} {what}, but its index says titanlike checkpoint format "
+            f"{FORMAT_VERSION} wrote it, which records every file's checksum there: its files cannot be verified")
+
+
 def verify_checksums(path: str, metadata: Metadata | None = None) -> str | None:
     """Check every file of checkpoint path against its sidecar, in this process: the first
-    problem as a sentence, or None (also for a checkpoint that records no checksums)."""
+    problem as a sentence, or None (also for an older checkpoint that records no checksums)."""
     crcs = checksummed_files(path)
     if crcs is None:
-        return None
+        return missing_checksums(path, metadata) if metadata is not None else None
     if metadata is not None and (missing := uncovered_files(metadata, crcs)):
         return f"checkpoint {path}: {SIDECAR} has no checksum for {missing[0]}, which {DCP_METADATA} names"
     return verify_files(path, crcs, sorted(crcs))
@@ -664,11 +696,13 @@ def dcp_model_keys(metadata: Metadata) -> tuple[dict[str, str], bool]:
     return out, full
 
 
-def read_dcp_model(path: str, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's full tensors from a full or model-only DCP checkpoint, in one process."""
+def read_dcp_model(path: str, *, dtype: torch.dtype | None = None, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The model's full tensors from a full or model-only DCP checkpoint, in one process. verify:
+    check the files against the sidecar's checksums (off only for a staging folder this process
+    has just written, which has no sidecar)."""
     metadata = read_dcp_metadata(path)
     check_dcp_files(path, metadata)
-    problem = verify_checksums(path, metadata)
+    problem = verify_checksums(path, metadata) if verify else None
     if problem:
         raise CheckpointError(problem)
     names, _ = dcp_model_keys(metadata)

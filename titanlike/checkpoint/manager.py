@@ -578,6 +578,8 @@ class CheckpointManager:
         except CheckpointError as e:
             return str(e)
         if crcs is None:
+            if problem := fmt.missing_checksums(path, metadata):
+                return problem
             if self.rank == 0:
                 logger.info(f"checkpoint: {path} records no checksums (an older titanlike wrote it); "
                             "its files are not verified")
@@ -922,7 +924,7 @@ class CheckpointManager:
         self._dcp_save(state, step, path=staging)
 
         def convert() -> None:
-            state_dict = fmt.read_dcp_model(staging)
+            state_dict = fmt.read_dcp_model(staging, verify=False)  # written just now, by this job
             tok = self._tokenizer
             export = fmt.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype,
                                   context_len=self._context_len, bos_id=tok.get("bos_id"), eos_id=tok.get("eos_id"),
