@@ -9,11 +9,13 @@ reaches every rank.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -223,3 +225,132 @@ def test_a_checkpoint_without_its_sidecar_is_refused_and_the_fallback_still_work
     assert _last_line(capsys.readouterr().err) == (
         f"convert_dcp_to_hf: checkpoint {folder}/step-3 has no titanlike.json, but its index says titanlike "
         "checkpoint format 2 wrote it, which records every file's checksum there: its files cannot be verified")
+
+
+# ------------------------------------------------------------------ 5. hostile Hugging Face config.json values
+
+HF_JOB = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf"]
+
+
+def _hf_folder(out: Path, *, edit=None, dtype=torch.float32) -> Path:
+    """The job's model (llama3 debugmodel, the job's vocabulary) as a Hugging Face folder; edit(state
+    dict) may poison a weight."""
+    from titanlike.checkpoint.format import write_hf
+    from titanlike.train.plan import plan_job
+
+    plan = plan_job(_cfg(out / "unused"), 1)
+    with torch.device("meta"):
+        model = plan.spec.model_cls(plan.model_args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    state = dict(model.state_dict())
+    if edit is not None:
+        edit(state)
+    write_hf(state, plan.spec, plan.model_args, str(out / "hf"), dtype=dtype)
+    return out / "hf"
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    return _hf_folder(tmp_path_factory.mktemp("hf"))
+
+
+HOSTILE_CONFIG = [
+    ("num_attention_heads", 0, "num_attention_heads is 0, but it must be an integer from 1 to 2147483647"),
+    ("rope_scaling", "x", 'rope_scaling is "x", but it must be an object (or null)'),
+    ("rope_scaling", {"rope_type": "llama3", "factor": -8.0},
+     'rope_scaling is {"rope_type": "llama3", "factor": -8.0}, but it must be an object whose factor is a finite '
+     "number above 0 (got -8.0)"),
+    ("max_position_embeddings", -1, "max_position_embeddings is -1, but it must be an integer from 1 to 2147483647"),
+    ("max_position_embeddings", 1e10,
+     "max_position_embeddings is 10000000000.0, but it must be an integer from 1 to 2147483647"),
+    ("vocab_size", 2048.0, "vocab_size is 2048.0, but it must be an integer from 1 to 2147483647"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps is NaN, but it must be a finite number above 0"),
+    ("rms_norm_eps", "abc", 'rms_norm_eps is "abc", but it must be a finite number above 0'),
+    ("tie_word_embeddings", "yes", 'tie_word_embeddings is "yes", but it must be true or false'),
+]
+
+
+def _with_config(folder: Path, tmp_path: Path, key, value) -> Path:
+    out = tmp_path / "hostile"
+    shutil.copytree(folder, out)
+    config = json.loads((out / "config.json").read_text())
+    config[key] = value
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _convert_hf_to_dcp(*args: str) -> int:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import convert_hf_to_dcp
+
+    return convert_hf_to_dcp.main(list(args))
+
+
+@pytest.mark.parametrize("key, value, sentence", HOSTILE_CONFIG, ids=[f"{k}={v}" for k, v, _ in HOSTILE_CONFIG])
+def test_a_hostile_hf_config_value_is_one_sentence_everywhere(hf_folder, tmp_path, capsys, key, value, sentence):
+    from titanlike.checkpoint import CheckpointError, load_model
+
+    folder = _with_config(hf_folder, tmp_path, key, value)
+    expected = f"{folder}/config.json: {sentence}"
+    with pytest.raises(CheckpointError) as e:
+        load_model(folder)
+    assert str(e.value) == expected
+    assert _convert_hf_to_dcp(str(folder), str(tmp_path / "dcp")) == 1
+    assert _last_line(capsys.readouterr().err) == f"convert_hf_to_dcp: {expected}"
+    assert not (tmp_path / "dcp").exists()
+    # train.py refuses it while planning, before any process group or allocation.
+    assert _main(*JOB, *HF_JOB, "--checkpoint.initial_load_path", str(folder),
+                 "--job.dump_folder", str(tmp_path / "run")) == 2
+    assert _last_line(capsys.readouterr().err) == f"config error: {expected}"
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 10**7), ("hidden_size", 2**20),
+                                        ("max_position_embeddings", 2**31 - 1)])
+def test_a_model_larger_than_the_machine_is_refused_before_anything_is_allocated(hf_folder, tmp_path, key, value):
+    from titanlike.checkpoint import CheckpointError, load_model
+
+    folder = _with_config(hf_folder, tmp_path, key, value)
+    config = json.loads((folder / "config.json").read_text())
+    if key == "hidden_size":  # keep the heads consistent: only the size is hostile
+        config["head_dim"] = value // config["num_attention_heads"]
+        (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"^{folder}/config.json: the model it describes \([\d,]+ parameters, "
+                                              r"[\d,]+ positions\) needs [\d,.]+ GiB, more than the [\d,.]+ GiB this "
+                                              r"host has; refusing before allocating it$"):
+        load_model(folder)
+
+
+def test_non_finite_or_integer_weights_are_refused(tmp_path, capsys):
+    from titanlike.checkpoint import CheckpointError, load_model
+
+    nan = _hf_folder(tmp_path / "nan", edit=lambda sd: sd["layers.1.attention.wv.weight"].view(-1)[7].fill_(math.nan))
+    with pytest.raises(CheckpointError, match=rf"^{nan}: layers.1.attention.wv.weight holds non-finite values "
+                                              r"\(NaN or infinity\)$"):
+        load_model(nan)
+    assert _convert_hf_to_dcp(str(nan), str(tmp_path / "dcp")) == 1
+    assert "layers.1.attention.wv.weight holds non-finite values" in _last_line(capsys.readouterr().err)
+    ints = _hf_folder(tmp_path / "int32", dtype=torch.int32)
+    with pytest.raises(CheckpointError, match=rf"^{ints}: tok_embeddings.weight is a int32 tensor, but the model's "
+                                              "weights are floating point$"):
+        load_model(ints)
+
+
+@pytest.mark.distributed
+def test_a_verdict_rank_0_reaches_on_a_hf_folder_reaches_every_rank(tmp_path):
+    """Rank 0 reads the folder; a NaN weight stops both ranks with its sentence, at once (a rank
+    waiting for a verdict that never came hung for the 300 s init timeout)."""
+    nan = _hf_folder(tmp_path, edit=lambda sd: sd["tok_embeddings.weight"][3, 5].fill_(math.inf))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "train.py"), *JOB, *HF_JOB, "--checkpoint.initial_load_path", str(nan),
+           "--job.dump_folder", str(tmp_path / "run"), "--comm.init_timeout_seconds", "60"]
+    begin = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert (f"training error: Hugging Face checkpoint {nan}: tok_embeddings.weight holds non-finite values (NaN or "
+            "infinity)") in proc.stderr, proc.stderr[-3000:]
+    # A rank exited 1 with the verdict and the other was not left waiting for one until a timeout
+    # (torchrun stops what is left of a job once a rank failed).
+    assert "exitcode  : 1" in proc.stderr and "timed out" not in proc.stderr.lower(), proc.stderr[-3000:]
+    assert f'File "{REPO}' not in proc.stderr, proc.stderr[-3000:]  # no rank's traceback
+    assert time.monotonic() - begin < 120

@@ -127,22 +127,82 @@ def read_sidecar(folder: str) -> dict[str, Any] | None:
 
 
 def build_args(description: dict[str, Any], *, where: str = SIDECAR):
-    """(ModelSpec, args) from a sidecar's "model" entry; `where` names it in errors."""
+    """(ModelSpec, args) from a sidecar's "model" entry; `where` names it in errors. Every field is
+    checked like a config value before the args are built (models/args.py check_fields): a crafted
+    sidecar is one sentence, never a traceback or a huge table (check_model_size bounds the rest)."""
+    from titanlike.models.args import check_fields
     from titanlike.models.registry import get_model_spec
 
     try:
         name, fields = description["name"], description["args"]
     except (KeyError, TypeError):
         raise CheckpointError(f"{where}: the model entry needs a name and args") from None
+    if not isinstance(name, str) or not isinstance(fields, dict):
+        raise CheckpointError(f"{where}: the model entry needs a name (a string) and args (an object)")
     try:
         spec = get_model_spec(name)
     except KeyError as e:
         raise CheckpointError(f"{where}: {e.args[0] if e.args else e}") from None
     try:
+        check_fields(spec.args_cls, fields, what="the model args")
         args = spec.args_cls.from_dict(fields)
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{where}: the args do not fit model {spec.name}: {e}") from None
+    except Exception as e:  # a combination the field checks let through: whatever the class raises
+        detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{where}: the args do not fit model {spec.name}: {detail}") from None
     return spec, args
+
+
+def check_model_size(args, where: str, *, device: Any = "cpu", bytes_per_param: int = 4) -> None:
+    """Refuse, before anything is allocated, a model larger than `device` can hold: its weights at
+    bytes_per_param and its position tables (models/args.py model_bytes, arithmetic on the args)
+    against the device's memory (observe/memory.py device_memory). One sentence naming `where`."""
+    from titanlike.models.args import model_bytes
+    from titanlike.observe.memory import device_memory
+
+    try:
+        need = model_bytes(args, bytes_per_param)
+    except Exception as e:
+        raise CheckpointError(f"{where}: the model's size cannot be computed ({type(e).__name__}: {e})") from None
+    have, what = device_memory(device)
+    if need > have:
+        gib = 2**30
+        raise CheckpointError(
+            f"{where}: the model it describes ({args.num_params():,} parameters, {args.context_len:,} positions) "
+            f"needs {need / gib:,.1f} GiB, more than the {have / gib:,.1f} GiB {what}; refusing before allocating it")
+
+
+def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str) -> None:
+    """The state dict holds exactly the model's tensors (tied aliases optional), with its shapes,
+    as floating-point tensors of finite values (an imported file is input from anywhere).
+
+    Built on the meta device, so it costs no memory; a checkpoint of another flavor or
+    vocabulary fails here with its first differences named.
+    """
+    try:
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+    except Exception as e:  # args that passed the field checks but no model can be built from
+        raise CheckpointError(f"{where}: no {spec.name} model can be built from its configuration "
+                              f"({type(e).__name__}: {e})") from None
+    expected = dict(model.state_dict())
+    aliases = tied_aliases(model)
+    missing = sorted(k for k in expected if k not in state_dict and k not in aliases)
+    unexpected = sorted(k for k in state_dict if k not in expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{where} does not match model {spec.name}: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    for key, want in expected.items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if tuple(value.shape) != tuple(want.shape):
+            raise CheckpointError(f"{where}: {key} has shape {tuple(value.shape)} but model "
+                                  f"{spec.name} needs {tuple(want.shape)} (another flavor or vocabulary?)")
+        if want.is_floating_point() and not value.is_floating_point():
+            raise CheckpointError(f"{where}: {key} is a {str(value.dtype).removeprefix('torch.')} tensor, but the "
+                                  "model's weights are floating point")
+        if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{where}: {key} holds non-finite values (NaN or infinity)")
 
 
 # Recognizing folders ----------------------------------------------------------------------
@@ -765,20 +825,26 @@ def tied_aliases(module: nn.Module) -> set[str]:
 # Hugging Face folders ---------------------------------------------------------------------
 
 
-def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(state dict with HF names, config.json) of a Hugging Face safetensors folder."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
+def read_hf_config(path: str) -> dict[str, Any]:
+    """A Hugging Face folder's config.json (a JSON object), or one sentence naming what is wrong."""
     config_path = os.path.join(path, HF_CONFIG)
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{path} is not a Hugging Face model folder: {HF_CONFIG} is missing")
     try:
         with open(config_path) as f:
             config = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"{config_path} is damaged: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path} is not a JSON object")
+    return config
+
+
+def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict with HF names, config.json) of a Hugging Face safetensors folder."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    config = read_hf_config(path)
     problem = verify_checksums(path)  # titanlike's own exports record checksums in a sidecar
     if problem:
         raise CheckpointError(problem)

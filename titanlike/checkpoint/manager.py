@@ -143,6 +143,7 @@ def validate_checkpoint_config(c, spec, *, hf_assets_path: str | None = None) ->
             check(os.path.isfile(os.path.join(path, fmt.HF_CONFIG)),
                   f"checkpoint.initial_load_path {path} has no {fmt.HF_CONFIG}, so it is not a Hugging Face "
                   "model folder")
+            _check_hf_config_values(path, spec)
         else:
             check(os.path.isfile(os.path.join(path, fmt.DCP_METADATA)),
                   f"checkpoint.initial_load_path {path} has no {fmt.DCP_METADATA}, so it is not a DCP checkpoint "
@@ -152,6 +153,23 @@ def validate_checkpoint_config(c, spec, *, hf_assets_path: str | None = None) ->
                                    "checkpoint.initial_load_in_hf and last_save_in_hf are unavailable")
     check(not c.last_save_in_hf or c.last_save_model_only,
           "checkpoint.last_save_in_hf writes the model only, so it needs checkpoint.last_save_model_only")
+
+
+def _check_hf_config_values(path: str, spec) -> None:
+    """Before any process group: the values of the Hugging Face folder's config.json that the
+    family's adapter reads are in range (HFAdapter.read_config); ValueError, one sentence naming
+    the file, key and value. Whether its model is the job's is the load's to say (_check_hf_args)."""
+    if spec.hf is None:
+        return
+    try:
+        config = fmt.read_hf_config(path)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    if config.get("model_type") in spec.hf.model_types:
+        try:
+            spec.hf.read_config(config)
+        except ValueError as e:
+            raise ValueError(f"{os.path.join(path, fmt.HF_CONFIG)}: {e}") from None
 
 
 # Stateful pieces --------------------------------------------------------------------------
@@ -735,20 +753,27 @@ class CheckpointManager:
         state_dict: dict[str, torch.Tensor] = {}
         error = None
         if self.rank == 0:
+            config_path = os.path.join(path, fmt.HF_CONFIG)
             try:
-                hf_sd, config = fmt.read_hf(path)
+                config = fmt.read_hf_config(path)
                 if config.get("model_type") not in spec.hf.model_types:
                     raise CheckpointError(
-                        f"Hugging Face checkpoint {path} has model_type={config.get('model_type')} but this "
+                        f"Hugging Face checkpoint {path} has model_type={_show(config.get('model_type'))} but this "
                         f"job's model {spec.name} reads {' or '.join(spec.hf.model_types)} (model.name)")
-                args = spec.hf.config_to_args(config)
+                try:
+                    args = spec.hf.read_config(config)  # every value it reads checked first
+                except ValueError as e:
+                    raise CheckpointError(f"{config_path}: {e}") from None
                 self._check_hf_args(args, path)
-                state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
-                with torch.device("meta"):
-                    expected = set(spec.model_cls(self.model_args).state_dict())
-                if expected - set(state_dict):
-                    raise CheckpointError(f"Hugging Face checkpoint {path} lacks {sorted(expected - set(state_dict))[:5]}")
-            except (CheckpointError, KeyError, ValueError) as e:
+                hf_sd, _ = fmt.read_hf(path)
+                try:
+                    state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
+                except Exception as e:
+                    raise CheckpointError(f"Hugging Face checkpoint {path} does not match its {fmt.HF_CONFIG} "
+                                          f"({type(e).__name__}: {e})") from None
+                # Names, shapes, floating point, finite: against the job's model.
+                fmt.check_fits(state_dict, spec, self.model_args, f"Hugging Face checkpoint {path}")
+            except Exception as e:  # any verdict of rank 0 must reach the other ranks, never strand them
                 error = str(e) if isinstance(e, CheckpointError) else f"{path}: {type(e).__name__}: {e}"
         if self.distributed:
             # Share rank 0's verdict first, so no rank waits in a broadcast that never comes.
