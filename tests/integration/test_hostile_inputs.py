@@ -354,3 +354,140 @@ def test_a_verdict_rank_0_reaches_on_a_hf_folder_reaches_every_rank(tmp_path):
     assert "exitcode  : 1" in proc.stderr and "timed out" not in proc.stderr.lower(), proc.stderr[-3000:]
     assert f'File "{REPO}' not in proc.stderr, proc.stderr[-3000:]  # no rank's traceback
     assert time.monotonic() - begin < 120
+
+
+# ------------------------------------------------------------------ 6. hostile JSON inside a checkpoint
+
+
+def _rewrite_entry(step: Path, key: str, edit) -> None:
+    """Rewrite JSON entry `key` of checkpoint `step` as edit(its JSON text) and reseal the checkpoint
+    (an attacker can do both)."""
+    from titanlike.checkpoint import format as fmt
+
+    path = str(step)
+    metadata = fmt.read_dcp_metadata(path)
+    state = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in metadata.state_dict_metadata.items()}
+    fmt.dcp_load(state, path, no_dist=True)
+    text = edit(state[key].numpy().tobytes().decode())
+    state[key] = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    sidecar = fmt.read_sidecar(path)
+    tokenizer = (step / "tokenizer.tiktoken").read_bytes()
+    shutil.rmtree(path)
+    fmt.dcp_save(state, path, no_dist=True)
+    (step / "tokenizer.tiktoken").write_bytes(tokenizer)
+    sidecar.pop("checksums")
+    fmt.write_sidecar(path, sidecar)
+
+
+def _json_edit(change):
+    def edit(text):
+        value = json.loads(text)
+        change(value)
+        return json.dumps(value)
+
+    return edit
+
+
+HOSTILE_ENTRIES = [
+    ("rng.rank_0", lambda t: t.replace('"torch":{"__tensor__":["uint8",[5056]', '"torch":{"__tensor__":["uint8",[1000000000000]'),
+     "entry 'rng.rank_0' is damaged (ValueError: shape [1000000000000] needs 1000000000000 bytes but the entry holds "
+     "5056)"),
+    ("rng.rank_0", _json_edit(lambda v: v.update(python=v["python"] * 1000)),
+     "rng.rank_0.python holds 627000 values, not 627, unlike what this job saves; was it edited? "
+     "--checkpoint.exclude_from_loading rng skips it"),
+    ("lr_scheduler.state", _json_edit(lambda v: v.update(last_epoch="abc")),
+     "lr_scheduler.state.last_epoch is 'abc', not an integer, unlike what this job saves; was it edited? "
+     "--checkpoint.exclude_from_loading lr_scheduler skips it"),
+    ("lr_scheduler.state", _json_edit(lambda v: v.update(base_lrs=[1.0] * 10**6)),
+     "lr_scheduler.state.base_lrs holds 1000000 values, not 1, unlike what this job saves; was it edited? "
+     "--checkpoint.exclude_from_loading lr_scheduler skips it"),
+    ("dataloader.dp_rank_0", _json_edit(lambda v: v["dataset_state"].update(next_microbatch=-5)),
+     "the data position's next_microbatch is -5, not an integer >= 0"),
+    ("dataloader.dp_rank_0", lambda t: t[:40],
+     "entry 'dataloader.dp_rank_0' is damaged (JSONDecodeError: "),
+]
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    """Two steps of the tiny job, a full checkpoint at step 2."""
+    dump = tmp_path_factory.mktemp("llama")
+    assert _main(*JOB, *FULL, "--job.dump_folder", str(dump)) == 0
+    return dump
+
+
+@pytest.mark.parametrize("key, edit, sentence", HOSTILE_ENTRIES, ids=[f"{k}-{i}" for i, (k, _, _) in
+                                                                      enumerate(HOSTILE_ENTRIES)])
+def test_a_hostile_state_entry_is_one_sentence_on_resume(llama_run, tmp_path, capsys, key, edit, sentence):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama_run / "checkpoint", folder)
+    _rewrite_entry(folder / "step-2", key, edit)
+    capsys.readouterr()
+    assert _main(*JOB, *FULL, "--training.steps", "3", "--job.dump_folder", str(tmp_path / "run"),
+                 "--checkpoint.folder", str(folder)) == 1
+    err = capsys.readouterr().err
+    assert _last_line(err).startswith(f"training error: checkpoint {folder}/step-2: {sentence}"), err[-2000:]
+    assert "Traceback" not in err
+
+
+HOSTILE_ARGS = [
+    ("max_seq_len", 1e9, "max_seq_len is 1000000000.0, but it must be an integer from 1 to 2147483647"),
+    ("max_seq_len", -5, "max_seq_len is -5, but it must be an integer from 1 to 2147483647"),
+    ("max_seq_len", "abc", "max_seq_len is 'abc', but it must be an integer from 1 to 2147483647"),
+    ("dim", -256, "dim is -256, but it must be an integer from 1 to 2147483647"),
+    ("n_heads", 0, "n_heads is 0, but it must be an integer from 1 to 2147483647"),
+    ("norm_eps", "nan", "norm_eps is 'nan', but it must be a finite number at least 0"),
+]
+
+
+@pytest.mark.parametrize("key, value, sentence", HOSTILE_ARGS, ids=[f"{k}={v}" for k, v, _ in HOSTILE_ARGS])
+def test_hostile_model_args_in_a_sidecar_are_one_sentence(llama_run, tmp_path, capsys, key, value, sentence):
+    from titanlike.checkpoint import CheckpointError, load_model
+
+    step = tmp_path / "step-2"
+    shutil.copytree(llama_run / "checkpoint" / "step-2", step)
+    info = json.loads((step / "titanlike.json").read_text())
+    info["model"]["args"][key] = value
+    (step / "titanlike.json").write_text(json.dumps(info))
+    expected = f"{step}/titanlike.json: the args do not fit model llama3: the model args: {sentence}"
+    with pytest.raises(CheckpointError) as e:  # what scripts/generate.py loads with
+        load_model(step)
+    assert str(e.value) == expected
+    assert _convert_dcp_to_hf(str(step), str(tmp_path / "hf")) == 1
+    assert _last_line(capsys.readouterr().err) == f"convert_dcp_to_hf: {expected}"
+
+
+def test_a_sidecar_describing_a_model_larger_than_the_machine_is_refused_before_allocating(llama_run, tmp_path):
+    from titanlike.checkpoint import CheckpointError, load_model
+
+    step = tmp_path / "step-2"
+    shutil.copytree(llama_run / "checkpoint" / "step-2", step)
+    info = json.loads((step / "titanlike.json").read_text())
+    info["model"]["args"]["max_seq_len"] = 10**9
+    (step / "titanlike.json").write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match=r"titanlike.json: the model it describes \([\d,]+ parameters, "
+                                              r"1,000,000,000 positions\) needs [\d,.]+ GiB, more than"):
+        load_model(step)
+
+
+# ------------------------------------------------------------------ 8. resume with another batch or sequence
+
+
+@pytest.mark.parametrize("extra, sentence", [
+    ([], "the data position was saved with training.global_batch_size 4 but this run's is 2: the global sample "
+         "stream differs, so the position cannot be carried over; resume with --training.global_batch_size 4, or "
+         "start the data over with --checkpoint.exclude_from_loading dataloader"),
+    (["--training.global_batch_size", "4", "--training.seq_len", "32"],
+     "the data position was saved with training.seq_len 64 but this run's is 32: the global sample stream differs, "
+     "so the position cannot be carried over; resume with --training.seq_len 64, or start the data over with "
+     "--checkpoint.exclude_from_loading dataloader"),
+])
+def test_resuming_with_another_batch_or_sequence_length_is_one_sentence(tmp_path, capsys, extra, sentence):
+    dump = tmp_path / "run"
+    # Saved with a global batch of 4 (as 2 ranks of 2 samples save it); resumed with one of 2.
+    assert _main(*JOB, *FULL, "--training.global_batch_size", "4", "--job.dump_folder", str(dump)) == 0
+    capsys.readouterr()
+    assert _main(*JOB, *FULL, "--training.steps", "3", "--job.dump_folder", str(dump), *extra) == 1
+    err = capsys.readouterr().err
+    assert _last_line(err) == f"training error: checkpoint {dump}/checkpoint/step-2: {sentence}", err[-2000:]
+    assert "Traceback" not in err

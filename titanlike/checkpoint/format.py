@@ -384,22 +384,41 @@ def _to_json(value: Any, key: str) -> Any:
                           "store without pickle (JSON types, tuples, bytes, tensors and numeric arrays only)")
 
 
+def _shape(shape: Any, raw: bytes, itemsize: int) -> list[int]:
+    """A tagged tensor's or array's shape, checked against its bytes before anything is allocated:
+    a crafted entry cannot ask for a terabyte with a short string."""
+    if not (isinstance(shape, list) and len(shape) <= 16
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+        raise ValueError(f"shape {shape!r:.60} is not a list of sizes")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * itemsize != len(raw):
+        raise ValueError(f"shape {shape} needs {numel * itemsize} bytes but the entry holds {len(raw)}")
+    return shape
+
+
 def _from_json_object(obj: dict) -> Any:
     if len(obj) != 1:
         return obj
     (tag, body), = obj.items()
     if tag == "__tuple__":
+        if not isinstance(body, list):
+            raise ValueError("a tagged tuple is not a list")
         return tuple(body)
     if tag == "__dict__":
+        if not (isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body)):
+            raise ValueError("a tagged dict is not a list of pairs")
         return {(tuple(k) if isinstance(k, list) else k): v for k, v in body}
     if tag == "__bytes__":
-        return base64.b64decode(body)
+        return base64.b64decode(body, validate=True)
     if tag == "__tensor__":
         name, shape, data = body
         dtype = vars(torch).get(name) if isinstance(name, str) else None
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown tensor dtype {name!r}")
-        raw = base64.b64decode(data)
+            raise ValueError(f"unknown tensor dtype {name!r:.60}")
+        raw = base64.b64decode(data, validate=True)
+        shape = _shape(shape, raw, torch.empty(0, dtype=dtype).element_size())
         if not raw:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
@@ -407,8 +426,9 @@ def _from_json_object(obj: dict) -> Any:
         dtype_str, shape, data = body
         dtype = np.dtype(dtype_str)
         if dtype.kind not in "biuf":
-            raise ValueError(f"array dtype {dtype_str!r} is not numeric")
-        return np.frombuffer(base64.b64decode(data), dtype=dtype).reshape(shape).copy()
+            raise ValueError(f"array dtype {dtype_str!r:.60} is not numeric")
+        raw = base64.b64decode(data, validate=True)
+        return np.frombuffer(raw, dtype=dtype).reshape(_shape(shape, raw, dtype.itemsize)).copy()
     return obj
 
 
@@ -424,7 +444,7 @@ def decode_json(tensor: torch.Tensor, key: str, path: str) -> Any:
         if tensor.dtype != torch.uint8 or tensor.dim() != 1:
             raise ValueError(f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}, not UTF-8 JSON bytes")
         return json.loads(tensor.numpy().tobytes().decode(), object_hook=_from_json_object)
-    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except Exception as e:  # JSONDecodeError, UnicodeDecodeError, a tag's body of the wrong kind, ...
         raise CheckpointError(f"checkpoint {path}: entry {key!r} is damaged ({type(e).__name__}: {e})") from None
 
 

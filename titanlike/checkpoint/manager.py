@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -327,6 +328,73 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
 
 
+# The JSON states whose loaded value must have the structure of this job's own (same keys, list
+# lengths, value types; tensors of the same dtype and shape), so that a crafted entry cannot hand a
+# component an absurd value. Lists that may legitimately differ in length: the CUDA generators of
+# another machine, a ramp-up; a dataset's own position state may have other keys.
+_SAME_SHAPE = (LR_SCHEDULER, LOSS_SCALER, DATALOADER, RNG)
+_FREE_LENGTH = {"cuda", "rampup"}
+_FREE_KEYS = {"samples"}
+
+
+def _unlike(mine: Any, theirs: Any, where: str) -> str | None:
+    """Where and how `theirs` (a decoded checkpoint entry) differs in structure from `mine` (this
+    job's own state, JSON entries as Json), or None."""
+    if isinstance(mine, Json):
+        mine = mine.value
+    shown = repr(theirs)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    if isinstance(mine, dict):
+        if not isinstance(theirs, dict):
+            return f"{where} is {shown}, not an object"
+        last = where.rpartition(".")[2]
+        if last not in _FREE_KEYS and set(mine) != set(theirs):
+            odd = sorted(map(str, set(mine) ^ set(theirs)))
+            return f"{where} has other keys ({', '.join(odd[:3])})"
+        for key in mine:
+            if key in theirs and (problem := _unlike(mine[key], theirs[key], f"{where}.{key}")) is not None:
+                return problem
+        return None
+    if isinstance(mine, (list, tuple)):
+        if not isinstance(theirs, (list, tuple)):
+            return f"{where} is {shown}, not a list"
+        free = where.rpartition(".")[2] in _FREE_LENGTH
+        if (free and len(theirs) > 1024) or (not free and len(theirs) != len(mine)):
+            return f"{where} holds {len(theirs)} values, not {len(mine)}"
+        for i, value in enumerate(theirs):
+            like = mine[min(i, len(mine) - 1)] if mine else None
+            if like is None and free:
+                if not (isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() < 2**20)):
+                    return f"{where}[{i}] is {type(value).__name__}"
+                continue
+            if (problem := _unlike(like, value, f"{where}[{i}]")) is not None:
+                return problem
+        return None
+    if isinstance(mine, torch.Tensor):
+        if not (isinstance(theirs, torch.Tensor) and theirs.dtype == mine.dtype and theirs.shape == mine.shape):
+            return f"{where} is {shown}, not a {mine.dtype} tensor of shape {tuple(mine.shape)}"
+        return None
+    if isinstance(mine, np.ndarray):
+        if not (isinstance(theirs, np.ndarray) and theirs.dtype == mine.dtype and theirs.shape == mine.shape):
+            return f"{where} is {shown}, not a {mine.dtype} array of shape {mine.shape}"
+        return None
+    if isinstance(mine, bool):
+        return None if isinstance(theirs, bool) else f"{where} is {shown}, not true or false"
+    if mine is None:  # unset here (Python's cached gaussian, ...): a plain value at most
+        ok = theirs is None or (isinstance(theirs, (int, float, str)) and len(repr(theirs)) <= 100)
+        return None if ok else f"{where} is {shown}, not a plain value"
+    if isinstance(mine, int):
+        ok = isinstance(theirs, int) and not isinstance(theirs, bool) and abs(theirs) < 2**64
+        return None if ok else f"{where} is {shown}, not an integer"
+    if isinstance(mine, float):
+        ok = isinstance(theirs, (int, float)) and not isinstance(theirs, bool) and (
+            math.isfinite(theirs) or not math.isfinite(mine))
+        return None if ok else f"{where} is {shown}, not a finite number"
+    if isinstance(mine, str):
+        return None if isinstance(theirs, str) and len(theirs) <= 10_000 else f"{where} is {shown}, not a string"
+    return None
+
+
 # The manager ------------------------------------------------------------------------------
 
 
@@ -542,8 +610,23 @@ class CheckpointManager:
         template = {name: self.states[name].state_dict() for name in names}
         loaded = self._load_entries(template, metadata, path, what=f"loading checkpoint {path}")
         for name in names:
-            self.states[name].load_state_dict(loaded[name])
+            if name in _SAME_SHAPE:  # small JSON states: the checkpoint's must look like this job's
+                problem = _unlike(template[name], loaded[name], name)
+                if problem is not None:
+                    raise CheckpointError(f"checkpoint {path}: {problem}, unlike what this job saves; was it "
+                                          f"edited? --checkpoint.exclude_from_loading {name} skips it")
+            try:
+                self.states[name].load_state_dict(loaded[name])
+            except ValueError as e:  # the loader's sentence (another batch or sequence length, ...)
+                raise CheckpointError(f"checkpoint {path}: {e}") from None
+            except Exception as e:  # whatever a crafted value makes the component raise
+                raise CheckpointError(f"checkpoint {path}: its {name} state cannot be restored ({type(e).__name__}: "
+                                      f"{e}); --checkpoint.exclude_from_loading {name} skips it") from None
         self.step = self.train_state.step if TRAIN_STATE in names else 0
+        published = fmt.STEP_RE.fullmatch(os.path.basename(path))
+        if TRAIN_STATE in names and not (0 <= self.step < 2**62 and (published is None
+                                                                     or int(published.group(1)) == self.step)):
+            raise CheckpointError(f"checkpoint {path} records step {self.step}, not the step of its folder")
         if self.rank == 0:
             skipped = f" (not loaded: {', '.join(self.cfg.exclude_from_loading)})" if self.cfg.exclude_from_loading else ""
             logger.info(f"checkpoint: resumed from {path} in {time.monotonic() - begin:.2f} s{skipped}")
