@@ -491,3 +491,33 @@ def test_resuming_with_another_batch_or_sequence_length_is_one_sentence(tmp_path
     err = capsys.readouterr().err
     assert _last_line(err) == f"training error: checkpoint {dump}/checkpoint/step-2: {sentence}", err[-2000:]
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ 7. token ids past the vocabulary
+
+
+def test_megatron_token_ids_past_the_vocabulary_are_one_sentence_before_training(tmp_path, capsys):
+    import numpy as np
+
+    from titanlike.data.indexed import write_indexed_dataset
+
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, 2000, 300).tolist() for _ in range(20)]
+    documents[7][13] = 5000  # the debug tokenizer has 2048 ids
+    prefix = tmp_path / "data" / "corpus"
+    prefix.parent.mkdir()
+    write_indexed_dataset(str(prefix), documents, np.int32)
+    assert _main(*JOB, "--training.dataset", "megatron", "--training.dataset_path", str(prefix),
+                 "--job.dump_folder", str(tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert _last_line(err) == (
+        f"data error: {prefix}.bin: token id 5000 in document 7 (sequence 7, token 13) is outside this job's "
+        "vocabulary of 2048 ids; was it tokenized with another tokenizer (scripts/preprocess_data.py --tokenizer)?")
+    assert "Traceback" not in err
+    # Within the vocabulary it trains.
+    documents[7][13] = 2047
+    shutil.rmtree(prefix.parent)
+    prefix.parent.mkdir()
+    write_indexed_dataset(str(prefix), documents, np.int32)
+    assert _main(*JOB, "--training.dataset", "megatron", "--training.dataset_path", str(prefix),
+                 "--job.dump_folder", str(tmp_path / "again")) == 0

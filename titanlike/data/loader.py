@@ -158,9 +158,12 @@ register_dataset_kind("text", _text_source, shuffle=True)
 def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
     # Megatron's GPT dataset shuffles documents and samples itself, epoch by epoch, for as
     # many epochs as num_samples needs; the loader must not reshuffle on top.
-    from titanlike.data.blend import build_megatron_dataset
+    from titanlike.data.blend import build_megatron_dataset, parse_blend
     from titanlike.data.gpt_dataset import DEFAULT_SPLIT
+    from titanlike.data.indexed import check_token_ids
 
+    for prefix in dict.fromkeys(parse_blend(dataset_path)[0]):  # every rank: all stop alike
+        check_token_ids(prefix, tokenizer.vocab_size)
     return build_megatron_dataset(dataset_path, seq_len=seq_len, num_samples=num_samples, seed=seed,
                                   split=split or DEFAULT_SPLIT, split_name=split_name)
 
