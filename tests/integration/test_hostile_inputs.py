@@ -75,12 +75,18 @@ def test_a_folder_another_job_writes_is_refused_whatever_path_leads_there(tmp_pa
 
 
 def test_an_output_folder_that_cannot_be_created_is_one_sentence(tmp_path):
-    from titanlike.train.trainer import TrainingError
+    from titanlike.config import ConfigError
+    from titanlike.observe.run_lock import FolderRefused, lock_folders
 
     (tmp_path / "file").write_text("not a folder")
-    with pytest.raises(TrainingError, match=rf"^job.dump_folder {tmp_path}/file/run cannot be created or used as a "
-                                            r"folder \(Not a directory\)$"):
+    # Refused while planning (before any process group) ...
+    with pytest.raises(ConfigError, match=rf"^job.dump_folder {tmp_path}/file/run cannot be created: "
+                                          rf"{tmp_path}/file is a file$"):
         _trainer(tmp_path / "file" / "run")
+    # ... and by the lock for what only creating the folder tells.
+    with pytest.raises(FolderRefused, match=rf"^checkpoint.folder {tmp_path}/file/run cannot be created or used as "
+                                            r"a folder \(Not a directory\)$"):
+        lock_folders([("checkpoint.folder", str(tmp_path / "file" / "run"))])
 
 
 # ------------------------------------------------------------------ 2. a checkpoint of another family
@@ -389,7 +395,8 @@ def _json_edit(change):
 
 
 HOSTILE_ENTRIES = [
-    ("rng.rank_0", lambda t: t.replace('"torch":{"__tensor__":["uint8",[5056]', '"torch":{"__tensor__":["uint8",[1000000000000]'),
+    ("rng.rank_0", lambda t: t.replace('"torch":{"__tensor__":["uint8",[5056]',
+                                       '"torch":{"__tensor__":["uint8",[1000000000000]'),
      "entry 'rng.rank_0' is damaged (ValueError: shape [1000000000000] needs 1000000000000 bytes but the entry holds "
      "5056)"),
     ("rng.rank_0", _json_edit(lambda v: v.update(python=v["python"] * 1000)),
@@ -521,3 +528,55 @@ def test_megatron_token_ids_past_the_vocabulary_are_one_sentence_before_training
     write_indexed_dataset(str(prefix), documents, np.int32)
     assert _main(*JOB, "--training.dataset", "megatron", "--training.dataset_path", str(prefix),
                  "--job.dump_folder", str(tmp_path / "again")) == 0
+
+
+# ------------------------------------------------------------------ 9. one sentence where one is promised
+# (tests/unit/test_config_sweep.py sweeps every field of the schema with hostile values)
+
+
+def _toml(tmp_path: Path, content: bytes) -> str:
+    path = tmp_path / "job.toml"
+    path.write_bytes(content)
+    return str(path)
+
+
+CONFIG_CASES = [
+    (lambda tmp: ["--job.config_file", _toml(tmp, b"\xff\xfe[job]\n")],
+     lambda tmp: f"config file {tmp}/job.toml is not UTF-8 text, so it is not TOML (byte 0: b'\\xff')"),
+    (lambda tmp: ["--job.config_file", str(tmp)], lambda tmp: f"config file {tmp} is a folder, not a TOML file"),
+    (lambda tmp: ["--job.config_file", "/dev/zero"], lambda tmp: "config file /dev/zero is not a regular file"),
+    (lambda tmp: ["--debug.seed", "-1"], lambda tmp: "debug.seed must be 0 or more, got -1"),
+    (lambda tmp: ["--job.config_file", _toml(tmp, b"[debug]\nseed = 1e20\n")],
+     lambda tmp: "debug.seed must be an integer from -9007199254740992 to 9007199254740992 (2^53), got 1e+20"),
+    (lambda tmp: ["--training.steps", str(2**63 - 1)],
+     lambda tmp: "training.steps must be an integer from -9007199254740992 to 9007199254740992 (2^53), got "
+                 "'9223372036854775807'"),
+    (lambda tmp: ["--job.dump_folder", str(tmp / ("x" * 300))],
+     lambda tmp: f"job.dump_folder {tmp / ('x' * 300)} has a name longer than 255 bytes ({'x' * 24}...), which no "
+                 "file system holds"),
+    (lambda tmp: ["--job.dump_folder", _toml(tmp, b"")],
+     lambda tmp: f"job.dump_folder {tmp}/job.toml exists and is not a folder"),
+    (lambda tmp: ["--job.dump_folder", "/proc/outputs"],
+     lambda tmp: "job.dump_folder /proc/outputs lies on /proc, which holds no files"),
+    (lambda tmp: ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--moe.capacity_factor", "inf"],
+     lambda tmp: "moe.capacity_factor must be a finite number, got 'inf'"),
+    (lambda tmp: ["--optimizer.lr", "inf"], lambda tmp: "optimizer.lr must be a finite number, got 'inf'"),
+    (lambda tmp: ["--model.tokenizer_path", "/proc/self/mem"],
+     lambda tmp: "model.tokenizer_path /proc/self/mem cannot be read (Input/output error)"),
+]
+
+
+@pytest.mark.parametrize("args, sentence", CONFIG_CASES, ids=[str(i) for i in range(len(CONFIG_CASES))])
+def test_a_bad_value_is_a_config_error_not_a_traceback(tmp_path, capsys, args, sentence):
+    argv = [*JOB, "--job.dump_folder", str(tmp_path / "run"), *args(tmp_path)]
+    assert _main(*argv) == 2
+    err = capsys.readouterr().err
+    assert _last_line(err) == f"config error: {sentence(tmp_path)}", err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_the_eta_of_an_absurdly_long_run_is_printed():
+    from titanlike.observe.metrics import format_eta
+
+    assert format_eta(2.0**53 * 0.5) == "over 100 years"
+    assert format_eta(3723) == "1:02:03"

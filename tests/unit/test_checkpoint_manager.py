@@ -428,7 +428,8 @@ def test_sidecar_records_the_args_with_the_flavors_context(tmp_path):
     job = run(tmp_path, 3, steps=3)
     info = json.load(open(os.path.join(job.folder(), "step-3", "titanlike.json")))
     context = llama3_flavors["debugmodel_tiny"].context_len
-    assert info["model"] == {"name": "llama3", "flavor": "debugmodel_tiny", "args": ARGS.with_context_len(context).to_dict()}
+    assert info["model"] == {"name": "llama3", "flavor": "debugmodel_tiny",
+                             "args": ARGS.with_context_len(context).to_dict()}
     spec, args = ckpt_format.build_args(info["model"])
     assert spec.name == "llama3" and args == ARGS.with_context_len(context)
     with pytest.raises(CheckpointError, match=r"^here: the args do not fit model llama3: .*n_experts"):

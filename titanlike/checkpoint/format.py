@@ -668,7 +668,8 @@ def missing_checksums(path: str, metadata: Metadata) -> str | None:
     says it was written with them (the sidecar was deleted or emptied), None for an older one."""
     if not records_checksums(metadata):
         return None
-    what = f"has no {SIDECAR}" if not os.path.isfile(os.path.join(path, SIDECAR)) else f"has a {SIDECAR} without checksums"
+    missing = not os.path.isfile(os.path.join(path, SIDECAR))
+    what = f"has no {SIDECAR}" if missing else f"has a {SIDECAR} without checksums"
     return (f"checkpoint {path} {what}, but its index says titanlike checkpoint format "
             f"{FORMAT_VERSION} wrote it, which records every file's checksum there: its files cannot be verified")
 

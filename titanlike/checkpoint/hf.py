@@ -33,7 +33,6 @@ from titanlike.checkpoint.format import (
     read_sidecar,
     resolve_checkpoint_folder,
     summarize,
-    tied_aliases,
     write_hf,
     write_sidecar,
 )

@@ -91,9 +91,15 @@ def add_expert_histogram(writer, tag: str, counts: list[float], step: int) -> No
         bucket_limits=[e + 0.5 for e in ids], bucket_counts=list(counts), global_step=step)
 
 
+_CENTURY_S = 100 * 365 * 86400
+
+
 def format_eta(seconds: float) -> str:
-    """'1:02:03' (h:mm:ss), with days when longer: '2 days, 3:04:05'."""
-    return str(timedelta(seconds=round(seconds))) if math.isfinite(seconds) else "?"
+    """'1:02:03' (h:mm:ss), with days when longer: '2 days, 3:04:05'; beyond timedelta's range (a
+    training.steps of 2^53) 'over 100 years'."""
+    if not math.isfinite(seconds):
+        return "?"
+    return str(timedelta(seconds=round(seconds))) if seconds < _CENTURY_S else "over 100 years"
 
 
 class MetricsLogger:

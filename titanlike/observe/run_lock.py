@@ -64,6 +64,40 @@ def output_folders(cfg) -> list[tuple[str, str]]:
     return out
 
 
+def check_output_folders(cfg) -> None:
+    """Before any process group: ValueError (one sentence naming the option) for an output folder no
+    job could write, without creating anything: a path too long for the file system, one under an
+    existing file, on /proc or /sys, or under a folder this user cannot write. What only creating it
+    can tell is refused when the job locks it (lock_folders), in one sentence too."""
+    for option, folder in output_folders(cfg):
+        problem = _folder_problem(folder)
+        if problem is not None:
+            raise ValueError(f"{option} {folder} {problem}")
+
+
+def _folder_problem(folder: str) -> str | None:
+    if not folder:
+        return "is empty; name a folder"
+    path = os.path.abspath(folder)
+    if len(os.fsencode(path)) > 4095:
+        return f"is too long ({len(os.fsencode(path))} bytes; a path holds at most 4095)"
+    long = next((part for part in path.split(os.sep) if len(os.fsencode(part)) > 255), None)
+    if long is not None:
+        return f"has a name longer than 255 bytes ({long[:24]}...), which no file system holds"
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return "exists and is not a folder" if existing == path else f"cannot be created: {existing} is a file"
+    device = os.stat(existing).st_dev
+    for pseudo in ("/proc", "/sys"):
+        if os.path.isdir(pseudo) and os.stat(pseudo).st_dev == device:
+            return f"lies on {pseudo}, which holds no files"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+    return None
+
+
 def lock_folders(folders: list[tuple[str, str]], *, description: str = "") -> list[FolderLock]:
     """Lock each (option, folder), creating it, each folder once however many options name it;
     FolderRefused (nothing left locked) when one cannot be created or another job holds it."""

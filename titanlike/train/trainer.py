@@ -305,7 +305,8 @@ class Trainer:
             refused = torch.tensor([int(error is not None)], dtype=torch.int32)  # CPU: gloo
             dist.all_reduce(refused, op=dist.ReduceOp.MAX)
             if refused.item() and error is None:
-                error = "another titanlike job holds this job's output folder, or it cannot be created (rank 0 names it)"
+                error = ("another titanlike job holds this job's output folder, or it cannot be created (rank 0 "
+                         "names it)")
         if error is not None:
             raise TrainingError(error)
         return locks
