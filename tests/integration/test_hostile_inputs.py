@@ -580,3 +580,86 @@ def test_the_eta_of_an_absurdly_long_run_is_printed():
 
     assert format_eta(2.0**53 * 0.5) == "over 100 years"
     assert format_eta(3723) == "1:02:03"
+
+
+# ------------------------------------------------------------------ 10. signals outside the loop, a full disk at start
+
+
+def _handles(pid: int, sig: int) -> bool:
+    """Whether process pid has a handler of its own for sig (its /proc status's caught-signal mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_in_the_first_seconds_of_setup_exits_0_saying_so(tmp_path, sig):
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *JOB, "--job.dump_folder", str(tmp_path)],
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _handles(proc.pid, sig) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(sig)  # while torch is still being imported, long before the first step
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    name = signal.Signals(sig).name
+    assert (f"received {name} during setup, before training started: nothing to save; exiting" in err
+            or f"received {name} before the first step" in err), err[-3000:]
+    assert "step:" not in err  # no step ran
+
+
+def test_a_stop_signal_after_the_final_summary_exits_0_saying_so(tmp_path):
+    # As train.py runs main, then a SIGTERM once it has returned (while the interpreter shuts down).
+    script = ("import os, signal, sys, time, train\n"
+              f"rc = train.main({[*JOB, '--job.dump_folder', str(tmp_path)]!r}, process=True)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(0.5)\n"
+              "sys.exit(rc)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "run summary" in proc.stderr
+    assert _last_line(proc.stderr).endswith("received SIGTERM after the run ended: nothing left to save; exiting as "
+                                            "planned")
+
+
+def test_a_full_disk_at_start_is_one_sentence_and_mid_run_only_stops_the_metrics(tmp_path, capsys, caplog,
+                                                                                    monkeypatch):
+    import errno
+
+    import torch.utils.tensorboard as tensorboard
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(tensorboard, "SummaryWriter", full)
+        assert _main(*JOB, "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path / "run")) == 1
+    assert _last_line(capsys.readouterr().err) == (
+        f"training error: no space left on device to write the metrics (TensorBoard, metrics.jsonl) in "
+        f"job.dump_folder {tmp_path / 'run'}; nothing was trained or saved: free some space and relaunch (the "
+        "checkpoints already saved are kept)")
+
+    class FullFile:
+        def write(self, text):
+            full()
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    trainer = _trainer(tmp_path / "mid")
+    trainer.metrics._jsonl = FullFile()  # the disk fills up during the run
+    try:
+        with caplog.at_level("WARNING", logger="titanlike"):
+            losses = trainer.train()
+    finally:
+        trainer.close()
+    assert len(losses) == 2  # both steps trained
+    assert "metrics: writing the metrics.jsonl failed (No space left on device); they stop here, training goes on" \
+        in caplog.text

@@ -34,6 +34,10 @@ class Job:
     print_config: bool = opt(False, "print the resolved configuration at start")
     save_config_file: str | None = opt(
         None, "write the resolved configuration as JSON to this file, relative to job.dump_folder (rank 0)")
+    validate_only: bool = opt(
+        False, "plan the job (every check made before any process group: values, layout, model, data paths, "
+               "checkpoint, memory) for WORLD_SIZE ranks and exit: 0 when it can run, 2 with the one-sentence "
+               "error; the launchers run it once before starting torchrun")
 
 
 @dataclass
