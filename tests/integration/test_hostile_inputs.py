@@ -663,3 +663,35 @@ def test_a_full_disk_at_start_is_one_sentence_and_mid_run_only_stops_the_metrics
     assert len(losses) == 2  # both steps trained
     assert "metrics: writing the metrics.jsonl failed (No space left on device); they stop here, training goes on" \
         in caplog.text
+
+
+# ------------------------------------------------------------------ 11. the launchers validate before torchrun
+
+
+def _launcher(script: str, env: dict, *args: str):
+    return subprocess.run(["bash", str(REPO / "scripts" / script), *args], cwd=REPO, env={**_env(), **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("script, env", [
+    ("multinode_train.sh", {"NNODES": "1", "NPROC_PER_NODE": "2"}),
+    ("slurm_train.sbatch", {"SLURM_NNODES": "2", "NPROC_PER_NODE": "1"}),
+])
+def test_a_launcher_refuses_a_bad_config_once_without_starting_a_rank(tmp_path, script, env):
+    # A rule of the config alone, and one of the layout: validated for the launcher's 2 ranks.
+    for args, sentence in (
+            (["--training.steps", "0"], "config error: training.steps must be at least 1, got 0"),
+            (["--parallelism.tensor_parallel_degree", "3"],
+             "config error: the world size 2 is not divisible by replicate 1 x cp 1 x tp 3 x pp 1 = 3, so "
+             "data_parallel_shard_degree=-1 has no value")):
+        proc = _launcher(script, env, *JOB, "--job.dump_folder", str(tmp_path / "run"), *args)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert [line for line in proc.stderr.splitlines() if line.strip()] == [sentence], proc.stderr[-3000:]
+        assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_validate_only_plans_the_job_and_exits(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="titanlike"):
+        assert _main(*JOB, "--job.dump_folder", str(tmp_path / "run"), "--job.validate_only") == 0
+    assert "config: valid for 1 rank(s): llama3 debugmodel" in caplog.text
+    assert not (tmp_path / "run").exists()
