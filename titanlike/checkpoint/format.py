@@ -656,8 +656,10 @@ def uncovered_files(metadata: Metadata, crcs: dict[str, str]) -> list[str]:
 def records_checksums(metadata: Metadata) -> bool:
     """Whether the index says a writer that records checksums wrote it: format 2 marks its index
     (INDEX_MARK) and stores train_state.format_version as a tensor (format 1 pickled it)."""
-    meta = getattr(metadata, "storage_meta", None)
-    modules = getattr(meta, "modules", None) or []
+    try:
+        modules = metadata.storage_meta.modules or []
+    except AttributeError:  # no storage_meta (None), or one pickled before DCP had modules
+        modules = []
     if any(isinstance(m, str) and m.startswith("titanlike checkpoint format ") for m in modules):
         return True
     return isinstance(metadata.state_dict_metadata.get("train_state.format_version"), TensorStorageMetadata)
@@ -741,11 +743,14 @@ def check_dcp_files(path: str, metadata: Metadata) -> None:
     """
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
+        try:
+            rel, offset, length = info.relative_path, info.offset, info.length
+        except AttributeError:  # an allowed class of another kind where DCP puts a _StorageInfo
+            raise CheckpointError(f"checkpoint index {os.path.join(path, DCP_METADATA)} is damaged: a data "
+                                  f"location is a {type(info).__name__}") from None
         if not plain_file(rel) or os.path.islink(os.path.join(path, rel)):
             raise CheckpointError(f"checkpoint index {os.path.join(path, DCP_METADATA)} names data file {rel!r:.200}, "
                                   "which is not a plain file of the checkpoint (a path or a link leading out of it)")
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
             raise CheckpointError(f"checkpoint index {os.path.join(path, DCP_METADATA)} is damaged: {rel} has "
                                   f"offset {offset!r:.50} and length {length!r:.50}")
