@@ -908,8 +908,8 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 verdict = resume_verdict(self.folder, c.load_step, self.total_steps)
-            except CheckpointError:
-                verdict = None  # a damaged checkpoint: load() reports it, on every rank
+            except Exception:  # a damaged or crafted checkpoint: load() reports it, on every rank
+                verdict = None
         if self.distributed:
             box = [verdict]
             dist.broadcast_object_list(box, src=0, group=self.process_group)
@@ -1075,8 +1075,9 @@ class CheckpointManager:
                 if prepare is not None:
                     prepare()
                 self._publish(step, contents, time.monotonic() - begin)
-            except (CheckpointError, OSError) as e:
-                error = str(self._save_failed(step, e, f"publishing checkpoint {self._tmp(step)} failed: {e}"))
+            except Exception as e:  # whatever rank 0 meets, the other ranks must hear it, not wait
+                detail = str(e) if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: {e}"
+                error = str(self._save_failed(step, e, f"publishing checkpoint {self._tmp(step)} failed: {detail}"))
         if self.distributed:
             verdict = [error]
             dist.broadcast_object_list(verdict, src=0, group=self._pg)
