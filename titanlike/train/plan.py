@@ -144,7 +144,8 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     cuda = torch.cuda.is_available()
     validate_values(cfg)
-    check_output_folders(cfg)
+    if vocab_size is None:  # the job itself (the estimator's layouts write nothing)
+        check_output_folders(cfg)
     dims = ParallelDims.from_config(p, world_size)
     validate_converters(m.converters, cfg.float8, tp=dims.tp)
     validate_attention_backend(m.attention_backend, cuda=cuda)
