@@ -37,6 +37,9 @@ if [[ "${TITANLIKE_VALIDATED:-0}" != 1 ]]; then
     WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) LOCAL_WORLD_SIZE=$NPROC_PER_NODE RANK=0 \
         python3 train.py "$@" --job.validate_only
 fi
+for arg in "$@"; do  # the caller asked for validation only
+    case $arg in --job.validate_only | --job.validate_only=true | --job.validate_only=True) exit 0 ;; esac
+done
 # Stopping early (titanlike/train/faults.py): on SIGTERM or SIGUSR1 every rank finishes its step,
 # saves a full checkpoint and exits 0; relaunching the same command resumes from it.
 # - SIGTERM sent to torchrun (Kubernetes, scancel) is forwarded by torchrun to the ranks, which it

@@ -695,5 +695,5 @@ def test_a_launcher_refuses_a_bad_config_once_without_starting_a_rank(tmp_path, 
 def test_validate_only_plans_the_job_and_exits(tmp_path, caplog):
     with caplog.at_level("INFO", logger="titanlike"):
         assert _main(*JOB, "--job.dump_folder", str(tmp_path / "run"), "--job.validate_only") == 0
-    assert "config: valid for 1 rank(s): llama3 debugmodel" in caplog.text
+    assert "job.validate_only: llama3 debugmodel on world size 1 is valid" in caplog.text
     assert not (tmp_path / "run").exists()

@@ -418,8 +418,12 @@ def _not_here(option: _Option, value: Any, notes: dict[str, str]) -> None:
     if entry.value is None:
         ok = value is None or (isinstance(value, str) and value.lower() in ("", "none"))
     else:
-        value = _convert(option.name, value, option.tp, None)
-        ok = value == entry.value
+        try:
+            value = _convert(option.name, value, option.tp, None)
+        except ConfigError:  # a value of another shape (a list of lists): not what titanlike does either
+            ok = False
+        else:
+            ok = value == entry.value
     if ok:
         if option.renamed:
             notes[name] = _deprecated(option)

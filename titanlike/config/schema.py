@@ -35,9 +35,8 @@ class Job:
     save_config_file: str | None = opt(
         None, "write the resolved configuration as JSON to this file, relative to job.dump_folder (rank 0)")
     validate_only: bool = opt(
-        False, "plan the job (every check made before any process group: values, layout, model, data paths, "
-               "checkpoint, memory) for WORLD_SIZE ranks and exit: 0 when it can run, 2 with the one-sentence "
-               "error; the launchers run it once before starting torchrun")
+        False, "check the configuration, plan the job for WORLD_SIZE ranks and check its memory, then exit 0 "
+        "without training (launchers run it once before starting torchrun)")
 
 
 @dataclass

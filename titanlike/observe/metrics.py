@@ -23,7 +23,7 @@ import math
 import os
 import resource
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import torch
 
@@ -100,6 +100,18 @@ def format_eta(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
     return str(timedelta(seconds=round(seconds))) if seconds < _CENTURY_S else "over 100 years"
+
+
+def tensorboard_run_folder(base: str, now: datetime | None = None) -> str:
+    """Where one launch writes its TensorBoard events: torchtitan's ``<save_tb_folder>/<YYYYmmdd-HHMM>``,
+    so that ``tensorboard --logdir <dump_folder>/<save_tb_folder>`` shows each launch (a resumed run too)
+    as a run of its own. A launch in the same minute as an earlier one gets the seconds too (``-HHMMSS``)
+    rather than mixing its events into that folder."""
+    now = now or datetime.now()
+    folder = os.path.join(base, now.strftime("%Y%m%d-%H%M"))
+    if os.path.exists(folder):
+        folder = os.path.join(base, now.strftime("%Y%m%d-%H%M%S"))
+    return folder
 
 
 class MetricsLogger:

@@ -35,7 +35,7 @@ from titanlike.data import build_dataloader
 from titanlike.models.common.attention import describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
 from titanlike.observe.memory import MemorySnapshot, tensor_footprint
-from titanlike.observe.metrics import MetricsLogger
+from titanlike.observe.metrics import MetricsLogger, tensorboard_run_folder
 from titanlike.observe.profiler import Profiler
 from titanlike.observe.run_lock import FolderLock, FolderRefused, lock_folders, output_folders
 from titanlike.observe.stragglers import StragglerDetector, format_stragglers
@@ -293,13 +293,16 @@ class Trainer:
 
             wandb_run = start_wandb(mode=m.wandb_mode, folder=dump, config=config_to_dict(cfg))
         self.wandb_folder = os.path.dirname(wandb_run.dir) if wandb_run is not None else None  # the run's own
+        # torchtitan's layout: <dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMM>, one run per launch (rank 0 writes).
+        self.tb_folder = (tensorboard_run_folder(os.path.join(dump, m.save_tb_folder))
+                          if m.enable_tensorboard and self.rank == 0 else None)
         error = None
         try:  # rank 0 opens the files; a full disk refuses the job here, on every rank, before training
             self.metrics = MetricsLogger(
                 device=self.device, flops_per_token=self.model_args.flops_per_token(t.seq_len),
                 tokens_per_step_per_device=self.batches.global_batch_size * t.seq_len / self.dims.world_size,
                 log_freq=m.log_freq, is_writer=self.rank == 0,
-                tb_folder=os.path.join(dump, m.save_tb_folder) if m.enable_tensorboard else None,
+                tb_folder=self.tb_folder,
                 jsonl_path=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
                 total_steps=t.steps, wandb_run=wandb_run)
         except OSError as e:
@@ -567,6 +570,7 @@ class Trainer:
             validations=self.metrics.validations, skipped_steps=self.skipped_steps,
             checkpoints=self.checkpointer.folder if self.checkpointer.enabled else None,
             tensorboard=os.path.join(dump, m.save_tb_folder) if m.enable_tensorboard else None,
+            tensorboard_run=self.tb_folder,
             metrics_jsonl=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
             profile_traces=os.path.join(dump, p.save_traces_folder) if profiler.traces else None,
             memory_snapshots=os.path.join(dump, p.save_memory_snapshot_folder) if snapshots.written else None,
@@ -604,11 +608,17 @@ class Trainer:
             self.metrics.close()
             if self.summary is not None and self.rank == 0:
                 # After the checkpointer's close: an asynchronous last save is published by now.
-                from titanlike.checkpoint.format import published_steps
+                from titanlike.checkpoint.format import CheckpointError, published_steps, read_sidecar
 
                 if self.summary.checkpoints:
                     steps = published_steps(self.summary.checkpoints)
-                    self.summary.latest_checkpoint = os.path.basename(self.checkpointer.path(steps[-1])) if steps else None
+                    if steps:
+                        latest = self.checkpointer.path(steps[-1])
+                        self.summary.latest_checkpoint = os.path.basename(latest)
+                        try:
+                            self.summary.latest_contents = (read_sidecar(latest) or {}).get("contents")
+                        except CheckpointError:
+                            pass  # the summary then names the step alone; a load says what is wrong
                 logger.info("\n".join(self.summary.lines()))
             # After a collective timed out or lost its peer the other ranks may be gone or hung: a
             # barrier or destroy_process_group would wait on them, so the process exit frees the group.
