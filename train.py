@@ -19,4 +19,4 @@ from titanlike.cli.train import check_memory, main  # noqa: E402
 __all__ = ["check_memory", "main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(process=True))

@@ -19,13 +19,18 @@ import os
 import sys
 
 
-def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
-    from titanlike.config import ConfigError, HelpRequested, load_job_config
-    from titanlike.train.plan import plan_job
+def main(argv: list[str] | None = None, prog: str = "train.py", *, process: bool = False) -> int:
+    """The trainer's work; the exit code. process: this call is the process's whole life (train.py,
+    python -m titanlike.train, titanlike-train), so the stop-signal handlers installed first thing stay
+    until it exits: SIGTERM or SIGUSR1 at any moment, in setup or after the final summary, never kills
+    it (an in-process caller, a test, gets its own handlers back when main returns)."""
+    # First, before torch is imported: a stop signal in the first seconds of setup is recorded, and
+    # acted on as the loop would (there is nothing to save yet: exit 0, saying so).
+    from titanlike.train.faults import StopRequest, set_parent_death_signal, under_torchrun
 
+    stop = StopRequest(watch_parent=under_torchrun())
+    stop.install()
     rank = int(os.environ.get("RANK", 0))
-    from titanlike.train.faults import set_parent_death_signal, under_torchrun
-
     if under_torchrun():
         # A rank whose launcher dies (even SIGKILLed) gets SIGTERM: it saves and exits instead of
         # training on as an orphan. Not for a plain `python train.py`, which may outlive its shell.
@@ -35,6 +40,19 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         format="[titanlike] %(asctime)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    try:
+        return _run(argv, prog, stop, rank)
+    finally:
+        if process:
+            stop.run_ended()
+        else:
+            stop.restore()
+
+
+def _run(argv: list[str] | None, prog: str, stop, rank: int) -> int:
+    from titanlike.config import ConfigError, HelpRequested, load_job_config
+    from titanlike.train.plan import plan_job
+
     try:
         notes: list[str] = []  # torchtitan's older spellings, and its keys that do nothing here
         cfg = load_job_config(argv, notes=notes)
@@ -57,13 +75,18 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
                 f"job.validate_only: {plan.model_name} on world size {plan.dims.world_size} is valid "
                 f"({plan.dims}); not training")
         return 0
+    if stop.code and plan.dims.world_size == 1:
+        # A signal during planning (a multi-rank job agrees on it before its first step instead).
+        logging.getLogger("titanlike").info(f"received {stop.describe(stop.code)} during setup, before "
+                                            "training started: nothing to save; exiting")
+        return 0
 
     from titanlike.checkpoint import CheckpointError
     from titanlike.data import DataError
     from titanlike.train.trainer import Trainer, TrainingError
 
     try:
-        trainer = Trainer(plan)
+        trainer = Trainer(plan, stop=stop)
     except DataError as e:
         # The data the job names cannot be read or used (found while building the loaders); every
         # rank builds the same data, so every rank fails alike.
@@ -120,4 +143,4 @@ def _shutdown_process_group() -> None:
 
 def console_main() -> None:
     """The `titanlike-train` console script."""
-    sys.exit(main(prog="titanlike-train"))
+    sys.exit(main(prog="titanlike-train", process=True))

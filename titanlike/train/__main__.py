@@ -4,4 +4,4 @@ import sys
 
 from titanlike.cli.train import main
 
-sys.exit(main(prog="python -m titanlike.train"))
+sys.exit(main(prog="python -m titanlike.train", process=True))
