@@ -59,5 +59,10 @@ def _log(opts):
     return lambda msg: print(msg, file=sys.stderr, flush=True)
 
 
+def console_main() -> None:
+    """The `titanlike-estimate` console script."""
+    sys.exit(main(prog="titanlike-estimate"))
+
+
 if __name__ == "__main__":
     sys.exit(main())
