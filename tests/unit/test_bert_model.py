@@ -10,14 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from family_checks import check_stages_initialized_as_full, held_params, init_pipeline_stages, materialize, run_stages
+from family_checks import held_params, materialize
 from titanlike.config import load_job_config
 from titanlike.models.bert import BINARY_LOSS, Bert, BertArgs, bert_flavors
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import LossReports
 from titanlike.models.registry import get_model_spec, model_names, spec_for_hf_model_type
 from titanlike.objectives import MaskedLM
-from titanlike.parallel.pipeline import plan_layout
 
 SPEC = get_model_spec("bert")
 
@@ -218,25 +217,6 @@ def test_without_binary_head():
 
 
 # ---------------------------------------------------------------- pipeline split
-
-
-def test_pipeline_stages_compose_to_the_full_model():
-    args = tiny_args(n_layers=4)
-    with torch.device("meta"):
-        full = Bert(args)
-    layout = plan_layout(4, 2, "Interleaved1F1B", None)
-    parts = init_pipeline_stages(full, SPEC, layout, seed=3)
-    first, last = parts[0], parts[layout.num_stages - 1]
-    assert first.type_embeddings is not None and first.embedding_norm is not None and first.output is None
-    assert first.binary_head is None and first.lm_head is None
-    assert last.tok_embeddings is None and last.type_embeddings is None and last.binary_head is not None
-    assert last.output.weight is not None and last.tied_weights == {"output.weight": "tok_embeddings.weight"}
-    check_stages_initialized_as_full(parts, full, seed=3)
-    tokens, token_types = batch(args)
-    labels = torch.tensor([1, 0, 1])
-    h = run_stages(parts, tokens, token_types=token_types, binary_labels=labels)  # only the ends read them
-    torch.testing.assert_close(h, full(tokens, token_types=token_types, binary_labels=labels), rtol=0, atol=0)
-    assert last.binary_head.reported_loss_sum.item() == pytest.approx(full.binary_head.reported_loss_sum.item())
 
 
 # ---------------------------------------------------------------- config rules

@@ -71,13 +71,6 @@ def test_num_params_counts_the_meta_model(flavor):
     assert model.layers["0"].cross_attention is None and model.layers[str(args.n_encoder_layers)].cross_attention
 
 
-def test_published_v1_1_sizes():
-    # google/t5-v1_1-*: 77M (small), 248M (base), 783M (large), 2.85B (xl), 11.1B (xxl).
-    published = {"small": 76.96e6, "base": 247.6e6, "large": 783.2e6, "3B": 2.85e9, "11B": 11.14e9}
-    for flavor, count in published.items():
-        assert t5_flavors[flavor].num_params() == pytest.approx(count, rel=0.01), flavor
-
-
 def test_tied_relu_variant_counts_one_table():
     args = tiny_args(feed_forward="relu", tie_word_embeddings=True, scale_decoder_outputs=True)
     model = build(args)
@@ -187,14 +180,6 @@ def test_decoder_is_causal():
         a, b = model(tokens, decoder_inputs=dec), model(tokens, decoder_inputs=later)
     torch.testing.assert_close(a[:, :7], b[:, :7], rtol=0, atol=1e-5)
     assert (a[:, 7:] - b[:, 7:]).abs().max() > 1e-3
-
-
-def test_gradients_reach_every_parameter():
-    args = tiny_args()
-    model = build(args).train()
-    tokens, dec = batch(args)
-    model(tokens, decoder_inputs=dec).square().mean().backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
 def test_init_depends_on_seed_and_name_only():
