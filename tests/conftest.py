@@ -18,11 +18,12 @@ import toy_family  # noqa: F401  (registers the test-only toy family: every fami
 REPO = Path(__file__).resolve().parents[1]
 
 # A small but real job: the 8-layer debug model on the embedded corpus, fp32 so that
-# layouts are comparable to rounding error.
+# layouts are comparable to rounding error. 4 steps: a layout that differs shows in the first
+# step's gradients and the second step's loss; the tests that assert that the loss falls run 10.
 TINY_JOB = [
     "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
     "--training.seq_len", "64",
-    "--training.steps", "10",
+    "--training.steps", "4",
     "--training.mixed_precision_param", "float32",
     "--lr_scheduler.warmup_steps", "2",
     "--metrics.log_freq", "1",
@@ -59,10 +60,32 @@ def read_metrics(dump_folder: Path) -> list[dict]:
 
 
 def train_metrics(tmp_path: Path, name: str, *extra: str, nproc: int = 1) -> list[dict]:
-    """Run the tiny job with overrides; return one metrics record per step."""
+    """Run the tiny job with overrides; return one metrics record per step. One process runs inside
+    this one (train.main, as tests/run_jobs.py runs pooled jobs): no interpreter and torch import to
+    pay; a layout of several ranks goes through torchrun."""
     dump = tmp_path / name
-    launch([*TINY_JOB, "--job.dump_folder", str(dump), *extra], nproc=nproc)
+    argv = [*TINY_JOB, "--job.dump_folder", str(dump), *map(str, extra)]
+    if nproc == 1:
+        train_in_process(argv)
+    else:
+        launch(argv, nproc=nproc)
     return read_metrics(dump)
+
+
+def train_in_process(argv: list[str]) -> None:
+    """train.main(argv) in this process on one thread, as a launched rank runs (OMP_NUM_THREADS=1)."""
+    import torch
+
+    import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc = train.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    if rc != 0:
+        raise AssertionError(f"train.main({argv}) returned {rc} (its log is in the captured output)")
 
 
 def pytest_configure(config):

@@ -1,19 +1,13 @@
-"""The bert family reproduces its single-process run under every layout it supports, through
-train.py (fp32, same global batch, the tiny job of conftest with --model.name bert), on masked-LM
-samples of the embedded corpus (sentence pairs with the sentence-order label, padding at the end).
+"""The bert family through train.py (fp32, the tiny job of conftest with --model.name bert), on
+masked-LM samples of the embedded corpus (sentence pairs with the sentence-order label, padding at
+the end): the single-process run learns both objectives, and an FSDP 2 run saving checkpoints
+reproduces it and resumes exactly at CP 2 (its data position, RNG and optimizer restored).
 
-What is specific to BERT and what each layout checks:
-- bidirectional attention with a padding mask built from the samples' document ids (real tokens
-  never attend to padding): under CP the mask's ids travel whole and each rank attends its rows
-  both ways; under PP the mask and the token types reach every stage per pipeline microbatch;
-- the binary (sentence-order) head reads position 0, which only cp rank 0 holds: its loss, weighted
-  by each sample's masked-token count, must be counted once (reported as binary_loss);
-- the MLM head's output projection tied to the word embeddings, across pipeline stages;
-- validation: masked-token loss and accuracy, the same for every layout.
-
-Tolerances: test_fsdp_parity.py's (the layouts differ only in the order of floating-point sums).
-FSDP x TP and HSDP compositions are the generic ones the Llama and GPT-2 matrices test; the
-4-rank job here composes what is BERT's: the padding mask through pipeline stages and CP's ring.
+BERT's layouts (padding mask through pipeline stages and under CP, the binary head's loss counted
+once on the rank holding position 0, the MLM projection tied to the word table across stages,
+validation) are checked at model level, every gradient against one process, in
+tests/layouts/test_family_layouts.py; tests/MAP.md maps the train.py runs that were here.
+Tolerances: test_fsdp_parity.py's.
 """
 
 import pytest
@@ -53,40 +47,6 @@ def test_reference_learns_both_objectives(reference):
     # Masked tokens are scored at every position of the vocabulary: accuracy is a fraction, above chance.
     assert all(0 <= r["validation_accuracy"] <= 1 for r in valid)
     assert valid[-1]["validation_accuracy"] > 1 / 2048
-
-
-@pytest.mark.train_run(*BERT, "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-                       "--validation.local_batch_size", "4", nproc=2)  # validation: 8 samples, as one process
-def test_fsdp2_with_accumulation(train_run, reference):
-    check(train_run.metrics, reference, "FSDP2 (+ accumulation)")
-
-
-@pytest.mark.train_run(*BERT, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
-                       nproc=2)
-def test_tp2_with_loss_parallel(train_run, reference):
-    check(train_run.metrics, reference, "TP2 (SP + loss parallel)")
-
-
-@pytest.mark.train_run(*BERT, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8",
-                       nproc=2)
-def test_cp2_bidirectional(train_run, reference):
-    check(train_run.metrics, reference, "CP2 (all-gather, bidirectional with padding)")
-
-
-@pytest.mark.train_run(*BERT, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-                       "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size",
-                       "8", nproc=2)
-def test_pp2_1f1b(train_run, reference):
-    check(train_run.metrics, reference, "PP2 1F1B")
-
-
-@pytest.mark.train_run(*BERT, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-                       "GPipe", "--parallelism.context_parallel_degree", "2",
-                       "--parallelism.context_parallel_rotate_method", "alltoall",
-                       "--parallelism.pipeline_parallel_microbatch_size", "4", "--training.local_batch_size", "8",
-                       nproc=4)
-def test_pp2_x_cp2_ring(train_run, reference):
-    check(train_run.metrics, reference, "PP2 GPipe x CP2 (ring)")
 
 
 def test_fsdp2_then_resume_at_cp2(tmp_path, reference):

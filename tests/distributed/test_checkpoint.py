@@ -32,7 +32,7 @@ from conftest import REPO, TINY_JOB, _env, descendants, launch, read_metrics
 pytestmark = pytest.mark.distributed
 
 RTOL = 2e-5  # as in test_fsdp_parity.py: layouts differ from one process in summation order only
-JOB = [*TINY_JOB, "--lr_scheduler.decay_ratio", "0", "--checkpoint.enable"]
+JOB = [*TINY_JOB, "--training.steps", "10", "--lr_scheduler.decay_ratio", "0", "--checkpoint.enable"]
 FSDP2 = ["--training.local_batch_size", "2", "--training.global_batch_size", "8"]
 HSDP = ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
         "--parallelism.data_parallel_shard_degree", "2"]

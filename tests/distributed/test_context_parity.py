@@ -45,8 +45,3 @@ def test_fsdp2_x_cp2(train_run, single_process_reference):
                        nproc=4)
 def test_tp2_x_cp2(train_run, single_process_reference):
     assert_same_curve(train_run.metrics, single_process_reference)
-
-
-@pytest.mark.train_run(*CP2, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4", nproc=8)
-def test_fsdp2_x_cp2_x_tp2(train_run, single_process_reference):
-    assert_same_curve(train_run.metrics, single_process_reference)

@@ -50,7 +50,7 @@ def float8_fp32_reference(tmp_path_factory):
                          *PARITY_STEPS, *FLOAT8)
 
 
-BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "8"]
+BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "8", "--training.steps", "10"]
 
 
 @pytest.mark.train_run(*BF16, name="bf16")

@@ -1,8 +1,8 @@
 """Every data-parallel layout reproduces the single-process run (fp32, same global batch).
 
 Tolerances, from measurement: the layouts differ from one process only in the order
-of floating-point sums. Losses agree to ~3e-7 relative over 10 steps (FSDP2, HSDP
-2x2); RTOL = 2e-5 leaves 50x headroom. Grad norms agree only to ~7e-5: torch's fp32
+of floating-point sums. Losses agree to ~3e-7 relative over 10 steps (FSDP2, HSDP 2x2;
+the runs now take 4, conftest.TINY_JOB); RTOL = 2e-5 leaves 50x headroom. Grad norms agree only to ~7e-5: torch's fp32
 CPU norm of the output-layer gradient (a few large entries among 500k) is itself off
 by ~1e-4 from the float64 value, and per-shard norms round differently (they are in
 fact closer to float64). GRAD_RTOL = 5e-4 covers that. A real bug moves these by far
@@ -26,10 +26,12 @@ def assert_same_curve(got, ref):
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=GRAD_RTOL), (g, r)
 
 
-def test_reference_loss_falls(single_process_reference):
-    losses = [r["loss"] for r in single_process_reference]
+def test_reference_loss_falls(tmp_path):
+    # 10 steps: the parity runs' 4 (conftest.TINY_JOB) are mostly warmup, the loss falls by ~0.3.
+    losses = [r["loss"] for r in train_metrics(tmp_path, "ten", "--training.local_batch_size", "8",
+                                               "--training.steps", "10")]
     assert len(losses) == 10
-    assert losses[-1] < losses[0] - 0.5
+    assert losses[-1] < losses[0] - 0.5, losses
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path, single_process_reference):

@@ -10,8 +10,8 @@ What the layouts check:
   (in_proj colwise, out_proj rowwise, conv filters, per-head vectors and gated norm head_split),
   sequence parallel between; context parallelism carrying the conv inputs and the scan's state
   across the load-balanced pieces of the sequence (exact); the resumed steps equal the uninterrupted;
-- the 8-rank PP 2 x TP 2 x CP 2: Interleaved1F1B's 4 stages split by layer cost ([2, 1, 1, 2] layers,
-  not the even [1, 2, 2, 1]), stages of different block kinds, each with its microbatch's mask.
+- PP 2 by cost (1F1B) and PP 2 x CP 2 with one-layer stages, two of them a lone MLP;
+the model-level layouts of every flavor (tests/layouts) check TP 2 alone (the former test_tp2 here).
 And directly, on spawned gloo ranks: the gradient of every parameter under TP 2 equals one process's
 (a wrong split of a per-head parameter leaves the loss almost unchanged), and a model under CP 2
 gives one process's logits and gradients, with and without document masks.
@@ -73,26 +73,10 @@ def test_fsdp2_then_resume_at_tp2_cp2(tmp_path, run, reference):
 POOLED = (*HYBRID, *masking.SHORT_DOCUMENTS)  # the jobs below run in the shared launches of their world size
 
 
-@pytest.mark.train_run(*POOLED, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
-                       nproc=2)
-def test_tp2(train_run, reference):
-    assert_same_curve(train_run.metrics, reference)
-
-
 @pytest.mark.train_run(*POOLED, "--parallelism.pipeline_parallel_degree", "2",
                        "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size", "8",
                        nproc=2)
 def test_pp2_1f1b_by_cost(train_run, reference):
-    assert_same_curve(train_run.metrics, reference)
-
-
-@pytest.mark.train_run(*POOLED, "--parallelism.pipeline_parallel_degree", "2",
-                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                       "--parallelism.pipeline_parallel_microbatch_size", "2",
-                       "--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
-                       "--training.local_batch_size", "8", nproc=8)
-def test_8_ranks_pp2_by_cost_tp2_cp2(train_run, reference):
-    # Interleaved1F1B: 4 stages of [2, 1, 1, 2] layers (balanced by cost), 4 microbatches of 2.
     assert_same_curve(train_run.metrics, reference)
 
 

@@ -102,11 +102,3 @@ def test_cp2_ep2_with_token_dropping(train_run, dropping_reference):
 def test_pp2_ep2_with_a_stage_without_moe(train_run, reference):
     # 8 stages of one layer, 4 per rank: stage 0 holds only the dense layer 0.
     check(train_run.metrics, reference, "PP2 x EP2")
-
-
-@pytest.mark.train_run(*MOE, *EP2, "--parallelism.pipeline_parallel_degree", "2",
-                       "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4",
-                       "--parallelism.pipeline_parallel_microbatch_size", "2", nproc=8)
-def test_8_ranks_pp2_tp2_fsdp2_ep2(train_run, reference):
-    # ep 2 of the 4 ranks of fsdp x tp: every expert is also FSDP-sharded over efsdp = 2 ranks.
-    check(train_run.metrics, reference, "PP2 x TP2 x FSDP2 x EP2")

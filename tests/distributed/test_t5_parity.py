@@ -1,6 +1,8 @@
-"""The t5 family reproduces its single-process run under every layout it supports, through
-train.py (fp32, same global batch, the tiny job of conftest with --model.name t5), on
-span-corruption samples of the embedded corpus (encoder 64 tokens, decoder 16).
+"""The t5 family through train.py (fp32, the tiny job of conftest with --model.name t5), on
+span-corruption samples of the embedded corpus (encoder 64 tokens, decoder 16): the single-process
+run learns, and an FSDP 2 run (full activation checkpointing) saving checkpoints resumes exactly
+at TP 2. Its layouts (FSDP 2, TP 2 with and without loss parallel) are checked at model level, every
+gradient against one process, in tests/layouts/test_family_layouts.py (tests/MAP.md).
 
 What is specific to T5: encoder and decoder blocks in one `layers` (FSDP units and TP plans per
 block, cross-attention split by heads like self-attention), the relative-position bias table of
@@ -43,17 +45,6 @@ def test_reference_learns(reference):
     assert len(train) == 6 and train[-1]["loss"] < train[0]["loss"] - 0.5, train
     # Decoder targets only: at most 16 per sample, padding excluded.
     assert 0 < valid[0]["validation_tokens"] <= 8 * 16
-
-
-@pytest.mark.train_run(*T5, "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-                       "--validation.local_batch_size", "4", nproc=2)  # validation: 8 samples, as one process
-def test_fsdp2_with_accumulation(train_run, reference):
-    check(train_run.metrics, reference, "FSDP2 (+ accumulation)")
-
-
-@pytest.mark.train_run(*T5, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8", nproc=2)
-def test_tp2_with_loss_parallel(train_run, reference):
-    check(train_run.metrics, reference, "TP2 (SP + loss parallel)")
 
 
 def test_fsdp2_then_resume_at_tp2(tmp_path, reference):

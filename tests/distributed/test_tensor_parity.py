@@ -28,9 +28,3 @@ def test_tp4(train_run, single_process_reference):
 @pytest.mark.train_run("--training.local_batch_size", "4", *TP2, nproc=4)
 def test_fsdp2_x_tp2(train_run, single_process_reference):
     assert_same_curve(train_run.metrics, single_process_reference)
-
-
-@pytest.mark.train_run("--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
-                       "--parallelism.data_parallel_shard_degree", "2", *TP2, nproc=8)
-def test_hsdp_2x2_x_tp2(train_run, single_process_reference):
-    assert_same_curve(train_run.metrics, single_process_reference)

@@ -1,12 +1,13 @@
-"""Every layout a family declares computes one process's step: per family, one spawned gloo world of
-2 ranks builds the job for each layout exactly as train.py does (plan_job, then the Trainer: model
-parts parallelized and initialized, the objective's batches, the TrainStep with its pipeline
-schedule) and runs one step on the same global batch as one process; the summed loss, the target
-count, every parameter's gradient as the step clips it (tied copies summed), the global gradient
-norm, the loss terms the model reports (BERT's binary loss, DeepSeek's MTP), the MoE bookkeeping
-(routes per expert, dropped routes, balancing statistics), and the validation loss, accuracy and
-target count all equal one process's. Then the layout's checkpoint of that step loads in one process
-as exactly the layout's parameters and AdamW moments (DCP resharding of the family's DTensors).
+"""Every layout a family declares computes one process's step: one spawned gloo world of 2 ranks (all
+families one after the other: starting a world is paid once) builds the job for each layout exactly
+as train.py does (plan_job, then the Trainer: model parts parallelized and initialized, the
+objective's batches, the TrainStep with its pipeline schedule) and runs one step on the same global
+batch as one process; the summed loss, the target count, every parameter's gradient as the step
+clips it (tied copies summed), the global gradient norm, the loss terms the model reports (BERT's
+binary loss, DeepSeek's MTP), the MoE bookkeeping (routes per expert, dropped routes, balancing
+statistics), and the validation loss, accuracy and target count all equal one process's. Then the
+layout's checkpoint of that step loads in one process as exactly the layout's parameters and AdamW
+moments (DCP resharding of the family's DTensors).
 
 A layout is declared when plan_job accepts it for the family on 2 ranks: FSDP 2 always; TP 2 (with
 vocabulary-parallel logits, with gathered logits, and without sequence parallelism) where the family
@@ -19,10 +20,10 @@ must accept TP, with pipeline ends PP, with experts EP.
 Parameters are moved off their init (noise of their own scale, constants by 0.1) before the step, so
 that a bias or norm weight at 0 or 1 cannot hide a wrong sharding rule. Every microbatch has two
 samples (the MoE balancing losses are per microbatch), so the single-process reference accumulates
-two of them. Tolerances: gradients, losses and reported terms atol 5e-5, rtol 1e-4 (fp32
-summation order; measured at most 2.5e-5, one element of a Mamba-2 projection's gradient under
-CP), the gradient norm rtol 5e-4 (the fp32 norm's own rounding, tests/distributed/test_fsdp_parity.py), the MoE table rtol 1e-4, a
-validation accuracy within one target; checkpoints exact.
+two of them. Tolerances: gradients, losses and reported terms atol 5e-5, rtol 1e-4 (fp32 summation
+order; measured at most 2.5e-5, one element of a Mamba-2 projection's gradient under CP), the
+gradient norm rtol 5e-4 (the fp32 norm's own rounding, tests/distributed/test_fsdp_parity.py), the
+MoE table rtol 1e-4, a validation accuracy within one target; checkpoints exact.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ WORLD = 2
 SEQ = 32
 ATOL, RTOL = 5e-5, 1e-4  # measured: 2.5e-5 at most (a Mamba-2 out_proj gradient under CP); wrong rules give ~1e-2
 GRAD_NORM_RTOL = 5e-4
-TIMEOUT_S = 420
+TIMEOUT_S = 240  # per family in the one world; a family's layouts take 25-60 s on 2 cores
 
 PP = "--parallelism.pipeline_parallel_degree"
 SCHEDULE = "--parallelism.pipeline_parallel_schedule"
@@ -285,39 +286,42 @@ def resharded(family: str, flavor: str) -> tuple[str, ...]:
 # ---------------------------------------------------------------- the spawned world
 
 
-def _layout_worker(rank: int, family: str, flavors: dict, root: str) -> None:
-    """Every layout of every flavor of the family on this rank, one after the other; each rank writes
-    what it found per layout (a failure does not stop the others: the group stays usable unless a
-    layout failed inside a collective, and then the world times out)."""
+def _layout_worker(rank: int, families: dict, root: str) -> None:
+    """Every layout of every flavor of every family on this rank, one after the other; each rank
+    writes what it found per layout (a failure does not stop the others: the group stays usable
+    unless a layout failed inside a collective, and then the world times out)."""
     import titanlike.parallel.parallelize as parallelize
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
-    for flavor, layouts in flavors.items():
-        folder = Path(root, flavor)
-        reference = torch.load(folder / "reference.pt", weights_only=False)
-        previous = "reference"
-        for name, argv in layouts.items():
-            result = {"ok": True, "error": ""}
-            patched = name == "tp2_no_sequence_parallel"
-            if patched:  # ShardOptions.sequence_parallel=False: train.py never picks it, every plan honours it
-                parallelize.apply_tensor_parallel = functools.partial(apply_tensor_parallel, sequence_parallel=False)
-            try:
-                got = one_step(argv, WORLD, gradients_only=patched, save=name in resharded(family, flavor))
-                compare(got, reference, f"{family} {flavor} {name} rank {rank}")
-                if name in resharded(family, flavor):
-                    save_state(got, folder / f"{name}.rank{rank}.pt")
-                    saved = load_state(sorted(folder.glob(f"{previous}.rank*.pt")))
-                    loads_exactly(argv, WORLD, folder / previous / "checkpoint", saved,
-                                  f"{family} {flavor} {name} loading {previous}'s checkpoint, rank {rank}")
-                    previous = name
-            except Exception:
-                result = {"ok": False, "error": traceback.format_exc()}
-            finally:
-                if patched:
-                    parallelize.apply_tensor_parallel = apply_tensor_parallel
-            Path(folder, f"{name}.rank{rank}.json").write_text(json.dumps(result))
-            dist.barrier()
-        Path(folder, f"last_saved.rank{rank}").write_text(previous)
+    for family, flavors in families.items():
+        for flavor, layouts in flavors.items():
+            folder = Path(root, family, flavor)
+            reference = torch.load(folder / "reference.pt", weights_only=False)
+            chain = resharded(family, flavor)
+            previous = "reference"
+            for name, argv in layouts.items():
+                result = {"ok": True, "error": ""}
+                patched = name == "tp2_no_sequence_parallel"
+                if patched:  # ShardOptions.sequence_parallel=False: train.py never picks it, every plan honours it
+                    parallelize.apply_tensor_parallel = functools.partial(apply_tensor_parallel,
+                                                                          sequence_parallel=False)
+                try:
+                    got = one_step(argv, WORLD, gradients_only=patched, save=name in chain)
+                    compare(got, reference, f"{family} {flavor} {name} rank {rank}")
+                    if name in chain:
+                        save_state(got, folder / f"{name}.rank{rank}.pt")
+                        saved = load_state(sorted(folder.glob(f"{previous}.rank*.pt")))
+                        loads_exactly(argv, WORLD, folder / previous / "checkpoint", saved,
+                                      f"{family} {flavor} {name} loading {previous}'s checkpoint, rank {rank}")
+                        previous = name
+                except Exception:
+                    result = {"ok": False, "error": traceback.format_exc()}
+                finally:
+                    if patched:
+                        parallelize.apply_tensor_parallel = apply_tensor_parallel
+                Path(folder, f"{name}.rank{rank}.json").write_text(json.dumps(result))
+                dist.barrier()
+            Path(folder, f"last_saved.rank{rank}").write_text(previous)
 
 
 def compare(got: dict, want: dict, what: str) -> None:
@@ -348,45 +352,44 @@ FAMILY_FLAVORS = distinct_flavors(min_layers=4)
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    """family -> {"flavor/layout": error or ""}, each family's world spawned when first asked for."""
-    results: dict[str, dict] = {}
-
-    def run(family: str) -> dict:
-        if family not in results:
-            results[family] = _run_family(family, tmp_path_factory.mktemp(f"layouts-{family}"))
-        return results[family]
-
-    return run
+def worlds(request, tmp_path_factory):
+    """family -> {"flavor/layout": error or ""}: the families of the selected tests, all in one
+    spawned world (starting a world costs ~10 s on 2 cores: once, not once per family)."""
+    selected = sorted({item.callspec.params["family"] for item in request.session.items
+                       if item.originalname == "test_every_declared_layout_equals_one_process"})
+    return _run_families(selected, tmp_path_factory.mktemp("layouts"))
 
 
-def _run_family(family: str, root: Path) -> dict:
-    """The references in this process, then one world for every layout of every flavor of the family,
-    then this process loads each flavor's last checkpoint."""
-    flavors = {}
-    for flavor in [f for name, f in FAMILY_FLAVORS if name == family]:
-        folder = root / flavor
-        folder.mkdir()
-        flavors[flavor] = {name: job(family, flavor, folder / name, options, batch, dp)
-                           for name, (options, batch, dp) in declared_layouts(family, flavor).items()}
+def _run_families(families: list[str], root: Path) -> dict:
+    """The references in this process, then one world for every layout of every flavor of the
+    families, then this process loads each flavor's last checkpoint."""
+    jobs: dict[str, dict] = {}
+    for family, flavor in [key for key in FAMILY_FLAVORS if key[0] in families]:
+        folder = root / family / flavor
+        folder.mkdir(parents=True)
+        jobs.setdefault(family, {})[flavor] = {
+            name: job(family, flavor, folder / name, options, batch, dp)
+            for name, (options, batch, dp) in declared_layouts(family, flavor).items()}
         reference = one_step(job(family, flavor, folder / "reference"), 1)
         torch.save(reference, folder / "reference.pt")
         save_state(reference, folder / "reference.rank0.pt")
-    run_on_gloo_ranks(functools.partial(_layout_worker, family=family, flavors=flavors, root=str(root)),
-                      world=WORLD, timeout_s=TIMEOUT_S, what=f"{family} layouts")
-    results = {}
-    for flavor, layouts in flavors.items():
-        folder = root / flavor
-        for name in layouts:
-            per_rank = [json.loads((folder / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)]
-            results[f"{flavor}/{name}"] = "\n".join(r["error"] for r in per_rank if not r["ok"])
-        last = (folder / "last_saved.rank0").read_text()
-        try:
-            loads_exactly(job(family, flavor, folder / "reference"), 1, folder / last / "checkpoint",
-                          load_state(sorted(folder.glob(f"{last}.rank*.pt"))),
-                          f"{family} {flavor}: one process loading {last}'s checkpoint")
-        except Exception:
-            results[f"{flavor}/one process loading {last}"] = traceback.format_exc()
+    run_on_gloo_ranks(functools.partial(_layout_worker, families=jobs, root=str(root)),
+                      world=WORLD, timeout_s=TIMEOUT_S * len(jobs), what="layout workers")
+    results: dict[str, dict] = {}
+    for family, flavors in jobs.items():
+        out = results.setdefault(family, {})
+        for flavor, layouts in flavors.items():
+            folder = root / family / flavor
+            for name in layouts:
+                per_rank = [json.loads((folder / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)]
+                out[f"{flavor}/{name}"] = "\n".join(r["error"] for r in per_rank if not r["ok"])
+            last = (folder / "last_saved.rank0").read_text()
+            try:
+                loads_exactly(job(family, flavor, folder / "reference"), 1, folder / last / "checkpoint",
+                              load_state(sorted(folder.glob(f"{last}.rank*.pt"))),
+                              f"{family} {flavor}: one process loading {last}'s checkpoint")
+            except Exception:
+                out[f"{flavor}/one process loading {last}"] = traceback.format_exc()
     return results
 
 
@@ -395,7 +398,7 @@ def _run_family(family: str, root: Path) -> dict:
 
 @pytest.mark.parametrize("family, flavor", FAMILY_FLAVORS)
 def test_every_declared_layout_equals_one_process(worlds, family, flavor):
-    results = worlds(family)
+    results = worlds[family]
     failed = {name: error for name, error in results.items() if name.startswith(f"{flavor}/") and error}
     assert not failed, "\n\n".join(f"{name}:\n{error}" for name, error in failed.items())
 
