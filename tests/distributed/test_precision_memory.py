@@ -50,11 +50,11 @@ def test_loss_scaling_and_cpu_offload_under_fsdp2_equal_the_plain_run(tmp_path, 
                         "--loss_scaling.window", "3", nproc=2)
     assert_same_curve(got, single_process_reference)
     # No overflow in fp32: the scale doubles every 3 steps.
-    assert [r["loss_scale"] for r in got] == [1024.0 * 2 ** (s // 3) for s in range(1, 11)]
+    assert [r["loss_scale"] for r in got] == [1024.0 * 2 ** (s // 3) for s in range(1, 5)]
     assert all(r["overflow_skipped_steps"] == 0 for r in got)
 
 
-FLOAT16 = [*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
+FLOAT16 = [*TINY_JOB, "--training.steps", "10", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
            "--training.mixed_precision_param", "float16", "--optimizer.lr", "3e-3"]
 
 
