@@ -63,14 +63,20 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective_ac_opt
         return
     wrap = partial(checkpoint_wrapper, preserve_rng_state=options.preserve_rng_state,
                    determinism_check=options.determinism_check, debug=options.debug, early_stop=options.early_stop)
-    for index, (name, block) in enumerate(list(model.layers.items())):
-        if mode == "full":
-            wrapped = wrap(block)
-        elif selective_ac_option == "op":
-            wrapped = wrap(block, context_fn=partial(_op_level_contexts))
-        else:
-            every = int(selective_ac_option)
-            if index % every:
-                continue
-            wrapped = wrap(block)
-        model.layers[name] = wrapped
+    for name, block in list(model.layers.items()):
+        how = checkpointing(name, mode, selective_ac_option)
+        if how is not None:
+            model.layers[name] = wrap(block, context_fn=partial(_op_level_contexts)) if how == "op" else wrap(block)
+
+
+def checkpointing(layer: str, mode: str, selective_ac_option: str) -> str | None:
+    """How the block with layer id `layer` (its key in model.layers) is checkpointed: "full", "op" or
+    None. "Every N-th block" counts layer ids, so a pipeline stage checkpoints the blocks it would
+    checkpoint in the whole model."""
+    if mode == "full":
+        return "full"
+    if mode != "selective":
+        return None
+    if selective_ac_option == "op":
+        return "op"
+    return "full" if int(layer) % int(selective_ac_option) == 0 else None

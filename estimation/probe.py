@@ -1,0 +1,583 @@
+"""Run a planned job's training step on fake tensors, one block of each kind, and measure it.
+
+The probe is the trainer's own code: the family's model on meta from the plan's args, the job's
+converters (float8), the real `parallelize_model` (the family's TP plan, CP, EP, activation
+checkpointing, FSDP) over a DeviceMesh of a fake process group of the job's world size (torch's
+FakeStore: collectives return at once), the real optimizer and the real `TrainStep`
+(`forward_backward` per microbatch, `update`), all inside FakeTensorMode: tensors have shapes,
+dtypes and storages, no data. It knows no module type and no family.
+
+One block per kind. Blocks are keyed by a signature (their module tree as printed, parameter
+shapes, how activation checkpointing wraps them). The probe keeps the first and last block, and
+for every other kind a pair of consecutive blocks of that kind (or one block where no two are
+adjacent); the others are deleted before parallelization. The pipeline split relies on the same
+thing: a model runs on any subset of its layers.
+
+What is measured. A dispatch mode counts the bytes of every tensor storage the step creates while
+it lives (each rounded up to 512 bytes, the CUDA caching allocator's block; FSDP's storage resizes
+included), and marks split the step into windows: before the first block, each block's forward
+(from its start to the next block's), the last block with the output end and the loss, the output
+end's backward, each block's backward (from the gradient of its output to the gradient of the
+previous block's), and the first block's backward with the input end's. A window keeps `keep`
+bytes and rises `over` bytes above where it began. The windows of a block of one kind between two
+of its kind are that kind's steady state; `estimation/layout.py` lays them out along the real
+model, its pipeline stages and the schedule's actions. Two microbatches are probed: the first
+creates gradients (and, under pipeline parallelism, FSDP's unsharded accumulators), the second
+finds them. What the parameters, gradients and optimizer state hold is read from the parallelized
+parameters themselves (their local shards and the optimizer's state tensors), per kind of block.
+
+The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones), so CPU kernels
+would run; for a GPU estimate (device "cuda") scaled dot-product attention is replaced for the probe
+by a stand-in that keeps what CUDA's fused kernels keep (q, k, v, the output, the fp32 log-sum-exp
+and a given mask or bias), where torch's CPU kernels would fall back to the math kernel and its
+seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device
+"cpu" keeps torch's CPU kernels, for comparisons with steps measured on this machine. Everything
+else runs as on CPU (e.g. a LayerNorm's statistics in the input dtype, not fp32).
+
+Mixture of experts. Routing decides tensor sizes from values (how many tokens each expert gets); a
+fake tensor has none. The probe assumes balanced routing: a second dispatch mode gives values to the
+integer tensors that routing makes (a top-k picks the candidates round-robin, so every expert gets
+tokens x top_k / experts rows; a histogram of values it does not know is uniform; a collective
+leaves every rank what this one holds, so all-to-all brings a rank as many rows as it sends) and
+computes what is derived from them for real. Real routing is uneven: a rank whose experts get more
+tokens holds more (`moe.capacity_factor` bounds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import types
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+DEVICE = torch.device("cpu")
+aten = torch.ops.aten
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A fake process group of world_size ranks, this process rank 0; destroyed on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists; the estimator needs its own fake one")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _active_fake():
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode()
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created under this mode and still alive (`now`), each rounded up
+    to `granularity`, and the most since the last `reset` (`peak`)."""
+
+    def __init__(self, granularity: int):
+        super().__init__()
+        self.granularity, self.now, self.peak = granularity, 0, 0
+        self._bytes: dict[int, int] = {}
+        self._keys = WeakIdKeyDictionary()
+        self._next = 0
+
+    def _round(self, nbytes: int) -> int:
+        return -(-nbytes // self.granularity) * self.granularity
+
+    def _track(self, t: torch.Tensor, given: set = frozenset()) -> None:
+        for st in get_untyped_storages(t):
+            if st in self._keys or st._cdata in given:
+                continue
+            key, self._next = self._next, self._next + 1
+            self._keys[st] = key
+            self._bytes[key] = n = self._round(st.nbytes())
+            self._add(n)
+            weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self._bytes.pop(key, 0)
+
+    def _add(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def reset(self) -> tuple[int, int]:
+        """(now, peak since the last reset), and start a new peak."""
+        out = (self.now, self.peak)
+        self.peak = self.now
+        return out
+
+    def __enter__(self):
+        # FSDP allocates and frees its gathered parameters by resizing storages, which no dispatch mode sees.
+        self._fake = _active_fake()
+        self._resize = resize = torch.UntypedStorage.resize_
+
+        def tracked_resize(st, size):
+            resize(st, size)
+            key = self._keys.get(st)
+            if key is not None:
+                n = self._round(st.nbytes())
+                self._add(n - self._bytes[key])
+                self._bytes[key] = n
+
+        torch.UntypedStorage.resize_ = tracked_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if any(t is DTensor for t in types_):
+            return NotImplemented  # let DTensor run first: its local ops come back here
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            out = args[0]  # in eager a wait returns its input, where the fake kernel makes a new tensor
+        else:
+            out = func(*args, **(kwargs or {}))
+        # DTensor's sharding propagation runs ops in a fake mode of its own: they allocate nothing.
+        if _active_fake() is self._fake:
+            # An output sharing an input's storage (a view, an in-place op) allocated nothing.
+            given = {st._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                     for st in get_untyped_storages(t)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._track(t, given)
+        return out
+
+
+_INTEGRAL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_HISTOGRAMS = (aten.bincount.default, aten.histc.default)
+_SHADOW_LIMIT = 1 << 24
+
+
+class BalancedRouting(TorchDispatchMode):
+    """Real values for the integer tensors token routing makes, so that sizes read from them (split
+    sizes, row counts) are those of balanced routing; see the module docstring."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        if any(t is DTensor for t in types_):
+            return NotImplemented
+        if func is aten._local_scalar_dense.default and args[0] in self.values:
+            return self.values[args[0]].item()
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        known = bool(tensors) and all(t in self.values for t in tensors)
+        if func in _HISTOGRAMS and not known:
+            out = func(*args, **kwargs)
+            x = args[0]
+            bins = out.numel()
+            with unset_fake_temporarily():
+                real = torch.full((bins,), x.numel() // bins, dtype=out.dtype)
+                real[: x.numel() % bins] += 1
+            self.values[out] = real
+            return out
+        if known or not tensors:
+            real_args = tuple(self.values.get(t, t) if isinstance(t, torch.Tensor) else t for t in args)
+            real_kwargs = {k: self.values.get(v, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            try:
+                out = func(*args, **kwargs)
+            except Exception:  # a size only the values give (repeat_interleave by counts): make it from them
+                out = None
+            if out is None or any(isinstance(t, torch.Tensor) and t.dtype in _INTEGRAL
+                                  and t.numel() <= _SHADOW_LIMIT for t in tree_leaves(out)):
+                if not tensors and "empty" in func.__name__:
+                    return out
+                with unset_fake_temporarily():
+                    real = func(*real_args, **real_kwargs)
+                if out is None:
+                    out = torch.utils._pytree.tree_map(
+                        lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=DEVICE)
+                        if isinstance(r, torch.Tensor) else r, real)
+                for f, r in zip(tree_leaves(out), tree_leaves(real)):
+                    if isinstance(f, torch.Tensor) and f.dtype in _INTEGRAL:
+                        self.values[f] = r
+            return out
+        out = func(*args, **kwargs)
+        if func is aten.topk.default:
+            # Balanced routing: row r picks candidates r*k .. r*k + k - 1, round-robin.
+            idx = out[1]
+            n = args[0].shape[args[2] if len(args) > 2 else kwargs.get("dim", -1)]
+            with unset_fake_temporarily():
+                self.values[idx] = (torch.arange(idx.numel()) % n).view(idx.shape).to(idx.dtype)
+        elif func.namespace in ("c10d", "_c10d_functional"):
+            source = next((self.values[t] for t in tensors if t in self.values), None)
+            if source is not None:
+                for t in [*tensors, *tree_leaves(out)]:
+                    if isinstance(t, torch.Tensor) and t.dtype in _INTEGRAL and t not in self.values:
+                        with unset_fake_temporarily():
+                            flat = source.reshape(-1).repeat(-(-t.numel() // max(source.numel(), 1)))
+                            self.values[t] = flat[: t.numel()].view(t.shape).to(t.dtype)
+        elif func._schema.is_mutable:
+            for t in tensors:  # written from values it does not know
+                self.values.pop(t, None)
+        return out
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What CUDA's fused SDPA kernels keep for backward: q, k, v, the output, the fp32 log-sum-exp of
+    each query row, and a given mask or bias; nothing seq x seq."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, torch.Tensor) else []))
+        ctx.mask_grad = isinstance(mask, torch.Tensor) and mask.requires_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, *_ = ctx.saved_tensors
+        mask = ctx.saved_tensors[5] if ctx.mask_grad else None
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
+            (torch.empty_like(mask) if mask is not None else None)
+
+
+def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _FusedAttention.apply(q, k, v, attn_mask)
+
+
+@contextlib.contextmanager
+def _gpu_attention(enabled: bool):
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    if enabled:
+        F.scaled_dot_product_attention = _fused_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+# The probe ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """A stretch of the step: the bytes it leaves (`keep`, negative when it frees more than it makes)
+    and how far it rises above where it began (`over`)."""
+
+    keep: int = 0
+    over: int = 0
+
+
+@dataclass
+class Static:
+    """What a group of parameters (a kind of block, an end of the model) holds between steps."""
+
+    params: int = 0     # local shards (and buffers), as parallelized
+    grads: int = 0      # their gradients, once reduced (the shards' shapes)
+    optimizer: int = 0  # the optimizer's state tensors for them
+
+    def __add__(self, o: Static) -> Static:
+        return Static(self.params + o.params, self.grads + o.grads, self.optimizer + o.optimizer)
+
+    def __mul__(self, k: int) -> Static:
+        return Static(self.params * k, self.grads * k, self.optimizer * k)
+
+
+@dataclass
+class Probe:
+    """What one probe of a plan measured, for its busiest tensor-parallel rank (rank 0)."""
+
+    kinds: list[str]                 # the kind (signature) of every layer of the model, in order
+    static: dict[str, Static]        # one block of each kind; the ends: "input", "output", "shared", "tied"
+    # Per probed microbatch: the forward window of a block of kind a followed by one of kind b, by
+    # (a, b); "input" (before the first block) and "tail" (the last block, the output end, the loss).
+    forward: list[dict]
+    # Per probed microbatch: the backward window of a block of kind a preceded by one of kind b, by
+    # (a, b); "output" (the output end's) and "head" (the first block's and the input end's).
+    backward: list[dict]
+    reduce: Window = field(default_factory=Window)  # pipeline parallel: the gradient reduction at the end
+    update: Window = field(default_factory=Window)  # clipping and the optimizer step
+    stage_input: int = 0             # bytes of the hidden state entering a block (a pipeline stage's input)
+    probed_params: int = 0           # parameter and gradient bytes of the probed blocks and ends
+    probed_grads: int = 0
+    microbatch: int = 0              # samples per probed microbatch
+    probed_layers: int = 0
+    # Pipeline parallel: every pipeline rank's actions in torch's own schedule, as (computation type,
+    # stage, microbatch), e.g. ("FORWARD", 0, 3).
+    actions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def signature(key: str, block: nn.Module, ac: tuple[str, str]) -> str:
+    from titanlike.parallel.activation_checkpoint import checkpointing
+
+    shapes = [(n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()]
+    return f"{block!r}|{shapes}|{checkpointing(key, *ac)}"
+
+
+def probed_layers(kinds: list[str]) -> list[int]:
+    """Layers to keep: the first and the last, and for every pair of kinds that follow each other
+    somewhere in the model, the first two layers that do."""
+    keep = {0, len(kinds) - 1}
+    for pair in dict.fromkeys(zip(kinds, kinds[1:])):
+        i = next(i for i in range(len(kinds) - 1) if (kinds[i], kinds[i + 1]) == pair)
+        keep |= {i, i + 1}
+    return sorted(keep)
+
+
+def _storage_bytes(tensors, granularity: int, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        for st in get_untyped_storages(t.to_local() if isinstance(t, DTensor) else t):
+            if st._cdata not in seen and st.nbytes():
+                seen.add(st._cdata)
+                total += -(-st.nbytes() // granularity) * granularity
+    return total
+
+
+def _static(params, buffers, optimizer, granularity: int) -> Static:
+    seen: set = set()
+    s = Static()
+    for p in params:
+        n = _storage_bytes([p], granularity, seen)
+        state = [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)] if n else []
+        s = s + Static(n, n if p.requires_grad else 0, _storage_bytes(state, granularity, set()))
+    return s + Static(params=_storage_bytes(list(buffers), granularity, seen))
+
+
+def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularity: int) -> dict[str, Static]:
+    """Parameter, gradient and optimizer bytes of one block of each kind, and of each end ("input",
+    "output", "shared": held by every pipeline stage), plus "tied": what both ends hold (a tied
+    embedding), counted once on a stage that holds both."""
+    out: dict[str, Static] = {}
+    for key, block in part.layers.items():
+        if kinds[key] not in out:
+            out[kinds[key]] = _static(block.parameters(), block.buffers(), optimizer, granularity)
+    named: dict[str, list] = {"input": [], "output": [], "shared": []}
+    buffers: dict[str, list] = {"input": [], "output": [], "shared": []}
+    for items, into in ((part.named_parameters(remove_duplicate=False), named), (part.named_buffers(), buffers)):
+        for name, t in items:
+            top = name.split(".")[0]
+            if top != "layers":
+                end = ("input" if ends is not None and top in ends.inputs else
+                       "output" if ends is not None and top in ends.outputs else "shared")
+                into[end].append(t)
+    for end in named:
+        out[end] = _static(named[end], buffers[end], optimizer, granularity)
+    both = [p for p in named["input"] if any(p is q for q in named["output"])]
+    out["tied"] = _static(both, [], optimizer, granularity)
+    return out
+
+
+def _fake_microbatch(plan, batch: int, positions):
+    """One microbatch as the trainer hands it to the step (the objective's fields, prepared)."""
+    from titanlike.objectives.base import BatchContext
+
+    t = plan.cfg.training
+    fields = {name: torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=DEVICE)
+              for name, (shape, dtype) in plan.objective.sample_fields(t.seq_len).items()}
+    # Values do not matter to fake tensors: token 0 stands in for the end of document.
+    ctx = BatchContext(DEVICE, cp_positions=positions, mask_kernel=None if positions is not None else "sdpa",
+                       eos_id=0, lookahead_tokens=plan.model_args.lookahead_tokens)
+    return plan.objective.prepare(fields, ctx)
+
+
+def _local_bytes(t) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int | None = None) -> Probe:
+    """Probe `plan` (a JobPlan); see the module docstring. microbatch: samples per microbatch (default:
+    the job's local batch, or its pipeline microbatch under pipeline parallelism)."""
+    import logging
+    import time
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from titanlike.models.converters import build_model_converters
+    from titanlike.parallel.context import load_balanced_positions, require_context_parallel_hooks
+    from titanlike.parallel.parallel_dims import ParallelDims
+    from titanlike.parallel.parallelize import parallelize_model
+    from titanlike.train.optimizer import build_optimizer
+    from titanlike.train.step import StepLoss, TrainStep
+
+    began = time.perf_counter()
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    cfg, args, spec, d = plan.cfg, plan.model_args, plan.spec, plan.dims
+    t, ac = cfg.training, (plan.parallelize.activation_checkpoint_mode, plan.parallelize.selective_ac_option)
+    dims = ParallelDims(d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp, d.ep, d.world_size)
+    pipelined, fsdp = dims.pp_enabled, None
+    batch = microbatch or (plan.batch.pipeline_microbatch_size if pipelined else t.local_batch_size)
+    passes = 2 if pipelined or plan.batch.grad_accum_steps > 1 else 1
+    marks: list[tuple] = []
+    inputs: list[int] = []
+    gc_was = gc.isenabled()
+    with fake_world(dims.world_size), _gpu_attention(device == "cuda"):
+        dims.build_mesh(DEVICE.type, experts=args.moe_args() is not None)
+        actions = _schedule_actions(plan, dims) if pipelined else {}
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        converters = build_model_converters(cfg.model.converters, cfg.float8)
+        converters.convert(model)
+        keys = list(model.layers.keys())
+        kinds = [signature(k, model.layers[k], ac) for k in keys]
+        kept = probed_layers(kinds)
+        for i, k in enumerate(keys):
+            if i not in kept:
+                del model.layers[k]
+        kind_of = {keys[i]: kinds[i] for i in kept}
+        if dims.cp_enabled:
+            require_context_parallel_hooks(model)
+        part = parallelize_model(model, spec.shard, dims, plan.parallelize)
+        fsdp = part if isinstance(part, FSDPModule) else None
+        mode = _fake_mode()
+        with mode:
+            part.to_empty(device=DEVICE)
+            part.train()
+            optimizer = build_optimizer([part], cfg.optimizer)
+            # Take one step first: optimizer state is made once, not every step.
+            for p in part.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            optimizer.step()
+            converters.post_optimizer_step([part])
+            optimizer.zero_grad(set_to_none=True)
+            static = _statics(part, optimizer, kind_of, spec.pipeline_ends, granularity)
+            positions = load_balanced_positions(t.seq_len, dims.cp, 0, DEVICE) if dims.cp_enabled else None
+            global_tokens = torch.tensor(float(t.local_batch_size * t.seq_len), device=DEVICE)
+            scaled = plan.precision.loss_scaling != "none"
+
+            def loss_fn(output, labels):
+                loss = plan.objective.loss(output, labels)
+                loss.register_hook(lambda g: mark("backward"))
+                return loss
+
+            step = TrainStep(model_parts=[part], step_loss=StepLoss(loss_fn, torch.ones((), device=DEVICE)
+                                                                    if scaled else None),
+                             optimizer=optimizer, device=DEVICE, max_norm=t.max_norm, tp_mesh=dims.mesh("tp"),
+                             pp_mesh=dims.mesh("pp"),
+                             autocast=torch.autocast("cpu", dtype=plan.precision.autocast_dtype)
+                             if plan.precision.autocast_dtype else contextlib.nullcontext(),
+                             loss_parallel=dims.tp_enabled and plan.parallelize.loss_parallel,
+                             converters=converters, reported_losses=args.reported_losses())
+            live = LiveBytes(granularity)
+
+            def mark(label):
+                marks.append((label, *live.reset()))
+
+            def on_output(key):
+                def hook(module, args_, output):
+                    out = next((o for o in tree_leaves(output) if isinstance(o, torch.Tensor) and o.requires_grad),
+                               None)
+                    if out is not None:
+                        out.register_hook(lambda g: mark(("b", key)))
+                return hook
+
+            def on_input(key):
+                def hook(module, args_):
+                    x = next((a for a in tree_leaves(args_) if isinstance(a, torch.Tensor)), None)
+                    inputs.append(_local_bytes(x))
+                    mark(("f", key))
+                return hook
+
+            for key, block in part.layers.items():
+                block.register_forward_pre_hook(on_input(key))
+                block.register_forward_hook(on_output(key))
+            gc.collect()
+            gc.disable()  # fake tensors are freed by reference counting; the collector only costs time
+            try:
+                with live, BalancedRouting():
+                    for i in range(passes):
+                        mark(("start", i))
+                        mb = _fake_microbatch(plan, batch, positions)
+                        if pipelined and fsdp is not None:  # as torch's pipeline stage runs every backward
+                            fsdp.set_is_last_backward(False)
+                            fsdp.set_reshard_after_backward(False)
+                            fsdp.set_requires_gradient_sync(False)
+                        step.forward_backward(mb)
+                        del mb
+                        mark(("end", i))
+                    if pipelined and fsdp is not None:
+                        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+                        _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=fsdp), 1)
+                    mark("reduced")
+                    step.update(torch.zeros((), device=DEVICE), global_tokens, torch.zeros(0, device=DEVICE))
+                    mark("updated")
+            finally:
+                if gc_was:
+                    gc.enable()
+    out = Probe(kinds=kinds, static=static, forward=[], backward=[], microbatch=batch, probed_layers=len(kept),
+                stage_input=max(inputs, default=0), actions=actions)
+    probed = [static[k] for k in kind_of.values()] + [static[e] for e in ("input", "output", "shared")]
+    out.probed_params = sum(s.params for s in probed) - static["tied"].params
+    out.probed_grads = sum(s.grads for s in probed) - static["tied"].grads
+    _windows(out, marks, kinds, kept, keys, passes)
+    out.seconds = time.perf_counter() - began
+    return out
+
+
+def _schedule_actions(plan, dims) -> dict[int, list[tuple[str, int, int]]]:
+    """torch's action list for every pipeline rank (its schedule built on placeholder stages)."""
+    from titanlike.parallel.pipeline import build_schedule
+
+    layout = plan.pipeline
+    parts = [nn.Linear(1, 1, bias=False, device="meta") for _ in layout.stages_of_rank(0)]
+    runner = build_schedule(parts, layout, dims.mesh("pp"), DEVICE, schedule=plan.cfg.parallelism.pipeline_parallel_schedule,
+                            n_microbatches=plan.batch.pipeline_microbatches, loss_fn=lambda out, target: out.sum())
+    order = getattr(runner.schedule, "pipeline_order", None) or {}
+    return {rank: [(x.computation_type.name, x.stage_index, x.microbatch_index)
+                   for a in actions if a is not None for x in (a.sub_actions or [a])]
+            for rank, actions in order.items()}
+
+
+def _window(marks, a: int, b: int) -> Window:
+    start = marks[a][1]
+    return Window(keep=marks[b][1] - start, over=max(m[2] for m in marks[a + 1:b + 1]) - start)
+
+
+def _windows(out: Probe, marks: list, kinds: list[str], kept: list[int], keys: list[str], passes: int) -> None:
+    index = {k: i for i, k in enumerate(keys)}
+    at = {m[0]: i for i, m in enumerate(marks)}
+    for p in range(passes):
+        start, end = at[("start", p)], at[("end", p)]
+        here = list(range(start, end + 1))
+        f = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "f"]
+        b = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "b"]
+        bwd = next(i for i in here if marks[i][0] == "backward")
+        fw: dict = {"input": _window(marks, start, f[0]), "tail": _window(marks, f[-1], bwd)}
+        for x, y in zip(f, f[1:]):
+            i, j = index[marks[x][0][1]], index[marks[y][0][1]]
+            if j == i + 1:
+                fw.setdefault((kinds[i], kinds[j]), _window(marks, x, y))
+        bw: dict = {"output": _window(marks, bwd, b[0]), "head": _window(marks, b[-1], end)}
+        for x, y in zip(b, b[1:]):
+            i, j = index[marks[x][0][1]], index[marks[y][0][1]]
+            if j == i - 1:
+                bw.setdefault((kinds[i], kinds[j]), _window(marks, x, y))
+        out.forward.append(fw)
+        out.backward.append(bw)
+    last_end = at[("end", passes - 1)]
+    out.reduce = _window(marks, last_end, at["reduced"])
+    out.update = _window(marks, at["reduced"], at["updated"])
