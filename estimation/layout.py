@@ -77,11 +77,15 @@ def stage_windows(probe: Probe, stage: _Stage, p: int) -> tuple[list[Window], li
     fw, bw, kinds, n = probe.forward[p], probe.backward[p], probe.kinds, len(probe.kinds)
     received = Window(probe.stage_input, probe.stage_input)
     forward = [fw["input"] if stage.first else received]
-    forward += [fw["tail"] if i == n - 1 else _find(fw, (kinds[i], kinds[i + 1])) for i in stage.layers]
+    forward += [fw["tail"] if i == n - 1 else fw["first"] if i == 0 else _find(fw, (kinds[i], kinds[i + 1]))
+                for i in stage.layers]
     backward = [bw["output"]] if stage.last else []
-    backward += [bw["head"] if i == 0 else _find(bw, (kinds[i], kinds[i - 1])) for i in reversed(stage.layers)]
+    backward += [bw["head"] if i == 0 else bw["last"] if i == n - 1 else _find(bw, (kinds[i], kinds[i - 1]))
+                 for i in reversed(stage.layers)]
     if not stage.first:
         backward.append(Window(-probe.stage_input, 0))
+    if stage.last:
+        backward.append(bw["release"])
     return forward, backward
 
 
@@ -124,14 +128,15 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
         def forward(s: int, mb: int) -> None:
-            walk.windows(stage_windows(probe, stages[s], min(done[s][0], passes - 1))[0],
-                         f"forward of stage {s}, microbatch {mb}" if plan.pipeline else f"forward of microbatch {mb}")
+            what = f"forward {done[s][0] + 1} of stage {s}" if plan.pipeline else f"forward of microbatch {mb + 1}"
+            walk.windows(stage_windows(probe, stages[s], min(done[s][0], passes - 1))[0], what)
             done[s][0] += 1
 
         def backward(s: int, mb: int, keep_share: float = 0.0) -> int:
             ws = stage_windows(probe, stages[s], min(done[s][1], passes - 1))[1]
             before = walk.level
-            walk.windows(ws, f"backward of stage {s}, microbatch {mb}" if plan.pipeline else f"backward of microbatch {mb}")
+            walk.windows(ws, f"backward {done[s][1] + 1} of stage {s}" if plan.pipeline
+                         else f"backward of microbatch {mb + 1}")
             done[s][1] += 1
             kept = int(max(0, before - walk.level) * keep_share)
             walk.level += kept

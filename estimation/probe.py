@@ -185,8 +185,12 @@ class BalancedRouting(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(t is DTensor for t in types_):
             return NotImplemented
-        if func is aten._local_scalar_dense.default and args[0] in self.values:
-            return self.values[args[0]].item()
+        if func is aten._local_scalar_dense.default:
+            if args[0] in self.values:
+                return self.values[args[0]].item()
+            if args[0].dtype == torch.bool:
+                return True  # a flag the host reads (is the step finite?): yes
+
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         known = bool(tensors) and all(t in self.values for t in tensors)
         if func in _HISTOGRAMS and not known:
@@ -311,10 +315,12 @@ class Probe:
     kinds: list[str]                 # the kind (signature) of every layer of the model, in order
     static: dict[str, Static]        # one block of each kind; the ends: "input", "output", "shared", "tied"
     # Per probed microbatch: the forward window of a block of kind a followed by one of kind b, by
-    # (a, b); "input" (before the first block) and "tail" (the last block, the output end, the loss).
+    # (a, b); "input" (before the first block), "first" (the first block) and "tail" (the last block,
+    # the output end, the loss).
     forward: list[dict]
     # Per probed microbatch: the backward window of a block of kind a preceded by one of kind b, by
-    # (a, b); "output" (the output end's) and "head" (the first block's and the input end's).
+    # (a, b); "output" (the output end's), "last" (the last block's), "head" (the first block's and
+    # the input end's) and "release" (after backward: the step lets go of the output and the batch).
     backward: list[dict]
     reduce: Window = field(default_factory=Window)  # pipeline parallel: the gradient reduction at the end
     update: Window = field(default_factory=Window)  # clipping and the optimizer step
@@ -336,14 +342,21 @@ def signature(key: str, block: nn.Module, ac: tuple[str, str]) -> str:
     return f"{block!r}|{shapes}|{checkpointing(key, *ac)}"
 
 
-def probed_layers(kinds: list[str]) -> list[int]:
-    """Layers to keep: the first and the last, and for every pair of kinds that follow each other
-    somewhere in the model, the first two layers that do."""
-    keep = {0, len(kinds) - 1}
-    for pair in dict.fromkeys(zip(kinds, kinds[1:])):
-        i = next(i for i in range(len(kinds) - 1) if (kinds[i], kinds[i + 1]) == pair)
-        keep |= {i, i + 1}
-    return sorted(keep)
+def probed_layers(kinds: list[str]) -> dict[tuple[str, str], int]:
+    """For every pair of kinds that follow each other somewhere in the model, the first layer i with
+    (kinds[i], kinds[i + 1]) that pair, preferring pairs away from the ends (the first block's forward
+    and the last block's backward also do the ends' work)."""
+    where: dict[tuple[str, str], int] = {}
+    inner = lambda i: 1 <= i and i + 2 < len(kinds)  # noqa: E731
+    for i, pair in enumerate(zip(kinds, kinds[1:])):
+        if pair not in where or (inner(i) and not inner(where[pair])):
+            where[pair] = i
+    return where
+
+
+def _kept(kinds: list[str], where: dict) -> list[int]:
+    """The layers a probe keeps: the first, the last, and each probed pair."""
+    return sorted({0, len(kinds) - 1, *where.values(), *(i + 1 for i in where.values())})
 
 
 def _storage_bytes(tensors, granularity: int, seen: set) -> int:
@@ -443,7 +456,8 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
         converters.convert(model)
         keys = list(model.layers.keys())
         kinds = [signature(k, model.layers[k], ac) for k in keys]
-        kept = probed_layers(kinds)
+        where = probed_layers(kinds)
+        kept = _kept(kinds, where)
         for i, k in enumerate(keys):
             if i not in kept:
                 del model.layers[k]
@@ -468,9 +482,13 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
             global_tokens = torch.tensor(float(t.local_batch_size * t.seq_len), device=DEVICE)
             scaled = plan.precision.loss_scaling != "none"
 
+            def started(grad):
+                mark("backward")
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: mark("backward done"))
+
             def loss_fn(output, labels):
                 loss = plan.objective.loss(output, labels)
-                loss.register_hook(lambda g: mark("backward"))
+                loss.register_hook(started)
                 return loss
 
             step = TrainStep(model_parts=[part], step_loss=StepLoss(loss_fn, torch.ones((), device=DEVICE)
@@ -501,9 +519,10 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
                     mark(("f", key))
                 return hook
 
+            # Before FSDP's own hooks: a block's window holds the gathering of its weights, forward and backward.
             for key, block in part.layers.items():
-                block.register_forward_pre_hook(on_input(key))
-                block.register_forward_hook(on_output(key))
+                block.register_forward_pre_hook(on_input(key), prepend=True)
+                block.register_forward_hook(on_output(key), prepend=True)
             gc.collect()
             gc.disable()  # fake tensors are freed by reference counting; the collector only costs time
             try:
@@ -533,7 +552,7 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
     probed = [static[k] for k in kind_of.values()] + [static[e] for e in ("input", "output", "shared")]
     out.probed_params = sum(s.params for s in probed) - static["tied"].params
     out.probed_grads = sum(s.grads for s in probed) - static["tied"].grads
-    _windows(out, marks, kinds, kept, keys, passes)
+    _windows(out, marks, kinds, where, keys, passes)
     out.seconds = time.perf_counter() - began
     return out
 
@@ -557,25 +576,27 @@ def _window(marks, a: int, b: int) -> Window:
     return Window(keep=marks[b][1] - start, over=max(m[2] for m in marks[a + 1:b + 1]) - start)
 
 
-def _windows(out: Probe, marks: list, kinds: list[str], kept: list[int], keys: list[str], passes: int) -> None:
-    index = {k: i for i, k in enumerate(keys)}
+def _windows(out: Probe, marks: list, kinds: list[str], where: dict, keys: list[str], passes: int) -> None:
     at = {m[0]: i for i, m in enumerate(marks)}
     for p in range(passes):
         start, end = at[("start", p)], at[("end", p)]
-        here = list(range(start, end + 1))
+        here = range(start, end + 1)
+        local = {marks[i][0]: i for i in here}
         f = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "f"]
         b = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "b"]
         bwd = next(i for i in here if marks[i][0] == "backward")
-        fw: dict = {"input": _window(marks, start, f[0]), "tail": _window(marks, f[-1], bwd)}
-        for x, y in zip(f, f[1:]):
-            i, j = index[marks[x][0][1]], index[marks[y][0][1]]
-            if j == i + 1:
-                fw.setdefault((kinds[i], kinds[j]), _window(marks, x, y))
-        bw: dict = {"output": _window(marks, bwd, b[0]), "head": _window(marks, b[-1], end)}
-        for x, y in zip(b, b[1:]):
-            i, j = index[marks[x][0][1]], index[marks[y][0][1]]
-            if j == i - 1:
-                bw.setdefault((kinds[i], kinds[j]), _window(marks, x, y))
+        fw: dict = {"input": _window(marks, start, f[0]), "first": _window(marks, f[0], f[1] if len(f) > 1 else bwd),
+                    "tail": _window(marks, f[-1], bwd)}
+        done = next(i for i in here if marks[i][0] == "backward done")
+        bw: dict = {"output": _window(marks, bwd, b[0]), "last": _window(marks, b[0], b[1] if len(b) > 1 else done),
+                    "head": _window(marks, b[-1], done), "release": _window(marks, done, end)}
+        for pair, i in where.items():
+            x, y = (local.get((kind, keys[j]), -1) for kind, j in (("f", i), ("f", i + 1)))
+            if start < x < y < end:
+                fw[pair] = _window(marks, x, y)
+            x, y = (local.get((kind, keys[j]), -1) for kind, j in (("b", i + 1), ("b", i)))
+            if start < x < y < end:
+                bw[pair[::-1]] = _window(marks, x, y)
         out.forward.append(fw)
         out.backward.append(bw)
     last_end = at[("end", passes - 1)]
