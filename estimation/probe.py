@@ -39,7 +39,8 @@ fake tensor has none. The probe assumes balanced routing: a second dispatch mode
 integer tensors that routing makes (a top-k picks the candidates round-robin, so every expert gets
 tokens x top_k / experts rows; a histogram of values it does not know is uniform; a collective
 leaves every rank what this one holds, so all-to-all brings a rank as many rows as it sends) and
-computes what is derived from them for real. Real routing is uneven: a rank whose experts get more
+computes what is derived from them for real. Any other scalar the host reads is taken as 1 (a
+finite step; a float8 scale that is set). Real routing is uneven: a rank whose experts get more
 tokens holds more (`moe.capacity_factor` bounds it).
 """
 
@@ -77,6 +78,17 @@ def fake_world(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions by mesh value: a later world's equal mesh would get this one's
+    process groups (gone with it)."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def _fake_mode():
@@ -169,11 +181,14 @@ class LiveBytes(TorchDispatchMode):
 _INTEGRAL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _HISTOGRAMS = (aten.bincount.default, aten.histc.default)
 _SHADOW_LIMIT = 1 << 24
+_READS = (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default)
 
 
-class BalancedRouting(TorchDispatchMode):
-    """Real values for the integer tensors token routing makes, so that sizes read from them (split
-    sizes, row counts) are those of balanced routing; see the module docstring."""
+class AssumedValues(TorchDispatchMode):
+    """Values where fake tensors have none but the step reads one: real values for the integer tensors
+    token routing makes, so that sizes read from them (split sizes, row counts) are those of balanced
+    routing (see the module docstring); and 1 for any other scalar the host reads (true: a finite
+    step, a set float8 scale)."""
 
     def __init__(self):
         super().__init__()
@@ -185,11 +200,9 @@ class BalancedRouting(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(t is DTensor for t in types_):
             return NotImplemented
-        if func is aten._local_scalar_dense.default:
-            if args[0] in self.values:
-                return self.values[args[0]].item()
-            if args[0].dtype == torch.bool:
-                return True  # a flag the host reads (is the step finite?): yes
+        if func in _READS:
+            value = self.values[args[0]].item() if args[0] in self.values else 1
+            return bool(value) if func is aten.is_nonzero.default or args[0].dtype == torch.bool else value
 
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         known = bool(tensors) and all(t in self.values for t in tensors)
@@ -266,6 +279,21 @@ class _FusedAttention(torch.autograd.Function):
 
 def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     return _FusedAttention.apply(q, k, v, attn_mask)
+
+
+@contextlib.contextmanager
+def _own_propagation_mode():
+    """DTensor derives output shapes by running each op on global-shape tensors in the active fake mode
+    (ours): give it one of its own, as in eager, so that those tensors are not counted (with loss
+    parallel at 8B, seq 8192, TP 8: a whole-vocabulary fp32 tensor, +8 GiB)."""
+    from torch.distributed.tensor import _sharding_prop
+
+    original, mode = _sharding_prop.detect_fake_mode, _fake_mode()
+    _sharding_prop.detect_fake_mode = lambda *a, **k: mode
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
 
 
 @contextlib.contextmanager
@@ -447,7 +475,7 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
     marks: list[tuple] = []
     inputs: list[int] = []
     gc_was = gc.isenabled()
-    with fake_world(dims.world_size), _gpu_attention(device == "cuda"):
+    with fake_world(dims.world_size), _gpu_attention(device == "cuda"), _own_propagation_mode():
         dims.build_mesh(DEVICE.type, experts=args.moe_args() is not None)
         actions = _schedule_actions(plan, dims) if pipelined else {}
         with torch.device("meta"):
@@ -467,7 +495,8 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
         part = parallelize_model(model, spec.shard, dims, plan.parallelize)
         fsdp = part if isinstance(part, FSDPModule) else None
         mode = _fake_mode()
-        with mode:
+        values = AssumedValues()
+        with mode, values:
             part.to_empty(device=DEVICE)
             part.train()
             optimizer = build_optimizer([part], cfg.optimizer)
@@ -526,7 +555,7 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
             gc.collect()
             gc.disable()  # fake tensors are freed by reference counting; the collector only costs time
             try:
-                with live, BalancedRouting():
+                with live:
                     for i in range(passes):
                         mark(("start", i))
                         mb = _fake_microbatch(plan, batch, positions)
