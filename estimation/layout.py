@@ -167,5 +167,19 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
         scale = static.params / max(probe.probed_params, 1)
         walk.window(Window(0, int(probe.update.over * scale)), "optimizer step")
         rank = pp_rank * (plan.dims.world_size // plan.dims.pp)
-        out.append(RankEstimate(rank=rank, pp_rank=pp_rank, stages=list(held), peak=walk.peak, peak_phase=walk.where))
+        out.append(RankEstimate(rank=rank, pp_rank=pp_rank, stages=list(held), peak=walk.peak, peak_phase=walk.where,
+                                reserved=reserved_bytes(walk.peak.total, probe)))
     return out
+
+
+def reserved_bytes(peak: int, probe: Probe) -> int:
+    """What the CUDA caching allocator holds at the peak: the tensors' bytes (each rounded up to its
+    512-byte block by the probe), plus the pools of the streams FSDP's collectives allocate on, which
+    the default stream cannot reuse: per collective, its largest buffer and its second largest (an
+    all-gather prefetched while one is in use; FSDP keeps a reduce-scatter's buffer until the next
+    one is issued). An upper bound on those pools: at the peak some of those buffers are alive and
+    counted among the tensors too. Not modeled: holes inside a pool (free blocks too small for the
+    next request), which expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as
+    torchtitan's launcher sets) keep small; memory outside the allocator (CUDA context, NCCL's own
+    buffers, cuBLAS workspaces) is not reserved memory: the verdict adds it (estimate.reserved_gib)."""
+    return peak + sum(sum(sizes) for sizes in probe.pools.values())

@@ -47,6 +47,7 @@ tokens holds more (`moe.capacity_factor` bounds it).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import types
@@ -109,7 +110,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, granularity: int):
         super().__init__()
-        self.granularity, self.now, self.peak = granularity, 0, 0
+        self.granularity, self.now, self.peak, self.high = granularity, 0, 0, 0
         self._bytes: dict[int, int] = {}
         self._keys = WeakIdKeyDictionary()
         self._next = 0
@@ -133,6 +134,7 @@ class LiveBytes(TorchDispatchMode):
     def _add(self, n: int) -> None:
         self.now += n
         self.peak = max(self.peak, self.now)
+        self.high = max(self.high, self.now)
 
     def reset(self) -> tuple[int, int]:
         """(now, peak since the last reset), and start a new peak."""
@@ -282,6 +284,31 @@ def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
 
 
 @contextlib.contextmanager
+def _collective_buffers(live: LiveBytes, pools: dict[str, list[int]]):
+    """The two largest allocations of FSDP's all-gather and reduce-scatter calls (on a GPU they allocate
+    from their own streams' pools, which the caching allocator keeps for them)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    def watched(name, fn):
+        def call(*args, **kwargs):
+            start = live.high = live.now
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                pools[name] = sorted([*pools.get(name, []), live.high - start])[-2:]
+        return call
+
+    originals = {name: getattr(group, name) for name in ("foreach_all_gather", "foreach_reduce")}
+    for name, fn in originals.items():
+        setattr(group, name, watched(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(group, name, fn)
+
+
+@contextlib.contextmanager
 def _own_propagation_mode():
     """DTensor derives output shapes by running each op on global-shape tensors in the active fake mode
     (ours): give it one of its own, as in eager, so that those tensors are not counted (with loss
@@ -353,6 +380,9 @@ class Probe:
     reduce: Window = field(default_factory=Window)  # pipeline parallel: the gradient reduction at the end
     update: Window = field(default_factory=Window)  # clipping and the optimizer step
     stage_input: int = 0             # bytes of the hidden state entering a block (a pipeline stage's input)
+    # The two largest buffers one FSDP all-gather ("foreach_all_gather") and one reduce-scatter
+    # ("foreach_reduce") allocate.
+    pools: dict[str, list[int]] = field(default_factory=dict)
     probed_params: int = 0           # parameter and gradient bytes of the probed blocks and ends
     probed_grads: int = 0
     microbatch: int = 0              # samples per probed microbatch
@@ -474,13 +504,17 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
     passes = 2 if pipelined or plan.batch.grad_accum_steps > 1 else 1
     marks: list[tuple] = []
     inputs: list[int] = []
+    pools: dict[str, list[int]] = {}
     gc_was = gc.isenabled()
     with fake_world(dims.world_size), _gpu_attention(device == "cuda"), _own_propagation_mode():
         dims.build_mesh(DEVICE.type, experts=args.moe_args() is not None)
         actions = _schedule_actions(plan, dims) if pipelined else {}
         with torch.device("meta"):
             model = spec.model_cls(args)
-        converters = build_model_converters(cfg.model.converters, cfg.float8)
+        # float8 matmuls as on the GPU (torch._scaled_mm, whose fake kernel runs anywhere) rather than
+        # emulated in fp32, which a job needs on CPU only.
+        float8 = dataclasses.replace(cfg.float8, emulate=False) if device == "cuda" else cfg.float8
+        converters = build_model_converters(cfg.model.converters, float8)
         converters.convert(model)
         keys = list(model.layers.keys())
         kinds = [signature(k, model.layers[k], ac) for k in keys]
@@ -555,7 +589,7 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
             gc.collect()
             gc.disable()  # fake tensors are freed by reference counting; the collector only costs time
             try:
-                with live:
+                with live, _collective_buffers(live, pools):
                     for i in range(passes):
                         mark(("start", i))
                         mb = _fake_microbatch(plan, batch, positions)
@@ -577,7 +611,7 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
                 if gc_was:
                     gc.enable()
     out = Probe(kinds=kinds, static=static, forward=[], backward=[], microbatch=batch, probed_layers=len(kept),
-                stage_input=max(inputs, default=0), actions=actions)
+                stage_input=max(inputs, default=0), actions=actions, pools=pools)
     probed = [static[k] for k in kind_of.values()] + [static[e] for e in ("input", "output", "shared")]
     out.probed_params = sum(s.params for s in probed) - static["tied"].params
     out.probed_grads = sum(s.grads for s in probed) - static["tied"].grads

@@ -1,8 +1,10 @@
 """Activation checkpointing per transformer block: full, every N-th block, or op-level.
 
-Op-level (selective_ac_option = "op") keeps the outputs of the expensive ops
-(matmuls and attention) and recomputes the cheap elementwise rest, trading a
-little memory for most of the recompute cost of full AC.
+Op-level (selective_ac_option = "op") is torchtitan's policy: keep the outputs of attention, of
+every second matmul, of reduce-scatters and of max (float8's scaling amax, a scalar; not the
+full-size abs it is taken of, as torchtitan's own list no longer does), and recompute the rest (the
+other matmuls and the cheap elementwise ops), trading a little memory for most of the recompute
+cost of full AC.
 """
 
 from __future__ import annotations
@@ -15,24 +17,31 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-# Outputs worth keeping: recomputing them costs FLOPs, storing them costs memory once.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+# Outputs worth keeping: recomputing them costs FLOPs (or a collective), storing them costs memory once.
 _SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
+    *_MATMULS,
     torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
 }
 
 
-def _op_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _op_level_contexts():
-    return create_selective_checkpoint_contexts(_op_policy)
+    matmuls = {False: 0, True: 0}  # counted apart in the forward and in its recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _MATMULS:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 @dataclass(frozen=True)
