@@ -293,7 +293,7 @@ def test_memory_rule_refuses_a_job_no_machine_holds():
     with pytest.raises(ConfigError) as err:
         check_fits(plan)
     msg = str(err.value)
-    assert msg.startswith("the job needs about ") and " GiB per rank (" in msg and "by the analytic estimate" in msg
+    assert msg.startswith("the job needs about ") and " GiB per rank (" in msg and "by the estimator" in msg
     assert "lower training.local_batch_size or training.seq_len" in msg and "\n" not in msg
     assert check_fits(plan_job(load_job_config([]), world_size=1)) is None  # the debug job fits anywhere
 
