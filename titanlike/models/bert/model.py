@@ -128,12 +128,6 @@ class BertBlock(TransformerBlock):
         super().__init__(layer_id, **block)
         self.pre_norm = pre_norm
 
-    @property
-    def norm_order(self) -> str:
-        """Declares the residual order to the analytic memory estimate (estimation/analytic.py):
-        TransformerBlock's sublayers, each norm before ("pre") or after ("post") its residual add."""
-        return "pre" if self.pre_norm else "post"
-
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None) -> torch.Tensor:
         if self.pre_norm:
             return super().forward(x, rope, mask)
@@ -143,10 +137,6 @@ class BertBlock(TransformerBlock):
 
 class LMHeadTransform(nn.Module):
     """The MLM head's transform before the tied output projection: LayerNorm(gelu(dense(h)))."""
-
-    # Declares the per-token ops, in order, to the analytic memory estimate (estimation/analytic.py):
-    # child names, and "gelu" for the elementwise activation between them.
-    per_token_ops = ("dense", "gelu", "norm")
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -168,9 +158,6 @@ class BinaryHead(nn.Module):
     distributed), so it stays a plain tensor."""
 
     reported_loss = BINARY_LOSS
-    # Declares to the analytic memory estimate (estimation/analytic.py) that it reads one token per
-    # sequence (position 0): nothing per token beyond the hidden states it reads.
-    per_sequence = True
 
     def __init__(self, dim: int):
         super().__init__()
