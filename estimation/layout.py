@@ -21,7 +21,9 @@ activations it frees stays until W (an assumption, stated in the notes). The sta
 reduction and the update follow, their windows scaled from the probe by the rank's gradient and
 parameter bytes (foreach AdamW makes its temporaries for all parameters at once). The peak is the
 highest point of that walk; the breakdown splits it into what stays between steps, what the step
-holds when the peak's window begins, and the window's rise.
+holds when the peak's window begins, and the window's rise. Under FSDP CPU offload the parameter
+shards, their gradients and the optimizer state (and its step) are host memory, reported apart; the
+gradients a backward makes are counted on the device until its end (FSDP copies them out as it goes).
 """
 
 from __future__ import annotations
@@ -92,8 +94,11 @@ def stage_windows(probe: Probe, stage: _Stage, p: int) -> tuple[list[Window], li
 class _Walk:
     """The live bytes of one rank through its step, and the highest point reached."""
 
-    def __init__(self, static: Static):
-        self.base = Breakdown(parameters=static.params, optimizer_state=static.optimizer)
+    def __init__(self, static: Static, offload: bool):
+        # FSDP CPU offload: parameter shards, their gradients and the optimizer state live in host memory.
+        self.offload = offload
+        self.base = Breakdown(parameters=0 if offload else static.params,
+                              optimizer_state=0 if offload else static.optimizer)
         self.level = self.grads = 0
         self.peak, self.where = Breakdown(**vars(self.base)), "start"
 
@@ -111,7 +116,7 @@ class _Walk:
         """The reduced gradients now exist: file them as gradients rather than as held by the step."""
         moved = max(0, min(self.level, grads - self.grads))
         self.level -= moved
-        self.grads += moved
+        self.grads += 0 if self.offload else moved
 
 
 def estimate(plan, probe: Probe) -> list[RankEstimate]:
@@ -124,7 +129,8 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
         static = Static()
         for s in held:
             static = static + stage_static(probe, stages[s])
-        walk = _Walk(static)
+        offload = plan.parallelize.cpu_offload and plan.dims.fsdp_enabled
+        walk = _Walk(static, offload)
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
         def forward(s: int, mb: int) -> None:
@@ -165,10 +171,11 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
                         "gradient reduction")
             walk.gradients_done(static.grads)
         scale = static.params / max(probe.probed_params, 1)
-        walk.window(Window(0, int(probe.update.over * scale)), "optimizer step")
+        walk.window(Window(0, 0 if offload else int(probe.update.over * scale)), "optimizer step")
         rank = pp_rank * (plan.dims.world_size // plan.dims.pp)
         out.append(RankEstimate(rank=rank, pp_rank=pp_rank, stages=list(held), peak=walk.peak, peak_phase=walk.where,
-                                reserved=reserved_bytes(walk.peak.total, probe)))
+                                reserved=reserved_bytes(walk.peak.total, probe),
+                                host=static.params + static.grads + static.optimizer if offload else 0))
     return out
 
 

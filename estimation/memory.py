@@ -47,6 +47,7 @@ class RankEstimate:
     peak: Breakdown
     peak_phase: str = ""
     reserved: int = 0
+    host: int = 0  # bytes in host memory (FSDP CPU offload)
 
     @property
     def peak_bytes(self) -> int:
@@ -54,7 +55,7 @@ class RankEstimate:
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "pp_rank": self.pp_rank, "stages": self.stages, "peak_bytes": self.peak_bytes,
-                "reserved_bytes": self.reserved, "peak_phase": self.peak_phase, "breakdown": self.peak.as_dict()}
+                "reserved_bytes": self.reserved, "host_bytes": self.host, "peak_phase": self.peak_phase, "breakdown": self.peak.as_dict()}
 
 
 def gib(n: float) -> str:

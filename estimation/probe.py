@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -203,7 +202,8 @@ class AssumedValues(TorchDispatchMode):
         if any(t is DTensor for t in types_):
             return NotImplemented
         if func in _READS:
-            value = self.values[args[0]].item() if args[0] in self.values else 1
+            with unset_fake_temporarily():
+                value = self.values[args[0]].item() if args[0] in self.values else 1
             return bool(value) if func is aten.is_nonzero.default or args[0].dtype == torch.bool else value
 
         if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
@@ -231,8 +231,8 @@ class AssumedValues(TorchDispatchMode):
                 out = None
             if out is None or any(isinstance(t, torch.Tensor) and t.dtype in _INTEGRAL
                                   and t.numel() <= _SHADOW_LIMIT for t in tree_leaves(out)):
-                if not tensors and "empty" in func.__name__:
-                    return out
+                if "empty" in func.__name__:
+                    return out  # no values to know
                 with unset_fake_temporarily():
                     real = func(*real_args, **real_kwargs)
                 if out is None:

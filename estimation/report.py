@@ -44,6 +44,11 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
         notes.append("mixture of experts: probed with balanced routing (every expert gets tokens x top_k / experts "
                      "rows); real routing is uneven, and a rank whose experts get more holds more "
                      "(moe.capacity_factor bounds it)")
+    if top.host:
+        notes.append(f"CPU offload: {top.host / GiB:.2f} GiB per rank of parameter shards, their gradients and optimizer "
+                     "state live in host memory (not in the peak), and the optimizer steps there")
+    if t_rampup := cfg.training.rampup_batch_size:
+        notes.append(f"batch ramp-up ({t_rampup}): estimated at the final global batch, the largest accumulation")
     if plan.pipeline is not None and any(kind in ("BACKWARD_INPUT",) for acts in measured.actions.values()
                                          for kind, _, _ in acts):
         notes.append("split backward (I, then W): half of what a microbatch's backward frees is assumed kept "

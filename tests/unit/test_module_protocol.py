@@ -109,7 +109,6 @@ def hook_violations(args, model: nn.Module) -> tuple[list[str], set[str]]:
 
 def _meaning(name: str, value, module: nn.Module, args, reported: set[str]) -> list[str]:
     """What the value of hook `name` on `module` breaks of its declared meaning."""
-    children = dict(module.named_children())
     if name in ("core_attention", "sequence_carry") and name not in vars(module):
         return [f"{name} is not an instance attribute (context parallelism replaces it per instance)"]
     if name == "loss_weight" and (name not in vars(module) or value is not None):
