@@ -59,7 +59,7 @@ import torch.nn as nn
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 DEVICE = torch.device("cpu")
@@ -223,8 +223,7 @@ class AssumedValues(TorchDispatchMode):
             self.values[out] = real
             return out
         if known or not tensors:
-            real_args = tuple(self.values.get(t, t) if isinstance(t, torch.Tensor) else t for t in args)
-            real_kwargs = {k: self.values.get(v, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            real_args, real_kwargs = tree_map_only(torch.Tensor, lambda t: self.values[t], (args, kwargs))
             try:
                 out = func(*args, **kwargs)
             except Exception:  # a size only the values give (repeat_interleave by counts): make it from them
@@ -236,7 +235,7 @@ class AssumedValues(TorchDispatchMode):
                 with unset_fake_temporarily():
                     real = func(*real_args, **real_kwargs)
                 if out is None:
-                    out = torch.utils._pytree.tree_map(
+                    out = tree_map(
                         lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=DEVICE)
                         if isinstance(r, torch.Tensor) else r, real)
                 for f, r in zip(tree_leaves(out), tree_leaves(real)):
