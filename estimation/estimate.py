@@ -50,5 +50,10 @@ def main(argv: list[str] | None = None, prog: str = "estimation/estimate.py") ->
     return 0
 
 
+def console_main() -> None:
+    """The `titanlike-estimate` console script."""
+    sys.exit(main(prog="titanlike-estimate"))
+
+
 if __name__ == "__main__":
     sys.exit(main())

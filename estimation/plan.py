@@ -17,9 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from estimation.estimate import main as _estimate_main  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "estimation/plan.py") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    return _estimate_main([*argv, "--estimate.plan"], prog="estimation/plan.py")
+    return _estimate_main([*argv, "--estimate.plan"], prog=prog)
+
+
+def console_main() -> None:
+    """The `titanlike-plan` console script."""
+    sys.exit(main(prog="titanlike-plan"))
 
 
 if __name__ == "__main__":

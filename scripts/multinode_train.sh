@@ -11,6 +11,9 @@
 #               host of SLURM_JOB_NODELIST, else localhost, port 29500)
 # JOB_ID        rendezvous id shared by the nodes of one job (default: SLURM_JOB_ID, else "titanlike")
 # Every argument is passed to train.py (python3 train.py --help lists its options).
+# The job is validated once before torchrun starts (python3 train.py ... --job.validate_only, for
+# NNODES x NPROC_PER_NODE ranks): a bad config is one sentence and exit 2, and no rank is started.
+# TITANLIKE_VALIDATED=1 skips that step (scripts/slurm_train.sbatch validated the job already).
 for arg in "$@"; do  # -h / --help: print the comment block at the top of this file
     case $arg in -h | --help) awk 'NR > 1 { if (!/^#( |$)/) exit; sub(/^# ?/, ""); print }' "$0"; exit 0 ;; esac
 done
@@ -28,6 +31,15 @@ if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
     RDZV_ENDPOINT="$head:29500"
 fi
 JOB_ID=${JOB_ID:-${SLURM_JOB_ID:-titanlike}}
+if [[ "${TITANLIKE_VALIDATED:-0}" != 1 ]]; then
+    # Every check the ranks would make before their process group, made once here: a refusal is one
+    # sentence instead of one per rank under torchrun's ChildFailedError report.
+    WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) LOCAL_WORLD_SIZE=$NPROC_PER_NODE RANK=0 \
+        python3 train.py "$@" --job.validate_only
+fi
+for arg in "$@"; do  # the caller asked for validation only
+    case $arg in --job.validate_only | --job.validate_only=true | --job.validate_only=True) exit 0 ;; esac
+done
 # Stopping early (titanlike/train/faults.py): on SIGTERM or SIGUSR1 every rank finishes its step,
 # saves a full checkpoint and exits 0; relaunching the same command resumes from it.
 # - SIGTERM sent to torchrun (Kubernetes, scancel) is forwarded by torchrun to the ranks, which it

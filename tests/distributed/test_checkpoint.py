@@ -76,7 +76,7 @@ def test_straight_run_saves_a_full_checkpoint_and_exports_the_model(straight):
     dump, metrics = straight
     assert sorted(metrics) == list(range(1, 11))
     folder = dump / "checkpoint"
-    assert sorted(os.listdir(folder)) == ["step-10", "step-5"]
+    assert sorted(set(os.listdir(folder)) - {".titanlike.lock"}) == ["step-10", "step-5"]
     info = json.loads((folder / "step-10" / "titanlike.json").read_text())
     assert info["contents"] == "model_only" and info["model"]["name"] == "llama3"
     dtypes = {md.properties.dtype for md in read_dcp_metadata(str(folder / "step-10")).state_dict_metadata.values()}

@@ -53,7 +53,8 @@ def test_validation_is_reported_and_leaves_training_alone(reference, single_proc
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(dump / "tb"))
+    (run,) = (dump / "tb").iterdir()  # torchtitan's layout: one timestamped folder per launch
+    events = EventAccumulator(str(run))
     events.Reload()
     assert [e.step for e in events.Scalars("validation/loss")] == [5, 10]
     assert events.Scalars("validation/loss")[1].value == pytest.approx(valid[1]["validation_loss"], rel=1e-6)

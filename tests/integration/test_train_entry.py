@@ -13,7 +13,8 @@ def test_tensorboard_events_have_loss_tag(tmp_path):
             "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    (run,) = (tmp_path / "tb").iterdir()  # torchtitan's layout: one timestamped folder per launch
+    acc = EventAccumulator(str(run))
     acc.Reload()
     tags = acc.Tags()["scalars"]
     for tag in ("loss", "grad_norm", "lr", "tps", "max_rss"):

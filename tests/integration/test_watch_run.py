@@ -58,7 +58,9 @@ def test_progress_lines_summary_and_no_single_process_dcp_warning(run):
                     summary)
     final = json.loads((dump / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["step"] == STEPS and f"validation loss: final {final['validation_loss']:.4f} (step {STEPS})" in summary
-    assert f"checkpoints:     {dump / 'checkpoint'} (latest: step-{STEPS})" in summary
+    # The last save holds the model only (torchtitan's checkpoint.last_save_model_only, on by default).
+    assert f"checkpoints:     {dump / 'checkpoint'} (latest: step-{STEPS}, the model only; sample: " \
+        f"python scripts/generate.py {dump / 'checkpoint'})" in summary
     assert f"tensorboard --logdir {dump / 'tb'}" in summary
     assert f"python scripts/plot_metrics.py {dump / 'metrics.jsonl'}" in summary
     assert f"profiler traces: {dump / 'profile_traces'}" in summary

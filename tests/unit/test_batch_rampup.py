@@ -134,9 +134,8 @@ def test_resume_with_another_ramp_is_refused():
     next(it)
     state = loader.state_dict()
     (other,) = _loaders(4, 1, rampup=[4, 8, 24])
-    other.load_state_dict(state)
-    with pytest.raises(ValueError, match="rampup_batch_size=4,4,24 but this run uses 4,8,24"):
-        iter(other)
+    with pytest.raises(ValueError, match="saved with training.rampup_batch_size 4,4,24 but this run's is 4,8,24"):
+        other.load_state_dict(state)  # refused as it is loaded, not at the next iter()
 
 
 # The learning rate counts samples under a ramp-up ----------------------------------------------

@@ -339,11 +339,11 @@ def test_garbage_inside_an_entry_is_reported_not_raised_as_base_exception(saved)
     with open(os.path.join(path, info.relative_path), "r+b") as f:
         f.seek(info.offset)
         f.write(b"\xff" * info.length)
-    # The checksums would name the file first (tests/unit/test_checkpoint_integrity.py): without them,
-    # the damage surfaces in DCP's read.
-    sidecar = json.load(open(os.path.join(path, "titanlike.json")))
-    del sidecar["checksums"]
-    json.dump(sidecar, open(os.path.join(path, "titanlike.json"), "w"))
+    # The checksums would name the file first (tests/unit/test_checkpoint_integrity.py): resealed
+    # over the damage (a format-2 checkpoint without them is refused), it surfaces in DCP's read.
+    from faults import reseal
+
+    reseal(path)
     with pytest.raises(CheckpointError, match=r"loading checkpoint .*step-3 failed: rank 0"):
         Job(root).start()
 
@@ -428,7 +428,8 @@ def test_sidecar_records_the_args_with_the_flavors_context(tmp_path):
     job = run(tmp_path, 3, steps=3)
     info = json.load(open(os.path.join(job.folder(), "step-3", "titanlike.json")))
     context = llama3_flavors["debugmodel_tiny"].context_len
-    assert info["model"] == {"name": "llama3", "args": ARGS.with_context_len(context).to_dict()}
+    assert info["model"] == {"name": "llama3", "flavor": "debugmodel_tiny",
+                             "args": ARGS.with_context_len(context).to_dict()}
     spec, args = ckpt_format.build_args(info["model"])
     assert spec.name == "llama3" and args == ARGS.with_context_len(context)
     with pytest.raises(CheckpointError, match=r"^here: the args do not fit model llama3: .*n_experts"):

@@ -238,9 +238,8 @@ def test_resume_rejects_other_seq_len(tok):
     loader = default_loader(tok)
     take(loader, 1)
     other = default_loader(tok, seq_len=SEQ * 2)
-    other.load_state_dict(loader.state_dict())
-    with pytest.raises(ValueError, match="seq_len=16 but this run uses 32"):
-        iter(other)
+    with pytest.raises(ValueError, match="saved with training.seq_len 16 but this run's is 32"):
+        other.load_state_dict(loader.state_dict())  # refused as it is loaded, not at the next iter()
 
 
 # --------------------------------------------------------------------------- local files

@@ -415,6 +415,12 @@ def _shutdown(dist) -> None:
     # is still in flight, which sporadically aborts the process at exit.
     dist.barrier()
     dist.destroy_process_group()
+    # Gloo's worker threads can still be torn down at interpreter exit after a clean destroy
+    # ("terminate called without an active exception", SIGABRT; seen once in CI): every check
+    # has passed and printed by now, so leave without running the C++ static destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _check_fsdp_init() -> None:

@@ -86,8 +86,10 @@ def published_steps(folder: str) -> list[int]:
 # Sidecar ----------------------------------------------------------------------------------
 
 
-def model_description(name: str, args: Any, *, context_len: int | None = None) -> dict[str, Any]:
-    """What load_model needs to rebuild the model: family name and its args (``args.to_dict()``).
+def model_description(name: str, args: Any, *, context_len: int | None = None,
+                      flavor: str | None = None) -> dict[str, Any]:
+    """What load_model needs to rebuild the model: family name and its args (``args.to_dict()``),
+    and the flavor a job trained (a resume compares family and flavor with its own).
 
     context_len replaces the args' context length: a job's args carry training.seq_len, which
     only sizes position tables (the weights do not depend on it); the sidecar records the
@@ -95,11 +97,17 @@ def model_description(name: str, args: Any, *, context_len: int | None = None) -
     """
     if context_len is not None:
         args = args.with_context_len(context_len)
-    return {"name": name, "args": args.to_dict()}
+    return {"name": name, **({"flavor": flavor} if flavor is not None else {}), "args": args.to_dict()}
 
 
 def write_sidecar(folder: str, info: dict[str, Any]) -> None:
-    """The sidecar, written last: it records the checksums of every other file in the folder."""
+    """The sidecar, written last: it records the checksums of every other file in the folder. A
+    tokenizer the info names by its path is copied into the folder first and recorded by its file
+    names (data/hf_tokenizer.py store_tokenizer): nothing a checkpoint records points outside it."""
+    from titanlike.data.hf_tokenizer import store_tokenizer
+
+    if isinstance(info.get("tokenizer"), dict):
+        info = {**info, "tokenizer": store_tokenizer(folder, info["tokenizer"])}
     checksums = collect_checksums(folder)
     with open(os.path.join(folder, SIDECAR), "w") as f:
         json.dump({"format_version": FORMAT_VERSION, **info, "checksums": checksums}, f, indent=2, default=str)
@@ -119,22 +127,82 @@ def read_sidecar(folder: str) -> dict[str, Any] | None:
 
 
 def build_args(description: dict[str, Any], *, where: str = SIDECAR):
-    """(ModelSpec, args) from a sidecar's "model" entry; `where` names it in errors."""
+    """(ModelSpec, args) from a sidecar's "model" entry; `where` names it in errors. Every field is
+    checked like a config value before the args are built (models/args.py check_fields): a crafted
+    sidecar is one sentence, never a traceback or a huge table (check_model_size bounds the rest)."""
+    from titanlike.models.args import check_fields
     from titanlike.models.registry import get_model_spec
 
     try:
         name, fields = description["name"], description["args"]
     except (KeyError, TypeError):
         raise CheckpointError(f"{where}: the model entry needs a name and args") from None
+    if not isinstance(name, str) or not isinstance(fields, dict):
+        raise CheckpointError(f"{where}: the model entry needs a name (a string) and args (an object)")
     try:
         spec = get_model_spec(name)
     except KeyError as e:
         raise CheckpointError(f"{where}: {e.args[0] if e.args else e}") from None
     try:
+        check_fields(spec.args_cls, fields, what="the model args")
         args = spec.args_cls.from_dict(fields)
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{where}: the args do not fit model {spec.name}: {e}") from None
+    except Exception as e:  # a combination the field checks let through: whatever the class raises
+        detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{where}: the args do not fit model {spec.name}: {detail}") from None
     return spec, args
+
+
+def check_model_size(args, where: str, *, device: Any = "cpu", bytes_per_param: int = 4) -> None:
+    """Refuse, before anything is allocated, a model larger than `device` can hold: its weights at
+    bytes_per_param and its position tables (models/args.py model_bytes, arithmetic on the args)
+    against the device's memory (observe/memory.py device_memory). One sentence naming `where`."""
+    from titanlike.models.args import model_bytes
+    from titanlike.observe.memory import device_memory
+
+    try:
+        need = model_bytes(args, bytes_per_param)
+    except Exception as e:
+        raise CheckpointError(f"{where}: the model's size cannot be computed ({type(e).__name__}: {e})") from None
+    have, what = device_memory(device)
+    if need > have:
+        gib = 2**30
+        raise CheckpointError(
+            f"{where}: the model it describes ({args.num_params():,} parameters, {args.context_len:,} positions) "
+            f"needs {need / gib:,.1f} GiB, more than the {have / gib:,.1f} GiB {what}; refusing before allocating it")
+
+
+def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str) -> None:
+    """The state dict holds exactly the model's tensors (tied aliases optional), with its shapes,
+    as floating-point tensors of finite values (an imported file is input from anywhere).
+
+    Built on the meta device, so it costs no memory; a checkpoint of another flavor or
+    vocabulary fails here with its first differences named.
+    """
+    try:
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+    except Exception as e:  # args that passed the field checks but no model can be built from
+        raise CheckpointError(f"{where}: no {spec.name} model can be built from its configuration "
+                              f"({type(e).__name__}: {e})") from None
+    expected = dict(model.state_dict())
+    aliases = tied_aliases(model)
+    missing = sorted(k for k in expected if k not in state_dict and k not in aliases)
+    unexpected = sorted(k for k in state_dict if k not in expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{where} does not match model {spec.name}: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    for key, want in expected.items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if tuple(value.shape) != tuple(want.shape):
+            raise CheckpointError(f"{where}: {key} has shape {tuple(value.shape)} but model "
+                                  f"{spec.name} needs {tuple(want.shape)} (another flavor or vocabulary?)")
+        if want.is_floating_point() and not value.is_floating_point():
+            raise CheckpointError(f"{where}: {key} is a {str(value.dtype).removeprefix('torch.')} tensor, but the "
+                                  "model's weights are floating point")
+        if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{where}: {key} holds non-finite values (NaN or infinity)")
 
 
 # Recognizing folders ----------------------------------------------------------------------
@@ -316,22 +384,41 @@ def _to_json(value: Any, key: str) -> Any:
                           "store without pickle (JSON types, tuples, bytes, tensors and numeric arrays only)")
 
 
+def _shape(shape: Any, raw: bytes, itemsize: int) -> list[int]:
+    """A tagged tensor's or array's shape, checked against its bytes before anything is allocated:
+    a crafted entry cannot ask for a terabyte with a short string."""
+    if not (isinstance(shape, list) and len(shape) <= 16
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+        raise ValueError(f"shape {shape!r:.60} is not a list of sizes")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * itemsize != len(raw):
+        raise ValueError(f"shape {shape} needs {numel * itemsize} bytes but the entry holds {len(raw)}")
+    return shape
+
+
 def _from_json_object(obj: dict) -> Any:
     if len(obj) != 1:
         return obj
     (tag, body), = obj.items()
     if tag == "__tuple__":
+        if not isinstance(body, list):
+            raise ValueError("a tagged tuple is not a list")
         return tuple(body)
     if tag == "__dict__":
+        if not (isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body)):
+            raise ValueError("a tagged dict is not a list of pairs")
         return {(tuple(k) if isinstance(k, list) else k): v for k, v in body}
     if tag == "__bytes__":
-        return base64.b64decode(body)
+        return base64.b64decode(body, validate=True)
     if tag == "__tensor__":
         name, shape, data = body
         dtype = vars(torch).get(name) if isinstance(name, str) else None
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown tensor dtype {name!r}")
-        raw = base64.b64decode(data)
+            raise ValueError(f"unknown tensor dtype {name!r:.60}")
+        raw = base64.b64decode(data, validate=True)
+        shape = _shape(shape, raw, torch.empty(0, dtype=dtype).element_size())
         if not raw:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
@@ -339,8 +426,9 @@ def _from_json_object(obj: dict) -> Any:
         dtype_str, shape, data = body
         dtype = np.dtype(dtype_str)
         if dtype.kind not in "biuf":
-            raise ValueError(f"array dtype {dtype_str!r} is not numeric")
-        return np.frombuffer(base64.b64decode(data), dtype=dtype).reshape(shape).copy()
+            raise ValueError(f"array dtype {dtype_str!r:.60} is not numeric")
+        raw = base64.b64decode(data, validate=True)
+        return np.frombuffer(raw, dtype=dtype).reshape(_shape(shape, raw, dtype.itemsize)).copy()
     return obj
 
 
@@ -356,7 +444,7 @@ def decode_json(tensor: torch.Tensor, key: str, path: str) -> Any:
         if tensor.dtype != torch.uint8 or tensor.dim() != 1:
             raise ValueError(f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}, not UTF-8 JSON bytes")
         return json.loads(tensor.numpy().tobytes().decode(), object_hook=_from_json_object)
-    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except Exception as e:  # JSONDecodeError, UnicodeDecodeError, a tag's body of the wrong kind, ...
         raise CheckpointError(f"checkpoint {path}: entry {key!r} is damaged ({type(e).__name__}: {e})") from None
 
 
@@ -456,14 +544,26 @@ class _Crc32FileSystem(FileSystem):
         self.crcs[name] = f"{stream.crc:08x}" if stream.sequential else file_crc32(os.fspath(path))
 
 
+# Written into the index of every checkpoint this format writes (StorageMeta.modules, a list of names
+# DCP keeps but never reads): a checkpoint whose sidecar is gone still says it had one.
+INDEX_MARK = f"titanlike checkpoint format {FORMAT_VERSION}"
+
+
 class ChecksumWriter(dcp.FileSystemWriter):
     """DCP's FileSystemWriter that records the CRC-32 of every file it writes while writing
-    (<prefix>crc32.json per rank, gathered into the sidecar at publishing), and that reports
-    a file system error (no space left, quota) as the OSError it was."""
+    (<prefix>crc32.json per rank, gathered into the sidecar at publishing), that marks the index
+    as this format's (INDEX_MARK), and that reports a file system error (no space left, quota)
+    as the OSError it was."""
 
     def __init__(self, path: str):
         super().__init__(path)
         self.fs = _Crc32FileSystem()
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if meta is not None:
+            meta.modules = [*meta.modules, INDEX_MARK]
+        return meta
 
     def write_data(self, plan, planner):
         self.fs.crcs, self.fs.error = {}, None
@@ -525,9 +625,18 @@ def checksummed_files(path: str) -> dict[str, str] | None:
     return crcs
 
 
+def plain_file(name: Any) -> bool:
+    """Whether `name`, as a checkpoint records it (index, sidecar), is a plain file name: no
+    path ('/', '..'), no NUL. What a checkpoint names may not lead outside it."""
+    return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name
+            and os.sep not in name and "\0" not in name)
+
+
 def verify_files(path: str, crcs: dict[str, str], names) -> str | None:
     """The first of names whose CRC-32 differs from crcs, as a sentence; None if all match."""
     for name in names:
+        if not plain_file(name) or os.path.islink(os.path.join(path, name)):
+            return f"checkpoint {path}: {SIDECAR} names {name!r:.200}, which is not a plain file of the checkpoint"
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             return f"checkpoint file {file} is missing (listed in {SIDECAR})"
@@ -544,12 +653,35 @@ def uncovered_files(metadata: Metadata, crcs: dict[str, str]) -> list[str]:
     return sorted(named - set(crcs))
 
 
+def records_checksums(metadata: Metadata) -> bool:
+    """Whether the index says a writer that records checksums wrote it: format 2 marks its index
+    (INDEX_MARK) and stores train_state.format_version as a tensor (format 1 pickled it)."""
+    try:
+        modules = metadata.storage_meta.modules or []
+    except AttributeError:  # no storage_meta (None), or one pickled before DCP had modules
+        modules = []
+    if any(isinstance(m, str) and m.startswith("titanlike checkpoint format ") for m in modules):
+        return True
+    return isinstance(metadata.state_dict_metadata.get("train_state.format_version"), TensorStorageMetadata)
+
+
+def missing_checksums(path: str, metadata: Metadata) -> str | None:
+    """For a checkpoint whose sidecar records no checksums: the sentence refusing it when its index
+    says it was written with them (the sidecar was deleted or emptied), None for an older one."""
+    if not records_checksums(metadata):
+        return None
+    missing = not os.path.isfile(os.path.join(path, SIDECAR))
+    what = f"has no {SIDECAR}" if missing else f"has a {SIDECAR} without checksums"
+    return (f"checkpoint {path} {what}, but its index says titanlike checkpoint format "
+            f"{FORMAT_VERSION} wrote it, which records every file's checksum there: its files cannot be verified")
+
+
 def verify_checksums(path: str, metadata: Metadata | None = None) -> str | None:
     """Check every file of checkpoint path against its sidecar, in this process: the first
-    problem as a sentence, or None (also for a checkpoint that records no checksums)."""
+    problem as a sentence, or None (also for an older checkpoint that records no checksums)."""
     crcs = checksummed_files(path)
     if crcs is None:
-        return None
+        return missing_checksums(path, metadata) if metadata is not None else None
     if metadata is not None and (missing := uncovered_files(metadata, crcs)):
         return f"checkpoint {path}: {SIDECAR} has no checksum for {missing[0]}, which {DCP_METADATA} names"
     return verify_files(path, crcs, sorted(crcs))
@@ -611,8 +743,18 @@ def check_dcp_files(path: str, metadata: Metadata) -> None:
     """
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+        try:
+            rel, offset, length = info.relative_path, info.offset, info.length
+        except AttributeError:  # an allowed class of another kind where DCP puts a _StorageInfo
+            raise CheckpointError(f"checkpoint index {os.path.join(path, DCP_METADATA)} is damaged: a data "
+                                  f"location is a {type(info).__name__}") from None
+        if not plain_file(rel) or os.path.islink(os.path.join(path, rel)):
+            raise CheckpointError(f"checkpoint index {os.path.join(path, DCP_METADATA)} names data file {rel!r:.200}, "
+                                  "which is not a plain file of the checkpoint (a path or a link leading out of it)")
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise CheckpointError(f"checkpoint index {os.path.join(path, DCP_METADATA)} is damaged: {rel} has "
+                                  f"offset {offset!r:.50} and length {length!r:.50}")
+        needed[rel] = max(needed.get(rel, 0), offset + length)
     for rel, end in sorted(needed.items()):
         file = os.path.join(path, rel)
         if not os.path.isfile(file):
@@ -640,11 +782,13 @@ def dcp_model_keys(metadata: Metadata) -> tuple[dict[str, str], bool]:
     return out, full
 
 
-def read_dcp_model(path: str, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's full tensors from a full or model-only DCP checkpoint, in one process."""
+def read_dcp_model(path: str, *, dtype: torch.dtype | None = None, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The model's full tensors from a full or model-only DCP checkpoint, in one process. verify:
+    check the files against the sidecar's checksums (off only for a staging folder this process
+    has just written, which has no sidecar)."""
     metadata = read_dcp_metadata(path)
     check_dcp_files(path, metadata)
-    problem = verify_checksums(path, metadata)
+    problem = verify_checksums(path, metadata) if verify else None
     if problem:
         raise CheckpointError(problem)
     names, _ = dcp_model_keys(metadata)
@@ -707,20 +851,26 @@ def tied_aliases(module: nn.Module) -> set[str]:
 # Hugging Face folders ---------------------------------------------------------------------
 
 
-def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(state dict with HF names, config.json) of a Hugging Face safetensors folder."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
+def read_hf_config(path: str) -> dict[str, Any]:
+    """A Hugging Face folder's config.json (a JSON object), or one sentence naming what is wrong."""
     config_path = os.path.join(path, HF_CONFIG)
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{path} is not a Hugging Face model folder: {HF_CONFIG} is missing")
     try:
         with open(config_path) as f:
             config = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"{config_path} is damaged: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path} is not a JSON object")
+    return config
+
+
+def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict with HF names, config.json) of a Hugging Face safetensors folder."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    config = read_hf_config(path)
     problem = verify_checksums(path)  # titanlike's own exports record checksums in a sidecar
     if problem:
         raise CheckpointError(problem)

@@ -10,6 +10,7 @@ reads a family's fields. Everything runs in one process on full (unsharded) tens
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -20,19 +21,23 @@ from titanlike.checkpoint.format import (
     SIDECAR,
     CheckpointError,
     build_args,
+    check_fits,
+    check_model_size,
     dcp_save,
     drop_aliases,
     is_dcp_folder,
     model_description,
     read_dcp_model,
     read_hf,
+    read_hf_config,
     read_sidecar,
     resolve_checkpoint_folder,
     summarize,
-    tied_aliases,
     write_hf,
     write_sidecar,
 )
+
+from titanlike.data.hf_tokenizer import stored_tokenizer
 
 if TYPE_CHECKING:
     from titanlike.data.hf_tokenizer import TokenizerExport
@@ -47,32 +52,10 @@ def hf_model_from_config(config: dict[str, Any], *, where: str = HF_CONFIG):
     except KeyError as e:
         raise CheckpointError(f"{where}: {e.args[0] if e.args else e}") from None
     try:
-        args = spec.hf.config_to_args(config)
-    except (KeyError, TypeError, ValueError) as e:
-        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-        raise CheckpointError(f"{where}: not a supported {spec.name} configuration ({detail})") from None
+        args = spec.hf.read_config(config)  # every value it reads checked first
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     return spec, args
-
-
-def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str) -> None:
-    """The state dict holds exactly the model's tensors (tied aliases optional), with its shapes.
-
-    Built on the meta device, so it costs no memory; a checkpoint of another flavor or
-    vocabulary fails here with its first differences named.
-    """
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    aliases = tied_aliases(model)
-    missing = sorted(k for k in expected if k not in state_dict and k not in aliases)
-    unexpected = sorted(k for k in state_dict if k not in expected)
-    if missing or unexpected:
-        raise CheckpointError(f"{where} does not match model {spec.name}: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
-    for key, shape in expected.items():
-        if key in state_dict and tuple(state_dict[key].shape) != shape:
-            raise CheckpointError(f"{where}: {key} has shape {tuple(state_dict[key].shape)} but model "
-                                  f"{spec.name} needs {shape} (another flavor or vocabulary?)")
 
 
 def write_dcp_model(state_dict: dict[str, torch.Tensor], out: str, info: dict[str, Any]) -> None:
@@ -102,23 +85,41 @@ def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
             f"{src} has no {SIDECAR} naming the model; pass the model family and flavor explicitly"
         )
     spec, args = build_args(description, where=os.path.join(src, SIDECAR))
+    check_model_size(args, os.path.join(src, SIDECAR))
     state_dict = read_dcp_model(src)
     check_fits(state_dict, spec, args, src)
-    tokenizer = info.get("tokenizer", {})
-    return write_hf(state_dict, spec, args, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                    context_len=args.context_len, bos_id=tokenizer.get("bos_id"), eos_id=tokenizer.get("eos_id"),
-                    pad_id=tokenizer.get("pad_id"), tokenizer_path=tokenizer_path or tokenizer.get("path"),
-                    tokenizer_fingerprint=tokenizer.get("fingerprint"))
+    tokenizer = info.get("tokenizer")
+    tokenizer = tokenizer if isinstance(tokenizer, dict) else {}
+    # Only the tokenizer stored inside the checkpoint (verified with its other files) or the one
+    # passed: a path the sidecar records is never followed.
+    stored, why_not = stored_tokenizer(src, tokenizer)
+    ids = {name: _token_id(tokenizer, name, args.vocab_size, src) for name in ("bos_id", "eos_id", "pad_id")}
+    fingerprint = tokenizer.get("fingerprint")
+    export = write_hf(state_dict, spec, args, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                      context_len=args.context_len, **ids, tokenizer_path=tokenizer_path or stored,
+                      tokenizer_fingerprint=fingerprint if isinstance(fingerprint, str) else None)
+    if why_not and not tokenizer_path:
+        export = export._replace(message=f"no tokenizer files written: {why_not}")
+    return export
+
+
+def _token_id(record: dict, name: str, vocab_size: int, src: str) -> int | None:
+    """A special token id of the sidecar's tokenizer entry: None, or an id of the vocabulary."""
+    value = record.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise CheckpointError(f"{os.path.join(src, SIDECAR)}: tokenizer {name} is {json.dumps(value)[:50]}, not a "
+                              f"token id below the model's vocabulary size {vocab_size}")
+    return value
 
 
 def import_hf_to_dcp(src: str, out: str, *, dtype: torch.dtype | None = None) -> None:
     """convert_hf_to_dcp: a Hugging Face folder -> model-only DCP checkpoint with sidecar."""
+    spec, args = hf_model_from_config(read_hf_config(src), where=os.path.join(src, HF_CONFIG))
+    check_model_size(args, os.path.join(src, HF_CONFIG))
     hf_sd, config = read_hf(src)
-    spec, args = hf_model_from_config(config, where=os.path.join(src, HF_CONFIG))
-    try:
-        state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"Hugging Face checkpoint {src} does not match its {HF_CONFIG}: {e}") from None
+    state_dict = _from_hf(spec, hf_sd, args, src)
     check_fits(state_dict, spec, args, src)
     # Same keys as the trainer saves: a tied weight once, under its first name (write_dcp_model).
     state_dict = {k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in state_dict.items()}
@@ -134,6 +135,17 @@ def import_hf_to_dcp(src: str, out: str, *, dtype: torch.dtype | None = None) ->
     write_dcp_model(state_dict, out, info)
 
 
+def _from_hf(spec, hf_sd: dict[str, torch.Tensor], args, src: str) -> dict[str, torch.Tensor]:
+    """The adapter's conversion of a Hugging Face state dict; one sentence when it does not fit."""
+    try:
+        return spec.hf.from_hf_state_dict(hf_sd, args)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"Hugging Face checkpoint {src} does not match its {HF_CONFIG}: {e}") from None
+    except Exception as e:  # a tensor of the wrong rank or size for the conversion's reshapes
+        raise CheckpointError(f"Hugging Face checkpoint {src} does not match its {HF_CONFIG} "
+                              f"({type(e).__name__}: {e})") from None
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                dtype: torch.dtype | None = None) -> torch.nn.Module:
     """An unsharded model from a titanlike DCP checkpoint or a Hugging Face folder.
@@ -145,19 +157,19 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     weights (default: as stored).
     """
     folder = resolve_checkpoint_folder(os.fspath(path))
+    bytes_per_param = torch.empty(0, dtype=dtype or torch.float32).element_size()
     if is_dcp_folder(folder):
         info = read_sidecar(folder)
-        if info is None or "model" not in info:
+        if info is None or not isinstance(info.get("model"), dict):
             raise CheckpointError(f"{folder} has no {SIDECAR} naming the model it holds")
         spec, args = build_args(info["model"], where=os.path.join(folder, SIDECAR))
+        check_model_size(args, os.path.join(folder, SIDECAR), device=device, bytes_per_param=bytes_per_param)
         state_dict = read_dcp_model(folder, dtype=dtype)
     else:
-        hf_sd, config = read_hf(folder)
-        spec, args = hf_model_from_config(config, where=os.path.join(folder, HF_CONFIG))
-        try:
-            state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
-        except (KeyError, ValueError) as e:
-            raise CheckpointError(f"Hugging Face checkpoint {folder} does not match its {HF_CONFIG}: {e}") from None
+        spec, args = hf_model_from_config(read_hf_config(folder), where=os.path.join(folder, HF_CONFIG))
+        check_model_size(args, os.path.join(folder, HF_CONFIG), device=device, bytes_per_param=bytes_per_param)
+        hf_sd, _ = read_hf(folder)
+        state_dict = _from_hf(spec, hf_sd, args, folder)
         if dtype is not None:
             state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
     check_fits(state_dict, spec, args, folder)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -143,6 +144,7 @@ def validate_checkpoint_config(c, spec, *, hf_assets_path: str | None = None) ->
             check(os.path.isfile(os.path.join(path, fmt.HF_CONFIG)),
                   f"checkpoint.initial_load_path {path} has no {fmt.HF_CONFIG}, so it is not a Hugging Face "
                   "model folder")
+            _check_hf_config_values(path, spec)
         else:
             check(os.path.isfile(os.path.join(path, fmt.DCP_METADATA)),
                   f"checkpoint.initial_load_path {path} has no {fmt.DCP_METADATA}, so it is not a DCP checkpoint "
@@ -152,6 +154,23 @@ def validate_checkpoint_config(c, spec, *, hf_assets_path: str | None = None) ->
                                    "checkpoint.initial_load_in_hf and last_save_in_hf are unavailable")
     check(not c.last_save_in_hf or c.last_save_model_only,
           "checkpoint.last_save_in_hf writes the model only, so it needs checkpoint.last_save_model_only")
+
+
+def _check_hf_config_values(path: str, spec) -> None:
+    """Before any process group: the values of the Hugging Face folder's config.json that the
+    family's adapter reads are in range (HFAdapter.read_config); ValueError, one sentence naming
+    the file, key and value. Whether its model is the job's is the load's to say (_check_hf_args)."""
+    if spec.hf is None:
+        return
+    try:
+        config = fmt.read_hf_config(path)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    if config.get("model_type") in spec.hf.model_types:
+        try:
+            spec.hf.read_config(config)
+        except ValueError as e:
+            raise ValueError(f"{os.path.join(path, fmt.HF_CONFIG)}: {e}") from None
 
 
 # Stateful pieces --------------------------------------------------------------------------
@@ -309,6 +328,73 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
 
 
+# The JSON states whose loaded value must have the structure of this job's own (same keys, list
+# lengths, value types; tensors of the same dtype and shape), so that a crafted entry cannot hand a
+# component an absurd value. Lists that may legitimately differ in length: the CUDA generators of
+# another machine, a ramp-up; a dataset's own position state may have other keys.
+_SAME_SHAPE = (LR_SCHEDULER, LOSS_SCALER, DATALOADER, RNG)
+_FREE_LENGTH = {"cuda", "rampup"}
+_FREE_KEYS = {"samples"}
+
+
+def _unlike(mine: Any, theirs: Any, where: str) -> str | None:
+    """Where and how `theirs` (a decoded checkpoint entry) differs in structure from `mine` (this
+    job's own state, JSON entries as Json), or None."""
+    if isinstance(mine, Json):
+        mine = mine.value
+    shown = repr(theirs)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    if isinstance(mine, dict):
+        if not isinstance(theirs, dict):
+            return f"{where} is {shown}, not an object"
+        last = where.rpartition(".")[2]
+        if last not in _FREE_KEYS and set(mine) != set(theirs):
+            odd = sorted(map(str, set(mine) ^ set(theirs)))
+            return f"{where} has other keys ({', '.join(odd[:3])})"
+        for key in mine:
+            if key in theirs and (problem := _unlike(mine[key], theirs[key], f"{where}.{key}")) is not None:
+                return problem
+        return None
+    if isinstance(mine, (list, tuple)):
+        if not isinstance(theirs, (list, tuple)):
+            return f"{where} is {shown}, not a list"
+        free = where.rpartition(".")[2] in _FREE_LENGTH
+        if (free and len(theirs) > 1024) or (not free and len(theirs) != len(mine)):
+            return f"{where} holds {len(theirs)} values, not {len(mine)}"
+        for i, value in enumerate(theirs):
+            like = mine[min(i, len(mine) - 1)] if mine else None
+            if like is None and free:
+                if not (isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() < 2**20)):
+                    return f"{where}[{i}] is {type(value).__name__}"
+                continue
+            if (problem := _unlike(like, value, f"{where}[{i}]")) is not None:
+                return problem
+        return None
+    if isinstance(mine, torch.Tensor):
+        if not (isinstance(theirs, torch.Tensor) and theirs.dtype == mine.dtype and theirs.shape == mine.shape):
+            return f"{where} is {shown}, not a {mine.dtype} tensor of shape {tuple(mine.shape)}"
+        return None
+    if isinstance(mine, np.ndarray):
+        if not (isinstance(theirs, np.ndarray) and theirs.dtype == mine.dtype and theirs.shape == mine.shape):
+            return f"{where} is {shown}, not a {mine.dtype} array of shape {mine.shape}"
+        return None
+    if isinstance(mine, bool):
+        return None if isinstance(theirs, bool) else f"{where} is {shown}, not true or false"
+    if mine is None:  # unset here (Python's cached gaussian, ...): a plain value at most
+        ok = theirs is None or (isinstance(theirs, (int, float, str)) and len(repr(theirs)) <= 100)
+        return None if ok else f"{where} is {shown}, not a plain value"
+    if isinstance(mine, int):
+        ok = isinstance(theirs, int) and not isinstance(theirs, bool) and abs(theirs) < 2**64
+        return None if ok else f"{where} is {shown}, not an integer"
+    if isinstance(mine, float):
+        ok = isinstance(theirs, (int, float)) and not isinstance(theirs, bool) and (
+            math.isfinite(theirs) or not math.isfinite(mine))
+        return None if ok else f"{where} is {shown}, not a finite number"
+    if isinstance(mine, str):
+        return None if isinstance(theirs, str) and len(theirs) <= 10_000 else f"{where} is {shown}, not a string"
+    return None
+
+
 # The manager ------------------------------------------------------------------------------
 
 
@@ -367,6 +453,8 @@ class CheckpointManager:
             self.states[LOSS_SCALER] = JsonState(loss_scaler, LOSS_SCALER)
         self._description = None
         self._context_len = None
+        self._pp = dims is not None and dims.pp_enabled  # model parts hold one pipeline stage's keys
+        self._whole_keys: set[str] | None = None
         if model_args is not None:
             from titanlike.models.registry import get_model_spec
 
@@ -376,7 +464,8 @@ class CheckpointManager:
             # flavor's real one (it sizes position tables only, never the weights).
             flavor = spec.flavors.get(cfg.model.flavor)
             self._context_len = flavor.context_len if flavor is not None else model_args.context_len
-            self._description = fmt.model_description(spec.name, model_args, context_len=self._context_len)
+            self._description = fmt.model_description(spec.name, model_args, context_len=self._context_len,
+                                                       flavor=cfg.model.flavor)
         self._tokenizer = tokenizer_record(tokenizer) if tokenizer is not None else {}
         if self.distributed:
             # DCP's own collectives (plans, the final all-reduce) run on a separate gloo group:
@@ -512,6 +601,8 @@ class CheckpointManager:
 
     def _load_full(self, path: str, metadata: Metadata, begin: float) -> int:
         names = [k for k in self.states if k not in self.cfg.exclude_from_loading]
+        if MODEL in names:
+            self._check_same_model(path, metadata)
         for per_rank in (DATALOADER, RNG):
             state: PerRankState = self.states[per_rank]
             if per_rank in names:
@@ -519,8 +610,23 @@ class CheckpointManager:
         template = {name: self.states[name].state_dict() for name in names}
         loaded = self._load_entries(template, metadata, path, what=f"loading checkpoint {path}")
         for name in names:
-            self.states[name].load_state_dict(loaded[name])
+            if name in _SAME_SHAPE:  # small JSON states: the checkpoint's must look like this job's
+                problem = _unlike(template[name], loaded[name], name)
+                if problem is not None:
+                    raise CheckpointError(f"checkpoint {path}: {problem}, unlike what this job saves; was it "
+                                          f"edited? --checkpoint.exclude_from_loading {name} skips it")
+            try:
+                self.states[name].load_state_dict(loaded[name])
+            except ValueError as e:  # the loader's sentence (another batch or sequence length, ...)
+                raise CheckpointError(f"checkpoint {path}: {e}") from None
+            except Exception as e:  # whatever a crafted value makes the component raise
+                raise CheckpointError(f"checkpoint {path}: its {name} state cannot be restored ({type(e).__name__}: "
+                                      f"{e}); --checkpoint.exclude_from_loading {name} skips it") from None
         self.step = self.train_state.step if TRAIN_STATE in names else 0
+        published = fmt.STEP_RE.fullmatch(os.path.basename(path))
+        if TRAIN_STATE in names and not (0 <= self.step < 2**62 and (published is None
+                                                                     or int(published.group(1)) == self.step)):
+            raise CheckpointError(f"checkpoint {path} records step {self.step}, not the step of its folder")
         if self.rank == 0:
             skipped = f" (not loaded: {', '.join(self.cfg.exclude_from_loading)})" if self.cfg.exclude_from_loading else ""
             logger.info(f"checkpoint: resumed from {path} in {time.monotonic() - begin:.2f} s{skipped}")
@@ -573,6 +679,8 @@ class CheckpointManager:
         except CheckpointError as e:
             return str(e)
         if crcs is None:
+            if problem := fmt.missing_checksums(path, metadata):
+                return problem
             if self.rank == 0:
                 logger.info(f"checkpoint: {path} records no checksums (an older titanlike wrote it); "
                             "its files are not verified")
@@ -627,6 +735,47 @@ class CheckpointManager:
                         f"ranks without their own entry take {state.name}.{state.prefix}{have[0]}")
         return have[0]
 
+    def _check_same_model(self, path: str, metadata: Metadata) -> None:
+        """The checkpoint holds this job's model: the family and flavor its sidecar records are the
+        job's, and it has no model tensor the job's model lacks (they would be dropped silently);
+        a missing or misshapen one is _check_against_index's. checkpoint.allow_partial_load skips
+        both checks (the extra tensors are named in a log line). Every rank reads the same files and
+        decides alike."""
+        if self._description is None:
+            return
+        partial = self.cfg.allow_partial_load
+        recorded = (fmt.read_sidecar(path) or {}).get("model")
+        if isinstance(recorded, dict) and not partial:
+            theirs = (recorded.get("name"), recorded.get("flavor"))
+            mine = (self.spec.name, self._description.get("flavor"))
+            if theirs[0] != mine[0] or (theirs[1] is not None and theirs[1] != mine[1]):
+                held = " ".join(str(x) for x in theirs if x is not None)
+                raise CheckpointError(
+                    f"checkpoint {path} holds a {held} model but this job's is {' '.join(mine)} (model.name, "
+                    "model.flavor): loading it would drop or misread weights; resume it with its own model, or "
+                    "pass --checkpoint.allow_partial_load to load only the tensors the two models share")
+        extra = sorted(set(fmt.dcp_model_keys(metadata)[0]) - self._model_keys())
+        if extra and not partial:
+            raise CheckpointError(
+                f"checkpoint {path} holds {len(extra)} model tensor(s) this job's model does not have (e.g. "
+                f"{', '.join(extra[:3])}); was it written for another model? pass --checkpoint.allow_partial_load "
+                "to load only the tensors the two models share")
+        if extra and self.rank == 0:
+            logger.warning(f"checkpoint: {len(extra)} model tensor(s) of {path} that this job's model does not have "
+                           f"are not loaded (checkpoint.allow_partial_load), e.g. {', '.join(extra[:3])}")
+
+    def _model_keys(self) -> set[str]:
+        """The whole model's state-dict keys (tied aliases left out, as saved): this rank's parts', or
+        under pipeline parallelism every stage's (gathered once over the checkpoint's group)."""
+        if self._whole_keys is None:
+            keys = set(self.states[MODEL].state_dict())
+            if self._pp and self.distributed:
+                found: list = [None] * dist.get_world_size(self._pg)
+                dist.all_gather_object(found, sorted(keys), group=self._pg)
+                keys = set().union(*found)
+            self._whole_keys = keys
+        return self._whole_keys
+
     @staticmethod
     def _check_against_index(template: dict, metadata: Metadata, path: str) -> None:
         """Every key we load exists in the checkpoint with the same shape.
@@ -656,6 +805,7 @@ class CheckpointManager:
                     )
 
     def _load_model_dcp(self, path: str, metadata: Metadata, *, prefixed: bool) -> None:
+        self._check_same_model(path, metadata)
         model = self.states[MODEL]
         local = model.state_dict()
         prefix = fmt.MODEL_PREFIX if prefixed else ""
@@ -686,20 +836,27 @@ class CheckpointManager:
         state_dict: dict[str, torch.Tensor] = {}
         error = None
         if self.rank == 0:
+            config_path = os.path.join(path, fmt.HF_CONFIG)
             try:
-                hf_sd, config = fmt.read_hf(path)
+                config = fmt.read_hf_config(path)
                 if config.get("model_type") not in spec.hf.model_types:
                     raise CheckpointError(
-                        f"Hugging Face checkpoint {path} has model_type={config.get('model_type')} but this "
+                        f"Hugging Face checkpoint {path} has model_type={_show(config.get('model_type'))} but this "
                         f"job's model {spec.name} reads {' or '.join(spec.hf.model_types)} (model.name)")
-                args = spec.hf.config_to_args(config)
+                try:
+                    args = spec.hf.read_config(config)  # every value it reads checked first
+                except ValueError as e:
+                    raise CheckpointError(f"{config_path}: {e}") from None
                 self._check_hf_args(args, path)
-                state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
-                with torch.device("meta"):
-                    expected = set(spec.model_cls(self.model_args).state_dict())
-                if expected - set(state_dict):
-                    raise CheckpointError(f"Hugging Face checkpoint {path} lacks {sorted(expected - set(state_dict))[:5]}")
-            except (CheckpointError, KeyError, ValueError) as e:
+                hf_sd, _ = fmt.read_hf(path)
+                try:
+                    state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
+                except Exception as e:
+                    raise CheckpointError(f"Hugging Face checkpoint {path} does not match its {fmt.HF_CONFIG} "
+                                          f"({type(e).__name__}: {e})") from None
+                # Names, shapes, floating point, finite: against the job's model.
+                fmt.check_fits(state_dict, spec, self.model_args, f"Hugging Face checkpoint {path}")
+            except Exception as e:  # any verdict of rank 0 must reach the other ranks, never strand them
                 error = str(e) if isinstance(e, CheckpointError) else f"{path}: {type(e).__name__}: {e}"
         if self.distributed:
             # Share rank 0's verdict first, so no rank waits in a broadcast that never comes.
@@ -751,8 +908,8 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 verdict = resume_verdict(self.folder, c.load_step, self.total_steps)
-            except CheckpointError:
-                verdict = None  # a damaged checkpoint: load() reports it, on every rank
+            except Exception:  # a damaged or crafted checkpoint: load() reports it, on every rank
+                verdict = None
         if self.distributed:
             box = [verdict]
             dist.broadcast_object_list(box, src=0, group=self.process_group)
@@ -875,7 +1032,7 @@ class CheckpointManager:
         self._dcp_save(state, step, path=staging)
 
         def convert() -> None:
-            state_dict = fmt.read_dcp_model(staging)
+            state_dict = fmt.read_dcp_model(staging, verify=False)  # written just now, by this job
             tok = self._tokenizer
             export = fmt.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype,
                                   context_len=self._context_len, bos_id=tok.get("bos_id"), eos_id=tok.get("eos_id"),
@@ -918,8 +1075,9 @@ class CheckpointManager:
                 if prepare is not None:
                     prepare()
                 self._publish(step, contents, time.monotonic() - begin)
-            except (CheckpointError, OSError) as e:
-                error = str(self._save_failed(step, e, f"publishing checkpoint {self._tmp(step)} failed: {e}"))
+            except Exception as e:  # whatever rank 0 meets, the other ranks must hear it, not wait
+                detail = str(e) if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: {e}"
+                error = str(self._save_failed(step, e, f"publishing checkpoint {self._tmp(step)} failed: {detail}"))
         if self.distributed:
             verdict = [error]
             dist.broadcast_object_list(verdict, src=0, group=self._pg)
@@ -937,7 +1095,10 @@ class CheckpointManager:
         if self.rank != 0:
             return
         tmp, final = self._tmp(step), self.path(step)
-        info = {"contents": contents, "step": step, "tokenizer": self._tokenizer}
+        # The tokenizer's files go into the checkpoint (write_sidecar), except into a Hugging Face
+        # export, which already holds them as transformers reads them.
+        tokenizer = self._tokenizer if contents != "hf" else {k: v for k, v in self._tokenizer.items() if k != "path"}
+        info = {"contents": contents, "step": step, "tokenizer": tokenizer}
         if self._description is not None:
             info["model"] = self._description
         fmt.write_sidecar(tmp, info)

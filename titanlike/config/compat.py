@@ -134,7 +134,7 @@ TORCHTITAN_KEYS: dict[str, Alias | Renamed | NotHere] = {
     "memory_estimation.enable": NotHere(False, "train.py trains; the estimator is estimation/estimate.py"),
     "memory_estimation.enabled": Renamed("memory_estimation.enable", "v0.1.0"),
     "memory_estimation.disable_fake_mode": NotHere(False, "train.py trains; the estimator is estimation/estimate.py"),
-    # [fault_tolerance]
+    # [fault_tolerance]: v0.2.2's JobConfig and its TorchFT component's (components/ft/config/job_config.py)
     "fault_tolerance.enable": NotHere(False, _NO_FT),
     "fault_tolerance.process_group": NotHere("gloo", _NO_FT),
     "fault_tolerance.process_group_timeout_ms": NotHere(10000, _NO_FT),
@@ -146,6 +146,8 @@ TORCHTITAN_KEYS: dict[str, Alias | Renamed | NotHere] = {
     "fault_tolerance.should_quantize": NotHere(False, _NO_FT),
     "fault_tolerance.fragment_sync_delay": NotHere(0, _NO_FT),
     "fault_tolerance.fragment_update_alpha": NotHere(0.0, _NO_FT),
+    "fault_tolerance.module_fqns_per_model_fragment": NotHere([], _NO_FT),
+    "fault_tolerance.num_fragments": NotHere(1, _NO_FT),
     # [experimental]
     "experimental.custom_import": NotHere("", _NO_CODE),
     "experimental.custom_args_module": Renamed("job.custom_config_module", "v0.1.0"),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 import sys
 import types
 import typing
@@ -115,6 +117,15 @@ def _type_name(tp: Any) -> str:
     return name + ("?" if optional else "")
 
 
+MAX_INT = 2**53
+
+
+def _shown(value: Any) -> str:
+    """A value for a one-line message: its repr, shortened."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _convert(where: str, value: Any, tp: Any, choices: tuple[str, ...] | None) -> Any:
     """Coerce a TOML value or a CLI string to the field's type, or raise ConfigError."""
     base, optional = _unwrap_optional(tp)
@@ -134,24 +145,34 @@ def _convert(where: str, value: Any, tp: Any, choices: tuple[str, ...] | None) -
         raise ConfigError(f"{where} must be true or false, got {value!r}")
     if base is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
+            raise ConfigError(f"{where} must be an integer, got {_shown(value)}")
         try:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
+            number = int(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(f"{where} must be an integer, got {_shown(value)}") from None
+        # Every count, size or seed of a job fits 2^53 (floats hold it exactly): a larger one is a
+        # typo or an attack, and would overflow a schedule, an ETA or a seed later.
+        if abs(number) > MAX_INT:
+            raise ConfigError(f"{where} must be an integer from -{MAX_INT} to {MAX_INT} (2^53), got {_shown(value)}")
+        return number
     if base is float:
         if isinstance(value, bool):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
+            raise ConfigError(f"{where} must be a number, got {_shown(value)}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+            raise ConfigError(f"{where} must be a number, got {_shown(value)}") from None
+        if not math.isfinite(number):  # no option of a job means anything by NaN or infinity
+            raise ConfigError(f"{where} must be a finite number, got {_shown(value)}")
+        return number
     if base is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{where} must be a string, got {value!r}")
+            raise ConfigError(f"{where} must be a string, got {_shown(value)}")
         value = str(value)
+        if "\0" in value:
+            raise ConfigError(f"{where} must not contain a NUL character, got {_shown(value)}")
         if choices and value not in choices:
             raise ConfigError(
                 f"{where} must be one of {', '.join(choices)}, got {value!r}{_nearest(value, choices)}"
@@ -338,13 +359,22 @@ def parse_section_options(argv: Sequence[str], section: str, section_cls: type) 
 
 
 def _read_toml(path: str) -> dict[str, Any]:
+    if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+        raise ConfigError(f"config file {path} is not a regular file")  # a device, a pipe: never read
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder, not a TOML file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({os.strerror(e.errno) if e.errno else e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text, so it is not TOML (byte {e.start}: "
+                          f"{e.object[e.start:e.start + 1]!r})") from None
 
 
 def _flatten_toml(toml: dict[str, Any], path: str) -> list[tuple[str, Any]]:
@@ -388,8 +418,12 @@ def _not_here(option: _Option, value: Any, notes: dict[str, str]) -> None:
     if entry.value is None:
         ok = value is None or (isinstance(value, str) and value.lower() in ("", "none"))
     else:
-        value = _convert(option.name, value, option.tp, None)
-        ok = value == entry.value
+        try:
+            value = _convert(option.name, value, option.tp, None)
+        except ConfigError:  # a value of another shape (a list of lists): not what titanlike does either
+            ok = False
+        else:
+            ok = value == entry.value
     if ok:
         if option.renamed:
             notes[name] = _deprecated(option)
@@ -419,7 +453,7 @@ def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | Non
     unknown: list[str] = []
     config_file = [v for name, v in overrides if name == "job.config_file"]
     if config_file:
-        path = config_file[-1]
+        path = _convert("job.config_file", config_file[-1], str, None)
         for name, value in _flatten_toml(_read_toml(path), path):
             if _resolve(name) is None:
                 unknown.append(name)

@@ -34,6 +34,9 @@ class Job:
     print_config: bool = opt(False, "print the resolved configuration at start")
     save_config_file: str | None = opt(
         None, "write the resolved configuration as JSON to this file, relative to job.dump_folder (rank 0)")
+    validate_only: bool = opt(
+        False, "check the configuration, plan the job for WORLD_SIZE ranks and check its memory, then exit 0 "
+        "without training (launchers run it once before starting torchrun)")
 
 
 @dataclass
@@ -264,6 +267,9 @@ class Checkpoint:
     enable_first_step_checkpoint: bool = opt(
         False, "also save after the first step, to find a broken checkpoint setup early")
     exclude_from_loading: list[str] = opt([], "state-dict keys not loaded (e.g. optimizer,lr_scheduler)")
+    allow_partial_load: bool = opt(
+        False, "load a checkpoint written for another model family or flavor, or holding tensors this model "
+               "lacks: only the tensors this model has (same names and shapes) are loaded, the others are ignored")
     fallback_on_corruption: bool = opt(
         False, "resume from the newest checkpoint that verifies when the latest is corrupt (checksum, truncated "
                "or missing file, damaged index) instead of stopping; never with an explicit load_step")

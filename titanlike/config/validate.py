@@ -43,6 +43,7 @@ def validate_values(cfg: JobConfig) -> None:
     _check(t.skip_nonfinite_steps >= 0,
            f"training.skip_nonfinite_steps must be 0 (stop on the first) or more, got {t.skip_nonfinite_steps}")
     _check(t.gc_freq >= 1, f"training.gc_freq must be at least 1, got {t.gc_freq}")
+    _check(cfg.debug.seed >= 0, f"debug.seed must be 0 or more, got {cfg.debug.seed}")
     _check(not (cfg.model.tokenizer_path and cfg.model.hf_assets_path),
            "model.tokenizer_path and model.hf_assets_path both name a tokenizer; set only one")
     _check(cfg.debug.deterministic or not cfg.debug.deterministic_warn_only,

@@ -169,6 +169,14 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_l
         raise DataError(f"the split has {tokens_per_epoch} tokens, fewer than one sample of "
                          f"seq_len + 1 = {seq_len + 1}")
     num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_len)
+    # The indices below hold every epoch's documents and samples: refuse, before allocating them, a
+    # run so long (training.steps x global batch) that they would not fit this host's memory.
+    index_bytes = num_epochs * len(documents) * 4 + (num_epochs * tokens_per_epoch // seq_len + 1) * 24
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if index_bytes > host:
+        raise DataError(f"{num_samples} samples need {num_epochs} epochs of this split, whose sample index would "
+                        f"take {index_bytes / 2**30:,.0f} GiB, more than this host's {host / 2**30:,.0f} GiB; "
+                        "lower training.steps or add data")
 
     separate = False
     samples_sans_final = 0

@@ -40,9 +40,10 @@ class TokenizerExport(NamedTuple):
 def tokenizer_record(tokenizer) -> dict:
     """What a checkpoint records about its job's tokenizer (the sidecar's "tokenizer" entry).
 
-    Besides the special ids, where the tokenizer file is and a fingerprint of its ranks, so that
-    an export made later (convert_dcp_to_hf) can add the tokenizer files, and can tell when the
-    file at that path no longer holds the ranks the model was trained with.
+    Besides the special ids, where the tokenizer file is and a fingerprint of its ranks: the
+    checkpoint writer stores those files inside the checkpoint (store_tokenizer), so that an export
+    made later (convert_dcp_to_hf) can add the tokenizer files, and can tell when they no longer
+    hold the ranks the model was trained with.
     """
     record = {"bos_id": int(tokenizer.bos_id), "eos_id": int(tokenizer.eos_id)}
     pad_id = _pad_id(tokenizer)
@@ -53,6 +54,66 @@ def tokenizer_record(tokenizer) -> dict:
     if getattr(tokenizer, "fingerprint", None):
         record["fingerprint"] = tokenizer.fingerprint
     return record
+
+
+def store_tokenizer(folder: str, record: dict) -> dict:
+    """A checkpoint keeps its tokenizer inside itself: the files of the record's "path" (a tiktoken
+    ranks file, copied as TOKENIZER_COPY, or a Hugging Face tokenizer folder's files) are copied into
+    checkpoint `folder`, and the record the sidecar keeps names them ("files") instead of the path.
+    Nothing a checkpoint records points outside it, so an export made from a crafted sidecar reads
+    no file of the machine (stored_tokenizer)."""
+    record = dict(record)
+    source = record.pop("path", None)
+    if not source:
+        return record
+    if os.path.isdir(source):
+        names = [name for name in _HF_FILES if os.path.isfile(os.path.join(source, name))]
+        for name in names:
+            shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
+    else:
+        names = [TOKENIZER_COPY]
+        shutil.copyfile(source, os.path.join(folder, TOKENIZER_COPY))
+    record["files"] = names
+    return record
+
+
+def stored_tokenizer(folder: str, record: dict) -> tuple[str | None, str | None]:
+    """(the tokenizer a checkpoint stored inside itself: its file, or `folder` for Hugging Face
+    tokenizer files; None when there is none, and then why in one sentence, or None when the
+    checkpoint simply names no tokenizer). Only plain files of the folder itself are read: a record
+    naming a path (older titanlike wrote the tokenizer's absolute path) or a file that leads outside
+    the folder (a symlink, '..') is not followed."""
+    if not isinstance(record, dict):
+        return None, None
+    files = record.get("files")
+    if files is None:
+        if record.get("path"):
+            return None, (f"the checkpoint names its tokenizer by a path outside itself ({record['path']!s:.200}), "
+                          "which is not read (an older titanlike wrote it, or it was edited): pass the tokenizer "
+                          "file explicitly")
+        return None, None
+    if not (isinstance(files, list) and files and all(isinstance(n, str) for n in files)):
+        return None, "the checkpoint's tokenizer entry is damaged (its files are not a list of names)"
+    for name in files:
+        if not _plain_file(folder, name):
+            return None, (f"the checkpoint's tokenizer file {name!r:.200} is not a plain file inside {folder} "
+                          "(a path, a link or missing), so it is not read")
+    if "tokenizer.json" in files:
+        extra = [n for n in _HF_FILES if os.path.lexists(os.path.join(folder, n)) and not _plain_file(folder, n)]
+        if extra:
+            return None, f"the checkpoint's tokenizer file {extra[0]} is a link or not a plain file, so it is not read"
+        return folder, None
+    if files != [TOKENIZER_COPY]:
+        return None, f"the checkpoint's tokenizer entry names {files!r:.200}, not {TOKENIZER_COPY} or tokenizer.json"
+    return os.path.join(folder, TOKENIZER_COPY), None
+
+
+def _plain_file(folder: str, name: str) -> bool:
+    """Whether `name` is a plain file name (no path) of a regular file in folder, not a link."""
+    if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
+        return False
+    path = os.path.join(folder, name)
+    return os.path.isfile(path) and not os.path.islink(path)
 
 
 def _pad_id(tokenizer) -> int | None:
@@ -238,4 +299,5 @@ def _copy_with_note(out: str, path: str, tokenizer, reason: str) -> TokenizerExp
                                   f"copied it as {TOKENIZER_COPY}, {TOKENIZER_NOTE} says how to load it")
 
 
-__all__ = ["TOKENIZER_COPY", "TOKENIZER_NOTE", "TokenizerExport", "tokenizer_record", "write_hf_tokenizer"]
+__all__ = ["TOKENIZER_COPY", "TOKENIZER_NOTE", "TokenizerExport", "store_tokenizer", "stored_tokenizer",
+           "tokenizer_record", "write_hf_tokenizer"]

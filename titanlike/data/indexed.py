@@ -247,6 +247,49 @@ class IndexedDataset:
                 f"documents={self.num_documents}, tokens={self.num_tokens}, dtype={self.dtype})")
 
 
+# -- token ids against the vocabulary ----------------------------------------------------------
+
+_TOKEN_CHUNK = 1 << 22  # tokens per pass of the scan (16 MB of int32)
+# (data file identity, vocabulary size) already scanned in this process.
+_IDS_CHECKED: set[tuple] = set()
+
+
+def check_token_ids(prefix: str, vocab_size: int) -> None:
+    """Every token id of `{prefix}.bin` lies in [0, vocab_size): IndexedDatasetError naming the file,
+    the first bad id and its document otherwise (an id past the embedding table fails the first
+    batch that holds it, on one rank, many steps in). Free when the token dtype cannot hold an id
+    outside the range (uint16 tokens and a vocabulary of 65536 or more); otherwise one vectorised
+    pass over the mapped tokens in chunks (min/max per chunk; a few GB/s), once per process and
+    file version."""
+    data = IndexedDataset(prefix, validate=False)
+    info = np.iinfo(data.dtype) if data.dtype.kind in "iu" else None
+    if info is not None and info.min >= 0 and info.max < vocab_size:
+        return
+    bin_path = data_file_path(prefix)
+    key = (_file_identity(bin_path), vocab_size)
+    if key in _IDS_CHECKED:
+        return
+    tokens = data.tokens
+    for lo in range(0, tokens.shape[0], _TOKEN_CHUNK):
+        chunk = tokens[lo:lo + _TOKEN_CHUNK]
+        if chunk.max() < vocab_size and chunk.min() >= 0 and (data.dtype.kind in "iu" or
+                                                               bool((chunk == np.floor(chunk)).all())):
+            continue
+        bad = (chunk < 0) | (chunk >= vocab_size)
+        if data.dtype.kind not in "iu":
+            bad |= chunk != np.floor(chunk)
+        position = lo + int(np.flatnonzero(bad)[0])
+        starts = data.sequence_pointers // data.dtype.itemsize
+        sequence = max(int(np.searchsorted(starts, position, side="right")) - 1, 0)
+        document = _document_of(data.document_indices, sequence)
+        value = tokens[position]
+        raise IndexedDatasetError(
+            f"{bin_path}: token id {value.item()!r} in document {document} (sequence {sequence}, token "
+            f"{position - int(starts[sequence])}) is outside this job's vocabulary of {vocab_size} ids; was it "
+            "tokenized with another tokenizer (scripts/preprocess_data.py --tokenizer)?")
+    _IDS_CHECKED.add(key)
+
+
 # -- validation of the index against the .bin ---------------------------------------------------
 #
 # Megatron's _IndexWriter (and ours, encode_index) writes pointer[0] = 0 and

@@ -158,9 +158,12 @@ register_dataset_kind("text", _text_source, shuffle=True)
 def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
     # Megatron's GPT dataset shuffles documents and samples itself, epoch by epoch, for as
     # many epochs as num_samples needs; the loader must not reshuffle on top.
-    from titanlike.data.blend import build_megatron_dataset
+    from titanlike.data.blend import build_megatron_dataset, parse_blend
     from titanlike.data.gpt_dataset import DEFAULT_SPLIT
+    from titanlike.data.indexed import check_token_ids
 
+    for prefix in dict.fromkeys(parse_blend(dataset_path)[0]):  # every rank: all stop alike
+        check_token_ids(prefix, tokenizer.vocab_size)
     return build_megatron_dataset(dataset_path, seq_len=seq_len, num_samples=num_samples, seed=seed,
                                   split=split or DEFAULT_SPLIT, split_name=split_name)
 
@@ -348,18 +351,41 @@ class RankBatches(IterableDataset):
             self._next = n + stride
             yield batch
 
-    def _resume_position(self, state: dict[str, Any], num_workers: int) -> int:
-        saved_rampup = ",".join(map(str, state.get("rampup", ()))) or "none"
+    def check_state(self, state: Any) -> None:
+        """A saved position (state_dict's) this run can resume from, checked when it is loaded:
+        ValueError, one sentence naming what differs and the option that would carry it over.
+        A position of another global sample stream (batch, sequence length, ramp-up, sample
+        fields) cannot be carried over; another data-parallel layout can (at a step boundary)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"the data position is {type(state).__name__}, not the loader's state")
+        for key, minimum in (("next_microbatch", 0), ("dp_degree", 1), ("local_batch_size", 1),
+                             ("global_batch_size", 1), ("seq_len", 1)):
+            value = state.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**62:
+                raise ValueError(f"the data position's {key} is {value!r:.60}, not an integer >= {minimum}")
+        rampup = state.get("rampup", [])
+        if not (isinstance(rampup, list) and len(rampup) in (0, 3) and all(type(v) is int for v in rampup)):
+            raise ValueError(f"the data position's rampup is {rampup!r:.60}, not a batch ramp-up")
+        if not isinstance(state.get("samples"), dict):
+            raise ValueError("the data position has no state of its samples")
+        saved_rampup = ",".join(map(str, rampup)) or "none"
         mine_fields = ",".join(sorted(self.fields)) if self.fields is not None else "none"
-        for key, theirs, mine in (("global_batch_size", state["global_batch_size"], self.global_batch_size),
-                                  ("seq_len", state["seq_len"], self.seq_len),
-                                  ("sample_fields", state.get("sample_fields", "none"), mine_fields),
-                                  ("rampup_batch_size", saved_rampup, ",".join(map(str, self.batches.rampup)) or "none")):
+        for key, theirs, mine, option in (
+                ("global_batch_size", state["global_batch_size"], self.global_batch_size, "training.global_batch_size"),
+                ("seq_len", state["seq_len"], self.seq_len, "training.seq_len"),
+                ("rampup_batch_size", saved_rampup, ",".join(map(str, self.batches.rampup)) or "none",
+                 "training.rampup_batch_size"),
+                ("sample_fields", state.get("sample_fields", "none"), mine_fields, None)):
             if theirs != mine:
+                fix = f"resume with --{option} {theirs}, or" if option and theirs != "none" else "resume with the " \
+                      "settings it was saved with, or"
                 raise ValueError(
-                    f"dataloader checkpoint has {key}={theirs} but this run uses {mine}: "
-                    "the global sample stream differs, so the position cannot be carried over"
-                )
+                    f"the data position was saved with {option or key} {theirs} but this run's is {mine}: the "
+                    f"global sample stream differs, so the position cannot be carried over; {fix} start the data "
+                    "over with --checkpoint.exclude_from_loading dataloader")
+
+    def _resume_position(self, state: dict[str, Any], num_workers: int) -> int:
+        self.check_state(state)
         n = int(state["next_microbatch"])
         if (state["dp_degree"], state["local_batch_size"]) == (self.dp_degree, self.local_batch_size):
             return n
@@ -476,7 +502,31 @@ def build_dataloader_from_source(
         # torchdata 0.11 calls an API torch has since deprecated; the warning is not actionable here.
         warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
         # batch_size=None: the dataset yields whole microbatches already.
-        return StatefulDataLoader(dataset, batch_size=None, num_workers=num_workers)
+        return ResumableLoader(dataset, batch_size=None, num_workers=num_workers)
+
+
+class ResumableLoader(StatefulDataLoader):
+    """torchdata's StatefulDataLoader over RankBatches whose load_state_dict checks a saved position
+    at once (RankBatches.check_state), instead of when the next iterator applies it: a checkpoint
+    whose position this run cannot take is refused while it is loaded, in one sentence."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for state in _dataset_states(state_dict):
+            if isinstance(self.dataset, RankBatches):
+                self.dataset.check_state(state)
+        super().load_state_dict(state_dict)
+
+
+def _dataset_states(state_dict: Any) -> list[Any]:
+    """The dataset positions in a StatefulDataLoader state: its own (no workers) or each worker's."""
+    if isinstance(state_dict, dict) and "dataset_state" in state_dict:
+        return [state_dict["dataset_state"]]
+    snapshot = state_dict.get("_snapshot") if isinstance(state_dict, dict) else None
+    workers = snapshot.get("_worker_snapshots") if isinstance(snapshot, dict) else None
+    if isinstance(workers, dict) and workers and all(isinstance(w, dict) and "dataset_state" in w
+                                                     for w in workers.values()):
+        return [w["dataset_state"] for w in workers.values()]
+    raise ValueError("the data position is not a loader's state (it holds no dataset position)")
 
 
 def validate_dataset(dataset: str, dataset_path: str | None, *, option: str = "training") -> None:

@@ -269,10 +269,12 @@ def sentence_documents(dataset: str, *, dataset_path, tokenizer, split: str | No
     # divides its documents (Megatron splits BERT / T5 data by documents too).
     from titanlike.data.blend import parse_blend
     from titanlike.data.gpt_dataset import DEFAULT_SPLIT
-    from titanlike.data.indexed import IndexedDataset
+    from titanlike.data.indexed import IndexedDataset, check_token_ids
 
     prefixes, _ = parse_blend(dataset_path)
     if len(prefixes) != 1:
         raise DataError(f"{what} samples read one Megatron prefix, not a blend of {len(prefixes)}; "
                         "merge the data into one prefix")
-    return IndexedDataset(prefixes[0]), split or DEFAULT_SPLIT
+    data = IndexedDataset(prefixes[0])
+    check_token_ids(prefixes[0], tokenizer.vocab_size)
+    return data, split or DEFAULT_SPLIT

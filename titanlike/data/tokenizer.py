@@ -239,5 +239,9 @@ def job_tokenizer(tokenizer_path: str | None, hf_assets_path: str | None, defaul
         except (ImportError, OSError, ValueError) as e:
             raise ValueError(f"model.hf_assets_path: {e}") from None
     if tokenizer_path and not os.path.isfile(tokenizer_path):
-        raise ValueError(f"model.tokenizer_path {tokenizer_path} does not exist")
-    return build_tokenizer(tokenizer_path or default)
+        raise ValueError(f"model.tokenizer_path {tokenizer_path} does not exist or is not a file")
+    try:
+        return build_tokenizer(tokenizer_path or default)
+    except OSError as e:  # a file that exists but cannot be read (permissions, /proc)
+        raise ValueError(f"model.tokenizer_path {tokenizer_path or default} cannot be read "
+                         f"({os.strerror(e.errno) if e.errno else e})") from None

@@ -2,7 +2,7 @@
 
 torchtitan points ``model.hf_assets_path`` at a folder downloaded from the Hugging Face Hub; its
 ``tokenizer.json`` is the tokenizer and its ``tokenizer_config.json`` names the BOS and EOS tokens.
-The ``tokenizers`` package (Rust; the ``hf`` extra, and a dependency of transformers) reads it.
+The ``tokenizers`` package (Rust; a dependency of titanlike and of transformers) reads it.
 
 Ids are the folder's own: BOS and EOS are added here (never by the file's post-processor, so a
 document gets exactly one of each), and special-token strings inside training text are encoded as
@@ -48,8 +48,8 @@ class HuggingFaceTokenizer:
         try:
             from tokenizers import Tokenizer as Backend
         except ImportError as e:
-            raise ImportError(f"reading {file} needs the `tokenizers` package (pip install tokenizers, or "
-                              "titanlike[hf])") from e
+            raise ImportError(f"reading {file} needs the `tokenizers` package, a dependency of titanlike "
+                              "(pip install tokenizers)") from e
         with open(file, "rb") as f:
             raw = f.read()
         try:

@@ -8,6 +8,10 @@ dataclass deriving from BaseModelArgs; each answer is one formula, written once,
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -148,10 +152,87 @@ class BaseModelArgs:
         return cls(**fields)
 
 
+# The largest size or count a model's args may hold (2^31 - 1): beyond any real model's layers,
+# heads, features, vocabulary or positions, and small enough that no arithmetic on it overflows.
+MAX_SIZE = 2**31 - 1
+
+
+def check_fields(cls: type, fields: Mapping[str, Any], *, what: str) -> None:
+    """ValueError (one sentence naming the field and its value) when a value of `fields` (args as
+    to_dict gives them, e.g. read from a checkpoint's sidecar) does not fit field of dataclass `cls`:
+    the declared type (int, float, bool, str, optional, a nested args dataclass, a tuple of ints);
+    an int from 1 to MAX_SIZE (from 0 where the field's default is 0); a float finite and >= 0. Runs
+    before the class is built, so no __post_init__ divides by a zero it was given. `what` names the
+    args in the message ("the model args of titanlike.json"). Fields not in `cls` are left to its
+    constructor, which refuses them."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in fields:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            problem = _field_problem(hints[f.name], fields[f.name], default, what, f.name)
+            if problem is not None:
+                raise ValueError(problem)
+
+
+def _field_problem(tp: Any, value: Any, default: Any, what: str, name: str) -> str | None:
+    args = typing.get_args(tp)
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args
+    base = next(a for a in args if a is not type(None)) if optional else tp
+    if value is None:
+        return None if optional else f"{what}: {name} is null, but it must be set"
+    shown = _show(value)
+    if dataclasses.is_dataclass(base):
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        if not isinstance(value, dict):
+            return f"{what}: {name} is {shown}, but it must be an object of {base.__name__} fields"
+        try:
+            check_fields(base, value, what=f"{what}: {name}")
+        except ValueError as e:
+            return str(e)
+        return None
+    if typing.get_origin(base) in (tuple, list):
+        item = typing.get_args(base)[0] if typing.get_args(base) else Any
+        if not isinstance(value, (list, tuple)):
+            return f"{what}: {name} is {shown}, but it must be a list"
+        for i, v in enumerate(value):
+            if (problem := _field_problem(item, v, 0, what, f"{name}[{i}]")) is not None:
+                return problem
+        return None
+    if base is bool:
+        return None if isinstance(value, bool) else f"{what}: {name} is {shown}, but it must be true or false"
+    if base is int:
+        low = 0 if default == 0 else 1
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SIZE:
+            return f"{what}: {name} is {shown}, but it must be an integer from {low} to {MAX_SIZE}"
+        return None
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            return f"{what}: {name} is {shown}, but it must be a finite number at least 0"
+        return None
+    if base is str:
+        return None if isinstance(value, str) and len(value) <= 10_000 else \
+            f"{what}: {name} is {shown}, but it must be a string"
+    return None  # another kind of field: its class checks it
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def model_bytes(args: BaseModelArgs, bytes_per_param: int) -> int:
+    """Bytes the model's weights take at bytes_per_param (args.num_params(): arithmetic, nothing is
+    built), plus its position tables (RoPE angles: at most context_len x hidden_size float32), a
+    bound checked before anything is allocated."""
+    return args.num_params() * bytes_per_param + args.context_len * args.hidden_size * 4
+
+
 def check_divisible(count: int, what: str, degree: int, option: str) -> None:
     """The usual family rule: `count` `what` must split evenly over `degree` ranks of `option`."""
     if count % degree:
         raise ValueError(f"{count} {what} are not divisible by {option} {degree}")
 
 
-__all__ = ["AttentionShape", "BaseModelArgs", "LayoutDegrees", "check_divisible"]
+__all__ = ["MAX_SIZE", "AttentionShape", "BaseModelArgs", "LayoutDegrees", "check_divisible", "check_fields",
+           "model_bytes"]

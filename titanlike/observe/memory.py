@@ -37,6 +37,25 @@ logger = logging.getLogger("titanlike")
 _CUDA_HISTORY_ENTRIES = 100_000
 
 
+def device_memory(device: str | torch.device = "cpu") -> tuple[int, str]:
+    """(bytes, what they are) a tensor on `device` can use at most: a GPU's total memory, else the
+    host's physical memory (its cgroup limit if lower). Reads no allocator state."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return int(props.total_memory), f"GPU {index} ({props.name}) has"
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total, "this host has"
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether an exception is an allocation failure: torch's OutOfMemoryError (CUDA), or the CPU
     allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""

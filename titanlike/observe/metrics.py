@@ -23,7 +23,7 @@ import math
 import os
 import resource
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import torch
 
@@ -91,9 +91,27 @@ def add_expert_histogram(writer, tag: str, counts: list[float], step: int) -> No
         bucket_limits=[e + 0.5 for e in ids], bucket_counts=list(counts), global_step=step)
 
 
+_CENTURY_S = 100 * 365 * 86400
+
+
 def format_eta(seconds: float) -> str:
-    """'1:02:03' (h:mm:ss), with days when longer: '2 days, 3:04:05'."""
-    return str(timedelta(seconds=round(seconds))) if math.isfinite(seconds) else "?"
+    """'1:02:03' (h:mm:ss), with days when longer: '2 days, 3:04:05'; beyond timedelta's range (a
+    training.steps of 2^53) 'over 100 years'."""
+    if not math.isfinite(seconds):
+        return "?"
+    return str(timedelta(seconds=round(seconds))) if seconds < _CENTURY_S else "over 100 years"
+
+
+def tensorboard_run_folder(base: str, now: datetime | None = None) -> str:
+    """Where one launch writes its TensorBoard events: torchtitan's ``<save_tb_folder>/<YYYYmmdd-HHMM>``,
+    so that ``tensorboard --logdir <dump_folder>/<save_tb_folder>`` shows each launch (a resumed run too)
+    as a run of its own. A launch in the same minute as an earlier one gets the seconds too (``-HHMMSS``)
+    rather than mixing its events into that folder."""
+    now = now or datetime.now()
+    folder = os.path.join(base, now.strftime("%Y%m%d-%H%M"))
+    if os.path.exists(folder):
+        folder = os.path.join(base, now.strftime("%Y%m%d-%H%M%S"))
+    return folder
 
 
 class MetricsLogger:
@@ -173,19 +191,21 @@ class MetricsLogger:
         counts = {layer: [float(v) for v in c.tolist()] if torch.is_tensor(c) else [float(v) for v in c]
                   for layer, c in (expert_counts or {}).items()}
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step":
-                    self._tb.add_scalar(key, value, step)
-            for layer, c in counts.items():
-                add_expert_histogram(self._tb, f"moe/layer{layer}/tokens_per_expert", c, step)
-            self._tb.flush()
+            def tensorboard():
+                for key, value in record.items():
+                    if key != "step":
+                        self._tb.add_scalar(key, value, step)
+                for layer, c in counts.items():
+                    add_expert_histogram(self._tb, f"moe/layer{layer}/tokens_per_expert", c, step)
+                self._tb.flush()
+
+            self._write("_tb", tensorboard)
         if self._jsonl is not None:
             # The counts ride in the JSONL line only, under a key outside moe/ so that every moe/
             # value stays a scalar (as in the returned record): {layer: [routes of expert 0, 1, ...]}.
             line = record if not counts else {
                 **record, "tokens_per_expert": {str(layer): [round(v) for v in c] for layer, c in counts.items()}}
-            self._jsonl.write(json.dumps(line) + "\n")
-            self._jsonl.flush()
+            self._write("_jsonl", lambda: (self._jsonl.write(json.dumps(line) + "\n"), self._jsonl.flush()))
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         return record
@@ -206,23 +226,38 @@ class MetricsLogger:
         if accuracy is not None:
             scalars["validation/accuracy"] = accuracy
         if self._tb is not None:
-            for name, value in scalars.items():
-                self._tb.add_scalar(name, value, step)
-            self._tb.flush()
+            self._write("_tb", lambda: ([self._tb.add_scalar(name, value, step) for name, value in scalars.items()],
+                                        self._tb.flush()))
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
+            self._write("_jsonl", lambda: (self._jsonl.write(json.dumps(record) + "\n"), self._jsonl.flush()))
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
         # Validation time is not training time: keep it out of the next tokens/s.
         self._last_time = time.perf_counter()
         return record
 
+    def _write(self, writer: str, write) -> None:
+        """One write of a metrics file. A full disk (or any file-system error) during the run stops
+        that file, said once, and training goes on: only rank 0 writes, so raising here would strand
+        the other ranks in their next collective; the checkpoint saves report a full disk themselves."""
+        try:
+            write()
+        except OSError as e:
+            name = "TensorBoard events" if writer == "_tb" else "metrics.jsonl"
+            logger.warning(f"metrics: writing the {name} failed ({os.strerror(e.errno) if e.errno else e}); they "
+                           "stop here, training goes on")
+            handle = getattr(self, writer)
+            setattr(self, writer, None)
+            try:
+                handle.close()
+            except OSError:
+                pass
+
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            self._write("_tb", self._tb.close)
         if self._jsonl is not None:
-            self._jsonl.close()
+            self._write("_jsonl", self._jsonl.close)
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

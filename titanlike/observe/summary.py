@@ -2,8 +2,8 @@
 
     run summary: 200 step(s) (1 -> 200) in 0:03:12; final loss 4.1210
       validation loss: final 4.3003 (step 200), best 4.2871 (step 150)
-      checkpoints:     outputs/checkpoint (latest: step-200)
-      tensorboard:     tensorboard --logdir outputs/tb
+      checkpoints:     outputs/checkpoint (latest: step-200, the model only; sample: python scripts/generate.py outputs/checkpoint)
+      tensorboard:     tensorboard --logdir outputs/tb (this run: outputs/tb/20260101-1200)
       metrics:         outputs/metrics.jsonl (plot: python scripts/plot_metrics.py outputs/metrics.jsonl)
       ...
 
@@ -29,7 +29,9 @@ class RunSummary:
     # Where things went; None: not written (e.g. TensorBoard off).
     checkpoints: str | None = None
     latest_checkpoint: str | None = None
-    tensorboard: str | None = None
+    latest_contents: str | None = None  # the latest checkpoint's sidecar "contents": full, model_only, hf
+    tensorboard: str | None = None  # the --logdir: every launch's run below it
+    tensorboard_run: str | None = None  # this launch's events (torchtitan's timestamped subfolder)
     metrics_jsonl: str | None = None
     profile_traces: str | None = None
     memory_snapshots: str | None = None
@@ -49,10 +51,10 @@ class RunSummary:
             best_step, best = min(self.validations, key=lambda v: v[1])
             out.append(f"  validation loss: final {final:.4f} (step {final_step}), best {best:.4f} (step {best_step})")
         if self.checkpoints:
-            latest = f" (latest: {self.latest_checkpoint})" if self.latest_checkpoint else " (none published)"
-            out.append(f"  checkpoints:     {self.checkpoints}{latest}")
+            out.append(f"  checkpoints:     {self.checkpoints}{self._latest()}")
         if self.tensorboard:
-            out.append(f"  tensorboard:     tensorboard --logdir {self.tensorboard}")
+            run = f" (this run: {self.tensorboard_run})" if self.tensorboard_run else ""
+            out.append(f"  tensorboard:     tensorboard --logdir {self.tensorboard}{run}")
         if self.metrics_jsonl:
             out.append(f"  metrics:         {self.metrics_jsonl} "
                        f"(plot: python scripts/plot_metrics.py {self.metrics_jsonl})")
@@ -63,6 +65,21 @@ class RunSummary:
         if self.memory_snapshots:
             out.append(f"  memory snapshots: {self.memory_snapshots}")
         return out
+
+    def _latest(self) -> str:
+        """What the latest checkpoint holds, and the command that samples from it."""
+        if not self.latest_checkpoint:
+            return " (none published)"
+        what = _CONTENTS.get(self.latest_contents or "")
+        if what is None:
+            return f" (latest: {self.latest_checkpoint})"
+        # generate.py takes a checkpoint folder (its latest DCP step) or a Hugging Face folder itself.
+        target = self.checkpoints if self.latest_contents != "hf" else f"{self.checkpoints}/{self.latest_checkpoint}"
+        return f" (latest: {self.latest_checkpoint}, {what}; sample: python scripts/generate.py {target})"
+
+
+_CONTENTS = {"full": "the full training state", "model_only": "the model only",
+             "hf": "the model in Hugging Face format"}
 
 
 __all__ = ["RunSummary"]

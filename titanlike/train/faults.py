@@ -34,8 +34,8 @@ import signal
 import sys
 import threading
 
-import torch
-import torch.distributed as dist
+# torch is imported where it is used: train.py installs StopRequest before anything heavy is
+# imported, so that a stop signal in the first seconds of setup is recorded too.
 
 logger = logging.getLogger("titanlike")
 
@@ -79,6 +79,7 @@ class StopRequest:
         self.agreed_code = 0  # the result of the last agreed()
         self._previous: dict[int, object] = {}
         self._parent = os.getppid() if watch_parent else None
+        self._ended = False  # set by run_ended(): a signal now has nothing left to stop
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -96,9 +97,18 @@ class StopRequest:
 
     def _on_signal(self, signum, frame) -> None:
         # Only record: the step in progress (or a save) finishes; the loop stops after it.
+        if self._ended:
+            # After the run (its summary, the last save): the process exits as it would have, 0.
+            logger.warning(f"received {self.describe(int(signum))} after the run ended: nothing left to save; "
+                           "exiting as planned")
         if self.code:
             return
         self.code = int(signum)
+
+    def run_ended(self) -> None:
+        """The run is over (train.py keeps the handlers installed until the process exits): a stop
+        signal from now on is only said, so that it cannot turn a finished job into a killed one."""
+        self._ended = True
 
     def local(self) -> int:
         if not self.code and self._parent is not None and os.getppid() != self._parent:
@@ -119,6 +129,9 @@ class StopRequest:
 
     def agreed(self) -> int:
         """The largest stop code of all ranks, by a collective of its own (before the first step)."""
+        import torch
+        import torch.distributed as dist
+
         code = self.local()
         if dist.is_available() and dist.is_initialized():
             # A CPU scalar: gloo (also under "cpu:gloo,cuda:nccl"), so no device synchronization.
@@ -141,6 +154,8 @@ def name_nonfinite_grad(local: str | None) -> str:
     'layers.1.w1.weight (rank 1's shard)', from each rank's own first one (None: none on that rank;
     train/step.py locates it on the device). A collective: every rank calls it (they all saw the
     same global norm, so they all take this path)."""
+    import torch.distributed as dist
+
     found = [local]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         found = [None] * dist.get_world_size()

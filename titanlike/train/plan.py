@@ -134,6 +134,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     from titanlike.models.common.moe import validate_moe_job
     from titanlike.models.converters import validate_converters
     from titanlike.models.registry import check_other_families_sections, resolve_model
+    from titanlike.observe.run_lock import check_output_folders
     from titanlike.parallel.context import validate_context_parallel
     from titanlike.parallel.fsdp import validate_cpu_offload
     from titanlike.parallel.parallelize import validate_compile_backend
@@ -143,6 +144,8 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     cuda = torch.cuda.is_available()
     validate_values(cfg)
+    if vocab_size is None:  # the job itself (the estimator's layouts write nothing)
+        check_output_folders(cfg)
     dims = ParallelDims.from_config(p, world_size)
     validate_converters(m.converters, cfg.float8, tp=dims.tp)
     validate_attention_backend(m.attention_backend, cuda=cuda)

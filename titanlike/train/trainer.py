@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -34,9 +35,9 @@ from titanlike.data import build_dataloader
 from titanlike.models.common.attention import describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
 from titanlike.observe.memory import MemorySnapshot, tensor_footprint
-from titanlike.observe.metrics import MetricsLogger
+from titanlike.observe.metrics import MetricsLogger, tensorboard_run_folder
 from titanlike.observe.profiler import Profiler
-from titanlike.observe.run_lock import FolderInUse, FolderLock
+from titanlike.observe.run_lock import FolderLock, FolderRefused, lock_folders, output_folders
 from titanlike.observe.stragglers import StragglerDetector, format_stragglers
 from titanlike.observe.summary import RunSummary
 from titanlike.objectives.base import BatchContext, Microbatch
@@ -97,6 +98,14 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message is for the user."""
 
 
+def _cannot_write(what: str, e: OSError) -> str:
+    """The sentence refusing a job whose outputs cannot be written before training starts."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left on device to write {what}; nothing was trained or saved: free some space and "
+                "relaunch (the checkpoints already saved are kept)")
+    return f"cannot write {what} ({os.strerror(e.errno) if e.errno else e}); nothing was trained or saved"
+
+
 def init_distributed(cfg: JobConfig, world_size: int) -> tuple[torch.device, bool]:
     """Pick the device and, under torchrun, create the default process group. Returns the device and
     whether this call created the group (a caller that brought its own group keeps it after the job)."""
@@ -122,14 +131,18 @@ def init_distributed(cfg: JobConfig, world_size: int) -> tuple[torch.device, boo
 class Trainer:
     """Builds a planned job (titanlike/train/plan.py) on this process's ranks and trains it."""
 
-    def __init__(self, plan: JobPlan):
+    def __init__(self, plan: JobPlan, *, stop: StopRequest | None = None):
+        """stop: the stop-signal handling of the process, installed by its caller (train.py, from
+        its first line, so that setup is covered too); None: train() installs its own and close()
+        restores the previous handlers."""
         cfg, dims = plan.cfg, plan.dims
         self.plan, self.cfg, self.dims = plan, cfg, dims
         self.device, self.owns_process_group = init_distributed(cfg, dims.world_size)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # One job per output folder: rank 0 locks it before anything is written (every rank learns the verdict).
         self.folder_locks = self._lock_output_folders()
-        self.stop: StopRequest | None = None  # SIGTERM / SIGUSR1 handling, installed by train()
+        self.stop = stop  # SIGTERM / SIGUSR1 handling (train() installs one if none was given)
+        self._owns_stop = stop is None
         self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient norm (training.skip_nonfinite_steps)
         if cfg.debug.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -138,8 +151,7 @@ class Trainer:
         self.spec, self.objective, self.model_args = plan.spec, plan.objective, plan.model_args
         self.tokenizer, self.batches = plan.tokenizer, plan.batch
         dims.build_mesh(self.device.type, experts=self.model_args.moe_args() is not None)
-        if self.rank == 0:
-            self._log_job()
+        self._agree(self._log_job() if self.rank == 0 else None)
         self._build_data()
         self._build_model()
         self._build_step()
@@ -153,19 +165,37 @@ class Trainer:
         self.collectives: CollectiveGuard | None = None  # set by train(); tells close() a collective failed
         self.summary: RunSummary | None = None  # set when train() ends normally; printed by close()
 
-    def _log_job(self) -> None:
+    def _log_job(self) -> str | None:
+        """Rank 0's first lines; the sentence refusing the job when job.save_config_file cannot be
+        written (a full disk), else None."""
         cfg, dims, args = self.cfg, self.dims, self.model_args
         if cfg.job.description:
             logger.info(cfg.job.description)
         if cfg.job.print_config:
             logger.info(f"config: {config_to_dict(cfg)}")
         if cfg.job.save_config_file:
-            self._save_config(os.path.join(cfg.job.dump_folder, cfg.job.save_config_file))
+            path = os.path.join(cfg.job.dump_folder, cfg.job.save_config_file)
+            try:
+                self._save_config(path)
+            except OSError as e:
+                return _cannot_write(f"job.save_config_file {path}", e)
         logger.info(f"world size {dims.world_size} on {self.device.type}: {dims}")
         total, active = args.num_params(), args.num_params(active=True)
         logger.info(f"model {self.plan.model_name}: {total:,} parameters"
                     + (f" ({active:,} active per token)" if active != total else "")
                     + f", {args.flops_per_token(cfg.training.seq_len):,.0f} training FLOPs per token")
+        return None
+
+    def _agree(self, error: str | None, *, elsewhere: str = "rank 0 could not start the job (it says why)") -> None:
+        """Raise TrainingError on every rank when any rank has an error (one all-reduce on the CPU
+        group); a rank without its own says `elsewhere`."""
+        if dist.is_initialized():
+            refused = torch.tensor([int(error is not None)], dtype=torch.int32)  # CPU: gloo
+            dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+            if refused.item() and error is None:
+                error = elsewhere
+        if error is not None:
+            raise TrainingError(error)
 
     def _build_data(self) -> None:
         """The training loader (every step's samples of this data-parallel rank) and the validation data."""
@@ -263,13 +293,21 @@ class Trainer:
 
             wandb_run = start_wandb(mode=m.wandb_mode, folder=dump, config=config_to_dict(cfg))
         self.wandb_folder = os.path.dirname(wandb_run.dir) if wandb_run is not None else None  # the run's own
-        self.metrics = MetricsLogger(
-            device=self.device, flops_per_token=self.model_args.flops_per_token(t.seq_len),
-            tokens_per_step_per_device=self.batches.global_batch_size * t.seq_len / self.dims.world_size,
-            log_freq=m.log_freq, is_writer=self.rank == 0,
-            tb_folder=os.path.join(dump, m.save_tb_folder) if m.enable_tensorboard else None,
-            jsonl_path=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
-            total_steps=t.steps, wandb_run=wandb_run)
+        # torchtitan's layout: <dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMM>, one run per launch (rank 0 writes).
+        self.tb_folder = (tensorboard_run_folder(os.path.join(dump, m.save_tb_folder))
+                          if m.enable_tensorboard and self.rank == 0 else None)
+        error = None
+        try:  # rank 0 opens the files; a full disk refuses the job here, on every rank, before training
+            self.metrics = MetricsLogger(
+                device=self.device, flops_per_token=self.model_args.flops_per_token(t.seq_len),
+                tokens_per_step_per_device=self.batches.global_batch_size * t.seq_len / self.dims.world_size,
+                log_freq=m.log_freq, is_writer=self.rank == 0,
+                tb_folder=self.tb_folder,
+                jsonl_path=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
+                total_steps=t.steps, wandb_run=wandb_run)
+        except OSError as e:
+            error = _cannot_write(f"the metrics (TensorBoard, metrics.jsonl) in job.dump_folder {dump}", e)
+        self._agree(error)
         # Per-rank data and optimizer times, compared over ranks at every log (observe/stragglers.py).
         self.stragglers = StragglerDetector(factor=m.straggler_factor, device=self.device)
         self.stragglers.watch(self.optimizer)
@@ -292,32 +330,17 @@ class Trainer:
         logger.info(f"config saved to {path}")
 
     def _lock_output_folders(self) -> list[FolderLock]:
-        """Rank 0 locks job.dump_folder (and checkpoint.folder when it lies outside it); every
-        rank raises TrainingError if another live job holds one of them."""
-        cfg, locks, error = self.cfg, [], None
+        """Rank 0 locks every folder the job writes into (observe/run_lock.py output_folders: the
+        dump folder, the checkpoint folder, ... wherever each lies); every rank raises TrainingError
+        if one cannot be created or another live job holds it."""
+        locks, error = [], None
         if self.rank == 0:
-            dump = cfg.job.dump_folder
-            folders = [("job.dump_folder", dump)]
-            ckpt = os.path.join(dump, cfg.checkpoint.folder)
-            if cfg.checkpoint.enable and os.path.commonpath([os.path.abspath(ckpt), os.path.abspath(dump)]) \
-                    != os.path.abspath(dump):
-                folders.append(("checkpoint.folder", ckpt))
             try:
-                for option, folder in folders:
-                    lock = FolderLock(folder, option=option, description=cfg.job.description)
-                    lock.acquire()
-                    locks.append(lock)
-            except FolderInUse as e:
-                for lock in locks:
-                    lock.release()
-                locks, error = [], str(e)
-        if dist.is_initialized():
-            refused = torch.tensor([int(error is not None)], dtype=torch.int32)  # CPU: gloo
-            dist.all_reduce(refused, op=dist.ReduceOp.MAX)
-            if refused.item() and error is None:
-                error = "another titanlike job holds this job's output folder (rank 0 names it)"
-        if error is not None:
-            raise TrainingError(error)
+                locks = lock_folders(output_folders(self.cfg), description=self.cfg.job.description)
+            except FolderRefused as e:
+                error = str(e)
+        self._agree(error, elsewhere="another titanlike job holds this job's output folder, or it cannot be created "
+                                     "(rank 0 names it)")
         return locks
 
     def _log_attention(self) -> None:
@@ -410,8 +433,9 @@ class Trainer:
         """Install the stop-signal handlers and load the checkpoint to resume from; the step to train
         after, or None when there is nothing to train (a finished run relaunched, a seed checkpoint
         written, a stop signal before the first step), said in one line."""
-        self.stop = StopRequest(watch_parent=under_torchrun())
-        self.stop.install()
+        if self.stop is None:
+            self.stop = StopRequest(watch_parent=under_torchrun())
+        self.stop.install()  # (again: idempotent)
         finished = self.checkpointer.resume_verdict()
         if finished is not None:  # a finished run relaunched: say so instead of exiting silently
             if self.rank == 0:
@@ -546,6 +570,7 @@ class Trainer:
             validations=self.metrics.validations, skipped_steps=self.skipped_steps,
             checkpoints=self.checkpointer.folder if self.checkpointer.enabled else None,
             tensorboard=os.path.join(dump, m.save_tb_folder) if m.enable_tensorboard else None,
+            tensorboard_run=self.tb_folder,
             metrics_jsonl=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
             profile_traces=os.path.join(dump, p.save_traces_folder) if profiler.traces else None,
             memory_snapshots=os.path.join(dump, p.save_memory_snapshot_folder) if snapshots.written else None,
@@ -583,11 +608,17 @@ class Trainer:
             self.metrics.close()
             if self.summary is not None and self.rank == 0:
                 # After the checkpointer's close: an asynchronous last save is published by now.
-                from titanlike.checkpoint.format import published_steps
+                from titanlike.checkpoint.format import CheckpointError, published_steps, read_sidecar
 
                 if self.summary.checkpoints:
                     steps = published_steps(self.summary.checkpoints)
-                    self.summary.latest_checkpoint = os.path.basename(self.checkpointer.path(steps[-1])) if steps else None
+                    if steps:
+                        latest = self.checkpointer.path(steps[-1])
+                        self.summary.latest_checkpoint = os.path.basename(latest)
+                        try:
+                            self.summary.latest_contents = (read_sidecar(latest) or {}).get("contents")
+                        except CheckpointError:
+                            pass  # the summary then names the step alone; a load says what is wrong
                 logger.info("\n".join(self.summary.lines()))
             # After a collective timed out or lost its peer the other ranks may be gone or hung: a
             # barrier or destroy_process_group would wait on them, so the process exit frees the group.
@@ -601,6 +632,6 @@ class Trainer:
         finally:
             for lock in self.folder_locks:
                 lock.release()
-            if self.stop is not None:
+            if self.stop is not None and self._owns_stop:
                 # Last: a signal during the final saves and the barrier above must not kill the process.
                 self.stop.restore()

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from titanlike.models.bert.model import BertArgs
-from titanlike.models.common.hf import HFAdapter, known_ids
+from titanlike.models.common.hf import COMMON_RULES, COMPARED, COUNT, POSITIVE, HFAdapter, known_ids
 from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.init import canonical_fqn
 
@@ -84,6 +84,10 @@ class BertHF(HFAdapter):
     """BertForPreTraining (binary_head) and BertForMaskedLM."""
 
     model_types = ("bert",)
+    config_rules = {
+        **COMMON_RULES, **{key: COMPARED for key in _FIXED}, "hidden_size": COUNT, "intermediate_size": COUNT,
+        "num_hidden_layers": COUNT, "num_attention_heads": COUNT, "type_vocab_size": COUNT, "layer_norm_eps": POSITIVE,
+    }
 
     def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: BertArgs) -> dict[str, torch.Tensor]:
         """Our state dict (full tensors) -> BertForPreTraining's (BertForMaskedLM's without the binary

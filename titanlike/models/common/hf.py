@@ -15,14 +15,147 @@ projections (ours pair-interleaved, HF's rotate-half).
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+import json
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from titanlike.models.args import BaseModelArgs
+from titanlike.models.args import MAX_SIZE, BaseModelArgs, check_fields
 
 StateDict = Mapping[str, torch.Tensor]
+
+
+# What a config.json value may be ----------------------------------------------------------------
+#
+# A config.json is input from anywhere (the Hub, a colleague, an attacker): every value an adapter
+# reads is checked against its rule before config_to_args sees it (HFAdapter.read_config), so that a
+# hostile value is one sentence naming the key and the value, never a traceback, a division by zero
+# or a table of 10^10 positions. A rule returns None for a value it accepts, else what the value
+# must be. An adapter lists the rules of the keys it reads (`config_rules`: the shared decoder keys
+# below and its own); tests/unit/test_hf_config_rules.py reads every adapter's config_to_args to
+# prove that each key it reads has one.
+
+Rule = Callable[[Any], "str | None"]
+
+
+def _integer(low: int) -> Rule:
+    def rule(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SIZE:
+            return f"an integer from {low} to {MAX_SIZE}"
+        return None
+
+    return rule
+
+
+def _number(*, positive: bool) -> Rule:
+    def rule(value: Any) -> str | None:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
+            and (value > 0 if positive else value >= 0)
+        return None if ok else f"a finite number {'above' if positive else 'at least'} 0"
+
+    return rule
+
+
+COUNT = _integer(1)  # a size or a count: heads, layers, features, positions
+INDEX = _integer(0)  # a count that may be 0, a layer or token index
+POSITIVE = _number(positive=True)  # epsilons, RoPE theta and factors
+NON_NEGATIVE = _number(positive=False)  # loss coefficients, init std
+FLAG: Rule = lambda value: None if isinstance(value, bool) else "true or false"  # noqa: E731
+TEXT: Rule = lambda value: None if isinstance(value, str) and len(value) <= 10_000 else "a string"  # noqa: E731
+# A value the adapter compares with the one it supports (anything else is refused there, by name).
+COMPARED: Rule = lambda value: None  # noqa: E731
+
+
+def optional(rule: Rule) -> Rule:
+    """null, or what `rule` accepts."""
+    return lambda value: None if value is None else (None if rule(value) is None else f"null or {rule(value)}")
+
+
+def list_of(rule: Rule, *, length: int | None = None) -> Rule:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, list) or (length is not None and len(value) != length):
+            return f"a list{f' of {length} items' if length else ''}"
+        for i, item in enumerate(value):
+            if (problem := rule(item)) is not None:
+                return f"a list whose items are each {problem} (item {i} is {_show(item)})"
+        return None
+
+    return check
+
+
+def one_or_list(rule: Rule) -> Rule:
+    """What `rule` accepts, or a list of such values (eos_token_id may list several)."""
+    return lambda value: list_of(rule)(value) if isinstance(value, list) else rule(value)
+
+
+def table(rules: Mapping[str, Rule]) -> Rule:
+    """A JSON object (or null) whose keys named in `rules` are checked by them (nested settings:
+    rope_scaling); other keys are not read."""
+
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            return "an object (or null)"
+        for key, rule in rules.items():
+            if key in value and (problem := rule(value[key])) is not None:
+                return f"an object whose {key} is {problem} (got {_show(value[key])})"
+        return None
+
+    return check
+
+
+# RoPE settings (transformers 4.x rope_scaling, 5.x rope_parameters): Llama 3 scaling, YaRN, theta.
+ROPE = table({
+    "rope_type": TEXT, "type": TEXT, "rope_theta": POSITIVE, "factor": POSITIVE, "low_freq_factor": POSITIVE,
+    "high_freq_factor": POSITIVE, "original_max_position_embeddings": optional(COUNT), "beta_fast": NON_NEGATIVE,
+    "beta_slow": NON_NEGATIVE, "mscale": optional(NON_NEGATIVE), "mscale_all_dim": optional(NON_NEGATIVE),
+    "attention_factor": optional(POSITIVE), "truncate": FLAG,
+})
+
+# Keys every config.json may carry and the checkpoint code reads (model_type, the token ids).
+COMMON_RULES: dict[str, Rule] = {
+    "model_type": TEXT, "architectures": optional(list_of(TEXT)), "tie_word_embeddings": FLAG,
+    "bos_token_id": optional(one_or_list(INDEX)), "eos_token_id": optional(one_or_list(INDEX)),
+    "pad_token_id": optional(one_or_list(INDEX)), "vocab_size": COUNT, "max_position_embeddings": COUNT,
+    "initializer_range": NON_NEGATIVE,
+}
+
+# The keys transformers' Llama-style decoders share (Llama, Qwen3, Mixtral, DeepSeek-V3, NemotronH).
+DECODER_RULES: dict[str, Rule] = {
+    **COMMON_RULES, "hidden_size": COUNT, "intermediate_size": COUNT, "num_hidden_layers": COUNT,
+    "num_attention_heads": COUNT, "num_key_value_heads": optional(COUNT), "head_dim": optional(COUNT),
+    "rms_norm_eps": POSITIVE, "rope_theta": POSITIVE, "rope_scaling": ROPE, "rope_parameters": ROPE,
+    "hidden_act": COMPARED, "attention_bias": COMPARED, "mlp_bias": COMPARED,
+}
+
+# Mixture-of-experts keys of transformers' decoders (Mixtral, Qwen3-MoE, DeepSeek-V3).
+MOE_RULES: dict[str, Rule] = {
+    "num_local_experts": COUNT, "num_experts": COUNT, "n_routed_experts": COUNT, "num_experts_per_tok": COUNT,
+    "moe_intermediate_size": COUNT, "n_shared_experts": optional(INDEX), "norm_topk_prob": FLAG,
+    "router_aux_loss_coef": NON_NEGATIVE, "decoder_sparse_step": COUNT, "mlp_only_layers": optional(list_of(INDEX)),
+    "first_k_dense_replace": INDEX, "n_group": COUNT, "topk_group": COUNT, "routed_scaling_factor": POSITIVE,
+    "aux_loss_alpha": NON_NEGATIVE, "seq_aux": FLAG,
+}
+
+
+def _show(value: Any) -> str:
+    """A config.json value as it reads in the file, shortened for a one-line message."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_config_values(config: Mapping[str, Any], rules: Mapping[str, Rule]) -> None:
+    """ValueError (one sentence naming the key and the value) for the first value of config that
+    its rule refuses; keys without a rule are not read by the adapter and not checked."""
+    for key, rule in rules.items():
+        if key in config and (problem := rule(config[key])) is not None:
+            raise ValueError(f"{key} is {_show(config[key])}, but it must be {problem}")
 
 
 class HFAdapter(abc.ABC):
@@ -31,6 +164,26 @@ class HFAdapter(abc.ABC):
 
     # Every config.json model_type the family reads (one per transformers class it maps).
     model_types: ClassVar[tuple[str, ...]] = ()
+    # The rule of every config.json key config_to_args reads (see Rule above).
+    config_rules: ClassVar[Mapping[str, Rule]] = COMMON_RULES
+
+    def read_config(self, config: Mapping[str, Any]) -> BaseModelArgs:
+        """config_to_args for a config.json from anywhere: every value it reads checked first
+        (config_rules), any failure of the conversion and any args field out of range one ValueError
+        sentence (the caller names the file)."""
+        if not isinstance(config, Mapping):
+            raise ValueError("it is not a JSON object")
+        check_config_values(config, self.config_rules)
+        try:
+            args = self.config_to_args(config)
+        except (KeyError, ValueError) as e:
+            detail = f"it lacks the key {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e)
+            raise ValueError(f"not a supported {self.model_types[0]} configuration: {detail}") from None
+        except Exception as e:  # a combination the rules let through (a division, an assertion)
+            raise ValueError(f"not a supported {self.model_types[0]} configuration "
+                             f"({type(e).__name__}: {e})") from None
+        check_fields(type(args), args.to_dict(), what="the model it describes")
+        return args
 
     def model_type(self, args: BaseModelArgs) -> str:
         """The model_type args_to_config writes for these args (default: the family's only one)."""
@@ -166,7 +319,9 @@ TO_INTERLEAVED = _qk_rope_layout(half_to_interleaved)
 
 
 __all__ = [
-    "ATTENTION_NAMES", "BLOCK_NORM_NAMES", "DECODER_LAYERS", "DECODER_TOP", "DENSE_MLP_NAMES", "HFAdapter",
+    "ATTENTION_NAMES", "BLOCK_NORM_NAMES", "COMMON_RULES", "COMPARED", "COUNT", "DECODER_LAYERS", "DECODER_RULES",
+    "DECODER_TOP", "DENSE_MLP_NAMES", "FLAG", "HFAdapter", "INDEX", "MOE_RULES", "NON_NEGATIVE", "POSITIVE", "ROPE",
+    "Rule", "TEXT", "check_config_values", "list_of", "one_or_list", "optional", "table",
     "TO_HALF", "TO_INTERLEAVED", "decoder_config", "half_to_interleaved", "interleaved_to_half", "known_ids",
     "rope_settings", "unscaled_rope_theta",
 ]

@@ -31,11 +31,18 @@ import torch
 
 from titanlike.models.common.hf import (
     BLOCK_NORM_NAMES,
+    COMPARED,
+    COUNT,
+    DECODER_RULES,
     DENSE_MLP_NAMES,
+    FLAG,
+    INDEX,
+    MOE_RULES,
     HFAdapter,
     decoder_config,
     half_to_interleaved,
     interleaved_to_half,
+    optional,
     rope_settings,
 )
 from titanlike.models.common.hf_moe import (
@@ -134,6 +141,11 @@ class DeepSeekV3HF(HFAdapter):
     """DeepseekV3ForCausalLM."""
 
     model_types = ("deepseek_v3",)
+    config_rules = {
+        **DECODER_RULES, **MOE_RULES, "scoring_func": COMPARED, "topk_method": COMPARED, "moe_layer_freq": COMPARED,
+        "q_lora_rank": optional(INDEX), "kv_lora_rank": COUNT, "qk_nope_head_dim": COUNT, "qk_rope_head_dim": COUNT,
+        "v_head_dim": COUNT, "rope_interleave": FLAG, "num_nextn_predict_layers": INDEX, "num_mtp_layers": INDEX,
+    }
 
     def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
         """Our state dict (full tensors) -> DeepseekV3ForCausalLM's as saved on disk."""

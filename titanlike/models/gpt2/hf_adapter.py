@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from titanlike.models.common.hf import HFAdapter
+from titanlike.models.common.hf import COMMON_RULES, COMPARED, COUNT, POSITIVE, HFAdapter, optional
 from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.init import canonical_fqn
 from titanlike.models.gpt2.model import GPT2Args
@@ -76,6 +76,11 @@ class GPT2HF(HFAdapter):
     """GPT2LMHeadModel (and GPT2Model's keys, read)."""
 
     model_types = ("gpt2",)
+    config_rules = {
+        **COMMON_RULES, **{key: COMPARED for key in _FIXED}, "activation_function": COMPARED, "n_embd": COUNT,
+        "n_inner": optional(COUNT), "n_positions": COUNT, "n_ctx": optional(COUNT), "n_layer": COUNT, "n_head": COUNT,
+        "layer_norm_epsilon": POSITIVE,
+    }
 
     def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
         """Our state dict (full tensors) -> GPT2LMHeadModel's. Wrapper prefixes in keys are ignored."""

@@ -22,7 +22,17 @@ from typing import Any
 
 import torch
 
-from titanlike.models.common.hf import HFAdapter
+from titanlike.models.common.hf import (
+    COMPARED,
+    COUNT,
+    DECODER_RULES,
+    NON_NEGATIVE,
+    POSITIVE,
+    TEXT,
+    HFAdapter,
+    list_of,
+    optional,
+)
 from titanlike.models.common.hf_keys import HFKeyMap
 from titanlike.models.common.mamba2 import Mamba2Args, grouped_rows
 from titanlike.models.hybrid.model import HybridModelArgs
@@ -93,6 +103,19 @@ def _from_hf_layout(name: str | None, value: torch.Tensor, args) -> torch.Tensor
 # config.json ---------------------------------------------------------------------------------
 
 
+def _time_step_limit(value: Any) -> str | None:
+    """Mamba2's time_step_limit: [min, max], 0 <= min <= max (max may be infinite, which transformers
+    writes as {"__float__": "Infinity"})."""
+    if not (isinstance(value, list) and len(value) == 2):
+        return "a list [min, max] of numbers with 0 <= min <= max"
+    try:
+        low, high = (_float(v) for v in value)
+    except (TypeError, ValueError):
+        return "a list [min, max] of numbers with 0 <= min <= max"
+    ok = not any(isinstance(v, bool) for v in value) and math.isfinite(low) and 0 <= low <= high
+    return None if ok else "a list [min, max] of numbers with 0 <= min <= max"
+
+
 def _refuse(cfg: Mapping[str, Any], key: str, ok, why: str) -> None:
     if key in cfg and not ok(cfg[key]):
         raise ValueError(f"config.json {key} = {cfg[key]!r} is not supported: {why}")
@@ -109,6 +132,15 @@ class HybridHF(HFAdapter):
     """NemotronHForCausalLM ("nemotron_h") and Mamba2ForCausalLM ("mamba2"), see the module docstring."""
 
     model_types = (NEMOTRON_H, MAMBA2)
+    config_rules = {
+        **DECODER_RULES, "use_bias": COMPARED, "use_conv_bias": COMPARED, "mamba_hidden_act": COMPARED,
+        "mlp_hidden_act": COMPARED, "sliding_window": COMPARED, "num_nextn_predict_layers": COMPARED,
+        "moe_latent_size": COMPARED, "layers_block_type": optional(list_of(TEXT)),
+        "hybrid_override_pattern": optional(TEXT), "num_heads": COUNT, "state_size": COUNT, "n_groups": COUNT,
+        "conv_kernel": COUNT, "chunk_size": COUNT, "expand": COUNT, "mamba_num_heads": COUNT, "mamba_head_dim": COUNT,
+        "ssm_state_size": COUNT, "time_step_min": POSITIVE, "time_step_max": POSITIVE, "time_step_floor": NON_NEGATIVE,
+        "time_step_limit": _time_step_limit, "layer_norm_epsilon": POSITIVE,
+    }
 
     def model_type(self, args: HybridModelArgs) -> str:
         """Mamba2ForCausalLM for a pattern of Mamba-2 layers only whose inner width is a whole multiple of

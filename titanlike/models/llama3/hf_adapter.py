@@ -23,6 +23,7 @@ from titanlike.models.common.hf import (
     BLOCK_NORM_NAMES,
     DECODER_LAYERS,
     DECODER_TOP,
+    DECODER_RULES,
     DENSE_MLP_NAMES,
     TO_HALF,
     TO_INTERLEAVED,
@@ -44,6 +45,7 @@ class Llama3HF(HFAdapter):
     intermediate_size is matched against first (so a converted 8B gets the 8B's args)."""
 
     model_types = ("llama",)
+    config_rules = DECODER_RULES
 
     def __init__(self, flavors: Mapping[str, TransformerModelArgs]):
         self.flavors = flavors

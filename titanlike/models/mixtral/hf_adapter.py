@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
-from titanlike.models.common.hf import ATTENTION_NAMES, BLOCK_NORM_NAMES, HFAdapter, decoder_config, unscaled_rope_theta
+from titanlike.models.common.hf import (
+    ATTENTION_NAMES,
+    BLOCK_NORM_NAMES,
+    COMPARED,
+    DECODER_RULES,
+    MOE_RULES,
+    HFAdapter,
+    decoder_config,
+    unscaled_rope_theta,
+)
 from titanlike.models.common.hf_moe import (
     HFNames,
     check_softmax_routing,
@@ -35,6 +44,7 @@ class MixtralHF(HFAdapter):
     """MixtralForCausalLM."""
 
     model_types = ("mixtral",)
+    config_rules = {**DECODER_RULES, **MOE_RULES, "sliding_window": COMPARED, "router_jitter_noise": COMPARED}
 
     def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: MixtralModelArgs) -> dict[str, torch.Tensor]:
         return moe_to_hf_state_dict(sd, args, NAMES)

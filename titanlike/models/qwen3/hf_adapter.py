@@ -18,7 +18,10 @@ import torch
 from titanlike.models.common.hf import (
     ATTENTION_NAMES,
     BLOCK_NORM_NAMES,
+    COMPARED,
+    DECODER_RULES,
     DENSE_MLP_NAMES,
+    MOE_RULES,
     HFAdapter,
     decoder_config,
     unscaled_rope_theta,
@@ -66,6 +69,7 @@ class Qwen3HF(HFAdapter):
     """Qwen3ForCausalLM ("qwen3") for dense args, Qwen3MoeForCausalLM ("qwen3_moe") for args with moe."""
 
     model_types = (QWEN3, QWEN3_MOE)
+    config_rules = {**DECODER_RULES, **MOE_RULES, "use_sliding_window": COMPARED}
 
     def model_type(self, args: Qwen3ModelArgs) -> str:
         return QWEN3_MOE if args.moe is not None else QWEN3

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from titanlike.models.common.hf import HFAdapter, known_ids
+from titanlike.models.common.hf import COMMON_RULES, COMPARED, COUNT, FLAG, POSITIVE, HFAdapter, known_ids, optional
 from titanlike.models.common.init import canonical_fqn
 from titanlike.models.t5.model import FEED_FORWARD_VARIANTS, T5Args
 
@@ -70,6 +70,12 @@ class T5HF(HFAdapter):
     """T5ForConditionalGeneration."""
 
     model_types = ("t5",)
+    config_rules = {
+        **COMMON_RULES, "feed_forward_proj": COMPARED, "dense_act_fn": COMPARED, "d_model": COUNT, "num_layers": COUNT,
+        "num_decoder_layers": optional(COUNT), "num_heads": COUNT, "d_kv": COUNT, "d_ff": COUNT,
+        "scale_decoder_outputs": FLAG, "relative_attention_num_buckets": COUNT,
+        "relative_attention_max_distance": COUNT, "layer_norm_epsilon": POSITIVE, "n_positions": optional(COUNT),
+    }
 
     def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: T5Args) -> dict[str, torch.Tensor]:
         """Our state dict (full tensors) -> T5ForConditionalGeneration's. Wrapper prefixes are ignored."""

@@ -1,0 +1,160 @@
+"""Convert between titanlike's DCP checkpoints and Hugging Face folders, both directions:
+
+    titanlike-convert to-hf outputs/checkpoint/step-1000 hf_out [--dtype bfloat16]
+    titanlike-convert from-hf path/to/Llama-3.2-1B ckpt/step-0 [--dtype float32]
+
+(scripts/convert_dcp_to_hf.py and scripts/convert_hf_to_dcp.py in a checkout.) torchtitan's spellings
+of scripts/checkpoint_conversion/convert_{to,from}_hf.py are accepted: `--model_name`, `--model_flavor`,
+`--export_dtype`, `--hf_assets_path` (its tokenizer files go into the export; the safetensors shards
+follow --max-shard-size rather than its index). Each runs in one process and holds the whole model in
+host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+TO_HF_DOC = """Convert a titanlike DCP checkpoint to a Hugging Face folder (e.g. llama3 -> LlamaForCausalLM).
+
+IN is a full or model-only checkpoint written by titanlike (its titanlike.json names the
+model), or a checkpoint folder of step-N checkpoints (the latest is taken). OUT receives
+model-0000i-of-0000n.safetensors, model.safetensors.index.json, config.json,
+generation_config.json, and the tokenizer the model was trained with as tokenizer.json +
+tokenizer_config.json (same ids as titanlike's tokenizer), so that AutoModelForCausalLM and
+AutoTokenizer both load OUT. The tokenizer is the one titanlike.json records, or --tokenizer
+(or torchtitan's --hf_assets_path folder); one that cannot be converted is copied with a note on
+how to load it, and the weights are written either way. A DCP checkpoint without titanlike.json
+(e.g. torchtitan's) needs --model-name/--flavor/--vocab-size."""
+
+FROM_HF_DOC = """Convert a Hugging Face model folder (safetensors) to a model-only titanlike DCP checkpoint.
+
+The output loads as `--checkpoint.initial_load_path OUT` (any parallel layout), with
+`titanlike.load_model`, and converts back with to-hf. The model family and its dimensions come from
+the folder's config.json (torchtitan's --model_name is checked against it; --model_flavor is not
+needed). To fine-tune without converting, pass the Hugging Face folder itself with
+--checkpoint.initial_load_in_hf."""
+
+
+def to_hf(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=TO_HF_DOC.split("\n\n")[0], epilog=TO_HF_DOC.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", help="DCP checkpoint folder (step-N) or a folder of step-N checkpoints")
+    parser.add_argument("output", help="Hugging Face folder to write")
+    parser.add_argument("--dtype", "--export_dtype", dest="dtype", default="float32",
+                        choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
+    parser.add_argument("--model-name", "--model_name", dest="model_name", default="llama3",
+                        help="family, when IN has no titanlike.json")
+    parser.add_argument("--flavor", "--model_flavor", dest="flavor", help="flavor, when IN has no titanlike.json")
+    parser.add_argument("--vocab-size", type=int, help="vocabulary size, when IN has no titanlike.json")
+    parser.add_argument("--tokenizer", help="tokenizer file (tiktoken ranks) or tokenizer.json folder to include, "
+                                            "instead of the one IN's titanlike.json records")
+    parser.add_argument("--hf_assets_path", help="torchtitan's: a Hugging Face assets folder whose tokenizer files "
+                                                 "are included (as --tokenizer FOLDER)")
+    args = parser.parse_args(argv)
+    if args.hf_assets_path and args.tokenizer:
+        parser.error("--tokenizer and --hf_assets_path both name the tokenizer to include; pass one")
+
+    import torch
+
+    from titanlike.checkpoint.format import CheckpointError, model_description, resolve_checkpoint_folder
+    from titanlike.checkpoint.hf import export_dcp_to_hf
+    from titanlike.models.registry import get_model_spec
+
+    name = (prog or "convert_dcp_to_hf").removesuffix(".py")
+    tokenizer_path = args.tokenizer or args.hf_assets_path
+    description = None
+    try:
+        if args.flavor:
+            spec = get_model_spec(args.model_name)
+            if args.flavor not in spec.flavors:
+                raise ValueError(f"model {spec.name} has no flavor {args.flavor!r}; "
+                                 f"flavors: {', '.join(spec.flavors)}")
+            flavor = spec.flavors[args.flavor]
+            if args.vocab_size:
+                flavor = flavor.update_from_config(vocab_size=args.vocab_size, seq_len=flavor.context_len)
+            description = model_description(spec.name, flavor)
+        src = resolve_checkpoint_folder(args.input)
+        tokenizer = export_dcp_to_hf(src, args.output, dtype=getattr(torch, args.dtype),
+                                     max_shard_bytes=parse_size(args.max_shard_size), description=description,
+                                     tokenizer_path=tokenizer_path)
+    except (CheckpointError, ValueError, KeyError) as e:
+        print(f"{name}: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output} from {src}")
+    if tokenizer.converted:
+        print(f"tokenizer: {tokenizer.message}")
+    else:
+        hint = "" if tokenizer_path else " (--tokenizer names one)"
+        print(f"{name}: warning: {tokenizer.message}{hint}", file=sys.stderr)
+    return 0
+
+
+def from_hf(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=FROM_HF_DOC.split("\n\n")[0],
+                                     epilog=FROM_HF_DOC.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", help="Hugging Face model folder (config.json + *.safetensors)")
+    parser.add_argument("output", help="DCP checkpoint folder to write")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="cast the weights (default: keep the stored dtype)")
+    parser.add_argument("--model_name", "--model-name", dest="model_name", default=None,
+                        help="torchtitan's: the family config.json must describe (checked)")
+    parser.add_argument("--model_flavor", "--flavor", dest="flavor", default=None,
+                        help="torchtitan's: not needed, the dimensions come from config.json")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from titanlike.checkpoint import CheckpointError, import_hf_to_dcp
+    from titanlike.checkpoint.format import read_sidecar
+
+    name = (prog or "convert_hf_to_dcp").removesuffix(".py")
+    try:
+        import_hf_to_dcp(args.input, args.output, dtype=getattr(torch, args.dtype) if args.dtype else None)
+        model = (read_sidecar(args.output) or {}).get("model", {})
+        if args.model_name and model.get("name") != args.model_name:
+            import shutil
+
+            shutil.rmtree(args.output, ignore_errors=True)
+            raise ValueError(f"--model_name {args.model_name}: {args.input}'s config.json describes a "
+                             f"{model.get('name')} model, nothing written")
+    except (CheckpointError, ValueError, KeyError) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output} from {args.input}")
+    if args.flavor:
+        print(f"note: --model_flavor {args.flavor} is not used: the dimensions came from {args.input}'s config.json")
+    return 0
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * scale)
+    if t.isdigit():
+        return int(t)
+    raise ValueError(f"--max-shard-size {text!r} is not a size like 5GB or 500MB")
+
+
+COMMANDS = {"to-hf": to_hf, "from-hf": from_hf, "to_hf": to_hf, "from_hf": from_hf}
+
+
+def main(argv: list[str] | None = None, prog: str = "titanlike-convert") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(f"usage: {prog} {{to-hf,from-hf}} IN OUT [options]\n\n"
+              "  to-hf    a titanlike DCP checkpoint -> a Hugging Face folder (--dtype, --max-shard-size, --tokenizer, "
+              "...)\n  from-hf  a Hugging Face folder -> a model-only titanlike DCP checkpoint (--dtype)\n\n"
+              f"{prog} to-hf --help lists the options of one direction.",
+              file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    command = argv[0].replace("_", "-")
+    return COMMANDS[argv[0]](argv[1:], prog=f"{prog} {command}")
+
+
+def console_main() -> None:
+    sys.exit(main())
