@@ -16,6 +16,7 @@ from typing import Sequence
 
 from titanlike.config.loader import ConfigError, parse_section_options, section_help
 from titanlike.config.schema import JobConfig, opt
+from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.train.plan import JobPlan, plan_job
 
 
@@ -87,12 +88,6 @@ def _vocab_size(tokenizer_path: str | None, hf_assets_path: str | None) -> int:
         raise ConfigError(str(e)) from None
 
 
-def default_world_size(cfg: JobConfig) -> int:
-    p = cfg.parallelism
-    return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1) * p.context_parallel_degree
-            * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-
-
 def prepare_plan(plan: JobPlan) -> PreparedJob:
     """A job train.py has planned (its memory check), planned again without what a probe cannot run."""
     return prepare_job(plan.cfg, plan.dims.world_size, vocab_size=plan.model_args.vocab_size)
@@ -101,8 +96,6 @@ def prepare_plan(plan: JobPlan) -> PreparedJob:
 def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: int | None = None) -> PreparedJob:
     """Plan cfg for world_size with the training rules (plan_job), after taking out what a probe cannot
     run, each removal noted. Raises ConfigError (one sentence) for layouts that cannot run at all."""
-    from titanlike.models.registry import get_model_spec, model_names
-
     est = copy.deepcopy(cfg)
     notes: list[str] = []
     if any(name.lower() == "float8" for name in est.model.converters):
@@ -129,14 +122,36 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
     est.validation.enable = False
     est.metrics.enable_wandb = est.metrics.enable_tensorboard = False
     est.profiling.enable_memory_snapshot = est.profiling.enable_profiling = False
-    # The trainer sizes the embedding by the tokenizer it loads; without it, the flavor's own vocabulary.
-    path = est.model.tokenizer_path
-    if vocab_size is None and path and not os.path.isfile(path):
-        notes.append(f"tokenizer {path} not found: vocab_size taken from the {est.model.flavor} flavor")
-        est.model.tokenizer_path = None
-        spec = get_model_spec(est.model.name) if est.model.name in model_names() else None
-        flavor = spec.flavors.get(est.model.flavor) if spec is not None else None
-        vocab_size = flavor.vocab_size if flavor is not None else 1  # an unknown model: planning says so
-    elif vocab_size is None:
-        vocab_size = _vocab_size(path, est.model.hf_assets_path)
-    return PreparedJob(plan_job(est, world_size or default_world_size(cfg), vocab_size=vocab_size), notes=notes)
+    vocab_size, note = _job_vocab_size(est, vocab_size)
+    notes += [note] if note else []
+    world = world_size or ParallelDims.smallest_world(cfg.parallelism)
+    return PreparedJob(plan_job(est, world, vocab_size=vocab_size), notes=notes)
+
+
+def _job_vocab_size(cfg: JobConfig, known: int | None) -> tuple[int, str | None]:
+    """(the vocabulary to size the model by, a note when it is not the one train.py would load). The
+    trainer sizes the embedding by its tokenizer; where that is a file not found here, or the debug
+    tokenizer (none given) whose vocabulary would change a real flavor's size by more than 5%, the
+    flavor's own vocabulary, said in one line."""
+    from titanlike.models.registry import get_model_spec, model_names
+
+    if known is not None:
+        return known, None
+    m = cfg.model
+    spec = get_model_spec(m.name) if m.name in model_names() else None
+    flavor = spec.flavors.get(m.flavor) if spec is not None else None
+    if m.tokenizer_path and not os.path.isfile(m.tokenizer_path):
+        note = f"tokenizer {m.tokenizer_path} not found: vocab_size taken from the {m.flavor} flavor"
+        m.tokenizer_path = None
+        return flavor.vocab_size if flavor is not None else 1, note  # an unknown model: planning says so
+    vocab = _vocab_size(m.tokenizer_path, m.hf_assets_path)
+    if m.tokenizer_path or m.hf_assets_path or flavor is None or flavor.vocab_size == vocab:
+        return vocab, None
+    seq = cfg.training.seq_len
+    ours, debug = (flavor.update_from_config(vocab_size=v, seq_len=seq).num_params() for v in (flavor.vocab_size, vocab))
+    if abs(ours - debug) <= 0.05 * ours:
+        return vocab, None
+    return flavor.vocab_size, (
+        f"no tokenizer given (model.tokenizer_path, model.hf_assets_path): estimated with the {m.flavor} flavor's own "
+        f"vocabulary of {flavor.vocab_size:,} ({ours / 1e9:.2f}B parameters), where train.py would size the model by "
+        f"the debug tokenizer's {vocab:,} ({debug / 1e9:.2f}B)")

@@ -10,11 +10,17 @@ degree, float8 on every linear but the output projection with float8 all-gather 
 scales), with the table's layout, batch, sequence length and techniques. The published figure is
 the CUDA caching allocator's peak reserved memory of the busiest GPU (torch.cuda.memory_stats
 "reserved_bytes.all.peak"); the estimate printed beside it is `reserved_bytes` of the estimate.
+
+Two rows train 262,144-token sequences, past Llama 3.1's context of 131,072 positions, which train.py
+refuses: torchtitan then sized its RoPE table to training.seq_len. Those rows use the flavor with its
+context extended to 262,144 (`8B_ctx262144`, `405B_ctx262144`: the same weights and a longer RoPE
+table), registered by this script while it estimates them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -32,17 +38,25 @@ def _cfg(name: str) -> list[str]:
     return ["--job.config_file", str(REPO / "train_configs" / name), *FOREACH]
 
 
+LONG = 262144  # past Llama 3.1's context: the rows use the flavor with a context this long
+
+
+def _long(flavor: str, seq: int) -> list[str]:
+    return ["--model.flavor", f"{flavor}_ctx{LONG}"] if seq > 131072 else []
+
+
 def _8b(lbs: int) -> list[str]:
     return [*_cfg("llama3_8b.toml"), "--training.local_batch_size", str(lbs)]
 
 
 def _8b_cp(cp: int, seq: int) -> list[str]:
     return [*_8b(1), "--activation_checkpoint.mode", "full", *COMPILE, *FLOAT8,
-            "--parallelism.context_parallel_degree", str(cp), "--training.seq_len", str(seq)]
+            "--parallelism.context_parallel_degree", str(cp), "--training.seq_len", str(seq), *_long("8B", seq)]
 
 
 def _405b(lbs: int, schedule: str, cp: int = 1, seq: int = 8192) -> list[str]:
-    return [*_cfg("llama3_405b.toml"), "--training.local_batch_size", str(lbs), "--training.seq_len", str(seq),
+    return [*_cfg("llama3_405b.toml"), *_long("405B", seq), "--training.local_batch_size", str(lbs),
+            "--training.seq_len", str(seq),
             "--parallelism.pipeline_parallel_schedule", schedule, "--parallelism.context_parallel_degree", str(cp),
             "--parallelism.pipeline_parallel_microbatch_size", str(lbs // 8), *COMPILE, *FLOAT8, *ASYNC_TP]
 
@@ -72,30 +86,54 @@ ROWS = [
 ]
 
 
-def estimate_row(gpus: int, argv: list[str]):
-    """(estimate result of estimation/report.py run_estimate, its options) for one row."""
+@contextlib.contextmanager
+def long_context_flavors():
+    """8B_ctx262144 and 405B_ctx262144 in the llama3 registry while the block runs."""
+    from titanlike.models.registry import get_model_spec
+
+    flavors = get_model_spec("llama3").flavors
+    added = {f"{f}_ctx{LONG}": flavors[f].with_context_len(LONG) for f in ("8B", "405B")}
+    flavors.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            del flavors[name]
+
+
+def estimate_row(gpus: int, argv: list[str]) -> dict:
+    """The estimate (estimation/report.py run_estimate's result) of one row."""
     from estimation.options import parse_estimate_args
     from estimation.report import run_estimate
     from titanlike.config import load_job_config
 
     opts, rest = parse_estimate_args([*argv, "--estimate.world_size", str(gpus)])
-    return run_estimate(load_job_config(rest), opts)
+    with long_context_flavors():
+        return run_estimate(load_job_config(rest), opts)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=None, help="rows whose table or row name contains one of these")
+    parser.add_argument("--markdown", action="store_true",
+                        help="a Markdown table with each row's command (docs/performance.md)")
     a = parser.parse_args()
-    print("| table | row | GPUs | published (GiB) | estimate (GiB) | error | tensors at the peak (GiB) | command |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    if a.markdown:
+        print("| table | row | GPUs | published (GiB) | estimate (GiB) | error | tensors at the peak (GiB) | command |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for table, row, published, gpus, argv in ROWS:
         if a.only and not any(o.lower() in f"{table} {row}".lower() for o in a.only):
             continue
         r = estimate_row(gpus, argv)
-        est = r["reserved_bytes"] / 2**30
+        est, peak = r["reserved_bytes"] / 2**30, r["peak_bytes"] / 2**30
+        error = f"{(est - published) / published:+.0%}"
         command = " ".join(x.replace(str(REPO) + "/", "") for x in argv)
-        print(f"| {table} | {row} | {gpus} | {published} | {est:.1f} | {(est - published) / published:+.0%} | "
-              f"{r['peak_bytes'] / 2**30:.1f} | `{command} --estimate.world_size {gpus}` |", flush=True)
+        if a.markdown:
+            print(f"| {table} | {row} | {gpus} | {published} | {est:.1f} | {error} | {peak:.1f} | "
+                  f"`{command} --estimate.world_size {gpus}` |", flush=True)
+        else:
+            print(f"{table + ' ' + row:<62} published {published:5.1f}  estimate {est:5.1f} GiB  {error:>5}  "
+                  f"(tensors {peak:.1f})", flush=True)
     return 0
 
 
