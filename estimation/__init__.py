@@ -7,11 +7,7 @@
 - `estimation.planner`: layouts for a GPU count, ranked by a stated throughput model, estimated in that
   order until enough fit.
 
-`estimation/estimate.py` and `estimation/plan.py` are the command-line entry points; train.py checks
-every job against its machine with `estimation/fits.py`.
+`estimation/estimate.py` and `estimation/plan.py` are the command-line entry points; `estimation/fits.py`
+is train.py's memory check (registered as a `titanlike.preflight` entry point: the library never
+imports this package).
 """
-
-from estimation.memory import Breakdown, RankEstimate
-from estimation.options import EstimateOptions, PreparedJob, parse_estimate_args, prepare_job
-
-__all__ = ["Breakdown", "EstimateOptions", "PreparedJob", "RankEstimate", "parse_estimate_args", "prepare_job"]

@@ -28,14 +28,54 @@ gradients a backward makes are counted on the device until its end (FSDP copies 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
-from estimation.memory import Breakdown, RankEstimate
 from estimation.probe import Probe, Static, Window
 
 # Share of a microbatch's activations a split backward (I) keeps for its weight-gradient step (W): an
 # assumption (the inputs of the matmuls, about half of what a block saves), not a measurement.
 WEIGHT_SHARE = 0.5
+
+
+@dataclass
+class Breakdown:
+    """Bytes by category at one moment (the peak). The buckets sum to the total."""
+
+    parameters: int = 0
+    optimizer_state: int = 0
+    gradients: int = 0
+    activations: int = 0
+    transient: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass
+class RankEstimate:
+    """The estimate for one representative rank (one per pipeline rank; every other coordinate of the
+    mesh holds the same shapes). peak: tensors alive at the busiest moment; reserved: what the CUDA
+    caching allocator holds then (`reserved_bytes`)."""
+
+    rank: int
+    pp_rank: int
+    stages: list[int]
+    peak: Breakdown
+    peak_phase: str = ""
+    reserved: int = 0
+    host: int = 0  # bytes in host memory (FSDP CPU offload)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "pp_rank": self.pp_rank, "stages": self.stages, "peak_bytes": self.peak_bytes,
+                "reserved_bytes": self.reserved, "host_bytes": self.host, "peak_phase": self.peak_phase, "breakdown": self.peak.as_dict()}
 
 
 @dataclass

@@ -38,9 +38,8 @@ import copy
 import time
 from dataclasses import dataclass, field
 
-from estimation.memory import GiB
 from estimation.options import EstimateOptions, PreparedJob, prepare_job
-from estimation.report import estimate_prepared, verdict
+from estimation.report import GiB, estimate_prepared, verdict
 from titanlike.config.loader import ConfigError
 
 _AC = {"none": ("none", "2"), "full": ("full", "2"), "op": ("selective", "op"), "selective": ("selective", "2")}

@@ -558,14 +558,9 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
                 loss.register_hook(started)
                 return loss
 
-            step = TrainStep(model_parts=[part], step_loss=StepLoss(loss_fn, torch.ones((), device=DEVICE)
-                                                                    if scaled else None),
-                             optimizer=optimizer, device=DEVICE, max_norm=t.max_norm, tp_mesh=dims.mesh("tp"),
-                             pp_mesh=dims.mesh("pp"),
-                             autocast=torch.autocast("cpu", dtype=plan.precision.autocast_dtype)
-                             if plan.precision.autocast_dtype else contextlib.nullcontext(),
-                             loss_parallel=dims.tp_enabled and plan.parallelize.loss_parallel,
-                             converters=converters, reported_losses=args.reported_losses())
+            step = TrainStep.for_plan(plan, dims, model_parts=[part], device=DEVICE, optimizer=optimizer,
+                                      step_loss=StepLoss(loss_fn, torch.ones((), device=DEVICE) if scaled else None),
+                                      converters=converters)
             live = LiveBytes(granularity)
 
             def mark(label):

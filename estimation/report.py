@@ -5,9 +5,20 @@ from __future__ import annotations
 import time
 
 from estimation.layout import estimate
-from estimation.memory import BUCKET_DOCS, GiB
 from estimation.options import EstimateOptions, PreparedJob, prepare_job
 from estimation.probe import probe
+
+
+GiB = 2**30
+# What each bucket holds, in the words printed next to it.
+BUCKET_DOCS = {
+    "parameters": "parameter shards (fp32 masters) and buffers, as parallelized",
+    "optimizer_state": "optimizer state (AdamW exp_avg, exp_avg_sq, step)",
+    "gradients": "reduced gradients kept from earlier microbatches, or for the optimizer step",
+    "activations": "what the step holds when the peak begins: saved activations, gathered weights, gradients "
+                   "made so far, pipeline stage inputs, the batch",
+    "transient": "the rise above that within the peak's stretch: recompute, collective buffers, temporaries",
+}
 
 
 def verdict(reserved_bytes: int, opts: EstimateOptions) -> dict | None:

@@ -108,8 +108,8 @@ FAMILY_PRESETS = ["debug_model", "gpt2_debug", "qwen3_debug_moe", "mixtral_debug
 
 _MEASURE_ALL = """
 import contextlib, io, json, sys
-sys.path.insert(0, {repo!r})
-from estimation.measure_cpu import main
+sys.path.insert(0, {repo!r} + "/scripts")
+from measure_memory import main
 for i, argv in enumerate(json.loads(sys.argv[1])):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -123,7 +123,7 @@ def _preset(name: str) -> list[str]:
 
 
 def test_every_family_debug_preset_is_within_10_percent_of_a_measured_cpu_step(tmp_path):
-    """One real training step of each family's debug preset on CPU, measured by estimation/measure_cpu.py
+    """One real training step of each family's debug preset on CPU, measured by scripts/measure_memory.py
     (allocator events, independent of the probe's storage count): the estimate counting torch's CPU
     kernels and exact bytes is within 10% (measured: within 0.1% for all eight)."""
     jobs = [_preset(name) for name in FAMILY_PRESETS]
@@ -143,7 +143,7 @@ def test_pipeline_ranks_are_within_10_percent_of_measured_cpu_steps(tmp_path):
             "--training.mixed_precision_param", "float32", "--parallelism.pipeline_parallel_degree", "2",
             "--parallelism.pipeline_parallel_microbatch_size", "2"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "estimation" / "measure_cpu.py"), *argv, "--job.dump_folder",
+                           str(REPO / "scripts" / "measure_memory.py"), *argv, "--job.dump_folder",
                            str(tmp_path / "dump"), "--measure.out", str(tmp_path)],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

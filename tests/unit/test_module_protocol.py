@@ -280,7 +280,6 @@ NOT_HOOKS = {
     ("titanlike/checkpoint/format.py", "failures"): "DCP's exceptions",
     ("titanlike/models/converters.py", "_titanlike_gloo"): "our marker on a torchao handler function",
     ("titanlike/models/converters.py", "fp8_autocast"): "Transformer Engine's module API",
-    ("estimation/measure_cpu.py", "to_local"): "DTensor or plain tensor",
     ("estimation/probe.py", "pipeline_order"): "torch's pipeline schedule",
 }
 

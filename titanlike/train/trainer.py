@@ -16,7 +16,6 @@ overflow instead: every rank skips the step, the learning rate is held and the s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import logging
@@ -228,8 +227,6 @@ class Trainer:
             part.init_weights(seed=cfg.debug.seed, buffer_device=self.device if offload else None)
             part.train()
         self.model_parts = parts
-        half = self.plan.precision.autocast_dtype
-        self.autocast = torch.autocast(self.device.type, dtype=half) if half is not None else contextlib.nullcontext()
         # Context parallel: the global positions of the tokens this rank keeps of every sequence.
         self.cp_positions = (
             load_balanced_positions(t.seq_len, dims.cp, dims.mesh("cp").get_local_rank(), self.device)
@@ -274,13 +271,10 @@ class Trainer:
         # lr_scheduler.total_steps lets a short run follow a longer run's curve.
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps,
                                                self.batches.schedule)
-        self.train_step = TrainStep(
-            model_parts=self.model_parts, step_loss=self.step_loss, optimizer=self.optimizer, device=self.device,
-            max_norm=t.max_norm, pipeline=pipeline, pipeline_microbatch_size=p.pipeline_parallel_microbatch_size,
-            tp_mesh=dims.mesh("tp"), pp_mesh=dims.mesh("pp"), autocast=self.autocast,
-            loss_parallel=dims.tp_enabled and self.plan.parallelize.loss_parallel, tied=tied,
-            converters=self.converters, expert_balance=self.expert_balance,
-            reported_losses=self.model_args.reported_losses(), loss_scaler=self.loss_scaler)
+        self.train_step = TrainStep.for_plan(
+            self.plan, dims, model_parts=self.model_parts, step_loss=self.step_loss, optimizer=self.optimizer,
+            device=self.device, pipeline=pipeline, tied=tied, converters=self.converters,
+            expert_balance=self.expert_balance, loss_scaler=self.loss_scaler)
         self.evaluator = Evaluator(self.train_step, self.validation, self.prepare) if self.validation is not None else None
 
     def _build_observers(self) -> None:
