@@ -6,7 +6,8 @@ machine has for one rank: the GPU's memory (what the CUDA caching allocator woul
 the host's (its cgroup limit if lower) shared by the local ranks. A job that does not fit is refused
 in one sentence; a job the estimate cannot run is let through with a note saying the check was
 skipped (also when this process already has a process group: the probe needs a fake one of its own).
-The library never imports this package: train.py does, as a step of its own.
+train.py finds `check_fits` as the `titanlike.preflight` entry point pyproject.toml registers (a
+checkout's train.py passes it itself): the library never imports this package.
 """
 
 from __future__ import annotations
