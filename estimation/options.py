@@ -130,7 +130,7 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
 
 def _job_vocab_size(cfg: JobConfig, known: int | None) -> tuple[int, str | None]:
     """(the vocabulary to size the model by, a note when it is not the one train.py would load). The
-    trainer sizes the embedding by its tokenizer; where that is a file not found here, or the debug
+    trainer sizes the embedding by its tokenizer; where that is a file or folder not found here, or the debug
     tokenizer (none given) whose vocabulary would change a real flavor's size by more than 5%, the
     flavor's own vocabulary, said in one line."""
     from titanlike.models.registry import get_model_spec, model_names
@@ -140,10 +140,12 @@ def _job_vocab_size(cfg: JobConfig, known: int | None) -> tuple[int, str | None]
     m = cfg.model
     spec = get_model_spec(m.name) if m.name in model_names() else None
     flavor = spec.flavors.get(m.flavor) if spec is not None else None
-    if m.tokenizer_path and not os.path.isfile(m.tokenizer_path):
-        note = f"tokenizer {m.tokenizer_path} not found: vocab_size taken from the {m.flavor} flavor"
-        m.tokenizer_path = None
-        return flavor.vocab_size if flavor is not None else 1, note  # an unknown model: planning says so
+    missing = ("tokenizer_path", m.tokenizer_path) if m.tokenizer_path and not os.path.isfile(m.tokenizer_path) else \
+        ("hf_assets_path", m.hf_assets_path) if m.hf_assets_path and not os.path.isdir(m.hf_assets_path) else None
+    if missing:
+        m.tokenizer_path = m.hf_assets_path = None
+        return (flavor.vocab_size if flavor is not None else 1,  # an unknown model: planning says so
+                f"model.{missing[0]} {missing[1]} not found here: vocab_size taken from the {m.flavor} flavor")
     vocab = _vocab_size(m.tokenizer_path, m.hf_assets_path)
     if m.tokenizer_path or m.hf_assets_path or flavor is None or flavor.vocab_size == vocab:
         return vocab, None

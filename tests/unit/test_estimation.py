@@ -200,9 +200,11 @@ def test_moe_presets_plan_on_the_smallest_world_their_degrees_allow(preset, worl
 def test_a_real_flavor_without_a_tokenizer_keeps_its_own_vocabulary_and_says_so():
     """torchtitan's llama3_8b.toml with hf_assets_path cleared: the 8B flavor's 128,256-token vocabulary,
     not the debug tokenizer's 2,048 (a 7.0B model), in one note; debug presets keep the debug tokenizer."""
-    argv = ["--job.config_file", str(REPO / "tests" / "fixtures" / "torchtitan" / "llama3_8b_v0.2.2.toml"),
-            "--model.hf_assets_path", ""]
-    prep = prepare_job(load_job_config(argv), 8)
+    argv = ["--job.config_file", str(REPO / "tests" / "fixtures" / "torchtitan" / "llama3_8b_v0.2.2.toml")]
+    as_written = prepare_job(load_job_config(argv), 8)  # its hf_assets_path is a folder this machine lacks
+    assert as_written.plan.model_args.vocab_size == 128256
+    assert any("model.hf_assets_path ./assets/hf/Llama-3.1-8B not found here" in n for n in as_written.notes)
+    prep = prepare_job(load_job_config([*argv, "--model.hf_assets_path", ""]), 8)
     assert prep.plan.model_args.vocab_size == 128256 and round(prep.plan.model_args.num_params() / 1e9, 2) == 8.03
     said = [n for n in prep.notes if "debug tokenizer" in n]
     assert len(said) == 1 and "128,256" in said[0] and "7.00B" in said[0] and "\n" not in said[0]
