@@ -12,15 +12,14 @@ checkout's train.py passes it itself): the library never imports this package.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from titanlike.config.loader import ConfigError
+from titanlike.observe.memory import device_memory
 from titanlike.train.plan import JobPlan
 
-logger = logging.getLogger(__name__)
 GiB = 2**30
 
 
@@ -28,29 +27,13 @@ def machine_memory() -> tuple[int, str]:
     """(bytes one rank may use, what they are) on this machine: the GPU this rank will use, or on
     CPU the host's memory (its cgroup limit if lower) shared by LOCAL_WORLD_SIZE ranks."""
     if torch.cuda.is_available():
-        # get_device_properties reads the total without creating a CUDA context (mem_get_info
-        # would create one on device 0 in every rank, before each picks its own device).
-        device = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-        props = torch.cuda.get_device_properties(device)
-        return int(props.total_memory), f"GPU {device} ({props.name}) has"
-    total = host_memory()
+        # The device this rank will pick, by index: reading its properties creates no CUDA context.
+        return device_memory(f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}")
+    total, where = device_memory("cpu")
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
     if local > 1:
         return total // local, f"this host's {total / GiB:.1f} GiB of memory shared by {local} local ranks leave"
-    return total, "this host has"
-
-
-def host_memory() -> int:
-    """Bytes of physical memory, or the container's (cgroup v2) limit where that is lower."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
-    except OSError:
-        pass
-    return total
+    return total, where
 
 
 def estimate_peak_memory(plan: JobPlan) -> tuple[int, str]:
@@ -92,4 +75,4 @@ def check_fits(plan: JobPlan) -> str | None:
     return None
 
 
-__all__ = ["check_fits", "estimate_peak_memory", "host_memory", "machine_memory"]
+__all__ = ["check_fits", "estimate_peak_memory", "machine_memory"]

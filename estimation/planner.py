@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from estimation.options import EstimateOptions, PreparedJob, prepare_job
 from estimation.report import GiB, estimate_prepared, verdict
@@ -86,46 +86,36 @@ class Candidate:
         parts += [f"{self.layers_per_stage} layers per stage"] if self.layers_per_stage else []
         return ", ".join([*parts, f"AC {self.ac}", f"microbatch {self.microbatch}"])
 
-    def overrides(self) -> list[str]:
-        """The train.py options that select this layout."""
+    def settings(self) -> dict:
+        """The train.py options that select this layout, as {"section.key": value}."""
         mode, option = _AC[self.ac]
-        out = [f"--parallelism.data_parallel_replicate_degree {self.dp_replicate}",
-               f"--parallelism.data_parallel_shard_degree {self.dp_shard}",
-               f"--parallelism.tensor_parallel_degree {self.tp}", f"--parallelism.context_parallel_degree {self.cp}",
-               f"--parallelism.pipeline_parallel_degree {self.pp}"]
-        out += [f"--parallelism.expert_parallel_degree {self.ep}"] if self.experts or self.ep > 1 else []
-        out += [f"--activation_checkpoint.mode {mode}"]
-        out += [f"--activation_checkpoint.selective_ac_option {option}"] if mode == "selective" else []
-        out += [f"--training.local_batch_size {self.local_batch_size}"]
+        par = {"data_parallel_replicate_degree": self.dp_replicate, "data_parallel_shard_degree": self.dp_shard,
+               "tensor_parallel_degree": self.tp, "context_parallel_degree": self.cp,
+               "pipeline_parallel_degree": self.pp}
+        par |= {"expert_parallel_degree": self.ep} if self.experts or self.ep > 1 else {}
         if self.pp > 1:
-            out += [f"--parallelism.pipeline_parallel_schedule {self.schedule}",
-                    f"--parallelism.pipeline_parallel_microbatch_size {self.microbatch}"]
-            out += [f"--parallelism.pipeline_parallel_layers_per_stage {self.layers_per_stage}"] \
-                if self.layers_per_stage else []
-        return out
+            par |= {"pipeline_parallel_schedule": self.schedule, "pipeline_parallel_microbatch_size": self.microbatch}
+            par |= {"pipeline_parallel_layers_per_stage": self.layers_per_stage} if self.layers_per_stage else {}
+        out = {f"parallelism.{k}": v for k, v in par.items()} | {"activation_checkpoint.mode": mode}
+        out |= {"activation_checkpoint.selective_ac_option": option} if mode == "selective" else {}
+        return out | {"training.local_batch_size": self.local_batch_size}
+
+    def overrides(self) -> list[str]:
+        return [f"--{key} {value}" for key, value in self.settings().items()]
 
     def as_dict(self) -> dict:
-        return {"layout": self.label(), "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp, "pp": self.pp, "ep": self.ep, "pp_schedule": self.schedule,
-                "layers_per_stage": self.layers_per_stage, "activation_checkpoint": self.ac,
-                "local_batch_size": self.local_batch_size, "microbatch": self.microbatch,
-                "peak_bytes": self.peak_bytes, "reserved_bytes": self.reserved_bytes,
-                "headroom_bytes": self.headroom_bytes, "step_seconds": self.step_seconds,
-                "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu, "mfu": self.mfu,
-                "time_seconds": self.time_parts, "overrides": " ".join(self.overrides())}
+        fields_ = {k: v for k, v in asdict(self).items() if k != "experts"}
+        return {"layout": self.label(), **fields_, "overrides": " ".join(self.overrides())}
 
 
 def _apply(cfg, c: Candidate, global_batch: int):
     out = copy.deepcopy(cfg)
     p = out.parallelism
-    p.data_parallel_replicate_degree, p.data_parallel_shard_degree = c.dp_replicate, c.dp_shard
-    p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree = c.tp, c.cp, c.pp
-    p.expert_parallel_degree, p.expert_tensor_parallel_degree = c.ep, 1
-    p.pipeline_parallel_layers_per_stage = c.layers_per_stage
-    if c.pp > 1:
-        p.pipeline_parallel_schedule, p.pipeline_parallel_microbatch_size = c.schedule, c.microbatch
-    out.activation_checkpoint.mode, out.activation_checkpoint.selective_ac_option = _AC[c.ac]
-    out.training.local_batch_size, out.training.global_batch_size = c.local_batch_size, global_batch
+    p.expert_parallel_degree, p.expert_tensor_parallel_degree, p.pipeline_parallel_layers_per_stage = 1, 1, None
+    for key, value in c.settings().items():
+        section, name = key.split(".")
+        setattr(getattr(out, section), name, value)
+    out.training.global_batch_size = global_batch
     return out
 
 
@@ -291,7 +281,7 @@ def format_plan(plan: dict) -> str:
         lines.append("no estimated layout fits; try more GPUs, a shorter sequence, a smaller global batch or more "
                      "--estimate.plan_probes")
     for i, c in enumerate(plan["top"], 1):
-        t = c["time_seconds"]
+        t = c["time_parts"]
         parts = " + ".join(f"{k} {v:.3g}s" for k, v in t.items() if v > 0.005 * c["step_seconds"])
         lines += [f"{i}. {c['layout']}: {_size(c['reserved_bytes'])} reserved ({_size(c['peak_bytes'])} of tensors), "
                   f"{_size(c['headroom_bytes'])} headroom",

@@ -304,7 +304,7 @@ def test_memory_rule_compares_with_this_machines_share(monkeypatch):
     plan = plan_job(load_job_config(["--training.seq_len", "2048", "--training.local_batch_size", "8"]), world_size=1)
     peak, _ = fits.estimate_peak_memory(plan)
     monkeypatch.setattr(fits.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(fits, "host_memory", lambda: peak + 2**20)
+    monkeypatch.setattr(fits, "device_memory", lambda device: (peak + 2**20, "this host has"))
     assert fits.check_fits(plan) is None  # just fits one rank
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this host: half each
     with pytest.raises(ConfigError, match=r"this host's \d+\.\d GiB of memory shared by 2 local ranks leave "):
