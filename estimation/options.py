@@ -149,8 +149,8 @@ def _job_vocab_size(cfg: JobConfig, known: int | None) -> tuple[int, str | None]
     vocab = _vocab_size(m.tokenizer_path, m.hf_assets_path)
     if m.tokenizer_path or m.hf_assets_path or flavor is None or flavor.vocab_size == vocab:
         return vocab, None
-    seq = cfg.training.seq_len
-    ours, debug = (flavor.update_from_config(vocab_size=v, seq_len=seq).num_params() for v in (flavor.vocab_size, vocab))
+    ours, debug = (flavor.update_from_config(vocab_size=v, seq_len=cfg.training.seq_len).num_params()
+                   for v in (flavor.vocab_size, vocab))
     if abs(ours - debug) <= 0.05 * ours:
         return vocab, None
     return flavor.vocab_size, (

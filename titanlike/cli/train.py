@@ -7,9 +7,9 @@ and the `titanlike-train` console script all run main().
 
 The job is planned once (titanlike.train.plan.plan_job), checked by the pre-flight checks installed
 packages register (the entry-point group `titanlike.preflight`: the estimation package's memory check,
-estimation/fits.py; the library names no such package), then trained. With job.validate_only it stops after the
-checks: launchers (scripts/run_train.sh) run it once with the world size torchrun will start, so a bad
-config never starts ranks.
+estimation/fits.py, which the library never imports), then trained. With job.validate_only it stops
+after the checks: launchers (scripts/run_train.sh) run it once with the world size torchrun will
+start, so a bad config never starts ranks.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ torchtitan):
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
