@@ -221,9 +221,9 @@ def test_expert_parallel_probe_assumes_balanced_routing():
     rank gathers only its own experts' weights."""
     import torch
 
-    from estimation.probe import AssumedValues, _fake_mode
+    from estimation.fake import AssumedValues, fake_mode
 
-    with _fake_mode(), AssumedValues():
+    with fake_mode(), AssumedValues():
         chosen = torch.empty(12, 8).topk(2).indices  # 12 tokens, top 2 of 8 experts
         counts = torch.bincount(chosen.reshape(-1), minlength=8)
         assert counts.tolist() == [3] * 8 and int(counts.sum()) == 24

@@ -181,7 +181,7 @@ def test_family_shards_the_whole_model_and_every_pipeline_stage(family):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from estimation.probe import fake_world
+    from estimation.fake import fake_world
     from titanlike.parallel.pipeline import pipeline_stage
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
