@@ -87,15 +87,14 @@ class _Stage:
 
 
 def stages_of(plan, probe: Probe) -> tuple[list[list[int]], dict[int, _Stage]]:
-    """(stage indices each pipeline rank holds, every stage), as the trainer splits the model: layers
-    after the pipeline's trunk (multi-token prediction) go with the output end to the last stage."""
+    """(stage indices each pipeline rank holds, every stage), as the trainer splits the model
+    (PipelineLayout.stage_layers)."""
     n = len(probe.kinds)
     layout = plan.pipeline
     if layout is None:
         return [[0]], {0: _Stage(0, list(range(n)), True, True)}
-    stages = {s: _Stage(s, list(layout.layer_indices(s)), s == 0, s == layout.num_stages - 1)
+    stages = {s: _Stage(s, layout.stage_layers(s, n), s == 0, s == layout.num_stages - 1)
               for s in range(layout.num_stages)}
-    stages[layout.num_stages - 1].layers += list(range(sum(layout.layers), n))
     return [layout.stages_of_rank(r) for r in range(layout.pp)], stages
 
 
