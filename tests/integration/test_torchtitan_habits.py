@@ -195,7 +195,7 @@ def test_tensorboard_events_go_in_a_timestamped_folder_per_launch(tmp_path):
                            "--training.steps", "1", "--metrics.enable_tensorboard", "--job.dump_folder",
                            str(tmp_path / "run")], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run,) = (tmp_path / "run" / "tb").iterdir()
+    (run,) = [p for p in (tmp_path / "run" / "tb").iterdir() if p.is_dir()]  # beside the folder lock
     assert re.fullmatch(r"\d{8}-\d{4}", run.name) and any(run.glob("events.out.tfevents.*"))
     assert f"tensorboard --logdir {tmp_path / 'run' / 'tb'} (this run: {run})" in proc.stderr
 
