@@ -183,7 +183,8 @@ def test_published_torchtitan_memory_within_25_percent(published, gpus, argv):
 
 
 def test_rows_beyond_the_models_context_are_refused_in_one_sentence():
-    argv = [a for a in ROWS[6][4] if "_ctx" not in a and a != "--model.flavor"]  # 8B, CP 8, seq 262144
+    (argv,) = [row[4] for row in ROWS if row[1] == "FSDP 1, CP 8, seq 262144" and row[3] == 8]
+    argv = [a for a in argv if "_ctx" not in a and a != "--model.flavor"]  # the 8B flavor itself
     with pytest.raises(ConfigError, match="exceeds the model's context of 131072 positions"):
         prepare_job(load_job_config(argv), 8)
 
