@@ -1,5 +1,6 @@
-"""Memory estimation (estimation/): the probe and its layout against measured steps and published
-figures, the command line, the planner.
+"""Memory estimation (estimation/): the probe and its layout against measured steps and every row of
+torchtitan's published table, what users run as the README shows it, the command line, the planner
+on every family.
 
 Estimates run the job's own step on fake tensors under a fake process group, in this process, one
 block of each kind: a second or two for the tiny models, a few for 8B-405B. Measured CPU steps run
