@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -183,6 +183,12 @@ class HFAdapter(abc.ABC):
             raise ValueError(f"not a supported {self.model_types[0]} configuration "
                              f"({type(e).__name__}: {e})") from None
         check_fields(type(args), args.to_dict(), what="the model it describes")
+        return args
+
+    def args_for_weights(self, args: BaseModelArgs, names: Collection[str]) -> BaseModelArgs:
+        """The args of a folder whose config.json describes more than its tensors (`names`, HF's) hold,
+        read as the model the tensors make (DeepSeek-V3: transformers' save_pretrained keeps
+        num_nextn_predict_layers but drops those layers). Default: args unchanged."""
         return args
 
     def model_type(self, args: BaseModelArgs) -> str:
