@@ -163,9 +163,7 @@ class BertHF(HFAdapter):
             if key in cfg and cfg[key] != expected:
                 raise ValueError(f"unsupported BERT config: {key}={cfg[key]!r} (only {expected!r} is supported)")
         dim = cfg["hidden_size"]
-        if cfg.get("intermediate_size", 4 * dim) != 4 * dim:
-            raise ValueError(f"unsupported BERT config: intermediate_size={cfg['intermediate_size']!r} "
-                             f"(only 4 x hidden_size = {4 * dim})")
+        ffn = cfg.get("intermediate_size", 4 * dim)
         architectures = cfg.get("architectures") or ["BertForPreTraining"]
         unknown = sorted(set(architectures) - set(_ARCHITECTURES))
         if unknown:
@@ -181,6 +179,7 @@ class BertHF(HFAdapter):
             norm_eps=cfg.get("layer_norm_eps", 1e-12),
             init_std=cfg.get("initializer_range", 0.02),
             binary_head="BertForMaskedLM" not in architectures,
+            explicit_ffn_hidden_dim=None if ffn == 4 * dim else ffn,
         )
 
     def token_ids(self, *, bos: int | None, eos: int | None, pad: int | None) -> dict[str, int]:
