@@ -896,7 +896,9 @@ class CheckpointManager:
         Both sides go through the family's adapter (args_to_config), so the comparison is between
         normalized configs and needs no family's field names; HF_KEYS_NOT_COMPARED lists what may differ.
         """
-        mine, theirs = self.spec.hf.args_to_config(self.model_args), self.spec.hf.args_to_config(args)
+        # The job's args carry training.seq_len as their context; the folder's is its own.
+        mine = self.spec.hf.args_to_config(self.model_args.with_context_len(args.context_len))
+        theirs = self.spec.hf.args_to_config(args)
         for key in [*mine, *(k for k in theirs if k not in mine)]:
             if key in HF_KEYS_NOT_COMPARED or mine.get(key) == theirs.get(key):
                 continue
