@@ -191,6 +191,8 @@ def _table(where: str, value: Any) -> dict[str, Any]:
         return dict(value)
     if not isinstance(value, str):
         raise ConfigError(f"{where} must be a table of KEY = VALUE settings, got {_shown(value)}")
+    if "\0" in value:
+        raise ConfigError(f"{where} must not contain a NUL character, got {_shown(value)}")
     table: dict[str, Any] = {}
     for item in (v.strip() for v in value.split(",")):
         key, eq, setting = item.partition("=")

@@ -166,7 +166,8 @@ class BaseModelArgs:
         for spelled, value in overrides.items():
             path = spelled.replace("-", "_").split(".")
             path[0] = self.known_arg_names().get(path[0], path[0])
-            _set_field(type(self), fields, path, value, f"{option}.{spelled}")
+            shown = spelled if len(spelled) <= 60 else spelled[:57] + "..."
+            _set_field(type(self), fields, path, value, f"{option}.{shown}")
         check_fields(type(self), fields, what=option)
         try:
             return type(self).from_dict(fields)
