@@ -951,6 +951,18 @@ def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return template, config
 
 
+def _unlist(out: str, names: set[str], file_name: str) -> None:
+    """Move the file holding `names` (written alone) to file_name and drop them from the index."""
+    index_path = os.path.join(out, HF_INDEX)
+    with open(index_path) as f:
+        index = json.load(f)
+    weight_map = index["weight_map"]
+    (written,) = {weight_map.pop(name) for name in names}
+    os.replace(os.path.join(out, written), os.path.join(out, file_name))
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+
+
 def _shard_plan(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
     """Key -> 1-based file index, filling files in key order up to max_shard_bytes."""
     plan, index, used = {}, 1, 0
@@ -997,7 +1009,11 @@ def write_hf(
     # Contiguous: converted tensors may be views (permuted rows), and safetensors stores raw storage.
     hf_sd = {k: v.to(dtype).contiguous() for k, v in hf_sd.items()}
     os.makedirs(out, exist_ok=True)
-    writer = HuggingFaceStorageWriter(out, fqn_to_index_mapping=_shard_plan(hf_sd, max_shard_bytes))
+    unlisted_file, unlisted = spec.hf.unlisted_tensors(list(hf_sd), args)
+    plan = _shard_plan({k: v for k, v in hf_sd.items() if k not in unlisted}, max_shard_bytes)
+    if unlisted:  # one more file, renamed and left out of the index below
+        plan.update({k: max(plan.values(), default=0) + 1 for k in unlisted})
+    writer = HuggingFaceStorageWriter(out, fqn_to_index_mapping=plan)
     try:
         with single_process_dcp():
             dcp.save(hf_sd, storage_writer=writer, no_dist=True)
@@ -1005,6 +1021,8 @@ def write_hf(
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise CheckpointError(f"writing Hugging Face checkpoint {out} failed: {summarize(e)}") from None
+    if unlisted:
+        _unlist(out, unlisted, unlisted_file)
     config = spec.hf.args_to_config(args, max_position_embeddings=context_len)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     generation = {"_from_model_config": True}
@@ -1014,4 +1032,5 @@ def write_hf(
         with open(os.path.join(out, name), "w") as f:
             json.dump(content, f, indent=2)
     return write_hf_tokenizer(out, tokenizer_path, fingerprint=tokenizer_fingerprint, vocab_size=args.vocab_size,
-                              model_max_length=context_len or args.context_len)
+                              model_max_length=context_len or args.context_len,
+                              template=spec.hf.tokenizer_template, roles=spec.hf.tokenizer_roles)

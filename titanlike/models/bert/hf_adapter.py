@@ -84,6 +84,9 @@ class BertHF(HFAdapter):
     """BertForPreTraining (binary_head) and BertForMaskedLM."""
 
     model_types = ("bert",)
+    # BERT's tokenizers: [CLS] A [SEP] (B [SEP], type 1), and [MASK] for fill-mask.
+    tokenizer_template = ("cls $A sep", "cls $A sep $B:1 sep:1")
+    tokenizer_roles = ("cls", "sep", "mask", "pad")
     config_rules = {
         **COMMON_RULES, **{key: COMPARED for key in _FIXED}, "hidden_size": COUNT, "intermediate_size": COUNT,
         "num_hidden_layers": COUNT, "num_attention_heads": COUNT, "type_vocab_size": COUNT, "layer_norm_eps": POSITIVE,

@@ -164,6 +164,12 @@ class HFAdapter(abc.ABC):
 
     # Every config.json model_type the family reads (one per transformers class it maps).
     model_types: ClassVar[tuple[str, ...]] = ()
+    # How the family's own Hugging Face tokenizers frame a text, as tokenizers' TemplateProcessing
+    # (single, pair) with role names for the special tokens (bos, eos, cls, sep; `:1` marks the
+    # second segment's type id), and the roles tokenizer_config.json names (bos, eos, pad, cls, sep,
+    # mask): an exported tokenizer follows them. The default: Llama 3's, BOS first.
+    tokenizer_template: ClassVar[tuple[str, str]] = ("bos $A", "bos $A bos $B")
+    tokenizer_roles: ClassVar[tuple[str, ...]] = ("bos", "eos", "pad")
     # The rule of every config.json key config_to_args reads (see Rule above).
     config_rules: ClassVar[Mapping[str, Rule]] = COMMON_RULES
 
@@ -190,6 +196,13 @@ class HFAdapter(abc.ABC):
         read as the model the tensors make (DeepSeek-V3: transformers' save_pretrained keeps
         num_nextn_predict_layers but drops those layers). Default: args unchanged."""
         return args
+
+    def unlisted_tensors(self, names: Collection[str], args: BaseModelArgs) -> tuple[str, set[str]]:
+        """(a file name, HF tensor names among `names`) to write into that safetensors file of their
+        own, which model.safetensors.index.json does not list: tensors the transformers class has no
+        module for, which it would name as unexpected on load (titanlike reads every file of a
+        folder). Default: none."""
+        return "", set()
 
     def model_type(self, args: BaseModelArgs) -> str:
         """The model_type args_to_config writes for these args (default: the family's only one)."""

@@ -11,8 +11,11 @@ Weights as save_pretrained writes them: Llama's block norms and dense MLP names,
 Multi-token-prediction modules are layers n_layers.. (as DeepSeek's checkpoints number them, e.g.
 model.layers.61 of DeepSeek-V3), with `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` besides a
 block's names, and copies of the embedding table and output head (`embed_tokens`,
-`shared_head.head`), written on export and checked against the model's own on import.
-transformers' DeepseekV3ForCausalLM ignores these layers (its num_hidden_layers counts the trunk).
+`shared_head.head`), written on export (into multi_token_prediction.safetensors, which the index
+does not list, so transformers loads the folder without naming them unexpected) and checked
+against the model's own on import. transformers' DeepseekV3ForCausalLM ignores these layers (its
+num_hidden_layers counts the trunk); a folder without them (save_pretrained drops them) reads as
+the model without them (args_for_weights).
 
 Two layout differences:
 - kv_a_proj_with_mqa holds the latent's rows and the RoPE key's (kv_lora_rank + qk_rope_head_dim);
@@ -166,6 +169,12 @@ class DeepSeekV3HF(HFAdapter):
             hf[f"model.layers.{layer}.embed_tokens.weight"] = ours["tok_embeddings.weight"].clone()
             hf[f"model.layers.{layer}.shared_head.head.weight"] = ours["output.weight"].clone()
         return hf
+
+    def unlisted_tensors(self, names: Collection[str], args: DeepSeekV3ModelArgs) -> tuple[str, set[str]]:
+        """The multi-token-prediction layers: DeepseekV3ForCausalLM has no module for them and ignores
+        only DeepSeek-V3's own layer 61 by name, so any other model's would be listed as unexpected."""
+        prefixes = tuple(f"model.layers.{layer}." for layer in range(args.n_layers, args.total_layers))
+        return "multi_token_prediction.safetensors", {name for name in names if name.startswith(prefixes)}
 
     def args_for_weights(self, args: DeepSeekV3ModelArgs, names: Collection[str]) -> DeepSeekV3ModelArgs:
         """transformers' save_pretrained keeps num_nextn_predict_layers in config.json but drops those
