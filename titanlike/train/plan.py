@@ -207,11 +207,17 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
 
 def hf_model_folder(cfg: JobConfig) -> str | None:
     """The Hugging Face folder the job's model starts from (checkpoint.initial_load_in_hf: its
-    initial_load_path, else model.hf_assets_path), whose config.json sizes the model; else None."""
+    initial_load_path, else model.hf_assets_path), whose config.json sizes the model; else None,
+    also for a [checkpoint] section that cannot load one (validate_checkpoint_config says why)."""
+    import os
+
     from titanlike.checkpoint.manager import initial_load_path
 
     c = cfg.checkpoint
-    return initial_load_path(c, cfg.model.hf_assets_path) if c.enable and c.initial_load_in_hf else None
+    if not (c.enable and c.initial_load_in_hf and c.initial_load_model_only):
+        return None
+    folder = initial_load_path(c, cfg.model.hf_assets_path)
+    return folder if folder and os.path.isfile(os.path.join(folder, "config.json")) else None
 
 
 @dataclass(frozen=True)
@@ -233,8 +239,6 @@ class ModelSource:
         if folder is not None:
             import os
 
-            if not os.path.isdir(folder):
-                raise ValueError(f"checkpoint.initial_load_path {folder} does not exist or is not a folder")
             try:
                 _, args = hf_folder_args(folder, spec)
                 check_model_size(args, os.path.join(folder, "config.json"))
