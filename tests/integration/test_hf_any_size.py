@@ -208,3 +208,12 @@ def test_a_folder_of_another_family_or_a_tokenizer_too_large_is_refused(tmp_path
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
     with pytest.raises(ConfigError, match="the tokenizer has 2048 ids but the model's vocabulary"):
         plan_job(load_job_config([*base, "--model.name", "gpt2"]), 1)
+
+
+def test_megatron_size_flags_name_their_option():
+    """train.py takes --section.key options; Megatron's --hidden-size and friends say which one."""
+    with pytest.raises(ConfigError, match=r"^unexpected argument '--hidden-size': Megatron's --hidden-size is "
+                                          r"--model.args.hidden_size here \(options look like"):
+        load_job_config(["--hidden-size", "512"])
+    with pytest.raises(ConfigError, match="Megatron's --seq-length is --training.seq_len here"):
+        load_job_config(["--seq-length=128"])

@@ -17,7 +17,15 @@ import types
 import typing
 from typing import Any, Sequence
 
-from titanlike.config.compat import ITEM_ALIASES, SECTION_ALIASES, TORCHTITAN_KEYS, Alias, NotHere, Renamed
+from titanlike.config.compat import (
+    ITEM_ALIASES,
+    MEGATRON_FLAGS,
+    SECTION_ALIASES,
+    TORCHTITAN_KEYS,
+    Alias,
+    NotHere,
+    Renamed,
+)
 from titanlike.config.schema import JobConfig
 from titanlike.config.sections import RENAMED_SINCE, registered_sections, renamed_keys
 
@@ -317,6 +325,10 @@ def _split_cli(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str]]:
     i = 0
     while i < len(argv):
         arg = argv[i]
+        megatron = MEGATRON_FLAGS.get(arg[2:].partition("=")[0]) if arg.startswith("--") else None
+        if megatron is not None:
+            raise ConfigError(f"unexpected argument {arg!r}: Megatron's {arg.partition('=')[0]} is --{megatron} here "
+                              "(options look like --section.key value; see --help)")
         if not arg.startswith("--") or "." not in arg:
             raise ConfigError(
                 f"unexpected argument {arg!r}; options look like --section.key value (see --help)"

@@ -58,7 +58,7 @@ class BaseModelArgs:
         "num_query_groups": ("n_kv_heads",), "num_key_value_heads": ("n_kv_heads",),
         "kv_channels": ("explicit_head_dim", "head_dim"),
         "ffn_hidden_size": ("ffn_hidden_dim",), "intermediate_size": ("ffn_hidden_dim",),
-        "max_position_embeddings": ("max_seq_len",), "seq_length": ("max_seq_len",),
+        "max_position_embeddings": ("max_seq_len",),
         "norm_epsilon": ("norm_eps",), "layernorm_epsilon": ("norm_eps",),
         "rotary_base": ("rope_theta",),
     }
