@@ -115,7 +115,8 @@ def hf_loss(family: str, hf, batch: dict) -> dict[str, float]:
             mlm = F.cross_entropy(out.prediction_logits.flatten(0, 1), labels.flatten(), reduction="sum")
             # HF's next-sentence class 1 ("random B") and ours ("swapped") are both "not in order".
             binary = F.cross_entropy(out.seq_relationship_logits, batch["binary_labels"], reduction="none")
-            return {"loss": (mlm / targets).item(), "binary_loss": ((binary * batch["binary_weights"]).sum() / targets).item()}
+            binary_loss = (binary * batch["binary_weights"]).sum() / targets
+            return {"loss": (mlm / targets).item(), "binary_loss": binary_loss.item()}
         if family == "t5":
             logits = hf(input_ids=batch["inputs"], attention_mask=1 - batch["document_ids"],
                         decoder_input_ids=batch["decoder_inputs"]).logits

@@ -31,7 +31,6 @@ from titanlike.checkpoint.format import (
     model_description,
     read_dcp_model,
     read_hf,
-    read_hf_config,
     read_sidecar,
     resolve_checkpoint_folder,
     summarize,
@@ -173,4 +172,5 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     return model.eval()
 
 
-__all__ = ["check_fits", "export_dcp_to_hf", "hf_folder_args", "hf_model_from_config", "import_hf_to_dcp", "load_model", "write_dcp_model"]
+__all__ = ["check_fits", "export_dcp_to_hf", "hf_folder_args", "hf_model_from_config", "import_hf_to_dcp",
+           "load_model", "write_dcp_model"]

@@ -176,8 +176,9 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     objective.validate(cfg, dims, model=model)
     vocab = source.vocab_size or vocab_size or tokenizer.vocab_size
     if tokenizer is not None and tokenizer.vocab_size > vocab:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary ({source.description}) "
-                         f"holds {vocab}; use the model's own tokenizer (model.tokenizer_path or model.hf_assets_path)")
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary "
+                         f"({source.description}) holds {vocab}; use the model's own tokenizer (model.tokenizer_path "
+                         "or model.hf_assets_path)")
     context_len = args.context_len
     args = args.update_from_config(vocab_size=vocab, seq_len=t.seq_len, **objective.model_lengths())
 

@@ -196,8 +196,8 @@ class DeepSeekV3HF(HFAdapter):
             if not any(k.startswith(f"model.layers.{layer}.") for k in hf_sd):
                 raise ValueError(f"config.json lists num_nextn_predict_layers {args.mtp_num_layers} but the weights "
                                  f"have no model.layers.{layer} (transformers' save_pretrained drops the "
-                                 "multi-token-prediction layers); read the folder with titanlike.checkpoint.hf_folder_args, "
-                                 "which loads it without them")
+                                 "multi-token-prediction layers); read the folder with "
+                                 "titanlike.checkpoint.hf_folder_args, which loads it without them")
             # DeepSeek's checkpoints repeat the table and head in every prediction layer: copies of ours.
             for copy, own in (("embed_tokens.weight", "model.embed_tokens.weight"),
                               ("shared_head.head.weight", "lm_head.weight")):
