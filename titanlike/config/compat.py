@@ -162,7 +162,7 @@ TORCHTITAN_KEYS: dict[str, Alias | Renamed | NotHere] = {
 
 # Megatron-LM's model-size flags (pretrain_gpt.py --hidden-size 4096 ...): train.py takes --section.key
 # options only, so a bare flag is refused with its spelling here. The model's sizes are [model.args],
-# where each family accepts these names (models/args.py ARG_ALIASES) beside its own field names.
+# where each family accepts these names (its args' ARG_ALIASES) beside its own field names.
 MEGATRON_FLAGS: dict[str, str] = {
     **{flag: f"model.args.{flag.replace('-', '_')}" for flag in (
         "hidden-size", "num-layers", "num-attention-heads", "num-query-groups", "ffn-hidden-size", "kv-channels",

@@ -46,22 +46,11 @@ class BaseModelArgs:
     (config.json, weights) is the family's adapter, ModelSpec.hf (models/common/hf.py).
     """
 
-    # Other names a job may give the fields in [model.args]: Megatron's flags (--hidden-size is the key
-    # hidden_size) and Hugging Face's config.json keys, each -> the fields it may mean, the first one
-    # the class has is taken; a name none of whose fields the class has is not offered. A family
-    # with other names sets its own.
-    ARG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "hidden_size": ("dim",), "d_model": ("dim",),
-        "num_layers": ("n_layers",), "num_hidden_layers": ("n_layers",),
-        "encoder_num_layers": ("n_encoder_layers",), "decoder_num_layers": ("n_decoder_layers",),
-        "num_attention_heads": ("n_heads",),
-        "num_query_groups": ("n_kv_heads",), "num_key_value_heads": ("n_kv_heads",),
-        "kv_channels": ("explicit_head_dim", "head_dim"),
-        "ffn_hidden_size": ("ffn_hidden_dim",), "intermediate_size": ("ffn_hidden_dim",),
-        "max_position_embeddings": ("max_seq_len",),
-        "norm_epsilon": ("norm_eps",), "layernorm_epsilon": ("norm_eps",),
-        "rotary_base": ("rope_theta",),
-    }
+    # Other names a job may give the fields in [model.args] (Megatron's flags, --hidden-size being the
+    # key hidden_size, and Hugging Face's config.json keys): other name -> the fields it may mean, the
+    # first one the class has is taken; a name none of whose fields the class has is not offered. Each
+    # family's args declare their own (models/common/decoder.py for the decoders).
+    ARG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     # Sizes set from the job ----------------------------------------------------------------------
 
