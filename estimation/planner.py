@@ -411,7 +411,7 @@ def run_plan(cfg, opts: EstimateOptions, log=None) -> dict:
     for c in top:
         c.why = _why(c)
     return {
-        "model": f"{cfg.model.name} {cfg.model.flavor}",
+        "model": base.plan.model_name,
         "world_size": world,
         "device_memory_gib": opts.device_memory_gib,
         "seq_len": t.seq_len,

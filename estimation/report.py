@@ -69,7 +69,7 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
     prep: PreparedJob = prepare_job(cfg, opts.world_size)
     dims = prep.dims
     result: dict = {
-        "model": f"{cfg.model.name} {cfg.model.flavor}",
+        "model": prep.plan.model_name,  # the flavor, or where the sizes came from ([model.args], an HF folder)
         "world_size": dims.world_size,
         "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp,
                    "pp": dims.pp, "ep": dims.ep, "efsdp": dims.efsdp,
