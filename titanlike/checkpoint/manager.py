@@ -769,8 +769,8 @@ class CheckpointManager:
             if theirs[0] != mine[0] or (theirs[1] is not None and theirs[1] != mine[1]):
                 held = " ".join(str(x) for x in theirs if x is not None)
                 raise CheckpointError(
-                    f"checkpoint {path} holds a {held} model but this job's is {' '.join(mine)} (model.name, "
-                    "model.flavor): loading it would drop or misread weights; resume it with its own model, or "
+                    f"checkpoint {path} holds a {held} model but this job's is "
+                    f"{' '.join(x for x in mine if x is not None)} (model.name, model.flavor): loading it would drop or misread weights; resume it with its own model, or "
                     "pass --checkpoint.allow_partial_load to load only the tensors the two models share")
         extra = sorted(set(fmt.dcp_model_keys(metadata)[0]) - self._model_keys())
         if extra and not partial:
