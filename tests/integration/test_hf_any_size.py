@@ -218,3 +218,19 @@ def test_megatron_size_flags_name_their_option():
         load_job_config(["--hidden-size", "512"])
     with pytest.raises(ConfigError, match="Megatron's --seq-length is --training.seq_len here"):
         load_job_config(["--seq-length=128"])
+
+
+GROWN = ["--model.args.hidden_size", "96", "--model.args.num_layers", "3", "--training.local_batch_size", "4",
+         "--checkpoint.enable", "--checkpoint.no_last_save_model_only", "--checkpoint.folder",
+         lambda root: Path(root) / "grown_ckpt"]
+
+
+@pytest.mark.train_run(*GROWN, "--training.steps", "3", name="resumed")
+@pytest.mark.train_run(*GROWN, "--training.steps", "2", name="first")  # closest mark: launched first
+def test_a_model_sized_by_model_args_saves_its_args_and_resumes(train_runs):
+    """The checkpoint records the args [model.args] gave (no flavor); the same job resumes from it."""
+    first, resumed = train_runs["first"], train_runs["resumed"]
+    sidecar = json.loads((first.folder.parent / "grown_ckpt" / "step-2" / "titanlike.json").read_text())
+    assert "flavor" not in sidecar["model"]
+    assert (sidecar["model"]["args"]["dim"], sidecar["model"]["args"]["n_layers"]) == (96, 3)
+    assert [r["step"] for r in first.metrics] == [1, 2] and [r["step"] for r in resumed.metrics] == [3]
