@@ -157,7 +157,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
-            loss_scaler=self.loss_scaler)
+            loss_scaler=self.loss_scaler, context_len=plan.context_len, flavor=plan.flavor)
         self._build_observers()
         self.step = 0
         self.pending: StepRecord | None = None  # the last step, until the host reads it (see train)

@@ -42,6 +42,14 @@ FEED_FORWARD_VARIANTS = ("gated-gelu", "relu")
 
 @dataclass
 class T5Args(BaseModelArgs):
+    # Megatron's and Hugging Face's names of the fields, for [model.args].
+    ARG_ALIASES = {
+        "hidden_size": ("dim",), "d_model": ("dim",), "encoder_num_layers": ("n_encoder_layers",),
+        "num_layers": ("n_encoder_layers",), "decoder_num_layers": ("n_decoder_layers",),
+        "num_decoder_layers": ("n_decoder_layers",), "num_attention_heads": ("n_heads",), "num_heads": ("n_heads",),
+        "kv_channels": ("head_dim",), "d_kv": ("head_dim",), "ffn_hidden_size": ("ffn_hidden_dim",),
+        "d_ff": ("ffn_hidden_dim",), "layernorm_epsilon": ("norm_eps",), "layer_norm_epsilon": ("norm_eps",),
+    }
     dim: int = 512  # d_model
     n_encoder_layers: int = 8
     n_decoder_layers: int = 8
