@@ -128,12 +128,12 @@ def plan_job(cfg: JobConfig, world_size: int, *, vocab_size: int | None = None) 
 def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     from titanlike.checkpoint.manager import validate_checkpoint_config
     from titanlike.data import DEFAULT_TOKENIZER_PATH
-    from titanlike.data.loader import validate_dataset
     from titanlike.data.tokenizer import job_tokenizer
     from titanlike.models.common.attention import validate_attention_backend
     from titanlike.models.common.moe import validate_moe_job
     from titanlike.models.converters import validate_converters
     from titanlike.models.registry import check_other_families_sections, resolve_model
+    from titanlike.objectives.registry import job_objective
     from titanlike.observe.run_lock import check_output_folders
     from titanlike.parallel.context import validate_context_parallel
     from titanlike.parallel.fsdp import validate_cpu_offload
@@ -162,7 +162,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         args.validate(dims, seq_len=t.seq_len)
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
-    objective = spec.objective(cfg, args)
+    objective = job_objective(cfg, spec, args, model=model)
     objective.validate(cfg, dims, model=model)
     args = args.update_from_config(vocab_size=vocab_size or tokenizer.vocab_size, seq_len=t.seq_len,
                                    **objective.model_lengths())
@@ -176,9 +176,9 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         validate_context_parallel(t.seq_len, dims.cp, dims.tp)
     batch = BatchPlan.build(t, dims, p.pipeline_parallel_microbatch_size if dims.pp_enabled else None)
     validate_cpu_offload(t.enable_cpu_offload, fsdp_enabled=dims.fsdp_enabled, dp_shard=dims.dp_shard)
-    validate_dataset(t.dataset, t.dataset_path)
+    objective.validate_dataset(t.dataset, t.dataset_path)
     if cfg.validation.enable:
-        validate_validation_layout(cfg.validation, t, dims)
+        validate_validation_layout(cfg.validation, t, dims, check_dataset=objective.validate_dataset)
     if cfg.compile.enable:
         validate_compile_backend(cfg.compile.backend)
     pipeline = _pipeline(cfg, dims, spec, args, model, parallelize.compile_blocks)
