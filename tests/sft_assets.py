@@ -129,3 +129,50 @@ def write_jsonl(path: Path, rows) -> Path:
 def copy_folder(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+# ---------------------------------------------------------------------------------------------- a task to learn
+
+TASK_WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "bird", "king", "stone"]
+
+
+def reverse_task(n: int, seed: int, words: int = 3) -> list[dict]:
+    """Conversations asking for `words` words in reverse order, the answer exact (the issue's
+    synthetic instruction task)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        ws = [rng.choice(TASK_WORDS) for _ in range(words)]
+        rows.append({"messages": [{"role": "user", "content": "reverse: " + " ".join(ws)},
+                                  {"role": "assistant", "content": " ".join(reversed(ws))}]})
+    return rows
+
+
+def exact_match(model, tokenizer, template, rows, *, max_new_tokens: int = 12) -> float:
+    """The fraction of rows whose greedy answer (up to the end of the assistant's turn) is the
+    row's assistant content exactly; all rows at once, no KV cache (prompts padded on the left are
+    not needed: every prompt of the task has the same length in tokens or is run alone)."""
+    import torch
+
+    from titanlike.data.chat_template import encode_with_offsets, render
+    from titanlike.models.outputs import logits_of
+
+    stop = {tokenizer.eos_id, *(tokenizer.encode(t, bos=False, eos=False, allowed_special="all")[0]
+                                for t in ("<|eot_id|>",))}
+    right = 0
+    with torch.no_grad():
+        for row in rows:
+            prompt, _ = render(template, row["messages"][:1], add_generation_prompt=True)
+            ids, _ = encode_with_offsets(tokenizer, prompt)
+            tokens = torch.tensor([ids])
+            new = []
+            for _ in range(max_new_tokens):
+                next_id = int(logits_of(model(tokens))[0, -1].argmax())
+                if next_id in stop:
+                    break
+                new.append(next_id)
+                tokens = torch.cat([tokens, torch.tensor([[next_id]])], dim=1)
+            right += tokenizer.decode(new).strip() == row["messages"][1]["content"]
+    return right / len(rows)

@@ -93,6 +93,9 @@ class SFT(Objective):
         except DataError as e:
             raise DataError(f"{option}.dataset_path: {e}") from None
 
+    def validate_held_out(self, dataset: str) -> None:
+        """Conversations are held out by training.split (its 'valid' part), whatever the files."""
+
     def sample_fields(self, seq_len: int) -> FieldShapes:
         tokens = ((seq_len,), "int64")
         return {"inputs": tokens, "labels": tokens, "document_ids": tokens}

@@ -164,6 +164,8 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         raise ValueError(f"{model}: {e}") from None
     objective = job_objective(cfg, spec, args, model=model)
     objective.validate(cfg, dims, model=model)
+    if cfg.validation.enable and cfg.validation.dataset is None:
+        objective.validate_held_out(t.dataset)
     args = args.update_from_config(vocab_size=vocab_size or tokenizer.vocab_size, seq_len=t.seq_len,
                                    **objective.model_lengths())
 
