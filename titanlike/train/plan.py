@@ -131,7 +131,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     from titanlike.data.tokenizer import job_tokenizer
     from titanlike.models.common.attention import validate_attention_backend
     from titanlike.models.common.moe import validate_moe_job
-    from titanlike.models.converters import validate_converters
+    from titanlike.models.converters import validate_converter_targets, validate_converters
     from titanlike.models.registry import check_other_families_sections, resolve_model
     from titanlike.objectives.registry import job_objective
     from titanlike.observe.run_lock import check_output_folders
@@ -168,6 +168,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         objective.validate_held_out(t.dataset)
     args = args.update_from_config(vocab_size=vocab_size or tokenizer.vocab_size, seq_len=t.seq_len,
                                    **objective.model_lengths())
+    validate_converter_targets(m.converters, lambda name: getattr(cfg, name), spec, args, model=model)
 
     # The layout.
     parallelize = parallelize_options(cfg, objective)

@@ -158,7 +158,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
-            loss_scaler=self.loss_scaler)
+            loss_scaler=self.loss_scaler, converters=self.converters)
         self._build_observers()
         self.step = 0
         self.pending: StepRecord | None = None  # the last step, until the host reads it (see train)
@@ -216,7 +216,7 @@ class Trainer:
         """This rank's model parts: built on meta, converted, parallelized, then materialized shard by
         shard and initialized; and what the objective's batches need on this rank."""
         cfg, dims, t = self.cfg, self.dims, self.cfg.training
-        self.converters = build_model_converters(cfg.model.converters, cfg.float8)
+        self.converters = build_model_converters(cfg.model.converters, cfg.float8, lambda name: getattr(cfg, name))
         parts = build_model_parts(self.plan, self.converters)
         if cfg.model.print_after_conversion and self.rank == 0:
             for part in parts:
@@ -226,6 +226,7 @@ class Trainer:
         for part in parts:
             part.to_empty(device="cpu" if offload else self.device)
             part.init_weights(seed=cfg.debug.seed, buffer_device=self.device if offload else None)
+            self.converters.init_weights(part, cfg.debug.seed)
             part.train()
         self.model_parts = parts
         half = self.plan.precision.autocast_dtype

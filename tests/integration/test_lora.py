@@ -1,0 +1,61 @@
+"""LoRA through train.py: from a Hugging Face folder, SFT with adapters, to a merged Hugging Face
+export and a PEFT adapter that `peft` loads onto the base transformers model with the same logits;
+and FSDP / TP runs with adapters equal to one process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import REPO, launch, read_metrics, train_metrics
+from sft_assets import TAGGED, tokenizer_folder
+
+DATA = str(REPO / "tests" / "assets" / "sft" / "reverse_words.jsonl")
+
+
+def test_lora_from_a_hugging_face_folder_to_a_peft_adapter(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import titanlike
+    from titanlike.data import build_tokenizer
+    from titanlike.models.llama3 import llama3_flavors
+    from titanlike.models.registry import get_model_spec
+
+    hf_folder = tokenizer_folder(tmp_path / "hf", TAGGED["chatml"])
+    tokenizer = build_tokenizer(str(hf_folder))
+    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], vocab_size=tokenizer.vocab_size, max_seq_len=2048)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**get_model_spec("llama3").hf.args_to_config(args))) \
+        .save_pretrained(hf_folder)
+    dump = tmp_path / "out"
+    proc = launch(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.flavor",
+                   "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
+                   "--checkpoint.last_save_in_hf", "--training.steps", "4", "--training.seq_len", "64",
+                   "--training.local_batch_size", "4", "--metrics.no_enable_tensorboard", "--job.dump_folder", str(dump)])
+    assert "lora: rank 8, alpha 16 on 32 linear layers" in proc.stdout + proc.stderr
+    export = dump / "checkpoint" / "step-4"
+    tokens = torch.randint(0, tokenizer.vocab_size, (2, 16))
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(export).eval()(tokens).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval()
+        before = base(tokens).logits
+        with_adapter = peft.PeftModel.from_pretrained(base, export / "adapter").eval()(tokens).logits
+        torch.testing.assert_close(with_adapter, merged, rtol=0, atol=1e-4)
+        torch.testing.assert_close(titanlike.load_model(export)(tokens), merged, rtol=0, atol=1e-4)
+        assert (merged - before).abs().max() > 1e-4  # the adapters trained
+
+
+@pytest.mark.distributed
+def test_lora_fsdp_and_tp_match_one_process(tmp_path):
+    job = ["--model.converters", "lora", "--training.objective", "sft", "--training.dataset", "text",
+           "--training.dataset_path", DATA, "--training.steps", "4", "--optimizer.lr", "1e-2",
+           "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4"]
+    one = [r["loss"] for r in train_metrics(tmp_path, "one", *job, "--training.global_batch_size", "8")]
+    fsdp = [r["loss"] for r in train_metrics(tmp_path, "fsdp", *job, nproc=2)]
+    tp = [r["loss"] for r in train_metrics(tmp_path, "tp", *job, "--parallelism.tensor_parallel_degree", "2",
+                                           "--training.global_batch_size", "8", nproc=2)]
+    assert one[-1] < one[0]  # the adapters learn
+    for other in (fsdp, tp):
+        assert other == pytest.approx(one, abs=2e-5)
