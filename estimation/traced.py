@@ -403,7 +403,7 @@ def estimate_traced(prep: PreparedJob, *, granularity: int = 512, per_module: bo
             model = spec.model_cls(args)
         # As the trainer (model_parts.build_model_parts): converters (float8) swap modules of the whole
         # meta model, before any pipeline split.
-        converters = build_model_converters(cfg.model.converters, cfg.float8)
+        converters = build_model_converters(cfg.model.converters, cfg.float8, lambda name: getattr(cfg, name))
         converters.convert(model)
         # One mode for the whole estimate: fake tensors of different modes cannot meet in one op.
         # Non-fake inputs are allowed because DeviceMesh keeps real rank tensors.

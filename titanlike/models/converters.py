@@ -51,8 +51,9 @@ class ModelConverter:
         raise NotImplementedError
 
     def init_weights(self, model: nn.Module, seed: int) -> None:
-        """Initialize what the swap added, after the model's own init_weights (on this rank's
-        shards): a function of (seed, parameter name) only."""
+        """After parallelize and the model's own init_weights, on this rank's shards: initialize what
+        the swap added (a function of (seed, parameter name) only), and restore what parallelization
+        reset (torch's SequenceParallel registers the norms' weights anew, trainable)."""
 
     def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         """Called after every optimizer step with this rank's model parts."""
@@ -452,10 +453,11 @@ class LoRAConverter(ModelConverter):
                       f"({_names(targets)}); every other parameter frozen")
 
     def init_weights(self, model: nn.Module, seed: int) -> None:
-        from titanlike.models.lora import adapters
+        from titanlike.models.lora import adapters, freeze_base
 
         for fqn, module in adapters(model).items():
             module.init_adapter(seed=seed, fqn=fqn)
+        freeze_base(model)
 
     def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
         """The PEFT adapter into folder/adapter, and the merged weights for the full export."""

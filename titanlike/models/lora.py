@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
@@ -84,7 +85,8 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        return out + F.linear(F.linear(h, self.lora_a), self.lora_b) * self.lora_scaling
+        a, b = _gradient_like_param(self.lora_a), _gradient_like_param(self.lora_b)
+        return out + F.linear(F.linear(h, a), b) * self.lora_scaling
 
     def init_adapter(self, *, seed: int, fqn: str) -> None:
         """A as PEFT draws it (kaiming-uniform with a = sqrt(5): bound 1/sqrt(in)), B zero; a function
@@ -97,6 +99,19 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lora_rank={self.lora_rank}, lora_scaling={self.lora_scaling:g}"
+
+
+def _gradient_like_param(p: torch.Tensor) -> torch.Tensor:
+    """`p`, whose gradient comes back with p's own placements. Under tensor parallelism DTensor's
+    matmul rules leave an adapter's gradient Partial or sharded differently from the parameter (A
+    of a column-parallel layer gets a Partial gradient, B of a row-parallel one too), and the
+    optimizer and the gradient norm read the local shard as if it had the parameter's layout: the
+    round trip through a local tensor redistributes the gradient (a reduce-scatter or all-reduce of
+    rank-sized tensors) in backward, and is free in forward."""
+    if not isinstance(p, DTensor):
+        return p
+    local = p.to_local(grad_placements=p.placements)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
@@ -167,11 +182,17 @@ def apply_lora(model: nn.Module, options: LoRAOptions, *, spec: ModelSpec | None
     found = select_targets(model, options.target_modules, hf_module_names(model, spec, args))
     check_targets(found, model=type(model).__name__)
     targets = sorted({fqn for fqns in found.values() for fqn in fqns})
-    for p in model.parameters():
-        p.requires_grad_(False)
     for fqn in targets:
         add_adapter(model.get_submodule(fqn), options.rank, options.alpha, options.dropout)
+    freeze_base(model)
     return targets
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only the adapters train. Applied at the swap, and again after parallelization: a tensor-
+    parallel style may register a parameter anew as trainable (torch's SequenceParallel does)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith((".lora_a", ".lora_b")))
 
 
 def adapters(model: nn.Module) -> dict[str, LoRALinear]:
