@@ -261,3 +261,33 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted(tmp_path, c
         assert len(dropped) == 1 and "0 truncated" not in caplog.text
     with pytest.raises(DataError, match="no conversation is left"):
         tokenize_conversations(rows[1:], template, tok, seq_len=50, overlong="drop")
+
+
+# ---------------------------------------------------------------------------------------------- the job's rules
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--training.objective", "dpo"], "training.objective 'dpo' is unknown for llama3 debugmodel; known: causal_lm, sft"),
+    (["--training.objective", "sft"], "training.dataset 'default' cannot give sft samples"),
+    (["--training.objective", "sft", "--training.dataset", "text"], "training.dataset text needs training.dataset_path"),
+    (["--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", "/nope"],
+     "training.dataset_path: dataset_path /nope does not exist"),
+    (["--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", "{data}",
+      "--training.document_masking"], "sft samples carry their own document masks"),
+    (["--training.objective", "sft", "--model.name", "bert", "--training.seq_len", "128"], "sft fine-tunes models that predict the next token; "
+     "bert debugmodel trains with masked_lm"),
+    (["--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", "{data}",
+      "--model.converters", "lora", "--lora.target_modules", "q_proj,qkv"],
+     "lora.target_modules qkv matches no linear layer of llama3 debugmodel"),
+    (["--model.converters", "lora", "--lora.rank", "0"], "lora.rank must be at least 1"),
+])
+def test_job_rules_refuse_in_one_sentence(tmp_path, argv, fragment):
+    from titanlike.config import load_job_config
+    from titanlike.config.loader import ConfigError
+    from titanlike.train.plan import plan_job
+
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    argv = [a.replace("{data}", str(data)) for a in argv]
+    with pytest.raises(ConfigError) as err:
+        plan_job(load_job_config([*argv, "--job.dump_folder", str(tmp_path / "out")]), world_size=1)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
