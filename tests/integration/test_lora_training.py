@@ -47,15 +47,43 @@ def test_lora_from_a_hugging_face_folder_to_a_peft_adapter(tmp_path):
         assert (merged - before).abs().max() > 1e-4  # the adapters trained
 
 
+LORA_SFT = ("--model.converters", "lora", "--training.objective", "sft", "--training.dataset", "text",
+            "--training.dataset_path", DATA, "--training.steps", "4", "--optimizer.lr", "1e-2",
+            "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4", "--training.global_batch_size", "8")
+LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
+           "cp": ("--parallelism.context_parallel_degree", "2"),
+           "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2")}
+
+
 @pytest.mark.distributed
-def test_lora_fsdp_and_tp_match_one_process(tmp_path):
+@pytest.mark.train_run(*LORA_SFT, name="one")
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["fsdp"], name="fsdp", nproc=2)
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["tp"], name="tp", nproc=2)
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["cp"], name="cp", nproc=2)
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["pp"], name="pp", nproc=2)
+def test_sft_with_lora_layouts_match_one_process(train_runs):
+    """SFT (packed, document masks) with adapters: FSDP2, TP2, CP2 and PP2 equal one process, step by
+    step (loss and gradient norm), at a learning rate high enough that a wrong gradient shows."""
+    one = [(r["loss"], r["grad_norm"]) for r in train_runs["one"].metrics]
+    assert len(one) == 4 and one[-1][0] < one[0][0]  # the adapters learn
+    for name in LAYOUTS:
+        got = [(r["loss"], r["grad_norm"]) for r in train_runs[name].metrics]
+        assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in one], abs=5e-5), name
+        assert [norm for _, norm in got] == pytest.approx([norm for _, norm in one], rel=1e-4), name
+
+
+def test_sft_with_lora_resumes_exactly_mid_epoch(tmp_path):
+    """Stopped after step 2 of 4 (mid-epoch: 32 of ~250 samples) and resumed from its checkpoint, the
+    run gives the uninterrupted run's steps 3 and 4 bit for bit: the adapters, their optimizer state
+    and the position in the shuffled conversations are in the checkpoint."""
+    import shutil
+
     job = ["--model.converters", "lora", "--training.objective", "sft", "--training.dataset", "text",
-           "--training.dataset_path", DATA, "--training.steps", "4", "--optimizer.lr", "1e-2",
-           "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4"]
-    one = [r["loss"] for r in train_metrics(tmp_path, "one", *job, "--training.global_batch_size", "8")]
-    fsdp = [r["loss"] for r in train_metrics(tmp_path, "fsdp", *job, nproc=2)]
-    tp = [r["loss"] for r in train_metrics(tmp_path, "tp", *job, "--parallelism.tensor_parallel_degree", "2",
-                                           "--training.global_batch_size", "8", nproc=2)]
-    assert one[-1] < one[0]  # the adapters learn
-    for other in (fsdp, tp):
-        assert other == pytest.approx(one, abs=2e-5)
+           "--training.dataset_path", DATA, "--training.steps", "4", "--training.local_batch_size", "4",
+           "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
+    whole = train_metrics(tmp_path, "whole", *job)
+    shutil.rmtree(tmp_path / "whole" / "checkpoint" / "step-4")
+    (tmp_path / "whole" / "metrics.jsonl").unlink()
+    resumed = train_metrics(tmp_path, "whole", *job)
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
