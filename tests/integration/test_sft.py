@@ -19,7 +19,7 @@ from sft_assets import TAGGED, exact_match, reverse_task, tokenizer_folder, writ
 PRESET = ["--job.config_file", str(REPO / "train_configs" / "sft_debug.toml"), "--metrics.no_enable_tensorboard"]
 
 
-def test_sft_preset_learns_the_task(tmp_path):
+def test_sft_preset_learns_the_task(tmp_path, capsys):
     import titanlike
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
     from titanlike.data.chat_template import load_chat_template
@@ -33,9 +33,17 @@ def test_sft_preset_learns_the_task(tmp_path):
     proc = launch([*PRESET, "--job.dump_folder", str(tmp_path / "sft")])
     after = exact_match(titanlike.load_model(tmp_path / "sft" / "checkpoint"), tokenizer, template, held_out)
     assert "sft: " in proc.stdout + proc.stderr and "trained) in" in proc.stdout + proc.stderr
-    print(f"exact match on {len(held_out)} held-out questions: {before:.0%} before, {after:.0%} after "
-          f"({time.perf_counter() - started:.0f} s)")
-    assert before < 0.05 and after > 0.5
+    figures = (f"exact match on {len(held_out)} held-out questions: {before:.0%} before, {after:.0%} after "
+               f"({time.perf_counter() - started:.0f} s)")
+    assert before < 0.05 and after > 0.5, figures
+
+    # scripts/generate.py answers in the chat format.
+    from titanlike.cli import generate
+
+    assert generate.main([str(tmp_path / "sft" / "checkpoint"), "--chat", "--prompt", "reverse: king fish",
+                          "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip().endswith("> fish king")
+    print(figures)
 
 
 def test_sft_from_a_hugging_face_folder_to_one(tmp_path):

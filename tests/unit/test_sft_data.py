@@ -291,3 +291,13 @@ def test_job_rules_refuse_in_one_sentence(tmp_path, argv, fragment):
     with pytest.raises(ConfigError) as err:
         plan_job(load_job_config([*argv, "--job.dump_folder", str(tmp_path / "out")]), world_size=1)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_end_of_turn_tokens_where_sampling_stops(tmp_path):
+    from titanlike.data.chat_template import end_of_turn_ids
+
+    want = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>", "gemma": "<end_of_turn>", "mistral": "<|end_of_text|>"}
+    for name, token in want.items():
+        tok = build_tokenizer(str(tokenizer_folder(tmp_path / name, TEMPLATES[name])))
+        stops = end_of_turn_ids(load_chat_template("tokenizer", tok), tok)
+        assert stops == {tok.eos_id, tok.model.token_to_id(token)}, name

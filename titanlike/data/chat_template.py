@@ -294,6 +294,28 @@ def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[
     return ids, overlap_mask(offsets, spans)
 
 
+def end_of_turn_ids(template: ChatTemplate, tokenizer) -> set[int]:
+    """The tokens that end an assistant turn in this template (where sampling stops): the first
+    token the template writes after the assistant's text (Llama 3's <|eot_id|>, ChatML's
+    <|im_end|>, Gemma's <end_of_turn>, Mistral's EOS), and the tokenizer's EOS."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    prompt, _ = render(template, probe[:1], add_generation_prompt=True)
+    ids, mask = tokenize_conversation(template, tokenizer, probe)
+    prompt_ids, _ = encode_with_offsets(tokenizer, prompt)
+    answer = encode_with_offsets(tokenizer, "ok")[0]
+    after = len(prompt_ids) + len(answer)
+    stops = {tokenizer.eos_id}
+    if after < len(ids) and ids[len(prompt_ids): after] == answer:
+        stops.add(ids[after])
+    return stops
+
+
+def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict]) -> list[int]:
+    """The ids of `messages` followed by the template's generation prompt (what a model answers)."""
+    text, _ = render(template, messages, add_generation_prompt=True)
+    return encode_with_offsets(tokenizer, text)[0]
+
+
 __all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "ChatTemplate", "LLAMA3_TEMPLATE", "assistant_spans",
-           "encode_with_offsets", "folder_chat_template", "load_chat_template", "overlap_mask", "render",
+           "chat_prompt_ids", "encode_with_offsets", "end_of_turn_ids", "folder_chat_template", "load_chat_template", "overlap_mask", "render",
            "tokenize_conversation"]
