@@ -85,7 +85,7 @@ def test_peft_loads_our_adapter_onto_the_transformers_model_with_our_logits(hf_f
         assert (base(tokens).logits - ours).abs().max() > 1e-2  # the adapters change the logits
 
         # Merged: W + (alpha / r) B A, through the family's HF conversion, in a plain transformers model.
-        merged = spec.hf.to_hf_state_dict(merged_state_dict(model.state_dict(), options.alpha / options.rank),
+        merged = spec.hf.to_hf_state_dict(merged_state_dict(model.state_dict()),
                                           model.model_args)
         base.load_state_dict(merged, strict=False)
         torch.testing.assert_close(base(tokens).logits, ours, rtol=0, atol=1e-4)
@@ -114,3 +114,16 @@ def test_bad_targets_and_adapters_are_refused_in_one_sentence(hf_folder, tmp_pat
         load_peft(more, str(tmp_path / "a"))
     with pytest.raises(ValueError, match="is not a PEFT adapter folder"):
         load_peft(model, str(tmp_path))
+
+
+def test_load_model_folds_a_lora_checkpoints_adapters_in(hf_folder, tmp_path):
+    """A LoRA job's DCP (base weights, adapters and their scale) loads as the plain model with the
+    adapters merged: the adapted model's logits."""
+    import titanlike
+    from family_checks import write_model_only_dcp
+
+    model, _ = _lora_model(hf_folder, LoRAOptions(rank=4, alpha=8, target_modules=TARGETS))
+    write_model_only_dcp(model, "llama3", model.model_args, tmp_path / "dcp")
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(titanlike.load_model(tmp_path / "dcp")(tokens), model(tokens), rtol=0, atol=1e-5)

@@ -165,6 +165,10 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         spec, args = build_args(info["model"], where=os.path.join(folder, SIDECAR))
         check_model_size(args, os.path.join(folder, SIDECAR), device=device, bytes_per_param=bytes_per_param)
         state_dict = read_dcp_model(folder, dtype=dtype)
+        from titanlike.models.lora import has_adapters, merged_state_dict
+
+        if has_adapters(state_dict):  # a LoRA job's checkpoint: its adapters folded into the weights
+            state_dict = merged_state_dict(state_dict)
     else:
         spec, args = hf_model_from_config(read_hf_config(folder), where=os.path.join(folder, HF_CONFIG))
         check_model_size(args, os.path.join(folder, HF_CONFIG), device=device, bytes_per_param=bytes_per_param)

@@ -465,9 +465,8 @@ class LoRAConverter(ModelConverter):
 
         from titanlike.models.lora import LoRAOptions, export_peft, merged_state_dict
 
-        o = self.options or LoRAOptions()
-        export_peft(state_dict, spec, args, os.path.join(folder, "adapter"), o)
-        return merged_state_dict(state_dict, o.alpha / o.rank)
+        export_peft(state_dict, spec, args, os.path.join(folder, "adapter"), self.options or LoRAOptions())
+        return merged_state_dict(state_dict)
 
 
 def validate_converter_targets(names: list[str], section: Callable[[str], object], spec, args, *, model: str) -> None:

@@ -81,6 +81,8 @@ class LoRALinear(nn.Linear):
     lora_rank: int
     lora_scaling: float
     lora_dropout: float
+    # lora_scale, a persistent scalar buffer holding lora_scaling: a checkpoint's state dict then
+    # says how to merge its adapters (load_model, convert_dcp_to_hf) without the job's [lora].
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
@@ -93,9 +95,12 @@ class LoRALinear(nn.Linear):
         of (seed, fqn) only, on whatever shard this rank holds."""
         from titanlike.models.common.init import uniform_, zeros_
 
+        from titanlike.models.common.init import constant_
+
         bound = 1 / math.sqrt(self.in_features)
         uniform_(self.lora_a, low=-bound, high=bound, seed=seed, fqn=f"{fqn}.lora_a")
         zeros_(self.lora_b)
+        constant_(self.lora_scale, self.lora_scaling)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lora_rank={self.lora_rank}, lora_scaling={self.lora_scaling:g}"
@@ -121,6 +126,7 @@ def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> L
     linear.lora_rank, linear.lora_scaling, linear.lora_dropout = rank, alpha / rank, dropout
     linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=device, dtype=dtype))
     linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, device=device, dtype=dtype))
+    linear.register_buffer("lora_scale", torch.full((), alpha / rank, device=device, dtype=torch.float32))
     return linear
 
 
@@ -207,26 +213,36 @@ def _module_of(key: str, suffix: str) -> str | None:
     return key[: -len(suffix)] if key.endswith(suffix) else None
 
 
-def split_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """(the base state dict, {module fqn: (A, B)}) of a full state dict holding adapters."""
-    base, pairs = {}, {}
+_ADAPTER_KEYS = (".lora_a", ".lora_b", ".lora_scale")
+
+
+def has_adapters(sd: Mapping[str, torch.Tensor]) -> bool:
+    return any(key.endswith(_ADAPTER_KEYS) for key in sd)
+
+
+def split_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
+    """(the base state dict, {module fqn: (A, B, scaling)}) of a full state dict holding adapters."""
+    base, parts = {}, {}
     for key, value in sd.items():
-        module = _module_of(key, ".lora_a")
-        if module is not None:
-            pairs.setdefault(module, [None, None])[0] = value
-            continue
-        module = _module_of(key, ".lora_b")
-        if module is not None:
-            pairs.setdefault(module, [None, None])[1] = value
-            continue
-        base[key] = value
-    return base, {m: (a, b) for m, (a, b) in pairs.items()}
+        for i, suffix in enumerate(_ADAPTER_KEYS):
+            module = _module_of(key, suffix)
+            if module is not None:
+                parts.setdefault(module, [None, None, None])[i] = value
+                break
+        else:
+            base[key] = value
+    out = {}
+    for module, (a, b, scale) in parts.items():
+        if a is None or b is None or scale is None:
+            raise ValueError(f"the state dict holds part of the adapter of {module} (lora_a, lora_b, lora_scale)")
+        out[module] = (a, b, float(scale))
+    return base, out
 
 
-def merged_state_dict(sd: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+def merged_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The base state dict with every adapter folded in: W + scaling B A (full tensors)."""
-    base, pairs = split_state_dict(sd)
-    for module, (a, b) in pairs.items():
+    base, parts = split_state_dict(sd)
+    for module, (a, b, scaling) in parts.items():
         w = base[f"{module}.weight"]
         base[f"{module}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
     return base
@@ -246,9 +262,9 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
     HF conversion of a targeted weight is not a reordering of its rows (B's rows then cannot follow)."""
     from safetensors.torch import save_file
 
-    _, pairs = split_state_dict(sd)
+    _, parts = split_state_dict(sd)
     tensors, modules = {}, set()
-    for fqn, (a, b) in sorted(pairs.items()):
+    for fqn, (a, b, _) in sorted(parts.items()):
         name, b_hf = _hf_rows(spec, args, fqn, b.float())
         # The conversion must act on rows only: then conv(B A) = conv(B) A.
         _, delta = _hf_rows(spec, args, fqn, b.float() @ a.float())
@@ -315,5 +331,5 @@ def load_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -
         raise ValueError(f"{folder} holds {extra // 2} adapters this model does not have (lora.target_modules)")
 
 
-__all__ = ["LoRALinear", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "export_peft", "load_peft",
-           "merged_state_dict", "split_state_dict"]
+__all__ = ["LoRALinear", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "export_peft", "freeze_base",
+           "has_adapters", "load_peft", "merged_state_dict", "split_state_dict"]
