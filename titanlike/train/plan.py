@@ -179,7 +179,8 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         validate_context_parallel(t.seq_len, dims.cp, dims.tp)
     batch = BatchPlan.build(t, dims, p.pipeline_parallel_microbatch_size if dims.pp_enabled else None)
     validate_cpu_offload(t.enable_cpu_offload, fsdp_enabled=dims.fsdp_enabled, dp_shard=dims.dp_shard)
-    objective.validate_dataset(t.dataset, t.dataset_path)
+    if vocab_size is None:  # the estimator reads no data (it plans with the embedded corpus named)
+        objective.validate_dataset(t.dataset, t.dataset_path)
     if cfg.validation.enable:
         validate_validation_layout(cfg.validation, t, dims, check_dataset=objective.validate_dataset)
     if cfg.compile.enable:
