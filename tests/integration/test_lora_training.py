@@ -46,6 +46,18 @@ def test_lora_from_a_hugging_face_folder_to_a_peft_adapter(tmp_path):
         torch.testing.assert_close(titanlike.load_model(export)(tokens), merged, rtol=0, atol=1e-4)
         assert (merged - before).abs().max() > 1e-4  # the adapters trained
 
+    # Import: a new run starts from the base folder and the adapter (a learning rate too small to move
+    # anything), and exports the same merged model.
+    again = tmp_path / "again"
+    launch(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.flavor",
+            "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
+            "--checkpoint.last_save_in_hf", "--training.steps", "1", "--training.seq_len", "64",
+            "--training.local_batch_size", "4", "--optimizer.lr", "1e-12", "--metrics.no_enable_tensorboard",
+            "--lora.adapter_path", str(export / "adapter"), "--job.dump_folder", str(again)])
+    with torch.no_grad():
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(again / "checkpoint" / "step-1").eval()
+        torch.testing.assert_close(reloaded(tokens).logits, merged, rtol=0, atol=1e-4)
+
 
 LORA_SFT = ("--model.converters", "lora", "--training.objective", "sft", "--training.dataset", "text",
             "--training.dataset_path", DATA, "--training.steps", "4", "--optimizer.lr", "1e-2",

@@ -127,3 +127,20 @@ def test_load_model_folds_a_lora_checkpoints_adapters_in(hf_folder, tmp_path):
     tokens = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(titanlike.load_model(tmp_path / "dcp")(tokens), model(tokens), rtol=0, atol=1e-5)
+
+
+def test_an_adapter_of_another_rank_or_not_an_adapter_is_refused_before_training(hf_folder, tmp_path):
+    from titanlike.config import load_job_config
+    from titanlike.config.loader import ConfigError
+    from titanlike.models.registry import get_model_spec
+    from titanlike.train.plan import plan_job
+
+    options = LoRAOptions(rank=4, alpha=8, target_modules=["q_proj"])
+    model, _ = _lora_model(hf_folder, options)
+    export_peft(model.state_dict(), get_model_spec("llama3"), model.model_args, str(tmp_path / "a"), options)
+    for argv, words in [(["--lora.rank", "2", "--lora.adapter_path", str(tmp_path / "a")],
+                         "holds adapters of rank 4 and alpha 8, but lora.rank is 2"),
+                        (["--lora.adapter_path", str(tmp_path)], "is not a PEFT adapter folder")]:
+        with pytest.raises(ConfigError) as e:
+            plan_job(load_job_config(["--model.converters", "lora", *argv, "--job.dump_folder", str(tmp_path / "o")]), 1)
+        assert words in str(e.value) and "\n" not in str(e.value)

@@ -58,6 +58,11 @@ class ModelConverter:
     def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         """Called after every optimizer step with this rank's model parts."""
 
+    def initial_state(self, model: nn.Module) -> dict:
+        """For a fresh run, after the model's initial load (checkpoint.initial_load_path) or init: what
+        the swap loads into this model part, full tensors by name (rank 0's are broadcast; {} none)."""
+        return {}
+
     def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
         """Before a model-only Hugging Face export of `state_dict` (full tensors, rank 0) into
         `folder`: the state dict to convert (LoRA folds its adapters in, and writes its PEFT folder)."""
@@ -97,6 +102,12 @@ class ModelConverters:
     def init_weights(self, model: nn.Module, seed: int) -> None:
         for converter in self.converters:
             converter.init_weights(model, seed)
+
+    def initial_state(self, model: nn.Module) -> dict:
+        state: dict = {}
+        for converter in self.converters:
+            state.update(converter.initial_state(model))
+        return state
 
     def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
         for converter in self.converters:
@@ -458,6 +469,14 @@ class LoRAConverter(ModelConverter):
         for fqn, module in adapters(model).items():
             module.init_adapter(seed=seed, fqn=fqn)
         freeze_base(model)
+
+    def initial_state(self, model: nn.Module) -> dict:
+        """lora.adapter_path's A and B (a PEFT folder) for the adapters of this model part."""
+        from titanlike.models.lora import peft_state_dict
+
+        if self.options is None or not self.options.adapter_path:
+            return {}
+        return peft_state_dict(model, self.options.adapter_path)
 
     def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
         """The PEFT adapter into folder/adapter, and the merged weights for the full export."""

@@ -60,7 +60,17 @@ class LoRAOptions:
         "linear layers that get adapters: Hugging Face module names (q_proj, gate_proj, ...) or ours "
         "(attention.wq, feed_forward.w1, layers.3.attention.wq), matched as whole dot-separated parts")
 
+    adapter_path: str | None = opt(
+        None, "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) whose A and B a fresh "
+        "run starts from, after the base model's initial load; its rank and alpha must be lora.rank and lora.alpha")
+
     def check(self) -> None:
+        if self.adapter_path:
+            config = read_adapter_config(self.adapter_path, option="lora.adapter_path")
+            if (config.get("r"), config.get("lora_alpha")) != (self.rank, self.alpha):
+                raise ValueError(f"lora.adapter_path {self.adapter_path} holds adapters of rank {config.get('r')} and "
+                                 f"alpha {config.get('lora_alpha')}, but lora.rank is {self.rank} and lora.alpha "
+                                 f"{self.alpha:g}; set them to the adapter's")
         if self.rank < 1:
             raise ValueError(f"lora.rank must be at least 1, got {self.rank}")
         if not self.alpha > 0:
@@ -72,6 +82,24 @@ class LoRAOptions:
 
 
 register_section("lora", LoRAOptions)
+
+
+def read_adapter_config(folder: str, *, option: str = "the adapter") -> dict:
+    """A PEFT folder's adapter_config.json, checked to be a LoRA adapter with its weights beside it;
+    ValueError (one sentence) otherwise."""
+    path = os.path.join(folder, ADAPTER_CONFIG)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{option} {folder} is not a PEFT adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}): "
+                         f"{e}") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise ValueError(f"{option}: {path} is not a LoRA adapter (peft_type {config.get('peft_type')!r})"
+                         if isinstance(config, dict) else f"{option}: {path} is not a JSON object")
+    if not os.path.isfile(os.path.join(folder, ADAPTER_WEIGHTS)):
+        raise ValueError(f"{option} {folder} has no {ADAPTER_WEIGHTS}")
+    return config
 
 
 class LoRALinear(nn.Linear):
@@ -289,29 +317,30 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
     return sorted(modules)
 
 
-def load_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -> None:
-    """Copy a PEFT adapter folder's A and B into `model`'s adapters (unsharded, one process).
+def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -> dict[str, torch.Tensor]:
+    """A PEFT adapter folder's A and B under our names ({fqn.lora_a, fqn.lora_b}: full tensors, our row
+    order) for the adapters `model` (a whole model or a pipeline stage, sharded or not) holds.
     ValueError (one sentence) for a folder of another rank, scale or set of modules."""
     from safetensors.torch import load_file
 
     spec = spec or spec_of(model)
     args = model.model_args
+    config = read_adapter_config(folder)
     path = os.path.join(folder, ADAPTER_CONFIG)
     try:
-        with open(path) as f:
-            config = json.load(f)
         tensors = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{folder} is not a PEFT adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}): {e}") from None
+    except Exception as e:  # safetensors' own errors: a truncated or foreign file
+        raise ValueError(f"{folder}/{ADAPTER_WEIGHTS} cannot be read: {e}") from None
     ours = adapters(model)
     if not ours:
         raise ValueError("the model has no LoRA adapters to load into (model.converters lora)")
     some = next(iter(ours.values()))
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    if config.get("peft_type") != "LORA" or rank != some.lora_rank or alpha / rank != some.lora_scaling:
-        raise ValueError(f"{path} is a {config.get('peft_type')} adapter of rank {rank} and alpha {alpha}; this job's "
-                         f"adapters have rank {some.lora_rank} and alpha {some.lora_scaling * some.lora_rank:g} "
-                         "(lora.rank, lora.alpha)")
+    if not isinstance(rank, int) or not isinstance(alpha, (int, float)) or rank != some.lora_rank \
+            or alpha / rank != some.lora_scaling:
+        raise ValueError(f"{path} is an adapter of rank {rank} and alpha {alpha}; this job's adapters have rank "
+                         f"{some.lora_rank} and alpha {some.lora_scaling * some.lora_rank:g} (lora.rank, lora.alpha)")
+    sd = {}
     for fqn, module in ours.items():
         index = torch.arange(module.out_features, dtype=torch.float32).view(-1, 1)
         name, order = _hf_rows(spec, args, fqn, index)
@@ -322,14 +351,27 @@ def load_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -
         if tuple(a.shape) != tuple(module.lora_a.shape) or tuple(b.shape) != tuple(module.lora_b.shape):
             raise ValueError(f"{folder}: the adapter of {name} has shapes {tuple(a.shape)} and {tuple(b.shape)}, this "
                              f"model's {tuple(module.lora_a.shape)} and {tuple(module.lora_b.shape)} (another base model?)")
-        inverse = torch.argsort(order.view(-1).long())
-        with torch.no_grad():
-            module.lora_a.copy_(a)
-            module.lora_b.copy_(b[inverse])
-    extra = len(tensors) - 2 * len(ours)
-    if extra:
-        raise ValueError(f"{folder} holds {extra // 2} adapters this model does not have (lora.target_modules)")
+        sd[f"{fqn}.lora_a"] = a.to(module.lora_a.dtype)
+        sd[f"{fqn}.lora_b"] = b[torch.argsort(order.view(-1).long())].to(module.lora_b.dtype)
+    return sd
+
+
+def load_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -> None:
+    """Copy a PEFT adapter folder's A and B into `model`'s adapters (one process, unsharded)."""
+    sd = peft_state_dict(model, folder, spec=spec)
+    extra = sum(1 for k in _peft_keys(folder) if k.endswith("lora_A.weight")) - len(adapters(model))
+    if extra > 0:
+        raise ValueError(f"{folder} holds {extra} adapters this model does not have (lora.target_modules)")
+    model.load_state_dict(sd, strict=False)
+
+
+def _peft_keys(folder: str) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, ADAPTER_WEIGHTS), framework="pt") as f:
+        return list(f.keys())
 
 
 __all__ = ["LoRALinear", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "export_peft", "freeze_base",
-           "has_adapters", "load_peft", "merged_state_dict", "split_state_dict"]
+           "has_adapters", "load_peft", "merged_state_dict", "peft_state_dict", "read_adapter_config",
+           "split_state_dict"]

@@ -361,6 +361,25 @@ class Trainer:
             how = f"SDPA {direction}{f' with {what} (dense)' if masked else ''}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
 
+    def _load_converter_state(self) -> None:
+        """A fresh run: what the converters bring (LoRA's lora.adapter_path), after the model's initial
+        load. Every rank reads it for its own model parts and keeps its shards (no communication); a
+        refusal on any rank stops every rank with one sentence."""
+        from titanlike.models.common.init import copy_full_
+
+        error, states = None, []
+        try:
+            states = [self.converters.initial_state(part) for part in self.model_parts]
+        except ValueError as e:
+            error = str(e)
+        self._agree(error, elsewhere="another rank could not load the converters' initial state (it says why)")
+        for part, state in zip(self.model_parts, states):
+            params = dict(part.named_parameters())
+            for name, full in state.items():
+                copy_full_(params[name], full)
+            if state and self.rank == 0:
+                logger.info(f"converters: {len(state)} tensors loaded into the model")
+
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
         and cut to this cp rank, by the objective."""
@@ -446,6 +465,8 @@ class Trainer:
         start = self.checkpointer.load()
         if start is None:  # checkpoint.create_seed_checkpoint: the seed is written, nothing to train
             return None
+        if start == 0:
+            self._load_converter_state()
         if self.stop.agreed():
             if self.rank == 0:
                 logger.info(f"received {StopRequest.describe(self.stop.agreed_code)} before the first step: "
