@@ -150,6 +150,20 @@ def reverse_task(n: int, seed: int, words: int = 3) -> list[dict]:
     return rows
 
 
+def first_word_task(n: int, seed: int, words: int = 2) -> list[dict]:
+    """Conversations asking for the first of `words` words (a second task, for adapters to learn on
+    a model that answers the reverse task)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        ws = [rng.choice(TASK_WORDS) for _ in range(words)]
+        rows.append({"messages": [{"role": "user", "content": "first: " + " ".join(ws)},
+                                  {"role": "assistant", "content": ws[0]}]})
+    return rows
+
+
 def exact_match(model, tokenizer, template, rows, *, max_new_tokens: int = 12) -> float:
     """The fraction of rows whose greedy answer (up to the end of the assistant's turn) is the
     row's assistant content exactly; all rows at once, no KV cache (prompts padded on the left are

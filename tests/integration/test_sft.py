@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, launch, read_metrics
-from sft_assets import TAGGED, exact_match, reverse_task, tokenizer_folder, write_jsonl
+from sft_assets import TAGGED, exact_match, first_word_task, reverse_task, tokenizer_folder, write_jsonl
 
 PRESET = ["--job.config_file", str(REPO / "train_configs" / "sft_debug.toml"), "--metrics.no_enable_tensorboard"]
 
@@ -30,8 +30,9 @@ def test_sft_preset_learns_the_task(tmp_path, capsys):
     started = time.perf_counter()
     launch([*PRESET, "--job.dump_folder", str(tmp_path / "seed"), "--checkpoint.create_seed_checkpoint"])
     before = exact_match(titanlike.load_model(tmp_path / "seed" / "checkpoint"), tokenizer, template, held_out)
-    proc = launch([*PRESET, "--job.dump_folder", str(tmp_path / "sft")])
-    after = exact_match(titanlike.load_model(tmp_path / "sft" / "checkpoint"), tokenizer, template, held_out)
+    proc = launch([*PRESET, "--job.dump_folder", str(tmp_path / "sft"), "--checkpoint.last_save_in_hf"])
+    sft_export = tmp_path / "sft" / "checkpoint" / "step-60"
+    after = exact_match(titanlike.load_model(sft_export), tokenizer, template, held_out)
     assert "sft: " in proc.stdout + proc.stderr and "trained) in" in proc.stdout + proc.stderr
     figures = (f"exact match on {len(held_out)} held-out questions: {before:.0%} before, {after:.0%} after "
                f"({time.perf_counter() - started:.0f} s)")
@@ -40,10 +41,22 @@ def test_sft_preset_learns_the_task(tmp_path, capsys):
     # scripts/generate.py answers in the chat format.
     from titanlike.cli import generate
 
-    assert generate.main([str(tmp_path / "sft" / "checkpoint"), "--chat", "--prompt", "reverse: king fish",
-                          "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    assert generate.main([str(sft_export), "--chat", "--prompt", "reverse: king fish", "--temperature", "0",
+                          "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.strip().endswith("> fish king")
-    print(figures)
+
+    # LoRA adapters on the fine-tuned model (its Hugging Face export) learn a second task.
+    task = write_jsonl(tmp_path / "first.jsonl", first_word_task(1000, seed=0))
+    second = first_word_task(60, seed=1)
+    lora_before = exact_match(titanlike.load_model(sft_export), tokenizer, template, second)
+    launch(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--metrics.no_enable_tensorboard",
+            "--model.hf_assets_path", str(sft_export), "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf",
+            "--training.dataset_path", str(task), "--training.steps", "30", "--job.dump_folder", str(tmp_path / "lora")])
+    lora_after = exact_match(titanlike.load_model(tmp_path / "lora" / "checkpoint" / "step-30"), tokenizer, template,
+                             second)
+    figures += f"; LoRA on the second task: {lora_before:.0%} before, {lora_after:.0%} after"
+    assert lora_before < 0.05 and lora_after > 0.5, figures
+    print(figures, f"({time.perf_counter() - started:.0f} s in all)")
 
 
 def test_sft_from_a_hugging_face_folder_to_one(tmp_path):
