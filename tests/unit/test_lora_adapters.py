@@ -127,6 +127,13 @@ def test_load_model_folds_a_lora_checkpoints_adapters_in(hf_folder, tmp_path):
     tokens = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(titanlike.load_model(tmp_path / "dcp")(tokens), model(tokens), rtol=0, atol=1e-5)
+    # convert_dcp_to_hf writes the merged model.
+    from titanlike.checkpoint.hf import export_dcp_to_hf
+
+    export_dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf_out"))
+    with torch.no_grad():
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+        torch.testing.assert_close(back(tokens).logits, model(tokens), rtol=0, atol=1e-4)
 
 
 def test_an_adapter_of_another_rank_or_not_an_adapter_is_refused_before_training(hf_folder, tmp_path):
