@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import REPO, launch, read_metrics, train_metrics
+from conftest import REPO, launch, train_metrics
 from sft_assets import TAGGED, tokenizer_folder
 
 DATA = str(REPO / "tests" / "assets" / "sft" / "reverse_words.jsonl")

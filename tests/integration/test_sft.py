@@ -6,12 +6,10 @@ folder, with the held-out split's loss and assistant-token accuracy."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import REPO, launch, read_metrics
 from sft_assets import TAGGED, exact_match, first_word_task, reverse_task, tokenizer_folder, write_jsonl

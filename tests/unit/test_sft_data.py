@@ -5,7 +5,6 @@ batch, and bad input refused in one sentence."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
@@ -14,8 +13,7 @@ import torch
 from sft_assets import CONVERSATIONS, TAGGED, TEMPLATES, TOKENIZER_ASSET, tokenizer_folder, write_jsonl
 from titanlike.data import DataError, DEFAULT_TOKENIZER_PATH, build_tokenizer
 from titanlike.data.chat_template import LLAMA3_TEMPLATE, load_chat_template, tokenize_conversation
-from titanlike.data.conversations import (ConversationSamples, best_fit_decreasing, iter_rows,
-                                          tokenize_conversations)
+from titanlike.data.conversations import best_fit_decreasing, iter_rows, tokenize_conversations
 from titanlike.objectives import SFT, SFTOptions
 from titanlike.objectives.base import BatchContext
 
