@@ -278,6 +278,9 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted(tmp_path, c
       "--model.converters", "lora", "--lora.target_modules", "q_proj,qkv"],
      "lora.target_modules qkv matches no linear layer of llama3 debugmodel"),
     (["--model.converters", "lora", "--lora.rank", "0"], "lora.rank must be at least 1"),
+    (["--sft.no_packing"], "sft.packing is set, but it configures training.objective sft and this job's objective "
+     "is causal_lm"),
+    (["--lora.rank", "4"], "lora.rank is set, but model.converters does not name lora"),
 ])
 def test_job_rules_refuse_in_one_sentence(tmp_path, argv, fragment):
     from titanlike.config import load_job_config

@@ -492,6 +492,13 @@ def validate_converter_targets(names: list[str], section: Callable[[str], object
     """The converters' rules that need the model: LoRA's targets must name linears of it (built on
     meta). ValueError, one sentence, before any process group."""
     if "lora" not in names:
+        import dataclasses
+
+        options = section("lora")
+        for field in dataclasses.fields(options):
+            if getattr(options, field.name) != getattr(type(options)(), field.name):
+                raise ValueError(f"lora.{field.name} is set, but model.converters does not name lora; add it "
+                                 f"(--model.converters lora) or remove lora.{field.name}")
         return
     from titanlike.models.lora import check_targets, hf_module_names, select_targets
 

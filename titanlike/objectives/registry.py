@@ -18,12 +18,32 @@ if TYPE_CHECKING:
     from titanlike.objectives.base import Objective
 
 _OBJECTIVES: dict[str, Callable[..., Objective]] = {}
+_SECTIONS: dict[str, str] = {}  # objective name -> its config section
 
 
-def register_objective(name: str, factory: Callable[..., Objective]) -> None:
+def register_objective(name: str, factory: Callable[..., Objective], *, section: str | None = None) -> None:
+    """section: the objective's own config section, refused when set for a job of another objective."""
     if name in _OBJECTIVES:
         raise ValueError(f"objective {name!r} is already registered")
     _OBJECTIVES[name] = factory
+    if section is not None:
+        _SECTIONS[name] = section
+
+
+def check_unused_sections(cfg: JobConfig, chosen: str) -> None:
+    """A registered objective's section set in a job that trains with another objective is refused
+    rather than ignored (ValueError, one sentence)."""
+    import dataclasses
+
+    for name, section_name in _SECTIONS.items():
+        if name == chosen:
+            continue
+        section = getattr(cfg, section_name)
+        default = type(section)()
+        for field in dataclasses.fields(section):
+            if getattr(section, field.name) != getattr(default, field.name):
+                raise ValueError(f"{section_name}.{field.name} is set, but it configures training.objective {name} and "
+                                 f"this job's objective is {chosen}; remove it or set training.objective {name}")
 
 
 def objective_names() -> list[str]:
@@ -37,6 +57,7 @@ def job_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs, *, model
     ValueError (one sentence) for an unknown name or one the family cannot train with."""
     family = spec.objective(cfg, args)
     name = cfg.training.objective
+    check_unused_sections(cfg, name or family.name)
     if not name or name == family.name:
         return family
     if name not in objective_names():
@@ -46,4 +67,4 @@ def job_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs, *, model
     return _OBJECTIVES[name](cfg, args, family_objective=family, model=model)
 
 
-__all__ = ["job_objective", "objective_names", "register_objective"]
+__all__ = ["check_unused_sections", "job_objective", "objective_names", "register_objective"]

@@ -137,7 +137,7 @@ class SFT(Objective):
         return mb
 
 
-register_objective("sft", SFT.for_job)
+register_objective("sft", SFT.for_job, section="sft")
 
 
 def pad_id(tokenizer) -> int:
