@@ -72,7 +72,7 @@ def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
         )
     spec, args = build_args(description, where=os.path.join(src, SIDECAR))
     check_model_size(args, os.path.join(src, SIDECAR))
-    state_dict = read_dcp_model(src)
+    state_dict = _merged(read_dcp_model(src))
     check_fits(state_dict, spec, args, src)
     tokenizer = info.get("tokenizer")
     tokenizer = tokenizer if isinstance(tokenizer, dict) else {}
@@ -132,6 +132,14 @@ def _from_hf(spec, hf_sd: dict[str, torch.Tensor], args, src: str) -> dict[str, 
                               f"({type(e).__name__}: {e})") from None
 
 
+def _merged(state_dict: dict) -> dict:
+    """A LoRA job's checkpoint (model.converters lora) with its adapters folded into the weights; any
+    other state dict as it is."""
+    from titanlike.models.lora import has_adapters, merged_state_dict
+
+    return merged_state_dict(state_dict) if has_adapters(state_dict) else state_dict
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                dtype: torch.dtype | None = None) -> torch.nn.Module:
     """An unsharded model from a titanlike DCP checkpoint or a Hugging Face folder.
@@ -150,7 +158,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
             raise CheckpointError(f"{folder} has no {SIDECAR} naming the model it holds")
         spec, args = build_args(info["model"], where=os.path.join(folder, SIDECAR))
         check_model_size(args, os.path.join(folder, SIDECAR), device=device, bytes_per_param=bytes_per_param)
-        state_dict = read_dcp_model(folder, dtype=dtype)
+        state_dict = _merged(read_dcp_model(folder, dtype=dtype))
     else:
         spec, args = hf_folder_args(folder)
         check_model_size(args, os.path.join(folder, HF_CONFIG), device=device, bytes_per_param=bytes_per_param)

@@ -423,13 +423,16 @@ class CheckpointManager:
     """
 
     def __init__(self, cfg, *, dims, model_parts: list[nn.Module], optimizer, lr_scheduler,
-                 dataloader, model_args=None, tokenizer=None, loss_scaler=None, context_len: int | None = None,
-                 flavor: str | None | _Unset = _UNSET):
+                 dataloader, model_args=None, tokenizer=None, loss_scaler=None, converters=None,
+                 context_len: int | None = None, flavor: str | None | _Unset = _UNSET):
         """context_len: the model's own context (the plan's), recorded instead of the job's seq_len;
         flavor: the flavor the model is (None: sized by a Hugging Face folder or [model.args]).
         Both default to model.flavor's."""
         c = cfg.checkpoint
         self.cfg = c
+        # The model converters (models/converters.py): a Hugging Face export asks them for the state
+        # dict to write (LoRA merges its adapters and writes its PEFT folder beside).
+        self.converters = converters
         self.enabled = c.enable
         self.folder = os.path.join(cfg.job.dump_folder, c.folder)
         self.initial_load_path = initial_load_path(c, cfg.model.hf_assets_path)
@@ -1055,6 +1058,8 @@ class CheckpointManager:
 
         def convert() -> None:
             state_dict = fmt.read_dcp_model(staging, verify=False)  # written just now, by this job
+            if self.converters is not None:
+                state_dict = self.converters.hf_export(state_dict, self.spec, self.model_args, tmp)
             tok = self._tokenizer
             export = fmt.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype,
                                   context_len=self._context_len, bos_id=tok.get("bos_id"), eos_id=tok.get("eos_id"),

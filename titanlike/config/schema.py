@@ -109,6 +109,9 @@ class Training:
     dataset_path: str | None = opt(
         None, "file or folder, Hugging Face NAME[:CONFIG[:SPLIT]], or Megatron prefix / '0.7 a 0.3 b' blend"
     )
+    objective: str = opt(
+        "", "training objective; empty means the model family's own (next-token prediction for decoders), sft "
+        "fine-tunes a decoder on conversations ([sft])")
     local_batch_size: int = opt(8, "samples per microbatch on each data-parallel rank")
     global_batch_size: int = opt(
         -1, "samples per optimizer step across all ranks; -1 means local_batch_size x data-parallel degree"

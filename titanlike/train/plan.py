@@ -136,12 +136,12 @@ def plan_job(cfg: JobConfig, world_size: int, *, vocab_size: int | None = None) 
 def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     from titanlike.checkpoint.manager import validate_checkpoint_config
     from titanlike.data import DEFAULT_TOKENIZER_PATH
-    from titanlike.data.loader import validate_dataset
     from titanlike.data.tokenizer import job_tokenizer
     from titanlike.models.common.attention import validate_attention_backend
     from titanlike.models.common.moe import validate_moe_job
-    from titanlike.models.converters import validate_converters
+    from titanlike.models.converters import validate_converter_targets, validate_converters
     from titanlike.models.registry import check_other_families_sections, resolve_model
+    from titanlike.objectives.registry import job_objective
     from titanlike.observe.run_lock import check_output_folders
     from titanlike.parallel.context import validate_context_parallel
     from titanlike.parallel.fsdp import validate_cpu_offload
@@ -172,8 +172,10 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         args.validate(dims, seq_len=t.seq_len)
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
-    objective = spec.objective(cfg, args)
+    objective = job_objective(cfg, spec, args, model=model)
     objective.validate(cfg, dims, model=model)
+    if cfg.validation.enable and cfg.validation.dataset is None:
+        objective.validate_held_out(t.dataset)
     vocab = source.vocab_size or vocab_size or tokenizer.vocab_size
     if tokenizer is not None and tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary "
@@ -181,6 +183,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
                          "or model.hf_assets_path)")
     context_len = args.context_len
     args = args.update_from_config(vocab_size=vocab, seq_len=t.seq_len, **objective.model_lengths())
+    validate_converter_targets(m.converters, lambda name: getattr(cfg, name), spec, args, model=model)
 
     # The layout.
     parallelize = parallelize_options(cfg, objective)
@@ -191,9 +194,10 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         validate_context_parallel(t.seq_len, dims.cp, dims.tp)
     batch = BatchPlan.build(t, dims, p.pipeline_parallel_microbatch_size if dims.pp_enabled else None)
     validate_cpu_offload(t.enable_cpu_offload, fsdp_enabled=dims.fsdp_enabled, dp_shard=dims.dp_shard)
-    validate_dataset(t.dataset, t.dataset_path)
+    if vocab_size is None:  # the estimator reads no data (it plans with the embedded corpus named)
+        objective.validate_dataset(t.dataset, t.dataset_path)
     if cfg.validation.enable:
-        validate_validation_layout(cfg.validation, t, dims)
+        validate_validation_layout(cfg.validation, t, dims, check_dataset=objective.validate_dataset)
     if cfg.compile.enable:
         validate_compile_backend(cfg.compile.backend)
     pipeline = _pipeline(cfg, dims, spec, args, model, parallelize.compile_blocks)
