@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=8 train.py --job.config_file train_configs/llama3_8b.toml --training.steps 50
 
 The same program is `python -m titanlike.train` and, after `pip install`, `titanlike-train`:
-titanlike/cli/train.py holds it (plan the job, check its memory, train).
+titanlike/cli/train.py holds it (plan the job, run the pre-flight checks, train). From a checkout,
+the checks are this checkout's (its estimator's memory check), whatever an installed copy registers.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from titanlike.cli.train import check_memory, main  # noqa: E402
+from estimation.fits import check_fits  # noqa: E402
+from titanlike.cli.train import main as _main  # noqa: E402
 
-__all__ = ["check_memory", "main"]
+
+def main(argv: list[str] | None = None, prog: str = "train.py", *, process: bool = False) -> int:
+    return _main(argv, prog, process=process, checks=[check_fits])
+
 
 if __name__ == "__main__":
     sys.exit(main(process=True))

@@ -6,15 +6,10 @@
     python estimation/estimate.py --job.config_file ... --estimate.plan --estimate.world_size 64 \\
         --estimate.device_memory_gib 80
 
-Takes every train.py option (the same TOML and overrides) plus the `--estimate.*`
-options listed by --help. Prints the traced estimate (the real model, parallelize
-and optimizer on fake tensors under a fake process group) beside the analytic one,
-with the difference explained; `--estimate.plan` ranks layouts instead.
-
-Mixture-of-experts models (with expert parallelism, `--parallelism.expert_parallel_degree`) get
-the analytic estimate only: the trace cannot size their token dispatch, which depends on routing
-values. The report gives total and active parameters and the FLOPs per token of the active ones;
-the planner also searches the expert-parallel degree.
+Takes every train.py option (the same TOML and overrides) plus the `--estimate.*` options listed by
+--help. Plans the job as train.py does, runs its training step on fake tensors (one block of each
+kind, estimation/probe.py) and lays that out along the model, the layout and the pipeline schedule
+(estimation/layout.py); `--estimate.plan` ranks layouts instead (estimation/planner.py).
 """
 
 from __future__ import annotations
@@ -35,28 +30,24 @@ def main(argv: list[str] | None = None, prog: str = "estimation/estimate.py") ->
         print(help_text().replace("usage: train.py", f"usage: {prog} [--estimate.key VALUE ...]", 1)
               + "\n" + estimate_help())
         return 0
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 (stdout keeps the JSON)
     try:
         opts, rest = parse_estimate_args(argv)
         cfg = load_job_config(rest)
         if opts.plan:
             from estimation.planner import format_plan, run_plan
 
-            plan = run_plan(cfg, opts, log=_log(opts))
+            plan = run_plan(cfg, opts, log=log)
             print(json.dumps(plan, indent=1) if opts.json else format_plan(plan))
             return 0
         from estimation.report import format_report, run_estimate
 
-        result = run_estimate(cfg, opts, log=_log(opts))
+        result = run_estimate(cfg, opts, log=log)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1) if opts.json else format_report(result))
     return 0
-
-
-def _log(opts):
-    # Progress goes to stderr so that --estimate.json keeps stdout to the one JSON object.
-    return lambda msg: print(msg, file=sys.stderr, flush=True)
 
 
 def console_main() -> None:

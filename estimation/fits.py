@@ -1,23 +1,25 @@
 """Does a planned job fit this machine? The check train.py makes before any process group exists.
 
-The analytic estimate (estimation/analytic.py) of the busiest rank's peak memory, for the JobPlan
-train.py is about to run, against what this machine has for one rank: the GPU's memory, or on CPU
+The estimate (estimation/probe.py and layout.py: the job's own step on fake tensors, one block of
+each kind) of the busiest rank's memory, for the JobPlan train.py is about to run, against what this
+machine has for one rank: the GPU's memory (what the CUDA caching allocator would reserve), or on CPU
 the host's (its cgroup limit if lower) shared by the local ranks. A job that does not fit is refused
-in one sentence; a job the estimate cannot model is let through with a note saying the check was
-skipped. The library never imports this package: train.py does, as a step of its own.
+in one sentence; a job the estimate cannot run is let through with a note saying the check was
+skipped (also when this process already has a process group: the probe needs a fake one of its own).
+train.py finds `check_fits` as the `titanlike.preflight` entry point pyproject.toml registers (a
+checkout's train.py passes it itself): the library never imports this package.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from titanlike.config.loader import ConfigError
+from titanlike.observe.memory import device_memory
 from titanlike.train.plan import JobPlan
 
-logger = logging.getLogger(__name__)
 GiB = 2**30
 
 
@@ -25,61 +27,52 @@ def machine_memory() -> tuple[int, str]:
     """(bytes one rank may use, what they are) on this machine: the GPU this rank will use, or on
     CPU the host's memory (its cgroup limit if lower) shared by LOCAL_WORLD_SIZE ranks."""
     if torch.cuda.is_available():
-        # get_device_properties reads the total without creating a CUDA context (mem_get_info
-        # would create one on device 0 in every rank, before each picks its own device).
-        device = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-        props = torch.cuda.get_device_properties(device)
-        return int(props.total_memory), f"GPU {device} ({props.name}) has"
-    total = host_memory()
+        # The device this rank will pick, by index: reading its properties creates no CUDA context.
+        return device_memory(f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}")
+    total, where = device_memory("cpu")
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
     if local > 1:
         return total // local, f"this host's {total / GiB:.1f} GiB of memory shared by {local} local ranks leave"
-    return total, "this host has"
-
-
-def host_memory() -> int:
-    """Bytes of physical memory, or the container's (cgroup v2) limit where that is lower."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
-    except OSError:
-        pass
-    return total
+    return total, where
 
 
 def estimate_peak_memory(plan: JobPlan) -> tuple[int, str]:
-    """(peak bytes of the busiest rank, its largest parts) by the analytic estimate. Raises ValueError
-    or NotImplementedError where the estimate cannot model the job (a family without formulas)."""
-    from estimation.analytic import estimate_analytic
+    """(bytes the busiest rank needs, its largest parts): on a GPU what the allocator reserves (CUDA kernels),
+    on CPU the tensors' peak (CPU kernels, exact bytes)."""
+    from estimation.layout import estimate
     from estimation.options import prepare_plan
+    from estimation.probe import probe
 
-    estimates, _ = estimate_analytic(prepare_plan(plan), granularity=1)
-    top = max(estimates, key=lambda r: r.peak_bytes)
+    cuda = torch.cuda.is_available()
+    prep = prepare_plan(plan)
+    ranks = estimate(prep.plan, probe(prep.plan, granularity=512 if cuda else 1, device="cuda" if cuda else "cpu"))
+    top = max(ranks, key=lambda r: r.reserved if cuda else r.peak_bytes)
     b = top.peak
-    state = b.parameters + b.gathered_parameters + b.gradients + b.optimizer_state
-    parts = (f"{state / GiB:.1f} GiB of weights, gradients and optimizer state, "
-             f"{(b.activations + b.transient) / GiB:.1f} GiB of activations")
-    return top.peak_bytes, parts
+    state = b.parameters + b.gradients + b.optimizer_state
+    parts = f"{state / GiB:.1f} GiB of weights, gradients and optimizer state, {(b.activations + b.transient) / GiB:.1f} " \
+            "GiB held by the step"
+    return (top.reserved if cuda else top.peak_bytes), parts
 
 
 def check_fits(plan: JobPlan) -> str | None:
-    """Refuse (ConfigError, one sentence) a job whose analytic peak per rank exceeds what this
-    machine has for one rank; returns the reason when there is no estimate to check (None when checked)."""
+    """Refuse (ConfigError, one sentence) a job whose estimated memory per rank exceeds what this machine
+    has for one rank; returns the reason when there is no estimate to check (None when checked)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return "this process already has a process group (jobs run one after another in one launch)"
     try:
         peak, parts = estimate_peak_memory(plan)
-    except (ValueError, NotImplementedError) as e:  # UnknownBlockError, a family without formulas
-        return f"the analytic estimate cannot model this job ({e})"
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+        return f"the estimator cannot run this job ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     memory, where = machine_memory()
     if peak > memory:
         raise ConfigError(
-            f"the job needs about {peak / GiB:.1f} GiB per rank ({parts}, by the analytic estimate) but "
+            f"the job needs about {peak / GiB:.1f} GiB per rank ({parts}, by the estimator) but "
             f"{where} {memory / GiB:.1f} GiB; lower training.local_batch_size or training.seq_len, set "
             "activation_checkpoint.mode full, spread the model over more ranks (parallelism degrees) or pick a "
             "smaller model.flavor")
     return None
 
 
-__all__ = ["check_fits", "estimate_peak_memory", "host_memory", "machine_memory"]
+__all__ = ["check_fits", "estimate_peak_memory", "machine_memory"]

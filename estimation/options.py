@@ -1,10 +1,9 @@
-"""The `--estimate.*` options, and turning a training JobConfig into one that can be estimated.
+"""The `--estimate.*` options, and the plan an estimate runs.
 
-The estimate options are parsed here, not added to the training schema: they mean
-nothing to `train.py`, and keeping them out of `JobConfig` keeps `train.py --help`
-and the config files about training. Everything else on the command line goes to
-the training config loader unchanged, so an estimate reads exactly the job that
-`train.py` would run.
+The estimate options are parsed here, not added to the training schema: they mean nothing to
+`train.py`. Everything else on the command line goes to the training config loader unchanged, so an
+estimate plans exactly the job `train.py` would run (titanlike/train/plan.py `plan_job`), less what
+a probe on fake tensors cannot run (each removal is noted).
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from typing import Sequence
 
 from titanlike.config.loader import ConfigError, parse_section_options, section_help
 from titanlike.config.schema import JobConfig, opt
-from titanlike.train.plan import JobPlan, plan_job
 from titanlike.parallel.parallel_dims import ParallelDims
-
+from titanlike.train.plan import JobPlan, plan_job
 
 
 @dataclass
@@ -28,21 +26,17 @@ class EstimateOptions:
         None, "ranks to estimate for; empty means the smallest world the config's parallel degrees allow")
     device_memory_gib: float | None = opt(None, "GPU memory in GiB; with it, a verdict says whether the job fits")
     reserved_gib: float = opt(
-        2.0, "GPU memory the tensors cannot use: CUDA context, NCCL communicators, cuBLAS workspaces")
-    fragmentation: float = opt(
-        0.05, "caching-allocator overhead as a fraction of peak tensor memory (reserved over allocated)")
-    mode: str = opt("both", "which estimates to run (mixture-of-experts models: analytic only)",
-                    choices=("both", "traced", "analytic"))
+        2.0, "GPU memory outside PyTorch's allocator: CUDA context, NCCL's buffers, cuBLAS workspaces")
+    device: str = opt("cuda", "whose kernels to count: cuda (fused attention, as on a GPU) or cpu (torch's CPU "
+                              "kernels, to compare with steps measured on this machine)", choices=("cuda", "cpu"))
     json: bool = opt(False, "print one JSON object instead of the report")
-    per_module: bool = opt(False, "also report the traced peak of every module during its forward and backward")
-    module_depth: int = opt(2, "deepest module level listed by per_module (1 = the model's children)")
     alloc_granularity: int = opt(
         512, "bytes every tensor is rounded up to, as the CUDA caching allocator does; 1 counts exact bytes")
     # Planner.
     plan: bool = opt(False, "rank layouts for this model, world size, GPU memory and sequence length "
                             "(and expert-parallel degree for mixture-of-experts models)")
     plan_top: int = opt(5, "layouts the planner prints")
-    plan_verify: int = opt(0, "planner: trace this many of the best layouts and drop those the trace says do not fit")
+    plan_probes: int = opt(24, "planner: most layouts whose memory it estimates, fastest first")
     plan_ac_modes: list[str] = opt(["none", "op", "full"], "planner: activation checkpointing modes to try")
     plan_mfu: float = opt(0.5, "planner: fraction of the dense bf16 peak that matmuls reach (before comm and bubbles)")
     device_tflops: float = opt(989.0, "planner: dense bf16 peak of one GPU in TFLOP/s (H100 SXM: 989)")
@@ -54,11 +48,8 @@ class EstimateOptions:
 
 
 def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]]:
-    """Split argv into the `--estimate.*` options and the rest (for `load_job_config`).
-
-    Same conventions as the training options: `--estimate.key value`, `--estimate.key=value`,
-    booleans as flags or `--estimate.no_key`, lists comma-separated.
-    """
+    """Split argv into the `--estimate.*` options and the rest (for `load_job_config`), with the training
+    options' conventions (`--estimate.key value`, `=value`, booleans as flags or `--estimate.no_key`)."""
     opts, rest = parse_section_options(argv, "estimate", EstimateOptions)
     if opts.world_size is not None and opts.world_size < 1:
         raise ConfigError(f"estimate.world_size must be at least 1, got {opts.world_size}")
@@ -73,52 +64,21 @@ def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]
 
 def estimate_help() -> str:
     return ("\n" + section_help("estimate", EstimateOptions, title="(estimation/estimate.py and plan.py, not train.py)")
-            + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, float8, activation checkpointing)"
-            "; mixture-of-experts models with expert parallelism by the analytic estimate (the trace refuses"
-            " them), reporting total and active parameters; the planner searches expert_parallel_degree"
-            " for MoE models.")
-
-
-@dataclass
-class Float8Adjustment:
-    """What the float8 converter changes. The analytic estimate applies it as a formula; the trace
-    runs the converter itself (`traced`), unless torchao is missing, when the trace runs in bf16 and
-    is adjusted by the same formula."""
-
-    fsdp_float8_all_gather: bool
-    filter_fqns: list[str]
-    traced: bool = False
+            + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, EP, float8, activation "
+            "checkpointing) by running the job's own training step on fake tensors, one block of each kind.")
 
 
 @dataclass
 class PreparedJob:
-    """A job ready to estimate: its plan (titanlike/train/plan.py, made from the config the trace runs,
-    features it cannot trace removed) and what was changed."""
+    """A job ready to estimate: its plan (made from the config the probe runs) and what was changed."""
 
     plan: JobPlan
     notes: list[str] = field(default_factory=list)
-    float8: Float8Adjustment | None = None
-
-    @property
-    def cfg(self) -> JobConfig:
-        return self.plan.cfg
-
-    @property
-    def dims(self) -> ParallelDims:
-        return self.plan.dims
-
-    @property
-    def model_args(self):
-        return self.plan.model_args
-
-    @property
-    def objective(self):
-        return self.plan.objective
 
 
 @functools.lru_cache(maxsize=8)
 def _vocab_size(tokenizer_path: str | None, hf_assets_path: str | None) -> int:
-    # The planner prepares thousands of layouts of one job: load its tokenizer once.
+    # The planner plans many layouts of one job: load its tokenizer once.
     from titanlike.data import DEFAULT_TOKENIZER_PATH
     from titanlike.data.tokenizer import job_tokenizer
 
@@ -128,82 +88,32 @@ def _vocab_size(tokenizer_path: str | None, hf_assets_path: str | None) -> int:
         raise ConfigError(str(e)) from None
 
 
-def _torchao_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torchao") is not None
-
-
-def default_world_size(cfg: JobConfig) -> int:
-    p = cfg.parallelism
-    shard = max(p.data_parallel_shard_degree, 1)
-    return (p.data_parallel_replicate_degree * shard * p.context_parallel_degree
-            * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-
-
 def prepare_plan(plan: JobPlan) -> PreparedJob:
-    """A job already planned for training (train.py's memory check): estimated as it is, with float8
-    as the analytic formula (no re-planning: the analytic estimate reads nothing a trace cannot run)."""
-    f = plan.cfg.float8
-    float8 = (Float8Adjustment(f.enable_fsdp_float8_all_gather, list(f.filter_fqns))
-              if any(name.lower() == "float8" for name in plan.cfg.model.converters) else None)
-    return PreparedJob(plan, float8=float8)
+    """A job train.py has planned (its memory check), planned again without what a probe cannot run."""
+    return prepare_job(plan.cfg, plan.dims.world_size, vocab_size=plan.model_args.vocab_size)
 
 
-def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
-    """Plan cfg for world_size with the training rules (plan_job), after taking out what an
-    estimate cannot run (each removal is recorded in `notes`).
-
-    Raises ConfigError (one sentence, from the same planning train.py does) for layouts
-    that cannot run at all.
-    """
-    from titanlike.models.registry import get_model_spec, model_names
-
+def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: int | None = None) -> PreparedJob:
+    """Plan cfg for world_size with the training rules (plan_job), after taking out what a probe cannot
+    run, each removal noted. Raises ConfigError (one sentence) for layouts that cannot run at all."""
     est = copy.deepcopy(cfg)
     notes: list[str] = []
-    world_size = world_size or default_world_size(cfg)
-
-    float8 = None
-    converters, est.model.converters = list(est.model.converters), []
-    for name in converters:
-        if name.lower() == "float8":
-            float8 = Float8Adjustment(est.float8.enable_fsdp_float8_all_gather, list(est.float8.filter_fqns),
-                                      traced=_torchao_available())
-            if float8.traced:
-                # The trace applies the trainer's own converter (torchao's Float8Linear) to the meta model.
-                est.model.converters.append(name)
-                if not est.float8.emulate:
-                    # Validation refuses float8 without an SM 8.9+ GPU here; the sizes do not depend on it.
-                    est.float8.emulate = True
-                notes.append(
-                    "float8: traced with the trainer's converter (torchao Float8Linear, float8 casts and, with "
-                    "enable_fsdp_float8_all_gather, float8 all-gather buffers and scales as real tensors); "
-                    "matmuls emulated, which changes kernels inside torchao's tensor subclass, not the tensors "
-                    "the trace counts; casts run eager (unfused fp32 temporaries), as without compile. The "
-                    "analytic estimate stays a formula: with enable_fsdp_float8_all_gather the gathered weights "
-                    "of converted linears take 1 byte instead of 2, activations unchanged")
-            else:
-                notes.append(
-                    "float8: torchao is not installed here, so traced in bf16, then adjusted analytically: with "
-                    "enable_fsdp_float8_all_gather the gathered weights of converted linears take 1 byte instead "
-                    "of 2; torchao keeps high-precision inputs for backward, so activations are unchanged")
-        else:
-            notes.append(f"model converter {name!r} is not modeled; estimated without it")
+    if any(name.lower() == "float8" for name in est.model.converters):
+        # Validation refuses float8 without an SM 8.9+ GPU here; the probe runs the GPU's float8 matmul.
+        est.float8.emulate = True
+        notes.append("float8: probed with the trainer's converter (torchao Float8Linear, float8 casts, float8 "
+                     "all-gather buffers and scales as real tensors) and the GPU's float8 matmul")
     if est.compile.enable:
         est.compile.enable = False
-        notes.append("compile: estimated in eager mode (a trace cannot compile); compiled blocks usually "
-                     "save some activation memory by fusing elementwise ops, so this errs high")
+        notes.append("compile: estimated in eager mode (a probe cannot compile); compiled blocks keep fewer "
+                     "activations (fused elementwise ops), so this errs high")
+    if est.activation_checkpoint.mode == "memory_budget":
+        est.activation_checkpoint.mode = "none"
+        notes.append("activation_checkpoint.mode memory_budget is a compiler decision: estimated without checkpointing")
     p = est.parallelism
     if p.enable_async_tensor_parallel:
         p.enable_async_tensor_parallel = False
         notes.append("async tensor parallel: estimated as plain tensor parallel (same tensors, different overlap)")
-    if p.expert_parallel_degree != 1 or p.expert_tensor_parallel_degree != 1:
-        spec = get_model_spec(est.model.name) if est.model.name in model_names() else None
-        flavor = spec.flavors.get(est.model.flavor) if spec is not None else None
-        if flavor is not None and flavor.moe_args() is None:
-            notes.append(f"expert parallelism: {est.model.name} is a dense model, so expert degrees change "
-                         "nothing; estimated with 1")
-            p.expert_parallel_degree = p.expert_tensor_parallel_degree = 1
     # Where data comes from, checkpoints and logging change no GPU tensor of a training step.
     est.training.dataset, est.training.dataset_path = "default", None
     c = est.checkpoint
@@ -212,16 +122,38 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None) -> PreparedJob:
     est.validation.enable = False
     est.metrics.enable_wandb = est.metrics.enable_tensorboard = False
     est.profiling.enable_memory_snapshot = est.profiling.enable_profiling = False
+    vocab_size, note = _job_vocab_size(est, vocab_size)
+    notes += [note] if note else []
+    world = world_size or ParallelDims.smallest_world(cfg.parallelism)
+    return PreparedJob(plan_job(est, world, vocab_size=vocab_size), notes=notes)
 
-    # The trainer sizes the embedding by the tokenizer it loads (the debug one by default); without
-    # the tokenizer, the flavor's own vocabulary stands in for it.
-    path = est.model.tokenizer_path
-    if path and not os.path.isfile(path):
-        notes.append(f"tokenizer {path} not found: vocab_size taken from the {est.model.flavor} flavor")
-        est.model.tokenizer_path = None
-        spec = get_model_spec(est.model.name) if est.model.name in model_names() else None
-        flavor = spec.flavors.get(est.model.flavor) if spec is not None else None
-        vocab_size = flavor.vocab_size if flavor is not None else 1  # an unknown model: planning says so
-    else:
-        vocab_size = _vocab_size(path, est.model.hf_assets_path)
-    return PreparedJob(plan_job(est, world_size, vocab_size=vocab_size), notes=notes, float8=float8)
+
+def _job_vocab_size(cfg: JobConfig, known: int | None) -> tuple[int, str | None]:
+    """(the vocabulary to size the model by, a note when it is not the one train.py would load). The
+    trainer sizes the embedding by its tokenizer; where that is a file or folder not found here, or the debug
+    tokenizer (none given) whose vocabulary would change a real flavor's size by more than 5%, the
+    flavor's own vocabulary, said in one line."""
+    from titanlike.models.registry import get_model_spec, model_names
+
+    if known is not None:
+        return known, None
+    m = cfg.model
+    spec = get_model_spec(m.name) if m.name in model_names() else None
+    flavor = spec.flavors.get(m.flavor) if spec is not None else None
+    missing = ("tokenizer_path", m.tokenizer_path) if m.tokenizer_path and not os.path.isfile(m.tokenizer_path) else \
+        ("hf_assets_path", m.hf_assets_path) if m.hf_assets_path and not os.path.isdir(m.hf_assets_path) else None
+    if missing:
+        m.tokenizer_path = m.hf_assets_path = None
+        return (flavor.vocab_size if flavor is not None else 1,  # an unknown model: planning says so
+                f"model.{missing[0]} {missing[1]} not found here: vocab_size taken from the {m.flavor} flavor")
+    vocab = _vocab_size(m.tokenizer_path, m.hf_assets_path)
+    if m.tokenizer_path or m.hf_assets_path or flavor is None or flavor.vocab_size == vocab:
+        return vocab, None
+    ours, debug = (flavor.update_from_config(vocab_size=v, seq_len=cfg.training.seq_len).num_params()
+                   for v in (flavor.vocab_size, vocab))
+    if abs(ours - debug) <= 0.05 * ours:
+        return vocab, None
+    return flavor.vocab_size, (
+        f"no tokenizer given (model.tokenizer_path, model.hf_assets_path): estimated with the {m.flavor} flavor's own "
+        f"vocabulary of {flavor.vocab_size:,} ({ours / 1e9:.2f}B parameters), where train.py would size the model by "
+        f"the debug tokenizer's {vocab:,} ({debug / 1e9:.2f}B)")

@@ -17,6 +17,7 @@ def _register_config_sections() -> None:
     """Import what registers config sections (titanlike/config/sections.py): the objectives and every
     model family. The config loader runs this the first time it needs the list of sections, so a
     section is read whichever module a program imported first."""
+    import titanlike.models.lora  # noqa: F401
     import titanlike.objectives  # noqa: F401
     from titanlike.models.registry import model_names
 

@@ -75,7 +75,7 @@ def test_tp2_splits_the_fused_qkv_on_its_heads():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from estimation.traced import fake_world
+    from estimation.fake import fake_world
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
     with torch.device("meta"):

@@ -170,7 +170,6 @@ def test_original_checkpoint_spellings():
     ("architectures", ["BertForSequenceClassification"]),
     ("hidden_act", "relu"),
     ("position_embedding_type", "relative_key"),
-    ("intermediate_size", 100),
     ("is_decoder", True),
 ])
 def test_unsupported_configs_are_refused_by_name(key, value):

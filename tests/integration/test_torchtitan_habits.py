@@ -80,12 +80,16 @@ def test_python_m_titanlike_train_outside_the_checkout(tmp_path):
     assert not (tmp_path / "outputs").exists()  # nothing trained, nothing written
 
 
-def test_train_py_is_the_packages_program():
+def test_train_py_is_the_packages_program_with_the_checkouts_memory_check(monkeypatch):
     import train
 
-    from titanlike.cli.train import main
+    import titanlike.cli.train as cli
+    from estimation.fits import check_fits
 
-    assert train.main is main
+    seen = []
+    monkeypatch.setattr(cli, "run_checks", lambda plan, rank, checks: seen.append(checks))
+    assert train.main(["--job.validate_only"]) == 0
+    assert seen == [[check_fits]]
     assert len(Path(train.__file__).read_text().splitlines()) < 30
 
 
@@ -120,7 +124,7 @@ def test_console_scripts_live_in_installed_packages_and_answer_help():
     assert "usage: titanlike-train" in proc.stdout and "usage: titanlike-convert" in proc.stdout
 
 
-def test_the_library_never_imports_the_estimator_but_the_train_entry_point_does():
+def test_the_library_never_imports_the_estimator_which_registers_its_memory_check():
     importers = []
     for path in sorted((REPO / "titanlike").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -128,7 +132,16 @@ def test_the_library_never_imports_the_estimator_but_the_train_entry_point_does(
                      [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
             if any(n == "estimation" or n.startswith("estimation.") for n in names):
                 importers.append(str(path.relative_to(REPO)))
-    assert importers == ["titanlike/cli/train.py"]
+    assert importers == []
+    # The installed entry point the package's train program finds (titanlike.cli.train.preflight_checks).
+    from importlib.metadata import EntryPoint
+
+    from estimation.fits import check_fits
+    from titanlike.cli.train import PREFLIGHT_GROUP
+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        registered = tomllib.load(f)["project"]["entry-points"][PREFLIGHT_GROUP]
+    assert [EntryPoint(n, v, PREFLIGHT_GROUP).load() for n, v in registered.items()] == [check_fits]
 
 
 # ---------------------------------------------------------------- converters with torchtitan's spellings
@@ -182,7 +195,7 @@ def test_tensorboard_events_go_in_a_timestamped_folder_per_launch(tmp_path):
                            "--training.steps", "1", "--metrics.enable_tensorboard", "--job.dump_folder",
                            str(tmp_path / "run")], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run,) = (tmp_path / "run" / "tb").iterdir()
+    (run,) = [p for p in (tmp_path / "run" / "tb").iterdir() if p.is_dir()]  # beside the folder lock
     assert re.fullmatch(r"\d{8}-\d{4}", run.name) and any(run.glob("events.out.tfevents.*"))
     assert f"tensorboard --logdir {tmp_path / 'run' / 'tb'} (this run: {run})" in proc.stderr
 

@@ -13,7 +13,8 @@ def test_tensorboard_events_have_loss_tag(tmp_path):
             "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (run,) = (tmp_path / "tb").iterdir()  # torchtitan's layout: one timestamped folder per launch
+    # torchtitan's layout: one timestamped folder per launch (beside the job's folder lock, observe/run_lock.py)
+    (run,) = [p for p in (tmp_path / "tb").iterdir() if p.is_dir()]
     acc = EventAccumulator(str(run))
     acc.Reload()
     tags = acc.Tags()["scalars"]

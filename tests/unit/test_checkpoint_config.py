@@ -19,8 +19,15 @@ def dcp_dir(tmp_path):
 
 @pytest.fixture
 def hf_dir(tmp_path):
+    """A Hugging Face folder's config.json (the plan reads it: it sizes the model); the weights are the
+    load's to read."""
+    import json
+
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec("llama3")
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(spec.hf.args_to_config(spec.flavors["debugmodel"])))
     return str(tmp_path / "hf")
 
 

@@ -41,7 +41,7 @@ class Job:
             "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2",
             "--checkpoint.enable", "--checkpoint.interval", "3", *overrides,
         ])
-        dims = plan_job(self.cfg, world_size=1).dims
+        dims = plan_job(self.cfg, world_size=1, vocab_size=args.vocab_size).dims
         if parts is None:
             with torch.device("meta"):
                 model = Transformer(args)

@@ -154,7 +154,7 @@ _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
         pytest.param(["--parallelism.enable_async_tensor_parallel", "--parallelism.tensor_parallel_degree", "2",
                       "--compile.enable"], 2, "needs CUDA GPUs",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU machines")),
-        (["--model.converters", "fp8"], 1, "unknown converter 'fp8'; known converters: float8, te"),
+        (["--model.converters", "fp8"], 1, "unknown converter 'fp8'; known converters: float8, lora, te"),
         (["--validation.enable", "--validation.freq", "0"], 1, "validation.freq must be at least 1"),
         (["--validation.enable", "--validation.steps", "0"], 1, "validation.steps must be -1"),
         (["--validation.enable", "--validation.local_batch_size", "0"], 1, "validation.local_batch_size must be"),
@@ -293,7 +293,7 @@ def test_memory_rule_refuses_a_job_no_machine_holds():
     with pytest.raises(ConfigError) as err:
         check_fits(plan)
     msg = str(err.value)
-    assert msg.startswith("the job needs about ") and " GiB per rank (" in msg and "by the analytic estimate" in msg
+    assert msg.startswith("the job needs about ") and " GiB per rank (" in msg and "by the estimator" in msg
     assert "lower training.local_batch_size or training.seq_len" in msg and "\n" not in msg
     assert check_fits(plan_job(load_job_config([]), world_size=1)) is None  # the debug job fits anywhere
 
@@ -304,7 +304,7 @@ def test_memory_rule_compares_with_this_machines_share(monkeypatch):
     plan = plan_job(load_job_config(["--training.seq_len", "2048", "--training.local_batch_size", "8"]), world_size=1)
     peak, _ = fits.estimate_peak_memory(plan)
     monkeypatch.setattr(fits.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(fits, "host_memory", lambda: peak + 2**20)
+    monkeypatch.setattr(fits, "device_memory", lambda device: (peak + 2**20, "this host has"))
     assert fits.check_fits(plan) is None  # just fits one rank
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this host: half each
     with pytest.raises(ConfigError, match=r"this host's \d+\.\d GiB of memory shared by 2 local ranks leave "):

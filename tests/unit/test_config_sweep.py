@@ -29,6 +29,9 @@ HOSTILE = {
     bool: ["maybe", "2", ""],
     str: ["", "-1", "..", "/", "/proc/self/mem", "/dev/zero", "x" * 5000, ("a\0b", REFUSED)],
     list: ["", ",", "-1,-1,-1", "1e20,1,1", "x" * 5000, ("a\0b", REFUSED)],
+    # A table of settings its owner reads ([model.args]: the model family's fields).
+    dict: ["", ",", "=", "dim", "dim=-1", "n_layers=1e20", "vocab_size=9007199254740993", "x" * 5000,
+           "x" * 5000 + "=1", ("a\0b=1", REFUSED), ("dim=nan", REFUSED), ("norm_eps=inf", REFUSED)],
 }
 for big in ("9007199254740993", "-9007199254740993", "1e20"):
     HOSTILE[int][HOSTILE[int].index(big)] = (big, REFUSED)

@@ -27,7 +27,6 @@ from conftest import REPO
 from titanlike.models import protocol
 from titanlike.models.registry import ModelSpec, PipelineEnds, get_model_spec, model_names
 
-ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
 
 
 def _flavors() -> list[tuple[str, str]]:
@@ -110,7 +109,6 @@ def hook_violations(args, model: nn.Module) -> tuple[list[str], set[str]]:
 
 def _meaning(name: str, value, module: nn.Module, args, reported: set[str]) -> list[str]:
     """What the value of hook `name` on `module` breaks of its declared meaning."""
-    children = dict(module.named_children())
     if name in ("core_attention", "sequence_carry") and name not in vars(module):
         return [f"{name} is not an instance attribute (context parallelism replaces it per instance)"]
     if name == "loss_weight" and (name not in vars(module) or value is not None):
@@ -135,25 +133,6 @@ def _meaning(name: str, value, module: nn.Module, args, reported: set[str]) -> l
         return ["keep_high_precision on a module that is not a linear"]
     if name == "fsdp_mesh" and value not in ("token_fsdp", "expert_fsdp"):
         return [f"fsdp_mesh {value!r} is no mesh ParallelDims names for FSDP units"]
-    if name == "norm_order" and value not in ("pre", "post"):
-        return [f"norm_order {value!r} is neither pre nor post"]
-    if name == "sublayers":
-        missing = [n for pair in value for n in pair if n not in children and getattr(module, n, 0) is not None]
-        return [f"sublayers names {missing}, which are neither children nor None"] if missing else []
-    if name == "activation":
-        linears = all(isinstance(children.get(n), nn.Linear) for n in ("w1", "w2"))
-        return [] if value in ACTIVATIONS[:3] and linears else [f"activation {value!r} on an MLP without w1/w2"]
-    if name == "per_token_ops":
-        unknown = [op for op in value if op not in children and op not in ACTIVATIONS]
-        return [f"per_token_ops names {unknown}, which are neither children nor activations"] if unknown else []
-    linears = all(isinstance(children.get(n), nn.Linear) for n in ("wq", "wk", "wv", "wo"))
-    if name == "score_bias" and value and not linears:
-        return ["score_bias on an attention without wq, wk, wv, wo linears"]
-    if name == "latent_attention" and value:
-        needed = ("wq", "wkv_a", "kv_norm", "wkv_b", "wk_pe", "wo", "qk_nope_head_dim", "qk_rope_head_dim",
-                  "v_head_dim")
-        absent = [n for n in needed if not hasattr(module, n)]
-        return [f"latent_attention without {absent}"] if absent else []
     return []
 
 
@@ -202,7 +181,7 @@ def test_family_shards_the_whole_model_and_every_pipeline_stage(family):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from estimation.traced import fake_world
+    from estimation.fake import fake_world
     from titanlike.parallel.pipeline import pipeline_stage
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -301,28 +280,7 @@ NOT_HOOKS = {
     ("titanlike/checkpoint/format.py", "failures"): "DCP's exceptions",
     ("titanlike/models/converters.py", "_titanlike_gloo"): "our marker on a torchao handler function",
     ("titanlike/models/converters.py", "fp8_autocast"): "Transformer Engine's module API",
-    ("estimation/measure_cpu.py", "to_local"): "DTensor or plain tensor",
-    ("estimation/traced.py", "to_local"): "DTensor or plain tensor",
-    ("estimation/traced.py", "_cdata"): "a tensor storage",
-    ("estimation/traced.py", "value"): "an enum member",
-    ("estimation/traced.py", "_WeakRefInfo"): "torch's memory tracker internals",
-    ("estimation/traced.py", "_calculate_mem_consumed"): "torch's memory tracker internals",
-    ("estimation/traced.py", "_ref_class"): "torch's memory tracker internals",
-    ("estimation/traced.py", "UNSHARDED_GRAD"): "torch's memory tracker internals",
-    ("estimation/traced.py", "detect_fake_mode"): "DTensor's sharding propagation internals",
-    ("estimation/traced.py", "_precomputed_scale"): "torchao's float8 weight wrapper",
-    ("estimation/traced.py", "_fsdp_param_group"): "FSDP2's state",
-    ("estimation/traced.py", "fsdp_params"): "FSDP2's state",
-    ("estimation/traced.py", "unsharded_accumulated_grad"): "FSDP2's state",
-    ("estimation/traced.py", "_unsharded_param"): "FSDP2's state",
-    ("estimation/traced.py", "grad"): "a tensor's gradient",
-    ("estimation/traced.py", "pipeline_order"): "torch's pipeline schedule",
-    ("estimation/analytic.py", "__name__"): "a function's name, for a message",
-    # The layouts the analytic estimate recognizes: children of the common blocks, and the widths an
-    # attention declaring score_bias has (protocol: score_bias, latent_attention).
-    ("estimation/analytic.py", "q_norm"): "the common Attention's optional QK-norm",
-    ("estimation/analytic.py", "w3"): "a declared MLP's optional gate (protocol: activation)",
-    ("estimation/analytic.py", "head_dim"): "a score_bias attention's width (protocol: score_bias)",
+    ("estimation/probe.py", "pipeline_order"): "torch's pipeline schedule",
 }
 
 

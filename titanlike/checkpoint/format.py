@@ -152,6 +152,45 @@ def build_args(description: dict[str, Any], *, where: str = SIDECAR):
     return spec, args
 
 
+def hf_model_from_config(config: dict[str, Any], *, where: str = HF_CONFIG):
+    """(ModelSpec, args) for a Hugging Face config.json; `where` names it in errors."""
+    from titanlike.models.registry import spec_for_hf_model_type
+
+    try:
+        spec = spec_for_hf_model_type(config.get("model_type"))
+    except KeyError as e:
+        raise CheckpointError(f"{where}: {e.args[0] if e.args else e}") from None
+    try:
+        args = spec.hf.read_config(config)  # every value it reads checked first
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return spec, args
+
+
+def hf_folder_args(folder: str, spec=None):
+    """The model a Hugging Face folder holds, of any size: (ModelSpec, args) from its config.json,
+    read by the family's adapter (every value it reads checked, HFAdapter.read_config) and fitted to
+    the tensors the folder holds (HFAdapter.args_for_weights: a DeepSeek-V3 folder saved by
+    transformers, without its multi-token-prediction layer, is the model without it). `spec`: the
+    family the caller trains (model.name); a folder of another family is refused by name.
+    CheckpointError, one sentence naming the file, for anything else. Nothing is allocated: the
+    caller checks the size (check_model_size) before building the model."""
+    where = os.path.join(folder, HF_CONFIG)
+    config = read_hf_config(folder)
+    if spec is not None and spec.hf is None:
+        raise CheckpointError(f"model {spec.name} has no Hugging Face adapter, so it cannot read {folder}")
+    if spec is not None and config.get("model_type") not in spec.hf.model_types:
+        raise CheckpointError(
+            f"{where} has model_type={json.dumps(config.get('model_type'))[:40]} but model {spec.name} reads "
+            f"{' or '.join(spec.hf.model_types)}; set model.name to the folder's family")
+    spec, args = hf_model_from_config(config, where=where)
+    try:
+        args = spec.hf.args_for_weights(args, hf_tensor_names(folder))
+    except ValueError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+    return spec, args
+
+
 def check_model_size(args, where: str, *, device: Any = "cpu", bytes_per_param: int = 4) -> None:
     """Refuse, before anything is allocated, a model larger than `device` can hold: its weights at
     bytes_per_param and its position tables (models/args.py model_bytes, arithmetic on the args)
@@ -171,12 +210,15 @@ def check_model_size(args, where: str, *, device: Any = "cpu", bytes_per_param: 
             f"needs {need / gib:,.1f} GiB, more than the {have / gib:,.1f} GiB {what}; refusing before allocating it")
 
 
-def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str) -> None:
+def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str, *,
+               partial: bool = False) -> tuple[list[str], list[str]]:
     """The state dict holds exactly the model's tensors (tied aliases optional), with its shapes,
     as floating-point tensors of finite values (an imported file is input from anywhere).
 
     Built on the meta device, so it costs no memory; a checkpoint of another flavor or
-    vocabulary fails here with its first differences named.
+    vocabulary fails here with its first differences named. partial: tensors missing from the
+    state dict, or not in the model, are returned (missing, unexpected) rather than refused; the
+    tensors both hold are checked the same.
     """
     try:
         with torch.device("meta"):
@@ -188,7 +230,7 @@ def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str) -> N
     aliases = tied_aliases(model)
     missing = sorted(k for k in expected if k not in state_dict and k not in aliases)
     unexpected = sorted(k for k in state_dict if k not in expected)
-    if missing or unexpected:
+    if (missing or unexpected) and not partial:
         raise CheckpointError(f"{where} does not match model {spec.name}: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}")
     for key, want in expected.items():
@@ -203,6 +245,7 @@ def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str) -> N
                                   "model's weights are floating point")
         if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
             raise CheckpointError(f"{where}: {key} holds non-finite values (NaN or infinity)")
+    return missing, unexpected
 
 
 # Recognizing folders ----------------------------------------------------------------------
@@ -866,6 +909,17 @@ def read_hf_config(path: str) -> dict[str, Any]:
     return config
 
 
+def hf_tensor_names(path: str) -> set[str]:
+    """The tensor names a Hugging Face safetensors folder holds, from the files' headers (no tensor is read)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    try:
+        metadata = HuggingFaceStorageReader(path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"cannot read the safetensors files in {path}: {type(e).__name__}: {e}") from None
+    return {key for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+
+
 def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state dict with HF names, config.json) of a Hugging Face safetensors folder."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -895,6 +949,18 @@ def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             raise
         raise CheckpointError(f"reading Hugging Face checkpoint {path} failed: {summarize(e)}") from None
     return template, config
+
+
+def _unlist(out: str, names: set[str], file_name: str) -> None:
+    """Move the file holding `names` (written alone) to file_name and drop them from the index."""
+    index_path = os.path.join(out, HF_INDEX)
+    with open(index_path) as f:
+        index = json.load(f)
+    weight_map = index["weight_map"]
+    (written,) = {weight_map.pop(name) for name in names}
+    os.replace(os.path.join(out, written), os.path.join(out, file_name))
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
 
 
 def _shard_plan(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
@@ -943,7 +1009,11 @@ def write_hf(
     # Contiguous: converted tensors may be views (permuted rows), and safetensors stores raw storage.
     hf_sd = {k: v.to(dtype).contiguous() for k, v in hf_sd.items()}
     os.makedirs(out, exist_ok=True)
-    writer = HuggingFaceStorageWriter(out, fqn_to_index_mapping=_shard_plan(hf_sd, max_shard_bytes))
+    unlisted_file, unlisted = spec.hf.unlisted_tensors(list(hf_sd), args)
+    plan = _shard_plan({k: v for k, v in hf_sd.items() if k not in unlisted}, max_shard_bytes)
+    if unlisted:  # one more file, renamed and left out of the index below
+        plan.update({k: max(plan.values(), default=0) + 1 for k in unlisted})
+    writer = HuggingFaceStorageWriter(out, fqn_to_index_mapping=plan)
     try:
         with single_process_dcp():
             dcp.save(hf_sd, storage_writer=writer, no_dist=True)
@@ -951,6 +1021,8 @@ def write_hf(
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise CheckpointError(f"writing Hugging Face checkpoint {out} failed: {summarize(e)}") from None
+    if unlisted:
+        _unlist(out, unlisted, unlisted_file)
     config = spec.hf.args_to_config(args, max_position_embeddings=context_len)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     generation = {"_from_model_config": True}
@@ -960,4 +1032,5 @@ def write_hf(
         with open(os.path.join(out, name), "w") as f:
             json.dump(content, f, indent=2)
     return write_hf_tokenizer(out, tokenizer_path, fingerprint=tokenizer_fingerprint, vocab_size=args.vocab_size,
-                              model_max_length=context_len or args.context_len)
+                              model_max_length=context_len or args.context_len,
+                              template=spec.hf.tokenizer_template, roles=spec.hf.tokenizer_roles)

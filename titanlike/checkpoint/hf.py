@@ -24,12 +24,13 @@ from titanlike.checkpoint.format import (
     check_fits,
     check_model_size,
     dcp_save,
+    hf_folder_args,
+    hf_model_from_config,
     drop_aliases,
     is_dcp_folder,
     model_description,
     read_dcp_model,
     read_hf,
-    read_hf_config,
     read_sidecar,
     resolve_checkpoint_folder,
     summarize,
@@ -41,21 +42,6 @@ from titanlike.data.hf_tokenizer import stored_tokenizer
 
 if TYPE_CHECKING:
     from titanlike.data.hf_tokenizer import TokenizerExport
-
-
-def hf_model_from_config(config: dict[str, Any], *, where: str = HF_CONFIG):
-    """(ModelSpec, args) for a Hugging Face config.json; `where` names it in errors."""
-    from titanlike.models.registry import spec_for_hf_model_type
-
-    try:
-        spec = spec_for_hf_model_type(config.get("model_type"))
-    except KeyError as e:
-        raise CheckpointError(f"{where}: {e.args[0] if e.args else e}") from None
-    try:
-        args = spec.hf.read_config(config)  # every value it reads checked first
-    except ValueError as e:
-        raise CheckpointError(f"{where}: {e}") from None
-    return spec, args
 
 
 def write_dcp_model(state_dict: dict[str, torch.Tensor], out: str, info: dict[str, Any]) -> None:
@@ -86,7 +72,7 @@ def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
         )
     spec, args = build_args(description, where=os.path.join(src, SIDECAR))
     check_model_size(args, os.path.join(src, SIDECAR))
-    state_dict = read_dcp_model(src)
+    state_dict = _merged(read_dcp_model(src))
     check_fits(state_dict, spec, args, src)
     tokenizer = info.get("tokenizer")
     tokenizer = tokenizer if isinstance(tokenizer, dict) else {}
@@ -116,7 +102,7 @@ def _token_id(record: dict, name: str, vocab_size: int, src: str) -> int | None:
 
 def import_hf_to_dcp(src: str, out: str, *, dtype: torch.dtype | None = None) -> None:
     """convert_hf_to_dcp: a Hugging Face folder -> model-only DCP checkpoint with sidecar."""
-    spec, args = hf_model_from_config(read_hf_config(src), where=os.path.join(src, HF_CONFIG))
+    spec, args = hf_folder_args(src)
     check_model_size(args, os.path.join(src, HF_CONFIG))
     hf_sd, config = read_hf(src)
     state_dict = _from_hf(spec, hf_sd, args, src)
@@ -146,6 +132,14 @@ def _from_hf(spec, hf_sd: dict[str, torch.Tensor], args, src: str) -> dict[str, 
                               f"({type(e).__name__}: {e})") from None
 
 
+def _merged(state_dict: dict) -> dict:
+    """A LoRA job's checkpoint (model.converters lora) with its adapters folded into the weights; any
+    other state dict as it is."""
+    from titanlike.models.lora import has_adapters, merged_state_dict
+
+    return merged_state_dict(state_dict) if has_adapters(state_dict) else state_dict
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                dtype: torch.dtype | None = None) -> torch.nn.Module:
     """An unsharded model from a titanlike DCP checkpoint or a Hugging Face folder.
@@ -164,9 +158,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
             raise CheckpointError(f"{folder} has no {SIDECAR} naming the model it holds")
         spec, args = build_args(info["model"], where=os.path.join(folder, SIDECAR))
         check_model_size(args, os.path.join(folder, SIDECAR), device=device, bytes_per_param=bytes_per_param)
-        state_dict = read_dcp_model(folder, dtype=dtype)
+        state_dict = _merged(read_dcp_model(folder, dtype=dtype))
     else:
-        spec, args = hf_model_from_config(read_hf_config(folder), where=os.path.join(folder, HF_CONFIG))
+        spec, args = hf_folder_args(folder)
         check_model_size(args, os.path.join(folder, HF_CONFIG), device=device, bytes_per_param=bytes_per_param)
         hf_sd, _ = read_hf(folder)
         state_dict = _from_hf(spec, hf_sd, args, folder)
@@ -186,4 +180,5 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     return model.eval()
 
 
-__all__ = ["check_fits", "export_dcp_to_hf", "hf_model_from_config", "import_hf_to_dcp", "load_model", "write_dcp_model"]
+__all__ = ["check_fits", "export_dcp_to_hf", "hf_folder_args", "hf_model_from_config", "import_hf_to_dcp",
+           "load_model", "write_dcp_model"]

@@ -407,6 +407,13 @@ class _Pending:
     finished: float | None = None  # set by the future's callback: publishing waits for the next poll
 
 
+class _Unset:
+    pass
+
+
+_UNSET = _Unset()
+
+
 class CheckpointManager:
     """Saves every `checkpoint.interval` steps and at the end; loads on start.
 
@@ -416,9 +423,16 @@ class CheckpointManager:
     """
 
     def __init__(self, cfg, *, dims, model_parts: list[nn.Module], optimizer, lr_scheduler,
-                 dataloader, model_args=None, tokenizer=None, loss_scaler=None):
+                 dataloader, model_args=None, tokenizer=None, loss_scaler=None, converters=None,
+                 context_len: int | None = None, flavor: str | None | _Unset = _UNSET):
+        """context_len: the model's own context (the plan's), recorded instead of the job's seq_len;
+        flavor: the flavor the model is (None: sized by a Hugging Face folder or [model.args]).
+        Both default to model.flavor's."""
         c = cfg.checkpoint
         self.cfg = c
+        # The model converters (models/converters.py): a Hugging Face export asks them for the state
+        # dict to write (LoRA merges its adapters and writes its PEFT folder beside).
+        self.converters = converters
         self.enabled = c.enable
         self.folder = os.path.join(cfg.job.dump_folder, c.folder)
         self.initial_load_path = initial_load_path(c, cfg.model.hf_assets_path)
@@ -452,6 +466,7 @@ class CheckpointManager:
         if loss_scaler is not None:
             self.states[LOSS_SCALER] = JsonState(loss_scaler, LOSS_SCALER)
         self._description = None
+        self._grown = False
         self._context_len = None
         self._pp = dims is not None and dims.pp_enabled  # model parts hold one pipeline stage's keys
         self._whole_keys: set[str] | None = None
@@ -461,11 +476,17 @@ class CheckpointManager:
             spec = get_model_spec(cfg.model.name)
             self.spec, self.model_args = spec, model_args
             # The job's args carry training.seq_len as their context; a checkpoint records the
-            # flavor's real one (it sizes position tables only, never the weights).
-            flavor = spec.flavors.get(cfg.model.flavor)
-            self._context_len = flavor.context_len if flavor is not None else model_args.context_len
-            self._description = fmt.model_description(spec.name, model_args, context_len=self._context_len,
-                                                       flavor=cfg.model.flavor)
+            # model's real one (it sizes position tables only, never the weights).
+            if isinstance(flavor, _Unset):
+                flavor = cfg.model.flavor
+            if context_len is None:
+                own = spec.flavors.get(flavor) if flavor is not None else None
+                context_len = own.context_len if own is not None else model_args.context_len
+            self._context_len = context_len
+            self._description = fmt.model_description(spec.name, model_args, context_len=context_len, flavor=flavor)
+            # [model.args] changed a model loaded from a Hugging Face folder (a fresh multi-token-
+            # prediction layer, more layers): tensors the folder lacks keep their initialization.
+            self._grown = bool(cfg.model.args)
         self._tokenizer = tokenizer_record(tokenizer) if tokenizer is not None else {}
         if self.distributed:
             # DCP's own collectives (plans, the final all-reduce) run on a separate gloo group:
@@ -751,8 +772,8 @@ class CheckpointManager:
             if theirs[0] != mine[0] or (theirs[1] is not None and theirs[1] != mine[1]):
                 held = " ".join(str(x) for x in theirs if x is not None)
                 raise CheckpointError(
-                    f"checkpoint {path} holds a {held} model but this job's is {' '.join(mine)} (model.name, "
-                    "model.flavor): loading it would drop or misread weights; resume it with its own model, or "
+                    f"checkpoint {path} holds a {held} model but this job's is "
+                    f"{' '.join(x for x in mine if x is not None)} (model.name, model.flavor): loading it would drop or misread weights; resume it with its own model, or "
                     "pass --checkpoint.allow_partial_load to load only the tensors the two models share")
         extra = sorted(set(fmt.dcp_model_keys(metadata)[0]) - self._model_keys())
         if extra and not partial:
@@ -836,26 +857,28 @@ class CheckpointManager:
         state_dict: dict[str, torch.Tensor] = {}
         error = None
         if self.rank == 0:
-            config_path = os.path.join(path, fmt.HF_CONFIG)
             try:
-                config = fmt.read_hf_config(path)
-                if config.get("model_type") not in spec.hf.model_types:
-                    raise CheckpointError(
-                        f"Hugging Face checkpoint {path} has model_type={_show(config.get('model_type'))} but this "
-                        f"job's model {spec.name} reads {' or '.join(spec.hf.model_types)} (model.name)")
-                try:
-                    args = spec.hf.read_config(config)  # every value it reads checked first
-                except ValueError as e:
-                    raise CheckpointError(f"{config_path}: {e}") from None
-                self._check_hf_args(args, path)
+                _, args = fmt.hf_folder_args(path, spec)  # every value config.json gives checked first
+                if not self._grown:
+                    self._check_hf_args(args, path)
                 hf_sd, _ = fmt.read_hf(path)
                 try:
                     state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
                 except Exception as e:
                     raise CheckpointError(f"Hugging Face checkpoint {path} does not match its {fmt.HF_CONFIG} "
                                           f"({type(e).__name__}: {e})") from None
-                # Names, shapes, floating point, finite: against the job's model.
-                fmt.check_fits(state_dict, spec, self.model_args, f"Hugging Face checkpoint {path}")
+                # Names, shapes, floating point, finite: against the job's model. A model [model.args]
+                # changed loads the tensors it shares with the folder; the others keep their init.
+                missing, dropped = fmt.check_fits(state_dict, spec, self.model_args, f"Hugging Face checkpoint {path}",
+                                                  partial=self._grown)
+                for key in dropped:
+                    del state_dict[key]
+                if missing:
+                    logger.info(f"checkpoint: {len(missing)} tensor(s) of the model are not in {path} and start from "
+                                f"their initialization (model.args), e.g. {', '.join(missing[:3])}")
+                if dropped:
+                    logger.info(f"checkpoint: {len(dropped)} tensor(s) of {path} are not in the model (model.args) and "
+                                f"are not loaded, e.g. {', '.join(dropped[:3])}")
             except Exception as e:  # any verdict of rank 0 must reach the other ranks, never strand them
                 error = str(e) if isinstance(e, CheckpointError) else f"{path}: {type(e).__name__}: {e}"
         if self.distributed:
@@ -876,7 +899,9 @@ class CheckpointManager:
         Both sides go through the family's adapter (args_to_config), so the comparison is between
         normalized configs and needs no family's field names; HF_KEYS_NOT_COMPARED lists what may differ.
         """
-        mine, theirs = self.spec.hf.args_to_config(self.model_args), self.spec.hf.args_to_config(args)
+        # The job's args carry training.seq_len as their context; the folder's is its own.
+        mine = self.spec.hf.args_to_config(self.model_args.with_context_len(args.context_len))
+        theirs = self.spec.hf.args_to_config(args)
         for key in [*mine, *(k for k in theirs if k not in mine)]:
             if key in HF_KEYS_NOT_COMPARED or mine.get(key) == theirs.get(key):
                 continue
@@ -1033,6 +1058,8 @@ class CheckpointManager:
 
         def convert() -> None:
             state_dict = fmt.read_dcp_model(staging, verify=False)  # written just now, by this job
+            if self.converters is not None:
+                state_dict = self.converters.hf_export(state_dict, self.spec, self.model_args, tmp)
             tok = self._tokenizer
             export = fmt.write_hf(state_dict, self.spec, self.model_args, tmp, dtype=dtype,
                                   context_len=self._context_len, bos_id=tok.get("bos_id"), eos_id=tok.get("eos_id"),

@@ -36,8 +36,8 @@ def vocab_size(model) -> int:
 
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int | None,
-             eos_id: int | None, generator=None) -> list[int]:
-    """The prompt's continuation (new token ids only)."""
+             eos_id: int | set[int] | None, generator=None) -> list[int]:
+    """The prompt's continuation (new token ids only), ending at eos_id (a token or a set of them)."""
     device = next(model.parameters()).device
     context = model.model_args.context_len
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
@@ -55,7 +55,7 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: 
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             next_id = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
         new.append(next_id)
-        if next_id == eos_id:
+        if next_id == eos_id or (isinstance(eos_id, (set, frozenset)) and next_id in eos_id):
             break
         tokens = torch.cat([tokens, tokens.new_tensor([[next_id]])], dim=1)
     return new
@@ -74,7 +74,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="DCP step folder, checkpoint folder (latest step), or HF folder")
     parser.add_argument("--prompt", action="append", help="prompt text (repeat for several); default: a BOS only")
-    parser.add_argument("--tokenizer", default=None, help="tiktoken file; default: the debug tokenizer")
+    parser.add_argument("--tokenizer", default=None, help="tiktoken file or Hugging Face tokenizer folder; default: "
+                        "the checkpoint folder's tokenizer.json if it has one, else the debug tokenizer")
+    parser.add_argument("--chat", action="store_true", help="each prompt is a user turn, rendered with the "
+                        "tokenizer's chat template (titanlike's llama3 template if it has none), the answer "
+                        "ending at the end of the assistant's turn (models fine-tuned with training.objective sft)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=50, help="0 means no top-k filtering")
@@ -86,7 +90,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from titanlike.checkpoint import CheckpointError, load_model
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
-    tokenizer = build_tokenizer(args.tokenizer or DEFAULT_TOKENIZER_PATH)
+    import os
+
+    from titanlike.data.tokenizer_json import is_tokenizer_folder
+
+    own = args.checkpoint if os.path.isdir(args.checkpoint) and is_tokenizer_folder(args.checkpoint) else None
+    tokenizer = build_tokenizer(args.tokenizer or own or DEFAULT_TOKENIZER_PATH)
     try:
         model = load_model(args.checkpoint, args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     except CheckpointError as e:
@@ -104,11 +113,26 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
               "it was trained with (--tokenizer)", file=sys.stderr)
         return 1
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    stops = {tokenizer.eos_id}
+    if args.chat:
+        from titanlike.data.chat_template import chat_prompt_ids, end_of_turn_ids, load_chat_template
+        from titanlike.data.errors import DataError
+
+        try:
+            template = load_chat_template("auto", tokenizer, option="--chat")
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        stops = end_of_turn_ids(template, tokenizer)
     for prompt in args.prompt or [""]:
-        ids = tokenizer.encode(prompt, bos=True, eos=False)
+        if args.chat:
+            ids = chat_prompt_ids(template, tokenizer, [{"role": "user", "content": prompt}])
+        else:
+            ids = tokenizer.encode(prompt, bos=True, eos=False)
         new = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k or None, eos_id=tokenizer.eos_id, generator=generator)
-        print(prompt + tokenizer.decode([t for t in new if t != tokenizer.eos_id]))
+                       top_k=args.top_k or None, eos_id=stops, generator=generator)
+        answer = tokenizer.decode([t for t in new if t not in stops])
+        print(f"{prompt}\n> {answer}" if args.chat else prompt + answer)
     return 0
 
 

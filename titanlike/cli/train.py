@@ -5,11 +5,11 @@ and the `titanlike-train` console script all run main().
     torchrun --nproc_per_node=8 -m titanlike.train --job.config_file train_configs/llama3_8b.toml
     titanlike-train --job.config_file ... --job.validate_only   # check, plan, memory; exit 0 without training
 
-The job is planned once (titanlike.train.plan.plan_job), its memory checked against this machine
-(estimation/fits.py: a step this entry point takes, skipped with a note where the estimator is not
-importable; the library never imports it), then trained. With job.validate_only it stops after the
-checks: launchers (scripts/run_train.sh) run it once with the world size torchrun will start, so a bad
-config never starts ranks.
+The job is planned once (titanlike.train.plan.plan_job), checked by the pre-flight checks installed
+packages register (the entry-point group `titanlike.preflight`: the estimation package's memory check,
+estimation/fits.py, which the library never imports), then trained. With job.validate_only it stops
+after the checks: launchers (scripts/run_train.sh) run it once with the world size torchrun will
+start, so a bad config never starts ranks.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import os
 import sys
 
 
-def main(argv: list[str] | None = None, prog: str = "train.py", *, process: bool = False) -> int:
+def main(argv: list[str] | None = None, prog: str = "train.py", *, process: bool = False,
+         checks: list | None = None) -> int:
     """The trainer's work; the exit code. process: this call is the process's whole life (train.py,
     python -m titanlike.train, titanlike-train), so the stop-signal handlers installed first thing stay
     until it exits: SIGTERM or SIGUSR1 at any moment, in setup or after the final summary, never kills
-    it (an in-process caller, a test, gets its own handlers back when main returns)."""
+    it (an in-process caller, a test, gets its own handlers back when main returns). checks: the
+    pre-flight checks to run on the plan; None means those installed packages register (preflight_checks)."""
     # First, before torch is imported: a stop signal in the first seconds of setup is recorded, and
     # acted on as the loop would (there is nothing to save yet: exit 0, saying so).
     from titanlike.train.faults import StopRequest, set_parent_death_signal, under_torchrun
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py", *, process: bool
         datefmt="%H:%M:%S",
     )
     try:
-        return _run(argv, prog, stop, rank)
+        return _run(argv, prog, stop, rank, checks)
     finally:
         if process:
             stop.run_ended()
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py", *, process: bool
             stop.restore()
 
 
-def _run(argv: list[str] | None, prog: str, stop, rank: int) -> int:
+def _run(argv: list[str] | None, prog: str, stop, rank: int, checks: list | None) -> int:
     from titanlike.config import ConfigError, HelpRequested, load_job_config
     from titanlike.train.plan import plan_job
 
@@ -60,7 +62,7 @@ def _run(argv: list[str] | None, prog: str, stop, rank: int) -> int:
             for note in notes:
                 logging.getLogger("titanlike").warning(f"config: {note}")
         plan = plan_job(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-        check_memory(plan, rank)
+        run_checks(plan, rank, preflight_checks() if checks is None else checks)
     except HelpRequested as h:
         print(str(h).replace("usage: train.py", f"usage: {prog}", 1))
         return 0
@@ -118,19 +120,29 @@ def _run(argv: list[str] | None, prog: str, stop, rank: int) -> int:
     return 0
 
 
-def check_memory(plan, rank: int) -> None:
-    """Refuse, before any process group exists, a job whose estimated peak memory per rank exceeds
-    this machine's (estimation/fits.py; ConfigError, one sentence). The estimator is a package installed
-    beside the library, which never imports it: this entry point does, as a step of its own. Where it is
-    not importable, or cannot model the job, the check is skipped and says so."""
-    try:
-        from estimation.fits import check_fits
-    except ImportError as e:
-        skipped = f"the estimator is not importable here ({e}); install titanlike with its estimation package"
-    else:
-        skipped = check_fits(plan)
-    if skipped is not None and rank == 0:
-        logging.getLogger("titanlike").info(f"memory check skipped: {skipped}")
+PREFLIGHT_GROUP = "titanlike.preflight"
+
+
+def preflight_checks() -> list:
+    """The checks installed packages register under the entry-point group `titanlike.preflight`
+    (pyproject.toml: the estimation package registers its memory check). A check takes the JobPlan and
+    raises ConfigError (one sentence) to refuse the job, or returns None, or a note saying why it was
+    skipped. Registered, not imported: the library depends on no package above it."""
+    from importlib.metadata import entry_points
+
+    return [ep.load() for ep in entry_points(group=PREFLIGHT_GROUP)]
+
+
+def run_checks(plan, rank: int, checks: list) -> None:
+    """Run each pre-flight check on the plan before any process group exists; a skipped check says so."""
+    log = logging.getLogger("titanlike")
+    if not checks and rank == 0:
+        log.info(f"pre-flight checks skipped: no installed package registers one ({PREFLIGHT_GROUP}; "
+                 "`pip install -e .` registers the estimator's memory check)")
+    for check in checks:
+        skipped = check(plan)
+        if skipped is not None and rank == 0:
+            log.info(f"pre-flight check {check.__module__}.{check.__name__} skipped: {skipped}")
 
 
 def _shutdown_process_group() -> None:

@@ -159,3 +159,17 @@ TORCHTITAN_KEYS: dict[str, Alias | Renamed | NotHere] = {
     # [debug]
     "debug.moe_force_load_balance": NotHere(False, _NOT_YET),
 }
+
+# Megatron-LM's model-size flags (pretrain_gpt.py --hidden-size 4096 ...): train.py takes --section.key
+# options only, so a bare flag is refused with its spelling here. The model's sizes are [model.args],
+# where each family accepts these names (its args' ARG_ALIASES) beside its own field names.
+MEGATRON_FLAGS: dict[str, str] = {
+    **{flag: f"model.args.{flag.replace('-', '_')}" for flag in (
+        "hidden-size", "num-layers", "num-attention-heads", "num-query-groups", "ffn-hidden-size", "kv-channels",
+        "max-position-embeddings", "norm-epsilon", "rotary-base", "encoder-num-layers", "decoder-num-layers")},
+    "hybrid-layer-pattern": "hybrid.layer_pattern",
+    "seq-length": "training.seq_len",
+    "micro-batch-size": "training.local_batch_size",
+    "global-batch-size": "training.global_batch_size",
+    "train-iters": "training.steps",
+}

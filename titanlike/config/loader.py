@@ -17,7 +17,15 @@ import types
 import typing
 from typing import Any, Sequence
 
-from titanlike.config.compat import ITEM_ALIASES, SECTION_ALIASES, TORCHTITAN_KEYS, Alias, NotHere, Renamed
+from titanlike.config.compat import (
+    ITEM_ALIASES,
+    MEGATRON_FLAGS,
+    SECTION_ALIASES,
+    TORCHTITAN_KEYS,
+    Alias,
+    NotHere,
+    Renamed,
+)
 from titanlike.config.schema import JobConfig
 from titanlike.config.sections import RENAMED_SINCE, registered_sections, renamed_keys
 
@@ -131,6 +139,8 @@ def _convert(where: str, value: Any, tp: Any, choices: tuple[str, ...] | None) -
     base, optional = _unwrap_optional(tp)
     if optional and (value is None or (isinstance(value, str) and value.lower() in ("", "none"))):
         return None
+    if base is dict or typing.get_origin(base) is dict:
+        return _table(where, value)
     if typing.get_origin(base) is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -181,6 +191,27 @@ def _convert(where: str, value: Any, tp: Any, choices: tuple[str, ...] | None) -
     raise TypeError(f"unsupported config field type {tp!r} for {where}")  # a schema bug, not user error
 
 
+def _table(where: str, value: Any) -> dict[str, Any]:
+    """A table option's value: a TOML table, or on the command line KEY=VALUE pairs separated by commas
+    (`--model.args dim=512,n_layers=4`). Its keys and values are checked by the table's owner (the
+    model family reads [model.args]); command-line values stay strings until the owner converts them."""
+    if isinstance(value, dict):
+        return dict(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a table of KEY = VALUE settings, got {_shown(value)}")
+    if "\0" in value:
+        raise ConfigError(f"{where} must not contain a NUL character, got {_shown(value)}")
+    table: dict[str, Any] = {}
+    for item in (v.strip() for v in value.split(",")):
+        key, eq, setting = item.partition("=")
+        if not item:
+            continue
+        if not eq or not key.strip():
+            raise ConfigError(f"{where} must be KEY=VALUE pairs separated by commas, got {_shown(value)}")
+        table[key.strip()] = setting.strip()
+    return table
+
+
 @dataclasses.dataclass(frozen=True)
 class _Option:
     """Where a key the user wrote lands: a schema field, or a torchtitan key titanlike does not hold."""
@@ -193,9 +224,12 @@ class _Option:
     not_here: NotHere | None = None
     renamed: Renamed | None = None  # the older spelling it was written in, if any
     table_key: str | None = None  # a NotHere key's current torchtitan name
+    entry: str | None = None  # one setting of a table option ([model.args] dim: "dim")
 
     @property
     def name(self) -> str:
+        if self.entry is not None:
+            return f"{self.section}.{self.key}.{self.entry}"
         return f"{self.section}.{self.key}" if self.section else self.table_key
 
     @property
@@ -220,6 +254,11 @@ def _resolve(name: str) -> _Option | None:
         if key in fields:
             field_, tp = fields[key]
             return _Option(name, section, key, tp, field_.metadata.get("choices"))
+        table, _, entry = key.partition(".")
+        if entry and table in fields and _unwrap_optional(fields[table][1])[0] is dict:
+            # One setting of a table option (--model.args.dim 512, [model.args] dim = 512); the
+            # table's owner knows its keys and types, so the value is kept as written.
+            return _Option(name, section, table, Any, entry=entry)
     for prefix, ours in SECTION_ALIASES.items():
         if name.startswith(prefix + "."):
             found = _resolve(ours + name[len(prefix):])
@@ -286,6 +325,10 @@ def _split_cli(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str]]:
     i = 0
     while i < len(argv):
         arg = argv[i]
+        megatron = MEGATRON_FLAGS.get(arg[2:].partition("=")[0]) if arg.startswith("--") else None
+        if megatron is not None:
+            raise ConfigError(f"unexpected argument {arg!r}: Megatron's {arg.partition('=')[0]} is --{megatron} here "
+                              "(options look like --section.key value; see --help)")
         if not arg.startswith("--") or "." not in arg:
             raise ConfigError(
                 f"unexpected argument {arg!r}; options look like --section.key value (see --help)"
@@ -481,7 +524,14 @@ def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | Non
         if option.renamed is not None:
             found[name] = _deprecated(option)
         for target in option.targets:
+            if target.entry is not None:
+                _check_entry(target.name, value)
+                values.setdefault(target.section, {}).setdefault(target.key, {})[target.entry] = value
+                continue
             converted = _convert(target.name, value, target.tp, target.choices)
+            if target.entry is None and isinstance(converted, dict):
+                # A whole table after some of its settings: the later setting wins, key by key.
+                converted = {**values.get(target.section, {}).get(target.key, {}), **converted}
             if target.name in ITEM_ALIASES:
                 converted = [ITEM_ALIASES[target.name].get(item, item) for item in converted]
             values.setdefault(target.section, {})[target.key] = converted
@@ -494,6 +544,15 @@ def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | Non
     return JobConfig(**{section: cls(**values.get(section, {})) for section, cls in _job_sections().items()},
                      registered={section: cls(**values.get(section, {}))
                                  for section, cls in registered_sections().items()})
+
+
+def _check_entry(where: str, value: Any) -> None:
+    """A table setting holds one plain value (the owner converts it to its type)."""
+    plain = (str, int, float, bool)
+    if not (isinstance(value, plain) or (isinstance(value, list) and all(isinstance(v, plain) for v in value))):
+        raise ConfigError(f"{where} must be a number, a string, true/false or a list of those, got {_shown(value)}")
+    if isinstance(value, str) and "\0" in value:
+        raise ConfigError(f"{where} must not contain a NUL character, got {_shown(value)}")
 
 
 def help_text() -> str:

@@ -21,8 +21,8 @@ DATASETS = ("default", "text", "huggingface", "megatron", "c4", "c4_test", "c4_v
 def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None) -> Any:
     """A config field with its help text (and allowed values, if an enumeration)."""
     meta = {"doc": doc, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -42,7 +42,12 @@ class Job:
 @dataclass
 class Model:
     name: str = opt("llama3", "model family registered in titanlike.models")
-    flavor: str = opt("debugmodel", "size preset of the model family (e.g. debugmodel, 8B, 405B)")
+    flavor: str = opt("debugmodel", "size preset of the model family (e.g. debugmodel, 8B, 405B); not used when "
+                      "checkpoint.initial_load_in_hf gives a Hugging Face folder, whose config.json sizes the model")
+    args: dict = opt({}, "the flavor's model args to change ([model.args] table, or --model.args.KEY VALUE): the "
+                     "family's own names (dim, n_layers, n_heads, n_kv_heads, vocab_size, moe.num_experts, ...) or "
+                     "Megatron's (hidden_size, num_layers, num_attention_heads, num_query_groups, ffn_hidden_size, "
+                     "kv_channels, max_position_embeddings) where the family has them; checked by the family's rules")
     tokenizer_path: str | None = opt(
         None, "tiktoken BPE file; empty means the debug tokenizer shipped with titanlike (or model.hf_assets_path's)"
     )
@@ -104,6 +109,9 @@ class Training:
     dataset_path: str | None = opt(
         None, "file or folder, Hugging Face NAME[:CONFIG[:SPLIT]], or Megatron prefix / '0.7 a 0.3 b' blend"
     )
+    objective: str = opt(
+        "", "training objective; empty means the model family's own (next-token prediction for decoders), sft "
+        "fine-tunes a decoder on conversations ([sft])")
     local_batch_size: int = opt(8, "samples per microbatch on each data-parallel rank")
     global_batch_size: int = opt(
         -1, "samples per optimizer step across all ranks; -1 means local_batch_size x data-parallel degree"

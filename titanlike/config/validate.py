@@ -121,9 +121,7 @@ def _validate_validation(cfg: JobConfig) -> None:
            f"validation.seq_len must be -1 (training's) or 1 to training.seq_len {t.seq_len} (the model's positions "
            f"are sized for training), got {v.seq_len}")
     if v.dataset is None:
-        _check(t.dataset in ("default", "megatron"),
-               f"validation needs validation.dataset and validation.dataset_path: a {t.dataset} training "
-               "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
+        # Whether the training data hold out a split is the objective's rule (Objective.validate_held_out).
         kind = t.dataset
     else:
         kind = v.dataset

@@ -126,13 +126,22 @@ def _pad_id(tokenizer) -> int | None:
         return None
 
 
+# Llama 3's framing (BOS first) and the roles its tokenizer_config.json names.
+DEFAULT_TEMPLATE = ("bos $A", "bos $A bos $B")
+DEFAULT_ROLES = ("bos", "eos", "pad")
+
+
 def write_hf_tokenizer(out: str, path: str | None, *, fingerprint: str | None = None,
-                       vocab_size: int | None = None, model_max_length: int | None = None) -> TokenizerExport:
+                       vocab_size: int | None = None, model_max_length: int | None = None,
+                       template: tuple[str, str] = DEFAULT_TEMPLATE,
+                       roles: tuple[str, ...] = DEFAULT_ROLES) -> TokenizerExport:
     """Write the tokenizer at ``path`` into the Hugging Face folder ``out``.
 
     fingerprint: the ranks' fingerprint the checkpoint recorded (None: not checked);
     vocab_size: the model's vocabulary, which every token id must fit in;
-    model_max_length: the model's context, for tokenizer_config.json.
+    model_max_length: the model's context, for tokenizer_config.json;
+    template, roles: the model family's convention (HFAdapter.tokenizer_template / tokenizer_roles):
+    how its tokenizers frame a text and which special tokens they name.
     Returns what was done; raises only for errors writing into ``out``.
     """
     from titanlike.data.tokenizer import build_tokenizer
@@ -159,7 +168,7 @@ def write_hf_tokenizer(out: str, path: str | None, *, fingerprint: str | None = 
         return TokenizerExport(False, f"no tokenizer files written: {path} has {tokenizer.vocab_size} ids but "
                                       f"the model only {vocab_size}")
     try:
-        fast = _convert(tokenizer, model_max_length)
+        fast = _convert(tokenizer, model_max_length, template, roles)
     except Exception as e:  # any failure of an optional library: fall back to the copy
         return _copy_with_note(out, path, tokenizer, f"{type(e).__name__}: {e}")
     fast.save_pretrained(out)
@@ -188,8 +197,24 @@ def _copy_hf_folder(out: str, folder: str, *, fingerprint: str | None, vocab_siz
     return TokenizerExport(True, f"{', '.join(copied)} copied from {folder} (the tokenizer the model was trained with)")
 
 
-def _convert(tokenizer, model_max_length: int | None):
-    """transformers' fast tokenizer giving our ids; ValueError if the probes say otherwise."""
+def _role_ids(tokenizer, roles) -> dict[str, int]:
+    """The id of each role (bos, eos: the tokenizer's own; cls, sep, mask, pad: the objectives' special
+    tokens, data/special_tokens.py); DataError (a ValueError) for one the tokenizer lacks."""
+    from titanlike.data.special_tokens import special_token_ids
+
+    ids = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id}
+    return {role: ids[role] if role in ids else special_token_ids(tokenizer, [role])[role] for role in roles}
+
+
+def _framed(template: str, role_ids: dict[str, int], ids: list[int]) -> list[int]:
+    """A single-text template applied to a text's ids (what the converted tokenizer must give)."""
+    return [i for piece in template.split() for i in (ids if piece == "$A" else [role_ids[piece]])]
+
+
+def _convert(tokenizer, model_max_length: int | None, template: tuple[str, str] = DEFAULT_TEMPLATE,
+             roles: tuple[str, ...] = DEFAULT_ROLES):
+    """transformers' fast tokenizer giving our ids, framed as the family's tokenizers frame a text;
+    ValueError if the probes say otherwise."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -210,19 +235,27 @@ def _convert(tokenizer, model_max_length: int | None):
     names = [t for t, _ in specials]
     backend = _Converter(vocab_file=tokenizer.path, pattern=tokenizer.pat_str, extra_special_tokens=names,
                          additional_special_tokens=names).converted()
-    bos = _token(tokenizer, tokenizer.bos_id)
-    # Like Meta's Llama 3 tokenizer.json: BOS first by default, as training (and generate.py) encode.
+    # The family's framing (Llama 3: BOS first, as its tokenizer.json and our training encode; GPT-2
+    # nothing; BERT [CLS] ... [SEP]; T5 ... EOS), with our special tokens in those roles.
+    framing = [piece.split(":")[0] for t in template for piece in t.split() if not piece.startswith("$")]
+    role_ids = _role_ids(tokenizer, {*roles, *framing})
+    tokens = {role: _token(tokenizer, id_) for role, id_ in role_ids.items()}
+
+    def spelled(t: str) -> str:
+        return " ".join(tokens[p.split(":")[0]] + p[len(p.split(":")[0]):] if not p.startswith("$") else p
+                        for p in t.split())
+
     backend.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                      special_tokens=[(bos, tokenizer.bos_id)]),
+        processors.TemplateProcessing(single=spelled(template[0]), pair=spelled(template[1]),
+                                      special_tokens=sorted({(tokens[r], role_ids[r]) for r in framing})),
     ])
 
     for token, id_ in specials:
         if backend.token_to_id(token) != id_:
             raise ValueError(f"special token {token} got id {backend.token_to_id(token)}, not {id_}")
     for text in _PROBES:
-        want = tokenizer.encode(text, bos=True, eos=False, allowed_special="all")
+        want = _framed(template[0], role_ids, tokenizer.encode(text, bos=False, eos=False, allowed_special="all"))
         got = backend.encode(text).ids
         if got != want:
             raise ValueError(f"the converted tokenizer encodes {text[:30]!r} as {got[:8]}..., "
@@ -233,9 +266,7 @@ def _convert(tokenizer, model_max_length: int | None):
     kwargs = {"model_max_length": model_max_length} if model_max_length else {}
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=bos,
-        eos_token=_token(tokenizer, tokenizer.eos_id),
-        pad_token=_token(tokenizer, tokenizer.pad_id),
+        **{f"{role}_token": tokens[role] for role in roles},
         # Otherwise transformers 4.x drops spaces before punctuation when decoding ("a ." -> "a.").
         clean_up_tokenization_spaces=False,
         **kwargs,

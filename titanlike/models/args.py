@@ -13,7 +13,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from titanlike.models.common.moe import MoEArgs
@@ -45,6 +45,12 @@ class BaseModelArgs:
     Subclasses implement the methods that raise NotImplementedError. The Hugging Face side
     (config.json, weights) is the family's adapter, ModelSpec.hf (models/common/hf.py).
     """
+
+    # Other names a job may give the fields in [model.args] (Megatron's flags, --hidden-size being the
+    # key hidden_size, and Hugging Face's config.json keys): other name -> the fields it may mean, the
+    # first one the class has is taken; a name none of whose fields the class has is not offered. Each
+    # family's args declare their own (models/common/decoder.py for the decoders).
+    ARG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     # Sizes set from the job ----------------------------------------------------------------------
 
@@ -137,6 +143,33 @@ class BaseModelArgs:
         """Raise ValueError (one sentence naming the option to change) when this model cannot run
         under these degrees or at this sequence length. Called before any process group exists."""
 
+    # The job's own sizes ([model.args]) ------------------------------------------------------------
+
+    def with_overrides(self, overrides: Mapping[str, Any], *, option: str = "model.args") -> BaseModelArgs:
+        """A copy with the job's settings of its fields (`[model.args]`): keys are field names (nested
+        dataclass fields dotted, `moe.num_experts`) or ARG_ALIASES; command-line values are strings,
+        converted to each field's type here. The result passes the same checks as a checkpoint's
+        sidecar (check_fields) and the class's own rules (its __post_init__); ValueError, one sentence
+        naming the option, for anything else."""
+        fields = self.to_dict()
+        for spelled, value in overrides.items():
+            path = spelled.replace("-", "_").split(".")
+            path[0] = self.known_arg_names().get(path[0], path[0])
+            shown = spelled if len(spelled) <= 60 else spelled[:57] + "..."
+            _set_field(type(self), fields, path, value, f"{option}.{shown}")
+        check_fields(type(self), fields, what=option)
+        try:
+            return type(self).from_dict(fields)
+        except Exception as e:  # a combination the field checks let through: the class's own rule
+            raise ValueError(f"{option}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}") from None
+
+    @classmethod
+    def known_arg_names(cls) -> dict[str, str]:
+        """Every name [model.args] takes: each field under its own name, and the aliases whose field exists."""
+        names = {f.name: f.name for f in dataclasses.fields(cls)}
+        aliases = {alias: next((f for f in fields if f in names), None) for alias, fields in cls.ARG_ALIASES.items()}
+        return {**{alias: field for alias, field in aliases.items() if field is not None}, **names}
+
     # Serialisation (checkpoint sidecars) -------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,6 +247,58 @@ def _field_problem(tp: Any, value: Any, default: Any, what: str, name: str) -> s
         return None if isinstance(value, str) and len(value) <= 10_000 else \
             f"{what}: {name} is {shown}, but it must be a string"
     return None  # another kind of field: its class checks it
+
+
+def _set_field(cls: type, fields: dict[str, Any], path: list[str], value: Any, where: str) -> None:
+    """fields[path] = value converted to the declared type of that field of dataclass `cls`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    name = path[0]
+    if name not in names:
+        from titanlike.config.loader import near_certain
+
+        offered = sorted(cls.known_arg_names()) if hasattr(cls, "known_arg_names") else sorted(names)
+        close = near_certain(name, offered)
+        hint = f"did you mean '{close}'? " if close else ""
+        raise ValueError(f"{where} is not a setting of {cls.__name__}; {hint}its fields are {', '.join(sorted(names))}")
+    tp = typing.get_type_hints(cls)[name]
+    args = typing.get_args(tp)
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args
+    base = next(a for a in args if a is not type(None)) if optional else tp
+    if len(path) > 1:
+        if not dataclasses.is_dataclass(base):
+            raise ValueError(f"{where}: {name} has no settings of its own (it is one value)")
+        nested = fields.get(name)
+        if nested is None:
+            raise ValueError(f"{where}: the model has no {name} to change (it is not set for this model)")
+        nested = dataclasses.asdict(nested) if dataclasses.is_dataclass(nested) else dict(nested)
+        _set_field(base, nested, path[1:], value, where)
+        fields[name] = nested
+        return
+    fields[name] = _typed(base, optional, value, where)
+
+
+def _typed(base: Any, optional: bool, value: Any, where: str) -> Any:
+    """A command-line string as the field's type (TOML values arrive typed; check_fields judges them)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if base is bool:
+            if text.lower() in ("true", "false"):
+                return text.lower() == "true"
+            raise ValueError
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+        if typing.get_origin(base) in (tuple, list):
+            return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(base, "a list of integers")
+        raise ValueError(f"{where} must be {kind}, got {value!r}") from None
+    return value
 
 
 def _show(value: Any) -> str:

@@ -37,18 +37,36 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise")
 
 
 class ModelConverter:
-    """One named swap. Subclasses set `name` and implement convert()."""
+    """One named swap. Subclasses set `name` and implement convert(); one with a config section of
+    its own names it in `section` and gets it as `options`."""
 
     name = ""
+    section: str | None = None
 
-    def __init__(self, float8: Float8):
+    def __init__(self, float8: Float8, options=None):
         self.float8 = float8
+        self.options = options
 
     def convert(self, model: nn.Module) -> None:
         raise NotImplementedError
 
+    def init_weights(self, model: nn.Module, seed: int) -> None:
+        """After parallelize and the model's own init_weights, on this rank's shards: initialize what
+        the swap added (a function of (seed, parameter name) only), and restore what parallelization
+        reset (torch's SequenceParallel registers the norms' weights anew, trainable)."""
+
     def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         """Called after every optimizer step with this rank's model parts."""
+
+    def initial_state(self, model: nn.Module) -> dict:
+        """For a fresh run, after the model's initial load (checkpoint.initial_load_path) or init: what
+        the swap loads into this model part, full tensors by name (rank 0's are broadcast; {} none)."""
+        return {}
+
+    def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
+        """Before a model-only Hugging Face export of `state_dict` (full tensors, rank 0) into
+        `folder`: the state dict to convert (LoRA folds its adapters in, and writes its PEFT folder)."""
+        return state_dict
 
 
 _CONVERTERS: dict[str, type[ModelConverter]] = {}
@@ -68,21 +86,43 @@ def converter_names() -> list[str]:
 class ModelConverters:
     """The converters of one job, applied in the order model.converters names them."""
 
-    def __init__(self, names: list[str], float8: Float8):
-        self.converters = [_CONVERTERS[name](float8) for name in names]
+    def __init__(self, names: list[str], float8: Float8, section: Callable[[str], object] | None = None):
+        """section: the job's registered section of a name (`getattr(job_config, name)`), for the
+        converters that have one."""
+        self.converters = []
+        for name in names:
+            cls = _CONVERTERS[name]
+            options = None if cls.section is None or section is None else section(cls.section)
+            self.converters.append(cls(float8, options))
 
     def convert(self, model: nn.Module) -> None:
         for converter in self.converters:
             converter.convert(model)
+
+    def init_weights(self, model: nn.Module, seed: int) -> None:
+        for converter in self.converters:
+            converter.init_weights(model, seed)
+
+    def initial_state(self, model: nn.Module) -> dict:
+        state: dict = {}
+        for converter in self.converters:
+            state.update(converter.initial_state(model))
+        return state
+
+    def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
+        for converter in self.converters:
+            state_dict = converter.hf_export(state_dict, spec, args, folder)
+        return state_dict
 
     def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         for converter in self.converters:
             converter.post_optimizer_step(model_parts)
 
 
-def build_model_converters(names: list[str], float8: Float8) -> ModelConverters:
-    """The converters model.converters names, configured by the [float8] section."""
-    return ModelConverters(names, float8)
+def build_model_converters(names: list[str], float8: Float8,
+                           section: Callable[[str], object] | None = None) -> ModelConverters:
+    """The converters model.converters names, configured by the [float8] section and (section) their own."""
+    return ModelConverters(names, float8, section)
 
 
 def _importable(module: str) -> bool:
@@ -246,7 +286,7 @@ def float8_linear_config(f: Float8):
 class Float8Converter(ModelConverter):
     name = "float8"
 
-    def __init__(self, float8: Float8):
+    def __init__(self, float8: Float8, options=None):
         super().__init__(float8)
         self.config = float8_linear_config(float8)
         self.recipe = float8.recipe_name or "tensorwise"
@@ -348,7 +388,7 @@ class TransformerEngineConverter(ModelConverter):
 
     name = "te"
 
-    def __init__(self, float8: Float8):
+    def __init__(self, float8: Float8, options=None):
         super().__init__(float8)
         import transformer_engine.pytorch as te
 
@@ -402,3 +442,67 @@ def _register_forward_context(model: nn.Module, make_context: Callable[[], conte
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (titanlike/models/lora.py).
+
+
+@register_converter
+class LoRAConverter(ModelConverter):
+    """Low-rank adapters on the linears lora.target_modules names, the rest frozen ([lora])."""
+
+    name = "lora"
+    section = "lora"
+
+    def convert(self, model: nn.Module) -> None:
+        from titanlike.models.lora import LoRAOptions, apply_lora
+
+        targets = apply_lora(model, self.options or LoRAOptions())
+        o = self.options or LoRAOptions()
+        _log_on_rank0(f"lora: rank {o.rank}, alpha {o.alpha:g} on {len(targets)} linear layers "
+                      f"({_names(targets)}); every other parameter frozen")
+
+    def init_weights(self, model: nn.Module, seed: int) -> None:
+        from titanlike.models.lora import adapters, freeze_base
+
+        for fqn, module in adapters(model).items():
+            module.init_adapter(seed=seed, fqn=fqn)
+        freeze_base(model)
+
+    def initial_state(self, model: nn.Module) -> dict:
+        """lora.adapter_path's A and B (a PEFT folder) for the adapters of this model part."""
+        from titanlike.models.lora import peft_state_dict
+
+        if self.options is None or not self.options.adapter_path:
+            return {}
+        return peft_state_dict(model, self.options.adapter_path)
+
+    def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
+        """The PEFT adapter into folder/adapter, and the merged weights for the full export."""
+        import os
+
+        from titanlike.models.lora import LoRAOptions, export_peft, merged_state_dict
+
+        export_peft(state_dict, spec, args, os.path.join(folder, "adapter"), self.options or LoRAOptions())
+        return merged_state_dict(state_dict)
+
+
+def validate_converter_targets(names: list[str], section: Callable[[str], object], spec, args, *, model: str) -> None:
+    """The converters' rules that need the model: LoRA's targets must name linears of it (built on
+    meta). ValueError, one sentence, before any process group."""
+    if "lora" not in names:
+        import dataclasses
+
+        options = section("lora")
+        for field in dataclasses.fields(options):
+            if getattr(options, field.name) != getattr(type(options)(), field.name):
+                raise ValueError(f"lora.{field.name} is set, but model.converters does not name lora; add it "
+                                 f"(--model.converters lora) or remove lora.{field.name}")
+        return
+    from titanlike.models.lora import check_targets, hf_module_names, select_targets
+
+    with torch.device("meta"):
+        meta = spec.model_cls(args)
+    options = section("lora")
+    check_targets(select_targets(meta, options.target_modules, hf_module_names(meta, spec, args)), model=model)

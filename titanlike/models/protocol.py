@@ -50,7 +50,7 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
     Hook("tied_weights", "model", dict, {},
          "{alias name: owner name} of parameters that are one Parameter under two names (tied input "
          "and output embeddings), {} otherwise. Set by the model; read by the pipeline split and its "
-         "tied-gradient sync (parallel/pipeline.py), checkpoints and the estimator."),
+         "tied-gradient sync (parallel/pipeline.py) and checkpoints."),
     Hook("tie_weights", "model", Callable, None,
          "A method making every alias in tied_weights the same Parameter as its owner where both are "
          "held (a pipeline stage may hold one end). Required when tied_weights is not empty. Called "
@@ -100,36 +100,12 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
     Hook("sequence_inputs", "module", int, 1,
          "How many of a module's first positional inputs are sequence-sharded activations that "
          "sequence parallelism all-gathers on entry (cross-attention: its own stream and the encoder's "
-         "output, 2). Set by the module's class; read by models/common/sharding.gather_layouts and "
-         "the estimator (an attention with 2 is a cross-attention)."),
+         "output, 2). Set by the module's class; read by models/common/sharding.gather_layouts."),
     Hook("head_split_parameters", "module", tuple, None,
          "Names of a module's parameters laid out head by head on dim 0 (per-head vectors, per-channel "
          "conv filters, a relative-bias table), which tensor parallelism splits with the heads; the "
          "module reads them with to_local(). Names it lacks (an optional bias) are skipped. Set by the "
          "module's class; read by the head-split styles (models/common/sharding.py, mamba2.py)."),
-    # The analytic memory estimate (estimation/analytic.py) -------------------------------------------
-    Hook("norm_order", "module", str, None,
-         "\"pre\" or \"post\": where a TransformerBlock with its own forward puts its norms relative "
-         "to its residual adds (BERT's post-norm blocks)."),
-    Hook("sublayers", "module", tuple, None,
-         "A class attribute of a block that is not a TransformerBlock: its pre-norm residual (norm, "
-         "mixer) child-name pairs in order; a pair whose mixer is None is absent (T5)."),
-    Hook("score_bias", "module", bool, False,
-         "An attention computed by SDPA with an additive float bias its caller passes (T5's relative "
-         "positions), without score scaling."),
-    Hook("activation", "module", str, None,
-         "An MLP with w1, w2 (and w3: gated) linears declares its activation: \"gelu\", \"relu\" or "
-         "\"silu\"."),
-    Hook("per_token_ops", "module", tuple, None,
-         "An output-end module applied token by token: its children and elementwise activations "
-         "(\"gelu\", \"relu\", \"silu\", \"tanh\"), in order (BERT's MLM transform)."),
-    Hook("per_sequence", "module", bool, False,
-         "An output-end module that reads one token per sequence (BERT's binary head); under tensor "
-         "(sequence) parallelism its input is the all-gathered final hidden states."),
-    Hook("latent_attention", "module", bool, False,
-         "Multi-head latent attention (DeepSeek-V2/V3's MLA). It has wq (None with a low-rank "
-         "query) or wq_a -> q_norm -> wq_b, wkv_a -> kv_norm -> wkv_b, wk_pe, wo, and the widths "
-         "qk_nope_head_dim, qk_rope_head_dim and v_head_dim."),
 )}
 
 
@@ -238,40 +214,7 @@ def head_split_parameters(module: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
-# The analytic memory estimate -----------------------------------------------------------------------
-
-
-def norm_order(block: nn.Module) -> str | None:
-    return _get(block, "norm_order")
-
-
-def sublayers(block: nn.Module) -> tuple[tuple[str, str], ...] | None:
-    return getattr(type(block), "sublayers", HOOKS["sublayers"].default)
-
-
-def score_bias(module: nn.Module) -> bool:
-    return bool(_get(module, "score_bias"))
-
-
-def activation(mlp: nn.Module) -> str | None:
-    return _get(mlp, "activation")
-
-
-def per_token_ops(module: nn.Module) -> tuple[str, ...] | None:
-    return _get(module, "per_token_ops")
-
-
-def per_sequence(module: nn.Module) -> bool:
-    return bool(_get(module, "per_sequence"))
-
-
-def latent_attention(module: nn.Module) -> bool:
-    return bool(_get(module, "latent_attention"))
-
-
-__all__ = ["HOOKS", "Hook", "activation", "core_attention_modules", "fsdp_mesh", "head_split_parameters",
-           "keeps_high_precision", "latent_attention", "norm_order", "per_sequence", "per_token_ops",
-           "reported_loss", "reported_loss_sum", "retie_weights", "score_bias", "sequence_carry_modules",
-           "sequence_inputs", "set_core_attention", "set_fsdp_mesh", "set_record_statistics", "set_sequence_carry",
-           "set_skip_compile", "skips_compile", "statistics_recorders", "sublayers",
-           "tied_weights"]
+__all__ = ["HOOKS", "Hook", "core_attention_modules", "fsdp_mesh", "head_split_parameters", "keeps_high_precision",
+           "reported_loss", "reported_loss_sum", "retie_weights", "sequence_carry_modules", "sequence_inputs",
+           "set_core_attention", "set_fsdp_mesh", "set_record_statistics", "set_sequence_carry", "set_skip_compile",
+           "skips_compile", "statistics_recorders", "tied_weights"]

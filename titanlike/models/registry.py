@@ -126,12 +126,13 @@ def model_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def resolve_model(name: str, flavor: str) -> ModelSpec:
-    """The spec of model.name, checking model.flavor: ValueError, one sentence naming what is known."""
+def resolve_model(name: str, flavor: str | None) -> ModelSpec:
+    """The spec of model.name, checking model.flavor (None: the job's sizes come from elsewhere, a
+    Hugging Face folder): ValueError, one sentence naming what is known."""
     if name not in model_names():
         raise ValueError(f"model.name {name!r} is unknown; known models: {', '.join(model_names())}")
     spec = _REGISTRY[name]
-    if flavor not in spec.flavors:
+    if flavor is not None and flavor not in spec.flavors:
         raise ValueError(f"model.flavor {flavor!r} is unknown for {name}; known flavors: {', '.join(spec.flavors)}")
     return spec
 

@@ -132,6 +132,22 @@ class Objective:
         """Raise ValueError (one sentence naming the option) when this job cannot train with this
         objective; `model` names the model in messages. Called before any process group exists."""
 
+    def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
+        """Raise ValueError (one sentence) when `dataset` at `dataset_path` cannot give this objective's
+        samples; option: the section named in messages ("training", "validation"). The dataset
+        kind's own rules by default."""
+        from titanlike.data.loader import validate_dataset
+
+        validate_dataset(dataset, dataset_path, option=option)
+
+    def validate_held_out(self, dataset: str) -> None:
+        """Validation without a dataset of its own reads the training data's held-out split: raise
+        ValueError (one sentence) when `dataset` has none for this objective's samples. Only the
+        embedded corpus and Megatron datasets hold one out by default."""
+        if dataset not in ("default", "megatron"):
+            raise ValueError(f"validation needs validation.dataset and validation.dataset_path: a {dataset} training "
+                             "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
+
     def model_lengths(self) -> dict[str, int]:
         """Lengths the objective adds to the model's sizing (update_from_config's keywords beyond
         vocab_size and seq_len), e.g. an encoder-decoder's decoder tokens."""

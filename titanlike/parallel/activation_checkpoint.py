@@ -1,8 +1,10 @@
 """Activation checkpointing per transformer block: full, every N-th block, or op-level.
 
-Op-level (selective_ac_option = "op") keeps the outputs of the expensive ops
-(matmuls and attention) and recomputes the cheap elementwise rest, trading a
-little memory for most of the recompute cost of full AC.
+Op-level (selective_ac_option = "op") is torchtitan's policy: keep the outputs of attention, of
+every second matmul, of reduce-scatters and of max (float8's scaling amax, a scalar; not the
+full-size abs it is taken of, as torchtitan's own list no longer does), and recompute the rest (the
+other matmuls and the cheap elementwise ops), trading a little memory for most of the recompute
+cost of full AC.
 """
 
 from __future__ import annotations
@@ -15,24 +17,31 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-# Outputs worth keeping: recomputing them costs FLOPs, storing them costs memory once.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+# Outputs worth keeping: recomputing them costs FLOPs (or a collective), storing them costs memory once.
 _SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
+    *_MATMULS,
     torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
 }
 
 
-def _op_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _op_level_contexts():
-    return create_selective_checkpoint_contexts(_op_policy)
+    matmuls = {False: 0, True: 0}  # counted apart in the forward and in its recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _MATMULS:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 @dataclass(frozen=True)
@@ -63,14 +72,20 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective_ac_opt
         return
     wrap = partial(checkpoint_wrapper, preserve_rng_state=options.preserve_rng_state,
                    determinism_check=options.determinism_check, debug=options.debug, early_stop=options.early_stop)
-    for index, (name, block) in enumerate(list(model.layers.items())):
-        if mode == "full":
-            wrapped = wrap(block)
-        elif selective_ac_option == "op":
-            wrapped = wrap(block, context_fn=partial(_op_level_contexts))
-        else:
-            every = int(selective_ac_option)
-            if index % every:
-                continue
-            wrapped = wrap(block)
-        model.layers[name] = wrapped
+    for name, block in list(model.layers.items()):
+        how = checkpointing(name, mode, selective_ac_option)
+        if how is not None:
+            model.layers[name] = wrap(block, context_fn=partial(_op_level_contexts)) if how == "op" else wrap(block)
+
+
+def checkpointing(layer: str, mode: str, selective_ac_option: str) -> str | None:
+    """How the block with layer id `layer` (its key in model.layers) is checkpointed: "full", "op" or
+    None. "Every N-th block" counts layer ids, so a pipeline stage checkpoints the blocks it would
+    checkpoint in the whole model."""
+    if mode == "full":
+        return "full"
+    if mode != "selective":
+        return None
+    if selective_ac_option == "op":
+        return "op"
+    return "full" if int(layer) % int(selective_ac_option) == 0 else None

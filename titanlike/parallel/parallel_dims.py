@@ -26,6 +26,7 @@ torchtitan):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -90,6 +91,17 @@ class ParallelDims:
                 f"context_parallel_degree {cp} x tensor_parallel_degree {tp} = {dp_shard * cp * tp}, the ranks "
                 "experts are spread over")
         return cls(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
+
+    @staticmethod
+    def smallest_world(p) -> int:
+        """The smallest world size the [parallelism] section p allows: its degrees multiplied, where
+        data_parallel_shard_degree -1 takes the fewest shards that let expert_parallel_degree divide
+        dp_shard x cp x tp (resolve's rule)."""
+        cp, tp, ep = p.context_parallel_degree, p.tensor_parallel_degree, p.expert_parallel_degree
+        shard = p.data_parallel_shard_degree
+        if shard == -1:
+            shard = ep // math.gcd(ep, cp * tp)
+        return p.data_parallel_replicate_degree * max(shard, 1) * cp * tp * p.pipeline_parallel_degree
 
     @classmethod
     def from_config(cls, p, world_size: int) -> "ParallelDims":

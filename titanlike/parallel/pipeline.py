@@ -115,6 +115,12 @@ class PipelineLayout:
         start = sum(self.layers[:stage])
         return range(start, start + self.layers[stage])
 
+    def stage_layers(self, stage: int, total_layers: int) -> list[int]:
+        """The model's layers stage `stage` holds: its share of the trunk the layout cuts and, on the
+        last stage, every layer after the trunk (multi-token-prediction modules, the args' total_layers)."""
+        trailing = range(sum(self.layers), total_layers) if stage == self.num_stages - 1 else range(0)
+        return [*self.layer_indices(stage), *trailing]
+
     def describe(self) -> str:
         placement = "V-shaped" if self.v_shaped else "looped" if self.stages_per_rank > 1 else "one per rank"
         return (f"{self.num_stages} stages over {self.pp} ranks ({placement}), "
@@ -297,12 +303,9 @@ def build_stage_modules(model: nn.Module, spec: ModelSpec, layout: PipelineLayou
     `layers` after the trunk the layout cuts (multi-token-prediction modules, see the args'
     total_layers) go with the output end to the last stage."""
     names = list(model.layers.keys())
-    trailing = names[sum(layout.layers):]
     parts = []
     for stage in layout.stages_of_rank(pp_rank):
-        keep = [names[i] for i in layout.layer_indices(stage)]
-        if stage == layout.num_stages - 1:
-            keep += trailing
+        keep = [names[i] for i in layout.stage_layers(stage, len(names))]
         parts.append(pipeline_stage(model, spec.pipeline_ends, keep, first=stage == 0,
                                     last=stage == layout.num_stages - 1))
     return parts

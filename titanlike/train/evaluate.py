@@ -78,11 +78,13 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int,
 
 
 
-def validate_validation_layout(v, t, dims) -> None:
+def validate_validation_layout(v, t, dims, *, check_dataset=None) -> None:
     """The [validation] rules that depend on the layout: ValueError, one sentence. v: the
-    validation section, t: the training section, dims: ParallelDims."""
+    validation section, t: the training section, dims: ParallelDims; check_dataset: the objective's
+    dataset rules (Objective.validate_dataset), the dataset kind's by default."""
     from titanlike.data.loader import validate_dataset
 
+    check_dataset = check_dataset or validate_dataset
     if v.seq_len not in (-1, t.seq_len):
         if dims.cp_enabled or dims.pp_enabled:
             raise ValueError(f"validation.seq_len {v.seq_len} must be -1 or training.seq_len {t.seq_len} under "
@@ -92,7 +94,7 @@ def validate_validation_layout(v, t, dims) -> None:
             raise ValueError(f"validation.seq_len {v.seq_len} must be divisible by tensor_parallel_degree {dims.tp} "
                              "(sequence parallelism cuts it)")
     if v.dataset not in (None, "default") and v.dataset_path:
-        validate_dataset(v.dataset, v.dataset_path, option="validation")
+        check_dataset(v.dataset, v.dataset_path, option="validation")
 
 class Evaluator:
     def __init__(self, step: TrainStep, data, prepare: Callable):

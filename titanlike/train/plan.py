@@ -101,7 +101,15 @@ class JobPlan:
     dims: ParallelDims
     spec: ModelSpec
     objective: Objective
-    model_args: BaseModelArgs  # the flavor's args sized for this job (vocabulary, sequence lengths)
+    model_args: BaseModelArgs  # the model's args sized for this job (vocabulary, sequence lengths)
+    # The model's own context (positions it has a table or angles for), recorded by checkpoints: the
+    # job's args carry training.seq_len instead.
+    context_len: int
+    # model.flavor when the model is that flavor; None when its sizes came from a Hugging Face
+    # folder's config.json or [model.args] changed them (checkpoints then record no flavor).
+    flavor: str | None
+    # Where the sizes came from, for the log: "flavor debugmodel", "<folder>/config.json", ...
+    model_source: str
     tokenizer: object | None  # None only for plans made without one (the estimator, given vocab_size)
     batch: BatchPlan
     pipeline: PipelineLayout | None
@@ -110,7 +118,7 @@ class JobPlan:
 
     @property
     def model_name(self) -> str:
-        return f"{self.cfg.model.name} {self.cfg.model.flavor}"
+        return f"{self.cfg.model.name} {self.flavor}" if self.flavor else f"{self.cfg.model.name} ({self.model_source})"
 
 
 def plan_job(cfg: JobConfig, world_size: int, *, vocab_size: int | None = None) -> JobPlan:
@@ -128,12 +136,12 @@ def plan_job(cfg: JobConfig, world_size: int, *, vocab_size: int | None = None) 
 def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     from titanlike.checkpoint.manager import validate_checkpoint_config
     from titanlike.data import DEFAULT_TOKENIZER_PATH
-    from titanlike.data.loader import validate_dataset
     from titanlike.data.tokenizer import job_tokenizer
     from titanlike.models.common.attention import validate_attention_backend
     from titanlike.models.common.moe import validate_moe_job
-    from titanlike.models.converters import validate_converters
+    from titanlike.models.converters import validate_converter_targets, validate_converters
     from titanlike.models.registry import check_other_families_sections, resolve_model
+    from titanlike.objectives.registry import job_objective
     from titanlike.observe.run_lock import check_output_folders
     from titanlike.parallel.context import validate_context_parallel
     from titanlike.parallel.fsdp import validate_cpu_offload
@@ -151,21 +159,31 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     validate_attention_backend(m.attention_backend, cuda=cuda)
 
     # The model, its family's rules, the objective's.
-    spec = resolve_model(m.name, m.flavor)
-    model = f"{m.name} {m.flavor}"
+    folder = hf_model_folder(cfg)
+    spec = resolve_model(m.name, None if folder else m.flavor)
+    source = ModelSource.of(cfg, spec, folder)
+    model = f"{m.name} {m.flavor}" if source.flavor else f"{m.name} ({source.description})"
     tokenizer = job_tokenizer(m.tokenizer_path, m.hf_assets_path, DEFAULT_TOKENIZER_PATH) if vocab_size is None \
         else None
-    validate_moe_job(cfg.moe, has_experts=spec.flavors[m.flavor].moe_args() is not None, ep=dims.ep, model=model)
+    validate_moe_job(cfg.moe, has_experts=source.args.moe_args() is not None, ep=dims.ep, model=model)
     check_other_families_sections(cfg, spec)
     try:
-        args = flavor_args(cfg, spec)
+        args = model_args(cfg, spec, source.args)
         args.validate(dims, seq_len=t.seq_len)
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
-    objective = spec.objective(cfg, args)
+    objective = job_objective(cfg, spec, args, model=model)
     objective.validate(cfg, dims, model=model)
-    args = args.update_from_config(vocab_size=vocab_size or tokenizer.vocab_size, seq_len=t.seq_len,
-                                   **objective.model_lengths())
+    if cfg.validation.enable and cfg.validation.dataset is None:
+        objective.validate_held_out(t.dataset)
+    vocab = source.vocab_size or vocab_size or tokenizer.vocab_size
+    if tokenizer is not None and tokenizer.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary "
+                         f"({source.description}) holds {vocab}; use the model's own tokenizer (model.tokenizer_path "
+                         "or model.hf_assets_path)")
+    context_len = args.context_len
+    args = args.update_from_config(vocab_size=vocab, seq_len=t.seq_len, **objective.model_lengths())
+    validate_converter_targets(m.converters, lambda name: getattr(cfg, name), spec, args, model=model)
 
     # The layout.
     parallelize = parallelize_options(cfg, objective)
@@ -176,9 +194,10 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         validate_context_parallel(t.seq_len, dims.cp, dims.tp)
     batch = BatchPlan.build(t, dims, p.pipeline_parallel_microbatch_size if dims.pp_enabled else None)
     validate_cpu_offload(t.enable_cpu_offload, fsdp_enabled=dims.fsdp_enabled, dp_shard=dims.dp_shard)
-    validate_dataset(t.dataset, t.dataset_path)
+    if vocab_size is None:  # the estimator reads no data (it plans with the embedded corpus named)
+        objective.validate_dataset(t.dataset, t.dataset_path)
     if cfg.validation.enable:
-        validate_validation_layout(cfg.validation, t, dims)
+        validate_validation_layout(cfg.validation, t, dims, check_dataset=objective.validate_dataset)
     if cfg.compile.enable:
         validate_compile_backend(cfg.compile.backend)
     pipeline = _pipeline(cfg, dims, spec, args, model, parallelize.compile_blocks)
@@ -187,19 +206,79 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         from titanlike.observe.wandb_run import validate_wandb
 
         validate_wandb()
-    return JobPlan(cfg, dims, spec, objective, args, tokenizer, batch, pipeline, parallelize,
-                   _precision(cfg, dims))
+    return JobPlan(cfg, dims, spec, objective, args, context_len, source.flavor, source.description, tokenizer, batch,
+                   pipeline, parallelize, _precision(cfg, dims))
 
 
-def flavor_args(cfg: JobConfig, spec: ModelSpec) -> BaseModelArgs:
-    """The flavor's args under the family's own section (spec.options: the hybrid's layer pattern) and
-    the [moe] settings (a mixture-of-experts model only). ValueError (one sentence) when a setting is
-    out of range."""
-    args = spec.flavors[cfg.model.flavor]
+def hf_model_folder(cfg: JobConfig) -> str | None:
+    """The Hugging Face folder the job's model starts from (checkpoint.initial_load_in_hf: its
+    initial_load_path, else model.hf_assets_path), whose config.json sizes the model; else None,
+    also for a [checkpoint] section that cannot load one (validate_checkpoint_config says why)."""
+    import os
+
+    from titanlike.checkpoint.manager import initial_load_path
+
+    c = cfg.checkpoint
+    if not (c.enable and c.initial_load_in_hf and c.initial_load_model_only):
+        return None
+    folder = initial_load_path(c, cfg.model.hf_assets_path)
+    return folder if folder and os.path.isfile(os.path.join(folder, "config.json")) else None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model's sizes before the job's settings: a flavor's, or a Hugging Face folder's config.json
+    read by the family's adapter (checkpoint/format.py hf_folder_args), then [model.args]."""
+
+    args: BaseModelArgs
+    flavor: str | None  # the flavor the args are, unchanged
+    description: str  # for messages and the log
+    vocab_size: int | None  # the vocabulary the weights fix (a Hugging Face folder's, or [model.args]'s)
+
+    @classmethod
+    def of(cls, cfg: JobConfig, spec: ModelSpec, folder: str | None) -> ModelSource:
+        """ValueError, one sentence, for a folder or a [model.args] setting the family refuses."""
+        from titanlike.checkpoint.format import CheckpointError, check_model_size, hf_folder_args
+
+        overrides = cfg.model.args
+        if folder is not None:
+            import os
+
+            try:
+                _, args = hf_folder_args(folder, spec)
+                check_model_size(args, os.path.join(folder, "config.json"))
+            except CheckpointError as e:
+                raise ValueError(str(e)) from None
+            description = f"sized by {os.path.join(folder, 'config.json')}"
+            vocab = args.vocab_size
+            flavor = None
+        else:
+            flavor_args_ = spec.flavors[cfg.model.flavor]
+            args, description, vocab, flavor = flavor_args_, f"flavor {cfg.model.flavor}", None, cfg.model.flavor
+        if overrides:
+            before = args
+            args = args.with_overrides(overrides)
+            shown = ", ".join(f"{k}={v}" for k, v in overrides.items())
+            description += f" with model.args {shown}"
+            flavor = None
+            if args.vocab_size != before.vocab_size:  # the job asked for this vocabulary (Megatron's padded one)
+                vocab = args.vocab_size
+        return cls(args, flavor, description, vocab)
+
+
+def model_args(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs) -> BaseModelArgs:
+    """The model's args (a flavor's or a Hugging Face folder's, with [model.args]) under the family's
+    own section (spec.options: the hybrid's layer pattern) and the [moe] settings (a
+    mixture-of-experts model only). ValueError (one sentence) when a setting is out of range."""
     if spec.options is not None:
         args = spec.options.apply(args, getattr(cfg, spec.options.section))
     moe = args.moe_args()
     return args if moe is None else args.with_moe_args(moe.with_run_settings(cfg.moe))
+
+
+def flavor_args(cfg: JobConfig, spec: ModelSpec) -> BaseModelArgs:
+    """The job's model args before it sizes them (ModelSource.of, then model_args)."""
+    return model_args(cfg, spec, ModelSource.of(cfg, spec, hf_model_folder(cfg)).args)
 
 
 def parallelize_options(cfg: JobConfig, objective: Objective) -> ParallelizeOptions:
@@ -253,4 +332,5 @@ def _precision(cfg: JobConfig, dims: ParallelDims) -> PrecisionPlan:
     return PrecisionPlan(t.mixed_precision_param, t.mixed_precision_reduce, autocast, mode)
 
 
-__all__ = ["BatchPlan", "JobPlan", "PrecisionPlan", "flavor_args", "parallelize_options", "plan_job"]
+__all__ = ["BatchPlan", "JobPlan", "ModelSource", "PrecisionPlan", "flavor_args", "hf_model_folder", "model_args",
+           "parallelize_options", "plan_job"]

@@ -117,6 +117,22 @@ class TrainStep:
                 for module in protocol.loss_attaching_modules(part):
                     protocol.set_loss_weight(module, step_loss.weight)
 
+    @classmethod
+    def for_plan(cls, plan, dims, *, model_parts: list[nn.Module], step_loss: StepLoss,
+                 optimizer: torch.optim.Optimizer, device: torch.device, **pieces) -> TrainStep:
+        """The step a JobPlan runs, the trainer's and the estimator's (on fake tensors) alike: clipping,
+        the precision's autocast, the meshes, loss parallelism and the reported loss terms come from the
+        plan and dims (its ParallelDims, meshes built); the pieces built beside it (pipeline schedule,
+        tied-weight sync, converters, expert balance, loss scaler) are passed as given."""
+        half = plan.precision.autocast_dtype
+        return cls(model_parts=model_parts, step_loss=step_loss, optimizer=optimizer, device=device,
+                   max_norm=plan.cfg.training.max_norm,
+                   pipeline_microbatch_size=plan.cfg.parallelism.pipeline_parallel_microbatch_size,
+                   tp_mesh=dims.mesh("tp"), pp_mesh=dims.mesh("pp"),
+                   autocast=torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext(),
+                   loss_parallel=dims.tp_enabled and plan.parallelize.loss_parallel,
+                   reported_losses=plan.model_args.reported_losses(), **pieces)
+
     def __call__(self, microbatches: list, side: list[float] = ()) -> StepOutput:
         global_tokens, agreed = self.count_tokens(microbatches, side)
         loss_sum = torch.zeros((), device=self.device)

@@ -16,7 +16,6 @@ overflow instead: every rank skips the step, the learning rate is held and the s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import logging
@@ -158,7 +157,8 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
-            loss_scaler=self.loss_scaler)
+            loss_scaler=self.loss_scaler, converters=self.converters, context_len=plan.context_len,
+            flavor=plan.flavor)
         self._build_observers()
         self.step = 0
         self.pending: StepRecord | None = None  # the last step, until the host reads it (see train)
@@ -216,7 +216,7 @@ class Trainer:
         """This rank's model parts: built on meta, converted, parallelized, then materialized shard by
         shard and initialized; and what the objective's batches need on this rank."""
         cfg, dims, t = self.cfg, self.dims, self.cfg.training
-        self.converters = build_model_converters(cfg.model.converters, cfg.float8)
+        self.converters = build_model_converters(cfg.model.converters, cfg.float8, lambda name: getattr(cfg, name))
         parts = build_model_parts(self.plan, self.converters)
         if cfg.model.print_after_conversion and self.rank == 0:
             for part in parts:
@@ -226,10 +226,9 @@ class Trainer:
         for part in parts:
             part.to_empty(device="cpu" if offload else self.device)
             part.init_weights(seed=cfg.debug.seed, buffer_device=self.device if offload else None)
+            self.converters.init_weights(part, cfg.debug.seed)
             part.train()
         self.model_parts = parts
-        half = self.plan.precision.autocast_dtype
-        self.autocast = torch.autocast(self.device.type, dtype=half) if half is not None else contextlib.nullcontext()
         # Context parallel: the global positions of the tokens this rank keeps of every sequence.
         self.cp_positions = (
             load_balanced_positions(t.seq_len, dims.cp, dims.mesh("cp").get_local_rank(), self.device)
@@ -274,13 +273,10 @@ class Trainer:
         # lr_scheduler.total_steps lets a short run follow a longer run's curve.
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps,
                                                self.batches.schedule)
-        self.train_step = TrainStep(
-            model_parts=self.model_parts, step_loss=self.step_loss, optimizer=self.optimizer, device=self.device,
-            max_norm=t.max_norm, pipeline=pipeline, pipeline_microbatch_size=p.pipeline_parallel_microbatch_size,
-            tp_mesh=dims.mesh("tp"), pp_mesh=dims.mesh("pp"), autocast=self.autocast,
-            loss_parallel=dims.tp_enabled and self.plan.parallelize.loss_parallel, tied=tied,
-            converters=self.converters, expert_balance=self.expert_balance,
-            reported_losses=self.model_args.reported_losses(), loss_scaler=self.loss_scaler)
+        self.train_step = TrainStep.for_plan(
+            self.plan, dims, model_parts=self.model_parts, step_loss=self.step_loss, optimizer=self.optimizer,
+            device=self.device, pipeline=pipeline, tied=tied, converters=self.converters,
+            expert_balance=self.expert_balance, loss_scaler=self.loss_scaler)
         self.evaluator = Evaluator(self.train_step, self.validation, self.prepare) if self.validation is not None else None
 
     def _build_observers(self) -> None:
@@ -359,6 +355,25 @@ class Trainer:
             kernel = describe_sdpa_kernel(a, seq_len=t.seq_len, dtype=dtype, device=self.device, dense_mask=masked)
             how = f"SDPA {direction}{f' with {what} (dense)' if masked else ''}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
+
+    def _load_converter_state(self) -> None:
+        """A fresh run: what the converters bring (LoRA's lora.adapter_path), after the model's initial
+        load. Every rank reads it for its own model parts and keeps its shards (no communication); a
+        refusal on any rank stops every rank with one sentence."""
+        from titanlike.models.common.init import copy_full_
+
+        error, states = None, []
+        try:
+            states = [self.converters.initial_state(part) for part in self.model_parts]
+        except ValueError as e:
+            error = str(e)
+        self._agree(error, elsewhere="another rank could not load the converters' initial state (it says why)")
+        for part, state in zip(self.model_parts, states):
+            params = dict(part.named_parameters())
+            for name, full in state.items():
+                copy_full_(params[name], full)
+            if state and self.rank == 0:
+                logger.info(f"converters: {len(state)} tensors loaded into the model")
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
@@ -445,6 +460,8 @@ class Trainer:
         start = self.checkpointer.load()
         if start is None:  # checkpoint.create_seed_checkpoint: the seed is written, nothing to train
             return None
+        if start == 0:
+            self._load_converter_state()
         if self.stop.agreed():
             if self.rank == 0:
                 logger.info(f"received {StopRequest.describe(self.stop.agreed_code)} before the first step: "

@@ -84,6 +84,9 @@ class BertHF(HFAdapter):
     """BertForPreTraining (binary_head) and BertForMaskedLM."""
 
     model_types = ("bert",)
+    # BERT's tokenizers: [CLS] A [SEP] (B [SEP], type 1), and [MASK] for fill-mask.
+    tokenizer_template = ("cls $A sep", "cls $A sep $B:1 sep:1")
+    tokenizer_roles = ("cls", "sep", "mask", "pad")
     config_rules = {
         **COMMON_RULES, **{key: COMPARED for key in _FIXED}, "hidden_size": COUNT, "intermediate_size": COUNT,
         "num_hidden_layers": COUNT, "num_attention_heads": COUNT, "type_vocab_size": COUNT, "layer_norm_eps": POSITIVE,
@@ -163,9 +166,7 @@ class BertHF(HFAdapter):
             if key in cfg and cfg[key] != expected:
                 raise ValueError(f"unsupported BERT config: {key}={cfg[key]!r} (only {expected!r} is supported)")
         dim = cfg["hidden_size"]
-        if cfg.get("intermediate_size", 4 * dim) != 4 * dim:
-            raise ValueError(f"unsupported BERT config: intermediate_size={cfg['intermediate_size']!r} "
-                             f"(only 4 x hidden_size = {4 * dim})")
+        ffn = cfg.get("intermediate_size", 4 * dim)
         architectures = cfg.get("architectures") or ["BertForPreTraining"]
         unknown = sorted(set(architectures) - set(_ARCHITECTURES))
         if unknown:
@@ -181,6 +182,7 @@ class BertHF(HFAdapter):
             norm_eps=cfg.get("layer_norm_eps", 1e-12),
             init_std=cfg.get("initializer_range", 0.02),
             binary_head="BertForMaskedLM" not in architectures,
+            explicit_ffn_hidden_dim=None if ffn == 4 * dim else ffn,
         )
 
     def token_ids(self, *, bos: int | None, eos: int | None, pad: int | None) -> dict[str, int]:

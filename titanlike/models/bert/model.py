@@ -2,7 +2,8 @@
 
 As in Devlin et al. 2019 (and transformers' BertForPreTraining): word + learned position +
 token-type embeddings, an embedding LayerNorm, post-LayerNorm blocks (norm after each residual
-add) with bidirectional attention, an exact (erf) GELU MLP of hidden size 4*dim and biases on
+add) with bidirectional attention, an exact (erf) GELU MLP of hidden size 4*dim (or
+explicit_ffn_hidden_dim: HF's intermediate_size, Megatron's --ffn-hidden-size) and biases on
 every linear. pre_norm=True gives the block order Megatron-LM's BERT uses (LayerNorm before
 attention and MLP, and a final LayerNorm): Shoeybi et al. 2019 (section 3) found it necessary to
 train BERT beyond ~336M parameters, so the 3.9B flavor uses it.
@@ -56,7 +57,12 @@ class BertArgs(DecoderArgs):
     # Standard deviation of every weight drawn at init; each block's output projections (wo, w2)
     # use init_std / sqrt(2 * n_layers), as Megatron-LM's scaled init.
     init_std: float = 0.02
+    # The MLP's hidden size when it is not 4 x dim (HF's intermediate_size, Megatron's --ffn-hidden-size);
+    # None: 4 x dim. Read it through the ffn_hidden_dim property.
+    explicit_ffn_hidden_dim: int | None = None
 
+    ARG_ALIASES = {**DecoderArgs.ARG_ALIASES, "ffn_hidden_size": ("explicit_ffn_hidden_dim",),
+                   "intermediate_size": ("explicit_ffn_hidden_dim",), "ffn_hidden_dim": ("explicit_ffn_hidden_dim",)}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,7 +77,7 @@ class BertArgs(DecoderArgs):
 
     @property
     def ffn_hidden_dim(self) -> int:
-        return 4 * self.dim
+        return 4 * self.dim if self.explicit_ffn_hidden_dim is None else self.explicit_ffn_hidden_dim
 
     # Samples and shapes ------------------------------------------------------------------------
 
@@ -96,7 +102,8 @@ class BertArgs(DecoderArgs):
     def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
         d = self.dim
         ln = 2 * d  # LayerNorm weight + bias
-        block = self.attention_params(bias=True) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * ln
+        f = self.ffn_hidden_dim
+        block = self.attention_params(bias=True) + (d * f + f) + (f * d + d) + 2 * ln
         tokens = self.vocab_size * d  # the word table, also the MLM output projection (tied)
         lookups = self.max_seq_len * d + self.type_vocab_size * d  # position and token-type tables
         final_norm = ln if self.pre_norm else 0
@@ -128,12 +135,6 @@ class BertBlock(TransformerBlock):
         super().__init__(layer_id, **block)
         self.pre_norm = pre_norm
 
-    @property
-    def norm_order(self) -> str:
-        """Declares the residual order to the analytic memory estimate (estimation/analytic.py):
-        TransformerBlock's sublayers, each norm before ("pre") or after ("post") its residual add."""
-        return "pre" if self.pre_norm else "post"
-
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None) -> torch.Tensor:
         if self.pre_norm:
             return super().forward(x, rope, mask)
@@ -143,10 +144,6 @@ class BertBlock(TransformerBlock):
 
 class LMHeadTransform(nn.Module):
     """The MLM head's transform before the tied output projection: LayerNorm(gelu(dense(h)))."""
-
-    # Declares the per-token ops, in order, to the analytic memory estimate (estimation/analytic.py):
-    # child names, and "gelu" for the elementwise activation between them.
-    per_token_ops = ("dense", "gelu", "norm")
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -168,9 +165,6 @@ class BinaryHead(nn.Module):
     distributed), so it stays a plain tensor."""
 
     reported_loss = BINARY_LOSS
-    # Declares to the analytic memory estimate (estimation/analytic.py) that it reads one token per
-    # sequence (position 0): nothing per token beyond the hidden states it reads.
-    per_sequence = True
 
     def __init__(self, dim: int):
         super().__init__()

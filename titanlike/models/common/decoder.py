@@ -30,6 +30,18 @@ from titanlike.models.common.norms import init_norm
 class DecoderArgs(BaseModelArgs):
     """The sizes every decoder family has; families add their own fields after these."""
 
+    # Megatron's and Hugging Face's names of these fields (and of the MLP size and RoPE base the
+    # families that have them add), for [model.args] (BaseModelArgs.with_overrides).
+    ARG_ALIASES = {
+        "hidden_size": ("dim",), "num_layers": ("n_layers",), "num_hidden_layers": ("n_layers",),
+        "num_attention_heads": ("n_heads",), "num_query_groups": ("n_kv_heads",),
+        "num_key_value_heads": ("n_kv_heads",), "kv_channels": ("explicit_head_dim",),
+        "head_dim": ("explicit_head_dim",), "ffn_hidden_size": ("ffn_hidden_dim",),
+        "intermediate_size": ("ffn_hidden_dim",), "max_position_embeddings": ("max_seq_len",),
+        "norm_epsilon": ("norm_eps",), "rms_norm_eps": ("norm_eps",), "layernorm_epsilon": ("norm_eps",),
+        "rotary_base": ("rope_theta",),
+    }
+
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32

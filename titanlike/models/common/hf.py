@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -164,6 +164,12 @@ class HFAdapter(abc.ABC):
 
     # Every config.json model_type the family reads (one per transformers class it maps).
     model_types: ClassVar[tuple[str, ...]] = ()
+    # How the family's own Hugging Face tokenizers frame a text, as tokenizers' TemplateProcessing
+    # (single, pair) with role names for the special tokens (bos, eos, cls, sep; `:1` marks the
+    # second segment's type id), and the roles tokenizer_config.json names (bos, eos, pad, cls, sep,
+    # mask): an exported tokenizer follows them. The default: Llama 3's, BOS first.
+    tokenizer_template: ClassVar[tuple[str, str]] = ("bos $A", "bos $A bos $B")
+    tokenizer_roles: ClassVar[tuple[str, ...]] = ("bos", "eos", "pad")
     # The rule of every config.json key config_to_args reads (see Rule above).
     config_rules: ClassVar[Mapping[str, Rule]] = COMMON_RULES
 
@@ -184,6 +190,19 @@ class HFAdapter(abc.ABC):
                              f"({type(e).__name__}: {e})") from None
         check_fields(type(args), args.to_dict(), what="the model it describes")
         return args
+
+    def args_for_weights(self, args: BaseModelArgs, names: Collection[str]) -> BaseModelArgs:
+        """The args of a folder whose config.json describes more than its tensors (`names`, HF's) hold,
+        read as the model the tensors make (DeepSeek-V3: transformers' save_pretrained keeps
+        num_nextn_predict_layers but drops those layers). Default: args unchanged."""
+        return args
+
+    def unlisted_tensors(self, names: Collection[str], args: BaseModelArgs) -> tuple[str, set[str]]:
+        """(a file name, HF tensor names among `names`) to write into that safetensors file of their
+        own, which model.safetensors.index.json does not list: tensors the transformers class has no
+        module for, which it would name as unexpected on load (titanlike reads every file of a
+        folder). Default: none."""
+        return "", set()
 
     def model_type(self, args: BaseModelArgs) -> str:
         """The model_type args_to_config writes for these args (default: the family's only one)."""

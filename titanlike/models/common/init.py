@@ -70,6 +70,19 @@ def _fill_(param: torch.Tensor, draw: Callable[[torch.Tensor, torch.Generator], 
     return param
 
 
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Copy the whole tensor `full` into `param`, or into this rank's shard of it (a DTensor): every
+    rank holds `full`, so this only slices (no communication)."""
+    full = full.to(device=_local_device(param), dtype=param.dtype)
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
+    return param
+
+
 def normal_(param: torch.Tensor, *, std: float = 1.0, mean: float = 0.0,
             seed: int, fqn: str) -> torch.Tensor:
     return _fill_(param, lambda t, g: torch.nn.init.normal_(t, mean=mean, std=std, generator=g),

@@ -43,9 +43,6 @@ class MLA(nn.Module):
     1.0 otherwise).
     """
 
-    # Declares the latent layout to the analytic memory estimate (models/protocol.py).
-    latent_attention = True
-
     def __init__(self, dim: int, n_heads: int, *, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, softmax_scale_factor: float = 1.0):
         super().__init__()

@@ -11,8 +11,11 @@ Weights as save_pretrained writes them: Llama's block norms and dense MLP names,
 Multi-token-prediction modules are layers n_layers.. (as DeepSeek's checkpoints number them, e.g.
 model.layers.61 of DeepSeek-V3), with `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` besides a
 block's names, and copies of the embedding table and output head (`embed_tokens`,
-`shared_head.head`), written on export and checked against the model's own on import.
-transformers' DeepseekV3ForCausalLM ignores these layers (its num_hidden_layers counts the trunk).
+`shared_head.head`), written on export (into multi_token_prediction.safetensors, which the index
+does not list, so transformers loads the folder without naming them unexpected) and checked
+against the model's own on import. transformers' DeepseekV3ForCausalLM ignores these layers (its
+num_hidden_layers counts the trunk); a folder without them (save_pretrained drops them) reads as
+the model without them (args_for_weights).
 
 Two layout differences:
 - kv_a_proj_with_mqa holds the latent's rows and the RoPE key's (kv_lora_rank + qk_rope_head_dim);
@@ -24,7 +27,8 @@ Two layout differences:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -166,6 +170,23 @@ class DeepSeekV3HF(HFAdapter):
             hf[f"model.layers.{layer}.shared_head.head.weight"] = ours["output.weight"].clone()
         return hf
 
+    def unlisted_tensors(self, names: Collection[str], args: DeepSeekV3ModelArgs) -> tuple[str, set[str]]:
+        """The multi-token-prediction layers: DeepseekV3ForCausalLM has no module for them and ignores
+        only DeepSeek-V3's own layer 61 by name, so any other model's would be listed as unexpected."""
+        prefixes = tuple(f"model.layers.{layer}." for layer in range(args.n_layers, args.total_layers))
+        return "multi_token_prediction.safetensors", {name for name in names if name.startswith(prefixes)}
+
+    def args_for_weights(self, args: DeepSeekV3ModelArgs, names: Collection[str]) -> DeepSeekV3ModelArgs:
+        """transformers' save_pretrained keeps num_nextn_predict_layers in config.json but drops those
+        layers (DeepseekV3ForCausalLM has no module for them): such a folder is the model without
+        them, as transformers reads it; the prediction layers it does hold are kept."""
+        held = 0
+        for layer in range(args.n_layers, args.total_layers):
+            if not any(name.startswith(f"model.layers.{layer}.") for name in names):
+                break
+            held += 1
+        return args if held == args.mtp_num_layers else dataclasses.replace(args, mtp_num_layers=held)
+
     def from_hf_state_dict(self, hf_sd: Mapping[str, torch.Tensor],
                            args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
         """DeepseekV3ForCausalLM's state dict (per-expert tensors, as on disk) -> ours (load_state_dict
@@ -175,8 +196,8 @@ class DeepSeekV3HF(HFAdapter):
             if not any(k.startswith(f"model.layers.{layer}.") for k in hf_sd):
                 raise ValueError(f"config.json lists num_nextn_predict_layers {args.mtp_num_layers} but the weights "
                                  f"have no model.layers.{layer} (transformers' save_pretrained drops the "
-                                 "multi-token-prediction layers); set num_nextn_predict_layers to 0 in config.json "
-                                 "to load without them")
+                                 "multi-token-prediction layers); read the folder with "
+                                 "titanlike.checkpoint.hf_folder_args, which loads it without them")
             # DeepSeek's checkpoints repeat the table and head in every prediction layer: copies of ours.
             for copy, own in (("embed_tokens.weight", "model.embed_tokens.weight"),
                               ("shared_head.head.weight", "lm_head.weight")):

@@ -76,6 +76,8 @@ class GPT2HF(HFAdapter):
     """GPT2LMHeadModel (and GPT2Model's keys, read)."""
 
     model_types = ("gpt2",)
+    # GPT-2's tokenizer adds no special token to a text.
+    tokenizer_template = ("$A", "$A $B")
     config_rules = {
         **COMMON_RULES, **{key: COMPARED for key in _FIXED}, "activation_function": COMPARED, "n_embd": COUNT,
         "n_inner": optional(COUNT), "n_positions": COUNT, "n_ctx": optional(COUNT), "n_layer": COUNT, "n_head": COUNT,

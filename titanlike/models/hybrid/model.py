@@ -76,6 +76,13 @@ def parse_pattern(pattern: str) -> str:
 
 @dataclass
 class HybridModelArgs(BaseModelArgs):
+    # Megatron's and Hugging Face's names of the fields, for [model.args].
+    ARG_ALIASES = {
+        "hidden_size": ("dim",), "num_attention_heads": ("n_heads",), "num_query_groups": ("n_kv_heads",),
+        "num_key_value_heads": ("n_kv_heads",), "kv_channels": ("head_dim",), "ffn_hidden_size": ("ffn_hidden_dim",),
+        "intermediate_size": ("ffn_hidden_dim",), "max_position_embeddings": ("max_seq_len",),
+        "norm_epsilon": ("norm_eps",), "rotary_base": ("rope_theta",),
+    }
     dim: int = 4096
     hybrid_layer_pattern: str = "M-M-M*-"
     vocab_size: int = 131072

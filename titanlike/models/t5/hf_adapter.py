@@ -70,6 +70,9 @@ class T5HF(HFAdapter):
     """T5ForConditionalGeneration."""
 
     model_types = ("t5",)
+    # T5's tokenizers end a text with EOS (</s>) and start none; the decoder starts from the pad id.
+    tokenizer_template = ("$A eos", "$A eos $B eos")
+    tokenizer_roles = ("eos", "pad")
     config_rules = {
         **COMMON_RULES, "feed_forward_proj": COMPARED, "dense_act_fn": COMPARED, "d_model": COUNT, "num_layers": COUNT,
         "num_decoder_layers": optional(COUNT), "num_heads": COUNT, "d_kv": COUNT, "d_ff": COUNT,

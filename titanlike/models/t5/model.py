@@ -42,6 +42,14 @@ FEED_FORWARD_VARIANTS = ("gated-gelu", "relu")
 
 @dataclass
 class T5Args(BaseModelArgs):
+    # Megatron's and Hugging Face's names of the fields, for [model.args].
+    ARG_ALIASES = {
+        "hidden_size": ("dim",), "d_model": ("dim",), "encoder_num_layers": ("n_encoder_layers",),
+        "num_layers": ("n_encoder_layers",), "decoder_num_layers": ("n_decoder_layers",),
+        "num_decoder_layers": ("n_decoder_layers",), "num_attention_heads": ("n_heads",), "num_heads": ("n_heads",),
+        "kv_channels": ("head_dim",), "d_kv": ("head_dim",), "ffn_hidden_size": ("ffn_hidden_dim",),
+        "d_ff": ("ffn_hidden_dim",), "layernorm_epsilon": ("norm_eps",), "layer_norm_epsilon": ("norm_eps",),
+    }
     dim: int = 512  # d_model
     n_encoder_layers: int = 8
     n_decoder_layers: int = 8
@@ -205,10 +213,6 @@ class T5Attention(nn.Module):
     heads, queries, keys)) carries the relative positions and the masks. Projections wq, wk, wv,
     wo are named as the common Attention's, so the sharding plan (sharding.py) splits them by heads."""
 
-    # Declares to the analytic memory estimate (estimation/analytic.py): SDPA with an additive float
-    # bias (attn_mask) that the caller computes once per stack.
-    score_bias = True
-
     def __init__(self, dim: int, n_heads: int, head_dim: int):
         super().__init__()
         self.head_dim = head_dim
@@ -254,12 +258,6 @@ class CrossAttention(T5Attention):
 class T5FeedForward(nn.Module):
     """gated-gelu: w2(gelu_tanh(w1 x) * w3 x); relu: w2(relu(w1 x)). Names as the common MLPs'."""
 
-    @property
-    def activation(self) -> str:
-        """Declares the activation to the analytic memory estimate (estimation/analytic.py); gated
-        when w3 is set."""
-        return "relu" if self.w3 is None else "gelu"
-
     def __init__(self, dim: int, hidden_dim: int, *, gated: bool):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
@@ -280,11 +278,6 @@ class T5FeedForward(nn.Module):
 
 class T5Block(nn.Module):
     """An encoder block (self-attention, MLP) or, with cross-attention, a decoder block; pre-norm."""
-
-    # Declares the block's pre-norm residual sublayers, (norm, mixer) in order, to the analytic
-    # memory estimate (estimation/analytic.py); a None pair (an encoder's cross-attention) is absent.
-    sublayers = (("attention_norm", "attention"), ("cross_attention_norm", "cross_attention"),
-                 ("ffn_norm", "feed_forward"))
 
     def __init__(self, layer_id: int, args: T5Args, *, decoder: bool):
         super().__init__()

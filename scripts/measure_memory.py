@@ -1,6 +1,6 @@
 """Measure the real peak tensor memory of one training step on CPU, to check the estimates.
 
-    torchrun --nproc_per_node=N estimation/measure_cpu.py --measure.out DIR [train.py options]
+    torchrun --nproc_per_node=N scripts/measure_memory.py --measure.out DIR [train.py options]
 
 Builds the real Trainer (gloo on CPU), runs two steps (the second with optimizer
 state allocated, like every later step), then runs a third under torch.profiler with

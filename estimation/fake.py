@@ -1,0 +1,310 @@
+"""What running a training step on fake tensors needs: a fake process group, a count of the bytes
+the step's tensors hold, values where routing reads them, and CUDA's attention kernels on a CPU build.
+
+The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones), so CPU kernels
+would run; for a GPU estimate (device "cuda") scaled dot-product attention is replaced for the probe
+by a stand-in that keeps what CUDA's fused kernels keep (q, k, v, the output, the fp32 log-sum-exp
+and a given mask or bias), where torch's CPU kernels would fall back to the math kernel and its
+seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device
+"cpu" keeps torch's CPU kernels, for comparisons with steps measured on this machine. Everything
+else runs as on CPU (e.g. a LayerNorm's statistics in the input dtype, not fp32).
+
+Mixture of experts. Routing decides tensor sizes from values (how many tokens each expert gets); a
+fake tensor has none. The probe assumes balanced routing: a second dispatch mode gives values to the
+integer tensors that routing makes (a top-k picks the candidates round-robin, so every expert gets
+tokens x top_k / experts rows; a histogram of values it does not know is uniform; a collective
+leaves every rank what this one holds, so all-to-all brings a rank as many rows as it sends) and
+computes what is derived from them for real. Any other scalar the host reads is taken as 1 (a
+finite step; a float8 scale that is set). Real routing is uneven: a rank whose experts get more
+tokens holds more (`moe.capacity_factor` bounds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+DEVICE = torch.device("cpu")
+aten = torch.ops.aten
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A fake process group of world_size ranks, this process rank 0; destroyed on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists; the estimator needs its own fake one")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions by mesh value: a later world's equal mesh would get this one's
+    process groups (gone with it)."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _active_fake():
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode()
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created under this mode and still alive (`now`), each rounded up
+    to `granularity`, and the most since the last `reset` (`peak`)."""
+
+    def __init__(self, granularity: int):
+        super().__init__()
+        self.granularity, self.now, self.peak, self.high = granularity, 0, 0, 0
+        self._bytes: dict[int, int] = {}
+        self._keys = WeakIdKeyDictionary()
+        self._next = 0
+
+    def _round(self, nbytes: int) -> int:
+        return -(-nbytes // self.granularity) * self.granularity
+
+    def _track(self, t: torch.Tensor, given: set = frozenset()) -> None:
+        for st in get_untyped_storages(t):
+            if st in self._keys or st._cdata in given:
+                continue
+            key, self._next = self._next, self._next + 1
+            self._keys[st] = key
+            self._bytes[key] = n = self._round(st.nbytes())
+            self._add(n)
+            weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self._bytes.pop(key, 0)
+
+    def _add(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        self.high = max(self.high, self.now)
+
+    def reset(self) -> tuple[int, int]:
+        """(now, peak since the last reset), and start a new peak."""
+        out = (self.now, self.peak)
+        self.peak = self.now
+        return out
+
+    def __enter__(self):
+        # FSDP allocates and frees its gathered parameters by resizing storages, which no dispatch mode sees.
+        self._fake = _active_fake()
+        self._resize = resize = torch.UntypedStorage.resize_
+
+        def tracked_resize(st, size):
+            resize(st, size)
+            key = self._keys.get(st)
+            if key is not None:
+                n = self._round(st.nbytes())
+                self._add(n - self._bytes[key])
+                self._bytes[key] = n
+
+        torch.UntypedStorage.resize_ = tracked_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if any(t is DTensor for t in types_):
+            return NotImplemented  # let DTensor run first: its local ops come back here
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            out = args[0]  # in eager a wait returns its input, where the fake kernel makes a new tensor
+        else:
+            out = func(*args, **(kwargs or {}))
+        # DTensor's sharding propagation runs ops in a fake mode of its own: they allocate nothing.
+        if _active_fake() is self._fake:
+            # An output sharing an input's storage (a view, an in-place op) allocated nothing.
+            given = {st._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                     for st in get_untyped_storages(t)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._track(t, given)
+        return out
+
+
+_INTEGRAL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_HISTOGRAMS = (aten.bincount.default, aten.histc.default)
+_SHADOW_LIMIT = 1 << 24
+_READS = (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default)
+
+
+class AssumedValues(TorchDispatchMode):
+    """Values where fake tensors have none but the step reads one: real values for the integer tensors
+    token routing makes, so that sizes read from them (split sizes, row counts) are those of balanced
+    routing (see the module docstring); and 1 for any other scalar the host reads (true: a finite
+    step, a set float8 scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        if any(t is DTensor for t in types_):
+            return NotImplemented
+        if func in _READS:
+            with unset_fake_temporarily():
+                value = self.values[args[0]].item() if args[0] in self.values else 1
+            return bool(value) if func is aten.is_nonzero.default or args[0].dtype == torch.bool else value
+
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            # Its fake kernel knows only the CUDA kernel's bf16; the sizes are those of any dtype.
+            out = func(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                         for a in args), **kwargs)
+            return torch.empty_strided(out.shape, out.stride(), dtype=args[0].dtype, device=DEVICE)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        known = bool(tensors) and all(t in self.values for t in tensors)
+        if func in _HISTOGRAMS and not known:
+            out = func(*args, **kwargs)
+            x = args[0]
+            bins = out.numel()
+            with unset_fake_temporarily():
+                real = torch.full((bins,), x.numel() // bins, dtype=out.dtype)
+                real[: x.numel() % bins] += 1
+            self.values[out] = real
+            return out
+        if known or not tensors:
+            real_args, real_kwargs = tree_map_only(torch.Tensor, lambda t: self.values[t], (args, kwargs))
+            try:
+                out = func(*args, **kwargs)
+            except Exception:  # a size only the values give (repeat_interleave by counts): make it from them
+                out = None
+            if out is None or any(isinstance(t, torch.Tensor) and t.dtype in _INTEGRAL
+                                  and t.numel() <= _SHADOW_LIMIT for t in tree_leaves(out)):
+                if "empty" in func.__name__:
+                    return out  # no values to know
+                with unset_fake_temporarily():
+                    real = func(*real_args, **real_kwargs)
+                if out is None:
+                    out = tree_map(
+                        lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=DEVICE)
+                        if isinstance(r, torch.Tensor) else r, real)
+                for f, r in zip(tree_leaves(out), tree_leaves(real)):
+                    if isinstance(f, torch.Tensor) and f.dtype in _INTEGRAL:
+                        self.values[f] = r
+            return out
+        out = func(*args, **kwargs)
+        if func is aten.topk.default:
+            # Balanced routing: row r picks candidates r*k .. r*k + k - 1, round-robin.
+            idx = out[1]
+            n = args[0].shape[args[2] if len(args) > 2 else kwargs.get("dim", -1)]
+            with unset_fake_temporarily():
+                self.values[idx] = (torch.arange(idx.numel()) % n).view(idx.shape).to(idx.dtype)
+        elif func.namespace in ("c10d", "_c10d_functional"):
+            source = next((self.values[t] for t in tensors if t in self.values), None)
+            if source is not None:
+                for t in [*tensors, *tree_leaves(out)]:
+                    if isinstance(t, torch.Tensor) and t.dtype in _INTEGRAL and t not in self.values:
+                        with unset_fake_temporarily():
+                            flat = source.reshape(-1).repeat(-(-t.numel() // max(source.numel(), 1)))
+                            self.values[t] = flat[: t.numel()].view(t.shape).to(t.dtype)
+        elif func._schema.is_mutable:
+            for t in tensors:  # written from values it does not know
+                self.values.pop(t, None)
+        return out
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What CUDA's fused SDPA kernels keep for backward: q, k, v, the output, the fp32 log-sum-exp of
+    each query row, and a given mask or bias; nothing seq x seq."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, torch.Tensor) else []))
+        ctx.mask_grad = isinstance(mask, torch.Tensor) and mask.requires_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, *_ = ctx.saved_tensors
+        mask = ctx.saved_tensors[5] if ctx.mask_grad else None
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
+            (torch.empty_like(mask) if mask is not None else None)
+
+
+def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _FusedAttention.apply(q, k, v, attn_mask)
+
+
+@contextlib.contextmanager
+def collective_buffers(live: LiveBytes, pools: dict[str, list[int]]):
+    """The two largest allocations of FSDP's all-gather and reduce-scatter calls (on a GPU they allocate
+    from their own streams' pools, which the caching allocator keeps for them)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    def watched(name, fn):
+        def call(*args, **kwargs):
+            start = live.high = live.now
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                pools[name] = sorted([*pools.get(name, []), live.high - start])[-2:]
+        return call
+
+    originals = {name: getattr(group, name) for name in ("foreach_all_gather", "foreach_reduce")}
+    for name, fn in originals.items():
+        setattr(group, name, watched(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(group, name, fn)
+
+
+@contextlib.contextmanager
+def own_propagation_mode():
+    """DTensor derives output shapes by running each op on global-shape tensors in the active fake mode
+    (ours): give it one of its own, as in eager, so that those tensors are not counted (with loss
+    parallel at 8B, seq 8192, TP 8: a whole-vocabulary fp32 tensor, +8 GiB)."""
+    from torch.distributed.tensor import _sharding_prop
+
+    original, mode = _sharding_prop.detect_fake_mode, fake_mode()
+    _sharding_prop.detect_fake_mode = lambda *a, **k: mode
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
+def gpu_attention(enabled: bool):
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    if enabled:
+        F.scaled_dot_product_attention = _fused_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

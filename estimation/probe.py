@@ -1,0 +1,370 @@
+"""Run a planned job's training step on fake tensors, one block of each kind, and measure it.
+
+The probe is the trainer's own code: the family's model on meta from the plan's args, the job's
+converters (float8), the real `parallelize_model` (the family's TP plan, CP, EP, activation
+checkpointing, FSDP) over a DeviceMesh of a fake process group of the job's world size (torch's
+FakeStore: collectives return at once), the real optimizer and the real `TrainStep`
+(`forward_backward` per microbatch, `update`), all inside FakeTensorMode: tensors have shapes,
+dtypes and storages, no data. It knows no module type and no family.
+
+One block per kind. Blocks are keyed by a signature (their module tree as printed, parameter
+shapes, how activation checkpointing wraps them). The probe keeps the first and last block, and
+for every other kind a pair of consecutive blocks of that kind (or one block where no two are
+adjacent); the others are deleted before parallelization. The pipeline split relies on the same
+thing: a model runs on any subset of its layers.
+
+What is measured. A dispatch mode counts the bytes of every tensor storage the step creates while
+it lives (each rounded up to 512 bytes, the CUDA caching allocator's block; FSDP's storage resizes
+included), and marks split the step into windows: before the first block, each block's forward
+(from its start to the next block's), the last block with the output end and the loss, the output
+end's backward, each block's backward (from the gradient of its output to the gradient of the
+previous block's), and the first block's backward with the input end's. A window keeps `keep`
+bytes and rises `over` bytes above where it began. The windows of a block of one kind between two
+of its kind are that kind's steady state; `estimation/layout.py` lays them out along the real
+model, its pipeline stages and the schedule's actions. Two microbatches are probed: the first
+creates gradients (and, under pipeline parallelism, FSDP's unsharded accumulators), the second
+finds them. What the parameters, gradients and optimizer state hold is read from the parallelized
+parameters themselves (their local shards and the optimizer's state tensors), per kind of block.
+
+The fake execution (the fake process group, the byte count, the values routing needs, the CUDA
+attention stand-in) is estimation/fake.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+
+from estimation.fake import (DEVICE, AssumedValues, LiveBytes, collective_buffers, fake_mode, fake_world,
+                             gpu_attention, own_propagation_mode)
+
+
+@dataclass
+class Window:
+    """A stretch of the step: the bytes it leaves (`keep`, negative when it frees more than it makes)
+    and how far it rises above where it began (`over`)."""
+
+    keep: int = 0
+    over: int = 0
+
+
+@dataclass
+class Static:
+    """What a group of parameters (a kind of block, an end of the model) holds between steps."""
+
+    params: int = 0     # local shards (and buffers), as parallelized
+    grads: int = 0      # their gradients, once reduced (the shards' shapes)
+    optimizer: int = 0  # the optimizer's state tensors for them
+
+    def __add__(self, o: Static) -> Static:
+        return Static(self.params + o.params, self.grads + o.grads, self.optimizer + o.optimizer)
+
+    def __mul__(self, k: int) -> Static:
+        return Static(self.params * k, self.grads * k, self.optimizer * k)
+
+
+@dataclass
+class Probe:
+    """What one probe of a plan measured, for its busiest tensor-parallel rank (rank 0)."""
+
+    kinds: list[str]                 # the kind (signature) of every layer of the model, in order
+    static: dict[str, Static]        # one block of each kind; the ends: "input", "output", "shared", "tied"
+    # Per probed microbatch: the forward window of a block of kind a followed by one of kind b, by
+    # (a, b); "input" (before the first block), "first" (the first block) and "tail" (the last block,
+    # the output end, the loss).
+    forward: list[dict]
+    # Per probed microbatch: the backward window of a block of kind a preceded by one of kind b, by
+    # (a, b); "output" (the output end's), "last" (the last block's), "head" (the first block's and
+    # the input end's) and "release" (after backward: the step lets go of the output and the batch).
+    backward: list[dict]
+    reduce: Window = field(default_factory=Window)  # pipeline parallel: the gradient reduction at the end
+    update: Window = field(default_factory=Window)  # clipping and the optimizer step
+    stage_input: int = 0             # bytes of the hidden state entering a block (a pipeline stage's input)
+    # The two largest buffers one FSDP all-gather ("foreach_all_gather") and one reduce-scatter
+    # ("foreach_reduce") allocate.
+    pools: dict[str, list[int]] = field(default_factory=dict)
+    probed_params: int = 0           # parameter and gradient bytes of the probed blocks and ends
+    probed_grads: int = 0
+    microbatch: int = 0              # samples per probed microbatch
+    probed_layers: int = 0
+    # Pipeline parallel: every pipeline rank's actions in torch's own schedule, as (computation type,
+    # stage, microbatch), e.g. ("FORWARD", 0, 3).
+    actions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def signature(key: str, block: nn.Module, ac: tuple[str, str]) -> str:
+    from titanlike.parallel.activation_checkpoint import checkpointing
+
+    shapes = [(n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()]
+    return f"{block!r}|{shapes}|{checkpointing(key, *ac)}"
+
+
+def probed_layers(kinds: list[str]) -> dict[tuple[str, str], int]:
+    """For every pair of kinds that follow each other somewhere in the model, the first layer i with
+    (kinds[i], kinds[i + 1]) that pair, preferring pairs away from the ends (the first block's forward
+    and the last block's backward also do the ends' work)."""
+    where: dict[tuple[str, str], int] = {}
+    inner = lambda i: 1 <= i and i + 2 < len(kinds)  # noqa: E731
+    for i, pair in enumerate(zip(kinds, kinds[1:])):
+        if pair not in where or (inner(i) and not inner(where[pair])):
+            where[pair] = i
+    return where
+
+
+def _kept(kinds: list[str], where: dict) -> list[int]:
+    """The layers a probe keeps: the first, the last, and each probed pair."""
+    return sorted({0, len(kinds) - 1, *where.values(), *(i + 1 for i in where.values())})
+
+
+def _storage_bytes(tensors, granularity: int, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        for st in get_untyped_storages(t.to_local() if isinstance(t, DTensor) else t):
+            if st._cdata not in seen and st.nbytes():
+                seen.add(st._cdata)
+                total += -(-st.nbytes() // granularity) * granularity
+    return total
+
+
+def _static(params, buffers, optimizer, granularity: int) -> Static:
+    seen: set = set()
+    s = Static()
+    for p in params:
+        n = _storage_bytes([p], granularity, seen)
+        state = [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)] if n else []
+        s = s + Static(n, n if p.requires_grad else 0, _storage_bytes(state, granularity, set()))
+    return s + Static(params=_storage_bytes(list(buffers), granularity, seen))
+
+
+def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularity: int) -> dict[str, Static]:
+    """Parameter, gradient and optimizer bytes of one block of each kind, and of each end ("input",
+    "output", "shared": held by every pipeline stage), plus "tied": what both ends hold (a tied
+    embedding), counted once on a stage that holds both."""
+    out: dict[str, Static] = {}
+    for key, block in part.layers.items():
+        if kinds[key] not in out:
+            out[kinds[key]] = _static(block.parameters(), block.buffers(), optimizer, granularity)
+    named: dict[str, list] = {"input": [], "output": [], "shared": []}
+    buffers: dict[str, list] = {"input": [], "output": [], "shared": []}
+    for items, into in ((part.named_parameters(remove_duplicate=False), named), (part.named_buffers(), buffers)):
+        for name, t in items:
+            top = name.split(".")[0]
+            if top != "layers":
+                end = ("input" if ends is not None and top in ends.inputs else
+                       "output" if ends is not None and top in ends.outputs else "shared")
+                into[end].append(t)
+    for end in named:
+        out[end] = _static(named[end], buffers[end], optimizer, granularity)
+    both = [p for p in named["input"] if any(p is q for q in named["output"])]
+    out["tied"] = _static(both, [], optimizer, granularity)
+    return out
+
+
+def _fake_microbatch(plan, batch: int, positions):
+    """One microbatch as the trainer hands it to the step (the objective's fields, prepared)."""
+    from titanlike.objectives.base import BatchContext
+
+    t = plan.cfg.training
+    fields = {name: torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=DEVICE)
+              for name, (shape, dtype) in plan.objective.sample_fields(t.seq_len).items()}
+    # Values do not matter to fake tensors: token 0 stands in for the end of document.
+    ctx = BatchContext(DEVICE, cp_positions=positions, mask_kernel=None if positions is not None else "sdpa",
+                       eos_id=0, lookahead_tokens=plan.model_args.lookahead_tokens)
+    return plan.objective.prepare(fields, ctx)
+
+
+def _local_bytes(t) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int | None = None) -> Probe:
+    """Probe `plan` (a JobPlan); see the module docstring. microbatch: samples per microbatch (default:
+    the job's local batch, or its pipeline microbatch under pipeline parallelism)."""
+    import logging
+    import time
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from titanlike.models.converters import build_model_converters
+    from titanlike.parallel.context import load_balanced_positions, require_context_parallel_hooks
+    from titanlike.parallel.parallel_dims import ParallelDims
+    from titanlike.parallel.parallelize import parallelize_model
+    from titanlike.train.optimizer import build_optimizer
+    from titanlike.train.step import StepLoss, TrainStep
+
+    began = time.perf_counter()
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    cfg, args, spec, d = plan.cfg, plan.model_args, plan.spec, plan.dims
+    t, ac = cfg.training, (plan.parallelize.activation_checkpoint_mode, plan.parallelize.selective_ac_option)
+    dims = ParallelDims(d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp, d.ep, d.world_size)
+    pipelined, fsdp = dims.pp_enabled, None
+    batch = microbatch or (plan.batch.pipeline_microbatch_size if pipelined else t.local_batch_size)
+    passes = 2 if pipelined or plan.batch.grad_accum_steps > 1 else 1
+    marks: list[tuple] = []
+    inputs: list[int] = []
+    pools: dict[str, list[int]] = {}
+    gc_was = gc.isenabled()
+    with fake_world(dims.world_size), gpu_attention(device == "cuda"), own_propagation_mode():
+        dims.build_mesh(DEVICE.type, experts=args.moe_args() is not None)
+        actions = _schedule_actions(plan, dims) if pipelined else {}
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        # float8 matmuls as on the GPU (torch._scaled_mm, whose fake kernel runs anywhere) rather than
+        # emulated in fp32, which a job needs on CPU only.
+        float8 = dataclasses.replace(cfg.float8, emulate=False) if device == "cuda" else cfg.float8
+        converters = build_model_converters(cfg.model.converters, float8)
+        converters.convert(model)
+        keys = list(model.layers.keys())
+        kinds = [signature(k, model.layers[k], ac) for k in keys]
+        where = probed_layers(kinds)
+        kept = _kept(kinds, where)
+        for i, k in enumerate(keys):
+            if i not in kept:
+                del model.layers[k]
+        kind_of = {keys[i]: kinds[i] for i in kept}
+        if dims.cp_enabled:
+            require_context_parallel_hooks(model)
+        part = parallelize_model(model, spec.shard, dims, plan.parallelize)
+        fsdp = part if isinstance(part, FSDPModule) else None
+        mode = fake_mode()
+        values = AssumedValues()
+        with mode, values:
+            part.to_empty(device=DEVICE)
+            part.train()
+            optimizer = build_optimizer([part], cfg.optimizer)
+            # Take one step first: optimizer state is made once, not every step.
+            for p in part.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            optimizer.step()
+            converters.post_optimizer_step([part])
+            optimizer.zero_grad(set_to_none=True)
+            static = _statics(part, optimizer, kind_of, spec.pipeline_ends, granularity)
+            positions = load_balanced_positions(t.seq_len, dims.cp, 0, DEVICE) if dims.cp_enabled else None
+            global_tokens = torch.tensor(float(t.local_batch_size * t.seq_len), device=DEVICE)
+            scaled = plan.precision.loss_scaling != "none"
+
+            def started(grad):
+                mark("backward")
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: mark("backward done"))
+
+            def loss_fn(output, labels):
+                loss = plan.objective.loss(output, labels)
+                loss.register_hook(started)
+                return loss
+
+            step = TrainStep.for_plan(plan, dims, model_parts=[part], device=DEVICE, optimizer=optimizer,
+                                      step_loss=StepLoss(loss_fn, torch.ones((), device=DEVICE) if scaled else None),
+                                      converters=converters)
+            live = LiveBytes(granularity)
+
+            def mark(label):
+                marks.append((label, *live.reset()))
+
+            def on_output(key):
+                def hook(module, args_, output):
+                    out = next((o for o in tree_leaves(output) if isinstance(o, torch.Tensor) and o.requires_grad),
+                               None)
+                    if out is not None:
+                        out.register_hook(lambda g: mark(("b", key)))
+                return hook
+
+            def on_input(key):
+                def hook(module, args_):
+                    x = next((a for a in tree_leaves(args_) if isinstance(a, torch.Tensor)), None)
+                    inputs.append(_local_bytes(x))
+                    mark(("f", key))
+                return hook
+
+            # Before FSDP's own hooks: a block's window holds the gathering of its weights, forward and backward.
+            for key, block in part.layers.items():
+                block.register_forward_pre_hook(on_input(key), prepend=True)
+                block.register_forward_hook(on_output(key), prepend=True)
+            gc.collect()
+            gc.disable()  # fake tensors are freed by reference counting; the collector only costs time
+            try:
+                with live, collective_buffers(live, pools):
+                    for i in range(passes):
+                        mark(("start", i))
+                        mb = _fake_microbatch(plan, batch, positions)
+                        if pipelined and fsdp is not None:  # as torch's pipeline stage runs every backward
+                            fsdp.set_is_last_backward(False)
+                            fsdp.set_reshard_after_backward(False)
+                            fsdp.set_requires_gradient_sync(False)
+                        step.forward_backward(mb)
+                        del mb
+                        mark(("end", i))
+                    if pipelined and fsdp is not None:
+                        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+                        _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=fsdp), 1)
+                    mark("reduced")
+                    step.update(torch.zeros((), device=DEVICE), global_tokens, torch.zeros(0, device=DEVICE))
+                    mark("updated")
+            finally:
+                if gc_was:
+                    gc.enable()
+    out = Probe(kinds=kinds, static=static, forward=[], backward=[], microbatch=batch, probed_layers=len(kept),
+                stage_input=max(inputs, default=0), actions=actions, pools=pools)
+    probed = [static[k] for k in kind_of.values()] + [static[e] for e in ("input", "output", "shared")]
+    out.probed_params = sum(s.params for s in probed) - static["tied"].params
+    out.probed_grads = sum(s.grads for s in probed) - static["tied"].grads
+    _windows(out, marks, kinds, where, keys, passes)
+    out.seconds = time.perf_counter() - began
+    return out
+
+
+def _schedule_actions(plan, dims) -> dict[int, list[tuple[str, int, int]]]:
+    """torch's action list for every pipeline rank (its schedule built on placeholder stages)."""
+    from titanlike.parallel.pipeline import build_schedule
+
+    layout = plan.pipeline
+    parts = [nn.Linear(1, 1, bias=False, device="meta") for _ in layout.stages_of_rank(0)]
+    runner = build_schedule(parts, layout, dims.mesh("pp"), DEVICE, schedule=plan.cfg.parallelism.pipeline_parallel_schedule,
+                            n_microbatches=plan.batch.pipeline_microbatches, loss_fn=lambda out, target: out.sum())
+    order = getattr(runner.schedule, "pipeline_order", None) or {}
+    return {rank: [(x.computation_type.name, x.stage_index, x.microbatch_index)
+                   for a in actions if a is not None for x in (a.sub_actions or [a])]
+            for rank, actions in order.items()}
+
+
+def _window(marks, a: int, b: int) -> Window:
+    start = marks[a][1]
+    return Window(keep=marks[b][1] - start, over=max(m[2] for m in marks[a + 1:b + 1]) - start)
+
+
+def _windows(out: Probe, marks: list, kinds: list[str], where: dict, keys: list[str], passes: int) -> None:
+    at = {m[0]: i for i, m in enumerate(marks)}
+    for p in range(passes):
+        start, end = at[("start", p)], at[("end", p)]
+        here = range(start, end + 1)
+        local = {marks[i][0]: i for i in here}
+        f = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "f"]
+        b = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "b"]
+        bwd = next(i for i in here if marks[i][0] == "backward")
+        fw: dict = {"input": _window(marks, start, f[0]), "first": _window(marks, f[0], f[1] if len(f) > 1 else bwd),
+                    "tail": _window(marks, f[-1], bwd)}
+        done = next(i for i in here if marks[i][0] == "backward done")
+        bw: dict = {"output": _window(marks, bwd, b[0]), "last": _window(marks, b[0], b[1] if len(b) > 1 else done),
+                    "head": _window(marks, b[-1], done), "release": _window(marks, done, end)}
+        for pair, i in where.items():
+            x, y = (local.get((kind, keys[j]), -1) for kind, j in (("f", i), ("f", i + 1)))
+            if start < x < y < end:
+                fw[pair] = _window(marks, x, y)
+            x, y = (local.get((kind, keys[j]), -1) for kind, j in (("b", i + 1), ("b", i)))
+            if start < x < y < end:
+                bw[pair[::-1]] = _window(marks, x, y)
+        out.forward.append(fw)
+        out.backward.append(bw)
+    last_end = at[("end", passes - 1)]
+    out.reduce = _window(marks, last_end, at["reduced"])
+    out.update = _window(marks, at["reduced"], at["updated"])

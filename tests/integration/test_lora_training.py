@@ -1,0 +1,101 @@
+"""LoRA through train.py: from a Hugging Face folder, SFT with adapters, to a merged Hugging Face
+export and a PEFT adapter that `peft` loads onto the base transformers model with the same logits;
+and FSDP / TP runs with adapters equal to one process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import REPO, launch, train_metrics
+from sft_assets import TAGGED, tokenizer_folder
+
+DATA = str(REPO / "tests" / "assets" / "sft" / "reverse_words.jsonl")
+
+
+def test_lora_from_a_hugging_face_folder_to_a_peft_adapter(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import titanlike
+    from titanlike.data import build_tokenizer
+    from titanlike.models.llama3 import llama3_flavors
+    from titanlike.models.registry import get_model_spec
+
+    hf_folder = tokenizer_folder(tmp_path / "hf", TAGGED["chatml"])
+    tokenizer = build_tokenizer(str(hf_folder))
+    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], vocab_size=tokenizer.vocab_size, max_seq_len=2048)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**get_model_spec("llama3").hf.args_to_config(args))) \
+        .save_pretrained(hf_folder)
+    dump = tmp_path / "out"
+    proc = launch(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.flavor",
+                   "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
+                   "--checkpoint.last_save_in_hf", "--training.steps", "4", "--training.seq_len", "64",
+                   "--training.local_batch_size", "4", "--metrics.no_enable_tensorboard", "--job.dump_folder", str(dump)])
+    assert "lora: rank 8, alpha 16 on 32 linear layers" in proc.stdout + proc.stderr
+    export = dump / "checkpoint" / "step-4"
+    tokens = torch.randint(0, tokenizer.vocab_size, (2, 16))
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(export).eval()(tokens).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval()
+        before = base(tokens).logits
+        with_adapter = peft.PeftModel.from_pretrained(base, export / "adapter").eval()(tokens).logits
+        torch.testing.assert_close(with_adapter, merged, rtol=0, atol=1e-4)
+        torch.testing.assert_close(titanlike.load_model(export)(tokens), merged, rtol=0, atol=1e-4)
+        assert (merged - before).abs().max() > 1e-4  # the adapters trained
+
+    # Import: a new run starts from the base folder and the adapter (a learning rate too small to move
+    # anything), and exports the same merged model.
+    again = tmp_path / "again"
+    launch(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.flavor",
+            "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
+            "--checkpoint.last_save_in_hf", "--training.steps", "1", "--training.seq_len", "64",
+            "--training.local_batch_size", "4", "--optimizer.lr", "1e-12", "--metrics.no_enable_tensorboard",
+            "--lora.adapter_path", str(export / "adapter"), "--job.dump_folder", str(again)])
+    with torch.no_grad():
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(again / "checkpoint" / "step-1").eval()
+        torch.testing.assert_close(reloaded(tokens).logits, merged, rtol=0, atol=1e-4)
+
+
+LORA_SFT = ("--model.converters", "lora", "--training.objective", "sft", "--training.dataset", "text",
+            "--training.dataset_path", DATA, "--training.steps", "4", "--optimizer.lr", "1e-2",
+            "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4", "--training.global_batch_size", "8")
+LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
+           "cp": ("--parallelism.context_parallel_degree", "2"),
+           "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2")}
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*LORA_SFT, name="one")
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["fsdp"], name="fsdp", nproc=2)
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["tp"], name="tp", nproc=2)
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["cp"], name="cp", nproc=2)
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["pp"], name="pp", nproc=2)
+def test_sft_with_lora_layouts_match_one_process(train_runs):
+    """SFT (packed, document masks) with adapters: FSDP2, TP2, CP2 and PP2 equal one process, step by
+    step (loss and gradient norm), at a learning rate high enough that a wrong gradient shows."""
+    one = [(r["loss"], r["grad_norm"]) for r in train_runs["one"].metrics]
+    assert len(one) == 4 and one[-1][0] < one[0][0]  # the adapters learn
+    for name in LAYOUTS:
+        got = [(r["loss"], r["grad_norm"]) for r in train_runs[name].metrics]
+        assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in one], abs=5e-5), name
+        assert [norm for _, norm in got] == pytest.approx([norm for _, norm in one], rel=1e-4), name
+
+
+def test_sft_with_lora_resumes_exactly_mid_epoch(tmp_path):
+    """Stopped after step 2 of 4 (mid-epoch: 32 of ~250 samples) and resumed from its checkpoint, the
+    run gives the uninterrupted run's steps 3 and 4 bit for bit: the adapters, their optimizer state
+    and the position in the shuffled conversations are in the checkpoint."""
+    import shutil
+
+    job = ["--model.converters", "lora", "--training.objective", "sft", "--training.dataset", "text",
+           "--training.dataset_path", DATA, "--training.steps", "4", "--training.local_batch_size", "4",
+           "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
+    whole = train_metrics(tmp_path, "whole", *job)
+    shutil.rmtree(tmp_path / "whole" / "checkpoint" / "step-4")
+    (tmp_path / "whole" / "metrics.jsonl").unlink()
+    resumed = train_metrics(tmp_path, "whole", *job)
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]

@@ -1,0 +1,112 @@
+"""Supervised fine-tuning through train.py: the debug preset learns its synthetic task (exact-match
+accuracy of greedy answers on held-out questions, before and after), and the user's path from a
+Hugging Face folder (a tiny random transformers model with a chat template) to a Hugging Face
+folder, with the held-out split's loss and assistant-token accuracy."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, launch, read_metrics
+from sft_assets import TAGGED, exact_match, first_word_task, reverse_task, tokenizer_folder, write_jsonl
+
+PRESET = ["--job.config_file", str(REPO / "train_configs" / "sft_debug.toml"), "--metrics.no_enable_tensorboard"]
+
+
+def test_sft_preset_learns_the_task(tmp_path, capsys):
+    import titanlike
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+    from titanlike.data.chat_template import load_chat_template
+
+    tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
+    template = load_chat_template("auto", tokenizer)
+    held_out = [r for r in reverse_task(60, seed=1, words=2)]
+    started = time.perf_counter()
+    launch([*PRESET, "--job.dump_folder", str(tmp_path / "seed"), "--checkpoint.create_seed_checkpoint"])
+    before = exact_match(titanlike.load_model(tmp_path / "seed" / "checkpoint"), tokenizer, template, held_out)
+    proc = launch([*PRESET, "--job.dump_folder", str(tmp_path / "sft"), "--checkpoint.last_save_in_hf"])
+    sft_export = tmp_path / "sft" / "checkpoint" / "step-60"
+    after = exact_match(titanlike.load_model(sft_export), tokenizer, template, held_out)
+    assert "sft: " in proc.stdout + proc.stderr and "trained) in" in proc.stdout + proc.stderr
+    figures = (f"exact match on {len(held_out)} held-out questions: {before:.0%} before, {after:.0%} after "
+               f"({time.perf_counter() - started:.0f} s)")
+    assert before < 0.05 and after > 0.5, figures
+
+    # scripts/generate.py answers in the chat format.
+    from titanlike.cli import generate
+
+    assert generate.main([str(sft_export), "--chat", "--prompt", "reverse: king fish", "--temperature", "0",
+                          "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip().endswith("> fish king")
+
+    # LoRA adapters on the fine-tuned model (its Hugging Face export) learn a second task.
+    task = write_jsonl(tmp_path / "first.jsonl", first_word_task(1000, seed=0))
+    second = first_word_task(60, seed=1)
+    lora_before = exact_match(titanlike.load_model(sft_export), tokenizer, template, second)
+    launch(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--metrics.no_enable_tensorboard",
+            "--model.hf_assets_path", str(sft_export), "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf",
+            "--training.dataset_path", str(task), "--training.steps", "30", "--job.dump_folder", str(tmp_path / "lora")])
+    lora_after = exact_match(titanlike.load_model(tmp_path / "lora" / "checkpoint" / "step-30"), tokenizer, template,
+                             second)
+    figures += f"; LoRA on the second task: {lora_before:.0%} before, {lora_after:.0%} after"
+    assert lora_before < 0.05 and lora_after > 0.5, figures
+    print(figures, f"({time.perf_counter() - started:.0f} s in all)")
+
+
+def test_sft_from_a_hugging_face_folder_to_one(tmp_path):
+    """A random transformers Llama with a chat template -> train.py (its weights loaded: the first loss
+    is the HF model's on the first batch) -> a Hugging Face folder transformers loads with our logits;
+    validation reports the held-out conversations' loss and assistant-token accuracy."""
+    transformers = pytest.importorskip("transformers")
+    import titanlike
+    from titanlike.data import build_tokenizer
+    from titanlike.models.llama3 import llama3_flavors
+    from titanlike.models.registry import get_model_spec
+    from titanlike.objectives import SFT, SFTOptions
+    from titanlike.objectives.base import BatchContext
+
+    hf_folder = tokenizer_folder(tmp_path / "hf", TAGGED["chatml"])
+    tokenizer = build_tokenizer(str(hf_folder))
+    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], vocab_size=tokenizer.vocab_size, max_seq_len=2048)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**get_model_spec("llama3").hf.args_to_config(args)))
+    hf.save_pretrained(hf_folder)
+    data = write_jsonl(tmp_path / "conv.jsonl", reverse_task(200, seed=3, words=2))
+    dump = tmp_path / "out"
+    launch([*PRESET, "--model.flavor", "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder),
+            "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--training.dataset_path", str(data),
+            "--training.steps", "3", "--training.local_batch_size", "2", "--training.seq_len", "64",
+            "--metrics.log_freq", "1", "--metrics.enable_jsonl", "--validation.enable", "--validation.freq", "3",
+            "--training.split", "90,10", "--job.dump_folder", str(dump)])
+    records = read_metrics(dump)
+
+    # The first step's loss is the HF model's on the first batch the loader gives (same samples).
+    objective = SFT(SFTOptions())
+    samples = objective.samples("text", dataset_path=str(data), tokenizer=tokenizer, seq_len=64, seed=0,
+                                split="90,10", split_name="train")
+    from titanlike.data.loader import build_dataloader_from_source
+
+    loader = build_dataloader_from_source(samples.source, seq_len=64, local_batch_size=2, global_batch_size=2,
+                                          dp_rank=0, dp_degree=1, seed=0, shuffle=True,
+                                          sample_fields=samples.fields)
+    mb = objective.prepare(next(iter(loader)), BatchContext(torch.device("cpu"), mask_kernel="sdpa"))
+    ours = titanlike.load_model(hf_folder)
+    with torch.no_grad():
+        want = (objective.loss(ours(mb.inputs, **mb.forward_kwargs()), mb.labels) / (mb.labels != -100).sum()).item()
+    assert abs(records[0]["loss"] - want) < 1e-4, (records[0]["loss"], want)
+    validation = [r for r in records if "validation_loss" in r]
+    assert validation and 0 <= validation[-1]["validation_accuracy"] <= 1 and validation[-1]["validation_tokens"] > 0
+
+    # The exported folder: transformers loads it and gives our logits.
+    export = next(p for p in (dump / "checkpoint").iterdir() if p.is_dir())
+    assert (export / "config.json").exists(), sorted(p.name for p in export.iterdir())
+    back = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    trained = titanlike.load_model(export)
+    tokens = torch.randint(0, tokenizer.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, trained(tokens), rtol=0, atol=1e-4)
+        assert not torch.allclose(back(tokens).logits, hf(tokens).logits)  # it trained

@@ -1,0 +1,153 @@
+"""LoRA: adapters on a frozen model, written in the PEFT format that `peft` loads onto the
+transformers model with our logits, merged into a full Hugging Face export, read back; bad targets
+and adapters refused in one sentence."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from titanlike.models.lora import LoRALinear, LoRAOptions, adapters, apply_lora, export_peft, load_peft, merged_state_dict
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "feed_forward.w2"]
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    from titanlike.models.llama3 import llama3_flavors
+    from titanlike.models.registry import get_model_spec
+
+    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=2, vocab_size=256, max_seq_len=64)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**get_model_spec("llama3").hf.args_to_config(args)))
+    folder = tmp_path_factory.mktemp("lora") / "hf"
+    hf.save_pretrained(folder)
+    return folder
+
+
+def _lora_model(hf_folder, options: LoRAOptions, seed: int = 1):
+    import titanlike
+
+    model = titanlike.load_model(hf_folder)
+    targets = apply_lora(model, options)
+    torch.manual_seed(seed)
+    with torch.no_grad():  # both matrices non-zero, as after training
+        for module in adapters(model).values():
+            module.lora_a.normal_(0, 0.1)
+            module.lora_b.normal_(0, 0.1)
+    return model, targets
+
+
+def test_adapters_freeze_the_base_and_swap_only_the_targets(hf_folder):
+    model, targets = _lora_model(hf_folder, LoRAOptions(rank=4, alpha=8, target_modules=TARGETS))
+    assert targets == sorted(f"layers.{i}.{n}" for i in range(2) for n in
+                             ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w2"))
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == sorted(f"{t}.{x}" for t in targets for x in ("lora_a", "lora_b"))
+    # B = 0 at initialization: the adapted model is the base model.
+    import titanlike
+
+    base = titanlike.load_model(hf_folder)
+    fresh = titanlike.load_model(hf_folder)
+    apply_lora(fresh, LoRAOptions(rank=4, target_modules=TARGETS))
+    for fqn, module in adapters(fresh).items():
+        module.init_adapter(seed=0, fqn=fqn)
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(tokens), base(tokens), rtol=0, atol=0)
+    assert all(isinstance(m, LoRALinear) for m in adapters(fresh).values())
+
+
+def test_peft_loads_our_adapter_onto_the_transformers_model_with_our_logits(hf_folder, tmp_path):
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec("llama3")
+    options = LoRAOptions(rank=4, alpha=8, target_modules=TARGETS)
+    model, _ = _lora_model(hf_folder, options)
+    written = export_peft(model.state_dict(), spec, model.model_args, str(tmp_path / "adapter"), options)
+    assert written == ["down_proj", "k_proj", "o_proj", "q_proj", "v_proj"]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
+
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        ours = model(tokens)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval()
+        peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+        torch.testing.assert_close(peft_model(tokens).logits, ours, rtol=0, atol=1e-4)
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval()
+        assert (base(tokens).logits - ours).abs().max() > 1e-2  # the adapters change the logits
+
+        # Merged: W + (alpha / r) B A, through the family's HF conversion, in a plain transformers model.
+        merged = spec.hf.to_hf_state_dict(merged_state_dict(model.state_dict()),
+                                          model.model_args)
+        base.load_state_dict(merged, strict=False)
+        torch.testing.assert_close(base(tokens).logits, ours, rtol=0, atol=1e-4)
+
+        # Import: the folder read back into fresh adapters gives the same model.
+        again, _ = _lora_model(hf_folder, options, seed=2)
+        load_peft(again, str(tmp_path / "adapter"))
+        torch.testing.assert_close(again(tokens), ours, rtol=0, atol=1e-5)
+
+
+def test_bad_targets_and_adapters_are_refused_in_one_sentence(hf_folder, tmp_path):
+    import titanlike
+    from titanlike.models.registry import get_model_spec
+
+    with pytest.raises(ValueError, match="lora.target_modules qkv_proj matches no linear layer") as e:
+        apply_lora(titanlike.load_model(hf_folder), LoRAOptions(target_modules=["q_proj", "qkv_proj"]))
+    assert "\n" not in str(e.value)
+    options = LoRAOptions(rank=4, alpha=8, target_modules=["q_proj"])
+    model, _ = _lora_model(hf_folder, options)
+    export_peft(model.state_dict(), get_model_spec("llama3"), model.model_args, str(tmp_path / "a"), options)
+    other_rank, _ = _lora_model(hf_folder, LoRAOptions(rank=2, alpha=8, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="of rank 4 and alpha 8; this job's adapters have rank 2"):
+        load_peft(other_rank, str(tmp_path / "a"))
+    more, _ = _lora_model(hf_folder, LoRAOptions(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="has no adapter for model.layers.0.self_attn.v_proj"):
+        load_peft(more, str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="is not a PEFT adapter folder"):
+        load_peft(model, str(tmp_path))
+
+
+def test_load_model_folds_a_lora_checkpoints_adapters_in(hf_folder, tmp_path):
+    """A LoRA job's DCP (base weights, adapters and their scale) loads as the plain model with the
+    adapters merged: the adapted model's logits."""
+    import titanlike
+    from family_checks import write_model_only_dcp
+
+    model, _ = _lora_model(hf_folder, LoRAOptions(rank=4, alpha=8, target_modules=TARGETS))
+    write_model_only_dcp(model, "llama3", model.model_args, tmp_path / "dcp")
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(titanlike.load_model(tmp_path / "dcp")(tokens), model(tokens), rtol=0, atol=1e-5)
+    # convert_dcp_to_hf writes the merged model.
+    from titanlike.checkpoint.hf import export_dcp_to_hf
+
+    export_dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf_out"))
+    with torch.no_grad():
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+        torch.testing.assert_close(back(tokens).logits, model(tokens), rtol=0, atol=1e-4)
+
+
+def test_an_adapter_of_another_rank_or_not_an_adapter_is_refused_before_training(hf_folder, tmp_path):
+    from titanlike.config import load_job_config
+    from titanlike.config.loader import ConfigError
+    from titanlike.models.registry import get_model_spec
+    from titanlike.train.plan import plan_job
+
+    options = LoRAOptions(rank=4, alpha=8, target_modules=["q_proj"])
+    model, _ = _lora_model(hf_folder, options)
+    export_peft(model.state_dict(), get_model_spec("llama3"), model.model_args, str(tmp_path / "a"), options)
+    for argv, words in [(["--lora.rank", "2", "--lora.adapter_path", str(tmp_path / "a")],
+                         "holds adapters of rank 4 and alpha 8, but lora.rank is 2"),
+                        (["--lora.adapter_path", str(tmp_path)], "is not a PEFT adapter folder")]:
+        with pytest.raises(ConfigError) as e:
+            plan_job(load_job_config(["--model.converters", "lora", *argv, "--job.dump_folder", str(tmp_path / "o")]), 1)
+        assert words in str(e.value) and "\n" not in str(e.value)

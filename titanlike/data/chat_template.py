@@ -1,0 +1,321 @@
+"""Chat templates: a conversation rendered to token ids, with the mask of the assistant's tokens.
+
+Rendering follows `transformers`' `apply_chat_template` so that a model fine-tuned here sees at
+inference exactly the tokens it was trained on: the template (Jinja, from the tokenizer folder's
+`tokenizer_config.json` `chat_template` or `chat_template.jinja`) runs in a sandboxed environment
+with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, transformers' `tojson`,
+`raise_exception`, `strftime_now`, `dict` and `namespace`, and the tokenizer's special-token
+strings (`bos_token`, `eos_token`, ...) as variables. The rendered text is tokenized whole, with the
+special-token strings the template wrote read as special tokens (`add_special_tokens=False`: the
+template places BOS itself).
+
+The assistant mask: a template may wrap what the model must learn to write in
+`{% generation %}...{% endgeneration %}`; a token is the assistant's when its characters overlap
+such a span (transformers' `return_assistant_tokens_mask=True`). A template without generation
+tags (most published ones) is re-rendered on prefixes instead: for each assistant turn k, the
+conversation up to k with the generation prompt, and up to k included; the characters between the
+two ends are that turn's (what TRL and torchtitan do for prompt/completion pairs). That needs each
+prefix's rendering to be a prefix of the whole one; a template that rewrites earlier turns (Qwen3
+drops old reasoning) cannot be split so and is refused in one sentence, naming generation tags.
+
+Templates of our own serve tokenizers without one (`BUILTIN_TEMPLATES`): Llama 3's format (whose
+header and end-of-turn tokens every Llama-3-format tokenizer, the debug one included, has) and
+ChatML, both with generation tags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Sequence
+
+from titanlike.data.errors import DataError
+
+# Llama 3.x's published format, trimmed of tools and dates, with generation tags around what the
+# assistant writes (its text and its end-of-turn token).
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+BUILTIN_TEMPLATES = {"llama3": LLAMA3_TEMPLATE, "chatml": CHATML_TEMPLATE}
+
+# The tokenizer_config.json entries a template may read as variables (transformers passes its
+# special_tokens_map).
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A template's source, where it came from (for messages), and the variables it renders with."""
+
+    source: str
+    origin: str  # "tokenizer_config.json of FOLDER", "titanlike's llama3 template", a file path
+    variables: dict[str, str]
+
+    @property
+    def has_generation_tags(self) -> bool:
+        import re
+
+        return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
+
+
+def _config_token(value: Any) -> str | None:
+    # tokenizer_config.json writes a token as a string or as {"content": "<s>", ...}.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def folder_chat_template(folder: str) -> str | None:
+    """The chat template a Hugging Face tokenizer folder holds (`chat_template.jinja`, or
+    tokenizer_config.json's `chat_template`, a string or a list of named templates whose "default"
+    is taken), or None."""
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return f.read()
+    config = _tokenizer_config(folder)
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+def _tokenizer_config(folder: str) -> dict:
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is not valid JSON: {e}") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _token_string(tokenizer, token_id: int | None) -> str | None:
+    if token_id is None:
+        return None
+    return tokenizer.decode([token_id])
+
+
+def load_chat_template(choice: str, tokenizer, *, option: str = "sft.chat_template") -> ChatTemplate:
+    """The template `choice` names for `tokenizer`: "auto" (the tokenizer folder's, else titanlike's
+    llama3), "tokenizer" (the folder's, required), "llama3" / "chatml" (ours), or a path to a Jinja
+    file. DataError (one sentence) when it cannot be had or does not compile."""
+    folder = getattr(tokenizer, "path", None)
+    folder = folder if folder and os.path.isdir(folder) else None
+    variables: dict[str, str] = {}
+    if folder is not None:
+        config = _tokenizer_config(folder)
+        variables = {k: v for k in _SPECIAL_TOKEN_KEYS if (v := _config_token(config.get(k))) is not None}
+    # BOS / EOS as the tokenizer itself resolves them, where tokenizer_config.json is silent.
+    variables.setdefault("bos_token", _token_string(tokenizer, getattr(tokenizer, "bos_id", None)) or "")
+    variables.setdefault("eos_token", _token_string(tokenizer, getattr(tokenizer, "eos_id", None)) or "")
+    if choice in BUILTIN_TEMPLATES:
+        source, origin = BUILTIN_TEMPLATES[choice], f"titanlike's {choice} template"
+    elif choice in ("auto", "tokenizer"):
+        source = folder_chat_template(folder) if folder is not None else None
+        origin = f"the chat_template of {folder}"
+        if source is None:
+            if choice == "tokenizer":
+                where = folder if folder is not None else f"the tokenizer {getattr(tokenizer, 'path', tokenizer)}"
+                raise DataError(f"{option} tokenizer: {where} has no chat_template (tokenizer_config.json or "
+                                "chat_template.jinja); name one of titanlike's (llama3, chatml) or a Jinja file")
+            source, origin = LLAMA3_TEMPLATE, "titanlike's llama3 template (the tokenizer has none)"
+    else:
+        if not os.path.isfile(choice):
+            raise DataError(f"{option} {choice!r} is neither auto, tokenizer, {', '.join(BUILTIN_TEMPLATES)} nor "
+                            "an existing Jinja file")
+        with open(choice, encoding="utf-8") as f:
+            source, origin = f.read(), choice
+    try:
+        _compile(source)
+    except Exception as e:  # jinja2.TemplateSyntaxError and the sandbox's refusals
+        raise DataError(f"{option}: {origin} does not compile: {_one_line(e)}") from None
+    return ChatTemplate(source, origin, variables)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# The Jinja environment (transformers' settings), compiled once per template.
+
+
+class _Tracker:
+    """The character spans `{% generation %}` blocks produced in the render under way."""
+
+    def __init__(self) -> None:
+        self.blocks: list[str] | None = None
+        self.spans: list[tuple[int, int]] | None = None
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    tracker = _Tracker()
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(lineno)
+
+        def _span(self, caller):
+            text = caller()
+            if tracker.blocks is not None:
+                # Everything rendered before this block has been yielded already (see render()).
+                start = sum(len(b) for b in tracker.blocks)
+                tracker.spans.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Not Jinja's own filter, which escapes HTML characters.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = dict
+    env.globals["namespace"] = jinja2.utils.Namespace
+    return env.from_string(source), tracker
+
+
+def render(template: ChatTemplate, messages: Sequence[dict], *, add_generation_prompt: bool = False
+           ) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered text, the character spans of its generation blocks). Messages' keys whose value
+    is None are dropped first, as transformers does. Exceptions of the template propagate."""
+    compiled, tracker = _compile(template.source)
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    blocks: list[str] = []
+    tracker.blocks, tracker.spans = blocks, []
+    try:
+        for block in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       **template.variables):
+            blocks.append(block)
+        return "".join(blocks), tracker.spans
+    finally:
+        tracker.blocks = tracker.spans = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokens and their characters.
+
+
+def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of `text` with the special-token strings in it read as special tokens (what a chat
+    template writes), and each token's [start, end) characters."""
+    model = tokenizer.model
+    if hasattr(model, "encode_special_tokens"):  # the `tokenizers` backend (HuggingFaceTokenizer)
+        model.encode_special_tokens = False
+        try:
+            encoding = model.encode(text, add_special_tokens=False)
+        finally:
+            model.encode_special_tokens = True
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+    ids = tokenizer.encode(text, bos=False, eos=False, allowed_special="all")  # tiktoken
+    _, starts = model.decode_with_offsets(ids)
+    ends = starts[1:] + [len(text)]
+    return ids, list(zip(starts, ends))
+
+
+def overlap_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
+    """True for each token whose characters overlap one of `spans` (sorted), transformers' rule."""
+    mask = [False] * len(offsets)
+    k = 0
+    for i, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        mask[i] = end > spans[k][0]
+    return mask
+
+
+def assistant_spans(template: ChatTemplate, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered conversation, the character spans of the assistant's turns): the template's
+    generation blocks, or the spans found by re-rendering prefixes (module docstring). DataError
+    when a template without generation tags rewrites earlier turns."""
+    text, spans = render(template, messages)
+    if template.has_generation_tags:
+        return text, spans
+    spans = []
+    for k, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt, _ = render(template, messages[:k], add_generation_prompt=True)
+        upto, _ = render(template, messages[: k + 1])
+        if not (text.startswith(prompt) and text.startswith(upto) and len(upto) >= len(prompt)):
+            raise DataError(f"{template.origin} renders the turns before assistant turn {k} differently once later "
+                            "turns follow, so its assistant tokens cannot be found by re-rendering; use a template "
+                            "with {% generation %} tags (sft.chat_template)")
+        spans.append((len(prompt), len(upto)))
+    return text, spans
+
+
+def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[bool]]:
+    """A conversation's token ids and, per token, whether it is the assistant's."""
+    text, spans = assistant_spans(template, messages)
+    ids, offsets = encode_with_offsets(tokenizer, text)
+    return ids, overlap_mask(offsets, spans)
+
+
+def end_of_turn_ids(template: ChatTemplate, tokenizer) -> set[int]:
+    """The tokens that end an assistant turn in this template (where sampling stops): the first
+    token the template writes after the assistant's text (Llama 3's <|eot_id|>, ChatML's
+    <|im_end|>, Gemma's <end_of_turn>, Mistral's EOS), and the tokenizer's EOS."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    prompt, _ = render(template, probe[:1], add_generation_prompt=True)
+    ids, mask = tokenize_conversation(template, tokenizer, probe)
+    prompt_ids, _ = encode_with_offsets(tokenizer, prompt)
+    answer = encode_with_offsets(tokenizer, "ok")[0]
+    after = len(prompt_ids) + len(answer)
+    stops = {tokenizer.eos_id}
+    if after < len(ids) and ids[len(prompt_ids): after] == answer:
+        stops.add(ids[after])
+    return stops
+
+
+def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict]) -> list[int]:
+    """The ids of `messages` followed by the template's generation prompt (what a model answers)."""
+    text, _ = render(template, messages, add_generation_prompt=True)
+    return encode_with_offsets(tokenizer, text)[0]
+
+
+__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "ChatTemplate", "LLAMA3_TEMPLATE", "assistant_spans",
+           "chat_prompt_ids", "encode_with_offsets", "end_of_turn_ids", "folder_chat_template", "load_chat_template", "overlap_mask", "render",
+           "tokenize_conversation"]

@@ -1,0 +1,294 @@
+"""Conversations for supervised fine-tuning: read, rendered with a chat template, packed into samples.
+
+Files (`training.dataset text`, `training.dataset_path` a file or a folder): JSONL (`.jsonl`,
+`.jsonl.gz`, `.json` lines), Parquet (`.parquet`, needs pyarrow), or a folder a Hugging Face
+`datasets` object was saved into (`save_to_disk`; needs `datasets`), or a folder of the files. A
+row is one conversation, in one of three forms (`sft.format`, or "auto" from each row's keys):
+
+- `messages`: a list of {"role", "content", ...} (system / user / assistant / tool turns; any
+  other keys, such as tool calls, go to the template as they are);
+- `prompt` / `completion`: strings (a user turn and the assistant's answer) or lists of messages;
+- `instruction` / `input` / `output` (Alpaca's): the instruction and the input, joined by a blank
+  line when there is one, as the user turn, the output as the assistant's.
+
+Each conversation becomes tokens t_0..t_{n-1} (titanlike/data/chat_template.py) and n - 1 training
+positions: input t_j, target t_{j+1}, the target kept when t_{j+1} is the assistant's (or always,
+sft.assistant_only_loss off). Samples hold `seq_len` positions: with packing, conversations are
+placed by best-fit decreasing (the longest first, each into the fullest sample it still fits),
+each a document of its own (its own positions, attention within it); without, one conversation per
+sample. The rest of a sample is padding, a document of its own with no targets. A conversation
+longer than seq_len + 1 tokens is cut to its first seq_len + 1 (sft.overlong truncate) or left out
+(drop); the counts are logged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from titanlike.data.errors import DataError, DataPathError
+
+logger = logging.getLogger("titanlike")
+
+IGNORE_INDEX = -100  # models/outputs.py's, restated: data/ does not import the models
+CONVERSATION_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
+FORMATS = ("auto", "messages", "prompt_completion", "instruction")
+_FORM_KEYS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"),
+              "instruction": ("instruction", "output")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows.
+
+
+def _is_saved_dataset(path: str) -> bool:
+    """A folder `datasets`' save_to_disk wrote (a Dataset, or a DatasetDict of them)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("state.json", "dataset_dict.json"))
+
+
+def conversation_files(path: str) -> list[str]:
+    """The files `path` names: itself, or those under it with a supported suffix (a saved dataset
+    folder is one entry). DataError (one sentence) when there are none."""
+    if _is_saved_dataset(path):
+        return [path]
+    if os.path.isfile(path):
+        if not path.endswith(CONVERSATION_SUFFIXES):
+            raise DataError(f"{path} is not a conversation file: expected {', '.join(CONVERSATION_SUFFIXES)} or a "
+                            "folder saved by datasets' save_to_disk")
+        return [path]
+    if not os.path.isdir(path):
+        raise DataPathError(f"dataset_path {path} does not exist")
+    files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+                   if name.endswith(CONVERSATION_SUFFIXES))
+    if not files:
+        raise DataError(f"no {', '.join(CONVERSATION_SUFFIXES)} files under {path}")
+    return files
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except ValueError as e:
+                raise DataError(f"{path} line {lineno} is not JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {lineno} is a JSON {type(row).__name__}, not an object")
+            yield f"{path} line {lineno}", row
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and friends
+        raise DataError(f"{path} is not a Parquet file pyarrow reads: {' '.join(str(e).split())[:200]}") from None
+    for i, row in enumerate(table.to_pylist()):
+        yield f"{path} row {i}", row
+
+
+def _saved_dataset_rows(path: str) -> Iterator[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"reading the saved dataset {path} needs the datasets package "
+                        "(pip install datasets, or pip install -e '.[hf]')") from None
+    data = datasets.load_from_disk(path)
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data and len(data) != 1:
+            raise DataError(f"the saved dataset {path} has the splits {', '.join(data)} and no 'train'; save the "
+                            "split to train on")
+        data = data["train"] if "train" in data else next(iter(data.values()))
+    for i, row in enumerate(data):
+        yield f"{path} row {i}", row
+
+
+def iter_rows(path: str) -> Iterator[tuple[str, dict]]:
+    """(where, row) of every conversation row under `path`, in a fixed order."""
+    for file in conversation_files(path):
+        if _is_saved_dataset(file):
+            yield from _saved_dataset_rows(file)
+        elif file.endswith(".parquet"):
+            yield from _parquet_rows(file)
+        else:
+            yield from _jsonl_rows(file)
+
+
+def _as_messages(value, where: str, key: str, role: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        return list(value)
+    raise DataError(f"{where}: {key!r} is {type(value).__name__}, not a string or a list of messages")
+
+
+def row_messages(row: dict, fmt: str, where: str) -> list[dict]:
+    """The messages of one row in form `fmt` (FORMATS; "auto" looks at the row's keys)."""
+    if fmt == "auto":
+        fmt = next((f for f, keys in _FORM_KEYS.items() if all(k in row for k in keys)), "")
+        if not fmt:
+            raise DataError(f"{where} has the keys {', '.join(sorted(row)) or 'none'}, none of the conversation "
+                            "forms: messages; prompt and completion; instruction (input) and output")
+    missing = [k for k in _FORM_KEYS[fmt] if k not in row]
+    if missing:
+        raise DataError(f"{where} has no {missing[0]!r} (sft.format {fmt})")
+    if fmt == "messages":
+        messages = row["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise DataError(f"{where}: 'messages' is not a list of message objects")
+    elif fmt == "prompt_completion":
+        messages = (_as_messages(row["prompt"], where, "prompt", "user")
+                    + _as_messages(row["completion"], where, "completion", "assistant"))
+    else:
+        instruction, extra, output = row["instruction"], row.get("input") or "", row["output"]
+        if not all(isinstance(v, str) for v in (instruction, extra, output)):
+            raise DataError(f"{where}: instruction, input and output must be strings")
+        user = f"{instruction}\n\n{extra}" if extra else instruction
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    for m in messages:
+        if not isinstance(m.get("role"), str):
+            raise DataError(f"{where}: a message has no string 'role'")
+    return messages
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokens and samples.
+
+
+@dataclass
+class TokenizedConversations:
+    """Every conversation's training positions, concatenated: inputs, targets (IGNORE_INDEX where
+    not trained), and the [start, end) of each conversation."""
+
+    inputs: np.ndarray
+    labels: np.ndarray
+    bounds: np.ndarray  # (n + 1,) int64
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.bounds)
+
+
+def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str = "auto",
+                           assistant_only_loss: bool = True, overlong: str = "truncate") -> TokenizedConversations:
+    """rows: (where, row) pairs; template: a chat_template.ChatTemplate. DataError (one sentence)
+    for a row that is not a conversation, one without an assistant turn (under assistant-only loss),
+    or one the template refuses."""
+    from titanlike.data.chat_template import tokenize_conversation
+
+    inputs, labels, bounds = [], [], [0]
+    truncated = dropped = 0
+    for where, row in rows:
+        messages = row_messages(row, fmt, where)
+        if assistant_only_loss and not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where} has no assistant turn, so nothing of it would be trained on")
+        try:
+            ids, mask = tokenize_conversation(template, tokenizer, messages)
+        except DataError:
+            raise
+        except Exception as e:  # the template's own raise_exception, or any error inside it
+            raise DataError(f"{where}: {template.origin} refused the conversation: "
+                            f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None
+        if len(ids) > seq_len + 1:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
+            truncated += 1
+        if len(ids) < 2:
+            continue
+        target = np.asarray(ids[1:], dtype=np.int64)
+        if assistant_only_loss:
+            target = np.where(np.asarray(mask[1:], dtype=bool), target, IGNORE_INDEX)
+        inputs.append(np.asarray(ids[:-1], dtype=np.int64))
+        labels.append(target)
+        bounds.append(bounds[-1] + len(target))
+    if truncated or dropped:
+        logger.info(f"sft: {truncated} conversations longer than seq_len + 1 = {seq_len + 1} tokens truncated, "
+                    f"{dropped} dropped (sft.overlong {overlong})")
+    if len(bounds) == 1:
+        raise DataError("no conversation is left to train on" + (" (every one is too long for training.seq_len; "
+                                                                 "sft.overlong truncate keeps them)" if dropped else ""))
+    empty = np.zeros(0, dtype=np.int64)
+    return TokenizedConversations(np.concatenate(inputs) if inputs else empty,
+                                  np.concatenate(labels) if labels else empty, np.asarray(bounds, dtype=np.int64))
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins of item indices, each summing to at most `capacity`: the longest item first, each into
+    the bin with the least room that still holds it (a new bin when none does). Deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    # Sorted (room left, bin index) of the open bins.
+    room: list[tuple[int, int]] = []
+    for i in order:
+        size = int(lengths[i])
+        k = bisect.bisect_left(room, (size, -1))
+        if k == len(room):
+            bins.append([i])
+            bisect.insort(room, (capacity - size, len(bins) - 1))
+        else:
+            left, b = room.pop(k)
+            bins[b].append(i)
+            bisect.insort(room, (left - size, b))
+    return bins
+
+
+class ConversationSamples:
+    """Map-style samples of `seq_len` positions: dicts of inputs, labels and document_ids (one id per
+    conversation in the sample, then one for the padding, non-decreasing as the document mask
+    needs). `pad_id` fills the padding's inputs."""
+
+    def __init__(self, conversations: TokenizedConversations, *, seq_len: int, packing: bool, pad_id: int):
+        self.data, self.seq_len, self.pad_id = conversations, seq_len, pad_id
+        lengths = conversations.lengths()
+        self.bins = best_fit_decreasing(lengths, seq_len) if packing else [[i] for i in range(len(lengths))]
+        used = int(lengths.sum())
+        logger.info(f"sft: {len(conversations)} conversations, {used:,} positions ({int((conversations.labels != IGNORE_INDEX).sum()):,} "
+                    f"trained) in {len(self.bins)} samples of {seq_len} ({used / (len(self.bins) * seq_len):.0%} filled)")
+
+    @property
+    def fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        shape = (self.seq_len,)
+        return {"inputs": (shape, "int64"), "labels": (shape, "int64"), "document_ids": (shape, "int64")}
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        inputs = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        documents = np.zeros(self.seq_len, dtype=np.int64)
+        at = 0
+        b = self.data.bounds
+        for doc, i in enumerate(self.bins[index]):
+            n = int(b[i + 1] - b[i])
+            inputs[at: at + n] = self.data.inputs[b[i]: b[i + 1]]
+            labels[at: at + n] = self.data.labels[b[i]: b[i + 1]]
+            documents[at: at + n] = doc
+            at += n
+        documents[at:] = len(self.bins[index])  # the padding: a document of its own
+        return {"inputs": inputs, "labels": labels, "document_ids": documents}
+
+    def __repr__(self) -> str:
+        return f"ConversationSamples({len(self)} samples of {self.seq_len})"
+
+
+__all__ = ["CONVERSATION_SUFFIXES", "ConversationSamples", "FORMATS", "TokenizedConversations", "best_fit_decreasing",
+           "conversation_files", "iter_rows", "row_messages", "tokenize_conversations"]

@@ -1,0 +1,377 @@
+"""LoRA: low-rank adapters on a frozen model, as a model converter (`model.converters lora`, [lora]).
+
+The swap. A targeted nn.Linear becomes a LoRALinear in place (its class changes; `weight` and
+`bias` stay the same Parameters under the same names) and gains two parameters, `lora_a` (rank x
+in) and `lora_b` (out x rank): y = W x + b + (alpha / rank) B A dropout(x), B initialized to zero so
+training starts from the base model, A as PEFT draws it (uniform, bound 1/sqrt(in)). Every other
+parameter of the model is frozen (requires_grad False): the optimizer holds state for the adapters
+only (train/optimizer.py keeps trainable parameters).
+
+Why a subclass and not a wrapper: the family's tensor-parallel plan names the nn.Linear modules
+(attention.wq, ...) and torch's ColwiseParallel / RowwiseParallel accept nn.Linear (subclasses
+included). Their partition puts the module's direct parameters on the TP mesh: ColwiseParallel
+shards every one of them on dim 0 (W and B by output rows, as the base layer; A by rank, which
+DTensor's matmul gathers: r is small), RowwiseParallel shards W by input columns and replicates
+what it does not know (A and B). The adapters' forward is plain DTensor arithmetic, so its result
+has the base output's placement (Shard(-1) for a column-parallel layer, Partial summed with the
+base's for a row-parallel one) and gradients are exact for any layout. FSDP2 then shards the
+block as a whole, frozen base and trainable adapters in one unit (it reduces gradients of the
+trainable ones only). Nothing generic knows about LoRA: the converter runs on the meta model
+before parallelize, like float8.
+
+The PEFT format. `export_peft` writes adapter_config.json + adapter_model.safetensors with the
+names `peft` gives the transformers model of the family (base_model.model.<HF module>.lora_A/B.
+weight), the family's HF adapter mapping our names and converting B's rows as it converts the
+base weight's (Llama's q/k RoPE row order); `merged_state_dict` folds the adapters into the base
+weights for a full Hugging Face export. `load_peft` reads such a folder back into the adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from titanlike.config.schema import opt
+from titanlike.config.sections import register_section
+
+if TYPE_CHECKING:
+    from titanlike.models.registry import ModelSpec
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoRAOptions:
+    rank: int = opt(8, "rank r of each adapter (PEFT's r)")
+    alpha: float = opt(16.0, "scale numerator: the adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)")
+    dropout: float = opt(0.0, "dropout on the adapter's input while training (PEFT's lora_dropout)")
+    target_modules: list[str] = opt(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "linear layers that get adapters: Hugging Face module names (q_proj, gate_proj, ...) or ours "
+        "(attention.wq, feed_forward.w1, layers.3.attention.wq), matched as whole dot-separated parts")
+
+    adapter_path: str | None = opt(
+        None, "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) whose A and B a fresh "
+        "run starts from, after the base model's initial load; its rank and alpha must be lora.rank and lora.alpha")
+
+    def check(self) -> None:
+        if self.adapter_path:
+            config = read_adapter_config(self.adapter_path, option="lora.adapter_path")
+            if (config.get("r"), config.get("lora_alpha")) != (self.rank, self.alpha):
+                raise ValueError(f"lora.adapter_path {self.adapter_path} holds adapters of rank {config.get('r')} and "
+                                 f"alpha {config.get('lora_alpha')}, but lora.rank is {self.rank} and lora.alpha "
+                                 f"{self.alpha:g}; set them to the adapter's")
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be at least 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be positive, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules is empty; name the linear layers that get adapters (e.g. q_proj,v_proj)")
+
+
+register_section("lora", LoRAOptions)
+
+
+def read_adapter_config(folder: str, *, option: str = "the adapter") -> dict:
+    """A PEFT folder's adapter_config.json, checked to be a LoRA adapter with its weights beside it;
+    ValueError (one sentence) otherwise."""
+    path = os.path.join(folder, ADAPTER_CONFIG)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{option} {folder} is not a PEFT adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}): "
+                         f"{e}") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise ValueError(f"{option}: {path} is not a LoRA adapter (peft_type {config.get('peft_type')!r})"
+                         if isinstance(config, dict) else f"{option}: {path} is not a JSON object")
+    if not os.path.isfile(os.path.join(folder, ADAPTER_WEIGHTS)):
+        raise ValueError(f"{option} {folder} has no {ADAPTER_WEIGHTS}")
+    return config
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with a low-rank adapter (module docstring). Made by `add_adapter` from an
+    existing nn.Linear, on any device (meta included)."""
+
+    lora_rank: int
+    lora_scaling: float
+    lora_dropout: float
+    # lora_scale, a persistent scalar buffer holding lora_scaling: a checkpoint's state dict then
+    # says how to merge its adapters (load_model, convert_dcp_to_hf) without the job's [lora].
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        a, b = _gradient_like_param(self.lora_a), _gradient_like_param(self.lora_b)
+        return out + F.linear(F.linear(h, a), b) * self.lora_scaling
+
+    def init_adapter(self, *, seed: int, fqn: str) -> None:
+        """A as PEFT draws it (kaiming-uniform with a = sqrt(5): bound 1/sqrt(in)), B zero; a function
+        of (seed, fqn) only, on whatever shard this rank holds."""
+        from titanlike.models.common.init import uniform_, zeros_
+
+        from titanlike.models.common.init import constant_
+
+        bound = 1 / math.sqrt(self.in_features)
+        uniform_(self.lora_a, low=-bound, high=bound, seed=seed, fqn=f"{fqn}.lora_a")
+        zeros_(self.lora_b)
+        constant_(self.lora_scale, self.lora_scaling)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lora_rank={self.lora_rank}, lora_scaling={self.lora_scaling:g}"
+
+
+def _gradient_like_param(p: torch.Tensor) -> torch.Tensor:
+    """`p`, whose gradient comes back with p's own placements. Under tensor parallelism DTensor's
+    matmul rules leave an adapter's gradient Partial or sharded differently from the parameter (A
+    of a column-parallel layer gets a Partial gradient, B of a row-parallel one too), and the
+    optimizer and the gradient norm read the local shard as if it had the parameter's layout: the
+    round trip through a local tensor redistributes the gradient (a reduce-scatter or all-reduce of
+    rank-sized tensors) in backward, and is free in forward."""
+    if not isinstance(p, DTensor):
+        return p
+    local = p.to_local(grad_placements=p.placements)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
+    """`linear`, now a LoRALinear (in place: the same object, parameters and names)."""
+    device, dtype = linear.weight.device, linear.weight.dtype
+    linear.__class__ = LoRALinear
+    linear.lora_rank, linear.lora_scaling, linear.lora_dropout = rank, alpha / rank, dropout
+    linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=device, dtype=dtype))
+    linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, device=device, dtype=dtype))
+    linear.register_buffer("lora_scale", torch.full((), alpha / rank, device=device, dtype=torch.float32))
+    return linear
+
+
+# ---------------------------------------------------------------------------------------------
+# Which layers: our names or Hugging Face's.
+
+
+def hf_module_names(model: nn.Module, spec: ModelSpec | None, args) -> dict[str, str]:
+    """Our linear module fqn -> its Hugging Face module name (the family's HF adapter renaming
+    its weight), for the linears that have one."""
+    if spec is None or spec.hf is None:
+        return {}
+    names = {}
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        weight = torch.empty(module.out_features, module.in_features, device="meta")
+        try:
+            hf = spec.hf.to_hf_state_dict({f"{fqn}.weight": weight}, args)
+        except Exception:  # no HF name for it (a tied output head, ...)
+            continue
+        if len(hf) == 1:
+            names[fqn] = next(iter(hf)).removesuffix(".weight")
+    return names
+
+
+def select_targets(model: nn.Module, patterns: list[str], hf_names: Mapping[str, str]) -> dict[str, list[str]]:
+    """pattern -> the linear fqns it names (ours or their HF names, whole dot-separated parts)."""
+    from titanlike.models.converters import fqn_matches
+
+    found: dict[str, list[str]] = {p: [] for p in patterns}
+    for fqn, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        for pattern in patterns:
+            if fqn_matches(fqn, pattern) or (fqn in hf_names and fqn_matches(hf_names[fqn], pattern)):
+                found[pattern].append(fqn)
+    return found
+
+
+def check_targets(found: dict[str, list[str]], *, model: str) -> None:
+    empty = [p for p, fqns in found.items() if not fqns]
+    if empty:
+        raise ValueError(f"lora.target_modules {', '.join(empty)} matches no linear layer of {model}; name Hugging "
+                         "Face modules (q_proj, v_proj, gate_proj, ...) or ours (attention.wq, feed_forward.w1)")
+
+
+def spec_of(model: nn.Module) -> ModelSpec | None:
+    from titanlike.models.registry import get_model_spec, model_names
+
+    return next((get_model_spec(n) for n in model_names() if isinstance(model, get_model_spec(n).model_cls)), None)
+
+
+def apply_lora(model: nn.Module, options: LoRAOptions, *, spec: ModelSpec | None = None) -> list[str]:
+    """Adapters on the targeted linears of `model`, every other parameter frozen; returns their fqns.
+    ValueError (one sentence) for a target that names nothing."""
+    spec = spec or spec_of(model)
+    args = getattr(model, "model_args", None)
+    found = select_targets(model, options.target_modules, hf_module_names(model, spec, args))
+    check_targets(found, model=type(model).__name__)
+    targets = sorted({fqn for fqns in found.values() for fqn in fqns})
+    for fqn in targets:
+        add_adapter(model.get_submodule(fqn), options.rank, options.alpha, options.dropout)
+    freeze_base(model)
+    return targets
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only the adapters train. Applied at the swap, and again after parallelization: a tensor-
+    parallel style may register a parameter anew as trainable (torch's SequenceParallel does)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith((".lora_a", ".lora_b")))
+
+
+def adapters(model: nn.Module) -> dict[str, LoRALinear]:
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+# ---------------------------------------------------------------------------------------------
+# State dicts: merged weights, PEFT folders.
+
+
+def _module_of(key: str, suffix: str) -> str | None:
+    return key[: -len(suffix)] if key.endswith(suffix) else None
+
+
+_ADAPTER_KEYS = (".lora_a", ".lora_b", ".lora_scale")
+
+
+def has_adapters(sd: Mapping[str, torch.Tensor]) -> bool:
+    return any(key.endswith(_ADAPTER_KEYS) for key in sd)
+
+
+def split_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
+    """(the base state dict, {module fqn: (A, B, scaling)}) of a full state dict holding adapters."""
+    base, parts = {}, {}
+    for key, value in sd.items():
+        for i, suffix in enumerate(_ADAPTER_KEYS):
+            module = _module_of(key, suffix)
+            if module is not None:
+                parts.setdefault(module, [None, None, None])[i] = value
+                break
+        else:
+            base[key] = value
+    out = {}
+    for module, (a, b, scale) in parts.items():
+        if a is None or b is None or scale is None:
+            raise ValueError(f"the state dict holds part of the adapter of {module} (lora_a, lora_b, lora_scale)")
+        out[module] = (a, b, float(scale))
+    return base, out
+
+
+def merged_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base state dict with every adapter folded in: W + scaling B A (full tensors)."""
+    base, parts = split_state_dict(sd)
+    for module, (a, b, scaling) in parts.items():
+        w = base[f"{module}.weight"]
+        base[f"{module}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+    return base
+
+
+def _hf_rows(spec: ModelSpec, args, fqn: str, rows: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(HF module name, `rows` (out x anything) in HF's row order): the family's conversion of the
+    base weight applied to the adapter's B."""
+    (key, value), = spec.hf.to_hf_state_dict({f"{fqn}.weight": rows}, args).items()
+    return key.removesuffix(".weight"), value
+
+
+def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: str, options: LoRAOptions, *,
+                base_model: str | None = None) -> list[str]:
+    """Write `folder` as a PEFT LoRA adapter of the family's transformers model: adapter_config.json
+    and adapter_model.safetensors. Returns the HF module names written. ValueError when the family's
+    HF conversion of a targeted weight is not a reordering of its rows (B's rows then cannot follow)."""
+    from safetensors.torch import save_file
+
+    _, parts = split_state_dict(sd)
+    tensors, modules = {}, set()
+    for fqn, (a, b, _) in sorted(parts.items()):
+        name, b_hf = _hf_rows(spec, args, fqn, b.float())
+        # The conversion must act on rows only: then conv(B A) = conv(B) A.
+        _, delta = _hf_rows(spec, args, fqn, b.float() @ a.float())
+        if not torch.allclose(delta, b_hf @ a.float(), atol=1e-6, rtol=1e-5):
+            raise ValueError(f"{spec.name}'s Hugging Face conversion of {fqn}.weight is not a row reordering, so its "
+                             "adapter cannot be written in the PEFT format; export the merged model instead")
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.float().contiguous()
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b_hf.contiguous()
+        modules.add(name.rsplit(".", 1)[-1])
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": options.rank, "lora_alpha": options.alpha,
+        "lora_dropout": options.dropout, "target_modules": sorted(modules), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+        "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model,
+        "revision": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    with open(os.path.join(folder, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    return sorted(modules)
+
+
+def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -> dict[str, torch.Tensor]:
+    """A PEFT adapter folder's A and B under our names ({fqn.lora_a, fqn.lora_b}: full tensors, our row
+    order) for the adapters `model` (a whole model or a pipeline stage, sharded or not) holds.
+    ValueError (one sentence) for a folder of another rank, scale or set of modules."""
+    from safetensors.torch import load_file
+
+    spec = spec or spec_of(model)
+    args = model.model_args
+    config = read_adapter_config(folder)
+    path = os.path.join(folder, ADAPTER_CONFIG)
+    try:
+        tensors = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
+    except Exception as e:  # safetensors' own errors: a truncated or foreign file
+        raise ValueError(f"{folder}/{ADAPTER_WEIGHTS} cannot be read: {e}") from None
+    ours = adapters(model)
+    if not ours:
+        raise ValueError("the model has no LoRA adapters to load into (model.converters lora)")
+    some = next(iter(ours.values()))
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or not isinstance(alpha, (int, float)) or rank != some.lora_rank \
+            or alpha / rank != some.lora_scaling:
+        raise ValueError(f"{path} is an adapter of rank {rank} and alpha {alpha}; this job's adapters have rank "
+                         f"{some.lora_rank} and alpha {some.lora_scaling * some.lora_rank:g} (lora.rank, lora.alpha)")
+    sd = {}
+    for fqn, module in ours.items():
+        index = torch.arange(module.out_features, dtype=torch.float32).view(-1, 1)
+        name, order = _hf_rows(spec, args, fqn, index)
+        a, b = (tensors.get(f"{PEFT_PREFIX}{name}.lora_{x}.weight") for x in "AB")
+        if a is None or b is None:
+            raise ValueError(f"{folder} has no adapter for {name} ({fqn}): it was trained for other modules or "
+                             "another base model (lora.target_modules)")
+        if tuple(a.shape) != tuple(module.lora_a.shape) or tuple(b.shape) != tuple(module.lora_b.shape):
+            raise ValueError(f"{folder}: the adapter of {name} has shapes {tuple(a.shape)} and {tuple(b.shape)}, this "
+                             f"model's {tuple(module.lora_a.shape)} and {tuple(module.lora_b.shape)} (another base model?)")
+        sd[f"{fqn}.lora_a"] = a.to(module.lora_a.dtype)
+        sd[f"{fqn}.lora_b"] = b[torch.argsort(order.view(-1).long())].to(module.lora_b.dtype)
+    return sd
+
+
+def load_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -> None:
+    """Copy a PEFT adapter folder's A and B into `model`'s adapters (one process, unsharded)."""
+    sd = peft_state_dict(model, folder, spec=spec)
+    extra = sum(1 for k in _peft_keys(folder) if k.endswith("lora_A.weight")) - len(adapters(model))
+    if extra > 0:
+        raise ValueError(f"{folder} holds {extra} adapters this model does not have (lora.target_modules)")
+    model.load_state_dict(sd, strict=False)
+
+
+def _peft_keys(folder: str) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, ADAPTER_WEIGHTS), framework="pt") as f:
+        return list(f.keys())
+
+
+__all__ = ["LoRALinear", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "export_peft", "freeze_base",
+           "has_adapters", "load_peft", "merged_state_dict", "peft_state_dict", "read_adapter_config",
+           "split_state_dict"]

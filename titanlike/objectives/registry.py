@@ -1,0 +1,70 @@
+"""Objectives a job may choose over its family's own (`training.objective`).
+
+A family trains with its own objective (ModelSpec.objective: next-token prediction for a decoder,
+masked LM for BERT). Some objectives are a different use of the same model: supervised fine-tuning
+trains any next-token decoder on conversations. Such an objective registers here under its name,
+with a factory `factory(job_config, flavor_args, family_objective=...)` that refuses, in one
+sentence, a family it cannot train; `job_objective` builds the one a job names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from titanlike.config.schema import JobConfig
+    from titanlike.models.args import BaseModelArgs
+    from titanlike.models.registry import ModelSpec
+    from titanlike.objectives.base import Objective
+
+_OBJECTIVES: dict[str, Callable[..., Objective]] = {}
+_SECTIONS: dict[str, str] = {}  # objective name -> its config section
+
+
+def register_objective(name: str, factory: Callable[..., Objective], *, section: str | None = None) -> None:
+    """section: the objective's own config section, refused when set for a job of another objective."""
+    if name in _OBJECTIVES:
+        raise ValueError(f"objective {name!r} is already registered")
+    _OBJECTIVES[name] = factory
+    if section is not None:
+        _SECTIONS[name] = section
+
+
+def check_unused_sections(cfg: JobConfig, chosen: str) -> None:
+    """A registered objective's section set in a job that trains with another objective is refused
+    rather than ignored (ValueError, one sentence)."""
+    import dataclasses
+
+    for name, section_name in _SECTIONS.items():
+        if name == chosen:
+            continue
+        section = getattr(cfg, section_name)
+        default = type(section)()
+        for field in dataclasses.fields(section):
+            if getattr(section, field.name) != getattr(default, field.name):
+                raise ValueError(f"{section_name}.{field.name} is set, but it configures training.objective {name} and "
+                                 f"this job's objective is {chosen}; remove it or set training.objective {name}")
+
+
+def objective_names() -> list[str]:
+    import titanlike.objectives  # noqa: F401  (importing the package registers every objective)
+
+    return sorted(_OBJECTIVES)
+
+
+def job_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs, *, model: str) -> Objective:
+    """The objective of the job: training.objective's, or (empty, or naming it) the family's own.
+    ValueError (one sentence) for an unknown name or one the family cannot train with."""
+    family = spec.objective(cfg, args)
+    name = cfg.training.objective
+    check_unused_sections(cfg, name or family.name)
+    if not name or name == family.name:
+        return family
+    if name not in objective_names():
+        known = sorted({*objective_names(), family.name})
+        raise ValueError(f"training.objective {name!r} is unknown for {model}; known: {', '.join(known)} "
+                         "(empty means the family's own)")
+    return _OBJECTIVES[name](cfg, args, family_objective=family, model=model)
+
+
+__all__ = ["check_unused_sections", "job_objective", "objective_names", "register_objective"]
