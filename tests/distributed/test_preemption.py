@@ -25,7 +25,8 @@ from conftest import REPO, TINY_JOB, _env, descendants, launch, read_metrics, wa
 
 pytestmark = pytest.mark.distributed
 
-JOB = [*TINY_JOB, "--checkpoint.enable", "--checkpoint.interval", "100", "--training.local_batch_size", "4"]
+JOB = [*TINY_JOB, "--training.steps", "10", "--checkpoint.enable", "--checkpoint.interval", "100",
+       "--training.local_batch_size", "4"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             str(REPO / "train.py")]
 
