@@ -245,8 +245,9 @@ def install(fault: dict) -> None:
 
         def poisoned_clip(params, *args, **kwargs):
             # The gradients as backward left them on this rank, before they are scaled and clipped.
-            trainer = at["self"]
-            if trainer.step == fault["step"] and trainer.rank == fault.get("rank", 0):
+            # None: not a training step (train.py's memory check probes the step on fake tensors first).
+            trainer = at.get("self")
+            if trainer is not None and trainer.step == fault["step"] and trainer.rank == fault.get("rank", 0):
                 grad = next(local(p.grad) for p in params if p.grad is not None and local(p.grad).numel())
                 grad.view(-1)[0] = float("inf")
             return clip_grad_norm_(params, *args, **kwargs)

@@ -218,3 +218,21 @@ def test_pp2_checkpoint_resumes_under_fsdp2(tmp_path, straight):
                  nproc=2)
     assert sorted(second) == [6, 7, 8, 9, 10]
     assert_close_curve({**first, **second}, ref)
+
+
+def test_tied_model_checkpoints_cross_pipeline_stages_both_ways(tmp_path):
+    # GPT-2 ties its output projection to the token table; under PP2 the last stage holds its own
+    # synchronised copy. Checkpoints store the weight (and its optimizer state) once under the
+    # owner's name, so one process -> PP2 -> one process resumes at parity with the straight run.
+    gpt2 = ["--model.name", "gpt2", "--model.flavor", "debugmodel", "--training.local_batch_size", "8"]
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
+    straight = run(tmp_path / "straight", *gpt2, "--checkpoint.interval", "100", steps=6)
+    folder = tmp_path / "ckpt"
+    first = run(tmp_path / "one", *gpt2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "2",
+                "--checkpoint.no_last_save_model_only", steps=2)
+    second = run(tmp_path / "pp2", *gpt2, *pp2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "4",
+                 "--checkpoint.no_last_save_model_only", nproc=2, steps=4)
+    third = run(tmp_path / "again", *gpt2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "100",
+                steps=6)
+    assert sorted(first) == [1, 2] and sorted(second) == [3, 4] and sorted(third) == [5, 6]
+    assert_close_curve({**first, **second, **third}, straight, steps=range(1, 7))

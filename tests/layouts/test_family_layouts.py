@@ -259,7 +259,8 @@ def loads_exactly(argv: list[str], world: int, checkpoint: Path, saved: dict[str
             owner = tied_names(trainer.model_parts).get(key, key)
             assert torch.equal(_full(p.detach()), saved[f"param:{owner}"]), f"{what}: {key} was not restored"
             for moment in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(_full(trainer.optimizer.state[p][moment]), saved[f"moment:{key}/{moment}"]), (
+                # A pipeline stage's copy of a tied weight steps as its owner does (the tied-gradient sum).
+                assert torch.equal(_full(trainer.optimizer.state[p][moment]), saved[f"moment:{owner}/{moment}"]), (
                     f"{what}: the {moment} of {key} was not restored")
     finally:
         trainer.close()
@@ -268,19 +269,6 @@ def loads_exactly(argv: list[str], world: int, checkpoint: Path, saved: dict[str
 # Layouts that lay parameters out differently, each loading the checkpoint of the one before it (the first
 # the reference's; one process then loads the last one's): FSDP shards -> TP splits -> expert shards -> stages.
 RESHARD = ("fsdp2", "tp2", "ep2", "pp2_looped")
-
-
-def resharded(family: str, flavor: str) -> tuple[str, ...]:
-    """RESHARD for this flavor. Known bug, left out here and reported (issue 27's closing note): a
-    pipeline stage holding only the alias of a tied weight (BERT's and GPT-2's output projection on
-    the last stage) asks a checkpoint for the alias's own key, which a layout holding both ends never
-    writes (ModelState drops the alias), so a PP job of a tied model cannot load a non-PP checkpoint;
-    the refusal is raised on the last stage's ranks only and the others wait in DCP's load."""
-    from titanlike.models import protocol
-
-    with torch.device("meta"):
-        model = get_model_spec(family).model_cls(get_model_spec(family).flavors[flavor])
-    return tuple(n for n in RESHARD if not (n == "pp2_looped" and protocol.tied_weights(model)))
 
 
 # ---------------------------------------------------------------- the spawned world
@@ -297,7 +285,7 @@ def _layout_worker(rank: int, families: dict, root: str) -> None:
         for flavor, layouts in flavors.items():
             folder = Path(root, family, flavor)
             reference = torch.load(folder / "reference.pt", weights_only=False)
-            chain = resharded(family, flavor)
+            chain = RESHARD
             previous = "reference"
             for name, argv in layouts.items():
                 result = {"ok": True, "error": ""}

@@ -5,16 +5,22 @@ The entry points are found here, not listed: every scripts/*.py and estimation/*
 A script's own options are the `--options` and argparse positionals its source names, and for a
 shell script the environment settings it reads with a default (`${NAME:-...}`); train.py's job
 options (`--<section>.key`) do not count, so a script that only prints train.py's help fails.
-All runs go in parallel threads, once per entry point and flag, in one module-scoped fixture.
+Python entry points run in this process (runpy as __main__, argv and stdout swapped; torch is
+imported once), shell scripts under bash in parallel threads; once per entry point and flag, in one
+module-scoped fixture.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import io
 import os
 import re
+import runpy
 import subprocess
+import traceback
 import sys
 from pathlib import Path
 
@@ -60,24 +66,44 @@ def own_options(path: Path) -> set[str]:
 ENTRY_POINTS = entry_points()
 
 
-def _run(path: Path, flag: str) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(path)] if _is_shell(path) else [sys.executable, str(path)]
+def _run_shell(path: Path, flag: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        return subprocess.run([*cmd, flag], cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=180)
+        return subprocess.run(["bash", str(path), flag], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
         return subprocess.CompletedProcess(e.cmd, -1, out, f"timed out after {e.timeout} s")
 
 
+def _run_python(path: Path, flag: str) -> subprocess.CompletedProcess:
+    """The script as `python path flag` runs it, in this process: argparse's help exits by SystemExit."""
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), flag]
+    sys.path.insert(0, str(path.parent))  # as `python path` puts the script's folder first
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        stderr.write(traceback.format_exc())
+        code = 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return subprocess.CompletedProcess([sys.executable, str(path), flag], code, stdout.getvalue(), stderr.getvalue())
+
+
 @pytest.fixture(scope="module")
 def help_runs() -> dict[tuple[str, str], subprocess.CompletedProcess]:
     jobs = [(p, flag) for p in ENTRY_POINTS for flag in FLAGS]
-    # Most of the time is importing torch, one core each: a few more threads than cores.
+    shell = [job for job in jobs if _is_shell(job[0])]
     with concurrent.futures.ThreadPoolExecutor(max_workers=(os.cpu_count() or 2) + 2) as pool:
-        results = pool.map(lambda job: _run(*job), jobs)
-        return {(str(p.relative_to(REPO)), flag): r for (p, flag), r in zip(jobs, results)}
+        pending = {job: pool.submit(_run_shell, *job) for job in shell}
+        done = {job: _run_python(*job) for job in jobs if job not in pending}
+        done.update({job: future.result() for job, future in pending.items()})
+    return {(str(p.relative_to(REPO)), flag): done[p, flag] for p, flag in jobs}
 
 
 def test_entry_points_are_found():

@@ -874,6 +874,18 @@ def drop_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def stage_aliases(parts: list[nn.Module], held: list[set[str]]) -> list[dict[str, str]]:
+    """Per part, {alias: owner} of the tied weights whose alias the part holds without its owner:
+    a pipeline stage with one end of a tied pair (the output projection on the last stage keeps its
+    own copy of the token table, synchronised by the tied-gradient sum). A checkpoint stores such a
+    weight once, under the owner's name, whatever the layout, so a pipeline job and a job holding
+    both ends read and write the same keys. held: each part's state-dict keys."""
+    from titanlike.models import protocol
+
+    return [{alias: owner for alias, owner in protocol.tied_weights(part).items()
+             if alias in keys and owner not in keys} for part, keys in zip(parts, held)]
+
+
 def tied_aliases(module: nn.Module) -> set[str]:
     """Names of parameters that are another name's Parameter (tied embeddings' output.weight).
 

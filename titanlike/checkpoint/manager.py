@@ -179,24 +179,39 @@ def _check_hf_config_values(path: str, spec) -> None:
 class ModelState(Stateful):
     """All model parts (pipeline stages on this rank) as one flat FQN -> tensor dict.
 
-    A tied parameter is stored once, under its first name: DCP deduplicates by key, not by
+    A tied parameter is stored once, under its owner's name: DCP deduplicates by key, not by
     storage, and the output projection of a tied 1B model would add 1 GB of fp32 otherwise.
-    Loading fills the alias through the shared Parameter.
+    Loading fills the alias through the shared Parameter, or, on a pipeline stage that holds the
+    alias alone (its own synchronised copy), from the owner's entry (fmt.stage_aliases).
     """
 
     def __init__(self, parts: list[nn.Module]):
         self.parts = parts
         self.aliases = set().union(*(tied_aliases(part) for part in parts))
+        held = [set(get_model_state_dict(part)) for part in parts]
+        self.stage_aliases = fmt.stage_aliases(parts, held)
+        self.held = set().union(*held)
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()
-                if k not in self.aliases}
+        """What a save writes: every weight once, under its owner's name."""
+        dropped = self.aliases.union(*self.stage_aliases)
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items() if k not in dropped}
+
+    def load_template(self) -> dict[str, Any]:
+        """What a load reads: state_dict(), plus a lone alias's tensor under its owner's key (filled
+        in place) where no part of this rank holds the owner."""
+        template = self.state_dict()
+        for part, aliases in zip(self.parts, self.stage_aliases):
+            local = get_model_state_dict(part) if aliases else {}
+            template.update({owner: local[alias] for alias, owner in aliases.items() if owner not in self.held})
+        return template
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for part in self.parts:
+        for part, aliases in zip(self.parts, self.stage_aliases):
+            own = {**state_dict, **{alias: state_dict[owner] for alias, owner in aliases.items()}}
             # strict=False: the dict holds the other parts' keys too; this part's own missing
             # keys were already ruled out against the checkpoint index before loading.
-            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+            set_model_state_dict(part, own, options=StateDictOptions(strict=False))
 
 
 class OptimizerState(Stateful):
@@ -215,12 +230,39 @@ class OptimizerState(Stateful):
         self.module = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
         self.multi = len(parts) > 1
         self._owner: dict[str, int] = {}
-        if self.multi:
-            for i, part in enumerate(parts):
-                for fqn in get_model_state_dict(part):
-                    self._owner[fqn] = i
+        held = [set(get_model_state_dict(part)) for part in parts]
+        for i, keys in enumerate(held):
+            self._owner.update(dict.fromkeys(keys, i))
+        # A lone alias's state (a pipeline stage's copy of a tied weight) is stored under its
+        # owner's name, as ModelState stores the weight: {alias: owner}.
+        self.lone: dict[str, str] = {}
+        for aliases in fmt.stage_aliases(parts, held):
+            self.lone.update(aliases)
+
+    @staticmethod
+    def _fqn(key: str) -> str:
+        """The parameter of a flat key "state.<fqn>.<name>" or "param_groups.<fqn>.<name>"."""
+        return key.partition(".")[2].rsplit(".", 1)[0]
 
     def state_dict(self) -> dict[str, Any]:
+        """What a save writes: a lone alias's state is left to its owner's stage."""
+        return self._grouped({k: v for k, v in self._entries().items() if self._fqn(k) not in self.lone})
+
+    def load_template(self) -> dict[str, Any]:
+        """What a load reads: a lone alias's state under its owner's keys (filled in place), unless
+        this rank holds the owner too (then load_state_dict copies the owner's)."""
+        out = {}
+        for k, v in self._entries().items():
+            fqn = self._fqn(k)
+            owner = self.lone.get(fqn)
+            if owner is None:
+                out[k] = v
+            elif owner not in self._owner:
+                kind, _, rest = k.partition(".")
+                out[f"{kind}.{owner}{rest[len(fqn):]}"] = v
+        return self._grouped(out)
+
+    def _entries(self) -> dict[str, Any]:
         sd = get_optimizer_state_dict(self.module, self.optimizer, options=self._OPTS)
         if self.multi:
             out = {}
@@ -228,6 +270,10 @@ class OptimizerState(Stateful):
                 m = self._KEY.fullmatch(k)
                 out[f"{m.group(1)}.{m.group(3)}" if m else k] = v
             sd = out
+        return sd
+
+    @staticmethod
+    def _grouped(sd: dict[str, Any]) -> dict[str, Any]:
         # Non-tensor values (a parameter's lr, betas, ...) become one JSON entry per parameter:
         # "param_groups.<fqn>.lr" -> {"lr": ...} under "param_groups.<fqn>" (names hold no dots).
         grouped: dict[str, Any] = {}
@@ -247,6 +293,14 @@ class OptimizerState(Stateful):
             else:
                 expanded[k] = v
         state_dict = expanded
+        for k, v in list(state_dict.items()):
+            fqn = self._fqn(k)
+            for alias in (a for a, owner in self.lone.items() if owner == fqn):
+                kind, _, rest = k.partition(".")
+                # Its own copy: two parameters must never step one state tensor.
+                state_dict[f"{kind}.{alias}{rest[len(fqn):]}"] = v.clone() if isinstance(v, torch.Tensor) else v
+                if fqn not in self._owner:
+                    del state_dict[k]
         if self.multi:
             renamed = {}
             for k, v in state_dict.items():
@@ -255,6 +309,11 @@ class OptimizerState(Stateful):
                 renamed[f"{kind}.{self._owner[fqn]}.{rest}" if fqn in self._owner else k] = v
             state_dict = renamed
         set_optimizer_state_dict(self.module, self.optimizer, state_dict, options=self._OPTS)
+
+
+def _load_template(state: Stateful) -> dict[str, Any]:
+    """The entries a load of this component reads (a tied weight's lone alias reads its owner's)."""
+    return state.load_template() if isinstance(state, (ModelState, OptimizerState)) else state.state_dict()
 
 
 class JsonState(Stateful):
@@ -628,7 +687,7 @@ class CheckpointManager:
             state: PerRankState = self.states[per_rank]
             if per_rank in names:
                 state.source = self._pick_source(state, metadata, path)
-        template = {name: self.states[name].state_dict() for name in names}
+        template = {name: _load_template(self.states[name]) for name in names}
         loaded = self._load_entries(template, metadata, path, what=f"loading checkpoint {path}")
         for name in names:
             if name in _SAME_SHAPE:  # small JSON states: the checkpoint's must look like this job's
@@ -797,38 +856,45 @@ class CheckpointManager:
             self._whole_keys = keys
         return self._whole_keys
 
-    @staticmethod
-    def _check_against_index(template: dict, metadata: Metadata, path: str) -> None:
+    def _check_against_index(self, template: dict, metadata: Metadata, path: str) -> None:
         """Every key we load exists in the checkpoint with the same shape.
 
-        The same check runs on every rank against the same index (and all ranks' model and
-        optimizer keys are identical), so all ranks fail together instead of hanging.
+        Ranks ask for different keys (each pipeline stage its own), so one rank's verdict is shared
+        with every rank before any of them enters DCP's collective load, where the others would wait
+        for it forever.
         """
+        problem = self._index_problem(template, metadata, path)
+        if self.distributed:
+            verdicts: list = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(verdicts, problem, group=self._pg)
+            problem = next((v for v in verdicts if v), None)
+        if problem is not None:
+            raise CheckpointError(problem)
+
+    @staticmethod
+    def _index_problem(template: dict, metadata: Metadata, path: str) -> str | None:
         flat, _ = flatten_state_dict(template)
         saved = metadata.state_dict_metadata
         for key, value in flat.items():
             md = saved.get(key)
             if md is None:
                 similar = [k for k in saved if k.split(".")[0] == key.split(".")[0]][:3]
-                raise CheckpointError(
-                    f"checkpoint {path} has no entry {key!r} that this job needs"
-                    + (f" (it has e.g. {similar})" if similar else "")
-                    + "; was it written for another model or optimizer? "
-                    "checkpoint.exclude_from_loading skips whole components"
-                )
+                return (f"checkpoint {path} has no entry {key!r} that this job needs"
+                        + (f" (it has e.g. {similar})" if similar else "")
+                        + "; was it written for another model or optimizer? "
+                        "checkpoint.exclude_from_loading skips whole components")
             if isinstance(value, torch.Tensor):
                 if not isinstance(md, TensorStorageMetadata):
-                    raise CheckpointError(f"checkpoint {path}: entry {key!r} is not a tensor")
+                    return f"checkpoint {path}: entry {key!r} is not a tensor"
                 if tuple(md.size) != tuple(value.shape):
-                    raise CheckpointError(
-                        f"checkpoint {path}: {key!r} has shape {tuple(md.size)} but this job's is "
-                        f"{tuple(value.shape)} (another model flavor or vocabulary?)"
-                    )
+                    return (f"checkpoint {path}: {key!r} has shape {tuple(md.size)} but this job's is "
+                            f"{tuple(value.shape)} (another model flavor or vocabulary?)")
+        return None
 
     def _load_model_dcp(self, path: str, metadata: Metadata, *, prefixed: bool) -> None:
         self._check_same_model(path, metadata)
         model = self.states[MODEL]
-        local = model.state_dict()
+        local = model.load_template()
         prefix = fmt.MODEL_PREFIX if prefixed else ""
         template = {prefix + k: v for k, v in local.items()}
         loaded = self._load_entries(template, metadata, path, what=f"loading the model from {path}")
