@@ -60,22 +60,16 @@ def _fill_(param: torch.Tensor, draw: Callable[[torch.Tensor, torch.Generator], 
     generator = torch.Generator(device=device)
     generator.manual_seed(seed_for(seed, fqn))
     draw(full, generator)
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank already holds the same full tensor, so this
-        # only slices out the local shard (no communication; uneven shards are fine).
-        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
-    else:
-        param.copy_(full)
-    return param
+    return copy_full_(param, full)
 
 
 @torch.no_grad()
 def copy_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """Copy the whole tensor `full` into `param`, or into this rank's shard of it (a DTensor): every
-    rank holds `full`, so this only slices (no communication)."""
+    rank holds `full`, so this only slices (no communication; uneven shards are fine)."""
     full = full.to(device=_local_device(param), dtype=param.dtype)
     if isinstance(param, DTensor):
+        # src_data_rank=None: every rank already holds the same full tensor.
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:
