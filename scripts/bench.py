@@ -110,7 +110,9 @@ def main() -> None:
             mfu = f", MFU {100 * tps * trainer.model_args.flops_per_token(cfg.training.seq_len) / peak:.1f}%" if peak else ", MFU n/a"
             print(f"{name:13s}: {med / bench.bench_steps * 1000:8.1f} ms/step, {tps:10,.0f} tokens/s/device{mfu}"
                   f"  (rounds: {', '.join(f'{s / bench.bench_steps * 1000:.1f}' for s in samples)} ms/step)")
-        print(f"peak {mem_label}: {mem:.2f} GiB")
+        allocated = (f", allocated {torch.cuda.max_memory_allocated(trainer.device) / 2**30:.2f} GiB"
+                     if trainer.device.type == "cuda" else "")
+        print(f"peak {mem_label}: {mem:.2f} GiB{allocated}")
         if bench.minimal_loop:
             overhead = statistics.median(times["titanlike"]) / statistics.median(times["minimal loop"]) - 1
             print(f"trainer overhead over the minimal loop: {100 * overhead:+.1f}%")
