@@ -51,6 +51,9 @@ def main() -> None:
     parser.add_argument("--minimal-loop", action="store_true",
                         help="also time a hand-written PyTorch loop and print the trainer's overhead over it "
                              "(one process, no gradient accumulation)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after timing, run torch.profiler over this many steps and print the operators "
+                             "with the most device (or CPU) time, and the step's time outside device kernels")
     bench, rest = parser.parse_known_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -116,7 +119,22 @@ def main() -> None:
         if bench.minimal_loop:
             overhead = statistics.median(times["titanlike"]) / statistics.median(times["minimal loop"]) - 1
             print(f"trainer overhead over the minimal loop: {100 * overhead:+.1f}%")
+    if bench.profile_steps:
+        profile(trainer_step, step_batches, bench.profile_steps, trainer.device, trainer.rank == 0)
     trainer.close()
+
+
+def profile(step_fn, batches, n: int, device: torch.device, report: bool) -> None:
+    """Where a step's time goes: the operators with the most self time over n steps."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        time_steps(step_fn, batches, n)
+    if not report:
+        return
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
 
 
 if __name__ == "__main__":
