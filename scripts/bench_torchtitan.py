@@ -3,14 +3,26 @@ titanlike's train_step and by torchtitan's own Trainer.train_step, in alternatin
 
     pip install --no-deps --target /tmp/tt torchtitan==0.2.2 tyro docstring-parser shtab typeguard
     OMP_NUM_THREADS=2 python scripts/bench_torchtitan.py --torchtitan-path /tmp/tt \\
-        [--bench-warmup 3] [--bench-steps 10] [--bench-rounds 5] [--real-rope] [--rope-only] [--profile]
-        [train.py options]
+        [--bench-warmup 3] [--bench-steps 10] [--bench-rounds 5] [--only titanlike|torchtitan]
+        [--real-rope] [--rope-only] [--profile] [train.py options]
 
 torchtitan is not a dependency of titanlike: install it apart (the line above; tyro and its small
 dependencies are what torchtitan's config module imports) and name the folder. Without train.py options
 the job is train_configs/debug_model.toml: the Llama 3 debug model (dim 256, 8 layers, 16 query and 8
 key/value heads, vocab of the debug tokenizer, Llama 3.1 RoPE scaling; 7.3 M parameters), seq 256,
-batch 8, float32, AdamW (foreach), gradient clipping at 1.0, one process.
+batch 8, float32, AdamW (fused), gradient clipping at 1.0, one process.
+
+On a GPU, the single-GPU table's configurations (bf16, compile, float8), e.g.
+
+    python scripts/bench_torchtitan.py --torchtitan-path /tmp/tt --job.config_file train_configs/llama3_1b.toml \\
+        --model.tokenizer_path $LLAMA3_TOKENIZER --model.args.tie_word_embeddings false [--model.converters float8]
+
+torchtitan's Llama 3 has no tied embeddings, so the Llama 3.2 presets run untied on both sides. Each side
+applies its own compile (per block) and its own float8 converter (torchtitan's Float8LinearConverter with
+the job's [float8] settings); bf16 is torch.autocast on both at world size 1. Both models and optimizer
+states share the device in the paired mode; `--only NAME` runs one side alone (titanlike's model leaves
+the device before torchtitan's steps) so that the printed peak memory is that side's, and is the way to
+fit 3B on one 80 GB GPU. The ratio of two --only runs is not paired: run them back to back.
 
 What runs on each side:
   titanlike   its Trainer, built from the job as train.py builds it, and Trainer.train_step.
@@ -88,7 +100,8 @@ def import_torchtitan(path: str | None) -> types.SimpleNamespace:
     try:
         modules = {name: importlib.import_module(f"torchtitan.{name}") for name in (
             "train", "config", "components.loss", "components.optimizer", "components.lr_scheduler",
-            "distributed", "distributed.utils", "models.llama3", "models.llama3.model.model")}
+            "distributed", "distributed.utils", "models.llama3", "models.llama3.model.model",
+            "models.llama3.infra.parallelize", "components.quantization.float8")}
     except ImportError as e:
         raise SystemExit(f"torchtitan is installed but does not import here ({e}); install its missing "
                          "dependency into the same folder with `pip install --no-deps --target ...`.") from None
@@ -123,10 +136,8 @@ def torchtitan_args(tt, args, seq_len: int):
             original_max_position_embeddings=s.original_max_position_embeddings))
 
 
-def torchtitan_trainer(tt, cfg, model):
-    """A torchtitan Trainer holding its own components for `model`, built without its __init__ (CUDA only)."""
-    import torch
-
+def torchtitan_job(tt, cfg):
+    """torchtitan's JobConfig with the job's optimizer, schedule, training, compile and float8 settings."""
     job = tt.config.JobConfig()
     o, s, t = cfg.optimizer, cfg.lr_scheduler, cfg.training
     job.optimizer = dataclasses.replace(job.optimizer, name=o.name, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
@@ -135,19 +146,46 @@ def torchtitan_trainer(tt, cfg, model):
                                          min_lr_factor=s.min_lr_factor)
     job.training = dataclasses.replace(job.training, max_norm=t.max_norm, steps=t.steps, seq_len=t.seq_len,
                                      local_batch_size=t.local_batch_size, mixed_precision_param=t.mixed_precision_param)
+    job.compile = dataclasses.replace(job.compile, enable=cfg.compile.enable, backend=cfg.compile.backend,
+                                      components=list(cfg.compile.components))
+    f = cfg.float8
+    job.quantize.linear.float8 = dataclasses.replace(
+        job.quantize.linear.float8, recipe_name=f.recipe_name or None, filter_fqns=list(f.filter_fqns), emulate=f.emulate,
+        enable_fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather,
+        precompute_float8_dynamic_scale_for_fsdp=f.precompute_float8_dynamic_scale_for_fsdp)
+    return job
+
+
+def single_device_dims(tt):
     parallel_dims = tt.distributed.ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
                                                 world_size=1)
     parallel_dims.get_optional_mesh = lambda dims: None  # every mesh has size 1 (see the module docstring)
+    return parallel_dims
 
+
+def convert_and_compile(tt, job, model, converters: list[str]) -> None:
+    """What torchtitan's trainer does to its model on one device: its float8 converter (when the job
+    converts to float8), then per-block torch.compile (when the job compiles)."""
+    if "float8" in converters:
+        tt.components_quantization_float8.Float8LinearConverter(job, single_device_dims(tt)).convert(model)
+    if job.compile.enable and "model" in job.compile.components:
+        tt.models_llama3_infra_parallelize.apply_compile(model, job.compile)
+
+
+def torchtitan_trainer(tt, job, model, device):
+    """A torchtitan Trainer holding its own components for `model`, built without its __init__ (that
+    one sets up process groups)."""
+    t = job.training
+    parallel_dims = single_device_dims(tt)
     trainer = tt.train.Trainer.__new__(tt.train.Trainer)
     optimizers = tt.components_optimizer.build_optimizers([model], job.optimizer, parallel_dims)
     trainer.__dict__.update(
-        job_config=job, parallel_dims=parallel_dims, device=torch.device("cpu"), model_parts=[model],
+        job_config=job, parallel_dims=parallel_dims, device=device, model_parts=[model],
         model_args=model.model_args, tokenizer=None, gradient_accumulation_steps=1, step=0, ntokens_seen=0,
         loss_fn=tt.components_loss.build_cross_entropy_loss(job), optimizers=optimizers,
         lr_schedulers=tt.components_lr_scheduler.build_lr_schedulers(optimizers, job.lr_scheduler, t.steps),
         train_context=tt.distributed_utils.get_train_context(False),
-        maybe_enable_amp=tt.distributed_utils.maybe_enable_amp(parallel_dims, t.mixed_precision_param, "cpu"),
+        maybe_enable_amp=tt.distributed_utils.maybe_enable_amp(parallel_dims, t.mixed_precision_param, device.type),
         checkpointer=types.SimpleNamespace(maybe_wait_for_staging=lambda: None),
         # Steps that do not log: the comparison is of the steady step, as titanlike's below.
         metrics_processor=types.SimpleNamespace(should_log=lambda step: False),
@@ -199,10 +237,24 @@ def paired_rounds(step_fns: dict, fetch, *, warmup: int, steps: int, rounds: int
     return times
 
 
-def report(times: dict[str, list[float]], unit: str) -> None:
+def device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+
+
+def report(times: dict[str, list[float]], unit: str, *, tokens: int = 0, flops_per_token: float = 0.0,
+           device=None) -> None:
+    """Each loop's median; with tokens per step, tokens/s (and MFU on a known GPU) too."""
+    from titanlike.observe.metrics import device_peak_flops
+
+    peak = device_peak_flops(device) if device is not None else None
     base = next(iter(times))
     for name, samples in times.items():
         line = f"{name:32s} {statistics.median(samples):8.2f} {unit} (rounds: {', '.join(f'{s:.1f}' for s in samples)})"
+        if tokens:
+            tps = tokens / statistics.median(samples) * 1000
+            line += f", {tps:,.0f} tokens/s" + (f", MFU {100 * tps * flops_per_token / peak:.1f}%" if peak else "")
         if name != base:
             ratios = [b / s for b, s in zip(times[base], samples)]
             line += f"; {base} / {name} = {statistics.median(ratios):.3f} (median of paired rounds)"
@@ -292,6 +344,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, profile --bench-steps steps of each loop with torch.profiler and "
                              "print every operator's self CPU time and calls per step, side by side")
+    parser.add_argument("--only", choices=("titanlike", "torchtitan"), default=None,
+                        help="run one side only, in this process alone, so that its peak memory is its own (both "
+                             "sides' models and optimizer states in one process may not fit one GPU at 3B)")
     bench, rest = parser.parse_known_args()
     if not _given(rest, "--job.config_file"):
         rest = ["--job.config_file", str(DEFAULT_CONFIG), *rest]
@@ -310,40 +365,57 @@ def main() -> None:
         raise SystemExit("bench_torchtitan.py compares one process: run it without torchrun.")
     cfg = load_job_config(rest)
     trainer = Trainer(plan_job(cfg, 1))
-    if trainer.grad_accum_steps != 1 or cfg.training.mixed_precision_param != "float32" or cfg.compile.enable:
-        raise SystemExit("bench_torchtitan.py compares eager float32 steps without gradient accumulation: "
-                         "leave training.global_batch_size, mixed_precision_param and compile at the debug job's.")
-
-    # torchtitan's model, with titanlike's initial weights (the parameter names are the same).
-    reference = trainer.spec.model_cls(trainer.model_args)
-    reference.init_weights(seed=cfg.debug.seed)
-    with torch.device("meta"):
-        tt_model = tt.models_llama3_model_model.Transformer(torchtitan_args(tt, trainer.model_args, cfg.training.seq_len))
-    tt_model.to_empty(device="cpu")
-    with torch.no_grad():  # as torchtitan's trainer calls it
-        tt_model.init_weights(buffer_device=torch.device("cpu"))
-    missing, unexpected = tt_model.load_state_dict(reference.state_dict(), strict=False)
-    if missing or unexpected:
-        raise SystemExit(f"titanlike's and torchtitan's Llama differ: missing {missing}, unexpected {unexpected}")
+    if trainer.grad_accum_steps != 1:
+        raise SystemExit("bench_torchtitan.py compares steps without gradient accumulation: leave "
+                         "training.global_batch_size empty.")
+    device = trainer.device
+    t = cfg.training
     data = iter(trainer.dataloader)
     first_inputs, _ = inputs_and_labels(next(data))
-    with torch.no_grad():
-        diff = (logits_of(reference(first_inputs)) - tt_model(first_inputs)).abs().max().item()
-    n_params = sum(p.numel() for p in tt_model.parameters())
-    t = cfg.training
-    print(f"torchtitan {tt.version}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{cfg.model.name} {cfg.model.flavor}: {n_params / 1e6:.2f} M parameters, seq {t.seq_len}, batch "
-          f"{t.local_batch_size}, {t.mixed_precision_param}, AdamW ({cfg.optimizer.implementation}), max_norm "
-          f"{t.max_norm}; same weights: logits differ by at most {diff:.1e} on the first batch")
+    first_inputs = first_inputs.to(device)
+    job = torchtitan_job(tt, cfg)
+    ours = trainer.model_parts[0]
+
+    tt_model = None
+    if bench.only != "titanlike":
+        # torchtitan's model with titanlike's initial weights (the parameter names are the same; per-block
+        # compile and float8's Float8Linear keep them), then torchtitan's own float8 swap and compile.
+        with torch.device("meta"):
+            tt_model = tt.models_llama3_model_model.Transformer(torchtitan_args(tt, trainer.model_args, t.seq_len))
+        tt_model.to_empty(device=device)
+        with torch.no_grad():  # as torchtitan's trainer calls it
+            tt_model.init_weights(buffer_device=device)
+        missing, unexpected = tt_model.load_state_dict(ours.state_dict(), strict=False)
+        if missing or unexpected:
+            raise SystemExit(f"titanlike's and torchtitan's Llama differ: missing {missing}, unexpected {unexpected}")
+        check = "logits checked without converters"
+        if "float8" not in cfg.model.converters:  # float8 quantizes each side's matmuls on its own
+            # Eager (a compiled block would compile once more for no-grad and then again for training).
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                diff = (logits_of(ours(first_inputs)).float() - tt_model(first_inputs).float()).abs().max().item()
+            check = f"logits differ by at most {diff:.1e} on the first batch (float32)"
+        convert_and_compile(tt, job, tt_model, cfg.model.converters)
+    if bench.only == "torchtitan":  # titanlike's model leaves the device: the memory figures are torchtitan's
+        ours.to("meta")
+        trainer.optimizer.state.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    n_params = sum(p.numel() for p in ours.parameters())
+    print(f"torchtitan {tt.version}, torch {torch.__version__} on {device_name(device)}; {cfg.model.name} "
+          f"{cfg.model.flavor}: {n_params / 1e6:.2f} M parameters, seq {t.seq_len}, batch {t.local_batch_size}, "
+          f"{t.mixed_precision_param}, compile {cfg.compile.enable}, converters {cfg.model.converters or 'none'}, "
+          f"AdamW ({cfg.optimizer.implementation}), max_norm {t.max_norm}"
+          + ("" if tt_model is None else f"; same weights: {check}"))
     if bench.rope_only:
-        rope_only(tt, reference, tt_model, t.local_batch_size, t.seq_len, bench)
+        rope_only(tt, ours, tt_model, t.local_batch_size, t.seq_len, bench)
         trainer.close()
         return
 
     # torchtitan's single-device step enters torch.autocast with the job's dtype, which CPU autocast
     # refuses for float32 with a warning (and runs without it, as intended here).
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
-    tt_trainer = torchtitan_trainer(tt, cfg, tt_model)
+    tt_trainer = None if tt_model is None else torchtitan_trainer(tt, job, tt_model, device)
 
     def titanlike_step(batch):
         trainer.train_step([trainer.prepare(batch)])
@@ -358,6 +430,8 @@ def main() -> None:
         tt_trainer.train_step(iter([({"input": inputs}, labels)]))
 
     step_fns = {"titanlike": titanlike_step, f"torchtitan {tt.version}": torchtitan_step}
+    if bench.only:
+        step_fns = {name: fn for name, fn in step_fns.items() if name.startswith(bench.only)}
     if bench.real_rope:
         step_fns["titanlike, real RoPE in eager"] = titanlike_real_rope_step
     fetch = lambda n: [next(data) for _ in range(n)]  # noqa: E731
@@ -368,7 +442,12 @@ def main() -> None:
     print(f"load average before: {load()}")
     times = paired_rounds(step_fns, fetch, warmup=bench.bench_warmup, steps=bench.bench_steps,
                           rounds=bench.bench_rounds)
-    report(times, "ms/step")
+    report(times, "ms/step", tokens=t.local_batch_size * t.seq_len,
+           flops_per_token=trainer.model_args.flops_per_token(t.seq_len), device=device)
+    if device.type == "cuda":
+        side = f"{bench.only}'s" if bench.only else "both sides' (one process: not separable)"
+        print(f"peak memory, {side}: {torch.cuda.max_memory_reserved(device) / 2**30:.2f} GiB reserved, "
+              f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated")
     print(f"load average after: {load()}")
     trainer.close()
 
