@@ -197,6 +197,51 @@ def test_packed_and_padded_losses_equal_trls_sftTrainer(tmp_path):
     assert abs(loss_packed - trl_loss) < 1e-5
 
 
+def test_padding_to_the_longest_cuts_each_microbatch_and_keeps_its_loss(tmp_path):
+    """sft.padding longest: a microbatch of unpacked conversations ends at its last trained target,
+    rounded up to sft.pad_to_multiple_of, and its loss (sum and count) is the seq_len-padded one's."""
+    import titanlike
+
+    _, padded, tok, _ = _samples(tmp_path, packing=False)
+    _hf_model(tmp_path / "hf", tok.vocab_size)
+    model = titanlike.load_model(tmp_path / "hf")
+    ctx = BatchContext(torch.device("cpu"), mask_kernel="sdpa")
+    source = padded.source
+    for rows in ([0, 1, 2], [0, 3], [2]):
+        batch = {k: torch.from_numpy(np.stack([source[i][k] for i in rows])) for k in source.fields}
+        last = max(int(np.flatnonzero(source[i]["labels"] != -100)[-1]) for i in rows) + 1
+        results = []
+        for options in (SFTOptions(packing=False), SFTOptions(packing=False, padding="longest", pad_to_multiple_of=8)):
+            objective = SFT(options)
+            mb = objective.prepare(batch, ctx)
+            with torch.no_grad():
+                results.append((objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.labels).item(),
+                                int((mb.labels != -100).sum()), mb.inputs.shape[1]))
+        (full, count, length), (cut, cut_count, cut_length) = results
+        assert length == 128 and cut_length == -(-last // 8) * 8 < 128, (last, cut_length)
+        assert cut_count == count and abs(cut - full) < 1e-5 * abs(full), (cut, full)
+
+
+@pytest.mark.parametrize("argv, world, fragment", [
+    (["--parallelism.pipeline_parallel_degree", "2"], 2, "parallelism.pipeline_parallel_degree 2 cannot take"),
+    (["--parallelism.context_parallel_degree", "2"], 2, "parallelism.context_parallel_degree 2 cannot take"),
+    (["--parallelism.tensor_parallel_degree", "2", "--sft.pad_to_multiple_of", "3"], 2,
+     "sft.pad_to_multiple_of 3 must be a multiple of parallelism.tensor_parallel_degree 2"),
+    (["--sft.pad_to_multiple_of", "0"], 1, "sft.pad_to_multiple_of must be at least 1"),
+])
+def test_padding_to_the_longest_refuses_layouts_of_one_length(tmp_path, argv, world, fragment):
+    from titanlike.config import load_job_config
+    from titanlike.config.loader import ConfigError
+    from titanlike.train.plan import plan_job
+
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    job = ["--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", str(data),
+           "--sft.no_packing", "--sft.padding", "longest", *argv, "--job.dump_folder", str(tmp_path / "out")]
+    with pytest.raises(ConfigError) as err:
+        plan_job(load_job_config(job), world_size=world)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 
