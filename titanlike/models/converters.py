@@ -461,7 +461,8 @@ class LoRAConverter(ModelConverter):
         targets = apply_lora(model, self.options or LoRAOptions())
         o = self.options or LoRAOptions()
         _log_on_rank0(f"lora: rank {o.rank}, alpha {o.alpha:g} on {len(targets)} linear layers "
-                      f"({_names(targets)}); every other parameter frozen")
+                      f"({_names(targets)}); every other parameter frozen"
+                      + (f", held in {o.base_dtype} (the adapters in float32)" if o.base_dtype != "float32" else ""))
 
     def init_weights(self, model: nn.Module, seed: int) -> None:
         from titanlike.models.lora import adapters, freeze_base
@@ -505,4 +506,9 @@ def validate_converter_targets(names: list[str], section: Callable[[str], object
     with torch.device("meta"):
         meta = spec.model_cls(args)
     options = section("lora")
+    if options.base_dtype != "float32" and section("training").mixed_precision_param != options.base_dtype:
+        # The base would otherwise meet float32 activations (one process) or be cast back up (FSDP's
+        # param_dtype): bfloat16 compute is what a bfloat16 base is for.
+        raise ValueError(f"lora.base_dtype {options.base_dtype} needs training.mixed_precision_param "
+                         f"{options.base_dtype} (it is {section('training').mixed_precision_param})")
     check_targets(select_targets(meta, options.target_modules, hf_module_names(meta, spec, args)), model=model)

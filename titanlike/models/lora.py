@@ -60,6 +60,11 @@ class LoRAOptions:
         "linear layers that get adapters: Hugging Face module names (q_proj, gate_proj, ...) or ours "
         "(attention.wq, feed_forward.w1, layers.3.attention.wq), matched as whole dot-separated parts")
 
+    base_dtype: str = opt(
+        "float32", "dtype the frozen base weights are held in: bfloat16 halves their memory (and FSDP's all-gathers) "
+        "while the adapters, their gradients and optimizer state stay float32; needs training.mixed_precision_param "
+        "bfloat16, the precision the base then computes in", choices=("float32", "bfloat16"))
+
     adapter_path: str | None = opt(
         None, "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) whose A and B a fresh "
         "run starts from, after the base model's initial load; its rank and alpha must be lora.rank and lora.alpha")
@@ -219,7 +224,19 @@ def apply_lora(model: nn.Module, options: LoRAOptions, *, spec: ModelSpec | None
     for fqn in targets:
         add_adapter(model.get_submodule(fqn), options.rank, options.alpha, options.dropout)
     freeze_base(model)
+    if options.base_dtype != "float32":
+        hold_base_in(model, getattr(torch, options.base_dtype))
     return targets
+
+
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every frozen parameter of `model` (meta or not) becomes `dtype`, under the same name and
+    requires_grad False; the adapters keep theirs. Buffers (RoPE tables, LoRA's scale) are left as
+    they are: the model computes them in their own precision."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.requires_grad and p.dtype != dtype and p.is_floating_point():
+                module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
 
 
 def freeze_base(model: nn.Module) -> None:
@@ -373,5 +390,5 @@ def _peft_keys(folder: str) -> list[str]:
 
 
 __all__ = ["LoRALinear", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "export_peft", "freeze_base",
-           "has_adapters", "load_peft", "merged_state_dict", "peft_state_dict", "read_adapter_config",
+           "has_adapters", "hold_base_in", "load_peft", "merged_state_dict", "peft_state_dict", "read_adapter_config",
            "split_state_dict"]
