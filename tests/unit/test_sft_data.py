@@ -341,6 +341,46 @@ def test_job_rules_refuse_in_one_sentence(tmp_path, argv, fragment):
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("preset, flavor, world, adapters", [
+    ("sft_llama3_8b", "8B", 8, 0),
+    ("lora_llama3_8b", "8B", 1, 41_943_040),  # rank 16 on the 7 linears of 32 blocks
+    ("lora_llama3_8b", "8B", 8, 41_943_040),
+    ("lora_llama3_70b", "70B", 8, 207_093_760),  # of 80 blocks
+])
+def test_fine_tuning_presets_plan_from_a_hugging_face_folder(tmp_path, monkeypatch, preset, flavor, world, adapters):
+    """Each size's preset plans (plan_job, no weights built) from a Hugging Face folder holding that
+    model's config.json, on the GPUs its comment names; LoRA's targets name the linears they claim.
+    The host is taken to hold 2 TiB, as a GPU node's does (the plan refuses a folder whose model the
+    host cannot load)."""
+    import json
+
+    import titanlike.observe.memory as memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda device="cpu": (2 * 2**40, "this host has"))
+
+    from titanlike.config import load_job_config
+    from titanlike.models.llama3 import llama3_flavors
+    from titanlike.models.lora import LoRAOptions, apply_lora
+    from titanlike.models.registry import get_model_spec
+    from titanlike.train.plan import plan_job
+
+    spec = get_model_spec("llama3")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(spec.hf.args_to_config(llama3_flavors[flavor])))
+    cfg = load_job_config(["--job.config_file", f"train_configs/{preset}.toml", "--model.hf_assets_path", str(folder)])
+    plan = plan_job(cfg, world, vocab_size=128256)
+    assert plan.objective.name == "sft" and plan.dims.dp_shard == world and plan.precision.param_dtype == "bfloat16"
+    assert plan.model_args.dim == llama3_flavors[flavor].dim and plan.model_args.n_layers == llama3_flavors[flavor].n_layers
+    assert ("lora" in cfg.model.converters) == bool(adapters)
+    if adapters:
+        with torch.device("meta"):
+            model = spec.model_cls(plan.model_args)
+        apply_lora(model, cfg.lora)
+        assert sum(p.numel() for p in model.parameters() if p.requires_grad) == adapters
+        assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+
+
 def test_end_of_turn_tokens_where_sampling_stops(tmp_path):
     from titanlike.data.chat_template import end_of_turn_ids
 
