@@ -114,6 +114,24 @@ def test_bad_targets_and_adapters_are_refused_in_one_sentence(hf_folder, tmp_pat
         load_peft(more, str(tmp_path / "a"))
     with pytest.raises(ValueError, match="is not a PEFT adapter folder"):
         load_peft(model, str(tmp_path))
+    # An adapter of another base model: the same module names, other sizes.
+    spec = get_model_spec("llama3")
+    other = spec.model_cls(dataclasses.replace(model.model_args, dim=128, n_heads=4, n_kv_heads=2))
+    apply_lora(other, options)
+    with torch.no_grad():
+        for module in adapters(other).values():
+            module.lora_a.normal_(0, 0.1)
+            module.lora_b.normal_(0, 0.1)
+            module.lora_scale.fill_(module.lora_scaling)
+    export_peft(other.state_dict(), spec, other.model_args, str(tmp_path / "other"), options)
+    with pytest.raises(ValueError, match=r"the adapter of model.layers.0.self_attn.q_proj has shapes \(4, 128\)") as e:
+        load_peft(model, str(tmp_path / "other"))
+    assert "another base model" in _one_line(e.value)
+
+
+def _one_line(e: BaseException) -> str:
+    assert "\n" not in str(e)
+    return str(e)
 
 
 def test_load_model_folds_a_lora_checkpoints_adapters_in(hf_folder, tmp_path):

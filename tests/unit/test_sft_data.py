@@ -253,9 +253,12 @@ def _one_sentence(e: BaseException) -> str:
 
 def test_bad_conversations_are_refused_in_one_sentence(tmp_path):
     mistral = load_chat_template("tokenizer", build_tokenizer(str(tokenizer_folder(tmp_path / "m", TEMPLATES["mistral"]))))
+    llama3 = load_chat_template("tokenizer", build_tokenizer(str(tokenizer_folder(tmp_path / "l", TEMPLATES["llama3"]))))
     tok = build_tokenizer(str(tokenizer_folder(tmp_path / "c", TEMPLATES["chatml"])))
     chatml = load_chat_template("auto", tok)
     cases = [
+        (llama3, {"messages": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "x"},
+                               {"role": "assistant", "content": "ok"}]}, "refused the conversation: Unknown role narrator"),
         (chatml, {"messages": [{"role": "user", "content": "hi"}]}, "has no assistant turn"),
         (mistral, {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]},
          "refused the conversation: Conversation roles must alternate"),
