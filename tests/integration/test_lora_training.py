@@ -64,7 +64,10 @@ LORA_SFT = ("--model.converters", "lora", "--training.objective", "sft", "--trai
             "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4", "--training.global_batch_size", "8")
 LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
            "cp": ("--parallelism.context_parallel_degree", "2"),
-           "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2")}
+           "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"),
+           "ac": ("--activation_checkpoint.mode", "full"),
+           "hsdp": ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                    "--training.local_batch_size", "2")}
 
 
 @pytest.mark.distributed
@@ -73,9 +76,12 @@ LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["tp"], name="tp", nproc=2)
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["cp"], name="cp", nproc=2)
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["pp"], name="pp", nproc=2)
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["ac"], name="ac")
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["hsdp"], name="hsdp", nproc=4)
 def test_sft_with_lora_layouts_match_one_process(train_runs):
-    """SFT (packed, document masks) with adapters: FSDP2, TP2, CP2 and PP2 equal one process, step by
-    step (loss and gradient norm), at a learning rate high enough that a wrong gradient shows."""
+    """SFT (packed, document masks) with adapters: FSDP2, TP2, CP2, PP2, full activation checkpointing
+    and HSDP 2x2 equal one process, step by step (loss and gradient norm), at a learning rate high
+    enough that a wrong gradient shows."""
     one = [(r["loss"], r["grad_norm"]) for r in train_runs["one"].metrics]
     assert len(one) == 4 and one[-1][0] < one[0][0]  # the adapters learn
     for name in LAYOUTS:
@@ -99,6 +105,33 @@ def test_sft_with_lora_resumes_exactly_mid_epoch(tmp_path):
     resumed = train_metrics(tmp_path, "whole", *job)
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
+
+
+# The MoE family (qwen3 debugmodel_moe: 8 experts, top-2, a dense first layer) under SFT, all weights
+# or adapters on the attention (the experts frozen), with expert parallelism against one process.
+# 2-sample microbatches everywhere: the balancing losses are per microbatch.
+MOE_SFT = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.objective", "sft",
+           "--training.dataset", "text", "--training.dataset_path", DATA, "--optimizer.lr", "1e-2",
+           "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+           "--moe.seq_aux_loss_coeff", "0.001")
+MOE_LORA = ("--model.converters", "lora")
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*MOE_SFT, name="sft")
+@pytest.mark.train_run(*MOE_SFT, *EP2, name="sft_ep2", nproc=2)
+@pytest.mark.train_run(*MOE_SFT, *MOE_LORA, name="lora")
+@pytest.mark.train_run(*MOE_SFT, *MOE_LORA, *EP2, name="lora_ep2", nproc=2)
+def test_sft_and_lora_on_experts_under_expert_parallelism_match_one_process(train_runs):
+    for name in ("sft", "lora"):
+        one = [(r["loss"], r["grad_norm"], r["moe/aux_loss"]) for r in train_runs[name].metrics]
+        ep = [(r["loss"], r["grad_norm"], r["moe/aux_loss"]) for r in train_runs[f"{name}_ep2"].metrics]
+        assert len(one) == len(ep) == 4 and one[-1][0] < one[0][0], name
+        for i in range(3):
+            got, want = [x[i] for x in ep], [x[i] for x in one]
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (name, i, got, want)
+    assert "lora: rank 8, alpha 16" in train_runs["lora"].output
 
 
 BF16 = ("--training.mixed_precision_param", "bfloat16")
