@@ -78,10 +78,16 @@ LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["pp"], name="pp", nproc=2)
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["ac"], name="ac")
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["hsdp"], name="hsdp", nproc=4)
+@pytest.mark.train_run(*LORA_SFT, "--lora.use_dora", name="dora")
 def test_sft_with_lora_layouts_match_one_process(train_runs):
     """SFT (packed, document masks) with adapters: FSDP2, TP2, CP2, PP2, full activation checkpointing
     and HSDP 2x2 equal one process, step by step (loss and gradient norm), at a learning rate high
-    enough that a wrong gradient shows."""
+    enough that a wrong gradient shows. DoRA through the trainer: its magnitudes start at the base's
+    row norms (the first loss is LoRA's exactly), then train (another gradient norm, and it learns)."""
+    dora = [(r["loss"], r["grad_norm"]) for r in train_runs["dora"].metrics]
+    first = train_runs["one"].metrics[0]
+    assert "dora: rank 8" in train_runs["dora"].output and dora[0][0] == first["loss"]
+    assert dora[0][1] != pytest.approx(first["grad_norm"], rel=1e-3) and dora[-1][0] < dora[0][0]
     one = [(r["loss"], r["grad_norm"]) for r in train_runs["one"].metrics]
     assert len(one) == 4 and one[-1][0] < one[0][0]  # the adapters learn
     for name in LAYOUTS:

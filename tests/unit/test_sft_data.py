@@ -326,6 +326,8 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted(tmp_path, c
       "--model.converters", "lora", "--lora.target_modules", "q_proj,qkv"],
      "lora.target_modules qkv matches no linear layer of llama3 debugmodel"),
     (["--model.converters", "lora", "--lora.rank", "0"], "lora.rank must be at least 1"),
+    (["--model.converters", "lora", "--lora.use_dora", "--parallelism.tensor_parallel_degree", "1",
+      "--lora.dropout", "0.1"], "lora.use_dora with lora.dropout is not supported"),
     (["--model.converters", "lora", "--lora.base_dtype", "bfloat16", "--training.mixed_precision_param", "float32"],
      "lora.base_dtype bfloat16 needs training.mixed_precision_param bfloat16 (it is float32)"),
     (["--sft.no_packing"], "sft.packing is set, but it configures training.objective sft and this job's objective "
