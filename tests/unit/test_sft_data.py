@@ -360,15 +360,13 @@ def test_fine_tuning_presets_plan_from_a_hugging_face_folder(tmp_path, monkeypat
     import json
 
     import titanlike.observe.memory as memory
-
-    monkeypatch.setattr(memory, "device_memory", lambda device="cpu": (2 * 2**40, "this host has"))
-
     from titanlike.config import load_job_config
     from titanlike.models.llama3 import llama3_flavors
-    from titanlike.models.lora import LoRAOptions, apply_lora
+    from titanlike.models.lora import apply_lora
     from titanlike.models.registry import get_model_spec
     from titanlike.train.plan import plan_job
 
+    monkeypatch.setattr(memory, "device_memory", lambda device="cpu": (2 * 2**40, "this host has"))
     spec = get_model_spec("llama3")
     folder = tmp_path / "hf"
     folder.mkdir()

@@ -19,6 +19,11 @@ block as a whole, frozen base and trainable adapters in one unit (it reduces gra
 trainable ones only). Nothing generic knows about LoRA: the converter runs on the meta model
 before parallelize, like float8.
 
+DoRA (lora.use_dora, as PEFT's use_dora): the layer also learns a magnitude m per output row, its
+weight being m (W + s B A) / ||W + s B A|| (row norms, detached as the paper's section 4.3 and PEFT
+do), computed in forward as out + (m/n - 1) W x + (m/n) s B A x. The magnitudes start at W's row
+norms once the base holds its weights (the converter's initial_state, after the initial load).
+
 The PEFT format. `export_peft` writes adapter_config.json + adapter_model.safetensors with the
 names `peft` gives the transformers model of the family (base_model.model.<HF module>.lora_A/B.
 weight), the family's HF adapter mapping our names and converting B's rows as it converts the
