@@ -219,7 +219,9 @@ def test_an_adapter_of_another_rank_or_not_an_adapter_is_refused_before_training
     export_peft(model.state_dict(), get_model_spec("llama3"), model.model_args, str(tmp_path / "a"), options)
     for argv, words in [(["--lora.rank", "2", "--lora.adapter_path", str(tmp_path / "a")],
                          "holds adapters of rank 4 and alpha 8, but lora.rank is 2"),
-                        (["--lora.adapter_path", str(tmp_path)], "is not a PEFT adapter folder")]:
+                        (["--lora.adapter_path", str(tmp_path)], "is not a PEFT adapter folder"),
+                        (["--lora.rank", "4", "--lora.alpha", "8", "--lora.use_dora", "--lora.adapter_path",
+                          str(tmp_path / "a")], "holds plain LoRA adapters, but lora.use_dora is true")]:
         with pytest.raises(ConfigError) as e:
             plan_job(load_job_config(["--model.converters", "lora", *argv, "--job.dump_folder", str(tmp_path / "o")]), 1)
         assert words in str(e.value) and "\n" not in str(e.value)
