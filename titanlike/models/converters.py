@@ -460,7 +460,8 @@ class LoRAConverter(ModelConverter):
 
         targets = apply_lora(model, self.options or LoRAOptions())
         o = self.options or LoRAOptions()
-        _log_on_rank0(f"{'dora' if o.use_dora else 'lora'}: rank {o.rank}, alpha {o.alpha:g} on {len(targets)} linear layers "
+        kind = "dora" if o.use_dora else "lora"
+        _log_on_rank0(f"{kind}: rank {o.rank}, alpha {o.alpha:g} on {len(targets)} linear layers "
                       f"({_names(targets)}); every other parameter frozen"
                       + (f", held in {o.base_dtype} (the adapters in float32)" if o.base_dtype != "float32" else ""))
 

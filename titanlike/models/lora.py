@@ -86,8 +86,9 @@ class LoRAOptions:
                                  f"alpha {config.get('lora_alpha')}, but lora.rank is {self.rank} and lora.alpha "
                                  f"{self.alpha:g}; set them to the adapter's")
             if bool(config.get("use_dora")) != self.use_dora:
-                raise ValueError(f"lora.adapter_path {self.adapter_path} holds {'DoRA' if config.get('use_dora') else 'plain LoRA'}"
-                                 f" adapters, but lora.use_dora is {str(self.use_dora).lower()}; set it to the adapter's")
+                kind = "DoRA" if config.get("use_dora") else "plain LoRA"
+                raise ValueError(f"lora.adapter_path {self.adapter_path} holds {kind} adapters, but lora.use_dora "
+                                 f"is {str(self.use_dora).lower()}; set it to the adapter's")
         if self.rank < 1:
             raise ValueError(f"lora.rank must be at least 1, got {self.rank}")
         if not self.alpha > 0:
