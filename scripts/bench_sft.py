@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark of supervised fine-tuning: packed against padded samples, LoRA against full fine-tuning.
+"""Benchmark of supervised fine-tuning: packed against padded samples (to seq_len, or to the longest
+of each microbatch), LoRA and DoRA against full fine-tuning.
 
     python scripts/bench_sft.py [--flavor debugmodel] [--seq-len 512] [--steps 6] [--conversations 2000]
 
@@ -65,13 +66,15 @@ def run(name: str, argv: list[str], steps: int) -> dict:
             times.append(time.perf_counter() - begin)
             trained += int((batch["labels"] != IGNORE_INDEX).sum())
             # A sample's last document is padding when none of its targets is trained (every
-            # conversation has an assistant turn).
+            # conversation has an assistant turn). Positions: those the step computed (sft.padding
+            # longest cuts the microbatch after its last trained position).
+            cut = mb.inputs.shape[1]
             for ids, labels in zip(batch["document_ids"], batch["labels"]):
                 last = ids == ids[-1]
-                pad = int(last.sum()) if bool((labels[last] == IGNORE_INDEX).all()) else 0
+                pad = int(last[:cut].sum()) if bool((labels[last] == IGNORE_INDEX).all()) else 0
                 conversations_seen += len(set(ids.tolist())) - (1 if pad else 0)
-                filled += ids.numel() - pad
-                positions += ids.numel()
+                filled += cut - pad
+                positions += cut
         seconds = sum(times)
         trainable = sum(p.numel() for p in trainer.model_parts[0].parameters() if p.requires_grad)
         state = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values()
@@ -106,8 +109,10 @@ def main() -> int:
             "--optimizer.implementation", "foreach", "--training.split", "100,0,0"]
     configs = {
         "full, packed": [],
-        "full, padded": ["--sft.no_packing"],
+        "full, padded to seq_len": ["--sft.no_packing"],
+        "full, padded to the longest": ["--sft.no_packing", "--sft.padding", "longest"],
         "LoRA r=8 (q,k,v,o), packed": ["--model.converters", "lora"],
+        "DoRA r=8 (q,k,v,o), packed": ["--model.converters", "lora", "--lora.use_dora"],
     }
     results = []
     for name, extra in configs.items():

@@ -64,7 +64,10 @@ LORA_SFT = ("--model.converters", "lora", "--training.objective", "sft", "--trai
             "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4", "--training.global_batch_size", "8")
 LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
            "cp": ("--parallelism.context_parallel_degree", "2"),
-           "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2")}
+           "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"),
+           "ac": ("--activation_checkpoint.mode", "full"),
+           "hsdp": ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                    "--training.local_batch_size", "2")}
 
 
 @pytest.mark.distributed
@@ -73,9 +76,18 @@ LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["tp"], name="tp", nproc=2)
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["cp"], name="cp", nproc=2)
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["pp"], name="pp", nproc=2)
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["ac"], name="ac")
+@pytest.mark.train_run(*LORA_SFT, *LAYOUTS["hsdp"], name="hsdp", nproc=4)
+@pytest.mark.train_run(*LORA_SFT, "--lora.use_dora", name="dora")
 def test_sft_with_lora_layouts_match_one_process(train_runs):
-    """SFT (packed, document masks) with adapters: FSDP2, TP2, CP2 and PP2 equal one process, step by
-    step (loss and gradient norm), at a learning rate high enough that a wrong gradient shows."""
+    """SFT (packed, document masks) with adapters: FSDP2, TP2, CP2, PP2, full activation checkpointing
+    and HSDP 2x2 equal one process, step by step (loss and gradient norm), at a learning rate high
+    enough that a wrong gradient shows. DoRA through the trainer: its magnitudes start at the base's
+    row norms (the first loss is LoRA's exactly), then train (another gradient norm, and it learns)."""
+    dora = [(r["loss"], r["grad_norm"]) for r in train_runs["dora"].metrics]
+    first = train_runs["one"].metrics[0]
+    assert "dora: rank 8" in train_runs["dora"].output and dora[0][0] == first["loss"]
+    assert dora[0][1] != pytest.approx(first["grad_norm"], rel=1e-3) and dora[-1][0] < dora[0][0]
     one = [(r["loss"], r["grad_norm"]) for r in train_runs["one"].metrics]
     assert len(one) == 4 and one[-1][0] < one[0][0]  # the adapters learn
     for name in LAYOUTS:
@@ -99,3 +111,60 @@ def test_sft_with_lora_resumes_exactly_mid_epoch(tmp_path):
     resumed = train_metrics(tmp_path, "whole", *job)
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
+
+
+# The MoE family (qwen3 debugmodel_moe: 8 experts, top-2, a dense first layer) under SFT with adapters
+# on the attention, the experts frozen (DTensors split over the ep ranks), against one process. The
+# same run is SFT under EP: its samples and document masks reach the routed tokens unchanged (full
+# fine-tuning's expert gradients under EP are the pre-training path, tests/distributed/test_moe_parity.py).
+# 2-sample microbatches everywhere: the balancing losses are per microbatch.
+MOE_LORA_SFT = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.converters", "lora",
+                "--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", DATA,
+                "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "2",
+                "--training.global_batch_size", "8", "--moe.seq_aux_loss_coeff", "0.001")
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*MOE_LORA_SFT, name="one")
+@pytest.mark.train_run(*MOE_LORA_SFT, "--parallelism.expert_parallel_degree", "2", name="ep2", nproc=2)
+def test_sft_with_lora_on_an_moe_model_under_expert_parallelism_matches_one_process(train_runs):
+    assert "lora: rank 8, alpha 16" in train_runs["one"].output
+    one = [(r["loss"], r["grad_norm"], r["moe/aux_loss"]) for r in train_runs["one"].metrics]
+    ep = [(r["loss"], r["grad_norm"], r["moe/aux_loss"]) for r in train_runs["ep2"].metrics]
+    assert len(one) == len(ep) == 4 and one[-1][0] < one[0][0]
+    for i, what in enumerate(("loss", "grad_norm", "moe/aux_loss")):
+        got, want = [x[i] for x in ep], [x[i] for x in one]
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (what, got, want)
+
+
+BF16 = ("--training.mixed_precision_param", "bfloat16")
+BF16_BASE = (*BF16, "--lora.base_dtype", "bfloat16")
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*LORA_SFT, *BF16, name="fsdp", nproc=2)
+@pytest.mark.train_run(*LORA_SFT, *BF16_BASE, "--checkpoint.enable", "--checkpoint.interval", "4",
+                       "--checkpoint.no_last_save_model_only", name="fsdp_bf16_base", nproc=2)
+def test_lora_base_held_in_bfloat16_with_float32_adapters(train_runs):
+    """lora.base_dtype bfloat16 (under bf16 mixed precision): the checkpoint holds every frozen weight
+    in bf16, the adapters and their AdamW state (the only state there is) in fp32, and the FSDP2 run
+    equals the fp32-base run to 1e-5 (FSDP casts an fp32 base to bf16 for compute anyway). In one
+    process, where autocast keeps the embeddings, norms and residual stream fp32 for an fp32 base,
+    the two differ by 1.5e-3 in loss (near 8) over these 4 steps (measured, not run here)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(train_runs["fsdp_bf16_base"].folder / "checkpoint" / "step-4")) \
+        .read_metadata().state_dict_metadata
+    dtypes = {k: v.properties.dtype for k, v in meta.items() if hasattr(v, "properties")}
+    model = {k: d for k, d in dtypes.items() if k.startswith("model.") and not k.endswith(".lora_scale")}
+    adapter = {k: d for k, d in model.items() if k.endswith((".lora_a", ".lora_b"))}
+    state = {k: d for k, d in dtypes.items() if k.startswith("optimizer.state.") and not k.endswith(".step")}
+    assert adapter and set(adapter.values()) == {torch.float32}
+    assert len(model) > len(adapter) and {d for k, d in model.items() if k not in adapter} == {torch.bfloat16}
+    assert len(state) == 2 * len(adapter) and set(state.values()) == {torch.float32}
+    assert all(".lora_a." in k or ".lora_b." in k for k in state)
+
+    fsdp, bf16_base = ([(r["loss"], r["grad_norm"]) for r in train_runs[n].metrics] for n in ("fsdp", "fsdp_bf16_base"))
+    assert len(bf16_base) == 4 and bf16_base[-1][0] < bf16_base[0][0]
+    assert [x for x, _ in bf16_base] == pytest.approx([x for x, _ in fsdp], abs=1e-5)
+    assert [g for _, g in bf16_base] == pytest.approx([g for _, g in fsdp], rel=1e-4)

@@ -96,6 +96,60 @@ def test_peft_loads_our_adapter_onto_the_transformers_model_with_our_logits(hf_f
         torch.testing.assert_close(again(tokens), ours, rtol=0, atol=1e-5)
 
 
+def test_peft_loads_our_dora_adapter_with_our_logits(hf_folder, tmp_path):
+    """lora.use_dora: the magnitudes start at the base's row norms (the adapted model is the base
+    model while B is zero); trained (A, B and magnitudes perturbed), the PEFT export (use_dora,
+    lora_magnitude_vector) gives our logits through peft on the transformers model, the merged
+    export too, and the folder reads back into fresh adapters."""
+    import titanlike
+    from titanlike.models.lora import dora_magnitudes
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec("llama3")
+    options = LoRAOptions(rank=4, alpha=8, target_modules=TARGETS, use_dora=True)
+    model = titanlike.load_model(hf_folder)
+    apply_lora(model, options)
+    for fqn, module in adapters(model).items():
+        module.init_adapter(seed=0, fqn=fqn)
+    model.load_state_dict(dora_magnitudes(model), strict=False)
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), titanlike.load_model(hf_folder)(tokens), rtol=0, atol=1e-5)
+        torch.manual_seed(1)
+        for module in adapters(model).values():
+            module.lora_a.normal_(0, 0.1)
+            module.lora_b.normal_(0, 0.1)
+            module.lora_magnitude.mul_(1 + 0.2 * torch.rand_like(module.lora_magnitude))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert sum(n.endswith(".lora_magnitude") for n in trainable) == len(adapters(model)) and len(trainable) == 30
+    written = export_peft(model.state_dict(), spec, model.model_args, str(tmp_path / "dora"), options)
+    assert json.loads((tmp_path / "dora" / "adapter_config.json").read_text())["use_dora"] is True
+    with torch.no_grad():
+        ours = model(tokens)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval()
+        peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "dora").eval()
+        torch.testing.assert_close(peft_model(tokens).logits, ours, rtol=0, atol=1e-4)
+        plain = export_peft({k: v for k, v in model.state_dict().items() if not k.endswith(".lora_magnitude")},
+                            spec, model.model_args, str(tmp_path / "plain"), LoRAOptions(rank=4, alpha=8))
+        assert plain == written
+        without = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval(),
+                                                 tmp_path / "plain").eval()
+        assert (without(tokens).logits - ours).abs().max() > 1e-3  # the magnitudes matter
+
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval()
+        base.load_state_dict(spec.hf.to_hf_state_dict(merged_state_dict(model.state_dict()), model.model_args),
+                             strict=False)
+        torch.testing.assert_close(base(tokens).logits, ours, rtol=0, atol=1e-4)
+
+        again = titanlike.load_model(hf_folder)
+        apply_lora(again, options)
+        load_peft(again, str(tmp_path / "dora"))
+        torch.testing.assert_close(again(tokens), ours, rtol=0, atol=1e-5)
+        plain_model, _ = _lora_model(hf_folder, LoRAOptions(rank=4, alpha=8, target_modules=TARGETS))
+        with pytest.raises(ValueError, match="is a DoRA adapter; this job's are plain LoRA"):
+            load_peft(plain_model, str(tmp_path / "dora"))
+
+
 def test_bad_targets_and_adapters_are_refused_in_one_sentence(hf_folder, tmp_path):
     import titanlike
     from titanlike.models.registry import get_model_spec
@@ -114,6 +168,24 @@ def test_bad_targets_and_adapters_are_refused_in_one_sentence(hf_folder, tmp_pat
         load_peft(more, str(tmp_path / "a"))
     with pytest.raises(ValueError, match="is not a PEFT adapter folder"):
         load_peft(model, str(tmp_path))
+    # An adapter of another base model: the same module names, other sizes.
+    spec = get_model_spec("llama3")
+    other = spec.model_cls(dataclasses.replace(model.model_args, dim=128, n_heads=4, n_kv_heads=2))
+    apply_lora(other, options)
+    with torch.no_grad():
+        for module in adapters(other).values():
+            module.lora_a.normal_(0, 0.1)
+            module.lora_b.normal_(0, 0.1)
+            module.lora_scale.fill_(module.lora_scaling)
+    export_peft(other.state_dict(), spec, other.model_args, str(tmp_path / "other"), options)
+    with pytest.raises(ValueError, match=r"the adapter of model.layers.0.self_attn.q_proj has shapes \(4, 128\)") as e:
+        load_peft(model, str(tmp_path / "other"))
+    assert "another base model" in _one_line(e.value)
+
+
+def _one_line(e: BaseException) -> str:
+    assert "\n" not in str(e)
+    return str(e)
 
 
 def test_load_model_folds_a_lora_checkpoints_adapters_in(hf_folder, tmp_path):
@@ -147,7 +219,20 @@ def test_an_adapter_of_another_rank_or_not_an_adapter_is_refused_before_training
     export_peft(model.state_dict(), get_model_spec("llama3"), model.model_args, str(tmp_path / "a"), options)
     for argv, words in [(["--lora.rank", "2", "--lora.adapter_path", str(tmp_path / "a")],
                          "holds adapters of rank 4 and alpha 8, but lora.rank is 2"),
-                        (["--lora.adapter_path", str(tmp_path)], "is not a PEFT adapter folder")]:
+                        (["--lora.adapter_path", str(tmp_path)], "is not a PEFT adapter folder"),
+                        (["--lora.rank", "4", "--lora.alpha", "8", "--lora.use_dora", "--lora.adapter_path",
+                          str(tmp_path / "a")], "holds plain LoRA adapters, but lora.use_dora is true")]:
         with pytest.raises(ConfigError) as e:
             plan_job(load_job_config(["--model.converters", "lora", *argv, "--job.dump_folder", str(tmp_path / "o")]), 1)
         assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_dora_under_tensor_parallelism_is_refused_before_training(tmp_path):
+    from titanlike.config import load_job_config
+    from titanlike.config.loader import ConfigError
+    from titanlike.train.plan import plan_job
+
+    with pytest.raises(ConfigError) as e:
+        plan_job(load_job_config(["--model.converters", "lora", "--lora.use_dora", "--parallelism.tensor_parallel_degree",
+                                  "2", "--job.dump_folder", str(tmp_path)]), 2)
+    assert str(e.value) == "lora.use_dora is not supported with tensor parallelism; use FSDP (or plain LoRA)"

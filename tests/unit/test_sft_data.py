@@ -197,6 +197,51 @@ def test_packed_and_padded_losses_equal_trls_sftTrainer(tmp_path):
     assert abs(loss_packed - trl_loss) < 1e-5
 
 
+def test_padding_to_the_longest_cuts_each_microbatch_and_keeps_its_loss(tmp_path):
+    """sft.padding longest: a microbatch of unpacked conversations ends at its last trained target,
+    rounded up to sft.pad_to_multiple_of, and its loss (sum and count) is the seq_len-padded one's."""
+    import titanlike
+
+    _, padded, tok, _ = _samples(tmp_path, packing=False)
+    _hf_model(tmp_path / "hf", tok.vocab_size)
+    model = titanlike.load_model(tmp_path / "hf")
+    ctx = BatchContext(torch.device("cpu"), mask_kernel="sdpa")
+    source = padded.source
+    for rows in ([0, 1, 2], [0, 3], [2]):
+        batch = {k: torch.from_numpy(np.stack([source[i][k] for i in rows])) for k in source.fields}
+        last = max(int(np.flatnonzero(source[i]["labels"] != -100)[-1]) for i in rows) + 1
+        results = []
+        for options in (SFTOptions(packing=False), SFTOptions(packing=False, padding="longest", pad_to_multiple_of=8)):
+            objective = SFT(options)
+            mb = objective.prepare(batch, ctx)
+            with torch.no_grad():
+                results.append((objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.labels).item(),
+                                int((mb.labels != -100).sum()), mb.inputs.shape[1]))
+        (full, count, length), (cut, cut_count, cut_length) = results
+        assert length == 128 and cut_length == -(-last // 8) * 8 < 128, (last, cut_length)
+        assert cut_count == count and abs(cut - full) < 1e-5 * abs(full), (cut, full)
+
+
+@pytest.mark.parametrize("argv, world, fragment", [
+    (["--parallelism.pipeline_parallel_degree", "2"], 2, "parallelism.pipeline_parallel_degree 2 cannot take"),
+    (["--parallelism.context_parallel_degree", "2"], 2, "parallelism.context_parallel_degree 2 cannot take"),
+    (["--parallelism.tensor_parallel_degree", "2", "--sft.pad_to_multiple_of", "3"], 2,
+     "sft.pad_to_multiple_of 3 must be a multiple of parallelism.tensor_parallel_degree 2"),
+    (["--sft.pad_to_multiple_of", "0"], 1, "sft.pad_to_multiple_of must be at least 1"),
+])
+def test_padding_to_the_longest_refuses_layouts_of_one_length(tmp_path, argv, world, fragment):
+    from titanlike.config import load_job_config
+    from titanlike.config.loader import ConfigError
+    from titanlike.train.plan import plan_job
+
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    job = ["--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", str(data),
+           "--sft.no_packing", "--sft.padding", "longest", *argv, "--job.dump_folder", str(tmp_path / "out")]
+    with pytest.raises(ConfigError) as err:
+        plan_job(load_job_config(job), world_size=world)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 
@@ -208,9 +253,12 @@ def _one_sentence(e: BaseException) -> str:
 
 def test_bad_conversations_are_refused_in_one_sentence(tmp_path):
     mistral = load_chat_template("tokenizer", build_tokenizer(str(tokenizer_folder(tmp_path / "m", TEMPLATES["mistral"]))))
+    llama3 = load_chat_template("tokenizer", build_tokenizer(str(tokenizer_folder(tmp_path / "l", TEMPLATES["llama3"]))))
     tok = build_tokenizer(str(tokenizer_folder(tmp_path / "c", TEMPLATES["chatml"])))
     chatml = load_chat_template("auto", tok)
     cases = [
+        (llama3, {"messages": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "x"},
+                               {"role": "assistant", "content": "ok"}]}, "refused the conversation: Unknown role narrator"),
         (chatml, {"messages": [{"role": "user", "content": "hi"}]}, "has no assistant turn"),
         (mistral, {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]},
          "refused the conversation: Conversation roles must alternate"),
@@ -278,6 +326,10 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted(tmp_path, c
       "--model.converters", "lora", "--lora.target_modules", "q_proj,qkv"],
      "lora.target_modules qkv matches no linear layer of llama3 debugmodel"),
     (["--model.converters", "lora", "--lora.rank", "0"], "lora.rank must be at least 1"),
+    (["--model.converters", "lora", "--lora.use_dora", "--parallelism.tensor_parallel_degree", "1",
+      "--lora.dropout", "0.1"], "lora.use_dora with lora.dropout is not supported"),
+    (["--model.converters", "lora", "--lora.base_dtype", "bfloat16", "--training.mixed_precision_param", "float32"],
+     "lora.base_dtype bfloat16 needs training.mixed_precision_param bfloat16 (it is float32)"),
     (["--sft.no_packing"], "sft.packing is set, but it configures training.objective sft and this job's objective "
      "is causal_lm"),
     (["--lora.rank", "4"], "lora.rank is set, but model.converters does not name lora"),
@@ -292,6 +344,44 @@ def test_job_rules_refuse_in_one_sentence(tmp_path, argv, fragment):
     with pytest.raises(ConfigError) as err:
         plan_job(load_job_config([*argv, "--job.dump_folder", str(tmp_path / "out")]), world_size=1)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("preset, flavor, world, adapters", [
+    ("sft_llama3_8b", "8B", 8, 0),
+    ("lora_llama3_8b", "8B", 1, 41_943_040),  # rank 16 on the 7 linears of 32 blocks
+    ("lora_llama3_8b", "8B", 8, 41_943_040),
+    ("lora_llama3_70b", "70B", 8, 207_093_760),  # of 80 blocks
+])
+def test_fine_tuning_presets_plan_from_a_hugging_face_folder(tmp_path, monkeypatch, preset, flavor, world, adapters):
+    """Each size's preset plans (plan_job, no weights built) from a Hugging Face folder holding that
+    model's config.json, on the GPUs its comment names; LoRA's targets name the linears they claim.
+    The host is taken to hold 2 TiB, as a GPU node's does (the plan refuses a folder whose model the
+    host cannot load)."""
+    import json
+
+    import titanlike.observe.memory as memory
+    from titanlike.config import load_job_config
+    from titanlike.models.llama3 import llama3_flavors
+    from titanlike.models.lora import apply_lora
+    from titanlike.models.registry import get_model_spec
+    from titanlike.train.plan import plan_job
+
+    monkeypatch.setattr(memory, "device_memory", lambda device="cpu": (2 * 2**40, "this host has"))
+    spec = get_model_spec("llama3")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(spec.hf.args_to_config(llama3_flavors[flavor])))
+    cfg = load_job_config(["--job.config_file", f"train_configs/{preset}.toml", "--model.hf_assets_path", str(folder)])
+    plan = plan_job(cfg, world, vocab_size=128256)
+    assert plan.objective.name == "sft" and plan.dims.dp_shard == world and plan.precision.param_dtype == "bfloat16"
+    assert plan.model_args.dim == llama3_flavors[flavor].dim and plan.model_args.n_layers == llama3_flavors[flavor].n_layers
+    assert ("lora" in cfg.model.converters) == bool(adapters)
+    if adapters:
+        with torch.device("meta"):
+            model = spec.model_cls(plan.model_args)
+        apply_lora(model, cfg.lora)
+        assert sum(p.numel() for p in model.parameters() if p.requires_grad) == adapters
+        assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
 
 
 def test_end_of_turn_tokens_where_sampling_stops(tmp_path):

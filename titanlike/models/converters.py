@@ -460,8 +460,10 @@ class LoRAConverter(ModelConverter):
 
         targets = apply_lora(model, self.options or LoRAOptions())
         o = self.options or LoRAOptions()
-        _log_on_rank0(f"lora: rank {o.rank}, alpha {o.alpha:g} on {len(targets)} linear layers "
-                      f"({_names(targets)}); every other parameter frozen")
+        kind = "dora" if o.use_dora else "lora"
+        _log_on_rank0(f"{kind}: rank {o.rank}, alpha {o.alpha:g} on {len(targets)} linear layers "
+                      f"({_names(targets)}); every other parameter frozen"
+                      + (f", held in {o.base_dtype} (the adapters in float32)" if o.base_dtype != "float32" else ""))
 
     def init_weights(self, model: nn.Module, seed: int) -> None:
         from titanlike.models.lora import adapters, freeze_base
@@ -471,12 +473,15 @@ class LoRAConverter(ModelConverter):
         freeze_base(model)
 
     def initial_state(self, model: nn.Module) -> dict:
-        """lora.adapter_path's A and B (a PEFT folder) for the adapters of this model part."""
-        from titanlike.models.lora import peft_state_dict
+        """lora.adapter_path's A and B (a PEFT folder) for the adapters of this model part, and DoRA's
+        initial magnitudes."""
+        from titanlike.models.lora import dora_magnitudes, peft_state_dict
 
-        if self.options is None or not self.options.adapter_path:
-            return {}
-        return peft_state_dict(model, self.options.adapter_path)
+        # DoRA's magnitudes start at the row norms of the weights the base now holds (loaded or drawn).
+        state = dora_magnitudes(model) if self.options is not None and self.options.use_dora else {}
+        if self.options is not None and self.options.adapter_path:
+            state.update(peft_state_dict(model, self.options.adapter_path))
+        return state
 
     def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
         """The PEFT adapter into folder/adapter, and the merged weights for the full export."""
@@ -505,4 +510,12 @@ def validate_converter_targets(names: list[str], section: Callable[[str], object
     with torch.device("meta"):
         meta = spec.model_cls(args)
     options = section("lora")
+    if options.use_dora and section("parallelism").tensor_parallel_degree > 1:
+        # The row norms of a row-parallel weight would need a reduction over the tp ranks in forward.
+        raise ValueError("lora.use_dora is not supported with tensor parallelism; use FSDP (or plain LoRA)")
+    if options.base_dtype != "float32" and section("training").mixed_precision_param != options.base_dtype:
+        # The base would otherwise meet float32 activations (one process) or be cast back up (FSDP's
+        # param_dtype): bfloat16 compute is what a bfloat16 base is for.
+        raise ValueError(f"lora.base_dtype {options.base_dtype} needs training.mixed_precision_param "
+                         f"{options.base_dtype} (it is {section('training').mixed_precision_param})")
     check_targets(select_targets(meta, options.target_modules, hf_module_names(meta, spec, args)), model=model)

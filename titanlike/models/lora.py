@@ -19,6 +19,11 @@ block as a whole, frozen base and trainable adapters in one unit (it reduces gra
 trainable ones only). Nothing generic knows about LoRA: the converter runs on the meta model
 before parallelize, like float8.
 
+DoRA (lora.use_dora, as PEFT's use_dora): the layer also learns a magnitude m per output row, its
+weight being m (W + s B A) / ||W + s B A|| (row norms, detached as the paper's section 4.3 and PEFT
+do), computed in forward as out + (m/n - 1) W x + (m/n) s B A x. The magnitudes start at W's row
+norms once the base holds its weights (the converter's initial_state, after the initial load).
+
 The PEFT format. `export_peft` writes adapter_config.json + adapter_model.safetensors with the
 names `peft` gives the transformers model of the family (base_model.model.<HF module>.lora_A/B.
 weight), the family's HF adapter mapping our names and converting B's rows as it converts the
@@ -60,6 +65,15 @@ class LoRAOptions:
         "linear layers that get adapters: Hugging Face module names (q_proj, gate_proj, ...) or ours "
         "(attention.wq, feed_forward.w1, layers.3.attention.wq), matched as whole dot-separated parts")
 
+    use_dora: bool = opt(
+        False, "DoRA (PEFT's use_dora): each adapted layer also learns a magnitude per output row, its weight "
+        "being magnitude * (W + scale B A) / ||W + scale B A|| (row norms, not differentiated, as PEFT and the paper); "
+        "the magnitude starts at W's row norms, after the base's initial load; not with tensor parallelism")
+    base_dtype: str = opt(
+        "float32", "dtype the frozen base weights are held in: bfloat16 halves their memory (and FSDP's all-gathers) "
+        "while the adapters, their gradients and optimizer state stay float32; needs training.mixed_precision_param "
+        "bfloat16, the precision the base then computes in", choices=("float32", "bfloat16"))
+
     adapter_path: str | None = opt(
         None, "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) whose A and B a fresh "
         "run starts from, after the base model's initial load; its rank and alpha must be lora.rank and lora.alpha")
@@ -71,12 +85,18 @@ class LoRAOptions:
                 raise ValueError(f"lora.adapter_path {self.adapter_path} holds adapters of rank {config.get('r')} and "
                                  f"alpha {config.get('lora_alpha')}, but lora.rank is {self.rank} and lora.alpha "
                                  f"{self.alpha:g}; set them to the adapter's")
+            if bool(config.get("use_dora")) != self.use_dora:
+                kind = "DoRA" if config.get("use_dora") else "plain LoRA"
+                raise ValueError(f"lora.adapter_path {self.adapter_path} holds {kind} adapters, but lora.use_dora "
+                                 f"is {str(self.use_dora).lower()}; set it to the adapter's")
         if self.rank < 1:
             raise ValueError(f"lora.rank must be at least 1, got {self.rank}")
         if not self.alpha > 0:
             raise ValueError(f"lora.alpha must be positive, got {self.alpha}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.use_dora and self.dropout:
+            raise ValueError("lora.use_dora with lora.dropout is not supported; set lora.dropout 0")
         if not self.target_modules:
             raise ValueError("lora.target_modules is empty; name the linear layers that get adapters (e.g. q_proj,v_proj)")
 
@@ -116,7 +136,14 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         a, b = _gradient_like_param(self.lora_a), _gradient_like_param(self.lora_b)
-        return out + F.linear(F.linear(h, a), b) * self.lora_scaling
+        lora = F.linear(F.linear(h, a), b) * self.lora_scaling
+        if not self.lora_dora:
+            return out + lora
+        # DoRA: m / ||W + s B A|| (row norms, detached) times (W x + s B A x); W x is the base output
+        # without its bias (use_dora refuses dropout, so h is x).
+        scale = (self.lora_magnitude / dora_row_norms(self.weight, a, b, self.lora_scaling).detach()).to(out.dtype)
+        wx = out if self.bias is None else out - self.bias
+        return out + (scale - 1) * wx + scale * lora
 
     def init_adapter(self, *, seed: int, fqn: str) -> None:
         """A as PEFT draws it (kaiming-uniform with a = sqrt(5): bound 1/sqrt(in)), B zero; a function
@@ -129,6 +156,10 @@ class LoRALinear(nn.Linear):
         uniform_(self.lora_a, low=-bound, high=bound, seed=seed, fqn=f"{fqn}.lora_a")
         zeros_(self.lora_b)
         constant_(self.lora_scale, self.lora_scaling)
+        if self.lora_dora:
+            # A placeholder: the magnitude is W's row norms once the base holds its weights (the
+            # converter's initial_state, after the initial load, sets it).
+            constant_(self.lora_magnitude, 1.0)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lora_rank={self.lora_rank}, lora_scaling={self.lora_scaling:g}"
@@ -147,13 +178,22 @@ def _gradient_like_param(p: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
+def dora_row_norms(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """||W + scaling B A|| of each output row (DoRA's column norm in the paper's x W convention)."""
+    w = weight.to(a.dtype)
+    return torch.linalg.vector_norm(w + scaling * (b @ a), dim=1)
+
+
+def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float, *, dora: bool = False) -> LoRALinear:
     """`linear`, now a LoRALinear (in place: the same object, parameters and names)."""
     device, dtype = linear.weight.device, linear.weight.dtype
     linear.__class__ = LoRALinear
     linear.lora_rank, linear.lora_scaling, linear.lora_dropout = rank, alpha / rank, dropout
+    linear.lora_dora = dora
     linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=device, dtype=dtype))
     linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, device=device, dtype=dtype))
+    if dora:
+        linear.lora_magnitude = nn.Parameter(torch.empty(linear.out_features, device=device, dtype=dtype))
     linear.register_buffer("lora_scale", torch.full((), alpha / rank, device=device, dtype=torch.float32))
     return linear
 
@@ -217,16 +257,42 @@ def apply_lora(model: nn.Module, options: LoRAOptions, *, spec: ModelSpec | None
     check_targets(found, model=type(model).__name__)
     targets = sorted({fqn for fqns in found.values() for fqn in fqns})
     for fqn in targets:
-        add_adapter(model.get_submodule(fqn), options.rank, options.alpha, options.dropout)
+        add_adapter(model.get_submodule(fqn), options.rank, options.alpha, options.dropout, dora=options.use_dora)
     freeze_base(model)
+    if options.base_dtype != "float32":
+        hold_base_in(model, getattr(torch, options.base_dtype))
     return targets
+
+
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every frozen parameter of `model` (meta or not) becomes `dtype`, under the same name and
+    requires_grad False; the adapters keep theirs. Buffers (RoPE tables, LoRA's scale) are left as
+    they are: the model computes them in their own precision."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.requires_grad and p.dtype != dtype and p.is_floating_point():
+                module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
 
 
 def freeze_base(model: nn.Module) -> None:
     """Only the adapters train. Applied at the swap, and again after parallelization: a tensor-
     parallel style may register a parameter anew as trainable (torch's SequenceParallel does)."""
     for name, p in model.named_parameters():
-        p.requires_grad_(name.endswith((".lora_a", ".lora_b")))
+        p.requires_grad_(name.endswith(_TRAINED))
+
+
+_TRAINED = (".lora_a", ".lora_b", ".lora_magnitude")
+
+
+def dora_magnitudes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{fqn.lora_magnitude: W's row norms (full, float32)} of every DoRA adapter of `model` (a model part,
+    sharded or not: a sharded weight is gathered one layer at a time, on every rank alike)."""
+    out = {}
+    for fqn, module in adapters(model).items():
+        if module.lora_dora:
+            w = module.weight.full_tensor() if isinstance(module.weight, DTensor) else module.weight
+            out[f"{fqn}.lora_magnitude"] = torch.linalg.vector_norm(w.detach().float(), dim=1)
+    return out
 
 
 def adapters(model: nn.Module) -> dict[str, LoRALinear]:
@@ -241,38 +307,43 @@ def _module_of(key: str, suffix: str) -> str | None:
     return key[: -len(suffix)] if key.endswith(suffix) else None
 
 
-_ADAPTER_KEYS = (".lora_a", ".lora_b", ".lora_scale")
+_ADAPTER_KEYS = (".lora_a", ".lora_b", ".lora_scale", ".lora_magnitude")
 
 
 def has_adapters(sd: Mapping[str, torch.Tensor]) -> bool:
     return any(key.endswith(_ADAPTER_KEYS) for key in sd)
 
 
-def split_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
-    """(the base state dict, {module fqn: (A, B, scaling)}) of a full state dict holding adapters."""
+def split_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, tuple]]:
+    """(the base state dict, {module fqn: (A, B, scaling, DoRA magnitude or None)}) of a full state dict
+    holding adapters."""
     base, parts = {}, {}
     for key, value in sd.items():
         for i, suffix in enumerate(_ADAPTER_KEYS):
             module = _module_of(key, suffix)
             if module is not None:
-                parts.setdefault(module, [None, None, None])[i] = value
+                parts.setdefault(module, [None, None, None, None])[i] = value
                 break
         else:
             base[key] = value
     out = {}
-    for module, (a, b, scale) in parts.items():
+    for module, (a, b, scale, magnitude) in parts.items():
         if a is None or b is None or scale is None:
             raise ValueError(f"the state dict holds part of the adapter of {module} (lora_a, lora_b, lora_scale)")
-        out[module] = (a, b, float(scale))
+        out[module] = (a, b, float(scale), magnitude)
     return base, out
 
 
 def merged_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base state dict with every adapter folded in: W + scaling B A (full tensors)."""
+    """The base state dict with every adapter folded in: W + scaling B A, or DoRA's
+    m (W + scaling B A) / ||W + scaling B A|| (full tensors)."""
     base, parts = split_state_dict(sd)
-    for module, (a, b, scaling) in parts.items():
+    for module, (a, b, scaling, magnitude) in parts.items():
         w = base[f"{module}.weight"]
-        base[f"{module}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+        merged = w.float() + scaling * (b.float() @ a.float())
+        if magnitude is not None:
+            merged = merged * (magnitude.float() / torch.linalg.vector_norm(merged, dim=1)).unsqueeze(1)
+        base[f"{module}.weight"] = merged.to(w.dtype)
     return base
 
 
@@ -292,7 +363,7 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
 
     _, parts = split_state_dict(sd)
     tensors, modules = {}, set()
-    for fqn, (a, b, _) in sorted(parts.items()):
+    for fqn, (a, b, _, magnitude) in sorted(parts.items()):
         name, b_hf = _hf_rows(spec, args, fqn, b.float())
         # The conversion must act on rows only: then conv(B A) = conv(B) A.
         _, delta = _hf_rows(spec, args, fqn, b.float() @ a.float())
@@ -301,13 +372,16 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
                              "adapter cannot be written in the PEFT format; export the merged model instead")
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.float().contiguous()
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b_hf.contiguous()
+        if magnitude is not None:
+            tensors[f"{PEFT_PREFIX}{name}.lora_magnitude_vector"] = \
+                _hf_rows(spec, args, fqn, magnitude.float().view(-1, 1))[1].view(-1).contiguous()
         modules.add(name.rsplit(".", 1)[-1])
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": options.rank, "lora_alpha": options.alpha,
         "lora_dropout": options.dropout, "target_modules": sorted(modules), "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": options.use_dora, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model,
         "revision": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {},
@@ -335,6 +409,9 @@ def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = N
     if not ours:
         raise ValueError("the model has no LoRA adapters to load into (model.converters lora)")
     some = next(iter(ours.values()))
+    if bool(config.get("use_dora")) != some.lora_dora:
+        raise ValueError(f"{path} is {'a DoRA' if config.get('use_dora') else 'a plain LoRA'} adapter; this job's "
+                         f"are {'DoRA' if some.lora_dora else 'plain LoRA'} (lora.use_dora)")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or not isinstance(alpha, (int, float)) or rank != some.lora_rank \
             or alpha / rank != some.lora_scaling:
@@ -351,8 +428,14 @@ def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = N
         if tuple(a.shape) != tuple(module.lora_a.shape) or tuple(b.shape) != tuple(module.lora_b.shape):
             raise ValueError(f"{folder}: the adapter of {name} has shapes {tuple(a.shape)} and {tuple(b.shape)}, this "
                              f"model's {tuple(module.lora_a.shape)} and {tuple(module.lora_b.shape)} (another base model?)")
+        back = torch.argsort(order.view(-1).long())
         sd[f"{fqn}.lora_a"] = a.to(module.lora_a.dtype)
-        sd[f"{fqn}.lora_b"] = b[torch.argsort(order.view(-1).long())].to(module.lora_b.dtype)
+        sd[f"{fqn}.lora_b"] = b[back].to(module.lora_b.dtype)
+        if module.lora_dora:
+            m = tensors.get(f"{PEFT_PREFIX}{name}.lora_magnitude_vector")
+            if m is None or tuple(m.shape) != (module.out_features,):
+                raise ValueError(f"{folder}: the DoRA adapter of {name} has no magnitude of {module.out_features} rows")
+            sd[f"{fqn}.lora_magnitude"] = m[back].to(module.lora_magnitude.dtype)
     return sd
 
 
@@ -372,6 +455,6 @@ def _peft_keys(folder: str) -> list[str]:
         return list(f.keys())
 
 
-__all__ = ["LoRALinear", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "export_peft", "freeze_base",
-           "has_adapters", "load_peft", "merged_state_dict", "peft_state_dict", "read_adapter_config",
+__all__ = ["LoRALinear", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "dora_magnitudes", "dora_row_norms", "export_peft", "freeze_base",
+           "has_adapters", "hold_base_in", "load_peft", "merged_state_dict", "peft_state_dict", "read_adapter_config",
            "split_state_dict"]

@@ -8,7 +8,14 @@ its document ids, so every conversation attends only within itself and its RoPE 
 context parallelism reads from the same ids). The loss is the causal LM's: summed over the trained
 targets, divided once by the step's global count.
 
-Options, [sft]: format, chat_template, assistant_only_loss, packing, overlong.
+Padding (sft.padding): every sample holds training.seq_len positions, the rest of a sample being
+padding (a document of its own with no targets); with `longest`, `prepare` cuts each microbatch
+after the last position that any of its samples trains on (rounded up to sft.pad_to_multiple_of),
+so that unpacked conversations cost the longest of their microbatch rather than seq_len. Exact for
+a causal model: nothing after a sample's last target changes its loss.
+
+Options, [sft]: format, chat_template, assistant_only_loss, packing, padding, pad_to_multiple_of,
+overlong.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
+from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Objective, cut_sequence
 from titanlike.objectives.causal_lm import lookahead_targets
 from titanlike.objectives.registry import register_objective
@@ -43,7 +51,14 @@ class SFTOptions:
     assistant_only_loss: bool = opt(True, "train on the assistant's tokens only (end-of-turn tokens included as "
                                     "the template places them); off trains on every token of the conversation")
     packing: bool = opt(True, "pack several conversations into each sample (best-fit decreasing), each attending "
-                        "only within itself; off: one conversation per sample, padded to training.seq_len")
+                        "only within itself; off: one conversation per sample, padded (sft.padding)")
+    padding: str = opt("seq_len", "seq_len: every microbatch holds training.seq_len positions; longest: each "
+                       "microbatch is cut after the last position any of its samples trains on (rounded up to "
+                       "sft.pad_to_multiple_of), its shape then varying from one microbatch to the next; not with "
+                       "pipeline or context parallelism", choices=("seq_len", "longest"))
+    pad_to_multiple_of: int = opt(16, "with sft.padding longest, the microbatch length is a multiple of this (fewer "
+                                  "distinct shapes for torch.compile; under tensor parallelism a multiple of its "
+                                  "degree, as sequence parallelism splits the sequence)")
     overlong: str = opt("truncate", "a conversation longer than training.seq_len + 1 tokens is truncated to it, or "
                         "dropped; both are counted in the log", choices=("truncate", "drop"))
 
@@ -77,6 +92,19 @@ class SFT(Objective):
                                  f"own document masks: remove training.{option}")
         if t.rampup_batch_size:
             raise ValueError("training.rampup_batch_size is for pre-training; remove it with training.objective sft")
+        o = self.options
+        if o.pad_to_multiple_of < 1:
+            raise ValueError(f"sft.pad_to_multiple_of must be at least 1, got {o.pad_to_multiple_of}")
+        if o.padding == "longest":
+            # A pipeline schedule and context parallelism's position split are built for one length.
+            for degree, name in ((dims.pp, "pipeline_parallel_degree"), (dims.cp, "context_parallel_degree")):
+                if degree > 1:
+                    raise ValueError(f"sft.padding longest gives microbatches of varying length, which "
+                                     f"parallelism.{name} {degree} cannot take: use sft.padding seq_len (or packing)")
+            if o.pad_to_multiple_of % dims.tp:
+                raise ValueError(f"sft.pad_to_multiple_of {o.pad_to_multiple_of} must be a multiple of "
+                                 f"parallelism.tensor_parallel_degree {dims.tp}: sequence parallelism splits each "
+                                 "microbatch's sequence over its ranks")
 
     def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
         from titanlike.data.conversations import conversation_files
@@ -120,6 +148,8 @@ class SFT(Objective):
         return GlobalSamples(source, shuffle=True, fields=source.fields)
 
     def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
+        if self.options.padding == "longest":
+            batch = cut_to_longest(batch, self.options.pad_to_multiple_of)
         inputs, labels = batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device)
         # Every cp rank keeps the ids of the whole sequence: its attention picks its rows.
         mask = DocumentMask.from_document_ids(batch["document_ids"].to(ctx.device), ctx.mask_kernel)
@@ -140,6 +170,19 @@ class SFT(Objective):
 register_objective("sft", SFT.for_job, section="sft")
 
 
+def cut_to_longest(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """The microbatch's positions up to its last trained target, rounded up to `multiple` (at most
+    the samples' length). Reads the loader's labels on the host, before they go to the device."""
+    labels = batch["labels"]
+    seq = labels.shape[1]
+    trained = (labels != IGNORE_INDEX).any(0).nonzero()
+    last = int(trained[-1]) + 1 if len(trained) else 1
+    length = min(seq, -(-last // multiple) * multiple)
+    if length == seq:
+        return batch
+    return {name: value[:, :length] for name, value in batch.items()}
+
+
 def pad_id(tokenizer) -> int:
     """The token that fills padding (never trained on, masked out of attention): the tokenizer's pad
     token where it has one, else EOS."""
@@ -147,4 +190,4 @@ def pad_id(tokenizer) -> int:
     return pad if isinstance(pad, int) and pad >= 0 else tokenizer.eos_id
 
 
-__all__ = ["SFT", "SFTOptions", "pad_id"]
+__all__ = ["SFT", "SFTOptions", "cut_to_longest", "pad_id"]

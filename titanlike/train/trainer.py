@@ -485,7 +485,11 @@ class Trainer:
         out = self.train_step(microbatches, side=self.stop.flags())
         if self.loss_scaler is None:
             self.lr_scheduler.step()  # a skipped step too: step N keeps its learning rate in a run without skips
-        self.metrics.step_done(batch * self.cfg.training.seq_len / self.dims.world_size)
+        # The positions this rank's microbatches hold (whole sequences: a cp rank holds 1/cp of each),
+        # as every data-parallel rank's, per device: batch x seq_len / world, unless the objective cut
+        # its microbatches shorter (sft.padding longest), where this rank's count stands for all.
+        positions = sum(mb.inputs.numel() for mb in microbatches) * self.dims.cp
+        self.metrics.step_done(positions * self.dims.dp_degree / self.dims.world_size)
         return StepRecord(self.step, lr, batch, out)
 
     def _reads_at(self, step: int) -> bool:
