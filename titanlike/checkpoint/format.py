@@ -191,10 +191,17 @@ def hf_folder_args(folder: str, spec=None):
     return spec, args
 
 
-def check_model_size(args, where: str, *, device: Any = "cpu", bytes_per_param: int = 4) -> None:
+# What planning accepts (nothing is allocated then, and the job's ranks will hold the model sharded):
+# 1 PiB of fp32 weights, ~280 T parameters, beyond any cluster; a larger config.json is hostile.
+PLANNING_LIMIT = (2**50, "a job may plan for")
+
+
+def check_model_size(args, where: str, *, device: Any = "cpu", bytes_per_param: int = 4,
+                     limit: tuple[int, str] | None = None) -> None:
     """Refuse, before anything is allocated, a model larger than `device` can hold: its weights at
     bytes_per_param and its position tables (models/args.py model_bytes, arithmetic on the args)
-    against the device's memory (observe/memory.py device_memory). One sentence naming `where`."""
+    against the device's memory (observe/memory.py device_memory), or against `limit` (bytes, what
+    they are) where given. One sentence naming `where`."""
     from titanlike.models.args import model_bytes
     from titanlike.observe.memory import device_memory
 
@@ -202,7 +209,7 @@ def check_model_size(args, where: str, *, device: Any = "cpu", bytes_per_param: 
         need = model_bytes(args, bytes_per_param)
     except Exception as e:
         raise CheckpointError(f"{where}: the model's size cannot be computed ({type(e).__name__}: {e})") from None
-    have, what = device_memory(device)
+    have, what = limit if limit is not None else device_memory(device)
     if need > have:
         gib = 2**30
         raise CheckpointError(

@@ -238,7 +238,7 @@ class ModelSource:
     @classmethod
     def of(cls, cfg: JobConfig, spec: ModelSpec, folder: str | None) -> ModelSource:
         """ValueError, one sentence, for a folder or a [model.args] setting the family refuses."""
-        from titanlike.checkpoint.format import CheckpointError, check_model_size, hf_folder_args
+        from titanlike.checkpoint.format import PLANNING_LIMIT, CheckpointError, check_model_size, hf_folder_args
 
         overrides = cfg.model.args
         if folder is not None:
@@ -246,7 +246,8 @@ class ModelSource:
 
             try:
                 _, args = hf_folder_args(folder, spec)
-                check_model_size(args, os.path.join(folder, "config.json"))
+                # Planning allocates nothing: only an absurd size is refused here; loading checks the device.
+                check_model_size(args, os.path.join(folder, "config.json"), limit=PLANNING_LIMIT)
             except CheckpointError as e:
                 raise ValueError(str(e)) from None
             description = f"sized by {os.path.join(folder, 'config.json')}"
