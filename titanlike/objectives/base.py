@@ -7,7 +7,10 @@ An objective (causal LM, masked LM, span corruption) owns, for the model family 
   - its samples (`samples`): the global sample source the data loader slices by rank and step;
   - its batch (`prepare`): the loader's dict of named tensors -> a Microbatch on the device, masked
     and cut to this rank's context-parallel positions, as the model and the loss take it;
-  - its loss (`loss`): summed over the target tokens, the model's auxiliary losses added.
+  - its loss (`loss`): summed over its units (target tokens by default, pairs for preference
+    objectives: `count_units`), the model's auxiliary losses added;
+  - optionally, models beside the one it trains (`attach`: a frozen reference) and loss terms it
+    reports apart (`reported_terms`, `collect_reports`).
 Generic code (data/, train/, checkpoint/, estimation/) calls these and never asks which objective
 it has.
 """
@@ -16,14 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
 from titanlike.models.common.attention import DocumentMask
-from titanlike.models.outputs import ModelOutput, cross_entropy_sum
+from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, cross_entropy_sum
 
 if TYPE_CHECKING:
+    import contextlib
+
+    import torch.nn as nn
+
     from titanlike.config.schema import JobConfig
     from titanlike.models.args import LayoutDegrees
 
@@ -79,6 +86,18 @@ class Microbatch:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class ObjectiveModels:
+    """What the trainer lends an objective that needs models beside the one it trains (`attach`),
+    once the model is built and loaded, before the first step."""
+
+    parts: list[nn.Module]  # this rank's parts of the model being trained
+    # A frozen copy of them (requires_grad off): the same plan and layout, the weights they hold now.
+    frozen_copy: Callable[[], list[nn.Module]]
+    # The context the step's forward and loss run in (autocast, loss parallelism).
+    forward_context: Callable[[], contextlib.AbstractContextManager]
+
+
 def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
     """This rank's tokens of a per-token tensor (batch, seq, ...) under context parallelism."""
     if ctx.cp_positions is None:
@@ -126,6 +145,10 @@ class Objective:
         c = cfg.compile
         return {"compile_loss": c.enable and "loss" in c.components, "compile_backend": c.backend}
 
+    # Loss terms the objective reports apart (logged as their sums divided by the step's units, like
+    # the loss): collect_reports gives their sums since the last call, in this order.
+    reported_terms: ClassVar[tuple[str, ...]] = ()
+
     # Rules ------------------------------------------------------------------------------------
 
     def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
@@ -170,7 +193,21 @@ class Objective:
         """A loader microbatch (a dict of named tensors) as the model and the loss take it."""
         raise NotImplementedError
 
+    def attach(self, models: ObjectiveModels) -> None:
+        """Called once by the trainer before the first step of a fresh run: an objective that needs a
+        model beside the one it trains (a frozen reference) takes it here. Nothing by default."""
+
     # Loss -------------------------------------------------------------------------------------
+
+    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
+        """The units a microbatch's summed loss is over (the step divides by their global count): its
+        target tokens by default."""
+        return (labels != IGNORE_INDEX).sum()
+
+    def collect_reports(self, device: torch.device) -> torch.Tensor:
+        """(len(reported_terms),) the reported terms' sums since the last call, then zeroed; device
+        work only."""
+        return torch.zeros(len(self.reported_terms), device=device)
 
     def loss(self, output: torch.Tensor | ModelOutput, labels: torch.Tensor) -> torch.Tensor:
         """The microbatch's loss summed over its target tokens, with the output's auxiliary losses (in
@@ -183,4 +220,4 @@ class Objective:
         return self._cross_entropy(output, labels)
 
 
-__all__ = ["BatchContext", "FieldShapes", "Microbatch", "Objective", "cut_sequence"]
+__all__ = ["BatchContext", "FieldShapes", "Microbatch", "Objective", "ObjectiveModels", "cut_sequence"]

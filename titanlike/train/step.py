@@ -6,7 +6,8 @@ tokens, clips them, and steps the optimizer. It returns device tensors (`StepOut
 nothing back to the host: the loop decides when to look (titanlike/train/trainer.py).
 
 Exact arithmetic: the loss is a sum over target tokens, and the gradients are divided once, after
-every backward, by the target tokens of the whole global batch. That keeps gradient accumulation,
+every backward, by the target tokens of the whole global batch (an objective may count other units:
+preference pairs, StepLoss.count_units). That keeps gradient accumulation,
 data parallelism and pipeline microbatches exact, and lets a term join the objective anywhere in
 the model in the same summed units (an MoE layer's balancing losses, on any pipeline stage).
 
@@ -52,14 +53,25 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+def target_tokens(labels: torch.Tensor) -> torch.Tensor:
+    return (labels != IGNORE_INDEX).sum()
+
+
 class StepLoss:
     """What the step differentiates for one microbatch's output: the objective's summed loss,
     carrying the objective weight for backward. The pipeline schedule calls it on the last stage;
     `observer` (the evaluator's accuracy count) may look at every output on its way."""
 
-    def __init__(self, loss_fn: Callable[[object, torch.Tensor], torch.Tensor], weight: torch.Tensor | None):
+    def __init__(self, loss_fn: Callable[[object, torch.Tensor], torch.Tensor], weight: torch.Tensor | None, *,
+                 count_units: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 reports: Callable[[torch.device], torch.Tensor] | None = None):
+        """count_units: a microbatch's labels -> the units its summed loss is over (the objective's
+        count_units; target tokens by default); reports: the objective's reported terms since the
+        last call (Objective.collect_reports), or None."""
         self.loss_fn = loss_fn
         self.weight = weight
+        self.count_units = count_units or target_tokens
+        self.reports = reports
         self.observer: Callable[[object, torch.Tensor], None] | None = None
 
     def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
@@ -143,7 +155,7 @@ class TrainStep:
     def count_tokens(self, microbatches: list, side: list[float] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's collective: (global target tokens, the side values summed over all ranks). Under
         loss scaling it also sets the objective weight backward will use."""
-        tokens = sum((mb.labels != IGNORE_INDEX).sum() for mb in microbatches).float()
+        tokens = sum(self.step_loss.count_units(mb.labels) for mb in microbatches).float()
         values = torch.zeros(1 + len(side), device=self.device)
         values[0] = tokens * self.token_share
         for i, value in enumerate(side):
@@ -172,7 +184,11 @@ class TrainStep:
             self.converters.post_optimizer_step(self.model_parts)
         self.optimizer.zero_grad(set_to_none=True)
         table = self.expert_balance.step_done(applied=finite) if self.expert_balance is not None else None
-        reported = self.reports.collect() * self.loss_share if self.reports is not None else None
+        reported = self.reports.collect() if self.reports is not None else None
+        if self.step_loss.reports is not None:  # the objective's terms, after the model's
+            mine = self.step_loss.reports(self.device)
+            reported = mine if reported is None else torch.cat([reported, mine])
+        reported = reported * self.loss_share if reported is not None else None
         return StepOutput(loss_sum * self.loss_share, global_tokens, norm.total, finite, side, reported,
                           table, lambda: self._param_name(norm.nonfinite_param()))
 

@@ -16,6 +16,7 @@ overflow instead: every rank skips the step, the learning rate is held and the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -26,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config.loader import config_to_dict
@@ -39,7 +41,7 @@ from titanlike.observe.profiler import Profiler
 from titanlike.observe.run_lock import FolderLock, FolderRefused, lock_folders, output_folders
 from titanlike.observe.stragglers import StragglerDetector, format_stragglers
 from titanlike.observe.summary import RunSummary
-from titanlike.objectives.base import BatchContext, Microbatch
+from titanlike.objectives.base import BatchContext, Microbatch, ObjectiveModels
 from titanlike.parallel.context import load_balanced_positions
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
@@ -251,7 +253,8 @@ class Trainer:
         self.loss_scaler = build_loss_scaler(cfg.loss_scaling, self.plan.precision.loss_scaling)
         # The objective's weight for backward: a device tensor the step rewrites (loss scaling), or 1.
         self.step_loss = StepLoss(self.objective.loss, torch.ones((), device=self.device)
-                                  if self.loss_scaler is not None else None)
+                                  if self.loss_scaler is not None else None, count_units=self.objective.count_units,
+                                  reports=self.objective.collect_reports if self.objective.reported_terms else None)
         pipeline = tied = None
         if self.plan.pipeline is not None:
             layout = self.plan.pipeline
@@ -375,6 +378,38 @@ class Trainer:
             if state and self.rank == 0:
                 logger.info(f"converters: {len(state)} tensors loaded into the model")
 
+    def _attach_objective(self, *, resumed: bool) -> None:
+        """Lend the objective the model (and a frozen copy of it, built only if it asks) before the first step."""
+        def frozen_copy() -> list[nn.Module]:
+            if resumed:
+                # The copy is of the weights the run started from, which a resumed run no longer holds.
+                raise TrainingError(f"training.objective {self.objective.name} cannot resume with a frozen copy of "
+                                    "the initial model yet: start a new run from this checkpoint "
+                                    "(checkpoint.initial_load_path) instead")
+            converters = build_model_converters(self.cfg.model.converters, self.cfg.float8,
+                                                lambda name: getattr(self.cfg, name))
+            parts = build_model_parts(self.plan, converters)
+            for part, source in zip(parts, self.model_parts):
+                part.to_empty(device=self.device)
+                with torch.no_grad():
+                    state = dict(source.named_parameters()) | dict(source.named_buffers())
+                    for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+                        tensor.copy_(state[name])
+                part.requires_grad_(False)
+                part.eval()
+            if self.rank == 0:
+                logger.info(f"{self.objective.name}: a frozen copy of the model as it starts, sharded like it")
+            return parts
+
+        def forward_context():
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.train_step.autocast)
+            if self.train_step.loss_parallel:
+                stack.enter_context(torch.distributed.tensor.parallel.loss_parallel())
+            return stack
+
+        self.objective.attach(ObjectiveModels(self.model_parts, frozen_copy, forward_context))
+
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
         and cut to this cp rank, by the objective."""
@@ -462,6 +497,7 @@ class Trainer:
             return None
         if start == 0:
             self._load_converter_state()
+        self._attach_objective(resumed=start > 0)
         if self.stop.agreed():
             if self.rank == 0:
                 logger.info(f"received {StopRequest.describe(self.stop.agreed_code)} before the first step: "
@@ -531,7 +567,7 @@ class Trainer:
     def _log(self, record: StepRecord, loss: float, norm: float, tokens: float, reported: list[float]) -> None:
         extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
         extra.update(self._precision_and_batch_metrics(record.batch))
-        extra.update(zip(self.model_args.reported_losses(), reported))
+        extra.update(zip(self.model_args.reported_losses() + self.objective.reported_terms, reported))
         expert_counts = None
         if self.expert_balance is not None:
             table = record.out.expert_table
