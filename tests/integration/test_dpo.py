@@ -9,6 +9,7 @@ import math
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import REPO, read_metrics, train_in_process
@@ -80,3 +81,45 @@ def test_dpo_with_lora_adapters_as_reference(tmp_path):
     metrics = read_metrics(tmp_path / "lora")
     assert abs(metrics[0]["loss"] - math.log(2)) < 1e-5
     assert metrics[-1]["loss"] < 0.6 and metrics[-1]["reward_margin"] > 0, metrics[-1]
+
+
+DATA = str(REPO / "tests" / "assets" / "dpo" / "prefer_reverse.jsonl")
+DPO_JOB = ("--training.objective", "dpo", "--training.dataset", "text", "--training.dataset_path", DATA,
+           "--model.flavor", "debugmodel_tiny", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1",
+           "--training.local_batch_size", "4", "--training.global_batch_size", "8")
+LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2")}
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*DPO_JOB, name="one")
+@pytest.mark.train_run(*DPO_JOB, *LAYOUTS["fsdp"], name="fsdp", nproc=2)
+@pytest.mark.train_run(*DPO_JOB, *LAYOUTS["tp"], name="tp", nproc=2)
+def test_dpo_layouts_match_one_process(train_runs):
+    """DPO with its frozen reference (a copy sharded like the policy): FSDP2 and TP2 (log-probabilities
+    from vocabulary-parallel logits, never gathered) equal one process step by step, loss (per pair),
+    gradient norm and rewards."""
+    keys = ("loss", "grad_norm", "reward_margin", "rewards_chosen")
+    one = [[r[k] for k in keys] for r in train_runs["one"].metrics]
+    assert len(one) == 4 and one[-1][0] < one[0][0] and one[-1][2] > 0  # it learns
+    for name in LAYOUTS:
+        got = [[r[k] for k in keys] for r in train_runs[name].metrics]
+        for want, have in zip(one, got):
+            assert have == pytest.approx(want, abs=5e-5, rel=1e-4), name
+
+
+SIMPO = (*DPO_JOB, "--dpo.loss_type", "simpo", "--dpo.beta", "2.0", "--dpo.simpo_gamma", "0.5")
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*SIMPO, name="one")
+@pytest.mark.train_run(*SIMPO, "--parallelism.pipeline_parallel_degree", "2",
+                       "--parallelism.pipeline_parallel_microbatch_size", "2", name="pp", nproc=2)
+def test_simpo_under_pipeline_parallelism_matches_one_process(train_runs):
+    """SimPO has no reference, so it runs under PP: the labels' channels (targets, documents, pair
+    starts) travel with the pipeline's microbatches and the pairs are counted once over the stages."""
+    keys = ("loss", "grad_norm", "reward_margin")
+    one = [[r[k] for k in keys] for r in train_runs["one"].metrics]
+    got = [[r[k] for k in keys] for r in train_runs["pp"].metrics]
+    assert len(one) == 4 and one[-1][0] < one[0][0]
+    for want, have in zip(one, got):
+        assert have == pytest.approx(want, abs=5e-5, rel=1e-4)

@@ -17,6 +17,7 @@ it has.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -27,8 +28,6 @@ from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, cross_entropy_sum
 
 if TYPE_CHECKING:
-    import contextlib
-
     import torch.nn as nn
 
     from titanlike.config.schema import JobConfig
@@ -208,6 +207,10 @@ class Objective:
         """(len(reported_terms),) the reported terms' sums since the last call, then zeroed; device
         work only."""
         return torch.zeros(len(self.reported_terms), device=device)
+
+    def reports_paused(self) -> contextlib.AbstractContextManager:
+        """A context in which `loss` records no reported terms (a pipeline's metadata inference)."""
+        return contextlib.nullcontext()
 
     def loss(self, output: torch.Tensor | ModelOutput, labels: torch.Tensor) -> torch.Tensor:
         """The microbatch's loss summed over its target tokens, with the output's auxiliary losses (in

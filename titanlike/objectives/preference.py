@@ -155,6 +155,7 @@ class DPO(Objective):
         self.options = options or DPOOptions()
         self.reference: Callable[[Microbatch], torch.Tensor] | None = None  # set by attach
         self._reports: torch.Tensor | None = None
+        self._recording = True
 
     @property
     def uses_reference(self) -> bool:
@@ -299,12 +300,22 @@ class DPO(Objective):
         terms = pair_terms(self.options, logps, labels)
         valid = terms.valid
         zero = torch.zeros((), device=logps.device)
+        if not self._recording:
+            return torch.where(valid, terms.loss, zero).sum()
         with torch.no_grad():
             margin = terms.chosen_rewards - terms.rejected_rewards
             reports = torch.stack([torch.where(valid, v, zero).sum() for v in (
                 terms.chosen_rewards, terms.rejected_rewards, margin, (margin > 0).float())])
             self._reports = reports if self._reports is None else self._reports + reports
         return torch.where(valid, terms.loss, zero).sum()
+
+    @contextlib.contextmanager
+    def reports_paused(self):
+        self._recording = False
+        try:
+            yield
+        finally:
+            self._recording = True
 
     def collect_reports(self, device: torch.device) -> torch.Tensor:
         reports, self._reports = self._reports, None

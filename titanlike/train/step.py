@@ -64,20 +64,28 @@ class StepLoss:
 
     def __init__(self, loss_fn: Callable[[object, torch.Tensor], torch.Tensor], weight: torch.Tensor | None, *,
                  count_units: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 reports: Callable[[torch.device], torch.Tensor] | None = None):
+                 reports: Callable[[torch.device], torch.Tensor] | None = None,
+                 pause_reports: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         """count_units: a microbatch's labels -> the units its summed loss is over (the objective's
         count_units; target tokens by default); reports: the objective's reported terms since the
-        last call (Objective.collect_reports), or None."""
+        last call (Objective.collect_reports), or None; pause_reports: a context in which the
+        objective's loss records nothing (Objective.reports_paused)."""
         self.loss_fn = loss_fn
         self.weight = weight
         self.count_units = count_units or target_tokens
-        self.reports = reports
+        self.reports, self.pause_reports = reports, pause_reports
         self.observer: Callable[[object, torch.Tensor], None] | None = None
 
     def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
         if self.observer is not None:
             self.observer(output, labels)
         return weighted_objective(self.loss_fn(output, labels), self.weight)
+
+    def unrecorded(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """The same loss, unobserved and recording no reported terms: for a pipeline schedule's
+        metadata inference, which runs it on placeholder outputs."""
+        with self.pause_reports():
+            return weighted_objective(self.loss_fn(output, labels), self.weight)
 
 
 @dataclass

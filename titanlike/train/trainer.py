@@ -254,7 +254,8 @@ class Trainer:
         # The objective's weight for backward: a device tensor the step rewrites (loss scaling), or 1.
         self.step_loss = StepLoss(self.objective.loss, torch.ones((), device=self.device)
                                   if self.loss_scaler is not None else None, count_units=self.objective.count_units,
-                                  reports=self.objective.collect_reports if self.objective.reported_terms else None)
+                                  reports=self.objective.collect_reports if self.objective.reported_terms else None,
+                                  pause_reports=self.objective.reports_paused)
         pipeline = tied = None
         if self.plan.pipeline is not None:
             layout = self.plan.pipeline
@@ -263,7 +264,8 @@ class Trainer:
             tied = tied if tied.active else None
             n = self.batches.pipeline_microbatches
             pipeline = build_schedule(self.model_parts, layout, dims.mesh("pp"), self.device,
-                                      schedule=p.pipeline_parallel_schedule, n_microbatches=n, loss_fn=self.step_loss)
+                                      schedule=p.pipeline_parallel_schedule, n_microbatches=n, loss_fn=self.step_loss,
+                                      inference_loss_fn=self.step_loss.unrecorded)
             if self.rank == 0:
                 logger.info(f"pipeline {p.pipeline_parallel_schedule}: {layout.describe()}; "
                             f"{n} microbatches of {p.pipeline_parallel_microbatch_size} per local batch")
