@@ -123,3 +123,25 @@ def test_simpo_under_pipeline_parallelism_matches_one_process(train_runs):
     assert len(one) == 4 and one[-1][0] < one[0][0]
     for want, have in zip(one, got):
         assert have == pytest.approx(want, abs=5e-5, rel=1e-4)
+
+
+def test_dpo_resumes_exactly_with_its_reference(tmp_path):
+    """Stopped after step 2 of 4 and resumed, the run gives the uninterrupted run's steps 3 and 4 bit
+    for bit: the frozen reference is rebuilt as the run started (here from checkpoint.initial_load_path,
+    a model of another seed, which the resumed run's own initialization is not)."""
+    import shutil
+
+    from conftest import train_metrics
+
+    train_metrics(tmp_path, "start", "--debug.seed", "7", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                  "--model.flavor", "debugmodel_tiny")
+    job = [*DPO_JOB, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only",
+           "--checkpoint.initial_load_path", str(tmp_path / "start" / "checkpoint" / "step-0")]
+    whole = train_metrics(tmp_path, "whole", *job)
+    shutil.rmtree(tmp_path / "whole" / "checkpoint" / "step-4")
+    (tmp_path / "whole" / "metrics.jsonl").unlink()
+    resumed = train_metrics(tmp_path, "whole", *job)
+    assert [r["step"] for r in resumed] == [3, 4]
+    keys = ("loss", "reward_margin", "rewards_chosen")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[2:]]
+    assert whole[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the loaded model

@@ -361,19 +361,20 @@ class Trainer:
             how = f"SDPA {direction}{f' with {what} (dense)' if masked else ''}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
 
-    def _load_converter_state(self) -> None:
+    def _load_converter_state(self, parts: list[nn.Module] | None = None) -> None:
         """A fresh run: what the converters bring (LoRA's lora.adapter_path), after the model's initial
         load. Every rank reads it for its own model parts and keeps its shards (no communication); a
         refusal on any rank stops every rank with one sentence."""
         from titanlike.models.common.init import copy_full_
 
+        parts = self.model_parts if parts is None else parts  # or a frozen copy's (_attach_objective)
         error, states = None, []
         try:
-            states = [self.converters.initial_state(part) for part in self.model_parts]
+            states = [self.converters.initial_state(part) for part in parts]
         except ValueError as e:
             error = str(e)
         self._agree(error, elsewhere="another rank could not load the converters' initial state (it says why)")
-        for part, state in zip(self.model_parts, states):
+        for part, state in zip(parts, states):
             params = dict(part.named_parameters())
             for name, full in state.items():
                 copy_full_(params[name], full)
@@ -383,24 +384,28 @@ class Trainer:
     def _attach_objective(self, *, resumed: bool) -> None:
         """Lend the objective the model (and a frozen copy of it, built only if it asks) before the first step."""
         def frozen_copy() -> list[nn.Module]:
-            if resumed:
-                # The copy is of the weights the run started from, which a resumed run no longer holds.
-                raise TrainingError(f"training.objective {self.objective.name} cannot resume with a frozen copy of "
-                                    "the initial model yet: start a new run from this checkpoint "
-                                    "(checkpoint.initial_load_path) instead")
             converters = build_model_converters(self.cfg.model.converters, self.cfg.float8,
                                                 lambda name: getattr(self.cfg, name))
             parts = build_model_parts(self.plan, converters)
             for part, source in zip(parts, self.model_parts):
                 part.to_empty(device=self.device)
-                with torch.no_grad():
-                    state = dict(source.named_parameters()) | dict(source.named_buffers())
-                    for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
-                        tensor.copy_(state[name])
+                if resumed:  # the model as this job started: initialized, then loaded like it was
+                    part.init_weights(seed=self.cfg.debug.seed)
+                    converters.init_weights(part, self.cfg.debug.seed)
+                else:  # the policy, before its first update
+                    with torch.no_grad():
+                        state = dict(source.named_parameters()) | dict(source.named_buffers())
+                        for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+                            tensor.copy_(state[name])
+            if resumed:
+                self.checkpointer.load_initial_model(parts)
+                self._load_converter_state(parts)
+            for part in parts:
                 part.requires_grad_(False)
                 part.eval()
             if self.rank == 0:
-                logger.info(f"{self.objective.name}: a frozen copy of the model as it starts, sharded like it")
+                logger.info(f"{self.objective.name}: a frozen copy of the model as it started, sharded like it"
+                            + (" (rebuilt from its initialization and initial load)" if resumed else ""))
             return parts
 
         def forward_context():
