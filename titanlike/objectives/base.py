@@ -91,7 +91,8 @@ class ObjectiveModels:
     once the model is built and loaded, before the first step."""
 
     parts: list[nn.Module]  # this rank's parts of the model being trained
-    # A frozen copy of them (requires_grad off): the same plan and layout, the weights they hold now.
+    # A frozen copy of them (requires_grad off): the same plan and layout, the weights of the model as
+    # the run started (the parts' own before the first step; rebuilt from the initial load on resume).
     frozen_copy: Callable[[], list[nn.Module]]
     # The context the step's forward and loss run in (autocast, loss parallelism).
     forward_context: Callable[[], contextlib.AbstractContextManager]
@@ -193,8 +194,8 @@ class Objective:
         raise NotImplementedError
 
     def attach(self, models: ObjectiveModels) -> None:
-        """Called once by the trainer before the first step of a fresh run: an objective that needs a
-        model beside the one it trains (a frozen reference) takes it here. Nothing by default."""
+        """Called once by the trainer before the first step (of a fresh or a resumed run): an objective
+        that needs a model beside the one it trains (a frozen reference) takes it here. Nothing by default."""
 
     # Loss -------------------------------------------------------------------------------------
 

@@ -28,11 +28,14 @@ DPOTrainer and CPOTrainer, trl 1.16, tests/unit/test_preference.py compares):
 Rewards: b x (b x the mean log-probability for SimPO); reported per pair: chosen, rejected, margin
 and accuracy (chosen rewarded more than rejected).
 
-The reference (`dpo.reference`): `model`, a frozen copy of the policy as it starts (the same plan
-and layout, parallelized like it, its weights copied before the first step); or `adapters`, the
-policy itself with its LoRA adapters switched off (training LoRA: the base is the reference).
+The reference (`dpo.reference`): `model`, a frozen copy of the policy as the run started (the same
+plan and layout, parallelized like it; its weights copied from the policy before the first step, or,
+in a resumed run, rebuilt from the initialization and checkpoint.initial_load_path); or `adapters`,
+the policy itself with its LoRA adapters switched off (training LoRA: the base is the reference).
 Its forward runs when a microbatch is prepared (`prepare`), before the step, so the step stays a
-function of its microbatches.
+function of its microbatches. Not yet: a reference under pipeline or context parallelism (its
+forward would need the schedule; a pair's sums would be split over cp ranks), log-probabilities
+precomputed with the data.
 
 Options, [dpo]: beta, loss_type, label_smoothing, simpo_gamma, reference, chat_template, packing,
 overlong.
