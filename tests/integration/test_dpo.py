@@ -87,17 +87,20 @@ DATA = str(REPO / "tests" / "assets" / "dpo" / "prefer_reverse.jsonl")
 DPO_JOB = ("--training.objective", "dpo", "--training.dataset", "text", "--training.dataset_path", DATA,
            "--model.flavor", "debugmodel_tiny", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1",
            "--training.local_batch_size", "4", "--training.global_batch_size", "8")
-LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2")}
+LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
+           "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2")}
 
 
 @pytest.mark.distributed
 @pytest.mark.train_run(*DPO_JOB, name="one")
 @pytest.mark.train_run(*DPO_JOB, *LAYOUTS["fsdp"], name="fsdp", nproc=2)
 @pytest.mark.train_run(*DPO_JOB, *LAYOUTS["tp"], name="tp", nproc=2)
+@pytest.mark.train_run(*DPO_JOB, *LAYOUTS["pp"], name="pp", nproc=2)
 def test_dpo_layouts_match_one_process(train_runs):
-    """DPO with its frozen reference (a copy sharded like the policy): FSDP2 and TP2 (log-probabilities
-    from vocabulary-parallel logits, never gathered) equal one process step by step, loss (per pair),
-    gradient norm and rewards."""
+    """DPO with its frozen reference (a copy sharded like the policy): FSDP2, TP2 (log-probabilities
+    from vocabulary-parallel logits, never gathered) and PP2 (the reference through a forward-only
+    schedule of its own stages) equal one process step by step, loss (per pair), gradient norm and
+    rewards."""
     keys = ("loss", "grad_norm", "reward_margin", "rewards_chosen")
     one = [[r[k] for k in keys] for r in train_runs["one"].metrics]
     assert len(one) == 4 and one[-1][0] < one[0][0] and one[-1][2] > 0  # it learns
@@ -145,3 +148,20 @@ def test_dpo_resumes_exactly_with_its_reference(tmp_path):
     keys = ("loss", "reward_margin", "rewards_chosen")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[2:]]
     assert whole[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the loaded model
+
+
+ADAPTERS = (*DPO_JOB, "--model.converters", "lora", "--dpo.reference", "adapters", "--optimizer.lr", "1e-2")
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*ADAPTERS, name="one")
+@pytest.mark.train_run(*ADAPTERS, *LAYOUTS["pp"], name="pp", nproc=2)
+def test_dpo_adapters_reference_under_pipeline_parallelism_matches_one_process(train_runs):
+    """The reference as the policy's own stages with the adapters off, through a forward-only
+    schedule of its own over the same modules."""
+    keys = ("loss", "grad_norm", "reward_margin")
+    one = [[r[k] for k in keys] for r in train_runs["one"].metrics]
+    got = [[r[k] for k in keys] for r in train_runs["pp"].metrics]
+    assert len(one) == 4 and one[-1][0] < one[0][0] and one[-1][2] > 0
+    for want, have in zip(one, got):
+        assert have == pytest.approx(want, abs=5e-5, rel=1e-4)

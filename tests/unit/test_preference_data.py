@@ -189,3 +189,18 @@ def test_job_rules_refuse_in_one_sentence(tmp_path, argv, fragment):
     with pytest.raises(ConfigError) as err:
         plan_job(load_job_config([*base, *argv, "--job.dump_folder", str(tmp_path / "out")]), world_size=1)
     assert fragment in _one_sentence(err.value)
+
+
+def test_a_reference_needs_a_schedule_with_a_forward_only_pass(tmp_path):
+    from titanlike.config import load_job_config
+    from titanlike.config.loader import ConfigError
+    from titanlike.train.plan import plan_job
+
+    data = write_jsonl(tmp_path / "p.jsonl", ROWS)
+    argv = ["--training.objective", "dpo", "--training.dataset", "text", "--training.dataset_path", str(data),
+            "--training.seq_len", "128", "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--job.dump_folder", str(tmp_path / "out")]
+    with pytest.raises(ConfigError) as err:
+        plan_job(load_job_config(argv), world_size=2)
+    assert "dpo.reference model needs a forward-only pass, which the ZBVZeroBubble" in _one_sentence(err.value)
+    plan_job(load_job_config([*argv, "--dpo.loss_type", "simpo"]), world_size=2)  # no reference, no rule

@@ -94,8 +94,11 @@ class ObjectiveModels:
     # A frozen copy of them (requires_grad off): the same plan and layout, the weights of the model as
     # the run started (the parts' own before the first step; rebuilt from the initial load on resume).
     frozen_copy: Callable[[], list[nn.Module]]
-    # The context the step's forward and loss run in (autocast, loss parallelism).
-    forward_context: Callable[[], contextlib.AbstractContextManager]
+    # forward(parts, mb, fn): a forward-only pass of `parts` (the model's or a frozen copy's) over the
+    # microbatch, as the step runs it (autocast, loss parallelism, the pipeline schedule), returning
+    # fn(output, labels) of its samples concatenated along the batch, (batch, ...), on the ranks that
+    # hold the last pipeline stage, and None on the others (where the loss never runs).
+    forward: Callable[[list[nn.Module], Microbatch, Callable], torch.Tensor | None]
 
 
 def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:

@@ -33,8 +33,9 @@ plan and layout, parallelized like it; its weights copied from the policy before
 in a resumed run, rebuilt from the initialization and checkpoint.initial_load_path); or `adapters`,
 the policy itself with its LoRA adapters switched off (training LoRA: the base is the reference).
 Its forward runs when a microbatch is prepared (`prepare`), before the step, so the step stays a
-function of its microbatches. Not yet: a reference under pipeline or context parallelism (its
-forward would need the schedule; a pair's sums would be split over cp ranks), log-probabilities
+function of its microbatches; under pipeline parallelism it runs through a forward-only schedule of
+its own stages, and its log-probabilities reach the labels on the last stage, where the loss runs.
+Not yet: context parallelism (a pair's sums would be split over the cp ranks), log-probabilities
 precomputed with the data.
 
 Options, [dpo]: beta, loss_type, label_smoothing, simpo_gamma, reference, chat_template, packing,
@@ -198,8 +199,12 @@ class DPO(Objective):
             raise ValueError("training.objective dpo does not run with context_parallel_degree > 1 yet (a pair's "
                              "log-probability would be split over the cp ranks)")
         if self.uses_reference and dims.pp > 1:
-            raise ValueError(f"dpo.reference {o.reference} does not run under pipeline parallelism yet (its forward "
-                             "would need a pipeline of its own); use pipeline_parallel_degree 1")
+            from titanlike.parallel.pipeline import V_SCHEDULES, schedule_name
+
+            name = schedule_name(cfg.parallelism.pipeline_parallel_schedule)
+            if name in V_SCHEDULES:
+                raise ValueError(f"dpo.reference {o.reference} needs a forward-only pass, which the {name} pipeline "
+                                 "schedule does not have (torch's V-shaped schedules); use another schedule")
         if self.uses_reference and o.reference == "adapters" and "lora" not in cfg.model.converters:
             raise ValueError("dpo.reference adapters is the policy without its LoRA adapters, so it needs "
                              "model.converters lora")
@@ -260,7 +265,9 @@ class DPO(Objective):
         labels = pair_labels(targets, documents)
         mb = Microbatch(inputs, labels, positions=mask.positions, mask=mask)
         if self.reference is not None and self.uses_reference:
-            labels[..., REFERENCE] = self.reference(mb)
+            logps = self.reference(mb)
+            if logps is not None:  # (None on pipeline ranks without the last stage, where no loss runs)
+                labels[..., REFERENCE] = logps
         return mb
 
     def attach(self, models) -> None:
@@ -276,20 +283,21 @@ class DPO(Objective):
         else:
             parts = models.frozen_copy()
             switch = contextlib.nullcontext
-        forward = models.forward_context
+
+        def logps(output, labels: torch.Tensor) -> torch.Tensor:
+            return token_logps(logits_of(output), labels[..., TARGET].long())
 
         @torch.no_grad()
-        def reference(mb: Microbatch) -> torch.Tensor:
-            part = parts[0]
-            was_training = part.training
-            part.eval()
+        def reference(mb: Microbatch) -> torch.Tensor | None:
+            modes = [part.training for part in parts]
+            for part in parts:
+                part.eval()
             try:
-                with switch(), forward():
-                    out = part(mb.inputs, **mb.forward_kwargs())
-                    logps = token_logps(logits_of(out), mb.labels[..., TARGET].long())
+                with switch():
+                    return models.forward(parts, mb, logps)
             finally:
-                part.train(was_training)
-            return logps
+                for part, mode in zip(parts, modes):
+                    part.train(mode)
 
         self.reference = reference
 

@@ -129,6 +129,24 @@ def init_distributed(cfg: JobConfig, world_size: int) -> tuple[torch.device, boo
     return device, False
 
 
+class _Collector:
+    """The "loss" of a forward-only pipeline schedule that keeps fn(output, labels) of every pipeline
+    microbatch on the last stage (Trainer._attach_objective)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.fn, self.kept = device, None, []
+
+    def start(self, fn) -> None:
+        self.fn, self.kept = fn, []
+
+    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
+        self.kept.append(self.fn(output, labels))
+        return torch.zeros((), device=self.device)
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self.kept)
+
+
 class Trainer:
     """Builds a planned job (titanlike/train/plan.py) on this process's ranks and trains it."""
 
@@ -408,14 +426,32 @@ class Trainer:
                             + (" (rebuilt from its initialization and initial load)" if resumed else ""))
             return parts
 
-        def forward_context():
-            stack = contextlib.ExitStack()
-            stack.enter_context(self.train_step.autocast)
-            if self.train_step.loss_parallel:
-                stack.enter_context(torch.distributed.tensor.parallel.loss_parallel())
-            return stack
+        schedules: dict[int, tuple] = {}  # a forward-only pipeline schedule per set of parts, and its collector
 
-        self.objective.attach(ObjectiveModels(self.model_parts, frozen_copy, forward_context))
+        def forward(parts: list[nn.Module], mb: Microbatch, fn):
+            step = self.train_step
+            loss_context = torch.distributed.tensor.parallel.loss_parallel() if step.loss_parallel \
+                else contextlib.nullcontext()
+            if self.plan.pipeline is None:
+                with step.autocast, loss_context:
+                    return fn(parts[0](mb.inputs, **mb.forward_kwargs()), mb.labels)
+            # Pipeline stages of their own over these parts; the schedule's "loss" on the last stage
+            # keeps fn of each pipeline microbatch, in order.
+            if id(parts) not in schedules:
+                collect = _Collector(self.device)
+                runner = build_schedule(parts, self.plan.pipeline, self.dims.mesh("pp"), self.device,
+                                        schedule=self.cfg.parallelism.pipeline_parallel_schedule,
+                                        n_microbatches=self.batches.pipeline_microbatches, loss_fn=collect)
+                schedules[id(parts)] = runner, collect
+            runner, collect = schedules[id(parts)]
+            size = step.pipeline_microbatch_size
+            extra = [mb.rows(i, i + size) for i in range(0, mb.inputs.shape[0], size)]
+            collect.start(fn)
+            with step.autocast, loss_context:
+                runner.step(mb.inputs, mb.labels, extra, backward=False)
+            return collect.result() if runner.has_last else None
+
+        self.objective.attach(ObjectiveModels(self.model_parts, frozen_copy, forward))
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
