@@ -110,24 +110,6 @@ def test_dpo_layouts_match_one_process(train_runs):
             assert have == pytest.approx(want, abs=5e-5, rel=1e-4), name
 
 
-SIMPO = (*DPO_JOB, "--dpo.loss_type", "simpo", "--dpo.beta", "2.0", "--dpo.simpo_gamma", "0.5")
-
-
-@pytest.mark.distributed
-@pytest.mark.train_run(*SIMPO, name="one")
-@pytest.mark.train_run(*SIMPO, "--parallelism.pipeline_parallel_degree", "2",
-                       "--parallelism.pipeline_parallel_microbatch_size", "2", name="pp", nproc=2)
-def test_simpo_under_pipeline_parallelism_matches_one_process(train_runs):
-    """SimPO has no reference, so it runs under PP: the labels' channels (targets, documents, pair
-    starts) travel with the pipeline's microbatches and the pairs are counted once over the stages."""
-    keys = ("loss", "grad_norm", "reward_margin")
-    one = [[r[k] for k in keys] for r in train_runs["one"].metrics]
-    got = [[r[k] for k in keys] for r in train_runs["pp"].metrics]
-    assert len(one) == 4 and one[-1][0] < one[0][0]
-    for want, have in zip(one, got):
-        assert have == pytest.approx(want, abs=5e-5, rel=1e-4)
-
-
 def test_dpo_resumes_exactly_with_its_reference(tmp_path):
     """Stopped after step 2 of 4 and resumed, the run gives the uninterrupted run's steps 3 and 4 bit
     for bit: the frozen reference is rebuilt as the run started (here from checkpoint.initial_load_path,
