@@ -88,7 +88,8 @@ DPO_JOB = ("--training.objective", "dpo", "--training.dataset", "text", "--train
            "--model.flavor", "debugmodel_tiny", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1",
            "--training.local_batch_size", "4", "--training.global_batch_size", "8")
 LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
-           "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2")}
+           "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"),
+           "cp": ("--parallelism.context_parallel_degree", "2")}
 
 
 @pytest.mark.distributed
@@ -96,11 +97,12 @@ LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
 @pytest.mark.train_run(*DPO_JOB, *LAYOUTS["fsdp"], name="fsdp", nproc=2)
 @pytest.mark.train_run(*DPO_JOB, *LAYOUTS["tp"], name="tp", nproc=2)
 @pytest.mark.train_run(*DPO_JOB, *LAYOUTS["pp"], name="pp", nproc=2)
+@pytest.mark.train_run(*DPO_JOB, *LAYOUTS["cp"], name="cp", nproc=2)
 def test_dpo_layouts_match_one_process(train_runs):
     """DPO with its frozen reference (a copy sharded like the policy): FSDP2, TP2 (log-probabilities
-    from vocabulary-parallel logits, never gathered) and PP2 (the reference through a forward-only
-    schedule of its own stages) equal one process step by step, loss (per pair), gradient norm and
-    rewards."""
+    from vocabulary-parallel logits, never gathered), PP2 (the reference through a forward-only
+    schedule of its own stages) and CP2 (each pair's sums completed over the cp ranks) equal one
+    process step by step, loss (per pair), gradient norm and rewards."""
     keys = ("loss", "grad_norm", "reward_margin", "rewards_chosen")
     one = [[r[k] for k in keys] for r in train_runs["one"].metrics]
     assert len(one) == 4 and one[-1][0] < one[0][0] and one[-1][2] > 0  # it learns

@@ -99,6 +99,11 @@ class ObjectiveModels:
     # fn(output, labels) of its samples concatenated along the batch, (batch, ...), on the ranks that
     # hold the last pipeline stage, and None on the others (where the loss never runs).
     forward: Callable[[list[nn.Module], Microbatch, Callable], torch.Tensor | None]
+    # Context parallelism: each rank holds some positions of every sample. cp_sum(x) sums a tensor
+    # over the cp ranks (its backward passes the gradient through: parallel/utils.py
+    # sum_over_for_replicated_loss); None without it. cp_degree: the number of cp ranks.
+    cp_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    cp_degree: int = 1
 
 
 def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:

@@ -35,8 +35,10 @@ the policy itself with its LoRA adapters switched off (training LoRA: the base i
 Its forward runs when a microbatch is prepared (`prepare`), before the step, so the step stays a
 function of its microbatches; under pipeline parallelism it runs through a forward-only schedule of
 its own stages, and its log-probabilities reach the labels on the last stage, where the loss runs.
-Not yet: context parallelism (a pair's sums would be split over the cp ranks), log-probabilities
-precomputed with the data.
+Under context parallelism each rank holds some positions of every pair: the per-document sums are
+completed over the cp ranks (an all-reduce whose backward passes the gradient through), every cp
+rank computes every pair's loss, reports 1/cp of it and differentiates all of it. Not yet:
+log-probabilities precomputed with the data.
 
 Options, [dpo]: beta, loss_type, label_smoothing, simpo_gamma, reference, chat_template, packing,
 overlong.
@@ -56,7 +58,7 @@ from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX, logits_of
-from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Objective
+from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Objective, cut_sequence
 from titanlike.objectives.registry import register_objective
 
 if TYPE_CHECKING:
@@ -101,12 +103,13 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logp.view(targets.shape)
 
 
-def document_sums(values: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+def document_sums(values: torch.Tensor, documents: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
     """(batch, slots) sums of per-token values over each document id; slots is even and above any id
-    (a document holds at least one position)."""
-    b, s = documents.shape
+    of a sample of seq_len positions (a document holds at least one; default: documents' length)."""
+    s = documents.shape[1] if seq_len is None else seq_len
     slots = s + 2 - s % 2
-    return torch.zeros(b, slots, dtype=values.dtype, device=values.device).scatter_add(1, documents, values)
+    return torch.zeros(documents.shape[0], slots, dtype=values.dtype, device=values.device).scatter_add(
+        1, documents, values)
 
 
 @dataclass
@@ -119,14 +122,23 @@ class PairTerms:
     valid: torch.Tensor
 
 
-def pair_terms(options: DPOOptions, logps: torch.Tensor, labels: torch.Tensor) -> PairTerms:
-    """The loss of every pair of the labels' structure (module docstring), from per-token policy log-probs."""
+def pair_terms(options: DPOOptions, logps: torch.Tensor, labels: torch.Tensor, *, cp_degree: int = 1,
+               cp_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PairTerms:
+    """The loss of every pair of the labels' structure (module docstring), from per-token policy
+    log-probs. Under context parallelism (cp_sum) the labels hold this rank's positions: the
+    per-document sums are completed over the cp ranks, and every cp rank computes every pair's terms."""
     o = options
     documents = labels[..., DOCUMENT].long()
+    seq_len = documents.shape[1] * cp_degree
     trained = (labels[..., TARGET] != IGNORE_INDEX).float()
-    policy = document_sums(logps, documents)
-    tokens = document_sums(trained, documents).clamp(min=1.0)  # empty slots stay finite
-    valid = document_sums(labels[..., PAIR_START], documents)[:, 0::2] > 0
+    policy = document_sums(logps, documents, seq_len)
+    with torch.no_grad():
+        sides = torch.stack([document_sums(labels[..., channel] if channel != TARGET else trained, documents, seq_len)
+                             for channel in (TARGET, PAIR_START, REFERENCE)])
+    if cp_sum is not None:
+        policy, sides = cp_sum(policy), cp_sum(sides)
+    tokens = sides[0].clamp(min=1.0)  # empty slots stay finite
+    valid = sides[1][:, 0::2] > 0
     pc, pr, nc, nr = policy[:, 0::2], policy[:, 1::2], tokens[:, 0::2], tokens[:, 1::2]
     b, e = o.beta, o.label_smoothing
     if o.loss_type == "simpo":
@@ -134,7 +146,7 @@ def pair_terms(options: DPOOptions, logps: torch.Tensor, labels: torch.Tensor) -
         z = b * (chosen - rejected - o.simpo_gamma / b)
         loss = -(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z)
         return PairTerms(loss, b * chosen.detach(), b * rejected.detach(), valid)
-    reference = document_sums(labels[..., REFERENCE], documents)
+    reference = sides[2]
     xc, xr = pc - reference[:, 0::2], pr - reference[:, 1::2]
     d = b * (xc - xr)
     if o.loss_type == "sigmoid":
@@ -160,6 +172,7 @@ class DPO(Objective):
         self.reference: Callable[[Microbatch], torch.Tensor] | None = None  # set by attach
         self._reports: torch.Tensor | None = None
         self._recording = True
+        self._cp_sum, self._cp_degree = None, 1  # context parallelism (attach)
 
     @property
     def uses_reference(self) -> bool:
@@ -195,9 +208,6 @@ class DPO(Objective):
                                  f"own document masks: remove training.{option}")
         if t.rampup_batch_size:
             raise ValueError("training.rampup_batch_size is for pre-training; remove it with training.objective dpo")
-        if dims.cp > 1:
-            raise ValueError("training.objective dpo does not run with context_parallel_degree > 1 yet (a pair's "
-                             "log-probability would be split over the cp ranks)")
         if self.uses_reference and dims.pp > 1:
             from titanlike.parallel.pipeline import V_SCHEDULES, schedule_name
 
@@ -264,6 +274,12 @@ class DPO(Objective):
         mask = DocumentMask.from_document_ids(documents, ctx.mask_kernel)
         labels = pair_labels(targets, documents)
         mb = Microbatch(inputs, labels, positions=mask.positions, mask=mask)
+        if ctx.cp_positions is not None:
+            # Every cp rank keeps the ids of the whole sequence (its attention picks its rows) and cuts
+            # the rest; the loss completes each pair's sums over the cp ranks.
+            mb.inputs, mb.labels = cut_sequence(inputs, ctx), cut_sequence(labels, ctx)
+            mb.positions = cut_sequence(mask.positions, ctx)
+            labels = mb.labels
         if self.reference is not None and self.uses_reference:
             logps = self.reference(mb)
             if logps is not None:  # (None on pipeline ranks without the last stage, where no loss runs)
@@ -273,6 +289,7 @@ class DPO(Objective):
     def attach(self, models) -> None:
         """The reference's forward (ObjectiveModels, objectives/base.py): a frozen copy of the policy or
         the policy with its adapters off; None for SimPO."""
+        self._cp_sum, self._cp_degree = models.cp_sum, models.cp_degree
         if not self.uses_reference:
             return
         if self.options.reference == "adapters":
@@ -308,17 +325,22 @@ class DPO(Objective):
 
     def loss(self, output, labels: torch.Tensor) -> torch.Tensor:
         logps = token_logps(logits_of(output), labels[..., TARGET].long())
-        terms = pair_terms(self.options, logps, labels)
+        terms = pair_terms(self.options, logps, labels, cp_degree=self._cp_degree, cp_sum=self._cp_sum)
         valid = terms.valid
         zero = torch.zeros((), device=logps.device)
+        total = torch.where(valid, terms.loss, zero).sum()
+        if self._cp_degree > 1:
+            # Every cp rank holds every pair's loss: each reports 1/cp of it (the step's sum over the
+            # world counts it once) and differentiates all of it (its own positions' share).
+            total = total / self._cp_degree + (total - total.detach()) * (1 - 1 / self._cp_degree)
         if not self._recording:
-            return torch.where(valid, terms.loss, zero).sum()
+            return total
         with torch.no_grad():
             margin = terms.chosen_rewards - terms.rejected_rewards
             reports = torch.stack([torch.where(valid, v, zero).sum() for v in (
-                terms.chosen_rewards, terms.rejected_rewards, margin, (margin > 0).float())])
+                terms.chosen_rewards, terms.rejected_rewards, margin, (margin > 0).float())]) / self._cp_degree
             self._reports = reports if self._reports is None else self._reports + reports
-        return torch.where(valid, terms.loss, zero).sum()
+        return total
 
     @contextlib.contextmanager
     def reports_paused(self):
@@ -327,6 +349,7 @@ class DPO(Objective):
             yield
         finally:
             self._recording = True
+        self._cp_sum, self._cp_degree = None, 1  # context parallelism (attach)
 
     def collect_reports(self, device: torch.device) -> torch.Tensor:
         reports, self._reports = self._reports, None

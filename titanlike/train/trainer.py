@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import math
 import os
@@ -45,7 +46,7 @@ from titanlike.objectives.base import BatchContext, Microbatch, ObjectiveModels
 from titanlike.parallel.context import load_balanced_positions
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
-from titanlike.parallel.utils import sum_over_world
+from titanlike.parallel.utils import sum_over_for_replicated_loss, sum_over_world
 from titanlike.train.evaluate import Evaluator, build_validation_data
 from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
@@ -451,7 +452,10 @@ class Trainer:
                 runner.step(mb.inputs, mb.labels, extra, backward=False)
             return collect.result() if runner.has_last else None
 
-        self.objective.attach(ObjectiveModels(self.model_parts, frozen_copy, forward))
+        cp_mesh = self.dims.mesh("cp") if self.dims.cp_enabled else None
+        self.objective.attach(ObjectiveModels(
+            self.model_parts, frozen_copy, forward, cp_degree=self.dims.cp,
+            cp_sum=None if cp_mesh is None else functools.partial(sum_over_for_replicated_loss, mesh=cp_mesh)))
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
