@@ -53,9 +53,16 @@ def test_dpo_preset_learns_the_preference(tmp_path):
 
     started = time.perf_counter()
     train_in_process([*PRESET, "--job.dump_folder", str(tmp_path / "seed"), "--checkpoint.create_seed_checkpoint"])
-    train_in_process([*PRESET, "--job.dump_folder", str(tmp_path / "dpo")])
-    metrics = read_metrics(tmp_path / "dpo")
+    train_in_process([*PRESET, "--job.dump_folder", str(tmp_path / "dpo"), "--metrics.enable_jsonl",
+                      "--validation.enable", "--validation.freq", "8", "--training.split", "90,10"])
+    records = read_metrics(tmp_path / "dpo")
+    metrics = [r for r in records if "loss" in r]
+    validation = [r for r in records if "validation_loss" in r]
     first, last = metrics[0], metrics[-1]
+    # Validation on the held-out 10% of the pairs: loss per pair, preference accuracy of the rewards.
+    assert [r["validation_tokens"] for r in validation] == [48, 48], validation  # 6 full batches of 8 pairs
+    assert validation[-1]["validation_loss"] < validation[0]["validation_loss"] < math.log(2)
+    assert validation[-1]["validation_accuracy"] > 0.9, validation
     # Step 1: the policy is its reference (every reward 0, the loss log 2).
     assert abs(first["loss"] - math.log(2)) < 1e-5 and first["reward_margin"] == 0.0
     assert last["loss"] < 0.55 and last["reward_margin"] > 0.2 and last["reward_accuracy"] > 0.9, last
@@ -87,29 +94,42 @@ DATA = str(REPO / "tests" / "assets" / "dpo" / "prefer_reverse.jsonl")
 DPO_JOB = ("--training.objective", "dpo", "--training.dataset", "text", "--training.dataset_path", DATA,
            "--model.flavor", "debugmodel_tiny", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1",
            "--training.local_batch_size", "4", "--training.global_batch_size", "8")
+VALIDATED = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "2", "--training.split", "90,10")
 LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
            "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"),
            "cp": ("--parallelism.context_parallel_degree", "2")}
 
 
 @pytest.mark.distributed
-@pytest.mark.train_run(*DPO_JOB, name="one")
-@pytest.mark.train_run(*DPO_JOB, *LAYOUTS["fsdp"], name="fsdp", nproc=2)
-@pytest.mark.train_run(*DPO_JOB, *LAYOUTS["tp"], name="tp", nproc=2)
-@pytest.mark.train_run(*DPO_JOB, *LAYOUTS["pp"], name="pp", nproc=2)
-@pytest.mark.train_run(*DPO_JOB, *LAYOUTS["cp"], name="cp", nproc=2)
+@pytest.mark.train_run(*DPO_JOB, *VALIDATED, name="one")
+@pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["fsdp"], name="fsdp", nproc=2)
+@pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["tp"], name="tp", nproc=2)
+@pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["pp"], name="pp", nproc=2)
+@pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["cp"], name="cp", nproc=2)
 def test_dpo_layouts_match_one_process(train_runs):
     """DPO with its frozen reference (a copy sharded like the policy): FSDP2, TP2 (log-probabilities
     from vocabulary-parallel logits, never gathered), PP2 (the reference through a forward-only
     schedule of its own stages) and CP2 (each pair's sums completed over the cp ranks) equal one
-    process step by step, loss (per pair), gradient norm and rewards."""
+    process step by step, loss (per pair), gradient norm and rewards, and so does validation (loss per
+    held-out pair and the preference accuracy of the rewards)."""
     keys = ("loss", "grad_norm", "reward_margin", "rewards_chosen")
-    one = [[r[k] for k in keys] for r in train_runs["one"].metrics]
+    checks = ("validation_loss", "validation_accuracy", "validation_tokens")
+
+    def table(name):
+        records = train_runs[name].metrics
+        return ([[r[k] for k in keys] for r in records if "loss" in r],
+                [[r[k] for k in checks] for r in records if "validation_loss" in r])
+
+    one, one_validation = table("one")
     assert len(one) == 4 and one[-1][0] < one[0][0] and one[-1][2] > 0  # it learns
+    assert len(one_validation) == 2 and one_validation[0][2] == 8
     for name in LAYOUTS:
-        got = [[r[k] for k in keys] for r in train_runs[name].metrics]
-        for want, have in zip(one, got):
+        got, validation = table(name)
+        # Validation batches are per data-parallel rank: FSDP2 reads twice the pairs of the others.
+        compared = one + (one_validation if name != "fsdp" else [])
+        for want, have in zip(compared, got + (validation if name != "fsdp" else [])):
             assert have == pytest.approx(want, abs=5e-5, rel=1e-4), name
+        assert len(got) == 4 and len(validation) == 2, name
 
 
 def test_dpo_resumes_exactly_with_its_reference(tmp_path):

@@ -172,7 +172,6 @@ def test_bad_pairs_are_refused_in_one_sentence(chatml, row, seq_len, words):
     (["--dpo.label_smoothing", "0.5"], "dpo.label_smoothing must lie in [0, 0.5)"),
     (["--dpo.reference", "adapters"], "dpo.reference adapters is the policy without its LoRA adapters, so it needs "
      "model.converters lora"),
-    (["--validation.enable"], "validation.enable does not work with training.objective dpo yet"),
     (["--training.dataset", "default"], "training.dataset 'default' cannot give dpo samples"),
     (["--model.name", "bert", "--model.flavor", "debugmodel"], "dpo trains models that predict the next token"),
     (["--model.name", "mixtral", "--model.flavor", "debugmodel"], "does not train mixture-of-experts models yet"),

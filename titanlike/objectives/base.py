@@ -212,6 +212,19 @@ class Objective:
         target tokens by default."""
         return (labels != IGNORE_INDEX).sum()
 
+    def count_correct(self, output: torch.Tensor | ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """Validation's accuracy count over this microbatch's units (divided by their global count):
+        by default the targets whose most likely token is right (vocabulary-parallel logits are
+        gathered for it, in validation only)."""
+        from torch.distributed.tensor import DTensor
+
+        logits = output.logits if isinstance(output, ModelOutput) else output
+        logits = logits.detach()
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        targets = labels != IGNORE_INDEX
+        return (logits.argmax(-1) == labels)[targets].sum()
+
     def collect_reports(self, device: torch.device) -> torch.Tensor:
         """(len(reported_terms),) the reported terms' sums since the last call, then zeroed; device
         work only."""

@@ -218,9 +218,6 @@ class DPO(Objective):
         if self.uses_reference and o.reference == "adapters" and "lora" not in cfg.model.converters:
             raise ValueError("dpo.reference adapters is the policy without its LoRA adapters, so it needs "
                              "model.converters lora")
-        if cfg.validation.enable:
-            raise ValueError("validation.enable does not work with training.objective dpo yet; the training log "
-                             "reports reward_accuracy on the training pairs")
 
     def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
         from titanlike.data.conversations import conversation_files
@@ -342,6 +339,14 @@ class DPO(Objective):
             self._reports = reports if self._reports is None else self._reports + reports
         return total
 
+    def count_correct(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """Validation's accuracy: the pairs whose chosen answer gets the higher reward."""
+        with torch.no_grad():
+            logps = token_logps(logits_of(output).detach(), labels[..., TARGET].long())
+            terms = pair_terms(self.options, logps, labels, cp_degree=self._cp_degree, cp_sum=self._cp_sum)
+            right = (terms.valid & (terms.chosen_rewards > terms.rejected_rewards)).sum().float()
+        return right / self._cp_degree  # every cp rank counts every pair
+
     @contextlib.contextmanager
     def reports_paused(self):
         self._recording = False
@@ -349,7 +354,6 @@ class DPO(Objective):
             yield
         finally:
             self._recording = True
-        self._cp_sum, self._cp_degree = None, 1  # context parallelism (attach)
 
     def collect_reports(self, device: torch.device) -> torch.Tensor:
         reports, self._reports = self._reports, None

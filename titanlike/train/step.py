@@ -43,7 +43,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from titanlike.models import protocol
-from titanlike.models.outputs import IGNORE_INDEX, LossReports, weighted_objective
+from titanlike.models.outputs import LossReports, weighted_objective
+from titanlike.objectives.base import Objective
 from titanlike.parallel.utils import clip_grad_norm_, first_rank_of, sum_over_world
 
 
@@ -53,27 +54,22 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-def target_tokens(labels: torch.Tensor) -> torch.Tensor:
-    return (labels != IGNORE_INDEX).sum()
-
-
 class StepLoss:
     """What the step differentiates for one microbatch's output: the objective's summed loss,
     carrying the objective weight for backward. The pipeline schedule calls it on the last stage;
-    `observer` (the evaluator's accuracy count) may look at every output on its way."""
+    `observer` (the evaluator's accuracy count) may look at every output on its way.
+
+    objective: the Objective whose loss this is, which says what the loss's units are
+    (count_units: target tokens, or pairs), which terms it reports apart (collect_reports,
+    reports_paused) and what a correct prediction is (count_correct); None (a bare loss function, as
+    the estimator's): target tokens, no reported terms, the next-token count."""
 
     def __init__(self, loss_fn: Callable[[object, torch.Tensor], torch.Tensor], weight: torch.Tensor | None, *,
-                 count_units: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 reports: Callable[[torch.device], torch.Tensor] | None = None,
-                 pause_reports: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        """count_units: a microbatch's labels -> the units its summed loss is over (the objective's
-        count_units; target tokens by default); reports: the objective's reported terms since the
-        last call (Objective.collect_reports), or None; pause_reports: a context in which the
-        objective's loss records nothing (Objective.reports_paused)."""
+                 objective: Objective | None = None):
         self.loss_fn = loss_fn
         self.weight = weight
-        self.count_units = count_units or target_tokens
-        self.reports, self.pause_reports = reports, pause_reports
+        self.objective = objective if objective is not None else Objective()
+        self.reports = self.objective.collect_reports if self.objective.reported_terms else None
         self.observer: Callable[[object, torch.Tensor], None] | None = None
 
     def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
@@ -84,8 +80,11 @@ class StepLoss:
     def unrecorded(self, output, labels: torch.Tensor) -> torch.Tensor:
         """The same loss, unobserved and recording no reported terms: for a pipeline schedule's
         metadata inference, which runs it on placeholder outputs."""
-        with self.pause_reports():
+        with self.objective.reports_paused():
             return weighted_objective(self.loss_fn(output, labels), self.weight)
+
+    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
+        return self.objective.count_units(labels)
 
 
 @dataclass

@@ -272,9 +272,7 @@ class Trainer:
         self.loss_scaler = build_loss_scaler(cfg.loss_scaling, self.plan.precision.loss_scaling)
         # The objective's weight for backward: a device tensor the step rewrites (loss scaling), or 1.
         self.step_loss = StepLoss(self.objective.loss, torch.ones((), device=self.device)
-                                  if self.loss_scaler is not None else None, count_units=self.objective.count_units,
-                                  reports=self.objective.collect_reports if self.objective.reported_terms else None,
-                                  pause_reports=self.objective.reports_paused)
+                                  if self.loss_scaler is not None else None, objective=self.objective)
         pipeline = tied = None
         if self.plan.pipeline is not None:
             layout = self.plan.pipeline
