@@ -900,6 +900,21 @@ class CheckpointManager:
         loaded = self._load_entries(template, metadata, path, what=f"loading the model from {path}")
         model.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
 
+    @torch.no_grad()
+    def load_initial_model(self, parts: list[nn.Module]) -> bool:
+        """Load the model this job started from (checkpoint.initial_load_path) into `parts`, a copy of
+        the model built and initialized like it (an objective's frozen reference, rebuilt when a run
+        resumes); False when the job has none (its initialization is where it started)."""
+        if not (self.enabled and self.initial_load_path):
+            return False
+        kept = self.model_parts, self.states[MODEL]
+        self.model_parts, self.states[MODEL] = parts, ModelState(parts)
+        try:
+            self._load_initial(self.initial_load_path)
+        finally:
+            self.model_parts, self.states[MODEL] = kept
+        return True
+
     def _load_initial(self, path: str) -> None:
         begin = time.monotonic()
         if self.cfg.initial_load_in_hf:

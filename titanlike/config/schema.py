@@ -111,7 +111,7 @@ class Training:
     )
     objective: str = opt(
         "", "training objective; empty means the model family's own (next-token prediction for decoders), sft "
-        "fine-tunes a decoder on conversations ([sft])")
+        "fine-tunes a decoder on conversations ([sft]), dpo on preference pairs ([dpo])")
     local_batch_size: int = opt(8, "samples per microbatch on each data-parallel rank")
     global_batch_size: int = opt(
         -1, "samples per optimizer step across all ranks; -1 means local_batch_size x data-parallel degree"

@@ -7,23 +7,29 @@ An objective (causal LM, masked LM, span corruption) owns, for the model family 
   - its samples (`samples`): the global sample source the data loader slices by rank and step;
   - its batch (`prepare`): the loader's dict of named tensors -> a Microbatch on the device, masked
     and cut to this rank's context-parallel positions, as the model and the loss take it;
-  - its loss (`loss`): summed over the target tokens, the model's auxiliary losses added.
+  - its loss (`loss`): summed over its units (target tokens by default, pairs for preference
+    objectives: `count_units`), the model's auxiliary losses added;
+  - optionally, models beside the one it trains (`attach`: a frozen reference) and loss terms it
+    reports apart (`reported_terms`, `collect_reports`).
 Generic code (data/, train/, checkpoint/, estimation/) calls these and never asks which objective
 it has.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
 from titanlike.models.common.attention import DocumentMask
-from titanlike.models.outputs import ModelOutput, cross_entropy_sum
+from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, cross_entropy_sum
 
 if TYPE_CHECKING:
+    import torch.nn as nn
+
     from titanlike.config.schema import JobConfig
     from titanlike.models.args import LayoutDegrees
 
@@ -79,6 +85,27 @@ class Microbatch:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class ObjectiveModels:
+    """What the trainer lends an objective that needs models beside the one it trains (`attach`),
+    once the model is built and loaded, before the first step."""
+
+    parts: list[nn.Module]  # this rank's parts of the model being trained
+    # A frozen copy of them (requires_grad off): the same plan and layout, the weights of the model as
+    # the run started (the parts' own before the first step; rebuilt from the initial load on resume).
+    frozen_copy: Callable[[], list[nn.Module]]
+    # forward(parts, mb, fn): a forward-only pass of `parts` (the model's or a frozen copy's) over the
+    # microbatch, as the step runs it (autocast, loss parallelism, the pipeline schedule), returning
+    # fn(output, labels) of its samples concatenated along the batch, (batch, ...), on the ranks that
+    # hold the last pipeline stage, and None on the others (where the loss never runs).
+    forward: Callable[[list[nn.Module], Microbatch, Callable], torch.Tensor | None]
+    # Context parallelism: each rank holds some positions of every sample. cp_sum(x) sums a tensor
+    # over the cp ranks (its backward passes the gradient through: parallel/utils.py
+    # sum_over_for_replicated_loss); None without it. cp_degree: the number of cp ranks.
+    cp_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    cp_degree: int = 1
+
+
 def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
     """This rank's tokens of a per-token tensor (batch, seq, ...) under context parallelism."""
     if ctx.cp_positions is None:
@@ -126,6 +153,10 @@ class Objective:
         c = cfg.compile
         return {"compile_loss": c.enable and "loss" in c.components, "compile_backend": c.backend}
 
+    # Loss terms the objective reports apart (logged as their sums divided by the step's units, like
+    # the loss): collect_reports gives their sums since the last call, in this order.
+    reported_terms: ClassVar[tuple[str, ...]] = ()
+
     # Rules ------------------------------------------------------------------------------------
 
     def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
@@ -170,7 +201,38 @@ class Objective:
         """A loader microbatch (a dict of named tensors) as the model and the loss take it."""
         raise NotImplementedError
 
+    def attach(self, models: ObjectiveModels) -> None:
+        """Called once by the trainer before the first step (of a fresh or a resumed run): an objective
+        that needs a model beside the one it trains (a frozen reference) takes it here. Nothing by default."""
+
     # Loss -------------------------------------------------------------------------------------
+
+    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
+        """The units a microbatch's summed loss is over (the step divides by their global count): its
+        target tokens by default."""
+        return (labels != IGNORE_INDEX).sum()
+
+    def count_correct(self, output: torch.Tensor | ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """Validation's accuracy count over this microbatch's units (divided by their global count):
+        by default the targets whose most likely token is right (vocabulary-parallel logits are
+        gathered for it, in validation only)."""
+        from torch.distributed.tensor import DTensor
+
+        logits = output.logits if isinstance(output, ModelOutput) else output
+        logits = logits.detach()
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        targets = labels != IGNORE_INDEX
+        return (logits.argmax(-1) == labels)[targets].sum()
+
+    def collect_reports(self, device: torch.device) -> torch.Tensor:
+        """(len(reported_terms),) the reported terms' sums since the last call, then zeroed; device
+        work only."""
+        return torch.zeros(len(self.reported_terms), device=device)
+
+    def reports_paused(self) -> contextlib.AbstractContextManager:
+        """A context in which `loss` records no reported terms (a pipeline's metadata inference)."""
+        return contextlib.nullcontext()
 
     def loss(self, output: torch.Tensor | ModelOutput, labels: torch.Tensor) -> torch.Tensor:
         """The microbatch's loss summed over its target tokens, with the output's auxiliary losses (in
@@ -183,4 +245,4 @@ class Objective:
         return self._cross_entropy(output, labels)
 
 
-__all__ = ["BatchContext", "FieldShapes", "Microbatch", "Objective", "cut_sequence"]
+__all__ = ["BatchContext", "FieldShapes", "Microbatch", "Objective", "ObjectiveModels", "cut_sequence"]

@@ -425,6 +425,16 @@ class _Stage(PipelineStage):
         with _statistics_paused(self.submod):
             return super()._shape_inference(*args, **kwargs)
 
+    # torch (2.13) also runs the loss once on the last stage while preparing backward, on the
+    # placeholder outputs of that inference: the loss it runs then records nothing (an objective's
+    # reported terms, train/step.py StepLoss.unrecorded), when the schedule was given one.
+    inference_loss_fn: Callable | None = None
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        if self.inference_loss_fn is not None and kwargs.get("loss_fn") is not None:
+            kwargs["loss_fn"] = self.inference_loss_fn
+        return super()._prepare_backward_infra(*args, **kwargs)
+
 
 @contextlib.contextmanager
 def _statistics_paused(module: nn.Module):
@@ -479,8 +489,10 @@ def build_schedule(
     schedule: str,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inference_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> PipelineRunner:
-    """Wrap this rank's (already parallelized and initialized) parts into stages and a schedule."""
+    """Wrap this rank's (already parallelized and initialized) parts into stages and a schedule.
+    inference_loss_fn: loss_fn as torch's metadata inference may run it (recording nothing), if it differs."""
     name = schedule_name(schedule)
     rank = pp_mesh.get_local_rank()
     stage_ids = layout.stages_of_rank(rank)
@@ -488,6 +500,8 @@ def build_schedule(
     # TP, CP and any batch shape need no example inputs here.
     stages = [_Stage(part, index, layout.num_stages, device, group=pp_mesh.get_group())
               for part, index in zip(parts, stage_ids)]
+    for stage in stages:
+        stage.inference_loss_fn = inference_loss_fn
     cls = SCHEDULES[name]
     first_arg = stages[0] if is_single_stage(name) else stages
     sched = cls(first_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -108,6 +108,23 @@ def sum_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     return value
 
 
+class _SumForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, mesh):
+        return sum_over(value, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_for_replicated_loss(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """All-reduce SUM over `mesh` whose backward passes the gradient through unchanged: for partial
+    sums that every rank of the mesh completes and feeds into the same loss, which each rank then
+    differentiates (each rank's own part gets the loss's gradient once). Identity when mesh is None."""
+    return value if mesh is None else _SumForward.apply(value, mesh)
+
+
 def first_rank_of(*meshes: DeviceMesh | None) -> bool:
     """Whether this rank is the first of each mesh given (None: a degree-1 dimension, always first).
     A value replicated over those meshes is counted once in a sum over all ranks by contributing it

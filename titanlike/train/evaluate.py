@@ -4,13 +4,13 @@ The validation data go through the same loader and microbatch preparation as tra
 data-parallel slicing, document masks, context-parallel cut) and through the step's own forward
 (the pipeline schedule's forward-only mode under pipeline parallelism), from the start of the
 split at every run, so successive runs measure the same tokens. The loss is the objective's
-summed loss over all target tokens of the run divided by their count, exactly as the training
-loss, so it is the same number for every parallel layout.
+summed loss over all its units of the run (target tokens; pairs for preference objectives) divided
+by their count, exactly as the training loss, so it is the same number for every parallel layout.
 
-Accuracy is the evaluator's, not the objective's: the fraction of targets (labels that are not
-IGNORE_INDEX: next tokens, masked tokens, decoder targets) whose most likely token is right,
-counted from the logits the step's loss sees (an observer on StepLoss; vocabulary-parallel logits
-are gathered for it, in validation only).
+Accuracy is counted by the objective (Objective.count_correct) from the outputs the step's loss
+sees (an observer on StepLoss): by default the fraction of targets (next tokens, masked tokens,
+decoder targets) whose most likely token is right (vocabulary-parallel logits gathered for it, in
+validation only); for preference pairs, the pairs whose chosen answer gets the higher reward.
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from titanlike.config.schema import JobConfig
 from titanlike.data import build_dataloader
 from titanlike.data.tokenizer import Tokenizer
-from titanlike.models.outputs import IGNORE_INDEX, logits_of
 from titanlike.objectives.base import Objective
 from titanlike.parallel.utils import sum_over_world
 from titanlike.train.step import TrainStep
@@ -111,11 +109,7 @@ class Evaluator:
 
         def count(output, labels: torch.Tensor) -> None:
             nonlocal correct
-            logits = logits_of(output).detach()
-            if isinstance(logits, DTensor):
-                logits = logits.full_tensor()
-            targets = labels != IGNORE_INDEX
-            correct = correct + (logits.argmax(-1) == labels)[targets].sum()
+            correct = correct + step.step_loss.objective.count_correct(output, labels)
 
         for part in step.model_parts:
             part.eval()
@@ -124,10 +118,12 @@ class Evaluator:
         tokens = torch.zeros((), device=device)
         data = iter(self.data.loader)
         try:
-            for _ in range(self.data.num_batches):
-                mb = self.prepare(next(data))
-                tokens += (mb.labels != IGNORE_INDEX).sum()
-                loss_sum += step.forward_backward(mb, backward=False)
+            # The objective's reported terms are the training steps' (validation's would join the next step's).
+            with step.step_loss.objective.reports_paused():
+                for _ in range(self.data.num_batches):
+                    mb = self.prepare(next(data))
+                    tokens += step.step_loss.count_units(mb.labels)
+                    loss_sum += step.forward_backward(mb, backward=False)
         finally:
             step.step_loss.observer = None
             for part in step.model_parts:

@@ -6,7 +6,8 @@ tokens, clips them, and steps the optimizer. It returns device tensors (`StepOut
 nothing back to the host: the loop decides when to look (titanlike/train/trainer.py).
 
 Exact arithmetic: the loss is a sum over target tokens, and the gradients are divided once, after
-every backward, by the target tokens of the whole global batch. That keeps gradient accumulation,
+every backward, by the target tokens of the whole global batch (an objective may count other units:
+preference pairs, StepLoss.count_units). That keeps gradient accumulation,
 data parallelism and pipeline microbatches exact, and lets a term join the objective anywhere in
 the model in the same summed units (an MoE layer's balancing losses, on any pipeline stage).
 
@@ -42,7 +43,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from titanlike.models import protocol
-from titanlike.models.outputs import IGNORE_INDEX, LossReports, weighted_objective
+from titanlike.models.outputs import LossReports, weighted_objective
+from titanlike.objectives.base import Objective
 from titanlike.parallel.utils import clip_grad_norm_, first_rank_of, sum_over_world
 
 
@@ -55,17 +57,34 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
 class StepLoss:
     """What the step differentiates for one microbatch's output: the objective's summed loss,
     carrying the objective weight for backward. The pipeline schedule calls it on the last stage;
-    `observer` (the evaluator's accuracy count) may look at every output on its way."""
+    `observer` (the evaluator's accuracy count) may look at every output on its way.
 
-    def __init__(self, loss_fn: Callable[[object, torch.Tensor], torch.Tensor], weight: torch.Tensor | None):
+    objective: the Objective whose loss this is, which says what the loss's units are
+    (count_units: target tokens, or pairs), which terms it reports apart (collect_reports,
+    reports_paused) and what a correct prediction is (count_correct); None (a bare loss function, as
+    the estimator's): target tokens, no reported terms, the next-token count."""
+
+    def __init__(self, loss_fn: Callable[[object, torch.Tensor], torch.Tensor], weight: torch.Tensor | None, *,
+                 objective: Objective | None = None):
         self.loss_fn = loss_fn
         self.weight = weight
+        self.objective = objective if objective is not None else Objective()
+        self.reports = self.objective.collect_reports if self.objective.reported_terms else None
         self.observer: Callable[[object, torch.Tensor], None] | None = None
 
     def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
         if self.observer is not None:
             self.observer(output, labels)
         return weighted_objective(self.loss_fn(output, labels), self.weight)
+
+    def unrecorded(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """The same loss, unobserved and recording no reported terms: for a pipeline schedule's
+        metadata inference, which runs it on placeholder outputs."""
+        with self.objective.reports_paused():
+            return weighted_objective(self.loss_fn(output, labels), self.weight)
+
+    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
+        return self.objective.count_units(labels)
 
 
 @dataclass
@@ -143,7 +162,7 @@ class TrainStep:
     def count_tokens(self, microbatches: list, side: list[float] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's collective: (global target tokens, the side values summed over all ranks). Under
         loss scaling it also sets the objective weight backward will use."""
-        tokens = sum((mb.labels != IGNORE_INDEX).sum() for mb in microbatches).float()
+        tokens = sum(self.step_loss.count_units(mb.labels) for mb in microbatches).float()
         values = torch.zeros(1 + len(side), device=self.device)
         values[0] = tokens * self.token_share
         for i, value in enumerate(side):
@@ -172,7 +191,11 @@ class TrainStep:
             self.converters.post_optimizer_step(self.model_parts)
         self.optimizer.zero_grad(set_to_none=True)
         table = self.expert_balance.step_done(applied=finite) if self.expert_balance is not None else None
-        reported = self.reports.collect() * self.loss_share if self.reports is not None else None
+        reported = self.reports.collect() if self.reports is not None else None
+        if self.step_loss.reports is not None:  # the objective's terms, after the model's
+            mine = self.step_loss.reports(self.device)
+            reported = mine if reported is None else torch.cat([reported, mine])
+        reported = reported * self.loss_share if reported is not None else None
         return StepOutput(loss_sum * self.loss_share, global_tokens, norm.total, finite, side, reported,
                           table, lambda: self._param_name(norm.nonfinite_param()))
 

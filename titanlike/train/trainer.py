@@ -16,8 +16,10 @@ overflow instead: every rank skips the step, the learning rate is held and the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import math
 import os
@@ -26,6 +28,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from titanlike.checkpoint import CheckpointManager
 from titanlike.config.loader import config_to_dict
@@ -39,11 +42,11 @@ from titanlike.observe.profiler import Profiler
 from titanlike.observe.run_lock import FolderLock, FolderRefused, lock_folders, output_folders
 from titanlike.observe.stragglers import StragglerDetector, format_stragglers
 from titanlike.observe.summary import RunSummary
-from titanlike.objectives.base import BatchContext, Microbatch
+from titanlike.objectives.base import BatchContext, Microbatch, ObjectiveModels
 from titanlike.parallel.context import load_balanced_positions
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
-from titanlike.parallel.utils import sum_over_world
+from titanlike.parallel.utils import sum_over_for_replicated_loss, sum_over_world
 from titanlike.train.evaluate import Evaluator, build_validation_data
 from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
@@ -125,6 +128,24 @@ def init_distributed(cfg: JobConfig, world_size: int) -> tuple[torch.device, boo
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.comm.init_timeout_seconds))
         return device, True
     return device, False
+
+
+class _Collector:
+    """The "loss" of a forward-only pipeline schedule that keeps fn(output, labels) of every pipeline
+    microbatch on the last stage (Trainer._attach_objective)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.fn, self.kept = device, None, []
+
+    def start(self, fn) -> None:
+        self.fn, self.kept = fn, []
+
+    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
+        self.kept.append(self.fn(output, labels))
+        return torch.zeros((), device=self.device)
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self.kept)
 
 
 class Trainer:
@@ -251,7 +272,7 @@ class Trainer:
         self.loss_scaler = build_loss_scaler(cfg.loss_scaling, self.plan.precision.loss_scaling)
         # The objective's weight for backward: a device tensor the step rewrites (loss scaling), or 1.
         self.step_loss = StepLoss(self.objective.loss, torch.ones((), device=self.device)
-                                  if self.loss_scaler is not None else None)
+                                  if self.loss_scaler is not None else None, objective=self.objective)
         pipeline = tied = None
         if self.plan.pipeline is not None:
             layout = self.plan.pipeline
@@ -260,7 +281,8 @@ class Trainer:
             tied = tied if tied.active else None
             n = self.batches.pipeline_microbatches
             pipeline = build_schedule(self.model_parts, layout, dims.mesh("pp"), self.device,
-                                      schedule=p.pipeline_parallel_schedule, n_microbatches=n, loss_fn=self.step_loss)
+                                      schedule=p.pipeline_parallel_schedule, n_microbatches=n, loss_fn=self.step_loss,
+                                      inference_loss_fn=self.step_loss.unrecorded)
             if self.rank == 0:
                 logger.info(f"pipeline {p.pipeline_parallel_schedule}: {layout.describe()}; "
                             f"{n} microbatches of {p.pipeline_parallel_microbatch_size} per local batch")
@@ -356,24 +378,82 @@ class Trainer:
             how = f"SDPA {direction}{f' with {what} (dense)' if masked else ''}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
 
-    def _load_converter_state(self) -> None:
+    def _load_converter_state(self, parts: list[nn.Module] | None = None) -> None:
         """A fresh run: what the converters bring (LoRA's lora.adapter_path), after the model's initial
         load. Every rank reads it for its own model parts and keeps its shards (no communication); a
         refusal on any rank stops every rank with one sentence."""
         from titanlike.models.common.init import copy_full_
 
+        parts = self.model_parts if parts is None else parts  # or a frozen copy's (_attach_objective)
         error, states = None, []
         try:
-            states = [self.converters.initial_state(part) for part in self.model_parts]
+            states = [self.converters.initial_state(part) for part in parts]
         except ValueError as e:
             error = str(e)
         self._agree(error, elsewhere="another rank could not load the converters' initial state (it says why)")
-        for part, state in zip(self.model_parts, states):
+        for part, state in zip(parts, states):
             params = dict(part.named_parameters())
             for name, full in state.items():
                 copy_full_(params[name], full)
             if state and self.rank == 0:
                 logger.info(f"converters: {len(state)} tensors loaded into the model")
+
+    def _attach_objective(self, *, resumed: bool) -> None:
+        """Lend the objective the model (and a frozen copy of it, built only if it asks) before the first step."""
+        def frozen_copy() -> list[nn.Module]:
+            converters = build_model_converters(self.cfg.model.converters, self.cfg.float8,
+                                                lambda name: getattr(self.cfg, name))
+            parts = build_model_parts(self.plan, converters)
+            for part, source in zip(parts, self.model_parts):
+                part.to_empty(device=self.device)
+                if resumed:  # the model as this job started: initialized, then loaded like it was
+                    part.init_weights(seed=self.cfg.debug.seed)
+                    converters.init_weights(part, self.cfg.debug.seed)
+                else:  # the policy, before its first update
+                    with torch.no_grad():
+                        state = dict(source.named_parameters()) | dict(source.named_buffers())
+                        for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+                            tensor.copy_(state[name])
+            if resumed:
+                self.checkpointer.load_initial_model(parts)
+                self._load_converter_state(parts)
+            for part in parts:
+                part.requires_grad_(False)
+                part.eval()
+            if self.rank == 0:
+                logger.info(f"{self.objective.name}: a frozen copy of the model as it started, sharded like it"
+                            + (" (rebuilt from its initialization and initial load)" if resumed else ""))
+            return parts
+
+        schedules: dict[int, tuple] = {}  # a forward-only pipeline schedule per set of parts, and its collector
+
+        def forward(parts: list[nn.Module], mb: Microbatch, fn):
+            step = self.train_step
+            loss_context = torch.distributed.tensor.parallel.loss_parallel() if step.loss_parallel \
+                else contextlib.nullcontext()
+            if self.plan.pipeline is None:
+                with step.autocast, loss_context:
+                    return fn(parts[0](mb.inputs, **mb.forward_kwargs()), mb.labels)
+            # Pipeline stages of their own over these parts; the schedule's "loss" on the last stage
+            # keeps fn of each pipeline microbatch, in order.
+            if id(parts) not in schedules:
+                collect = _Collector(self.device)
+                runner = build_schedule(parts, self.plan.pipeline, self.dims.mesh("pp"), self.device,
+                                        schedule=self.cfg.parallelism.pipeline_parallel_schedule,
+                                        n_microbatches=self.batches.pipeline_microbatches, loss_fn=collect)
+                schedules[id(parts)] = runner, collect
+            runner, collect = schedules[id(parts)]
+            size = step.pipeline_microbatch_size
+            extra = [mb.rows(i, i + size) for i in range(0, mb.inputs.shape[0], size)]
+            collect.start(fn)
+            with step.autocast, loss_context:
+                runner.step(mb.inputs, mb.labels, extra, backward=False)
+            return collect.result() if runner.has_last else None
+
+        cp_mesh = self.dims.mesh("cp") if self.dims.cp_enabled else None
+        self.objective.attach(ObjectiveModels(
+            self.model_parts, frozen_copy, forward, cp_degree=self.dims.cp,
+            cp_sum=None if cp_mesh is None else functools.partial(sum_over_for_replicated_loss, mesh=cp_mesh)))
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
@@ -462,6 +542,7 @@ class Trainer:
             return None
         if start == 0:
             self._load_converter_state()
+        self._attach_objective(resumed=start > 0)
         if self.stop.agreed():
             if self.rank == 0:
                 logger.info(f"received {StopRequest.describe(self.stop.agreed_code)} before the first step: "
@@ -535,7 +616,7 @@ class Trainer:
     def _log(self, record: StepRecord, loss: float, norm: float, tokens: float, reported: list[float]) -> None:
         extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
         extra.update(self._precision_and_batch_metrics(record.batch))
-        extra.update(zip(self.model_args.reported_losses(), reported))
+        extra.update(zip(self.model_args.reported_losses() + self.objective.reported_terms, reported))
         expert_counts = None
         if self.expert_balance is not None:
             table = record.out.expert_table

@@ -1,0 +1,180 @@
+"""DPO and its variants against TRL (trl 1.16), on the same tiny transformers model and batch.
+
+TRL's DPOTrainer computes its loss from its own padded batch (`_compute_loss`: chosen rows then
+rejected rows, a completion mask); ours packs each pair into one sample (data/preferences.py) and
+reads its log-probabilities from logits laid out like that sample. The logits of both come from the
+same Hugging Face model: our packed layout takes each position's logits from the row and offset of
+TRL's batch that it holds (which a document mask with per-document positions would compute), so the
+loss, the rewards and every gradient of the model must agree. SimPO is CPOTrainer's: its cpo_loss
+on its get_batch_logps, fed the same logits.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from titanlike.data.preferences import PreferenceSamples, pack_pairs
+from titanlike.models.outputs import IGNORE_INDEX
+from titanlike.objectives.preference import DPO, REFERENCE, DPOOptions, pair_labels, token_logps
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+VOCAB = 64
+# (prompt, chosen, rejected) as whitespace-separated token names of the test tokenizer.
+ROWS = [("t5 t6", " t7 t8 t9", " t10"), ("t11", " t12", " t13 t14 t15 t16"), ("t17 t18 t19 t20", " t21 t22", " t23 t24"),
+        ("t25 t26", " t27 t28 t29 t30 t31", " t32 t33 t34")]
+
+
+@pytest.fixture(scope="module")
+def trl_setup(tmp_path_factory):
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from trl import DPOConfig, DPOTrainer
+
+    tk = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="t1", pad_token="t2", unk_token="t0")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    policy, reference = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    data = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in ROWS])
+    args = DPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], per_device_train_batch_size=len(ROWS),
+                     use_cpu=True, bf16=False, beta=0.1)
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=data, processing_class=tokenizer)
+    batch = next(iter(trainer.get_train_dataloader()))
+    return trainer, policy, reference, batch
+
+
+def packed_layout(batch, seq_len: int):
+    """Our samples of TRL's batch (rows: the chosen answers, then the rejected ones), and for each of
+    their positions the flat index (row * L + offset) of TRL's logits it takes."""
+    ids, completion = batch["input_ids"], batch["completion_mask"]
+    n, width = ids.shape[0] // 2, ids.shape[1]
+    lengths = batch["attention_mask"].sum(1).tolist()
+
+    def sides(values):
+        return [(f"pair {k}", *[(values(r)[: lengths[r]], completion[r, : lengths[r]].bool().numpy())
+                                for r in (k, n + k)]) for k in range(n)]
+
+    tokens = PreferenceSamples(pack_pairs(sides(lambda r: ids[r].tolist()), seq_len=seq_len), seq_len=seq_len,
+                               packing=True, pad_id=0)
+    codes = PreferenceSamples(pack_pairs(sides(lambda r: [r * width + o for o in range(width)]), seq_len=seq_len),
+                              seq_len=seq_len, packing=True, pad_id=0)
+    samples = [tokens[i] for i in range(len(tokens))]
+    stacked = {k: torch.as_tensor(np.stack([s[k] for s in samples])) for k in samples[0]}
+    where = torch.as_tensor(np.stack([codes[i]["inputs"] for i in range(len(codes))]))
+    return stacked, where, len(tokens)
+
+
+def our_loss(objective: DPO, policy, reference, batch, *, seq_len: int = 24):
+    """(mean loss per pair, mean reported terms) of our objective on TRL's batch, packed."""
+    stacked, where, samples = packed_layout(batch, seq_len)
+    assert samples < batch["input_ids"].shape[0] // 2, "packing put more than one pair in a sample"
+    labels = pair_labels(stacked["labels"], stacked["document_ids"])
+
+    def logits(model):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return out.flatten(0, 1)[where]
+
+    with torch.no_grad():
+        labels[..., REFERENCE] = token_logps(logits(reference), labels[..., 0].long())
+    pairs = objective.count_units(labels)
+    loss = objective.loss(logits(policy), labels) / pairs
+    return loss, objective.collect_reports(torch.device("cpu")) / pairs
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+CASES = [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.1), ("robust", 0.0)]
+
+
+@pytest.mark.parametrize("loss_type,smoothing", CASES)
+def test_dpo_loss_rewards_and_gradients_equal_trl(trl_setup, loss_type, smoothing):
+    trainer, policy, reference, batch = trl_setup
+    trainer.loss_types, trainer.loss_weights, trainer.label_smoothing = [loss_type], [1.0], smoothing
+    trainer._metrics["train"].clear()
+    policy.zero_grad()
+    theirs = trainer._compute_loss(policy, batch, False)
+    theirs.backward()
+    their_grads = grads(policy)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    policy.zero_grad()
+    objective = DPO(DPOOptions(beta=0.1, loss_type=loss_type, label_smoothing=smoothing))
+    ours, reports = our_loss(objective, policy, reference, batch)
+    ours.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-5)
+    assert theirs.item() > 0
+    names = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+    for value, name in zip(reports.tolist(), names):
+        assert value == pytest.approx(metrics[name], abs=1e-5), name
+    mine = grads(policy)
+    assert mine.keys() == their_grads.keys()
+    for name, g in their_grads.items():
+        torch.testing.assert_close(mine[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    assert any(g.abs().max() > 1e-4 for g in their_grads.values())
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_sigmoid_label_smoothing_equals_trl_conservative_loss(trl_setup, smoothing):
+    """trl 1.16's DPO sigmoid has no label smoothing; CPOTrainer's sigmoid keeps the conservative
+    form, which is DPO's when fed the log-ratios (its loss is a function of their difference)."""
+    from trl.experimental.cpo import CPOTrainer
+
+    _, policy, reference, batch = trl_setup
+    chosen, rejected = sequence_logps(policy, batch, average=False)
+    with torch.no_grad():
+        ref_chosen, ref_rejected = sequence_logps(reference, batch, average=False)
+    cpo = types.SimpleNamespace(alpha=0.0, loss_type="sigmoid", beta=0.1, label_smoothing=smoothing, simpo_gamma=0.0,
+                                accelerator=types.SimpleNamespace(device=torch.device("cpu")))
+    losses, _, _ = CPOTrainer.cpo_loss(cpo, chosen - ref_chosen, rejected - ref_rejected)
+    policy.zero_grad()
+    losses.mean().backward()
+    their_grads = grads(policy)
+    policy.zero_grad()
+    ours, _ = our_loss(DPO(DPOOptions(beta=0.1, label_smoothing=smoothing)), policy, reference, batch)
+    ours.backward()
+    assert ours.item() == pytest.approx(losses.mean().item(), abs=1e-5)
+    for name, g in their_grads.items():
+        torch.testing.assert_close(grads(policy)[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def sequence_logps(model, batch, *, average: bool):
+    """CPOTrainer's per-sequence log-probabilities of the completions (chosen, rejected)."""
+    from trl.experimental.cpo import CPOTrainer
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+    logps = CPOTrainer.get_batch_logps(logits, labels, average_log_prob=average)
+    return logps.chunk(2)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_simpo_equals_trl_cpo_simpo(trl_setup, smoothing):
+    from trl.experimental.cpo import CPOTrainer
+
+    _, policy, reference, batch = trl_setup
+    cpo = types.SimpleNamespace(alpha=0.0, loss_type="simpo", beta=2.0, label_smoothing=smoothing, simpo_gamma=0.7,
+                                accelerator=types.SimpleNamespace(device=torch.device("cpu")))
+    policy.zero_grad()
+    losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(cpo, *sequence_logps(policy, batch, average=True))
+    losses.mean().backward()
+    their_grads = grads(policy)
+    policy.zero_grad()
+    options = DPOOptions(beta=2.0, loss_type="simpo", simpo_gamma=0.7, label_smoothing=smoothing)
+    ours, reports = our_loss(DPO(options), policy, reference, batch)
+    ours.backward()
+    assert ours.item() == pytest.approx(losses.mean().item(), abs=1e-5)
+    assert reports[0].item() == pytest.approx(chosen_rewards.mean().item(), abs=1e-5)
+    assert reports[1].item() == pytest.approx(rejected_rewards.mean().item(), abs=1e-5)
+    for name, g in their_grads.items():
+        torch.testing.assert_close(grads(policy)[name], g, atol=1e-5, rtol=1e-4, msg=name)

@@ -1,0 +1,218 @@
+"""Preference pairs for DPO and its variants: read, rendered with a chat template, packed by pairs.
+
+Files as for conversations (titanlike/data/conversations.py: JSONL, Parquet, a saved `datasets`
+folder, or a folder of them). A row is one pair: `prompt`, `chosen`, `rejected`, each a string or a
+list of messages. A string prompt is the user's turn and a string answer the assistant's; a list
+prompt is the conversation so far and a list answer the assistant's reply (its turns).
+
+Each side of a pair is rendered as one conversation, prompt then answer (data/chat_template.py),
+and becomes a document of n - 1 training positions (input t_j, target t_{j+1}); a target is trained
+when it is the answer's: an assistant token past the prompt (the tokens of
+`chat_prompt_ids(prompt)`, the prompt with the template's generation prompt). The rest is
+IGNORE_INDEX, so the prompt never counts in a log-probability.
+
+A pair is two adjacent documents of one sample: the chosen one with document id 2k, the rejected
+one 2k + 1 (the k-th pair of the sample); the padding after the last pair is document 2K. A pair
+therefore never straddles samples, microbatches or ranks, and the loss finds its halves from the
+ids alone. Samples are packed by best-fit decreasing over whole pairs (packing off: one pair per
+sample). A pair longer than `seq_len` positions is cut (`overlong truncate`: both answers shortened
+alike, the prompt kept whole) or left out (`drop`); both are counted in the log. A prompt so long
+that not even one answer token of each side fits is left out under drop and refused under truncate.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from titanlike.data.conversations import IGNORE_INDEX, best_fit_decreasing
+from titanlike.data.errors import DataError
+
+logger = logging.getLogger("titanlike")
+
+PAIR_KEYS = ("prompt", "chosen", "rejected")
+
+
+def _messages(value, where: str, key: str, role: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 for m in value):
+        return list(value)
+    raise DataError(f"{where}: {key!r} is {type(value).__name__ if not isinstance(value, list) else 'a list'}, not "
+                    "a string or a non-empty list of messages with a 'role'")
+
+
+def row_pair(row: dict, where: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt, chosen, rejected) messages of one row; DataError (one sentence) for a row that is not a pair."""
+    missing = [k for k in PAIR_KEYS if k not in row or row[k] is None]
+    if missing:
+        raise DataError(f"{where} has no {missing[0]!r}: a preference pair needs prompt, chosen and rejected "
+                        f"(its keys: {', '.join(sorted(row)) or 'none'})")
+    if row["chosen"] == row["rejected"]:
+        raise DataError(f"{where}: 'chosen' equals 'rejected', so the pair prefers nothing")
+    return (_messages(row["prompt"], where, "prompt", "user"), _messages(row["chosen"], where, "chosen", "assistant"),
+            _messages(row["rejected"], where, "rejected", "assistant"))
+
+
+def answer_mask(ids: list[int], assistant: list[bool], prompt_ids: list[int]) -> np.ndarray:
+    """Per token of a rendered prompt + answer, whether it is the answer's: an assistant token past
+    the prompt (past the longest common prefix with the prompt's own rendering, for templates that
+    render the last turn differently once it has an answer)."""
+    shared = 0
+    for a, b in zip(ids, prompt_ids):
+        if a != b:
+            break
+        shared += 1
+    mask = np.asarray(assistant, dtype=bool).copy()
+    mask[:shared] = False
+    return mask
+
+
+@dataclass
+class TokenizedPairs:
+    """Every pair's two documents, concatenated: inputs, targets (IGNORE_INDEX where not trained),
+    bounds of documents 2k (chosen) and 2k + 1 (rejected) of pair k."""
+
+    inputs: np.ndarray
+    labels: np.ndarray
+    bounds: np.ndarray  # (2 n + 1,) int64
+
+    def __len__(self) -> int:
+        return (len(self.bounds) - 1) // 2
+
+    def lengths(self) -> np.ndarray:
+        """Positions of each pair (both documents)."""
+        return self.bounds[2::2] - self.bounds[:-1:2]
+
+
+def _fit(chosen: tuple[list[int], np.ndarray], rejected: tuple[list[int], np.ndarray],
+         seq_len: int) -> tuple[tuple, tuple] | None:
+    """Both sides cut to the longest common token budget that fits seq_len positions with at least
+    one answer target each; None when even that does not fit."""
+    (c_ids, c_mask), (r_ids, r_mask) = chosen, rejected
+    # A side needs its tokens up to its first answer target (token 1 or later).
+    need = [int(np.argmax(m[1:])) + 2 for m in (c_mask, r_mask)]
+    if (need[0] - 1) + (need[1] - 1) > seq_len:
+        return None
+    cap = max(len(c_ids), len(r_ids))
+    while cap > 1 and (min(len(c_ids), cap) - 1) + (min(len(r_ids), cap) - 1) > seq_len:
+        cap -= 1
+    cap_c, cap_r = max(min(len(c_ids), cap), need[0]), max(min(len(r_ids), cap), need[1])
+    # The side with the longer prompt may need more than the common cap: take it from the other.
+    while (cap_c - 1) + (cap_r - 1) > seq_len:
+        if cap_c > need[0] and cap_c >= cap_r:
+            cap_c -= 1
+        else:
+            cap_r -= 1
+    return (c_ids[:cap_c], c_mask[:cap_c]), (r_ids[:cap_r], r_mask[:cap_r])
+
+
+def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate") -> TokenizedPairs:
+    """pairs: (where, (chosen ids, chosen answer mask), (rejected ids, rejected answer mask)) per pair,
+    ids lists of token ids and masks per token (True: an answer token). Over-long pairs are cut or
+    dropped by `overlong` (counted in the log). DataError (one sentence) for a side with no answer
+    token or a prompt that leaves no room for an answer (under truncate)."""
+    inputs, labels, bounds = [], [], [0]
+    truncated = dropped = 0
+    for where, *sides in pairs:
+        sides = [(list(ids), np.asarray(mask, dtype=bool)) for ids, mask in sides]
+        for (ids, mask), side in zip(sides, ("chosen", "rejected")):
+            if not mask[1:].any():
+                raise DataError(f"{where}: the {side} answer renders to no answer token, so there is nothing to compare")
+        if (len(sides[0][0]) - 1) + (len(sides[1][0]) - 1) > seq_len:
+            fitted = _fit(sides[0], sides[1], seq_len)
+            if overlong == "drop" or fitted is None:
+                if overlong != "drop":
+                    raise DataError(f"{where}: the prompt fills training.seq_len {seq_len} (a pair's two documents "
+                                    "need room for the prompt twice and an answer token each); raise "
+                                    "training.seq_len, shorten the prompt, or set dpo.overlong drop")
+                dropped += 1
+                continue
+            sides = fitted
+            truncated += 1
+        for ids, mask in sides:
+            target = np.asarray(ids[1:], dtype=np.int64)
+            inputs.append(np.asarray(ids[:-1], dtype=np.int64))
+            labels.append(np.where(mask[1:], target, IGNORE_INDEX))
+            bounds.append(bounds[-1] + len(target))
+    if truncated or dropped:
+        logger.info(f"dpo: {truncated} pairs longer than training.seq_len = {seq_len} positions truncated (answers "
+                    f"shortened), {dropped} dropped (dpo.overlong {overlong})")
+    if len(bounds) == 1:
+        raise DataError("no preference pair is left to train on" + (
+            " (every one is too long for training.seq_len; dpo.overlong truncate keeps them)" if dropped else ""))
+    return TokenizedPairs(np.concatenate(inputs), np.concatenate(labels), np.asarray(bounds, dtype=np.int64))
+
+
+def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate") -> TokenizedPairs:
+    """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate."""
+    from titanlike.data.chat_template import chat_prompt_ids, tokenize_conversation
+
+    def render(where: str, messages: list[dict], prompt_ids: list[int]):
+        try:
+            ids, assistant = tokenize_conversation(template, tokenizer, messages)
+        except DataError:
+            raise
+        except Exception as e:  # the template's own raise_exception, or any error inside it
+            raise DataError(f"{where}: {template.origin} refused the pair: "
+                            f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None
+        return ids, answer_mask(ids, assistant, prompt_ids)
+
+    def pairs():
+        for where, row in rows:
+            prompt, chosen, rejected = row_pair(row, where)
+            try:
+                prompt_ids = chat_prompt_ids(template, tokenizer, prompt)
+            except Exception as e:
+                raise DataError(f"{where}: {template.origin} refused the prompt: "
+                                f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None
+            yield where, render(where, prompt + chosen, prompt_ids), render(where, prompt + rejected, prompt_ids)
+
+    return pack_pairs(pairs(), seq_len=seq_len, overlong=overlong)
+
+
+class PreferenceSamples:
+    """Map-style samples of `seq_len` positions: dicts of inputs, labels and document_ids (module
+    docstring: chosen 2k, rejected 2k + 1, the padding 2K). `pad_id` fills the padding's inputs."""
+
+    def __init__(self, pairs: TokenizedPairs, *, seq_len: int, packing: bool, pad_id: int):
+        self.data, self.seq_len, self.pad_id = pairs, seq_len, pad_id
+        lengths = pairs.lengths()
+        self.bins = best_fit_decreasing(lengths, seq_len) if packing else [[i] for i in range(len(lengths))]
+        used = int(lengths.sum())
+        logger.info(f"dpo: {len(pairs)} pairs, {used:,} positions ({int((pairs.labels != IGNORE_INDEX).sum()):,} "
+                    f"answer tokens) in {len(self.bins)} samples of {seq_len} ({used / (len(self.bins) * seq_len):.0%} filled)")
+
+    @property
+    def fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        shape = (self.seq_len,)
+        return {"inputs": (shape, "int64"), "labels": (shape, "int64"), "document_ids": (shape, "int64")}
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        inputs = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        documents = np.zeros(self.seq_len, dtype=np.int64)
+        at, doc = 0, 0
+        b = self.data.bounds
+        for pair in self.bins[index]:
+            for d in (2 * pair, 2 * pair + 1):
+                n = int(b[d + 1] - b[d])
+                inputs[at: at + n] = self.data.inputs[b[d]: b[d + 1]]
+                labels[at: at + n] = self.data.labels[b[d]: b[d + 1]]
+                documents[at: at + n] = doc
+                at, doc = at + n, doc + 1
+        documents[at:] = doc  # the padding: a document of its own
+        return {"inputs": inputs, "labels": labels, "document_ids": documents}
+
+    def __repr__(self) -> str:
+        return f"PreferenceSamples({len(self)} samples of {self.seq_len})"
+
+
+__all__ = ["PAIR_KEYS", "PreferenceSamples", "TokenizedPairs", "answer_mask", "pack_pairs", "row_pair",
+           "tokenize_pairs"]
