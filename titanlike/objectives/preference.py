@@ -62,8 +62,6 @@ from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Obj
 from titanlike.objectives.registry import register_objective
 
 if TYPE_CHECKING:
-    import torch.nn as nn
-
     from titanlike.config.schema import JobConfig
     from titanlike.models.args import BaseModelArgs, LayoutDegrees
 
