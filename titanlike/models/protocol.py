@@ -56,17 +56,17 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
          "held (a pipeline stage may hold one end). Required when tied_weights is not empty. Called "
          "after tensor parallelism replaced the parameters (parallel/tensor_parallel.py)."),
     # Generation -------------------------------------------------------------------------------------
-    Hook("init_cache", "model", Callable, None,
+    Hook("init_cache", "model", (Callable, type(None)), None,
          "A method init_cache(batch_size, capacity, *, device, dtype) -> the family's decoding state "
          "(models/common/kv_cache.ModelCache: per-row lengths and each layer's own cache: keys and "
          "values, MLA's compressed latent, Mamba-2 conv and SSM states, T5's decoder caches). Set by "
-         "models that generate (common/decoder.py, t5/model.py); None: the model cannot generate (an "
-         "encoder). Read by titanlike/inference/engine.py, with prefill and decode_step."),
-    Hook("prefill", "model", Callable, None,
+         "models that generate (common/decoder.py, t5/model.py); None (BERT sets it so): the model "
+         "cannot generate (an encoder). Read by titanlike/inference/engine.py, with prefill and decode_step."),
+    Hook("prefill", "model", (Callable, type(None)), None,
          "A method prefill(tokens, lengths, cache) -> logits (batch, vocab): right-padded prompts "
          "(batch, P) of `lengths` real tokens run in one pass, the cache filled, the logits of each "
          "row's next token returned. Required with init_cache; read by titanlike/inference/engine.py."),
-    Hook("decode_step", "model", Callable, None,
+    Hook("decode_step", "model", (Callable, type(None)), None,
          "A method decode_step(tokens, cache) -> logits (batch, vocab): one new token per row "
          "(batch,) at its row's next position. Required with init_cache; read by "
          "titanlike/inference/engine.py."),
