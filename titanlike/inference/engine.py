@@ -103,7 +103,9 @@ class Engine:
     """Generation for one model (one process, or one tensor-parallel rank of several: every rank
     runs the same steps and draws the same samples from the same seed)."""
 
-    def __init__(self, model: nn.Module, *, context_len: int | None = None):
+    def __init__(self, model: nn.Module, *, context_len: int | None = None, start_id: int | None = None):
+        """context_len: the longest sequence (default: the model's context). start_id: the decoder
+        start token of an encoder-decoder model (its pad id; None: the model's default)."""
         hooks = protocol.generation_hooks(model)
         if hooks is None:
             raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder to continue a "
@@ -114,6 +116,7 @@ class Engine:
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.context_len = context_len or model.model_args.context_len
+        self.start_id = start_id
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """GenerationError, one sentence, for prompts the model cannot continue."""
@@ -150,16 +153,14 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        cache = self.init_cache(batch, capacity, device=self.device, dtype=self.dtype)
+        logits = self.prefill(tokens, torch.tensor(lengths, device=self.device), cache, start_id=self.start_id)
         seen = None
         if params.repetition_penalty != 1.0:
-            vocab = self._vocab_size()
-            seen = torch.zeros(batch, vocab, dtype=torch.bool, device=self.device)
-            real = torch.arange(longest, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
-            seen.scatter_(1, tokens, real)
-            seen[:, 0] |= (tokens == 0).logical_and(real).any(1)  # scatter of False at padding may clear id 0
-
-        cache = self.init_cache(batch, capacity, device=self.device, dtype=self.dtype)
-        logits = self.prefill(tokens, torch.tensor(lengths, device=self.device), cache)
+            # (batch, vocab): the tokens each row holds, which the penalty discourages.
+            seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=self.device)
+            for row, prompt in enumerate(prompts):
+                seen[row, torch.as_tensor(list(prompt), device=self.device)] = True
         completions = [Completion() for _ in prompts]
         streams = [_TextStream(detokenize, params.stop_strings) if detokenize else None for _ in prompts]
         stats = GenerationStats(prompt_tokens=sum(lengths))
@@ -220,11 +221,6 @@ class Engine:
             completion.finish_reason = "context"
             return True
         return False
-
-    def _vocab_size(self) -> int:
-        cache = self.init_cache(1, 1, device=self.device, dtype=self.dtype)
-        return self.prefill(torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                            torch.ones(1, dtype=torch.long, device=self.device), cache).shape[-1]
 
 
 @torch.no_grad()

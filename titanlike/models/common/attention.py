@@ -226,7 +226,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.core_attention = core_attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None,
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None, *,
                 cache: KVCache | None = None) -> torch.Tensor:
         """rope: rotary angles (see apply_rotary_emb), None for models without rotary positions.
         cache: this layer's keys and values when generating (models/common/kv_cache.py)."""

@@ -28,7 +28,7 @@ class TransformerBlock(nn.Module):
         self.moe = moe
         self.init = init
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None,
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None, *,
                 cache=None) -> torch.Tensor:
         """rope: rotary angles for attention (None for models with learned or no positions). cache:
         the attention's decoding state when generating (models/common/kv_cache.py), else None."""

@@ -192,7 +192,7 @@ class Decoder(nn.Module):
         return ret
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: DocumentMask | None = None, cache: ModelCache | None = None) -> torch.Tensor:
+                mask: DocumentMask | None = None, *, cache: ModelCache | None = None) -> torch.Tensor:
         """positions: each token's position, (seq,) or per sample (batch, seq), when it is not
         0..seq-1 (a context-parallel slice, positions restarting per document); None means
         0..seq-1. mask: attend within documents only (None: plain causal). cache: the decoding
@@ -227,9 +227,11 @@ class Decoder(nn.Module):
         return self.layers.items()
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: ModelCache, *,
+                start_id: int | None = None) -> torch.Tensor:
         """tokens (batch, P), right-padded prompts of `lengths` real tokens -> the logits (batch, vocab)
-        of the token after each prompt; the cache then holds the prompts."""
+        of the token after each prompt; the cache then holds the prompts. start_id: an encoder-
+        decoder's decoder start token, unused here."""
         cache.begin_prefill(lengths, tokens.shape[1])
         logits = self(tokens, cache=cache)
         cache.end_prefill()

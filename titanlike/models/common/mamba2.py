@@ -225,7 +225,7 @@ class Mamba2Mixer(nn.Module):
         # (a plain attribute, so compiled code reads a constant); None: picked at the first forward.
         self.scan_impl: str | None = None
 
-    def forward(self, u: torch.Tensor, mask=None, cache: MambaState | None = None) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, mask=None, *, cache: MambaState | None = None) -> torch.Tensor:
         """u: (batch, seq, dim); mask: a DocumentMask (the state resets where a document starts);
         cache: this layer's state when generating (MambaState)."""
         if cache is not None:

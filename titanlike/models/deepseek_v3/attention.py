@@ -67,7 +67,7 @@ class MLA(nn.Module):
         self.q_scale = softmax_scale_factor
         self.core_attention = core_attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None,
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None, *,
                 cache: LatentCache | None = None) -> torch.Tensor:
         """rope: rotary angles for qk_rope_head_dim (see apply_rotary_emb). cache: this layer's
         latent cache when generating (LatentCache)."""

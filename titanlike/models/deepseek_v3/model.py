@@ -221,7 +221,7 @@ class DeepSeekV3(MoEDecoder):
         return [(key, layer) for key, layer in self.layers.items() if int(key) < n]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: DocumentMask | None = None, lookahead: torch.Tensor | None = None,
+                mask: DocumentMask | None = None, lookahead: torch.Tensor | None = None, *,
                 cache: ModelCache | None = None) -> torch.Tensor:
         """As Decoder.forward (positions, mask, cache: see there), over the trunk; lookahead (training
         with multi-token prediction, see objectives/causal_lm.py lookahead_targets) adds the prediction

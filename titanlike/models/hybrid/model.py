@@ -243,7 +243,7 @@ class HybridBlock(nn.Module):
         setattr(self, self.mixer_name, mixer)
         self.init = init
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None,
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None, *,
                 cache=None) -> torch.Tensor:
         """cache: the mixer's decoding state when generating (attention's keys and values, a Mamba-2
         state), None in training and for MLP / MoE layers."""

@@ -252,7 +252,7 @@ class T5Attention(nn.Module):
 
 
 class SelfAttention(T5Attention):
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, cache: T5LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, *, cache: T5LayerCache | None = None) -> torch.Tensor:
         if cache is None:
             return self.attend(x, x, bias)
         c = cache.cache
@@ -266,7 +266,7 @@ class CrossAttention(T5Attention):
     # the sharding's gather_input style all-gathers this many leading inputs (models/protocol.py).
     sequence_inputs = 2
 
-    def forward(self, x: torch.Tensor, encoder_out: torch.Tensor | None, bias: torch.Tensor,
+    def forward(self, x: torch.Tensor, encoder_out: torch.Tensor | None, bias: torch.Tensor, *,
                 cache: T5LayerCache | None = None) -> torch.Tensor:
         if cache is None:
             return self.attend(x, encoder_out, bias)
@@ -325,7 +325,7 @@ class T5Block(nn.Module):
         self.feed_forward = T5FeedForward(args.dim, args.ffn_hidden_dim, gated=args.gated)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, encoder_out: torch.Tensor | None = None,
-                cross_bias: torch.Tensor | None = None, cache: T5LayerCache | None = None) -> torch.Tensor:
+                cross_bias: torch.Tensor | None = None, *, cache: T5LayerCache | None = None) -> torch.Tensor:
         """cache: a decoder block's state when generating (T5LayerCache), else None."""
         if cache is None:
             h = x + self.attention(self.attention_norm(x), bias)
@@ -417,8 +417,8 @@ class T5(nn.Module):
         return self.output(h)
 
     # Generation (models/protocol.py: init_cache, prefill, decode_step) ---------------------------
-    # The prompt is the encoder's input; the decoder starts from decoder_start_id (T5's pad id 0,
-    # HF's decoder_start_token_id) and the cache holds the decoder's tokens.
+    # The prompt is the encoder's input; the decoder starts from start_id (the pad id, HF's
+    # decoder_start_token_id) and the cache holds the decoder's tokens.
 
     def init_cache(self, batch_size: int, capacity: int, *, device: torch.device | str,
                    dtype: torch.dtype) -> ModelCache:
@@ -430,9 +430,12 @@ class T5(nn.Module):
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: ModelCache, *,
-                decoder_start_id: int = 0) -> torch.Tensor:
+                start_id: int | None = None) -> torch.Tensor:
         """tokens (batch, P): the encoder's right-padded inputs of `lengths` real tokens, run once;
-        then the decoder's start token. Returns the logits (batch, vocab) of the first new token."""
+        then the decoder's start token start_id (the pad id the model was trained with, as the
+        span-corruption samples start their decoder inputs; None: 0, T5's). Returns the logits
+        (batch, vocab) of the first new token."""
+        start_id = 0 if start_id is None else start_id
         n_enc = self.model_args.n_encoder_layers
         seq = tokens.shape[1]
         real = (torch.arange(seq, device=tokens.device)[None, :] < lengths[:, None])[:, None, None, :]
@@ -443,7 +446,7 @@ class T5(nn.Module):
         encoder_out = self.encoder_norm(h)
         cache.extra["cross_bias"] = masked_bias(torch.zeros((), dtype=bias.dtype, device=bias.device), real)
         cache.begin_prefill(torch.ones_like(lengths), 1)
-        start = torch.full((tokens.shape[0], 1), decoder_start_id, dtype=torch.long, device=tokens.device)
+        start = torch.full((tokens.shape[0], 1), start_id, dtype=torch.long, device=tokens.device)
         logits = self._decoder(start, self.decoder_relative_bias(1), cache, encoder_out)
         cache.end_prefill()
         return logits
