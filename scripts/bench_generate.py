@@ -8,7 +8,8 @@ in one process on the same machine.
 For each batch size: time to first token (the prefill and the first sample) and tokens per second
 over the whole call (every row's new tokens / wall time, the prefill included), greedy, prompts of
 --prompt-len random tokens, --new-tokens each (no stop token: every row runs to the end). Each
-figure is the median of --repeats timed runs after one warm-up run. The greedy tokens of the three
+figure is the median of --repeats timed runs after one warm-up run, the three paths taking turns
+within each repeat (a shared machine's load then hits them alike). The greedy tokens of the three
 paths are compared (they must agree: the same weights, fp32).
 """
 
@@ -28,13 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def _median_runs(fn, repeats: int):
-    fn()  # warm-up
-    runs = [fn() for _ in range(repeats)]
-    return tuple(statistics.median(r[i] for r in runs) for i in range(2)), runs[-1][2]
-
-
-def bench_ours(model, prompts, new_tokens: int, repeats: int):
+def ours(model, prompts, new_tokens: int):
+    """A run function of the KV-cache engine: () -> (time to first token, tokens/s, tokens)."""
     from titanlike.inference import Engine, SamplingParams
 
     engine = Engine(model)
@@ -44,10 +40,11 @@ def bench_ours(model, prompts, new_tokens: int, repeats: int):
         completions, stats = engine.generate(prompts, params)
         return stats.time_to_first_token, stats.new_tokens / stats.total_time, [c.tokens for c in completions]
 
-    return _median_runs(run, repeats)
+    return run
 
 
-def bench_hf(hf, prompts, new_tokens: int, repeats: int):
+def transformers_static(hf, prompts, new_tokens: int):
+    """transformers' generate with its static cache (time to first token: a call for one token)."""
     ids = torch.tensor(prompts)  # equal lengths: no padding
 
     def generate(n: int):
@@ -63,12 +60,12 @@ def bench_hf(hf, prompts, new_tokens: int, repeats: int):
         total = time.perf_counter() - started
         return first, len(prompts) * new_tokens / total, out[:, ids.shape[1]:].tolist()
 
-    return _median_runs(run, repeats)
+    return run
 
 
-@torch.no_grad()
-def bench_uncached(model, prompts, new_tokens: int, repeats: int):
+def uncached(model, prompts, new_tokens: int):
     """The loop scripts/generate.py ran before the cache: a full forward over the whole sequence per token."""
+    @torch.no_grad()
     def run():
         tokens = torch.tensor(prompts)
         started = time.perf_counter()
@@ -81,7 +78,20 @@ def bench_uncached(model, prompts, new_tokens: int, repeats: int):
         total = time.perf_counter() - started
         return first, len(prompts) * new_tokens / total, tokens[:, len(prompts[0]):].tolist()
 
-    return _median_runs(run, repeats)
+    return run
+
+
+def measure(runs: dict, repeats: int) -> dict:
+    """{name: ((median time to first token, median tokens/s), tokens)}: one warm-up run each, then the
+    paths in turn within every repeat, so that a change in the machine's load hits them alike."""
+    for run in runs.values():
+        run()
+    results = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            results[name].append(run())
+    return {name: ((statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)), rs[-1][2])
+            for name, rs in results.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,9 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's "
+                        "own); on a machine shared with other jobs 1 avoids OpenMP threads spinning against them")
     parser.add_argument("--skip-uncached", action="store_true")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import transformers
 
@@ -121,16 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {args.family} {args.flavor} {changes or ''} ({params / 1e6:.1f}M parameters), fp32, prompt "
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPUs; median of "
-          f"{args.repeats} after a warm-up")
+          f"{args.repeats} after a warm-up, the paths in turn")
     rows = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts = torch.randint(3, model_args.vocab_size, (batch, args.prompt_len), generator=g).tolist()
-        (ours_first, ours_rate), ours_tokens = bench_ours(model, prompts, args.new_tokens, args.repeats)
-        (hf_first, hf_rate), hf_tokens = bench_hf(hf, prompts, args.new_tokens, args.repeats)
+        runs = {"ours": ours(model, prompts, args.new_tokens), "hf": transformers_static(hf, prompts, args.new_tokens)}
+        if not args.skip_uncached:
+            runs["uncached"] = uncached(model, prompts, args.new_tokens)
+        got = measure(runs, args.repeats)
+        (ours_first, ours_rate), ours_tokens = got["ours"]
+        (hf_first, hf_rate), hf_tokens = got["hf"]
         same = ours_tokens == hf_tokens
         row = [batch, ours_first, ours_rate, hf_first, hf_rate, ours_rate / hf_rate]
         if not args.skip_uncached:
-            (un_first, un_rate), un_tokens = bench_uncached(model, prompts, args.new_tokens, args.repeats)
+            (un_first, un_rate), un_tokens = got["uncached"]
             same = same and un_tokens == ours_tokens
             row += [un_first, un_rate, ours_rate / un_rate]
         rows.append(row + [same])

@@ -49,6 +49,7 @@ class GenerationStats:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     decode_steps: int = 0
+    first_step_tokens: int = 0  # the rows that got their first token from the prefill
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,9 +60,7 @@ class GenerationStats:
     def decode_tokens_per_second(self) -> float:
         """Tokens per second of the decode steps (after the first token)."""
         decode_time = self.total_time - self.time_to_first_token
-        return (self.new_tokens - self._first) / decode_time if decode_time > 0 else 0.0
-
-    _first: int = 0
+        return (self.new_tokens - self.first_step_tokens) / decode_time if decode_time > 0 else 0.0
 
 
 class _TextStream:
@@ -173,7 +172,7 @@ class Engine:
             ids = chosen.tolist()  # the one host sync of a step
             if step == 0:
                 stats.time_to_first_token = time.perf_counter() - started
-                stats._first = len(active)
+                stats.first_step_tokens = len(active)
             still = []
             for row in active:
                 done = self._append(row, ids[row], completions[row], streams[row], params, lengths[row], on_text,
