@@ -14,10 +14,11 @@ import torch
 class SamplingParams:
     """How to continue a prompt. temperature 0 is greedy (argmax after the repetition penalty);
     top_k 0 and top_p 1 filter nothing; repetition_penalty 1 changes nothing (> 1 discourages tokens
-    the sequence already holds, as CTRL and transformers apply it). Generation of a row ends at a stop
-    token (kept as the last token), at a stop string (cut from the text), after max_new_tokens, or
-    at the model's context. seed: the same seed gives the same samples; None draws from torch's
-    global generator."""
+    the sequence already holds, prompt included, as CTRL and transformers apply it; for an encoder-
+    decoder the encoder's prompt counts too, where transformers counts the decoder's tokens only).
+    Generation of a row ends at a stop token (kept as the last token), at a stop string (cut from
+    the text), after max_new_tokens, or at the model's context (prompt and new tokens together).
+    seed: the same seed gives the same samples; None draws from torch's global generator."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
