@@ -2,12 +2,13 @@
 
     python scripts/generate.py outputs/checkpoint --prompt "In the beginning" --max-new-tokens 60
     python scripts/generate.py path/to/Llama-3.2-1B --tokenizer path/to/tokenizer.model --temperature 0
+    python scripts/generate.py outputs/sft/checkpoint --chat --prompts-file questions.jsonl --batch-size 8
 
-A sanity check of a trained model, not an inference server: one prompt at a time and no
-KV cache (every new token reruns the whole sequence, as torchtitan's generation test does),
-which is fine for the debug and small models and slow for large ones. Sampling is
-temperature + top-k; temperature 0 is greedy. Stops at max-new-tokens, at the tokenizer's
-EOS, or at the model's context length.
+With the model's KV cache (titanlike/inference): the prompts are prefilled in one pass, then one
+token per step, prompts of different lengths in one batch. Sampling: repetition penalty,
+temperature, top-k, top-p (temperature 0 is greedy); stops at a stop token (the tokenizer's EOS, the
+chat template's end of turn, --stop-token), a stop string (--stop), --max-new-tokens, or the
+model's context. One prompt at a time is streamed; tokens/s and the time to first token go to stderr.
 """
 
 from __future__ import annotations

@@ -2,19 +2,23 @@
 
     titanlike-generate outputs/checkpoint --prompt "In the beginning" --max-new-tokens 60
     titanlike-generate path/to/Llama-3.2-1B --tokenizer path/to/tokenizer.model --temperature 0
+    titanlike-generate outputs/sft/checkpoint --chat --prompts-file questions.jsonl --batch-size 8
 
 (scripts/generate.py in a checkout.)
 
-A sanity check of a trained model, not an inference server: one prompt at a time and no
-KV cache (every new token reruns the whole sequence, as torchtitan's generation test does),
-which is fine for the debug and small models and slow for large ones. Sampling is
-temperature + top-k; temperature 0 is greedy. Stops at max-new-tokens, at the tokenizer's
-EOS, or at the model's context length.
+Decoding uses the model's KV cache (titanlike/inference): the prompts are prefilled in one pass,
+then one token per step; prompts of different lengths share a batch (--batch-size). Sampling:
+repetition penalty, temperature, top-k, top-p (temperature 0 is greedy); a continuation ends at a
+stop token (the tokenizer's EOS, the chat template's end of turn, --stop-token), a stop string
+(--stop), --max-new-tokens, or the model's context. One prompt at a time (the default) is streamed
+as it is generated; the speed (tokens/s, time to first token) goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 import torch
@@ -29,36 +33,30 @@ def _logits(output) -> torch.Tensor:
 
 @torch.no_grad()
 def vocab_size(model) -> int:
-    """The model's vocabulary: the last dimension of its logits for one token."""
+    """The model's vocabulary: the size of its output projection's logits for one token."""
+    from titanlike.models import protocol
+
     device = next(model.parameters()).device
-    return _logits(model(torch.zeros(1, 1, dtype=torch.long, device=device))).shape[-1]
+    hooks = protocol.generation_hooks(model)
+    if hooks is None:  # an encoder: its own forward
+        return _logits(model(torch.zeros(1, 1, dtype=torch.long, device=device))).shape[-1]
+    init_cache, prefill, _ = hooks
+    cache = init_cache(1, 1, device=device, dtype=next(model.parameters()).dtype)
+    return prefill(torch.zeros(1, 1, dtype=torch.long, device=device), torch.ones(1, dtype=torch.long,
+                   device=device), cache).shape[-1]
 
 
-@torch.no_grad()
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int | None,
-             eos_id: int | set[int] | None, generator=None) -> list[int]:
-    """The prompt's continuation (new token ids only), ending at eos_id (a token or a set of them)."""
-    device = next(model.parameters()).device
-    context = model.model_args.context_len
-    tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        if tokens.shape[1] >= context:
-            break
-        logits = _logits(model(tokens))[0, -1].float()
-        if temperature <= 0:
-            next_id = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_id = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-        new.append(next_id)
-        if next_id == eos_id or (isinstance(eos_id, (set, frozenset)) and next_id in eos_id):
-            break
-        tokens = torch.cat([tokens, tokens.new_tensor([[next_id]])], dim=1)
-    return new
+             eos_id: int | set[int] | None, generator=None, seed: int | None = None) -> list[int]:
+    """The prompt's continuation (new token ids only, ending at eos_id: a token or a set of them),
+    through the KV-cache engine. `generator` is accepted for older callers and unused (seed it is)."""
+    from titanlike.inference import Engine, SamplingParams
+
+    stops = set() if eos_id is None else ({eos_id} if isinstance(eos_id, int) else set(eos_id))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k or 0,
+                            stop_token_ids=frozenset(stops), seed=seed)
+    (completion,), _ = Engine(model).generate([prompt_ids], params)
+    return completion.tokens
 
 
 def training_objective(model):
@@ -70,10 +68,48 @@ def training_objective(model):
     return spec.objective(JobConfig(), model.model_args)
 
 
+def _read_prompts_file(path: str, *, chat: bool) -> list:
+    """Prompts from a JSONL file: each line a JSON string, an object with "prompt" (text), or in chat
+    mode one with "messages" (a conversation the model answers). ValueError, one sentence, else."""
+    prompts = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompts-file {path} cannot be read: {e}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"--prompts-file {path} line {number} is not JSON") from None
+        if isinstance(item, dict) and chat and isinstance(item.get("messages"), list):
+            prompts.append(item["messages"])
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            prompts.append(item["prompt"])
+        elif isinstance(item, str):
+            prompts.append(item)
+        else:
+            want = 'a string, {"prompt": text}' + (' or {"messages": [...]}' if chat else "")
+            raise ValueError(f"--prompts-file {path} line {number} is not {want}")
+    if not prompts:
+        raise ValueError(f"--prompts-file {path} holds no prompt")
+    return prompts
+
+
+def _sampling_error(e: ValueError) -> str:
+    """SamplingParams names its fields (top_p); the user typed the options (--top-p)."""
+    name, _, rest = str(e).partition(" ")
+    return f"--{name.replace('_', '-')} {rest}"
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="DCP step folder, checkpoint folder (latest step), or HF folder")
     parser.add_argument("--prompt", action="append", help="prompt text (repeat for several); default: a BOS only")
+    parser.add_argument("--prompts-file", default=None, help="a JSONL file of prompts: per line a JSON string or "
+                        '{"prompt": text} (with --chat also {"messages": [...]})')
     parser.add_argument("--tokenizer", default=None, help="tiktoken file or Hugging Face tokenizer folder; default: "
                         "the checkpoint folder's tokenizer.json if it has one, else the debug tokenizer")
     parser.add_argument("--chat", action="store_true", help="each prompt is a user turn, rendered with the "
@@ -82,38 +118,69 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=50, help="0 means no top-k filtering")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 means no filtering")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens already in "
+                        "the sequence (as transformers' repetition_penalty); 1 means none")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat for several): the "
+                        "text ends before it")
+    parser.add_argument("--stop-token", action="append", type=int, default=[], help="a stop token id (repeat for "
+                        "several), besides the tokenizer's EOS")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together; 1 streams the text "
+                        "as it is generated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: as stored")
     args = parser.parse_args(argv)
 
+    def fail(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+
+    from titanlike.inference import Engine, GenerationError, SamplingParams
+
+    if args.batch_size < 1:
+        return fail(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.prompt is not None and any(p == "" for p in args.prompt):
+        return fail("--prompt is empty: give some text, or leave --prompt out to sample from a BOS token alone")
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                                stop_strings=tuple(args.stop), stop_token_ids=frozenset(args.stop_token),
+                                seed=args.seed)
+    except ValueError as e:
+        return fail(_sampling_error(e))
+    prompts: list = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            prompts += _read_prompts_file(args.prompts_file, chat=args.chat)
+        except ValueError as e:
+            return fail(str(e))
+    prompts = prompts or [""]
+
     from titanlike.checkpoint import CheckpointError, load_model
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
-
-    import os
-
     from titanlike.data.tokenizer_json import is_tokenizer_folder
+    from titanlike.models import protocol
 
     own = args.checkpoint if os.path.isdir(args.checkpoint) and is_tokenizer_folder(args.checkpoint) else None
     tokenizer = build_tokenizer(args.tokenizer or own or DEFAULT_TOKENIZER_PATH)
     try:
         model = load_model(args.checkpoint, args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    objective = training_objective(model)
-    if not objective.predicts_next_token:
-        print(f"error: this script samples next tokens from decoder-only models; {type(model).__name__} was trained "
-              f"on {objective.name} samples (load it with titanlike.load_model and call it, or export it to "
-              "Hugging Face)", file=sys.stderr)
-        return 1
+        return fail(str(e))
+    if protocol.generation_hooks(model) is None:
+        objective = training_objective(model)
+        return fail(f"{type(model).__name__} cannot generate text: it is an encoder trained on {objective.name} "
+                    "samples, and this script continues prompts with decoder-only or encoder-decoder models (load "
+                    "it with titanlike.load_model and call it, or export it to Hugging Face)")
     vocab = vocab_size(model)
     if tokenizer.vocab_size != vocab:
-        print(f"error: the tokenizer has {tokenizer.vocab_size} tokens but the model {vocab}; pass the tokenizer "
-              "it was trained with (--tokenizer)", file=sys.stderr)
-        return 1
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    stops = {tokenizer.eos_id}
+        return fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model {vocab}; pass the tokenizer it "
+                    "was trained with (--tokenizer)")
+    bad_stop = [t for t in args.stop_token if t >= vocab]
+    if bad_stop:
+        return fail(f"--stop-token {bad_stop[0]} is not a token id of the model's vocabulary of {vocab}")
+    stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
     if args.chat:
         from titanlike.data.chat_template import chat_prompt_ids, end_of_turn_ids, load_chat_template
         from titanlike.data.errors import DataError
@@ -121,18 +188,52 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         try:
             template = load_chat_template("auto", tokenizer, option="--chat")
         except DataError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+            return fail(str(e))
         stops = end_of_turn_ids(template, tokenizer)
-    for prompt in args.prompt or [""]:
+    params = SamplingParams(**{**params.__dict__, "stop_token_ids": frozenset(stops | set(args.stop_token))})
+
+    def encode(prompt) -> list[int]:
         if args.chat:
-            ids = chat_prompt_ids(template, tokenizer, [{"role": "user", "content": prompt}])
-        else:
-            ids = tokenizer.encode(prompt, bos=True, eos=False)
-        new = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k or None, eos_id=stops, generator=generator)
-        answer = tokenizer.decode([t for t in new if t not in stops])
-        print(f"{prompt}\n> {answer}" if args.chat else prompt + answer)
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            return chat_prompt_ids(template, tokenizer, messages)
+        return tokenizer.encode(prompt, bos=True, eos=False)
+
+    try:
+        ids = [encode(p) for p in prompts]
+    except Exception as e:  # a chat template that refuses the messages, a hostile file's content
+        return fail(f"a prompt cannot be encoded: {type(e).__name__}: {e}")
+    start_id = getattr(tokenizer, "pad_id", None)  # an encoder-decoder's decoder start (T5: pad)
+    engine = Engine(model, start_id=start_id if isinstance(start_id, int) else None)
+    try:
+        engine.check_prompts(ids)
+    except GenerationError as e:
+        return fail(str(e))
+
+    def label(prompt) -> str:
+        return prompt if isinstance(prompt, str) else prompt[-1].get("content", "") if prompt else ""
+
+    total_new, total_time, first_token = 0, 0.0, []
+    for start in range(0, len(ids), args.batch_size):
+        batch, texts = ids[start:start + args.batch_size], prompts[start:start + args.batch_size]
+        streaming = len(batch) == 1
+        if streaming:
+            print(f"{label(texts[0])}\n> " if args.chat else label(texts[0]), end="", flush=True)
+        on_text = (lambda row, text: print(text, end="", flush=True)) if streaming else None
+        try:
+            completions, stats = engine.generate(batch, params, detokenize=lambda t: tokenizer.decode(
+                [x for x in t if x not in params.stop_token_ids]), on_text=on_text)
+        except GenerationError as e:
+            return fail(str(e))
+        for prompt, completion in zip(texts, completions):
+            if streaming:
+                print()
+            else:
+                print(f"{label(prompt)}\n> {completion.text}" if args.chat else label(prompt) + completion.text)
+        total_new += stats.new_tokens
+        total_time += stats.total_time
+        first_token.append(stats.time_to_first_token)
+    print(f"[{total_new} new tokens in {total_time:.2f} s: {total_new / max(total_time, 1e-9):.1f} tokens/s; first "
+          f"token after {1000 * sum(first_token) / len(first_token):.0f} ms on average]", file=sys.stderr)
     return 0
 
 

@@ -55,6 +55,22 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
          "A method making every alias in tied_weights the same Parameter as its owner where both are "
          "held (a pipeline stage may hold one end). Required when tied_weights is not empty. Called "
          "after tensor parallelism replaced the parameters (parallel/tensor_parallel.py)."),
+    # Generation -------------------------------------------------------------------------------------
+    Hook("init_cache", "model", (Callable, type(None)), None,
+         "A method init_cache(batch_size, capacity, *, device, dtype) -> the family's decoding state "
+         "(models/common/kv_cache.ModelCache: per-row lengths and each layer's own cache: keys and "
+         "values, MLA's compressed latent, Mamba-2 conv and SSM states, T5's decoder caches). Set by "
+         "models that generate (common/decoder.py, t5/model.py); None (BERT sets it so): the model "
+         "cannot generate (an encoder). Read by titanlike/inference/engine.py, with prefill and decode_step."),
+    Hook("prefill", "model", (Callable, type(None)), None,
+         "A method prefill(tokens, lengths, cache, *, start_id=None) -> logits (batch, vocab): right-"
+         "padded prompts (batch, P) of `lengths` real tokens run in one pass, the cache filled, the "
+         "logits of each row's next token returned (start_id: an encoder-decoder's decoder start "
+         "token, its pad id; decoders ignore it). Required with init_cache; read by titanlike/inference/engine.py."),
+    Hook("decode_step", "model", (Callable, type(None)), None,
+         "A method decode_step(tokens, cache) -> logits (batch, vocab): one new token per row "
+         "(batch,) at its row's next position. Required with init_cache; read by "
+         "titanlike/inference/engine.py."),
     # Context parallelism --------------------------------------------------------------------------
     Hook("core_attention", "module", Callable, None,
          "An instance attribute of an attention module: the kernel (q, k, v, mask, causal=...) it "
@@ -125,6 +141,19 @@ def retie_weights(model: nn.Module) -> None:
     tie = _get(model, "tie_weights")
     if tie is not None:
         tie()
+
+
+# Generation -----------------------------------------------------------------------------------------
+
+
+def generation_hooks(model: nn.Module) -> tuple[Callable, Callable, Callable] | None:
+    """(init_cache, prefill, decode_step) of a model that generates, None for one that cannot."""
+    hooks = tuple(_get(model, name) for name in ("init_cache", "prefill", "decode_step"))
+    if hooks[0] is None:
+        return None
+    if None in hooks:
+        raise ValueError(f"{type(model).__name__} has init_cache but not both prefill and decode_step")
+    return hooks
 
 
 # Context parallelism ------------------------------------------------------------------------------
@@ -214,7 +243,7 @@ def head_split_parameters(module: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
-__all__ = ["HOOKS", "Hook", "core_attention_modules", "fsdp_mesh", "head_split_parameters", "keeps_high_precision",
+__all__ = ["HOOKS", "Hook", "core_attention_modules", "fsdp_mesh", "generation_hooks", "head_split_parameters", "keeps_high_precision",
            "reported_loss", "reported_loss_sum", "retie_weights", "sequence_carry_modules", "sequence_inputs",
            "set_core_attention", "set_fsdp_mesh", "set_record_statistics", "set_sequence_carry", "set_skip_compile",
            "skips_compile", "statistics_recorders", "tied_weights"]

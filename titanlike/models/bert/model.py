@@ -184,6 +184,10 @@ class BinaryHead(nn.Module):
 class Bert(Decoder):
     """tokens (batch, seq) -> MLM logits (batch, seq, vocab_size); see forward."""
 
+    # An encoder: every token sees the whole sequence, so there is nothing to continue and no cache
+    # (models/protocol.py: None means the model cannot generate).
+    init_cache = prefill = decode_step = None
+
     def __init__(self, args: BertArgs):
         super().__init__(args)
         self.pos_embeddings: nn.Embedding | None = nn.Embedding(args.max_seq_len, args.dim)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from titanlike.models.args import AttentionShape
 from titanlike.models.common.init import LinearInit, ones_, zeros_
+from titanlike.models.common.kv_cache import KVCache, local_rows
 from titanlike.models.common.rope import apply_rotary_emb
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
@@ -225,8 +226,10 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.core_attention = core_attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None) -> torch.Tensor:
-        """rope: rotary angles (see apply_rotary_emb), None for models without rotary positions."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None, *,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """rope: rotary angles (see apply_rotary_emb), None for models without rotary positions.
+        cache: this layer's keys and values when generating (models/common/kv_cache.py)."""
         bsz, seqlen, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism this rank holds only its local heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -238,11 +241,17 @@ class Attention(nn.Module):
             q = apply_rotary_emb(q, rope)
             k = apply_rotary_emb(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.causal:
+        if cache is not None:
+            out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask))
+        elif self.causal:
             out = self.core_attention(q, k, v, mask)
         else:  # only kernels that can attend both ways accept the keyword
             out = self.core_attention(q, k, v, mask, causal=False)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def new_cache(self, cache, dtype: torch.dtype) -> KVCache:
+        """Room for this layer's keys and values: the heads this rank holds (wk's local rows)."""
+        return KVCache(cache, local_rows(self.wk.weight) // self.head_dim, self.head_dim, dtype)
 
     def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
         for name in ("wq", "wk", "wv"):

@@ -28,11 +28,19 @@ class TransformerBlock(nn.Module):
         self.moe = moe
         self.init = init
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None) -> torch.Tensor:
-        """rope: rotary angles for attention (None for models with learned or no positions)."""
-        h = x + self.attention(self.attention_norm(x), rope, mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None, *,
+                cache=None) -> torch.Tensor:
+        """rope: rotary angles for attention (None for models with learned or no positions). cache:
+        the attention's decoding state when generating (models/common/kv_cache.py), else None."""
+        attention_in = self.attention_norm(x)
+        h = x + (self.attention(attention_in, rope, mask) if cache is None
+                 else self.attention(attention_in, rope, mask, cache=cache))
         mlp = self.feed_forward if self.feed_forward is not None else self.moe
         return h + mlp(self.ffn_norm(h))
+
+    def new_cache(self, cache, dtype: torch.dtype):
+        """This layer's decoding state (its attention's): see models/common/kv_cache.py."""
+        return self.attention.new_cache(cache, dtype)
 
     def init_weights(self, *, seed: int, prefix: str) -> None:
         init_norm(self.attention_norm)

@@ -22,6 +22,7 @@ import torch.nn as nn
 from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, check_divisible
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.common.init import normal_, trunc_normal_
+from titanlike.models.common.kv_cache import ModelCache, last_prompt_tokens
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.common.norms import init_norm
 
@@ -191,16 +192,58 @@ class Decoder(nn.Module):
         return ret
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: DocumentMask | None = None) -> torch.Tensor:
+                mask: DocumentMask | None = None, *, cache: ModelCache | None = None) -> torch.Tensor:
         """positions: each token's position, (seq,) or per sample (batch, seq), when it is not
         0..seq-1 (a context-parallel slice, positions restarting per document); None means
-        0..seq-1. mask: attend within documents only (None: plain causal)."""
+        0..seq-1. mask: attend within documents only (None: plain causal). cache: the decoding
+        state when generating (see prefill and decode_step), None in training."""
         h = self.embed(tokens, positions) if self.tok_embeddings is not None else tokens
         rope = self.rotary_angles(positions)
-        for layer in self.layers.values():
-            h = layer(h, rope, mask)
+        if cache is None:
+            for layer in self.layers.values():
+                h = layer(h, rope, mask)
+        else:
+            for key, layer in self.layers.items():
+                h = layer(h, rope, mask, cache=cache.layer(key))
+            h = last_prompt_tokens(h, cache)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    # Generation (models/protocol.py: init_cache, prefill, decode_step) ---------------------------
+
+    def init_cache(self, batch_size: int, capacity: int, *, device: torch.device | str,
+                   dtype: torch.dtype) -> ModelCache:
+        """An empty decoding state for batch_size rows of up to capacity tokens each: one entry per
+        layer whose block keeps state (new_cache: attention's keys and values, a Mamba-2 state)."""
+        cache = ModelCache(batch_size, capacity, device)
+        for key, layer in self.cached_layers():
+            entry = layer.new_cache(cache, dtype)
+            if entry is not None:
+                cache.layers[key] = entry
+        return cache
+
+    def cached_layers(self):
+        """(key, block) of the layers a generating forward runs (DeepSeek: the trunk only)."""
+        return self.layers.items()
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: ModelCache, *,
+                start_id: int | None = None) -> torch.Tensor:
+        """tokens (batch, P), right-padded prompts of `lengths` real tokens -> the logits (batch, vocab)
+        of the token after each prompt; the cache then holds the prompts. start_id: an encoder-
+        decoder's decoder start token, unused here."""
+        cache.begin_prefill(lengths, tokens.shape[1])
+        logits = self(tokens, cache=cache)
+        cache.end_prefill()
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """tokens (batch,), one new token per row at its row's next position -> logits (batch, vocab)."""
+        cache.begin_decode()
+        logits = self(tokens[:, None], positions=cache.positions(), cache=cache)
+        cache.end_decode()
+        return logits[:, -1]
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:

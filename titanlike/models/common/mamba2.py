@@ -225,8 +225,11 @@ class Mamba2Mixer(nn.Module):
         # (a plain attribute, so compiled code reads a constant); None: picked at the first forward.
         self.scan_impl: str | None = None
 
-    def forward(self, u: torch.Tensor, mask=None) -> torch.Tensor:
-        """u: (batch, seq, dim); mask: a DocumentMask (the state resets where a document starts)."""
+    def forward(self, u: torch.Tensor, mask=None, *, cache: MambaState | None = None) -> torch.Tensor:
+        """u: (batch, seq, dim); mask: a DocumentMask (the state resets where a document starts);
+        cache: this layer's state when generating (MambaState)."""
+        if cache is not None:
+            return self._generate(u, cache)
         a = self.args
         batch, seq, _ = u.shape
         width = a.heads_per_group * a.head_dim
@@ -244,6 +247,63 @@ class Mamba2Mixer(nn.Module):
         dt = dt.clamp(min=a.dt_limit_min, max=a.dt_limit_max)
         A = -torch.exp(_local(self.A_log).float())
         y = self._scan(x, dt, A, B, C, documents, mask)
+        y = y + x.float() * _local(self.D).float()[:, None]
+        y = self.norm(y.reshape(batch, seq, -1), z.reshape(batch, seq, -1))
+        return self.out_proj(y.to(zxbcdt.dtype))
+
+    # Generation ----------------------------------------------------------------------------------
+
+    def new_cache(self, cache, dtype: torch.dtype) -> MambaState:
+        return MambaState(cache, conv_channels=_local(self.conv_weight).shape[0],
+                          conv_context=self.args.conv_kernel - 1, heads=_local(self.A_log).shape[0],
+                          head_dim=self.args.head_dim, state_size=self.args.state_size, dtype=dtype)
+
+    def _generate(self, u: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """The forward of a prefill (right-padded prompts, the state left at each row's last real
+        token) or of a decode step (one token per row: the conv and the scan advanced by one step,
+        the recurrence of ssd.py)."""
+        a = self.args
+        batch, seq, _ = u.shape
+        width, n = a.heads_per_group * a.head_dim, a.state_size
+        zxbcdt = self.in_proj(u)
+        zxbcdt = zxbcdt.view(batch, seq, -1, 2 * width + 2 * n + a.heads_per_group)
+        z, xbc, dt = zxbcdt.split([width, width + 2 * n, a.heads_per_group], dim=-1)
+        groups = z.shape[2]
+        xbc = xbc.reshape(batch, seq, -1)
+        weight, bias = _local(self.conv_weight), _local(self.conv_bias)
+        prefilling = state.cache.prefilling
+        if prefilling:
+            conv = causal_conv(xbc, weight, bias)
+            # The conv's context for the next token: the K-1 inputs before each row's length
+            # (token t is row t + K-1 of the zero-padded inputs).
+            padded = torch.cat([xbc.new_zeros(batch, a.conv_kernel - 1, xbc.shape[-1]), xbc], dim=1)
+            index = state.cache.prompt_lengths[:, None] + torch.arange(a.conv_kernel - 1, device=u.device)
+            state.conv = padded.gather(1, index[..., None].expand(-1, -1, xbc.shape[-1])).to(state.conv.dtype)
+        else:
+            window = torch.cat([state.conv.to(xbc.dtype), xbc], dim=1)  # (batch, K, channels)
+            conv = (window * weight.to(xbc.dtype).t()).sum(1, keepdim=True)
+            if bias is not None:
+                conv = conv + bias.to(xbc.dtype)
+            state.conv = window[:, 1:].to(state.conv.dtype)
+        xbc = F.silu(conv)
+        x, B, C = xbc.view(batch, seq, groups, width + 2 * n).split([width, n, n], dim=-1)
+        x = x.reshape(batch, seq, -1, a.head_dim)
+        dt = F.softplus(dt.reshape(batch, seq, -1).float() + _local(self.dt_bias).float())
+        dt = dt.clamp(min=a.dt_limit_min, max=a.dt_limit_max)
+        A = -torch.exp(_local(self.A_log).float())
+        if prefilling:
+            # Placeholders past a row's prompt take steps of 0: they neither decay nor add to the
+            # state, so the final state is the one after the row's last real token.
+            real = torch.arange(seq, device=u.device)[None, :] < state.cache.prompt_lengths[:, None]
+            y, state.ssm = self._chunked_scan(x, dt * real[..., None], A, B, C, None)
+        else:
+            per_group = x.shape[2] // groups
+            step_dt = dt[:, 0]  # (batch, heads)
+            b_in = B[:, 0].float().repeat_interleave(per_group, dim=1)  # (batch, heads, n)
+            c_out = C[:, 0].float().repeat_interleave(per_group, dim=1)
+            update = (step_dt[..., None] * x[:, 0].float())[..., None] * b_in[:, :, None, :]
+            state.ssm = torch.exp(step_dt * A)[..., None, None] * state.ssm + update
+            y = torch.einsum("bhpn,bhn->bhp", state.ssm, c_out)[:, None]
         y = y + x.float() * _local(self.D).float()[:, None]
         y = self.norm(y.reshape(batch, seq, -1), z.reshape(batch, seq, -1))
         return self.out_proj(y.to(zxbcdt.dtype))
@@ -346,6 +406,19 @@ class Mamba2Mixer(nn.Module):
         ones_(self.norm.weight)
 
 
+class MambaState:
+    """What a Mamba-2 layer keeps while generating: the last K-1 conv inputs (batch, K-1, channels)
+    and the SSM state (batch, heads, head_dim, state_size, float32), this rank's heads only. Both
+    are replaced as a whole each step (their size does not grow with the sequence)."""
+
+    def __init__(self, cache, *, conv_channels: int, conv_context: int, heads: int, head_dim: int,
+                 state_size: int, dtype: torch.dtype):
+        self.cache = cache
+        self.conv = torch.zeros(cache.batch_size, conv_context, conv_channels, dtype=dtype, device=cache.device)
+        self.ssm = torch.zeros(cache.batch_size, heads, head_dim, state_size, dtype=torch.float32,
+                               device=cache.device)
+
+
 class Mamba2HeadSplit(HeadSplitParameters):
     """The mixer split by groups of heads: the parameters it names in `head_split_parameters` split
     on dim 0 (HeadSplitParameters), and, with sequence parallelism, its input all-gathered from
@@ -374,5 +447,5 @@ def mamba2_sharding(name: str) -> dict[str, Style]:
     return {f"{name}.in_proj": colwise, f"{name}.out_proj": rowwise, name: mamba2_head_split}
 
 
-__all__ = ["GatedRMSNorm", "Mamba2Args", "Mamba2HeadSplit", "Mamba2Mixer", "causal_conv", "grouped_rows",
+__all__ = ["GatedRMSNorm", "Mamba2Args", "Mamba2HeadSplit", "Mamba2Mixer", "MambaState", "causal_conv", "grouped_rows",
            "mamba2_head_split", "mamba2_sharding", "scan_implementation"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from titanlike.models.common.attention import DocumentMask, core_attention
 from titanlike.models.common.init import LinearInit, ones_
@@ -66,22 +67,51 @@ class MLA(nn.Module):
         self.q_scale = softmax_scale_factor
         self.core_attention = core_attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
-        """rope: rotary angles for qk_rope_head_dim (see apply_rotary_emb)."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None, *,
+                cache: LatentCache | None = None) -> torch.Tensor:
+        """rope: rotary angles for qk_rope_head_dim (see apply_rotary_emb). cache: this layer's
+        latent cache when generating (LatentCache)."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 heads, not n_heads: under tensor parallelism this rank holds only its local heads.
         q_nope, q_pe = q.view(bsz, seqlen, -1, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(self.wkv_a(x))).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        latent = self.kv_norm(self.wkv_a(x))
         k_pe = apply_rotary_emb(self.wk_pe(x).unsqueeze(2), rope)  # (batch, seq, 1, rope): one for all heads
+        if cache is not None:
+            cache.store(latent, k_pe[:, :, 0])
+            if not cache.cache.prefilling:
+                return self._decode(q_nope, apply_rotary_emb(q_pe, rope), cache)
+        kv = self.wkv_b(latent).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         q = torch.cat([q_nope, apply_rotary_emb(q_pe, rope)], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache) -> torch.Tensor:
+        """One new token per row against the cached latents, with wkv_b absorbed (DeepSeek-V2,
+        section 2.1.2): a head's score q_nope . (W_uk c) is (W_uk^T q_nope) . c and its output
+        W_uv (sum p c), so the keys and values of the past are never expanded per head.
+        q_nope (batch, 1, heads, nope), q_pe (batch, 1, heads, rope), rotated."""
+        bsz = q_nope.shape[0]
+        w = _local(self.wkv_b.weight).view(-1, self.qk_nope_head_dim + self.v_head_dim, cache.rank)
+        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (heads, nope | v, rank)
+        latents, k_pe = cache.read()  # (batch, slots, rank), (batch, slots, rope)
+        q_latent = torch.einsum("bqhn,hnr->bhqr", q_nope, w_uk.to(q_nope.dtype))
+        scores = (torch.einsum("bhqr,bsr->bhqs", q_latent, latents.to(q_latent.dtype))
+                  + torch.einsum("bqhe,bse->bhqs", q_pe, k_pe.to(q_pe.dtype)))
+        scores = scores.float() * (self.q_scale / self.qk_head_dim**0.5)
+        scores = scores.masked_fill(~cache.cache.decode_mask, float("-inf"))
+        weights = scores.softmax(-1).to(latents.dtype)
+        out_latent = torch.einsum("bhqs,bsr->bhqr", weights, latents)
+        out = torch.einsum("bhqr,hvr->bqhv", out_latent, w_uv.to(out_latent.dtype))
+        return self.wo(out.reshape(bsz, 1, -1))
+
+    def new_cache(self, cache, dtype: torch.dtype) -> LatentCache:
+        return LatentCache(cache, self.kv_norm.weight.shape[0], self.qk_rope_head_dim, dtype)
 
     def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
         for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wk_pe"):
@@ -94,4 +124,27 @@ class MLA(nn.Module):
                 ones_(norm.weight)
 
 
-__all__ = ["LATENT_NORM_EPS", "MLA"]
+class LatentCache:
+    """What MLA keeps of the past: per token the normalized latent kv_norm(wkv_a x) (kv_lora_rank)
+    and the rotated RoPE key shared by the heads (qk_rope_head_dim), not per-head keys and values:
+    (kv_lora_rank + qk_rope_head_dim) numbers per token and layer instead of heads x (qk_head_dim +
+    v_head_dim). The same on every tensor-parallel rank (the latent is replicated)."""
+
+    def __init__(self, cache, rank: int, rope_dim: int, dtype: torch.dtype):
+        self.cache, self.rank = cache, rank
+        self.latents = torch.zeros(cache.batch_size, cache.capacity, rank, dtype=dtype, device=cache.device)
+        self.k_pe = torch.zeros(cache.batch_size, cache.capacity, rope_dim, dtype=dtype, device=cache.device)
+
+    def store(self, latent: torch.Tensor, k_pe: torch.Tensor) -> None:
+        self.cache.write(self.latents, _local(latent), dim=1)
+        self.cache.write(self.k_pe, _local(k_pe), dim=1)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.read(self.latents, 1), self.cache.read(self.k_pe, 1)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+__all__ = ["LATENT_NORM_EPS", "LatentCache", "MLA"]

@@ -30,6 +30,7 @@ from titanlike.models.common.attention import DocumentMask
 from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.decoder import DecoderArgs
 from titanlike.models.common.init import normal_
+from titanlike.models.common.kv_cache import ModelCache, last_prompt_tokens
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.common.moe_decoder import MoEDecoder, depth_scaled_init
 from titanlike.models.common.mtp import MTP_LOSS, MTPBlock, multi_token_prediction
@@ -214,15 +215,26 @@ class DeepSeekV3(MoEDecoder):
             # starts equal to the first stage's (untied output: the Decoder's table init).
             normal_(self.mtp_embeddings.weight, std=1.0, seed=seed, fqn="tok_embeddings.weight")
 
+    def cached_layers(self):
+        """Generation runs the trunk; the prediction modules keep no cache."""
+        n = self.model_args.n_layers
+        return [(key, layer) for key, layer in self.layers.items() if int(key) < n]
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: DocumentMask | None = None, lookahead: torch.Tensor | None = None) -> torch.Tensor:
-        """As Decoder.forward (positions, mask: see there), over the trunk; lookahead (training
+                mask: DocumentMask | None = None, lookahead: torch.Tensor | None = None, *,
+                cache: ModelCache | None = None) -> torch.Tensor:
+        """As Decoder.forward (positions, mask, cache: see there), over the trunk; lookahead (training
         with multi-token prediction, see objectives/causal_lm.py lookahead_targets) adds the prediction
         modules' loss to the objective."""
         h = self.embed(tokens, positions) if self.tok_embeddings is not None else tokens
         rope = self.rotary_angles(positions)
-        for layer in self.trunk():
-            h = layer(h, rope, mask)
+        if cache is None:
+            for layer in self.trunk():
+                h = layer(h, rope, mask)
+        else:
+            for key, layer in self.cached_layers():
+                h = layer(h, rope, mask, cache=cache.layer(key))
+            h = last_prompt_tokens(h, cache)
         if self.output is None:
             return self.norm(h) if self.norm is not None else h
         predictors = self.predictors()

@@ -243,15 +243,26 @@ class HybridBlock(nn.Module):
         setattr(self, self.mixer_name, mixer)
         self.init = init
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None, *,
+                cache=None) -> torch.Tensor:
+        """cache: the mixer's decoding state when generating (attention's keys and values, a Mamba-2
+        state), None in training and for MLP / MoE layers."""
         h = self.norm(x)
         if self.kind == "*":
-            out = self.attention(h, rope, mask)
+            out = self.attention(h, rope, mask) if cache is None else self.attention(h, rope, mask, cache=cache)
         elif self.kind == "M":
-            out = self.mamba(h, mask)  # positionally: its tensor-parallel style prepares both inputs
+            # positionally: its tensor-parallel style prepares both inputs
+            out = self.mamba(h, mask) if cache is None else self.mamba(h, mask, cache=cache)
         else:
             out = getattr(self, self.mixer_name)(h)
         return x + out
+
+    def new_cache(self, cache, dtype: torch.dtype):
+        """The mixer's decoding state: attention's keys and values, a Mamba-2 conv and SSM state;
+        None for MLP and MoE layers, which keep nothing between tokens."""
+        if self.kind in ("*", "M"):
+            return getattr(self, self.mixer_name).new_cache(cache, dtype)
+        return None
 
     def init_weights(self, *, seed: int, prefix: str) -> None:
         init_norm(self.norm)

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, check_divisible
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.common.init import normal_, ones_
+from titanlike.models.common.kv_cache import ModelCache, local_rows
 
 FEED_FORWARD_VARIANTS = ("gated-gelu", "relu")
 
@@ -241,9 +242,23 @@ class T5Attention(nn.Module):
             normal_(getattr(self, name).weight, std=std, seed=seed, fqn=f"{prefix}{name}.weight")
 
 
+    def _heads(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(x).view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
+
+    def _attend_cached(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        q = self._heads(self.wq, x)
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=bias.to(q.dtype), scale=1.0)
+        return self.wo(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
 class SelfAttention(T5Attention):
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return self.attend(x, x, bias)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, *, cache: T5LayerCache | None = None) -> torch.Tensor:
+        if cache is None:
+            return self.attend(x, x, bias)
+        c = cache.cache
+        c.write(cache.k, self._heads(self.wk, x), dim=2)
+        c.write(cache.v, self._heads(self.wv, x), dim=2)
+        return self._attend_cached(x, c.read(cache.k, 2), c.read(cache.v, 2), bias)
 
 
 class CrossAttention(T5Attention):
@@ -251,8 +266,27 @@ class CrossAttention(T5Attention):
     # the sharding's gather_input style all-gathers this many leading inputs (models/protocol.py).
     sequence_inputs = 2
 
-    def forward(self, x: torch.Tensor, encoder_out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return self.attend(x, encoder_out, bias)
+    def forward(self, x: torch.Tensor, encoder_out: torch.Tensor | None, bias: torch.Tensor, *,
+                cache: T5LayerCache | None = None) -> torch.Tensor:
+        if cache is None:
+            return self.attend(x, encoder_out, bias)
+        if cache.cross_k is None:  # the prefill: the encoder's keys and values, once per layer
+            cache.cross_k, cache.cross_v = self._heads(self.wk, encoder_out), self._heads(self.wv, encoder_out)
+        return self._attend_cached(x, cache.cross_k, cache.cross_v, bias)
+
+
+class T5LayerCache:
+    """A decoder layer's state while generating: its self-attention's keys and values (one slot per
+    decoder token) and its cross-attention's keys and values of the encoder's output, computed once
+    at the prefill."""
+
+    def __init__(self, cache: ModelCache, heads: int, head_dim: int, dtype: torch.dtype):
+        self.cache = cache
+        shape = (cache.batch_size, heads, cache.capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=cache.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=cache.device)
+        self.cross_k: torch.Tensor | None = None
+        self.cross_v: torch.Tensor | None = None
 
 
 class T5FeedForward(nn.Module):
@@ -291,10 +325,15 @@ class T5Block(nn.Module):
         self.feed_forward = T5FeedForward(args.dim, args.ffn_hidden_dim, gated=args.gated)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, encoder_out: torch.Tensor | None = None,
-                cross_bias: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), bias)
-        if self.cross_attention is not None:
-            h = h + self.cross_attention(self.cross_attention_norm(h), encoder_out, cross_bias)
+                cross_bias: torch.Tensor | None = None, *, cache: T5LayerCache | None = None) -> torch.Tensor:
+        """cache: a decoder block's state when generating (T5LayerCache), else None."""
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), bias)
+            if self.cross_attention is not None:
+                h = h + self.cross_attention(self.cross_attention_norm(h), encoder_out, cross_bias)
+        else:
+            h = x + self.attention(self.attention_norm(x), bias, cache=cache)
+            h = h + self.cross_attention(self.cross_attention_norm(h), encoder_out, cross_bias, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, args: T5Args, *, seed: int, prefix: str) -> None:
@@ -373,6 +412,66 @@ class T5(nn.Module):
         for block in blocks[n_enc:]:
             h = block(h, bias, encoder_out, cross_bias)
         h = self.norm(h)
+        if self.model_args.scale_decoder_outputs:
+            h = h * self.model_args.dim**-0.5
+        return self.output(h)
+
+    # Generation (models/protocol.py: init_cache, prefill, decode_step) ---------------------------
+    # The prompt is the encoder's input; the decoder starts from start_id (the pad id, HF's
+    # decoder_start_token_id) and the cache holds the decoder's tokens.
+
+    def init_cache(self, batch_size: int, capacity: int, *, device: torch.device | str,
+                   dtype: torch.dtype) -> ModelCache:
+        cache = ModelCache(batch_size, capacity, device)
+        for key, block in list(self.layers.items())[self.model_args.n_encoder_layers:]:
+            heads = local_rows(block.attention.wk.weight) // self.model_args.head_dim
+            cache.layers[key] = T5LayerCache(cache, heads, self.model_args.head_dim, dtype)
+        return cache
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: ModelCache, *,
+                start_id: int | None = None) -> torch.Tensor:
+        """tokens (batch, P): the encoder's right-padded inputs of `lengths` real tokens, run once;
+        then the decoder's start token start_id (the pad id the model was trained with, as the
+        span-corruption samples start their decoder inputs; None: 0, T5's). Returns the logits
+        (batch, vocab) of the first new token."""
+        start_id = 0 if start_id is None else start_id
+        n_enc = self.model_args.n_encoder_layers
+        seq = tokens.shape[1]
+        real = (torch.arange(seq, device=tokens.device)[None, :] < lengths[:, None])[:, None, None, :]
+        h = self.tok_embeddings(tokens)
+        bias = masked_bias(self.encoder_relative_bias(seq), real)
+        for block in list(self.layers.values())[:n_enc]:
+            h = block(h, bias)
+        encoder_out = self.encoder_norm(h)
+        cache.extra["cross_bias"] = masked_bias(torch.zeros((), dtype=bias.dtype, device=bias.device), real)
+        cache.begin_prefill(torch.ones_like(lengths), 1)
+        start = torch.full((tokens.shape[0], 1), start_id, dtype=torch.long, device=tokens.device)
+        logits = self._decoder(start, self.decoder_relative_bias(1), cache, encoder_out)
+        cache.end_prefill()
+        return logits
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        cache.begin_decode()
+        # The new token of each row at position lengths[i] against the slots in use.
+        keys = torch.arange(cache.slots_in_use, device=tokens.device)
+        buckets = relative_position_bucket(keys[None, :] - cache.lengths[:, None], bidirectional=False,
+                                           num_buckets=self.decoder_relative_bias.num_buckets,
+                                           max_distance=self.decoder_relative_bias.max_distance)
+        table = self.decoder_relative_bias.weight
+        table = table.to_local() if isinstance(table, DTensor) else table
+        bias = masked_bias(table[:, buckets].transpose(0, 1)[:, :, None, :], cache.decode_mask)
+        logits = self._decoder(tokens[:, None], bias, cache, None)
+        cache.end_decode()
+        return logits
+
+    def _decoder(self, tokens: torch.Tensor, bias: torch.Tensor, cache: ModelCache,
+                 encoder_out: torch.Tensor | None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for key, block in list(self.layers.items())[self.model_args.n_encoder_layers:]:
+            h = block(h, bias, encoder_out, cache.extra["cross_bias"], cache=cache.layer(key))
+        h = self.norm(h[:, -1])
         if self.model_args.scale_decoder_outputs:
             h = h * self.model_args.dim**-0.5
         return self.output(h)

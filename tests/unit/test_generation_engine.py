@@ -1,0 +1,204 @@
+"""The generation engine's own rules (titanlike/inference), and scripts/generate.py on them.
+
+- Sampling: repetition penalty, temperature, top-k and top-p give transformers' logits processors'
+  and warpers' scores on the same logits; a seed makes samples reproducible.
+- The engine: a batch gives each row what it gives alone; a row ends at a stop token (kept last),
+  a stop string (cut from the text), max_new_tokens or the context, each with its reason; streamed
+  text pieces add up to the final text.
+- The program: batched and streamed output agree, prompts come from a JSONL file, chat mode renders
+  the chat template, the speed goes to stderr, and every bad value is one sentence.
+Families against transformers' generate: tests/conformance/test_generation.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from family_checks import materialize
+from titanlike.inference import Engine, GenerationError, SamplingParams
+from titanlike.inference.sampling import apply_repetition_penalty, filter_top_k, filter_top_p, next_tokens
+from titanlike.models.registry import get_model_spec
+
+
+@pytest.fixture(scope="module")
+def model():
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], vocab_size=256, n_layers=2, max_seq_len=40)
+    return materialize(spec.model_cls, args, seed=0).eval()
+
+
+# ---------------------------------------------------------------- sampling against transformers
+
+
+def test_filters_equal_transformers_processors():
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g) * 3
+    history = torch.randint(0, 50, (4, 6), generator=g)
+    seen = torch.zeros(4, 50, dtype=torch.bool).scatter_(1, history, True)
+
+    want = transformers.RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits, seen, 1.3), want)
+    for k in (1, 5, 49):
+        want = transformers.TopKLogitsWarper(k)(history, logits.clone())
+        assert torch.equal(filter_top_k(logits, k), want)
+    for p in (0.05, 0.5, 0.9):
+        want = transformers.TopPLogitsWarper(p)(history, logits.clone())
+        assert torch.equal(filter_top_p(logits, p).isinf(), want.isinf()), p
+        assert torch.equal(filter_top_p(logits, p)[~want.isinf()], want[~want.isinf()])
+
+
+def test_sampling_is_seeded_and_greedy_is_the_argmax():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 40, generator=g)
+    params = SamplingParams(temperature=0.7, top_k=10, top_p=0.9)
+    draw = lambda seed: next_tokens(logits, params, seen=None, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    assert torch.equal(draw(5), draw(5))
+    assert torch.equal(next_tokens(logits, SamplingParams(), seen=None, generator=None), logits.argmax(-1))
+    # top_k 1 leaves one token whatever the temperature.
+    one = SamplingParams(temperature=2.0, top_k=1)
+    assert torch.equal(next_tokens(logits, one, seen=None, generator=torch.Generator().manual_seed(0)),
+                       logits.argmax(-1))
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("temperature", -0.5, "temperature must be a finite number >= 0"),
+    ("temperature", float("nan"), "temperature must be"),
+    ("top_p", 0.0, "top_p must be a number in (0, 1]"),
+    ("top_p", 1.5, "top_p must be a number in (0, 1]"),
+    ("top_k", -1, "top_k must be an integer >= 0"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0"),
+    ("max_new_tokens", 0, "max_new_tokens must be an integer of at least 1"),
+    ("stop_strings", ("",), "stop_strings must be non-empty strings"),
+])
+def test_a_sampling_value_out_of_range_is_one_sentence(field, value, words):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: value})
+    assert str(e.value).startswith(words) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def test_a_batch_gives_each_row_what_it_gives_alone_and_rows_end_on_their_own(model):
+    engine = Engine(model)
+    prompts = [[5, 9, 17, 3, 44, 12, 8], [7, 31, 90], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109]]
+    alone = [engine.generate([p], SamplingParams(max_new_tokens=8))[0][0].tokens for p in prompts]
+    batch, stats = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert [c.tokens for c in batch] == alone
+    assert stats.new_tokens == 24 and stats.time_to_first_token > 0
+
+    # A stop token ends its row (kept last), the others go on; reasons per row.
+    stop = alone[1][2]
+    ended, _ = engine.generate(prompts, SamplingParams(max_new_tokens=8, stop_token_ids={stop}))
+    assert ended[1].tokens == alone[1][:alone[1].index(stop) + 1] and ended[1].finish_reason == "stop"
+    for row in (0, 2):
+        want = alone[row][:alone[row].index(stop) + 1] if stop in alone[row] else alone[row]
+        assert ended[row].tokens == want
+
+    # The context (40 tokens) ends a row: prompt + new tokens never exceed it.
+    long_prompt = list(range(3, 38))
+    (full,), _ = engine.generate([long_prompt], SamplingParams(max_new_tokens=20))
+    assert len(full.tokens) == 40 - 35 and full.finish_reason == "context"
+
+
+def test_stop_strings_cut_the_text_and_streamed_pieces_add_up(model):
+    engine = Engine(model)
+    text = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731  a detokenizer whose pieces are visible
+    prompt = [5, 9, 17, 3]
+    (plain,), _ = engine.generate([prompt], SamplingParams(max_new_tokens=6), detokenize=text)
+    assert plain.text == text(plain.tokens) and plain.finish_reason == "length"
+    stop = f"<{plain.tokens[3]}>"
+    pieces = []
+    (cut,), _ = engine.generate([prompt], SamplingParams(max_new_tokens=6, stop_strings=(stop,)), detokenize=text,
+                                on_text=lambda row, piece: pieces.append(piece))
+    assert cut.text == text(plain.tokens)[:text(plain.tokens).index(stop)] and cut.finish_reason == "stop"
+    assert "".join(pieces) == cut.text
+
+
+def test_bad_prompts_are_one_sentence(model):
+    engine = Engine(model)
+    for prompts, words in (([[]], "the prompt is empty"), ([[1, 2], []], "prompt 2 is empty"),
+                           ([list(range(40))], "has 40 tokens, which leaves no room in the model's context of 40"),
+                           ([], "no prompts")):
+        with pytest.raises(GenerationError) as e:
+            engine.generate(prompts, SamplingParams())
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- scripts/generate.py
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A random GPT-2 (its context is its position table: 48) with the debug tokenizer, written as a
+    Hugging Face folder."""
+    from titanlike.checkpoint.format import write_hf
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+
+    tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
+    spec = get_model_spec("gpt2")
+    args = dataclasses.replace(spec.flavors["debugmodel"], vocab_size=tokenizer.vocab_size, n_layers=2, dim=64,
+                               n_heads=4, max_seq_len=48)
+    folder = tmp_path_factory.mktemp("hf")
+    write_hf(materialize(spec.model_cls, args).state_dict(), spec, args, str(folder), context_len=48,
+             bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, tokenizer_path=DEFAULT_TOKENIZER_PATH)
+    return folder
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    from titanlike.cli import generate
+
+    rc = generate.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_the_program_batches_streams_and_reads_a_prompts_file(hf_folder, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"In the beginning"\n{"prompt": "And God said"}\n\n{"prompt": "Let"}\n')
+    greedy = ("--temperature", "0", "--max-new-tokens", "6")
+    rc, streamed, err = _run(capsys, hf_folder, "--prompts-file", prompts, *greedy)
+    assert rc == 0 and "tokens/s" in err and "first token after" in err, err
+    rc, batched, _ = _run(capsys, hf_folder, "--prompts-file", prompts, "--batch-size", "3", *greedy)
+    assert rc == 0 and batched == streamed
+    lines = streamed.splitlines()
+    assert len(lines) == 3 and lines[1].startswith("And God said")
+
+    # Sampling with every option, reproducible from the seed.
+    sampled = ("--prompt", "In the beginning", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.8",
+               "--repetition-penalty", "1.2", "--seed", "3", "--max-new-tokens", "6")
+    assert _run(capsys, hf_folder, *sampled)[1] == _run(capsys, hf_folder, *sampled)[1]
+
+    # Chat mode: the llama3 template's turn, the answer after "> ".
+    rc, out, _ = _run(capsys, hf_folder, "--chat", "--prompt", "hello", *greedy)
+    assert rc == 0 and out.startswith("hello\n> "), out
+
+
+@pytest.mark.parametrize("argv,words", [
+    (("--prompt", ""), "--prompt is empty"),
+    (("--top-p", "1.5"), "--top-p must be a number in (0, 1]"),
+    (("--temperature", "-1"), "--temperature must be a finite number >= 0"),
+    (("--repetition-penalty", "0"), "--repetition-penalty must be a finite number > 0"),
+    (("--max-new-tokens", "0"), "--max-new-tokens must be an integer of at least 1"),
+    (("--batch-size", "0"), "--batch-size must be at least 1"),
+    (("--stop-token", "999999"), "--stop-token 999999 is not a token id"),
+    (("--prompt", "word " * 60), "which leaves no room in the model's context of 48 tokens"),
+])
+def test_bad_input_is_one_sentence(hf_folder, capsys, argv, words):
+    rc, out, err = _run(capsys, hf_folder, *argv)
+    assert rc == 1 and out == "" and err.startswith("error: ") and words in err, err
+    assert err.strip().count("\n") == 0, err
+
+
+def test_a_bad_prompts_file_is_one_sentence(hf_folder, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('"fine"\n{"text": 3}\n')
+    rc, _, err = _run(capsys, hf_folder, "--prompts-file", bad)
+    assert rc == 1 and "line 2 is not a string" in err and err.strip().count("\n") == 0, err
+    bad.write_text("not json\n")
+    assert "line 1 is not JSON" in _run(capsys, hf_folder, "--prompts-file", bad)[2]

@@ -1,0 +1,237 @@
+"""Generation with a KV cache: prefill the prompts in one pass, then one token per row per step.
+
+The engine knows a model only through the generation hooks of models/protocol.py (init_cache,
+prefill, decode_step): the family owns its cache (attention keys and values, MLA's latent, Mamba-2
+states, T5's encoder output and decoder caches) and what a prompt means to it (T5: the encoder's
+input, the decoder starting from its start token). Prompts of different lengths go in one batch
+with per-row lengths (models/common/kv_cache.py): no left padding, no position shifting.
+
+Each row ends on its own (stop token, stop string, max_new_tokens, the context); the batch steps
+until every row has ended. Rows that ended keep being computed (their tokens are dropped) so the
+step keeps its shapes: a server refilling such rows is the next layer up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from titanlike.inference.sampling import SamplingParams, next_tokens
+from titanlike.models import protocol
+
+
+class GenerationError(ValueError):
+    """A request the model cannot serve (one sentence)."""
+
+
+@dataclass
+class Completion:
+    """One prompt's continuation. tokens: the new token ids (a stop token, when one ended it, last);
+    text: their text without the stop token and cut before a stop string (when a detokenizer was
+    given); finish_reason: "stop" (a stop token or string), "length" (max_new_tokens) or "context"
+    (the model's context is full)."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationStats:
+    """Timings of one generate call (seconds) and token counts."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+    decode_steps: int = 0
+    first_step_tokens: int = 0  # the rows that got their first token from the prefill
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens of all rows per second of the whole call (prefill included)."""
+        return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the decode steps (after the first token)."""
+        decode_time = self.total_time - self.time_to_first_token
+        return (self.new_tokens - self.first_step_tokens) / decode_time if decode_time > 0 else 0.0
+
+
+class _TextStream:
+    """A row's text so far, released only where it is final: not inside a multi-byte character
+    still being spelled out, and not a possible start of a stop string."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str], stop_strings: tuple[str, ...]):
+        self.detokenize, self.stop_strings = detokenize, stop_strings
+        self.released = 0
+        self.text = ""
+
+    def update(self, tokens: list[int]) -> tuple[str, bool]:
+        """(text newly final, whether a stop string appeared)."""
+        text = self.detokenize(tokens)
+        for stop in self.stop_strings:
+            at = text.find(stop, max(0, self.released - len(stop)))
+            if at >= 0:
+                self.text = text[:at]
+                return self._release(at), True
+        self.text = text
+        end = len(text.rstrip("\ufffd"))  # a replacement char at the end: a character in progress
+        for stop in self.stop_strings:
+            for n in range(min(len(stop) - 1, end), 0, -1):
+                if text[:end].endswith(stop[:n]):
+                    end -= n
+                    break
+        return self._release(end), False
+
+    def finish(self) -> str:
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        delta = self.text[self.released:end] if end > self.released else ""
+        self.released = max(self.released, end)
+        return delta
+
+
+class Engine:
+    """Generation for one model (one process, or one tensor-parallel rank of several: every rank
+    runs the same steps and draws the same samples from the same seed)."""
+
+    def __init__(self, model: nn.Module, *, context_len: int | None = None, start_id: int | None = None):
+        """context_len: the longest sequence (default: the model's context). start_id: the decoder
+        start token of an encoder-decoder model (its pad id; None: the model's default)."""
+        hooks = protocol.generation_hooks(model)
+        if hooks is None:
+            raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder to continue a "
+                                  "prompt with (an encoder-only model such as BERT predicts masked tokens); use a "
+                                  "decoder or encoder-decoder checkpoint")
+        self.model = model.eval()
+        self.init_cache, self.prefill, self.decode_step = hooks
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.context_len = context_len or model.model_args.context_len
+        self.start_id = start_id
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """GenerationError, one sentence, for prompts the model cannot continue."""
+        if not prompts:
+            raise GenerationError("no prompts were given")
+        for i, prompt in enumerate(prompts):
+            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
+            if len(prompt) == 0:
+                raise GenerationError(f"{which} is empty: give at least one token (a BOS token for an empty text)")
+            if len(prompt) >= self.context_len:
+                raise GenerationError(f"{which} has {len(prompt)} tokens, which leaves no room in the model's context "
+                                      f"of {self.context_len} tokens; shorten it to at most {self.context_len - 1}")
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 on_text: Callable[[int, str], None] | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> tuple[list[Completion], GenerationStats]:
+        """Continue every prompt (lists of token ids). detokenize (token ids -> text) gives each
+        completion its text and makes stop strings work; on_text(row, text) receives each row's text
+        as it becomes final (streaming), on_token(row, id) each new token."""
+        self.check_prompts(prompts)
+        if params.stop_strings and detokenize is None:
+            raise GenerationError("stop strings need a detokenizer (token ids -> text)")
+        started = time.perf_counter()
+        batch = len(prompts)
+        lengths = [len(p) for p in prompts]
+        longest = max(lengths)
+        capacity = min(self.context_len, longest + params.max_new_tokens)
+        tokens = torch.zeros(batch, longest, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+        tokens = tokens.to(self.device)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        cache = self.init_cache(batch, capacity, device=self.device, dtype=self.dtype)
+        logits = self.prefill(tokens, torch.tensor(lengths, device=self.device), cache, start_id=self.start_id)
+        seen = None
+        if params.repetition_penalty != 1.0:
+            # (batch, vocab): the tokens each row holds, which the penalty discourages.
+            seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=self.device)
+            for row, prompt in enumerate(prompts):
+                seen[row, torch.as_tensor(list(prompt), device=self.device)] = True
+        completions = [Completion() for _ in prompts]
+        streams = [_TextStream(detokenize, params.stop_strings) if detokenize else None for _ in prompts]
+        stats = GenerationStats(prompt_tokens=sum(lengths))
+        active = list(range(batch))
+        step = 0
+        while True:
+            chosen = next_tokens(logits, params, seen=seen, generator=generator)
+            if seen is not None:
+                seen.scatter_(1, chosen[:, None], True)
+            ids = chosen.tolist()  # the one host sync of a step
+            if step == 0:
+                stats.time_to_first_token = time.perf_counter() - started
+                stats.first_step_tokens = len(active)
+            still = []
+            for row in active:
+                done = self._append(row, ids[row], completions[row], streams[row], params, lengths[row], on_text,
+                                    on_token)
+                if not done:
+                    still.append(row)
+            active = still
+            step += 1
+            if not active:
+                break
+            logits = self.decode_step(chosen, cache)
+            stats.decode_steps += 1
+        for row, completion in enumerate(completions):
+            if streams[row] is not None:
+                rest = streams[row].finish()
+                if rest and on_text is not None:
+                    on_text(row, rest)
+                completion.text = streams[row].text
+        stats.new_tokens = sum(len(c.tokens) for c in completions)
+        stats.total_time = time.perf_counter() - started
+        return completions, stats
+
+    def _append(self, row: int, token: int, completion: Completion, stream: _TextStream | None,
+                params: SamplingParams, prompt_len: int, on_text, on_token) -> bool:
+        """Record a row's new token; True when the row has ended."""
+        completion.tokens.append(token)
+        if on_token is not None:
+            on_token(row, token)
+        if token in params.stop_token_ids:
+            completion.finish_reason = "stop"
+            if stream is not None:
+                stream.text = stream.detokenize(completion.tokens[:-1])
+            return True
+        if stream is not None:
+            delta, stopped = stream.update(completion.tokens)
+            if delta and on_text is not None:
+                on_text(row, delta)
+            if stopped:
+                completion.finish_reason = "stop"
+                return True
+        if len(completion.tokens) >= params.max_new_tokens:
+            completion.finish_reason = "length"
+            return True
+        if prompt_len + len(completion.tokens) >= self.context_len:
+            completion.finish_reason = "context"
+            return True
+        return False
+
+
+@torch.no_grad()
+def uncached_logits(model: nn.Module, prompt: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+    """The reference a cache must equal: the logits (len(continuation) + 1, vocab) of the token after
+    prompt + continuation[:i] for every i, each from a full forward over the whole sequence."""
+    from titanlike.models.outputs import logits_of
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt) + list(continuation)], device=device)
+    logits = logits_of(model(ids))[0].float()
+    return logits[len(prompt) - 1:]
+
+
+__all__ = ["Completion", "Engine", "GenerationError", "GenerationStats", "uncached_logits"]

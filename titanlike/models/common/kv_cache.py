@@ -1,0 +1,143 @@
+"""Decoding state for generation: one ModelCache per batch, one entry per layer that carries state.
+
+The layout (gpt-fast's static cache, with per-sequence lengths as Megatron-Core's dynamic engine keeps):
+every row of the batch has its own length (`lengths`, the tokens cached so far), so prompts of
+different lengths need no left padding and a row's slot can later be refilled on its own.
+
+- Prefill: the prompts go in right-padded to one length P (tokens past a row's length are
+  placeholders). Causal attention never lets a real token see a later placeholder, so every layer
+  computes the prompt exactly as the training forward does and writes its state for slots 0..P-1;
+  placeholders' slots are overwritten by the decode steps that follow. What is not positional
+  (a Mamba-2 state) reads the row's length to stop at its last real token.
+- Decode: one token per row at position lengths[i], written to slot lengths[i]; attention reads
+  slots 0..lengths[i] of its row (a boolean mask over the slots in use).
+
+A layer's cache object is its family's: keys and values (KVCache, here), the compressed latent of
+multi-head latent attention (deepseek_v3/attention.py), the conv and SSM state of a Mamba-2 mixer
+(common/mamba2.py), a T5 decoder layer's self-attention and cross-attention (t5/model.py). The model
+builds them in its `init_cache` (models/protocol.py) and hands each layer its own in the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+
+class ModelCache:
+    """The decoding state of a batch: per-row lengths, the step in progress, and each layer's cache."""
+
+    def __init__(self, batch_size: int, capacity: int, device: torch.device | str):
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.layers: dict[str, object] = {}
+        # Set by begin_prefill / begin_decode for the forward in progress.
+        self.prefilling = False
+        self.prompt_lengths: torch.Tensor | None = None  # (batch,) real tokens of each padded prompt
+        self.slots_in_use = 0  # host-side: slots any row may read in this step (no device sync)
+        self.host_max_length = 0  # host-side upper bound of the longest row's length
+        self._mask: torch.Tensor | None = None
+        # A family's own entries that are not layers (T5: the encoder's padding mask).
+        self.extra: dict[str, object] = {}
+
+    def layer(self, key: str):
+        """The cache of layer `key`, or None for a layer that keeps none (an MLP)."""
+        return self.layers.get(key)
+
+    def begin_prefill(self, prompt_lengths: torch.Tensor, padded_len: int) -> None:
+        if padded_len > self.capacity:
+            raise ValueError(f"a prompt of {padded_len} tokens does not fit a cache of {self.capacity} slots")
+        self.prefilling = True
+        self.prompt_lengths = prompt_lengths.to(self.device)
+        self.slots_in_use = padded_len
+        self._mask = None
+
+    def end_prefill(self) -> None:
+        self.lengths = self.prompt_lengths.clone()
+        self.host_max_length = self.slots_in_use
+        self.prefilling = False
+
+    def begin_decode(self) -> None:
+        if self.host_max_length >= self.capacity:
+            raise ValueError(f"the cache of {self.capacity} slots is full")
+        self.slots_in_use = self.host_max_length + 1
+        # (batch, 1, 1, slots): a row reads its own tokens, the new one included.
+        slots = torch.arange(self.slots_in_use, device=self.device)
+        self._mask = (slots[None, :] <= self.lengths[:, None])[:, None, None, :]
+
+    def end_decode(self) -> None:
+        self.lengths = self.lengths + 1
+        self.host_max_length += 1
+
+    @property
+    def decode_mask(self) -> torch.Tensor:
+        """(batch, 1, 1, slots in use) bool: which slots the new token of each row attends to."""
+        return self._mask
+
+    def positions(self) -> torch.Tensor:
+        """(batch, 1): the position of each row's new token in a decode step."""
+        return self.lengths[:, None]
+
+    def write(self, buffer: torch.Tensor, value: torch.Tensor, dim: int) -> None:
+        """Store `value` in `buffer` along the slot dim `dim` (batch first): slots 0..P-1 in a
+        prefill, slot lengths[i] of row i in a decode step."""
+        if self.prefilling:
+            buffer.narrow(dim, 0, value.shape[dim]).copy_(value)
+            return
+        rows = torch.arange(self.batch_size, device=self.device)
+        index = [rows] + [slice(None)] * (dim - 1) + [self.lengths]
+        buffer[tuple(index)] = value.select(dim, 0).to(buffer.dtype)
+
+    def read(self, buffer: torch.Tensor, dim: int) -> torch.Tensor:
+        """The slots in use of `buffer` along dim `dim`."""
+        return buffer.narrow(dim, 0, self.slots_in_use)
+
+
+class KVCache:
+    """Keys and values of one grouped-query attention layer: (batch, kv_heads, capacity, head_dim) each."""
+
+    def __init__(self, cache: ModelCache, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 v_head_dim: int | None = None):
+        self.cache = cache
+        shape = (cache.batch_size, kv_heads, cache.capacity)
+        self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=cache.device)
+        self.v = torch.zeros(*shape, v_head_dim or head_dim, dtype=dtype, device=cache.device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill_kernel, *,
+               scale: float | None = None) -> torch.Tensor:
+        """Attention of q (batch, heads, seq, head_dim) with the new k, v (batch, kv_heads, seq,
+        head_dim) stored first. In a prefill the prompt attends to itself with `prefill_kernel` (the
+        module's training kernel, so the numbers are the training forward's); in a decode step the
+        one new token attends to its row's slots."""
+        c = self.cache
+        c.write(self.k, k, dim=2)
+        c.write(self.v, v, dim=2)
+        if c.prefilling:
+            return prefill_kernel(q, k, v)
+        keys, values = c.read(self.k, 2), c.read(self.v, 2)
+        kwargs = {} if scale is None else {"scale": scale}
+        if keys.shape[1] != q.shape[1]:
+            kwargs["enable_gqa"] = True
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=c.decode_mask,
+                                              **kwargs)
+
+
+def local_rows(weight: torch.Tensor) -> int:
+    """Rows of a weight this rank holds (a tensor-parallel DTensor's local shard; a plain tensor whole)."""
+    return (weight.to_local() if isinstance(weight, DTensor) else weight).shape[0]
+
+
+def last_prompt_tokens(h: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+    """In a prefill, the hidden state (batch, 1, dim) of each row's last real prompt token: the only
+    one whose logits generation needs (the output projection is then one row per prompt). In a
+    decode step, h itself."""
+    if not cache.prefilling:
+        return h
+    rows = torch.arange(h.shape[0], device=h.device)
+    return h[rows, cache.prompt_lengths - 1][:, None]
+
+
+__all__ = ["KVCache", "ModelCache", "last_prompt_tokens", "local_rows"]
