@@ -105,6 +105,10 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.now)
         self.high = max(self.high, self.now)
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
     def reset(self) -> tuple[int, int]:
         """(now, peak since the last reset), and start a new peak."""
         out = (self.now, self.peak)
@@ -139,7 +143,7 @@ class LiveBytes(TorchDispatchMode):
         else:
             out = func(*args, **(kwargs or {}))
         # DTensor's sharding propagation runs ops in a fake mode of its own: they allocate nothing.
-        if _active_fake() is self._fake:
+        if _active_fake() is self._fake and not _fused:
             # An output sharing an input's storage (a view, an in-place op) allocated nothing.
             given = {st._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                      for st in get_untyped_storages(t)}
@@ -164,6 +168,10 @@ class AssumedValues(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.values = WeakIdKeyDictionary()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -280,6 +288,66 @@ def collective_buffers(live: LiveBytes, pools: dict[str, list[int]]):
     finally:
         for name, fn in originals.items():
             setattr(group, name, fn)
+
+
+# Set while a compiled graph runs a node inductor would fuse into its consumers: its output is no buffer.
+_fused: list = []
+_REDUCTIONS = {aten.sum, aten.amax, aten.amin, aten.mean, aten.var_mean, aten.prod, aten.max, aten.min,
+               aten.argmax, aten.argmin, aten.any, aten.all}
+_INLINED = {aten._to_copy.default, aten.clone.default, aten.where.self, aten.gather.default, aten.index.Tensor,
+            torch.ops.prims.convert_element_type.default}
+
+
+def _inlined(n) -> bool:
+    t = n.target
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    # A constant, and a scatter into one (cross-entropy's one-hot): inductor makes that a pointwise compare.
+    return t in _INLINED or torch.Tag.pointwise in t.tags or t is aten.full.default or (
+        t is aten.scatter.value and getattr(n.args[0], "target", None) is aten.full.default)
+
+
+def _read_inline(n) -> bool:
+    """Whether every read of n's value (through views) is by a node that inlines it."""
+    return all(_read_inline(u) if getattr(u.target, "is_view", False) else
+               _inlined(u) or getattr(u.target, "overloadpacket", None) in _REDUCTIONS for u in n.users)
+
+
+def _fused_runner(gm, example_inputs):
+    """Run a partitioned forward or backward graph node by node as inductor would allocate it: a pointwise
+    node read only by pointwise nodes and reductions is fused into them (no buffer); every other node's
+    output is one (matmuls and other library kernels, reductions, what the graph returns or saves)."""
+    fused = {n for n in gm.graph.nodes if _inlined(n) and n.users and _read_inline(n)}
+
+    class Run(torch.fx.Interpreter):
+        def run_node(self, n):
+            if n not in fused:
+                return super().run_node(n)
+            _fused.append(n)
+            try:
+                return super().run_node(n)
+            finally:
+                _fused.pop()
+
+    def run(args):
+        return Run(gm).boxed_run(args)
+
+    run._boxed_call = True
+    return run
+
+
+def partitioned_backend(gm, example_inputs):
+    """A torch.compile backend for the probe: AOT autograd with inductor's decompositions and its min-cut
+    partitioner (what a compiled block saves for backward), each graph run by `_fused_runner`."""
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import select_decomp_table
+
+    return aot_autograd(fw_compiler=lambda g, e: _fused_runner(g, e), bw_compiler=lambda g, e: _fused_runner(g, e), decompositions=select_decomp_table(),
+                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+                        )(gm, example_inputs)
 
 
 @contextlib.contextmanager
