@@ -87,14 +87,16 @@ class LiveBytes(TorchDispatchMode):
     def _round(self, nbytes: int) -> int:
         return -(-nbytes // self.granularity) * self.granularity
 
-    def _track(self, t: torch.Tensor, given: set = frozenset()) -> None:
+    def _track(self, t: torch.Tensor, given: set = frozenset(), summed: bool = False) -> None:
         for st in get_untyped_storages(t):
             if st in self._keys or st._cdata in given:
                 continue
             key, self._next = self._next, self._next + 1
             self._keys[st] = key
             self._bytes[key] = n = self._round(st.nbytes())
-            self._add(n)
+            self.now += n
+            if not summed:
+                self._add(0)
             weakref.finalize(st, self._free, key)
 
     def _free(self, key: int) -> None:
@@ -104,6 +106,10 @@ class LiveBytes(TorchDispatchMode):
         self.now += n
         self.peak = max(self.peak, self.now)
         self.high = max(self.high, self.now)
+
+    # A compiled graph runs as it is traced (estimation.fake.partitioned_backend), higher-order operators
+    # included (run_and_save_rng_state, where checkpointed recompute replays a random op).
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -147,9 +153,14 @@ class LiveBytes(TorchDispatchMode):
             # An output sharing an input's storage (a view, an in-place op) allocated nothing.
             given = {st._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                      for st in get_untyped_storages(t)}
+            # Autograd sums two gradients of one tensor out of place for a fake tensor (a subclass), in
+            # place into the first for a real one it alone holds, as on the GPU: that sum raises no peak
+            # unless the first outlives it (then the next allocation counts both).
+            summed = (func is aten.add.Tensor and not torch.is_grad_enabled()
+                      and torch._C._current_graph_task_id() != -1 and len(args) == 2 and not kwargs)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
-                    self._track(t, given)
+                    self._track(t, given, summed)
         return out
 
 
@@ -169,6 +180,8 @@ class AssumedValues(TorchDispatchMode):
         super().__init__()
         self.values = WeakIdKeyDictionary()
 
+    supports_higher_order_operators = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
@@ -179,6 +192,8 @@ class AssumedValues(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(t is DTensor for t in types_):
             return NotImplemented
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         if func in _READS:
             with unset_fake_temporarily():
                 value = self.values[args[0]].item() if args[0] in self.values else 1
@@ -241,28 +256,18 @@ class AssumedValues(TorchDispatchMode):
         return out
 
 
-class _FusedAttention(torch.autograd.Function):
-    """What CUDA's fused SDPA kernels keep for backward: q, k, v, the output, the fp32 log-sum-exp of
-    each query row, and a given mask or bias; nothing seq x seq."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, torch.Tensor) else []))
-        ctx.mask_grad = isinstance(mask, torch.Tensor) and mask.requires_grad
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, *_ = ctx.saved_tensors
-        mask = ctx.saved_tensors[5] if ctx.mask_grad else None
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
-            (torch.empty_like(mask) if mask is not None else None)
-
-
 def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return _FusedAttention.apply(q, k, v, attn_mask)
+    """CUDA's own fused kernels, whose fake kernels run on fake CPU tensors: flash attention (keeps q, k, v,
+    the output and the fp32 log-sum-exp of each query row) where it applies, else memory-efficient
+    attention (the same, and the mask). Autograd, activation checkpointing's op policy and the compiler's
+    partitioner see the very ops a GPU runs."""
+    if attn_mask is None and q.shape[-1] == v.shape[-1] and q.dtype in (torch.float16, torch.bfloat16):
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    if enable_gqa and k.shape[1] != q.shape[1]:  # the efficient kernel takes no grouped k/v
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
+    return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
 
 @contextlib.contextmanager
