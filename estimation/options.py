@@ -111,6 +111,9 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
         if "estimate_partitioned" not in list_backends(exclude_tags=()):
             register_backend(partitioned_backend, name="estimate_partitioned")
         est.compile.backend = "estimate_partitioned"
+        notes.append("compile: compiled graphs traced with AOT autograd and inductor's decompositions, split by its "
+                     "min-cut partitioner (what they save for backward) and run allocating what inductor's fusion "
+                     f"would (pointwise chains fused); compile.backend {cfg.compile.backend} itself is not run")
     if est.activation_checkpoint.mode == "memory_budget":
         est.activation_checkpoint.mode = "none"
         notes.append("activation_checkpoint.mode memory_budget is a compiler decision: estimated without checkpointing")

@@ -70,7 +70,9 @@ def test_what_a_probe_cannot_run_is_noted_not_refused():
     prep = prepare_job(load_job_config(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml")]), 512)
     text = " ".join(prep.notes)
     assert "float8" in text and "compile" in text and "async tensor parallel" not in text
-    assert not prep.plan.parallelize.compile_blocks and prep.plan.dims.pp == 8 and prep.plan.dims.tp == 8
+    # compile stays on, its graphs partitioned as inductor does but run by the estimator's own backend
+    assert prep.plan.parallelize.compile_blocks and prep.plan.parallelize.compile_backend == "estimate_partitioned"
+    assert prep.plan.dims.pp == 8 and prep.plan.dims.tp == 8
 
 
 # What the probe keeps ---------------------------------------------------------------------------
