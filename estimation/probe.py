@@ -286,9 +286,10 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
                 return hook
 
             # Before FSDP's own hooks: a block's window holds the gathering of its weights, forward and backward.
+            # Kept out of a compiled block's graph, as FSDP keeps its hooks: they run when the block does.
             for key, block in part.layers.items():
-                block.register_forward_pre_hook(on_input(key), prepend=True)
-                block.register_forward_hook(on_output(key), prepend=True)
+                block.register_forward_pre_hook(torch._dynamo.disable(on_input(key)), prepend=True)
+                block.register_forward_hook(torch._dynamo.disable(on_output(key)), prepend=True)
             gc.collect()
             gc.disable()  # fake tensors are freed by reference counting; the collector only costs time
             try:
