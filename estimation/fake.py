@@ -1,13 +1,22 @@
 """What running a training step on fake tensors needs: a fake process group, a count of the bytes
-the step's tensors hold, values where routing reads them, and CUDA's attention kernels on a CPU build.
+the step's tensors hold, values where routing reads them, CUDA's attention kernels on a CPU build,
+and compiled graphs as inductor would allocate them.
 
 The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones), so CPU kernels
-would run; for a GPU estimate (device "cuda") scaled dot-product attention is replaced for the probe
-by a stand-in that keeps what CUDA's fused kernels keep (q, k, v, the output, the fp32 log-sum-exp
-and a given mask or bias), where torch's CPU kernels would fall back to the math kernel and its
-seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device
-"cpu" keeps torch's CPU kernels, for comparisons with steps measured on this machine. Everything
-else runs as on CPU (e.g. a LayerNorm's statistics in the input dtype, not fp32).
+would run; for a GPU estimate (device "cuda") scaled dot-product attention calls CUDA's own flash or
+memory-efficient attention op (their fake kernels run anywhere), where torch's CPU kernels would
+fall back to the math kernel and its seq x seq probabilities for some shapes (a value width unlike
+the key's, a float bias). device "cpu" keeps torch's CPU kernels, for comparisons with steps
+measured on this machine. Everything else runs as on CPU (e.g. a LayerNorm's statistics in the
+input dtype, not fp32).
+
+Compile. The probe keeps torch.compile on with its own backend (`partitioned_backend`): dynamo and
+AOT autograd trace each compiled block (and the loss) with inductor's decompositions, and inductor's
+min-cut partitioner decides what the forward graph saves for backward (activation checkpointing's
+policies and float8 included, as dynamo hands them to it). No code is generated: each graph runs
+node by node on fake tensors, and a node's output is counted only where inductor would make it a
+buffer (`_fused_runner`). The byte-counting dispatch modes step aside while dynamo traces
+(`ignore_compile_internals`) and count when the graphs run.
 
 Mixture of experts. Routing decides tensor sizes from values (how many tokens each expert gets); a
 fake tensor has none. The probe assumes balanced routing: a second dispatch mode gives values to the
@@ -326,13 +335,11 @@ def _fused_runner(gm, example_inputs):
 
     class Run(torch.fx.Interpreter):
         def run_node(self, n):
-            if n not in fused:
-                return super().run_node(n)
-            _fused.append(n)
+            _fused[:] = [n] if n in fused else []
             try:
                 return super().run_node(n)
             finally:
-                _fused.pop()
+                _fused.clear()
 
     def run(args):
         return Run(gm).boxed_run(args)
@@ -350,9 +357,9 @@ def partitioned_backend(gm, example_inputs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.compile_fx import select_decomp_table
 
-    return aot_autograd(fw_compiler=lambda g, e: _fused_runner(g, e), bw_compiler=lambda g, e: _fused_runner(g, e), decompositions=select_decomp_table(),
-                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
-                        )(gm, example_inputs)
+    return aot_autograd(fw_compiler=_fused_runner, bw_compiler=_fused_runner, decompositions=select_decomp_table(),
+                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))(
+        gm, example_inputs)
 
 
 @contextlib.contextmanager
