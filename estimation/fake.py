@@ -3,10 +3,10 @@ the step's tensors hold, values where routing reads them, CUDA's attention kerne
 and compiled graphs as inductor would allocate them.
 
 The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones), so CPU kernels
-would run; for a GPU estimate (device "cuda") scaled dot-product attention calls CUDA's own flash or
-memory-efficient attention op (their fake kernels run anywhere), where torch's CPU kernels would
-fall back to the math kernel and its seq x seq probabilities for some shapes (a value width unlike
-the key's, a float bias). device "cpu" keeps torch's CPU kernels, for comparisons with steps
+would run; for a GPU estimate (device "cuda") scaled dot-product attention calls CUDA's own flash
+attention op (its fake kernel runs anywhere) or, with a mask or unlike head widths, a stand-in that
+keeps what the fused kernels keep, where torch's CPU kernels would fall back to the math kernel and
+its seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device "cpu" keeps torch's CPU kernels, for comparisons with steps
 measured on this machine. Everything else runs as on CPU (e.g. a LayerNorm's statistics in the
 input dtype, not fp32).
 
@@ -265,18 +265,34 @@ class AssumedValues(TorchDispatchMode):
         return out
 
 
+class _FusedAttention(torch.autograd.Function):
+    """What CUDA's fused SDPA kernels keep for backward: q, k, v, the output, the fp32 log-sum-exp of
+    each query row, and a given mask or bias; nothing seq x seq."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, torch.Tensor) else []))
+        ctx.mask_grad = isinstance(mask, torch.Tensor) and mask.requires_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, *_ = ctx.saved_tensors
+        mask = ctx.saved_tensors[5] if ctx.mask_grad else None
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
+            (torch.empty_like(mask) if mask is not None else None)
+
+
 def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """CUDA's own fused kernels, whose fake kernels run on fake CPU tensors: flash attention (keeps q, k, v,
-    the output and the fp32 log-sum-exp of each query row) where it applies, else memory-efficient
-    attention (the same, and the mask). Autograd, activation checkpointing's op policy and the compiler's
-    partitioner see the very ops a GPU runs."""
+    """CUDA's flash attention op where it applies (no mask, one head width; its fake kernel runs on fake
+    CPU tensors), so that autograd, op-level checkpointing and the compiler's partitioner see what a GPU
+    runs; else a stand-in keeping what the fused kernels keep (a compiled graph's partitioner sees no
+    use of those in its backward: masked attention under compile is counted low)."""
     if attn_mask is None and q.shape[-1] == v.shape[-1] and q.dtype in (torch.float16, torch.bfloat16):
         return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
-    if enable_gqa and k.shape[1] != q.shape[1]:  # the efficient kernel takes no grouped k/v
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill_(~attn_mask, float("-inf"))
-    return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+    return _FusedAttention.apply(q, k, v, attn_mask)
 
 
 @contextlib.contextmanager
