@@ -334,13 +334,14 @@ def _inlined(n) -> bool:
         return False
     # A constant, and a scatter into one (cross-entropy's one-hot): inductor makes that a pointwise compare.
     return t in _INLINED or torch.Tag.pointwise in t.tags or t is aten.full.default or (
-        t is aten.scatter.value and getattr(n.args[0], "target", None) is aten.full.default)
+        t is aten.scatter.value and isinstance(n.args[0], torch.fx.Node) and n.args[0].target is aten.full.default)
 
 
 def _read_inline(n) -> bool:
     """Whether every read of n's value (through views) is by a node that inlines it."""
-    return all(_read_inline(u) if getattr(u.target, "is_view", False) else
-               _inlined(u) or getattr(u.target, "overloadpacket", None) in _REDUCTIONS for u in n.users)
+    ops = [(u, u.target) for u in n.users if isinstance(u.target, torch._ops.OpOverload)]
+    return len(ops) == len(n.users) and all(
+        _read_inline(u) if t.is_view else _inlined(u) or t.overloadpacket in _REDUCTIONS for u, t in ops)
 
 
 def _fused_runner(gm, example_inputs):

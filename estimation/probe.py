@@ -195,7 +195,7 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
     the job's local batch, or its pipeline microbatch under pipeline parallelism). Where the compiled
     probe fails (a graph dynamo or AOT autograd cannot take on fake tensors), the job is probed in eager
     mode, which errs high, and `Probe.notes` says so."""
-    compiled = plan.parallelize.compile_blocks or getattr(plan.objective, "compile_backend", None)
+    compiled = plan.cfg.compile.enable
     try:
         return _probe(plan, granularity, device, microbatch)
     except Exception as e:  # noqa: BLE001 (any failure of the compiler's stack; eager must then run)
