@@ -202,6 +202,9 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
         if not compiled:
             raise
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+    finally:
+        if compiled:  # the fake graphs serve no trainer in this process and count against its recompile limit
+            torch._dynamo.reset()
     objective = copy.copy(plan.objective)
     objective.compile_backend = None
     objective.__dict__.pop("_cross_entropy", None)
