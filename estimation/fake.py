@@ -6,9 +6,9 @@ The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones
 would run; for a GPU estimate (device "cuda") scaled dot-product attention calls CUDA's own flash
 attention op (its fake kernel runs anywhere) or, with a mask or unlike head widths, a stand-in that
 keeps what the fused kernels keep, where torch's CPU kernels would fall back to the math kernel and
-its seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device "cpu" keeps torch's CPU kernels, for comparisons with steps
-measured on this machine. Everything else runs as on CPU (e.g. a LayerNorm's statistics in the
-input dtype, not fp32).
+its seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device
+"cpu" keeps torch's CPU kernels, for comparisons with steps measured on this machine. Everything
+else runs as on CPU (e.g. a LayerNorm's statistics in the input dtype, not fp32).
 
 Compile. The probe keeps torch.compile on with its own backend (`partitioned_backend`): dynamo and
 AOT autograd trace each compiled block (and the loss) with inductor's decompositions, and inductor's
