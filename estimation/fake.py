@@ -1,13 +1,22 @@
 """What running a training step on fake tensors needs: a fake process group, a count of the bytes
-the step's tensors hold, values where routing reads them, and CUDA's attention kernels on a CPU build.
+the step's tensors hold, values where routing reads them, CUDA's attention kernels on a CPU build,
+and compiled graphs as inductor would allocate them.
 
 The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones), so CPU kernels
-would run; for a GPU estimate (device "cuda") scaled dot-product attention is replaced for the probe
-by a stand-in that keeps what CUDA's fused kernels keep (q, k, v, the output, the fp32 log-sum-exp
-and a given mask or bias), where torch's CPU kernels would fall back to the math kernel and its
-seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device
+would run; for a GPU estimate (device "cuda") scaled dot-product attention calls CUDA's own flash
+attention op (its fake kernel runs anywhere) or, with a mask or unlike head widths, a stand-in that
+keeps what the fused kernels keep, where torch's CPU kernels would fall back to the math kernel and
+its seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device
 "cpu" keeps torch's CPU kernels, for comparisons with steps measured on this machine. Everything
 else runs as on CPU (e.g. a LayerNorm's statistics in the input dtype, not fp32).
+
+Compile. The probe keeps torch.compile on with its own backend (`partitioned_backend`): dynamo and
+AOT autograd trace each compiled block (and the loss) with inductor's decompositions, and inductor's
+min-cut partitioner decides what the forward graph saves for backward (activation checkpointing's
+policies and float8 included, as dynamo hands them to it). No code is generated: each graph runs
+node by node on fake tensors, and a node's output is counted only where inductor would make it a
+buffer (`_fused_runner`). The byte-counting dispatch modes step aside while dynamo traces
+(`ignore_compile_internals`) and count when the graphs run.
 
 Mixture of experts. Routing decides tensor sizes from values (how many tokens each expert gets); a
 fake tensor has none. The probe assumes balanced routing: a second dispatch mode gives values to the
@@ -87,14 +96,16 @@ class LiveBytes(TorchDispatchMode):
     def _round(self, nbytes: int) -> int:
         return -(-nbytes // self.granularity) * self.granularity
 
-    def _track(self, t: torch.Tensor, given: set = frozenset()) -> None:
+    def _track(self, t: torch.Tensor, given: set = frozenset(), summed: bool = False) -> None:
         for st in get_untyped_storages(t):
             if st in self._keys or st._cdata in given:
                 continue
             key, self._next = self._next, self._next + 1
             self._keys[st] = key
             self._bytes[key] = n = self._round(st.nbytes())
-            self._add(n)
+            self.now += n
+            if not summed:
+                self._add(0)
             weakref.finalize(st, self._free, key)
 
     def _free(self, key: int) -> None:
@@ -104,6 +115,14 @@ class LiveBytes(TorchDispatchMode):
         self.now += n
         self.peak = max(self.peak, self.now)
         self.high = max(self.high, self.now)
+
+    # A compiled graph runs as it is traced (estimation.fake.partitioned_backend), higher-order operators
+    # included (run_and_save_rng_state, where checkpointed recompute replays a random op).
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def reset(self) -> tuple[int, int]:
         """(now, peak since the last reset), and start a new peak."""
@@ -139,13 +158,18 @@ class LiveBytes(TorchDispatchMode):
         else:
             out = func(*args, **(kwargs or {}))
         # DTensor's sharding propagation runs ops in a fake mode of its own: they allocate nothing.
-        if _active_fake() is self._fake:
+        if _active_fake() is self._fake and not _fused:
             # An output sharing an input's storage (a view, an in-place op) allocated nothing.
             given = {st._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                      for st in get_untyped_storages(t)}
+            # Autograd sums two gradients of one tensor out of place for a fake tensor (a subclass), in
+            # place into the first for a real one it alone holds, as on the GPU: that sum raises no peak
+            # unless the first outlives it (then the next allocation counts both).
+            summed = (func is aten.add.Tensor and not torch.is_grad_enabled()
+                      and torch._C._current_graph_task_id() != -1 and len(args) == 2 and not kwargs)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
-                    self._track(t, given)
+                    self._track(t, given, summed)
         return out
 
 
@@ -165,12 +189,20 @@ class AssumedValues(TorchDispatchMode):
         super().__init__()
         self.values = WeakIdKeyDictionary()
 
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         kwargs = kwargs or {}
         if any(t is DTensor for t in types_):
             return NotImplemented
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         if func in _READS:
             with unset_fake_temporarily():
                 value = self.values[args[0]].item() if args[0] in self.values else 1
@@ -254,6 +286,12 @@ class _FusedAttention(torch.autograd.Function):
 
 
 def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """CUDA's flash attention op where it applies (no mask, one head width; its fake kernel runs on fake
+    CPU tensors), so that autograd, op-level checkpointing and the compiler's partitioner see what a GPU
+    runs; else a stand-in keeping what the fused kernels keep (a compiled graph's partitioner sees no
+    use of those in its backward: masked attention under compile is counted low)."""
+    if attn_mask is None and q.shape[-1] == v.shape[-1] and q.dtype in (torch.float16, torch.bfloat16):
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
     return _FusedAttention.apply(q, k, v, attn_mask)
 
 
@@ -280,6 +318,65 @@ def collective_buffers(live: LiveBytes, pools: dict[str, list[int]]):
     finally:
         for name, fn in originals.items():
             setattr(group, name, fn)
+
+
+# Set while a compiled graph runs a node inductor would fuse into its consumers: its output is no buffer.
+_fused: list = []
+_REDUCTIONS = {aten.sum, aten.amax, aten.amin, aten.mean, aten.var_mean, aten.prod, aten.max, aten.min,
+               aten.argmax, aten.argmin, aten.any, aten.all}
+_INLINED = {aten._to_copy.default, aten.clone.default, aten.where.self, aten.gather.default, aten.index.Tensor,
+            torch.ops.prims.convert_element_type.default}
+
+
+def _inlined(n) -> bool:
+    t = n.target
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    # A constant, and a scatter into one (cross-entropy's one-hot): inductor makes that a pointwise compare.
+    return t in _INLINED or torch.Tag.pointwise in t.tags or t is aten.full.default or (
+        t is aten.scatter.value and isinstance(n.args[0], torch.fx.Node) and n.args[0].target is aten.full.default)
+
+
+def _read_inline(n) -> bool:
+    """Whether every read of n's value (through views) is by a node that inlines it."""
+    ops = [(u, u.target) for u in n.users if isinstance(u.target, torch._ops.OpOverload)]
+    return len(ops) == len(n.users) and all(
+        _read_inline(u) if t.is_view else _inlined(u) or t.overloadpacket in _REDUCTIONS for u, t in ops)
+
+
+def _fused_runner(gm, example_inputs):
+    """Run a partitioned forward or backward graph node by node as inductor would allocate it: a pointwise
+    node read only by pointwise nodes and reductions is fused into them (no buffer); every other node's
+    output is one (matmuls and other library kernels, reductions, what the graph returns or saves)."""
+    fused = {n for n in gm.graph.nodes if _inlined(n) and n.users and _read_inline(n)}
+
+    class Run(torch.fx.Interpreter):
+        def run_node(self, n):
+            _fused[:] = [n] if n in fused else []
+            try:
+                return super().run_node(n)
+            finally:
+                _fused.clear()
+
+    def run(args):
+        return Run(gm).boxed_run(args)
+
+    run._boxed_call = True
+    return run
+
+
+def partitioned_backend(gm, example_inputs):
+    """A torch.compile backend for the probe: AOT autograd with inductor's decompositions and its min-cut
+    partitioner (what a compiled block saves for backward), each graph run by `_fused_runner`."""
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import select_decomp_table
+
+    return aot_autograd(fw_compiler=_fused_runner, bw_compiler=_fused_runner, decompositions=select_decomp_table(),
+                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))(
+        gm, example_inputs)
 
 
 @contextlib.contextmanager

@@ -104,9 +104,16 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
         notes.append("float8: probed with the trainer's converter (torchao Float8Linear, float8 casts, float8 "
                      "all-gather buffers and scales as real tensors) and the GPU's float8 matmul")
     if est.compile.enable:
-        est.compile.enable = False
-        notes.append("compile: estimated in eager mode (a probe cannot compile); compiled blocks keep fewer "
-                     "activations (fused elementwise ops), so this errs high")
+        from torch._dynamo import list_backends, register_backend
+
+        from estimation.fake import partitioned_backend
+
+        if "estimate_partitioned" not in list_backends(exclude_tags=()):
+            register_backend(partitioned_backend, name="estimate_partitioned")
+        est.compile.backend = "estimate_partitioned"
+        notes.append("compile: compiled graphs traced with AOT autograd and inductor's decompositions, split by its "
+                     "min-cut partitioner (what they save for backward) and run allocating what inductor's fusion "
+                     f"would (pointwise chains fused); compile.backend {cfg.compile.backend} itself is not run")
     if est.activation_checkpoint.mode == "memory_budget":
         est.activation_checkpoint.mode = "none"
         notes.append("activation_checkpoint.mode memory_budget is a compiler decision: estimated without checkpointing")

@@ -1,11 +1,12 @@
 """Run a planned job's training step on fake tensors, one block of each kind, and measure it.
 
 The probe is the trainer's own code: the family's model on meta from the plan's args, the job's
-converters (float8), the real `parallelize_model` (the family's TP plan, CP, EP, activation
-checkpointing, FSDP) over a DeviceMesh of a fake process group of the job's world size (torch's
-FakeStore: collectives return at once), the real optimizer and the real `TrainStep`
-(`forward_backward` per microbatch, `update`), all inside FakeTensorMode: tensors have shapes,
-dtypes and storages, no data. It knows no module type and no family.
+converters (float8; LoRA, whose frozen base gets no gradient and no optimizer state), the real
+`parallelize_model` (the family's TP plan, CP, EP, activation checkpointing, compile, FSDP) over a
+DeviceMesh of a fake process group of the job's world size (torch's FakeStore: collectives return
+at once), the real optimizer and the real `TrainStep` (`forward_backward` per microbatch, `update`),
+all inside FakeTensorMode: tensors have shapes, dtypes and storages, no data. It knows no module
+type and no family.
 
 One block per kind. Blocks are keyed by a signature (their module tree as printed, parameter
 shapes, how activation checkpointing wraps them). The probe keeps the first and last block, and
@@ -26,12 +27,13 @@ creates gradients (and, under pipeline parallelism, FSDP's unsharded accumulator
 finds them. What the parameters, gradients and optimizer state hold is read from the parallelized
 parameters themselves (their local shards and the optimizer's state tensors), per kind of block.
 
-The fake execution (the fake process group, the byte count, the values routing needs, the CUDA
-attention stand-in) is estimation/fake.py.
+The fake execution (the fake process group, the byte count, the values routing needs, CUDA's
+attention ops, compiled graphs) is estimation/fake.py.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import types
@@ -99,6 +101,7 @@ class Probe:
     # stage, microbatch), e.g. ("FORWARD", 0, 3).
     actions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
 
 def signature(key: str, block: nn.Module, ac: tuple[str, str]) -> str:
@@ -189,7 +192,30 @@ def _local_bytes(t) -> int:
 
 def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int | None = None) -> Probe:
     """Probe `plan` (a JobPlan); see the module docstring. microbatch: samples per microbatch (default:
-    the job's local batch, or its pipeline microbatch under pipeline parallelism)."""
+    the job's local batch, or its pipeline microbatch under pipeline parallelism). Where the compiled
+    probe fails (a graph dynamo or AOT autograd cannot take on fake tensors), the job is probed in eager
+    mode, which errs high, and `Probe.notes` says so."""
+    compiled = plan.cfg.compile.enable
+    try:
+        return _probe(plan, granularity, device, microbatch)
+    except Exception as e:  # noqa: BLE001 (any failure of the compiler's stack; eager must then run)
+        if not compiled:
+            raise
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+    finally:
+        if compiled:  # the fake graphs serve no trainer in this process and count against its recompile limit
+            torch._dynamo.reset()
+    objective = copy.copy(plan.objective)
+    objective.compile_backend = None
+    objective.__dict__.pop("_cross_entropy", None)
+    eager = dataclasses.replace(plan, objective=objective,
+                                parallelize=dataclasses.replace(plan.parallelize, compile_blocks=False))
+    out = _probe(eager, granularity, device, microbatch)
+    out.notes.append(f"compile: the compiled probe failed ({reason}); estimated in eager mode, which errs high")
+    return out
+
+
+def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe:
     import logging
     import time
 
@@ -286,9 +312,10 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
                 return hook
 
             # Before FSDP's own hooks: a block's window holds the gathering of its weights, forward and backward.
+            # Kept out of a compiled block's graph, as FSDP keeps its hooks: they run when the block does.
             for key, block in part.layers.items():
-                block.register_forward_pre_hook(on_input(key), prepend=True)
-                block.register_forward_hook(on_output(key), prepend=True)
+                block.register_forward_pre_hook(torch._dynamo.disable(on_input(key)), prepend=True)
+                block.register_forward_hook(torch._dynamo.disable(on_output(key)), prepend=True)
             gc.collect()
             gc.disable()  # fake tensors are freed by reference counting; the collector only costs time
             try:

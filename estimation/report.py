@@ -50,7 +50,7 @@ def run_estimate(cfg, opts: EstimateOptions, log=None) -> dict:
     ranks, measured = estimate_prepared(prep, opts)
     top = max(ranks, key=lambda e: e.reserved)
     moe = args.moe_args()
-    notes = list(prep.notes)
+    notes = list(prep.notes) + measured.notes
     if moe is not None:
         notes.append("mixture of experts: probed with balanced routing (every expert gets tokens x top_k / experts "
                      "rows); real routing is uneven, and a rank whose experts get more holds more "

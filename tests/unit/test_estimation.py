@@ -70,7 +70,9 @@ def test_what_a_probe_cannot_run_is_noted_not_refused():
     prep = prepare_job(load_job_config(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml")]), 512)
     text = " ".join(prep.notes)
     assert "float8" in text and "compile" in text and "async tensor parallel" not in text
-    assert not prep.plan.parallelize.compile_blocks and prep.plan.dims.pp == 8 and prep.plan.dims.tp == 8
+    # compile stays on, its graphs partitioned as inductor does but run by the estimator's own backend
+    assert prep.plan.parallelize.compile_blocks and prep.plan.parallelize.compile_backend == "estimate_partitioned"
+    assert prep.plan.dims.pp == 8 and prep.plan.dims.tp == 8
 
 
 # What the probe keeps ---------------------------------------------------------------------------
@@ -152,6 +154,79 @@ def test_pipeline_ranks_are_within_10_percent_of_measured_cpu_steps(tmp_path):
                 for p in tmp_path.glob("rank*.json")}
     for r in _estimate(*argv, world=2, device="cpu", granularity=1):
         assert abs(r.peak_bytes - measured[r.rank]) <= 0.10 * measured[r.rank], (r.rank, r.peak_bytes, measured)
+
+
+# Compiled blocks, the optimizer step's peak and LoRA, against steps measured on this machine: one
+# subprocess measures them all (the compiled ones last: inductor on CPU takes a minute or two).
+MEASURED_JOBS = {
+    "optimizer step": [*_preset("debug_model"), "--training.seq_len", "32", "--training.local_batch_size", "1",
+                       "--optimizer.implementation", "foreach"],
+    "lora": _preset("lora_debug"),
+    "compiled": [*_preset("debug_model"), "--training.seq_len", "512", "--training.local_batch_size", "4",
+                 "--compile.enable"],
+    "compiled, op-level checkpointing": [
+        *_preset("debug_model"), "--training.seq_len", "512", "--training.local_batch_size", "4", "--compile.enable",
+        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+}
+
+
+@pytest.fixture(scope="module")
+def measured_jobs(tmp_path_factory) -> dict[str, int]:
+    jobs = list(MEASURED_JOBS.values())
+    proc = subprocess.run([sys.executable, "-c", _MEASURE_ALL.format(repo=str(REPO)), json.dumps(jobs),
+                           str(tmp_path_factory.mktemp("measured"))],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peaks = [json.loads(line)["peak_bytes"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    return dict(zip(MEASURED_JOBS, peaks, strict=True))
+
+
+def _cpu_estimate(name: str, *more: str):
+    (r,) = _estimate(*MEASURED_JOBS[name], *more, world=1, device="cpu", granularity=1)
+    return r
+
+
+def test_compiled_blocks_and_loss_are_within_10_percent_of_a_measured_compiled_cpu_step(measured_jobs):
+    """A step whose blocks and loss inductor really compiles on CPU: the estimate (AOT autograd, inductor's
+    partitioner, fusion's buffers) within 10% of it (measured: 0.01%); the eager estimate of the same
+    job is not (it keeps every intermediate the compiled graphs recompute or fuse away: +28%)."""
+    m = measured_jobs["compiled"]
+    compiled = _cpu_estimate("compiled").peak_bytes
+    assert abs(compiled - m) <= 0.10 * m, (compiled, m)
+    eager = _cpu_estimate("compiled", "--compile.no_enable").peak_bytes
+    assert eager > 1.15 * m, (eager, m)
+    # Op-level checkpointing's policy reaches the partitioner through dynamo (measured: -4.9%).
+    m = measured_jobs["compiled, op-level checkpointing"]
+    op = _cpu_estimate("compiled, op-level checkpointing").peak_bytes
+    assert abs(op - m) <= 0.10 * m, (op, m)
+
+
+def test_the_optimizer_steps_peak_is_within_10_percent_of_a_measured_cpu_step(measured_jobs):
+    """Short sequences and foreach AdamW (its temporaries span every parameter at once): the peak is the
+    optimizer step, with the gradients held, both in the estimate and on this machine (measured: 0.0%)."""
+    r, m = _cpu_estimate("optimizer step"), measured_jobs["optimizer step"]
+    assert r.peak_phase == "optimizer step" and r.peak.gradients > 0, r.peak_phase
+    assert abs(r.peak_bytes - m) <= 0.10 * m, (r.peak_bytes, m)
+
+
+def test_lora_holds_gradients_and_optimizer_state_for_adapters_only(measured_jobs):
+    """The LoRA preset: the frozen base has no gradient and no AdamW state, the adapters have both (their
+    element count from the model itself), and the step is within 10% of the measured one (0.1%)."""
+    from titanlike.models.converters import build_model_converters
+
+    prep = prepare_job(load_job_config(MEASURED_JOBS["lora"]), 1)
+    model = prep.plan.spec.model_cls(prep.plan.model_args)
+    build_model_converters(prep.plan.cfg.model.converters, prep.plan.cfg.float8).convert(model)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < adapters < sum(p.numel() for p in model.parameters()) // 10
+    pr = probe(prep.plan, device="cpu", granularity=1)
+    held = [pr.static[k] for k in pr.kinds] + [pr.static[e] for e in ("input", "output", "shared")]
+    grads, state = sum(s.grads for s in held) - pr.static["tied"].grads, sum(s.optimizer for s in held)
+    steps = 4 * sum(1 for p in model.parameters() if p.requires_grad)  # AdamW's fp32 step per parameter
+    assert grads == 4 * adapters and state == 2 * 4 * adapters + steps, (grads, state, adapters)
+    (r,) = estimate(prep.plan, pr)
+    m = measured_jobs["lora"]
+    assert abs(r.peak_bytes - m) <= 0.10 * m, (r.peak_bytes, m)
 
 
 # Against torchtitan's published figures (scripts/published_memory.py holds every row) ---------------
