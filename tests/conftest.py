@@ -180,6 +180,8 @@ class TrainJobPool:
             return
         if job.after is not None:
             self._run(self.jobs[job.after])
+            if job.name in self.outputs:  # it ran in the same batch, after its predecessor
+                return
         if job.nproc == 1:
             self._run_here(job)
             return
