@@ -54,6 +54,13 @@ def launch(args: list[str], *, nproc: int = 1, timeout: float = 600, check: bool
     return proc
 
 
+def saving_every_2_steps(name: str) -> tuple:
+    """Options of a pooled job that saves every 2 steps into the pool's folder `name` (a function of
+    the pool's scratch folder: see train_run), where a job declared `after` it loads from."""
+    return ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+            "--checkpoint.folder", lambda root: root / name)
+
+
 def read_metrics(dump_folder: Path) -> list[dict]:
     with open(dump_folder / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -72,16 +79,25 @@ def train_metrics(tmp_path: Path, name: str, *extra: str, nproc: int = 1) -> lis
     return read_metrics(dump)
 
 
+# The pre-flight checks the test jobs run: none. train.py's one check, the estimator's memory check
+# (estimation/fits.py, 0.6 s per job on 2 cores), has its own tests: its verdicts
+# (tests/unit/test_config.py), train.py refusing a job in one sentence (tests/unit/test_data_errors_cli.py)
+# and train.py passing it (tests/integration/test_torchtitan_habits.py). The pooled jobs of several
+# ranks skip it anyway (a process group exists already); tests/run_jobs.py passes the same list.
+TEST_JOB_CHECKS: list = []
+
+
 def train_in_process(argv: list[str]) -> None:
-    """train.main(argv) in this process on one thread, as a launched rank runs (OMP_NUM_THREADS=1)."""
+    """train.py's main(argv) in this process on one thread, as a launched rank runs (OMP_NUM_THREADS=1),
+    with TEST_JOB_CHECKS for its pre-flight checks."""
     import torch
 
-    import train
+    from titanlike.cli.train import main
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rc = train.main(argv)
+        rc = main(argv, "train.py", checks=TEST_JOB_CHECKS)
     finally:
         torch.set_num_threads(threads)
     if rc != 0:
@@ -90,9 +106,11 @@ def train_in_process(argv: list[str]) -> None:
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "train_run(*extra, nproc=1, name='run'): a train.py job (the tiny job plus extra) that the "
-        "test reads through the train_run / train_runs fixtures; jobs of one world size run in one launch. An "
-        "extra may be a function of a scratch folder that returns a path (data the test writes there).")
+        "markers", "train_run(*extra, nproc=1, name='run', after=None): a train.py job (the tiny job plus extra) "
+        "that the test reads through the train_run / train_runs fixtures; jobs of one world size run in one "
+        "launch. An extra may be a function of a scratch folder that returns a path (data the test writes "
+        "there, a checkpoint folder two jobs share). after: the name of another job of the same test that must "
+        "have finished first (a resume of its checkpoint), of any world size.")
 
 
 @dataclass
@@ -112,12 +130,16 @@ class _Job:
     nproc: int
     argv: list[str]
     folder: Path
+    after: tuple[str, str] | None  # the key of the job this one resumes
 
 
 class TrainJobPool:
-    """The train.py jobs the selected tests declare with `train_run` marks, run in batches: the first
-    test that asks for a job launches every pending job of the same world size through
-    tests/run_jobs.py, so process start-up and the gloo rendezvous are paid once per world size."""
+    """The train.py jobs the selected tests declare with `train_run` marks. A single-process job runs in
+    the test process when a test asks for it; jobs of several ranks run in batches: the first test that
+    asks for one launches every pending job of the same world size through tests/run_jobs.py, so process
+    start-up and the gloo rendezvous are paid once per world size. A job
+    declared `after` another runs in a later batch than that one, or after it in the same batch (a
+    failed job stops its batch, so what comes after it never runs)."""
 
     def __init__(self, root: Path, items):
         self.root = root
@@ -131,12 +153,17 @@ class TrainJobPool:
                 name = f"{len(self.jobs):03d}"
                 folder = root / name
                 argv = [*TINY_JOB, "--job.dump_folder", str(folder), *mark.args]
-                self.jobs[key] = _Job(name, mark.kwargs.get("nproc", 1), argv, folder)
+                after = mark.kwargs.get("after")
+                self.jobs[key] = _Job(name, mark.kwargs.get("nproc", 1), argv, folder,
+                                      (item.nodeid, after) if after is not None else None)
+        for key, job in self.jobs.items():
+            if job.after is not None and job.after not in self.jobs:
+                raise ValueError(f"{key[0]}: train_run {key[1]!r} comes after {job.after[1]!r}, "
+                                 "which the test does not declare")
 
     def get(self, nodeid: str, name: str = "run") -> TrainRun:
         job = self.jobs[(nodeid, name)]
-        if job.name not in self.outputs:
-            self._launch([j for j in self.jobs.values() if j.nproc == job.nproc and j.name not in self.outputs])
+        self._run(job)
         output = self.outputs[job.name]
         rc_file = self.root / f"{job.name}.rc"
         rc = rc_file.read_text() if rc_file.exists() else "never finished"
@@ -145,15 +172,71 @@ class TrainJobPool:
                                  f"{output[-12000:]}")
         return TrainRun(job.folder, output)
 
+    def _run(self, job: _Job) -> None:
+        """Run job unless it ran, the job it comes after first: a single-process job in this process, a
+        job of several ranks in a launch of every pending job of its world size whose predecessor has run
+        or comes earlier in the batch."""
+        if job.name in self.outputs:
+            return
+        if job.after is not None:
+            self._run(self.jobs[job.after])
+            if job.name in self.outputs:  # it ran in the same batch, after its predecessor
+                return
+        if job.nproc == 1:
+            self._run_here(job)
+            return
+        for j in list(self.jobs.values()):  # single-process jobs that jobs of this batch come after: first
+            before = self.jobs[j.after] if j.after is not None else None
+            if (j.nproc == job.nproc and j.name not in self.outputs and before is not None and before.nproc == 1
+                    and (before.after is None or self.jobs[before.after].name in self.outputs)):
+                self._run(before)
+        batch: list[_Job] = []
+        added = True
+        while added:  # in declaration order, each job after the one it resumes
+            added = False
+            for j in self.jobs.values():
+                if j.nproc != job.nproc or j.name in self.outputs or j in batch:
+                    continue
+                before = self.jobs[j.after] if j.after is not None else None
+                if before is None or before.name in self.outputs or before in batch:
+                    batch.append(j)
+                    added = True
+        self._launch(batch)
+
+    def _argv(self, job: _Job) -> list[str]:
+        # An argument may be a function of a scratch folder that returns a path (data a test makes).
+        return [str(a(self.root)) if callable(a) else str(a) for a in job.argv]
+
+    def _run_here(self, job: _Job) -> None:
+        """A single-process job inside this process (train_in_process), what it prints and logs kept as
+        its output; its exit code, or the exception it raised, in `<name>.rc`."""
+        import io
+        import logging
+        import traceback
+
+        out = io.StringIO()
+        handler = logging.StreamHandler(out)
+        root, titanlike_log = logging.getLogger(), logging.getLogger("titanlike")
+        level = titanlike_log.level
+        root.addHandler(handler)
+        titanlike_log.setLevel(logging.INFO)  # what rank 0 of a launched job logs
+        rc = "0"
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                train_in_process(self._argv(job))
+        except Exception:
+            rc = f"raised:\n{traceback.format_exc()}"
+        finally:
+            root.removeHandler(handler)
+            titanlike_log.setLevel(level)
+        (self.root / f"{job.name}.rc").write_text(rc)
+        self.outputs[job.name] = out.getvalue()
+
     def _launch(self, batch: list[_Job]) -> None:
         jobs_file = self.root / f"batch_{batch[0].name}.json"
-        # An argument may be a function of a scratch folder that returns a path (data a test makes).
-        argv = {j.name: [str(a(self.root)) if callable(a) else str(a) for a in j.argv] for j in batch}
-        jobs_file.write_text(json.dumps([{"name": j.name, "argv": argv[j.name]} for j in batch]))
-        nproc = batch[0].nproc
-        runner = str(REPO / "tests" / "run_jobs.py")
-        cmd = ([sys.executable, runner] if nproc == 1 else
-               [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", runner])
+        jobs_file.write_text(json.dumps([{"name": j.name, "argv": self._argv(j)} for j in batch]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={batch[0].nproc}",
+               str(REPO / "tests" / "run_jobs.py")]
         proc = subprocess.run([*cmd, str(jobs_file)], cwd=REPO, env=_env(), capture_output=True, text=True,
                               timeout=300 * len(batch))
         output = f"{proc.stdout}\n{proc.stderr}"

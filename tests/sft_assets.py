@@ -166,8 +166,8 @@ def first_word_task(n: int, seed: int, words: int = 2) -> list[dict]:
 
 def exact_match(model, tokenizer, template, rows, *, max_new_tokens: int = 12) -> float:
     """The fraction of rows whose greedy answer (up to the end of the assistant's turn) is the
-    row's assistant content exactly; all rows at once, no KV cache (prompts padded on the left are
-    not needed: every prompt of the task has the same length in tokens or is run alone)."""
+    row's assistant content exactly; no KV cache. The rows whose prompts have the same length in
+    tokens are decoded together, one batch (no padding needed: a causal model's rows are independent)."""
     import torch
 
     from titanlike.data.chat_template import encode_with_offsets, render
@@ -175,18 +175,26 @@ def exact_match(model, tokenizer, template, rows, *, max_new_tokens: int = 12) -
 
     stop = {tokenizer.eos_id, *(tokenizer.encode(t, bos=False, eos=False, allowed_special="all")[0]
                                 for t in ("<|eot_id|>",))}
+    by_length: dict[int, list[tuple[list[int], str]]] = {}
+    for row in rows:
+        prompt, _ = render(template, row["messages"][:1], add_generation_prompt=True)
+        ids, _ = encode_with_offsets(tokenizer, prompt)
+        by_length.setdefault(len(ids), []).append((ids, row["messages"][1]["content"]))
     right = 0
     with torch.no_grad():
-        for row in rows:
-            prompt, _ = render(template, row["messages"][:1], add_generation_prompt=True)
-            ids, _ = encode_with_offsets(tokenizer, prompt)
-            tokens = torch.tensor([ids])
-            new = []
+        for group in by_length.values():
+            tokens = torch.tensor([ids for ids, _ in group])
+            new: list[list[int]] = [[] for _ in group]
+            done = [False] * len(group)
             for _ in range(max_new_tokens):
-                next_id = int(logits_of(model(tokens))[0, -1].argmax())
-                if next_id in stop:
+                next_ids = logits_of(model(tokens))[:, -1].argmax(dim=-1)
+                for i, next_id in enumerate(next_ids.tolist()):
+                    if not done[i]:
+                        done[i] = next_id in stop
+                        if not done[i]:
+                            new[i].append(next_id)
+                if all(done):
                     break
-                new.append(next_id)
-                tokens = torch.cat([tokens, torch.tensor([[next_id]])], dim=1)
-            right += tokenizer.decode(new).strip() == row["messages"][1]["content"]
+                tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+            right += sum(tokenizer.decode(ids).strip() == answer for ids, (_, answer) in zip(new, group))
     return right / len(rows)

@@ -1,10 +1,10 @@
 """A model family and a training objective defined outside titanlike/ (issue 26, item 1's proof).
 
 Importing this module registers both, the way a user brings their own: then `train.main(argv)`
-trains them with `--model.name toy` (tests/toy_jobs.py does exactly that). It uses only public
-titanlike entry points: the ModelSpec registry, the args contract, the init helpers, the shared
-ShardingPlan and a torch ParallelStyle of its own, the Objective base, register_section and the
-loader's GlobalSamples.
+trains them with `--model.name toy` (tests/distributed/test_custom_family.py does exactly that). It
+uses only public titanlike entry points: the ModelSpec registry, the args contract, the init
+helpers, the shared ShardingPlan and a torch ParallelStyle of its own, the Objective base,
+register_section and the loader's GlobalSamples.
 
 The family, `toy`: a small decoder of *parallel* blocks (GPT-J / PaLM: one norm, then
 x + attention(h) + mlp(h)) whose attention holds one fused, head-major QKV parameter of shape

@@ -12,7 +12,7 @@ Tolerances: test_fsdp_parity.py's.
 
 import pytest
 
-from conftest import train_metrics
+from conftest import saving_every_2_steps, train_metrics
 from test_fsdp_parity import RTOL, assert_same_curve
 from test_validation_runs import assert_same_validation, split_records
 
@@ -49,13 +49,15 @@ def test_reference_learns_both_objectives(reference):
     assert valid[-1]["validation_accuracy"] > 1 / 2048
 
 
-def test_fsdp2_then_resume_at_cp2(tmp_path, reference):
-    save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
-            "--checkpoint.folder", str(tmp_path / "ckpt"))
-    got = train_metrics(tmp_path, "fsdp2", *BERT, "--training.local_batch_size", "4", *save, nproc=2)
+SAVE = saving_every_2_steps("bert_fsdp2")
+
+
+@pytest.mark.train_run(*BERT, "--training.local_batch_size", "4", *SAVE, name="fsdp2", nproc=2)
+@pytest.mark.train_run(*BERT, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", *SAVE,
+                       "--checkpoint.load_step", "2", name="resume", nproc=2, after="fsdp2")
+def test_fsdp2_then_resume_at_cp2(train_runs, reference):
+    got = train_runs["fsdp2"].metrics
     check(got, reference, "FSDP2 (saving)")
-    resumed = train_metrics(tmp_path, "resume", *BERT, "--parallelism.context_parallel_degree", "2",
-                            "--training.local_batch_size", "8", *save, "--checkpoint.load_step", "2", nproc=2)
-    train, _ = split_records(resumed)
+    train, _ = split_records(train_runs["resume"].metrics)
     # The data position, the RNG and the optimizer come back: steps 3-6 equal the uninterrupted run's.
     assert_same_curve(train, split_records(got)[0][2:])

@@ -1,4 +1,5 @@
-"""Checkpoint and resume through train.py (torchrun on gloo for several ranks).
+"""Checkpoint and resume through train.py (one process inside the test's, several ranks under torchrun on
+gloo; the chains of layouts are pooled jobs, each declared after the one whose checkpoint it loads).
 
 * Resume is exact: 10 steps straight equal 5 steps + resume 5, loss and grad norm, bit for bit.
 * A run killed with SIGKILL (every process at once, mid-training, possibly mid-save) resumes
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_JOB, _env, descendants, launch, read_metrics
+from conftest import REPO, TINY_JOB, _env, descendants, launch, read_metrics, train_in_process
 
 pytestmark = pytest.mark.distributed
 
@@ -43,9 +44,20 @@ def by_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
-def run(dump: Path, *extra: str, nproc: int = 1, steps: int = 10) -> dict[int, dict]:
-    launch([*JOB, "--job.dump_folder", str(dump), "--training.steps", str(steps), *extra], nproc=nproc)
+def run(dump: Path, *extra: str, nproc: int = 1, steps: int = 10, new_process: bool = False) -> dict[int, dict]:
+    """The job; one process runs inside this one unless new_process (tests/conftest.py: train_in_process)."""
+    argv = [*JOB, "--job.dump_folder", str(dump), "--training.steps", str(steps), *extra]
+    if nproc == 1 and not new_process:
+        train_in_process(argv)
+    else:
+        launch(argv, nproc=nproc)
     return by_step(read_metrics(dump))
+
+
+def pooled(folder: str, *extra: str, steps: int = 10) -> tuple:
+    """A train_run mark's options: the job of run() saving into (or loading from) the pool's `folder`."""
+    return (*JOB[len(TINY_JOB):], "--training.steps", str(steps), "--checkpoint.folder", lambda root: root / folder,
+            *extra)
 
 
 def published(folder: Path) -> list[int]:
@@ -89,7 +101,7 @@ def test_resume_is_exact(tmp_path, straight):
     dump, ref = straight
     shutil.copytree(dump / "checkpoint", tmp_path / "ckpt")
     got = run(tmp_path / "resumed", "--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.interval", "5",
-              "--checkpoint.load_step", "5")
+              "--checkpoint.load_step", "5", new_process=True)
     assert sorted(got) == [6, 7, 8, 9, 10]
     for s in range(6, 11):
         assert (got[s]["loss"], got[s]["grad_norm"]) == (ref[s]["loss"], ref[s]["grad_norm"]), s
@@ -173,13 +185,12 @@ def test_fsdp2_checkpoint_resumes_in_one_process(tmp_path, killed_and_resumed, s
     assert json.loads((folder / "step-10" / "titanlike.json").read_text())["contents"] == "model_only"
 
 
-def test_hsdp_checkpoint_resumes_under_fsdp2(tmp_path, straight):
+@pytest.mark.train_run(*pooled("ckpt_hsdp", *HSDP, "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
+                              steps=5), name="hsdp", nproc=4)
+@pytest.mark.train_run(*pooled("ckpt_hsdp", *FSDP2, "--checkpoint.interval", "5"), name="fsdp2", nproc=2, after="hsdp")
+def test_hsdp_checkpoint_resumes_under_fsdp2(train_runs, straight):
     _, ref = straight
-    folder = tmp_path / "ckpt"
-    first = run(tmp_path / "hsdp", *HSDP, "--checkpoint.folder", str(folder), "--checkpoint.interval", "5",
-                "--checkpoint.no_last_save_model_only", nproc=4, steps=5)
-    second = run(tmp_path / "fsdp2", *FSDP2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "5",
-                 nproc=2)
+    first, second = by_step(train_runs["hsdp"].metrics), by_step(train_runs["fsdp2"].metrics)
     assert sorted(second) == [6, 7, 8, 9, 10]
     assert_close_curve({**first, **second}, ref)
 
@@ -207,32 +218,32 @@ def test_fsdp2_checkpoint_resumes_under_tp2(tmp_path, killed_and_resumed, straig
     assert_close_curve(got, straight[1], steps=range(7, 11))
 
 
-def test_pp2_checkpoint_resumes_under_fsdp2(tmp_path, straight):
-    # Pipeline stages save disjoint parameters under their unchanged names; FSDP2 loads them whole.
+# Pipeline stages save disjoint parameters under their unchanged names; FSDP2 loads them whole.
+@pytest.mark.train_run(*pooled("ckpt_pp2", "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree",
+                              "2", "--parallelism.pipeline_parallel_schedule", "1F1B", "--checkpoint.interval", "5",
+                              "--checkpoint.no_last_save_model_only", steps=5), name="pp2", nproc=2)
+@pytest.mark.train_run(*pooled("ckpt_pp2", *FSDP2, "--checkpoint.interval", "100"), name="fsdp2", nproc=2, after="pp2")
+def test_pp2_checkpoint_resumes_under_fsdp2(train_runs, straight):
     _, ref = straight
-    folder = tmp_path / "ckpt"
-    first = run(tmp_path / "pp2", "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
-                "--parallelism.pipeline_parallel_schedule", "1F1B", "--checkpoint.folder", str(folder),
-                "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only", nproc=2, steps=5)
-    second = run(tmp_path / "fsdp2", *FSDP2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "100",
-                 nproc=2)
+    first, second = by_step(train_runs["pp2"].metrics), by_step(train_runs["fsdp2"].metrics)
     assert sorted(second) == [6, 7, 8, 9, 10]
     assert_close_curve({**first, **second}, ref)
 
 
-def test_tied_model_checkpoints_cross_pipeline_stages_both_ways(tmp_path):
-    # GPT-2 ties its output projection to the token table; under PP2 the last stage holds its own
-    # synchronised copy. Checkpoints store the weight (and its optimizer state) once under the
-    # owner's name, so one process -> PP2 -> one process resumes at parity with the straight run.
-    gpt2 = ["--model.name", "gpt2", "--model.flavor", "debugmodel", "--training.local_batch_size", "8"]
-    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
-    straight = run(tmp_path / "straight", *gpt2, "--checkpoint.interval", "100", steps=6)
-    folder = tmp_path / "ckpt"
-    first = run(tmp_path / "one", *gpt2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "2",
-                "--checkpoint.no_last_save_model_only", steps=2)
-    second = run(tmp_path / "pp2", *gpt2, *pp2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "4",
-                 "--checkpoint.no_last_save_model_only", nproc=2, steps=4)
-    third = run(tmp_path / "again", *gpt2, "--checkpoint.folder", str(folder), "--checkpoint.interval", "100",
-                steps=6)
+GPT2 = ("--model.name", "gpt2", "--model.flavor", "debugmodel", "--training.local_batch_size", "8")
+GPT2_PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B")
+
+
+# GPT-2 ties its output projection to the token table; under PP2 the last stage holds its own
+# synchronised copy. Checkpoints store the weight (and its optimizer state) once under the
+# owner's name, so one process -> PP2 -> one process resumes at parity with the straight run.
+@pytest.mark.train_run(*pooled("ckpt_gpt2_straight", *GPT2, "--checkpoint.interval", "100", steps=6), name="straight")
+@pytest.mark.train_run(*pooled("ckpt_gpt2", *GPT2, "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only",
+                              steps=2), name="one")
+@pytest.mark.train_run(*pooled("ckpt_gpt2", *GPT2, *GPT2_PP2, "--checkpoint.interval", "4",
+                              "--checkpoint.no_last_save_model_only", steps=4), name="pp2", nproc=2, after="one")
+@pytest.mark.train_run(*pooled("ckpt_gpt2", *GPT2, "--checkpoint.interval", "100", steps=6), name="again", after="pp2")
+def test_tied_model_checkpoints_cross_pipeline_stages_both_ways(train_runs):
+    straight, first, second, third = (by_step(train_runs[name].metrics) for name in ("straight", "one", "pp2", "again"))
     assert sorted(first) == [1, 2] and sorted(second) == [3, 4] and sorted(third) == [5, 6]
     assert_close_curve({**first, **second, **third}, straight, steps=range(1, 7))

@@ -3,10 +3,11 @@
 tests/toy_family.py (a decoder of parallel blocks with a fused head-major QKV parameter, its own
 tensor-parallel style, and a synthetic copy objective with its own [toy_copy] section) registers
 itself on import and imports only public titanlike entry points (test_toy_family_imports_nothing_private
-checks that); tests/toy_jobs.py registers it and then runs train.main, as a user would. No file under
-titanlike/ names it.
+checks that); tests/conftest.py imports it and the reference job runs train.main in the test process,
+as a user's own script would (import the module that registers the family, then call train.main). No
+file under titanlike/ names it.
 
-One launch: the single-process reference, 6 fp32 steps, whose loss falls. Its layouts (FSDP 2, TP 2
+One job: the single-process reference, 6 fp32 steps, whose loss falls. Its layouts (FSDP 2, TP 2
 with the fused QKV split by its own style, PP 2) reproduce one process's loss and every gradient at
 model level in tests/layouts/test_family_layouts.py (toy-tiny), built as train.py builds them (the
 train.py runs of FSDP2, TP2 and PP2 that were here: tests/MAP.md).
@@ -20,16 +21,13 @@ checks that iterate over every registered family (tests/unit/test_module_protoco
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import toy_family
-from conftest import REPO, _env, read_metrics
+from conftest import REPO, read_metrics, train_in_process
 from titanlike.config import ConfigError, load_job_config
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.objectives.base import BatchContext
@@ -39,25 +37,11 @@ TOY_JOB = ["--model.name", "toy", "--model.flavor", "tiny", "--training.seq_len"
            "--training.mixed_precision_param", "float32", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1",
            "--toy_copy.label_smoothing", "0.1", "--metrics.log_freq", "1", "--metrics.enable_jsonl",
            "--metrics.no_enable_tensorboard"]
-def run_toy_jobs(folder, layouts: dict[str, list[str]], nproc: int) -> dict[str, list[dict]]:
-    """The jobs in one launch of tests/toy_jobs.py (torchrun for nproc > 1); each one's metrics."""
-    jobs = [{"name": name, "argv": [*TOY_JOB, *extra, "--job.dump_folder", str(folder / name)]}
-            for name, extra in layouts.items()]
-    jobs_file = folder / "jobs.json"
-    jobs_file.write_text(json.dumps(jobs))
-    runner = str(REPO / "tests" / "toy_jobs.py")
-    cmd = [sys.executable, runner] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", runner]
-    proc = subprocess.run([*cmd, str(jobs_file)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    rcs = {name: (folder / f"{name}.rc").read_text() if (folder / f"{name}.rc").exists() else "never finished"
-           for name in layouts}
-    assert proc.returncode == 0 and set(rcs.values()) == {"0"}, f"{rcs}:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-    return {name: read_metrics(folder / name) for name in layouts}
-
-
 @pytest.fixture(scope="module")
 def toy_reference(tmp_path_factory) -> list[dict]:
-    return run_toy_jobs(tmp_path_factory.mktemp("toy1"), {"single": ["--training.local_batch_size", "8"]}, 1)["single"]
+    dump = tmp_path_factory.mktemp("toy1") / "single"
+    train_in_process([*TOY_JOB, "--training.local_batch_size", "8", "--job.dump_folder", str(dump)])
+    return read_metrics(dump)
 
 
 def test_reference_loss_falls(toy_reference):

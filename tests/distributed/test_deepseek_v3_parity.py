@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 import test_document_masking_parity as masking
-from conftest import train_metrics
+from conftest import saving_every_2_steps, train_metrics
 from test_fsdp_parity import assert_same_curve
 
 pytestmark = pytest.mark.distributed
@@ -63,20 +63,20 @@ def test_reference_balances_and_learns(reference):
     assert all(r["mtp_loss"] > 0 for r in reference) and reference[-1]["mtp_loss"] < reference[0]["mtp_loss"]
 
 
-def test_fsdp2_ep2_then_resume_at_cp2_tp2(tmp_path, run, reference):
-    save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
-            "--checkpoint.folder", str(tmp_path / "ckpt"))
-    got = run(tmp_path, "fsdp2ep2", "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4",
-              *save, nproc=2)
-    check(got, reference, "FSDP2 x EP2")
-    # Steps 3-4 from step 2's checkpoint: MLA under CP (allgather) x TP, MoE's statistics over cp x tp.
-    resumed = run(tmp_path, "resume_cp2tp2", "--parallelism.context_parallel_degree", "2",
-                  "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
-                  *save, "--checkpoint.load_step", "2", nproc=4)
-    check(resumed, got[2:], "resume FSDP2 x EP2 -> CP2 (allgather) x TP2")
-
-
 POOLED = (*DEEPSEEK, *masking.SHORT_DOCUMENTS)  # the jobs below run in the shared launches of their world size
+SAVE = saving_every_2_steps("deepseek_v3_fsdp2ep2")
+
+
+# Steps 3-4 from step 2's checkpoint: MLA under CP (allgather) x TP, MoE's statistics over cp x tp.
+@pytest.mark.train_run(*POOLED, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4",
+                       *SAVE, name="fsdp2ep2", nproc=2)
+@pytest.mark.train_run(*POOLED, "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
+                       "2", "--training.local_batch_size", "8", *SAVE, "--checkpoint.load_step", "2",
+                       name="resume_cp2tp2", nproc=4, after="fsdp2ep2")
+def test_fsdp2_ep2_then_resume_at_cp2_tp2(train_runs, reference):
+    got = train_runs["fsdp2ep2"].metrics
+    check(got, reference, "FSDP2 x EP2")
+    check(train_runs["resume_cp2tp2"].metrics, got[2:], "resume FSDP2 x EP2 -> CP2 (allgather) x TP2")
 
 
 @pytest.mark.train_run(*POOLED, "--parallelism.pipeline_parallel_degree", "2",

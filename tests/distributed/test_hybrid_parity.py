@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import test_document_masking_parity as masking
-from conftest import train_metrics
+from conftest import saving_every_2_steps, train_metrics
 from family_checks import materialize, run_on_gloo_ranks
 from test_fsdp_parity import assert_same_curve
 
@@ -56,21 +56,21 @@ def test_reference_learns(reference):
     assert reference[-1]["loss"] < reference[0]["loss"]
 
 
-def test_fsdp2_then_resume_at_tp2_cp2(tmp_path, run, reference):
-    save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
-            "--checkpoint.folder", str(tmp_path / "ckpt"))
-    # Activation checkpointing wraps blocks of three kinds (recomputation changes no number).
-    got = run(tmp_path, "fsdp2", "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full", *save,
-              nproc=2)
-    assert_same_curve(got, reference)
-    resumed = run(tmp_path, "resume_tp2cp2", "--parallelism.tensor_parallel_degree", "2",
-                  "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8",
-                  "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
-                  *save, "--checkpoint.load_step", "2", nproc=4)
-    assert_same_curve(resumed, got[2:])
-
-
 POOLED = (*HYBRID, *masking.SHORT_DOCUMENTS)  # the jobs below run in the shared launches of their world size
+SAVE = saving_every_2_steps("hybrid_fsdp2")
+
+
+# Activation checkpointing wraps blocks of three kinds (recomputation changes no number).
+@pytest.mark.train_run(*POOLED, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full", *SAVE,
+                       name="fsdp2", nproc=2)
+@pytest.mark.train_run(*POOLED, "--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree",
+                       "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective",
+                       "--activation_checkpoint.selective_ac_option", "op", *SAVE, "--checkpoint.load_step", "2",
+                       name="resume_tp2cp2", nproc=4, after="fsdp2")
+def test_fsdp2_then_resume_at_tp2_cp2(train_runs, reference):
+    got = train_runs["fsdp2"].metrics
+    assert_same_curve(got, reference)
+    assert_same_curve(train_runs["resume_tp2cp2"].metrics, got[2:])
 
 
 @pytest.mark.train_run(*POOLED, "--parallelism.pipeline_parallel_degree", "2",

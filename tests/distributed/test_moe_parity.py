@@ -20,7 +20,7 @@ reference accumulates 4 of them; PP uses pipeline microbatches of 2. Tolerances:
 
 import pytest
 
-from conftest import train_metrics
+from conftest import saving_every_2_steps, train_metrics
 from test_fsdp_parity import assert_same_curve
 
 pytestmark = pytest.mark.distributed
@@ -58,16 +58,19 @@ def test_reference_balances_and_learns(reference):
     assert all(r["moe/dropped"] == 0 for r in reference)
 
 
-def test_ep2_alltoall_then_resume_at_ep1_and_fsdp4(tmp_path, reference):
-    save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
-            "--checkpoint.folder", str(tmp_path / "ckpt"))
-    got = run(tmp_path, "ep2", "--parallelism.expert_parallel_degree", "2", *save, nproc=2)
+SAVE = saving_every_2_steps("moe_ep2")
+
+
+# Resume step 2's checkpoint under other layouts: steps 3-4 must match the uninterrupted run.
+@pytest.mark.train_run(*MOE, "--parallelism.expert_parallel_degree", "2", *SAVE, name="ep2", nproc=2)
+@pytest.mark.train_run(*MOE, *SAVE, "--checkpoint.load_step", "2", name="resume_ep1", nproc=1, after="ep2")
+@pytest.mark.train_run(*MOE, "--parallelism.expert_parallel_degree", "1", *SAVE, "--checkpoint.load_step", "2",
+                       name="resume_fsdp4", nproc=4, after="ep2")
+def test_ep2_alltoall_then_resume_at_ep1_and_fsdp4(train_runs, reference):
+    got = train_runs["ep2"].metrics
     check(got, reference, "EP2")
-    # Resume step 2's checkpoint under other layouts: steps 3-4 must match the uninterrupted run.
-    load = (*save, "--checkpoint.load_step", "2")
-    for name, layout, nproc in (("ep1", (), 1), ("fsdp4", ("--parallelism.expert_parallel_degree", "1"), 4)):
-        resumed = run(tmp_path, f"resume_{name}", *layout, *load, nproc=nproc)
-        check(resumed, got[2:], f"resume EP2 -> {name}")
+    for name in ("ep1", "fsdp4"):
+        check(train_runs[f"resume_{name}"].metrics, got[2:], f"resume EP2 -> {name}")
 
 
 EP2 = ("--parallelism.expert_parallel_degree", "2")

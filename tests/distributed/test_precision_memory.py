@@ -4,7 +4,7 @@
   FSDP2 on 2 ranks, reproduce the plain single-process run (the shared reference of
   test_fsdp_parity.py) within that file's tolerances: scaling and the folded unscaling only round
   differently, and offload only moves shards (on a CPU-only machine its host copies are no-ops;
-  tests/unit/test_cpu_offload.py checks the policy is applied). One launch checks both.
+  tests/unit/test_cpu_offload.py checks the policy is applied). One job checks both.
 * An inf planted in one rank's gradient shard (float16, FSDP2, 2 ranks): every rank skips the
   step with its parameters unchanged, the learning rate is held, the scale backs off, the run
   goes on.
@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, TINY_JOB, _env, launch, read_metrics, train_metrics
+from conftest import REPO, TINY_JOB, _env, read_metrics, train_in_process
 
 pytestmark = pytest.mark.distributed
 
@@ -41,13 +41,13 @@ def by_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
-def test_loss_scaling_and_cpu_offload_under_fsdp2_equal_the_plain_run(tmp_path, single_process_reference):
-    """One 2-rank launch for both (each changes only where bytes live or how values round): FSDP2
+@pytest.mark.train_run(*FSDP2, "--training.enable_cpu_offload", "--loss_scaling.mode", "dynamic",
+                       "--loss_scaling.initial_scale", "1024", "--loss_scaling.window", "3", nproc=2)
+def test_loss_scaling_and_cpu_offload_under_fsdp2_equal_the_plain_run(train_run, single_process_reference):
+    """One 2-rank job for both (each changes only where bytes live or how values round): FSDP2
     with CPU offload and a loss scale that grows without overflowing (fp32 compute) against the
     plain single-process run."""
-    got = train_metrics(tmp_path, "scaled_offload", *FSDP2, "--training.enable_cpu_offload",
-                        "--loss_scaling.mode", "dynamic", "--loss_scaling.initial_scale", "1024",
-                        "--loss_scaling.window", "3", nproc=2)
+    got = train_run.metrics
     assert_same_curve(got, single_process_reference)
     # No overflow in fp32: the scale doubles every 3 steps.
     assert [r["loss_scale"] for r in got] == [1024.0 * 2 ** (s // 3) for s in range(1, 5)]
@@ -91,7 +91,7 @@ def float16_run(tmp_path_factory):
     args = [*FLOAT16, "--training.local_batch_size", "8", "--loss_scaling.initial_scale", "262144",
             "--loss_scaling.window", "3", "--loss_scaling.hysteresis", "1", "--checkpoint.enable",
             "--checkpoint.interval", "5"]
-    launch([*args, "--job.dump_folder", str(dump)])
+    train_in_process([*args, "--job.dump_folder", str(dump)])
     return args, dump, by_step(read_metrics(dump))
 
 
@@ -111,8 +111,8 @@ def test_float16_run_trains_and_scales_by_megatrons_rule(float16_run):
 def test_float16_resume_is_exact(tmp_path, float16_run):
     args, dump, straight = float16_run
     shutil.copytree(dump / "checkpoint", tmp_path / "ckpt")
-    launch([*args, "--job.dump_folder", str(tmp_path / "resumed"), "--checkpoint.folder", str(tmp_path / "ckpt"),
-            "--checkpoint.load_step", "5"])
+    train_in_process([*args, "--job.dump_folder", str(tmp_path / "resumed"), "--checkpoint.folder",
+                      str(tmp_path / "ckpt"), "--checkpoint.load_step", "5"])
     got = by_step(read_metrics(tmp_path / "resumed"))
     assert sorted(got) == [6, 7, 8, 9, 10]
     for s in got:
@@ -131,13 +131,14 @@ RAMP_BATCHES = [4, 4, 4, 8, 8, 12, 12, 12]
 @pytest.fixture(scope="module")
 def ramped(tmp_path_factory):
     dump = tmp_path_factory.mktemp("ramp")
-    launch([*RAMP, "--training.local_batch_size", "4", "--job.dump_folder", str(dump)])
+    train_in_process([*RAMP, "--training.local_batch_size", "4", "--job.dump_folder", str(dump)])
     return dump, read_metrics(dump)
 
 
-def test_ramped_fsdp2_equals_the_ramped_single_process_run(tmp_path, ramped):
+@pytest.mark.train_run(*RAMP[len(TINY_JOB):], "--training.local_batch_size", "2", nproc=2)
+def test_ramped_fsdp2_equals_the_ramped_single_process_run(train_run, ramped):
     _, ref = ramped
-    got = train_metrics(tmp_path, "ramp2", *RAMP, "--training.local_batch_size", "2", nproc=2)
+    got = train_run.metrics
     assert_same_curve(got, ref)
     assert [r["global_batch_size"] for r in ref] == [r["global_batch_size"] for r in got] == RAMP_BATCHES
     assert all(r["tps"] > 0 for r in got)
@@ -146,8 +147,8 @@ def test_ramped_fsdp2_equals_the_ramped_single_process_run(tmp_path, ramped):
 def test_resume_mid_ramp_is_exact(tmp_path, ramped):
     dump, ref = ramped
     shutil.copytree(dump / "checkpoint", tmp_path / "ckpt")
-    launch([*RAMP, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "resumed"),
-            "--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.load_step", "4"])
+    train_in_process([*RAMP, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "resumed"),
+                      "--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.load_step", "4"])
     got = by_step(read_metrics(tmp_path / "resumed"))
     straight = by_step(ref)
     assert sorted(got) == [5, 6, 7, 8]

@@ -15,7 +15,7 @@ Tolerances: test_fsdp_parity.py's.
 
 import pytest
 
-from conftest import train_metrics
+from conftest import saving_every_2_steps, train_metrics
 from test_fsdp_parity import assert_same_curve
 from test_validation_runs import assert_same_validation, split_records
 
@@ -47,12 +47,15 @@ def test_reference_learns(reference):
     assert 0 < valid[0]["validation_tokens"] <= 8 * 16
 
 
-def test_fsdp2_then_resume_at_tp2(tmp_path, reference):
-    save = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
-            "--checkpoint.folder", str(tmp_path / "ckpt"))
-    got = train_metrics(tmp_path, "fsdp2", *T5, "--training.local_batch_size", "4", "--activation_checkpoint.mode",
-                        "full", *save, nproc=2)
+SAVE = saving_every_2_steps("t5_fsdp2")
+
+
+@pytest.mark.train_run(*T5, "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full", *SAVE,
+                       name="fsdp2", nproc=2)
+@pytest.mark.train_run(*T5, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8", *SAVE,
+                       "--checkpoint.load_step", "2", name="resume", nproc=2, after="fsdp2")
+def test_fsdp2_then_resume_at_tp2(train_runs, reference):
+    got = train_runs["fsdp2"].metrics
     check(got, reference, "FSDP2 + full AC (saving)")
-    resumed = train_metrics(tmp_path, "resume", *T5, "--parallelism.tensor_parallel_degree", "2",
-                            "--training.local_batch_size", "8", *save, "--checkpoint.load_step", "2", nproc=2)
+    resumed = train_runs["resume"].metrics
     assert_same_curve(split_records(resumed)[0], split_records(got)[0][2:])

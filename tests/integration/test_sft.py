@@ -6,32 +6,38 @@ folder, with the held-out split's loss and assistant-token accuracy."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import pytest
 import torch
 
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, launch, read_metrics, train_in_process
 from sft_assets import TAGGED, exact_match, first_word_task, reverse_task, tokenizer_folder, write_jsonl
 
 PRESET = ["--job.config_file", str(REPO / "train_configs" / "sft_debug.toml"), "--metrics.no_enable_tensorboard"]
 
 
-def test_sft_preset_learns_the_task(tmp_path, capsys):
+def test_sft_preset_learns_the_task(tmp_path, capsys, caplog, monkeypatch):
+    """The three jobs run inside the test process (train_in_process) and the greedy answers are decoded
+    in batches of equal prompt length (sft_assets.exact_match): the same jobs and the same figures as
+    three train.py launches and a row-by-row decode, in less time."""
     import titanlike
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
     from titanlike.data.chat_template import load_chat_template
 
+    monkeypatch.chdir(REPO)  # the preset names its data relative to the checkout, as train.py's launches ran
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
     template = load_chat_template("auto", tokenizer)
     held_out = [r for r in reverse_task(60, seed=1, words=2)]
     started = time.perf_counter()
-    launch([*PRESET, "--job.dump_folder", str(tmp_path / "seed"), "--checkpoint.create_seed_checkpoint"])
+    train_in_process([*PRESET, "--job.dump_folder", str(tmp_path / "seed"), "--checkpoint.create_seed_checkpoint"])
     before = exact_match(titanlike.load_model(tmp_path / "seed" / "checkpoint"), tokenizer, template, held_out)
-    proc = launch([*PRESET, "--job.dump_folder", str(tmp_path / "sft"), "--checkpoint.last_save_in_hf"])
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        train_in_process([*PRESET, "--job.dump_folder", str(tmp_path / "sft"), "--checkpoint.last_save_in_hf"])
     sft_export = tmp_path / "sft" / "checkpoint" / "step-60"
     after = exact_match(titanlike.load_model(sft_export), tokenizer, template, held_out)
-    assert "sft: " in proc.stdout + proc.stderr and "trained) in" in proc.stdout + proc.stderr
+    assert "sft: " in caplog.text and "trained) in" in caplog.text
     figures = (f"exact match on {len(held_out)} held-out questions: {before:.0%} before, {after:.0%} after "
                f"({time.perf_counter() - started:.0f} s)")
     assert before < 0.05 and after > 0.5, figures
@@ -47,9 +53,10 @@ def test_sft_preset_learns_the_task(tmp_path, capsys):
     task = write_jsonl(tmp_path / "first.jsonl", first_word_task(1000, seed=0))
     second = first_word_task(60, seed=1)
     lora_before = exact_match(titanlike.load_model(sft_export), tokenizer, template, second)
-    launch(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--metrics.no_enable_tensorboard",
-            "--model.hf_assets_path", str(sft_export), "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf",
-            "--training.dataset_path", str(task), "--training.steps", "30", "--job.dump_folder", str(tmp_path / "lora")])
+    train_in_process(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"),
+                      "--metrics.no_enable_tensorboard", "--model.hf_assets_path", str(sft_export),
+                      "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--training.dataset_path",
+                      str(task), "--training.steps", "30", "--job.dump_folder", str(tmp_path / "lora")])
     lora_after = exact_match(titanlike.load_model(tmp_path / "lora" / "checkpoint" / "step-30"), tokenizer, template,
                              second)
     figures += f"; LoRA on the second task: {lora_before:.0%} before, {lora_after:.0%} after"

@@ -1,22 +1,19 @@
 """Llama 3 model: shapes, attention semantics, RoPE, initialization, FLOPs.
 
-The 2-rank FSDP2 initialization check runs this file under torchrun (see the
-bottom of the file), so it exercises real process groups.
+The FSDP2, FSDP x TP and TP checks run on spawned gloo ranks (family_checks.run_on_gloo_ranks),
+so they exercise real process groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from family_checks import held_params, materialize
+from family_checks import held_params, materialize, run_on_gloo_ranks
 from titanlike.models.common import attention as attention_mod
 from titanlike.models.common.init import canonical_fqn, seed_for
 from titanlike.models.common.rope import RoPEScaling, apply_rotary_emb, precompute_rope_cache, rope_inv_freq
@@ -345,47 +342,31 @@ def test_num_flops_per_token_hand_computed():
     assert args.flops_per_token(128) == 6 * n + 12 * 8 * 4 * 16 * 128
 
 
-# ---------------------------------------------------------------- 2 ranks (gloo, FSDP2)
+# ---------------------------------------------------------------- spawned gloo ranks: FSDP2, FSDP x TP, TP
 
 
-def _run_torchrun(check: str, nproc: int = 2, timeout: int = 240) -> str:
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [repo, os.path.join(repo, "tests"),  # tests/: this file imports family_checks
-         os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.abspath(__file__), check]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
+TIMEOUT_S = 240
 
 
-def test_fsdp2_sharded_init_equals_single_process_init():
-    out = _run_torchrun("fsdp_init")
-    assert out.count("FSDP_INIT_OK") == 2, out
+def test_sharded_init_and_tensor_parallelism_equal_one_process():
+    """One world of 4 spawned ranks (started once): FSDP2 over the 4 ranks with uneven shards, FSDP x TP
+    (2 x 2, _StridedShard placements), then TP over each pair of ranks, tied or not, with and without
+    sequence and loss parallelism: the init, the logits, the loss and every gradient of one process."""
+    run_on_gloo_ranks(_check_on_four_ranks, world=4, timeout_s=TIMEOUT_S, what="FSDP2, FSDP x TP and TP on 4 ranks")
 
 
-def _shutdown(dist) -> None:
-    # Without the barrier, a rank that finishes first tears gloo down while its peer
-    # is still in flight, which sporadically aborts the process at exit.
-    dist.barrier()
-    dist.destroy_process_group()
-    # Gloo's worker threads can still be torn down at interpreter exit after a clean destroy
-    # ("terminate called without an active exception", SIGABRT; seen once in CI): every check
-    # has passed and printed by now, so leave without running the C++ static destructors.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _check_on_four_ranks(rank: int) -> None:
+    _check_fsdp_init(rank)
+    _check_fsdp_tp_init(rank)
+    _check_tp(rank)
 
 
-def _check_fsdp_init() -> None:
+def _check_fsdp_init(rank: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     # An odd vocab and ffn size make FSDP's dim-0 shards uneven.
     for tied in (False, True):
@@ -410,19 +391,6 @@ def _check_fsdp_init() -> None:
         tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
-    print(f"FSDP_INIT_OK rank {rank}", flush=True)
-    _shutdown(dist)
-
-
-def test_fsdp_x_tensor_parallel_init_on_four_ranks():
-    # FSDP over TP shards dim 0 twice (_StridedShard): the init must still slice correctly.
-    out = _run_torchrun("fsdp_tp_init", nproc=4)
-    assert out.count("FSDP_TP_INIT_OK") == 4, out
-
-
-def test_tensor_parallel_matches_single_process():
-    out = _run_torchrun("tp")
-    assert out.count("TP_OK") == 2, out
 
 
 def test_family_rule_rejects_heads_tensor_parallelism_cannot_split():
@@ -434,7 +402,7 @@ def test_family_rule_rejects_heads_tensor_parallelism_cannot_split():
         args.validate(ParallelDims.resolve(world_size=4, tp=4), seq_len=64)
 
 
-def _check_tp() -> None:
+def _check_tp(rank: int) -> None:
     from contextlib import nullcontext
 
     import torch.distributed as dist
@@ -444,9 +412,7 @@ def _check_tp() -> None:
 
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -482,18 +448,15 @@ def _check_tp() -> None:
         for name, p in model.named_parameters():
             torch.testing.assert_close(full(p.grad), ref_params[name].grad, rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"{tag}: grad of {name}: {m}")
-    print(f"TP_OK rank {rank}", flush=True)
-    _shutdown(dist)
 
 
-def _check_fsdp_tp_init() -> None:
-    import torch.distributed as dist
+def _check_fsdp_tp_init(rank: int) -> None:
+    # FSDP over TP shards dim 0 twice (_StridedShard): the init must still slice correctly.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
-    dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     args = tiny_args(n_layers=2, vocab_size=333)
     reference = build(args, seed=5)
@@ -514,9 +477,4 @@ def _check_fsdp_tp_init() -> None:
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
-    print(f"FSDP_TP_INIT_OK rank {dist.get_rank()}", flush=True)
-    _shutdown(dist)
 
-
-if __name__ == "__main__":
-    {"fsdp_init": _check_fsdp_init, "tp": _check_tp, "fsdp_tp_init": _check_fsdp_tp_init}[sys.argv[1]]()

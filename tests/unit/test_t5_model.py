@@ -6,16 +6,13 @@ The family is new files only (titanlike/models/t5/); these tests reach it throug
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from family_checks import held_params, materialize
+from family_checks import held_params, materialize, run_on_gloo_ranks
 from titanlike.config import load_job_config
 from titanlike.models.common import sharding
 from titanlike.models.common.attention import DocumentMask
@@ -244,16 +241,10 @@ def test_tensor_parallel_and_fsdp_match_single_process():
     """Two gloo ranks: tensor parallelism (with and without sequence parallelism and loss
     parallelism, both variants, padded encoder inputs), then FSDP: the same init, loss and
     gradients as one process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",  # tests/: this file imports family_checks
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.abspath(__file__)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("T5_PARALLEL_OK") == 2, proc.stdout
+    run_on_gloo_ranks(_check_parallel, world=2, timeout_s=180, what="T5 TP and FSDP on 2 ranks")
 
 
-def _check_parallel() -> None:
+def _check_parallel(rank: int) -> None:
     from contextlib import nullcontext
 
     import torch.distributed as dist
@@ -265,7 +256,6 @@ def _check_parallel() -> None:
     from titanlike.parallel.fsdp import apply_fsdp
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
-    dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 
     def full(t):
@@ -309,10 +299,4 @@ def _check_parallel() -> None:
         for name, p in model.named_parameters():
             torch.testing.assert_close(full(p.grad) / scale, ref_params[name].grad, rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"{tag}: grad of {name}: {m}")
-    print(f"T5_PARALLEL_OK rank {dist.get_rank()}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    _check_parallel()
