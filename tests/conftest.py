@@ -96,10 +96,16 @@ def train_in_process(argv: list[str]) -> None:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    # A job sets process-wide variables for the process group it creates (the flight recorder's, in
+    # titanlike/parallel/timeouts.py, naming its own dump folder): a launched rank gets a fresh
+    # environment, so must the processes this test process starts after the job.
+    environ = dict(os.environ)
     try:
         rc = main(argv, "train.py", checks=TEST_JOB_CHECKS)
     finally:
         torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
     if rc != 0:
         raise AssertionError(f"train.main({argv}) returned {rc} (its log is in the captured output)")
 
