@@ -250,18 +250,53 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return bins
 
 
+def check_row_dataset(dataset: str, dataset_path: str | None, *, option: str, objective: str, files: str,
+                      contents: str) -> None:
+    """DataError (one sentence) unless `dataset` at `dataset_path` is rows an objective reads
+    (`training.dataset text` naming JSONL or Parquet files or a saved datasets folder): sft's
+    conversations, dpo's preference pairs. files: "conversation files"; contents: "the conversations"."""
+    if dataset != "text":
+        raise DataError(f"{option}.dataset {dataset!r} cannot give {objective} samples, which read {files}: set "
+                        f"{option}.dataset text and {option}.dataset_path to JSONL or Parquet files or a saved datasets "
+                        f"folder of {contents}")
+    if not dataset_path:
+        raise DataError(f"{option}.dataset text needs {option}.dataset_path ({contents})")
+    try:
+        conversation_files(dataset_path)
+    except DataError as e:
+        raise DataError(f"{option}.dataset_path: {e}") from None
+
+
+def split_rows(dataset_path: str, split, split_name: str) -> list:
+    """The rows of `dataset_path` in training.split's part `split_name` (all of them without a split)."""
+    from titanlike.data.sentence_samples import split_documents
+
+    rows = list(iter_rows(dataset_path))
+    if split is not None:
+        begin, end = split_documents(len(rows), split, split_name, name=dataset_path)
+        rows = rows[begin:end]
+    return rows
+
+
 class ConversationSamples:
     """Map-style samples of `seq_len` positions: dicts of inputs, labels and document_ids (one id per
-    conversation in the sample, then one for the padding, non-decreasing as the document mask
-    needs). `pad_id` fills the padding's inputs."""
+    document in the sample, then one for the padding, non-decreasing as the document mask needs).
+    An item (a conversation here; a preference pair's two answers in data/preferences.py) is
+    `documents_per_item` consecutive documents of the data, packed whole. `pad_id` fills the
+    padding's inputs."""
 
-    def __init__(self, conversations: TokenizedConversations, *, seq_len: int, packing: bool, pad_id: int):
-        self.data, self.seq_len, self.pad_id = conversations, seq_len, pad_id
-        lengths = conversations.lengths()
+    documents_per_item = 1
+
+    def __init__(self, data: TokenizedConversations, *, seq_len: int, packing: bool, pad_id: int):
+        self.data, self.seq_len, self.pad_id = data, seq_len, pad_id
+        lengths = data.lengths()  # per item
         self.bins = best_fit_decreasing(lengths, seq_len) if packing else [[i] for i in range(len(lengths))]
-        used = int(lengths.sum())
-        logger.info(f"sft: {len(conversations)} conversations, {used:,} positions ({int((conversations.labels != IGNORE_INDEX).sum()):,} "
-                    f"trained) in {len(self.bins)} samples of {seq_len} ({used / (len(self.bins) * seq_len):.0%} filled)")
+        used, trained = int(lengths.sum()), int((data.labels != IGNORE_INDEX).sum())
+        logger.info(f"{self.summary(len(data), trained)}, {used:,} positions in {len(self.bins)} samples of {seq_len} "
+                    f"({used / (len(self.bins) * seq_len):.0%} filled)")
+
+    def summary(self, items: int, trained: int) -> str:
+        return f"sft: {items} conversations ({trained:,} trained tokens)"
 
     @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -275,20 +310,22 @@ class ConversationSamples:
         inputs = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
         documents = np.zeros(self.seq_len, dtype=np.int64)
-        at = 0
+        at, doc, k = 0, 0, self.documents_per_item
         b = self.data.bounds
-        for doc, i in enumerate(self.bins[index]):
-            n = int(b[i + 1] - b[i])
-            inputs[at: at + n] = self.data.inputs[b[i]: b[i + 1]]
-            labels[at: at + n] = self.data.labels[b[i]: b[i + 1]]
-            documents[at: at + n] = doc
-            at += n
-        documents[at:] = len(self.bins[index])  # the padding: a document of its own
+        for item in self.bins[index]:
+            for d in range(k * item, k * item + k):
+                n = int(b[d + 1] - b[d])
+                inputs[at: at + n] = self.data.inputs[b[d]: b[d + 1]]
+                labels[at: at + n] = self.data.labels[b[d]: b[d + 1]]
+                documents[at: at + n] = doc
+                at, doc = at + n, doc + 1
+        documents[at:] = doc  # the padding: a document of its own
         return {"inputs": inputs, "labels": labels, "document_ids": documents}
 
     def __repr__(self) -> str:
-        return f"ConversationSamples({len(self)} samples of {self.seq_len})"
+        return f"{type(self).__name__}({len(self)} samples of {self.seq_len})"
 
 
 __all__ = ["CONVERSATION_SUFFIXES", "ConversationSamples", "FORMATS", "TokenizedConversations", "best_fit_decreasing",
+           "check_row_dataset", "split_rows",
            "conversation_files", "iter_rows", "row_messages", "tokenize_conversations"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from titanlike.data.conversations import IGNORE_INDEX, best_fit_decreasing
+from titanlike.data.conversations import IGNORE_INDEX, ConversationSamples
 from titanlike.data.errors import DataError
 
 logger = logging.getLogger("titanlike")
@@ -174,44 +174,14 @@ def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "
     return pack_pairs(pairs(), seq_len=seq_len, overlong=overlong)
 
 
-class PreferenceSamples:
-    """Map-style samples of `seq_len` positions: dicts of inputs, labels and document_ids (module
-    docstring: chosen 2k, rejected 2k + 1, the padding 2K). `pad_id` fills the padding's inputs."""
+class PreferenceSamples(ConversationSamples):
+    """Samples of whole pairs (module docstring: chosen 2k, rejected 2k + 1, the padding 2K), packed
+    as conversations are, two documents per item."""
 
-    def __init__(self, pairs: TokenizedPairs, *, seq_len: int, packing: bool, pad_id: int):
-        self.data, self.seq_len, self.pad_id = pairs, seq_len, pad_id
-        lengths = pairs.lengths()
-        self.bins = best_fit_decreasing(lengths, seq_len) if packing else [[i] for i in range(len(lengths))]
-        used = int(lengths.sum())
-        logger.info(f"dpo: {len(pairs)} pairs, {used:,} positions ({int((pairs.labels != IGNORE_INDEX).sum()):,} "
-                    f"answer tokens) in {len(self.bins)} samples of {seq_len} ({used / (len(self.bins) * seq_len):.0%} filled)")
+    documents_per_item = 2
 
-    @property
-    def fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        shape = (self.seq_len,)
-        return {"inputs": (shape, "int64"), "labels": (shape, "int64"), "document_ids": (shape, "int64")}
-
-    def __len__(self) -> int:
-        return len(self.bins)
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        inputs = np.full(self.seq_len, self.pad_id, dtype=np.int64)
-        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
-        documents = np.zeros(self.seq_len, dtype=np.int64)
-        at, doc = 0, 0
-        b = self.data.bounds
-        for pair in self.bins[index]:
-            for d in (2 * pair, 2 * pair + 1):
-                n = int(b[d + 1] - b[d])
-                inputs[at: at + n] = self.data.inputs[b[d]: b[d + 1]]
-                labels[at: at + n] = self.data.labels[b[d]: b[d + 1]]
-                documents[at: at + n] = doc
-                at, doc = at + n, doc + 1
-        documents[at:] = doc  # the padding: a document of its own
-        return {"inputs": inputs, "labels": labels, "document_ids": documents}
-
-    def __repr__(self) -> str:
-        return f"PreferenceSamples({len(self)} samples of {self.seq_len})"
+    def summary(self, items: int, trained: int) -> str:
+        return f"dpo: {items} pairs ({trained:,} answer tokens)"
 
 
 __all__ = ["PAIR_KEYS", "PreferenceSamples", "TokenizedPairs", "answer_mask", "pack_pairs", "row_pair",

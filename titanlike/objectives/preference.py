@@ -218,19 +218,10 @@ class DPO(Objective):
                              "model.converters lora")
 
     def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
-        from titanlike.data.conversations import conversation_files
-        from titanlike.data.errors import DataError
+        from titanlike.data.conversations import check_row_dataset
 
-        if dataset != "text":
-            raise DataError(f"{option}.dataset {dataset!r} cannot give dpo samples, which read preference files: set "
-                            f"{option}.dataset text and {option}.dataset_path to JSONL or Parquet files or a saved "
-                            "datasets folder of prompt, chosen and rejected")
-        if not dataset_path:
-            raise DataError(f"{option}.dataset text needs {option}.dataset_path (the preference pairs)")
-        try:
-            conversation_files(dataset_path)
-        except DataError as e:
-            raise DataError(f"{option}.dataset_path: {e}") from None
+        check_row_dataset(dataset, dataset_path, option=option, objective="dpo", files="preference files",
+                          contents="the preference pairs")
 
     def validate_held_out(self, dataset: str) -> None:
         """Pairs are held out by training.split, whatever the files."""
@@ -244,18 +235,14 @@ class DPO(Objective):
     def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
                 split_name="train"):
         from titanlike.data.chat_template import load_chat_template
-        from titanlike.data.conversations import iter_rows
+        from titanlike.data.conversations import split_rows
         from titanlike.data.loader import GlobalSamples
         from titanlike.data.preferences import PreferenceSamples, tokenize_pairs
-        from titanlike.data.sentence_samples import split_documents
         from titanlike.objectives.sft import pad_id
 
         self.validate_dataset(dataset, dataset_path)
         o = self.options
-        rows = list(iter_rows(dataset_path))
-        if split is not None:
-            begin, end = split_documents(len(rows), split, split_name, name=dataset_path)
-            rows = rows[begin:end]
+        rows = split_rows(dataset_path, split, split_name)
         template = load_chat_template(o.chat_template, tokenizer, option="dpo.chat_template")
         pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=o.overlong)
         source = PreferenceSamples(pairs, seq_len=seq_len, packing=o.packing, pad_id=pad_id(tokenizer))

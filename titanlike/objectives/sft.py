@@ -107,19 +107,10 @@ class SFT(Objective):
                                  "microbatch's sequence over its ranks")
 
     def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
-        from titanlike.data.conversations import conversation_files
-        from titanlike.data.errors import DataError
+        from titanlike.data.conversations import check_row_dataset
 
-        if dataset != "text":
-            raise DataError(f"{option}.dataset {dataset!r} cannot give sft samples, which read conversation files: "
-                            f"set {option}.dataset text and {option}.dataset_path to JSONL or Parquet files or a "
-                            "saved datasets folder")
-        if not dataset_path:
-            raise DataError(f"{option}.dataset text needs {option}.dataset_path (the conversations)")
-        try:
-            conversation_files(dataset_path)
-        except DataError as e:
-            raise DataError(f"{option}.dataset_path: {e}") from None
+        check_row_dataset(dataset, dataset_path, option=option, objective="sft", files="conversation files",
+                          contents="the conversations")
 
     def validate_held_out(self, dataset: str) -> None:
         """Conversations are held out by training.split (its 'valid' part), whatever the files."""
@@ -131,16 +122,12 @@ class SFT(Objective):
     def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
                 split_name="train"):
         from titanlike.data.chat_template import load_chat_template
-        from titanlike.data.conversations import ConversationSamples, iter_rows, tokenize_conversations
+        from titanlike.data.conversations import ConversationSamples, split_rows, tokenize_conversations
         from titanlike.data.loader import GlobalSamples
-        from titanlike.data.sentence_samples import split_documents
 
         self.validate_dataset(dataset, dataset_path)
         o = self.options
-        rows = list(iter_rows(dataset_path))
-        if split is not None:
-            begin, end = split_documents(len(rows), split, split_name, name=dataset_path)
-            rows = rows[begin:end]
+        rows = split_rows(dataset_path, split, split_name)
         template = load_chat_template(o.chat_template, tokenizer)
         conversations = tokenize_conversations(rows, template, tokenizer, seq_len=seq_len, fmt=o.format,
                                                assistant_only_loss=o.assistant_only_loss, overlong=o.overlong)
