@@ -37,7 +37,7 @@ def test_sft_preset_learns_the_task(tmp_path, capsys, caplog, monkeypatch):
         train_in_process([*PRESET, "--job.dump_folder", str(tmp_path / "sft"), "--checkpoint.last_save_in_hf"])
     sft_export = tmp_path / "sft" / "checkpoint" / "step-60"
     after = exact_match(titanlike.load_model(sft_export), tokenizer, template, held_out)
-    assert "sft: " in caplog.text and "trained) in" in caplog.text
+    assert "sft: " in caplog.text and "trained tokens), " in caplog.text and "filled)" in caplog.text
     figures = (f"exact match on {len(held_out)} held-out questions: {before:.0%} before, {after:.0%} after "
                f"({time.perf_counter() - started:.0f} s)")
     assert before < 0.05 and after > 0.5, figures
