@@ -185,12 +185,25 @@ class TokenizedConversations:
         return np.diff(self.bounds)
 
 
+def render_row(template, tokenizer, messages: list[dict], where: str, what: str):
+    """tokenize_conversation's (ids, assistant mask) of one row; an error raised inside the template
+    (its own raise_exception included) is one DataError naming the row; what: "conversation", "pair"."""
+    from titanlike.data.chat_template import tokenize_conversation
+
+    try:
+        return tokenize_conversation(template, tokenizer, messages)
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{where}: {template.origin} refused the {what}: "
+                        f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None
+
+
 def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str = "auto",
                            assistant_only_loss: bool = True, overlong: str = "truncate") -> TokenizedConversations:
     """rows: (where, row) pairs; template: a chat_template.ChatTemplate. DataError (one sentence)
     for a row that is not a conversation, one without an assistant turn (under assistant-only loss),
     or one the template refuses."""
-    from titanlike.data.chat_template import tokenize_conversation
 
     inputs, labels, bounds = [], [], [0]
     truncated = dropped = 0
@@ -198,13 +211,7 @@ def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str 
         messages = row_messages(row, fmt, where)
         if assistant_only_loss and not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where} has no assistant turn, so nothing of it would be trained on")
-        try:
-            ids, mask = tokenize_conversation(template, tokenizer, messages)
-        except DataError:
-            raise
-        except Exception as e:  # the template's own raise_exception, or any error inside it
-            raise DataError(f"{where}: {template.origin} refused the conversation: "
-                            f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None
+        ids, mask = render_row(template, tokenizer, messages, where, "conversation")
         if len(ids) > seq_len + 1:
             if overlong == "drop":
                 dropped += 1

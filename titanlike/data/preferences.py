@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from titanlike.data.conversations import IGNORE_INDEX, ConversationSamples
+from titanlike.data.conversations import IGNORE_INDEX, ConversationSamples, render_row
 from titanlike.data.errors import DataError
 
 logger = logging.getLogger("titanlike")
@@ -149,16 +149,10 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate") -> TokenizedP
 
 def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate") -> TokenizedPairs:
     """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate."""
-    from titanlike.data.chat_template import chat_prompt_ids, tokenize_conversation
+    from titanlike.data.chat_template import chat_prompt_ids
 
     def render(where: str, messages: list[dict], prompt_ids: list[int]):
-        try:
-            ids, assistant = tokenize_conversation(template, tokenizer, messages)
-        except DataError:
-            raise
-        except Exception as e:  # the template's own raise_exception, or any error inside it
-            raise DataError(f"{where}: {template.origin} refused the pair: "
-                            f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None
+        ids, assistant = render_row(template, tokenizer, messages, where, "pair")
         return ids, answer_mask(ids, assistant, prompt_ids)
 
     def pairs():

@@ -115,6 +115,19 @@ def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
     return shard_sequence(x, ctx.cp_positions)
 
 
+def refuse_pretraining_options(cfg: JobConfig, objective: str) -> None:
+    """ValueError (one sentence) for the pre-training text options a job of `objective` (sft, dpo:
+    samples that carry their own document masks, a fixed batch) cannot take."""
+    t = cfg.training
+    for option in ("document_masking", "eod_mask_loss"):
+        if getattr(t, option):
+            raise ValueError(f"training.{option} applies to packed pre-training text; {objective} samples carry their "
+                             f"own document masks: remove training.{option}")
+    if t.rampup_batch_size:
+        raise ValueError(f"training.rampup_batch_size is for pre-training; remove it with training.objective "
+                         f"{objective}")
+
+
 class Objective:
     """Base of every objective: the loss they share (cross-entropy summed over the targets, plus the
     model's auxiliary losses). Subclasses implement the rest (see the module docstring)."""
@@ -245,4 +258,5 @@ class Objective:
         return self._cross_entropy(output, labels)
 
 
-__all__ = ["BatchContext", "FieldShapes", "Microbatch", "Objective", "ObjectiveModels", "cut_sequence"]
+__all__ = ["BatchContext", "FieldShapes", "Microbatch", "Objective", "ObjectiveModels", "cut_sequence",
+           "refuse_pretraining_options"]

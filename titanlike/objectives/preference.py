@@ -58,7 +58,8 @@ from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX, logits_of
-from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Objective, cut_sequence
+from titanlike.objectives.base import (BatchContext, FieldShapes, Microbatch, Objective, cut_sequence,
+                                       refuse_pretraining_options)
 from titanlike.objectives.registry import register_objective
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ class DPO(Objective):
         return cls(cfg.dpo, **cls.compile_options(cfg))
 
     def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
-        o, t = self.options, cfg.training
+        o = self.options
         if o.beta <= 0:
             raise ValueError(f"dpo.beta must be positive, got {o.beta}")
         if not 0 <= o.label_smoothing < 0.5:
@@ -200,12 +201,7 @@ class DPO(Objective):
         if o.label_smoothing and o.loss_type in ("ipo", "hinge"):
             raise ValueError(f"dpo.label_smoothing applies to the sigmoid, robust and simpo losses, not dpo.loss_type "
                              f"{o.loss_type}; remove it")
-        for option in ("document_masking", "eod_mask_loss"):
-            if getattr(t, option):
-                raise ValueError(f"training.{option} applies to packed pre-training text; dpo samples carry their "
-                                 f"own document masks: remove training.{option}")
-        if t.rampup_batch_size:
-            raise ValueError("training.rampup_batch_size is for pre-training; remove it with training.objective dpo")
+        refuse_pretraining_options(cfg, "dpo")
         if self.uses_reference and dims.pp > 1:
             from titanlike.parallel.pipeline import V_SCHEDULES, schedule_name
 

@@ -29,7 +29,8 @@ from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX
-from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Objective, cut_sequence
+from titanlike.objectives.base import (BatchContext, FieldShapes, Microbatch, Objective, cut_sequence,
+                                       refuse_pretraining_options)
 from titanlike.objectives.causal_lm import lookahead_targets
 from titanlike.objectives.registry import register_objective
 
@@ -85,13 +86,7 @@ class SFT(Objective):
         return cls(cfg.sft, **cls.compile_options(cfg))
 
     def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
-        t = cfg.training
-        for option in ("document_masking", "eod_mask_loss"):
-            if getattr(t, option):
-                raise ValueError(f"training.{option} applies to packed pre-training text; sft samples carry their "
-                                 f"own document masks: remove training.{option}")
-        if t.rampup_batch_size:
-            raise ValueError("training.rampup_batch_size is for pre-training; remove it with training.objective sft")
+        refuse_pretraining_options(cfg, "sft")
         o = self.options
         if o.pad_to_multiple_of < 1:
             raise ValueError(f"sft.pad_to_multiple_of must be at least 1, got {o.pad_to_multiple_of}")
