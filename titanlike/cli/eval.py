@@ -12,6 +12,7 @@ titanlike/inference/harness.py. Under torchrun the ranks are one tensor-parallel
 
 from __future__ import annotations
 
+import logging
 import sys
 
 MODEL_NAME = "titanlike"
@@ -37,7 +38,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     register()
     saved = sys.argv
-    # lm-eval's command line reads sys.argv (and inserts its `run` command there when none is given).
+    # lm-eval's command line reads sys.argv (and inserts its `run` command there when none is given)
+    # and gives its logger a handler on the sys.stderr of the moment: a caller in the same process
+    # (a test) gets both back as they were.
+    logger = logging.getLogger("lm_eval")
+    handlers, level = list(logger.handlers), logger.level
     sys.argv = [prog or "titanlike-eval", *(sys.argv[1:] if argv is None else argv)]
     try:
         cli_evaluate()
@@ -46,6 +51,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 1
     finally:
         sys.argv = saved
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
     return 0
 
 

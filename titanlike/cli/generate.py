@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
 # The loader's helpers, importable from here as before (scripts/generate.py re-exports them).
-from titanlike.inference.loading import training_objective, vocab_size
+from titanlike.inference.loading import training_objective, vocab_size  # noqa: F401
 
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int | None,
