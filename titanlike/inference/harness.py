@@ -184,6 +184,7 @@ class TitanlikeLM(TemplateLM):
                 raise GenerationError(f"device {device} was asked for but this machine has no CUDA GPU; use cpu")
             if chosen.index is None:
                 chosen = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(chosen)  # NCCL's group (tensor parallel) binds each rank to its GPU
         return chosen
 
     # ------------------------------------------------------------------------- lm-eval's interface
