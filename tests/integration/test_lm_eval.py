@@ -7,8 +7,10 @@ local JSONL files (no hub: HF_DATASETS_OFFLINE and every socket connection refus
 a multiple-choice task (loglikelihood), a perplexity task (loglikelihood_rolling: several windows of
 64 tokens) and a generate_until task with stop strings; some contexts are longer than the context
 (left truncation). The titanlike model's per-request log-likelihoods equal the hf model's within
-1e-4, its accuracies and generated texts exactly; batch size 4 equals batch size 1; a 2-rank
-tensor-parallel run equals one process; a BERT checkpoint is refused in one sentence."""
+1e-4, its accuracies and generated texts exactly; batch size 1 equals batch size 4 (1e-5); a 2-rank
+tensor-parallel run (spawned gloo ranks, the first document of each task) equals one process;
+titanlike-eval runs lm-eval's command line; a BERT checkpoint and an unknown model_arg are refused in
+one sentence."""
 
 from __future__ import annotations
 
