@@ -18,32 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
-
-def _logits(output) -> torch.Tensor:
-    """The logits of a forward (a family may return them beside auxiliary losses)."""
-    from titanlike.models.outputs import logits_of
-
-    return logits_of(output)
-
-
-@torch.no_grad()
-def vocab_size(model) -> int:
-    """The model's vocabulary: the size of its output projection's logits for one token."""
-    from titanlike.models import protocol
-
-    device = next(model.parameters()).device
-    hooks = protocol.generation_hooks(model)
-    if hooks is None:  # an encoder: its own forward
-        return _logits(model(torch.zeros(1, 1, dtype=torch.long, device=device))).shape[-1]
-    init_cache, prefill, _ = hooks
-    cache = init_cache(1, 1, device=device, dtype=next(model.parameters()).dtype)
-    return prefill(torch.zeros(1, 1, dtype=torch.long, device=device), torch.ones(1, dtype=torch.long,
-                   device=device), cache).shape[-1]
+# The loader's helpers, importable from here as before (scripts/generate.py re-exports them).
+from titanlike.inference.loading import training_objective, vocab_size  # noqa: F401
 
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int | None,
@@ -57,15 +37,6 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: 
                             stop_token_ids=frozenset(stops), seed=seed)
     (completion,), _ = Engine(model).generate([prompt_ids], params)
     return completion.tokens
-
-
-def training_objective(model):
-    """The objective the model's family trains with (its ModelSpec's, for these args)."""
-    from titanlike.config import JobConfig
-    from titanlike.models.registry import get_model_spec, model_names
-
-    spec = next(get_model_spec(name) for name in model_names() if get_model_spec(name).model_cls is type(model))
-    return spec.objective(JobConfig(), model.model_args)
 
 
 def _read_prompts_file(path: str, *, chat: bool) -> list:
@@ -137,6 +108,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 1
 
     from titanlike.inference import Engine, GenerationError, SamplingParams
+    from titanlike.inference.loading import load_for_inference
 
     if args.batch_size < 1:
         return fail(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -157,26 +129,23 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             return fail(str(e))
     prompts = prompts or [""]
 
-    from titanlike.checkpoint import CheckpointError, load_model
-    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
-    from titanlike.data.tokenizer_json import is_tokenizer_folder
     from titanlike.models import protocol
 
-    own = args.checkpoint if os.path.isdir(args.checkpoint) and is_tokenizer_folder(args.checkpoint) else None
-    tokenizer = build_tokenizer(args.tokenizer or own or DEFAULT_TOKENIZER_PATH)
+    def decoder(model) -> None:
+        if protocol.generation_hooks(model) is None:
+            objective = training_objective(model)
+            raise GenerationError(f"{type(model).__name__} cannot generate text: it is an encoder trained on "
+                                  f"{objective.name} samples, and this script continues prompts with decoder-only or "
+                                  "encoder-decoder models (load it with titanlike.load_model and call it, or export "
+                                  "it to Hugging Face)")
+
     try:
-        model = load_model(args.checkpoint, args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except CheckpointError as e:
+        model, tokenizer = load_for_inference(args.checkpoint, tokenizer=args.tokenizer, device=args.device,
+                                              dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                              accept=decoder)
+    except GenerationError as e:
         return fail(str(e))
-    if protocol.generation_hooks(model) is None:
-        objective = training_objective(model)
-        return fail(f"{type(model).__name__} cannot generate text: it is an encoder trained on {objective.name} "
-                    "samples, and this script continues prompts with decoder-only or encoder-decoder models (load "
-                    "it with titanlike.load_model and call it, or export it to Hugging Face)")
-    vocab = vocab_size(model)
-    if tokenizer.vocab_size != vocab:
-        return fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model {vocab}; pass the tokenizer it "
-                    "was trained with (--tokenizer)")
+    vocab = tokenizer.vocab_size
     bad_stop = [t for t in args.stop_token if t >= vocab]
     if bad_stop:
         return fail(f"--stop-token {bad_stop[0]} is not a token id of the model's vocabulary of {vocab}")

@@ -1,0 +1,61 @@
+"""Evaluate a titanlike checkpoint with lm-evaluation-harness: lm-eval's own command line, with the
+`titanlike` model registered (lm-eval 0.4 discovers no model plugins: a model must be registered in
+the process that evaluates).
+
+    titanlike-eval --model titanlike --model_args checkpoint=outputs/checkpoint --tasks hellaswag
+    torchrun --nproc-per-node 2 scripts/eval.py --model titanlike --model_args checkpoint=... --tasks ...
+
+(scripts/eval.py in a checkout.) Every lm-eval option works (--tasks, --include_path,
+--num_fewshot, --batch_size, --limit, --output_path, ...); model_args are described in
+titanlike/inference/harness.py. Under torchrun the ranks are one tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+MODEL_NAME = "titanlike"
+
+
+def register() -> None:
+    """Make `--model titanlike` known to lm-eval in this process (lazily: the class is imported
+    when a run asks for it)."""
+    from lm_eval.api.registry import model_registry
+
+    if MODEL_NAME not in model_registry:
+        model_registry.register(MODEL_NAME, target="titanlike.inference.harness:TitanlikeLM")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError:
+        print("error: evaluation needs lm-evaluation-harness (pip install 'lm_eval==0.4.13', or titanlike[dev])",
+              file=sys.stderr)
+        return 1
+    from titanlike.inference import GenerationError
+
+    register()
+    saved = sys.argv
+    # lm-eval's command line reads sys.argv (and inserts its `run` command there when none is given)
+    # and gives its logger a handler on the sys.stderr of the moment: a caller in the same process
+    # (a test) gets both back as they were.
+    logger = logging.getLogger("lm_eval")
+    handlers, level = list(logger.handlers), logger.level
+    sys.argv = [prog or "titanlike-eval", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        cli_evaluate()
+    except GenerationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        sys.argv = saved
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+    return 0
+
+
+def console_main() -> None:
+    """The `titanlike-eval` console script."""
+    sys.exit(main(prog="titanlike-eval"))
