@@ -418,6 +418,10 @@ class MambaState:
         self.ssm = torch.zeros(cache.batch_size, heads, head_dim, state_size, dtype=torch.float32,
                                device=cache.device)
 
+    def copy_row(self, row: int, source: MambaState, source_row: int) -> None:
+        self.conv[row] = source.conv[source_row]
+        self.ssm[row] = source.ssm[source_row]
+
 
 class Mamba2HeadSplit(HeadSplitParameters):
     """The mixer split by groups of heads: the parameters it names in `head_split_parameters` split

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlike.models.common.attention import DocumentMask, core_attention
 from titanlike.models.common.init import LinearInit, ones_
+from titanlike.models.common.kv_cache import copy_slots
 from titanlike.models.common.rope import apply_rotary_emb
 
 # DeepSeek's reference and transformers build the latent norms (q_norm, kv_norm) with RMSNorm's
@@ -141,6 +142,10 @@ class LatentCache:
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.read(self.latents, 1), self.cache.read(self.k_pe, 1)
+
+    def copy_row(self, row: int, source: LatentCache, source_row: int) -> None:
+        copy_slots(self.latents, row, source.latents, source_row, dim=1)
+        copy_slots(self.k_pe, row, source.k_pe, source_row, dim=1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
