@@ -65,7 +65,8 @@ class ContinuousBatch:
         self.last = torch.zeros(slots, dtype=torch.long, device=engine.device)  # each row's newest token
         self.work = threading.Condition()
         self._ids = itertools.count(1)
-        self.steps = 0  # decode steps taken (for tests and statistics)
+        self.steps = 0  # decode steps taken (statistics: a server's /health)
+        self.cancelled = 0  # sequences ended by cancel() before they were done
 
     # Any thread ------------------------------------------------------------------------------------
 
@@ -195,6 +196,7 @@ class ContinuousBatch:
             self.rows[seq.slot] = None
         if reason is not None:
             seq.completion.finish_reason = reason
+        self.cancelled += reason == "cancelled"
         if seq._stream is not None:
             rest = seq._stream.finish() if reason is None else ""
             if rest and seq.on_text is not None:

@@ -154,7 +154,8 @@ class OpenAIServer:
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_name, "slots": self.batch.slots, "running": self.batch.active,
-                "waiting": len(self.batch.waiting), "decode_steps": self.batch.steps}
+                "waiting": len(self.batch.waiting), "decode_steps": self.batch.steps,
+                "cancelled": self.batch.cancelled}
 
     def parse(self, body: dict, *, chat: bool) -> _Request:
         """Validate a request body (ApiError, one sentence naming the field, for a bad one)."""
