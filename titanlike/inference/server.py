@@ -342,6 +342,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, error: ApiError) -> None:
+        if error.status in (411, 413):  # the body was not read: the connection cannot carry another request
+            self.close_connection = True
         self._send_json(error.status, error.body())
 
     def do_GET(self):
@@ -390,7 +392,6 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             raise ApiError(400, f"the Content-Length header is not a number: {length!r}") from None
         if length > MAX_BODY_BYTES:
-            self.close_connection = True
             raise ApiError(413, f"the request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
         raw = self.rfile.read(length)
         try:
