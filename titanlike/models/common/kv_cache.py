@@ -130,6 +130,23 @@ class ModelCache:
         return buffer.narrow(dim, 0, self.slots_in_use)
 
 
+def lazy_buffer(buffer: torch.Tensor | None, cache: ModelCache, like: torch.Tensor, *, slot_dim: int | None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`buffer`, or when it does not exist yet a zero one shaped as `like` (a value the forward
+    computes, batch first) with the cache's batch size and, along slot_dim, its capacity.
+
+    Caches take their shapes from the forward's own tensors rather than from the weights: under
+    tensor parallelism a rank holds some heads (the local shard the forward computes with), and
+    under FSDP a weight outside the forward is a shard of rows that says nothing of the heads."""
+    if buffer is not None:
+        return buffer
+    shape = [cache.batch_size, *like.shape[1:]]
+    if slot_dim is not None:
+        shape[slot_dim] = cache.capacity
+    like = like.to_local() if isinstance(like, DTensor) else like
+    return torch.zeros(shape, dtype=dtype or like.dtype, device=cache.device)
+
+
 def copy_slots(buffer: torch.Tensor, row: int, source: torch.Tensor, source_row: int, dim: int) -> None:
     """buffer[row] = source[source_row] over the source's slots (dim `dim` of the batch-first
     buffers; the source may have fewer slots)."""
@@ -138,16 +155,17 @@ def copy_slots(buffer: torch.Tensor, row: int, source: torch.Tensor, source_row:
 
 
 class KVCache:
-    """Keys and values of one grouped-query attention layer: (batch, kv_heads, capacity, head_dim) each."""
+    """Keys and values of one grouped-query attention layer: (batch, kv_heads, capacity, head_dim) each,
+    allocated at the first write from the keys and values the forward computes (see lazy_buffer)."""
 
-    def __init__(self, cache: ModelCache, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 v_head_dim: int | None = None):
-        self.cache = cache
-        shape = (cache.batch_size, kv_heads, cache.capacity)
-        self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=cache.device)
-        self.v = torch.zeros(*shape, v_head_dim or head_dim, dtype=dtype, device=cache.device)
+    def __init__(self, cache: ModelCache, dtype: torch.dtype):
+        self.cache, self.dtype = cache, dtype
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
 
     def copy_row(self, row: int, source: KVCache, source_row: int) -> None:
+        self.k = lazy_buffer(self.k, self.cache, source.k, slot_dim=2)
+        self.v = lazy_buffer(self.v, self.cache, source.v, slot_dim=2)
         copy_slots(self.k, row, source.k, source_row, dim=2)
         copy_slots(self.v, row, source.v, source_row, dim=2)
 
@@ -158,6 +176,8 @@ class KVCache:
         module's training kernel, so the numbers are the training forward's); in a decode step the
         one new token attends to its row's slots."""
         c = self.cache
+        self.k = lazy_buffer(self.k, c, k, slot_dim=2, dtype=self.dtype)
+        self.v = lazy_buffer(self.v, c, v, slot_dim=2, dtype=self.dtype)
         c.write(self.k, k, dim=2)
         c.write(self.v, v, dim=2)
         if c.prefilling:
@@ -185,4 +205,4 @@ def last_prompt_tokens(h: torch.Tensor, cache: ModelCache) -> torch.Tensor:
     return h[rows, cache.prompt_lengths - 1][:, None]
 
 
-__all__ = ["KVCache", "ModelCache", "copy_slots", "last_prompt_tokens", "local_rows"]
+__all__ = ["KVCache", "ModelCache", "copy_slots", "lazy_buffer", "last_prompt_tokens", "local_rows"]

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, check_divisible
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.common.init import normal_, ones_
-from titanlike.models.common.kv_cache import ModelCache, copy_slots, local_rows
+from titanlike.models.common.kv_cache import ModelCache, copy_slots, lazy_buffer
 
 FEED_FORWARD_VARIANTS = ("gated-gelu", "relu")
 
@@ -256,8 +256,11 @@ class SelfAttention(T5Attention):
         if cache is None:
             return self.attend(x, x, bias)
         c = cache.cache
-        c.write(cache.k, self._heads(self.wk, x), dim=2)
-        c.write(cache.v, self._heads(self.wv, x), dim=2)
+        k, v = self._heads(self.wk, x), self._heads(self.wv, x)
+        cache.k = lazy_buffer(cache.k, c, k, slot_dim=2, dtype=cache.dtype)
+        cache.v = lazy_buffer(cache.v, c, v, slot_dim=2, dtype=cache.dtype)
+        c.write(cache.k, k, dim=2)
+        c.write(cache.v, v, dim=2)
         return self._attend_cached(x, c.read(cache.k, 2), c.read(cache.v, 2), bias)
 
 
@@ -280,11 +283,12 @@ class T5LayerCache:
     decoder token) and its cross-attention's keys and values of the encoder's output, computed once
     at the prefill."""
 
-    def __init__(self, cache: ModelCache, heads: int, head_dim: int, dtype: torch.dtype):
-        self.cache = cache
-        shape = (cache.batch_size, heads, cache.capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=cache.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=cache.device)
+    def __init__(self, cache: ModelCache, dtype: torch.dtype):
+        # (batch, this rank's heads, capacity, head_dim), allocated at the first write from the
+        # forward's own keys (models/common/kv_cache.lazy_buffer).
+        self.cache, self.dtype = cache, dtype
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self.cross_k: torch.Tensor | None = None
         self.cross_v: torch.Tensor | None = None
 
@@ -292,6 +296,8 @@ class T5LayerCache:
         """Continuous batching's refill (models/common/kv_cache.py): the decoder's slots, and the
         encoder's keys and values, the rows' encoder lengths padded to the longest (the cross
         bias, EncoderMask, masks the padding)."""
+        self.k = lazy_buffer(self.k, self.cache, source.k, slot_dim=2)
+        self.v = lazy_buffer(self.v, self.cache, source.v, slot_dim=2)
         copy_slots(self.k, row, source.k, source_row, dim=2)
         copy_slots(self.v, row, source.v, source_row, dim=2)
         self.cross_k = _fit_row(self.cross_k, row, source.cross_k, source_row, self.cache.batch_size, 0.0, -2)
@@ -460,9 +466,8 @@ class T5(nn.Module):
     def init_cache(self, batch_size: int, capacity: int, *, device: torch.device | str,
                    dtype: torch.dtype) -> ModelCache:
         cache = ModelCache(batch_size, capacity, device)
-        for key, block in list(self.layers.items())[self.model_args.n_encoder_layers:]:
-            heads = local_rows(block.attention.wk.weight) // self.model_args.head_dim
-            cache.layers[key] = T5LayerCache(cache, heads, self.model_args.head_dim, dtype)
+        for key in list(self.layers)[self.model_args.n_encoder_layers:]:
+            cache.layers[key] = T5LayerCache(cache, dtype)
         cache.extra["cross_bias"] = EncoderMask(batch_size)
         return cache
 
