@@ -25,6 +25,8 @@ import torch
 
 from titanlike.config.schema import JobConfig
 from titanlike.data import build_dataloader
+from titanlike.data.errors import DataError
+from titanlike.data.special_tokens import special_token_ids
 from titanlike.data.tokenizer import Tokenizer
 from titanlike.inference import Engine, SamplingParams
 from titanlike.objectives.base import Objective
@@ -136,8 +138,10 @@ class Samples:
         self.ids = [tokenizer.encode(p, bos=True, eos=False) for p in self.prompts]
         stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
         self.params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=frozenset(stops))
-        start_id = getattr(tokenizer, "pad_id", None)  # an encoder-decoder's decoder start (T5: pad)
-        self.start_id = start_id if isinstance(start_id, int) else None
+        try:  # an encoder-decoder's decoder start: the pad token, as span-corruption samples start theirs
+            self.start_id = special_token_ids(tokenizer, ("pad",))["pad"]
+        except DataError:
+            self.start_id = None
 
     @torch.no_grad()
     def run(self) -> list[tuple[str, str]]:
