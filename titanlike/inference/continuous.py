@@ -61,6 +61,7 @@ class ContinuousBatch:
         self.cache = engine.init_cache(slots, self.capacity, device=engine.device, dtype=engine.dtype)
         self.rows: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
+        self._admitting: list[Sequence] = []  # taken from waiting, not yet in a row
         self.seen: torch.Tensor | None = None  # (slots, vocab) bool, once a sequence has a repetition penalty
         self.last = torch.zeros(slots, dtype=torch.long, device=engine.device)  # each row's newest token
         self.work = threading.Condition()
@@ -118,7 +119,9 @@ class ContinuousBatch:
             free = [row for row, seq in enumerate(self.rows) if seq is None]
             admitted = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
         if admitted:
+            self._admitting = admitted  # ended by fail_all too, should the prefill raise
             self._admit(admitted, free)
+            self._admitting = []
         live = [row for row, seq in enumerate(self.rows) if seq is not None]
         if not live:
             return
@@ -130,8 +133,9 @@ class ContinuousBatch:
     def fail_all(self, error: BaseException) -> None:
         """End every sequence with `error` (the step raised) and start from an empty cache."""
         with self.work:
-            pending = [seq for seq in self.rows if seq is not None] + list(self.waiting)
+            pending = [seq for seq in self.rows if seq is not None] + self._admitting + list(self.waiting)
             self.waiting.clear()
+            self._admitting = []
         for seq in pending:
             seq.error = error
             self._end(seq, "error")
