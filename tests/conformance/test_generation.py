@@ -8,7 +8,9 @@ vocabulary 256, width 128, at most 2 decoder layers) is written with the library
 - greedy continuations of the engine (one batch, per-row lengths) equal transformers' `generate`
   (one batch, left-padded with an attention mask) token for token;
 - teacher-forced on those tokens, the cached logits (prefill, then one decode step per token) equal
-  the uncached forward over the whole sequence within 1e-4 (fp32), row by row.
+  the uncached forward over the whole sequence within 1e-4 (fp32), row by row;
+- continuous batching on two slots (the third prompt refills the slot of the first, which ends
+  early: the family's cache copies a row) gives each prompt the same tokens.
 An encoder-only model is refused in one sentence.
 """
 
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from family_checks import distinct_flavors, materialize
-from titanlike.inference import Engine, GenerationError, SamplingParams
+from titanlike.inference import ContinuousBatch, Engine, GenerationError, SamplingParams
 from titanlike.models import protocol
 from titanlike.models.registry import get_model_spec
 
@@ -131,6 +133,13 @@ def test_greedy_generation_equals_transformers_and_the_cache_equals_the_full_for
     for row, p in enumerate(prompts):
         want = _uncached(model, p, ours[row][:-1], hf.config.is_encoder_decoder)
         torch.testing.assert_close(cached[row], want, rtol=0, atol=1e-4)
+
+    batch = ContinuousBatch(Engine(model), slots=2)
+    lengths = (2, NEW_TOKENS, NEW_TOKENS)
+    seqs = [batch.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+    batch.run()
+    assert [s.completion.tokens for s in seqs] == [row[:n] for row, n in zip(ours, lengths)], family
+    assert seqs[2].slot == seqs[0].slot
 
 
 def test_every_generating_family_is_checked():

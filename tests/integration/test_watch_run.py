@@ -1,6 +1,6 @@
 """Watching a run through train.py (one process, CPU): profiler traces, memory snapshots, the
 progress line, the end-of-run summary, metrics.jsonl on by default and plotted, a W&B offline run
-read back with wandb's own reader, and no DCP "torch.distributed is disabled" warning per save.
+read back with wandb's own reader (greedy samples as a table too), and no DCP "torch.distributed is disabled" warning per save.
 
 One launch carries every check: W&B alone costs several seconds to start."""
 
@@ -26,7 +26,8 @@ def run(tmp_path_factory):
             "--metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.enable_memory_snapshot",
             "--profiling.profile_freq", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
             "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
-            "--metrics.enable_wandb", "--metrics.wandb_mode", "offline"]
+            "--metrics.enable_wandb", "--metrics.wandb_mode", "offline",
+            "--validation.sample_prompts", "In the beginning", "--validation.sample_max_tokens", "4"]
     env = _env()
     env.pop("WANDB_DIR", None)
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env, capture_output=True,
@@ -56,7 +57,7 @@ def test_progress_lines_summary_and_no_single_process_dcp_warning(run):
     summary = log[log.index("run summary:"):]
     assert re.match(rf"run summary: {STEPS} step\(s\) \(1 -> {STEPS}\) in \d+:\d\d:\d\d; final loss \d+\.\d{{4}}",
                     summary)
-    final = json.loads((dump / "metrics.jsonl").read_text().splitlines()[-1])
+    final = [r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines()) if "validation_loss" in r][-1]
     assert final["step"] == STEPS and f"validation loss: final {final['validation_loss']:.4f} (step {STEPS})" in summary
     # The last save holds the model only (torchtitan's checkpoint.last_save_model_only, on by default).
     assert f"checkpoints:     {dump / 'checkpoint'} (latest: step-{STEPS}, the model only; sample: " \
@@ -97,3 +98,11 @@ def test_wandb_offline_run_holds_the_metrics_and_the_config(run):
     for step, item in history.items():
         assert item["loss"] == pytest.approx(ours[step]["loss"]) and item["lr"] == pytest.approx(ours[step]["lr"])
     assert "validation/loss" in history[2] and "validation/loss" in history[4]
+    # Greedy samples (validation.sample_prompts): a table of (step, prompt, text) at every validation.
+    samples = {r["step"]: r["samples"][0] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())
+               if "samples" in r}
+    assert sorted(samples) == [2, 4] and samples[4]["prompt"] == "In the beginning"
+    for step in (2, 4):  # wandb flattens the table's reference into samples.* keys; the rows are a file of the run
+        assert history[step]["samples._type"] == "table-file"
+        table = json.loads((runs[0] / "files" / history[step]["samples.path"]).read_text())
+        assert table == {"columns": ["step", "prompt", "text"], "data": [[step, *samples[step].values()]]}

@@ -200,6 +200,20 @@ _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
         (["--span_corruption.short_seq_prob", "2"], 1, "span_corruption.short_seq_prob must be between 0 and 1, got"),
         (["--span_corruption.mean_noise_span_length", "0.5"], 1, "mean_noise_span_length must be at least 1"),
         (["--span_corruption.decoder_seq_len", "1"], 1, "span_corruption.decoder_seq_len must be at least 2, got 1"),
+        # Samples during training (validation.sample_prompts): where every rank computes whole layers.
+        (["--validation.sample_prompts", "Hi", "--parallelism.tensor_parallel_degree", "2"], 2,
+         "validation.sample_prompts cannot run under tensor parallelism, where a rank does not compute whole layers"),
+        (["--validation.sample_prompts", "Hi", "--parallelism.pipeline_parallel_degree", "2"], 2,
+         "validation.sample_prompts cannot run under pipeline parallelism"),
+        (["--validation.sample_prompts", "Hi", "--compile.enable"], 1,
+         "validation.sample_prompts cannot run with compile.enable"),
+        (["--validation.sample_prompts", "Hi", "--model.name", "bert", "--model.flavor", "debugmodel_tiny",
+          "--training.seq_len", "64"], 1,
+         "validation.sample_prompts needs a model that generates text, and bert debugmodel_tiny is an encoder"),
+        (["--validation.sample_prompts", "Hi " * 1100], 1,
+         "validation.sample_prompts[0] has 2201 tokens, which leaves no room in the model's context of 2048 tokens"),
+        (["--validation.sample_prompts", "Hi", "--validation.sample_max_tokens", "0"], 1,
+         "validation.sample_max_tokens must be at least 1, got 0"),
     ],
 )
 def test_validation_rules(argv, world, fragment):

@@ -130,6 +130,43 @@ def test_bad_prompts_are_one_sentence(model):
         assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_continuous_batching_cancels_and_survives_a_failed_step(model):
+    """Slots are refilled as sequences end (each prompt gets what it gets alone), a cancelled
+    sequence frees its slot at the next step, and a step that raises ends the sequences in flight
+    with the error while the batch goes on serving (what the server's engine thread relies on)."""
+    from titanlike.inference import ContinuousBatch
+
+    engine = Engine(model)
+    prompts = [[5, 9, 17, 3], [7, 31, 90], [100, 101, 102], [44, 12, 8, 8]]
+    alone = [engine.generate([p], SamplingParams(max_new_tokens=5))[0][0].tokens for p in prompts]
+    batch = ContinuousBatch(engine, slots=2)
+    done = []
+    seqs = [batch.submit(p, SamplingParams(max_new_tokens=5), on_done=done.append) for p in prompts]
+    batch.step()
+    batch.cancel(seqs[1])  # running: its slot goes to the third prompt at the next step
+    batch.run()
+    assert seqs[1].completion.finish_reason == "cancelled" and batch.cancelled == 1 and len(done) == 4
+    assert [s.completion.tokens for s in seqs if s is not seqs[1]] == [alone[0], alone[2], alone[3]]
+    assert seqs[2].slot == seqs[1].slot
+
+    real, calls = engine.decode_step, []
+
+    def failing(tokens, cache):
+        calls.append(1)
+        raise RuntimeError("device lost")
+
+    engine.decode_step = failing
+    broken = batch.submit(prompts[0], SamplingParams(max_new_tokens=5))
+    with pytest.raises(RuntimeError):
+        batch.step()
+    batch.fail_all(RuntimeError("device lost"))
+    assert broken.done and broken.completion.finish_reason == "error" and not batch.busy()
+    engine.decode_step = real
+    again = batch.submit(prompts[0], SamplingParams(max_new_tokens=5))
+    batch.run()
+    assert again.completion.tokens == alone[0]
+
+
 # ---------------------------------------------------------------- scripts/generate.py
 
 

@@ -379,6 +379,12 @@ class Validation:
     local_batch_size: int = opt(-1, "samples per validation batch on each data-parallel rank; -1 means "
                                 "training.local_batch_size")
     seq_len: int = opt(-1, "tokens per validation sample, at most training.seq_len; -1 means training.seq_len")
+    sample_prompts: list[str] = opt(
+        [], "prompts whose greedy continuations (KV cache, every rank running them, rank 0 reporting) go to the "
+        "console, TensorBoard (text), W&B and metrics.jsonl every sample_freq steps and after the last; empty: "
+        "none. Independent of enable; not under pipeline, tensor, context or expert parallelism or compile")
+    sample_freq: int = opt(0, "steps between samples of sample_prompts; 0 means validation.freq")
+    sample_max_tokens: int = opt(32, "new tokens per sample at most (a sample also ends at the tokenizer's EOS)")
 
 
 @dataclass

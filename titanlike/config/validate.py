@@ -34,6 +34,7 @@ def validate_values(cfg: JobConfig) -> None:
     _check(p.expert_tensor_parallel_degree == 1, f"parallelism.expert_tensor_parallel_degree {NOT_YET}")
     if cfg.validation.enable:
         _validate_validation(cfg)
+    _validate_samples(cfg)
 
     # Batch and sequence.
     _check(t.seq_len >= 1, f"training.seq_len must be at least 1, got {t.seq_len}")
@@ -131,6 +132,14 @@ def _validate_validation(cfg: JobConfig) -> None:
             _check(bool(v.dataset_path), f"validation.dataset {kind} needs validation.dataset_path")
     _check(kind not in STREAMING_DATASETS or v.steps >= 1,
            f"validation.steps must be set (>= 1) for a streaming {kind} dataset, which has no end to run to")
+
+
+def _validate_samples(cfg: JobConfig) -> None:
+    v = cfg.validation
+    _check(v.sample_freq >= 0, f"validation.sample_freq must be 0 (validation.freq) or at least 1, got {v.sample_freq}")
+    _check(v.sample_max_tokens >= 1, f"validation.sample_max_tokens must be at least 1, got {v.sample_max_tokens}")
+    _check(all(isinstance(p, str) and p.strip() for p in v.sample_prompts),
+           "validation.sample_prompts must be non-empty texts")
 
 
 def _validate_registered_sections(cfg: JobConfig) -> None:

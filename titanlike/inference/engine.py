@@ -8,7 +8,8 @@ with per-row lengths (models/common/kv_cache.py): no left padding, no position s
 
 Each row ends on its own (stop token, stop string, max_new_tokens, the context); the batch steps
 until every row has ended. Rows that ended keep being computed (their tokens are dropped) so the
-step keeps its shapes: a server refilling such rows is the next layer up.
+step keeps its shapes. Refilling such rows at once with waiting prompts (continuous batching, what a
+server needs) is ContinuousBatch (continuous.py), on the same hooks and stop rules.
 """
 
 from __future__ import annotations

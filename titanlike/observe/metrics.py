@@ -114,6 +114,15 @@ def tensorboard_run_folder(base: str, now: datetime | None = None) -> str:
     return folder
 
 
+def sample_markdown(prompt: str, text: str) -> str:
+    """A sample as TensorBoard's text plugin shows it (Markdown): the prompt in bold, the model's
+    continuation after it, Markdown's special characters escaped."""
+    def escape(s: str) -> str:
+        return "".join("\\" + c if c in "\\`*_[]#<>" else c for c in s)
+
+    return f"**{escape(prompt)}**{escape(text)}"
+
+
 class MetricsLogger:
     """Accumulates tokens between logs and reports step metrics (rank 0 writes).
 
@@ -234,6 +243,29 @@ class MetricsLogger:
             self._wandb.log(scalars, step=step)
         # Validation time is not training time: keep it out of the next tokens/s.
         self._last_time = time.perf_counter()
+        return record
+
+    def log_samples(self, step: int, samples: list[tuple[str, str]]) -> dict:
+        """Report greedy samples (prompt, continuation): the console, TensorBoard text (one tag per
+        prompt, samples/<i>, Markdown), metrics.jsonl ({"step", "samples": [{"prompt", "text"}]}) and
+        a W&B table."""
+        record = {"step": step, "samples": [{"prompt": p, "text": t} for p, t in samples]}
+        if not self.is_writer:
+            return record
+        logger.info(f"samples  step: {step:5d}\n" + "\n".join(f"  [{i}] {p!r} -> {t!r}"
+                                                            for i, (p, t) in enumerate(samples)))
+        if self._tb is not None:
+            # TensorBoard renders Markdown: the prompt in bold, then what the model wrote, both escaped.
+            self._write("_tb", lambda: ([self._tb.add_text(f"samples/{i}", sample_markdown(p, t), step)
+                                         for i, (p, t) in enumerate(samples)], self._tb.flush()))
+        if self._jsonl is not None:
+            self._write("_jsonl", lambda: (self._jsonl.write(json.dumps(record) + "\n"), self._jsonl.flush()))
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({"samples": wandb.Table(columns=["step", "prompt", "text"],
+                                                    data=[[step, p, t] for p, t in samples])}, step=step)
+        self._last_time = time.perf_counter()  # sampling time is not training time
         return record
 
     def _write(self, writer: str, write) -> None:

@@ -11,6 +11,9 @@ Accuracy is counted by the objective (Objective.count_correct) from the outputs 
 sees (an observer on StepLoss): by default the fraction of targets (next tokens, masked tokens,
 decoder targets) whose most likely token is right (vocabulary-parallel logits gathered for it, in
 validation only); for preference pairs, the pairs whose chosen answer gets the higher reward.
+
+Samples (validation.sample_prompts): greedy continuations of fixed prompts every sample_freq
+steps, with the KV-cache engine, where every rank computes whole layers (one process, DP, FSDP).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import torch
 
 from titanlike.config.schema import JobConfig
 from titanlike.data import build_dataloader
+from titanlike.data.errors import DataError
+from titanlike.data.special_tokens import special_token_ids
 from titanlike.data.tokenizer import Tokenizer
+from titanlike.inference import Engine, SamplingParams
 from titanlike.objectives.base import Objective
 from titanlike.parallel.utils import sum_over_world
 from titanlike.train.step import TrainStep
@@ -94,6 +100,62 @@ def validate_validation_layout(v, t, dims, *, check_dataset=None) -> None:
     if v.dataset not in (None, "default") and v.dataset_path:
         check_dataset(v.dataset, v.dataset_path, option="validation")
 
+def validate_samples_layout(v, dims, *, generates: bool, compile_blocks: bool, model: str, tokenizer=None,
+                            context_len: int | None = None) -> None:
+    """The rules of validation.sample_prompts (Samples, below): ValueError, one sentence."""
+    if not v.sample_prompts:
+        return
+    if not generates:
+        raise ValueError(f"validation.sample_prompts needs a model that generates text, and {model} is an encoder "
+                         "(it has no decoder to continue a prompt with)")
+    # Samples run the KV-cache engine on each rank's model as it is: whole layers, plain forwards.
+    split = [name for name, on in (("pipeline", dims.pp_enabled), ("tensor", dims.tp_enabled),
+                                   ("context", dims.cp_enabled), ("expert", dims.ep_enabled)) if on]
+    if split:
+        raise ValueError(f"validation.sample_prompts cannot run under {split[0]} parallelism, where a rank does not "
+                         "compute whole layers for a batch of its own (data parallelism and FSDP can); sample from a "
+                         "checkpoint with scripts/generate.py instead")
+    if compile_blocks:
+        raise ValueError("validation.sample_prompts cannot run with compile.enable on the model's blocks (compiled "
+                         "for training's shapes, not a decode step's); sample from a checkpoint with "
+                         "scripts/generate.py instead")
+    if tokenizer is not None and context_len is not None:
+        for i, prompt in enumerate(v.sample_prompts):
+            n = len(tokenizer.encode(prompt, bos=True, eos=False))
+            if n >= context_len:
+                raise ValueError(f"validation.sample_prompts[{i}] has {n} tokens, which leaves no room in the "
+                                 f"model's context of {context_len} tokens")
+
+
+class Samples:
+    """Greedy continuations of fixed prompts with the KV cache (titanlike/inference), taken during
+    training: every rank runs the same steps on its model (FSDP all-gathers the weights of each
+    layer, so every rank must), rank 0 reports them. Greedy and the same weights: every rank draws
+    the same tokens, so they stop together."""
+
+    def __init__(self, model, tokenizer, prompts: list[str], max_tokens: int):
+        self.model, self.tokenizer, self.prompts = model, tokenizer, list(prompts)
+        self.ids = [tokenizer.encode(p, bos=True, eos=False) for p in self.prompts]
+        stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+        self.params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=frozenset(stops))
+        try:  # an encoder-decoder's decoder start: the pad token, as span-corruption samples start theirs
+            self.start_id = special_token_ids(tokenizer, ("pad",))["pad"]
+        except DataError:
+            self.start_id = None
+
+    @torch.no_grad()
+    def run(self) -> list[tuple[str, str]]:
+        """(prompt, continuation) of each prompt; every rank calls it."""
+        stops = self.params.stop_token_ids
+        try:
+            engine = Engine(self.model, start_id=self.start_id)
+            completions, _ = engine.generate(self.ids, self.params, detokenize=lambda t: self.tokenizer.decode(
+                [x for x in t if x not in stops]))
+        finally:
+            self.model.train()
+        return [(prompt, c.text) for prompt, c in zip(self.prompts, completions)]
+
+
 class Evaluator:
     def __init__(self, step: TrainStep, data, prepare: Callable):
         """data: a ValidationData (loader + batches per run, above); prepare: the
@@ -135,4 +197,4 @@ class Evaluator:
         return loss_sum / tokens, int(tokens), correct / tokens
 
 
-__all__ = ["Evaluator", "ValidationData", "build_validation_data"]
+__all__ = ["Evaluator", "Samples", "ValidationData", "build_validation_data", "validate_samples_layout"]

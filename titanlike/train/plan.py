@@ -147,7 +147,8 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     from titanlike.parallel.fsdp import validate_cpu_offload
     from titanlike.parallel.parallelize import validate_compile_backend
     from titanlike.parallel.tensor_parallel import validate_tensor_parallel
-    from titanlike.train.evaluate import validate_validation_layout
+    from titanlike.models import protocol
+    from titanlike.train.evaluate import validate_samples_layout, validate_validation_layout
 
     m, p, t = cfg.model, cfg.parallelism, cfg.training
     cuda = torch.cuda.is_available()
@@ -198,6 +199,11 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         objective.validate_dataset(t.dataset, t.dataset_path)
     if cfg.validation.enable:
         validate_validation_layout(cfg.validation, t, dims, check_dataset=objective.validate_dataset)
+    if cfg.validation.sample_prompts:
+        # The class answers whether the model generates (models/protocol.py: BERT sets init_cache None).
+        validate_samples_layout(cfg.validation, dims, generates=protocol.generation_hooks(spec.model_cls) is not None,
+                                compile_blocks=parallelize.compile_blocks, model=model, tokenizer=tokenizer,
+                                context_len=args.context_len)
     if cfg.compile.enable:
         validate_compile_backend(cfg.compile.backend)
     pipeline = _pipeline(cfg, dims, spec, args, model, parallelize.compile_blocks)

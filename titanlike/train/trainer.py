@@ -47,7 +47,7 @@ from titanlike.parallel.context import load_balanced_positions
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
 from titanlike.parallel.utils import sum_over_for_replicated_loss, sum_over_world
-from titanlike.train.evaluate import Evaluator, build_validation_data
+from titanlike.train.evaluate import Evaluator, Samples, build_validation_data
 from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
 from titanlike.train.gc_schedule import PeriodicGC
@@ -300,6 +300,10 @@ class Trainer:
             device=self.device, pipeline=pipeline, tied=tied, converters=self.converters,
             expert_balance=self.expert_balance, loss_scaler=self.loss_scaler)
         self.evaluator = Evaluator(self.train_step, self.validation, self.prepare) if self.validation is not None else None
+        v = cfg.validation
+        # Greedy samples of fixed prompts (plan_job allowed them: every rank holds whole layers, model_parts[0]).
+        self.samples = Samples(self.model_parts[0], self.tokenizer, v.sample_prompts, v.sample_max_tokens) \
+            if v.sample_prompts else None
 
     def _build_observers(self) -> None:
         """Metrics (console, TensorBoard, JSONL, W&B) and the straggler detector."""
@@ -507,6 +511,8 @@ class Trainer:
                     self.pending = record
                 if self._validates_at(self.step):
                     self.metrics.log_validation(self.step, *self.evaluator.run())
+                if self._samples_at(self.step):
+                    self.metrics.log_samples(self.step, self.samples.run())
                 if self.step < steps and stop:
                     self._save_and_stop(stop)
                     break
@@ -578,6 +584,10 @@ class Trainer:
         return (self.loss_scaler is not None or step == self.cfg.training.steps
                 or self.metrics.should_log(step, self.cfg.training.steps) or self.checkpointer.saves_at(step)
                 or self._validates_at(step))
+
+    def _samples_at(self, step: int) -> bool:
+        v = self.cfg.validation
+        return self.samples is not None and (step % (v.sample_freq or v.freq) == 0 or step == self.cfg.training.steps)
 
     def _validates_at(self, step: int) -> bool:
         return self.evaluator is not None and (step % self.cfg.validation.freq == 0 or step == self.cfg.training.steps)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from titanlike.models.args import AttentionShape
 from titanlike.models.common.init import LinearInit, ones_, zeros_
-from titanlike.models.common.kv_cache import KVCache, local_rows
+from titanlike.models.common.kv_cache import KVCache
 from titanlike.models.common.rope import apply_rotary_emb
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
@@ -250,8 +250,8 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def new_cache(self, cache, dtype: torch.dtype) -> KVCache:
-        """Room for this layer's keys and values: the heads this rank holds (wk's local rows)."""
-        return KVCache(cache, local_rows(self.wk.weight) // self.head_dim, self.head_dim, dtype)
+        """Room for this layer's keys and values (the heads this rank computes, sized at the prefill)."""
+        return KVCache(cache, dtype)
 
     def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
         for name in ("wq", "wk", "wv"):

@@ -11,6 +11,12 @@ different lengths need no left padding and a row's slot can later be refilled on
   (a Mamba-2 state) reads the row's length to stop at its last real token.
 - Decode: one token per row at position lengths[i], written to slot lengths[i]; attention reads
   slots 0..lengths[i] of its row (a boolean mask over the slots in use).
+- Refill (continuous batching, titanlike/inference/continuous.py): a new prompt is prefilled in a
+  cache of its own and copied into a free row (copy_row); a row that holds nothing is reset to
+  length 0 (reset_rows) so its placeholder steps never fill the cache. Rows never mix (every op
+  is per row), so what the other rows hold is untouched. Every layer cache (and every entry of
+  `extra`) therefore provides copy_row(row, source, source_row): copy what row source_row of a
+  cache of the same family holds, slots 0..source capacity - 1 where it has slots.
 
 A layer's cache object is its family's: keys and values (KVCache, here), the compressed latent of
 multi-head latent attention (deepseek_v3/attention.py), the conv and SSM state of a Mamba-2 mixer
@@ -39,6 +45,7 @@ class ModelCache:
         self.prompt_lengths: torch.Tensor | None = None  # (batch,) real tokens of each padded prompt
         self.slots_in_use = 0  # host-side: slots any row may read in this step (no device sync)
         self.host_max_length = 0  # host-side upper bound of the longest row's length
+        self._row_bounds = [0] * batch_size  # host-side upper bound of each row's length
         self._mask: torch.Tensor | None = None
         # A family's own entries that are not layers (T5: the encoder's padding mask).
         self.extra: dict[str, object] = {}
@@ -58,6 +65,7 @@ class ModelCache:
     def end_prefill(self) -> None:
         self.lengths = self.prompt_lengths.clone()
         self.host_max_length = self.slots_in_use
+        self._row_bounds = [self.slots_in_use] * self.batch_size
         self.prefilling = False
 
     def begin_decode(self) -> None:
@@ -71,6 +79,32 @@ class ModelCache:
     def end_decode(self) -> None:
         self.lengths = self.lengths + 1
         self.host_max_length += 1
+        self._row_bounds = [bound + 1 for bound in self._row_bounds]
+
+    # Continuous batching: one row at a time ------------------------------------------------------
+
+    def copy_row(self, row: int, source: ModelCache, source_row: int) -> None:
+        """Make row `row` hold what row `source_row` of `source` holds (a cache of the same model,
+        filled by a prefill of its own): the refill of a finished sequence's slot."""
+        if source.capacity > self.capacity:
+            raise ValueError(f"a cache of {source.capacity} slots does not fit a row of {self.capacity}")
+        for key, entry in self.layers.items():
+            entry.copy_row(row, source.layers[key], source_row)
+        for key, entry in self.extra.items():
+            entry.copy_row(row, source.extra[key], source_row)
+        self.lengths[row] = source.lengths[source_row]
+        self._row_bounds[row] = source._row_bounds[source_row]
+        self.host_max_length = max(self._row_bounds)
+
+    def reset_rows(self, rows: list[int]) -> None:
+        """Rows that hold no sequence: length 0, so the placeholder steps they still take (the
+        decode step keeps its shape) write slot 0 and never reach the cache's end."""
+        if not rows:
+            return
+        self.lengths = self.lengths.index_fill(0, torch.tensor(rows, device=self.device), 0)
+        for row in rows:
+            self._row_bounds[row] = 0
+        self.host_max_length = max(self._row_bounds)
 
     @property
     def decode_mask(self) -> torch.Tensor:
@@ -96,15 +130,44 @@ class ModelCache:
         return buffer.narrow(dim, 0, self.slots_in_use)
 
 
-class KVCache:
-    """Keys and values of one grouped-query attention layer: (batch, kv_heads, capacity, head_dim) each."""
+def lazy_buffer(buffer: torch.Tensor | None, cache: ModelCache, like: torch.Tensor, *, slot_dim: int | None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`buffer`, or when it does not exist yet a zero one shaped as `like` (a value the forward
+    computes, batch first) with the cache's batch size and, along slot_dim, its capacity.
 
-    def __init__(self, cache: ModelCache, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 v_head_dim: int | None = None):
-        self.cache = cache
-        shape = (cache.batch_size, kv_heads, cache.capacity)
-        self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=cache.device)
-        self.v = torch.zeros(*shape, v_head_dim or head_dim, dtype=dtype, device=cache.device)
+    Caches take their shapes from the forward's own tensors rather than from the weights: under
+    tensor parallelism a rank holds some heads (the local shard the forward computes with), and
+    under FSDP a weight outside the forward is a shard of rows that says nothing of the heads."""
+    if buffer is not None:
+        return buffer
+    shape = [cache.batch_size, *like.shape[1:]]
+    if slot_dim is not None:
+        shape[slot_dim] = cache.capacity
+    like = like.to_local() if isinstance(like, DTensor) else like
+    return torch.zeros(shape, dtype=dtype or like.dtype, device=cache.device)
+
+
+def copy_slots(buffer: torch.Tensor, row: int, source: torch.Tensor, source_row: int, dim: int) -> None:
+    """buffer[row] = source[source_row] over the source's slots (dim `dim` of the batch-first
+    buffers; the source may have fewer slots)."""
+    source = source[source_row]
+    buffer[row].narrow(dim - 1, 0, source.shape[dim - 1]).copy_(source)
+
+
+class KVCache:
+    """Keys and values of one grouped-query attention layer: (batch, kv_heads, capacity, head_dim) each,
+    allocated at the first write from the keys and values the forward computes (see lazy_buffer)."""
+
+    def __init__(self, cache: ModelCache, dtype: torch.dtype):
+        self.cache, self.dtype = cache, dtype
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def copy_row(self, row: int, source: KVCache, source_row: int) -> None:
+        self.k = lazy_buffer(self.k, self.cache, source.k, slot_dim=2)
+        self.v = lazy_buffer(self.v, self.cache, source.v, slot_dim=2)
+        copy_slots(self.k, row, source.k, source_row, dim=2)
+        copy_slots(self.v, row, source.v, source_row, dim=2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill_kernel, *,
                scale: float | None = None) -> torch.Tensor:
@@ -113,6 +176,8 @@ class KVCache:
         module's training kernel, so the numbers are the training forward's); in a decode step the
         one new token attends to its row's slots."""
         c = self.cache
+        self.k = lazy_buffer(self.k, c, k, slot_dim=2, dtype=self.dtype)
+        self.v = lazy_buffer(self.v, c, v, slot_dim=2, dtype=self.dtype)
         c.write(self.k, k, dim=2)
         c.write(self.v, v, dim=2)
         if c.prefilling:
@@ -140,4 +205,4 @@ def last_prompt_tokens(h: torch.Tensor, cache: ModelCache) -> torch.Tensor:
     return h[rows, cache.prompt_lengths - 1][:, None]
 
 
-__all__ = ["KVCache", "ModelCache", "last_prompt_tokens", "local_rows"]
+__all__ = ["KVCache", "ModelCache", "copy_slots", "lazy_buffer", "last_prompt_tokens", "local_rows"]

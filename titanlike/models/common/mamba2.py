@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from titanlike.models import protocol
 from titanlike.models.common.init import LinearInit, ones_, uniform_
+from titanlike.models.common.kv_cache import lazy_buffer
 from titanlike.models.common.sharding import HeadSplitParameters, Style, colwise, gather_layouts, rowwise
 from titanlike.models.common.ssd import carried_output, ssd_scan
 from titanlike.models.registry import ShardOptions
@@ -254,9 +255,7 @@ class Mamba2Mixer(nn.Module):
     # Generation ----------------------------------------------------------------------------------
 
     def new_cache(self, cache, dtype: torch.dtype) -> MambaState:
-        return MambaState(cache, conv_channels=_local(self.conv_weight).shape[0],
-                          conv_context=self.args.conv_kernel - 1, heads=_local(self.A_log).shape[0],
-                          head_dim=self.args.head_dim, state_size=self.args.state_size, dtype=dtype)
+        return MambaState(cache, dtype)
 
     def _generate(self, u: torch.Tensor, state: MambaState) -> torch.Tensor:
         """The forward of a prefill (right-padded prompts, the state left at each row's last real
@@ -278,7 +277,7 @@ class Mamba2Mixer(nn.Module):
             # (token t is row t + K-1 of the zero-padded inputs).
             padded = torch.cat([xbc.new_zeros(batch, a.conv_kernel - 1, xbc.shape[-1]), xbc], dim=1)
             index = state.cache.prompt_lengths[:, None] + torch.arange(a.conv_kernel - 1, device=u.device)
-            state.conv = padded.gather(1, index[..., None].expand(-1, -1, xbc.shape[-1])).to(state.conv.dtype)
+            state.conv = padded.gather(1, index[..., None].expand(-1, -1, xbc.shape[-1])).to(state.dtype)
         else:
             window = torch.cat([state.conv.to(xbc.dtype), xbc], dim=1)  # (batch, K, channels)
             conv = (window * weight.to(xbc.dtype).t()).sum(1, keepdim=True)
@@ -409,14 +408,20 @@ class Mamba2Mixer(nn.Module):
 class MambaState:
     """What a Mamba-2 layer keeps while generating: the last K-1 conv inputs (batch, K-1, channels)
     and the SSM state (batch, heads, head_dim, state_size, float32), this rank's heads only. Both
-    are replaced as a whole each step (their size does not grow with the sequence)."""
+    are replaced as a whole each step (their size does not grow with the sequence), first by the
+    prefill, which gives them their shapes (the forward's own: a weight outside the forward may be
+    an FSDP shard)."""
 
-    def __init__(self, cache, *, conv_channels: int, conv_context: int, heads: int, head_dim: int,
-                 state_size: int, dtype: torch.dtype):
-        self.cache = cache
-        self.conv = torch.zeros(cache.batch_size, conv_context, conv_channels, dtype=dtype, device=cache.device)
-        self.ssm = torch.zeros(cache.batch_size, heads, head_dim, state_size, dtype=torch.float32,
-                               device=cache.device)
+    def __init__(self, cache, dtype: torch.dtype):
+        self.cache, self.dtype = cache, dtype
+        self.conv: torch.Tensor | None = None
+        self.ssm: torch.Tensor | None = None
+
+    def copy_row(self, row: int, source: MambaState, source_row: int) -> None:
+        self.conv = lazy_buffer(self.conv, self.cache, source.conv, slot_dim=None)
+        self.ssm = lazy_buffer(self.ssm, self.cache, source.ssm, slot_dim=None)
+        self.conv[row] = source.conv[source_row]
+        self.ssm[row] = source.ssm[source_row]
 
 
 class Mamba2HeadSplit(HeadSplitParameters):

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlike.models.common.attention import DocumentMask, core_attention
 from titanlike.models.common.init import LinearInit, ones_
+from titanlike.models.common.kv_cache import copy_slots, lazy_buffer
 from titanlike.models.common.rope import apply_rotary_emb
 
 # DeepSeek's reference and transformers build the latent norms (q_norm, kv_norm) with RMSNorm's
@@ -111,7 +112,7 @@ class MLA(nn.Module):
         return self.wo(out.reshape(bsz, 1, -1))
 
     def new_cache(self, cache, dtype: torch.dtype) -> LatentCache:
-        return LatentCache(cache, self.kv_norm.weight.shape[0], self.qk_rope_head_dim, dtype)
+        return LatentCache(cache, dtype)
 
     def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
         for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wk_pe"):
@@ -130,17 +131,31 @@ class LatentCache:
     (kv_lora_rank + qk_rope_head_dim) numbers per token and layer instead of heads x (qk_head_dim +
     v_head_dim). The same on every tensor-parallel rank (the latent is replicated)."""
 
-    def __init__(self, cache, rank: int, rope_dim: int, dtype: torch.dtype):
-        self.cache, self.rank = cache, rank
-        self.latents = torch.zeros(cache.batch_size, cache.capacity, rank, dtype=dtype, device=cache.device)
-        self.k_pe = torch.zeros(cache.batch_size, cache.capacity, rope_dim, dtype=dtype, device=cache.device)
+    def __init__(self, cache, dtype: torch.dtype):
+        # Allocated at the first store, shaped as the forward's latent (kv_cache.lazy_buffer).
+        self.cache, self.dtype = cache, dtype
+        self.latents: torch.Tensor | None = None  # (batch, capacity, kv_lora_rank)
+        self.k_pe: torch.Tensor | None = None  # (batch, capacity, qk_rope_head_dim)
+
+    @property
+    def rank(self) -> int:
+        return self.latents.shape[-1]
 
     def store(self, latent: torch.Tensor, k_pe: torch.Tensor) -> None:
-        self.cache.write(self.latents, _local(latent), dim=1)
-        self.cache.write(self.k_pe, _local(k_pe), dim=1)
+        latent, k_pe = _local(latent), _local(k_pe)
+        self.latents = lazy_buffer(self.latents, self.cache, latent, slot_dim=1, dtype=self.dtype)
+        self.k_pe = lazy_buffer(self.k_pe, self.cache, k_pe, slot_dim=1, dtype=self.dtype)
+        self.cache.write(self.latents, latent, dim=1)
+        self.cache.write(self.k_pe, k_pe, dim=1)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.read(self.latents, 1), self.cache.read(self.k_pe, 1)
+
+    def copy_row(self, row: int, source: LatentCache, source_row: int) -> None:
+        self.latents = lazy_buffer(self.latents, self.cache, source.latents, slot_dim=1)
+        self.k_pe = lazy_buffer(self.k_pe, self.cache, source.k_pe, slot_dim=1)
+        copy_slots(self.latents, row, source.latents, source_row, dim=1)
+        copy_slots(self.k_pe, row, source.k_pe, source_row, dim=1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, check_divisible
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.common.init import normal_, ones_
-from titanlike.models.common.kv_cache import ModelCache, local_rows
+from titanlike.models.common.kv_cache import ModelCache, copy_slots, lazy_buffer
 
 FEED_FORWARD_VARIANTS = ("gated-gelu", "relu")
 
@@ -256,8 +256,11 @@ class SelfAttention(T5Attention):
         if cache is None:
             return self.attend(x, x, bias)
         c = cache.cache
-        c.write(cache.k, self._heads(self.wk, x), dim=2)
-        c.write(cache.v, self._heads(self.wv, x), dim=2)
+        k, v = self._heads(self.wk, x), self._heads(self.wv, x)
+        cache.k = lazy_buffer(cache.k, c, k, slot_dim=2, dtype=cache.dtype)
+        cache.v = lazy_buffer(cache.v, c, v, slot_dim=2, dtype=cache.dtype)
+        c.write(cache.k, k, dim=2)
+        c.write(cache.v, v, dim=2)
         return self._attend_cached(x, c.read(cache.k, 2), c.read(cache.v, 2), bias)
 
 
@@ -280,13 +283,53 @@ class T5LayerCache:
     decoder token) and its cross-attention's keys and values of the encoder's output, computed once
     at the prefill."""
 
-    def __init__(self, cache: ModelCache, heads: int, head_dim: int, dtype: torch.dtype):
-        self.cache = cache
-        shape = (cache.batch_size, heads, cache.capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=cache.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=cache.device)
+    def __init__(self, cache: ModelCache, dtype: torch.dtype):
+        # (batch, this rank's heads, capacity, head_dim), allocated at the first write from the
+        # forward's own keys (models/common/kv_cache.lazy_buffer).
+        self.cache, self.dtype = cache, dtype
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self.cross_k: torch.Tensor | None = None
         self.cross_v: torch.Tensor | None = None
+
+    def copy_row(self, row: int, source: T5LayerCache, source_row: int) -> None:
+        """Continuous batching's refill (models/common/kv_cache.py): the decoder's slots, and the
+        encoder's keys and values, the rows' encoder lengths padded to the longest (the cross
+        bias, EncoderMask, masks the padding)."""
+        self.k = lazy_buffer(self.k, self.cache, source.k, slot_dim=2)
+        self.v = lazy_buffer(self.v, self.cache, source.v, slot_dim=2)
+        copy_slots(self.k, row, source.k, source_row, dim=2)
+        copy_slots(self.v, row, source.v, source_row, dim=2)
+        self.cross_k = _fit_row(self.cross_k, row, source.cross_k, source_row, self.cache.batch_size, 0.0, -2)
+        self.cross_v = _fit_row(self.cross_v, row, source.cross_v, source_row, self.cache.batch_size, 0.0, -2)
+
+
+class EncoderMask:
+    """The cross-attention bias of a generating batch, (batch, 1, 1, encoder length): 0 on each
+    row's real encoder tokens, the lowest value on its padding (cache.extra["cross_bias"])."""
+
+    def __init__(self, batch_size: int, bias: torch.Tensor | None = None):
+        self.batch_size, self.bias = batch_size, bias
+
+    def copy_row(self, row: int, source: EncoderMask, source_row: int) -> None:
+        low = torch.finfo(source.bias.dtype).min
+        self.bias = _fit_row(self.bias, row, source.bias, source_row, self.batch_size, low, -1)
+
+
+def _fit_row(buffer: torch.Tensor | None, row: int, source: torch.Tensor, source_row: int, batch: int,
+             fill: float, dim: int) -> torch.Tensor:
+    """buffer (batch, ...) with row `row` replaced by source[source_row], whose length along `dim`
+    (negative) may differ: the buffer grows to the longer one, the rest of the row is `fill`.
+    buffer None: a new one, every other row at `fill`."""
+    if buffer is None:
+        buffer = source.new_full((batch, *source.shape[1:]), fill)
+    elif buffer.shape[dim] < source.shape[dim]:
+        shape = list(buffer.shape)
+        shape[dim] = source.shape[dim] - buffer.shape[dim]
+        buffer = torch.cat([buffer, buffer.new_full(shape, fill)], dim=dim)
+    buffer[row] = fill
+    buffer[row].narrow(dim, 0, source.shape[dim]).copy_(source[source_row])
+    return buffer
 
 
 class T5FeedForward(nn.Module):
@@ -423,9 +466,9 @@ class T5(nn.Module):
     def init_cache(self, batch_size: int, capacity: int, *, device: torch.device | str,
                    dtype: torch.dtype) -> ModelCache:
         cache = ModelCache(batch_size, capacity, device)
-        for key, block in list(self.layers.items())[self.model_args.n_encoder_layers:]:
-            heads = local_rows(block.attention.wk.weight) // self.model_args.head_dim
-            cache.layers[key] = T5LayerCache(cache, heads, self.model_args.head_dim, dtype)
+        for key in list(self.layers)[self.model_args.n_encoder_layers:]:
+            cache.layers[key] = T5LayerCache(cache, dtype)
+        cache.extra["cross_bias"] = EncoderMask(batch_size)
         return cache
 
     @torch.no_grad()
@@ -444,7 +487,8 @@ class T5(nn.Module):
         for block in list(self.layers.values())[:n_enc]:
             h = block(h, bias)
         encoder_out = self.encoder_norm(h)
-        cache.extra["cross_bias"] = masked_bias(torch.zeros((), dtype=bias.dtype, device=bias.device), real)
+        zero = torch.zeros((), dtype=bias.dtype, device=bias.device)
+        cache.extra["cross_bias"] = EncoderMask(tokens.shape[0], masked_bias(zero, real))
         cache.begin_prefill(torch.ones_like(lengths), 1)
         start = torch.full((tokens.shape[0], 1), start_id, dtype=torch.long, device=tokens.device)
         logits = self._decoder(start, self.decoder_relative_bias(1), cache, encoder_out)
@@ -470,7 +514,7 @@ class T5(nn.Module):
                  encoder_out: torch.Tensor | None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for key, block in list(self.layers.items())[self.model_args.n_encoder_layers:]:
-            h = block(h, bias, encoder_out, cache.extra["cross_bias"], cache=cache.layer(key))
+            h = block(h, bias, encoder_out, cache.extra["cross_bias"].bias, cache=cache.layer(key))
         h = self.norm(h[:, -1])
         if self.model_args.scale_decoder_outputs:
             h = h * self.model_args.dim**-0.5

@@ -1,0 +1,116 @@
+"""Serve a titanlike checkpoint (DCP step folder or checkpoint folder, or a Hugging Face folder) over
+an OpenAI-compatible HTTP API.
+
+    titanlike-serve outputs/checkpoint --port 8000
+    titanlike-serve outputs/sft/checkpoint --max-batch-size 16 --max-model-len 2048
+
+(scripts/serve.py in a checkout.) Endpoints: /v1/completions, /v1/chat/completions (the tokenizer's
+chat template, titanlike's llama3 template if it has none), streaming by server-sent events,
+/v1/models, /health. Concurrent requests share each decode step (continuous batching: up to
+--max-batch-size sequences, a finished one's slot refilled at once). One process, one device; the
+logic is titanlike/inference/server.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+
+def build_server(argv: list[str] | None = None, prog: str | None = None):
+    """(OpenAIServer, None) from command-line arguments, or (None, a one-sentence error)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="DCP step folder, checkpoint folder (latest step), or HF folder")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--tokenizer", default=None, help="tiktoken file or Hugging Face tokenizer folder; default: "
+                        "the checkpoint folder's tokenizer.json if it has one, else the debug tokenizer")
+    parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
+                        "checkpoint folder's name)")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (the cache holds "
+                        "this many rows of --max-model-len tokens)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + answer (default: the "
+                        "model's context, at most 4096, which bounds the cache's memory)")
+    parser.add_argument("--chat-template", default="auto", help="'auto' (the tokenizer's, else llama3), a builtin "
+                        "name or a Jinja file, as sft.chat_template")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: as stored")
+    args = parser.parse_args(argv)
+
+    if args.max_batch_size < 1:
+        return None, f"--max-batch-size must be at least 1, got {args.max_batch_size}"
+    if args.max_model_len is not None and args.max_model_len < 2:
+        return None, f"--max-model-len must be at least 2, got {args.max_model_len}"
+    if not 0 <= args.port <= 65535:
+        return None, f"--port must be from 0 to 65535, got {args.port}"
+
+    from titanlike.checkpoint import CheckpointError, load_model
+    from titanlike.cli.generate import training_objective, vocab_size
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+    from titanlike.data.chat_template import chat_prompt_ids, end_of_turn_ids, load_chat_template
+    from titanlike.data.errors import DataError
+    from titanlike.data.tokenizer_json import is_tokenizer_folder
+    from titanlike.inference import Engine
+    from titanlike.inference.server import OpenAIServer, Tokenizer
+    from titanlike.models import protocol
+
+    own = args.checkpoint if os.path.isdir(args.checkpoint) and is_tokenizer_folder(args.checkpoint) else None
+    tokenizer = build_tokenizer(args.tokenizer or own or DEFAULT_TOKENIZER_PATH)
+    try:
+        model = load_model(args.checkpoint, args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except CheckpointError as e:
+        return None, str(e)
+    if protocol.generation_hooks(model) is None:
+        objective = training_objective(model)
+        return None, (f"{type(model).__name__} cannot generate text: it is an encoder trained on {objective.name} "
+                      "samples, and this server continues prompts with decoder-only or encoder-decoder models")
+    vocab = vocab_size(model)
+    if tokenizer.vocab_size != vocab:
+        return None, (f"the tokenizer has {tokenizer.vocab_size} tokens but the model {vocab}; pass the tokenizer it "
+                      "was trained with (--tokenizer)")
+    try:
+        template = load_chat_template(args.chat_template, tokenizer, option="--chat-template")
+    except DataError as e:
+        return None, str(e)
+    context = model.model_args.context_len
+    max_len = args.max_model_len or min(context, 4096)
+    if max_len > context:
+        return None, f"--max-model-len {max_len} exceeds the model's context of {context} tokens"
+    start_id = getattr(tokenizer, "pad_id", None)  # an encoder-decoder's decoder start (T5: pad)
+    engine = Engine(model, context_len=max_len, start_id=start_id if isinstance(start_id, int) else None)
+    eos = frozenset({tokenizer.eos_id} if tokenizer.eos_id is not None else ())
+    api_tokenizer = Tokenizer(encode=lambda text: tokenizer.encode(text, bos=True, eos=False),
+                              decode=tokenizer.decode, vocab_size=vocab, stop_ids=eos,
+                              chat_encode=lambda messages: chat_prompt_ids(template, tokenizer, messages),
+                              chat_stop_ids=frozenset(end_of_turn_ids(template, tokenizer)))
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    try:
+        server = OpenAIServer(engine, api_tokenizer, model_name=name, slots=args.max_batch_size, host=args.host,
+                              port=args.port)
+    except OSError as e:
+        return None, f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+    return server, None
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    server, error = build_server(argv, prog)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    print(f"serving {server.model_name} at {server.url}/v1 ({server.batch.slots} slots of "
+          f"{server.batch.capacity} tokens; Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def console_main() -> None:
+    """The `titanlike-serve` console script."""
+    sys.exit(main(prog="titanlike-serve"))

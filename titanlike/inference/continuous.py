@@ -1,0 +1,219 @@
+"""Continuous batching: a fixed number of rows (slots) decoded together, each refilled as soon as its
+sequence ends, so a server's concurrent requests share every decode step (Orca's iteration-level
+scheduling, as vLLM and Megatron-Core's dynamic engine do it).
+
+One step: sequences that were cancelled leave their slots; waiting sequences take the free slots
+(their prompts prefilled together in a cache of their own, then copied into the slots:
+ModelCache.copy_row, every family's cache provides it); then one decode step over all slots, rows
+that hold nothing included (reset to length 0, their tokens dropped) so the step keeps its shapes.
+Each sequence samples with its own settings and its own seeded generator, so what it gets does not
+depend on what else is in the batch: a greedy sequence gets what Engine.generate gives it alone, and
+a seeded one draws what Engine.generate draws for it alone with that seed.
+
+Thread use (a server): submit() and cancel() from any thread; step() from one thread only (the one
+that owns the model). Callbacks run on the stepping thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from titanlike.inference.engine import Completion, Engine, GenerationError, _TextStream
+from titanlike.inference.sampling import SamplingParams, next_tokens
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One prompt being continued. on_text(seq, text) gets its text as it becomes final, on_token(seq,
+    id) each new token, on_done(seq) is called once when it ended (completion.finish_reason set:
+    "stop", "length", "context", "cancelled", or "error" with `error` the exception)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    detokenize: Callable[[list[int]], str] | None = None
+    on_text: Callable[[Sequence, str], None] | None = None
+    on_token: Callable[[Sequence, int], None] | None = None
+    on_done: Callable[[Sequence], None] | None = None
+    completion: Completion = field(default_factory=Completion)
+    id: int = 0
+    slot: int | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    done: bool = False
+    _stream: _TextStream | None = None
+    _generator: torch.Generator | None = None
+
+
+class ContinuousBatch:
+    """`slots` rows of up to `capacity` tokens (default: the engine's context) decoded together."""
+
+    def __init__(self, engine: Engine, slots: int, capacity: int | None = None):
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.engine, self.slots = engine, slots
+        self.capacity = min(capacity or engine.context_len, engine.context_len)
+        self.cache = engine.init_cache(slots, self.capacity, device=engine.device, dtype=engine.dtype)
+        self.rows: list[Sequence | None] = [None] * slots
+        self.waiting: deque[Sequence] = deque()
+        self._admitting: list[Sequence] = []  # taken from waiting, not yet in a row
+        self.seen: torch.Tensor | None = None  # (slots, vocab) bool, once a sequence has a repetition penalty
+        self.last = torch.zeros(slots, dtype=torch.long, device=engine.device)  # each row's newest token
+        self.work = threading.Condition()
+        self._ids = itertools.count(1)
+        self.steps = 0  # decode steps taken (statistics: a server's /health)
+        self.cancelled = 0  # sequences ended by cancel() before they were done
+
+    # Any thread ------------------------------------------------------------------------------------
+
+    def submit(self, prompt: Seq[int], params: SamplingParams, *, detokenize=None, on_text=None, on_token=None,
+               on_done=None) -> Sequence:
+        """Queue a prompt (GenerationError, one sentence, for one the model cannot continue)."""
+        self.engine.check_prompts([prompt])
+        if len(prompt) >= self.capacity:
+            raise GenerationError(f"the prompt has {len(prompt)} tokens, which leaves no room in the {self.capacity} "
+                                  f"tokens a sequence may hold; shorten it to at most {self.capacity - 1}")
+        if params.stop_strings and detokenize is None:
+            raise GenerationError("stop strings need a detokenizer (token ids -> text)")
+        seq = Sequence(list(prompt), params, detokenize, on_text, on_token, on_done, id=next(self._ids))
+        with self.work:
+            self.waiting.append(seq)
+            self.work.notify_all()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """End a sequence at the next step (its slot is freed then); a no-op once it has ended."""
+        with self.work:
+            seq.cancelled = True
+            self.work.notify_all()
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until a sequence is waiting or running (True) or the timeout passed (False)."""
+        with self.work:
+            return self.work.wait_for(self.busy, timeout)
+
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(seq is not None for seq in self.rows)
+
+    @property
+    def active(self) -> int:
+        return sum(seq is not None for seq in self.rows)
+
+    # The stepping thread -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Free cancelled sequences' slots, admit waiting sequences, then one decode step."""
+        with self.work:
+            for row, seq in enumerate(self.rows):
+                if seq is not None and seq.cancelled:
+                    self._end(seq, "cancelled")
+            for seq in [s for s in self.waiting if s.cancelled]:
+                self.waiting.remove(seq)
+                self._end(seq, "cancelled")
+            free = [row for row, seq in enumerate(self.rows) if seq is None]
+            admitted = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+        if admitted:
+            self._admitting = admitted  # ended by fail_all too, should the prefill raise
+            self._admit(admitted, free)
+            self._admitting = []
+        live = [row for row, seq in enumerate(self.rows) if seq is not None]
+        if not live:
+            return
+        self.cache.reset_rows([row for row, seq in enumerate(self.rows) if seq is None])
+        logits = self.engine.decode_step(self.last, self.cache)
+        self.steps += 1
+        self._sample(logits[torch.tensor(live, device=logits.device)], live)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every sequence with `error` (the step raised) and start from an empty cache."""
+        with self.work:
+            pending = [seq for seq in self.rows if seq is not None] + self._admitting + list(self.waiting)
+            self.waiting.clear()
+            self._admitting = []
+        for seq in pending:
+            seq.error = error
+            self._end(seq, "error")
+        self.cache = self.engine.init_cache(self.slots, self.capacity, device=self.engine.device,
+                                            dtype=self.engine.dtype)
+        self.seen = None
+
+    def _admit(self, admitted: list[Sequence], free: list[int]) -> None:
+        """Prefill the admitted prompts together and move each into a free slot."""
+        engine = self.engine
+        lengths = [len(seq.prompt) for seq in admitted]
+        tokens = torch.zeros(len(admitted), max(lengths), dtype=torch.long)
+        for i, seq in enumerate(admitted):
+            tokens[i, :len(seq.prompt)] = torch.as_tensor(seq.prompt)
+        staging = engine.init_cache(len(admitted), max(lengths), device=engine.device, dtype=engine.dtype)
+        logits = engine.prefill(tokens.to(engine.device), torch.tensor(lengths, device=engine.device), staging,
+                                start_id=engine.start_id)
+        for i, seq in enumerate(admitted):
+            row = free[i]
+            self.cache.copy_row(row, staging, i)
+            self.rows[row], seq.slot = seq, row
+            if seq.params.seed is not None:
+                seq._generator = torch.Generator(device=engine.device).manual_seed(seq.params.seed)
+            if seq.detokenize is not None:
+                seq._stream = _TextStream(seq.detokenize, seq.params.stop_strings)
+            if seq.params.repetition_penalty != 1.0 and self.seen is None:
+                self.seen = torch.zeros(self.slots, logits.shape[-1], dtype=torch.bool, device=engine.device)
+            if self.seen is not None:
+                self.seen[row] = False
+                self.seen[row, torch.as_tensor(seq.prompt, device=engine.device)] = True
+        # The first token of each admitted sequence, from its prompt's logits.
+        self._sample(logits, free[:len(admitted)])
+
+    def _sample(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Choose the next token of each row in `rows` (logits: (len(rows), vocab), in that order)
+        with its own settings, record it, end the sequences that ended."""
+        seqs = [self.rows[row] for row in rows]
+        plain = [s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs]
+        chosen = logits.float().argmax(-1) if any(plain) else torch.zeros(len(rows), dtype=torch.long,
+                                                                          device=logits.device)
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
+            if not plain[i]:
+                seen = self.seen[row:row + 1] if seq.params.repetition_penalty != 1.0 else None
+                chosen[i] = next_tokens(logits[i:i + 1], seq.params, seen=seen, generator=seq._generator)[0]
+        index = torch.tensor(rows, device=logits.device)
+        if self.seen is not None:
+            self.seen[index, chosen] = True
+        self.last.index_copy_(0, index, chosen)
+        ids = chosen.tolist()  # the one host sync of a step
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
+            on_text = (lambda _, text, seq=seq: seq.on_text(seq, text)) if seq.on_text else None
+            on_token = (lambda _, token, seq=seq: seq.on_token(seq, token)) if seq.on_token else None
+            if self.engine._append(row, ids[i], seq.completion, seq._stream, seq.params, len(seq.prompt), on_text,
+                                   on_token):
+                self._end(seq, None)
+
+    def _end(self, seq: Sequence, reason: str | None) -> None:
+        """Release a sequence's slot and tell its owner (reason None: the one _append set)."""
+        if seq.done:
+            return
+        if seq.slot is not None:
+            self.rows[seq.slot] = None
+        if reason is not None:
+            seq.completion.finish_reason = reason
+        self.cancelled += reason == "cancelled"
+        if seq._stream is not None:
+            rest = seq._stream.finish() if reason is None else ""
+            if rest and seq.on_text is not None:
+                seq.on_text(seq, rest)
+            seq.completion.text = seq._stream.text
+        seq.done = True
+        if seq.on_done is not None:
+            seq.on_done(seq)
+
+    def run(self) -> None:
+        """Step until every submitted sequence has ended (one thread, no server)."""
+        while self.busy():
+            self.step()
+
+
+__all__ = ["ContinuousBatch", "Sequence"]
