@@ -1,0 +1,44 @@
+"""LLaVA: a CLIP or SigLIP vision tower, a two-layer MLP projector and a decoder family of ours as the
+language model (model.py); Hugging Face's LlavaForConditionalGeneration both ways (hf_adapter.py).
+
+The language model's args are its own family's class, got from the registry (a family imports no
+other family). vocab_size and max_seq_len of the language model are placeholders the trainer
+overwrites, as for the decoder families.
+"""
+
+from titanlike.models.llava.hf_adapter import LlavaHF
+from titanlike.models.llava.model import Llava, LlavaArgs, VisionArgs
+from titanlike.models.registry import ModelSpec, get_model_spec, register_model_spec
+
+_llama = get_model_spec("llama3").args_cls
+
+
+def _debug_text():
+    # llama3's debugmodel_tiny at 2 layers, without RoPE scaling (as the LLaVA-1.5 language model).
+    return _llama(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2256, multiple_of=32,
+                  rope_theta=10000.0, max_seq_len=2048)
+
+
+llava_flavors: dict[str, LlavaArgs] = {
+    # CPU-sized: a 32x32 image in 16 patches of 8x8 (16 image tokens once CLIP's class token is dropped).
+    "debugmodel": LlavaArgs(
+        vision=VisionArgs(kind="clip", image_size=32, patch_size=8, dim=48, n_layers=2, n_heads=4, ffn_dim=96,
+                          norm_eps=1e-5, hidden_act="quick_gelu", select="default"),
+        text=_debug_text(), image_token_id=2255),
+    "debugmodel_siglip": LlavaArgs(
+        vision=VisionArgs(kind="siglip", image_size=32, patch_size=8, dim=48, n_layers=2, n_heads=4, ffn_dim=96,
+                          norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", select="full"),
+        text=_debug_text(), image_token_id=2255),
+    # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14 at 336 px read at its layer 23 of 24 (vision_feature_layer
+    # -2), Vicuna-7B (Llama 2 7B's shape) with the <image> token at 32000 of 32064.
+    "llava-1.5-7b": LlavaArgs(
+        vision=VisionArgs(kind="clip", image_size=336, patch_size=14, dim=1024, n_layers=23, n_heads=16, ffn_dim=4096,
+                          norm_eps=1e-5, hidden_act="quick_gelu", select="default"),
+        text=_llama(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32064, multiple_of=256,
+                    norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096),
+        image_token_id=32000),
+}
+
+register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, hf=LlavaHF()))
+
+__all__ = ["Llava", "LlavaArgs", "VisionArgs", "llava_flavors"]
