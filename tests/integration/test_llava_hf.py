@@ -1,0 +1,129 @@
+"""LLaVA Hugging Face interchange against transformers' own LlavaForConditionalGeneration (offline, random
+init), with a CLIPVisionModel and with a SiglipVisionModel tower and a Llama language model, in fp32:
+HF folder -> DCP (convert_hf_to_dcp's code) -> our model, and our checkpoints -> HF folder
+(convert_dcp_to_hf's code) -> transformers, the same logits on the same images and prompts.
+
+The tower has 3 layers read at vision_feature_layer -2 (LLaVA-1.5's choice): we build 2 and export
+them read at -1, which transformers must compute the same from. Two samples, three images: the second
+sample holds two, so the order of the features over the batch is checked too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+
+import titanlike
+from conftest import hf_warnings
+from family_checks import materialize, write_model_only_dcp
+from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp
+from titanlike.models.registry import get_model_spec
+
+SPEC = get_model_spec("llava")
+HF = SPEC.hf
+ATOL = 1e-4
+IMAGE_TOKEN = 299
+TOWERS = {"clip": (CLIPVisionConfig, "default"), "siglip": (SiglipVisionConfig, "full")}
+
+
+def hf_model(tower: str, seed: int = 0) -> LlavaForConditionalGeneration:
+    """A random LLaVA whose norms and biases are off their init, so a mis-mapped one shows in the logits."""
+    vision_cls, select = TOWERS[tower]
+    torch.manual_seed(seed)
+    config = LlavaConfig(
+        vision_config=vision_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 image_size=32, patch_size=8),
+        text_config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=300),
+        image_token_index=IMAGE_TOKEN, vision_feature_layer=-2, vision_feature_select_strategy=select)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "class_embedding" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def batch(tokens_per_image: int):
+    """Prompts with 1 and 2 images' placeholders, and the 3 images in their order over the batch."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, IMAGE_TOKEN, (2, 30 + 2 * tokens_per_image), generator=g)
+    tokens[0, 2:2 + tokens_per_image] = IMAGE_TOKEN
+    tokens[1, 1:1 + tokens_per_image] = IMAGE_TOKEN
+    tokens[1, 20:20 + tokens_per_image] = IMAGE_TOKEN
+    return tokens, torch.randn(3, 3, 32, 32, generator=g)
+
+
+@pytest.mark.parametrize("tower", sorted(TOWERS))
+def test_both_ways_through_checkpoints(tmp_path, tower):
+    hf = hf_model(tower)
+    hf.save_pretrained(tmp_path / "hf")
+    args = HF.read_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert args.vision.kind == tower and args.vision.n_layers == 2 and args.language_model == "llama3"
+    tokens, images = batch(args.vision.tokens_per_image)
+    with torch.no_grad():
+        want = hf(input_ids=tokens, pixel_values=images).logits
+        # The images matter: without them the placeholders are plain tokens.
+        assert (hf(input_ids=tokens).logits - want).abs().max() > 1e-3
+
+    # HF folder -> our model, directly and through a DCP checkpoint.
+    import_hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    assert json.loads((tmp_path / "dcp" / "titanlike.json").read_text())["model"]["name"] == "llava"
+    for folder in ("hf", "dcp"):
+        model = titanlike.load_model(tmp_path / folder)
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens, pixel_values=images), want, rtol=0, atol=ATOL)
+    # Per-sample images (batch, images, C, H, W): sample 0's second image is padding nothing reads.
+    per_sample = torch.stack([torch.cat([images[:1], torch.zeros_like(images[:1])]), images[1:]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, pixel_values=per_sample), want, rtol=0, atol=ATOL)
+
+    # Our DCP -> HF folder -> transformers: no tensor missing or unexpected, the same logits.
+    export_dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlavaForConditionalGeneration"] and config["vision_feature_layer"] == -1
+    with hf_warnings() as warned:
+        back, info = LlavaForConditionalGeneration.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+    assert not [w for w in warned if "missing" in w.lower() or "unexpected" in w.lower()], warned
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(input_ids=tokens, pixel_values=images).logits, want, rtol=0, atol=ATOL)
+
+    # Our own init -> HF: a model trained here (its own weights) is what transformers computes.
+    mine = materialize(SPEC.model_cls, args, seed=5).eval()
+    write_model_only_dcp(mine, "llava", args, tmp_path / "mine")
+    export_dcp_to_hf(str(tmp_path / "mine"), str(tmp_path / "mine_hf"))
+    theirs = LlavaForConditionalGeneration.from_pretrained(tmp_path / "mine_hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=tokens, pixel_values=images).logits,
+                                   mine(tokens, pixel_values=images), rtol=0, atol=ATOL)
+
+
+def test_feature_layer_and_strategy_are_read_as_transformers_reads_them():
+    config = HF.args_to_config(SPEC.flavors["debugmodel"])
+    depth = config["vision_config"]["num_hidden_layers"]
+    assert HF.config_to_args({**config, "vision_feature_layer": -2}).vision.n_layers == depth - 1
+    assert HF.config_to_args({**config, "vision_feature_layer": 1}).vision.n_layers == 1
+    full = HF.config_to_args({**config, "vision_feature_select_strategy": "full"}).vision
+    assert full.tokens_per_image == full.num_patches + 1  # CLIP's class token kept
+    for bad, words in (({"vision_feature_layer": [-2, -1]}, "several feature layers"),
+                       ({"vision_feature_layer": -9}, "outside the tower"),
+                       ({"vision_feature_select_strategy": "cls_patch"}, "select"),
+                       ({"vision_config": {**config["vision_config"], "model_type": "dinov2"}}, "dinov2")):
+        with pytest.raises(ValueError, match=words) as e:
+            HF.read_config({**config, **bad})
+        assert len(str(e.value).splitlines()) == 1
+
+
+def test_placeholders_and_images_must_agree():
+    model = materialize(SPEC.model_cls, SPEC.flavors["debugmodel"])
+    args = model.model_args
+    tokens = torch.full((1, 40), 7)
+    tokens[0, :args.vision.tokens_per_image + 1] = args.image_token_id  # one placeholder more than one image gives
+    with pytest.raises(RuntimeError, match="more <image> placeholders than image features"):
+        model(tokens, pixel_values=torch.zeros(1, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"images are \(3, 28, 28\)"):
+        model(tokens, pixel_values=torch.zeros(1, 3, 28, 28))
