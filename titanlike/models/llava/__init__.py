@@ -6,9 +6,13 @@ other family). vocab_size and max_seq_len of the language model are placeholders
 overwrites, as for the decoder families.
 """
 
+import dataclasses
+from dataclasses import dataclass
+
+from titanlike.config.schema import opt
 from titanlike.models.llava.hf_adapter import LlavaHF
-from titanlike.models.llava.model import Llava, LlavaArgs, VisionArgs
-from titanlike.models.registry import ModelSpec, get_model_spec, register_model_spec
+from titanlike.models.llava.model import PARTS, Llava, LlavaArgs, VisionArgs
+from titanlike.models.registry import ModelOptions, ModelSpec, get_model_spec, register_model_spec
 from titanlike.objectives.image_caption import ImageCaption
 
 _llama = get_model_spec("llama3").args_cls
@@ -53,7 +57,25 @@ def image_caption(cfg, args: LlavaArgs) -> ImageCaption:
                         image_size=v.image_size, processor=v.kind, **ImageCaption.compile_options(cfg))
 
 
-register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, objective=image_caption,
-                              hf=LlavaHF()))
+@dataclass
+class LlavaOptions:
+    """[llava]: the job's training stage."""
 
-__all__ = ["Llava", "LlavaArgs", "VisionArgs", "llava_flavors"]
+    freeze: list[str] = opt(
+        [], f"parts left untrained, of {', '.join(PARTS)}: LLaVA's stage 1 (pretraining the projector on "
+        "captions) freezes vision_tower,language_model; its stage 2 (instruction tuning) freezes vision_tower")
+
+
+def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:
+    if not options.freeze:
+        return args
+    try:
+        return dataclasses.replace(args, frozen=tuple(options.freeze))
+    except ValueError as e:
+        raise ValueError(f"llava.freeze: {e}") from None
+
+
+register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, objective=image_caption,
+                              hf=LlavaHF(), options=ModelOptions("llava", LlavaOptions, _with_options)))
+
+__all__ = ["Llava", "LlavaArgs", "LlavaOptions", "VisionArgs", "llava_flavors"]

@@ -36,6 +36,7 @@ from titanlike.models.common.init import LinearInit, normal_, trunc_normal_, zer
 from titanlike.models.common.norms import init_norm
 
 TOWERS = ("clip", "siglip")
+PARTS = ("vision_tower", "projector", "language_model")
 SELECT_STRATEGIES = ("default", "full")
 # Hugging Face's activation names (hidden_act, projector_hidden_act) that the towers and the projector use.
 ACTIVATIONS = {
@@ -114,9 +115,18 @@ class LlavaArgs(BaseModelArgs):
     image_token_id: int = 32000
     projector_act: str = "gelu"
     projector_bias: bool = True
+    # Parts left untrained (requires_grad off), of PARTS: LLaVA's stage 1 trains the projector only.
+    frozen: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from titanlike.models.registry import get_model_spec
+
+        self.frozen = tuple(self.frozen)
+        unknown = [name for name in self.frozen if name not in PARTS]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a part of llava; its parts: {', '.join(PARTS)}")
+        if set(self.frozen) == set(PARTS):
+            raise ValueError(f"every part of llava is frozen ({', '.join(PARTS)}): nothing would train")
 
         if isinstance(self.vision, dict):
             self.vision = VisionArgs(**self.vision)
@@ -309,6 +319,9 @@ class Llava(nn.Module):
         # The language model's tied names, under its prefix here.
         self.tied_weights = {f"language_model.{alias}": f"language_model.{owner}"
                              for alias, owner in protocol.tied_weights(self.language_model).items()}
+        # The optimizer takes only parameters that require grad; to_empty and FSDP keep the flag.
+        for name in args.frozen:
+            getattr(self, name).requires_grad_(False)
 
     @property
     def layers(self) -> nn.ModuleDict:
@@ -368,4 +381,4 @@ class Llava(nn.Module):
         self.language_model.init_weights(seed=seed, buffer_device=buffer_device)
 
 
-__all__ = ["Llava", "LlavaArgs", "Projector", "VisionArgs", "VisionTower"]
+__all__ = ["PARTS", "Llava", "LlavaArgs", "Projector", "VisionArgs", "VisionTower"]
