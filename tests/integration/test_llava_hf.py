@@ -92,6 +92,15 @@ def test_both_ways_through_checkpoints(tmp_path, tower):
     with torch.no_grad():
         torch.testing.assert_close(back.eval()(input_ids=tokens, pixel_values=images).logits, want, rtol=0, atol=ATOL)
 
+    # A tower whose width does not match the projector's input (a config.json edited apart from its
+    # weights) is refused in one sentence naming the tensor.
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["vision_config"]["hidden_size"] = 48
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=r"vision_tower\..* has shape .* but model llava needs") as e:
+        titanlike.load_model(tmp_path / "hf")
+    assert len(str(e.value).splitlines()) == 1
+
     # Our own init -> HF: a model trained here (its own weights) is what transformers computes.
     mine = materialize(SPEC.model_cls, args, seed=5).eval()
     write_model_only_dcp(mine, "llava", args, tmp_path / "mine")
