@@ -127,6 +127,30 @@ def test_feature_layer_and_strategy_are_read_as_transformers_reads_them():
         assert len(str(e.value).splitlines()) == 1
 
 
+def test_a_transformers_4_config_reads_as_transformers_reads_it():
+    """llava-hf/llava-1.5-7b-hf's config.json (written by transformers 4.36: sub-configs hold only their
+    differences from their class's defaults) gives the llava-1.5-7b flavor, and what transformers 5
+    makes of it reads the same."""
+    sparse = {
+        "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+        "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu", "tie_word_embeddings": False,
+        "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                        "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                        "torch_dtype": "float16", "vocab_size": 32064},
+        "torch_dtype": "float16", "transformers_version": "4.36.0.dev0",
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                          "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                          "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+    }
+    assert HF.read_config(sparse) == SPEC.flavors["llava-1.5-7b"]
+    full = LlavaConfig(**{k: v for k, v in sparse.items() if k != "model_type"}).to_dict()
+    assert HF.read_config(full) == SPEC.flavors["llava-1.5-7b"]
+    # No sub-configs at all: LlavaConfig's defaults (a CLIP ViT-L/14 at 336 px and LlamaConfig's).
+    bare = HF.read_config({"model_type": "llava"})
+    assert bare.vision == SPEC.flavors["llava-1.5-7b"].vision and bare.text.dim == 4096
+
+
 def test_placeholders_and_images_must_agree():
     model = materialize(SPEC.model_cls, SPEC.flavors["debugmodel"])
     args = model.model_args

@@ -48,6 +48,25 @@ VISION_LAYER = {
 # Hugging Face tower tensors LLaVA never reads (see the module docstring).
 UNUSED_VISION = re.compile(r"^(post_layernorm\.|head\.|embeddings\.position_ids$)")
 
+# transformers 4 wrote a LLaVA config's text_config and vision_config as their differences from the
+# defaults of their config class (llava-hf/llava-1.5-7b-hf's text_config holds 7 keys, no
+# hidden_size), and transformers 5 reads them with those defaults: LlamaConfig's, CLIPVisionConfig's,
+# SiglipVisionConfig's, and LlavaConfig's own for an absent sub-config (CLIP ViT-L/14 at 336 px).
+TEXT_DEFAULTS = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "rope_theta": 10000.0},
+}
+_VIT = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+        "num_channels": 3, "image_size": 224}
+VISION_DEFAULTS = {
+    "clip_vision_model": {**_VIT, "patch_size": 32, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+    "siglip_vision_model": {**_VIT, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6},
+}
+ABSENT_VISION = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                 "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14}
+ABSENT_TEXT = {"model_type": "llama"}
+
 VISION_RULES = table({
     "model_type": TEXT, "hidden_size": COUNT, "intermediate_size": COUNT, "num_hidden_layers": COUNT,
     "num_attention_heads": COUNT, "num_channels": COUNT, "image_size": COUNT, "patch_size": COUNT,
@@ -85,9 +104,11 @@ class LlavaHF(HFAdapter):
     def config_to_args(self, cfg: Mapping[str, Any]) -> LlavaArgs:
         from titanlike.models.registry import spec_for_hf_model_type
 
-        text_cfg, vision_cfg = cfg["text_config"], cfg["vision_config"]
+        text_cfg, vision_cfg = cfg.get("text_config") or ABSENT_TEXT, cfg.get("vision_config") or ABSENT_VISION
         if not isinstance(text_cfg, Mapping) or not isinstance(vision_cfg, Mapping):
             raise ValueError("text_config and vision_config must both be objects")
+        text_cfg = {**TEXT_DEFAULTS.get(text_cfg.get("model_type"), {}), **text_cfg}
+        vision_cfg = {**VISION_DEFAULTS.get(vision_cfg.get("model_type"), {}), **vision_cfg}
         try:
             text_spec = spec_for_hf_model_type(text_cfg.get("model_type"))
         except KeyError as e:
@@ -103,13 +124,11 @@ class LlavaHF(HFAdapter):
         used = depth + 1 + layer if layer < 0 else layer
         if not 0 <= used <= depth:
             raise ValueError(f"vision_feature_layer {layer} is outside the tower's {depth} layers")
-        default_act = "quick_gelu" if kind == "clip" else "gelu_pytorch_tanh"
         vision = VisionArgs(
             kind=kind, image_size=vision_cfg["image_size"], patch_size=vision_cfg["patch_size"],
-            num_channels=vision_cfg.get("num_channels", 3), dim=vision_cfg["hidden_size"], n_layers=used,
+            num_channels=vision_cfg["num_channels"], dim=vision_cfg["hidden_size"], n_layers=used,
             n_heads=vision_cfg["num_attention_heads"], ffn_dim=vision_cfg["intermediate_size"],
-            norm_eps=float(vision_cfg.get("layer_norm_eps", 1e-5 if kind == "clip" else 1e-6)),
-            hidden_act=vision_cfg.get("hidden_act", default_act),
+            norm_eps=float(vision_cfg["layer_norm_eps"]), hidden_act=vision_cfg["hidden_act"],
             select=cfg.get("vision_feature_select_strategy", "default"))
         image_token = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
         return LlavaArgs(vision=vision, language_model=text_spec.name, text=text, image_token_id=image_token,
