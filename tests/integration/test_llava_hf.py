@@ -11,6 +11,7 @@ sample holds two, so the order of the features over the batch is checked too.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -109,6 +110,47 @@ def test_both_ways_through_checkpoints(tmp_path, tower):
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=tokens, pixel_values=images).logits,
                                    mine(tokens, pixel_values=images), rtol=0, atol=ATOL)
+
+
+def test_stage_1_starts_from_a_tower_and_a_language_model_of_separate_folders(tmp_path):
+    """scripts/compose_llava.py: a CLIPVisionModel folder and a LlamaForCausalLM folder -> a LLaVA folder
+    (transformers loads it whole) whose tower computes the CLIP model's layer -2 and whose language
+    model the Llama's logits; train.py's stage 1 starts from it (sized by its config.json) and trains
+    the new projector only: the saved tower and language model are the pretrained ones."""
+    from conftest import REPO, train_metrics
+
+    if str(REPO / "scripts") not in sys.path:  # imported as users run it (family_checks does the same)
+        sys.path.insert(0, str(REPO / "scripts"))
+    import compose_llava
+    from transformers import CLIPVisionModel, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    clip = CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                            num_attention_heads=4, image_size=32, patch_size=8)).eval()
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)).eval()
+    clip.save_pretrained(tmp_path / "clip")
+    llama.save_pretrained(tmp_path / "llama")
+    image_token = 1803  # <|image|> of the debug tokenizer the job trains with
+    assert compose_llava.main(["--vision", str(tmp_path / "clip"), "--language", str(tmp_path / "llama"),
+                               "--out", str(tmp_path / "llava"), "--image_token_id", str(image_token)]) == 0
+    _, info = LlavaForConditionalGeneration.from_pretrained(tmp_path / "llava", output_loading_info=True)
+    assert not any(info.values()), info
+    composed = titanlike.load_model(tmp_path / "llava")
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 1700, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(composed.vision_tower(images),
+                                   clip(images, output_hidden_states=True).hidden_states[-2], rtol=0, atol=ATOL)
+        torch.testing.assert_close(composed(tokens), llama(tokens).logits, rtol=0, atol=ATOL)
+
+    train_metrics(tmp_path, "stage1", "--model.name", "llava", "--training.seq_len", "32", "--training.steps", "2",
+                  "--llava.freeze", "vision_tower,language_model", "--checkpoint.enable", "--checkpoint.initial_load_path",
+                  str(tmp_path / "llava"), "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_model_only")
+    trained = titanlike.load_model(tmp_path / "stage1" / "checkpoint" / "step-2").state_dict()
+    for name, value in composed.state_dict().items():
+        same = torch.equal(trained[name], value)
+        assert same != name.startswith("projector."), f"{name} {'did not train' if same else 'changed, but it is frozen'}"
 
 
 def test_feature_layer_and_strategy_are_read_as_transformers_reads_them():

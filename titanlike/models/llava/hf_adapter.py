@@ -161,6 +161,30 @@ class LlavaHF(HFAdapter):
             "tie_word_embeddings": text.get("tie_word_embeddings", False),
         }
 
+    def compose(self, vision_config: Mapping[str, Any], vision_sd: StateDict, text_config: Mapping[str, Any],
+                text_sd: StateDict, *, image_token_id: int, feature_layer: int = -2,
+                select: str | None = None) -> tuple[LlavaArgs, dict[str, torch.Tensor]]:
+        """(args, LLaVA state dict with Hugging Face names, the projector left out) of a pretrained vision
+        tower and a causal LM from separate folders: LLaVA's starting point for stage 1. The tower's
+        folder is a CLIPVisionModel / SiglipVisionModel, or a whole CLIPModel / SiglipModel (its vision
+        half is taken); select defaults to "default" for CLIP (drop the class token), "full" for SigLIP."""
+        if vision_config.get("model_type") in ("clip", "siglip"):
+            vision_config = {**(vision_config.get("vision_config") or {}),
+                             "model_type": f"{vision_config['model_type']}_vision_model"}
+        kind = VISION_MODEL_TYPES.get(vision_config.get("model_type"))
+        config = {"model_type": "llava", "text_config": dict(text_config), "vision_config": dict(vision_config),
+                  "vision_feature_layer": feature_layer, "image_token_index": image_token_id,
+                  "vision_feature_select_strategy": select or ("default" if kind == "clip" else "full")}
+        args = self.read_config(config)
+        hf_sd: dict[str, torch.Tensor] = {}
+        for key, value in vision_sd.items():
+            if key.startswith(("text_model.", "visual_projection.", "text_projection.", "logit_scale", "logit_bias")):
+                continue  # the text half of a contrastive model
+            hf_sd["vision_tower." + key.removeprefix("vision_model.")] = value
+        for key, value in text_sd.items():
+            hf_sd["language_model." + key] = value
+        return args, hf_sd
+
     # weights -----------------------------------------------------------------------------------
 
     def to_hf_state_dict(self, sd: StateDict, args: LlavaArgs) -> dict[str, torch.Tensor]:
