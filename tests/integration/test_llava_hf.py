@@ -196,9 +196,13 @@ def test_a_transformers_4_config_reads_as_transformers_reads_it():
 def test_placeholders_and_images_must_agree():
     model = materialize(SPEC.model_cls, SPEC.flavors["debugmodel"])
     args = model.model_args
-    tokens = torch.full((1, 40), 7)
-    tokens[0, :args.vision.tokens_per_image + 1] = args.image_token_id  # one placeholder more than one image gives
-    with pytest.raises(RuntimeError, match="more <image> placeholders than image features"):
-        model(tokens, pixel_values=torch.zeros(1, 3, 32, 32))
+    p = args.vision.tokens_per_image
+    image = torch.zeros(1, 3, 32, 32)
+    # One placeholder more than the image gives; two images for one's placeholders; a partial image.
+    for bad_tokens, images in ((p + 1, image), (p, torch.zeros(2, 3, 32, 32)), (p - 1, image[None])):
+        tokens = torch.full((1, 40), 7)
+        tokens[0, :bad_tokens] = args.image_token_id
+        with pytest.raises(RuntimeError, match="placeholders do not match the images"):
+            model(tokens, pixel_values=images)
     with pytest.raises(ValueError, match=r"images are \(3, 28, 28\)"):
         model(tokens, pixel_values=torch.zeros(1, 3, 28, 28))

@@ -352,24 +352,27 @@ class Llava(nn.Module):
 
     def _splice(self, tokens: torch.Tensor, h: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
         is_image = tokens == self.model_args.image_token_id
-        per_sample = pixel_values.dim() == 5
-        if per_sample:
+        if pixel_values.dim() == 5:
             batch, count = pixel_values.shape[:2]
             if batch != tokens.shape[0]:
                 raise ValueError(f"pixel_values hold images for {batch} samples, but the batch has {tokens.shape[0]}")
             features = self.image_features(pixel_values.flatten(0, 1))
-            # Placeholder j of sample b takes feature j of sample b's images.
-            rank = is_image.cumsum(1) - 1 + (torch.arange(batch, device=tokens.device) * count * features.shape[1])[:, None]
-            available = is_image.sum(1) <= count * features.shape[1]
+            per_image = features.shape[1]
+            # Placeholder j of sample b takes feature j of sample b's images; images past a sample's
+            # placeholders are padding. Each sample's placeholders fill whole images.
+            placeholders = is_image.sum(1)
+            rank = is_image.cumsum(1) - 1 + (torch.arange(batch, device=tokens.device) * count * per_image)[:, None]
+            fits = ((placeholders <= count * per_image) & (placeholders % per_image == 0)).all()
         elif pixel_values.dim() == 4:
             features = self.image_features(pixel_values)
             rank = is_image.flatten().cumsum(0).view_as(tokens) - 1
-            available = is_image.sum() <= features.shape[0] * features.shape[1]
+            fits = is_image.sum() == features.shape[0] * features.shape[1]
         else:
             raise ValueError(f"pixel_values must be (images, C, H, W) or (batch, images, C, H, W), got "
                              f"{tuple(pixel_values.shape)}")
         # A device assertion, not a host sync: the trainer's step reads nothing back.
-        torch._assert_async(available.all(), "more <image> placeholders than image features")
+        torch._assert_async(fits, "the <image> placeholders do not match the images: each image takes "
+                                  f"{features.shape[1]} placeholders, in order")
         flat = features.flatten(0, 1).to(h.dtype)
         index = torch.where(is_image, rank, 0).clamp(max=flat.shape[0] - 1)
         return torch.where(is_image[..., None], flat[index], h)
