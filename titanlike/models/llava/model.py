@@ -97,7 +97,8 @@ class VisionArgs:
     def num_params(self, *, exclude_embedding: bool = False) -> int:
         d = self.dim
         patch = self.num_channels * self.patch_size**2 * d + (d if self.kind == "siglip" else 0)
-        ends = patch + (d if self.class_token else 0) + (2 * d if self.class_token else 0)
+        class_token_and_pre_norm = 3 * d if self.class_token else 0
+        ends = patch + class_token_and_pre_norm
         positions = 0 if exclude_embedding else self.num_positions * d
         block = 4 * d * d + 4 * d + 2 * d * self.ffn_dim + self.ffn_dim + d + 4 * d
         return ends + positions + self.n_layers * block
