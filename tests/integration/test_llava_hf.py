@@ -1,5 +1,6 @@
 """LLaVA Hugging Face interchange against transformers' own LlavaForConditionalGeneration (offline, random
-init), with a CLIPVisionModel and with a SiglipVisionModel tower and a Llama language model, in fp32:
+init), with a CLIPVisionModel tower and a Llama language model, and with a SiglipVisionModel tower and a
+Qwen3 one (the language model is any family of ours the registry finds), in fp32:
 HF folder -> DCP (convert_hf_to_dcp's code) -> our model, and our checkpoints -> HF folder
 (convert_dcp_to_hf's code) -> transformers, the same logits on the same images and prompts.
 
@@ -15,7 +16,8 @@ import sys
 
 import pytest
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen3Config,
+                          SiglipVisionConfig)
 
 import titanlike
 from conftest import hf_warnings
@@ -27,18 +29,25 @@ SPEC = get_model_spec("llava")
 HF = SPEC.hf
 ATOL = 1e-4
 IMAGE_TOKEN = 299
-TOWERS = {"clip": (CLIPVisionConfig, "default"), "siglip": (SiglipVisionConfig, "full")}
+# Tower -> (its config class, LLaVA's select strategy for it, the language model's config and our family).
+TOWERS = {
+    "clip": (CLIPVisionConfig, "default", LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
+             "llama3"),
+    "siglip": (SiglipVisionConfig, "full", Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                       vocab_size=300), "qwen3"),
+}
 
 
 def hf_model(tower: str, seed: int = 0) -> LlavaForConditionalGeneration:
     """A random LLaVA whose norms and biases are off their init, so a mis-mapped one shows in the logits."""
-    vision_cls, select = TOWERS[tower]
+    vision_cls, select, text_config, _ = TOWERS[tower]
     torch.manual_seed(seed)
     config = LlavaConfig(
         vision_config=vision_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                                  image_size=32, patch_size=8),
-        text_config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, vocab_size=300),
+        text_config=text_config,
         image_token_index=IMAGE_TOKEN, vision_feature_layer=-2, vision_feature_select_strategy=select)
     model = LlavaForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -63,7 +72,7 @@ def test_both_ways_through_checkpoints(tmp_path, tower):
     hf = hf_model(tower)
     hf.save_pretrained(tmp_path / "hf")
     args = HF.read_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
-    assert args.vision.kind == tower and args.vision.n_layers == 2 and args.language_model == "llama3"
+    assert args.vision.kind == tower and args.vision.n_layers == 2 and args.language_model == TOWERS[tower][3]
     tokens, images = batch(args.vision.tokens_per_image)
     with torch.no_grad():
         want = hf(input_ids=tokens, pixel_values=images).logits
