@@ -28,6 +28,16 @@ def test_the_language_model_is_the_named_family_built_through_the_registry():
     assert len(str(e.value).splitlines()) == 1
 
 
+def test_model_args_size_the_tower_and_the_language_model():
+    plan = plan_family("llava", "debugmodel", "--model.args.text.hidden_size", "96", "--model.args.text.num_layers", "3",
+                       "--model.args.vision.dim", "32")
+    args = plan.model_args
+    assert (args.text.dim, args.text.n_layers, args.vision.dim) == (96, 3, 32)
+    with pytest.raises(Exception, match=r"model.args.text.hiden_size is not a setting") as e:
+        plan_family("llava", "debugmodel", "--model.args.text.hiden_size", "96")
+    assert len(str(e.value).splitlines()) == 1
+
+
 def test_each_sample_takes_its_own_images_in_order():
     """Swapping two images of one sample changes that sample only, and its two placeholder runs swap
     features: each run of tokens_per_image placeholders is one image, in order."""

@@ -146,6 +146,16 @@ class LlavaArgs(BaseModelArgs):
         if self.projector_act not in ACTIVATIONS:
             raise ValueError(f"projector_act is {self.projector_act!r}; expected one of {', '.join(ACTIVATIONS)}")
 
+    def with_overrides(self, overrides, *, option: str = "model.args") -> LlavaArgs:
+        """[model.args]: `text.<key>` keys go to the language model's args (its own names and aliases:
+        text.hidden_size, text.num_layers, ...), the others (vision.dim, image_token_id, ...) are ours."""
+        text = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("text.")}
+        own = {k: v for k, v in overrides.items() if not k.startswith("text.")}
+        args = super().with_overrides(own, option=option) if own else self
+        if not text:
+            return args
+        return dataclasses.replace(args, text=args.text.with_overrides(text, option=f"{option}.text"))
+
     # The job's sizes go to the language model; the tower's are its own.
     def update_from_config(self, *, vocab_size: int, seq_len: int, decoder_seq_len: int | None = None) -> LlavaArgs:
         return dataclasses.replace(self, text=self.text.update_from_config(vocab_size=vocab_size, seq_len=seq_len))
