@@ -89,6 +89,10 @@ PUBLISHED: dict[tuple[str, str], Published] = {
     ("t5", "large"): Published(Count(783.2e6, rel=0.01)),
     ("t5", "3B"): Published(Count(2.85e9, rel=0.01)),
     ("t5", "11B"): Published(Count(11.14e9, rel=0.01)),
+    # llava-hf/llava-1.5-7b-hf's 7.06B counts the whole CLIP tower; our flavor builds its 23 layers that
+    # LLaVA reads (vision_feature_layer -2), so the count adds the 24th back.
+    ("llava", "llava-1.5-7b"): Published(Count(7.06, digits=2, unit=1e9), changes={"vision": {
+        "kind": "clip", "image_size": 336, "patch_size": 14, "dim": 1024, "n_layers": 24, "n_heads": 16, "ffn_dim": 4096}}),
 }
 
 # Released-size flavors that name no released model, and why.

@@ -192,12 +192,18 @@ class Decoder(nn.Module):
         return ret
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: DocumentMask | None = None, *, cache: ModelCache | None = None) -> torch.Tensor:
+                mask: DocumentMask | None = None, *, cache: ModelCache | None = None,
+                embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """positions: each token's position, (seq,) or per sample (batch, seq), when it is not
         0..seq-1 (a context-parallel slice, positions restarting per document); None means
         0..seq-1. mask: attend within documents only (None: plain causal). cache: the decoding
-        state when generating (see prefill and decode_step), None in training."""
-        h = self.embed(tokens, positions) if self.tok_embeddings is not None else tokens
+        state when generating (see prefill and decode_step), None in training. embeddings: what
+        embed(tokens, positions) would give, computed by the caller (a vision-language model splices
+        image features into it, models/llava); None: embed the tokens here."""
+        if embeddings is not None:
+            h = embeddings
+        else:
+            h = self.embed(tokens, positions) if self.tok_embeddings is not None else tokens
         rope = self.rotary_angles(positions)
         if cache is None:
             for layer in self.layers.values():

@@ -1,0 +1,98 @@
+"""What is the llava family's own (the conformance suite covers what every family does; the Hugging Face
+numerics are tests/integration/test_llava_hf.py): the language model comes from another family through
+the registry, image features land on the placeholders of their own sample, jobs it cannot train are
+refused, and the caption samples put the loss on the caption only. LLaVA's stage 1 through train.py:
+tests/integration/test_llava_hf.py (from a pretrained tower and language model)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from family_checks import materialize, plan_family
+from titanlike.models.outputs import IGNORE_INDEX
+from titanlike.models.registry import get_model_spec
+
+SPEC = get_model_spec("llava")
+
+
+def test_the_language_model_is_the_named_family_built_through_the_registry():
+    args = SPEC.flavors["debugmodel"]
+    model = materialize(SPEC.model_cls, args)
+    assert type(model.language_model) is get_model_spec("llama3").model_cls
+    assert model.layers is model.language_model.layers
+    with pytest.raises(ValueError, match="language_model 'bert' cannot take image features") as e:
+        dataclasses.replace(args, language_model="bert", text=get_model_spec("bert").flavors["debugmodel"])
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_model_args_size_the_tower_and_the_language_model():
+    plan = plan_family("llava", "debugmodel", "--model.args.text.hidden_size", "96", "--model.args.text.num_layers", "3",
+                       "--model.args.vision.dim", "32")
+    args = plan.model_args
+    assert (args.text.dim, args.text.n_layers, args.vision.dim) == (96, 3, 32)
+    with pytest.raises(Exception, match=r"model.args.text.hiden_size is not a setting") as e:
+        plan_family("llava", "debugmodel", "--model.args.text.hiden_size", "96")
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_each_sample_takes_its_own_images_in_order():
+    """Swapping two images of one sample changes that sample only, and its two placeholder runs swap
+    features: each run of tokens_per_image placeholders is one image, in order."""
+    model = materialize(SPEC.model_cls, SPEC.flavors["debugmodel_siglip"]).eval()
+    args, p = model.model_args, model.model_args.vision.tokens_per_image
+    tokens = torch.randint(0, 1000, (2, 2 * p + 8), generator=torch.Generator().manual_seed(0))
+    tokens[:, 1:1 + p] = tokens[:, 3 + p:3 + 2 * p] = args.image_token_id
+    images = torch.randn(2, 2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        embedded = []
+        model.language_model.register_forward_pre_hook(lambda m, a, kw: embedded.append(kw["embeddings"]),
+                                                        with_kwargs=True)
+        before = model(tokens, pixel_values=images)
+        swapped = images.clone()
+        swapped[0] = images[0, [1, 0]]
+        after = model(tokens, pixel_values=swapped)
+        features = model.image_features(images[0])
+    torch.testing.assert_close(after[1], before[1], rtol=0, atol=0)  # sample 1 kept its order
+    assert (after[0] - before[0]).abs().max() > 1e-4
+    torch.testing.assert_close(embedded[0][0, 1:1 + p], features[0], rtol=0, atol=0)
+    torch.testing.assert_close(embedded[0][0, 3 + p:3 + 2 * p], features[1], rtol=0, atol=0)
+    torch.testing.assert_close(embedded[1][0, 1:1 + p], features[1], rtol=0, atol=0)
+
+
+def test_caption_samples_put_the_loss_on_the_caption_only():
+    plan = plan_family("llava", "debugmodel")
+    objective, tokenizer = plan.objective, plan.tokenizer
+    p = plan.model_args.vision.tokens_per_image
+    source = objective.samples("default", dataset_path=None, tokenizer=tokenizer, seq_len=48, seed=0).source
+    sample = source[3]
+    inputs, labels = sample["inputs"], sample["labels"]
+    assert inputs[0] == tokenizer.bos_id and (inputs[1:1 + p] == objective.image_token_id).all()
+    targets = labels[labels != IGNORE_INDEX].tolist()
+    assert targets[-1] == tokenizer.eos_id and objective.image_token_id not in targets
+    caption = tokenizer.decode(targets[:-1])
+    assert caption.startswith("a ") and caption.endswith(".") and any(s in caption for s in ("circle", "square", "triangle"))
+    assert sample["pixel_values"].shape == (1, 3, 32, 32)
+    # Held-out images are other images.
+    held_out = objective.samples("default", dataset_path=None, tokenizer=tokenizer, seq_len=48, seed=0,
+                                 split_name="valid").source[3]
+    assert not (held_out["pixel_values"] == sample["pixel_values"]).all()
+
+
+@pytest.mark.parametrize("options, words", [
+    (("--llava.freeze", "vision_tower,projector,language_model"), "nothing would train"),
+    (("--llava.freeze", "vison_tower"), "'vison_tower' is not a part of llava"),
+    (("--training.seq_len", "12"), "cannot hold an image's 16 tokens"),
+    (("--training.dataset", "c4_test"), "holds no images"),
+    (("--parallelism.context_parallel_degree", "2"), "context parallel"),
+])
+def test_jobs_it_cannot_train_are_refused_in_one_sentence(options, words):
+    from titanlike.config import ConfigError
+
+    world = 2 if "context_parallel_degree" in options[0] else 1
+    with pytest.raises((ConfigError, ValueError), match=words) as e:
+        plan_family("llava", "debugmodel", *options, world_size=world,
+                    **({"seq_len": int(options[1])} if options[0] == "--training.seq_len" else {}))
+    assert len(str(e.value).splitlines()) == 1

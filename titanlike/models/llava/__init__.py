@@ -1,0 +1,81 @@
+"""LLaVA: a CLIP or SigLIP vision tower, a two-layer MLP projector and a decoder family of ours as the
+language model (model.py); Hugging Face's LlavaForConditionalGeneration both ways (hf_adapter.py).
+
+The language model's args are its own family's class, got from the registry (a family imports no
+other family). vocab_size and max_seq_len of the language model are placeholders the trainer
+overwrites, as for the decoder families.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from titanlike.config.schema import opt
+from titanlike.models.llava.hf_adapter import LlavaHF
+from titanlike.models.llava.model import PARTS, Llava, LlavaArgs, VisionArgs
+from titanlike.models.registry import ModelOptions, ModelSpec, get_model_spec, register_model_spec
+from titanlike.objectives.image_caption import ImageCaption
+
+_llama = get_model_spec("llama3").args_cls
+
+
+def _debug_text():
+    # llama3's debugmodel_tiny at 2 layers, without RoPE scaling (as the LLaVA-1.5 language model).
+    return _llama(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2256, multiple_of=32,
+                  rope_theta=10000.0, max_seq_len=2048)
+
+
+# <|image|>, a special token of the debug tokenizer (and of Llama 3's): no text encodes to it.
+DEBUG_IMAGE_TOKEN = 1803
+
+llava_flavors: dict[str, LlavaArgs] = {
+    # CPU-sized: a 32x32 image in 16 patches of 8x8 (16 image tokens once CLIP's class token is dropped).
+    "debugmodel": LlavaArgs(
+        vision=VisionArgs(kind="clip", image_size=32, patch_size=8, dim=48, n_layers=2, n_heads=4, ffn_dim=96,
+                          norm_eps=1e-5, hidden_act="quick_gelu", select="default"),
+        text=_debug_text(), image_token_id=DEBUG_IMAGE_TOKEN),
+    "debugmodel_siglip": LlavaArgs(
+        vision=VisionArgs(kind="siglip", image_size=32, patch_size=8, dim=48, n_layers=2, n_heads=4, ffn_dim=96,
+                          norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", select="full"),
+        text=_debug_text(), image_token_id=DEBUG_IMAGE_TOKEN),
+    # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14 at 336 px read at its layer 23 of 24 (vision_feature_layer
+    # -2), Vicuna-7B (Llama 2 7B's shape) with the <image> token at 32000 of 32064. Its MLP width 11008 is
+    # spelled multiple_of=11008, the rule the Llama adapter reads back for a width no Llama 3 flavor has.
+    "llava-1.5-7b": LlavaArgs(
+        vision=VisionArgs(kind="clip", image_size=336, patch_size=14, dim=1024, n_layers=23, n_heads=16, ffn_dim=4096,
+                          norm_eps=1e-5, hidden_act="quick_gelu", select="default"),
+        text=_llama(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32064, multiple_of=11008,
+                    norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096),
+        image_token_id=32000),
+}
+
+
+
+def image_caption(cfg, args: LlavaArgs) -> ImageCaption:
+    """The family's objective: captions of images, processed as the tower's transformers processor does."""
+    v = args.vision
+    return ImageCaption(image_token_id=args.image_token_id, tokens_per_image=v.tokens_per_image,
+                        image_size=v.image_size, processor=v.kind, **ImageCaption.compile_options(cfg))
+
+
+@dataclass
+class LlavaOptions:
+    """[llava]: the job's training stage."""
+
+    freeze: list[str] = opt(
+        [], f"parts left untrained, of {', '.join(PARTS)}: LLaVA's stage 1 (pretraining the projector on "
+        "captions) freezes vision_tower,language_model; its stage 2 (instruction tuning) freezes vision_tower")
+
+
+def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:
+    if not options.freeze:
+        return args
+    try:
+        return dataclasses.replace(args, frozen=tuple(options.freeze))
+    except ValueError as e:
+        raise ValueError(f"llava.freeze: {e}") from None
+
+
+register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, objective=image_caption,
+                              hf=LlavaHF(), options=ModelOptions("llava", LlavaOptions, _with_options)))
+
+__all__ = ["Llava", "LlavaArgs", "LlavaOptions", "VisionArgs", "llava_flavors"]

@@ -1,0 +1,398 @@
+"""LLaVA: a ViT vision tower (CLIP or SigLIP), a two-layer MLP projector and a decoder family of ours.
+
+    image -> patches (a strided conv) [+ CLIP's class token] + learned positions [-> CLIP's pre-norm]
+          -> pre-norm encoder blocks (bidirectional attention, biases, LayerNorm)
+          -> the features of the layer LLaVA reads [minus the class token: "default" selection]
+          -> projector: linear, GELU, linear (vision width -> text width)
+    text tokens -> the decoder's embeddings; every `<image>` placeholder token takes one image
+    feature, in order -> the decoder's blocks, norm and output.
+
+The tower holds only the layers LLaVA reads: Hugging Face's vision_feature_layer -2 (LLaVA-1.5) takes
+the output of the second-to-last layer, so the last one (and the towers' final norm, which LLaVA
+never applies) is not built: it would get no gradient and cost memory. The adapter maps
+num_hidden_layers and vision_feature_layer to the layers built (hf_adapter.py).
+
+The language model is any registered decoder family whose forward takes `embeddings` (the Decoder
+skeleton of models/common/decoder.py); it is built through the registry, never imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titanlike.models import protocol
+from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees
+from titanlike.models.common.attention import Attention, DocumentMask
+from titanlike.models.common.block import TransformerBlock
+from titanlike.models.common.feed_forward import GeluMLP
+from titanlike.models.common.init import LinearInit, normal_, trunc_normal_, zeros_
+from titanlike.models.common.norms import init_norm
+
+TOWERS = ("clip", "siglip")
+PARTS = ("vision_tower", "projector", "language_model")
+SELECT_STRATEGIES = ("default", "full")
+# Hugging Face's activation names (hidden_act, projector_hidden_act) that the towers and the projector use.
+ACTIVATIONS = {
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # SigLIP's
+    "gelu": F.gelu,  # LLaVA's projector
+}
+
+
+@dataclass
+class VisionArgs:
+    """A ViT tower as LLaVA runs it. kind "clip": a class token, a LayerNorm before the blocks, a patch
+    conv without bias; "siglip": no class token, no pre-norm, a patch conv with bias. n_layers: the
+    layers built, the ones up to the feature layer LLaVA reads. select "default" drops the first
+    token of the features (CLIP's class token), "full" keeps every token (Hugging Face's
+    vision_feature_select_strategy)."""
+
+    kind: str = "clip"
+    image_size: int = 336
+    patch_size: int = 14
+    num_channels: int = 3
+    dim: int = 1024
+    n_layers: int = 23
+    n_heads: int = 16
+    ffn_dim: int = 4096
+    norm_eps: float = 1e-5
+    hidden_act: str = "quick_gelu"
+    select: str = "default"
+
+    def __post_init__(self) -> None:
+        for name, value, known in (("kind", self.kind, TOWERS), ("select", self.select, SELECT_STRATEGIES),
+                                   ("hidden_act", self.hidden_act, tuple(ACTIVATIONS))):
+            if value not in known:
+                raise ValueError(f"vision.{name} is {value!r}; expected one of {', '.join(known)}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"vision.image_size {self.image_size} is not a multiple of vision.patch_size "
+                             f"{self.patch_size}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"vision.dim {self.dim} is not divisible by vision.n_heads {self.n_heads}")
+
+    @property
+    def class_token(self) -> bool:
+        return self.kind == "clip"
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_positions(self) -> int:
+        return self.num_patches + int(self.class_token)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Features one image gives the text: every position, less the first under "default"."""
+        return self.num_positions - int(self.select == "default")
+
+    def num_params(self, *, exclude_embedding: bool = False) -> int:
+        d = self.dim
+        patch = self.num_channels * self.patch_size**2 * d + (d if self.kind == "siglip" else 0)
+        class_token_and_pre_norm = 3 * d if self.class_token else 0
+        ends = patch + class_token_and_pre_norm
+        positions = 0 if exclude_embedding else self.num_positions * d
+        block = 4 * d * d + 4 * d + 2 * d * self.ffn_dim + self.ffn_dim + d + 4 * d
+        return ends + positions + self.n_layers * block
+
+
+@dataclass
+class LlavaArgs(BaseModelArgs):
+    """The tower, the projector and the language model. language_model: the registered family of the
+    decoder; text: its args (that family's args class; a dict from a checkpoint sidecar is read as
+    one). image_token_id: the `<image>` placeholder the image features replace."""
+
+    vision: VisionArgs = dataclasses.field(default_factory=VisionArgs)
+    language_model: str = "llama3"
+    text: Any = None
+    image_token_id: int = 32000
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+    # Parts left untrained (requires_grad off), of PARTS: LLaVA's stage 1 trains the projector only.
+    frozen: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from titanlike.models.registry import get_model_spec
+
+        self.frozen = tuple(self.frozen)
+        unknown = [name for name in self.frozen if name not in PARTS]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a part of llava; its parts: {', '.join(PARTS)}")
+        if set(self.frozen) == set(PARTS):
+            raise ValueError(f"every part of llava is frozen ({', '.join(PARTS)}): nothing would train")
+
+        if isinstance(self.vision, dict):
+            self.vision = VisionArgs(**self.vision)
+        try:
+            spec = get_model_spec(self.language_model)
+        except KeyError as e:
+            raise ValueError(f"language_model: {e.args[0]}") from None
+        if "embeddings" not in _forward_keywords(spec.model_cls):
+            raise ValueError(f"language_model {self.language_model!r} cannot take image features: its forward has "
+                             "no `embeddings` input (a decoder family built on models/common/decoder.py has one)")
+        if isinstance(self.text, dict):
+            self.text = spec.args_cls.from_dict(self.text)
+        if not isinstance(self.text, spec.args_cls):
+            raise ValueError(f"text must be {self.language_model}'s args ({spec.args_cls.__name__}), "
+                             f"got {type(self.text).__name__}")
+        if self.projector_act not in ACTIVATIONS:
+            raise ValueError(f"projector_act is {self.projector_act!r}; expected one of {', '.join(ACTIVATIONS)}")
+
+    def with_overrides(self, overrides, *, option: str = "model.args") -> LlavaArgs:
+        """[model.args]: `text.<key>` keys go to the language model's args (its own names and aliases:
+        text.hidden_size, text.num_layers, ...), the others (vision.dim, image_token_id, ...) are ours."""
+        text = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("text.")}
+        own = {k: v for k, v in overrides.items() if not k.startswith("text.")}
+        args = super().with_overrides(own, option=option) if own else self
+        if not text:
+            return args
+        return dataclasses.replace(args, text=args.text.with_overrides(text, option=f"{option}.text"))
+
+    # The job's sizes go to the language model; the tower's are its own.
+    def update_from_config(self, *, vocab_size: int, seq_len: int, decoder_seq_len: int | None = None) -> LlavaArgs:
+        return dataclasses.replace(self, text=self.text.update_from_config(vocab_size=vocab_size, seq_len=seq_len))
+
+    @property
+    def context_len(self) -> int:
+        return self.text.context_len
+
+    def with_context_len(self, context_len: int) -> LlavaArgs:
+        return dataclasses.replace(self, text=self.text.with_context_len(context_len))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.text.num_layers
+
+    @property
+    def total_layers(self) -> int:
+        return self.text.total_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    def reported_losses(self) -> tuple[str, ...]:
+        return self.text.reported_losses()
+
+    def projector_params(self) -> int:
+        t, v = self.text.hidden_size, self.vision.dim
+        return v * t + t * t + (2 * t if self.projector_bias else 0)
+
+    def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
+        return (self.vision.num_params(exclude_embedding=exclude_embedding) + self.projector_params()
+                + self.text.num_params(exclude_embedding=exclude_embedding, active=active))
+
+    def moe_args(self):
+        return self.text.moe_args()
+
+    def with_moe_args(self, moe) -> LlavaArgs:
+        return dataclasses.replace(self, text=self.text.with_moe_args(moe))
+
+    def flops_per_token(self, seq_len: int) -> int:
+        # The language model's; the tower's work per image is not a per-token figure (issue 31 item 7).
+        return self.text.flops_per_token(seq_len)
+
+    def attention_shape(self) -> AttentionShape | None:
+        return self.text.attention_shape()
+
+    def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
+        if dims.cp > 1:
+            # A rank's slice of the sequence cannot tell which image its placeholders belong to.
+            raise ValueError("llava does not run context parallel yet: set parallelism.context_parallel_degree 1")
+        self.text.validate(dims, seq_len=seq_len)
+        if self.image_token_id >= self.text.vocab_size:
+            raise ValueError(f"the image token id {self.image_token_id} is outside the vocabulary of "
+                             f"{self.text.vocab_size} tokens")
+
+
+def _forward_keywords(cls: type) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(cls.forward).parameters)
+
+
+class VisionMLP(GeluMLP):
+    """fc1, activation, fc2 with biases (w1, w2 as every MLP here): CLIP's quick GELU or SigLIP's tanh GELU."""
+
+    def __init__(self, dim: int, hidden_dim: int, act: str):
+        super().__init__(dim, hidden_dim, bias=True)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(ACTIVATIONS[self.act](self.w1(x)))
+
+
+class VisionTower(nn.Module):
+    """pixel values (images, channels, height, width) -> features (images, positions, dim) of the last
+    layer built; no final norm (LLaVA reads the blocks' output)."""
+
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.args = args
+        d = args.dim
+        self.patch_embedding = nn.Conv2d(args.num_channels, d, args.patch_size, stride=args.patch_size,
+                                         bias=args.kind == "siglip")
+        self.class_embedding = nn.Parameter(torch.empty(d)) if args.class_token else None
+        self.position_embedding = nn.Embedding(args.num_positions, d)
+        self.pre_norm = nn.LayerNorm(d, eps=args.norm_eps) if args.class_token else None
+        init = LinearInit(std=0.02, out_std=0.02 / math.sqrt(2 * max(args.n_layers, 1)))
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(
+            i, attention=Attention(d, args.n_heads, args.n_heads, d // args.n_heads, bias=True, causal=False),
+            feed_forward=VisionMLP(d, args.ffn_dim, args.hidden_act),
+            attention_norm=nn.LayerNorm(d, eps=args.norm_eps), ffn_norm=nn.LayerNorm(d, eps=args.norm_eps),
+            init=init) for i in range(args.n_layers)})
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        if pixel_values.shape[-3:] != (a.num_channels, a.image_size, a.image_size):
+            raise ValueError(f"images are {tuple(pixel_values.shape[-3:])} (channels, height, width), but the vision "
+                             f"tower takes {(a.num_channels, a.image_size, a.image_size)}")
+        weight = self.patch_embedding.weight
+        h = self.patch_embedding(pixel_values.to(weight.dtype)).flatten(2).transpose(1, 2)
+        if self.class_embedding is not None:
+            h = torch.cat([self.class_embedding.to(h.dtype).expand(h.shape[0], 1, -1), h], dim=1)
+        h = h + self.position_embedding.weight
+        if self.pre_norm is not None:
+            h = self.pre_norm(h)
+        for layer in self.layers.values():
+            h = layer(h, None)
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, *, seed: int, prefix: str) -> None:
+        d = self.args.dim
+        # The patch conv is a linear map of patch_size^2 * channels inputs: its std scales as such.
+        fan_in = self.args.num_channels * self.args.patch_size**2
+        trunc_normal_(self.patch_embedding.weight, std=fan_in**-0.5, a=-2 * fan_in**-0.5, b=2 * fan_in**-0.5,
+                      seed=seed, fqn=f"{prefix}patch_embedding.weight")
+        if self.patch_embedding.bias is not None:
+            zeros_(self.patch_embedding.bias)
+        if self.class_embedding is not None:
+            normal_(self.class_embedding, std=d**-0.5, seed=seed, fqn=f"{prefix}class_embedding")
+        normal_(self.position_embedding.weight, std=0.02, seed=seed, fqn=f"{prefix}position_embedding.weight")
+        if self.pre_norm is not None:
+            init_norm(self.pre_norm)
+        for key, layer in self.layers.items():
+            layer.init_weights(seed=seed, prefix=f"{prefix}layers.{key}.")
+
+
+class Projector(nn.Module):
+    """LLaVA's two-layer MLP from the tower's width to the language model's."""
+
+    def __init__(self, vision_dim: int, text_dim: int, act: str, bias: bool):
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_dim, text_dim, bias=bias)
+        self.linear_2 = nn.Linear(text_dim, text_dim, bias=bias)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(ACTIVATIONS[self.act](self.linear_1(x)))
+
+    @torch.no_grad()
+    def init_weights(self, *, seed: int, prefix: str) -> None:
+        for name in ("linear_1", "linear_2"):
+            linear = getattr(self, name)
+            std = linear.in_features**-0.5
+            trunc_normal_(linear.weight, std=std, a=-2 * std, b=2 * std, seed=seed, fqn=f"{prefix}{name}.weight")
+            if linear.bias is not None:
+                zeros_(linear.bias)
+
+
+class Llava(nn.Module):
+    """tokens (batch, seq) with `<image>` placeholders and pixel values -> logits (batch, seq, vocab).
+
+    `layers` (the unit of per-block wrapping) are the language model's. The model does not generate
+    yet (no decoding cache through the image splice): init_cache is None.
+    """
+
+    init_cache = None
+
+    def __init__(self, args: LlavaArgs):
+        super().__init__()
+        from titanlike.models.registry import get_model_spec
+
+        self.model_args = args
+        self.vision_tower = VisionTower(args.vision)
+        self.projector = Projector(args.vision.dim, args.text.hidden_size, args.projector_act, args.projector_bias)
+        self.language_model = get_model_spec(args.language_model).model_cls(args.text)
+        # The language model's tied names, under its prefix here.
+        self.tied_weights = {f"language_model.{alias}": f"language_model.{owner}"
+                             for alias, owner in protocol.tied_weights(self.language_model).items()}
+        # The optimizer takes only parameters that require grad; to_empty and FSDP keep the flag.
+        for name in args.frozen:
+            getattr(self, name).requires_grad_(False)
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        return self.language_model.layers
+
+    def tie_weights(self) -> None:
+        protocol.retie_weights(self.language_model)
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(images, channels, height, width) -> what replaces each image's placeholders, (images,
+        tokens_per_image, text dim)."""
+        features = self.vision_tower(pixel_values)
+        if self.model_args.vision.select == "default":
+            features = features[:, 1:]
+        return self.projector(features)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                mask: DocumentMask | None = None, *, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+        """pixel_values: None (text only), (images, C, H, W) taken in the order their placeholders
+        appear in the batch (Hugging Face's layout), or (batch, images, C, H, W): each sample's
+        placeholders take its own images in order (images it has no placeholders for are unused,
+        padding). Each image fills vision.tokens_per_image consecutive placeholders."""
+        lm = self.language_model
+        h = lm.embed(tokens, positions)
+        if pixel_values is not None:
+            h = self._splice(tokens, h, pixel_values)
+        return lm(tokens, positions, mask, embeddings=h)
+
+    def _splice(self, tokens: torch.Tensor, h: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+        is_image = tokens == self.model_args.image_token_id
+        if pixel_values.dim() == 5:
+            batch, count = pixel_values.shape[:2]
+            if batch != tokens.shape[0]:
+                raise ValueError(f"pixel_values hold images for {batch} samples, but the batch has {tokens.shape[0]}")
+            features = self.image_features(pixel_values.flatten(0, 1))
+            per_image = features.shape[1]
+            # Placeholder j of sample b takes feature j of sample b's images; images past a sample's
+            # placeholders are padding. Each sample's placeholders fill whole images.
+            placeholders = is_image.sum(1)
+            rank = is_image.cumsum(1) - 1 + (torch.arange(batch, device=tokens.device) * count * per_image)[:, None]
+            fits = ((placeholders <= count * per_image) & (placeholders % per_image == 0)).all()
+        elif pixel_values.dim() == 4:
+            features = self.image_features(pixel_values)
+            rank = is_image.flatten().cumsum(0).view_as(tokens) - 1
+            fits = is_image.sum() == features.shape[0] * features.shape[1]
+        else:
+            raise ValueError(f"pixel_values must be (images, C, H, W) or (batch, images, C, H, W), got "
+                             f"{tuple(pixel_values.shape)}")
+        # A device assertion, not a host sync: the trainer's step reads nothing back.
+        torch._assert_async(fits, "the <image> placeholders do not match the images: each image takes "
+                                  f"{features.shape[1]} placeholders, in order")
+        flat = features.flatten(0, 1).to(h.dtype)
+        index = torch.where(is_image, rank, 0).clamp(max=flat.shape[0] - 1)
+        return torch.where(is_image[..., None], flat[index], h)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
+        self.vision_tower.init_weights(seed=seed, prefix="vision_tower.")
+        self.projector.init_weights(seed=seed, prefix="projector.")
+        self.language_model.init_weights(seed=seed, buffer_device=buffer_device)
+
+
+__all__ = ["PARTS", "Llava", "LlavaArgs", "Projector", "VisionArgs", "VisionTower"]
