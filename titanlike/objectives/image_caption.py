@@ -17,7 +17,6 @@ from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Obj
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
-    from titanlike.data.images import ImageProcessor
     from titanlike.models.args import LayoutDegrees
 
 

@@ -25,7 +25,7 @@ import torch
 
 from titanlike.models.common.hf import COMMON_RULES, COMPARED, COUNT, FLAG, INDEX, POSITIVE, TEXT, HFAdapter, \
     StateDict, list_of, optional, table
-from titanlike.models.llava.model import ACTIVATIONS, LlavaArgs, VisionArgs
+from titanlike.models.llava.model import LlavaArgs, VisionArgs
 
 VISION_MODEL_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 
