@@ -38,19 +38,18 @@ def machine_memory() -> tuple[int, str]:
 
 def estimate_peak_memory(plan: JobPlan) -> tuple[int, str]:
     """(bytes the busiest rank needs, its largest parts): on a GPU what the allocator reserves (CUDA kernels),
-    on CPU the tensors' peak (CPU kernels, exact bytes)."""
+    on CPU the tensors' peak (CPU kernels, exact bytes). The plan is made again without what a probe cannot run."""
     from estimation.layout import estimate
-    from estimation.options import prepare_plan
+    from estimation.options import prepare_job
     from estimation.probe import probe
 
     cuda = torch.cuda.is_available()
-    prep = prepare_plan(plan)
-    ranks = estimate(prep.plan, probe(prep.plan, granularity=512 if cuda else 1, device="cuda" if cuda else "cpu"))
+    prep = prepare_job(plan.cfg, plan.dims.world_size, vocab_size=plan.model_args.vocab_size).plan
+    ranks = estimate(prep, probe(prep, granularity=512 if cuda else 1, device="cuda" if cuda else "cpu"))
     top = max(ranks, key=lambda r: r.reserved if cuda else r.peak_bytes)
     b = top.peak
-    state = b.parameters + b.gradients + b.optimizer_state
-    parts = f"{state / GiB:.1f} GiB of weights, gradients and optimizer state, {(b.activations + b.transient) / GiB:.1f} " \
-            "GiB held by the step"
+    parts = f"{(b.parameters + b.gradients + b.optimizer_state) / GiB:.1f} GiB of weights, gradients and optimizer " \
+            f"state, {(b.activations + b.transient) / GiB:.1f} GiB held by the step"
     return (top.reserved if cuda else top.peak_bytes), parts
 
 

@@ -78,33 +78,11 @@ class RankEstimate:
                 "reserved_bytes": self.reserved, "host_bytes": self.host, "peak_phase": self.peak_phase, "breakdown": self.peak.as_dict()}
 
 
-@dataclass
-class _Stage:
-    index: int
-    layers: list[int]
-    first: bool
-    last: bool
-
-
-def stages_of(plan, probe: Probe) -> tuple[list[list[int]], dict[int, _Stage]]:
-    """(stage indices each pipeline rank holds, every stage), as the trainer splits the model
-    (PipelineLayout.stage_layers)."""
-    n = len(probe.kinds)
-    layout = plan.pipeline
-    if layout is None:
-        return [[0]], {0: _Stage(0, list(range(n)), True, True)}
-    stages = {s: _Stage(s, layout.stage_layers(s, n), s == 0, s == layout.num_stages - 1)
-              for s in range(layout.num_stages)}
-    return [layout.stages_of_rank(r) for r in range(layout.pp)], stages
-
-
-def stage_static(probe: Probe, stage: _Stage) -> Static:
+def stage_static(probe: Probe, layers: list[int], first: bool, last: bool) -> Static:
     s = probe.static
-    out = Static()
-    for i in stage.layers:
-        out = out + s[probe.kinds[i]]
-    out = out + s["shared"] + (s["input"] if stage.first else Static()) + (s["output"] if stage.last else Static())
-    return out + (s["tied"] * -1 if stage.first and stage.last else Static())
+    out = sum((s[probe.kinds[i]] for i in layers), s["shared"])
+    out = out + (s["input"] if first else Static()) + (s["output"] if last else Static())
+    return out + (s["tied"] * -1 if first and last else Static())
 
 
 def _find(windows: dict, key: tuple) -> Window:
@@ -113,21 +91,17 @@ def _find(windows: dict, key: tuple) -> Window:
     return windows.get(key) or next(w for k, w in windows.items() if isinstance(k, tuple) and k[0] == key[0])
 
 
-def stage_windows(probe: Probe, stage: _Stage, p: int) -> tuple[list[Window], list[Window]]:
-    """(forward windows, backward windows) of one microbatch through `stage`, pass p of the probe."""
+def stage_windows(probe: Probe, p: int, layers: list[int], first: bool, last: bool) -> tuple[list[Window], list[Window]]:
+    """(forward windows, backward windows) of one microbatch through a stage, pass p of the probe."""
     fw, bw, kinds, n = probe.forward[p], probe.backward[p], probe.kinds, len(probe.kinds)
     received = Window(probe.stage_input, probe.stage_input)
-    forward = [fw["input"] if stage.first else received]
+    forward = [fw["input"] if first else received]
     forward += [fw["tail"] if i == n - 1 else fw["first"] if i == 0 else _find(fw, (kinds[i], kinds[i + 1]))
-                for i in stage.layers]
-    backward = [bw["output"]] if stage.last else []
+                for i in layers]
+    backward = [bw["output"]] if last else []
     backward += [bw["head"] if i == 0 else bw["last"] if i == n - 1 else _find(bw, (kinds[i], kinds[i - 1]))
-                 for i in reversed(stage.layers)]
-    if not stage.first:
-        backward.append(Window(-probe.stage_input, 0))
-    if stage.last:
-        backward.append(bw["release"])
-    return forward, backward
+                 for i in reversed(layers)]
+    return forward, backward + ([] if first else [Window(-probe.stage_input, 0)]) + ([bw["release"]] if last else [])
 
 
 class _Walk:
@@ -147,10 +121,6 @@ class _Walk:
             self.peak, self.where = b, what
         self.level += w.keep
 
-    def windows(self, ws: list[Window], what: str) -> None:
-        for w in ws:
-            self.window(w, what)
-
     def gradients_done(self, grads: int) -> None:
         """The reduced gradients now exist: file them as gradients rather than as held by the step."""
         moved = max(0, min(self.level, grads - self.grads))
@@ -160,72 +130,61 @@ class _Walk:
 
 def estimate(plan, probe: Probe) -> list[RankEstimate]:
     """One estimate per pipeline rank (the ranks that hold the first stage of each pipeline rank)."""
-    per_rank, stages = stages_of(plan, probe)
-    accum = plan.batch.grad_accum_steps
-    passes = len(probe.forward)
+    n, layout, accum, passes = len(probe.kinds), plan.pipeline, plan.batch.grad_accum_steps, len(probe.forward)
+    # (layers, first, last) of every stage, and the stages of each pipeline rank, as the trainer splits them.
+    stages = {0: (list(range(n)), True, True)} if layout is None else {
+        s: (layout.stage_layers(s, n), s == 0, s == layout.num_stages - 1) for s in range(layout.num_stages)}
+    offload = plan.parallelize.cpu_offload and plan.dims.fsdp_enabled
     out = []
-    for pp_rank, held in enumerate(per_rank):
-        static = Static()
-        for s in held:
-            static = static + stage_static(probe, stages[s])
-        offload = plan.parallelize.cpu_offload and plan.dims.fsdp_enabled
+    for pp_rank, held in enumerate([[0]] if layout is None else [layout.stages_of_rank(r) for r in range(layout.pp)]):
+        static = sum((stage_static(probe, *stages[s]) for s in held), Static())
         walk = _Walk(static, offload)
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
-        def forward(s: int, mb: int) -> None:
-            what = f"forward {done[s][0] + 1} of stage {s}" if plan.pipeline else f"forward of microbatch {mb + 1}"
-            walk.windows(stage_windows(probe, stages[s], min(done[s][0], passes - 1))[0], what)
-            done[s][0] += 1
-
-        def backward(s: int, mb: int, keep_share: float = 0.0) -> int:
-            ws = stage_windows(probe, stages[s], min(done[s][1], passes - 1))[1]
+        def run(s: int, mb: int, backward: bool, keep_share: float = 0.0) -> int:
+            what = (f"{'backward' if backward else 'forward'} {done[s][backward] + 1} of stage {s}" if layout else
+                    f"{'backward' if backward else 'forward'} of microbatch {mb + 1}")
             before = walk.level
-            walk.windows(ws, f"backward {done[s][1] + 1} of stage {s}" if plan.pipeline
-                         else f"backward of microbatch {mb + 1}")
-            done[s][1] += 1
+            for w in stage_windows(probe, min(done[s][backward], passes - 1), *stages[s])[backward]:
+                walk.window(w, what)
+            done[s][backward] += 1
             kept = int(max(0, before - walk.level) * keep_share)
             walk.level += kept
             return kept
 
         for rep in range(accum):
-            if plan.pipeline is None:
-                forward(0, rep)
-                backward(0, rep)
+            if layout is None:
+                run(0, rep, False)
+                run(0, rep, True)
                 walk.gradients_done(static.grads)
                 continue
             waiting: dict[tuple[int, int], int] = {}
             for kind, s, mb in probe.actions.get(pp_rank, []):
-                if s not in stages or s not in held:
+                if s not in held:
                     continue
-                if kind == "FORWARD":
-                    forward(s, mb)
-                elif kind == "FULL_BACKWARD":
-                    backward(s, mb)
+                if kind in ("FORWARD", "FULL_BACKWARD"):
+                    run(s, mb, kind != "FORWARD")
                 elif kind == "BACKWARD_INPUT":
-                    waiting[(s, mb)] = backward(s, mb, WEIGHT_SHARE)
+                    waiting[(s, mb)] = run(s, mb, True, WEIGHT_SHARE)
                 elif kind == "BACKWARD_WEIGHT":
                     walk.level -= waiting.pop((s, mb), 0)
-            share = static.grads / max(probe.probed_grads, 1)
+            share = static.grads / max(probe.probed.grads, 1)
             walk.window(Window(int(probe.reduce.keep * share) if rep == 0 else 0, probe.reduce.over),
                         "gradient reduction")
             walk.gradients_done(static.grads)
-        scale = static.params / max(probe.probed_params, 1)
+        scale = static.params / max(probe.probed.params, 1)
         walk.window(Window(0, 0 if offload else int(probe.update.over * scale)), "optimizer step")
-        rank = pp_rank * (plan.dims.world_size // plan.dims.pp)
-        out.append(RankEstimate(rank=rank, pp_rank=pp_rank, stages=list(held), peak=walk.peak, peak_phase=walk.where,
-                                reserved=reserved_bytes(walk.peak.total, probe),
+        # What the CUDA caching allocator holds at the peak: the tensors (each rounded up to its 512-byte
+        # block by the probe) plus the pools of the streams FSDP's collectives allocate on, which the
+        # default stream cannot reuse: per collective its largest buffer and its second largest (an
+        # all-gather prefetched while one is in use; FSDP keeps a reduce-scatter's buffer until the next one
+        # is issued). An upper bound on those pools: at the peak some of those buffers are alive and counted
+        # among the tensors too. Not modeled: holes inside a pool, which expandable segments
+        # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's launcher sets) keep small.
+        # Memory outside the allocator (CUDA context, NCCL's own buffers, cuBLAS workspaces) is not
+        # reserved memory: the verdict adds it (estimate.reserved_gib).
+        reserved = walk.peak.total + sum(sum(sizes) for sizes in probe.pools.values())
+        out.append(RankEstimate(rank=pp_rank * (plan.dims.world_size // plan.dims.pp), pp_rank=pp_rank,
+                                stages=list(held), peak=walk.peak, peak_phase=walk.where, reserved=reserved,
                                 host=static.params + static.grads + static.optimizer if offload else 0))
     return out
-
-
-def reserved_bytes(peak: int, probe: Probe) -> int:
-    """What the CUDA caching allocator holds at the peak: the tensors' bytes (each rounded up to its
-    512-byte block by the probe), plus the pools of the streams FSDP's collectives allocate on, which
-    the default stream cannot reuse: per collective, its largest buffer and its second largest (an
-    all-gather prefetched while one is in use; FSDP keeps a reduce-scatter's buffer until the next
-    one is issued). An upper bound on those pools: at the peak some of those buffers are alive and
-    counted among the tensors too. Not modeled: holes inside a pool (free blocks too small for the
-    next request), which expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as
-    torchtitan's launcher sets) keep small; memory outside the allocator (CUDA context, NCCL's own
-    buffers, cuBLAS workspaces) is not reserved memory: the verdict adds it (estimate.reserved_gib)."""
-    return peak + sum(sum(sizes) for sizes in probe.pools.values())

@@ -45,8 +45,8 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from estimation.fake import (DEVICE, AssumedValues, LiveBytes, collective_buffers, fake_mode, fake_world,
-                             gpu_attention, own_propagation_mode)
+from estimation.fake import (DEVICE, AssumedValues, LiveBytes, collective_buffers, fake_kernels, fake_mode, fake_world,
+                             round_up)
 
 
 @dataclass
@@ -93,8 +93,7 @@ class Probe:
     # The two largest buffers one FSDP all-gather ("foreach_all_gather") and one reduce-scatter
     # ("foreach_reduce") allocate.
     pools: dict[str, list[int]] = field(default_factory=dict)
-    probed_params: int = 0           # parameter and gradient bytes of the probed blocks and ends
-    probed_grads: int = 0
+    probed: Static = field(default_factory=Static)  # what the probed blocks and ends hold
     microbatch: int = 0              # samples per probed microbatch
     probed_layers: int = 0
     # Pipeline parallel: every pipeline rank's actions in torch's own schedule, as (computation type,
@@ -134,7 +133,7 @@ def _storage_bytes(tensors, granularity: int, seen: set) -> int:
         for st in get_untyped_storages(t.to_local() if isinstance(t, DTensor) else t):
             if st._cdata not in seen and st.nbytes():
                 seen.add(st._cdata)
-                total += -(-st.nbytes() // granularity) * granularity
+                total += round_up(st.nbytes(), granularity)
     return total
 
 
@@ -145,7 +144,7 @@ def _static(params, buffers, optimizer, granularity: int) -> Static:
         n = _storage_bytes([p], granularity, seen)
         state = [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)] if n else []
         s = s + Static(n, n if p.requires_grad else 0, _storage_bytes(state, granularity, set()))
-    return s + Static(params=_storage_bytes(list(buffers), granularity, seen))
+    return s + Static(params=_storage_bytes(buffers, granularity, seen))
 
 
 def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularity: int) -> dict[str, Static]:
@@ -155,21 +154,17 @@ def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularit
     out: dict[str, Static] = {}
     for key, block in part.layers.items():
         if kinds[key] not in out:
-            out[kinds[key]] = _static(block.parameters(), block.buffers(), optimizer, granularity)
-    named: dict[str, list] = {"input": [], "output": [], "shared": []}
-    buffers: dict[str, list] = {"input": [], "output": [], "shared": []}
-    for items, into in ((part.named_parameters(remove_duplicate=False), named), (part.named_buffers(), buffers)):
+            out[kinds[key]] = _static(block.parameters(), list(block.buffers()), optimizer, granularity)
+    held: dict[str, tuple[list, list]] = {"input": ([], []), "output": ([], []), "shared": ([], [])}
+    for i, items in enumerate((part.named_parameters(remove_duplicate=False), part.named_buffers())):
         for name, t in items:
             top = name.split(".")[0]
             if top != "layers":
-                end = ("input" if ends is not None and top in ends.inputs else
-                       "output" if ends is not None and top in ends.outputs else "shared")
-                into[end].append(t)
-    for end in named:
-        out[end] = _static(named[end], buffers[end], optimizer, granularity)
-    both = [p for p in named["input"] if any(p is q for q in named["output"])]
-    out["tied"] = _static(both, [], optimizer, granularity)
-    return out
+                end = "input" if ends and top in ends.inputs else "output" if ends and top in ends.outputs else "shared"
+                held[end][i].append(t)
+    out |= {end: _static(*held[end], optimizer, granularity) for end in held}
+    both = [p for p in held["input"][0] if any(p is q for q in held["output"][0])]
+    return out | {"tied": _static(both, [], optimizer, granularity)}
 
 
 def _fake_microbatch(plan, batch: int, positions):
@@ -185,19 +180,13 @@ def _fake_microbatch(plan, batch: int, positions):
     return plan.objective.prepare(fields, ctx)
 
 
-def _local_bytes(t) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int | None = None) -> Probe:
-    """Probe `plan` (a JobPlan); see the module docstring. microbatch: samples per microbatch (default:
-    the job's local batch, or its pipeline microbatch under pipeline parallelism). Where the compiled
-    probe fails (a graph dynamo or AOT autograd cannot take on fake tensors), the job is probed in eager
-    mode, which errs high, and `Probe.notes` says so."""
+def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
+    """Probe `plan` (a JobPlan); see the module docstring. Where the compiled probe fails (a graph dynamo
+    or AOT autograd cannot take on fake tensors), the job is probed in eager mode, which errs high, and
+    `Probe.notes` says so."""
     compiled = plan.cfg.compile.enable
     try:
-        return _probe(plan, granularity, device, microbatch)
+        return _probe(plan, granularity, device)
     except Exception as e:  # noqa: BLE001 (any failure of the compiler's stack; eager must then run)
         if not compiled:
             raise
@@ -210,12 +199,12 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
     objective.__dict__.pop("_cross_entropy", None)
     eager = dataclasses.replace(plan, objective=objective,
                                 parallelize=dataclasses.replace(plan.parallelize, compile_blocks=False))
-    out = _probe(eager, granularity, device, microbatch)
+    out = _probe(eager, granularity, device)
     out.notes.append(f"compile: the compiled probe failed ({reason}); estimated in eager mode, which errs high")
     return out
 
 
-def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe:
+def _probe(plan, granularity: int, device: str) -> Probe:
     import logging
     import time
 
@@ -223,24 +212,23 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
 
     from titanlike.models.converters import build_model_converters
     from titanlike.parallel.context import load_balanced_positions, require_context_parallel_hooks
-    from titanlike.parallel.parallel_dims import ParallelDims
     from titanlike.parallel.parallelize import parallelize_model
     from titanlike.train.optimizer import build_optimizer
     from titanlike.train.step import StepLoss, TrainStep
 
     began = time.perf_counter()
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    cfg, args, spec, d = plan.cfg, plan.model_args, plan.spec, plan.dims
-    t, ac = cfg.training, (plan.parallelize.activation_checkpoint_mode, plan.parallelize.selective_ac_option)
-    dims = ParallelDims(d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp, d.ep, d.world_size)
-    pipelined, fsdp = dims.pp_enabled, None
-    batch = microbatch or (plan.batch.pipeline_microbatch_size if pipelined else t.local_batch_size)
+    cfg, args, spec, t = plan.cfg, plan.model_args, plan.spec, plan.cfg.training
+    dims = dataclasses.replace(plan.dims)  # its own meshes, of the fake world
+    ac = (plan.parallelize.activation_checkpoint_mode, plan.parallelize.selective_ac_option)
+    pipelined = dims.pp_enabled
+    batch = plan.batch.pipeline_microbatch_size if pipelined else t.local_batch_size
     passes = 2 if pipelined or plan.batch.grad_accum_steps > 1 else 1
     marks: list[tuple] = []
     inputs: list[int] = []
     pools: dict[str, list[int]] = {}
     gc_was = gc.isenabled()
-    with fake_world(dims.world_size), gpu_attention(device == "cuda"), own_propagation_mode():
+    with fake_world(dims.world_size), fake_kernels(device == "cuda"):
         dims.build_mesh(DEVICE.type, experts=args.moe_args() is not None)
         actions = _schedule_actions(plan, dims) if pipelined else {}
         with torch.device("meta"):
@@ -261,10 +249,8 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
         if dims.cp_enabled:
             require_context_parallel_hooks(model)
         part = parallelize_model(model, spec.shard, dims, plan.parallelize)
-        fsdp = part if isinstance(part, FSDPModule) else None
-        mode = fake_mode()
-        values = AssumedValues()
-        with mode, values:
+        fsdp = part if pipelined and isinstance(part, FSDPModule) else None
+        with fake_mode(), AssumedValues():
             part.to_empty(device=DEVICE)
             part.train()
             optimizer = build_optimizer([part], cfg.optimizer)
@@ -307,7 +293,8 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
             def on_input(key):
                 def hook(module, args_):
                     x = next((a for a in tree_leaves(args_) if isinstance(a, torch.Tensor)), None)
-                    inputs.append(_local_bytes(x))
+                    x = x.to_local() if isinstance(x, DTensor) else x
+                    inputs.append(x.numel() * x.element_size() if x is not None else 0)
                     mark(("f", key))
                 return hook
 
@@ -323,14 +310,14 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
                     for i in range(passes):
                         mark(("start", i))
                         mb = _fake_microbatch(plan, batch, positions)
-                        if pipelined and fsdp is not None:  # as torch's pipeline stage runs every backward
+                        if fsdp is not None:  # as torch's pipeline stage runs every backward
                             fsdp.set_is_last_backward(False)
                             fsdp.set_reshard_after_backward(False)
                             fsdp.set_requires_gradient_sync(False)
                         step.forward_backward(mb)
                         del mb
                         mark(("end", i))
-                    if pipelined and fsdp is not None:
+                    if fsdp is not None:
                         from torch.distributed.pipelining.stage import _PipelineStageBase
 
                         _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=fsdp), 1)
@@ -342,10 +329,8 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
                     gc.enable()
     out = Probe(kinds=kinds, static=static, forward=[], backward=[], microbatch=batch, probed_layers=len(kept),
                 stage_input=max(inputs, default=0), actions=actions, pools=pools)
-    probed = [static[k] for k in kind_of.values()] + [static[e] for e in ("input", "output", "shared")]
-    out.probed_params = sum(s.params for s in probed) - static["tied"].params
-    out.probed_grads = sum(s.grads for s in probed) - static["tied"].grads
-    _windows(out, marks, kinds, where, keys, passes)
+    out.probed = sum((static[k] for k in [*kind_of.values(), "input", "output", "shared"]), static["tied"] * -1)
+    _windows(out, marks, where, keys, passes)
     out.seconds = time.perf_counter() - began
     return out
 
@@ -369,7 +354,7 @@ def _window(marks, a: int, b: int) -> Window:
     return Window(keep=marks[b][1] - start, over=max(m[2] for m in marks[a + 1:b + 1]) - start)
 
 
-def _windows(out: Probe, marks: list, kinds: list[str], where: dict, keys: list[str], passes: int) -> None:
+def _windows(out: Probe, marks: list, where: dict, keys: list[str], passes: int) -> None:
     at = {m[0]: i for i, m in enumerate(marks)}
     for p in range(passes):
         start, end = at[("start", p)], at[("end", p)]
@@ -392,6 +377,5 @@ def _windows(out: Probe, marks: list, kinds: list[str], where: dict, keys: list[
                 bw[pair[::-1]] = _window(marks, x, y)
         out.forward.append(fw)
         out.backward.append(bw)
-    last_end = at[("end", passes - 1)]
-    out.reduce = _window(marks, last_end, at["reduced"])
+    out.reduce = _window(marks, at[("end", passes - 1)], at["reduced"])
     out.update = _window(marks, at["reduced"], at["updated"])
