@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from estimation.layout import estimate  # noqa: E402
-from estimation.options import EstimateOptions, PreparedJob, estimate_help, parse_estimate_args, prepare_job  # noqa: E402
+from estimation.options import EstimateOptions, PreparedJob, parse_estimate_args, prepare_job  # noqa: E402
 from estimation.probe import probe  # noqa: E402
 
 GiB = 2**30
@@ -131,11 +131,14 @@ def format_report(result: dict) -> str:
 
 def main(argv: list[str] | None = None, prog: str = "estimation/estimate.py") -> int:
     from titanlike.config import ConfigError, help_text, load_job_config
+    from titanlike.config.loader import section_help
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
-        print(help_text().replace("usage: train.py", f"usage: {prog} [--estimate.key VALUE ...]", 1)
-              + "\n" + estimate_help())
+        print(help_text().replace("usage: train.py", f"usage: {prog} [--estimate.key VALUE ...]", 1) + "\n\n"
+              + section_help("estimate", EstimateOptions, title="(estimation/estimate.py and plan.py, not train.py)")
+              + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, EP, float8, activation "
+              "checkpointing) by running the job's own training step on fake tensors, one block of each kind.")
         return 0
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 (stdout keeps the JSON)
     try:

@@ -92,23 +92,13 @@ class LiveBytes(_Mode):
         self.granularity, self.now, self.peak, self.high = granularity, 0, 0, 0
         self._held = WeakIdKeyDictionary()  # storage -> [its bytes]
 
-    def _track(self, t: torch.Tensor, given: set = frozenset(), summed: bool = False) -> None:
-        for st in get_untyped_storages(t):
-            if st in self._held or st._cdata in given:
-                continue
-            self._held[st] = held = [round_up(st.nbytes(), self.granularity)]
-            self.now += held[0]
-            if not summed:
-                self._add(0)
-            weakref.finalize(st, self._free, held)
-
     def _free(self, held: list) -> None:
         self.now -= held[0]
 
-    def _add(self, n: int) -> None:
+    def _add(self, n: int, peak: bool = True) -> None:
         self.now += n
-        self.peak = max(self.peak, self.now)
-        self.high = max(self.high, self.now)
+        if peak:
+            self.peak, self.high = max(self.peak, self.now), max(self.high, self.now)
 
     def reset(self) -> tuple[int, int]:
         """(now, peak since the last reset), and start a new peak."""
@@ -153,9 +143,11 @@ class LiveBytes(_Mode):
             # unless the first outlives it (then the next allocation counts both).
             summed = (func is aten.add.Tensor and not torch.is_grad_enabled()
                       and torch._C._current_graph_task_id() != -1 and len(args) == 2 and not kwargs)
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._track(t, given, summed)
+            for st in (s for t in tree_leaves(out) if isinstance(t, torch.Tensor) for s in get_untyped_storages(t)):
+                if st not in self._held and st._cdata not in given:
+                    self._held[st] = held = [round_up(st.nbytes(), self.granularity)]
+                    self._add(held[0], peak=not summed)
+                    weakref.finalize(st, self._free, held)
         return out
 
 
@@ -256,10 +248,8 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, *_ = ctx.saved_tensors
-        mask = ctx.saved_tensors[5] if ctx.mask_grad else None
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
-            (torch.empty_like(mask) if mask is not None else None)
+        q, k, v, _, _, *mask = ctx.saved_tensors
+        return (*map(torch.empty_like, (q, k, v)), torch.empty_like(mask[0]) if ctx.mask_grad else None)
 
 
 def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

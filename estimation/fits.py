@@ -1,13 +1,10 @@
 """Does a planned job fit this machine? The check train.py makes before any process group exists.
 
-The estimate (estimation/probe.py and layout.py: the job's own step on fake tensors, one block of
-each kind) of the busiest rank's memory, for the JobPlan train.py is about to run, against what this
-machine has for one rank: the GPU's memory (what the CUDA caching allocator would reserve), or on CPU
-the host's (its cgroup limit if lower) shared by the local ranks. A job that does not fit is refused
-in one sentence; a job the estimate cannot run is let through with a note saying the check was
-skipped (also when this process already has a process group: the probe needs a fake one of its own).
-train.py finds `check_fits` as the `titanlike.preflight` entry point pyproject.toml registers (a
-checkout's train.py passes it itself): the library never imports this package.
+The estimate of the busiest rank's memory for the JobPlan train.py is about to run, against what this
+machine has for one rank. A job that does not fit is refused in one sentence; a job the estimate
+cannot run is let through with a note saying the check was skipped (also when this process already
+has a process group: the probe needs a fake one of its own). train.py finds `check_fits` as the
+`titanlike.preflight` entry point pyproject.toml registers (a checkout's train.py passes it itself).
 """
 
 from __future__ import annotations

@@ -2,28 +2,25 @@
 peak memory, and what the CUDA caching allocator reserves for it.
 
 Static memory. A rank holds, for every layer of its stages, what one probed block of that layer's
-kind holds (parameter shards as parallelized, their gradients' shapes, the optimizer's state
-tensors), plus the ends its stages carry: the input end on the first stage, the output end on the
+kind holds, plus the ends its stages carry: the input end on the first stage, the output end on the
 last (a tied embedding counted again there, as the pipeline split copies it), and what every stage
 keeps (a RoPE table).
 
-The step. Each layer contributes the windows of its kind measured by the probe (the forward window
-of a block of its kind followed by the next layer's kind, the backward window of a block of its kind
-preceded by the previous layer's), the first and last layers the probed windows of the model's
-ends. Without pipeline parallelism a rank runs forward then backward of each of its microbatches
-(gradient accumulation), then the update. With pipeline parallelism it runs the actions of torch's
-own schedule for its rank (`Probe.actions`): a forward of stage s adds the windows of s's layers, a
-backward takes them back; the first forward and backward of each stage use the probe's first
-microbatch (gathering FSDP's weights, making its unsharded gradient accumulators), later ones the
-second. A non-first stage keeps the hidden state it received until its backward. A split backward
-(the zero-bubble schedules' I then W) is taken as a full backward at I whose `weight_share` of the
-activations it frees stays until W (an assumption, stated in the notes). The stage's gradient
+The step. Each layer contributes the probed windows of its kind next to its neighbours' kinds, the
+first and last layers those of the model's ends. Without pipeline parallelism a rank runs forward
+then backward of each of its microbatches, then the update. With it, a rank runs the actions of
+torch's own schedule for its rank (`Probe.actions`): a forward of stage s adds the windows of s's
+layers, a backward takes them back; the first forward and backward of each stage use the probe's
+first microbatch (gathering FSDP's weights, making its unsharded gradient accumulators), later ones
+the second. A non-first stage keeps the hidden state it received until its backward. A split
+backward (the zero-bubble schedules' I then W) is taken as a full backward at I whose WEIGHT_SHARE
+of the activations it frees stays until W (an assumption, stated in the notes). The gradient
 reduction and the update follow, their windows scaled from the probe by the rank's gradient and
 parameter bytes (foreach AdamW makes its temporaries for all parameters at once). The peak is the
-highest point of that walk; the breakdown splits it into what stays between steps, what the step
-holds when the peak's window begins, and the window's rise. Under FSDP CPU offload the parameter
-shards, their gradients and the optimizer state (and its step) are host memory, reported apart; the
-gradients a backward makes are counted on the device until its end (FSDP copies them out as it goes).
+highest point of that walk, split into what stays between steps, what the step holds when the peak's
+window begins, and the window's rise. Under FSDP CPU offload the parameter shards, their gradients
+and the optimizer state are host memory, reported apart; the gradients a backward makes are counted
+on the device until its end (FSDP copies them out as it goes).
 """
 
 from __future__ import annotations
@@ -109,14 +106,12 @@ class _Walk:
 
     def __init__(self, static: Static, offload: bool):
         # FSDP CPU offload: parameter shards, their gradients and the optimizer state live in host memory.
-        self.offload = offload
-        self.base = Breakdown(parameters=0 if offload else static.params,
-                              optimizer_state=0 if offload else static.optimizer)
-        self.level = self.grads = 0
-        self.peak, self.where = Breakdown(**vars(self.base)), "start"
+        self.offload, self.level, self.grads = offload, 0, 0
+        self.params, self.state = (0, 0) if offload else (static.params, static.optimizer)
+        self.peak, self.where = Breakdown(self.params, self.state), "start"
 
     def window(self, w: Window, what: str) -> None:
-        b = Breakdown(self.base.parameters, self.base.optimizer_state, self.grads, self.level, max(w.over, 0))
+        b = Breakdown(self.params, self.state, self.grads, self.level, max(w.over, 0))
         if b.total > self.peak.total:
             self.peak, self.where = b, what
         self.level += w.keep
@@ -174,15 +169,10 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
             walk.gradients_done(static.grads)
         scale = static.params / max(probe.probed.params, 1)
         walk.window(Window(0, 0 if offload else int(probe.update.over * scale)), "optimizer step")
-        # What the CUDA caching allocator holds at the peak: the tensors (each rounded up to its 512-byte
-        # block by the probe) plus the pools of the streams FSDP's collectives allocate on, which the
-        # default stream cannot reuse: per collective its largest buffer and its second largest (an
-        # all-gather prefetched while one is in use; FSDP keeps a reduce-scatter's buffer until the next one
-        # is issued). An upper bound on those pools: at the peak some of those buffers are alive and counted
-        # among the tensors too. Not modeled: holes inside a pool, which expandable segments
-        # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's launcher sets) keep small.
-        # Memory outside the allocator (CUDA context, NCCL's own buffers, cuBLAS workspaces) is not
-        # reserved memory: the verdict adds it (estimate.reserved_gib).
+        # What the CUDA caching allocator holds at the peak: the tensors plus the pools of the streams FSDP's
+        # collectives allocate on, which the default stream cannot reuse (per collective its two largest
+        # buffers: an upper bound, as some are alive at the peak and counted among the tensors too). Not
+        # modeled: holes inside a pool, which expandable segments keep small. docs/performance.md says more.
         reserved = walk.peak.total + sum(sum(sizes) for sizes in probe.pools.values())
         out.append(RankEstimate(rank=pp_rank * (plan.dims.world_size // plan.dims.pp), pp_rank=pp_rank,
                                 stages=list(held), peak=walk.peak, peak_phase=walk.where, reserved=reserved,

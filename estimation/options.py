@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from titanlike.config.loader import ConfigError, parse_section_options, section_help
+from titanlike.config.loader import ConfigError, parse_section_options
 from titanlike.config.schema import JobConfig, opt
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.train.plan import JobPlan, plan_job
@@ -56,12 +56,6 @@ def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]
     if opts.alloc_granularity < 1:
         raise ConfigError(f"estimate.alloc_granularity must be at least 1, got {opts.alloc_granularity}")
     return opts, rest
-
-
-def estimate_help() -> str:
-    return ("\n" + section_help("estimate", EstimateOptions, title="(estimation/estimate.py and plan.py, not train.py)")
-            + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, EP, float8, activation "
-            "checkpointing) by running the job's own training step on fake tensors, one block of each kind.")
 
 
 class PreparedJob(NamedTuple):

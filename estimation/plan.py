@@ -112,12 +112,9 @@ class Candidate:
         out |= {"activation_checkpoint.selective_ac_option": option} if mode == "selective" else {}
         return out | {"training.local_batch_size": self.local_batch_size}
 
-    def overrides(self) -> list[str]:
-        return [f"--{key} {value}" for key, value in self.settings().items()]
-
     def as_dict(self) -> dict:
         fields_ = {k: v for k, v in asdict(self).items() if k != "experts"}
-        return {"layout": self.label(), **fields_, "overrides": " ".join(self.overrides())}
+        return {"layout": self.label(), **fields_, "overrides": " ".join(f"--{k} {v}" for k, v in self.settings().items())}
 
 
 def layouts(world: int, args, global_batch: int, opts: EstimateOptions, rejected: Counter):
@@ -163,46 +160,33 @@ def expert_degrees(span: int, num_experts: int) -> list[int]:
 def throughput(plan, c: Candidate, opts: EstimateOptions) -> None:
     """Fill c's step time, tokens/s per GPU and MFU from the model in the module docstring, for its plan."""
     args, seq, world, e = plan.model_args, plan.cfg.training.seq_len, plan.dims.world_size, 2
-    flops = args.flops_per_token(seq)
-    peak = opts.device_tflops * 1e12
-    tokens = plan.batch.global_batch_size * seq
-    compute = tokens * flops * _RECOMPUTE[c.ac] / world / (peak * opts.plan_mfu)
-
-    def bw(span: int) -> float:
-        return (opts.nvlink_gbps if span <= opts.gpus_per_node else opts.ib_gbps) * 1e9
-
+    flops, peak, tokens = args.flops_per_token(seq), opts.device_tflops * 1e12, plan.batch.global_batch_size * seq
+    bw = lambda span: (opts.nvlink_gbps if span <= opts.gpus_per_node else opts.ib_gbps) * 1e9  # noqa: E731
     layers, microbatches = args.num_layers / c.pp, plan.batch.grad_accum_steps * (plan.batch.pipeline_microbatches or 1)
     act = c.microbatch * seq / c.cp * args.hidden_size * e
     passes = 3 if c.ac in ("full", "selective") else 2
-    tp_time = microbatches * layers * 4 * passes * (c.tp - 1) / c.tp * act / bw(c.tp) if c.tp > 1 else 0.0
     heads, moe = args.attention_shape(), args.moe_args()
-    cp_time = 0.0
-    if c.cp > 1 and heads is not None:
-        kv = act / args.hidden_size * heads.kv_heads * heads.head_dim * 2 / c.tp
-        cp_time = layers * microbatches * passes * (c.cp - 1) * kv / bw(c.tp * c.cp)
-    ep_time = 0.0
-    if c.ep > 1 and moe is not None:
-        ep_time = layers * microbatches * 2 * passes * (c.ep - 1) / c.ep * act / c.tp * moe.top_k / bw(c.ep)
+    t = {"compute": tokens * flops * _RECOMPUTE[c.ac] / world / (peak * opts.plan_mfu),
+         "tp": microbatches * layers * 4 * passes * (c.tp - 1) / c.tp * act / bw(c.tp) if c.tp > 1 else 0.0,
+         "cp": layers * microbatches * passes * (c.cp - 1) * (act / args.hidden_size * heads.kv_heads * heads.head_dim
+                                                              * 2 / c.tp) / bw(c.tp * c.cp)
+         if c.cp > 1 and heads is not None else 0.0,
+         "ep": layers * microbatches * 2 * passes * (c.ep - 1) / c.ep * act / c.tp * moe.top_k / bw(c.ep)
+         if c.ep > 1 and moe is not None else 0.0}
     # Parameters this rank gathers: routed experts (all but the active share) split by ep, the rest by tp.
     total, active = args.num_params(), args.num_params(active=True)
     experts = (total - active) * moe.num_experts / (moe.num_experts - moe.top_k) if moe is not None else 0
-    local = ((total - experts) / c.tp + experts / c.ep) / c.pp
-    shard = c.dp_shard * c.cp
-    gathers = 1 if c.pp > 1 else 2
-    fsdp_time = (1 if c.pp > 1 else microbatches) * (shard - 1) / shard * local * (gathers * e + 4) / bw(
+    local, shard = ((total - experts) / c.tp + experts / c.ep) / c.pp, c.dp_shard * c.cp
+    fsdp = (1 if c.pp > 1 else microbatches) * (shard - 1) / shard * local * ((1 if c.pp > 1 else 2) * e + 4) / bw(
         c.tp * c.cp * c.dp_shard) if shard > 1 else 0.0
     if c.dp_replicate > 1:
-        fsdp_time += 2 * (c.dp_replicate - 1) / c.dp_replicate * local * 4 / shard / (opts.ib_gbps * 1e9)
-    exposed = max(0.0, fsdp_time - compute) + fsdp_time / max(layers, 1)
-    bubble = 0.0
-    if c.pp > 1:
-        v = 2 if c.schedule == "Interleaved1F1B" else 1
-        bubble = (c.pp - 1) / (v * microbatches) * (compute + tp_time + cp_time + ep_time)
-    c.step_seconds = compute + tp_time + cp_time + ep_time + exposed + bubble
+        fsdp += 2 * (c.dp_replicate - 1) / c.dp_replicate * local * 4 / shard / (opts.ib_gbps * 1e9)
+    t["fsdp_exposed"] = max(0.0, fsdp - t["compute"]) + fsdp / max(layers, 1)
+    t["pp_bubble"] = (c.pp - 1) / ((2 if c.schedule == "Interleaved1F1B" else 1) * microbatches) * (
+        t["compute"] + t["tp"] + t["cp"] + t["ep"]) if c.pp > 1 else 0.0
+    c.step_seconds, c.time_parts = sum(t.values()), t
     c.tokens_per_second_per_gpu = tokens / c.step_seconds / world
     c.mfu = c.tokens_per_second_per_gpu * flops / peak
-    c.time_parts = {"compute": compute, "tp": tp_time, "cp": cp_time, "ep": ep_time, "fsdp_exposed": exposed,
-                    "pp_bubble": bubble}
 
 
 def run_plan(cfg, opts: EstimateOptions, log=None) -> dict:

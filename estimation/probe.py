@@ -3,32 +3,24 @@
 The probe is the trainer's own code: the family's model on meta from the plan's args, the job's
 converters (float8; LoRA, whose frozen base gets no gradient and no optimizer state), the real
 `parallelize_model` (the family's TP plan, CP, EP, activation checkpointing, compile, FSDP) over a
-DeviceMesh of a fake process group of the job's world size (torch's FakeStore: collectives return
-at once), the real optimizer and the real `TrainStep` (`forward_backward` per microbatch, `update`),
-all inside FakeTensorMode: tensors have shapes, dtypes and storages, no data. It knows no module
-type and no family.
+DeviceMesh of a fake process group of the job's world size, the real optimizer and the real
+`TrainStep` (`forward_backward` per microbatch, `update`), all inside FakeTensorMode: tensors have
+shapes, dtypes and storages, no data. It knows no module type and no family; how steps run on fake
+tensors is estimation/fake.py.
 
-One block per kind. Blocks are keyed by a signature (their module tree as printed, parameter
-shapes, how activation checkpointing wraps them). The probe keeps the first and last block, and
-for every other kind a pair of consecutive blocks of that kind (or one block where no two are
-adjacent); the others are deleted before parallelization. The pipeline split relies on the same
-thing: a model runs on any subset of its layers.
+One block per kind. A block's kind is its signature (its module tree as printed, its parameter
+shapes, how activation checkpointing wraps it). The probe keeps the first and last block and, for
+every pair of kinds that follow each other, one such pair of blocks; the others are deleted before
+parallelization (a model runs on any subset of its layers, as the pipeline split relies on).
 
-What is measured. A dispatch mode counts the bytes of every tensor storage the step creates while
-it lives (each rounded up to 512 bytes, the CUDA caching allocator's block; FSDP's storage resizes
-included), and marks split the step into windows: before the first block, each block's forward
-(from its start to the next block's), the last block with the output end and the loss, the output
-end's backward, each block's backward (from the gradient of its output to the gradient of the
-previous block's), and the first block's backward with the input end's. A window keeps `keep`
-bytes and rises `over` bytes above where it began. The windows of a block of one kind between two
-of its kind are that kind's steady state; `estimation/layout.py` lays them out along the real
-model, its pipeline stages and the schedule's actions. Two microbatches are probed: the first
-creates gradients (and, under pipeline parallelism, FSDP's unsharded accumulators), the second
-finds them. What the parameters, gradients and optimizer state hold is read from the parallelized
-parameters themselves (their local shards and the optimizer's state tensors), per kind of block.
-
-The fake execution (the fake process group, the byte count, the values routing needs, CUDA's
-attention ops, compiled graphs) is estimation/fake.py.
+What is measured. `LiveBytes` counts the bytes of every tensor storage the step creates while it
+lives, and marks split the step into windows (`Probe.forward`, `Probe.backward`): each block's
+forward (from its start to the next block's) and backward (from the gradient of its output to that
+of the previous block's), and the ends'. A window keeps `keep` bytes and rises `over` bytes above
+where it began; estimation/layout.py lays them out along the real model, its pipeline stages and the
+schedule. Two microbatches are probed: the first creates gradients (and, under pipeline parallelism,
+FSDP's unsharded accumulators), the second finds them. What parameters, gradients and optimizer state
+hold between steps is read from the parallelized parameters and the optimizer's state tensors.
 """
 
 from __future__ import annotations
@@ -36,6 +28,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import logging
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -101,13 +95,6 @@ class Probe:
     actions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-
-
-def signature(key: str, block: nn.Module, ac: tuple[str, str]) -> str:
-    from titanlike.parallel.activation_checkpoint import checkpointing
-
-    shapes = [(n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()]
-    return f"{block!r}|{shapes}|{checkpointing(key, *ac)}"
 
 
 def probed_layers(kinds: list[str]) -> dict[tuple[str, str], int]:
@@ -205,12 +192,10 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
 
 
 def _probe(plan, granularity: int, device: str) -> Probe:
-    import logging
-    import time
-
     from torch.distributed.fsdp import FSDPModule
 
     from titanlike.models.converters import build_model_converters
+    from titanlike.parallel.activation_checkpoint import checkpointing
     from titanlike.parallel.context import load_balanced_positions, require_context_parallel_hooks
     from titanlike.parallel.parallelize import parallelize_model
     from titanlike.train.optimizer import build_optimizer
@@ -239,7 +224,8 @@ def _probe(plan, granularity: int, device: str) -> Probe:
         converters = build_model_converters(cfg.model.converters, float8)
         converters.convert(model)
         keys = list(model.layers.keys())
-        kinds = [signature(k, model.layers[k], ac) for k in keys]
+        kinds = [f"{b!r}|{[(n, tuple(p.shape), p.dtype) for n, p in b.named_parameters()]}|{checkpointing(k, *ac)}"
+                 for k, b in model.layers.items()]
         where = probed_layers(kinds)
         kept = _kept(kinds, where)
         for i, k in enumerate(keys):
@@ -349,33 +335,25 @@ def _schedule_actions(plan, dims) -> dict[int, list[tuple[str, int, int]]]:
             for rank, actions in order.items()}
 
 
-def _window(marks, a: int, b: int) -> Window:
-    start = marks[a][1]
-    return Window(keep=marks[b][1] - start, over=max(m[2] for m in marks[a + 1:b + 1]) - start)
-
-
 def _windows(out: Probe, marks: list, where: dict, keys: list[str], passes: int) -> None:
+    """The windows between marks (label, live bytes, peak since the previous mark) of every pass."""
     at = {m[0]: i for i, m in enumerate(marks)}
+    w = lambda a, b: Window(marks[b][1] - marks[a][1], max(m[2] for m in marks[a + 1:b + 1]) - marks[a][1])  # noqa: E731
     for p in range(passes):
         start, end = at[("start", p)], at[("end", p)]
         here = range(start, end + 1)
         local = {marks[i][0]: i for i in here}
-        f = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "f"]
-        b = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "b"]
-        bwd = next(i for i in here if marks[i][0] == "backward")
-        fw: dict = {"input": _window(marks, start, f[0]), "first": _window(marks, f[0], f[1] if len(f) > 1 else bwd),
-                    "tail": _window(marks, f[-1], bwd)}
-        done = next(i for i in here if marks[i][0] == "backward done")
-        bw: dict = {"output": _window(marks, bwd, b[0]), "last": _window(marks, b[0], b[1] if len(b) > 1 else done),
-                    "head": _window(marks, b[-1], done), "release": _window(marks, done, end)}
+        f, b = ([i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == d] for d in "fb")
+        bwd, done = (next(i for i in here if marks[i][0] == label) for label in ("backward", "backward done"))
+        fw = {"input": w(start, f[0]), "first": w(f[0], f[1] if len(f) > 1 else bwd), "tail": w(f[-1], bwd)}
+        bw = {"output": w(bwd, b[0]), "last": w(b[0], b[1] if len(b) > 1 else done), "head": w(b[-1], done),
+              "release": w(done, end)}
         for pair, i in where.items():
-            x, y = (local.get((kind, keys[j]), -1) for kind, j in (("f", i), ("f", i + 1)))
-            if start < x < y < end:
-                fw[pair] = _window(marks, x, y)
-            x, y = (local.get((kind, keys[j]), -1) for kind, j in (("b", i + 1), ("b", i)))
-            if start < x < y < end:
-                bw[pair[::-1]] = _window(marks, x, y)
+            for d, x, y, into, key in (("f", i, i + 1, fw, pair), ("b", i + 1, i, bw, pair[::-1])):
+                x, y = local.get((d, keys[x]), -1), local.get((d, keys[y]), -1)
+                if start < x < y < end:
+                    into[key] = w(x, y)
         out.forward.append(fw)
         out.backward.append(bw)
-    out.reduce = _window(marks, at[("end", passes - 1)], at["reduced"])
-    out.update = _window(marks, at["reduced"], at["updated"])
+    out.reduce = w(at[("end", passes - 1)], at["reduced"])
+    out.update = w(at["reduced"], at["updated"])
