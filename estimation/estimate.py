@@ -2,15 +2,12 @@
 
     python estimation/estimate.py --job.config_file train_configs/llama3_405b.toml --estimate.world_size 512
     python estimation/estimate.py --job.config_file train_configs/llama3_8b.toml --estimate.world_size 8 \\
-        --activation_checkpoint.mode full --estimate.device_memory_gib 80 [--estimate.json]
-    python estimation/estimate.py --job.config_file ... --estimate.plan --estimate.world_size 64 \\
-        --estimate.device_memory_gib 80
+        --activation_checkpoint.mode full --estimate.device_memory_gib 80 [--estimate.json] [--estimate.plan]
 
 Takes every train.py option (the same TOML and overrides) plus the `--estimate.*` options listed by
 --help. Plans the job as train.py does, runs its training step on fake tensors (one block of each
 kind, estimation/probe.py) and lays that out along the model, the layout and the pipeline schedule
-(estimation/layout.py); `--estimate.plan` ranks layouts instead (estimation/plan.py). This module also
-makes the report: the JSON object, its text and the verdict.
+(estimation/layout.py); `--estimate.plan` ranks layouts instead (estimation/plan.py).
 """
 
 from __future__ import annotations
@@ -23,12 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from estimation.layout import estimate  # noqa: E402
-from estimation.options import EstimateOptions, PreparedJob, parse_estimate_args, prepare_job  # noqa: E402
+from estimation.options import EstimateOptions, parse_estimate_args, prepare_job  # noqa: E402
 from estimation.probe import probe  # noqa: E402
 
 GiB = 2**30
-# What each bucket holds, in the words printed next to it.
-BUCKET_DOCS = {
+BUCKET_DOCS = {  # what each bucket holds, printed next to it
     "parameters": "parameter shards (fp32 masters) and buffers, as parallelized",
     "optimizer_state": "optimizer state (AdamW exp_avg, exp_avg_sq, step)",
     "gradients": "reduced gradients kept from earlier microbatches, or for the optimizer step",
@@ -52,18 +48,14 @@ def verdict(reserved_bytes: int, opts: EstimateOptions) -> dict | None:
                     "outside it for the CUDA context and NCCL)"}
 
 
-def estimate_prepared(prep: PreparedJob, opts: EstimateOptions):
-    """(one RankEstimate per pipeline rank, the probe) for a prepared job."""
-    measured = probe(prep.plan, granularity=opts.alloc_granularity, device=opts.device)
-    return estimate(prep.plan, measured), measured
-
-
 def run_estimate(cfg, opts: EstimateOptions) -> dict:
     """Plan the job, probe it, lay it out; the result as a JSON-able dict."""
     began = time.perf_counter()
     prep = prepare_job(cfg, opts.world_size)
     plan, dims, args, t, ac = prep.plan, prep.plan.dims, prep.plan.model_args, cfg.training, cfg.activation_checkpoint
-    ranks, measured = estimate_prepared(prep, opts)
+    ac_mode = ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")
+    measured = probe(plan, granularity=opts.alloc_granularity, device=opts.device)
+    ranks = estimate(plan, measured)
     top = max(ranks, key=lambda e: e.reserved)
     notes = prep.notes + measured.notes + [note for when, note in [
         (args.moe_args(), "mixture of experts: probed with balanced routing (every expert gets tokens x top_k / "
@@ -78,10 +70,9 @@ def run_estimate(cfg, opts: EstimateOptions) -> dict:
          "weight-gradient step")] if when]
     result = {
         "model": plan.model_name, "world_size": dims.world_size,
-        "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp,
-                   "pp": dims.pp, "ep": dims.ep,
+        "layout": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")} | {
                    "pp_schedule": cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None,
-                   "activation_checkpoint": ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")},
+                   "activation_checkpoint": ac_mode},
         "seq_len": t.seq_len, "local_batch_size": t.local_batch_size, "mixed_precision_param": t.mixed_precision_param,
         "parameters": args.num_params(), "active_parameters": args.num_params(active=True),
         "flops_per_token": args.flops_per_token(t.seq_len), "device": opts.device,
@@ -94,39 +85,37 @@ def run_estimate(cfg, opts: EstimateOptions) -> dict:
                   "microbatch": measured.microbatch},
         "notes": notes,
     }
-    if (v := verdict(top.reserved, opts)) is not None:
-        result["verdict"] = v
-    return result | {"seconds": round(time.perf_counter() - began, 1)}
+    verdict_ = {"verdict": v} if (v := verdict(top.reserved, opts)) is not None else {}
+    return result | verdict_ | {"seconds": round(time.perf_counter() - began, 1)}
 
 
 def format_report(result: dict) -> str:
-    lay, p = result["layout"], result["probe"]
+    lay, p, active = result["layout"], result["probe"], result["active_parameters"]
     unit, div = ("GiB", GiB) if result["reserved_bytes"] >= GiB else ("MiB", 2**20)
-    count = f"{result['parameters']:,} parameters" + (
-        f", {result['active_parameters']:,} active per token" if result["active_parameters"] != result["parameters"]
-        else "")
+    pools = " + ".join(f"{v / div:.2f} {k.replace('foreach_', '')}" for k, v in result["collective_pools"].items())
+    rows = [(k, result["breakdown"][k], doc) for k, doc in BUCKET_DOCS.items()] + [
+            ("tensors", result["peak_bytes"], ""),
+            ("reserved", result["reserved_bytes"], "what the CUDA caching allocator holds: the tensors"
+             + (f" + FSDP's collective pools ({pools})" if pools else ""))]
     lines = [
         f"{result['model']} on {result['world_size']} ranks: dp_replicate {lay['dp_replicate']} x dp_shard "
         f"{lay['dp_shard']} x cp {lay['cp']} x tp {lay['tp']} x pp {lay['pp']}"
         + (f" ({lay['pp_schedule']})" if lay["pp_schedule"] else "") + (f", ep {lay['ep']}" if lay["ep"] > 1 else "")
         + f", activation checkpointing {lay['activation_checkpoint']}",
         f"seq_len {result['seq_len']}, local_batch_size {result['local_batch_size']}, params in "
-        f"{result['mixed_precision_param']} for compute; {count}; "
-        f"{result['flops_per_token'] / 1e9:.3g} GFLOP per token (forward + backward)", ""]
-    if len(result["ranks"]) > 1:
-        lines += ["per pipeline rank (" + unit + "): " + ", ".join(
+        f"{result['mixed_precision_param']} for compute; {result['parameters']:,} parameters"
+        + (f", {active:,} active per token" if active != result["parameters"] else "")
+        + f"; {result['flops_per_token'] / 1e9:.3g} GFLOP per token (forward + backward)", "",
+        *([f"per pipeline rank ({unit}): " + ", ".join(
             f"pp{r['pp_rank']} {r['peak_bytes'] / div:.2f} ({r['reserved_bytes'] / div:.2f} reserved)"
-            for r in result["ranks"]), ""]
-    lines.append(f"peak of rank {result['peak_rank']} ({unit}), at {result['peak_phase']}:")
-    lines += [f"  {bucket:<16}{result['breakdown'][bucket] / div:10.2f}   {doc}" for bucket, doc in BUCKET_DOCS.items()]
-    lines.append(f"  {'tensors':<16}{result['peak_bytes'] / div:10.2f}")
-    pools = " + ".join(f"{v / div:.2f} {k.replace('foreach_', '')}" for k, v in result["collective_pools"].items())
-    lines.append(f"  {'reserved':<16}{result['reserved_bytes'] / div:10.2f}   what the CUDA caching allocator "
-                 f"holds: the tensors" + (f" + FSDP's collective pools ({pools})" if pools else ""))
-    lines += ["", f"probed {p['probed_layers']} of {p['layers']} layers ({p['kinds']} kind(s)), microbatch "
-                  f"{p['microbatch']}, on fake tensors in {p['seconds']} s; {result['device']} kernels"]
-    lines += ["", "verdict: " + result["verdict"]["text"]] if result.get("verdict") else []
-    return "\n".join(lines + (["", "notes:"] + [f"  - {n}" for n in result["notes"]] if result["notes"] else []))
+            for r in result["ranks"]), ""] if len(result["ranks"]) > 1 else []),
+        f"peak of rank {result['peak_rank']} ({unit}), at {result['peak_phase']}:",
+        *(f"  {k:<16}{n / div:10.2f}" + (f"   {doc}" if doc else "") for k, n, doc in rows),
+        "", f"probed {p['probed_layers']} of {p['layers']} layers ({p['kinds']} kind(s)), microbatch "
+            f"{p['microbatch']}, on fake tensors in {p['seconds']} s; {result['device']} kernels",
+        *(["", "verdict: " + result["verdict"]["text"]] if result.get("verdict") else []),
+        *(["", "notes:", *(f"  - {n}" for n in result["notes"])] if result["notes"] else [])]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None, prog: str = "estimation/estimate.py") -> int:
@@ -140,14 +129,14 @@ def main(argv: list[str] | None = None, prog: str = "estimation/estimate.py") ->
               + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, EP, float8, activation "
               "checkpointing) by running the job's own training step on fake tensors, one block of each kind.")
         return 0
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 (stdout keeps the JSON)
     try:
         opts, rest = parse_estimate_args(argv)
         cfg = load_job_config(rest)
         if opts.plan:
             from estimation.plan import format_plan, run_plan
 
-            result, text = run_plan(cfg, opts, log=log), format_plan
+            # The planner's progress goes to stderr: stdout keeps the JSON.
+            result, text = run_plan(cfg, opts, log=lambda msg: print(msg, file=sys.stderr, flush=True)), format_plan
         else:
             result, text = run_estimate(cfg, opts), format_report
     except ConfigError as e:

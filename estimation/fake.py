@@ -2,11 +2,9 @@
 the step's tensors hold, values where routing reads them, CUDA's attention kernels on a CPU build,
 and compiled graphs as inductor would allocate them.
 
-The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones), so CPU kernels
-would run; for a GPU estimate (device "cuda") scaled dot-product attention calls CUDA's own flash
-attention op (its fake kernel runs anywhere) or, with a mask or unlike head widths, a stand-in that
-keeps what the fused kernels keep, where torch's CPU kernels would fall back to the math kernel and
-its seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device
+The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones); for a GPU
+estimate (device "cuda") attention runs as the fused kernels do (`_fused_sdpa`), where torch's CPU
+kernels would fall back to the math kernel and its seq x seq probabilities for some shapes. device
 "cpu" keeps torch's CPU kernels, for comparisons with steps measured on this machine. Everything
 else runs as on CPU (e.g. a LayerNorm's statistics in the input dtype, not fp32).
 
@@ -19,9 +17,7 @@ buffer (`_fused_runner`). The byte-counting dispatch modes step aside while dyna
 (`ignore_compile_internals`) and count when the graphs run.
 
 Mixture of experts. Routing decides tensor sizes from values (how many tokens each expert gets); a
-fake tensor has none. `AssumedValues` gives the probe balanced routing: every expert gets tokens x
-top_k / experts rows. Real routing is uneven: a rank whose experts get more tokens holds more
-(`moe.capacity_factor` bounds it).
+fake tensor has none, so `AssumedValues` gives the probe balanced routing.
 """
 
 from __future__ import annotations
@@ -32,6 +28,7 @@ from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
+from torch._dynamo import register_backend
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.common_utils import get_untyped_storages
@@ -73,9 +70,8 @@ def fake_mode() -> FakeTensorMode:
 
 
 class _Mode(TorchDispatchMode):
-    # A compiled graph runs as it is traced (partitioned_backend), higher-order operators included
-    # (run_and_save_rng_state, where checkpointed recompute replays a random op); the modes step aside
-    # while dynamo traces.
+    # Compiled graphs run as traced, higher-order operators included (run_and_save_rng_state, where
+    # checkpointed recompute replays a random op); the modes step aside while dynamo traces.
     supports_higher_order_operators = True
 
     @classmethod
@@ -102,8 +98,7 @@ class LiveBytes(_Mode):
 
     def reset(self) -> tuple[int, int]:
         """(now, peak since the last reset), and start a new peak."""
-        out = (self.now, self.peak)
-        self.peak = self.now
+        out, self.peak = (self.now, self.peak), self.now
         return out
 
     def __enter__(self):
@@ -157,15 +152,11 @@ _SHADOW_LIMIT = 1 << 24
 _READS = (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default)
 
 
-def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=DEVICE)
-
-
 class AssumedValues(_Mode):
     """Values where fake tensors have none but the step reads one: real values for the integer tensors
     token routing makes, so that sizes read from them (split sizes, row counts) are those of balanced
-    routing (see the module docstring); and 1 for any other scalar the host reads (true: a finite
-    step, a set float8 scale)."""
+    routing (every expert gets tokens x top_k / experts rows); and 1 for any other scalar the host reads
+    (true: a finite step, a set float8 scale)."""
 
     def __init__(self):
         super().__init__()
@@ -186,7 +177,7 @@ class AssumedValues(_Mode):
             # Its fake kernel knows only the CUDA kernel's bf16; the sizes are those of any dtype.
             out = func(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                          for a in args), **kwargs)
-            return _like(out, args[0].dtype)
+            return torch.empty_strided(out.shape, out.stride(), dtype=args[0].dtype, device=DEVICE)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         known = bool(tensors) and all(t in self.values for t in tensors)
         if func in _HISTOGRAMS and not known:
@@ -208,7 +199,8 @@ class AssumedValues(_Mode):
                 with unset_fake_temporarily():
                     real = func(*real_args, **real_kwargs)
                 if out is None:
-                    out = tree_map(lambda r: _like(r, r.dtype) if isinstance(r, torch.Tensor) else r, real)
+                    out = tree_map(lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=DEVICE)
+                                   if isinstance(r, torch.Tensor) else r, real)
                 for f, r in zip(tree_leaves(out), tree_leaves(real)):
                     if isinstance(f, torch.Tensor) and f.dtype in _INTEGRAL:
                         self.values[f] = r
@@ -277,9 +269,8 @@ def collective_buffers(live: LiveBytes, pools: dict[str, list[int]]):
                 pools[name] = sorted([*pools.get(name, []), live.high - start])[-2:]
         return call
 
-    with contextlib.ExitStack() as patches:
-        for name in ("foreach_all_gather", "foreach_reduce"):
-            patches.enter_context(patch.object(group, name, watched(name, getattr(group, name))))
+    with patch.object(group, "foreach_all_gather", watched("foreach_all_gather", group.foreach_all_gather)), \
+            patch.object(group, "foreach_reduce", watched("foreach_reduce", group.foreach_reduce)):
         yield
 
 
@@ -321,13 +312,12 @@ def _fused_runner(gm, example_inputs):
             finally:
                 _fused.clear()
 
-    def run(args):
-        return Run(gm).boxed_run(args)
-
+    run = lambda args: Run(gm).boxed_run(args)  # noqa: E731 (boxed: the interpreter frees inputs as it goes)
     run._boxed_call = True
     return run
 
 
+@register_backend(name="estimate_partitioned")
 def partitioned_backend(gm, example_inputs):
     """A torch.compile backend for the probe: AOT autograd with inductor's decompositions and its min-cut
     partitioner (what a compiled block saves for backward), each graph run by `_fused_runner`."""

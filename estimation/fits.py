@@ -53,9 +53,7 @@ def estimate_peak_memory(plan: JobPlan) -> tuple[int, str]:
 def check_fits(plan: JobPlan) -> str | None:
     """Refuse (ConfigError, one sentence) a job whose estimated memory per rank exceeds what this machine
     has for one rank; returns the reason when there is no estimate to check (None when checked)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    if torch.distributed.is_initialized():
         return "this process already has a process group (jobs run one after another in one launch)"
     try:
         peak, parts = estimate_peak_memory(plan)
@@ -69,6 +67,3 @@ def check_fits(plan: JobPlan) -> str | None:
             "activation_checkpoint.mode full, spread the model over more ranks (parallelism degrees) or pick a "
             "smaller model.flavor")
     return None
-
-
-__all__ = ["check_fits", "estimate_peak_memory", "machine_memory"]

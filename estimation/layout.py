@@ -8,24 +8,21 @@ keeps (a RoPE table).
 
 The step. Each layer contributes the probed windows of its kind next to its neighbours' kinds, the
 first and last layers those of the model's ends. Without pipeline parallelism a rank runs forward
-then backward of each of its microbatches, then the update. With it, a rank runs the actions of
-torch's own schedule for its rank (`Probe.actions`): a forward of stage s adds the windows of s's
-layers, a backward takes them back; the first forward and backward of each stage use the probe's
-first microbatch (gathering FSDP's weights, making its unsharded gradient accumulators), later ones
-the second. A non-first stage keeps the hidden state it received until its backward. A split
-backward (the zero-bubble schedules' I then W) is taken as a full backward at I whose WEIGHT_SHARE
-of the activations it frees stays until W (an assumption, stated in the notes). The gradient
-reduction and the update follow, their windows scaled from the probe by the rank's gradient and
-parameter bytes (foreach AdamW makes its temporaries for all parameters at once). The peak is the
-highest point of that walk, split into what stays between steps, what the step holds when the peak's
-window begins, and the window's rise. Under FSDP CPU offload the parameter shards, their gradients
-and the optimizer state are host memory, reported apart; the gradients a backward makes are counted
-on the device until its end (FSDP copies them out as it goes).
+then backward of each of its microbatches, then the update; with it, the actions of torch's own
+schedule for its rank (`Probe.actions`), the first forward and backward of each stage with the
+probe's first microbatch (gathering FSDP's weights, making its unsharded gradient accumulators),
+later ones with the second. A non-first stage keeps the hidden state it received until its
+backward. A split backward (I then W) is a full backward at I whose WEIGHT_SHARE of the activations
+it frees stays until W. The gradient reduction and the update follow, their windows scaled from the
+probe by the rank's gradient and parameter bytes. The peak is the highest point of that walk, split
+into what stays between steps, what the step holds when the peak's window begins, and the window's
+rise. Under FSDP CPU offload the parameter shards, their gradients and the optimizer state are host
+memory, reported apart (the gradients a backward makes count on the device until its end).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from estimation.probe import Probe, Static, Window
 
@@ -46,7 +43,7 @@ class Breakdown:
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return sum(vars(self).values())
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -54,9 +51,8 @@ class Breakdown:
 
 @dataclass
 class RankEstimate:
-    """The estimate for one representative rank (one per pipeline rank; every other coordinate of the
-    mesh holds the same shapes). peak: tensors alive at the busiest moment; reserved: what the CUDA
-    caching allocator holds then (`reserved_bytes`)."""
+    """The estimate for one pipeline rank (every other coordinate of the mesh holds the same shapes).
+    peak: tensors alive at the busiest moment; reserved: what the CUDA caching allocator holds then."""
 
     rank: int
     pp_rank: int
@@ -72,7 +68,8 @@ class RankEstimate:
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "pp_rank": self.pp_rank, "stages": self.stages, "peak_bytes": self.peak_bytes,
-                "reserved_bytes": self.reserved, "host_bytes": self.host, "peak_phase": self.peak_phase, "breakdown": self.peak.as_dict()}
+                "reserved_bytes": self.reserved, "host_bytes": self.host, "peak_phase": self.peak_phase,
+                "breakdown": self.peak.as_dict()}
 
 
 def stage_static(probe: Probe, layers: list[int], first: bool, last: bool) -> Static:
@@ -88,11 +85,10 @@ def _find(windows: dict, key: tuple) -> Window:
     return windows.get(key) or next(w for k, w in windows.items() if isinstance(k, tuple) and k[0] == key[0])
 
 
-def stage_windows(probe: Probe, p: int, layers: list[int], first: bool, last: bool) -> tuple[list[Window], list[Window]]:
+def stage_windows(probe: Probe, p: int, layers: list[int], first: bool, last: bool) -> tuple[list, list]:
     """(forward windows, backward windows) of one microbatch through a stage, pass p of the probe."""
     fw, bw, kinds, n = probe.forward[p], probe.backward[p], probe.kinds, len(probe.kinds)
-    received = Window(probe.stage_input, probe.stage_input)
-    forward = [fw["input"] if first else received]
+    forward = [fw["input"] if first else Window(probe.stage_input, probe.stage_input)]  # the stage's input
     forward += [fw["tail"] if i == n - 1 else fw["first"] if i == 0 else _find(fw, (kinds[i], kinds[i + 1]))
                 for i in layers]
     backward = [bw["output"]] if last else []

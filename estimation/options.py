@@ -1,9 +1,7 @@
-"""The `--estimate.*` options, and the plan an estimate runs.
-
-The estimate options are parsed here, not added to the training schema: they mean nothing to
-`train.py`. Everything else on the command line goes to the training config loader unchanged, so an
-estimate plans exactly the job `train.py` would run (titanlike/train/plan.py `plan_job`), less what
-a probe on fake tensors cannot run (each removal is noted).
+"""The `--estimate.*` options (not in the training schema: they mean nothing to train.py), and the plan
+an estimate runs: everything else on the command line goes to the training config loader unchanged, so
+an estimate plans exactly the job train.py would run (`plan_job`), less what a probe on fake tensors
+cannot run (each removal is noted).
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+import estimation.fake  # noqa: F401 (registers the compile backend the probe runs)
 from titanlike.config.loader import ConfigError, parse_section_options
 from titanlike.config.schema import JobConfig, opt
 from titanlike.parallel.parallel_dims import ParallelDims
@@ -31,7 +30,6 @@ class EstimateOptions:
     json: bool = opt(False, "print one JSON object instead of the report")
     alloc_granularity: int = opt(
         512, "bytes every tensor is rounded up to, as the CUDA caching allocator does; 1 counts exact bytes")
-    # Planner.
     plan: bool = opt(False, "rank layouts for this model, world size, GPU memory and sequence length "
                             "(and expert-parallel degree for mixture-of-experts models)")
     plan_top: int = opt(5, "layouts the planner prints")
@@ -51,10 +49,9 @@ def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]
     """Split argv into the `--estimate.*` options and the rest (for `load_job_config`), with the training
     options' conventions (`--estimate.key value`, `=value`, booleans as flags or `--estimate.no_key`)."""
     opts, rest = parse_section_options(argv, "estimate", EstimateOptions)
-    if opts.world_size is not None and opts.world_size < 1:
-        raise ConfigError(f"estimate.world_size must be at least 1, got {opts.world_size}")
-    if opts.alloc_granularity < 1:
-        raise ConfigError(f"estimate.alloc_granularity must be at least 1, got {opts.alloc_granularity}")
+    for name in ("world_size", "alloc_granularity", "plan_top", "plan_probes", "gpus_per_node"):
+        if (value := getattr(opts, name)) is not None and value < 1:
+            raise ConfigError(f"estimate.{name} must be at least 1, got {value}")
     return opts, rest
 
 
@@ -76,13 +73,7 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
         notes.append("float8: probed with the trainer's converter (torchao Float8Linear, float8 casts, float8 "
                      "all-gather buffers and scales as real tensors) and the GPU's float8 matmul")
     if est.compile.enable:
-        from torch._dynamo import list_backends, register_backend
-
-        from estimation.fake import partitioned_backend
-
-        if "estimate_partitioned" not in list_backends(exclude_tags=()):
-            register_backend(partitioned_backend, name="estimate_partitioned")
-        est.compile.backend = "estimate_partitioned"
+        est.compile.backend = "estimate_partitioned"  # estimation.fake.partitioned_backend, registered on import
         notes.append("compile: compiled graphs traced with AOT autograd and inductor's decompositions, split by its "
                      "min-cut partitioner (what they save for backward) and run allocating what inductor's fusion "
                      f"would (pointwise chains fused); compile.backend {cfg.compile.backend} itself is not run")
@@ -113,8 +104,7 @@ def _job_vocab_size(cfg: JobConfig, known: int | None) -> tuple[int, str | None]
     if known is not None:
         return known, None
     m = cfg.model
-    spec = get_model_spec(m.name) if m.name in model_names() else None
-    flavor = spec.flavors.get(m.flavor) if spec is not None else None
+    flavor = get_model_spec(m.name).flavors.get(m.flavor) if m.name in model_names() else None
     missing = ("tokenizer_path", m.tokenizer_path) if m.tokenizer_path and not os.path.isfile(m.tokenizer_path) else \
         ("hf_assets_path", m.hf_assets_path) if m.hf_assets_path and not os.path.isdir(m.hf_assets_path) else None
     if missing:

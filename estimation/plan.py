@@ -3,23 +3,16 @@
     python estimation/plan.py --job.config_file train_configs/llama3_70b.toml --estimate.world_size 64 \\
         --estimate.device_memory_gib 80 [--training.seq_len 8192] [--estimate.plan_top 5] [--estimate.json]
 
-The same as `estimation/estimate.py --estimate.plan`: enumerate layouts for a world size, rank them by a
-throughput model, and estimate their memory, fastest first, until enough fit.
-
-Enumeration. For N GPUs: tensor parallel t in {1, 2, 4, 8} (inside a node), pipeline p in {1, 2, 4,
-...} (1F1B and Interleaved1F1B), context parallel c in {1, 2, 4, 8}, data parallel dp = N / (t p c)
-split into HSDP replicas r and FSDP shards dp / r; for mixture-of-experts models every expert-parallel
-degree dividing both dp_shard x cp x tp and the expert count; activation checkpointing from
-`plan_ac_modes`; every microbatch dividing the local batch (gradient accumulation without pipeline
-parallelism, pipeline microbatches with it); for a model whose last stage carries layers after the
-trunk (multi-token prediction), also ceil(num_layers / stages) layers per stage, which lightens the
-end stages. The global batch is the config's. Every candidate is planned by train.py's own
-`plan_job`; those it refuses are counted by reason.
-
-Memory. Candidates are estimated (estimation/probe.py, layout.py: the job's step on fake tensors) in
-the order of their modeled throughput, at most `plan_probes` of them, skipping those a smaller one
-already showed cannot fit (more recomputation and a smaller microbatch never need more memory); a
-candidate fits when what the allocator reserves plus `reserved_gib` fits the device.
+The same as `estimation/estimate.py --estimate.plan`. Enumeration, for N GPUs and the config's global
+batch: tensor parallel t in {1, 2, 4, 8} (inside a node), pipeline p in {1, 2, 4, ...} (1F1B and
+Interleaved1F1B), context parallel c in {1, 2, 4, 8}, data parallel dp = N / (t p c) split into HSDP
+replicas and FSDP shards; for mixture-of-experts models every expert-parallel degree dividing both
+dp_shard x cp x tp and the expert count; the `plan_ac_modes`; every microbatch dividing the local
+batch (accumulated, or pipeline microbatches); for a model whose last stage carries layers after the
+trunk (multi-token prediction), also ceil(num_layers / stages) layers per stage. Every candidate is
+planned by train.py's own `plan_job` (those it refuses are counted by reason), then estimated in the
+order of its modeled throughput, at most `plan_probes` of them, skipping those a smaller one already
+showed cannot fit; a candidate fits when what the allocator reserves plus `reserved_gib` fits.
 
 Throughput model, per optimizer step, per GPU (stated, not measured), from the args contract:
   compute   = tokens x FLOPs/token / GPUs / (peak x MFU) (args.flops_per_token: active parameters),
@@ -49,9 +42,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from estimation.estimate import GiB, estimate_prepared, verdict  # noqa: E402
+from estimation.estimate import GiB, verdict  # noqa: E402
+from estimation.layout import estimate  # noqa: E402
 from estimation.estimate import main as _estimate_main  # noqa: E402
 from estimation.options import EstimateOptions, PreparedJob, prepare_job  # noqa: E402
+from estimation.probe import probe  # noqa: E402
 from titanlike.config.loader import ConfigError  # noqa: E402
 
 _AC = {"none": ("none", "2"), "full": ("full", "2"), "op": ("selective", "op"), "selective": ("selective", "2")}
@@ -114,7 +109,8 @@ class Candidate:
 
     def as_dict(self) -> dict:
         fields_ = {k: v for k, v in asdict(self).items() if k != "experts"}
-        return {"layout": self.label(), **fields_, "overrides": " ".join(f"--{k} {v}" for k, v in self.settings().items())}
+        overrides = " ".join(f"--{key} {value}" for key, value in self.settings().items())
+        return {"layout": self.label(), **fields_, "overrides": overrides}
 
 
 def layouts(world: int, args, global_batch: int, opts: EstimateOptions, rejected: Counter):
@@ -223,7 +219,7 @@ def run_plan(cfg, opts: EstimateOptions, log=None) -> dict:
                for f in failed):
             continue  # a candidate needing no more memory than this one did not fit
         log(f"estimating {c.label()}")
-        ranks, _ = estimate_prepared(prep, opts)
+        ranks = estimate(prep.plan, probe(prep.plan, granularity=opts.alloc_granularity, device=opts.device))
         probed += 1
         top = max(ranks, key=lambda r: r.reserved)
         c.peak_bytes, c.reserved_bytes = top.peak_bytes, top.reserved
@@ -266,8 +262,7 @@ def format_plan(plan: dict) -> str:
         lines.append("no estimated layout fits; try more GPUs, a shorter sequence, a smaller global batch or more "
                      "--estimate.plan_probes")
     for i, c in enumerate(plan["top"], 1):
-        t = c["time_parts"]
-        parts = " + ".join(f"{k} {v:.3g}s" for k, v in t.items() if v > 0.005 * c["step_seconds"])
+        parts = " + ".join(f"{k} {v:.3g}s" for k, v in c["time_parts"].items() if v > 0.005 * c["step_seconds"])
         lines += [f"{i}. {c['layout']}: {_size(c['reserved_bytes'])} reserved ({_size(c['peak_bytes'])} of tensors), "
                   f"{_size(c['headroom_bytes'])} headroom",
                   f"   step {c['step_seconds']:.3g}s = {parts}; {c['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, "

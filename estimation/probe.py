@@ -14,13 +14,12 @@ every pair of kinds that follow each other, one such pair of blocks; the others 
 parallelization (a model runs on any subset of its layers, as the pipeline split relies on).
 
 What is measured. `LiveBytes` counts the bytes of every tensor storage the step creates while it
-lives, and marks split the step into windows (`Probe.forward`, `Probe.backward`): each block's
-forward (from its start to the next block's) and backward (from the gradient of its output to that
-of the previous block's), and the ends'. A window keeps `keep` bytes and rises `over` bytes above
-where it began; estimation/layout.py lays them out along the real model, its pipeline stages and the
-schedule. Two microbatches are probed: the first creates gradients (and, under pipeline parallelism,
-FSDP's unsharded accumulators), the second finds them. What parameters, gradients and optimizer state
-hold between steps is read from the parallelized parameters and the optimizer's state tensors.
+lives, and marks split the step into windows: each block's forward (from its start to the next
+block's) and backward (from the gradient of its output to that of the previous block's), and the
+ends', which estimation/layout.py lays out along the real model and the schedule. Two microbatches
+are probed: the first creates gradients (and, under pipeline parallelism, FSDP's unsharded
+accumulators), the second finds them. What parameters, gradients and optimizer state hold between
+steps is read from the parallelized parameters and the optimizer's state tensors.
 """
 
 from __future__ import annotations
@@ -73,13 +72,12 @@ class Probe:
 
     kinds: list[str]                 # the kind (signature) of every layer of the model, in order
     static: dict[str, Static]        # one block of each kind; the ends: "input", "output", "shared", "tied"
-    # Per probed microbatch: the forward window of a block of kind a followed by one of kind b, by
-    # (a, b); "input" (before the first block), "first" (the first block) and "tail" (the last block,
-    # the output end, the loss).
+    # Per probed microbatch, by (a, b): the forward window of a block of kind a followed by one of kind
+    # b; "input" (before the first block), "first" (the first block), "tail" (the last block, the output
+    # end, the loss). Backward: of a block of kind a preceded by one of kind b; "output" (the output
+    # end's), "last", "head" (the first block's and the input end's) and "release" (after backward: the
+    # step lets go of the output and the batch).
     forward: list[dict]
-    # Per probed microbatch: the backward window of a block of kind a preceded by one of kind b, by
-    # (a, b); "output" (the output end's), "last" (the last block's), "head" (the first block's and
-    # the input end's) and "release" (after backward: the step lets go of the output and the batch).
     backward: list[dict]
     reduce: Window = field(default_factory=Window)  # pipeline parallel: the gradient reduction at the end
     update: Window = field(default_factory=Window)  # clipping and the optimizer step
@@ -138,10 +136,8 @@ def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularit
     """Parameter, gradient and optimizer bytes of one block of each kind, and of each end ("input",
     "output", "shared": held by every pipeline stage), plus "tied": what both ends hold (a tied
     embedding), counted once on a stage that holds both."""
-    out: dict[str, Static] = {}
-    for key, block in part.layers.items():
-        if kinds[key] not in out:
-            out[kinds[key]] = _static(block.parameters(), list(block.buffers()), optimizer, granularity)
+    # Blocks of one kind hold the same (their signature includes their parameters' shapes).
+    out = {kinds[k]: _static(b.parameters(), list(b.buffers()), optimizer, granularity) for k, b in part.layers.items()}
     held: dict[str, tuple[list, list]] = {"input": ([], []), "output": ([], []), "shared": ([], [])}
     for i, items in enumerate((part.named_parameters(remove_duplicate=False), part.named_buffers())):
         for name, t in items:
@@ -158,9 +154,8 @@ def _fake_microbatch(plan, batch: int, positions):
     """One microbatch as the trainer hands it to the step (the objective's fields, prepared)."""
     from titanlike.objectives.base import BatchContext
 
-    t = plan.cfg.training
     fields = {name: torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=DEVICE)
-              for name, (shape, dtype) in plan.objective.sample_fields(t.seq_len).items()}
+              for name, (shape, dtype) in plan.objective.sample_fields(plan.cfg.training.seq_len).items()}
     # Values do not matter to fake tensors: token 0 stands in for the end of document.
     ctx = BatchContext(DEVICE, cp_positions=positions, mask_kernel=None if positions is not None else "sdpa",
                        eos_id=0, lookahead_tokens=plan.model_args.lookahead_tokens)
@@ -168,9 +163,8 @@ def _fake_microbatch(plan, batch: int, positions):
 
 
 def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
-    """Probe `plan` (a JobPlan); see the module docstring. Where the compiled probe fails (a graph dynamo
-    or AOT autograd cannot take on fake tensors), the job is probed in eager mode, which errs high, and
-    `Probe.notes` says so."""
+    """Probe `plan` (a JobPlan). Where the compiled probe fails (a graph dynamo or AOT autograd cannot take
+    on fake tensors), the job is probed in eager mode, which errs high, and `Probe.notes` says so."""
     compiled = plan.cfg.compile.enable
     try:
         return _probe(plan, granularity, device)
@@ -248,8 +242,8 @@ def _probe(plan, granularity: int, device: str) -> Probe:
             optimizer.zero_grad(set_to_none=True)
             static = _statics(part, optimizer, kind_of, spec.pipeline_ends, granularity)
             positions = load_balanced_positions(t.seq_len, dims.cp, 0, DEVICE) if dims.cp_enabled else None
-            global_tokens = torch.tensor(float(t.local_batch_size * t.seq_len), device=DEVICE)
-            scaled = plan.precision.loss_scaling != "none"
+            tokens = torch.tensor(float(t.local_batch_size * t.seq_len), device=DEVICE)
+            scale = torch.ones((), device=DEVICE) if plan.precision.loss_scaling != "none" else None
 
             def started(grad):
                 mark("backward")
@@ -261,7 +255,7 @@ def _probe(plan, granularity: int, device: str) -> Probe:
                 return loss
 
             step = TrainStep.for_plan(plan, dims, model_parts=[part], device=DEVICE, optimizer=optimizer,
-                                      step_loss=StepLoss(loss_fn, torch.ones((), device=DEVICE) if scaled else None),
+                                      step_loss=StepLoss(loss_fn, scale),
                                       converters=converters)
             live = LiveBytes(granularity)
 
@@ -295,20 +289,18 @@ def _probe(plan, granularity: int, device: str) -> Probe:
                 with live, collective_buffers(live, pools):
                     for i in range(passes):
                         mark(("start", i))
-                        mb = _fake_microbatch(plan, batch, positions)
                         if fsdp is not None:  # as torch's pipeline stage runs every backward
                             fsdp.set_is_last_backward(False)
                             fsdp.set_reshard_after_backward(False)
                             fsdp.set_requires_gradient_sync(False)
-                        step.forward_backward(mb)
-                        del mb
+                        step.forward_backward(_fake_microbatch(plan, batch, positions))
                         mark(("end", i))
                     if fsdp is not None:
                         from torch.distributed.pipelining.stage import _PipelineStageBase
 
                         _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=fsdp), 1)
                     mark("reduced")
-                    step.update(torch.zeros((), device=DEVICE), global_tokens, torch.zeros(0, device=DEVICE))
+                    step.update(torch.zeros((), device=DEVICE), tokens, torch.zeros(0, device=DEVICE))
                     mark("updated")
             finally:
                 if gc_was:
@@ -325,9 +317,9 @@ def _schedule_actions(plan, dims) -> dict[int, list[tuple[str, int, int]]]:
     """torch's action list for every pipeline rank (its schedule built on placeholder stages)."""
     from titanlike.parallel.pipeline import build_schedule
 
-    layout = plan.pipeline
+    layout, schedule = plan.pipeline, plan.cfg.parallelism.pipeline_parallel_schedule
     parts = [nn.Linear(1, 1, bias=False, device="meta") for _ in layout.stages_of_rank(0)]
-    runner = build_schedule(parts, layout, dims.mesh("pp"), DEVICE, schedule=plan.cfg.parallelism.pipeline_parallel_schedule,
+    runner = build_schedule(parts, layout, dims.mesh("pp"), DEVICE, schedule=schedule,
                             n_microbatches=plan.batch.pipeline_microbatches, loss_fn=lambda out, target: out.sum())
     order = getattr(runner.schedule, "pipeline_order", None) or {}
     return {rank: [(x.computation_type.name, x.stage_index, x.microbatch_index)
@@ -338,7 +330,7 @@ def _schedule_actions(plan, dims) -> dict[int, list[tuple[str, int, int]]]:
 def _windows(out: Probe, marks: list, where: dict, keys: list[str], passes: int) -> None:
     """The windows between marks (label, live bytes, peak since the previous mark) of every pass."""
     at = {m[0]: i for i, m in enumerate(marks)}
-    w = lambda a, b: Window(marks[b][1] - marks[a][1], max(m[2] for m in marks[a + 1:b + 1]) - marks[a][1])  # noqa: E731
+    w = lambda a, b: Window(marks[b][1] - marks[a][1], max(m[2] for m in marks[a + 1:b + 1]) - marks[a][1])  # noqa
     for p in range(passes):
         start, end = at[("start", p)], at[("end", p)]
         here = range(start, end + 1)
