@@ -334,10 +334,9 @@ def partitioned_backend(gm, example_inputs):
 
 @contextlib.contextmanager
 def fake_kernels(cuda: bool):
-    """DTensor derives output shapes by running each op on global-shape tensors in the active fake mode
-    (ours): it gets one of its own, as in eager, so that those tensors are not counted (with loss
-    parallel at 8B, seq 8192, TP 8: a whole-vocabulary fp32 tensor, +8 GiB). cuda: attention as the
-    fused kernels run it (`_fused_sdpa`)."""
+    """DTensor's sharding propagation in a fake mode of its own, as in eager, so that the global-shape
+    tensors it makes are not counted (loss parallel at 8B, seq 8192, TP 8: a whole-vocabulary fp32
+    tensor, +8 GiB); cuda: attention as the fused kernels run it (`_fused_sdpa`)."""
     import torch.nn.functional as F
     from torch.distributed.tensor import _sharding_prop
 

@@ -133,10 +133,9 @@ def _static(params, buffers, optimizer, granularity: int) -> Static:
 
 
 def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularity: int) -> dict[str, Static]:
-    """Parameter, gradient and optimizer bytes of one block of each kind, and of each end ("input",
-    "output", "shared": held by every pipeline stage), plus "tied": what both ends hold (a tied
-    embedding), counted once on a stage that holds both."""
-    # Blocks of one kind hold the same (their signature includes their parameters' shapes).
+    """Parameter, gradient and optimizer bytes of one block of each kind (blocks of a kind hold the same),
+    and of each end ("input", "output", "shared": held by every pipeline stage), plus "tied": what both
+    ends hold (a tied embedding), counted once on a stage that holds both."""
     out = {kinds[k]: _static(b.parameters(), list(b.buffers()), optimizer, granularity) for k, b in part.layers.items()}
     held: dict[str, tuple[list, list]] = {"input": ([], []), "output": ([], []), "shared": ([], [])}
     for i, items in enumerate((part.named_parameters(remove_duplicate=False), part.named_buffers())):
