@@ -2,51 +2,147 @@
 
     python estimation/estimate.py --job.config_file train_configs/llama3_405b.toml --estimate.world_size 512
     python estimation/estimate.py --job.config_file train_configs/llama3_8b.toml --estimate.world_size 8 \\
-        --activation_checkpoint.mode full --estimate.device_memory_gib 80 [--estimate.json]
-    python estimation/estimate.py --job.config_file ... --estimate.plan --estimate.world_size 64 \\
-        --estimate.device_memory_gib 80
+        --activation_checkpoint.mode full --estimate.device_memory_gib 80 [--estimate.json] [--estimate.plan]
 
 Takes every train.py option (the same TOML and overrides) plus the `--estimate.*` options listed by
 --help. Plans the job as train.py does, runs its training step on fake tensors (one block of each
 kind, estimation/probe.py) and lays that out along the model, the layout and the pipeline schedule
-(estimation/layout.py); `--estimate.plan` ranks layouts instead (estimation/planner.py).
+(estimation/layout.py); `--estimate.plan` ranks layouts instead (estimation/plan.py).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from estimation.layout import estimate  # noqa: E402
+from estimation.options import EstimateOptions, parse_estimate_args, prepare_job  # noqa: E402
+from estimation.probe import probe  # noqa: E402
+
+GiB = 2**30
+BUCKET_DOCS = {  # what each bucket holds, printed next to it
+    "parameters": "parameter shards (fp32 masters) and buffers, as parallelized",
+    "optimizer_state": "optimizer state (AdamW exp_avg, exp_avg_sq, step)",
+    "gradients": "reduced gradients kept from earlier microbatches, or for the optimizer step",
+    "activations": "what the step holds when the peak begins: saved activations, gathered weights, gradients "
+                   "made so far, pipeline stage inputs, the batch",
+    "transient": "the rise above that within the peak's stretch: recompute, collective buffers, temporaries",
+}
+
+
+def verdict(reserved_bytes: int, opts: EstimateOptions) -> dict | None:
+    """Whether what the allocator reserves, plus the memory outside it, fits the device."""
+    if opts.device_memory_gib is None:
+        return None
+    needed, capacity = reserved_bytes + opts.reserved_gib * GiB, opts.device_memory_gib * GiB
+    headroom = capacity - needed
+    text = (f"fits in {opts.device_memory_gib:g} GiB with {headroom / GiB:.1f} GiB headroom" if headroom >= 0 else
+            f"does NOT fit in {opts.device_memory_gib:g} GiB: {-headroom / GiB:.1f} GiB short")
+    return {"fits": headroom >= 0, "device_memory_bytes": int(capacity), "needed_bytes": int(needed),
+            "headroom_bytes": int(headroom),
+            "text": f"{text} ({reserved_bytes / GiB:.1f} GiB reserved by the allocator + {opts.reserved_gib:g} GiB "
+                    "outside it for the CUDA context and NCCL)"}
+
+
+def run_estimate(cfg, opts: EstimateOptions) -> dict:
+    """Plan the job, probe it, lay it out; the result as a JSON-able dict."""
+    began = time.perf_counter()
+    prep = prepare_job(cfg, opts.world_size)
+    plan, dims, args, t, ac = prep.plan, prep.plan.dims, prep.plan.model_args, cfg.training, cfg.activation_checkpoint
+    ac_mode = ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")
+    measured = probe(plan, granularity=opts.alloc_granularity, device=opts.device)
+    ranks = estimate(plan, measured)
+    top = max(ranks, key=lambda e: e.reserved)
+    notes = prep.notes + measured.notes + [note for when, note in [
+        (args.moe_args(), "mixture of experts: probed with balanced routing (every expert gets tokens x top_k / "
+         "experts rows); real routing is uneven, and a rank whose experts get more holds more (moe.capacity_factor "
+         "bounds it)"),
+        (top.host, f"CPU offload: {top.host / GiB:.2f} GiB per rank of parameter shards, their gradients and "
+         "optimizer state live in host memory (not in the peak), and the optimizer steps there"),
+        (t.rampup_batch_size, f"batch ramp-up ({t.rampup_batch_size}): estimated at the final global batch, the "
+         "largest accumulation"),
+        (any(a[0] == "BACKWARD_INPUT" for acts in measured.actions.values() for a in acts),
+         "split backward (I, then W): half of what a microbatch's backward frees is assumed kept until its "
+         "weight-gradient step")] if when]
+    result = {
+        "model": plan.model_name, "world_size": dims.world_size,
+        "layout": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")} | {
+                   "pp_schedule": cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None,
+                   "activation_checkpoint": ac_mode},
+        "seq_len": t.seq_len, "local_batch_size": t.local_batch_size, "mixed_precision_param": t.mixed_precision_param,
+        "parameters": args.num_params(), "active_parameters": args.num_params(active=True),
+        "flops_per_token": args.flops_per_token(t.seq_len), "device": opts.device,
+        "peak_bytes": top.peak_bytes, "reserved_bytes": top.reserved, "peak_rank": top.rank,
+        "peak_phase": top.peak_phase, "breakdown": top.peak.as_dict(),
+        "collective_pools": {k: sum(v) for k, v in measured.pools.items()},
+        "ranks": [e.as_dict() for e in ranks],
+        "probe": {"seconds": round(measured.seconds, 1), "layers": len(measured.kinds),
+                  "probed_layers": measured.probed_layers, "kinds": len(set(measured.kinds)),
+                  "microbatch": measured.microbatch},
+        "notes": notes,
+    }
+    verdict_ = {"verdict": v} if (v := verdict(top.reserved, opts)) is not None else {}
+    return result | verdict_ | {"seconds": round(time.perf_counter() - began, 1)}
+
+
+def format_report(result: dict) -> str:
+    lay, p, active = result["layout"], result["probe"], result["active_parameters"]
+    unit, div = ("GiB", GiB) if result["reserved_bytes"] >= GiB else ("MiB", 2**20)
+    pools = " + ".join(f"{v / div:.2f} {k.replace('foreach_', '')}" for k, v in result["collective_pools"].items())
+    rows = [(k, result["breakdown"][k], doc) for k, doc in BUCKET_DOCS.items()] + [
+            ("tensors", result["peak_bytes"], ""),
+            ("reserved", result["reserved_bytes"], "what the CUDA caching allocator holds: the tensors"
+             + (f" + FSDP's collective pools ({pools})" if pools else ""))]
+    lines = [
+        f"{result['model']} on {result['world_size']} ranks: dp_replicate {lay['dp_replicate']} x dp_shard "
+        f"{lay['dp_shard']} x cp {lay['cp']} x tp {lay['tp']} x pp {lay['pp']}"
+        + (f" ({lay['pp_schedule']})" if lay["pp_schedule"] else "") + (f", ep {lay['ep']}" if lay["ep"] > 1 else "")
+        + f", activation checkpointing {lay['activation_checkpoint']}",
+        f"seq_len {result['seq_len']}, local_batch_size {result['local_batch_size']}, params in "
+        f"{result['mixed_precision_param']} for compute; {result['parameters']:,} parameters"
+        + (f", {active:,} active per token" if active != result["parameters"] else "")
+        + f"; {result['flops_per_token'] / 1e9:.3g} GFLOP per token (forward + backward)", "",
+        *([f"per pipeline rank ({unit}): " + ", ".join(
+            f"pp{r['pp_rank']} {r['peak_bytes'] / div:.2f} ({r['reserved_bytes'] / div:.2f} reserved)"
+            for r in result["ranks"]), ""] if len(result["ranks"]) > 1 else []),
+        f"peak of rank {result['peak_rank']} ({unit}), at {result['peak_phase']}:",
+        *(f"  {k:<16}{n / div:10.2f}" + (f"   {doc}" if doc else "") for k, n, doc in rows),
+        "", f"probed {p['probed_layers']} of {p['layers']} layers ({p['kinds']} kind(s)), microbatch "
+            f"{p['microbatch']}, on fake tensors in {p['seconds']} s; {result['device']} kernels",
+        *(["", "verdict: " + result["verdict"]["text"]] if result.get("verdict") else []),
+        *(["", "notes:", *(f"  - {n}" for n in result["notes"])] if result["notes"] else [])]
+    return "\n".join(lines)
+
 
 def main(argv: list[str] | None = None, prog: str = "estimation/estimate.py") -> int:
-    from estimation.options import estimate_help, parse_estimate_args
     from titanlike.config import ConfigError, help_text, load_job_config
+    from titanlike.config.loader import section_help
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
-        print(help_text().replace("usage: train.py", f"usage: {prog} [--estimate.key VALUE ...]", 1)
-              + "\n" + estimate_help())
+        print(help_text().replace("usage: train.py", f"usage: {prog} [--estimate.key VALUE ...]", 1) + "\n\n"
+              + section_help("estimate", EstimateOptions, title="(estimation/estimate.py and plan.py, not train.py)")
+              + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, EP, float8, activation "
+              "checkpointing) by running the job's own training step on fake tensors, one block of each kind.")
         return 0
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 (stdout keeps the JSON)
     try:
         opts, rest = parse_estimate_args(argv)
         cfg = load_job_config(rest)
         if opts.plan:
-            from estimation.planner import format_plan, run_plan
+            from estimation.plan import format_plan, run_plan
 
-            plan = run_plan(cfg, opts, log=log)
-            print(json.dumps(plan, indent=1) if opts.json else format_plan(plan))
-            return 0
-        from estimation.report import format_report, run_estimate
-
-        result = run_estimate(cfg, opts, log=log)
+            # The planner's progress goes to stderr: stdout keeps the JSON.
+            result, text = run_plan(cfg, opts, log=lambda msg: print(msg, file=sys.stderr, flush=True)), format_plan
+        else:
+            result, text = run_estimate(cfg, opts), format_report
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1) if opts.json else format_report(result))
+    print(json.dumps(result, indent=1) if opts.json else text(result))
     return 0
 
 

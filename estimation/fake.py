@@ -2,11 +2,9 @@
 the step's tensors hold, values where routing reads them, CUDA's attention kernels on a CPU build,
 and compiled graphs as inductor would allocate them.
 
-The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones), so CPU kernels
-would run; for a GPU estimate (device "cuda") scaled dot-product attention calls CUDA's own flash
-attention op (its fake kernel runs anywhere) or, with a mask or unlike head widths, a stand-in that
-keeps what the fused kernels keep, where torch's CPU kernels would fall back to the math kernel and
-its seq x seq probabilities for some shapes (a value width unlike the key's, a float bias). device
+The device. Fake tensors are CPU tensors (a CPU-only torch cannot make CUDA ones); for a GPU
+estimate (device "cuda") attention runs as the fused kernels do (`_fused_sdpa`), where torch's CPU
+kernels would fall back to the math kernel and its seq x seq probabilities for some shapes. device
 "cpu" keeps torch's CPU kernels, for comparisons with steps measured on this machine. Everything
 else runs as on CPU (e.g. a LayerNorm's statistics in the input dtype, not fp32).
 
@@ -19,22 +17,20 @@ buffer (`_fused_runner`). The byte-counting dispatch modes step aside while dyna
 (`ignore_compile_internals`) and count when the graphs run.
 
 Mixture of experts. Routing decides tensor sizes from values (how many tokens each expert gets); a
-fake tensor has none. The probe assumes balanced routing: a second dispatch mode gives values to the
-integer tensors that routing makes (a top-k picks the candidates round-robin, so every expert gets
-tokens x top_k / experts rows; a histogram of values it does not know is uniform; a collective
-leaves every rank what this one holds, so all-to-all brings a rank as many rows as it sends) and
-computes what is derived from them for real. Any other scalar the host reads is taken as 1 (a
-finite step; a float8 scale that is set). Real routing is uneven: a rank whose experts get more
-tokens holds more (`moe.capacity_factor` bounds it).
+fake tensor has none, so `AssumedValues` gives the probe balanced routing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
+from torch._dynamo import register_backend
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,6 +44,8 @@ aten = torch.ops.aten
 @contextlib.contextmanager
 def fake_world(world_size: int):
     """A fake process group of world_size ranks, this process rank 0; destroyed on exit."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -57,91 +55,64 @@ def fake_world(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
+        # DTensor caches sharding decisions by mesh value: a later world's equal mesh would get this
+        # one's process groups (gone with it).
+        _clear_sharding_prop_cache()
+        _redistribute._gen_transform_infos.cache_clear()
 
 
-def _forget_meshes() -> None:
-    """DTensor caches sharding decisions by mesh value: a later world's equal mesh would get this one's
-    process groups (gone with it)."""
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    _redistribute._gen_transform_infos.cache_clear()
+def round_up(nbytes: int, granularity: int) -> int:
+    return -(-nbytes // granularity) * granularity
 
 
-def fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _active_fake():
-    from torch._guards import active_fake_mode
-
-    return active_fake_mode()
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages created under this mode and still alive (`now`), each rounded up
-    to `granularity`, and the most since the last `reset` (`peak`)."""
-
-    def __init__(self, granularity: int):
-        super().__init__()
-        self.granularity, self.now, self.peak, self.high = granularity, 0, 0, 0
-        self._bytes: dict[int, int] = {}
-        self._keys = WeakIdKeyDictionary()
-        self._next = 0
-
-    def _round(self, nbytes: int) -> int:
-        return -(-nbytes // self.granularity) * self.granularity
-
-    def _track(self, t: torch.Tensor, given: set = frozenset(), summed: bool = False) -> None:
-        for st in get_untyped_storages(t):
-            if st in self._keys or st._cdata in given:
-                continue
-            key, self._next = self._next, self._next + 1
-            self._keys[st] = key
-            self._bytes[key] = n = self._round(st.nbytes())
-            self.now += n
-            if not summed:
-                self._add(0)
-            weakref.finalize(st, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.now -= self._bytes.pop(key, 0)
-
-    def _add(self, n: int) -> None:
-        self.now += n
-        self.peak = max(self.peak, self.now)
-        self.high = max(self.high, self.now)
-
-    # A compiled graph runs as it is traced (estimation.fake.partitioned_backend), higher-order operators
-    # included (run_and_save_rng_state, where checkpointed recompute replays a random op).
+class _Mode(TorchDispatchMode):
+    # Compiled graphs run as traced, higher-order operators included (run_and_save_rng_state, where
+    # checkpointed recompute replays a random op); the modes step aside while dynamo traces.
     supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
+
+class LiveBytes(_Mode):
+    """Bytes of the tensor storages created under this mode and still alive (`now`), each rounded up
+    to `granularity`, and the most since the last `reset` (`peak`)."""
+
+    def __init__(self, granularity: int):
+        super().__init__()
+        self.granularity, self.now, self.peak, self.high = granularity, 0, 0, 0
+        self._held = WeakIdKeyDictionary()  # storage -> [its bytes]
+
+    def _free(self, held: list) -> None:
+        self.now -= held[0]
+
+    def _add(self, n: int, peak: bool = True) -> None:
+        self.now += n
+        if peak:
+            self.peak, self.high = max(self.peak, self.now), max(self.high, self.now)
+
     def reset(self) -> tuple[int, int]:
         """(now, peak since the last reset), and start a new peak."""
-        out = (self.now, self.peak)
-        self.peak = self.now
+        out, self.peak = (self.now, self.peak), self.now
         return out
 
     def __enter__(self):
         # FSDP allocates and frees its gathered parameters by resizing storages, which no dispatch mode sees.
-        self._fake = _active_fake()
+        self._fake = active_fake_mode()
         self._resize = resize = torch.UntypedStorage.resize_
 
         def tracked_resize(st, size):
             resize(st, size)
-            key = self._keys.get(st)
-            if key is not None:
-                n = self._round(st.nbytes())
-                self._add(n - self._bytes[key])
-                self._bytes[key] = n
+            held = self._held.get(st)
+            if held is not None:
+                n = round_up(st.nbytes(), self.granularity)
+                self._add(n - held[0])
+                held[0] = n
 
         torch.UntypedStorage.resize_ = tracked_resize
         return super().__enter__()
@@ -158,7 +129,7 @@ class LiveBytes(TorchDispatchMode):
         else:
             out = func(*args, **(kwargs or {}))
         # DTensor's sharding propagation runs ops in a fake mode of its own: they allocate nothing.
-        if _active_fake() is self._fake and not _fused:
+        if active_fake_mode() is self._fake and not _fused:
             # An output sharing an input's storage (a view, an in-place op) allocated nothing.
             given = {st._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                      for st in get_untyped_storages(t)}
@@ -167,9 +138,11 @@ class LiveBytes(TorchDispatchMode):
             # unless the first outlives it (then the next allocation counts both).
             summed = (func is aten.add.Tensor and not torch.is_grad_enabled()
                       and torch._C._current_graph_task_id() != -1 and len(args) == 2 and not kwargs)
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._track(t, given, summed)
+            for st in (s for t in tree_leaves(out) if isinstance(t, torch.Tensor) for s in get_untyped_storages(t)):
+                if st not in self._held and st._cdata not in given:
+                    self._held[st] = held = [round_up(st.nbytes(), self.granularity)]
+                    self._add(held[0], peak=not summed)
+                    weakref.finalize(st, self._free, held)
         return out
 
 
@@ -179,25 +152,17 @@ _SHADOW_LIMIT = 1 << 24
 _READS = (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default)
 
 
-class AssumedValues(TorchDispatchMode):
+class AssumedValues(_Mode):
     """Values where fake tensors have none but the step reads one: real values for the integer tensors
     token routing makes, so that sizes read from them (split sizes, row counts) are those of balanced
-    routing (see the module docstring); and 1 for any other scalar the host reads (true: a finite
-    step, a set float8 scale)."""
+    routing (every expert gets tokens x top_k / experts rows); and 1 for any other scalar the host reads
+    (true: a finite step, a set float8 scale)."""
 
     def __init__(self):
         super().__init__()
         self.values = WeakIdKeyDictionary()
 
-    supports_higher_order_operators = True
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         kwargs = kwargs or {}
         if any(t is DTensor for t in types_):
             return NotImplemented
@@ -217,12 +182,9 @@ class AssumedValues(TorchDispatchMode):
         known = bool(tensors) and all(t in self.values for t in tensors)
         if func in _HISTOGRAMS and not known:
             out = func(*args, **kwargs)
-            x = args[0]
-            bins = out.numel()
-            with unset_fake_temporarily():
-                real = torch.full((bins,), x.numel() // bins, dtype=out.dtype)
-                real[: x.numel() % bins] += 1
-            self.values[out] = real
+            with unset_fake_temporarily():  # balanced: the values spread evenly over the bins
+                self.values[out] = torch.bincount(torch.arange(args[0].numel()) % out.numel(),
+                                                  minlength=out.numel()).to(out.dtype)
             return out
         if known or not tensors:
             real_args, real_kwargs = tree_map_only(torch.Tensor, lambda t: self.values[t], (args, kwargs))
@@ -237,9 +199,8 @@ class AssumedValues(TorchDispatchMode):
                 with unset_fake_temporarily():
                     real = func(*real_args, **real_kwargs)
                 if out is None:
-                    out = tree_map(
-                        lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=DEVICE)
-                        if isinstance(r, torch.Tensor) else r, real)
+                    out = tree_map(lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=DEVICE)
+                                   if isinstance(r, torch.Tensor) else r, real)
                 for f, r in zip(tree_leaves(out), tree_leaves(real)):
                     if isinstance(f, torch.Tensor) and f.dtype in _INTEGRAL:
                         self.values[f] = r
@@ -279,10 +240,8 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, *_ = ctx.saved_tensors
-        mask = ctx.saved_tensors[5] if ctx.mask_grad else None
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
-            (torch.empty_like(mask) if mask is not None else None)
+        q, k, v, _, _, *mask = ctx.saved_tensors
+        return (*map(torch.empty_like, (q, k, v)), torch.empty_like(mask[0]) if ctx.mask_grad else None)
 
 
 def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -310,14 +269,9 @@ def collective_buffers(live: LiveBytes, pools: dict[str, list[int]]):
                 pools[name] = sorted([*pools.get(name, []), live.high - start])[-2:]
         return call
 
-    originals = {name: getattr(group, name) for name in ("foreach_all_gather", "foreach_reduce")}
-    for name, fn in originals.items():
-        setattr(group, name, watched(name, fn))
-    try:
+    with patch.object(group, "foreach_all_gather", watched("foreach_all_gather", group.foreach_all_gather)), \
+            patch.object(group, "foreach_reduce", watched("foreach_reduce", group.foreach_reduce)):
         yield
-    finally:
-        for name, fn in originals.items():
-            setattr(group, name, fn)
 
 
 # Set while a compiled graph runs a node inductor would fuse into its consumers: its output is no buffer.
@@ -358,13 +312,12 @@ def _fused_runner(gm, example_inputs):
             finally:
                 _fused.clear()
 
-    def run(args):
-        return Run(gm).boxed_run(args)
-
+    run = lambda args: Run(gm).boxed_run(args)  # noqa: E731 (boxed: the interpreter frees inputs as it goes)
     run._boxed_call = True
     return run
 
 
+@register_backend(name="estimate_partitioned")
 def partitioned_backend(gm, example_inputs):
     """A torch.compile backend for the probe: AOT autograd with inductor's decompositions and its min-cut
     partitioner (what a compiled block saves for backward), each graph run by `_fused_runner`."""
@@ -380,28 +333,14 @@ def partitioned_backend(gm, example_inputs):
 
 
 @contextlib.contextmanager
-def own_propagation_mode():
-    """DTensor derives output shapes by running each op on global-shape tensors in the active fake mode
-    (ours): give it one of its own, as in eager, so that those tensors are not counted (with loss
-    parallel at 8B, seq 8192, TP 8: a whole-vocabulary fp32 tensor, +8 GiB)."""
+def fake_kernels(cuda: bool):
+    """DTensor's sharding propagation in a fake mode of its own, as in eager, so that the global-shape
+    tensors it makes are not counted (loss parallel at 8B, seq 8192, TP 8: a whole-vocabulary fp32
+    tensor, +8 GiB); cuda: attention as the fused kernels run it (`_fused_sdpa`)."""
+    import torch.nn.functional as F
     from torch.distributed.tensor import _sharding_prop
 
-    original, mode = _sharding_prop.detect_fake_mode, fake_mode()
-    _sharding_prop.detect_fake_mode = lambda *a, **k: mode
-    try:
+    mode = fake_mode()
+    with patch.object(_sharding_prop, "detect_fake_mode", lambda *a, **k: mode), \
+            patch.object(F, "scaled_dot_product_attention", _fused_sdpa if cuda else F.scaled_dot_product_attention):
         yield
-    finally:
-        _sharding_prop.detect_fake_mode = original
-
-
-@contextlib.contextmanager
-def gpu_attention(enabled: bool):
-    import torch.nn.functional as F
-
-    original = F.scaled_dot_product_attention
-    if enabled:
-        F.scaled_dot_product_attention = _fused_sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original

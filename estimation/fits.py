@@ -1,13 +1,10 @@
 """Does a planned job fit this machine? The check train.py makes before any process group exists.
 
-The estimate (estimation/probe.py and layout.py: the job's own step on fake tensors, one block of
-each kind) of the busiest rank's memory, for the JobPlan train.py is about to run, against what this
-machine has for one rank: the GPU's memory (what the CUDA caching allocator would reserve), or on CPU
-the host's (its cgroup limit if lower) shared by the local ranks. A job that does not fit is refused
-in one sentence; a job the estimate cannot run is let through with a note saying the check was
-skipped (also when this process already has a process group: the probe needs a fake one of its own).
-train.py finds `check_fits` as the `titanlike.preflight` entry point pyproject.toml registers (a
-checkout's train.py passes it itself): the library never imports this package.
+The estimate of the busiest rank's memory for the JobPlan train.py is about to run, against what this
+machine has for one rank. A job that does not fit is refused in one sentence; a job the estimate
+cannot run is let through with a note saying the check was skipped (also when this process already
+has a process group: the probe needs a fake one of its own). train.py finds `check_fits` as the
+`titanlike.preflight` entry point pyproject.toml registers (a checkout's train.py passes it itself).
 """
 
 from __future__ import annotations
@@ -38,28 +35,25 @@ def machine_memory() -> tuple[int, str]:
 
 def estimate_peak_memory(plan: JobPlan) -> tuple[int, str]:
     """(bytes the busiest rank needs, its largest parts): on a GPU what the allocator reserves (CUDA kernels),
-    on CPU the tensors' peak (CPU kernels, exact bytes)."""
+    on CPU the tensors' peak (CPU kernels, exact bytes). The plan is made again without what a probe cannot run."""
     from estimation.layout import estimate
-    from estimation.options import prepare_plan
+    from estimation.options import prepare_job
     from estimation.probe import probe
 
     cuda = torch.cuda.is_available()
-    prep = prepare_plan(plan)
-    ranks = estimate(prep.plan, probe(prep.plan, granularity=512 if cuda else 1, device="cuda" if cuda else "cpu"))
+    prep = prepare_job(plan.cfg, plan.dims.world_size, vocab_size=plan.model_args.vocab_size).plan
+    ranks = estimate(prep, probe(prep, granularity=512 if cuda else 1, device="cuda" if cuda else "cpu"))
     top = max(ranks, key=lambda r: r.reserved if cuda else r.peak_bytes)
     b = top.peak
-    state = b.parameters + b.gradients + b.optimizer_state
-    parts = f"{state / GiB:.1f} GiB of weights, gradients and optimizer state, {(b.activations + b.transient) / GiB:.1f} " \
-            "GiB held by the step"
+    parts = f"{(b.parameters + b.gradients + b.optimizer_state) / GiB:.1f} GiB of weights, gradients and optimizer " \
+            f"state, {(b.activations + b.transient) / GiB:.1f} GiB held by the step"
     return (top.reserved if cuda else top.peak_bytes), parts
 
 
 def check_fits(plan: JobPlan) -> str | None:
     """Refuse (ConfigError, one sentence) a job whose estimated memory per rank exceeds what this machine
     has for one rank; returns the reason when there is no estimate to check (None when checked)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    if torch.distributed.is_initialized():
         return "this process already has a process group (jobs run one after another in one launch)"
     try:
         peak, parts = estimate_peak_memory(plan)
@@ -73,6 +67,3 @@ def check_fits(plan: JobPlan) -> str | None:
             "activation_checkpoint.mode full, spread the model over more ranks (parallelism degrees) or pick a "
             "smaller model.flavor")
     return None
-
-
-__all__ = ["check_fits", "estimate_peak_memory", "machine_memory"]

@@ -2,33 +2,27 @@
 peak memory, and what the CUDA caching allocator reserves for it.
 
 Static memory. A rank holds, for every layer of its stages, what one probed block of that layer's
-kind holds (parameter shards as parallelized, their gradients' shapes, the optimizer's state
-tensors), plus the ends its stages carry: the input end on the first stage, the output end on the
+kind holds, plus the ends its stages carry: the input end on the first stage, the output end on the
 last (a tied embedding counted again there, as the pipeline split copies it), and what every stage
 keeps (a RoPE table).
 
-The step. Each layer contributes the windows of its kind measured by the probe (the forward window
-of a block of its kind followed by the next layer's kind, the backward window of a block of its kind
-preceded by the previous layer's), the first and last layers the probed windows of the model's
-ends. Without pipeline parallelism a rank runs forward then backward of each of its microbatches
-(gradient accumulation), then the update. With pipeline parallelism it runs the actions of torch's
-own schedule for its rank (`Probe.actions`): a forward of stage s adds the windows of s's layers, a
-backward takes them back; the first forward and backward of each stage use the probe's first
-microbatch (gathering FSDP's weights, making its unsharded gradient accumulators), later ones the
-second. A non-first stage keeps the hidden state it received until its backward. A split backward
-(the zero-bubble schedules' I then W) is taken as a full backward at I whose `weight_share` of the
-activations it frees stays until W (an assumption, stated in the notes). The stage's gradient
-reduction and the update follow, their windows scaled from the probe by the rank's gradient and
-parameter bytes (foreach AdamW makes its temporaries for all parameters at once). The peak is the
-highest point of that walk; the breakdown splits it into what stays between steps, what the step
-holds when the peak's window begins, and the window's rise. Under FSDP CPU offload the parameter
-shards, their gradients and the optimizer state (and its step) are host memory, reported apart; the
-gradients a backward makes are counted on the device until its end (FSDP copies them out as it goes).
+The step. Each layer contributes the probed windows of its kind next to its neighbours' kinds, the
+first and last layers those of the model's ends. Without pipeline parallelism a rank runs forward
+then backward of each of its microbatches, then the update; with it, the actions of torch's own
+schedule for its rank (`Probe.actions`), the first forward and backward of each stage with the
+probe's first microbatch (gathering FSDP's weights, making its unsharded gradient accumulators),
+later ones with the second. A non-first stage keeps the hidden state it received until its
+backward. A split backward (I then W) is a full backward at I whose WEIGHT_SHARE of the activations
+it frees stays until W. The gradient reduction and the update follow, their windows scaled from the
+probe by the rank's gradient and parameter bytes. The peak is the highest point of that walk, split
+into what stays between steps, what the step holds when the peak's window begins, and the window's
+rise. Under FSDP CPU offload the parameter shards, their gradients and the optimizer state are host
+memory, reported apart (the gradients a backward makes count on the device until its end).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from estimation.probe import Probe, Static, Window
 
@@ -49,7 +43,7 @@ class Breakdown:
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return sum(vars(self).values())
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -57,9 +51,8 @@ class Breakdown:
 
 @dataclass
 class RankEstimate:
-    """The estimate for one representative rank (one per pipeline rank; every other coordinate of the
-    mesh holds the same shapes). peak: tensors alive at the busiest moment; reserved: what the CUDA
-    caching allocator holds then (`reserved_bytes`)."""
+    """The estimate for one pipeline rank (every other coordinate of the mesh holds the same shapes).
+    peak: tensors alive at the busiest moment; reserved: what the CUDA caching allocator holds then."""
 
     rank: int
     pp_rank: int
@@ -75,36 +68,15 @@ class RankEstimate:
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "pp_rank": self.pp_rank, "stages": self.stages, "peak_bytes": self.peak_bytes,
-                "reserved_bytes": self.reserved, "host_bytes": self.host, "peak_phase": self.peak_phase, "breakdown": self.peak.as_dict()}
+                "reserved_bytes": self.reserved, "host_bytes": self.host, "peak_phase": self.peak_phase,
+                "breakdown": self.peak.as_dict()}
 
 
-@dataclass
-class _Stage:
-    index: int
-    layers: list[int]
-    first: bool
-    last: bool
-
-
-def stages_of(plan, probe: Probe) -> tuple[list[list[int]], dict[int, _Stage]]:
-    """(stage indices each pipeline rank holds, every stage), as the trainer splits the model
-    (PipelineLayout.stage_layers)."""
-    n = len(probe.kinds)
-    layout = plan.pipeline
-    if layout is None:
-        return [[0]], {0: _Stage(0, list(range(n)), True, True)}
-    stages = {s: _Stage(s, layout.stage_layers(s, n), s == 0, s == layout.num_stages - 1)
-              for s in range(layout.num_stages)}
-    return [layout.stages_of_rank(r) for r in range(layout.pp)], stages
-
-
-def stage_static(probe: Probe, stage: _Stage) -> Static:
+def stage_static(probe: Probe, layers: list[int], first: bool, last: bool) -> Static:
     s = probe.static
-    out = Static()
-    for i in stage.layers:
-        out = out + s[probe.kinds[i]]
-    out = out + s["shared"] + (s["input"] if stage.first else Static()) + (s["output"] if stage.last else Static())
-    return out + (s["tied"] * -1 if stage.first and stage.last else Static())
+    out = sum((s[probe.kinds[i]] for i in layers), s["shared"])
+    out = out + (s["input"] if first else Static()) + (s["output"] if last else Static())
+    return out + (s["tied"] * -1 if first and last else Static())
 
 
 def _find(windows: dict, key: tuple) -> Window:
@@ -113,21 +85,16 @@ def _find(windows: dict, key: tuple) -> Window:
     return windows.get(key) or next(w for k, w in windows.items() if isinstance(k, tuple) and k[0] == key[0])
 
 
-def stage_windows(probe: Probe, stage: _Stage, p: int) -> tuple[list[Window], list[Window]]:
-    """(forward windows, backward windows) of one microbatch through `stage`, pass p of the probe."""
+def stage_windows(probe: Probe, p: int, layers: list[int], first: bool, last: bool) -> tuple[list, list]:
+    """(forward windows, backward windows) of one microbatch through a stage, pass p of the probe."""
     fw, bw, kinds, n = probe.forward[p], probe.backward[p], probe.kinds, len(probe.kinds)
-    received = Window(probe.stage_input, probe.stage_input)
-    forward = [fw["input"] if stage.first else received]
+    forward = [fw["input"] if first else Window(probe.stage_input, probe.stage_input)]  # the stage's input
     forward += [fw["tail"] if i == n - 1 else fw["first"] if i == 0 else _find(fw, (kinds[i], kinds[i + 1]))
-                for i in stage.layers]
-    backward = [bw["output"]] if stage.last else []
+                for i in layers]
+    backward = [bw["output"]] if last else []
     backward += [bw["head"] if i == 0 else bw["last"] if i == n - 1 else _find(bw, (kinds[i], kinds[i - 1]))
-                 for i in reversed(stage.layers)]
-    if not stage.first:
-        backward.append(Window(-probe.stage_input, 0))
-    if stage.last:
-        backward.append(bw["release"])
-    return forward, backward
+                 for i in reversed(layers)]
+    return forward, backward + ([] if first else [Window(-probe.stage_input, 0)]) + ([bw["release"]] if last else [])
 
 
 class _Walk:
@@ -135,21 +102,15 @@ class _Walk:
 
     def __init__(self, static: Static, offload: bool):
         # FSDP CPU offload: parameter shards, their gradients and the optimizer state live in host memory.
-        self.offload = offload
-        self.base = Breakdown(parameters=0 if offload else static.params,
-                              optimizer_state=0 if offload else static.optimizer)
-        self.level = self.grads = 0
-        self.peak, self.where = Breakdown(**vars(self.base)), "start"
+        self.offload, self.level, self.grads = offload, 0, 0
+        self.params, self.state = (0, 0) if offload else (static.params, static.optimizer)
+        self.peak, self.where = Breakdown(self.params, self.state), "start"
 
     def window(self, w: Window, what: str) -> None:
-        b = Breakdown(self.base.parameters, self.base.optimizer_state, self.grads, self.level, max(w.over, 0))
+        b = Breakdown(self.params, self.state, self.grads, self.level, max(w.over, 0))
         if b.total > self.peak.total:
             self.peak, self.where = b, what
         self.level += w.keep
-
-    def windows(self, ws: list[Window], what: str) -> None:
-        for w in ws:
-            self.window(w, what)
 
     def gradients_done(self, grads: int) -> None:
         """The reduced gradients now exist: file them as gradients rather than as held by the step."""
@@ -160,72 +121,56 @@ class _Walk:
 
 def estimate(plan, probe: Probe) -> list[RankEstimate]:
     """One estimate per pipeline rank (the ranks that hold the first stage of each pipeline rank)."""
-    per_rank, stages = stages_of(plan, probe)
-    accum = plan.batch.grad_accum_steps
-    passes = len(probe.forward)
+    n, layout, accum, passes = len(probe.kinds), plan.pipeline, plan.batch.grad_accum_steps, len(probe.forward)
+    # (layers, first, last) of every stage, and the stages of each pipeline rank, as the trainer splits them.
+    stages = {0: (list(range(n)), True, True)} if layout is None else {
+        s: (layout.stage_layers(s, n), s == 0, s == layout.num_stages - 1) for s in range(layout.num_stages)}
+    offload = plan.parallelize.cpu_offload and plan.dims.fsdp_enabled
     out = []
-    for pp_rank, held in enumerate(per_rank):
-        static = Static()
-        for s in held:
-            static = static + stage_static(probe, stages[s])
-        offload = plan.parallelize.cpu_offload and plan.dims.fsdp_enabled
+    for pp_rank, held in enumerate([[0]] if layout is None else [layout.stages_of_rank(r) for r in range(layout.pp)]):
+        static = sum((stage_static(probe, *stages[s]) for s in held), Static())
         walk = _Walk(static, offload)
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
-        def forward(s: int, mb: int) -> None:
-            what = f"forward {done[s][0] + 1} of stage {s}" if plan.pipeline else f"forward of microbatch {mb + 1}"
-            walk.windows(stage_windows(probe, stages[s], min(done[s][0], passes - 1))[0], what)
-            done[s][0] += 1
-
-        def backward(s: int, mb: int, keep_share: float = 0.0) -> int:
-            ws = stage_windows(probe, stages[s], min(done[s][1], passes - 1))[1]
+        def run(s: int, mb: int, backward: bool, keep_share: float = 0.0) -> int:
+            what = (f"{'backward' if backward else 'forward'} {done[s][backward] + 1} of stage {s}" if layout else
+                    f"{'backward' if backward else 'forward'} of microbatch {mb + 1}")
             before = walk.level
-            walk.windows(ws, f"backward {done[s][1] + 1} of stage {s}" if plan.pipeline
-                         else f"backward of microbatch {mb + 1}")
-            done[s][1] += 1
+            for w in stage_windows(probe, min(done[s][backward], passes - 1), *stages[s])[backward]:
+                walk.window(w, what)
+            done[s][backward] += 1
             kept = int(max(0, before - walk.level) * keep_share)
             walk.level += kept
             return kept
 
         for rep in range(accum):
-            if plan.pipeline is None:
-                forward(0, rep)
-                backward(0, rep)
+            if layout is None:
+                run(0, rep, False)
+                run(0, rep, True)
                 walk.gradients_done(static.grads)
                 continue
             waiting: dict[tuple[int, int], int] = {}
             for kind, s, mb in probe.actions.get(pp_rank, []):
-                if s not in stages or s not in held:
+                if s not in held:
                     continue
-                if kind == "FORWARD":
-                    forward(s, mb)
-                elif kind == "FULL_BACKWARD":
-                    backward(s, mb)
+                if kind in ("FORWARD", "FULL_BACKWARD"):
+                    run(s, mb, kind != "FORWARD")
                 elif kind == "BACKWARD_INPUT":
-                    waiting[(s, mb)] = backward(s, mb, WEIGHT_SHARE)
+                    waiting[(s, mb)] = run(s, mb, True, WEIGHT_SHARE)
                 elif kind == "BACKWARD_WEIGHT":
                     walk.level -= waiting.pop((s, mb), 0)
-            share = static.grads / max(probe.probed_grads, 1)
+            share = static.grads / max(probe.probed.grads, 1)
             walk.window(Window(int(probe.reduce.keep * share) if rep == 0 else 0, probe.reduce.over),
                         "gradient reduction")
             walk.gradients_done(static.grads)
-        scale = static.params / max(probe.probed_params, 1)
+        scale = static.params / max(probe.probed.params, 1)
         walk.window(Window(0, 0 if offload else int(probe.update.over * scale)), "optimizer step")
-        rank = pp_rank * (plan.dims.world_size // plan.dims.pp)
-        out.append(RankEstimate(rank=rank, pp_rank=pp_rank, stages=list(held), peak=walk.peak, peak_phase=walk.where,
-                                reserved=reserved_bytes(walk.peak.total, probe),
+        # What the CUDA caching allocator holds at the peak: the tensors plus the pools of the streams FSDP's
+        # collectives allocate on, which the default stream cannot reuse (per collective its two largest
+        # buffers: an upper bound, as some are alive at the peak and counted among the tensors too). Not
+        # modeled: holes inside a pool, which expandable segments keep small. docs/performance.md says more.
+        reserved = walk.peak.total + sum(sum(sizes) for sizes in probe.pools.values())
+        out.append(RankEstimate(rank=pp_rank * (plan.dims.world_size // plan.dims.pp), pp_rank=pp_rank,
+                                stages=list(held), peak=walk.peak, peak_phase=walk.where, reserved=reserved,
                                 host=static.params + static.grads + static.optimizer if offload else 0))
     return out
-
-
-def reserved_bytes(peak: int, probe: Probe) -> int:
-    """What the CUDA caching allocator holds at the peak: the tensors' bytes (each rounded up to its
-    512-byte block by the probe), plus the pools of the streams FSDP's collectives allocate on, which
-    the default stream cannot reuse: per collective, its largest buffer and its second largest (an
-    all-gather prefetched while one is in use; FSDP keeps a reduce-scatter's buffer until the next
-    one is issued). An upper bound on those pools: at the peak some of those buffers are alive and
-    counted among the tensors too. Not modeled: holes inside a pool (free blocks too small for the
-    next request), which expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as
-    torchtitan's launcher sets) keep small; memory outside the allocator (CUDA context, NCCL's own
-    buffers, cuBLAS workspaces) is not reserved memory: the verdict adds it (estimate.reserved_gib)."""
-    return peak + sum(sum(sizes) for sizes in probe.pools.values())

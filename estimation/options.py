@@ -1,20 +1,18 @@
-"""The `--estimate.*` options, and the plan an estimate runs.
-
-The estimate options are parsed here, not added to the training schema: they mean nothing to
-`train.py`. Everything else on the command line goes to the training config loader unchanged, so an
-estimate plans exactly the job `train.py` would run (titanlike/train/plan.py `plan_job`), less what
-a probe on fake tensors cannot run (each removal is noted).
+"""The `--estimate.*` options (not in the training schema: they mean nothing to train.py), and the plan
+an estimate runs: everything else on the command line goes to the training config loader unchanged, so
+an estimate plans exactly the job train.py would run (`plan_job`), less what a probe on fake tensors
+cannot run (each removal is noted).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import os
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
-from titanlike.config.loader import ConfigError, parse_section_options, section_help
+import estimation.fake  # noqa: F401 (registers the compile backend the probe runs)
+from titanlike.config.loader import ConfigError, parse_section_options
 from titanlike.config.schema import JobConfig, opt
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.train.plan import JobPlan, plan_job
@@ -32,12 +30,12 @@ class EstimateOptions:
     json: bool = opt(False, "print one JSON object instead of the report")
     alloc_granularity: int = opt(
         512, "bytes every tensor is rounded up to, as the CUDA caching allocator does; 1 counts exact bytes")
-    # Planner.
     plan: bool = opt(False, "rank layouts for this model, world size, GPU memory and sequence length "
                             "(and expert-parallel degree for mixture-of-experts models)")
     plan_top: int = opt(5, "layouts the planner prints")
     plan_probes: int = opt(24, "planner: most layouts whose memory it estimates, fastest first")
-    plan_ac_modes: list[str] = opt(["none", "op", "full"], "planner: activation checkpointing modes to try")
+    plan_ac_modes: list[str] = opt(["none", "op", "full"], "planner: activation checkpointing modes to try",
+                                   choices=("none", "op", "selective", "full"))
     plan_mfu: float = opt(0.5, "planner: fraction of the dense bf16 peak that matmuls reach (before comm and bubbles)")
     device_tflops: float = opt(989.0, "planner: dense bf16 peak of one GPU in TFLOP/s (H100 SXM: 989)")
     gpus_per_node: int = opt(8, "planner: GPUs sharing one NVLink domain")
@@ -51,46 +49,17 @@ def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]
     """Split argv into the `--estimate.*` options and the rest (for `load_job_config`), with the training
     options' conventions (`--estimate.key value`, `=value`, booleans as flags or `--estimate.no_key`)."""
     opts, rest = parse_section_options(argv, "estimate", EstimateOptions)
-    if opts.world_size is not None and opts.world_size < 1:
-        raise ConfigError(f"estimate.world_size must be at least 1, got {opts.world_size}")
-    if opts.alloc_granularity < 1:
-        raise ConfigError(f"estimate.alloc_granularity must be at least 1, got {opts.alloc_granularity}")
-    unknown = set(opts.plan_ac_modes) - {"none", "op", "full", "selective"}
-    if unknown:
-        raise ConfigError(f"estimate.plan_ac_modes may only hold none, op, selective and full, "
-                          f"got {', '.join(sorted(unknown))}")
+    for name in ("world_size", "alloc_granularity", "plan_top", "plan_probes", "gpus_per_node"):
+        if (value := getattr(opts, name)) is not None and value < 1:
+            raise ConfigError(f"estimate.{name} must be at least 1, got {value}")
     return opts, rest
 
 
-def estimate_help() -> str:
-    return ("\n" + section_help("estimate", EstimateOptions, title="(estimation/estimate.py and plan.py, not train.py)")
-            + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, EP, float8, activation "
-            "checkpointing) by running the job's own training step on fake tensors, one block of each kind.")
-
-
-@dataclass
-class PreparedJob:
+class PreparedJob(NamedTuple):
     """A job ready to estimate: its plan (made from the config the probe runs) and what was changed."""
 
     plan: JobPlan
-    notes: list[str] = field(default_factory=list)
-
-
-@functools.lru_cache(maxsize=8)
-def _vocab_size(tokenizer_path: str | None, hf_assets_path: str | None) -> int:
-    # The planner plans many layouts of one job: load its tokenizer once.
-    from titanlike.data import DEFAULT_TOKENIZER_PATH
-    from titanlike.data.tokenizer import job_tokenizer
-
-    try:
-        return job_tokenizer(tokenizer_path, hf_assets_path, DEFAULT_TOKENIZER_PATH).vocab_size
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def prepare_plan(plan: JobPlan) -> PreparedJob:
-    """A job train.py has planned (its memory check), planned again without what a probe cannot run."""
-    return prepare_job(plan.cfg, plan.dims.world_size, vocab_size=plan.model_args.vocab_size)
+    notes: list[str]
 
 
 def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: int | None = None) -> PreparedJob:
@@ -104,13 +73,7 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
         notes.append("float8: probed with the trainer's converter (torchao Float8Linear, float8 casts, float8 "
                      "all-gather buffers and scales as real tensors) and the GPU's float8 matmul")
     if est.compile.enable:
-        from torch._dynamo import list_backends, register_backend
-
-        from estimation.fake import partitioned_backend
-
-        if "estimate_partitioned" not in list_backends(exclude_tags=()):
-            register_backend(partitioned_backend, name="estimate_partitioned")
-        est.compile.backend = "estimate_partitioned"
+        est.compile.backend = "estimate_partitioned"  # estimation.fake.partitioned_backend, registered on import
         notes.append("compile: compiled graphs traced with AOT autograd and inductor's decompositions, split by its "
                      "min-cut partitioner (what they save for backward) and run allocating what inductor's fusion "
                      f"would (pointwise chains fused); compile.backend {cfg.compile.backend} itself is not run")
@@ -121,18 +84,12 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
     if p.enable_async_tensor_parallel:
         p.enable_async_tensor_parallel = False
         notes.append("async tensor parallel: estimated as plain tensor parallel (same tensors, different overlap)")
-    # Where data comes from, checkpoints and logging change no GPU tensor of a training step.
-    est.training.dataset, est.training.dataset_path = "default", None
-    c = est.checkpoint
-    c.enable, c.initial_load_path, c.initial_load_in_hf = False, None, False
-    c.create_seed_checkpoint = c.last_save_in_hf = False
-    est.validation.enable = False
-    est.metrics.enable_wandb = est.metrics.enable_tensorboard = False
-    est.profiling.enable_memory_snapshot = est.profiling.enable_profiling = False
+    # Checkpoints, validation and logging change no GPU tensor of a training step (plan_job given a
+    # vocabulary checks no data source).
+    est.checkpoint, est.validation, est.metrics.enable_wandb = type(cfg.checkpoint)(), type(cfg.validation)(), False
     vocab_size, note = _job_vocab_size(est, vocab_size)
-    notes += [note] if note else []
     world = world_size or ParallelDims.smallest_world(cfg.parallelism)
-    return PreparedJob(plan_job(est, world, vocab_size=vocab_size), notes=notes)
+    return PreparedJob(plan_job(est, world, vocab_size=vocab_size), notes + ([note] if note else []))
 
 
 def _job_vocab_size(cfg: JobConfig, known: int | None) -> tuple[int, str | None]:
@@ -140,20 +97,24 @@ def _job_vocab_size(cfg: JobConfig, known: int | None) -> tuple[int, str | None]
     trainer sizes the embedding by its tokenizer; where that is a file or folder not found here, or the debug
     tokenizer (none given) whose vocabulary would change a real flavor's size by more than 5%, the
     flavor's own vocabulary, said in one line."""
+    from titanlike.data import DEFAULT_TOKENIZER_PATH
+    from titanlike.data.tokenizer import job_tokenizer
     from titanlike.models.registry import get_model_spec, model_names
 
     if known is not None:
         return known, None
     m = cfg.model
-    spec = get_model_spec(m.name) if m.name in model_names() else None
-    flavor = spec.flavors.get(m.flavor) if spec is not None else None
+    flavor = get_model_spec(m.name).flavors.get(m.flavor) if m.name in model_names() else None
     missing = ("tokenizer_path", m.tokenizer_path) if m.tokenizer_path and not os.path.isfile(m.tokenizer_path) else \
         ("hf_assets_path", m.hf_assets_path) if m.hf_assets_path and not os.path.isdir(m.hf_assets_path) else None
     if missing:
         m.tokenizer_path = m.hf_assets_path = None
         return (flavor.vocab_size if flavor is not None else 1,  # an unknown model: planning says so
                 f"model.{missing[0]} {missing[1]} not found here: vocab_size taken from the {m.flavor} flavor")
-    vocab = _vocab_size(m.tokenizer_path, m.hf_assets_path)
+    try:
+        vocab = job_tokenizer(m.tokenizer_path, m.hf_assets_path, DEFAULT_TOKENIZER_PATH).vocab_size
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if m.tokenizer_path or m.hf_assets_path or flavor is None or flavor.vocab_size == vocab:
         return vocab, None
     ours, debug = (flavor.update_from_config(vocab_size=v, seq_len=cfg.training.seq_len).num_params()

@@ -3,32 +3,23 @@
 The probe is the trainer's own code: the family's model on meta from the plan's args, the job's
 converters (float8; LoRA, whose frozen base gets no gradient and no optimizer state), the real
 `parallelize_model` (the family's TP plan, CP, EP, activation checkpointing, compile, FSDP) over a
-DeviceMesh of a fake process group of the job's world size (torch's FakeStore: collectives return
-at once), the real optimizer and the real `TrainStep` (`forward_backward` per microbatch, `update`),
-all inside FakeTensorMode: tensors have shapes, dtypes and storages, no data. It knows no module
-type and no family.
+DeviceMesh of a fake process group of the job's world size, the real optimizer and the real
+`TrainStep` (`forward_backward` per microbatch, `update`), all inside FakeTensorMode: tensors have
+shapes, dtypes and storages, no data. It knows no module type and no family; how steps run on fake
+tensors is estimation/fake.py.
 
-One block per kind. Blocks are keyed by a signature (their module tree as printed, parameter
-shapes, how activation checkpointing wraps them). The probe keeps the first and last block, and
-for every other kind a pair of consecutive blocks of that kind (or one block where no two are
-adjacent); the others are deleted before parallelization. The pipeline split relies on the same
-thing: a model runs on any subset of its layers.
+One block per kind. A block's kind is its signature (its module tree as printed, its parameter
+shapes, how activation checkpointing wraps it). The probe keeps the first and last block and, for
+every pair of kinds that follow each other, one such pair of blocks; the others are deleted before
+parallelization (a model runs on any subset of its layers, as the pipeline split relies on).
 
-What is measured. A dispatch mode counts the bytes of every tensor storage the step creates while
-it lives (each rounded up to 512 bytes, the CUDA caching allocator's block; FSDP's storage resizes
-included), and marks split the step into windows: before the first block, each block's forward
-(from its start to the next block's), the last block with the output end and the loss, the output
-end's backward, each block's backward (from the gradient of its output to the gradient of the
-previous block's), and the first block's backward with the input end's. A window keeps `keep`
-bytes and rises `over` bytes above where it began. The windows of a block of one kind between two
-of its kind are that kind's steady state; `estimation/layout.py` lays them out along the real
-model, its pipeline stages and the schedule's actions. Two microbatches are probed: the first
-creates gradients (and, under pipeline parallelism, FSDP's unsharded accumulators), the second
-finds them. What the parameters, gradients and optimizer state hold is read from the parallelized
-parameters themselves (their local shards and the optimizer's state tensors), per kind of block.
-
-The fake execution (the fake process group, the byte count, the values routing needs, CUDA's
-attention ops, compiled graphs) is estimation/fake.py.
+What is measured. `LiveBytes` counts the bytes of every tensor storage the step creates while it
+lives, and marks split the step into windows: each block's forward (from its start to the next
+block's) and backward (from the gradient of its output to that of the previous block's), and the
+ends', which estimation/layout.py lays out along the real model and the schedule. Two microbatches
+are probed: the first creates gradients (and, under pipeline parallelism, FSDP's unsharded
+accumulators), the second finds them. What parameters, gradients and optimizer state hold between
+steps is read from the parallelized parameters and the optimizer's state tensors.
 """
 
 from __future__ import annotations
@@ -36,6 +27,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import logging
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -45,8 +38,8 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from estimation.fake import (DEVICE, AssumedValues, LiveBytes, collective_buffers, fake_mode, fake_world,
-                             gpu_attention, own_propagation_mode)
+from estimation.fake import (DEVICE, AssumedValues, LiveBytes, collective_buffers, fake_kernels, fake_mode, fake_world,
+                             round_up)
 
 
 @dataclass
@@ -79,13 +72,12 @@ class Probe:
 
     kinds: list[str]                 # the kind (signature) of every layer of the model, in order
     static: dict[str, Static]        # one block of each kind; the ends: "input", "output", "shared", "tied"
-    # Per probed microbatch: the forward window of a block of kind a followed by one of kind b, by
-    # (a, b); "input" (before the first block), "first" (the first block) and "tail" (the last block,
-    # the output end, the loss).
+    # Per probed microbatch, by (a, b): the forward window of a block of kind a followed by one of kind
+    # b; "input" (before the first block), "first" (the first block), "tail" (the last block, the output
+    # end, the loss). Backward: of a block of kind a preceded by one of kind b; "output" (the output
+    # end's), "last", "head" (the first block's and the input end's) and "release" (after backward: the
+    # step lets go of the output and the batch).
     forward: list[dict]
-    # Per probed microbatch: the backward window of a block of kind a preceded by one of kind b, by
-    # (a, b); "output" (the output end's), "last" (the last block's), "head" (the first block's and
-    # the input end's) and "release" (after backward: the step lets go of the output and the batch).
     backward: list[dict]
     reduce: Window = field(default_factory=Window)  # pipeline parallel: the gradient reduction at the end
     update: Window = field(default_factory=Window)  # clipping and the optimizer step
@@ -93,8 +85,7 @@ class Probe:
     # The two largest buffers one FSDP all-gather ("foreach_all_gather") and one reduce-scatter
     # ("foreach_reduce") allocate.
     pools: dict[str, list[int]] = field(default_factory=dict)
-    probed_params: int = 0           # parameter and gradient bytes of the probed blocks and ends
-    probed_grads: int = 0
+    probed: Static = field(default_factory=Static)  # what the probed blocks and ends hold
     microbatch: int = 0              # samples per probed microbatch
     probed_layers: int = 0
     # Pipeline parallel: every pipeline rank's actions in torch's own schedule, as (computation type,
@@ -102,13 +93,6 @@ class Probe:
     actions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-
-
-def signature(key: str, block: nn.Module, ac: tuple[str, str]) -> str:
-    from titanlike.parallel.activation_checkpoint import checkpointing
-
-    shapes = [(n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()]
-    return f"{block!r}|{shapes}|{checkpointing(key, *ac)}"
 
 
 def probed_layers(kinds: list[str]) -> dict[tuple[str, str], int]:
@@ -134,7 +118,7 @@ def _storage_bytes(tensors, granularity: int, seen: set) -> int:
         for st in get_untyped_storages(t.to_local() if isinstance(t, DTensor) else t):
             if st._cdata not in seen and st.nbytes():
                 seen.add(st._cdata)
-                total += -(-st.nbytes() // granularity) * granularity
+                total += round_up(st.nbytes(), granularity)
     return total
 
 
@@ -145,59 +129,44 @@ def _static(params, buffers, optimizer, granularity: int) -> Static:
         n = _storage_bytes([p], granularity, seen)
         state = [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)] if n else []
         s = s + Static(n, n if p.requires_grad else 0, _storage_bytes(state, granularity, set()))
-    return s + Static(params=_storage_bytes(list(buffers), granularity, seen))
+    return s + Static(params=_storage_bytes(buffers, granularity, seen))
 
 
 def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularity: int) -> dict[str, Static]:
-    """Parameter, gradient and optimizer bytes of one block of each kind, and of each end ("input",
-    "output", "shared": held by every pipeline stage), plus "tied": what both ends hold (a tied
-    embedding), counted once on a stage that holds both."""
-    out: dict[str, Static] = {}
-    for key, block in part.layers.items():
-        if kinds[key] not in out:
-            out[kinds[key]] = _static(block.parameters(), block.buffers(), optimizer, granularity)
-    named: dict[str, list] = {"input": [], "output": [], "shared": []}
-    buffers: dict[str, list] = {"input": [], "output": [], "shared": []}
-    for items, into in ((part.named_parameters(remove_duplicate=False), named), (part.named_buffers(), buffers)):
+    """Parameter, gradient and optimizer bytes of one block of each kind (blocks of a kind hold the same),
+    and of each end ("input", "output", "shared": held by every pipeline stage), plus "tied": what both
+    ends hold (a tied embedding), counted once on a stage that holds both."""
+    out = {kinds[k]: _static(b.parameters(), list(b.buffers()), optimizer, granularity) for k, b in part.layers.items()}
+    held: dict[str, tuple[list, list]] = {"input": ([], []), "output": ([], []), "shared": ([], [])}
+    for i, items in enumerate((part.named_parameters(remove_duplicate=False), part.named_buffers())):
         for name, t in items:
             top = name.split(".")[0]
             if top != "layers":
-                end = ("input" if ends is not None and top in ends.inputs else
-                       "output" if ends is not None and top in ends.outputs else "shared")
-                into[end].append(t)
-    for end in named:
-        out[end] = _static(named[end], buffers[end], optimizer, granularity)
-    both = [p for p in named["input"] if any(p is q for q in named["output"])]
-    out["tied"] = _static(both, [], optimizer, granularity)
-    return out
+                end = "input" if ends and top in ends.inputs else "output" if ends and top in ends.outputs else "shared"
+                held[end][i].append(t)
+    out |= {end: _static(*held[end], optimizer, granularity) for end in held}
+    both = [p for p in held["input"][0] if any(p is q for q in held["output"][0])]
+    return out | {"tied": _static(both, [], optimizer, granularity)}
 
 
 def _fake_microbatch(plan, batch: int, positions):
     """One microbatch as the trainer hands it to the step (the objective's fields, prepared)."""
     from titanlike.objectives.base import BatchContext
 
-    t = plan.cfg.training
     fields = {name: torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=DEVICE)
-              for name, (shape, dtype) in plan.objective.sample_fields(t.seq_len).items()}
+              for name, (shape, dtype) in plan.objective.sample_fields(plan.cfg.training.seq_len).items()}
     # Values do not matter to fake tensors: token 0 stands in for the end of document.
     ctx = BatchContext(DEVICE, cp_positions=positions, mask_kernel=None if positions is not None else "sdpa",
                        eos_id=0, lookahead_tokens=plan.model_args.lookahead_tokens)
     return plan.objective.prepare(fields, ctx)
 
 
-def _local_bytes(t) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int | None = None) -> Probe:
-    """Probe `plan` (a JobPlan); see the module docstring. microbatch: samples per microbatch (default:
-    the job's local batch, or its pipeline microbatch under pipeline parallelism). Where the compiled
-    probe fails (a graph dynamo or AOT autograd cannot take on fake tensors), the job is probed in eager
-    mode, which errs high, and `Probe.notes` says so."""
+def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
+    """Probe `plan` (a JobPlan). Where the compiled probe fails (a graph dynamo or AOT autograd cannot take
+    on fake tensors), the job is probed in eager mode, which errs high, and `Probe.notes` says so."""
     compiled = plan.cfg.compile.enable
     try:
-        return _probe(plan, granularity, device, microbatch)
+        return _probe(plan, granularity, device)
     except Exception as e:  # noqa: BLE001 (any failure of the compiler's stack; eager must then run)
         if not compiled:
             raise
@@ -210,37 +179,34 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda", microbatch: int
     objective.__dict__.pop("_cross_entropy", None)
     eager = dataclasses.replace(plan, objective=objective,
                                 parallelize=dataclasses.replace(plan.parallelize, compile_blocks=False))
-    out = _probe(eager, granularity, device, microbatch)
+    out = _probe(eager, granularity, device)
     out.notes.append(f"compile: the compiled probe failed ({reason}); estimated in eager mode, which errs high")
     return out
 
 
-def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe:
-    import logging
-    import time
-
+def _probe(plan, granularity: int, device: str) -> Probe:
     from torch.distributed.fsdp import FSDPModule
 
     from titanlike.models.converters import build_model_converters
+    from titanlike.parallel.activation_checkpoint import checkpointing
     from titanlike.parallel.context import load_balanced_positions, require_context_parallel_hooks
-    from titanlike.parallel.parallel_dims import ParallelDims
     from titanlike.parallel.parallelize import parallelize_model
     from titanlike.train.optimizer import build_optimizer
     from titanlike.train.step import StepLoss, TrainStep
 
     began = time.perf_counter()
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    cfg, args, spec, d = plan.cfg, plan.model_args, plan.spec, plan.dims
-    t, ac = cfg.training, (plan.parallelize.activation_checkpoint_mode, plan.parallelize.selective_ac_option)
-    dims = ParallelDims(d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp, d.ep, d.world_size)
-    pipelined, fsdp = dims.pp_enabled, None
-    batch = microbatch or (plan.batch.pipeline_microbatch_size if pipelined else t.local_batch_size)
+    cfg, args, spec, t = plan.cfg, plan.model_args, plan.spec, plan.cfg.training
+    dims = dataclasses.replace(plan.dims)  # its own meshes, of the fake world
+    ac = (plan.parallelize.activation_checkpoint_mode, plan.parallelize.selective_ac_option)
+    pipelined = dims.pp_enabled
+    batch = plan.batch.pipeline_microbatch_size if pipelined else t.local_batch_size
     passes = 2 if pipelined or plan.batch.grad_accum_steps > 1 else 1
     marks: list[tuple] = []
     inputs: list[int] = []
     pools: dict[str, list[int]] = {}
     gc_was = gc.isenabled()
-    with fake_world(dims.world_size), gpu_attention(device == "cuda"), own_propagation_mode():
+    with fake_world(dims.world_size), fake_kernels(device == "cuda"):
         dims.build_mesh(DEVICE.type, experts=args.moe_args() is not None)
         actions = _schedule_actions(plan, dims) if pipelined else {}
         with torch.device("meta"):
@@ -251,7 +217,8 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
         converters = build_model_converters(cfg.model.converters, float8)
         converters.convert(model)
         keys = list(model.layers.keys())
-        kinds = [signature(k, model.layers[k], ac) for k in keys]
+        kinds = [f"{b!r}|{[(n, tuple(p.shape), p.dtype) for n, p in b.named_parameters()]}|{checkpointing(k, *ac)}"
+                 for k, b in model.layers.items()]
         where = probed_layers(kinds)
         kept = _kept(kinds, where)
         for i, k in enumerate(keys):
@@ -261,10 +228,8 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
         if dims.cp_enabled:
             require_context_parallel_hooks(model)
         part = parallelize_model(model, spec.shard, dims, plan.parallelize)
-        fsdp = part if isinstance(part, FSDPModule) else None
-        mode = fake_mode()
-        values = AssumedValues()
-        with mode, values:
+        fsdp = part if pipelined and isinstance(part, FSDPModule) else None
+        with fake_mode(), AssumedValues():
             part.to_empty(device=DEVICE)
             part.train()
             optimizer = build_optimizer([part], cfg.optimizer)
@@ -276,8 +241,8 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
             optimizer.zero_grad(set_to_none=True)
             static = _statics(part, optimizer, kind_of, spec.pipeline_ends, granularity)
             positions = load_balanced_positions(t.seq_len, dims.cp, 0, DEVICE) if dims.cp_enabled else None
-            global_tokens = torch.tensor(float(t.local_batch_size * t.seq_len), device=DEVICE)
-            scaled = plan.precision.loss_scaling != "none"
+            tokens = torch.tensor(float(t.local_batch_size * t.seq_len), device=DEVICE)
+            scale = torch.ones((), device=DEVICE) if plan.precision.loss_scaling != "none" else None
 
             def started(grad):
                 mark("backward")
@@ -289,7 +254,7 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
                 return loss
 
             step = TrainStep.for_plan(plan, dims, model_parts=[part], device=DEVICE, optimizer=optimizer,
-                                      step_loss=StepLoss(loss_fn, torch.ones((), device=DEVICE) if scaled else None),
+                                      step_loss=StepLoss(loss_fn, scale),
                                       converters=converters)
             live = LiveBytes(granularity)
 
@@ -307,7 +272,8 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
             def on_input(key):
                 def hook(module, args_):
                     x = next((a for a in tree_leaves(args_) if isinstance(a, torch.Tensor)), None)
-                    inputs.append(_local_bytes(x))
+                    x = x.to_local() if isinstance(x, DTensor) else x
+                    inputs.append(x.numel() * x.element_size() if x is not None else 0)
                     mark(("f", key))
                 return hook
 
@@ -322,30 +288,26 @@ def _probe(plan, granularity: int, device: str, microbatch: int | None) -> Probe
                 with live, collective_buffers(live, pools):
                     for i in range(passes):
                         mark(("start", i))
-                        mb = _fake_microbatch(plan, batch, positions)
-                        if pipelined and fsdp is not None:  # as torch's pipeline stage runs every backward
+                        if fsdp is not None:  # as torch's pipeline stage runs every backward
                             fsdp.set_is_last_backward(False)
                             fsdp.set_reshard_after_backward(False)
                             fsdp.set_requires_gradient_sync(False)
-                        step.forward_backward(mb)
-                        del mb
+                        step.forward_backward(_fake_microbatch(plan, batch, positions))
                         mark(("end", i))
-                    if pipelined and fsdp is not None:
+                    if fsdp is not None:
                         from torch.distributed.pipelining.stage import _PipelineStageBase
 
                         _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=fsdp), 1)
                     mark("reduced")
-                    step.update(torch.zeros((), device=DEVICE), global_tokens, torch.zeros(0, device=DEVICE))
+                    step.update(torch.zeros((), device=DEVICE), tokens, torch.zeros(0, device=DEVICE))
                     mark("updated")
             finally:
                 if gc_was:
                     gc.enable()
     out = Probe(kinds=kinds, static=static, forward=[], backward=[], microbatch=batch, probed_layers=len(kept),
                 stage_input=max(inputs, default=0), actions=actions, pools=pools)
-    probed = [static[k] for k in kind_of.values()] + [static[e] for e in ("input", "output", "shared")]
-    out.probed_params = sum(s.params for s in probed) - static["tied"].params
-    out.probed_grads = sum(s.grads for s in probed) - static["tied"].grads
-    _windows(out, marks, kinds, where, keys, passes)
+    out.probed = sum((static[k] for k in [*kind_of.values(), "input", "output", "shared"]), static["tied"] * -1)
+    _windows(out, marks, where, keys, passes)
     out.seconds = time.perf_counter() - began
     return out
 
@@ -354,9 +316,9 @@ def _schedule_actions(plan, dims) -> dict[int, list[tuple[str, int, int]]]:
     """torch's action list for every pipeline rank (its schedule built on placeholder stages)."""
     from titanlike.parallel.pipeline import build_schedule
 
-    layout = plan.pipeline
+    layout, schedule = plan.pipeline, plan.cfg.parallelism.pipeline_parallel_schedule
     parts = [nn.Linear(1, 1, bias=False, device="meta") for _ in layout.stages_of_rank(0)]
-    runner = build_schedule(parts, layout, dims.mesh("pp"), DEVICE, schedule=plan.cfg.parallelism.pipeline_parallel_schedule,
+    runner = build_schedule(parts, layout, dims.mesh("pp"), DEVICE, schedule=schedule,
                             n_microbatches=plan.batch.pipeline_microbatches, loss_fn=lambda out, target: out.sum())
     order = getattr(runner.schedule, "pipeline_order", None) or {}
     return {rank: [(x.computation_type.name, x.stage_index, x.microbatch_index)
@@ -364,34 +326,25 @@ def _schedule_actions(plan, dims) -> dict[int, list[tuple[str, int, int]]]:
             for rank, actions in order.items()}
 
 
-def _window(marks, a: int, b: int) -> Window:
-    start = marks[a][1]
-    return Window(keep=marks[b][1] - start, over=max(m[2] for m in marks[a + 1:b + 1]) - start)
-
-
-def _windows(out: Probe, marks: list, kinds: list[str], where: dict, keys: list[str], passes: int) -> None:
+def _windows(out: Probe, marks: list, where: dict, keys: list[str], passes: int) -> None:
+    """The windows between marks (label, live bytes, peak since the previous mark) of every pass."""
     at = {m[0]: i for i, m in enumerate(marks)}
+    w = lambda a, b: Window(marks[b][1] - marks[a][1], max(m[2] for m in marks[a + 1:b + 1]) - marks[a][1])  # noqa
     for p in range(passes):
         start, end = at[("start", p)], at[("end", p)]
         here = range(start, end + 1)
         local = {marks[i][0]: i for i in here}
-        f = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "f"]
-        b = [i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == "b"]
-        bwd = next(i for i in here if marks[i][0] == "backward")
-        fw: dict = {"input": _window(marks, start, f[0]), "first": _window(marks, f[0], f[1] if len(f) > 1 else bwd),
-                    "tail": _window(marks, f[-1], bwd)}
-        done = next(i for i in here if marks[i][0] == "backward done")
-        bw: dict = {"output": _window(marks, bwd, b[0]), "last": _window(marks, b[0], b[1] if len(b) > 1 else done),
-                    "head": _window(marks, b[-1], done), "release": _window(marks, done, end)}
+        f, b = ([i for i in here if isinstance(marks[i][0], tuple) and marks[i][0][0] == d] for d in "fb")
+        bwd, done = (next(i for i in here if marks[i][0] == label) for label in ("backward", "backward done"))
+        fw = {"input": w(start, f[0]), "first": w(f[0], f[1] if len(f) > 1 else bwd), "tail": w(f[-1], bwd)}
+        bw = {"output": w(bwd, b[0]), "last": w(b[0], b[1] if len(b) > 1 else done), "head": w(b[-1], done),
+              "release": w(done, end)}
         for pair, i in where.items():
-            x, y = (local.get((kind, keys[j]), -1) for kind, j in (("f", i), ("f", i + 1)))
-            if start < x < y < end:
-                fw[pair] = _window(marks, x, y)
-            x, y = (local.get((kind, keys[j]), -1) for kind, j in (("b", i + 1), ("b", i)))
-            if start < x < y < end:
-                bw[pair[::-1]] = _window(marks, x, y)
+            for d, x, y, into, key in (("f", i, i + 1, fw, pair), ("b", i + 1, i, bw, pair[::-1])):
+                x, y = local.get((d, keys[x]), -1), local.get((d, keys[y]), -1)
+                if start < x < y < end:
+                    into[key] = w(x, y)
         out.forward.append(fw)
         out.backward.append(bw)
-    last_end = at[("end", passes - 1)]
-    out.reduce = _window(marks, last_end, at["reduced"])
-    out.update = _window(marks, at["reduced"], at["updated"])
+    out.reduce = w(at[("end", passes - 1)], at["reduced"])
+    out.update = w(at["reduced"], at["updated"])

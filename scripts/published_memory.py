@@ -104,9 +104,9 @@ def long_context_flavors():
 
 
 def estimate_row(gpus: int, argv: list[str]) -> dict:
-    """The estimate (estimation/report.py run_estimate's result) of one row."""
+    """The estimate (estimation/estimate.py run_estimate's result) of one row."""
     from estimation.options import parse_estimate_args
-    from estimation.report import run_estimate
+    from estimation.estimate import run_estimate
     from titanlike.config import load_job_config
 
     opts, rest = parse_estimate_args([*argv, "--estimate.world_size", str(gpus)])

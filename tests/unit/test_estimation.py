@@ -20,7 +20,7 @@ import pytest
 from estimation.layout import estimate
 from estimation.options import EstimateOptions, parse_estimate_args, prepare_job
 from estimation.probe import probe, probed_layers
-from estimation.report import run_estimate, verdict
+from estimation.estimate import run_estimate, verdict
 from titanlike.config import ConfigError, load_job_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -324,7 +324,7 @@ def test_verdict_adds_the_memory_outside_the_allocator():
 
 def test_json_and_text_reports(capsys):
     from estimation.estimate import main
-    from estimation.report import format_report
+    from estimation.estimate import format_report
 
     assert main([*TINY, *BF16, "--estimate.world_size", "2", "--estimate.json", "--estimate.device_memory_gib", "1",
                  "--estimate.reserved_gib", "0"]) == 0
@@ -347,7 +347,7 @@ def test_cli_reports_impossible_layout_as_config_error(capsys):
 
 
 def test_planner_ranks_fitting_layouts_by_throughput():
-    from estimation.planner import format_plan, run_plan
+    from estimation.plan import format_plan, run_plan
 
     opts, _ = parse_estimate_args(["--estimate.world_size", "4", "--estimate.device_memory_gib", "0.05",
                                    "--estimate.reserved_gib", "0", "--estimate.plan_top", "3",
@@ -367,7 +367,7 @@ def test_planner_ranks_fitting_layouts_by_throughput():
 def test_planner_plans_every_familys_debug_preset(name):
     """The planner knows no family: on 2 ranks it enumerates each debug preset's layouts, estimates the
     fastest, and the layout it prints plans again as train.py would."""
-    from estimation.planner import run_plan
+    from estimation.plan import run_plan
 
     opts, _ = parse_estimate_args(["--estimate.world_size", "2", "--estimate.device_memory_gib", "80",
                                    "--estimate.plan_top", "1", "--estimate.plan_probes", "1",
@@ -382,7 +382,7 @@ def test_planner_plans_every_familys_debug_preset(name):
 
 
 def test_planner_searches_expert_degrees_and_lighter_end_stages():
-    from estimation.planner import expert_degrees, stage_splits
+    from estimation.plan import expert_degrees, stage_splits
 
     assert expert_degrees(8, 4) == [1, 2, 4]
     args = prepare_job(load_job_config(_preset("deepseek_v3_debug")), 1).plan.model_args

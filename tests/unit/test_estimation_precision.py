@@ -9,7 +9,7 @@ import pytest
 from estimation.layout import estimate
 from estimation.options import EstimateOptions, prepare_job
 from estimation.probe import probe
-from estimation.report import format_report, run_estimate
+from estimation.estimate import format_report, run_estimate
 from titanlike.config import ConfigError, load_job_config
 
 REPO = Path(__file__).resolve().parents[2]
