@@ -147,13 +147,19 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate") -> TokenizedP
     return TokenizedPairs(np.concatenate(inputs), np.concatenate(labels), np.asarray(bounds, dtype=np.int64))
 
 
-def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate") -> TokenizedPairs:
-    """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate."""
+def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate",
+                   end_id: int | None = None) -> TokenizedPairs:
+    """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate. end_id: a token
+    appended to every rendered side as its last target, so that the side's last real token is an
+    input too (a reward model scores each whole sequence at its last token)."""
     from titanlike.data.chat_template import chat_prompt_ids
 
     def render(where: str, messages: list[dict], prompt_ids: list[int]):
         ids, assistant = render_row(template, tokenizer, messages, where, "pair")
-        return ids, answer_mask(ids, assistant, prompt_ids)
+        mask = answer_mask(ids, assistant, prompt_ids)
+        if end_id is not None:
+            ids, mask = [*ids, end_id], np.append(mask, True)
+        return ids, mask
 
     def pairs():
         for where, row in rows:

@@ -192,6 +192,11 @@ class Objective:
             raise ValueError(f"validation needs validation.dataset and validation.dataset_path: a {dataset} training "
                              "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
 
+    def model_args(self, args):
+        """The model args this objective trains, from the job's (sized) ones: unchanged by default; a
+        reward model's have a scalar head (BaseModelArgs.with_score_head). ValueError, one sentence."""
+        return args
+
     def model_lengths(self) -> dict[str, int]:
         """Lengths the objective adds to the model's sizing (update_from_config's keywords beyond
         vocab_size and seq_len), e.g. an encoder-decoder's decoder tokens."""

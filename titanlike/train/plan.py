@@ -183,6 +183,10 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
                          "or model.hf_assets_path)")
     context_len = args.context_len
     args = args.update_from_config(vocab_size=vocab, seq_len=t.seq_len, **objective.model_lengths())
+    try:
+        args = objective.model_args(args)
+    except ValueError as e:
+        raise ValueError(f"{model}: {e}") from None
     validate_converter_targets(m.converters, lambda name: getattr(cfg, name), spec, args, model=model)
 
     # The layout.
