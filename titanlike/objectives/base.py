@@ -104,6 +104,10 @@ class ObjectiveModels:
     # sum_over_for_replicated_loss); None without it. cp_degree: the number of cp ranks.
     cp_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
     cp_degree: int = 1
+    # other_model(path): this rank's parts of the model of another checkpoint (a DCP checkpoint or a
+    # Hugging Face folder; a distillation teacher), frozen, built with the job's layout (its own
+    # pipeline split over the same stages) and loaded; `forward` runs it like the frozen copy.
+    other_model: Callable[[str], list[nn.Module]] | None = None
 
 
 def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:

@@ -1,0 +1,291 @@
+"""Knowledge distillation: a student learns a frozen teacher's next-token distribution.
+
+Chosen by `training.objective distill` for any family whose own objective predicts the next token
+(the student); its samples, batch and masks are that objective's (pre-training text, the family's
+causal LM), only the loss changes. The teacher (`distill.teacher`) is another checkpoint: a DCP
+checkpoint with its sidecar or a Hugging Face folder, of any next-token family or size whose
+vocabulary is the student's (the same tokenizer). It is built with the job's layout (FSDP, TP, its
+own pipeline split over the same stages: train/model_parts.py build_frozen_model, lent by the
+trainer as ObjectiveModels.other_model), frozen, and run forward-only when a microbatch is prepared,
+as DPO's reference is (objectives/preference.py); what the loss needs of it travels in the labels,
+which the pipeline schedule cuts along the batch like the inputs.
+
+Per target token, with p = softmax(teacher logits / T) and q = softmax(student logits / T):
+  forward  KL(p || q) = sum_v p_v (log p_v - log q_v)
+  reverse  KL(q || p) = sum_v q_v (log q_v - log p_v)
+as TRL's generalized_jsd_loss at beta 0 and 1 (no T^2 factor), and the loss is
+  kl_weight x KL + (1 - kl_weight) x cross-entropy(student logits, target)
+summed over the target tokens (the step divides once by their global count).
+
+Top-k distillation (distill.top_k k > 0, forward KL): only the teacher's k most likely tokens of each
+position are kept, with p renormalized over them, and the student's full log q at those tokens:
+sum_{v in top k} p_v (log p_v - log q_v) (>= 0). The labels then hold 2k numbers per token instead
+of the vocabulary, which bounds the memory the teacher's output takes.
+
+The labels, (batch, seq, 1 + n) float32: the target (IGNORE_INDEX where not trained; exact below
+2**24), then the teacher's log p: the whole vocabulary's (n = this rank's vocabulary shard under
+tensor parallelism), or top-k's k log-probabilities then their k token ids.
+
+Tensor parallelism: the logits stay split over the vocabulary (loss parallel). The teacher's log p
+is computed on its shard (DTensor log_softmax, whose normalizer is all-reduced) and each rank keeps
+its shard; the student's KL is summed on each rank's shard and all-reduced (DTensor Partial ->
+Replicate): the vocabulary is never gathered. Top-k: each rank's k best, all-gathered (k x tp
+candidates), then the best k; the student's log q at those ids is read on the rank that holds each
+and summed over the ranks.
+
+Options, [distill]: teacher, loss, temperature, kl_weight, top_k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+from titanlike.config.schema import opt
+from titanlike.config.sections import register_section
+from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, logits_of
+from titanlike.objectives.base import BatchContext, Microbatch, Objective
+from titanlike.objectives.preference import DPO
+from titanlike.objectives.registry import register_objective
+
+if TYPE_CHECKING:
+    from titanlike.config.schema import JobConfig
+    from titanlike.models.args import BaseModelArgs, LayoutDegrees
+
+
+@dataclass
+class DistillOptions:
+    teacher: str = opt("", "the teacher: a titanlike DCP checkpoint (or a folder of step-N checkpoints: the latest) "
+                       "or a Hugging Face folder, of any next-token family or size with the student's vocabulary")
+    loss: str = opt("forward_kl", "forward_kl: KL(teacher || student), mass-covering; reverse_kl: KL(student || "
+                    "teacher), mode-seeking", choices=("forward_kl", "reverse_kl"))
+    temperature: float = opt(1.0, "both distributions are softened by dividing the logits by it")
+    kl_weight: float = opt(1.0, "the loss is kl_weight x KL + (1 - kl_weight) x the cross-entropy of the data's "
+                           "next tokens (the hard labels), in [0, 1]")
+    top_k: int = opt(0, "keep only the teacher's top_k tokens per position (renormalized), which bounds the memory of "
+                     "its output to 2 x top_k numbers per token; 0: the whole vocabulary (forward_kl only)")
+
+
+register_section("distill", DistillOptions)
+
+
+def vocab_shard(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's part of a (..., vocab) tensor, the id of its first token): split over the
+    vocabulary (a DTensor, Shard(-1): torch.chunk's sizes) or whole."""
+    if not isinstance(t, DTensor):
+        return t, 0
+    rank = t.device_mesh.get_local_rank()
+    return t.to_local(), rank * math.ceil(t.shape[-1] / t.device_mesh.size())
+
+
+def over_vocab_shards(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of per-rank partial sums `local` when `like` is split over the vocabulary
+    (its gradient passes through to each rank's part); `local` itself otherwise."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, [Partial()], run_check=False).full_tensor()
+
+
+def teacher_channels(output, top_k: int, temperature: float) -> torch.Tensor:
+    """(batch, seq, n) the teacher's part of the labels (module docstring) from its output."""
+    logp = F.log_softmax(logits_of(output).float() / temperature, dim=-1)
+    local, start = vocab_shard(logp)
+    if not top_k:
+        return local
+    values, ids = local.topk(min(top_k, local.shape[-1]), dim=-1)
+    ids = ids + start
+    if isinstance(logp, DTensor):  # every rank's best k, then the best k of them
+        mesh = logp.device_mesh
+        values = DTensor.from_local(values, mesh, [Shard(-1)], run_check=False).full_tensor()
+        ids = DTensor.from_local(ids, mesh, [Shard(-1)], run_check=False).full_tensor()
+        values, best = values.topk(top_k, dim=-1)
+        ids = ids.gather(-1, best)
+    return torch.cat([values - values.logsumexp(-1, keepdim=True), ids.float()], dim=-1)
+
+
+def kl_per_token(student_logits: torch.Tensor, teacher: torch.Tensor, *, loss: str, top_k: int,
+                 temperature: float) -> torch.Tensor:
+    """(batch, seq) the KL of every position, from the student's logits (whole or split over the
+    vocabulary) and the teacher's channels of the labels (teacher_channels)."""
+    logq = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    if top_k:
+        logp, ids = teacher[..., :top_k], teacher[..., top_k:].long()
+        local, start = vocab_shard(logq)
+        inside = (ids >= start) & (ids < start + local.shape[-1])
+        picked = local.gather(-1, torch.where(inside, ids - start, 0)) * inside
+        logq_k = over_vocab_shards(picked, logq)
+        return (logp.exp() * (logp - logq_k)).sum(-1)
+    logp = teacher
+    if isinstance(logq, DTensor):
+        logp = DTensor.from_local(teacher, logq.device_mesh, logq.placements, run_check=False, shape=logq.shape,
+                                  stride=logq.stride())
+    if loss == "forward_kl":
+        kl = (logp.exp() * (logp - logq)).sum(-1)
+    else:
+        kl = (logq.exp() * (logq - logp)).sum(-1)
+    return kl.full_tensor() if isinstance(kl, DTensor) else kl
+
+
+class Distill(Objective):
+    name = "distill"
+    predicts_next_token = True
+    reported_terms = ("distill_kl", "hard_loss")
+
+    def __init__(self, family: Objective, options: DistillOptions | None = None, **loss_options):
+        super().__init__(**loss_options)
+        self.family = family  # the student's own objective: its samples, batch and masks
+        self.options = options or DistillOptions()
+        self.attention_mask = family.attention_mask
+        self.teacher = None  # set by attach
+        self._reports: torch.Tensor | None = None
+        self._recording = True
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
+                model: str = "the model") -> Distill:
+        if family_objective is None or not family_objective.predicts_next_token:
+            what = family_objective.name if family_objective is not None else "no next-token objective"
+            raise ValueError(f"training.objective distill trains models that predict the next token; {model} trains "
+                             f"with {what}")
+        if args.lookahead_tokens:
+            raise ValueError(f"training.objective distill does not train multi-token prediction models yet ({model})")
+        return cls(family_objective, cfg.distill, **cls.compile_options(cfg))
+
+    def teacher_model(self):
+        """(folder, spec, args) of distill.teacher; ValueError (one sentence) if it holds no model."""
+        from titanlike.checkpoint.format import CheckpointError
+        from titanlike.checkpoint.hf import checkpoint_model
+
+        try:
+            return checkpoint_model(self.options.teacher)
+        except CheckpointError as e:
+            raise ValueError(f"distill.teacher: {e}") from None
+
+    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+        o = self.options
+        self.family.validate(cfg, dims, model=model)
+        if not o.teacher:
+            raise ValueError("training.objective distill needs distill.teacher: a DCP checkpoint or a Hugging Face folder "
+                             "of the teacher")
+        if not o.temperature > 0:
+            raise ValueError(f"distill.temperature must be positive, got {o.temperature}")
+        if not 0 <= o.kl_weight <= 1:
+            raise ValueError(f"distill.kl_weight must lie in [0, 1], got {o.kl_weight}")
+        if o.top_k < 0:
+            raise ValueError(f"distill.top_k must be 0 (the whole vocabulary) or positive, got {o.top_k}")
+        if o.top_k and o.loss != "forward_kl":
+            raise ValueError("distill.top_k keeps the teacher's most likely tokens, which bounds forward_kl only; use "
+                             "distill.loss forward_kl or distill.top_k 0")
+        folder, spec, args = self.teacher_model()
+        teacher = f"distill.teacher {folder}"
+        family = spec.objective(cfg, args)
+        if not family.predicts_next_token:
+            raise ValueError(f"{teacher} is a {spec.name} model, which does not predict the next token: a teacher must")
+        if args.lookahead_tokens:
+            raise ValueError(f"{teacher} is a multi-token prediction model; such teachers are not supported yet")
+        if dims.tp > 1 and spec.shard is None:
+            raise ValueError(f"{teacher}: the {spec.name} family has no tensor parallelism, which this job's layout needs")
+        if dims.pp > 1 and spec.pipeline_ends is None:
+            raise ValueError(f"{teacher}: the {spec.name} family has no pipeline split, which this job's layout needs")
+        try:
+            args.validate(dims, seq_len=cfg.training.seq_len)
+        except ValueError as e:
+            raise ValueError(f"{teacher}: {e}") from None
+        if dims.pp > 1:
+            from titanlike.parallel.pipeline import V_SCHEDULES, schedule_name
+
+            name = schedule_name(cfg.parallelism.pipeline_parallel_schedule)
+            if name in V_SCHEDULES:
+                raise ValueError(f"the distillation teacher needs a forward-only pass, which the {name} pipeline "
+                                 "schedule does not have (torch's V-shaped schedules); use another schedule")
+
+    def model_args(self, args):
+        """The student's args, unchanged, once the teacher's vocabulary is known to be the student's."""
+        folder, _, teacher = self.teacher_model()
+        if teacher.vocab_size != args.vocab_size:
+            raise ValueError(f"distill.teacher {folder} has a vocabulary of {teacher.vocab_size} tokens and the student "
+                             f"{args.vocab_size}: a teacher must use the student's tokenizer")
+        if args.vocab_size >= 2 ** 24:
+            raise ValueError(f"training.objective distill carries target ids in float32 labels, exact below 2**24; the "
+                             f"vocabulary has {args.vocab_size}")
+        return args
+
+    # The student's samples ----------------------------------------------------------------------
+
+    def validate_dataset(self, dataset, dataset_path, *, option="training"):
+        self.family.validate_dataset(dataset, dataset_path, option=option)
+
+    def validate_held_out(self, dataset: str) -> None:
+        self.family.validate_held_out(dataset)
+
+    def model_lengths(self) -> dict[str, int]:
+        return self.family.model_lengths()
+
+    def sample_fields(self, seq_len: int):
+        return self.family.sample_fields(seq_len)
+
+    def samples(self, dataset: str, **source_args):
+        return self.family.samples(dataset, **source_args)
+
+    # Batch ------------------------------------------------------------------------------------
+
+    def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
+        mb = self.family.prepare(batch, ctx)
+        targets = mb.labels.float()[..., None]
+        mb.labels = targets
+        if self.teacher is not None:
+            channels = self.teacher(mb)
+            if channels is not None:  # (None on pipeline ranks without the last stage, where no loss runs)
+                mb.labels = torch.cat([targets, channels], dim=-1)
+        return mb
+
+    def attach(self, models) -> None:
+        parts = models.other_model(self.options.teacher)
+        o = self.options
+
+        def channels(output, labels: torch.Tensor) -> torch.Tensor:
+            return teacher_channels(output, o.top_k, o.temperature)
+
+        @torch.no_grad()
+        def teacher(mb: Microbatch) -> torch.Tensor | None:
+            return models.forward(parts, mb, channels)
+
+        self.teacher = teacher
+
+    # Loss -------------------------------------------------------------------------------------
+
+    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
+        return (labels[..., 0] != IGNORE_INDEX).sum()
+
+    def loss(self, output, labels: torch.Tensor) -> torch.Tensor:
+        o = self.options
+        logits = logits_of(output)
+        targets = labels[..., 0].long()
+        trained = targets != IGNORE_INDEX
+        kl = kl_per_token(logits, labels[..., 1:], loss=o.loss, top_k=o.top_k, temperature=o.temperature)
+        kl = torch.where(trained, kl, torch.zeros((), device=kl.device)).sum()
+        hard = self._cross_entropy(logits, targets)
+        total = o.kl_weight * kl + (1 - o.kl_weight) * hard if o.kl_weight < 1 else kl
+        if isinstance(output, ModelOutput):
+            for aux in output.aux_losses.values():
+                total = total + aux
+        if self._recording:
+            reports = torch.stack([kl.detach(), hard.detach()])
+            self._reports = reports if self._reports is None else self._reports + reports
+        return total
+
+    def count_correct(self, output, labels: torch.Tensor) -> torch.Tensor:
+        return Objective.count_correct(self, output, labels[..., 0].long())
+
+    reports_paused = DPO.reports_paused
+    collect_reports = DPO.collect_reports
+
+
+register_objective("distill", Distill.for_job, section="distill")
+
+__all__ = ["Distill", "DistillOptions", "kl_per_token", "teacher_channels"]
