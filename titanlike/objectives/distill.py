@@ -140,7 +140,7 @@ class Distill(Objective):
         super().__init__(**loss_options)
         self.family = family  # the student's own objective: its samples, batch and masks
         self.options = options or DistillOptions()
-        self.attention_mask = family.attention_mask
+        self.attention_mask = None if family is None else family.attention_mask
         self.teacher = None  # set by attach
         self._reports: torch.Tensor | None = None
         self._recording = True
