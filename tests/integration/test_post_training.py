@@ -44,7 +44,7 @@ def test_reward_model_layouts_match_one_process(train_runs):
 
 # The teacher: another family (Qwen3, 2 layers of width 256) with the student's tokenizer, trained 4 steps.
 TEACHER = ("--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.args.n_layers", "2",
-           "--optimizer.lr", "3e-3", "--checkpoint.folder", lambda root: root / "teacher")
+           "--optimizer.lr", "3e-3", "--checkpoint.enable", "--checkpoint.folder", lambda root: root / "teacher")
 DISTILL = (*STUDENT, "--training.objective", "distill", "--distill.teacher", lambda root: root / "teacher",
            "--distill.temperature", "2", "--distill.kl_weight", "0.5", "--checkpoint.no_enable")
 TOP_K = ("--distill.top_k", "16")

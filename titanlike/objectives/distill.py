@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Shard
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
@@ -52,6 +52,7 @@ from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, logits_of
 from titanlike.objectives.base import BatchContext, Microbatch, Objective
 from titanlike.objectives.preference import DPO
 from titanlike.objectives.registry import register_objective
+from titanlike.parallel.utils import sum_over_for_replicated_loss
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
@@ -88,19 +89,47 @@ def over_vocab_shards(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     (its gradient passes through to each rank's part); `local` itself otherwise."""
     if not isinstance(like, DTensor):
         return local
-    return DTensor.from_local(local, like.device_mesh, [Partial()], run_check=False).full_tensor()
+    return sum_over_for_replicated_loss(local, like.device_mesh)
+
+
+@dataclass
+class ShardSoftmax:
+    """softmax(logits / T) over the vocabulary, held as this rank's shard: x the scaled logits of its
+    tokens (ids start..), e = exp(x - top), and the replicated normalizer: total = sum of e over
+    every shard, log_z = top + log(total) (top: the all-reduced max, a constant shift). log p of
+    its tokens is x - log_z. Sums over the vocabulary are partial sums of each shard completed
+    with over_vocab_shards, whose backward passes the gradient through: exact when what reads the
+    completed sum is the same on every rank, which is why log_z is kept apart from x."""
+
+    x: torch.Tensor
+    e: torch.Tensor
+    total: torch.Tensor
+    log_z: torch.Tensor
+    start: int
+
+
+def shard_softmax(logits: torch.Tensor, temperature: float) -> ShardSoftmax:
+    local, start = vocab_shard(logits)
+    x = local.float() / temperature
+    top = x.detach().amax(-1)
+    if isinstance(logits, DTensor):
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=logits.device_mesh.get_group())
+    e = (x - top[..., None]).exp()
+    total = over_vocab_shards(e.sum(-1), logits)
+    return ShardSoftmax(x, e, total, top + total.log(), start)
 
 
 def teacher_channels(output, top_k: int, temperature: float) -> torch.Tensor:
     """(batch, seq, n) the teacher's part of the labels (module docstring) from its output."""
-    logp = F.log_softmax(logits_of(output).float() / temperature, dim=-1)
-    local, start = vocab_shard(logp)
+    logits = logits_of(output)
+    t = shard_softmax(logits, temperature)
+    logp = t.x - t.log_z[..., None]
     if not top_k:
-        return local
-    values, ids = local.topk(min(top_k, local.shape[-1]), dim=-1)
-    ids = ids + start
-    if isinstance(logp, DTensor):  # every rank's best k, then the best k of them
-        mesh = logp.device_mesh
+        return logp
+    values, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    ids = ids + t.start
+    if isinstance(logits, DTensor):  # every rank's best k, then the best k of them
+        mesh = logits.device_mesh
         values = DTensor.from_local(values, mesh, [Shard(-1)], run_check=False).full_tensor()
         ids = DTensor.from_local(ids, mesh, [Shard(-1)], run_check=False).full_tensor()
         values, best = values.topk(top_k, dim=-1)
@@ -112,23 +141,19 @@ def kl_per_token(student_logits: torch.Tensor, teacher: torch.Tensor, *, loss: s
                  temperature: float) -> torch.Tensor:
     """(batch, seq) the KL of every position, from the student's logits (whole or split over the
     vocabulary) and the teacher's channels of the labels (teacher_channels)."""
-    logq = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    q = shard_softmax(student_logits, temperature)
     if top_k:
         logp, ids = teacher[..., :top_k], teacher[..., top_k:].long()
-        local, start = vocab_shard(logq)
-        inside = (ids >= start) & (ids < start + local.shape[-1])
-        picked = local.gather(-1, torch.where(inside, ids - start, 0)) * inside
-        logq_k = over_vocab_shards(picked, logq)
-        return (logp.exp() * (logp - logq_k)).sum(-1)
+        inside = (ids >= q.start) & (ids < q.start + q.x.shape[-1])
+        picked = over_vocab_shards(q.x.gather(-1, torch.where(inside, ids - q.start, 0)) * inside, student_logits)
+        return (logp.exp() * (logp - picked + q.log_z[..., None])).sum(-1)
     logp = teacher
-    if isinstance(logq, DTensor):
-        logp = DTensor.from_local(teacher, logq.device_mesh, logq.placements, run_check=False, shape=logq.shape,
-                                  stride=logq.stride())
-    if loss == "forward_kl":
-        kl = (logp.exp() * (logp - logq)).sum(-1)
-    else:
-        kl = (logq.exp() * (logq - logp)).sum(-1)
-    return kl.full_tensor() if isinstance(kl, DTensor) else kl
+    if loss == "forward_kl":  # sum p (log p - x) + (sum p) log_z
+        p = logp.exp()
+        mass = over_vocab_shards(p.sum(-1), student_logits)
+        return over_vocab_shards((p * (logp - q.x)).sum(-1), student_logits) + mass * q.log_z
+    # sum q (log q - log p) = sum e (x - log p) / total - log_z
+    return over_vocab_shards((q.e * (q.x - logp)).sum(-1), student_logits) / q.total - q.log_z
 
 
 class Distill(Objective):
@@ -142,6 +167,7 @@ class Distill(Objective):
         self.options = options or DistillOptions()
         self.attention_mask = None if family is None else family.attention_mask
         self.teacher = None  # set by attach
+        self._vocab_split, self._channels = 1, 0  # set by validate and model_args
         self._reports: torch.Tensor | None = None
         self._recording = True
 
@@ -169,6 +195,7 @@ class Distill(Objective):
     def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         o = self.options
         self.family.validate(cfg, dims, model=model)
+        self._vocab_split = dims.tp if dims.tp > 1 and not cfg.parallelism.disable_loss_parallel else 1
         if not o.teacher:
             raise ValueError("training.objective distill needs distill.teacher: a DCP checkpoint or a Hugging Face folder "
                              "of the teacher")
@@ -206,6 +233,9 @@ class Distill(Objective):
 
     def model_args(self, args):
         """The student's args, unchanged, once the teacher's vocabulary is known to be the student's."""
+        # The teacher's channels of the labels per token (module docstring); under loss-parallel TP a
+        # vocabulary shard's (torch.chunk's size: the first ranks' shards are the largest).
+        self._channels = 2 * self.options.top_k or math.ceil(args.vocab_size / self._vocab_split)
         folder, _, teacher = self.teacher_model()
         if teacher.vocab_size != args.vocab_size:
             raise ValueError(f"distill.teacher {folder} has a vocabulary of {teacher.vocab_size} tokens and the student "
@@ -237,11 +267,12 @@ class Distill(Objective):
     def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
         mb = self.family.prepare(batch, ctx)
         targets = mb.labels.float()[..., None]
-        mb.labels = targets
-        if self.teacher is not None:
-            channels = self.teacher(mb)
-            if channels is not None:  # (None on pipeline ranks without the last stage, where no loss runs)
-                mb.labels = torch.cat([targets, channels], dim=-1)
+        channels = self.teacher(mb) if self.teacher is not None else None
+        if channels is None:
+            # Pipeline ranks without the last stage (no loss runs there), or no teacher attached (the
+            # estimator's trace of the step): channels of the teacher's width, zero.
+            channels = targets.new_zeros(*targets.shape[:-1], self._channels)
+        mb.labels = torch.cat([targets, channels], dim=-1)
         return mb
 
     def attach(self, models) -> None:
@@ -270,6 +301,8 @@ class Distill(Objective):
         kl = kl_per_token(logits, labels[..., 1:], loss=o.loss, top_k=o.top_k, temperature=o.temperature)
         kl = torch.where(trained, kl, torch.zeros((), device=kl.device)).sum()
         hard = self._cross_entropy(logits, targets)
+        if isinstance(hard, DTensor):  # vocabulary-parallel cross-entropy: replicated
+            hard = hard.full_tensor()
         total = o.kl_weight * kl + (1 - o.kl_weight) * hard if o.kl_weight < 1 else kl
         if isinstance(output, ModelOutput):
             for aux in output.aux_losses.values():
