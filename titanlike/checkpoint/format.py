@@ -1031,8 +1031,9 @@ def write_hf(
             hf_sd, config = spec.hf.score_model(hf_sd, config)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
-        if pad_id is not None:
-            config["pad_token_id"] = pad_id
+        pad = pad_id if pad_id is not None else eos_id  # what training padded with (objectives/sft.py pad_id)
+        if pad is not None:
+            config["pad_token_id"] = pad
     # Contiguous: converted tensors may be views (permuted rows), and safetensors stores raw storage.
     hf_sd = {k: v.to(dtype).contiguous() for k, v in hf_sd.items()}
     os.makedirs(out, exist_ok=True)
