@@ -26,12 +26,13 @@ The labels, (batch, seq, 1 + n) float32: the target (IGNORE_INDEX where not trai
 2**24), then the teacher's log p: the whole vocabulary's (n = this rank's vocabulary shard under
 tensor parallelism), or top-k's k log-probabilities then their k token ids.
 
-Tensor parallelism: the logits stay split over the vocabulary (loss parallel). The teacher's log p
-is computed on its shard (DTensor log_softmax, whose normalizer is all-reduced) and each rank keeps
-its shard; the student's KL is summed on each rank's shard and all-reduced (DTensor Partial ->
-Replicate): the vocabulary is never gathered. Top-k: each rank's k best, all-gathered (k x tp
-candidates), then the best k; the student's log q at those ids is read on the rank that holds each
-and summed over the ranks.
+Tensor parallelism: the logits stay split over the vocabulary (loss parallel) and are never
+gathered. Softmaxes are held per shard (ShardSoftmax): the max and the sum of exponentials are
+all-reduced; each rank keeps its shard of the teacher's log p in its labels; the student's KL is a
+partial sum per shard completed by an all-reduce whose backward passes the gradient through, with
+the normalizer's term added after it (a pass-through is exact only for what every rank reads
+alike). Top-k: each rank's k best, all-gathered (k x tp candidates), then the best k; the student's
+log q at those ids is read on the rank that holds each and summed over the ranks.
 
 Options, [distill]: teacher, loss, temperature, kl_weight, top_k.
 """

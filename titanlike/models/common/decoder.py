@@ -137,7 +137,7 @@ class Decoder(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
         self.norm: nn.Module | None = self.build_norm()
-        self.output: nn.Linear | None = nn.Linear(args.dim, 1 if args.score_head else args.vocab_size, bias=False)
+        self.output: nn.Linear | None = nn.Linear(args.dim, 1 if args.has_score_head else args.vocab_size, bias=False)
         # {alias: owner}: names of one Parameter under two names. Generic code (pipeline split,
         # checkpoints, gradient sync) reads this, not the tie flag.
         self.tied_weights: dict[str, str] = (
