@@ -13,7 +13,8 @@ DATA = str(REPO / "tests" / "assets" / "dpo" / "prefer_reverse.jsonl")
 STUDENT = ("--model.flavor", "debugmodel_tiny", "--model.args.n_layers", "2", "--optimizer.lr", "3e-3",
            "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4", "--training.global_batch_size", "8")
 REWARD = (*STUDENT, "--training.objective", "reward", "--training.dataset", "text", "--training.dataset_path", DATA,
-          "--checkpoint.no_enable")
+          "--checkpoint.no_enable", "--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
+          "--training.split", "90,10")
 LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
            "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2")}
 
@@ -32,14 +33,25 @@ def assert_same(one, got, name):
 @pytest.mark.train_run(*REWARD, name="one")
 @pytest.mark.train_run(*REWARD, *LAYOUTS["fsdp"], name="fsdp", nproc=2)
 @pytest.mark.train_run(*REWARD, *LAYOUTS["tp"], name="tp", nproc=2)
+@pytest.mark.train_run(*REWARD, *LAYOUTS["pp"], name="pp", nproc=2)
 def test_reward_model_layouts_match_one_process(train_runs):
-    """The scalar head under FSDP2 and TP2 (sequence parallel; the head replicated, its input gathered):
-    loss per pair, gradient norm, margin and accuracy equal one process."""
+    """The scalar head under FSDP2, TP2 (sequence parallel; the head replicated, its input gathered)
+    and PP2: loss per pair, gradient norm, margin and accuracy equal one process, and so does
+    validation on held-out pairs (loss per pair, preference accuracy) where the ranks read the same
+    pairs (TP, PP)."""
     keys = ("loss", "grad_norm", "reward_margin", "reward_accuracy")
+    checks = ("validation_loss", "validation_accuracy", "validation_tokens")
     one = table(train_runs["one"], keys)
     assert one[-1][0] < one[0][0] and one[-1][2] > one[0][2]  # it learns
-    for name in ("fsdp", "tp"):
+    validation = [[r[k] for k in checks] for r in train_runs["one"].metrics if "validation_loss" in r]
+    assert len(validation) == 2 and validation[0][2] == 8
+    for name in ("fsdp", "tp", "pp"):
         assert_same(one, table(train_runs[name], keys), name)
+        if name != "fsdp":  # validation batches are per data-parallel rank
+            got = [[r[k] for k in checks] for r in train_runs[name].metrics if "validation_loss" in r]
+            assert len(got) == 2, name
+            for want, have in zip(validation, got):
+                assert have == pytest.approx(want, abs=5e-5, rel=1e-4), name
 
 
 # The teacher: another family (Qwen3, 2 layers of width 256) with the student's tokenizer, trained 4 steps.
