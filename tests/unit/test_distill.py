@@ -125,3 +125,31 @@ def test_teachers_a_job_refuses_in_one_sentence(tmp_path):
     # Another family and size with the student's vocabulary is a teacher.
     plan = _plan(_teacher(tmp_path, "qwen3", "debugmodel", n_layers=1, vocab_size=2048))
     assert plan.objective.name == "distill"
+
+
+def test_a_hugging_face_teacher_is_built_and_loaded_as_transformers_runs_it(tmp_path):
+    """A teacher given as a Hugging Face folder (another family: Qwen3) is built with the job's layout
+    and loaded (train/model_parts.py build_frozen_model): frozen, and its logits are transformers'."""
+    import dataclasses
+
+    import transformers
+
+    from titanlike.checkpoint.format import write_hf
+    from titanlike.models.registry import get_model_spec
+    from titanlike.train.model_parts import build_frozen_model
+
+    spec = get_model_spec("qwen3")
+    args = dataclasses.replace(spec.flavors["debugmodel"], n_layers=1, vocab_size=2048)
+    with torch.device("meta"):
+        source = spec.model_cls(args)
+    source.to_empty(device="cpu")
+    source.init_weights(seed=2)
+    folder = tmp_path / "qwen3_hf"
+    write_hf(dict(source.state_dict()), spec, args, str(folder), context_len=64)
+    plan = _plan(folder)
+    parts = build_frozen_model(plan, str(folder), torch.device("cpu"), seed=0)
+    assert len(parts) == 1 and not any(p.requires_grad for p in parts[0].parameters())
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(parts[0](tokens), hf(tokens).logits, atol=1e-4)
