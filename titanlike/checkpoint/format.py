@@ -1025,6 +1025,15 @@ def write_hf(
     if spec.hf is None:
         raise CheckpointError(f"model {spec.name} has no Hugging Face adapter")
     hf_sd = spec.hf.to_hf_state_dict(state_dict, args)
+    config = spec.hf.args_to_config(args, max_position_embeddings=context_len)
+    if args.has_score_head:  # a reward model: transformers finds each sequence's score by the pad id
+        try:
+            hf_sd, config = spec.hf.score_model(hf_sd, config)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        pad = pad_id if pad_id is not None else eos_id  # what training padded with (objectives/sft.py pad_id)
+        if pad is not None:
+            config["pad_token_id"] = pad
     # Contiguous: converted tensors may be views (permuted rows), and safetensors stores raw storage.
     hf_sd = {k: v.to(dtype).contiguous() for k, v in hf_sd.items()}
     os.makedirs(out, exist_ok=True)
@@ -1042,7 +1051,6 @@ def write_hf(
         raise CheckpointError(f"writing Hugging Face checkpoint {out} failed: {summarize(e)}") from None
     if unlisted:
         _unlist(out, unlisted, unlisted_file)
-    config = spec.hf.args_to_config(args, max_position_embeddings=context_len)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     generation = {"_from_model_config": True}
     for name, value in spec.hf.token_ids(bos=bos_id, eos=eos_id, pad=pad_id).items():

@@ -140,6 +140,32 @@ def _merged(state_dict: dict) -> dict:
     return merged_state_dict(state_dict) if has_adapters(state_dict) else state_dict
 
 
+def checkpoint_model(path: str | os.PathLike):
+    """(folder, spec, args) of the model a checkpoint holds (a DCP checkpoint with its sidecar, a
+    Hugging Face folder, or a folder of step-N checkpoints: the latest), reading no tensor;
+    CheckpointError (one sentence) otherwise."""
+    folder = resolve_checkpoint_folder(os.fspath(path))
+    if is_dcp_folder(folder):
+        info = read_sidecar(folder)
+        if info is None or not isinstance(info.get("model"), dict):
+            raise CheckpointError(f"{folder} has no {SIDECAR} naming the model it holds")
+        spec, args = build_args(info["model"], where=os.path.join(folder, SIDECAR))
+    else:
+        spec, args = hf_folder_args(folder)
+    return folder, spec, args
+
+
+def checkpoint_state_dict(folder: str, spec, args) -> dict[str, torch.Tensor]:
+    """The full tensors of checkpoint_model's folder in our names (a LoRA checkpoint merged), checked
+    against the model (check_fits)."""
+    if is_dcp_folder(folder):
+        state_dict = _merged(read_dcp_model(folder))
+    else:
+        state_dict = _from_hf(spec, read_hf(folder)[0], args, folder)
+    check_fits(state_dict, spec, args, folder)
+    return state_dict
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                dtype: torch.dtype | None = None) -> torch.nn.Module:
     """An unsharded model from a titanlike DCP checkpoint or a Hugging Face folder.
@@ -180,5 +206,5 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     return model.eval()
 
 
-__all__ = ["check_fits", "export_dcp_to_hf", "hf_folder_args", "hf_model_from_config", "import_hf_to_dcp",
+__all__ = ["check_fits", "checkpoint_model", "checkpoint_state_dict", "export_dcp_to_hf", "hf_folder_args", "hf_model_from_config", "import_hf_to_dcp",
            "load_model", "write_dcp_model"]

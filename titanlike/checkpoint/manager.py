@@ -940,6 +940,11 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 _, args = fmt.hf_folder_args(path, spec)  # every value config.json gives checked first
+                # A reward model started from a language model (an SFT export): all but the output
+                # projection, whose one-score head starts from its initialization.
+                new_head = self.model_args.has_score_head and not args.has_score_head
+                if new_head:
+                    args = args.with_score_head()
                 if not self._grown:
                     self._check_hf_args(args, path)
                 hf_sd, _ = fmt.read_hf(path)
@@ -948,10 +953,14 @@ class CheckpointManager:
                 except Exception as e:
                     raise CheckpointError(f"Hugging Face checkpoint {path} does not match its {fmt.HF_CONFIG} "
                                           f"({type(e).__name__}: {e})") from None
+                if new_head:
+                    state_dict.pop("output.weight", None)
+                    logger.info(f"checkpoint: {path} is a language model: the score head starts from its "
+                                "initialization")
                 # Names, shapes, floating point, finite: against the job's model. A model [model.args]
                 # changed loads the tensors it shares with the folder; the others keep their init.
                 missing, dropped = fmt.check_fits(state_dict, spec, self.model_args, f"Hugging Face checkpoint {path}",
-                                                  partial=self._grown)
+                                                  partial=self._grown or new_head)
                 for key in dropped:
                     del state_dict[key]
                 if missing:

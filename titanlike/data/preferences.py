@@ -147,13 +147,19 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate") -> TokenizedP
     return TokenizedPairs(np.concatenate(inputs), np.concatenate(labels), np.asarray(bounds, dtype=np.int64))
 
 
-def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate") -> TokenizedPairs:
-    """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate."""
+def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate",
+                   end_id: int | None = None) -> TokenizedPairs:
+    """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate. end_id: a token
+    appended to every rendered side as its last target, so that the side's last real token is an
+    input too (a reward model scores each whole sequence at its last token)."""
     from titanlike.data.chat_template import chat_prompt_ids
 
     def render(where: str, messages: list[dict], prompt_ids: list[int]):
         ids, assistant = render_row(template, tokenizer, messages, where, "pair")
-        return ids, answer_mask(ids, assistant, prompt_ids)
+        mask = answer_mask(ids, assistant, prompt_ids)
+        if end_id is not None:
+            ids, mask = [*ids, end_id], np.append(mask, True)
+        return ids, mask
 
     def pairs():
         for where, row in rows:
@@ -178,5 +184,21 @@ class PreferenceSamples(ConversationSamples):
         return f"dpo: {items} pairs ({trained:,} answer tokens)"
 
 
-__all__ = ["PAIR_KEYS", "PreferenceSamples", "TokenizedPairs", "answer_mask", "pack_pairs", "row_pair",
+def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_len, split, split_name,
+                       end_id: int | None = None):
+    """The global sample source of preference rows for an objective whose options have chat_template,
+    overlong and packing (section: its config section, named in messages); end_id: tokenize_pairs'."""
+    from titanlike.data.chat_template import load_chat_template
+    from titanlike.data.conversations import split_rows
+    from titanlike.data.loader import GlobalSamples
+    from titanlike.objectives.sft import pad_id
+
+    rows = split_rows(dataset_path, split, split_name)
+    template = load_chat_template(options.chat_template, tokenizer, option=f"{section}.chat_template")
+    pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=options.overlong, end_id=end_id)
+    source = PreferenceSamples(pairs, seq_len=seq_len, packing=options.packing, pad_id=pad_id(tokenizer))
+    return GlobalSamples(source, shuffle=True, fields=source.fields)
+
+
+__all__ = ["PAIR_KEYS", "PreferenceSamples", "preference_samples", "TokenizedPairs", "answer_mask", "pack_pairs", "row_pair",
            "tokenize_pairs"]

@@ -113,6 +113,17 @@ class BaseModelArgs:
         routed experts only top_k (the same as the total for a dense model)."""
         raise NotImplementedError
 
+    @property
+    def has_score_head(self) -> bool:
+        """Whether the output projection gives one score per position (a reward model, with_score_head)
+        rather than the vocabulary's logits."""
+        return False
+
+    def with_score_head(self) -> BaseModelArgs:
+        """A copy whose output projection gives one scalar per position (a reward model's head);
+        ValueError (one sentence) for a family that has none."""
+        raise ValueError(f"{type(self).__name__} models have no scalar (reward) head")
+
     def moe_args(self) -> MoEArgs | None:
         """The mixture-of-experts settings (models/common/moe.py), or None for a dense model."""
         return None

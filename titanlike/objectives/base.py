@@ -104,6 +104,10 @@ class ObjectiveModels:
     # sum_over_for_replicated_loss); None without it. cp_degree: the number of cp ranks.
     cp_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
     cp_degree: int = 1
+    # other_model(path): this rank's parts of the model of another checkpoint (a DCP checkpoint or a
+    # Hugging Face folder; a distillation teacher), frozen, built with the job's layout (its own
+    # pipeline split over the same stages) and loaded; `forward` runs it like the frozen copy.
+    other_model: Callable[[str], list[nn.Module]] | None = None
 
 
 def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
@@ -191,6 +195,11 @@ class Objective:
         if dataset not in ("default", "megatron"):
             raise ValueError(f"validation needs validation.dataset and validation.dataset_path: a {dataset} training "
                              "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
+
+    def model_args(self, args):
+        """The model args this objective trains, from the job's (sized) ones: unchanged by default; a
+        reward model's have a scalar head (BaseModelArgs.with_score_head). ValueError, one sentence."""
+        return args
 
     def model_lengths(self) -> dict[str, int]:
         """Lengths the objective adds to the model's sizing (update_from_config's keywords beyond

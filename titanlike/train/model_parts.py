@@ -32,3 +32,29 @@ def build_model_parts(plan: JobPlan, converters: ModelConverters) -> list[nn.Mod
         # same parallelize as a whole model.
         parts = build_stage_modules(model, spec, plan.pipeline, dims.mesh("pp").get_local_rank())
     return [parallelize_model(part, spec.shard, dims, plan.parallelize) for part in parts]
+
+
+def build_frozen_model(plan: JobPlan, path: str, device: torch.device, *, seed: int) -> list[nn.Module]:
+    """This rank's parts of another model, frozen: the model of checkpoint `path` (a DCP checkpoint
+    or a Hugging Face folder, checkpoint/hf.py checkpoint_model), built and parallelized with the
+    job's layout (its own pipeline split over the same stages) and loaded. Every rank reads the full
+    tensors and keeps its shards (no communication; host memory for one full copy per rank)."""
+    from titanlike.checkpoint.hf import checkpoint_model, checkpoint_state_dict
+    from titanlike.models.common.init import copy_full_
+    from titanlike.models.converters import build_model_converters
+    from titanlike.train.plan import other_model_plan
+
+    folder, spec, args = checkpoint_model(path)
+    other = other_model_plan(plan, spec, args, model=folder)
+    parts = build_model_parts(other, build_model_converters([], plan.cfg.float8))
+    state = checkpoint_state_dict(folder, spec, other.model_args)
+    for part in parts:
+        part.to_empty(device=device)
+        part.init_weights(seed=seed)  # the non-persistent buffers (RoPE tables); every weight is loaded below
+        with torch.no_grad():
+            for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+                if name in state:
+                    copy_full_(tensor, state[name])
+        part.requires_grad_(False)
+        part.eval()
+    return parts

@@ -184,6 +184,10 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
                          "or model.hf_assets_path)")
     context_len = args.context_len
     args = args.update_from_config(vocab_size=vocab, seq_len=t.seq_len, **objective.model_lengths())
+    try:
+        args = objective.model_args(args)
+    except ValueError as e:
+        raise ValueError(f"{model}: {e}") from None
     validate_converter_targets(m.converters, lambda name: getattr(cfg, name), spec, args, model=model)
 
     # The layout.
@@ -214,6 +218,31 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         validate_wandb()
     return JobPlan(cfg, dims, spec, objective, args, context_len, source.flavor, source.description, tokenizer, batch,
                    pipeline, parallelize, _precision(cfg, dims))
+
+
+def other_model_plan(plan: JobPlan, spec: ModelSpec, args: BaseModelArgs, *, model: str) -> JobPlan:
+    """The plan of another model the job runs frozen beside the one it trains (a distillation
+    teacher): sized for the job's sequences, under the job's layout, with its own pipeline split over
+    the same stages, no activation checkpointing (it runs without gradients). ValueError (one
+    sentence naming `model`) when the layout cannot hold it."""
+    import dataclasses
+
+    cfg, dims = plan.cfg, plan.dims
+    try:
+        args.validate(dims, seq_len=cfg.training.seq_len)
+    except ValueError as e:
+        raise ValueError(f"{model}: {e}") from None
+    args = args.update_from_config(vocab_size=args.vocab_size, seq_len=cfg.training.seq_len)
+    if dims.tp > 1 and spec.shard is None:
+        raise ValueError(f"{model}: the {spec.name} family has no tensor parallelism, which this job's layout needs")
+    pipeline = _pipeline(cfg, dims, spec, args, model, plan.parallelize.compile_blocks)
+    if pipeline is not None and pipeline.num_stages != plan.pipeline.num_stages:
+        raise ValueError(f"{model}: its {args.num_layers} layers make {pipeline.num_stages} pipeline stages where the "
+                         f"trained model has {plan.pipeline.num_stages}; set parallelism.pipeline_parallel_layers_per_stage "
+                         "so that both split alike, or leave it unset")
+    parallelize = dataclasses.replace(plan.parallelize, activation_checkpoint_mode="none")
+    return dataclasses.replace(plan, spec=spec, model_args=args, pipeline=pipeline, parallelize=parallelize,
+                               flavor=None, model_source=model)
 
 
 def hf_model_folder(cfg: JobConfig) -> str | None:

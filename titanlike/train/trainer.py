@@ -53,7 +53,7 @@ from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torch
 from titanlike.train.gc_schedule import PeriodicGC
 from titanlike.train.loss_scaling import build_loss_scaler
 from titanlike.train.step import StepLoss, StepOutput, TrainStep
-from titanlike.train.model_parts import build_model_parts
+from titanlike.train.model_parts import build_frozen_model, build_model_parts
 from titanlike.train.plan import JobPlan
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
@@ -454,10 +454,17 @@ class Trainer:
                 runner.step(mb.inputs, mb.labels, extra, backward=False)
             return collect.result() if runner.has_last else None
 
+        def other_model(path: str) -> list[nn.Module]:
+            parts = build_frozen_model(self.plan, path, self.device, seed=self.cfg.debug.seed)
+            if self.rank == 0:
+                logger.info(f"{self.objective.name}: a frozen {path}, sharded like the model")
+            return parts
+
         cp_mesh = self.dims.mesh("cp") if self.dims.cp_enabled else None
         self.objective.attach(ObjectiveModels(
             self.model_parts, frozen_copy, forward, cp_degree=self.dims.cp,
-            cp_sum=None if cp_mesh is None else functools.partial(sum_over_for_replicated_loss, mesh=cp_mesh)))
+            cp_sum=None if cp_mesh is None else functools.partial(sum_over_for_replicated_loss, mesh=cp_mesh),
+            other_model=other_model))
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,

@@ -56,6 +56,9 @@ class DecoderArgs(BaseModelArgs):
     # Features per attention head when they are not dim // n_heads (Qwen3: 128 at every width);
     # None: dim // n_heads. Read it through the head_dim property.
     explicit_head_dim: int | None = None
+    # The output projection gives one score per position (a reward model's head, with_score_head)
+    # instead of the vocabulary's logits.
+    score_head: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from a checkpoint sidecar (to_dict)
@@ -77,12 +80,22 @@ class DecoderArgs(BaseModelArgs):
         """The token table and the output projection: two tables unless tied. The table alone is a
         lookup (left out by exclude_embedding); tied to the output projection it does matmul work."""
         table = self.vocab_size * self.dim
+        if self.score_head:
+            return table * (not exclude_embedding) + self.dim
         if self.tie_word_embeddings:
             return table
         return table if exclude_embedding else 2 * table
 
     def moe_args(self) -> MoEArgs | None:
         return self.moe
+
+    @property
+    def has_score_head(self) -> bool:
+        return self.score_head
+
+    def with_score_head(self) -> DecoderArgs:
+        # The head is its own (1, dim) matrix: nothing to tie to the token table.
+        return dataclasses.replace(self, score_head=True, tie_word_embeddings=False)
 
     def with_moe_args(self, moe: MoEArgs) -> DecoderArgs:
         return dataclasses.replace(self, moe=moe)
@@ -124,7 +137,7 @@ class Decoder(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
         self.norm: nn.Module | None = self.build_norm()
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Linear | None = nn.Linear(args.dim, 1 if args.has_score_head else args.vocab_size, bias=False)
         # {alias: owner}: names of one Parameter under two names. Generic code (pipeline split,
         # checkpoints, gradient sync) reads this, not the tie flag.
         self.tied_weights: dict[str, str] = (

@@ -172,6 +172,11 @@ class HFAdapter(abc.ABC):
     tokenizer_roles: ClassVar[tuple[str, ...]] = ("bos", "eos", "pad")
     # The rule of every config.json key config_to_args reads (see Rule above).
     config_rules: ClassVar[Mapping[str, Rule]] = COMMON_RULES
+    # A model with a scalar head (a reward model, args.has_score_head) is written as this transformers
+    # class (e.g. LlamaForSequenceClassification, num_labels 1), its output projection under
+    # `score_names` (ours in HF's state dict -> the class's); None: the family has no such class.
+    score_architecture: ClassVar[str | None] = None
+    score_names: ClassVar[Mapping[str, str]] = {}
 
     def read_config(self, config: Mapping[str, Any]) -> BaseModelArgs:
         """config_to_args for a config.json from anywhere: every value it reads checked first
@@ -228,6 +233,18 @@ class HFAdapter(abc.ABC):
     def from_hf_state_dict(self, hf_sd: StateDict, args: BaseModelArgs) -> dict[str, torch.Tensor]:
         """HF's state dict -> ours, loadable with load_state_dict(strict=True) (tied aliases
         included); KeyError for a tensor with no name here, ValueError for values that cannot load."""
+
+    def score_model(self, hf_sd: StateDict, config: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(state dict, config.json) of a model with a scalar head, from what to_hf_state_dict and
+        args_to_config give: transformers' sequence-classification class of one label, which scores
+        each sequence at its last token that is not padding. ValueError (one sentence) if the family
+        has none."""
+        if self.score_architecture is None:
+            raise ValueError(f"the {self.model_types[0]} family has no Hugging Face sequence-classification class "
+                             "to write a reward model as")
+        names = self.score_names
+        return ({names.get(k, k): v for k, v in hf_sd.items()},
+                {**config, "architectures": [self.score_architecture], "num_labels": 1})
 
     def token_ids(self, *, bos: int | None, eos: int | None, pad: int | None) -> dict[str, int]:
         """The token-id fields of config.json (and generation_config.json) for the tokenizer's

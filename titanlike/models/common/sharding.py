@@ -167,6 +167,8 @@ def sequence_local(module: nn.Module, opts: ShardOptions) -> ParallelStyle | Non
 
 
 def vocab_output(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    if module.out_features == 1:  # a reward model's score head: nothing to split over the vocabulary
+        return ScoreHead(input_layout=between_blocks(opts))
     return ColwiseParallel(input_layouts=between_blocks(opts),
                            output_layouts=Shard(-1) if opts.loss_parallel else Replicate(),
                            use_local_output=not opts.loss_parallel)
@@ -290,6 +292,30 @@ class ReplicatedModule(ParallelStyle):
     def local_output(self, out, mesh: DeviceMesh):
         """The plain output handed to the module's readers (a subclass may change its backward)."""
         return out
+
+
+class ScoreHead(ParallelStyle):
+    """An output projection of one feature (a reward model's score), too small to split: its weight
+    is a Replicate DTensor, its input is gathered from the layout between blocks (sequence slices
+    under sequence parallelism), and every rank computes the whole (batch, seq, 1) score, a plain
+    tensor. The weight's gradient is then whole and equal on every rank, and the input's gradient
+    is this rank's slice of it."""
+
+    def __init__(self, *, input_layout: Placement):
+        super().__init__()
+        self.input_layout = input_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gathered(mod, inputs, mesh):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [self.input_layout], run_check=False)
+            return (x.redistribute(mesh, [Replicate()]), *inputs[1:])
+
+        def whole(mod, output, mesh):
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, replicate_parameters, gathered, whole)
 
 
 class HeadSplitParameters(ParallelStyle):

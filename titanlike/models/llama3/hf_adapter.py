@@ -46,6 +46,8 @@ class Llama3HF(HFAdapter):
 
     model_types = ("llama",)
     config_rules = DECODER_RULES
+    score_architecture = "LlamaForSequenceClassification"
+    score_names = {"lm_head.weight": "score.weight"}
 
     def __init__(self, flavors: Mapping[str, TransformerModelArgs]):
         self.flavors = flavors

@@ -70,6 +70,8 @@ class Qwen3HF(HFAdapter):
 
     model_types = (QWEN3, QWEN3_MOE)
     config_rules = {**DECODER_RULES, **MOE_RULES, "use_sliding_window": COMPARED}
+    score_architecture = "Qwen3ForSequenceClassification"
+    score_names = {"lm_head.weight": "score.weight"}
 
     def model_type(self, args: Qwen3ModelArgs) -> str:
         return QWEN3_MOE if args.moe is not None else QWEN3
