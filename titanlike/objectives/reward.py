@@ -36,7 +36,7 @@ from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX, logits_of
-from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Objective, refuse_pretraining_options
+from titanlike.objectives.base import BatchContext, Microbatch, Objective, refuse_pretraining_options
 from titanlike.objectives.preference import DPO, document_sums
 from titanlike.objectives.registry import register_objective
 
