@@ -214,6 +214,61 @@ class ModelState(Stateful):
             set_model_state_dict(part, own, options=StateDictOptions(strict=False))
 
 
+def load_frozen_model(parts: list[nn.Module], folder: str, spec, args) -> None:
+    """Load the model of checkpoint `folder` (checkpoint/hf.py checkpoint_model: its spec and args)
+    into `parts`, this rank's shards of it built with the job's layout, as a job's own initial load
+    reads: from a DCP checkpoint each rank reads only its shards; from a Hugging Face folder (whose
+    conversion needs whole tensors) rank 0 reads and converts, and every rank keeps its shards of the
+    broadcast. A LoRA checkpoint is read whole on every rank (its adapters fold into whole weights).
+    Names and shapes are checked against the model first (check_fits); CheckpointError otherwise, on
+    every rank alike."""
+    from titanlike.models.lora import has_adapters
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if fmt.is_dcp_folder(folder):
+        metadata = fmt.read_dcp_metadata(folder)
+        fmt.check_dcp_files(folder, metadata)
+        names, _ = fmt.dcp_model_keys(metadata)
+        if not has_adapters(names):
+            problem = fmt.verify_checksums(folder, metadata)  # streams the files; holds none of them
+            if problem:
+                raise CheckpointError(problem)
+            # The index stands for the tensors: names and shapes checked on meta, nothing read.
+            index = {fqn: torch.empty(metadata.state_dict_metadata[key].size, device="meta",
+                                      dtype=metadata.state_dict_metadata[key].properties.dtype)
+                     for fqn, key in names.items()}
+            fmt.check_fits(index, spec, args, folder)
+            state = ModelState(parts)
+            local = state.load_template()
+            template = {names[k]: v for k, v in local.items()}
+            try:
+                fmt.dcp_load(template, folder, no_dist=not distributed)
+            except BaseException as e:  # CheckpointException is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise CheckpointError(f"reading checkpoint {folder} failed: {summarize(e)}") from None
+            state.load_state_dict({k: template[names[k]] for k in local})
+            return
+    from titanlike.checkpoint.hf import checkpoint_state_dict
+
+    full: dict[str, torch.Tensor] = {}
+    error = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            full = checkpoint_state_dict(folder, spec, args)
+        except CheckpointError as e:
+            error = str(e)
+    if distributed:  # rank 0's verdict first, so no rank waits in a broadcast that never comes
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0)
+        error = verdict[0]
+    if error:
+        raise CheckpointError(error)
+    opts = StateDictOptions(full_state_dict=distributed, broadcast_from_rank0=distributed, strict=False)
+    for part in parts:
+        set_model_state_dict(part, dict(full), options=opts)
+
+
 class OptimizerState(Stateful):
     """The optimizer's state keyed by parameter FQN (flattened), so any layout loads it.
 
