@@ -951,9 +951,32 @@ class CheckpointManager:
         model = self.states[MODEL]
         local = model.load_template()
         prefix = fmt.MODEL_PREFIX if prefixed else ""
+        if self._new_score_head(path):
+            # A reward model started from a language model (an SFT run's step folder): every tensor
+            # but the output projection, the one whose shape differs, which starts from its init.
+            index = metadata.state_dict_metadata
+            # (A language model of tied embeddings holds no output projection of its own.)
+            head = [k for k, v in local.items() if prefix + k not in index
+                    or tuple(getattr(index[prefix + k], "size", ())) != tuple(v.shape)]
+            local = {k: v for k, v in local.items() if k not in head}
+            if self.rank == 0:
+                logger.info(f"checkpoint: {path} is a language model: the score head ({', '.join(head)}) "
+                            "starts from its initialization")
         template = {prefix + k: v for k, v in local.items()}
         loaded = self._load_entries(template, metadata, path, what=f"loading the model from {path}")
         model.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
+
+    def _new_score_head(self, path: str) -> bool:
+        """Whether this job's model has a score head (a reward model) and DCP checkpoint `path`, by
+        its sidecar, holds a model without one (a language model)."""
+        if self._description is None or not self.model_args.has_score_head:
+            return False
+        recorded = (fmt.read_sidecar(path) or {}).get("model")
+        try:
+            _, args = fmt.build_args(recorded, where=os.path.join(path, fmt.SIDECAR))
+        except Exception:  # no sidecar or an unreadable one: the index checks that follow name the problem
+            return False
+        return not args.has_score_head
 
     @torch.no_grad()
     def load_initial_model(self, parts: list[nn.Module]) -> bool:
