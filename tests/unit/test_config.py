@@ -210,6 +210,8 @@ _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
         (["--validation.sample_prompts", "Hi", "--model.name", "bert", "--model.flavor", "debugmodel_tiny",
           "--training.seq_len", "64"], 1,
          "validation.sample_prompts needs a model that generates text, and bert debugmodel_tiny is an encoder"),
+        (["--model.args.score_head", "true"], 1,
+         "model.args.score_head is not a size of the model: training.objective reward sets it; remove it"),
         (["--validation.sample_prompts", "Hi", "--training.objective", "reward", "--training.dataset", "text",
           "--training.dataset_path", "tests/assets/dpo/prefer_reverse.jsonl"], 1,
          "validation.sample_prompts needs a model that generates text, and llama3 debugmodel is a reward model"),
