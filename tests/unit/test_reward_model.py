@@ -156,3 +156,10 @@ def test_a_reward_model_starts_from_a_language_model(kind, tmp_path):
     assert loaded["output.weight"].shape == (1, 64)
     for name in ("tok_embeddings.weight", "layers.1.attention.wq.weight", "norm.weight"):
         assert torch.allclose(loaded[name], source[name], atol=1e-8), name  # (one step of lr 1e-10)
+    if kind == "dcp":  # a reward model generates no text: generate.py, serve and lm-eval load it this way
+        from titanlike.inference.engine import GenerationError
+        from titanlike.inference.loading import load_for_inference
+
+        with pytest.raises(GenerationError, match="cannot generate text: it is a reward model") as e:
+            load_for_inference(str(tmp_path / "rm" / "checkpoint"))
+        assert "\n" not in str(e.value)

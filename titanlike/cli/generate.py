@@ -138,10 +138,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                                   f"{objective.name} samples, and this script continues prompts with decoder-only or "
                                   "encoder-decoder models (load it with titanlike.load_model and call it, or export "
                                   "it to Hugging Face)")
-        reason = protocol.no_text_reason(model, model.model_args)
-        if reason is not None:
-            raise GenerationError(f"{type(model).__name__} cannot generate text: it {reason}; score text with "
-                                  "titanlike.load_model, or export it to Hugging Face")
 
     try:
         model, tokenizer = load_for_inference(args.checkpoint, tokenizer=args.tokenizer, device=args.device,
