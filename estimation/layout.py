@@ -119,17 +119,35 @@ class _Walk:
         self.grads += 0 if self.offload else moved
 
 
+def _stages(plan, n: int) -> dict[int, tuple[list[int], bool, bool]]:
+    """(layers, first, last) of every stage of a model of n layers, as the trainer splits it."""
+    layout = plan.pipeline
+    return {0: (list(range(n)), True, True)} if layout is None else {
+        s: (layout.stage_layers(s, n), s == 0, s == layout.num_stages - 1) for s in range(layout.num_stages)}
+
+
 def estimate(plan, probe: Probe) -> list[RankEstimate]:
     """One estimate per pipeline rank (the ranks that hold the first stage of each pipeline rank)."""
     n, layout, accum, passes = len(probe.kinds), plan.pipeline, plan.batch.grad_accum_steps, len(probe.forward)
-    # (layers, first, last) of every stage, and the stages of each pipeline rank, as the trainer splits them.
-    stages = {0: (list(range(n)), True, True)} if layout is None else {
-        s: (layout.stage_layers(s, n), s == 0, s == layout.num_stages - 1) for s in range(layout.num_stages)}
+    stages = _stages(plan, n)
     offload = plan.parallelize.cpu_offload and plan.dims.fsdp_enabled
     out = []
     for pp_rank, held in enumerate([[0]] if layout is None else [layout.stages_of_rank(r) for r in range(layout.pp)]):
         static = sum((stage_static(probe, *stages[s]) for s in held), Static())
         walk = _Walk(static, offload)
+        # The objective's frozen other models (a distillation teacher), sharded like the model over the
+        # same stages: their parameter shards stay (no gradients, no optimizer state; on the host under
+        # CPU offload), and each microbatch first runs their forward without gradients, whose
+        # activations are freed block by block: the highest rise of one of its windows.
+        teacher, frozen = Window(), 0
+        for other, measured in probe.frozen:
+            theirs = _stages(other, len(measured.kinds))
+            frozen += sum((stage_static(measured, *theirs[s]).params for s in held), 0)
+            rises = [w.over for s in held for w in stage_windows(measured, 0, *theirs[s])[0]]
+            teacher = Window(0, max(teacher.over, max(rises, default=0)))
+        if not offload:
+            walk.params += frozen
+            walk.peak.parameters += frozen
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
         def run(s: int, mb: int, backward: bool, keep_share: float = 0.0) -> int:
@@ -144,6 +162,8 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
             return kept
 
         for rep in range(accum):
+            if probe.frozen:
+                walk.window(teacher, f"frozen model's forward of microbatch {rep + 1}")
             if layout is None:
                 run(0, rep, False)
                 run(0, rep, True)
@@ -172,5 +192,5 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
         reserved = walk.peak.total + sum(sum(sizes) for sizes in probe.pools.values())
         out.append(RankEstimate(rank=pp_rank * (plan.dims.world_size // plan.dims.pp), pp_rank=pp_rank,
                                 stages=list(held), peak=walk.peak, peak_phase=walk.where, reserved=reserved,
-                                host=static.params + static.grads + static.optimizer if offload else 0))
+                                host=static.params + frozen + static.grads + static.optimizer if offload else 0))
     return out

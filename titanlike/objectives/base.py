@@ -153,6 +153,13 @@ class Objective:
     # sampled from left to right (scripts/generate.py asks; the later inference issue builds on it).
     predicts_next_token: ClassVar[bool] = False
 
+    @property
+    def frozen_models(self) -> tuple[str, ...]:
+        """Checkpoints of other models the objective runs frozen beside the one it trains (what `attach`
+        asks ObjectiveModels.other_model for: a distillation teacher). The memory estimator counts their
+        parameter shards (no gradients, no optimizer state) and their forward without gradients."""
+        return ()
+
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
         # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so
         # that building an objective to check a job's rules compiles nothing).

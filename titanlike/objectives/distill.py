@@ -280,6 +280,10 @@ class Distill(Objective):
         mb.labels = torch.cat([targets, channels], dim=-1)
         return mb
 
+    @property
+    def frozen_models(self) -> tuple[str, ...]:
+        return (self.options.teacher,)
+
     def attach(self, models) -> None:
         parts = models.other_model(self.options.teacher)
         o = self.options
