@@ -158,7 +158,7 @@ def test_a_hugging_face_teacher_is_built_and_loaded_as_transformers_runs_it(tmp_
 def test_a_dcp_teacher_is_loaded_from_its_shards_as_read_whole(tmp_path):
     """A DCP teacher goes through the sharded load (checkpoint/manager.py load_frozen_model: the
     checkpoint's index checked, then each rank's shards read): the same tensors as the checkpoint read
-    whole (titanlike.load_model); an index of another shape is refused in one sentence."""
+    whole (titanlike.load_model); an index of another shape and a damaged file are refused in one sentence."""
     import json
 
     import titanlike
@@ -180,3 +180,10 @@ def test_a_dcp_teacher_is_loaded_from_its_shards_as_read_whole(tmp_path):
     with pytest.raises(CheckpointError, match="has shape .* but model qwen3 needs") as e:
         build_frozen_model(_plan(teacher), str(narrow), torch.device("cpu"), seed=5)
     assert "\n" not in str(e.value)
+    # A damaged file is found against the sidecar's checksums before any tensor is read.
+    data = next(teacher.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="is corrupt: its CRC-32"):
+        build_frozen_model(_plan(teacher), str(teacher), torch.device("cpu"), seed=5)

@@ -214,6 +214,22 @@ class ModelState(Stateful):
             set_model_state_dict(part, own, options=StateDictOptions(strict=False))
 
 
+def _verify_split(path: str, crcs: dict[str, str], group) -> str | None:
+    """The files of checkpoint path against their CRC-32s, split among the ranks of `group` (None: this
+    process alone) and the verdicts gathered: every rank returns the first problem, or None."""
+    names = sorted(crcs)
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    try:
+        problem = fmt.verify_files(path, crcs, names[rank::world])
+    except OSError as e:
+        problem = f"checkpoint {path} cannot be read: {e}"
+    if group is not None:
+        verdicts: list = [None] * world
+        dist.all_gather_object(verdicts, problem, group=group)
+        problem = next((v for v in verdicts if v), None)
+    return problem
+
+
 def load_frozen_model(parts: list[nn.Module], folder: str, spec, args) -> None:
     """Load the model of checkpoint `folder` (checkpoint/hf.py checkpoint_model: its spec and args)
     into `parts`, this rank's shards of it built with the job's layout, as a job's own initial load
@@ -230,7 +246,13 @@ def load_frozen_model(parts: list[nn.Module], folder: str, spec, args) -> None:
         fmt.check_dcp_files(folder, metadata)
         names, _ = fmt.dcp_model_keys(metadata)
         if not has_adapters(names):
-            problem = fmt.verify_checksums(folder, metadata)  # streams the files; holds none of them
+            # The files against their checksums, each read by one rank (streamed, none held).
+            crcs = fmt.checksummed_files(folder)
+            problem = fmt.missing_checksums(folder, metadata) if crcs is None else next(
+                (f"checkpoint {folder}: {fmt.SIDECAR} has no checksum for {m}, which {fmt.DCP_METADATA} names"
+                 for m in fmt.uncovered_files(metadata, crcs)), None)
+            if problem is None and crcs is not None:
+                problem = _verify_split(folder, crcs, dist.group.WORLD if distributed else None)
             if problem:
                 raise CheckpointError(problem)
             # The index stands for the tensors: names and shapes checked on meta, nothing read.
@@ -822,18 +844,7 @@ class CheckpointManager:
             return None
         if missing := fmt.uncovered_files(metadata, crcs):
             return f"checkpoint {path}: {fmt.SIDECAR} has no checksum for {missing[0]}, which {fmt.DCP_METADATA} names"
-        names = sorted(crcs)
-        world = dist.get_world_size(self._pg) if self.distributed else 1
-        rank = dist.get_rank(self._pg) if self.distributed else 0
-        try:
-            problem = fmt.verify_files(path, crcs, names[rank::world])
-        except OSError as e:
-            problem = f"checkpoint {path} cannot be read: {e}"
-        if self.distributed:
-            verdicts: list = [None] * world
-            dist.all_gather_object(verdicts, problem, group=self._pg)
-            problem = next((v for v in verdicts if v), None)
-        return problem
+        return _verify_split(path, crcs, self._pg if self.distributed else None)
 
     def _after_corruption(self, step: int, problem: str, steps: list[int]) -> tuple[int, str, Metadata]:
         """A corrupt checkpoint was chosen: an error naming it and the newest older checkpoint that
