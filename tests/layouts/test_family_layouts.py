@@ -11,7 +11,9 @@ moments (DCP resharding of the family's DTensors).
 
 A layout is declared when plan_job accepts it for the family on 2 ranks: FSDP 2 always; TP 2 (with
 vocabulary-parallel logits, with gathered logits, and without sequence parallelism) where the family
-has a sharding plan; CP 2 with both rotate methods where the family and its objective allow it; EP 2
+has a sharding plan; CP 2 (the ring: how K/V move is no family's, and both rotate methods are checked
+on every kind of q/k/v and mask a family hands them in tests/distributed/test_context_attention.py)
+where the family and its objective allow it; EP 2
 for mixtures of experts; PP 2 with a looped schedule (Interleaved1F1B, or 1F1B for models of fewer
 than 4 layers) and the V-placed ZBVZeroBubble (both ends on rank 0) where the family has pipeline
 ends. test_the_declared_layouts_follow_the_spec ties this to the spec: a family with a sharding plan
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 import traceback
 from pathlib import Path
 
@@ -57,8 +60,6 @@ CANDIDATES = {
     "tp2": (["--parallelism.tensor_parallel_degree", "2"], 2),
     "tp2_gathered_logits": (["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"], 2),
     "tp2_no_sequence_parallel": (["--parallelism.tensor_parallel_degree", "2"], 2),
-    "cp2_allgather": (["--parallelism.context_parallel_degree", "2",
-                       "--parallelism.context_parallel_rotate_method", "allgather"], 2),
     "cp2_alltoall": (["--parallelism.context_parallel_degree", "2",
                       "--parallelism.context_parallel_rotate_method", "alltoall"], 2),
     "ep2": (["--parallelism.expert_parallel_degree", "2"], 2),
@@ -289,6 +290,7 @@ def _layout_worker(rank: int, families: dict, root: str) -> None:
             previous = "reference"
             for name, argv in layouts.items():
                 result = {"ok": True, "error": ""}
+                start = time.perf_counter()
                 patched = name == "tp2_no_sequence_parallel"
                 if patched:  # ShardOptions.sequence_parallel=False: train.py never picks it, every plan honours it
                     parallelize.apply_tensor_parallel = functools.partial(apply_tensor_parallel,
@@ -307,6 +309,7 @@ def _layout_worker(rank: int, families: dict, root: str) -> None:
                 finally:
                     if patched:
                         parallelize.apply_tensor_parallel = apply_tensor_parallel
+                result["seconds"] = round(time.perf_counter() - start, 2)  # what each layout costs the suite
                 Path(folder, f"{name}.rank{rank}.json").write_text(json.dumps(result))
                 dist.barrier()
             Path(folder, f"last_saved.rank{rank}").write_text(previous)
