@@ -71,13 +71,33 @@ CANDIDATES = {
 }
 
 
+LAYERS = 4  # the fewest a looped pipeline takes (4 stages over 2 ranks)
+
+
+def shallower(family: str, flavor: str) -> list[str]:
+    """[model.args] cutting a flavor of identical blocks (n_layers) to LAYERS: more of the same block
+    checks no rule again, and a step of an 8-layer MoE flavor costs twice one of 4. Flavors whose
+    blocks differ by position (a hybrid's pattern, first_k_dense) keep them: only n_layers is cut, and
+    only a flavor whose args have no other per-layer field is."""
+    import dataclasses
+
+    args = get_model_spec(family).flavors[flavor]
+    fields = {f.name for f in dataclasses.fields(args)}
+    if "n_layers" not in fields or args.n_layers <= LAYERS:
+        return []
+    moe = args.moe_args()
+    if moe is not None and moe.first_k_dense >= LAYERS - 1:
+        return []  # the cut would leave too few MoE layers
+    return ["--model.args.n_layers", str(LAYERS)]
+
+
 def job(family: str, flavor: str, folder: Path, options=(), local_batch: int = 2, dp: int = 1) -> list[str]:
     """A one-step job of 4 samples of 32 tokens: microbatches of 2 samples, validation on 4 samples, a
     full checkpoint of the step."""
     # torch's V-shaped schedules have no forward-only mode: no validation there.
     validation = [] if "ZBVZeroBubble" in options else [
         "--validation.enable", "--validation.steps", "1", "--validation.local_batch_size", str(4 // dp)]
-    return ["--model.name", family, "--model.flavor", flavor, "--training.seq_len", str(SEQ),
+    return ["--model.name", family, "--model.flavor", flavor, *shallower(family, flavor), "--training.seq_len", str(SEQ),
             "--training.local_batch_size", str(local_batch), "--training.global_batch_size", "4",
             "--training.steps", "1", "--training.mixed_precision_param", "float32", *validation,
             "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no_last_save_model_only",
