@@ -7,8 +7,7 @@ Tolerances, from measurement on the 8-layer debug model, 64 tokens x 8 samples, 
 - One process, bf16: float8 moves the loss by at most 5e-3 from the bf16 run without it
   (loss ~7-8). FLOAT8_VS_BF16 = 3e-2 leaves 6x headroom; float8 silently not applied would give
   a difference of exactly 0 at every step, which the lower bound catches.
-- FSDP2 and TP2 against one process, both float8, fp32 master weights, over the parity runs' 4
-  steps (conftest.TINY_JOB; measured over 6): losses agree to 5e-5
+- FSDP2 and TP2 against one process, both float8, fp32 master weights: losses agree to 5e-5
   relative, grad norms to 8e-4. Not to rounding error as without float8 (test_fsdp_parity.py):
   a float8 cast rounds to 3 mantissa bits, so a last-bit difference in a sum can move a value
   by a whole float8 step, and under FSDP each rank scales its activations by the amax of its
@@ -30,6 +29,7 @@ FLOAT8_VS_BF16 = 3e-2
 RTOL = 3e-4
 GRAD_RTOL = 3e-3
 EXACT = 1e-6
+PARITY_STEPS = ["--training.steps", "6"]
 
 
 def losses(records):
@@ -47,7 +47,7 @@ def assert_close_curve(got, ref, rtol, grad_rtol):
 def float8_fp32_reference(tmp_path_factory):
     """One process, float8 emulated, fp32 master weights and compute around the float8 matmuls."""
     return train_metrics(tmp_path_factory.mktemp("f8"), "one", "--training.local_batch_size", "8",
-                         *FLOAT8)
+                         *PARITY_STEPS, *FLOAT8)
 
 
 BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "8", "--training.steps", "10"]
@@ -63,7 +63,7 @@ def test_emulated_float8_bf16_run_learns_and_stays_close_to_bf16(train_runs):
     assert max(gaps) > 1e-4, "float8 changed nothing: were the linears swapped?"
 
 
-FSDP2 = ["--training.local_batch_size", "4", *FLOAT8]
+FSDP2 = ["--training.local_batch_size", "4", *PARITY_STEPS, *FLOAT8]
 
 
 @pytest.mark.train_run(*FSDP2, "--float8.enable_fsdp_float8_all_gather",
@@ -75,7 +75,7 @@ def test_fsdp2_float8_all_gather_with_precomputed_scales(train_runs, float8_fp32
     assert_close_curve(gathered, float8_fp32_reference, RTOL, GRAD_RTOL)
 
 
-@pytest.mark.train_run("--training.local_batch_size", "8", *FLOAT8,
+@pytest.mark.train_run("--training.local_batch_size", "8", *PARITY_STEPS, *FLOAT8,
                        "--parallelism.tensor_parallel_degree", "2", nproc=2)
 def test_tp2_float8_styles(train_run, float8_fp32_reference):
     # The plan all-gathers activations in float8 (Float8ColwiseParallel, ...); gloo has no
