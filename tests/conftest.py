@@ -15,7 +15,7 @@ import pytest
 
 import toy_family  # noqa: F401  (registers the test-only toy family: every family-wide check sees it)
 
-import torch  # noqa: E402
+import torch
 
 # One intra-op thread for everything the suite computes, here and in what it starts (OMP_NUM_THREADS,
 # unless the caller set it): every launched rank and in-process job ran on one already. The models
@@ -173,7 +173,8 @@ class TrainJobPool:
                 self.jobs[key] = _Job(name, mark.kwargs.get("nproc", 1), argv, folder,
                                       (item.nodeid, after) if after is not None else None)
         # Which test declared each numbered job (the batch logs and dump folders are named by number).
-        (root / "jobs.txt").write_text("".join(f"{j.name} nproc={j.nproc} {k[0]} {k[1]}\n" for k, j in self.jobs.items()))
+        (root / "jobs.txt").write_text("".join(f"{j.name} nproc={j.nproc} {test} {name}\n"
+                                               for (test, name), j in self.jobs.items()))
         for key, job in self.jobs.items():
             if job.after is not None and job.after not in self.jobs:
                 raise ValueError(f"{key[0]}: train_run {key[1]!r} comes after {job.after[1]!r}, "

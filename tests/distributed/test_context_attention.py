@@ -121,7 +121,8 @@ def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bo
     out = ContextParallelAttention(mesh, method)(*local, mask, causal=causal)
     out.backward(shard_sequence(grad_out, positions, dim=2))
 
-    what = f"cp={cp} {method} heads={heads}/{kv_heads} v_dim={v_dim} documents={documents} causal={causal} cp rank {rank}"
+    what = (f"cp={cp} {method} heads={heads}/{kv_heads} v_dim={v_dim} documents={documents} causal={causal} "
+            f"cp rank {rank}")
     torch.testing.assert_close(out, shard_sequence(ref.detach(), positions, dim=2), atol=ATOL, rtol=RTOL,
                                msg=lambda m: f"output, {what}: {m}")
     for name, full, part in zip("qkv", (q, k, v), local):

@@ -97,7 +97,8 @@ def job(family: str, flavor: str, folder: Path, options=(), local_batch: int = 2
     # torch's V-shaped schedules have no forward-only mode: no validation there.
     validation = [] if "ZBVZeroBubble" in options else [
         "--validation.enable", "--validation.steps", "1", "--validation.local_batch_size", str(4 // dp)]
-    return ["--model.name", family, "--model.flavor", flavor, *shallower(family, flavor), "--training.seq_len", str(SEQ),
+    return ["--model.name", family, "--model.flavor", flavor, *shallower(family, flavor),
+            "--training.seq_len", str(SEQ),
             "--training.local_batch_size", str(local_batch), "--training.global_batch_size", "4",
             "--training.steps", "1", "--training.mixed_precision_param", "float32", *validation,
             "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no_last_save_model_only",
