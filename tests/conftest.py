@@ -15,6 +15,16 @@ import pytest
 
 import toy_family  # noqa: F401  (registers the test-only toy family: every family-wide check sees it)
 
+import torch
+
+# One intra-op thread for everything the suite computes, here and in what it starts (OMP_NUM_THREADS,
+# unless the caller set it): every launched rank and in-process job ran on one already. The models
+# are tiny, so a second thread buys little even on an idle machine, and on the shared 2-core CI
+# machine a busy second core leaves the first spinning at OpenMP barriers: the conformance file took
+# 347 s with torch's default 2 threads and 33 s with 1, back to back under the same load.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A small but real job: the 8-layer debug model on the embedded corpus, fp32 so that
@@ -162,6 +172,9 @@ class TrainJobPool:
                 after = mark.kwargs.get("after")
                 self.jobs[key] = _Job(name, mark.kwargs.get("nproc", 1), argv, folder,
                                       (item.nodeid, after) if after is not None else None)
+        # Which test declared each numbered job (the batch logs and dump folders are named by number).
+        (root / "jobs.txt").write_text("".join(f"{j.name} nproc={j.nproc} {test} {name}\n"
+                                               for (test, name), j in self.jobs.items()))
         for key, job in self.jobs.items():
             if job.after is not None and job.after not in self.jobs:
                 raise ValueError(f"{key[0]}: train_run {key[1]!r} comes after {job.after[1]!r}, "
@@ -246,6 +259,7 @@ class TrainJobPool:
         proc = subprocess.run([*cmd, str(jobs_file)], cwd=REPO, env=_env(), capture_output=True, text=True,
                               timeout=300 * len(batch))
         output = f"{proc.stdout}\n{proc.stderr}"
+        (self.root / f"batch_{batch[0].name}.log").write_text(output)  # whole, with each job's seconds
         for job in batch:
             self.outputs[job.name] = output
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def main(jobs_file: str) -> int:
         for job in jobs:
             print(f"=== job {job['name']}", flush=True)
             print(f"=== job {job['name']}", file=sys.stderr, flush=True)
+            start = time.perf_counter()
             try:
                 # No pre-flight check (tests/conftest.py's TEST_JOB_CHECKS says why); with several ranks the
                 # memory check skips itself anyway (a process group exists).
@@ -52,6 +54,8 @@ def main(jobs_file: str) -> int:
                 sys.stderr.flush()
                 os._exit(1)  # torchrun stops the other ranks
             if rank == 0:
+                # What each job costs (the suite's budget is counted in these): `=== job <name>: <s> s`.
+                print(f"=== job {job['name']}: {time.perf_counter() - start:.1f} s", flush=True)
                 (status_folder / f"{job['name']}.rc").write_text(str(rc))
             if rc != 0:
                 # A failed job may have torn the process group down (train.main does on some errors).

@@ -4,7 +4,10 @@ also with document masks (packed documents whose boundaries fall inside and acro
 
 The distributed check spawns 4 gloo processes once and runs cp=4 on all of them and cp=2
 on both halves of a 2 x 2 mesh, each with both rotate methods, GQA and MHA, and values
-narrower or wider than the keys (multi-head latent attention: v_head_dim != qk_head_dim). Tolerances:
+narrower or wider than the keys (multi-head latent attention: v_head_dim != qk_head_dim), and
+bidirectional (an encoder's, with and without documents). These are every kind of q/k/v and mask
+a family hands the CP attention, so the per-family layouts (tests/layouts) run one rotate method
+(the ring) and the choice of method is checked here. Tolerances:
 every rank computes in fp32 and differs from one device only in summation order (measured
 max abs error 1.4e-6 over attention outputs and q/k/v gradients of magnitude up to ~3, and
 1e-5 over model logits and parameter gradients, the largest on output.weight entries of
@@ -94,7 +97,13 @@ def _packed_tokens(seq: int, vocab: int) -> torch.Tensor:
     return tokens
 
 
-def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bool, v_dim: int = 16) -> None:
+def _document_mask(tokens: torch.Tensor, kernel: str | None, causal: bool) -> DocumentMask:
+    mask = DocumentMask.from_tokens(tokens, EOD, kernel)
+    return mask if causal else DocumentMask.from_document_ids(mask.document_ids, kernel, causal=False)
+
+
+def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bool, v_dim: int = 16,
+                     causal: bool = True) -> None:
     cp, rank = mesh.size(), mesh.get_local_rank()
     torch.manual_seed(1234)  # the same full tensors on every rank
     b, seq, d = 2, 8 * cp, 16
@@ -103,16 +112,17 @@ def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bo
     v = torch.randn(b, kv_heads, seq, v_dim, requires_grad=True)
     grad_out = torch.randn(b, heads, seq, v_dim)
     tokens = _packed_tokens(seq, 50) if documents else None
-    ref = core_attention(q, k, v, DocumentMask.from_tokens(tokens, EOD, "sdpa") if documents else None)
+    ref = core_attention(q, k, v, _document_mask(tokens, "sdpa", causal) if documents else None, causal=causal)
     ref.backward(grad_out)
 
     positions = load_balanced_positions(seq, cp, rank)
     local = [shard_sequence(t.detach(), positions, dim=2).requires_grad_() for t in (q, k, v)]
-    mask = DocumentMask.from_tokens(tokens, EOD, None) if documents else None
-    out = ContextParallelAttention(mesh, method)(*local, mask)
+    mask = _document_mask(tokens, None, causal) if documents else None
+    out = ContextParallelAttention(mesh, method)(*local, mask, causal=causal)
     out.backward(shard_sequence(grad_out, positions, dim=2))
 
-    what = f"cp={cp} {method} heads={heads}/{kv_heads} v_dim={v_dim} documents={documents} cp rank {rank}"
+    what = (f"cp={cp} {method} heads={heads}/{kv_heads} v_dim={v_dim} documents={documents} causal={causal} "
+            f"cp rank {rank}")
     torch.testing.assert_close(out, shard_sequence(ref.detach(), positions, dim=2), atol=ATOL, rtol=RTOL,
                                msg=lambda m: f"output, {what}: {m}")
     for name, full, part in zip("qkv", (q, k, v), local):
@@ -173,6 +183,9 @@ def _worker(rank: int) -> None:
             _check_attention(mesh, method, 4, 2, documents=True)
             _check_attention(mesh, method, 4, 4, documents=False, v_dim=24)
             _check_attention(mesh, method, 4, 2, documents=True, v_dim=8)
+            # An encoder's attention (BERT): every token sees the whole sequence, or its whole document.
+            _check_attention(mesh, method, 4, 4, documents=False, causal=False)
+            _check_attention(mesh, method, 4, 2, documents=True, causal=False)
             for documents in (False, True):
                 _check_model(mesh, method, documents)
 

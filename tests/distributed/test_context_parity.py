@@ -29,12 +29,6 @@ def test_cp2(train_run, single_process_reference, method):
     assert_same_curve(train_run.metrics, single_process_reference)
 
 
-@pytest.mark.train_run("--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_rotate_method",
-                       "alltoall", "--training.local_batch_size", "8", nproc=4)
-def test_cp4_ring(train_run, single_process_reference):
-    assert_same_curve(train_run.metrics, single_process_reference)
-
-
 @pytest.mark.train_run(*CP2, "--training.local_batch_size", "4", nproc=4)
 def test_fsdp2_x_cp2(train_run, single_process_reference):
     assert_same_curve(train_run.metrics, single_process_reference)

@@ -8,7 +8,7 @@ documents per 64-token sample), so that one reference serves all and context par
 with masks.
 
 What the runs here check beyond the dense and MoE matrices (test_fsdp_parity.py, test_moe_parity.py)
-and the model-level layouts (tests/layouts: every gradient under TP 2, both CP rotate methods, EP 2,
+and the model-level layouts (tests/layouts: every gradient under TP 2, CP 2 (ring), EP 2,
 PP 2, for the debugmodel and the debugmodel_nolora, each against one process):
 - resuming an FSDP 2 x EP 2 checkpoint at CP 2 (allgather) x TP 2 (replicated and head-split
   DTensors resharded by DCP) is exact;

@@ -50,6 +50,20 @@ def float8_fp32_reference(tmp_path_factory):
                          *PARITY_STEPS, *FLOAT8)
 
 
+@pytest.fixture(scope="module")
+def fp32_reference_without_float8(tmp_path_factory):
+    """The same one-process run with no float8: a layout run must differ from it, or float8 was not applied."""
+    return train_metrics(tmp_path_factory.mktemp("fp32"), "one", "--training.local_batch_size", "8", *PARITY_STEPS)
+
+
+def assert_float8_applied(got, without_float8):
+    # The parity tolerances above are wider than float8's own effect over a few fp32 steps, so a
+    # layout run that silently dropped the float8 swap would still pass them; float8's casts move
+    # the loss by ~1e-3 relative from the first step, far above fp32 layout noise (~1e-7).
+    gaps = [abs(g["loss"] - r["loss"]) / abs(r["loss"]) for g, r in zip(got, without_float8)]
+    assert max(gaps) > 1e-5, f"the run equals the one without float8 (gaps {gaps}): was the swap applied?"
+
+
 BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "8", "--training.steps", "10"]
 
 
@@ -69,15 +83,18 @@ FSDP2 = ["--training.local_batch_size", "4", *PARITY_STEPS, *FLOAT8]
 @pytest.mark.train_run(*FSDP2, "--float8.enable_fsdp_float8_all_gather",
                        "--float8.precompute_float8_dynamic_scale_for_fsdp", nproc=2, name="gathered")
 @pytest.mark.train_run(*FSDP2, nproc=2, name="plain")
-def test_fsdp2_float8_all_gather_with_precomputed_scales(train_runs, float8_fp32_reference):
+def test_fsdp2_float8_all_gather_with_precomputed_scales(train_runs, float8_fp32_reference,
+                                                        fp32_reference_without_float8):
     gathered, plain = train_runs["gathered"].metrics, train_runs["plain"].metrics
     assert_close_curve(gathered, plain, EXACT, EXACT)
     assert_close_curve(gathered, float8_fp32_reference, RTOL, GRAD_RTOL)
+    assert_float8_applied(gathered, fp32_reference_without_float8)
 
 
 @pytest.mark.train_run("--training.local_batch_size", "8", *PARITY_STEPS, *FLOAT8,
                        "--parallelism.tensor_parallel_degree", "2", nproc=2)
-def test_tp2_float8_styles(train_run, float8_fp32_reference):
+def test_tp2_float8_styles(train_run, float8_fp32_reference, fp32_reference_without_float8):
     # The plan all-gathers activations in float8 (Float8ColwiseParallel, ...); gloo has no
     # float8 dtypes, so the converter sends those bytes as uint8, as NCCL does.
     assert_close_curve(train_run.metrics, float8_fp32_reference, RTOL, GRAD_RTOL)
+    assert_float8_applied(train_run.metrics, fp32_reference_without_float8)

@@ -48,12 +48,6 @@ def test_fsdp2_with_accumulation(train_run, single_process_reference):
 
 
 @pytest.mark.distributed
-@pytest.mark.train_run("--training.local_batch_size", "2", nproc=4)
-def test_fsdp4(train_run, single_process_reference):
-    assert_same_curve(train_run.metrics, single_process_reference)
-
-
-@pytest.mark.distributed
 @pytest.mark.train_run("--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "2", nproc=4)
 def test_hsdp_2x2(train_run, single_process_reference):

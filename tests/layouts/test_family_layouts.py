@@ -11,7 +11,9 @@ moments (DCP resharding of the family's DTensors).
 
 A layout is declared when plan_job accepts it for the family on 2 ranks: FSDP 2 always; TP 2 (with
 vocabulary-parallel logits, with gathered logits, and without sequence parallelism) where the family
-has a sharding plan; CP 2 with both rotate methods where the family and its objective allow it; EP 2
+has a sharding plan; CP 2 (the ring: how K/V move is no family's, and both rotate methods are checked
+on every kind of q/k/v and mask a family hands them in tests/distributed/test_context_attention.py)
+where the family and its objective allow it; EP 2
 for mixtures of experts; PP 2 with a looped schedule (Interleaved1F1B, or 1F1B for models of fewer
 than 4 layers) and the V-placed ZBVZeroBubble (both ends on rank 0) where the family has pipeline
 ends. test_the_declared_layouts_follow_the_spec ties this to the spec: a family with a sharding plan
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 import traceback
 from pathlib import Path
 
@@ -57,8 +60,6 @@ CANDIDATES = {
     "tp2": (["--parallelism.tensor_parallel_degree", "2"], 2),
     "tp2_gathered_logits": (["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"], 2),
     "tp2_no_sequence_parallel": (["--parallelism.tensor_parallel_degree", "2"], 2),
-    "cp2_allgather": (["--parallelism.context_parallel_degree", "2",
-                       "--parallelism.context_parallel_rotate_method", "allgather"], 2),
     "cp2_alltoall": (["--parallelism.context_parallel_degree", "2",
                       "--parallelism.context_parallel_rotate_method", "alltoall"], 2),
     "ep2": (["--parallelism.expert_parallel_degree", "2"], 2),
@@ -70,13 +71,34 @@ CANDIDATES = {
 }
 
 
+LAYERS = 4  # the fewest a looped pipeline takes (4 stages over 2 ranks)
+
+
+def shallower(family: str, flavor: str) -> list[str]:
+    """[model.args] cutting a flavor of identical blocks (n_layers) to LAYERS: more of the same block
+    checks no rule again, and a step of an 8-layer MoE flavor costs twice one of 4. Flavors whose
+    blocks differ by position (a hybrid's pattern, first_k_dense) keep them: only n_layers is cut, and
+    only a flavor whose args have no other per-layer field is."""
+    import dataclasses
+
+    args = get_model_spec(family).flavors[flavor]
+    fields = {f.name for f in dataclasses.fields(args)}
+    if "n_layers" not in fields or args.n_layers <= LAYERS:
+        return []
+    moe = args.moe_args()
+    if moe is not None and moe.first_k_dense >= LAYERS - 1:
+        return []  # the cut would leave too few MoE layers
+    return ["--model.args.n_layers", str(LAYERS)]
+
+
 def job(family: str, flavor: str, folder: Path, options=(), local_batch: int = 2, dp: int = 1) -> list[str]:
     """A one-step job of 4 samples of 32 tokens: microbatches of 2 samples, validation on 4 samples, a
     full checkpoint of the step."""
     # torch's V-shaped schedules have no forward-only mode: no validation there.
     validation = [] if "ZBVZeroBubble" in options else [
         "--validation.enable", "--validation.steps", "1", "--validation.local_batch_size", str(4 // dp)]
-    return ["--model.name", family, "--model.flavor", flavor, "--training.seq_len", str(SEQ),
+    return ["--model.name", family, "--model.flavor", flavor, *shallower(family, flavor),
+            "--training.seq_len", str(SEQ),
             "--training.local_batch_size", str(local_batch), "--training.global_batch_size", "4",
             "--training.steps", "1", "--training.mixed_precision_param", "float32", *validation,
             "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no_last_save_model_only",
@@ -289,6 +311,7 @@ def _layout_worker(rank: int, families: dict, root: str) -> None:
             previous = "reference"
             for name, argv in layouts.items():
                 result = {"ok": True, "error": ""}
+                start = time.perf_counter()
                 patched = name == "tp2_no_sequence_parallel"
                 if patched:  # ShardOptions.sequence_parallel=False: train.py never picks it, every plan honours it
                     parallelize.apply_tensor_parallel = functools.partial(apply_tensor_parallel,
@@ -307,6 +330,7 @@ def _layout_worker(rank: int, families: dict, root: str) -> None:
                 finally:
                     if patched:
                         parallelize.apply_tensor_parallel = apply_tensor_parallel
+                result["seconds"] = round(time.perf_counter() - start, 2)  # what each layout costs the suite
                 Path(folder, f"{name}.rank{rank}.json").write_text(json.dumps(result))
                 dist.barrier()
             Path(folder, f"last_saved.rank{rank}").write_text(previous)
