@@ -49,8 +49,8 @@ def test_summary_lines():
         "  wandb:           out/wandb/offline-run-x",
     ]
     # A model that generates no text (a reward model: JobPlan.generates) is offered no sampling command.
-    reward = RunSummary(first_step=1, last_step=2, seconds=1.0, checkpoints="out/checkpoint", latest_checkpoint="step-2",
-                        latest_contents="model_only", generates=False)
+    reward = RunSummary(first_step=1, last_step=2, seconds=1.0, checkpoints="out/checkpoint",
+                        latest_checkpoint="step-2", latest_contents="model_only", generates=False)
     assert reward.lines()[1] == "  checkpoints:     out/checkpoint (latest: step-2, the model only)"
     reward.generates = True
     assert reward.lines()[1].endswith("the model only; sample: python scripts/generate.py out/checkpoint)")
