@@ -99,13 +99,19 @@ def test_sft_with_lora_layouts_match_one_process(train_runs):
 def test_sft_with_lora_resumes_exactly_mid_epoch(tmp_path):
     """Stopped after step 2 of 4 (mid-epoch: 32 of ~250 samples) and resumed from its checkpoint, the
     run gives the uninterrupted run's steps 3 and 4 bit for bit: the adapters, their optimizer state
-    and the position in the shuffled conversations are in the checkpoint."""
+    and the position in the shuffled conversations are in the checkpoint. The run starts from a DCP
+    checkpoint of the model without adapters (another seed's, as a pre-training run writes it): its
+    adapters keep their initialization, so its first loss is full fine-tuning's from the same start."""
     import shutil
 
-    job = ["--model.converters", "lora", "--training.objective", "sft", "--training.dataset", "text",
-           "--training.dataset_path", DATA, "--training.steps", "4", "--training.local_batch_size", "4",
-           "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
+    train_metrics(tmp_path, "base", "--debug.seed", "7", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    sft = ["--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", DATA,
+           "--training.steps", "4", "--training.local_batch_size", "4", "--checkpoint.enable",
+           "--checkpoint.initial_load_path", str(tmp_path / "base" / "checkpoint" / "step-0")]
+    full = train_metrics(tmp_path, "full", *sft, "--training.steps", "1")
+    job = [*sft, "--model.converters", "lora", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
     whole = train_metrics(tmp_path, "whole", *job)
+    assert whole[0]["loss"] == full[0]["loss"] and whole[0]["grad_norm"] != full[0]["grad_norm"]
     shutil.rmtree(tmp_path / "whole" / "checkpoint" / "step-4")
     (tmp_path / "whole" / "metrics.jsonl").unlink()
     resumed = train_metrics(tmp_path, "whole", *job)
