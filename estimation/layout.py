@@ -169,7 +169,12 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
         for s in held:
             static = static + stage_static(probe, stages[s])
         offload = plan.parallelize.cpu_offload and plan.dims.fsdp_enabled
+        # The objective's frozen copies of the model (DPO's reference), parallelized like it: its
+        # parameter shards again (offloaded with it), no gradients, no optimizer state.
+        frozen = 0 if offload else static.params * plan.objective.frozen_copies
         walk = _Walk(static, offload)
+        walk.base.parameters += frozen
+        walk.peak.parameters += frozen
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
         def forward(s: int, mb: int) -> None:

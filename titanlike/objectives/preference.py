@@ -177,6 +177,10 @@ class DPO(Objective):
     def uses_reference(self) -> bool:
         return self.options.loss_type != "simpo"
 
+    @property
+    def frozen_copies(self) -> int:
+        return int(self.uses_reference and self.options.reference == "model")
+
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
                 model: str = "the model") -> DPO:
