@@ -98,6 +98,8 @@ VALIDATED = ("--validation.enable", "--validation.freq", "2", "--validation.step
 LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
            "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"),
            "cp": ("--parallelism.context_parallel_degree", "2")}
+HSDP = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+        "--training.local_batch_size", "2")
 
 
 @pytest.mark.distributed
@@ -106,8 +108,9 @@ LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
 @pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["tp"], name="tp", nproc=2)
 @pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["pp"], name="pp", nproc=2)
 @pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["cp"], name="cp", nproc=2)
+@pytest.mark.train_run(*DPO_JOB, *VALIDATED, *HSDP, name="hsdp", nproc=4)
 def test_dpo_layouts_match_one_process(train_runs):
-    """DPO with its frozen reference (a copy sharded like the policy): FSDP2, TP2 (log-probabilities
+    """DPO with its frozen reference (a copy sharded like the policy): FSDP2, HSDP 2x2, TP2 (log-probabilities
     from vocabulary-parallel logits, never gathered), PP2 (the reference through a forward-only
     schedule of its own stages) and CP2 (each pair's sums completed over the cp ranks) equal one
     process step by step, loss (per pair), gradient norm and rewards, and so does validation (loss per
@@ -123,11 +126,12 @@ def test_dpo_layouts_match_one_process(train_runs):
     one, one_validation = table("one")
     assert len(one) == 4 and one[-1][0] < one[0][0] and one[-1][2] > 0  # it learns
     assert len(one_validation) == 2 and one_validation[0][2] == 8
-    for name in LAYOUTS:
+    for name in (*LAYOUTS, "hsdp"):
         got, validation = table(name)
-        # Validation batches are per data-parallel rank: FSDP2 reads twice the pairs of the others.
-        compared = one + (one_validation if name != "fsdp" else [])
-        for want, have in zip(compared, got + (validation if name != "fsdp" else [])):
+        # Validation batches are per data-parallel rank: FSDP2 and HSDP read more pairs than the others.
+        data_parallel = name in ("fsdp", "hsdp")
+        compared = one + (one_validation if not data_parallel else [])
+        for want, have in zip(compared, got + (validation if not data_parallel else [])):
             assert have == pytest.approx(want, abs=5e-5, rel=1e-4), name
         assert len(got) == 4 and len(validation) == 2, name
 
