@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     job = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage=f"{prog or 'precompute_reference.py'} OUT.jsonl [--device D] -- JOB OPTIONS")
     parser.add_argument("out", help="the JSONL file to write (the rows with their reference log-probabilities)")
     parser.add_argument("--device", default="cpu", help="where the reference model runs (default cpu)")
