@@ -129,7 +129,12 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
     out = []
     for pp_rank, held in enumerate([[0]] if layout is None else [layout.stages_of_rank(r) for r in range(layout.pp)]):
         static = sum((stage_static(probe, *stages[s]) for s in held), Static())
+        # The objective's frozen copies of the model (DPO's reference), parallelized like it: its
+        # parameter shards again (offloaded with it), no gradients, no optimizer state.
+        frozen = 0 if offload else static.params * plan.objective.frozen_copies
         walk = _Walk(static, offload)
+        walk.base.parameters += frozen
+        walk.peak.parameters += frozen
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
         def run(s: int, mb: int, backward: bool, keep_share: float = 0.0) -> int:

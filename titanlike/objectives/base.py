@@ -153,6 +153,12 @@ class Objective:
     # sampled from left to right (scripts/generate.py asks; the later inference issue builds on it).
     predicts_next_token: ClassVar[bool] = False
 
+    @property
+    def frozen_copies(self) -> int:
+        """How many frozen copies of the model (same plan, sharded like it: parameters only, no
+        gradients or optimizer state) the objective holds beside it; the memory estimator counts them."""
+        return 0
+
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
         # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so
         # that building an objective to check a job's rules compiles nothing).
