@@ -100,10 +100,11 @@ def stage_windows(probe: Probe, p: int, layers: list[int], first: bool, last: bo
 class _Walk:
     """The live bytes of one rank through its step, and the highest point reached."""
 
-    def __init__(self, static: Static, offload: bool):
+    def __init__(self, static: Static, offload: bool, frozen: int = 0):
         # FSDP CPU offload: parameter shards, their gradients and the optimizer state live in host memory.
+        # frozen: parameters no gradient or optimizer state goes with (the objective's frozen copies).
         self.offload, self.level, self.grads = offload, 0, 0
-        self.params, self.state = (0, 0) if offload else (static.params, static.optimizer)
+        self.params, self.state = (0, 0) if offload else (static.params + frozen, static.optimizer)
         self.peak, self.where = Breakdown(self.params, self.state), "start"
 
     def window(self, w: Window, what: str) -> None:
@@ -131,10 +132,8 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
         static = sum((stage_static(probe, *stages[s]) for s in held), Static())
         # The objective's frozen copies of the model (DPO's reference), parallelized like it: its
         # parameter shards again (offloaded with it), no gradients, no optimizer state.
-        frozen = 0 if offload else static.params * plan.objective.frozen_copies
-        walk = _Walk(static, offload)
-        walk.base.parameters += frozen
-        walk.peak.parameters += frozen
+        frozen = static.params * plan.objective.frozen_copies
+        walk = _Walk(static, offload, frozen)
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
         def run(s: int, mb: int, backward: bool, keep_share: float = 0.0) -> int:
