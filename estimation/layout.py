@@ -100,10 +100,11 @@ def stage_windows(probe: Probe, p: int, layers: list[int], first: bool, last: bo
 class _Walk:
     """The live bytes of one rank through its step, and the highest point reached."""
 
-    def __init__(self, static: Static, offload: bool):
+    def __init__(self, static: Static, offload: bool, frozen: int = 0):
         # FSDP CPU offload: parameter shards, their gradients and the optimizer state live in host memory.
+        # frozen: parameters no gradient or optimizer state goes with (the objective's frozen copies).
         self.offload, self.level, self.grads = offload, 0, 0
-        self.params, self.state = (0, 0) if offload else (static.params, static.optimizer)
+        self.params, self.state = (0, 0) if offload else (static.params + frozen, static.optimizer)
         self.peak, self.where = Breakdown(self.params, self.state), "start"
 
     def window(self, w: Window, what: str) -> None:
@@ -134,20 +135,19 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
     out = []
     for pp_rank, held in enumerate([[0]] if layout is None else [layout.stages_of_rank(r) for r in range(layout.pp)]):
         static = sum((stage_static(probe, *stages[s]) for s in held), Static())
-        walk = _Walk(static, offload)
-        # The objective's frozen other models (a distillation teacher), sharded like the model over the
-        # same stages: their parameter shards stay (no gradients, no optimizer state; on the host under
-        # CPU offload), and each microbatch first runs their forward without gradients, whose
-        # activations are freed block by block: the highest rise of one of its windows.
-        teacher, frozen = Window(), 0
+        # The objective's frozen copies of the model (DPO's reference), parallelized like it: its
+        # parameter shards again (offloaded with it), no gradients, no optimizer state.
+        frozen = static.params * plan.objective.frozen_copies
+        # Its frozen other models (a distillation teacher), each with the job's layout over the same
+        # stages: their parameter shards likewise, and each microbatch first runs their forward without
+        # gradients, whose activations are freed block by block: the highest rise of one of its windows.
+        teacher = Window()
         for other, measured in probe.frozen:
             theirs = _stages(other, len(measured.kinds))
             frozen += sum((stage_static(measured, *theirs[s]).params for s in held), 0)
             rises = [w.over for s in held for w in stage_windows(measured, 0, *theirs[s])[0]]
             teacher = Window(0, max(teacher.over, max(rises, default=0)))
-        if not offload:
-            walk.params += frozen
-            walk.peak.parameters += frozen
+        walk = _Walk(static, offload, frozen)
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
         def run(s: int, mb: int, backward: bool, keep_share: float = 0.0) -> int:

@@ -171,7 +171,6 @@ def exact_match(model, tokenizer, template, rows, *, max_new_tokens: int = 12) -
     import torch
 
     from titanlike.data.chat_template import encode_with_offsets, render
-    from titanlike.models.outputs import logits_of
 
     stop = {tokenizer.eos_id, *(tokenizer.encode(t, bos=False, eos=False, allowed_special="all")[0]
                                 for t in ("<|eot_id|>",))}
@@ -180,6 +179,21 @@ def exact_match(model, tokenizer, template, rows, *, max_new_tokens: int = 12) -
         prompt, _ = render(template, row["messages"][:1], add_generation_prompt=True)
         ids, _ = encode_with_offsets(tokenizer, prompt)
         by_length.setdefault(len(ids), []).append((ids, row["messages"][1]["content"]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the jobs run (conftest.train_in_process): a loaded machine's threads wait on each other
+    try:
+        right = _greedy_right(model, tokenizer, by_length, stop, max_new_tokens)
+    finally:
+        torch.set_num_threads(threads)
+    return right / len(rows)
+
+
+def _greedy_right(model, tokenizer, by_length, stop, max_new_tokens: int) -> int:
+    """How many of the groups' rows get their answer exactly (exact_match's decoding)."""
+    import torch
+
+    from titanlike.models.outputs import logits_of
+
     right = 0
     with torch.no_grad():
         for group in by_length.values():
@@ -197,4 +211,4 @@ def exact_match(model, tokenizer, template, rows, *, max_new_tokens: int = 12) -
                     break
                 tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
             right += sum(tokenizer.decode(ids).strip() == answer for ids, (_, answer) in zip(new, group))
-    return right / len(rows)
+    return right

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, train_in_process
+from conftest import REPO, TINY_JOB, read_metrics, train_in_process
 from preference_assets import reverse_preferences
 
 PRESET = ["--job.config_file", str(REPO / "train_configs" / "dpo_debug.toml"), "--metrics.no_enable_tensorboard"]
@@ -98,6 +98,8 @@ VALIDATED = ("--validation.enable", "--validation.freq", "2", "--validation.step
 LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
            "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"),
            "cp": ("--parallelism.context_parallel_degree", "2")}
+HSDP = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+        "--training.local_batch_size", "2")
 
 
 @pytest.mark.distributed
@@ -106,8 +108,9 @@ LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
 @pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["tp"], name="tp", nproc=2)
 @pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["pp"], name="pp", nproc=2)
 @pytest.mark.train_run(*DPO_JOB, *VALIDATED, *LAYOUTS["cp"], name="cp", nproc=2)
+@pytest.mark.train_run(*DPO_JOB, *VALIDATED, *HSDP, name="hsdp", nproc=4)
 def test_dpo_layouts_match_one_process(train_runs):
-    """DPO with its frozen reference (a copy sharded like the policy): FSDP2, TP2 (log-probabilities
+    """DPO with its frozen reference (a copy sharded like the policy): FSDP2, HSDP 2x2, TP2 (log-probabilities
     from vocabulary-parallel logits, never gathered), PP2 (the reference through a forward-only
     schedule of its own stages) and CP2 (each pair's sums completed over the cp ranks) equal one
     process step by step, loss (per pair), gradient norm and rewards, and so does validation (loss per
@@ -123,11 +126,12 @@ def test_dpo_layouts_match_one_process(train_runs):
     one, one_validation = table("one")
     assert len(one) == 4 and one[-1][0] < one[0][0] and one[-1][2] > 0  # it learns
     assert len(one_validation) == 2 and one_validation[0][2] == 8
-    for name in LAYOUTS:
+    for name in (*LAYOUTS, "hsdp"):
         got, validation = table(name)
-        # Validation batches are per data-parallel rank: FSDP2 reads twice the pairs of the others.
-        compared = one + (one_validation if name != "fsdp" else [])
-        for want, have in zip(compared, got + (validation if name != "fsdp" else [])):
+        # Validation batches are per data-parallel rank: FSDP2 and HSDP read more pairs than the others.
+        data_parallel = name in ("fsdp", "hsdp")
+        compared = one + (one_validation if not data_parallel else [])
+        for want, have in zip(compared, got + (validation if not data_parallel else [])):
             assert have == pytest.approx(want, abs=5e-5, rel=1e-4), name
         assert len(got) == 4 and len(validation) == 2, name
 
@@ -169,3 +173,29 @@ def test_dpo_adapters_reference_under_pipeline_parallelism_matches_one_process(t
     assert len(one) == 4 and one[-1][0] < one[0][0] and one[-1][2] > 0
     for want, have in zip(one, got):
         assert have == pytest.approx(want, abs=5e-5, rel=1e-4)
+
+
+def test_dpo_with_precomputed_reference_equals_the_frozen_reference(tmp_path):
+    """scripts/precompute_reference.py writes the reference's log-probabilities (the model the job
+    starts from, each side alone) into the rows; dpo.reference precomputed then trains without a
+    reference model and gives the frozen reference's run step by step (loss, grad norm, rewards).
+    The start is a model of another seed, so a reference that were the job's own init would differ."""
+    from conftest import train_metrics
+    from titanlike.cli.precompute_reference import main
+
+    train_metrics(tmp_path, "start", "--debug.seed", "7", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                  "--model.flavor", "debugmodel_tiny")
+    pairs = tmp_path / "pairs.jsonl"  # 40 pairs: 4 steps of 8 and some left (the whole file takes ~2 minutes)
+    pairs.write_text("".join(open(DATA).readlines()[:40]))
+    job = [*DPO_JOB, "--training.dataset_path", str(pairs), "--checkpoint.enable", "--checkpoint.initial_load_path",
+           str(tmp_path / "start" / "checkpoint" / "step-0")]
+    stored = tmp_path / "with_reference.jsonl"
+    assert main([str(stored), "--", *TINY_JOB, *job]) == 0
+    frozen = train_metrics(tmp_path, "frozen", *job)
+    precomputed = train_metrics(tmp_path, "precomputed", *job, "--training.dataset_path", str(stored),
+                                "--dpo.reference", "precomputed")
+    keys = ("loss", "grad_norm", "reward_margin", "rewards_chosen", "rewards_rejected")
+    want, got = ([[r[k] for k in keys] for r in runs] for runs in (frozen, precomputed))
+    assert len(want) == 4 and want[0][0] == pytest.approx(math.log(2), abs=1e-6) and want[-1][2] > 0
+    for step, (w, g) in enumerate(zip(want, got)):
+        assert g == pytest.approx(w, abs=1e-5, rel=1e-5), (step, g, w)

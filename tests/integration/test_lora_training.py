@@ -59,9 +59,10 @@ def test_lora_from_a_hugging_face_folder_to_a_peft_adapter(tmp_path):
         torch.testing.assert_close(reloaded(tokens).logits, merged, rtol=0, atol=1e-4)
 
 
-LORA_SFT = ("--model.converters", "lora", "--training.objective", "sft", "--training.dataset", "text",
-            "--training.dataset_path", DATA, "--training.steps", "4", "--optimizer.lr", "1e-2",
-            "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4", "--training.global_batch_size", "8")
+SFT = ("--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", DATA,
+       "--training.steps", "4", "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4",
+       "--training.global_batch_size", "8")
+LORA_SFT = (*SFT, "--model.converters", "lora", "--optimizer.lr", "1e-2")
 LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
            "cp": ("--parallelism.context_parallel_degree", "2"),
            "pp": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"),
@@ -79,33 +80,44 @@ LAYOUTS = {"fsdp": (), "tp": ("--parallelism.tensor_parallel_degree", "2"),
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["ac"], name="ac")
 @pytest.mark.train_run(*LORA_SFT, *LAYOUTS["hsdp"], name="hsdp", nproc=4)
 @pytest.mark.train_run(*LORA_SFT, "--lora.use_dora", name="dora")
+@pytest.mark.train_run(*SFT, name="full_one")
+@pytest.mark.train_run(*SFT, *LAYOUTS["hsdp"], name="full_hsdp", nproc=4)
 def test_sft_with_lora_layouts_match_one_process(train_runs):
     """SFT (packed, document masks) with adapters: FSDP2, TP2, CP2, PP2, full activation checkpointing
     and HSDP 2x2 equal one process, step by step (loss and gradient norm), at a learning rate high
-    enough that a wrong gradient shows. DoRA through the trainer: its magnitudes start at the base's
-    row norms (the first loss is LoRA's exactly), then train (another gradient norm, and it learns)."""
+    enough that a wrong gradient shows. Full-parameter SFT under HSDP 2x2 too. DoRA through the
+    trainer: its magnitudes start at the base's row norms (the first loss is LoRA's exactly), then
+    train (another gradient norm, and it learns)."""
     dora = [(r["loss"], r["grad_norm"]) for r in train_runs["dora"].metrics]
     first = train_runs["one"].metrics[0]
     assert "dora: rank 8" in train_runs["dora"].output and dora[0][0] == first["loss"]
     assert dora[0][1] != pytest.approx(first["grad_norm"], rel=1e-3) and dora[-1][0] < dora[0][0]
     one = [(r["loss"], r["grad_norm"]) for r in train_runs["one"].metrics]
     assert len(one) == 4 and one[-1][0] < one[0][0]  # the adapters learn
-    for name in LAYOUTS:
+    full = [(r["loss"], r["grad_norm"]) for r in train_runs["full_one"].metrics]
+    assert len(full) == 4 and full[-1][0] < full[0][0] and full[0][0] == first["loss"]  # adapters start at 0
+    for name, want in [*((n, one) for n in LAYOUTS), ("full_hsdp", full)]:
         got = [(r["loss"], r["grad_norm"]) for r in train_runs[name].metrics]
-        assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in one], abs=5e-5), name
-        assert [norm for _, norm in got] == pytest.approx([norm for _, norm in one], rel=1e-4), name
+        assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in want], abs=5e-5), name
+        assert [norm for _, norm in got] == pytest.approx([norm for _, norm in want], rel=1e-4), name
 
 
 def test_sft_with_lora_resumes_exactly_mid_epoch(tmp_path):
     """Stopped after step 2 of 4 (mid-epoch: 32 of ~250 samples) and resumed from its checkpoint, the
     run gives the uninterrupted run's steps 3 and 4 bit for bit: the adapters, their optimizer state
-    and the position in the shuffled conversations are in the checkpoint."""
+    and the position in the shuffled conversations are in the checkpoint. The run starts from a DCP
+    checkpoint of the model without adapters (another seed's, as a pre-training run writes it): its
+    adapters keep their initialization, so its first loss is full fine-tuning's from the same start."""
     import shutil
 
-    job = ["--model.converters", "lora", "--training.objective", "sft", "--training.dataset", "text",
-           "--training.dataset_path", DATA, "--training.steps", "4", "--training.local_batch_size", "4",
-           "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
+    train_metrics(tmp_path, "base", "--debug.seed", "7", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    sft = ["--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", DATA,
+           "--training.steps", "4", "--training.local_batch_size", "4", "--checkpoint.enable",
+           "--checkpoint.initial_load_path", str(tmp_path / "base" / "checkpoint" / "step-0")]
+    full = train_metrics(tmp_path, "full", *sft, "--training.steps", "1")
+    job = [*sft, "--model.converters", "lora", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
     whole = train_metrics(tmp_path, "whole", *job)
+    assert whole[0]["loss"] == full[0]["loss"] and whole[0]["grad_norm"] != full[0]["grad_norm"]
     shutil.rmtree(tmp_path / "whole" / "checkpoint" / "step-4")
     (tmp_path / "whole" / "metrics.jsonl").unlink()
     resumed = train_metrics(tmp_path, "whole", *job)
@@ -113,28 +125,31 @@ def test_sft_with_lora_resumes_exactly_mid_epoch(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
 
 
-# The MoE family (qwen3 debugmodel_moe: 8 experts, top-2, a dense first layer) under SFT with adapters
-# on the attention, the experts frozen (DTensors split over the ep ranks), against one process. The
-# same run is SFT under EP: its samples and document masks reach the routed tokens unchanged (full
-# fine-tuning's expert gradients under EP are the pre-training path, tests/distributed/test_moe_parity.py).
-# 2-sample microbatches everywhere: the balancing losses are per microbatch.
-MOE_LORA_SFT = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.converters", "lora",
-                "--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", DATA,
-                "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "2",
-                "--training.global_batch_size", "8", "--moe.seq_aux_loss_coeff", "0.001")
+# The MoE family (qwen3 debugmodel_moe: 8 experts, top-2, a dense first layer) under SFT against one
+# process: with adapters on the attention, the experts frozen (DTensors split over the ep ranks), and
+# full-parameter SFT, the experts' gradients through the all-to-alls. Samples and document masks reach
+# the routed tokens unchanged. 2-sample microbatches everywhere: the balancing losses are per microbatch.
+MOE_SFT = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.objective", "sft",
+           "--training.dataset", "text", "--training.dataset_path", DATA, "--lr_scheduler.warmup_steps", "1",
+           "--training.local_batch_size", "2", "--training.global_batch_size", "8", "--moe.seq_aux_loss_coeff", "0.001")
+MOE_LORA_SFT = (*MOE_SFT, "--model.converters", "lora", "--optimizer.lr", "1e-2")
+EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 
 @pytest.mark.distributed
 @pytest.mark.train_run(*MOE_LORA_SFT, name="one")
-@pytest.mark.train_run(*MOE_LORA_SFT, "--parallelism.expert_parallel_degree", "2", name="ep2", nproc=2)
-def test_sft_with_lora_on_an_moe_model_under_expert_parallelism_matches_one_process(train_runs):
+@pytest.mark.train_run(*MOE_LORA_SFT, *EP2, name="ep2", nproc=2)
+@pytest.mark.train_run(*MOE_SFT, name="full_one")
+@pytest.mark.train_run(*MOE_SFT, *EP2, name="full_ep2", nproc=2)
+def test_sft_on_an_moe_model_under_expert_parallelism_matches_one_process(train_runs):
     assert "lora: rank 8, alpha 16" in train_runs["one"].output
-    one = [(r["loss"], r["grad_norm"], r["moe/aux_loss"]) for r in train_runs["one"].metrics]
-    ep = [(r["loss"], r["grad_norm"], r["moe/aux_loss"]) for r in train_runs["ep2"].metrics]
-    assert len(one) == len(ep) == 4 and one[-1][0] < one[0][0]
-    for i, what in enumerate(("loss", "grad_norm", "moe/aux_loss")):
-        got, want = [x[i] for x in ep], [x[i] for x in one]
-        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (what, got, want)
+    for one_name, ep_name in (("one", "ep2"), ("full_one", "full_ep2")):
+        one = [(r["loss"], r["grad_norm"], r["moe/aux_loss"]) for r in train_runs[one_name].metrics]
+        ep = [(r["loss"], r["grad_norm"], r["moe/aux_loss"]) for r in train_runs[ep_name].metrics]
+        assert len(one) == len(ep) == 4 and one[-1][0] < one[0][0], one_name
+        for i, what in enumerate(("loss", "grad_norm", "moe/aux_loss")):
+            got, want = [x[i] for x in ep], [x[i] for x in one]
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (ep_name, what, got, want)
 
 
 BF16 = ("--training.mixed_precision_param", "bfloat16")

@@ -390,6 +390,24 @@ def test_planner_searches_expert_degrees_and_lighter_end_stages():
     assert len(stage_splits(args, 2, "1F1B")) >= 1 and stage_splits(args, 1, None) == [None]
 
 
+def test_dpo_reference_model_is_counted_as_parameters_only():
+    """dpo.reference model holds a frozen copy of the policy: the estimate's parameters double (fp32,
+    one process: 4 bytes a parameter, and the RoPE buffers), its gradients and optimizer state do not; the
+    reference-free loss (simpo) holds none."""
+    dpo = [*TINY, "--training.objective", "dpo", "--training.dataset", "text", "--training.dataset_path",
+           str(REPO / "tests" / "assets" / "dpo" / "prefer_reverse.jsonl")]
+    prep = prepare_job(load_job_config(dpo), 1)
+    pr = probe(prep.plan, device="cpu", granularity=1)
+    (with_reference,) = estimate(prep.plan, pr)
+    simpo = prepare_job(load_job_config([*dpo, "--dpo.loss_type", "simpo"]), 1)
+    (without,) = estimate(simpo.plan, pr)  # the same step, measured once
+    numel = sum(p.numel() for p in prep.plan.spec.model_cls(prep.plan.model_args).parameters())
+    assert with_reference.peak.parameters == 2 * without.peak.parameters  # the copy holds the buffers too
+    assert 0 <= without.peak.parameters - 4 * numel < 0.01 * without.peak.parameters
+    assert (with_reference.peak.gradients, with_reference.peak.optimizer_state) == \
+        (without.peak.gradients, without.peak.optimizer_state)
+
+
 def test_a_distillation_teacher_is_counted_as_parameters_and_a_forward(tmp_path):
     """distill.teacher (Objective.frozen_models) is probed as the trainer builds it: its parameter shards
     join the parameters (fp32, one process: 4 bytes a parameter, and its RoPE buffers), its gradients and

@@ -166,6 +166,44 @@ def test_bad_pairs_are_refused_in_one_sentence(chatml, row, seq_len, words):
     assert words in _one_sentence(e.value) and "pairs.jsonl line 1" in str(e.value)
 
 
+def test_precomputed_reference_values_are_laid_out_along_the_labels(chatml):
+    """Per-token values land on the answer's trained positions (the first ones of a cut pair), a
+    summed value on its first answer token; the samples carry them as reference_logps."""
+    plain = _pairs(chatml, ROWS[:2])
+    b, trained = plain.bounds, plain.labels != -100
+    counts = [int(trained[b[d]: b[d + 1]].sum()) for d in range(4)]
+    rows = [dict(ROWS[0], ref_chosen_logps=[-1.0] * counts[0], ref_rejected_logps=[-2.0] * counts[1]),
+            dict(ROWS[1], ref_chosen_logps=-3.5, ref_rejected_logps=[-0.5] * counts[3])]
+    pairs = _pairs(chatml, rows, reference=True)
+    assert (pairs.reference[~trained] == 0).all()
+    sums = [float(pairs.reference[b[d]: b[d + 1]].sum()) for d in range(4)]
+    assert sums == [-1.0 * counts[0], -2.0 * counts[1], -3.5, -0.5 * counts[3]]
+    samples = PreferenceSamples(pairs, seq_len=256, packing=True, pad_id=0)
+    sample = samples[0]
+    assert sample["reference_logps"].dtype == np.float32 and sample["reference_logps"].sum() == pytest.approx(sum(sums))
+    assert ((sample["reference_logps"] != 0) <= (sample["labels"] != -100)).all()
+
+
+@pytest.mark.parametrize("refs, words", [
+    ({}, "has no 'ref_chosen_logps', which dpo.reference precomputed reads"),
+    ({"ref_chosen_logps": [-1.0], "ref_rejected_logps": -2.0}, "ref_chosen_logps holds 1 log-probabilities but the "
+     "chosen answer renders to"),
+    ({"ref_chosen_logps": "x", "ref_rejected_logps": -2.0}, "ref_chosen_logps is neither a number nor a list"),
+    ({"ref_chosen_logps": -1.0, "ref_rejected_logps": float("nan")}, "its ref_rejected_logps is not a finite number"),
+])
+def test_bad_precomputed_reference_is_refused_in_one_sentence(chatml, refs, words):
+    with pytest.raises(DataError) as e:
+        _pairs(chatml, [dict(ROWS[0], **refs)], reference=True)
+    assert words in _one_sentence(e.value) and "pairs.jsonl line 1" in str(e.value)
+
+
+def test_a_summed_reference_of_a_cut_pair_is_refused(chatml):
+    long = {"prompt": "Count", "chosen": " ".join(["one"] * 40), "rejected": " ".join(["two"] * 30),
+            "ref_chosen_logps": -50.0, "ref_rejected_logps": -40.0}
+    with pytest.raises(DataError, match="the pair is cut to fit training.seq_len, so the summed ref_chosen_logps"):
+        _pairs(chatml, [long], seq_len=100, reference=True)
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--dpo.beta", "0"], "dpo.beta must be positive"),
     (["--dpo.loss_type", "ipo", "--dpo.label_smoothing", "0.1"], "dpo.label_smoothing applies to the sigmoid"),

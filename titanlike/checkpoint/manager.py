@@ -957,7 +957,10 @@ class CheckpointManager:
                             f"{tuple(value.shape)} (another model flavor or vocabulary?)")
         return None
 
-    def _load_model_dcp(self, path: str, metadata: Metadata, *, prefixed: bool) -> None:
+    def _load_model_dcp(self, path: str, metadata: Metadata, *, prefixed: bool, initial: bool = False) -> None:
+        """initial: a fresh run's start (checkpoint.initial_load_path), which may be a checkpoint of the
+        model before the converters' swap (a pre-training run's for a LoRA job): what they added and it
+        lacks keeps its initialization."""
         self._check_same_model(path, metadata)
         model = self.states[MODEL]
         local = model.load_template()
@@ -973,6 +976,12 @@ class CheckpointManager:
             if self.rank == 0:
                 logger.info(f"checkpoint: {path} is a language model: the score head ({', '.join(head)}) "
                             "starts from its initialization")
+        if initial and self.converters is not None:
+            fresh = sorted(k for k in local if self.converters.added(k) and prefix + k not in metadata.state_dict_metadata)
+            local = {k: v for k, v in local.items() if k not in set(fresh)}
+            if fresh and self.rank == 0:
+                logger.info(f"checkpoint: {len(fresh)} tensor(s) the model converters added are not in {path} and "
+                            f"keep their initialization, e.g. {', '.join(fresh[:3])}")
         template = {prefix + k: v for k, v in local.items()}
         loaded = self._load_entries(template, metadata, path, what=f"loading the model from {path}")
         model.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
@@ -1013,7 +1022,7 @@ class CheckpointManager:
             if problem is not None:
                 raise CheckpointError(problem)
             _, full = fmt.dcp_model_keys(metadata)
-            self._load_model_dcp(path, metadata, prefixed=full)
+            self._load_model_dcp(path, metadata, prefixed=full, initial=True)
         if self.rank == 0:
             logger.info(f"checkpoint: model initialized from {path} in {time.monotonic() - begin:.2f} s")
 

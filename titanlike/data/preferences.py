@@ -79,6 +79,8 @@ class TokenizedPairs:
     inputs: np.ndarray
     labels: np.ndarray
     bounds: np.ndarray  # (2 n + 1,) int64
+    # Precomputed reference log-probabilities along the labels (0 where not trained), or None.
+    reference: np.ndarray | None = None
 
     def __len__(self) -> int:
         return (len(self.bounds) - 1) // 2
@@ -115,9 +117,11 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate") -> TokenizedP
     ids lists of token ids and masks per token (True: an answer token). Over-long pairs are cut or
     dropped by `overlong` (counted in the log). DataError (one sentence) for a side with no answer
     token or a prompt that leaves no room for an answer (under truncate)."""
-    inputs, labels, bounds = [], [], [0]
+    inputs, labels, bounds, references = [], [], [0], []
     truncated = dropped = 0
     for where, *sides in pairs:
+        refs = sides.pop() if len(sides) == 3 else None  # precomputed reference values of both sides
+        cut = False
         sides = [(list(ids), np.asarray(mask, dtype=bool)) for ids, mask in sides]
         for (ids, mask), side in zip(sides, ("chosen", "rejected")):
             if not mask[1:].any():
@@ -131,45 +135,100 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate") -> TokenizedP
                                     "training.seq_len, shorten the prompt, or set dpo.overlong drop")
                 dropped += 1
                 continue
-            sides = fitted
+            sides, cut = fitted, True
             truncated += 1
-        for ids, mask in sides:
+        for i, (ids, mask) in enumerate(sides):
             target = np.asarray(ids[1:], dtype=np.int64)
             inputs.append(np.asarray(ids[:-1], dtype=np.int64))
             labels.append(np.where(mask[1:], target, IGNORE_INDEX))
             bounds.append(bounds[-1] + len(target))
+            if refs is not None:
+                references.append(_reference_values(refs[i], mask[1:], where, ("chosen", "rejected")[i], cut=cut))
     if truncated or dropped:
         logger.info(f"dpo: {truncated} pairs longer than training.seq_len = {seq_len} positions truncated (answers "
                     f"shortened), {dropped} dropped (dpo.overlong {overlong})")
     if len(bounds) == 1:
         raise DataError("no preference pair is left to train on" + (
             " (every one is too long for training.seq_len; dpo.overlong truncate keeps them)" if dropped else ""))
-    return TokenizedPairs(np.concatenate(inputs), np.concatenate(labels), np.asarray(bounds, dtype=np.int64))
+    if references and len(references) != len(labels):
+        raise DataError("some preference pairs have precomputed reference log-probabilities and some do not")
+    return TokenizedPairs(np.concatenate(inputs), np.concatenate(labels), np.asarray(bounds, dtype=np.int64),
+                          np.concatenate(references) if references else None)
 
 
-def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate",
-                   end_id: int | None = None) -> TokenizedPairs:
-    """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate. end_id: a token
-    appended to every rendered side as its last target, so that the side's last real token is an
+REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def _reference_values(value, trained: np.ndarray, where: str, side: str, *, cut: bool) -> np.ndarray:
+    """One side's precomputed reference along its positions: `value` is the log-probability of every
+    answer token in order (scripts/precompute_reference.py writes these; a pair cut to fit seq_len
+    keeps the first ones, as its answer keeps its first tokens), or their sum (TRL's precomputed
+    form), placed on the first answer token: the loss only sums them per answer."""
+    key = REFERENCE_KEYS[side == "rejected"]
+    out = np.zeros(len(trained), dtype=np.float32)
+    at = np.flatnonzero(trained)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if cut:
+            raise DataError(f"{where}: the pair is cut to fit training.seq_len, so the summed {key} no longer "
+                            "matches its answer; store per-token values (scripts/precompute_reference.py), raise "
+                            "training.seq_len, or set dpo.overlong drop")
+        if not np.isfinite(value):
+            raise DataError(f"{where}: its {key} is not a finite number")
+        out[at[0]] = value
+        return out
+    if not (isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        raise DataError(f"{where}: {key} is neither a number nor a list of numbers")
+    if len(value) < len(at) or (len(value) != len(at) and not cut):
+        raise DataError(f"{where}: {key} holds {len(value)} log-probabilities but the {side} answer renders to "
+                        f"{len(at)} answer tokens: they were computed with another chat template or tokenizer; "
+                        "precompute them again for this job")
+    values = np.asarray(value[:len(at)], dtype=np.float32)
+    if not np.isfinite(values).all():
+        raise DataError(f"{where}: {key} holds a value that is not finite")
+    out[at] = values
+    return out
+
+
+def render_pair(row: dict, where: str, template, tokenizer, *, end_id: int | None = None
+                ) -> tuple[tuple[list[int], np.ndarray], ...]:
+    """((chosen ids, answer mask), (rejected ids, answer mask)) of one preference row, whole. end_id: a
+    token appended to every rendered side as its last target, so that the side's last real token is an
     input too (a reward model scores each whole sequence at its last token)."""
     from titanlike.data.chat_template import chat_prompt_ids
 
-    def render(where: str, messages: list[dict], prompt_ids: list[int]):
+    def render(messages: list[dict], prompt_ids: list[int]):
         ids, assistant = render_row(template, tokenizer, messages, where, "pair")
         mask = answer_mask(ids, assistant, prompt_ids)
         if end_id is not None:
             ids, mask = [*ids, end_id], np.append(mask, True)
         return ids, mask
 
+    prompt, chosen, rejected = row_pair(row, where)
+    try:
+        prompt_ids = chat_prompt_ids(template, tokenizer, prompt)
+    except Exception as e:
+        raise DataError(f"{where}: {template.origin} refused the prompt: "
+                        f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None
+    return render(prompt + chosen, prompt_ids), render(prompt + rejected, prompt_ids)
+
+
+def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate",
+                   end_id: int | None = None, reference: bool = False) -> TokenizedPairs:
+    """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate; end_id:
+    render_pair's. reference: read each row's precomputed reference log-probabilities (REFERENCE_KEYS)
+    into TokenizedPairs.reference."""
+
     def pairs():
         for where, row in rows:
-            prompt, chosen, rejected = row_pair(row, where)
-            try:
-                prompt_ids = chat_prompt_ids(template, tokenizer, prompt)
-            except Exception as e:
-                raise DataError(f"{where}: {template.origin} refused the prompt: "
-                                f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None
-            yield where, render(where, prompt + chosen, prompt_ids), render(where, prompt + rejected, prompt_ids)
+            sides = render_pair(row, where, template, tokenizer, end_id=end_id)
+            if not reference:
+                yield where, *sides
+                continue
+            missing = [k for k in REFERENCE_KEYS if row.get(k) is None]
+            if missing:
+                raise DataError(f"{where} has no {missing[0]!r}, which dpo.reference precomputed reads; write the "
+                                "reference log-probabilities with scripts/precompute_reference.py")
+            yield where, *sides, tuple(row[k] for k in REFERENCE_KEYS)
 
     return pack_pairs(pairs(), seq_len=seq_len, overlong=overlong)
 
@@ -183,11 +242,32 @@ class PreferenceSamples(ConversationSamples):
     def summary(self, items: int, trained: int) -> str:
         return f"dpo: {items} pairs ({trained:,} answer tokens)"
 
+    @property
+    def fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        fields = super().fields
+        if self.data.reference is not None:
+            fields["reference_logps"] = ((self.seq_len,), "float32")
+        return fields
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        sample = super().__getitem__(index)
+        if self.data.reference is not None:
+            # Laid out as the labels are (ConversationSamples.__getitem__): the bin's documents in order.
+            reference = np.zeros(self.seq_len, dtype=np.float32)
+            at, b = 0, self.data.bounds
+            for item in self.bins[index]:
+                for d in range(2 * item, 2 * item + 2):
+                    n = int(b[d + 1] - b[d])
+                    reference[at: at + n] = self.data.reference[b[d]: b[d + 1]]
+                    at += n
+            sample["reference_logps"] = reference
+        return sample
+
 
 def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_len, split, split_name,
-                       end_id: int | None = None):
+                       end_id: int | None = None, reference: bool = False):
     """The global sample source of preference rows for an objective whose options have chat_template,
-    overlong and packing (section: its config section, named in messages); end_id: tokenize_pairs'."""
+    overlong and packing (section: its config section, named in messages); end_id, reference: tokenize_pairs'."""
     from titanlike.data.chat_template import load_chat_template
     from titanlike.data.conversations import split_rows
     from titanlike.data.loader import GlobalSamples
@@ -195,10 +275,11 @@ def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_le
 
     rows = split_rows(dataset_path, split, split_name)
     template = load_chat_template(options.chat_template, tokenizer, option=f"{section}.chat_template")
-    pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=options.overlong, end_id=end_id)
+    pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=options.overlong,
+                           end_id=end_id, reference=reference)
     source = PreferenceSamples(pairs, seq_len=seq_len, packing=options.packing, pad_id=pad_id(tokenizer))
     return GlobalSamples(source, shuffle=True, fields=source.fields)
 
 
-__all__ = ["PAIR_KEYS", "PreferenceSamples", "preference_samples", "TokenizedPairs", "answer_mask", "pack_pairs", "row_pair",
-           "tokenize_pairs"]
+__all__ = ["PAIR_KEYS", "PreferenceSamples", "REFERENCE_KEYS", "TokenizedPairs", "answer_mask", "pack_pairs",
+           "preference_samples", "render_pair", "row_pair", "tokenize_pairs"]

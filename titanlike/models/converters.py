@@ -63,6 +63,12 @@ class ModelConverter:
         the swap loads into this model part, full tensors by name (rank 0's are broadcast; {} none)."""
         return {}
 
+    def added(self, key: str) -> bool:
+        """Whether the model state-dict entry `key` is one the swap added: a checkpoint of the model
+        without the swap (a pre-training run's, as checkpoint.initial_load_path) lacks it, and an
+        initial load leaves it at its initialization."""
+        return False
+
     def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
         """Before a model-only Hugging Face export of `state_dict` (full tensors, rank 0) into
         `folder`: the state dict to convert (LoRA folds its adapters in, and writes its PEFT folder)."""
@@ -108,6 +114,9 @@ class ModelConverters:
         for converter in self.converters:
             state.update(converter.initial_state(model))
         return state
+
+    def added(self, key: str) -> bool:
+        return any(converter.added(key) for converter in self.converters)
 
     def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
         for converter in self.converters:
@@ -482,6 +491,11 @@ class LoRAConverter(ModelConverter):
         if self.options is not None and self.options.adapter_path:
             state.update(peft_state_dict(model, self.options.adapter_path))
         return state
+
+    def added(self, key: str) -> bool:
+        from titanlike.models.lora import is_adapter_key
+
+        return is_adapter_key(key)
 
     def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
         """The PEFT adapter into folder/adapter, and the merged weights for the full export."""

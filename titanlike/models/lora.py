@@ -310,8 +310,13 @@ def _module_of(key: str, suffix: str) -> str | None:
 _ADAPTER_KEYS = (".lora_a", ".lora_b", ".lora_scale", ".lora_magnitude")
 
 
+def is_adapter_key(key: str) -> bool:
+    """A state-dict entry of an adapter (A, B, scale, DoRA magnitude)."""
+    return key.endswith(_ADAPTER_KEYS)
+
+
 def has_adapters(sd: Mapping[str, torch.Tensor]) -> bool:
-    return any(key.endswith(_ADAPTER_KEYS) for key in sd)
+    return any(map(is_adapter_key, sd))
 
 
 def split_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, tuple]]:

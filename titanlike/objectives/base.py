@@ -154,6 +154,12 @@ class Objective:
     predicts_next_token: ClassVar[bool] = False
 
     @property
+    def frozen_copies(self) -> int:
+        """How many frozen copies of the model (same plan, sharded like it: parameters only, no
+        gradients or optimizer state) the objective holds beside it; the memory estimator counts them."""
+        return 0
+
+    @property
     def frozen_models(self) -> tuple[str, ...]:
         """Checkpoints of other models the objective runs frozen beside the one it trains (what `attach`
         asks ObjectiveModels.other_model for: a distillation teacher). The memory estimator counts their

@@ -37,8 +37,14 @@ function of its microbatches; under pipeline parallelism it runs through a forwa
 its own stages, and its log-probabilities reach the labels on the last stage, where the loss runs.
 Under context parallelism each rank holds some positions of every pair: the per-document sums are
 completed over the cp ranks (an all-reduce whose backward passes the gradient through), every cp
-rank computes every pair's loss, reports 1/cp of it and differentiates all of it. Not yet:
-log-probabilities precomputed with the data.
+rank computes every pair's loss, reports 1/cp of it and differentiates all of it. Or `precomputed`:
+for a model too large to hold twice, the reference's log-probabilities computed in one pass before
+training (scripts/precompute_reference.py: the model the job starts from, each side of each pair
+alone, every answer token's log-probability written into the row as ref_chosen_logps /
+ref_rejected_logps) travel with the samples (field reference_logps, along the positions) and fill
+the labels' reference channel in `prepare`; no reference model is built. A summed value per side
+(TRL's precomputed form) is accepted too, placed on the answer's first token, since the loss only
+sums the channel per answer.
 
 Options, [dpo]: beta, loss_type, label_smoothing, simpo_gamma, reference, chat_template, packing,
 overlong.
@@ -79,8 +85,9 @@ class DPOOptions:
                                  "DPO for sigmoid and simpo, robust DPO for robust), in [0, 0.5)")
     simpo_gamma: float = opt(0.5, "SimPO's target reward margin (loss_type simpo only)")
     reference: str = opt("model", "model: a frozen copy of the policy as training starts, sharded like it; adapters: "
-                         "the policy with its LoRA adapters off (needs the lora converter); unused by simpo",
-                         choices=("model", "adapters"))
+                         "the policy with its LoRA adapters off (needs the lora converter); precomputed: the "
+                         "ref_chosen_logps / ref_rejected_logps of each row (scripts/precompute_reference.py), no "
+                         "reference forward; unused by simpo", choices=("model", "adapters", "precomputed"))
     chat_template: str = opt("auto", "as sft.chat_template: auto, tokenizer, llama3, chatml, or a Jinja file")
     packing: bool = opt(True, "pack several pairs into each sample (best-fit decreasing over whole pairs); off: one "
                         "pair per sample")
@@ -177,6 +184,10 @@ class DPO(Objective):
     def uses_reference(self) -> bool:
         return self.options.loss_type != "simpo"
 
+    @property
+    def frozen_copies(self) -> int:
+        return int(self.uses_reference and self.options.reference == "model")
+
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
                 model: str = "the model") -> DPO:
@@ -202,7 +213,7 @@ class DPO(Objective):
             raise ValueError(f"dpo.label_smoothing applies to the sigmoid, robust and simpo losses, not dpo.loss_type "
                              f"{o.loss_type}; remove it")
         refuse_pretraining_options(cfg, "dpo")
-        if self.uses_reference and dims.pp > 1:
+        if self.uses_reference and not self.precomputed and dims.pp > 1:
             from titanlike.parallel.pipeline import V_SCHEDULES, schedule_name
 
             name = schedule_name(cfg.parallelism.pipeline_parallel_schedule)
@@ -224,9 +235,17 @@ class DPO(Objective):
 
     # Samples ----------------------------------------------------------------------------------
 
+    @property
+    def precomputed(self) -> bool:
+        """The reference's log-probabilities come with the data (sample field reference_logps)."""
+        return self.uses_reference and self.options.reference == "precomputed"
+
     def sample_fields(self, seq_len: int) -> FieldShapes:
         tokens = ((seq_len,), "int64")
-        return {"inputs": tokens, "labels": tokens, "document_ids": tokens}
+        fields = {"inputs": tokens, "labels": tokens, "document_ids": tokens}
+        if self.precomputed:
+            fields["reference_logps"] = ((seq_len,), "float32")
+        return fields
 
     def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
                 split_name="train"):
@@ -240,7 +259,7 @@ class DPO(Objective):
         o = self.options
         rows = split_rows(dataset_path, split, split_name)
         template = load_chat_template(o.chat_template, tokenizer, option="dpo.chat_template")
-        pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=o.overlong)
+        pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=o.overlong, reference=self.precomputed)
         source = PreferenceSamples(pairs, seq_len=seq_len, packing=o.packing, pad_id=pad_id(tokenizer))
         return GlobalSamples(source, shuffle=True, fields=source.fields)
 
@@ -251,6 +270,8 @@ class DPO(Objective):
         documents = batch["document_ids"].to(ctx.device)
         mask = DocumentMask.from_document_ids(documents, ctx.mask_kernel)
         labels = pair_labels(targets, documents)
+        if self.precomputed:
+            labels[..., REFERENCE] = batch["reference_logps"].to(ctx.device, torch.float32)
         mb = Microbatch(inputs, labels, positions=mask.positions, mask=mask)
         if ctx.cp_positions is not None:
             # Every cp rank keeps the ids of the whole sequence (its attention picks its rows) and cuts
@@ -268,7 +289,7 @@ class DPO(Objective):
         """The reference's forward (ObjectiveModels, objectives/base.py): a frozen copy of the policy or
         the policy with its adapters off; None for SimPO."""
         self._cp_sum, self._cp_degree = models.cp_sum, models.cp_degree
-        if not self.uses_reference:
+        if not self.uses_reference or self.precomputed:
             return
         if self.options.reference == "adapters":
             from titanlike.models.lora import adapters
