@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: as stored")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (static shapes: "
+                        "every batch's cache holds the longest prompt + --max-new-tokens); worth it on a GPU")
     args = parser.parse_args(argv)
 
     def fail(message: str) -> int:
@@ -172,7 +174,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except Exception as e:  # a chat template that refuses the messages, a hostile file's content
         return fail(f"a prompt cannot be encoded: {type(e).__name__}: {e}")
     start_id = getattr(tokenizer, "pad_id", None)  # an encoder-decoder's decoder start (T5: pad)
-    engine = Engine(model, start_id=start_id if isinstance(start_id, int) else None)
+    # Compiled, one cache length for every batch (a graph per length otherwise).
+    context = min(model.model_args.context_len, max(map(len, ids)) + args.max_new_tokens) if args.compile else None
+    engine = Engine(model, start_id=start_id if isinstance(start_id, int) else None, compile=args.compile,
+                    context_len=context)
     try:
         engine.check_prompts(ids)
     except GenerationError as e:
