@@ -8,8 +8,8 @@ a multiple-choice task (loglikelihood), a perplexity task (loglikelihood_rolling
 64 tokens) and a generate_until task with stop strings; some contexts are longer than the context
 (left truncation). The titanlike model's per-request log-likelihoods equal the hf model's within
 1e-4, its accuracies and generated texts exactly; batch size 1 equals batch size 4 (1e-5);
-titanlike-eval runs lm-eval's command line; a BERT checkpoint and an unknown model_arg are refused in
-one sentence. A 2-rank tensor-parallel run equals one process: tests/layouts/test_generation_tp.py
+titanlike-eval runs lm-eval's command line; a BERT checkpoint, an unknown model_arg and pipeline
+parallelism are refused in one sentence. A 2-rank tensor-parallel run equals one process: tests/layouts/test_generation_tp.py
 (its world checks generation and evaluation, one spawn for both); the assets are tests/lm_eval_assets.py."""
 
 from __future__ import annotations
@@ -117,6 +117,9 @@ def test_command_line_and_refusals(assets, offline, tmp_path, capsys, monkeypatc
     assert main(["--model", "titanlike", "--model_args", f"checkpoint={assets['dcp']},temperature=1", "--tasks",
                  "tl_mc", "--include_path", assets["tasks"]]) == 1
     assert "takes no model_args temperature" in capsys.readouterr().err
+    assert main(["--model", "titanlike", "--model_args", f"checkpoint={assets['dcp']},pipeline_parallel_degree=2",
+                 "--tasks", "tl_mc", "--include_path", assets["tasks"]]) == 1
+    assert "not split over pipeline stages" in capsys.readouterr().err
 
     from transformers import BertConfig, BertForMaskedLM
 

@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from titanlike.inference import Engine, GenerationError, SamplingParams
     from titanlike.inference.loading import load_for_inference
 
+    from titanlike.inference.loading import one_process
+
+    try:
+        one_process("titanlike-generate")
+    except GenerationError as e:
+        return fail(str(e))
     if args.batch_size < 1:
         return fail(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.prompt is not None and any(p == "" for p in args.prompt):

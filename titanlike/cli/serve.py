@@ -43,6 +43,13 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
                         "fixed: --max-batch-size rows of --max-model-len slots); worth it on a GPU")
     args = parser.parse_args(argv)
 
+    from titanlike.inference import GenerationError
+    from titanlike.inference.loading import one_process
+
+    try:
+        one_process("titanlike-serve")
+    except GenerationError as e:
+        return None, str(e)
     if args.max_batch_size < 1:
         return None, f"--max-batch-size must be at least 1, got {args.max_batch_size}"
     if args.max_model_len is not None and args.max_model_len < 2:
