@@ -12,8 +12,7 @@ step keeps its shapes. Refilling such rows at once with waiting prompts (continu
 server needs) is ContinuousBatch (continuous.py), on the same hooks and stop rules.
 
 Engine(compile=True) decodes with a torch.compile'd step on static caches (kv_cache.py, "Static"):
-one graph per batch size for every step of every call, the prefill eager. Worth it on a GPU; on CPU
-a small model's step is per-operator overhead that compiling does not remove (docs/performance.md).
+one graph per batch size for every step of every call, the prefill eager (speed: docs/performance.md).
 """
 
 from __future__ import annotations
