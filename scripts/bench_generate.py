@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     params = model_args.num_params()
     print(f"# {args.family} {args.flavor} {changes or ''} ({params / 1e6:.1f}M parameters), prompt "
-          f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, {args.dtype} on {args.device}; torch {torch.__version__}, transformers "
+          f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, {args.dtype} on {args.device}; "
+          f"torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPUs; median of "
           f"{args.repeats} after a warm-up, the paths in turn")
     rows = []

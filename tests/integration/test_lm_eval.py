@@ -9,8 +9,9 @@ a multiple-choice task (loglikelihood), a perplexity task (loglikelihood_rolling
 (left truncation). The titanlike model's per-request log-likelihoods equal the hf model's within
 1e-4, its accuracies and generated texts exactly; batch size 1 equals batch size 4 (1e-5);
 titanlike-eval runs lm-eval's command line; a BERT checkpoint, an unknown model_arg and pipeline
-parallelism are refused in one sentence. A 2-rank tensor-parallel run equals one process: tests/layouts/test_generation_tp.py
-(its world checks generation and evaluation, one spawn for both); the assets are tests/lm_eval_assets.py."""
+parallelism are refused in one sentence. A 2-rank tensor-parallel run equals one process:
+tests/layouts/test_generation_tp.py (its world checks generation and evaluation, one spawn for both);
+the assets are tests/lm_eval_assets.py."""
 
 from __future__ import annotations
 

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: as stored")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (static shapes: "
-                        "every batch's cache holds the longest prompt + --max-new-tokens); the compile costs seconds to minutes at the first step")
+                        "every batch's cache holds the longest prompt + --max-new-tokens; the compile costs seconds "
+                        "to minutes at the first step)")
     args = parser.parse_args(argv)
 
     def fail(message: str) -> int:

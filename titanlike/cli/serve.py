@@ -40,7 +40,8 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: as stored")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (its shapes are "
-                        "fixed: --max-batch-size rows of --max-model-len slots); the compile costs seconds to minutes at the first step")
+                        "fixed: --max-batch-size rows of --max-model-len slots; the compile costs seconds to minutes "
+                        "at the first step)")
     args = parser.parse_args(argv)
 
     from titanlike.inference import GenerationError

@@ -54,8 +54,8 @@ def training_objective(model):
 # tokens back to the first: a scheduler of its own, unlike training's schedules. The models these
 # tools run fit tensor parallelism within a node, which titanlike-eval does under torchrun.
 PIPELINE_REFUSAL = ("is not split over pipeline stages (a decode step would pass one token through the stages "
-                    "in turn and send it back to the first): run it in one process, or use tensor parallelism "
-                    "(titanlike-eval under torchrun)")
+                    "in turn and send it back to the first): run it in one process, or with tensor parallelism "
+                    "(titanlike-eval under torchrun: its ranks are one tensor-parallel group)")
 
 
 def one_process(tool: str) -> None:
@@ -108,4 +108,5 @@ def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device:
     return model, tok
 
 
-__all__ = ["PIPELINE_REFUSAL", "checkpoint_tokenizer", "load_for_inference", "one_process", "training_objective", "vocab_size"]
+__all__ = ["PIPELINE_REFUSAL", "checkpoint_tokenizer", "load_for_inference", "one_process",
+           "training_objective", "vocab_size"]
