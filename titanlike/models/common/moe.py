@@ -228,7 +228,10 @@ class GroupedExperts(nn.Module):
         if self.impl == "loop":
             return _experts_loop(x, counts, w1, w2, w3)
         if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
-            return _experts_gathered(x, counts, w1, w2, w3)
+            # A weight copy per row suits a decode step's few rows; a training batch's thousands of
+            # rows would copy the experts thousands of times, so it takes the loop (graph breaks).
+            gathered = x.shape[0] <= GATHERED_ROWS_LIMIT
+            return (_experts_gathered if gathered else _experts_loop)(x, counts, w1, w2, w3)
         offsets = counts.cumsum(0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
         h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
@@ -238,6 +241,9 @@ class GroupedExperts(nn.Module):
         init.fill(self.w1, seed=seed, fqn=f"{prefix}w1")
         init.fill(self.w2, seed=seed, fqn=f"{prefix}w2", output=True)
         init.fill(self.w3, seed=seed, fqn=f"{prefix}w3", output=True)
+
+
+GATHERED_ROWS_LIMIT = 256
 
 
 def _experts_gathered(x, counts, w1, w2, w3) -> torch.Tensor:
