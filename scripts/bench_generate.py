@@ -4,6 +4,7 @@ in one process on the same machine.
 
     python scripts/bench_generate.py                       # llama3 debugmodel, batch 1 and 8
     python scripts/bench_generate.py --flavor debugmodel --dim 512 --n-layers 8 --markdown
+    python scripts/bench_generate.py --compile --device cuda --dtype bfloat16   # + the compiled decode step
 
 For each batch size: time to first token (the prefill and the first sample) and tokens per second
 over the whole call (every row's new tokens / wall time, the prefill included), greedy, prompts of
@@ -29,11 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def ours(model, prompts, new_tokens: int):
-    """A run function of the KV-cache engine: () -> (time to first token, tokens/s, tokens)."""
+def ours(model, prompts, new_tokens: int, compile: bool = False):
+    """A run function of the KV-cache engine: () -> (time to first token, tokens/s, tokens).
+    compile: the torch.compile'd decode step on static caches of prompt + new tokens (its compile
+    falls in the warm-up run)."""
     from titanlike.inference import Engine, SamplingParams
 
-    engine = Engine(model)
+    engine = Engine(model, compile=compile, context_len=len(prompts[0]) + new_tokens if compile else None)
     params = SamplingParams(max_new_tokens=new_tokens)
 
     def run():
@@ -45,7 +48,7 @@ def ours(model, prompts, new_tokens: int):
 
 def transformers_static(hf, prompts, new_tokens: int):
     """transformers' generate with its static cache (time to first token: a call for one token)."""
-    ids = torch.tensor(prompts)  # equal lengths: no padding
+    ids = torch.tensor(prompts, device=hf.device)  # equal lengths: no padding
 
     def generate(n: int):
         return hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
@@ -67,7 +70,7 @@ def uncached(model, prompts, new_tokens: int):
     """The loop scripts/generate.py ran before the cache: a full forward over the whole sequence per token."""
     @torch.no_grad()
     def run():
-        tokens = torch.tensor(prompts)
+        tokens = torch.tensor(prompts, device=next(model.parameters()).device)
         started = time.perf_counter()
         first = None
         for _ in range(new_tokens):
@@ -107,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's "
                         "own); on a machine shared with other jobs 1 avoids OpenMP threads spinning against them")
     parser.add_argument("--skip-uncached", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="also time the engine with its decode step "
+                        "compiled (Engine(compile=True)), as a column of its own")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = parser.parse_args(argv)
     if args.threads:
@@ -123,17 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     model_args = dataclasses.replace(model_args, **changes)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
-    model.to_empty(device="cpu")
+    model.to_empty(device=args.device)
     model.init_weights(seed=0)
-    model.eval()
+    dtype = getattr(torch, args.dtype)
+    model.to(dtype).eval()
     with tempfile.TemporaryDirectory() as folder:
         write_hf(model.state_dict(), spec, model_args, folder)
         architecture = json.load(open(os.path.join(folder, "config.json")))["architectures"][0]
-        hf = getattr(transformers, architecture).from_pretrained(folder).eval()
+        hf = getattr(transformers, architecture).from_pretrained(folder).to(args.device, dtype).eval()
     g = torch.Generator().manual_seed(0)
     params = model_args.num_params()
-    print(f"# {args.family} {args.flavor} {changes or ''} ({params / 1e6:.1f}M parameters), fp32, prompt "
-          f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; torch {torch.__version__}, transformers "
+    print(f"# {args.family} {args.flavor} {changes or ''} ({params / 1e6:.1f}M parameters), prompt "
+          f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, {args.dtype} on {args.device}; "
+          f"torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPUs; median of "
           f"{args.repeats} after a warm-up, the paths in turn")
     rows = []
@@ -142,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = {"ours": ours(model, prompts, args.new_tokens), "hf": transformers_static(hf, prompts, args.new_tokens)}
         if not args.skip_uncached:
             runs["uncached"] = uncached(model, prompts, args.new_tokens)
+        if args.compile:
+            runs["compiled"] = ours(model, prompts, args.new_tokens, compile=True)
         got = measure(runs, args.repeats)
         (ours_first, ours_rate), ours_tokens = got["ours"]
         (hf_first, hf_rate), hf_tokens = got["hf"]
@@ -151,10 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             (un_first, un_rate), un_tokens = got["uncached"]
             same = same and un_tokens == ours_tokens
             row += [un_first, un_rate, ours_rate / un_rate]
+        if args.compile:
+            (c_first, c_rate), c_tokens = got["compiled"]
+            same = same and c_tokens == ours_tokens
+            row += [c_first, c_rate, c_rate / ours_rate]
         rows.append(row + [same])
     head = ["batch", "titanlike TTFT ms", "titanlike tok/s", "HF static TTFT ms", "HF static tok/s", "vs HF"]
     if not args.skip_uncached:
         head += ["uncached TTFT ms", "uncached tok/s", "vs uncached"]
+    if args.compile:
+        head += ["compiled TTFT ms", "compiled tok/s", "vs eager"]
     head.append("same tokens")
 
     def cells(row):

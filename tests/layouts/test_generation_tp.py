@@ -4,7 +4,11 @@ runs, for every family that generates and has a sharding plan (its smallest debu
 parallelism: a decode step holds one token per row) and on the same weights in one process, on one
 batch of prompts of different lengths. Greedy tokens must be equal, and the cached logits of the
 prefill and of each teacher-forced decode step within 1e-4 (the caches hold this rank's heads only;
-the latent of multi-head latent attention is replicated)."""
+the latent of multi-head latent attention is replicated).
+
+The same world runs the lm-evaluation-harness model under TP2 (tests/lm_eval_assets.py: a checkpoint,
+local tasks, the responses one process gives for the first document of each), so one spawn serves
+both (tests/integration/test_lm_eval.py compares one process with lm-eval's hf model)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 
 import toy_family  # noqa: F401  (the spawned ranks register the same families)
 from family_checks import run_on_gloo_ranks
+from lm_eval_assets import TP_LIMIT, build_assets, evaluate, offline, prepare_tp_checks, responses, tp_checks
 from titanlike.models import protocol
 from titanlike.models.registry import get_model_spec, model_names
 
@@ -73,8 +78,14 @@ def _checks(rank: int) -> None:
         assert tp == one, f"{family}: TP2 generated {tp}, one process {one}"
         torch.testing.assert_close(_cached_logits(models[1], one), _cached_logits(models[0], one), rtol=0, atol=1e-4,
                                    msg=lambda m: f"{family}: {m}")
+    tp_checks(rank)
 
 
-def test_generation_under_tp2_equals_one_process():
+def test_generation_and_lm_eval_under_tp2_equal_one_process(tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
     assert {"llama3", "deepseek_v3", "hybrid", "t5"} <= {f for f, _ in _families()}
-    run_on_gloo_ranks(_checks, world=2, timeout_s=400, what="generation under TP2")
+    offline(monkeypatch)
+    assets = build_assets(tmp_path, hf=False)
+    one = evaluate("titanlike", f"checkpoint={assets['dcp']},tokenizer={assets['hf']}", assets["tasks"], limit=TP_LIMIT)
+    prepare_tp_checks(assets, responses(one), tmp_path, monkeypatch)
+    run_on_gloo_ranks(_checks, world=2, timeout_s=400, what="generation and lm-eval under TP2")

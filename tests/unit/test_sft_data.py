@@ -350,6 +350,7 @@ def test_job_rules_refuse_in_one_sentence(tmp_path, argv, fragment):
     ("sft_llama3_8b", "8B", 8, 0),
     ("lora_llama3_8b", "8B", 1, 41_943_040),  # rank 16 on the 7 linears of 32 blocks
     ("lora_llama3_8b", "8B", 8, 41_943_040),
+    ("sft_llama3_70b", "70B", 64, 0),
     ("lora_llama3_70b", "70B", 8, 207_093_760),  # of 80 blocks
 ])
 def test_fine_tuning_presets_plan_from_a_hugging_face_folder(tmp_path, monkeypatch, preset, flavor, world, adapters):

@@ -218,18 +218,20 @@ def check_model_size(args, where: str, *, device: Any = "cpu", bytes_per_param: 
 
 
 def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str, *,
-               partial: bool = False) -> tuple[list[str], list[str]]:
+               partial: bool = False, model: torch.nn.Module | None = None) -> tuple[list[str], list[str]]:
     """The state dict holds exactly the model's tensors (tied aliases optional), with its shapes,
     as floating-point tensors of finite values (an imported file is input from anywhere).
 
     Built on the meta device, so it costs no memory; a checkpoint of another flavor or
     vocabulary fails here with its first differences named. partial: tensors missing from the
     state dict, or not in the model, are returned (missing, unexpected) rather than refused; the
-    tensors both hold are checked the same.
+    tensors both hold are checked the same. model: the meta model of (spec, args) when the caller has
+    built it already.
     """
     try:
-        with torch.device("meta"):
-            model = spec.model_cls(args)
+        if model is None:
+            with torch.device("meta"):
+                model = spec.model_cls(args)
     except Exception as e:  # args that passed the field checks but no model can be built from
         raise CheckpointError(f"{where}: no {spec.name} model can be built from its configuration "
                               f"({type(e).__name__}: {e})") from None
@@ -250,8 +252,11 @@ def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str, *,
         if want.is_floating_point() and not value.is_floating_point():
             raise CheckpointError(f"{where}: {key} is a {str(value.dtype).removeprefix('torch.')} tensor, but the "
                                   "model's weights are floating point")
-        # A meta tensor stands for a checkpoint index's entry: its values are not read yet.
+        # A meta tensor stands for a checkpoint index's entry: its values are not read yet. A finite
+        # sum proves every value finite (a NaN or infinity would carry into it); only a sum that is
+        # not (overflow, or a bad value) needs the element-wise check.
         if (value.is_floating_point() and value.numel() and not value.is_meta
+                and not bool(torch.isfinite(value.sum()))
                 and not bool(torch.isfinite(value).all())):
             raise CheckpointError(f"{where}: {key} holds non-finite values (NaN or infinity)")
     return missing, unexpected

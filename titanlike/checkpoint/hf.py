@@ -39,6 +39,8 @@ from titanlike.checkpoint.format import (
 )
 
 from titanlike.data.hf_tokenizer import stored_tokenizer
+from titanlike.models import protocol
+from titanlike.models.common.init import buffers_only
 
 if TYPE_CHECKING:
     from titanlike.data.hf_tokenizer import TokenizerExport
@@ -192,17 +194,33 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         state_dict = _from_hf(spec, hf_sd, args, folder)
         if dtype is not None:
             state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
-    check_fits(state_dict, spec, args, folder)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to_empty(device=device)
-    if dtype is not None:
-        model.to(dtype)
-    # init_weights also rebuilds the non-persistent buffers (e.g. RoPE tables, in float32);
-    # the random weights it draws are all overwritten below, as check_fits proved. strict=False
-    # only for a tied alias, which loads through its owner's Parameter.
-    model.init_weights(seed=0)
-    model.load_state_dict(state_dict, strict=False)
+    try:
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+    except Exception:
+        model = None  # check_fits says why, in one sentence
+    check_fits(state_dict, spec, args, folder, model=model)
+    # The parameters stay on meta until the checkpoint's tensors take their place (check_fits proved
+    # it holds every one): only the buffers are materialized, and init_weights rebuilds them (RoPE
+    # tables in float32, zeroed statistics) without drawing weights that would be overwritten.
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            cast = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
+            setattr(module, name, torch.empty_like(buffer, device=device, dtype=cast))
+    with buffers_only():
+        model.init_weights(seed=0)
+    targets = model.state_dict()
+    loaded = {}
+    for key, value in state_dict.items():
+        # As the model would hold it: dtype when given, else the model's own (fp32) for weights.
+        cast = dtype if dtype is not None and value.is_floating_point() else targets[key].dtype
+        loaded[key] = value.to(device=device, dtype=cast)
+    # strict=False only for a tied alias, which takes its owner's Parameter (retie_weights).
+    model.load_state_dict(loaded, strict=False, assign=True)
+    protocol.retie_weights(model)
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise CheckpointError(f"{folder} does not hold the model's {left[0]}")
     return model.eval()
 
 

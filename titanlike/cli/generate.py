@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: as stored")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (static shapes: "
+                        "every batch's cache holds the longest prompt + --max-new-tokens; the compile costs seconds "
+                        "to minutes at the first step)")
     args = parser.parse_args(argv)
 
     def fail(message: str) -> int:
@@ -110,6 +113,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from titanlike.inference import Engine, GenerationError, SamplingParams
     from titanlike.inference.loading import load_for_inference
 
+    from titanlike.inference.loading import one_process
+
+    try:
+        one_process("titanlike-generate")
+    except GenerationError as e:
+        return fail(str(e))
     if args.batch_size < 1:
         return fail(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.prompt is not None and any(p == "" for p in args.prompt):
@@ -172,7 +181,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except Exception as e:  # a chat template that refuses the messages, a hostile file's content
         return fail(f"a prompt cannot be encoded: {type(e).__name__}: {e}")
     start_id = getattr(tokenizer, "pad_id", None)  # an encoder-decoder's decoder start (T5: pad)
-    engine = Engine(model, start_id=start_id if isinstance(start_id, int) else None)
+    # Compiled, one cache length for every batch (a graph per length otherwise).
+    context = min(model.model_args.context_len, max(map(len, ids)) + args.max_new_tokens) if args.compile else None
+    engine = Engine(model, start_id=start_id if isinstance(start_id, int) else None, compile=args.compile,
+                    context_len=context)
     try:
         engine.check_prompts(ids)
     except GenerationError as e:

@@ -39,8 +39,18 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
                         "name or a Jinja file, as sft.chat_template")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: as stored")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (its shapes are "
+                        "fixed: --max-batch-size rows of --max-model-len slots; the compile costs seconds to minutes "
+                        "at the first step)")
     args = parser.parse_args(argv)
 
+    from titanlike.inference import GenerationError
+    from titanlike.inference.loading import one_process
+
+    try:
+        one_process("titanlike-serve")
+    except GenerationError as e:
+        return None, str(e)
     if args.max_batch_size < 1:
         return None, f"--max-batch-size must be at least 1, got {args.max_batch_size}"
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -84,7 +94,8 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     if max_len > context:
         return None, f"--max-model-len {max_len} exceeds the model's context of {context} tokens"
     start_id = getattr(tokenizer, "pad_id", None)  # an encoder-decoder's decoder start (T5: pad)
-    engine = Engine(model, context_len=max_len, start_id=start_id if isinstance(start_id, int) else None)
+    engine = Engine(model, context_len=max_len, start_id=start_id if isinstance(start_id, int) else None,
+                    compile=args.compile)
     eos = frozenset({tokenizer.eos_id} if tokenizer.eos_id is not None else ())
     api_tokenizer = Tokenizer(encode=lambda text: tokenizer.encode(text, bos=True, eos=False),
                               decode=tokenizer.decode, vocab_size=vocab, stop_ids=eos,

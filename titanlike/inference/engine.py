@@ -10,6 +10,9 @@ Each row ends on its own (stop token, stop string, max_new_tokens, the context);
 until every row has ended. Rows that ended keep being computed (their tokens are dropped) so the
 step keeps its shapes. Refilling such rows at once with waiting prompts (continuous batching, what a
 server needs) is ContinuousBatch (continuous.py), on the same hooks and stop rules.
+
+Engine(compile=True) decodes with a torch.compile'd step on static caches (kv_cache.py, "Static"):
+one graph per batch size for every step of every call, the prefill eager (speed: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -103,9 +106,11 @@ class Engine:
     """Generation for one model (one process, or one tensor-parallel rank of several: every rank
     runs the same steps and draws the same samples from the same seed)."""
 
-    def __init__(self, model: nn.Module, *, context_len: int | None = None, start_id: int | None = None):
+    def __init__(self, model: nn.Module, *, context_len: int | None = None, start_id: int | None = None,
+                 compile: bool = False):
         """context_len: the longest sequence (default: the model's context). start_id: the decoder
-        start token of an encoder-decoder model (its pad id; None: the model's default)."""
+        start token of an encoder-decoder model (its pad id; None: the model's default). compile:
+        decode with a torch.compile'd step on caches of context_len slots (see below)."""
         hooks = protocol.generation_hooks(model)
         if hooks is None:
             raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder to continue a "
@@ -116,11 +121,25 @@ class Engine:
 
             raise GenerationError(scores_only(model))
         self.model = model.eval()
-        self.init_cache, self.prefill, self.decode_step = hooks
+        self._init_cache, self.prefill, self.decode_step = hooks
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.context_len = context_len or model.model_args.context_len
         self.start_id = start_id
+        self.compiled = compile
+        if compile:
+            # Static shapes: every cache holds context_len slots and a decode step reads them all
+            # (ModelCache.static), so the one-token step is one graph for every step of every call
+            # (a new batch size compiles once more). The prefill stays eager: its length varies
+            # with the prompts, and it runs once per call. dynamic=False: a new batch size gets a
+            # graph of its own rather than a symbolic one.
+            self.decode_step = torch.compile(self.decode_step, dynamic=False)
+
+    def init_cache(self, batch_size: int, capacity: int, *, device, dtype):
+        """The model's cache (the init_cache hook), static when the decode step is compiled."""
+        cache = self._init_cache(batch_size, capacity, device=device, dtype=dtype)
+        cache.static = self.compiled
+        return cache
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """GenerationError, one sentence, for prompts the model cannot continue."""
@@ -149,7 +168,8 @@ class Engine:
         batch = len(prompts)
         lengths = [len(p) for p in prompts]
         longest = max(lengths)
-        capacity = min(self.context_len, longest + params.max_new_tokens)
+        # Compiled, every call's cache has the one fixed length (a graph per length otherwise).
+        capacity = self.context_len if self.compiled else min(self.context_len, longest + params.max_new_tokens)
         tokens = torch.zeros(batch, longest, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             tokens[row, :len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)

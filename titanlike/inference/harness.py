@@ -133,6 +133,11 @@ class TitanlikeLM(TemplateLM):
                  max_batch_size=None, device: str | None = None, dtype: str | None = None, max_length=None,
                  max_gen_toks=256, add_bos_token=True, **unknown):
         super().__init__()
+        if any(key.startswith(("pipeline_parallel", "pp")) for key in unknown):
+            # Why not: inference/loading.py, above PIPELINE_REFUSAL.
+            from titanlike.inference.loading import PIPELINE_REFUSAL
+
+            raise GenerationError(f"evaluation {PIPELINE_REFUSAL}")
         if unknown:
             raise GenerationError(f"the titanlike model takes no model_args {', '.join(sorted(unknown))} (it takes "
                                   "checkpoint, tokenizer, dtype, max_length, max_gen_toks, add_bos_token)")

@@ -62,6 +62,25 @@ def training_objective(model):
     return spec.objective(JobConfig(), model.model_args)
 
 
+# Why no pipeline parallelism in generation, serving or evaluation: a decode step carries one token
+# per row through every stage in turn (the other stages idle unless several batches are kept in
+# flight), each stage keeps the cache of its own layers, and the last stage must send the sampled
+# tokens back to the first: a scheduler of its own, unlike training's schedules. The models these
+# tools run fit tensor parallelism within a node, which titanlike-eval does under torchrun.
+PIPELINE_REFUSAL = ("is not split over pipeline stages (a decode step would pass one token through the stages "
+                    "in turn and send it back to the first): run it in one process, or with tensor parallelism "
+                    "(titanlike-eval under torchrun: its ranks are one tensor-parallel group)")
+
+
+def one_process(tool: str) -> None:
+    """GenerationError, one sentence, when `tool` (generate, serve: one process, one device) was
+    launched as several ranks (torchrun), which would only run it several times over."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        raise GenerationError(f"{tool} runs in one process but was launched as {world} ranks: generation "
+                              f"{PIPELINE_REFUSAL}")
+
+
 def checkpoint_tokenizer(checkpoint: str, tokenizer: str | None = None):
     """The tokenizer named (a tiktoken file or a folder with tokenizer.json), else the checkpoint
     folder's own tokenizer.json, else the debug tokenizer. GenerationError, one sentence, when it
@@ -106,4 +125,5 @@ def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device:
     return model, tok
 
 
-__all__ = ["checkpoint_tokenizer", "load_for_inference", "scores_only", "training_objective", "vocab_size"]
+__all__ = ["PIPELINE_REFUSAL", "checkpoint_tokenizer", "load_for_inference", "one_process", "scores_only",
+           "training_objective", "vocab_size"]

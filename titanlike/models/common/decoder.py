@@ -262,9 +262,9 @@ class Decoder(nn.Module):
     def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """tokens (batch,), one new token per row at its row's next position -> logits (batch, vocab)."""
         cache.begin_decode()
-        logits = self(tokens[:, None], positions=cache.positions(), cache=cache)
-        cache.end_decode()
-        return logits[:, -1]
+        logits = self(tokens[:, None], positions=cache.positions(), cache=cache)[:, -1]
+        cache.end_decode()  # after the logits: in a compiled step they end the graph (kv_cache.py: Static)
+        return logits
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:

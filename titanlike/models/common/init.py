@@ -20,6 +20,8 @@ They depend on the device type (CPU and CUDA generators differ), not on the devi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +47,27 @@ def seed_for(seed: int, fqn: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+_SKIP_META = contextvars.ContextVar("skip_meta", default=False)
+
+
+@contextlib.contextmanager
+def buffers_only():
+    """Within it, initializing a meta tensor does nothing (rather than raise): a loader whose
+    parameters all come from a checkpoint keeps them on meta and runs init_weights for what it
+    rebuilds on the real device (the non-persistent buffers: RoPE tables, statistics), without
+    drawing weights it would overwrite (checkpoint/hf.py load_model)."""
+    token = _SKIP_META.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_META.reset(token)
+
+
+def _is_skipped(param: torch.Tensor) -> bool:
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.device.type == "meta" and _SKIP_META.get()
+
+
 def _local_device(param: torch.Tensor) -> torch.device:
     local = param.to_local() if isinstance(param, DTensor) else param
     if local.device.type == "meta":
@@ -55,6 +78,8 @@ def _local_device(param: torch.Tensor) -> torch.device:
 @torch.no_grad()
 def _fill_(param: torch.Tensor, draw: Callable[[torch.Tensor, torch.Generator], None],
            *, seed: int, fqn: str) -> torch.Tensor:
+    if _is_skipped(param):
+        return param
     device = _local_device(param)
     full = torch.empty(param.shape, dtype=torch.float32, device=device)
     generator = torch.Generator(device=device)
@@ -67,6 +92,8 @@ def _fill_(param: torch.Tensor, draw: Callable[[torch.Tensor, torch.Generator], 
 def copy_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """Copy the whole tensor `full` into `param`, or into this rank's shard of it (a DTensor): every
     rank holds `full`, so this only slices (no communication; uneven shards are fine)."""
+    if _is_skipped(param):
+        return param
     full = full.to(device=_local_device(param), dtype=param.dtype)
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank already holds the same full tensor.
@@ -98,6 +125,8 @@ def trunc_normal_(param: torch.Tensor, *, std: float, mean: float = 0.0, a: floa
 @torch.no_grad()
 def constant_(param: torch.Tensor, value: float) -> torch.Tensor:
     # Constants need no RNG and are the same in every shard: fill the local part in place.
+    if _is_skipped(param):
+        return param
     _local_device(param)
     (param.to_local() if isinstance(param, DTensor) else param).fill_(value)
     return param

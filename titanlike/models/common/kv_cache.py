@@ -11,6 +11,10 @@ different lengths need no left padding and a row's slot can later be refilled on
   (a Mamba-2 state) reads the row's length to stop at its last real token.
 - Decode: one token per row at position lengths[i], written to slot lengths[i]; attention reads
   slots 0..lengths[i] of its row (a boolean mask over the slots in use).
+- Static (a compiled decode step, titanlike/inference/engine.py): every decode step reads all
+  `capacity` slots (the mask hides those past a row's length), so its shapes never change and one
+  compiled graph serves every step. The host-side bookkeeping (begin_decode, end_decode) stays out of
+  the graph: its integers would otherwise be guarded on, and change, at every step.
 - Refill (continuous batching, titanlike/inference/continuous.py): a new prompt is prefilled in a
   cache of its own and copied into a free row (copy_row); a row that holds nothing is reset to
   length 0 (reset_rows) so its placeholder steps never fill the cache. Rows never mix (every op
@@ -34,9 +38,10 @@ from torch.distributed.tensor import DTensor
 class ModelCache:
     """The decoding state of a batch: per-row lengths, the step in progress, and each layer's cache."""
 
-    def __init__(self, batch_size: int, capacity: int, device: torch.device | str):
+    def __init__(self, batch_size: int, capacity: int, device: torch.device | str, *, static: bool = False):
         self.batch_size = batch_size
         self.capacity = capacity
+        self.static = static
         self.device = torch.device(device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.layers: dict[str, object] = {}
@@ -68,14 +73,16 @@ class ModelCache:
         self._row_bounds = [self.slots_in_use] * self.batch_size
         self.prefilling = False
 
+    @torch.compiler.disable
     def begin_decode(self) -> None:
         if self.host_max_length >= self.capacity:
             raise ValueError(f"the cache of {self.capacity} slots is full")
-        self.slots_in_use = self.host_max_length + 1
+        self.slots_in_use = self.capacity if self.static else self.host_max_length + 1
         # (batch, 1, 1, slots): a row reads its own tokens, the new one included.
         slots = torch.arange(self.slots_in_use, device=self.device)
         self._mask = (slots[None, :] <= self.lengths[:, None])[:, None, None, :]
 
+    @torch.compiler.disable
     def end_decode(self) -> None:
         self.lengths = self.lengths + 1
         self.host_max_length += 1

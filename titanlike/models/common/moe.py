@@ -227,6 +227,11 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (w.to(x.dtype) for w in self.local_weights())
         if self.impl == "loop":
             return _experts_loop(x, counts, w1, w2, w3)
+        if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+            # A weight copy per row suits a decode step's few rows; a training batch's thousands of
+            # rows would copy the experts thousands of times, so it takes the loop (graph breaks).
+            gathered = x.shape[0] <= GATHERED_ROWS_LIMIT
+            return (_experts_gathered if gathered else _experts_loop)(x, counts, w1, w2, w3)
         offsets = counts.cumsum(0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
         h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
@@ -236,6 +241,20 @@ class GroupedExperts(nn.Module):
         init.fill(self.w1, seed=seed, fqn=f"{prefix}w1")
         init.fill(self.w2, seed=seed, fqn=f"{prefix}w2", output=True)
         init.fill(self.w3, seed=seed, fqn=f"{prefix}w3", output=True)
+
+
+GATHERED_ROWS_LIMIT = 256
+
+
+def _experts_gathered(x, counts, w1, w2, w3) -> torch.Tensor:
+    """The experts as one batched matmul over each row's own expert weights: what a compiled forward
+    runs outside bf16 (torch's meta kernel of _grouped_mm, which compile traces with, accepts bf16
+    only, though the CPU kernel takes fp32). Static shapes and no host sync (the loop's split sizes
+    are), at the memory of a weight per row: meant for decode steps of a few rows."""
+    expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts, output_size=x.shape[0])
+    rows = x[:, None, :]
+    h = F.silu(rows @ w1[expert].transpose(-2, -1)) * (rows @ w3[expert].transpose(-2, -1))
+    return (h @ w2[expert].transpose(-2, -1))[:, 0]
 
 
 def _experts_loop(x, counts, w1, w2, w3) -> torch.Tensor:
