@@ -120,12 +120,17 @@ class _Walk:
         self.grads += 0 if self.offload else moved
 
 
+def _stages(plan, n: int) -> dict[int, tuple[list[int], bool, bool]]:
+    """(layers, first, last) of every stage of a model of n layers, as the trainer splits it."""
+    layout = plan.pipeline
+    return {0: (list(range(n)), True, True)} if layout is None else {
+        s: (layout.stage_layers(s, n), s == 0, s == layout.num_stages - 1) for s in range(layout.num_stages)}
+
+
 def estimate(plan, probe: Probe) -> list[RankEstimate]:
     """One estimate per pipeline rank (the ranks that hold the first stage of each pipeline rank)."""
     n, layout, accum, passes = len(probe.kinds), plan.pipeline, plan.batch.grad_accum_steps, len(probe.forward)
-    # (layers, first, last) of every stage, and the stages of each pipeline rank, as the trainer splits them.
-    stages = {0: (list(range(n)), True, True)} if layout is None else {
-        s: (layout.stage_layers(s, n), s == 0, s == layout.num_stages - 1) for s in range(layout.num_stages)}
+    stages = _stages(plan, n)
     offload = plan.parallelize.cpu_offload and plan.dims.fsdp_enabled
     out = []
     for pp_rank, held in enumerate([[0]] if layout is None else [layout.stages_of_rank(r) for r in range(layout.pp)]):
@@ -133,6 +138,15 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
         # The objective's frozen copies of the model (DPO's reference), parallelized like it: its
         # parameter shards again (offloaded with it), no gradients, no optimizer state.
         frozen = static.params * plan.objective.frozen_copies
+        # Its frozen other models (a distillation teacher), each with the job's layout over the same
+        # stages: their parameter shards likewise, and each microbatch first runs their forward without
+        # gradients, whose activations are freed block by block: the highest rise of one of its windows.
+        teacher = Window()
+        for other, measured in probe.frozen:
+            theirs = _stages(other, len(measured.kinds))
+            frozen += sum((stage_static(measured, *theirs[s]).params for s in held), 0)
+            rises = [w.over for s in held for w in stage_windows(measured, 0, *theirs[s])[0]]
+            teacher = Window(0, max(teacher.over, max(rises, default=0)))
         walk = _Walk(static, offload, frozen)
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
@@ -148,6 +162,8 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
             return kept
 
         for rep in range(accum):
+            if probe.frozen:
+                walk.window(teacher, f"frozen model's forward of microbatch {rep + 1}")
             if layout is None:
                 run(0, rep, False)
                 run(0, rep, True)
@@ -176,5 +192,5 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
         reserved = walk.peak.total + sum(sum(sizes) for sizes in probe.pools.values())
         out.append(RankEstimate(rank=pp_rank * (plan.dims.world_size // plan.dims.pp), pp_rank=pp_rank,
                                 stages=list(held), peak=walk.peak, peak_phase=walk.where, reserved=reserved,
-                                host=static.params + static.grads + static.optimizer if offload else 0))
+                                host=static.params + frozen + static.grads + static.optimizer if offload else 0))
     return out

@@ -93,6 +93,9 @@ class Probe:
     actions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # The objective's frozen other models (Objective.frozen_models: a distillation teacher), each as
+    # (its plan: the job's layout and its own pipeline split, its own probe).
+    frozen: list[tuple] = field(default_factory=list)
 
 
 def probed_layers(kinds: list[str]) -> dict[tuple[str, str], int]:
@@ -162,8 +165,23 @@ def _fake_microbatch(plan, batch: int, positions):
 
 
 def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
-    """Probe `plan` (a JobPlan). Where the compiled probe fails (a graph dynamo or AOT autograd cannot take
-    on fake tensors), the job is probed in eager mode, which errs high, and `Probe.notes` says so."""
+    """Probe `plan` (a JobPlan), and each frozen other model its objective runs beside the model
+    (Objective.frozen_models), planned as the trainer builds it (train/plan.py other_model_plan) with
+    its family's own objective. Where the compiled probe fails (a graph dynamo or AOT autograd cannot
+    take on fake tensors), the job is probed in eager mode, which errs high, and `Probe.notes` says so."""
+    from titanlike.checkpoint.hf import checkpoint_model
+    from titanlike.train.plan import other_model_plan
+
+    out = _probe_plan(plan, granularity, device)
+    for path in plan.objective.frozen_models:
+        folder, spec, args = checkpoint_model(path)
+        other = other_model_plan(plan, spec, args, model=folder)
+        other = dataclasses.replace(other, objective=spec.objective(other.cfg, other.model_args))
+        out.frozen.append((other, _probe_plan(other, granularity, device)))
+    return out
+
+
+def _probe_plan(plan, granularity: int, device: str) -> Probe:
     compiled = plan.cfg.compile.enable
     try:
         return _probe(plan, granularity, device)

@@ -70,15 +70,18 @@ TOP_K = ("--distill.top_k", "16")
 @pytest.mark.train_run(*DISTILL, *LAYOUTS["tp"], name="tp", nproc=2, after="teacher")
 @pytest.mark.train_run(*DISTILL, *LAYOUTS["tp"], *TOP_K, name="tp_top_k", nproc=2, after="teacher")
 @pytest.mark.train_run(*DISTILL, *LAYOUTS["pp"], name="pp", nproc=2, after="teacher")
+@pytest.mark.train_run(*DISTILL, "--parallelism.context_parallel_degree", "2", name="cp", nproc=2, after="teacher")
 def test_distillation_layouts_match_one_process(train_runs):
     """A Qwen3 teacher distilled into a Llama student (forward KL at temperature 2, half hard labels):
     FSDP2, TP2 (the KL summed over vocabulary shards, the teacher's log-probabilities kept on their
-    shard; top-k from every shard's best k) and PP2 (the teacher's own stages through a forward-only
-    schedule) equal one process: loss per token, gradient norm, KL and hard loss."""
+    shard; top-k from every shard's best k), PP2 (the teacher's own stages through a forward-only
+    schedule) and CP2 (the teacher attends over the cp ranks like the student) equal one process:
+    loss per token, gradient norm, KL and hard loss. The teacher is a DCP checkpoint, loaded from
+    each rank's shards (checkpoint/manager.py load_frozen_model)."""
     keys = ("loss", "grad_norm", "distill_kl", "hard_loss")
     one, one_top_k = table(train_runs["one"], keys), table(train_runs["one_top_k"], keys)
     assert one[-1][0] < one[0][0] and one[-1][2] < one[0][2]  # it learns
-    for name in ("fsdp", "tp", "pp"):
+    for name in ("fsdp", "tp", "pp", "cp"):
         assert_same(one, table(train_runs[name], keys), name)
     assert_same(one_top_k, table(train_runs["tp_top_k"], keys), "tp_top_k")
 

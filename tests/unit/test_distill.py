@@ -153,3 +153,37 @@ def test_a_hugging_face_teacher_is_built_and_loaded_as_transformers_runs_it(tmp_
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.allclose(parts[0](tokens), hf(tokens).logits, atol=1e-4)
+
+
+def test_a_dcp_teacher_is_loaded_from_its_shards_as_read_whole(tmp_path):
+    """A DCP teacher goes through the sharded load (checkpoint/manager.py load_frozen_model: the
+    checkpoint's index checked, then each rank's shards read): the same tensors as the checkpoint read
+    whole (titanlike.load_model); an index of another shape and a damaged file are refused in one sentence."""
+    import json
+
+    import titanlike
+    from titanlike.checkpoint.format import CheckpointError
+    from titanlike.train.model_parts import build_frozen_model
+
+    teacher = _teacher(tmp_path, "qwen3", "debugmodel", n_layers=1, vocab_size=2048)
+    parts = build_frozen_model(_plan(teacher), str(teacher), torch.device("cpu"), seed=5)
+    whole = titanlike.load_model(teacher).state_dict()
+    got = parts[0].state_dict()
+    assert set(got) == set(whole)
+    for name, tensor in whole.items():
+        assert torch.equal(got[name], tensor), name
+    # A sidecar that does not describe the tensors beside it (a narrower model under its name).
+    narrow = _teacher(tmp_path / "narrow", "qwen3", "debugmodel", n_layers=1, vocab_size=2048, dim=128)
+    sidecar = json.loads((narrow / "titanlike.json").read_text())
+    sidecar["model"] = json.loads((teacher / "titanlike.json").read_text())["model"]
+    (narrow / "titanlike.json").write_text(json.dumps(sidecar))
+    with pytest.raises(CheckpointError, match="has shape .* but model qwen3 needs") as e:
+        build_frozen_model(_plan(teacher), str(narrow), torch.device("cpu"), seed=5)
+    assert "\n" not in str(e.value)
+    # A damaged file is found against the sidecar's checksums before any tensor is read.
+    data = next(teacher.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="is corrupt: its CRC-32"):
+        build_frozen_model(_plan(teacher), str(teacher), torch.device("cpu"), seed=5)

@@ -406,3 +406,39 @@ def test_dpo_reference_model_is_counted_as_parameters_only():
     assert 0 <= without.peak.parameters - 4 * numel < 0.01 * without.peak.parameters
     assert (with_reference.peak.gradients, with_reference.peak.optimizer_state) == \
         (without.peak.gradients, without.peak.optimizer_state)
+
+
+def test_a_distillation_teacher_is_counted_as_parameters_and_a_forward(tmp_path):
+    """distill.teacher (Objective.frozen_models) is probed as the trainer builds it: its parameter shards
+    join the parameters (fp32, one process: 4 bytes a parameter, and its RoPE buffers), its gradients and
+    optimizer state do not exist, and each microbatch first runs its forward; the same job without the
+    teacher in the probe is the student's alone."""
+    import dataclasses
+
+    import torch
+
+    from titanlike.checkpoint.format import model_description
+    from titanlike.checkpoint.hf import write_dcp_model
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec("qwen3")
+    args = dataclasses.replace(spec.flavors["debugmodel"], n_layers=1, vocab_size=2048)
+    with torch.device("meta"):
+        teacher = spec.model_cls(args)
+    teacher.to_empty(device="cpu")
+    write_dcp_model(dict(teacher.state_dict()), str(tmp_path / "teacher"),
+                    {"contents": "model_only", "step": 0, "model": model_description("qwen3", args)})
+    prep = prepare_job(load_job_config([*TINY, "--training.objective", "distill", "--distill.teacher",
+                                        str(tmp_path / "teacher")]), 1)
+    pr = probe(prep.plan, device="cpu", granularity=1)
+    (with_teacher,) = estimate(prep.plan, pr)
+    (other, measured), = pr.frozen
+    pr.frozen = []
+    (student,) = estimate(prep.plan, pr)
+    numel = sum(p.numel() for p in teacher.parameters())
+    extra = with_teacher.peak.parameters - student.peak.parameters
+    assert 0 <= extra - 4 * numel < 0.01 * extra  # the shards and the buffers
+    assert (with_teacher.peak.gradients, with_teacher.peak.optimizer_state) == \
+        (student.peak.gradients, student.peak.optimizer_state)
+    assert other.spec.name == "qwen3" and len(measured.kinds) == 1  # the teacher's own plan and probe
+    assert with_teacher.peak_bytes > student.peak_bytes

@@ -68,6 +68,10 @@ def test_untied_variant_counts_both_tables():
     assert args.num_params() == held_params(model)
     table = args.vocab_size * args.dim
     assert args.num_params(exclude_embedding=True) == held_params(model) - table - args.max_seq_len * args.dim
+    # A reward model's score head (one row) in place of the output projection.
+    scored = args.with_score_head()
+    model = build(scored)
+    assert model.output.weight.shape == (1, args.dim) and scored.num_params() == held_params(model)
 
 
 def test_published_sizes():

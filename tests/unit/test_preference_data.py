@@ -140,8 +140,8 @@ def test_overlong_pairs_are_truncated_or_dropped_and_counted(chatml, caplog):
         for doc in (2, 3):  # both sides keep the prompt whole and some of their answer
             labels = kept.labels[b[doc]: b[doc + 1]]
             assert (labels[: prompt_len - 1] == -100).all() and (labels != -100).sum() > 3
-        dropped = _pairs(chatml, rows, seq_len=100, overlong="drop")
-        assert len(dropped) == 1 and "1 dropped" in caplog.text
+        dropped = _pairs(chatml, rows, seq_len=100, overlong="drop", section="reward")
+        assert len(dropped) == 1 and "1 dropped (reward.overlong drop)" in caplog.text  # the objective's section
     with pytest.raises(DataError, match="no preference pair is left"):
         _pairs(chatml, [long], seq_len=100, overlong="drop")
 

@@ -125,13 +125,16 @@ def test_a_family_without_a_scalar_head_is_refused_in_one_sentence():
     assert "\n" not in str(e.value)
 
 
-def test_a_reward_model_starts_from_a_language_models_hugging_face_export(tmp_path):
-    """SFT -> reward: a job with checkpoint.initial_load_in_hf on a LlamaForCausalLM folder loads every
-    tensor but the output projection, whose one-score head starts from its initialization."""
+@pytest.mark.parametrize("kind", ["hf", "dcp"])
+def test_a_reward_model_starts_from_a_language_model(kind, tmp_path):
+    """SFT -> reward: a job starting from a LlamaForCausalLM folder (checkpoint.initial_load_in_hf) or
+    from a language model's DCP checkpoint (an SFT run's step folder) loads every tensor but the output
+    projection, whose one-score head starts from its initialization."""
     from conftest import REPO, train_in_process
 
     import titanlike
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.format import model_description, write_hf
+    from titanlike.checkpoint.hf import write_dcp_model
 
     spec = get_model_spec("llama3")
     args = dataclasses.replace(spec.flavors["debugmodel_tiny"], n_layers=2, vocab_size=2048, max_seq_len=64)
@@ -139,12 +142,24 @@ def test_a_reward_model_starts_from_a_language_models_hugging_face_export(tmp_pa
         lm = spec.model_cls(args)
     lm.to_empty(device="cpu")
     lm.init_weights(seed=5)
-    write_hf(dict(lm.state_dict()), spec, args, str(tmp_path / "sft"), context_len=64)
+    if kind == "hf":
+        write_hf(dict(lm.state_dict()), spec, args, str(tmp_path / "sft"), context_len=64)
+    else:
+        write_dcp_model(dict(lm.state_dict()), str(tmp_path / "sft"),
+                        {"contents": "model_only", "step": 0, "model": model_description("llama3", args)})
     train_in_process(["--job.config_file", str(REPO / "train_configs" / "reward_debug.toml"), "--training.steps", "1",
                       "--optimizer.lr", "1e-10", "--metrics.no_enable_tensorboard", "--job.dump_folder", str(tmp_path / "rm"),
-                      "--checkpoint.initial_load_path", str(tmp_path / "sft"), "--checkpoint.initial_load_in_hf"])
+                      "--checkpoint.initial_load_path", str(tmp_path / "sft"),
+                      *(["--checkpoint.initial_load_in_hf"] if kind == "hf" else [])])
     reward = titanlike.load_model(tmp_path / "rm" / "checkpoint")
     loaded, source = dict(reward.named_parameters()), dict(lm.named_parameters())
     assert loaded["output.weight"].shape == (1, 64)
     for name in ("tok_embeddings.weight", "layers.1.attention.wq.weight", "norm.weight"):
         assert torch.allclose(loaded[name], source[name], atol=1e-8), name  # (one step of lr 1e-10)
+    if kind == "dcp":  # a reward model generates no text: generate.py, serve and lm-eval load it this way
+        from titanlike.inference.engine import GenerationError
+        from titanlike.inference.loading import load_for_inference
+
+        with pytest.raises(GenerationError, match="cannot generate text: it is a reward model") as e:
+            load_for_inference(str(tmp_path / "rm" / "checkpoint"))
+        assert "\n" not in str(e.value)

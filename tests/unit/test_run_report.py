@@ -48,6 +48,12 @@ def test_summary_lines():
         "  metrics:         out/metrics.jsonl (plot: python scripts/plot_metrics.py out/metrics.jsonl)",
         "  wandb:           out/wandb/offline-run-x",
     ]
+    # A model that generates no text (a reward model: JobPlan.generates) is offered no sampling command.
+    reward = RunSummary(first_step=1, last_step=2, seconds=1.0, checkpoints="out/checkpoint",
+                        latest_checkpoint="step-2", latest_contents="model_only", generates=False)
+    assert reward.lines()[1] == "  checkpoints:     out/checkpoint (latest: step-2, the model only)"
+    reward.generates = True
+    assert reward.lines()[1].endswith("the model only; sample: python scripts/generate.py out/checkpoint)")
     # Only what the run wrote is listed.
     assert RunSummary(first_step=1, last_step=0, seconds=1.0).lines() == ["run summary: no step trained in 0:00:01"]
 

@@ -252,9 +252,11 @@ def check_fits(state_dict: dict[str, torch.Tensor], spec, args, where: str, *,
         if want.is_floating_point() and not value.is_floating_point():
             raise CheckpointError(f"{where}: {key} is a {str(value.dtype).removeprefix('torch.')} tensor, but the "
                                   "model's weights are floating point")
-        # A finite sum proves every value finite (a NaN or infinity would carry into it); only a sum
-        # that is not (overflow, or a bad value) needs the element-wise check.
-        if (value.is_floating_point() and value.numel() and not bool(torch.isfinite(value.sum()))
+        # A meta tensor stands for a checkpoint index's entry: its values are not read yet. A finite
+        # sum proves every value finite (a NaN or infinity would carry into it); only a sum that is
+        # not (overflow, or a bad value) needs the element-wise check.
+        if (value.is_floating_point() and value.numel() and not value.is_meta
+                and not bool(torch.isfinite(value.sum()))
                 and not bool(torch.isfinite(value).all())):
             raise CheckpointError(f"{where}: {key} holds non-finite values (NaN or infinity)")
     return missing, unexpected

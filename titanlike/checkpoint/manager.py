@@ -214,6 +214,83 @@ class ModelState(Stateful):
             set_model_state_dict(part, own, options=StateDictOptions(strict=False))
 
 
+def _verify_split(path: str, crcs: dict[str, str], group) -> str | None:
+    """The files of checkpoint path against their CRC-32s, split among the ranks of `group` (None: this
+    process alone) and the verdicts gathered: every rank returns the first problem, or None."""
+    names = sorted(crcs)
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    try:
+        problem = fmt.verify_files(path, crcs, names[rank::world])
+    except OSError as e:
+        problem = f"checkpoint {path} cannot be read: {e}"
+    if group is not None:
+        verdicts: list = [None] * world
+        dist.all_gather_object(verdicts, problem, group=group)
+        problem = next((v for v in verdicts if v), None)
+    return problem
+
+
+def load_frozen_model(parts: list[nn.Module], folder: str, spec, args) -> None:
+    """Load the model of checkpoint `folder` (checkpoint/hf.py checkpoint_model: its spec and args)
+    into `parts`, this rank's shards of it built with the job's layout, as a job's own initial load
+    reads: from a DCP checkpoint each rank reads only its shards; from a Hugging Face folder (whose
+    conversion needs whole tensors) rank 0 reads and converts, and every rank keeps its shards of the
+    broadcast. A LoRA checkpoint is read whole on every rank (its adapters fold into whole weights).
+    Names and shapes are checked against the model first (check_fits); CheckpointError otherwise, on
+    every rank alike."""
+    from titanlike.models.lora import has_adapters
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if fmt.is_dcp_folder(folder):
+        metadata = fmt.read_dcp_metadata(folder)
+        fmt.check_dcp_files(folder, metadata)
+        names, _ = fmt.dcp_model_keys(metadata)
+        if not has_adapters(names):
+            # The files against their checksums, each read by one rank (streamed, none held).
+            crcs = fmt.checksummed_files(folder)
+            problem = fmt.missing_checksums(folder, metadata) if crcs is None else next(
+                (f"checkpoint {folder}: {fmt.SIDECAR} has no checksum for {m}, which {fmt.DCP_METADATA} names"
+                 for m in fmt.uncovered_files(metadata, crcs)), None)
+            if problem is None and crcs is not None:
+                problem = _verify_split(folder, crcs, dist.group.WORLD if distributed else None)
+            if problem:
+                raise CheckpointError(problem)
+            # The index stands for the tensors: names and shapes checked on meta, nothing read.
+            index = {fqn: torch.empty(metadata.state_dict_metadata[key].size, device="meta",
+                                      dtype=metadata.state_dict_metadata[key].properties.dtype)
+                     for fqn, key in names.items()}
+            fmt.check_fits(index, spec, args, folder)
+            state = ModelState(parts)
+            local = state.load_template()
+            template = {names[k]: v for k, v in local.items()}
+            try:
+                fmt.dcp_load(template, folder, no_dist=not distributed)
+            except BaseException as e:  # CheckpointException is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise CheckpointError(f"reading checkpoint {folder} failed: {summarize(e)}") from None
+            state.load_state_dict({k: template[names[k]] for k in local})
+            return
+    from titanlike.checkpoint.hf import checkpoint_state_dict
+
+    full: dict[str, torch.Tensor] = {}
+    error = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            full = checkpoint_state_dict(folder, spec, args)
+        except CheckpointError as e:
+            error = str(e)
+    if distributed:  # rank 0's verdict first, so no rank waits in a broadcast that never comes
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0)
+        error = verdict[0]
+    if error:
+        raise CheckpointError(error)
+    opts = StateDictOptions(full_state_dict=distributed, broadcast_from_rank0=distributed, strict=False)
+    for part in parts:
+        set_model_state_dict(part, dict(full), options=opts)
+
+
 class OptimizerState(Stateful):
     """The optimizer's state keyed by parameter FQN (flattened), so any layout loads it.
 
@@ -767,18 +844,7 @@ class CheckpointManager:
             return None
         if missing := fmt.uncovered_files(metadata, crcs):
             return f"checkpoint {path}: {fmt.SIDECAR} has no checksum for {missing[0]}, which {fmt.DCP_METADATA} names"
-        names = sorted(crcs)
-        world = dist.get_world_size(self._pg) if self.distributed else 1
-        rank = dist.get_rank(self._pg) if self.distributed else 0
-        try:
-            problem = fmt.verify_files(path, crcs, names[rank::world])
-        except OSError as e:
-            problem = f"checkpoint {path} cannot be read: {e}"
-        if self.distributed:
-            verdicts: list = [None] * world
-            dist.all_gather_object(verdicts, problem, group=self._pg)
-            problem = next((v for v in verdicts if v), None)
-        return problem
+        return _verify_split(path, crcs, self._pg if self.distributed else None)
 
     def _after_corruption(self, step: int, problem: str, steps: list[int]) -> tuple[int, str, Metadata]:
         """A corrupt checkpoint was chosen: an error naming it and the newest older checkpoint that
@@ -899,6 +965,17 @@ class CheckpointManager:
         model = self.states[MODEL]
         local = model.load_template()
         prefix = fmt.MODEL_PREFIX if prefixed else ""
+        if self._new_score_head(path):
+            # A reward model started from a language model (an SFT run's step folder): every tensor
+            # but the output projection, the one whose shape differs, which starts from its init.
+            index = metadata.state_dict_metadata
+            # (A language model of tied embeddings holds no output projection of its own.)
+            head = [k for k, v in local.items() if prefix + k not in index
+                    or tuple(getattr(index[prefix + k], "size", ())) != tuple(v.shape)]
+            local = {k: v for k, v in local.items() if k not in head}
+            if self.rank == 0:
+                logger.info(f"checkpoint: {path} is a language model: the score head ({', '.join(head)}) "
+                            "starts from its initialization")
         if initial and self.converters is not None:
             fresh = sorted(k for k in local if self.converters.added(k) and prefix + k not in metadata.state_dict_metadata)
             local = {k: v for k, v in local.items() if k not in set(fresh)}
@@ -908,6 +985,18 @@ class CheckpointManager:
         template = {prefix + k: v for k, v in local.items()}
         loaded = self._load_entries(template, metadata, path, what=f"loading the model from {path}")
         model.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
+
+    def _new_score_head(self, path: str) -> bool:
+        """Whether this job's model has a score head (a reward model) and DCP checkpoint `path`, by
+        its sidecar, holds a model without one (a language model)."""
+        if self._description is None or not self.model_args.has_score_head:
+            return False
+        recorded = (fmt.read_sidecar(path) or {}).get("model")
+        try:
+            _, args = fmt.build_args(recorded, where=os.path.join(path, fmt.SIDECAR))
+        except Exception:  # no sidecar or an unreadable one: the index checks that follow name the problem
+            return False
+        return not args.has_score_head
 
     @torch.no_grad()
     def load_initial_model(self, parts: list[nn.Module]) -> bool:

@@ -65,6 +65,7 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     from titanlike.data.errors import DataError
     from titanlike.data.tokenizer_json import is_tokenizer_folder
     from titanlike.inference import Engine
+    from titanlike.inference.loading import scores_only
     from titanlike.inference.server import OpenAIServer, Tokenizer
     from titanlike.models import protocol
 
@@ -78,6 +79,8 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
         objective = training_objective(model)
         return None, (f"{type(model).__name__} cannot generate text: it is an encoder trained on {objective.name} "
                       "samples, and this server continues prompts with decoder-only or encoder-decoder models")
+    if scores_only(model) is not None:
+        return None, scores_only(model)
     vocab = vocab_size(model)
     if tokenizer.vocab_size != vocab:
         return None, (f"the tokenizer has {tokenizer.vocab_size} tokens but the model {vocab}; pass the tokenizer it "

@@ -112,11 +112,12 @@ def _fit(chosen: tuple[list[int], np.ndarray], rejected: tuple[list[int], np.nda
     return (c_ids[:cap_c], c_mask[:cap_c]), (r_ids[:cap_r], r_mask[:cap_r])
 
 
-def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate") -> TokenizedPairs:
+def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate", section: str = "dpo") -> TokenizedPairs:
     """pairs: (where, (chosen ids, chosen answer mask), (rejected ids, rejected answer mask)) per pair,
     ids lists of token ids and masks per token (True: an answer token). Over-long pairs are cut or
     dropped by `overlong` (counted in the log). DataError (one sentence) for a side with no answer
-    token or a prompt that leaves no room for an answer (under truncate)."""
+    token or a prompt that leaves no room for an answer (under truncate). section: the objective's
+    config section (dpo, reward), which the log and the messages name."""
     inputs, labels, bounds, references = [], [], [0], []
     truncated = dropped = 0
     for where, *sides in pairs:
@@ -132,7 +133,7 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate") -> TokenizedP
                 if overlong != "drop":
                     raise DataError(f"{where}: the prompt fills training.seq_len {seq_len} (a pair's two documents "
                                     "need room for the prompt twice and an answer token each); raise "
-                                    "training.seq_len, shorten the prompt, or set dpo.overlong drop")
+                                    f"training.seq_len, shorten the prompt, or set {section}.overlong drop")
                 dropped += 1
                 continue
             sides, cut = fitted, True
@@ -145,11 +146,12 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate") -> TokenizedP
             if refs is not None:
                 references.append(_reference_values(refs[i], mask[1:], where, ("chosen", "rejected")[i], cut=cut))
     if truncated or dropped:
-        logger.info(f"dpo: {truncated} pairs longer than training.seq_len = {seq_len} positions truncated (answers "
-                    f"shortened), {dropped} dropped (dpo.overlong {overlong})")
+        logger.info(f"{section}: {truncated} pairs longer than training.seq_len = {seq_len} positions truncated "
+                    f"(answers shortened), {dropped} dropped ({section}.overlong {overlong})")
     if len(bounds) == 1:
         raise DataError("no preference pair is left to train on" + (
-            " (every one is too long for training.seq_len; dpo.overlong truncate keeps them)" if dropped else ""))
+            f" (every one is too long for training.seq_len; {section}.overlong truncate keeps them)"
+            if dropped else ""))
     if references and len(references) != len(labels):
         raise DataError("some preference pairs have precomputed reference log-probabilities and some do not")
     return TokenizedPairs(np.concatenate(inputs), np.concatenate(labels), np.asarray(bounds, dtype=np.int64),
@@ -213,10 +215,10 @@ def render_pair(row: dict, where: str, template, tokenizer, *, end_id: int | Non
 
 
 def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate",
-                   end_id: int | None = None, reference: bool = False) -> TokenizedPairs:
+                   end_id: int | None = None, reference: bool = False, section: str = "dpo") -> TokenizedPairs:
     """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate; end_id:
     render_pair's. reference: read each row's precomputed reference log-probabilities (REFERENCE_KEYS)
-    into TokenizedPairs.reference."""
+    into TokenizedPairs.reference. section: pack_pairs'."""
 
     def pairs():
         for where, row in rows:
@@ -230,7 +232,7 @@ def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "
                                 "reference log-probabilities with scripts/precompute_reference.py")
             yield where, *sides, tuple(row[k] for k in REFERENCE_KEYS)
 
-    return pack_pairs(pairs(), seq_len=seq_len, overlong=overlong)
+    return pack_pairs(pairs(), seq_len=seq_len, overlong=overlong, section=section)
 
 
 class PreferenceSamples(ConversationSamples):
@@ -239,8 +241,12 @@ class PreferenceSamples(ConversationSamples):
 
     documents_per_item = 2
 
+    def __init__(self, data: TokenizedPairs, *, section: str = "dpo", **packing):
+        self.section = section  # the objective's config section, which the log line names
+        super().__init__(data, **packing)
+
     def summary(self, items: int, trained: int) -> str:
-        return f"dpo: {items} pairs ({trained:,} answer tokens)"
+        return f"{self.section}: {items} pairs ({trained:,} answer tokens)"
 
     @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -276,8 +282,9 @@ def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_le
     rows = split_rows(dataset_path, split, split_name)
     template = load_chat_template(options.chat_template, tokenizer, option=f"{section}.chat_template")
     pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=options.overlong,
-                           end_id=end_id, reference=reference)
-    source = PreferenceSamples(pairs, seq_len=seq_len, packing=options.packing, pad_id=pad_id(tokenizer))
+                           end_id=end_id, reference=reference, section=section)
+    source = PreferenceSamples(pairs, section=section, seq_len=seq_len, packing=options.packing,
+                               pad_id=pad_id(tokenizer))
     return GlobalSamples(source, shuffle=True, fields=source.fields)
 
 

@@ -116,6 +116,10 @@ class Engine:
             raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder to continue a "
                                   "prompt with (an encoder-only model such as BERT predicts masked tokens); use a "
                                   "decoder or encoder-decoder checkpoint")
+        if protocol.no_text_reason(model, model.model_args) is not None:  # a reward model
+            from titanlike.inference.loading import scores_only
+
+            raise GenerationError(scores_only(model))
         self.model = model.eval()
         self._init_cache, self.prefill, self.decode_step = hooks
         first = next(model.parameters())

@@ -39,6 +39,20 @@ def vocab_size(model) -> int:
                    device=device), cache).shape[-1]
 
 
+def scores_only(model) -> str | None:
+    """The sentence for a decoder whose head scores instead of predicting tokens (a reward model:
+    models/protocol.py no_text_reason), None otherwise (an encoder is its caller's to name)."""
+    from titanlike.models import protocol
+
+    if protocol.generation_hooks(model) is None:
+        return None
+    reason = protocol.no_text_reason(model, model.model_args)
+    if reason is None:
+        return None
+    return (f"{type(model).__name__} cannot generate text: it {reason}; score text with titanlike.load_model, or "
+            "export it to Hugging Face")
+
+
 def training_objective(model):
     """The objective the model's family trains with (its ModelSpec's, for these args)."""
     from titanlike.config import JobConfig
@@ -101,6 +115,9 @@ def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device:
         raise GenerationError(str(e)) from None
     if accept is not None:
         accept(model)
+    problem = scores_only(model)
+    if problem is not None:
+        raise GenerationError(problem)
     vocab = vocab_size(model)
     if tok.vocab_size != vocab:
         raise GenerationError(f"the tokenizer has {tok.vocab_size} tokens but the model {vocab}; pass the tokenizer "
@@ -108,5 +125,5 @@ def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device:
     return model, tok
 
 
-__all__ = ["PIPELINE_REFUSAL", "checkpoint_tokenizer", "load_for_inference", "one_process",
+__all__ = ["PIPELINE_REFUSAL", "checkpoint_tokenizer", "load_for_inference", "one_process", "scores_only",
            "training_objective", "vocab_size"]

@@ -51,6 +51,9 @@ class BaseModelArgs:
     # first one the class has is taken; a name none of whose fields the class has is not offered. Each
     # family's args declare their own (models/common/decoder.py for the decoders).
     ARG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # Fields a job's objective sets, never [model.args] (field -> the option that does): a value given
+    # there would change what the model outputs under an objective that expects the other.
+    OBJECTIVE_FIELDS: ClassVar[dict[str, str]] = {}
 
     # Sizes set from the job ----------------------------------------------------------------------
 
@@ -167,6 +170,9 @@ class BaseModelArgs:
             path = spelled.replace("-", "_").split(".")
             path[0] = self.known_arg_names().get(path[0], path[0])
             shown = spelled if len(spelled) <= 60 else spelled[:57] + "..."
+            if path[0] in self.OBJECTIVE_FIELDS:
+                raise ValueError(f"{option}.{shown} is not a size of the model: {self.OBJECTIVE_FIELDS[path[0]]} "
+                                 "sets it; remove it")
             _set_field(type(self), fields, path, value, f"{option}.{shown}")
         check_fields(type(self), fields, what=option)
         try:

@@ -156,6 +156,17 @@ def generation_hooks(model: nn.Module) -> tuple[Callable, Callable, Callable] | 
     return hooks
 
 
+def no_text_reason(model, args) -> str | None:
+    """Why a model of this class (or instance) and args cannot continue a prompt, as a predicate
+    ("is an encoder ..."), or None when it generates text: it has generation hooks and its output
+    projection gives the vocabulary's logits (args.has_score_head: a reward model's gives one score)."""
+    if generation_hooks(model) is None:
+        return "is an encoder (it has no decoder to continue a prompt with)"
+    if args.has_score_head:
+        return "is a reward model (its head gives one score per position, not the vocabulary's logits)"
+    return None
+
+
 # Context parallelism ------------------------------------------------------------------------------
 
 

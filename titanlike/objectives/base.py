@@ -159,6 +159,13 @@ class Objective:
         gradients or optimizer state) the objective holds beside it; the memory estimator counts them."""
         return 0
 
+    @property
+    def frozen_models(self) -> tuple[str, ...]:
+        """Checkpoints of other models the objective runs frozen beside the one it trains (what `attach`
+        asks ObjectiveModels.other_model for: a distillation teacher). The memory estimator counts their
+        parameter shards (no gradients, no optimizer state) and their forward without gradients."""
+        return ()
+
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
         # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so
         # that building an objective to check a job's rules compiles nothing).

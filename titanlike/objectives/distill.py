@@ -34,6 +34,10 @@ the normalizer's term added after it (a pass-through is exact only for what ever
 alike). Top-k: each rank's k best, all-gathered (k x tp candidates), then the best k; the student's
 log q at those ids is read on the rank that holds each and summed over the ranks.
 
+Context parallelism: the teacher is built with the job's context-parallel attention, so it runs on
+this rank's positions of the microbatch as the student does; the KL is per position, summed like the
+hard loss (tests/integration/test_post_training.py: CP2 equals one process).
+
 Options, [distill]: teacher, loss, temperature, kl_weight, top_k.
 """
 
@@ -275,6 +279,10 @@ class Distill(Objective):
             channels = targets.new_zeros(*targets.shape[:-1], self._channels)
         mb.labels = torch.cat([targets, channels], dim=-1)
         return mb
+
+    @property
+    def frozen_models(self) -> tuple[str, ...]:
+        return (self.options.teacher,)
 
     def attach(self, models) -> None:
         parts = models.other_model(self.options.teacher)

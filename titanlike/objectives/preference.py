@@ -249,19 +249,11 @@ class DPO(Objective):
 
     def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
                 split_name="train"):
-        from titanlike.data.chat_template import load_chat_template
-        from titanlike.data.conversations import split_rows
-        from titanlike.data.loader import GlobalSamples
-        from titanlike.data.preferences import PreferenceSamples, tokenize_pairs
-        from titanlike.objectives.sft import pad_id
+        from titanlike.data.preferences import preference_samples
 
         self.validate_dataset(dataset, dataset_path)
-        o = self.options
-        rows = split_rows(dataset_path, split, split_name)
-        template = load_chat_template(o.chat_template, tokenizer, option="dpo.chat_template")
-        pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=o.overlong, reference=self.precomputed)
-        source = PreferenceSamples(pairs, seq_len=seq_len, packing=o.packing, pad_id=pad_id(tokenizer))
-        return GlobalSamples(source, shuffle=True, fields=source.fields)
+        return preference_samples(self.options, "dpo", dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len,
+                                  split=split, split_name=split_name, reference=self.precomputed)
 
     # Batch ------------------------------------------------------------------------------------
 

@@ -36,6 +36,8 @@ class RunSummary:
     profile_traces: str | None = None
     memory_snapshots: str | None = None
     wandb: str | None = None
+    # Whether the model continues text (JobPlan.generates): only then is generate.py suggested.
+    generates: bool = True
 
     def lines(self) -> list[str]:
         steps = self.last_step - self.first_step + 1
@@ -73,6 +75,8 @@ class RunSummary:
         what = _CONTENTS.get(self.latest_contents or "")
         if what is None:
             return f" (latest: {self.latest_checkpoint})"
+        if not self.generates:
+            return f" (latest: {self.latest_checkpoint}, {what})"
         # generate.py takes a checkpoint folder (its latest DCP step) or a Hugging Face folder itself.
         target = self.checkpoints if self.latest_contents != "hf" else f"{self.checkpoints}/{self.latest_checkpoint}"
         return f" (latest: {self.latest_checkpoint}, {what}; sample: python scripts/generate.py {target})"

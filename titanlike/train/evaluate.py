@@ -100,14 +100,14 @@ def validate_validation_layout(v, t, dims, *, check_dataset=None) -> None:
     if v.dataset not in (None, "default") and v.dataset_path:
         check_dataset(v.dataset, v.dataset_path, option="validation")
 
-def validate_samples_layout(v, dims, *, generates: bool, compile_blocks: bool, model: str, tokenizer=None,
+def validate_samples_layout(v, dims, *, no_text: str | None, compile_blocks: bool, model: str, tokenizer=None,
                             context_len: int | None = None) -> None:
-    """The rules of validation.sample_prompts (Samples, below): ValueError, one sentence."""
+    """The rules of validation.sample_prompts (Samples, below): ValueError, one sentence. no_text:
+    why the model generates no text (models/protocol.py no_text_reason), None when it does."""
     if not v.sample_prompts:
         return
-    if not generates:
-        raise ValueError(f"validation.sample_prompts needs a model that generates text, and {model} is an encoder "
-                         "(it has no decoder to continue a prompt with)")
+    if no_text is not None:
+        raise ValueError(f"validation.sample_prompts needs a model that generates text, and {model} {no_text}")
     # Samples run the KV-cache engine on each rank's model as it is: whole layers, plain forwards.
     split = [name for name, on in (("pipeline", dims.pp_enabled), ("tensor", dims.tp_enabled),
                                    ("context", dims.cp_enabled), ("expert", dims.ep_enabled)) if on]

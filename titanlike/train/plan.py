@@ -117,6 +117,13 @@ class JobPlan:
     precision: PrecisionPlan
 
     @property
+    def generates(self) -> bool:
+        """Whether the model continues text (scripts/generate.py samples it): models/protocol.py."""
+        from titanlike.models import protocol
+
+        return protocol.no_text_reason(self.spec.model_cls, self.model_args) is None
+
+    @property
     def model_name(self) -> str:
         return f"{self.cfg.model.name} {self.flavor}" if self.flavor else f"{self.cfg.model.name} ({self.model_source})"
 
@@ -204,8 +211,9 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     if cfg.validation.enable:
         validate_validation_layout(cfg.validation, t, dims, check_dataset=objective.validate_dataset)
     if cfg.validation.sample_prompts:
-        # The class answers whether the model generates (models/protocol.py: BERT sets init_cache None).
-        validate_samples_layout(cfg.validation, dims, generates=protocol.generation_hooks(spec.model_cls) is not None,
+        # The class and args answer whether the model generates (models/protocol.py: BERT sets
+        # init_cache None; a reward model's args have a score head).
+        validate_samples_layout(cfg.validation, dims, no_text=protocol.no_text_reason(spec.model_cls, args),
                                 compile_blocks=parallelize.compile_blocks, model=model, tokenizer=tokenizer,
                                 context_len=args.context_len)
     if cfg.compile.enable:

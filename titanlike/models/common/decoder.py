@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -59,6 +60,7 @@ class DecoderArgs(BaseModelArgs):
     # The output projection gives one score per position (a reward model's head, with_score_head)
     # instead of the vocabulary's logits.
     score_head: bool = False
+    OBJECTIVE_FIELDS: ClassVar[dict[str, str]] = {"score_head": "training.objective reward"}
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from a checkpoint sidecar (to_dict)

@@ -59,16 +59,10 @@ class GPT2Args(DecoderArgs):
         d = self.dim
         ln = 2 * d  # LayerNorm weight + bias
         block = self.attention_params(bias=True) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * ln
-        tokens = self.vocab_size * d
-        positions = self.max_seq_len * d
-        # Tied: one table that is also the output projection (it does matmul work, so it stays
-        # counted without embeddings). Untied: the output projection is its own matrix and the
-        # token table is a pure lookup.
-        output = 0 if self.tie_word_embeddings else tokens
-        total = self.n_layers * block + ln + tokens + positions + output
-        if exclude_embedding:
-            total -= positions + (0 if self.tie_word_embeddings else tokens)
-        return total
+        # The position table is a lookup (left out by exclude_embedding); the token table and the
+        # output projection (tied, untied, or a reward model's score head) as DecoderArgs counts them.
+        positions = 0 if exclude_embedding else self.max_seq_len * d
+        return self.n_layers * block + ln + positions + self.vocab_params(exclude_embedding=exclude_embedding)
 
 
 class GPT2(Decoder):
