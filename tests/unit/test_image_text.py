@@ -20,7 +20,7 @@ from titanlike.data.image_text import IGNORE_INDEX
 from titanlike.data.loader import build_dataloader_from_source
 from titanlike.objectives.image_caption import ImageCaption
 
-IMAGE_TOKEN, PER_IMAGE, SEQ = 1803, 4, 48
+IMAGE_TOKEN, PER_IMAGE, SEQ = 1803, 4, 64
 
 
 def png(color, size=(12, 10)) -> bytes:

@@ -53,7 +53,7 @@ llava_flavors: dict[str, LlavaArgs] = {
 def image_caption(cfg, args: LlavaArgs) -> ImageCaption:
     """The family's objective: captions of images, processed as the tower's transformers processor does."""
     v = args.vision
-    options = cfg.llava if cfg is not None else LlavaOptions()
+    options = cfg.llava
     return ImageCaption(image_token_id=args.image_token_id, tokens_per_image=v.tokens_per_image,
                         image_size=v.image_size, processor=v.kind, max_images=options.max_images,
                         max_image_pixels=options.max_image_pixels, **ImageCaption.compile_options(cfg))
