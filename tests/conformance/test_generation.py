@@ -150,7 +150,7 @@ def test_every_generating_family_is_checked():
     """The families with a Hugging Face adapter that generate are all in FLAVORS (a family that lost
     its hooks, or whose flavors all lost their transformers class, would silently drop out)."""
     checked = {family for family, _ in FLAVORS}
-    assert {"llama3", "gpt2", "qwen3", "mixtral", "deepseek_v3", "hybrid", "t5"} <= checked, checked
+    assert {"llama3", "gpt2", "qwen3", "mixtral", "deepseek_v3", "hybrid", "t5", "llava"} <= checked, checked
 
 
 def test_an_encoder_only_model_is_refused_in_one_sentence():
