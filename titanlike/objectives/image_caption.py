@@ -2,9 +2,10 @@
 placeholder tokens, the target the caption; the loss is on the caption's tokens (and its EOS) only.
 
 Samples carry `pixel_values` (batch, images, channels, height, width) beside the token window; the
-model replaces each sample's placeholders by its images' features (models/llava). The data so far is
-the synthetic caption set of titanlike/data/image_captions.py (training.dataset default); image-text
-shards (WebDataset, Energon) are issue 31's next step.
+model replaces each sample's placeholders by its images' features (models/llava). The data: the
+synthetic caption set of titanlike/data/image_captions.py (training.dataset default), or WebDataset
+shards of caption pairs and conversations, blended by weight (training.dataset webdataset,
+titanlike/data/image_text.py). prompt() builds a generation prompt with images the same way.
 """
 
 from __future__ import annotations
