@@ -122,3 +122,15 @@ def test_the_cache_with_images_equals_the_full_forward():
         for row, prompt in enumerate(prompts):
             full = model(torch.tensor([prompt + new[row].tolist()]), pixel_values=images[row:row + 1])[0]
             torch.testing.assert_close(cached[row], full[len(prompt) - 1:], rtol=0, atol=1e-5)
+
+
+def test_flops_per_token_count_one_image_per_sample():
+    """The tower and projector by hand (debugmodel: CLIP 48 wide, 2 layers, 17 positions, projector
+    48 -> 64 -> 64) on top of the language model's count, over a sample of seq_len tokens."""
+    args = SPEC.flavors["debugmodel"]
+    d, f, positions = 48, 96, 17
+    block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+    tower_params = 3 * 64 * d + 3 * d + 2 * block  # patch conv, class token and pre-norm, blocks
+    projector = 48 * 64 + 64 * 64 + 2 * 64
+    image = positions * (6 * tower_params + 12 * 2 * d * positions) + 6 * projector * 16
+    assert args.flops_per_token(128) == args.text.flops_per_token(128) + image // 128

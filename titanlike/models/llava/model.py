@@ -200,9 +200,19 @@ class LlavaArgs(BaseModelArgs):
     def with_moe_args(self, moe) -> LlavaArgs:
         return dataclasses.replace(self, text=self.text.with_moe_args(moe))
 
+    def image_flops(self) -> int:
+        """Training FLOPs of one image through the tower and the projector, in the decoders' count
+        (6 per parameter and position, 12 L d P per position for attention over its P positions,
+        bidirectional)."""
+        v = self.vision
+        positions = v.num_positions
+        tower = positions * (6 * v.num_params(exclude_embedding=True) + 12 * v.n_layers * v.dim * positions)
+        return tower + 6 * self.projector_params() * v.tokens_per_image
+
     def flops_per_token(self, seq_len: int) -> int:
-        # The language model's; the tower's work per image is not a per-token figure (issue 31 item 7).
-        return self.text.flops_per_token(seq_len)
+        # The language model's, plus one image's per sample of seq_len tokens (the caption samples'
+        # layout; a conversation with more images costs more than this counts).
+        return self.text.flops_per_token(seq_len) + self.image_flops() // seq_len
 
     def attention_shape(self) -> AttentionShape | None:
         return self.text.attention_shape()
