@@ -60,7 +60,8 @@ def examples(objective, tokenizer, seed: int, n: int):
 
 def training_batch(batch, tokenizer):
     """(tokens, labels, pixel_values): prompt + " answer" + EOS, right-padded; the loss on the answer only."""
-    rows = [(ids, tokenizer.encode(" " + answer, bos=False, eos=False) + [tokenizer.eos_id]) for ids, _, answer, *_ in batch]
+    rows = [(ids, tokenizer.encode(" " + answer, bos=False, eos=False) + [tokenizer.eos_id])
+            for ids, _, answer, *_ in batch]
     length = max(len(p) + len(a) for p, a in rows)
     tokens = torch.full((len(rows), length), tokenizer.eos_id)
     labels = torch.full((len(rows), length), IGNORE_INDEX)
@@ -108,7 +109,8 @@ def test_greedy_answers_about_held_out_images_get_right(tmp_path, capsys):
         optimizer.step()
     after, completions = accuracy(model, held_out, tokenizer)
     with capsys.disabled():
-        print(f"exact match before {before:.2f}, after {after:.2f}; {steps} steps in {time.perf_counter() - started:.1f} s")
+        print(f"exact match before {before:.2f}, after {after:.2f}; {steps} steps in "
+              f"{time.perf_counter() - started:.1f} s")
     assert after >= 0.6 and after - before >= 0.4
 
     # scripts/generate.py --image on the Hugging Face export answers as the engine does.

@@ -216,7 +216,8 @@ class BlendedImageText:
 
         w = np.asarray(weights, dtype=np.float64)
         if len(w) != len(sources) or np.any(w < 0) or w.sum() <= 0:
-            raise DataError(f"a blend needs one non-negative weight per dataset with a positive sum, got {list(weights)}")
+            raise DataError("a blend needs one non-negative weight per dataset with a positive sum, got "
+                            f"{list(weights)}")
         self.sources, self.seed = list(sources), seed
         self.size = int(size or sum(len(s) for s in sources))
         self.dataset_index, self.dataset_sample_index = build_blending_indices((w / w.sum()).tolist(), self.size)
