@@ -62,7 +62,11 @@ def _model_and_export(family: str, flavor: str, tmp_path):
     from titanlike.checkpoint.format import write_hf
 
     spec = get_model_spec(family)
-    args = _shortened(dataclasses.replace(spec.flavors[flavor], vocab_size=VOCAB))
+    flavor_args = spec.flavors[flavor]
+    # A composed model (llava) sizes its vocabulary through its language model's args.
+    args = _shortened(dataclasses.replace(flavor_args, vocab_size=VOCAB) if hasattr(flavor_args, "__dataclass_fields__")
+                      and "vocab_size" in flavor_args.__dataclass_fields__ else
+                      flavor_args.update_from_config(vocab_size=VOCAB, seq_len=flavor_args.context_len))
     model = materialize(spec.model_cls, args, seed=0).eval()
     # No EOS in config.json: transformers would stop a row there and we compare fixed lengths. Pad 0
     # is T5's decoder start token (HF's decoder_start_token_id).
@@ -76,7 +80,7 @@ def _shortened(args):
     """Width 128 and at most 2 decoder layers (a dense and an MoE one where the flavor has a dense
     first layer), or 3 of a long hybrid pattern: the structure is the flavor's, the time a few seconds."""
     fields = {f.name for f in dataclasses.fields(args)}
-    changes = {"dim": 128} if args.dim > 128 else {}
+    changes = {"dim": 128} if "dim" in fields and args.dim > 128 else {}
     if "n_layers" in fields and args.n_layers > 2:
         changes["n_layers"] = 2
     if "hybrid_layer_pattern" in fields and len(args.hybrid_layer_pattern) > 6:
@@ -146,7 +150,7 @@ def test_every_generating_family_is_checked():
     """The families with a Hugging Face adapter that generate are all in FLAVORS (a family that lost
     its hooks, or whose flavors all lost their transformers class, would silently drop out)."""
     checked = {family for family, _ in FLAVORS}
-    assert {"llama3", "gpt2", "qwen3", "mixtral", "deepseek_v3", "hybrid", "t5"} <= checked, checked
+    assert {"llama3", "gpt2", "qwen3", "mixtral", "deepseek_v3", "hybrid", "t5", "llava"} <= checked, checked
 
 
 def test_an_encoder_only_model_is_refused_in_one_sentence():

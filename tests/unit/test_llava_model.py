@@ -96,3 +96,41 @@ def test_jobs_it_cannot_train_are_refused_in_one_sentence(options, words):
         plan_family("llava", "debugmodel", *options, world_size=world,
                     **({"seq_len": int(options[1])} if options[0] == "--training.seq_len" else {}))
     assert len(str(e.value).splitlines()) == 1
+
+
+def test_the_cache_with_images_equals_the_full_forward():
+    """Generation: the prefill splices each row's image into its prompt (right-padded rows of different
+    lengths), the language model's cache decodes; the logits equal full forwards over the whole
+    sequence with the same image (fp32, 1e-5)."""
+    from titanlike.models import protocol
+
+    model = materialize(SPEC.model_cls, SPEC.flavors["debugmodel"]).eval()
+    args, p = model.model_args, model.model_args.vision.tokens_per_image
+    g = torch.Generator().manual_seed(0)
+    prompts = [[1] + [args.image_token_id] * p + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 2)]
+    images = torch.randn(2, 1, 3, 32, 32, generator=g)
+    new = torch.randint(3, 1000, (2, 3), generator=g)
+    init_cache, prefill, decode_step = protocol.generation_hooks(model)
+    padded = torch.zeros(2, max(map(len, prompts)), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        padded[row, :len(prompt)] = torch.tensor(prompt)
+    cache = init_cache(2, padded.shape[1] + 3, device="cpu", dtype=torch.float32)
+    cached = [prefill(padded, torch.tensor([len(q) for q in prompts]), cache, pixel_values=images)]
+    cached += [decode_step(new[:, step], cache) for step in range(3)]
+    cached = torch.stack(cached, dim=1)
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            full = model(torch.tensor([prompt + new[row].tolist()]), pixel_values=images[row:row + 1])[0]
+            torch.testing.assert_close(cached[row], full[len(prompt) - 1:], rtol=0, atol=1e-5)
+
+
+def test_flops_per_token_count_one_image_per_sample():
+    """The tower and projector by hand (debugmodel: CLIP 48 wide, 2 layers, 17 positions, projector
+    48 -> 64 -> 64) on top of the language model's count, over a sample of seq_len tokens."""
+    args = SPEC.flavors["debugmodel"]
+    d, f, positions = 48, 96, 17
+    block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+    tower_params = 3 * 64 * d + 3 * d + 2 * block  # patch conv, class token and pre-norm, blocks
+    projector = 48 * 64 + 64 * 64 + 2 * 64
+    image = positions * (6 * tower_params + 12 * 2 * d * positions) + 6 * projector * 16
+    assert args.flops_per_token(128) == args.text.flops_per_token(128) + image // 128

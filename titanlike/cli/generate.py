@@ -3,6 +3,7 @@
     titanlike-generate outputs/checkpoint --prompt "In the beginning" --max-new-tokens 60
     titanlike-generate path/to/Llama-3.2-1B --tokenizer path/to/tokenizer.model --temperature 0
     titanlike-generate outputs/sft/checkpoint --chat --prompts-file questions.jsonl --batch-size 8
+    titanlike-generate outputs/llava/checkpoint --image cat.png --prompt "<image> What is it?" --temperature 0
 
 (scripts/generate.py in a checkout.)
 
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--chat", action="store_true", help="each prompt is a user turn, rendered with the "
                         "tokenizer's chat template (titanlike's llama3 template if it has none), the answer "
                         "ending at the end of the assistant's turn (models fine-tuned with training.objective sft)")
+    parser.add_argument("--image", action="append", default=[], help="an image file (repeat for several) given with "
+                        "every prompt to a vision-language model: each <image> in the prompt takes the next one, or "
+                        "all come before the text when it has none")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=50, help="0 means no top-k filtering")
@@ -138,13 +142,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             return fail(str(e))
     prompts = prompts or [""]
 
+    if args.image and args.chat:
+        return fail("--image works with plain prompts so far, not with --chat (write <image> in the --prompt text)")
     from titanlike.models import protocol
 
     def decoder(model) -> None:
         if protocol.generation_hooks(model) is None:
             objective = training_objective(model)
-            raise GenerationError(f"{type(model).__name__} cannot generate text: it is an encoder trained on "
-                                  f"{objective.name} samples, and this script continues prompts with decoder-only or "
+            raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder (trained on "
+                                  f"{objective.name} samples), and this script continues prompts with decoder-only or "
                                   "encoder-decoder models (load it with titanlike.load_model and call it, or export "
                                   "it to Hugging Face)")
 
@@ -170,14 +176,32 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         stops = end_of_turn_ids(template, tokenizer)
     params = SamplingParams(**{**params.__dict__, "stop_token_ids": frozenset(stops | set(args.stop_token))})
 
+    images = []
+    for path in args.image:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        except (OSError, UnidentifiedImageError) as e:
+            return fail(f"--image {path} cannot be read as an image: {e}")
+    objective = training_objective(model) if images else None
+    fields = [{}]
+
     def encode(prompt) -> list[int]:
         if args.chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             return chat_prompt_ids(template, tokenizer, messages)
-        return tokenizer.encode(prompt, bos=True, eos=False)
+        if objective is None:
+            return tokenizer.encode(prompt, bos=True, eos=False)
+        # The objective the model trained with knows where its images go in a prompt.
+        ids, fields[0] = objective.prompt(tokenizer, prompt, images)
+        return ids
 
     try:
         ids = [encode(p) for p in prompts]
+    except ValueError as e:
+        return fail(str(e))
     except Exception as e:  # a chat template that refuses the messages, a hostile file's content
         return fail(f"a prompt cannot be encoded: {type(e).__name__}: {e}")
     start_id = getattr(tokenizer, "pad_id", None)  # an encoder-decoder's decoder start (T5: pad)
@@ -201,8 +225,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"{label(texts[0])}\n> " if args.chat else label(texts[0]), end="", flush=True)
         on_text = (lambda row, text: print(text, end="", flush=True)) if streaming else None
         try:
+            # Every prompt has the same images.
+            rows = {name: value.expand(len(batch), *value.shape[1:]) for name, value in fields[0].items()}
             completions, stats = engine.generate(batch, params, detokenize=lambda t: tokenizer.decode(
-                [x for x in t if x not in params.stop_token_ids]), on_text=on_text)
+                [x for x in t if x not in params.stop_token_ids]), on_text=on_text, fields=rows)
         except GenerationError as e:
             return fail(str(e))
         for prompt, completion in zip(texts, completions):

@@ -15,7 +15,7 @@ from titanlike.config.sections import section_default
 
 
 # Data sources: ours, then torchtitan's names (c4 streams allenai/c4; c4_test is a slice of the embedded corpus).
-DATASETS = ("default", "text", "huggingface", "megatron", "c4", "c4_test", "c4_validation")
+DATASETS = ("default", "text", "huggingface", "megatron", "c4", "c4_test", "c4_validation", "webdataset")
 
 
 def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None) -> Any:

@@ -216,6 +216,15 @@ register_dataset_kind("c4_validation", _c4_source("validation"), shuffle=False, 
 register_dataset_kind("c4_test", _c4_test_source, shuffle=True, needs_path=False)
 
 
+def _webdataset_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
+    # Image-text shards (data/image_text.py) are read by the objective of a vision-language model.
+    raise DataError("webdataset shards hold image-text samples: train them with a vision-language model (model.name "
+                    "llava)")
+
+
+register_dataset_kind("webdataset", _webdataset_source, shuffle=False)
+
+
 def _check_field(index: int, name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     kind_ok = np.issubdtype(arr.dtype, np.floating if dtype.kind == "f" else np.integer)

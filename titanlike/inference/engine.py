@@ -17,8 +17,9 @@ one graph per batch size for every step of every call, the prefill eager (speed:
 
 from __future__ import annotations
 
+import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -157,11 +158,18 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  detokenize: Callable[[list[int]], str] | None = None,
                  on_text: Callable[[int, str], None] | None = None,
-                 on_token: Callable[[int, int], None] | None = None) -> tuple[list[Completion], GenerationStats]:
+                 on_token: Callable[[int, int], None] | None = None,
+                 fields: Mapping[str, torch.Tensor] | None = None) -> tuple[list[Completion], GenerationStats]:
         """Continue every prompt (lists of token ids). detokenize (token ids -> text) gives each
         completion its text and makes stop strings work; on_text(row, text) receives each row's text
-        as it becomes final (streaming), on_token(row, id) each new token."""
+        as it becomes final (streaming), on_token(row, id) each new token. fields: the prompts' other
+        inputs the model's prefill takes, one row per prompt (a vision-language model's pixel_values,
+        made by its objective's prompt())."""
         self.check_prompts(prompts)
+        fields = {name: value.to(self.device) for name, value in (fields or {}).items()}
+        unknown = sorted(set(fields) - set(inspect.signature(self.prefill).parameters))
+        if unknown:
+            raise GenerationError(f"{type(self.model).__name__} takes no {unknown[0]} input with its prompts")
         if params.stop_strings and detokenize is None:
             raise GenerationError("stop strings need a detokenizer (token ids -> text)")
         started = time.perf_counter()
@@ -178,7 +186,8 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         cache = self.init_cache(batch, capacity, device=self.device, dtype=self.dtype)
-        logits = self.prefill(tokens, torch.tensor(lengths, device=self.device), cache, start_id=self.start_id)
+        logits = self.prefill(tokens, torch.tensor(lengths, device=self.device), cache, start_id=self.start_id,
+                              **fields)
         seen = None
         if params.repetition_penalty != 1.0:
             # (batch, vocab): the tokens each row holds, which the penalty discourages.

@@ -63,10 +63,12 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
          "models that generate (common/decoder.py, t5/model.py); None (BERT sets it so): the model "
          "cannot generate (an encoder). Read by titanlike/inference/engine.py, with prefill and decode_step."),
     Hook("prefill", "model", (Callable, type(None)), None,
-         "A method prefill(tokens, lengths, cache, *, start_id=None) -> logits (batch, vocab): right-"
-         "padded prompts (batch, P) of `lengths` real tokens run in one pass, the cache filled, the "
+         "A method prefill(tokens, lengths, cache, *, start_id=None, **fields) -> logits (batch, vocab): "
+         "right-padded prompts (batch, P) of `lengths` real tokens run in one pass, the cache filled, the "
          "logits of each row's next token returned (start_id: an encoder-decoder's decoder start "
-         "token, its pad id; decoders ignore it). Required with init_cache; read by titanlike/inference/engine.py."),
+         "token, its pad id; decoders ignore it; fields: other inputs of the prompts the family's "
+         "prefill names, a vision-language model's pixel_values). Required with init_cache; read by "
+         "titanlike/inference/engine.py."),
     Hook("decode_step", "model", (Callable, type(None)), None,
          "A method decode_step(tokens, cache) -> logits (batch, vocab): one new token per row "
          "(batch,) at its row's next position. Required with init_cache; read by "

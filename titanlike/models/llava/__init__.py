@@ -53,8 +53,10 @@ llava_flavors: dict[str, LlavaArgs] = {
 def image_caption(cfg, args: LlavaArgs) -> ImageCaption:
     """The family's objective: captions of images, processed as the tower's transformers processor does."""
     v = args.vision
+    options = cfg.llava
     return ImageCaption(image_token_id=args.image_token_id, tokens_per_image=v.tokens_per_image,
-                        image_size=v.image_size, processor=v.kind, **ImageCaption.compile_options(cfg))
+                        image_size=v.image_size, processor=v.kind, max_images=options.max_images,
+                        max_image_pixels=options.max_image_pixels, **ImageCaption.compile_options(cfg))
 
 
 @dataclass
@@ -64,6 +66,16 @@ class LlavaOptions:
     freeze: list[str] = opt(
         [], f"parts left untrained, of {', '.join(PARTS)}: LLaVA's stage 1 (pretraining the projector on "
         "captions) freezes vision_tower,language_model; its stage 2 (instruction tuning) freezes vision_tower")
+    max_images: int = opt(1, "images a sample of training.dataset webdataset holds at most (a sample with more is "
+                          "counted and skipped); every sample carries this many, the missing ones as zeros")
+    max_image_pixels: int = opt(4096 * 4096, "width x height above which an image is counted and skipped (it would "
+                                "only be shrunk to the tower's size, at the cost of decoding it)")
+
+    def __post_init__(self) -> None:
+        if self.max_images < 1:
+            raise ValueError(f"llava.max_images must be at least 1, got {self.max_images}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"llava.max_image_pixels must be at least 1, got {self.max_image_pixels}")
 
 
 def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:

@@ -200,9 +200,19 @@ class LlavaArgs(BaseModelArgs):
     def with_moe_args(self, moe) -> LlavaArgs:
         return dataclasses.replace(self, text=self.text.with_moe_args(moe))
 
+    def image_flops(self) -> int:
+        """Training FLOPs of one image through the tower and the projector, in the decoders' count
+        (6 per parameter and position, 12 L d P per position for attention over its P positions,
+        bidirectional)."""
+        v = self.vision
+        positions = v.num_positions
+        tower = positions * (6 * v.num_params(exclude_embedding=True) + 12 * v.n_layers * v.dim * positions)
+        return tower + 6 * self.projector_params() * v.tokens_per_image
+
     def flops_per_token(self, seq_len: int) -> int:
-        # The language model's; the tower's work per image is not a per-token figure (issue 31 item 7).
-        return self.text.flops_per_token(seq_len)
+        # The language model's, plus one image's per sample of seq_len tokens (the caption samples'
+        # layout; a conversation with more images costs more than this counts).
+        return self.text.flops_per_token(seq_len) + self.image_flops() // seq_len
 
     def attention_shape(self) -> AttentionShape | None:
         return self.text.attention_shape()
@@ -313,11 +323,10 @@ class Projector(nn.Module):
 class Llava(nn.Module):
     """tokens (batch, seq) with `<image>` placeholders and pixel values -> logits (batch, seq, vocab).
 
-    `layers` (the unit of per-block wrapping) are the language model's. The model does not generate
-    yet (no decoding cache through the image splice): init_cache is None.
+    `layers` (the unit of per-block wrapping) are the language model's. It generates through the
+    language model's cache: the prefill splices the images into the prompt's embeddings, and the
+    decode steps, text only, are the language model's own.
     """
-
-    init_cache = None
 
     def __init__(self, args: LlavaArgs):
         super().__init__()
@@ -387,6 +396,30 @@ class Llava(nn.Module):
         flat = features.flatten(0, 1).to(h.dtype)
         index = torch.where(is_image, rank, 0).clamp(max=flat.shape[0] - 1)
         return torch.where(is_image[..., None], flat[index], h)
+
+    # Generation (models/protocol.py) ------------------------------------------------------------
+
+    def init_cache(self, batch_size: int, capacity: int, *, device: torch.device | str, dtype: torch.dtype):
+        return self.language_model.init_cache(batch_size, capacity, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache, *, start_id: int | None = None,
+                pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+        """The language model's prefill on the prompts' embeddings with the images spliced in
+        (pixel_values (batch, images, C, H, W), each row's own images, or (images, C, H, W) in the
+        order of their placeholders, as forward takes them)."""
+        lm = self.language_model
+        h = lm.embed(tokens, None)
+        if pixel_values is not None:
+            h = self._splice(tokens, h, pixel_values)
+        cache.begin_prefill(lengths, tokens.shape[1])
+        logits = lm(tokens, cache=cache, embeddings=h)
+        cache.end_prefill()
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        return self.language_model.decode_step(tokens, cache)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
