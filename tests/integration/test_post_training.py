@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, train_in_process
+from conftest import REPO, train_in_process
 
 DATA = str(REPO / "tests" / "assets" / "dpo" / "prefer_reverse.jsonl")
 STUDENT = ("--model.flavor", "debugmodel_tiny", "--model.args.n_layers", "2", "--optimizer.lr", "3e-3",

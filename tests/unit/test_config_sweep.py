@@ -9,7 +9,6 @@ infinities, integers beyond 2^53, text with a NUL character.
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 
 import pytest

@@ -14,7 +14,6 @@ Families against transformers' generate: tests/conformance/test_generation.py.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch

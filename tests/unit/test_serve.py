@@ -21,7 +21,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-import torch
 
 from family_checks import materialize
 from titanlike.models.registry import get_model_spec
