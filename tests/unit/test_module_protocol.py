@@ -277,6 +277,7 @@ NOT_HOOKS = {
     ("titanlike/checkpoint/manager.py", "_CHECKPOINT_PROCESS"): "DCP's async process executor",
     ("titanlike/checkpoint/manager.py", "finished"): "the manager's own record of a pending save",
     ("titanlike/checkpoint/format.py", "storage_meta"): "DCP's checkpoint metadata",
+    ("titanlike/checkpoint/manager.py", "size"): "DCP's tensor metadata (bytes entries have none)",
     ("titanlike/checkpoint/format.py", "failures"): "DCP's exceptions",
     ("titanlike/models/converters.py", "_titanlike_gloo"): "our marker on a torchao handler function",
     ("titanlike/models/converters.py", "fp8_autocast"): "Transformer Engine's module API",
