@@ -293,10 +293,32 @@ def loads_exactly(argv: list[str], world: int, checkpoint: Path, saved: dict[str
 RESHARD = ("fsdp2", "tp2", "ep2", "pp2_looped")
 
 
+def resharding_chains(flavors: dict[str, dict]) -> dict[str, tuple[str, ...]]:
+    """flavor -> the RESHARD layouts its checkpoints go through: a family's flavors share its sharding
+    rules and parameter names, so a flavor rides the chain only when it brings a layout or a parameter
+    (layer numbers aside) that the family's flavors before it did not; the others skip saving and
+    loading (each link costs a flavor ~2 s on each of 2 ranks)."""
+    import re
+
+    from titanlike.models.registry import get_model_spec
+
+    chains, seen = {}, set()
+    for family_flavor, layouts in flavors.items():
+        family, flavor = family_flavor
+        with torch.device("meta"):
+            model = get_model_spec(family).model_cls(get_model_spec(family).flavors[flavor])
+        names = {re.sub(r"(^|\.)\d+(?=\.|$)", r"\1N", n) for n, _ in model.named_parameters()}
+        chain = tuple(name for name in RESHARD if name in layouts)
+        new = {(family, "layout", c) for c in chain} | {(family, "param", n) for n in names}
+        chains[family_flavor] = chain if new - seen else ()
+        seen |= new
+    return chains
+
+
 # ---------------------------------------------------------------- the spawned world
 
 
-def _layout_worker(rank: int, families: dict, root: str) -> None:
+def _layout_worker(rank: int, families: dict, chains: dict, root: str) -> None:
     """Every layout of every flavor of every family on this rank, one after the other; each rank
     writes what it found per layout (a failure does not stop the others: the group stays usable
     unless a layout failed inside a collective, and then the world times out)."""
@@ -307,7 +329,7 @@ def _layout_worker(rank: int, families: dict, root: str) -> None:
         for flavor, layouts in flavors.items():
             folder = Path(root, family, flavor)
             reference = torch.load(folder / "reference.pt", weights_only=False)
-            chain = RESHARD
+            chain = chains[family, flavor]
             previous = "reference"
             for name, argv in layouts.items():
                 result = {"ok": True, "error": ""}
@@ -387,10 +409,15 @@ def _run_families(families: list[str], root: Path) -> dict:
         jobs.setdefault(family, {})[flavor] = {
             name: job(family, flavor, folder / name, options, batch, dp)
             for name, (options, batch, dp) in declared_layouts(family, flavor).items()}
-        reference = one_step(job(family, flavor, folder / "reference"), 1)
-        torch.save(reference, folder / "reference.pt")
-        save_state(reference, folder / "reference.rank0.pt")
-    run_on_gloo_ranks(functools.partial(_layout_worker, families=jobs, root=str(root)),
+    chains = resharding_chains({(family, flavor): layouts for family, flavors in jobs.items()
+                                for flavor, layouts in flavors.items()})
+    for family, flavors in jobs.items():
+        for flavor in flavors:
+            folder = root / family / flavor
+            reference = one_step(job(family, flavor, folder / "reference"), 1, save=bool(chains[family, flavor]))
+            torch.save(reference, folder / "reference.pt")
+            save_state(reference, folder / "reference.rank0.pt")
+    run_on_gloo_ranks(functools.partial(_layout_worker, families=jobs, chains=chains, root=str(root)),
                       world=WORLD, timeout_s=TIMEOUT_S * len(jobs), what="layout workers")
     results: dict[str, dict] = {}
     for family, flavors in jobs.items():
@@ -401,6 +428,8 @@ def _run_families(families: list[str], root: Path) -> dict:
                 per_rank = [json.loads((folder / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)]
                 out[f"{flavor}/{name}"] = "\n".join(r["error"] for r in per_rank if not r["ok"])
             last = (folder / "last_saved.rank0").read_text()
+            if last == "reference":  # a flavor off the resharding chain (resharding_chains)
+                continue
             try:
                 loads_exactly(job(family, flavor, folder / "reference"), 1, folder / last / "checkpoint",
                               load_state(sorted(folder.glob(f"{last}.rank*.pt"))),
