@@ -295,9 +295,9 @@ RESHARD = ("fsdp2", "tp2", "ep2", "pp2_looped")
 
 def resharding_chains(flavors: dict[str, dict]) -> dict[str, tuple[str, ...]]:
     """flavor -> the RESHARD layouts its checkpoints go through: a family's flavors share its sharding
-    rules and parameter names, so a flavor rides the chain only when it brings a layout or a parameter
-    (layer numbers aside) that the family's flavors before it did not; the others skip saving and
-    loading (each link costs a flavor ~2 s on each of 2 ranks)."""
+    rules and parameter names, so a flavor rides the chain only when it brings a (chain layout,
+    parameter name with layer numbers aside) pair that the family's flavors before it did not; the
+    others skip saving and loading (each link costs a flavor ~2 s on each of 2 ranks)."""
     import re
 
     from titanlike.models.registry import get_model_spec
@@ -309,7 +309,7 @@ def resharding_chains(flavors: dict[str, dict]) -> dict[str, tuple[str, ...]]:
             model = get_model_spec(family).model_cls(get_model_spec(family).flavors[flavor])
         names = {re.sub(r"(^|\.)\d+(?=\.|$)", r"\1N", n) for n, _ in model.named_parameters()}
         chain = tuple(name for name in RESHARD if name in layouts)
-        new = {(family, "layout", c) for c in chain} | {(family, "param", n) for n in names}
+        new = {(family, layout, name) for layout in chain for name in names}
         chains[family_flavor] = chain if new - seen else ()
         seen |= new
     return chains
