@@ -392,7 +392,10 @@ FAMILY_FLAVORS = [key for key in distinct_flavors(min_layers=4) if key not in NO
 # DeepSeek-V3 without query LoRA differs in its query projection (wq for wq_a, q_norm, wq_b): a per-token
 # map that FSDP shards like any parameter and that CP, EP and the pipeline split leave alone; TP splits
 # it by a rule of its own.
-ONLY_LAYOUTS = {("deepseek_v3", "debugmodel_nolora"): ("tp2",)}
+# The hybrid's debugmodel_tiny ("M-M*M-") has block kinds debugmodel_moe ("M-ME*-ME") has too, where FSDP, TP
+# (both logits), CP and the looped pipeline check them; it keeps the layouts no MoE flavor is offered.
+ONLY_LAYOUTS = {("deepseek_v3", "debugmodel_nolora"): ("tp2",),
+                ("hybrid", "debugmodel_tiny"): ("tp2_no_sequence_parallel", "pp2_v")}
 
 
 @pytest.fixture(scope="module")
