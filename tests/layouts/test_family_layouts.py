@@ -293,28 +293,6 @@ def loads_exactly(argv: list[str], world: int, checkpoint: Path, saved: dict[str
 RESHARD = ("fsdp2", "tp2", "ep2", "pp2_looped")
 
 
-def resharding_chains(flavors: dict[str, dict]) -> dict[str, tuple[str, ...]]:
-    """flavor -> the RESHARD layouts its checkpoints go through: a family's flavors share its sharding
-    rules and parameter names, so a flavor rides the chain only when it brings a (chain layout,
-    parameter name with layer numbers aside) pair that the family's flavors before it did not; the
-    others skip saving and loading (each link costs a flavor ~2 s on each of 2 ranks)."""
-    import re
-
-    from titanlike.models.registry import get_model_spec
-
-    chains, seen = {}, set()
-    for family_flavor, layouts in flavors.items():
-        family, flavor = family_flavor
-        with torch.device("meta"):
-            model = get_model_spec(family).model_cls(get_model_spec(family).flavors[flavor])
-        names = {re.sub(r"(^|\.)\d+(?=\.|$)", r"\1N", n) for n, _ in model.named_parameters()}
-        chain = tuple(name for name in RESHARD if name in layouts)
-        new = {(family, layout, name) for layout in chain for name in names}
-        chains[family_flavor] = chain if new - seen else ()
-        seen |= new
-    return chains
-
-
 # ---------------------------------------------------------------- the spawned world
 
 
@@ -418,8 +396,9 @@ def _run_families(families: list[str], root: Path) -> dict:
             name: job(family, flavor, folder / name, options, batch, dp)
             for name, (options, batch, dp) in declared_layouts(family, flavor).items()
             if name in ONLY_LAYOUTS.get((family, flavor), CANDIDATES)}
-    chains = resharding_chains({(family, flavor): layouts for family, flavors in jobs.items()
-                                for flavor, layouts in flavors.items()})
+    # A flavor that runs no layout of the chain (ONLY_LAYOUTS) saves and loads nothing.
+    chains = {(family, flavor): tuple(name for name in RESHARD if name in layouts)
+              for family, flavors in jobs.items() for flavor, layouts in flavors.items()}
     for family, flavors in jobs.items():
         for flavor in flavors:
             folder = root / family / flavor
@@ -437,7 +416,7 @@ def _run_families(families: list[str], root: Path) -> dict:
                 per_rank = [json.loads((folder / f"{name}.rank{r}.json").read_text()) for r in range(WORLD)]
                 out[f"{flavor}/{name}"] = "\n".join(r["error"] for r in per_rank if not r["ok"])
             last = (folder / "last_saved.rank0").read_text()
-            if last == "reference":  # a flavor off the resharding chain (resharding_chains)
+            if last == "reference":  # a flavor off the resharding chain
                 continue
             try:
                 loads_exactly(job(family, flavor, folder / "reference"), 1, folder / last / "checkpoint",
