@@ -17,7 +17,8 @@ where the family and its objective allow it; EP 2
 for mixtures of experts; PP 2 with a looped schedule (Interleaved1F1B, or 1F1B for models of fewer
 than 4 layers) and the V-placed ZBVZeroBubble (both ends on rank 0) where the family has pipeline
 ends. test_the_declared_layouts_follow_the_spec ties this to the spec: a family with a sharding plan
-must accept TP, with pipeline ends PP, with experts EP.
+must accept TP, with pipeline ends PP, with experts EP. A flavor whose difference from its family's
+other flavors only some layouts reach runs those alone (ONLY_LAYOUTS), or none (NO_NEW_LAYOUT_RULE).
 
 Parameters are moved off their init (noise of their own scale, constants by 0.1) before the step, so
 that a bias or norm weight at 0 or 1 cannot hide a wrong sharding rule. Every microbatch has two
