@@ -481,22 +481,24 @@ def test_a_sidecar_describing_a_model_larger_than_the_machine_is_refused_before_
 
 
 @pytest.mark.parametrize("extra, sentence", [
-    ([], "the data position was saved with training.global_batch_size 4 but this run's is 2: the global sample "
-         "stream differs, so the position cannot be carried over; resume with --training.global_batch_size 4, or "
-         "start the data over with --checkpoint.exclude_from_loading dataloader"),
-    (["--training.global_batch_size", "4", "--training.seq_len", "32"],
+    (["--training.global_batch_size", "4"],
+     "the data position was saved with training.global_batch_size 2 but this run's is 4: the global sample "
+     "stream differs, so the position cannot be carried over; resume with --training.global_batch_size 2, or "
+     "start the data over with --checkpoint.exclude_from_loading dataloader"),
+    (["--training.seq_len", "32"],
      "the data position was saved with training.seq_len 64 but this run's is 32: the global sample stream differs, "
      "so the position cannot be carried over; resume with --training.seq_len 64, or start the data over with "
      "--checkpoint.exclude_from_loading dataloader"),
 ])
-def test_resuming_with_another_batch_or_sequence_length_is_one_sentence(tmp_path, capsys, extra, sentence):
-    dump = tmp_path / "run"
-    # Saved with a global batch of 4 (as 2 ranks of 2 samples save it); resumed with one of 2.
-    assert _main(*JOB, *FULL, "--training.global_batch_size", "4", "--job.dump_folder", str(dump)) == 0
+def test_resuming_with_another_batch_or_sequence_length_is_one_sentence(llama_run, tmp_path, capsys, extra, sentence):
+    # llama_run saved step 2 with a global batch of 2 samples of 64 tokens; resumed with 4 (accumulated) or 32.
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama_run / "checkpoint", folder)
     capsys.readouterr()
-    assert _main(*JOB, *FULL, "--training.steps", "3", "--job.dump_folder", str(dump), *extra) == 1
+    assert _main(*JOB, *FULL, "--training.steps", "3", "--job.dump_folder", str(tmp_path / "run"),
+                 "--checkpoint.folder", str(folder), *extra) == 1
     err = capsys.readouterr().err
-    assert _last_line(err) == f"training error: checkpoint {dump}/checkpoint/step-2: {sentence}", err[-2000:]
+    assert _last_line(err) == f"training error: checkpoint {folder}/step-2: {sentence}", err[-2000:]
     assert "Traceback" not in err
 
 
