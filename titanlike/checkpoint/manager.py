@@ -230,14 +230,16 @@ def _verify_split(path: str, crcs: dict[str, str], group) -> str | None:
     return problem
 
 
-def load_frozen_model(parts: list[nn.Module], folder: str, spec, args) -> None:
+def load_frozen_model(parts: list[nn.Module], folder: str, spec, args, read_whole) -> None:
     """Load the model of checkpoint `folder` (checkpoint/hf.py checkpoint_model: its spec and args)
     into `parts`, this rank's shards of it built with the job's layout, as a job's own initial load
     reads: from a DCP checkpoint each rank reads only its shards; from a Hugging Face folder (whose
     conversion needs whole tensors) rank 0 reads and converts, and every rank keeps its shards of the
     broadcast. A LoRA checkpoint is read whole on every rank (its adapters fold into whole weights).
     Names and shapes are checked against the model first (check_fits); CheckpointError otherwise, on
-    every rank alike."""
+    every rank alike. read_whole(folder, spec, args): the full tensors in our names, for the Hugging
+    Face and LoRA cases (checkpoint/hf.py checkpoint_state_dict; passed in, as this module imports
+    format.py only)."""
     from titanlike.models.lora import has_adapters
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -271,13 +273,11 @@ def load_frozen_model(parts: list[nn.Module], folder: str, spec, args) -> None:
                 raise CheckpointError(f"reading checkpoint {folder} failed: {summarize(e)}") from None
             state.load_state_dict({k: template[names[k]] for k in local})
             return
-    from titanlike.checkpoint.hf import checkpoint_state_dict
-
     full: dict[str, torch.Tensor] = {}
     error = None
     if not distributed or dist.get_rank() == 0:
         try:
-            full = checkpoint_state_dict(folder, spec, args)
+            full = read_whole(folder, spec, args)
         except CheckpointError as e:
             error = str(e)
     if distributed:  # rank 0's verdict first, so no rank waits in a broadcast that never comes

@@ -71,14 +71,13 @@ class LlavaOptions:
     max_image_pixels: int = opt(4096 * 4096, "width x height above which an image is counted and skipped (it would "
                                 "only be shrunk to the tower's size, at the cost of decoding it)")
 
-    def __post_init__(self) -> None:
-        if self.max_images < 1:
-            raise ValueError(f"llava.max_images must be at least 1, got {self.max_images}")
-        if self.max_image_pixels < 1:
-            raise ValueError(f"llava.max_image_pixels must be at least 1, got {self.max_image_pixels}")
-
 
 def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:
+    # Checked here, where planning turns a ValueError into the job's one-sentence refusal.
+    if options.max_images < 1:
+        raise ValueError(f"llava.max_images must be at least 1, got {options.max_images}")
+    if options.max_image_pixels < 1:
+        raise ValueError(f"llava.max_image_pixels must be at least 1, got {options.max_image_pixels}")
     if not options.freeze:
         return args
     try:
