@@ -162,6 +162,61 @@ def test_stage_1_starts_from_a_tower_and_a_language_model_of_separate_folders(tm
         assert same != name.startswith("projector."), f"{name} {'did not train' if same else 'changed, but it is frozen'}"
 
 
+def test_stage_2_with_lora_writes_an_adapter_peft_puts_on_transformers_llava(tmp_path):
+    """LLaVA's stage 2 with LoRA as its recipe has it: adapters on the language model only (the tower's
+    q_proj/v_proj left out by lora.exclude_modules), the projector trained in full (lora.modules_to_save),
+    from a Hugging Face LLaVA folder. peft puts the exported adapter on transformers' model of that folder
+    with the merged export's logits (its config names the projector to restore and the tower's linears to
+    leave alone); a new run starting from the adapter (lora.adapter_path) holds the same weights."""
+    peft = pytest.importorskip("peft")
+    from conftest import train_metrics
+
+    torch.manual_seed(0)
+    image_token = 1803  # <|image|> of the debug tokenizer the job trains with
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, image_size=32, patch_size=8),
+        text_config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=2048), image_token_index=image_token, vision_feature_layer=-1)
+    LlavaForConditionalGeneration(config).save_pretrained(tmp_path / "base")
+    job = ("--model.name", "llava", "--training.seq_len", "32", "--model.converters", "lora",
+           "--lora.target_modules", "q_proj,v_proj,o_proj", "--lora.exclude_modules", "vision_tower",
+           "--lora.modules_to_save", "multi_modal_projector", "--lr_scheduler.warmup_steps", "0",
+           "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "base"),
+           "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only")
+    train_metrics(tmp_path, "stage2", *job, "--training.steps", "2", "--optimizer.lr", "1e-2")
+    export = tmp_path / "stage2" / "checkpoint" / "step-2"
+    adapter = json.loads((export / "adapter" / "adapter_config.json").read_text())
+    assert adapter["modules_to_save"] == ["model.multi_modal_projector.linear_1", "model.multi_modal_projector.linear_2"]
+    assert sorted(adapter["target_modules"]) == ["o_proj", "q_proj", "v_proj"]
+    assert len(adapter["exclude_modules"]) == 4 and all(
+        name.startswith("model.vision_tower.") for name in adapter["exclude_modules"])
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 1700, (2, 24), generator=g)
+    tokens[:, 2:18] = image_token
+    images = torch.randn(2, 3, 32, 32, generator=g)
+    with torch.no_grad(), hf_warnings():
+        merged = LlavaForConditionalGeneration.from_pretrained(export).eval()
+        base = LlavaForConditionalGeneration.from_pretrained(tmp_path / "base").eval()
+        want = merged(input_ids=tokens, pixel_values=images).logits
+        trained = merged.state_dict()
+        for name, value in base.state_dict().items():
+            same = torch.equal(trained[name], value)
+            assert same == ("vision_tower" in name or "embed_tokens" in name or "norm" in name or "lm_head" in name
+                            or "mlp" in name or "k_proj" in name), f"{name} {'did not train' if same else 'changed'}"
+        before = base(input_ids=tokens, pixel_values=images).logits
+        with_adapter = peft.PeftModel.from_pretrained(base, export / "adapter").eval()
+        torch.testing.assert_close(with_adapter(input_ids=tokens, pixel_values=images).logits, want, rtol=0, atol=ATOL)
+        assert (want - before).abs().max() > 1e-3
+
+    train_metrics(tmp_path, "again", *job, "--training.steps", "1", "--optimizer.lr", "1e-12",
+                  "--lora.adapter_path", str(export / "adapter"))
+    with torch.no_grad(), hf_warnings():
+        again = LlavaForConditionalGeneration.from_pretrained(tmp_path / "again" / "checkpoint" / "step-1").eval()
+        torch.testing.assert_close(again(input_ids=tokens, pixel_values=images).logits, want, rtol=0, atol=ATOL)
+
+
 def test_feature_layer_and_strategy_are_read_as_transformers_reads_them():
     config = HF.args_to_config(SPEC.flavors["debugmodel"])
     depth = config["vision_config"]["num_hidden_layers"]

@@ -472,14 +472,18 @@ class LoRAConverter(ModelConverter):
         kind = "dora" if o.use_dora else "lora"
         _log_on_rank0(f"{kind}: rank {o.rank}, alpha {o.alpha:g} on {len(targets)} linear layers "
                       f"({_names(targets)}); every other parameter frozen"
+                      + (f" but those of {', '.join(o.modules_to_save)} (lora.modules_to_save)" if o.modules_to_save
+                         else "")
                       + (f", held in {o.base_dtype} (the adapters in float32)" if o.base_dtype != "float32" else ""))
 
     def init_weights(self, model: nn.Module, seed: int) -> None:
-        from titanlike.models.lora import adapters, freeze_base
+        from titanlike.models.lora import LoRAOptions, adapters, freeze_base, hf_module_names, saved_parameters, spec_of
 
         for fqn, module in adapters(model).items():
             module.init_adapter(seed=seed, fqn=fqn)
-        freeze_base(model)
+        options = self.options or LoRAOptions()
+        hf_names = hf_module_names(model, spec_of(model), model.model_args) if options.modules_to_save else {}
+        freeze_base(model, keep=saved_parameters(model, options, hf_names))
 
     def initial_state(self, model: nn.Module) -> dict:
         """lora.adapter_path's A and B (a PEFT folder) for the adapters of this model part, and DoRA's
@@ -489,7 +493,7 @@ class LoRAConverter(ModelConverter):
         # DoRA's magnitudes start at the row norms of the weights the base now holds (loaded or drawn).
         state = dora_magnitudes(model) if self.options is not None and self.options.use_dora else {}
         if self.options is not None and self.options.adapter_path:
-            state.update(peft_state_dict(model, self.options.adapter_path))
+            state.update(peft_state_dict(model, self.options.adapter_path, options=self.options))
         return state
 
     def added(self, key: str) -> bool:
@@ -519,7 +523,7 @@ def validate_converter_targets(names: list[str], section: Callable[[str], object
                 raise ValueError(f"lora.{field.name} is set, but model.converters does not name lora; add it "
                                  f"(--model.converters lora) or remove lora.{field.name}")
         return
-    from titanlike.models.lora import check_targets, hf_module_names, select_targets
+    from titanlike.models.lora import check_saved, check_targets, hf_module_names, select_targets
 
     with torch.device("meta"):
         meta = spec.model_cls(args)
@@ -532,4 +536,7 @@ def validate_converter_targets(names: list[str], section: Callable[[str], object
         # param_dtype): bfloat16 compute is what a bfloat16 base is for.
         raise ValueError(f"lora.base_dtype {options.base_dtype} needs training.mixed_precision_param "
                          f"{options.base_dtype} (it is {section('training').mixed_precision_param})")
-    check_targets(select_targets(meta, options.target_modules, hf_module_names(meta, spec, args)), model=model)
+    hf_names = hf_module_names(meta, spec, args)
+    check_targets(select_targets(meta, options.target_modules, hf_names, exclude=options.exclude_modules,
+                                 saved=options.modules_to_save), model=model)
+    check_saved(meta, options, hf_names, name=model)

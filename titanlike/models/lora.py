@@ -27,8 +27,13 @@ norms once the base holds its weights (the converter's initial_state, after the 
 The PEFT format. `export_peft` writes adapter_config.json + adapter_model.safetensors with the
 names `peft` gives the transformers model of the family (base_model.model.<HF module>.lora_A/B.
 weight), the family's HF adapter mapping our names and converting B's rows as it converts the
-base weight's (Llama's q/k RoPE row order); `merged_state_dict` folds the adapters into the base
-weights for a full Hugging Face export. `load_peft` reads such a folder back into the adapters.
+base weight's (Llama's q/k RoPE row order), and naming modules as the transformers model holds them
+(`HFAdapter.module_name`: LLaVA's checkpoint keys are renamed on load); `merged_state_dict` folds the
+adapters into the base weights for a full Hugging Face export. `load_peft` reads such a folder back
+into the adapters. Modules trained in full beside the adapters (lora.modules_to_save: LLaVA's projector
+in its stage 2) are written under their own names and listed as peft's modules_to_save; linears that
+peft would adapt by their name but ours did not (lora.exclude_modules: a vision tower's q_proj) are
+listed as its exclude_modules, so that peft builds exactly our adapters.
 """
 
 from __future__ import annotations
@@ -64,6 +69,14 @@ class LoRAOptions:
         ["q_proj", "k_proj", "v_proj", "o_proj"],
         "linear layers that get adapters: Hugging Face module names (q_proj, gate_proj, ...) or ours "
         "(attention.wq, feed_forward.w1, layers.3.attention.wq), matched as whole dot-separated parts")
+    exclude_modules: list[str] = opt(
+        [], "linear layers, or modules holding them, that get no adapter even where target_modules names them "
+        "(PEFT's exclude_modules), named as target_modules; e.g. vision_tower keeps a vision-language model's "
+        "encoder as it is")
+    modules_to_save: list[str] = opt(
+        [], "modules trained in full beside the adapters and written with them (PEFT's modules_to_save), named "
+        "as target_modules; e.g. LLaVA's stage 2 with LoRA trains its projector (projector, or Hugging Face's "
+        "multi_modal_projector)")
 
     use_dora: bool = opt(
         False, "DoRA (PEFT's use_dora): each adapted layer also learns a magnitude per output row, its weight "
@@ -203,36 +216,75 @@ def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float, *, d
 
 
 def hf_module_names(model: nn.Module, spec: ModelSpec | None, args) -> dict[str, str]:
-    """Our linear module fqn -> its Hugging Face module name (the family's HF adapter renaming
-    its weight), for the linears that have one."""
+    """Our module fqn -> its module's path in the family's transformers model (the family's HF adapter
+    renaming its first parameter, then module_name: the names peft sees), for the modules holding
+    parameters that have one. Wrapper parts (compile, activation checkpointing) are left out."""
+    from titanlike.models.common.init import canonical_fqn
+
     if spec is None or spec.hf is None:
         return {}
     names = {}
     for fqn, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        name, param = next(iter(module.named_parameters(recurse=False)), (None, None))
+        if param is None:
             continue
-        weight = torch.empty(module.out_features, module.in_features, device="meta")
+        fqn = canonical_fqn(fqn)
         try:
-            hf = spec.hf.to_hf_state_dict({f"{fqn}.weight": weight}, args)
+            hf = spec.hf.to_hf_state_dict({f"{fqn}.{name}": torch.empty(param.shape, device="meta")}, args)
         except Exception:  # no HF name for it (a tied output head, ...)
             continue
         if len(hf) == 1:
-            names[fqn] = next(iter(hf)).removesuffix(".weight")
+            names[fqn] = spec.hf.module_name(next(iter(hf))).removesuffix(f".{name}")
     return names
 
 
-def select_targets(model: nn.Module, patterns: list[str], hf_names: Mapping[str, str]) -> dict[str, list[str]]:
-    """pattern -> the linear fqns it names (ours or their HF names, whole dot-separated parts)."""
+def _named(fqn: str, patterns: list[str], hf_names: Mapping[str, str]) -> str | None:
+    """The first pattern naming module `fqn` (ours or its HF name, whole dot-separated parts)."""
     from titanlike.models.converters import fqn_matches
 
+    return next((p for p in patterns if fqn_matches(fqn, p) or (fqn in hf_names and fqn_matches(hf_names[fqn], p))),
+                None)
+
+
+def select_targets(model: nn.Module, patterns: list[str], hf_names: Mapping[str, str], *,
+                   exclude: list[str] = (), saved: list[str] = ()) -> dict[str, list[str]]:
+    """pattern -> the linear fqns it names (ours or their HF names, whole dot-separated parts), less
+    those `exclude` or `saved` (modules trained in full, as peft never adapts them) name."""
     found: dict[str, list[str]] = {p: [] for p in patterns}
     for fqn, module in model.named_modules():
-        if type(module) is not nn.Linear:
+        if type(module) is not nn.Linear or _named(fqn, [*exclude, *saved], hf_names) is not None:
             continue
         for pattern in patterns:
-            if fqn_matches(fqn, pattern) or (fqn in hf_names and fqn_matches(hf_names[fqn], pattern)):
+            if _named(fqn, [pattern], hf_names) is not None:
                 found[pattern].append(fqn)
     return found
+
+
+def saved_parameters(model: nn.Module, options: LoRAOptions, hf_names: Mapping[str, str]) -> set[str]:
+    """The parameters (names without wrapper parts) of the modules lora.modules_to_save names."""
+    from titanlike.models.common.init import canonical_fqn
+
+    if not options.modules_to_save:
+        return set()
+    found, named = set(), set()
+    for fqn, module in model.named_modules():
+        fqn = canonical_fqn(fqn)
+        pattern = _named(fqn, options.modules_to_save, hf_names)
+        if pattern is None:
+            continue
+        named.add(pattern)
+        found.update(f"{fqn}.{name}" for name, _ in module.named_parameters(recurse=False))
+    return found
+
+
+def check_saved(model: nn.Module, options: LoRAOptions, hf_names: Mapping[str, str], *, name: str) -> None:
+    """ValueError (one sentence) for a lora.modules_to_save entry that names no module with parameters."""
+    held = {_named(f, options.modules_to_save, hf_names) for f, m in model.named_modules()
+            if next(m.parameters(recurse=False), None) is not None}
+    missing = [p for p in options.modules_to_save if p not in held]
+    if missing:
+        raise ValueError(f"lora.modules_to_save {', '.join(missing)} names no module of {name}; name ours "
+                         "(projector, layers.0.attention_norm) or Hugging Face's (multi_modal_projector)")
 
 
 def check_targets(found: dict[str, list[str]], *, model: str) -> None:
@@ -253,12 +305,14 @@ def apply_lora(model: nn.Module, options: LoRAOptions, *, spec: ModelSpec | None
     ValueError (one sentence) for a target that names nothing."""
     spec = spec or spec_of(model)
     args = getattr(model, "model_args", None)
-    found = select_targets(model, options.target_modules, hf_module_names(model, spec, args))
+    hf_names = hf_module_names(model, spec, args)
+    found = select_targets(model, options.target_modules, hf_names, exclude=options.exclude_modules,
+                           saved=options.modules_to_save)
     check_targets(found, model=type(model).__name__)
     targets = sorted({fqn for fqns in found.values() for fqn in fqns})
     for fqn in targets:
         add_adapter(model.get_submodule(fqn), options.rank, options.alpha, options.dropout, dora=options.use_dora)
-    freeze_base(model)
+    freeze_base(model, keep=saved_parameters(model, options, hf_names))
     if options.base_dtype != "float32":
         hold_base_in(model, getattr(torch, options.base_dtype))
     return targets
@@ -274,11 +328,14 @@ def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
                 module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
 
 
-def freeze_base(model: nn.Module) -> None:
-    """Only the adapters train. Applied at the swap, and again after parallelization: a tensor-
-    parallel style may register a parameter anew as trainable (torch's SequenceParallel does)."""
+def freeze_base(model: nn.Module, keep: set[str] = frozenset()) -> None:
+    """Only the adapters train, and the parameters in `keep` (lora.modules_to_save's, names without
+    wrapper parts). Applied at the swap, and again after parallelization: a tensor-parallel style may
+    register a parameter anew as trainable (torch's SequenceParallel does)."""
+    from titanlike.models.common.init import canonical_fqn
+
     for name, p in model.named_parameters():
-        p.requires_grad_(name.endswith(_TRAINED))
+        p.requires_grad_(name.endswith(_TRAINED) or canonical_fqn(name) in keep)
 
 
 _TRAINED = (".lora_a", ".lora_b", ".lora_magnitude")
@@ -355,8 +412,36 @@ def merged_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def _hf_rows(spec: ModelSpec, args, fqn: str, rows: torch.Tensor) -> tuple[str, torch.Tensor]:
     """(HF module name, `rows` (out x anything) in HF's row order): the family's conversion of the
     base weight applied to the adapter's B."""
-    (key, value), = spec.hf.to_hf_state_dict({f"{fqn}.weight": rows}, args).items()
+    key, value = _hf_tensor(spec, args, f"{fqn}.weight", rows)
     return key.removesuffix(".weight"), value
+
+
+def _hf_tensor(spec: ModelSpec, args, name: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(the parameter's path in the family's transformers model, as peft names it; `value` as HF holds it)."""
+    (key, value), = spec.hf.to_hf_state_dict({name: value}, args).items()
+    return spec.hf.module_name(key), value
+
+
+def _hf_name(spec: ModelSpec, args, key: str, shape) -> str | None:
+    """The path peft gives our parameter `key` in the family's transformers model; None for one that is
+    not a tensor of its own there (a tied output head; a tensor the conversion writes others beside)."""
+    try:
+        hf = spec.hf.to_hf_state_dict({key: torch.empty(shape, device="meta")}, args)
+    except Exception:
+        return None
+    return spec.hf.module_name(next(iter(hf))) if len(hf) == 1 else None
+
+
+def _saved_in_hf(spec: ModelSpec, args, base: Mapping[str, torch.Tensor],
+                 options: LoRAOptions) -> dict[str, tuple[str, torch.Tensor]]:
+    """{our name: (HF parameter path, HF value)} of the parameters lora.modules_to_save names."""
+    out = {}
+    for key, value in base.items():
+        module, hf_name = key.rpartition(".")[0], _hf_name(spec, args, key, value.shape)
+        hf_module = {module: hf_name.rpartition(".")[0]} if hf_name else {}
+        if _named(module, options.modules_to_save, hf_module) is not None:
+            out[key] = _hf_tensor(spec, args, key, value)
+    return out
 
 
 def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: str, options: LoRAOptions, *,
@@ -366,7 +451,7 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
     HF conversion of a targeted weight is not a reordering of its rows (B's rows then cannot follow)."""
     from safetensors.torch import save_file
 
-    _, parts = split_state_dict(sd)
+    base, parts = split_state_dict(sd)
     tensors, modules = {}, set()
     for fqn, (a, b, _, magnitude) in sorted(parts.items()):
         name, b_hf = _hf_rows(spec, args, fqn, b.float())
@@ -381,13 +466,30 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
             tensors[f"{PEFT_PREFIX}{name}.lora_magnitude_vector"] = \
                 _hf_rows(spec, args, fqn, magnitude.float().view(-1, 1))[1].view(-1).contiguous()
         modules.add(name.rsplit(".", 1)[-1])
+    # Modules trained in full: their weights under their own names (peft restores them as it loads).
+    saved = _saved_in_hf(spec, args, base, options)
+    for hf_name, value in saved.values():
+        tensors[f"{PEFT_PREFIX}{hf_name}"] = value.contiguous()
+    saved_modules = sorted({hf_name.rpartition(".")[0] for hf_name, _ in saved.values()})
+    # peft adapts every linear whose name ends in a target: name the ones ours left alone (exclude_modules).
+    adapted = {_hf_rows(spec, args, fqn, torch.empty(b.shape[0], 1, device="meta"))[0] for fqn, (_, b, _, _) in
+               parts.items()}
+    excluded = []
+    for key, value in base.items():
+        if not key.endswith(".weight") or value.dim() != 2 or key in saved:
+            continue
+        name = (_hf_name(spec, args, key, value.shape) or "").removesuffix(".weight")
+        if name and name.rsplit(".", 1)[-1] in modules and name not in adapted:
+            excluded.append(name)
+    excluded.sort()
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": options.rank, "lora_alpha": options.alpha,
         "lora_dropout": options.dropout, "target_modules": sorted(modules), "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": options.use_dora, "init_lora_weights": True,
-        "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model,
+        "inference_mode": True, "modules_to_save": saved_modules or None, "exclude_modules": excluded or None,
+        "base_model_name_or_path": base_model,
         "revision": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {},
     }
@@ -396,10 +498,12 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
     return sorted(modules)
 
 
-def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -> dict[str, torch.Tensor]:
+def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = None,
+                    options: LoRAOptions | None = None) -> dict[str, torch.Tensor]:
     """A PEFT adapter folder's A and B under our names ({fqn.lora_a, fqn.lora_b}: full tensors, our row
-    order) for the adapters `model` (a whole model or a pipeline stage, sharded or not) holds.
-    ValueError (one sentence) for a folder of another rank, scale or set of modules."""
+    order) for the adapters `model` (a whole model or a pipeline stage, sharded or not) holds, and the
+    weights of the modules options.modules_to_save trains in full. ValueError (one sentence) for a
+    folder of another rank, scale or set of modules."""
     from safetensors.torch import load_file
 
     spec = spec or spec_of(model)
@@ -441,7 +545,34 @@ def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = N
             if m is None or tuple(m.shape) != (module.out_features,):
                 raise ValueError(f"{folder}: the DoRA adapter of {name} has no magnitude of {module.out_features} rows")
             sd[f"{fqn}.lora_magnitude"] = m[back].to(module.lora_magnitude.dtype)
+    sd.update(_saved_from_peft(model, folder, tensors, config, spec, options))
     return sd
+
+
+def _saved_from_peft(model: nn.Module, folder: str, tensors: Mapping[str, torch.Tensor], config: dict, spec: ModelSpec,
+                     options: LoRAOptions | None) -> dict[str, torch.Tensor]:
+    """{our parameter name: full tensor} of the modules trained in full, read from a PEFT folder."""
+    from titanlike.models.common.init import canonical_fqn
+
+    wanted = options is not None and bool(options.modules_to_save)
+    if not wanted:
+        if config.get("modules_to_save"):
+            raise ValueError(f"{folder} also holds modules trained in full ({', '.join(config['modules_to_save'])}); "
+                             "name them in lora.modules_to_save to load them")
+        return {}
+    args = model.model_args
+    params = {canonical_fqn(name): (name, p) for name, p in model.named_parameters()}
+    out = {}
+    for name in sorted(saved_parameters(model, options, hf_module_names(model, spec, args))):
+        raw, param = params[name]
+        (key, _), = spec.hf.to_hf_state_dict({name: torch.empty(param.shape, device="meta")}, args).items()
+        value = tensors.get(f"{PEFT_PREFIX}{spec.hf.module_name(key)}")
+        if value is None or tuple(value.shape) != tuple(param.shape):
+            found = "nothing" if value is None else f"a tensor of shape {tuple(value.shape)}"
+            raise ValueError(f"{folder} holds {found} for {spec.hf.module_name(key)} ({name}, of shape "
+                             f"{tuple(param.shape)}), which lora.modules_to_save trains in full")
+        out[raw] = spec.hf.from_hf_state_dict({key: value}, args)[name].to(param.dtype)
+    return out
 
 
 def load_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -> None:

@@ -234,6 +234,12 @@ class HFAdapter(abc.ABC):
         """HF's state dict -> ours, loadable with load_state_dict(strict=True) (tied aliases
         included); KeyError for a tensor with no name here, ValueError for values that cannot load."""
 
+    def module_name(self, hf_name: str) -> str:
+        """The path, in the family's transformers model, of the module or parameter that the checkpoint
+        key `hf_name` (to_hf_state_dict's) loads into: the name peft gives an adapter or a module it
+        saves. The key itself, unless the transformers class renames its checkpoint's keys on load."""
+        return hf_name
+
     def score_model(self, hf_sd: StateDict, config: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(state dict, config.json) of a model with a scalar head, from what to_hf_state_dict and
         args_to_config give: transformers' sequence-classification class of one label, which scores

@@ -200,14 +200,26 @@ class LlavaHF(HFAdapter):
                 text[name[len("language_model."):]] = value
             else:
                 raise KeyError(f"unexpected LLaVA parameter {key!r}")
-        dim = args.vision.dim
-        like = out["vision_tower.embeddings.position_embedding.weight"]
-        out["vision_tower.post_layernorm.weight"] = torch.ones(dim, dtype=like.dtype)
-        out["vision_tower.post_layernorm.bias"] = torch.zeros(dim, dtype=like.dtype)
+        like = out.get("vision_tower.embeddings.position_embedding.weight")
+        if like is not None:  # a whole tower (not some of its tensors: LoRA names one linear at a time)
+            dim = args.vision.dim
+            out["vision_tower.post_layernorm.weight"] = torch.ones(dim, dtype=like.dtype)
+            out["vision_tower.post_layernorm.bias"] = torch.zeros(dim, dtype=like.dtype)
         # model.* and lm_head.* of the causal LM, under language_model. as transformers writes them.
-        for key, value in self._text_spec(args).hf.to_hf_state_dict(text, args.text).items():
-            out["language_model." + key] = value
+        if text:
+            for key, value in self._text_spec(args).hf.to_hf_state_dict(text, args.text).items():
+                out["language_model." + key] = value
         return out
+
+    def module_name(self, hf_name: str) -> str:
+        # transformers (4.52 on) holds LLaVA as model.{vision_tower, multi_modal_projector, language_model}
+        # and lm_head, and renames the checkpoint's keys (which it still writes) when it loads them.
+        part, rest = _split_hf_key(hf_name)
+        if part == "vision":
+            return "model.vision_tower." + rest
+        if part == "projector":
+            return "model.multi_modal_projector." + rest
+        return "model.language_model." + rest.removeprefix("model.") if rest.startswith("model.") else rest
 
     def from_hf_state_dict(self, hf_sd: StateDict, args: LlavaArgs) -> dict[str, torch.Tensor]:
         sd: dict[str, torch.Tensor] = {}
@@ -222,8 +234,9 @@ class LlavaHF(HFAdapter):
                 sd["projector." + rest] = value
             else:
                 text[rest] = value
-        for key, value in self._text_spec(args).hf.from_hf_state_dict(text, args.text).items():
-            sd["language_model." + key] = value
+        if text:  # (a state dict of some tensors, as LoRA's modules_to_save reads, may hold none)
+            for key, value in self._text_spec(args).hf.from_hf_state_dict(text, args.text).items():
+                sd["language_model." + key] = value
         return sd
 
 
