@@ -65,15 +65,6 @@ def _count(name: str, value, *, minimum: int = 1) -> int:
     return number
 
 
-def _special_ids(tokenizer) -> frozenset[int]:
-    """The special tokens' ids, which generated text leaves out (as transformers' decode with
-    skip_special_tokens)."""
-    if hasattr(tokenizer, "special_tokens"):  # tiktoken ranks: the Llama 3 specials
-        return frozenset(tokenizer.special_tokens.values())
-    added = tokenizer.model.get_added_tokens_decoder()  # tokenizer.json
-    return frozenset(i for i, token in added.items() if token.special)
-
-
 def _decoder_only(model) -> None:
     """GenerationError, one sentence, for a model that cannot score a continuation token by token."""
     from titanlike.inference.loading import training_objective
@@ -160,7 +151,7 @@ class TitanlikeLM(TemplateLM):
             raise GenerationError(f"max_length {self._max_length} is longer than the model's context of {context} "
                                   "tokens")
         self.engine = Engine(self.model, context_len=self._max_length)
-        self.special_ids = _special_ids(self.tokenizer)
+        self.special_ids = self.tokenizer.special_ids
         self.bos_text = self.tokenizer.decode([self.tokenizer.bos_id])
 
     @staticmethod
@@ -200,7 +191,7 @@ class TitanlikeLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return os.fspath(getattr(self.tokenizer, "path", type(self.tokenizer).__name__)).replace("/", "__")
+        return self.tokenizer.path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         # As lm-eval's hf model: BOS unless the text starts with it; special-token strings in the
