@@ -6,9 +6,11 @@ scripts/eval.py registers it; lm-eval 0.4 loads no model plugins by itself).
 
 model_args: checkpoint (a DCP step folder, a checkpoint folder of step-N folders, or a Hugging Face
 folder), tokenizer (default: the checkpoint folder's tokenizer.json, else the debug tokenizer),
-dtype (float32, bfloat16; default as stored), max_length (default: the model's context),
+dtype (float32, bfloat16, float16; default as stored), max_length (default: the model's context),
 max_gen_toks (default 256), add_bos_token (default true: a document starts with BOS, as titanlike
-trains and as Llama 3's tokenizer.json encodes for Hugging Face).
+trains and as Llama 3's tokenizer.json encodes for Hugging Face); lm-eval's --device (default: cuda
+when there is a GPU, else cpu). Checkpoint, tokenizer, dtype and device mean what they mean to
+titanlike-generate and titanlike-serve (inference/loading.py).
 
 The three requests follow lm-eval's `hf` model, so that the same checkpoint scores the same there
 (tests/integration/test_lm_eval.py compares them on its Hugging Face export):
