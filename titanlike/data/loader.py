@@ -224,7 +224,6 @@ register_dataset_kind("c4_validation", _c4_source("validation"), shuffle=False, 
 register_dataset_kind("c4_test", _c4_test_source, shuffle=True, needs_path=False)
 
 
-
 def _check_field(index: int, name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     kind_ok = np.issubdtype(arr.dtype, np.floating if dtype.kind == "f" else np.integer)

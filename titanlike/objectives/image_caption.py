@@ -124,7 +124,6 @@ class ImageCaption(Objective):
                           fields={"pixel_values": batch["pixel_values"].to(ctx.device)})
 
 
-
 def _webdataset_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
     # Only this objective reads image-text shards (ImageCaption.samples); any other asks the kind's source.
     from titanlike.data.errors import DataError
