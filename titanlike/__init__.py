@@ -14,9 +14,10 @@ def load_model(path, device="cpu", *, dtype=None):
 
 
 def _register_config_sections() -> None:
-    """Import what registers config sections (titanlike/config/sections.py): the objectives and every
-    model family. The config loader runs this the first time it needs the list of sections, so a
-    section is read whichever module a program imported first."""
+    """Import what registers config sections and dataset kinds (titanlike/config/sections.py): the
+    data loader, the objectives and every model family. The config loader runs this the first time it
+    needs either list, so a section is read whichever module a program imported first."""
+    import titanlike.data.loader  # noqa: F401
     import titanlike.models.lora  # noqa: F401
     import titanlike.objectives  # noqa: F401
     from titanlike.models.registry import model_names

@@ -61,6 +61,25 @@ def test_sections_of_objectives_and_families_are_read_printed_and_default():
         JobConfig().no_such_section
 
 
+def test_a_registered_dataset_kind_is_a_config_value_with_its_rules(monkeypatch):
+    """training.dataset / validation.dataset take what the data loader registers (no list in config/),
+    and the config checks the kind's own path and streaming rules before anything runs."""
+    from titanlike.config import sections, validate_values
+    from titanlike.data import loader
+
+    with pytest.raises(ConfigError, match="training.dataset must be one of .*webdataset"):
+        load_job_config(["--training.dataset", "shards"])
+    monkeypatch.setattr(loader, "_KINDS", dict(loader._KINDS))
+    monkeypatch.setattr(sections, "_DATASET_KINDS", dict(sections._DATASET_KINDS))
+    loader.register_dataset_kind("shards", lambda **_: None, shuffle=False, needs_path=False, streaming=True)
+    assert load_job_config(["--training.dataset", "shards"]).training.dataset == "shards"
+    with pytest.raises(ConfigError, match="validation.dataset shards takes no dataset_path"):
+        validate_values(load_job_config(["--validation.enable", "--validation.dataset", "shards",
+                                         "--validation.dataset_path", "x"]))
+    with pytest.raises(ConfigError, match="for a streaming shards dataset"):
+        validate_values(load_job_config(["--validation.enable", "--validation.dataset", "shards"]))
+
+
 def test_old_spellings_of_moved_keys_load_with_a_note(tmp_path):
     """training.mask_prob & co. before [masked_lm] / [span_corruption] held them: one old key feeds
     every section that now holds it, with the loader's one-line note."""

@@ -282,8 +282,6 @@ NOT_HOOKS = {
     ("titanlike/models/converters.py", "_titanlike_gloo"): "our marker on a torchao handler function",
     ("titanlike/models/converters.py", "fp8_autocast"): "Transformer Engine's module API",
     ("estimation/probe.py", "pipeline_order"): "torch's pipeline schedule",
-    ("titanlike/inference/harness.py", "special_tokens"): "a tokenizer's attribute (tiktoken ranks), no module",
-    ("titanlike/inference/harness.py", "path"): "a tokenizer's attribute (its file), no module",
 }
 
 

@@ -206,3 +206,15 @@ def test_an_encoder_only_checkpoint_is_refused_at_start(tmp_path):
     folder = _write("bert", tmp_path / "bert")
     app, error = build_server([str(folder), "--port", "0"])
     assert app is None and "cannot generate text" in error and "encoder" in error and "\n" not in error
+
+
+def test_a_bad_device_is_one_sentence_from_serve_and_generate(tmp_path, capsys):
+    """serve and generate read the same model options (inference/loading.py add_model_arguments): a
+    device that is none is refused alike, in one sentence, before anything is loaded."""
+    from titanlike.cli import generate
+    from titanlike.cli.serve import build_server
+
+    app, error = build_server([str(tmp_path), "--port", "0", "--device", "gpu"])
+    assert app is None and error.startswith("--device 'gpu' is not a torch device") and "\n" not in error
+    assert generate.main([str(tmp_path), "--device", "gpu"]) == 1
+    assert capsys.readouterr().err == f"error: {error}\n"

@@ -21,8 +21,7 @@ import argparse
 import json
 import sys
 
-import torch
-
+from titanlike.inference.loading import add_model_arguments
 # The loader's helpers, importable from here as before (scripts/generate.py re-exports them).
 from titanlike.inference.loading import training_objective, vocab_size  # noqa: F401
 
@@ -78,12 +77,10 @@ def _sampling_error(e: ValueError) -> str:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="DCP step folder, checkpoint folder (latest step), or HF folder")
+    add_model_arguments(parser, compile_shapes="every batch's cache holds the longest prompt + --max-new-tokens")
     parser.add_argument("--prompt", action="append", help="prompt text (repeat for several); default: a BOS only")
     parser.add_argument("--prompts-file", default=None, help="a JSONL file of prompts: per line a JSON string or "
                         '{"prompt": text} (with --chat also {"messages": [...]})')
-    parser.add_argument("--tokenizer", default=None, help="tiktoken file or Hugging Face tokenizer folder; default: "
-                        "the checkpoint folder's tokenizer.json if it has one, else the debug tokenizer")
     parser.add_argument("--chat", action="store_true", help="each prompt is a user turn, rendered with the "
                         "tokenizer's chat template (titanlike's llama3 template if it has none), the answer "
                         "ending at the end of the assistant's turn (models fine-tuned with training.objective sft)")
@@ -103,11 +100,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together; 1 streams the text "
                         "as it is generated")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: as stored")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (static shapes: "
-                        "every batch's cache holds the longest prompt + --max-new-tokens; the compile costs seconds "
-                        "to minutes at the first step)")
     args = parser.parse_args(argv)
 
     def fail(message: str) -> int:
@@ -115,7 +107,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 1
 
     from titanlike.inference import Engine, GenerationError, SamplingParams
-    from titanlike.inference.loading import load_for_inference
+    from titanlike.inference.loading import load_model_arguments
 
     from titanlike.inference.loading import one_process
 
@@ -155,9 +147,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                                   "it to Hugging Face)")
 
     try:
-        model, tokenizer = load_for_inference(args.checkpoint, tokenizer=args.tokenizer, device=args.device,
-                                              dtype=getattr(torch, args.dtype) if args.dtype else None,
-                                              accept=decoder)
+        model, tokenizer = load_model_arguments(args, accept=decoder)
     except GenerationError as e:
         return fail(str(e))
     vocab = tokenizer.vocab_size

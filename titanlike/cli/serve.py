@@ -18,17 +18,15 @@ import logging
 import os
 import sys
 
-import torch
-
 
 def build_server(argv: list[str] | None = None, prog: str | None = None):
     """(OpenAIServer, None) from command-line arguments, or (None, a one-sentence error)."""
+    from titanlike.inference.loading import add_model_arguments
+
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="DCP step folder, checkpoint folder (latest step), or HF folder")
+    add_model_arguments(parser, compile_shapes="--max-batch-size rows of --max-model-len slots")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--tokenizer", default=None, help="tiktoken file or Hugging Face tokenizer folder; default: "
-                        "the checkpoint folder's tokenizer.json if it has one, else the debug tokenizer")
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
                         "checkpoint folder's name)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (the cache holds "
@@ -37,11 +35,6 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
                         "model's context, at most 4096, which bounds the cache's memory)")
     parser.add_argument("--chat-template", default="auto", help="'auto' (the tokenizer's, else llama3), a builtin "
                         "name or a Jinja file, as sft.chat_template")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: as stored")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (its shapes are "
-                        "fixed: --max-batch-size rows of --max-model-len slots; the compile costs seconds to minutes "
-                        "at the first step)")
     args = parser.parse_args(argv)
 
     from titanlike.inference import GenerationError
@@ -58,33 +51,17 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     if not 0 <= args.port <= 65535:
         return None, f"--port must be from 0 to 65535, got {args.port}"
 
-    from titanlike.checkpoint import CheckpointError, load_model
-    from titanlike.cli.generate import training_objective, vocab_size
-    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
     from titanlike.data.chat_template import chat_prompt_ids, end_of_turn_ids, load_chat_template
     from titanlike.data.errors import DataError
-    from titanlike.data.tokenizer_json import is_tokenizer_folder
     from titanlike.inference import Engine
-    from titanlike.inference.loading import scores_only
+    from titanlike.inference.loading import load_model_arguments
     from titanlike.inference.server import OpenAIServer, Tokenizer
-    from titanlike.models import protocol
 
-    own = args.checkpoint if os.path.isdir(args.checkpoint) and is_tokenizer_folder(args.checkpoint) else None
-    tokenizer = build_tokenizer(args.tokenizer or own or DEFAULT_TOKENIZER_PATH)
     try:
-        model = load_model(args.checkpoint, args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except CheckpointError as e:
+        model, tokenizer = load_model_arguments(args)
+    except GenerationError as e:
         return None, str(e)
-    if protocol.generation_hooks(model) is None:
-        objective = training_objective(model)
-        return None, (f"{type(model).__name__} cannot generate text: it is an encoder trained on {objective.name} "
-                      "samples, and this server continues prompts with decoder-only or encoder-decoder models")
-    if scores_only(model) is not None:
-        return None, scores_only(model)
-    vocab = vocab_size(model)
-    if tokenizer.vocab_size != vocab:
-        return None, (f"the tokenizer has {tokenizer.vocab_size} tokens but the model {vocab}; pass the tokenizer it "
-                      "was trained with (--tokenizer)")
+    vocab = tokenizer.vocab_size
     try:
         template = load_chat_template(args.chat_template, tokenizer, option="--chat-template")
     except DataError as e:

@@ -75,6 +75,12 @@ def _fields(section_cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(section_cls)}
 
 
+def _choices(field_: dataclasses.Field) -> tuple[str, ...] | None:
+    """A field's allowed values: its tuple, or those its owners registered (schema.opt)."""
+    choices = field_.metadata.get("choices")
+    return choices() if callable(choices) else choices
+
+
 def _edit_distance(a: str, b: str) -> int:
     """Levenshtein distance where swapping two neighbouring characters also counts as one edit."""
     prev2: list[int] = []
@@ -253,7 +259,7 @@ def _resolve(name: str) -> _Option | None:
         fields = _fields(sections[section])
         if key in fields:
             field_, tp = fields[key]
-            return _Option(name, section, key, tp, field_.metadata.get("choices"))
+            return _Option(name, section, key, tp, _choices(field_))
         table, _, entry = key.partition(".")
         if entry and table in fields and _unwrap_optional(fields[table][1])[0] is dict:
             # One setting of a table option (--model.args.dim 512, [model.args] dim = 512); the
@@ -397,7 +403,7 @@ def parse_section_options(argv: Sequence[str], section: str, section_cls: type) 
             raise ConfigError(f"unknown option --{section}.{key}{hint}")
         field_, tp = fields[key]
         raw, i = _take_value(argv, i, f"{section}.{key}", tp, negated=negated, eq=eq, inline=inline)
-        values[key] = _convert(f"{section}.{key}", raw, tp, field_.metadata.get("choices"))
+        values[key] = _convert(f"{section}.{key}", raw, tp, _choices(field_))
     return section_cls(**values), rest
 
 
@@ -574,7 +580,7 @@ def section_help(section: str, section_cls: type, *, title: str = "") -> str:
     lines = [f"[{section}]" + (f"  {title}" if title else "")]
     for key, (field_, tp) in _fields(section_cls).items():
         default = field_.default if field_.default is not dataclasses.MISSING else field_.default_factory()
-        choices = field_.metadata.get("choices")
+        choices = _choices(field_)
         doc = field_.metadata.get("doc", "")
         if choices:
             doc += f" ({' | '.join(choices)})"

@@ -9,17 +9,14 @@ enforces.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from titanlike.config.sections import section_default
-
-
-# Data sources: ours, then torchtitan's names (c4 streams allenai/c4; c4_test is a slice of the embedded corpus).
-DATASETS = ("default", "text", "huggingface", "megatron", "c4", "c4_test", "c4_validation", "webdataset")
+from titanlike.config.sections import dataset_kinds, section_default
 
 
-def opt(default: Any, doc: str, *, choices: tuple[str, ...] | None = None) -> Any:
-    """A config field with its help text (and allowed values, if an enumeration)."""
+def opt(default: Any, doc: str, *, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None) -> Any:
+    """A config field with its help text (and allowed values, if an enumeration: a tuple, or a
+    function giving the values registered by their owners, asked when a value is checked)."""
     meta = {"doc": doc, "choices": choices}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -104,7 +101,7 @@ class Training:
         "huggingface (datasets, streaming), megatron (.bin/.idx prefix or weighted blend); torchtitan's "
         "c4 and c4_validation (allenai/c4 streamed, or from dataset_path) and c4_test (a small local test set: "
         "the embedded corpus's first 100 chapters)",
-        choices=DATASETS,
+        choices=dataset_kinds,
     )
     dataset_path: str | None = opt(
         None, "file or folder, Hugging Face NAME[:CONFIG[:SPLIT]], or Megatron prefix / '0.7 a 0.3 b' blend"
@@ -368,7 +365,7 @@ class Validation:
         None,
         "validation data source, a training.dataset kind; empty means the held-out 'valid' split of the "
         "training data (default: the embedded corpus's last 1%; megatron: training.split)",
-        choices=DATASETS,
+        choices=dataset_kinds,
     )
     dataset_path: str | None = opt(
         None, "validation data path (as training.dataset_path); empty with a megatron dataset means the "

@@ -8,6 +8,11 @@ root hand it a function importing them (titanlike/__init__.py), run once, the fi
 needs the whole list. A section class is a dataclass of `opt(...)` fields (config/schema.py); a
 `check()` method, if it has one, raises ValueError with one sentence for a value out of range.
 
+Dataset kinds (the values of training.dataset and validation.dataset) are registered the same way,
+by the data loader and the objectives that read them (data/loader.py register_dataset_kind), each with
+what the config checks of it before any process starts: whether it takes a dataset_path, whether
+it is a stream without end.
+
 An owner also names the older spellings of its keys (`training.mask_prob` before [masked_lm] held
 it): they keep loading, with the loader's one-line note. One old key may feed several sections
 (T5's span corruption reads the same --mask-prob as BERT's masked LM).
@@ -44,6 +49,36 @@ def register_section(name: str, section_cls: type, *, renamed: Mapping[str, str]
     _SECTIONS[name] = section_cls
 
 
+@dataclasses.dataclass(frozen=True)
+class DatasetKindRule:
+    """What the config checks of a dataset kind before any process starts."""
+
+    path: str  # "required", "optional" (read when given) or "none" (takes no dataset_path)
+    streaming: bool  # no end to run to: a validation run over it needs validation.steps
+
+
+_DATASET_KINDS: dict[str, DatasetKindRule] = {}
+
+
+def register_dataset_kind_rule(name: str, *, path: str, streaming: bool) -> None:
+    """Make `name` a value training.dataset and validation.dataset take (data/loader.py calls this
+    for every kind it registers)."""
+    if path not in ("required", "optional", "none"):
+        raise ValueError(f"dataset kind {name!r}: path must be required, optional or none, got {path!r}")
+    _DATASET_KINDS[name] = DatasetKindRule(path=path, streaming=streaming)
+
+
+def dataset_kind_rules() -> dict[str, DatasetKindRule]:
+    """Every registered dataset kind: name -> its rule, in registration order."""
+    _discover()
+    return dict(_DATASET_KINDS)
+
+
+def dataset_kinds() -> tuple[str, ...]:
+    """The registered dataset kinds' names (the choices of training.dataset and validation.dataset)."""
+    return tuple(dataset_kind_rules())
+
+
 def add_discovery(fn: Callable[[], None]) -> None:
     """fn imports the modules that register sections; run once, when the list is first needed."""
     _discoveries.append(fn)
@@ -71,5 +106,5 @@ def section_default(name: str) -> Any:
     return registered_sections()[name]()
 
 
-__all__ = ["RENAMED_SINCE", "add_discovery", "register_section", "registered_sections", "renamed_keys",
-           "section_default"]
+__all__ = ["RENAMED_SINCE", "DatasetKindRule", "add_discovery", "dataset_kind_rules", "dataset_kinds",
+           "register_dataset_kind_rule", "register_section", "registered_sections", "renamed_keys", "section_default"]

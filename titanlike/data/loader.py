@@ -115,10 +115,17 @@ class SampleObjective(Protocol):
 
 def register_dataset_kind(
     name: str, factory: SourceFactory, *, shuffle: bool, needs_path: bool = True, workers_ok: bool = True,
-    optional_path: bool = False,
+    optional_path: bool = False, streaming: bool = False,
 ) -> None:
+    """Add `name` as a dataset kind, and as a value of training.dataset and validation.dataset
+    (config/sections.py: the config checks its path rule and, for a `streaming` source without end,
+    validation.steps, before any process starts)."""
+    from titanlike.config.sections import register_dataset_kind_rule
+
     _KINDS[name] = DatasetKind(factory=factory, shuffle=shuffle, needs_path=needs_path and not optional_path,
                                workers_ok=workers_ok, optional_path=optional_path)
+    register_dataset_kind_rule(name, path="optional" if optional_path else "required" if needs_path else "none",
+                               streaming=streaming)
 
 
 def dataset_kinds() -> list[str]:
@@ -171,7 +178,7 @@ def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None
 register_dataset_kind("megatron", _megatron_source, shuffle=False)
 # `datasets` hands each torch loader worker a disjoint share of a stream's shards, while every
 # worker here must see the whole stream to keep the global sample order.
-register_dataset_kind("huggingface", _huggingface_source, shuffle=False, workers_ok=False)
+register_dataset_kind("huggingface", _huggingface_source, shuffle=False, workers_ok=False, streaming=True)
 
 
 # torchtitan's dataset names. c4 and c4_validation stream allenai/c4 (English) from the Hugging Face
@@ -210,19 +217,11 @@ def _c4_test_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None,
     return packed_text_corpus(DEFAULT_CORPUS_PATH, tokenizer, seq_len, max_documents=C4_TEST_DOCUMENTS)
 
 
-register_dataset_kind("c4", _c4_source("train"), shuffle=False, workers_ok=False, optional_path=True)
+register_dataset_kind("c4", _c4_source("train"), shuffle=False, workers_ok=False, optional_path=True,
+                      streaming=True)
 register_dataset_kind("c4_validation", _c4_source("validation"), shuffle=False, workers_ok=False,
-                      optional_path=True)
+                      optional_path=True, streaming=True)
 register_dataset_kind("c4_test", _c4_test_source, shuffle=True, needs_path=False)
-
-
-def _webdataset_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
-    # Image-text shards (data/image_text.py) are read by the objective of a vision-language model.
-    raise DataError("webdataset shards hold image-text samples: train them with a vision-language model (model.name "
-                    "llava)")
-
-
-register_dataset_kind("webdataset", _webdataset_source, shuffle=False)
 
 
 def _check_field(index: int, name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -104,12 +104,5 @@ def sentinel_ids(tokenizer, n: int) -> list[int]:
 def ordinary_token_ids(tokenizer) -> np.ndarray:
     """The ids a masked-LM "random token" replacement draws from: every id that is not a special token
     (tiktoken: the BPE ranks; tokenizer.json: every id but the added special tokens)."""
-    if _is_tiktoken(tokenizer):
-        return np.arange(tokenizer.num_bpe_tokens, dtype=np.int64)
     ids = np.arange(int(tokenizer.vocab_size), dtype=np.int64)
-    model = getattr(tokenizer, "model", None)
-    added = getattr(model, "get_added_tokens_decoder", None)
-    if added is not None:
-        special = [i for i, tok in added().items() if getattr(tok, "special", False)]
-        ids = np.setdiff1d(ids, np.asarray(special, dtype=np.int64))
-    return ids
+    return np.setdiff1d(ids, np.fromiter(tokenizer.special_ids, dtype=np.int64))

@@ -130,7 +130,11 @@ def _split_long_runs(text: str) -> Iterator[str]:
 
 
 class Tokenizer:
-    """Llama 3 style tokenizer: tiktoken BPE ranks + Llama 3 regex + 256 special tokens."""
+    """Llama 3 style tokenizer: tiktoken BPE ranks + Llama 3 regex + 256 special tokens.
+
+    What every tokenizer build_tokenizer returns answers (this class and HuggingFaceTokenizer), and
+    all that generic code reads of one: path, bos_id, eos_id, vocab_size, special_ids, fingerprint,
+    encode, encode_batch, decode."""
 
     pat_str = LLAMA3_PAT_STR
 
@@ -161,6 +165,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.num_bpe_tokens + len(self.special_tokens)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The special tokens' ids (Llama 3's 256 slots after the BPE ranks): what generated text
+        leaves out, as transformers' decode with skip_special_tokens."""
+        return frozenset(self.special_tokens.values())
 
     def encode(
         self,

@@ -78,6 +78,12 @@ class HuggingFaceTokenizer:
         digest.update(f"{self.bos_id},{self.eos_id}".encode())
         self.fingerprint = digest.hexdigest()
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the added tokens the file marks special (what generated text leaves out, as
+        transformers' decode with skip_special_tokens)."""
+        return frozenset(i for i, token in self.model.get_added_tokens_decoder().items() if token.special)
+
     def _special_id(self, config: dict, key: str, names: Sequence[str]) -> int | None:
         named = _config_token(config, key)
         for token in (named,) if named else names:

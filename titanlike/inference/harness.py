@@ -6,9 +6,11 @@ scripts/eval.py registers it; lm-eval 0.4 loads no model plugins by itself).
 
 model_args: checkpoint (a DCP step folder, a checkpoint folder of step-N folders, or a Hugging Face
 folder), tokenizer (default: the checkpoint folder's tokenizer.json, else the debug tokenizer),
-dtype (float32, bfloat16; default as stored), max_length (default: the model's context),
+dtype (float32, bfloat16, float16; default as stored), max_length (default: the model's context),
 max_gen_toks (default 256), add_bos_token (default true: a document starts with BOS, as titanlike
-trains and as Llama 3's tokenizer.json encodes for Hugging Face).
+trains and as Llama 3's tokenizer.json encodes for Hugging Face); lm-eval's --device (default: cuda
+when there is a GPU, else cpu). Checkpoint, tokenizer, dtype and device mean what they mean to
+titanlike-generate and titanlike-serve (inference/loading.py).
 
 The three requests follow lm-eval's `hf` model, so that the same checkpoint scores the same there
 (tests/integration/test_lm_eval.py compares them on its Hugging Face export):
@@ -41,9 +43,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from titanlike.inference.engine import Engine, GenerationError
+from titanlike.inference.loading import choose_device, load_for_inference, model_dtype
 from titanlike.inference.sampling import SamplingParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _flag(name: str, value) -> bool:
@@ -64,15 +65,6 @@ def _count(name: str, value, *, minimum: int = 1) -> int:
     if number is None or isinstance(value, bool) or str(number) != str(value).strip() or number < minimum:
         raise GenerationError(f"{name} must be an integer of at least {minimum}, got {value!r}")
     return number
-
-
-def _special_ids(tokenizer) -> frozenset[int]:
-    """The special tokens' ids, which generated text leaves out (as transformers' decode with
-    skip_special_tokens)."""
-    if hasattr(tokenizer, "special_tokens"):  # tiktoken ranks: the Llama 3 specials
-        return frozenset(tokenizer.special_tokens.values())
-    added = tokenizer.model.get_added_tokens_decoder()  # tokenizer.json
-    return frozenset(i for i, token in added.items() if token.special)
 
 
 def _decoder_only(model) -> None:
@@ -144,19 +136,16 @@ class TitanlikeLM(TemplateLM):
         if not checkpoint:
             raise GenerationError("the titanlike model needs model_args checkpoint=PATH (a DCP step folder, a "
                                   "checkpoint folder or a Hugging Face folder)")
-        if dtype is not None and dtype not in _DTYPES:
-            raise GenerationError(f"model_args dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        torch_dtype = model_dtype(dtype, option="model_args dtype")
         if str(batch_size).startswith("auto"):
             raise GenerationError("the titanlike model takes a number as batch_size, not auto")
         self._batch_size = _count("batch_size", batch_size)
         self._max_gen_toks = _count("max_gen_toks", max_gen_toks)
         self.add_bos_token = _flag("add_bos_token", add_bos_token)
-        self._device = self._choose_device(device)
-        from titanlike.inference.loading import load_for_inference
-
+        self._device = choose_device(device, option="device")
         load_on = "cpu" if self._tensor_parallel() else self._device
         model, self.tokenizer = load_for_inference(checkpoint, tokenizer=tokenizer, device=load_on,
-                                                   dtype=_DTYPES[dtype] if dtype else None, accept=_decoder_only)
+                                                   dtype=torch_dtype, accept=_decoder_only)
         self.model = _tensor_parallel(model, self._device) if self._tensor_parallel() else model
         context = self.model.model_args.context_len
         self._max_length = _count("max_length", max_length) if max_length is not None else context
@@ -164,7 +153,7 @@ class TitanlikeLM(TemplateLM):
             raise GenerationError(f"max_length {self._max_length} is longer than the model's context of {context} "
                                   "tokens")
         self.engine = Engine(self.model, context_len=self._max_length)
-        self.special_ids = _special_ids(self.tokenizer)
+        self.special_ids = self.tokenizer.special_ids
         self.bos_text = self.tokenizer.decode([self.tokenizer.bos_id])
 
     @staticmethod
@@ -175,22 +164,6 @@ class TitanlikeLM(TemplateLM):
         if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-    @staticmethod
-    def _choose_device(device: str | None) -> torch.device:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            chosen = torch.device(device)
-        except RuntimeError:
-            raise GenerationError(f"device {device!r} is not a torch device (cpu, cuda, cuda:0, ...)") from None
-        if chosen.type == "cuda":
-            if not torch.cuda.is_available():
-                raise GenerationError(f"device {device} was asked for but this machine has no CUDA GPU; use cpu")
-            if chosen.index is None:
-                chosen = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(chosen)  # NCCL's group (tensor parallel) binds each rank to its GPU
-        return chosen
 
     # ------------------------------------------------------------------------- lm-eval's interface
 
@@ -220,7 +193,7 @@ class TitanlikeLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return os.fspath(getattr(self.tokenizer, "path", type(self.tokenizer).__name__)).replace("/", "__")
+        return self.tokenizer.path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         # As lm-eval's hf model: BOS unless the text starts with it; special-token strings in the

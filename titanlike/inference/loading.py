@@ -1,5 +1,7 @@
-"""A checkpoint and its tokenizer, loaded for inference: what scripts/generate.py and the
-lm-evaluation-harness model (inference/harness.py) share.
+"""A checkpoint and its tokenizer, loaded for inference: what titanlike-generate, titanlike-serve
+and the lm-evaluation-harness model (inference/harness.py, titanlike-eval) share, from the options
+that name them (add_model_arguments and load_model_arguments for the two command lines; the harness
+reads the same names as lm-eval model_args through model_dtype and choose_device).
 
 The checkpoint is a DCP step folder (full or model-only), a checkpoint folder of step-N folders (the
 latest is taken) or a Hugging Face folder; the tokenizer is the one named, else the checkpoint
@@ -8,6 +10,7 @@ the model's is refused: every id it produces must be one the model was trained o
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable
 
@@ -99,6 +102,73 @@ def checkpoint_tokenizer(checkpoint: str, tokenizer: str | None = None):
         raise GenerationError(f"the tokenizer {path} cannot be read: {e}") from None
 
 
+# The dtypes weights may be cast to for inference (the names of train.py's checkpoint.export_dtype).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(name: str | None, *, option: str = "--dtype") -> torch.dtype | None:
+    """The torch dtype a DTYPES name means (None: as stored); GenerationError, one sentence, else."""
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise GenerationError(f"{option} must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def choose_device(name: str | None, *, option: str = "--device") -> torch.device:
+    """The device a name means (None: cuda when there is a GPU, else cpu); a bare `cuda` is this
+    rank's GPU (LOCAL_RANK), made current, since NCCL binds each rank to its device.
+    GenerationError, one sentence, for a name that is no device or a GPU this machine lacks."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        chosen = torch.device(name)
+    except RuntimeError:
+        raise GenerationError(f"{option} {name!r} is not a torch device (cpu, cuda, cuda:0, ...)") from None
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GenerationError(f"{option} {name} was asked for but this machine has no CUDA GPU; use cpu")
+        if chosen.index is None:
+            chosen = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(chosen)
+    return chosen
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, compile_shapes: str) -> None:
+    """The options that name the model and how it runs: the checkpoint, --tokenizer, --device,
+    --dtype, --compile (`compile_shapes`: what fixes the compiled step's shapes in this tool).
+    load_model_arguments loads what they name."""
+    group = parser.add_argument_group("model")
+    group.add_argument("checkpoint", help="DCP step folder, checkpoint folder (latest step), or HF folder")
+    group.add_argument("--tokenizer", default=None, help="tiktoken file or Hugging Face tokenizer folder; default: "
+                       "the checkpoint folder's tokenizer.json if it has one, else the debug tokenizer")
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when this machine has "
+                       "a GPU, else cpu)")
+    group.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="the weights' dtype (default: as stored)")
+    group.add_argument("--compile", action="store_true", help=f"torch.compile the decode step (its shapes are fixed: "
+                       f"{compile_shapes}; the compile costs seconds to minutes at the first step)")
+
+
+def refuse_encoders(model: nn.Module) -> None:
+    """GenerationError, one sentence, for a model with no decoder (BERT): the accept of
+    load_model_arguments unless the tool gives its own."""
+    from titanlike.models import protocol
+
+    if protocol.generation_hooks(model) is None:
+        objective = training_objective(model)
+        raise GenerationError(f"{type(model).__name__} cannot generate text: it is an encoder trained on "
+                              f"{objective.name} samples, and generation continues prompts with decoder-only or "
+                              "encoder-decoder models (load it with titanlike.load_model and call it, or export it "
+                              "to Hugging Face)")
+
+
+def load_model_arguments(args: argparse.Namespace, *, accept: Callable[[nn.Module], None] = refuse_encoders):
+    """(model, tokenizer) as add_model_arguments' options name them (load_for_inference), on the
+    device --device means; GenerationError, one sentence, when they cannot be loaded."""
+    return load_for_inference(args.checkpoint, tokenizer=args.tokenizer, device=choose_device(args.device),
+                              dtype=model_dtype(args.dtype), accept=accept)
+
+
 def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device: str | torch.device = "cpu",
                        dtype: torch.dtype | None = None, accept: Callable[[nn.Module], None] | None = None):
     """(model, tokenizer): the unsharded model in eval mode on `device` (weights cast to `dtype`
@@ -125,5 +195,6 @@ def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device:
     return model, tok
 
 
-__all__ = ["PIPELINE_REFUSAL", "checkpoint_tokenizer", "load_for_inference", "one_process", "scores_only",
-           "training_objective", "vocab_size"]
+__all__ = ["DTYPES", "PIPELINE_REFUSAL", "add_model_arguments",
+           "checkpoint_tokenizer", "choose_device", "load_for_inference", "load_model_arguments", "model_dtype",
+           "one_process", "refuse_encoders", "scores_only", "training_objective", "vocab_size"]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titanlike.data.loader import register_dataset_kind
 from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Objective, refuse_pretraining_options
 
 if TYPE_CHECKING:
@@ -122,5 +123,15 @@ class ImageCaption(Objective):
         return Microbatch(batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device),
                           fields={"pixel_values": batch["pixel_values"].to(ctx.device)})
 
+
+def _webdataset_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
+    # Only this objective reads image-text shards (ImageCaption.samples); any other asks the kind's source.
+    from titanlike.data.errors import DataError
+
+    raise DataError("webdataset shards hold image-text samples: train them with a vision-language model (model.name "
+                    "llava)")
+
+
+register_dataset_kind("webdataset", _webdataset_source, shuffle=False)
 
 __all__ = ["ImageCaption"]
