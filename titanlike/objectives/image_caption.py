@@ -5,7 +5,8 @@ Samples carry `pixel_values` (batch, images, channels, height, width) beside the
 model replaces each sample's placeholders by its images' features (models/llava). The data: the
 synthetic caption set of titanlike/data/image_captions.py (training.dataset default), or WebDataset
 shards of caption pairs and conversations, blended by weight (training.dataset webdataset,
-titanlike/data/image_text.py). prompt() builds a generation prompt with images the same way.
+titanlike/data/image_text.py); a folder prepared with Megatron Energon is read by its metadata
+(titanlike/data/energon.py). prompt() builds a generation prompt with images the same way.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class ImageCaption(Objective):
         if dataset == "webdataset":
             if not dataset_path:
                 raise ValueError(f"{option}.dataset webdataset needs {option}.dataset_path: a .tar shard, a folder of "
-                                 "them, or a blend 'weight path weight path ...'")
+                                 "them (or one energon prepare made), or a blend 'weight path weight path ...'")
             return
         if self.max_images > 1 and dataset == "default":
             raise ValueError(f"llava.max_images {self.max_images} needs {option}.dataset webdataset: the synthetic "
@@ -78,23 +79,25 @@ class ImageCaption(Objective):
 
         self.validate_dataset(dataset, dataset_path)
         if dataset == "webdataset":
-            return GlobalSamples(self.shard_blend(dataset_path, tokenizer, seq_len=seq_len, seed=seed),
-                                 shuffle=False, fields=self.sample_fields(seq_len))
+            blend = self.shard_blend(dataset_path, tokenizer, seq_len=seq_len, seed=seed, split_name=split_name)
+            return GlobalSamples(blend, shuffle=False, fields=self.sample_fields(seq_len))
         source = SyntheticCaptions(tokenizer, seq_len=seq_len, seed=seed, image_token_id=self.image_token_id,
                                    tokens_per_image=self.tokens_per_image, processor=self.processor, split=split_name)
         # Every index draws its own image: already in random order.
         return GlobalSamples(source, shuffle=False, fields=source.fields)
 
-    def shard_blend(self, dataset_path: str, tokenizer, *, seq_len: int, seed: int):
+    def shard_blend(self, dataset_path: str, tokenizer, *, seq_len: int, seed: int, split_name: str = "train"):
         """The samples of WebDataset shards, one path or a blend 'weight path weight path ...'
-        (data/image_text.py): a pure function of (dataset_path, seed) and the sample number."""
+        (data/image_text.py): a pure function of (dataset_path, seed) and the sample number. An Energon
+        folder gives its split part of that name (train, or val for split_name valid)."""
         from titanlike.data.blend import parse_blend
         from titanlike.data.image_text import BlendedImageText, ImageTextSource
 
         paths, weights = parse_blend(dataset_path)
         sources = [ImageTextSource(path, tokenizer, seq_len=seq_len, image_token_id=self.image_token_id,
                                    tokens_per_image=self.tokens_per_image, processor=self.processor,
-                                   max_images=self.max_images, max_image_pixels=self.max_image_pixels)
+                                   max_images=self.max_images, max_image_pixels=self.max_image_pixels,
+                                   split_name=split_name)
                    for path in paths]
         return BlendedImageText(sources, weights or [len(s) for s in sources], seed=seed)
 
