@@ -149,6 +149,16 @@ def webdataset_content(members: dict[str, Member]) -> Content:
     raise _Skip("no text")
 
 
+def image_token_text(tokenizer, image_token_id: int) -> str:
+    """The special token's text a rendered conversation holds where an image goes; DataError, one
+    sentence, for an id that is no special token (text could produce it)."""
+    names = {v: k for k, v in (getattr(tokenizer, "special_tokens", None) or {}).items()}
+    if image_token_id not in names:
+        raise DataError(f"the image token id {image_token_id} is not a special token of the tokenizer, so text "
+                        "could produce it; give the model the id of its <|image|> token")
+    return names[image_token_id]
+
+
 def expand_images(ids: list[int], mask: list[bool], image_token_id: int, per_image: int) -> tuple[list, list]:
     """Each image token of a rendered conversation as its image's per_image placeholders (never
     trained on); the other tokens and their loss mask as they are."""
@@ -171,11 +181,7 @@ class ImageTextSource:
         self.path, self.tokenizer, self.seq_len = path, tokenizer, seq_len
         self.image_token_id, self.tokens_per_image, self.processor = image_token_id, tokens_per_image, processor
         self.max_images, self.max_image_pixels, self._template = max_images, max_image_pixels, template
-        names = {v: k for k, v in tokenizer.special_tokens.items()}
-        if image_token_id not in names:
-            raise DataError(f"the image token id {image_token_id} is not a special token of the tokenizer, so text "
-                            "could produce it; give the model the id of its <|image|> token")
-        self.image_token_text = names[image_token_id]
+        self.image_token_text = image_token_text(tokenizer, image_token_id)
         self.records: list[tuple[np.ndarray, np.ndarray, list[Member]]] = []
         self.skipped: Counter = Counter()
         from titanlike.data.energon import EnergonDataset, is_energon_dataset
@@ -301,4 +307,5 @@ class BlendedImageText:
         return f"BlendedImageText({self.sources!r})"
 
 
-__all__ = ["BlendedImageText", "IMAGE_MARK", "ImageTextSource", "shard_files", "shard_samples"]
+__all__ = ["BlendedImageText", "Content", "IMAGE_MARK", "ImageTextSource", "conversation_messages", "expand_images",
+           "image_token_text", "shard_files", "shard_samples", "webdataset_content"]

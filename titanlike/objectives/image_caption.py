@@ -121,6 +121,34 @@ class ImageCaption(Objective):
             return ids, {}
         return ids, {"pixel_values": torch.stack([self.processor(image) for image in images])[None]}
 
+    def chat_prompt(self, tokenizer, template, messages, images=()) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """A conversation as the chat template renders it, with its generation prompt, and each `<image>`
+        of its turns an image's placeholders, as the conversation samples are (data/image_text.py): a
+        conversation without marks gets its images at the start of its first user turn, a line before
+        the text (LLaVA's place). ValueError, one sentence, when marks and images do not pair up."""
+        from titanlike.data.chat_template import chat_prompt_ids
+        from titanlike.data.image_text import expand_images, image_token_text
+
+        marks = sum(str(m.get("content", "")).count(IMAGE_MARK) for m in messages)
+        if marks != len(images) and (marks or not images):
+            raise ValueError(f"the conversation has {marks} {IMAGE_MARK} mark(s) but {len(images)} image(s) were given")
+        messages = [dict(m) for m in messages]
+        if images and not marks:
+            user = next((m for m in messages if m.get("role") == "user"), None)
+            if user is None:
+                raise ValueError("the conversation has no user turn to hold the images")
+            user["content"] = IMAGE_MARK * len(images) + "\n" + str(user.get("content", ""))
+        token = image_token_text(tokenizer, self.image_token_id)
+        messages = [{**m, "content": str(m.get("content", "")).replace(IMAGE_MARK, token)} for m in messages]
+        ids = chat_prompt_ids(template, tokenizer, messages)
+        if ids.count(self.image_token_id) != len(images):
+            raise ValueError(f"the conversation's text spells the image token {token} itself; write {IMAGE_MARK} "
+                             "where an image goes")
+        ids, _ = expand_images(ids, [False] * len(ids), self.image_token_id, self.tokens_per_image)
+        if not images:
+            return ids, {}
+        return ids, {"pixel_values": torch.stack([self.processor(image) for image in images])[None]}
+
     def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
         return Microbatch(batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device),
                           fields={"pixel_values": batch["pixel_values"].to(ctx.device)})
