@@ -304,3 +304,14 @@ def test_hostile_energon_metadata_is_refused_in_one_sentence(energon_datasets, t
     refused(changed, "holds 1 samples but .* says 4: it changed after energon prepare")
     with pytest.raises(ValueError, match="has no shards in its 'val' split part"):
         objective().shard_blend(energon_datasets["vqa"], tokenizer, seq_len=SEQ, seed=0, split_name="valid")
+
+    # Validation with no dataset of its own reads an Energon folder's val part; plain shards hold none out.
+    from titanlike.config.schema import JobConfig
+
+    cfg = JobConfig()
+    cfg.training.dataset, cfg.training.seq_len, cfg.validation.enable = "webdataset", SEQ, True
+    cfg.training.dataset_path = f"1 {energon_datasets['captions']} 1 {energon_datasets['crude']}"
+    objective().validate(cfg, None, model="llava")
+    cfg.training.dataset_path = f"1 {energon_datasets['captions']} 1 {tmp_path / 'plain.tar'}"
+    with pytest.raises(ValueError, match="plain.tar hold out no split"):
+        objective().validate(cfg, None, model="llava")

@@ -50,9 +50,23 @@ class ImageCaption(Objective):
         for option, section in (("training", cfg.training), ("validation", cfg.validation)):
             if section.dataset is not None and (option == "training" or cfg.validation.enable):
                 self.validate_dataset(section.dataset, section.dataset_path, option=option)
+        t = cfg.training
+        if cfg.validation.enable and cfg.validation.dataset is None and t.dataset == "webdataset" and t.dataset_path:
+            from titanlike.data.blend import parse_blend
+            from titanlike.data.energon import is_energon_dataset
+
+            plain = [path for path in parse_blend(t.dataset_path)[0] if not is_energon_dataset(path)]
+            if plain:
+                raise ValueError(f"validation needs validation.dataset and validation.dataset_path: the shards {plain[0]} "
+                                 "hold out no split (a folder energon prepare made gives its val part)")
         if cfg.training.seq_len < self.tokens_per_image + 3:
             raise ValueError(f"training.seq_len {cfg.training.seq_len} cannot hold an image's {self.tokens_per_image} "
                              f"tokens and a caption; set it to at least {self.tokens_per_image + 3}")
+
+    def validate_held_out(self, dataset: str) -> None:
+        # The synthetic captions draw held-out images; an Energon folder has a val part (validate() checks the paths).
+        if dataset not in ("default", "webdataset"):
+            super().validate_held_out(dataset)
 
     def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
         if dataset == "webdataset":
