@@ -265,7 +265,8 @@ def test_generate_chat_with_an_image_answers_as_transformers(tmp_path, capsys):
     assert ids == prompt[0].tolist() and fields["pixel_values"].shape == (1, 1, 3, 32, 32)
 
     hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
-    processed = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})(image, return_tensors="pt")
+    clip = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processed = clip(image, return_tensors="pt")
     stops = [tokenizer.eot_id, tokenizer.eos_id]
     with torch.no_grad():
         out = hf.generate(input_ids=prompt, pixel_values=processed["pixel_values"],

@@ -108,7 +108,8 @@ def _read_meta(folder: str, *names: str, required: bool = True):
             return yaml.safe_load(raw)
         except Exception as e:
             reason = " ".join(str(e).split())[:160] or type(e).__name__
-            raise DataError(f"the Energon dataset {folder} has a {META}/{name} that cannot be read ({reason})") from None
+            raise DataError(f"the Energon dataset {folder} has a {META}/{name} that cannot be read "
+                            f"({reason})") from None
     if required:
         raise DataError(f"the Energon dataset {folder} has no {META}/{' or '.join(names)}; run energon prepare on it")
     return None
@@ -189,17 +190,22 @@ class EnergonDataset:
         if not isinstance(counts, dict) or not isinstance(parts, dict):
             raise DataError(f"the Energon dataset {folder} has no shard_counts in {META}/.info.json or no split_parts "
                             f"in {META}/split.yaml; run energon prepare on it")
+        if not all(isinstance(v, list) for v in parts.values()) or not isinstance(split.get("exclude") or [], list):
+            raise DataError(f"the Energon dataset {folder} has a {META}/split.yaml whose split_parts or exclude are "
+                            "not lists of shard names")
         if not parts.get(part):
             raise DataError(f"the Energon dataset {folder} has no shards in its {part!r} split part (it has "
                             f"{', '.join(k for k, v in parts.items() if v) or 'none'})")
         excluded = {name for pattern in split.get("exclude") or [] for name in expand_braces(str(pattern))}
-        self.excluded_samples = {e for e in excluded if "/" in e}  # "shard/key" (energon's rule; shards may sit in folders)
-        root = os.path.realpath(folder)
+        # Entries with a "/" may name "shard/key" samples (energon's rule; a shard name with a folder is both).
+        self.excluded_samples = {e for e in excluded if "/" in e}
+        root = os.path.normpath(os.path.abspath(folder))
         self.shards: list[tuple[str, str, int]] = []  # (name in the metadata, path, its sample count)
         for name in (n for pattern in parts[part] for n in expand_braces(str(pattern))):
             if name in excluded:
                 continue
-            path = os.path.realpath(os.path.join(folder, name))
+            # Lexically inside (a shard linked from elsewhere is the owner's choice; `../` in a name is not).
+            path = os.path.normpath(os.path.join(root, name))
             if not path.startswith(root + os.sep):
                 raise DataError(f"the Energon dataset {folder} lists the shard {name!r}, which is outside the folder")
             if name not in counts:

@@ -57,8 +57,8 @@ class ImageCaption(Objective):
 
             plain = [path for path in parse_blend(t.dataset_path)[0] if not is_energon_dataset(path)]
             if plain:
-                raise ValueError(f"validation needs validation.dataset and validation.dataset_path: the shards {plain[0]} "
-                                 "hold out no split (a folder energon prepare made gives its val part)")
+                raise ValueError("validation needs validation.dataset and validation.dataset_path: the shards "
+                                 f"{plain[0]} hold out no split (a folder energon prepare made gives its val part)")
         if cfg.training.seq_len < self.tokens_per_image + 3:
             raise ValueError(f"training.seq_len {cfg.training.seq_len} cannot hold an image's {self.tokens_per_image} "
                              f"tokens and a caption; set it to at least {self.tokens_per_image + 3}")
