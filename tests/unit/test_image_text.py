@@ -17,6 +17,7 @@ import json
 import logging
 import tarfile
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,7 +210,12 @@ def energon_datasets(tmp_path_factory):
                       f"v{i}.1.png": png((0, i * 60, 0))})
     write_shard(root / "crude" / "chats.tar", chats)
     energon_prepare(root / "crude", "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset")
-    return {name: str(root / name) for name in ("captions", "vqa", "crude")}
+    # A metadataset (MetadatasetV2, energon's blend of prepared folders by weight); val: the captions' val part.
+    (root / "blend.yaml").write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        "      - weight: 3\n        path: captions\n      - weight: 1\n        path: vqa\n"
+        "  val:\n    path: captions\n")
+    return {name: str(root / name) for name in ("captions", "vqa", "crude", "blend.yaml")}
 
 
 def energon_reference(folder: str, part: str) -> list:
@@ -259,6 +265,21 @@ def test_energon_prepared_datasets_read_as_energon_reads_them(energon_datasets, 
     vqa = obj.shard_blend(energon_datasets["vqa"], tokenizer, seq_len=SEQ, seed=0).sources[0]
     assert len(vqa) == 5 and all((vqa[i]["inputs"] == IMAGE_TOKEN).sum() == PER_IMAGE for i in range(5))
     assert "Square number 3." in trained(vqa[3]) and "picture" not in trained(vqa[3])
+    # The metadataset: energon's loader takes it (both datasets drawn), ours blends the same parts by its weights.
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    theirs = get_train_dataset(energon_datasets["blend.yaml"], batch_size=None, shuffle_buffer_size=None,
+                               max_samples_per_sequence=None,
+                               worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")
+        drawn = iter(get_loader(theirs))
+        assert {type(next(drawn)).__name__ for _ in range(40)} == {"CaptioningSample", "VQASample"}
+    blend = obj.shard_blend(energon_datasets["blend.yaml"], tokenizer, seq_len=SEQ, seed=0)
+    assert [len(source) for source in blend.sources] == [7, 5]
+    assert abs(np.mean([blend.source_of(s)[0] for s in range(len(blend))]) - 0.25) < 0.05
+    held_out = obj.shard_blend(energon_datasets["blend.yaml"], tokenizer, seq_len=SEQ, seed=0, split_name="valid")
+    assert [len(source) for source in held_out.sources] == [4]
     crude = obj.shard_blend(energon_datasets["crude"], tokenizer, seq_len=SEQ, seed=0).sources[0]
     assert len(crude) == 4 and not crude.skipped
     assert [(crude[i]["inputs"] == IMAGE_TOKEN).sum() for i in range(4)] == [2 * PER_IMAGE] * 4
@@ -304,6 +325,10 @@ def test_hostile_energon_metadata_is_refused_in_one_sentence(energon_datasets, t
     refused(changed, "holds 1 samples but .* says 4: it changed after energon prepare")
     with pytest.raises(ValueError, match="has no shards in its 'val' split part"):
         objective().shard_blend(energon_datasets["vqa"], tokenizer, seq_len=SEQ, seed=0, split_name="valid")
+
+    joined = tmp_path / "joined.yaml"
+    joined.write_text(Path(energon_datasets["blend.yaml"]).read_text().replace("blend:", "blend_epochized:"))
+    refused(joined, "titanlike reads blends of .path, weight, split_part. entries")
 
     # Validation with no dataset of its own reads an Energon folder's val part; plain shards hold none out.
     from titanlike.config.schema import JobConfig

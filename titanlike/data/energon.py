@@ -21,6 +21,10 @@ and `field_map`, or a top-level `__class__` for the older `XWebdataset` forms an
 - CrudeWebdataset: the raw parts, in titanlike's WebDataset convention (`txt` captions, `json`
   conversations in the SFT or LLaVA form, images `0.png`, `1.jpg`, ...).
 
+A metadataset YAML (MetadatasetV2: per split, a blend of prepared folders with weights) names the
+datasets and their weights; the blend itself is ours (deterministic by sample number), not energon's
+random draw per rank.
+
 A field is `part` or `part[key][index]...` into a JSON part, alternatives separated by commas (the
 first that reads), as energon's field_map. Anything else is refused in one sentence: a
 `sample_loader` / `part_filter` (Python files of the dataset energon would import), a class outside
@@ -35,8 +39,8 @@ import os
 import re
 
 from titanlike.data.errors import DataError
-from titanlike.data.image_text import (IMAGE_MARK, IMAGE_SUFFIXES, Content, Member, _Skip, shard_samples,
-                                       webdataset_content)
+from titanlike.data.image_text import (ENERGON_PARTS, IMAGE_MARK, IMAGE_SUFFIXES, Content, Member, _Skip,
+                                       shard_samples, webdataset_content)
 
 META = ".nv-meta"
 # Energon skips tar members named __something__ (its own metadata).
@@ -165,6 +169,57 @@ def _sample_type(folder: str, config) -> str:
     return kind
 
 
+def is_metadataset(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith((".yaml", ".yml"))
+
+
+def metadataset_blend(path: str, part: str) -> list[tuple[str, float, str]]:
+    """An Energon metadataset (MetadatasetV2 YAML: `splits: {train: {blend: [{weight, path, split_part},
+    ...]}}`, or one `{path, split_part}` per split) as (dataset folder, weight, split part) for `part`.
+    Its folders are read as above and blended by our deterministic rule (data/image_text.py), with
+    energon's weights; what else a metadataset can say (join, blend_epochized, subset, aux, nested
+    metadatasets) is refused in one sentence."""
+    def fail(what: str):
+        raise DataError(f"the Energon metadataset {path} {what}")
+
+    try:
+        if os.path.getsize(path) > _MAX_META_BYTES:
+            raise ValueError(f"it is larger than {_MAX_META_BYTES >> 20} MiB")
+        import yaml  # the safe loader, as for .nv-meta
+
+        with open(path, "rb") as f:
+            config = yaml.safe_load(f)
+    except Exception as e:
+        fail(f"cannot be read ({' '.join(str(e).split())[:160] or type(e).__name__})")
+    if not isinstance(config, dict) or config.get("__module__") != "megatron.energon" or \
+            config.get("__class__") != "MetadatasetV2" or not isinstance(config.get("splits"), dict):
+        fail("is not a MetadatasetV2 of megatron.energon with splits (the form titanlike reads)")
+    split = config["splits"].get(part)
+    if split is None:
+        fail(f"has no {part!r} split (it has {', '.join(map(str, config['splits'])) or 'none'})")
+    entries = split.get("blend") if isinstance(split, dict) and "blend" in split else [split]
+    if not isinstance(entries, list) or not entries:
+        fail(f"has a {part!r} split that is neither a blend list nor one dataset")
+    here = os.path.dirname(os.path.abspath(path))
+    out = []
+    for entry in entries:
+        extra = set(entry) - {"path", "weight", "split_part", "subflavors"} if isinstance(entry, dict) else {"?"}
+        if extra or not isinstance(entry.get("path"), str):
+            fail(f"says {sorted(extra) or entry!r} in its {part!r} split; titanlike reads blends of "
+                 "{path, weight, split_part} entries")
+        folder = os.path.join(here, entry["path"])
+        if not is_energon_dataset(folder):
+            fail(f"names {entry['path']!r}, which is not a folder energon prepare made (nested metadatasets are "
+                 "not read)")
+        weight = entry.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or not weight >= 0:
+            fail(f"gives {entry['path']!r} the weight {weight!r}, not a non-negative number")
+        out.append((folder, float(weight), str(entry.get("split_part") or part)))
+    if sum(w for _, w, _ in out) <= 0:
+        fail(f"gives its {part!r} split no positive weight")
+    return out
+
+
 class EnergonDataset:
     """One split part of an Energon-prepared folder: samples() yields (key, {extension: Member}) in
     the part's order (its shards as listed, each in tar order, excluded ones left out); content() reads
@@ -263,4 +318,5 @@ class EnergonDataset:
         return f"EnergonDataset({self.folder!r}, {self.part!r}, {self.kind}, {len(self.shards)} shards)"
 
 
-__all__ = ["EnergonDataset", "SAMPLE_TYPES", "expand_braces", "is_energon_dataset"]
+__all__ = ["ENERGON_PARTS", "EnergonDataset", "SAMPLE_TYPES", "expand_braces", "is_energon_dataset", "is_metadataset",
+           "metadataset_blend"]

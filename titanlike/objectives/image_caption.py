@@ -53,9 +53,10 @@ class ImageCaption(Objective):
         t = cfg.training
         if cfg.validation.enable and cfg.validation.dataset is None and t.dataset == "webdataset" and t.dataset_path:
             from titanlike.data.blend import parse_blend
-            from titanlike.data.energon import is_energon_dataset
+            from titanlike.data.energon import is_energon_dataset, is_metadataset
 
-            plain = [path for path in parse_blend(t.dataset_path)[0] if not is_energon_dataset(path)]
+            plain = [path for path in parse_blend(t.dataset_path)[0]
+                     if not (is_energon_dataset(path) or is_metadataset(path))]
             if plain:
                 raise ValueError("validation needs validation.dataset and validation.dataset_path: the shards "
                                  f"{plain[0]} hold out no split (a folder energon prepare made gives its val part)")
@@ -107,12 +108,21 @@ class ImageCaption(Objective):
         from titanlike.data.blend import parse_blend
         from titanlike.data.image_text import BlendedImageText, ImageTextSource
 
+        from titanlike.data.energon import ENERGON_PARTS, is_metadataset, metadataset_blend
+
         paths, weights = parse_blend(dataset_path)
+        parts = [split_name] * len(paths)
+        if any(is_metadataset(path) for path in paths):
+            if len(paths) > 1:
+                raise ValueError(f"an Energon metadataset ({next(p for p in paths if is_metadataset(p))}) is a blend "
+                                 "of its own: give it alone as the dataset path")
+            paths, weights, parts = map(list, zip(*metadataset_blend(paths[0], ENERGON_PARTS.get(split_name,
+                                                                                                  split_name))))
         sources = [ImageTextSource(path, tokenizer, seq_len=seq_len, image_token_id=self.image_token_id,
                                    tokens_per_image=self.tokens_per_image, processor=self.processor,
                                    max_images=self.max_images, max_image_pixels=self.max_image_pixels,
-                                   split_name=split_name)
-                   for path in paths]
+                                   split_name=part)
+                   for path, part in zip(paths, parts)]
         return BlendedImageText(sources, weights or [len(s) for s in sources], seed=seed)
 
     def prompt(self, tokenizer, text: str, images=()) -> tuple[list[int], dict[str, torch.Tensor]]:
