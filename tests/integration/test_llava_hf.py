@@ -263,6 +263,8 @@ def test_generate_chat_with_an_image_answers_as_transformers(tmp_path, capsys):
     template = load_chat_template("auto", tokenizer, option="--chat")
     ids, fields = objective.chat_prompt(tokenizer, template, [{"role": "user", "content": question}], [image])
     assert ids == prompt[0].tolist() and fields["pixel_values"].shape == (1, 1, 3, 32, 32)
+    with pytest.raises(ValueError, match="spells the image token <\\|image\\|> itself"):
+        objective.chat_prompt(tokenizer, template, [{"role": "user", "content": "What is <|image|>?"}], [image])
 
     hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
     clip = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})

@@ -80,6 +80,9 @@ def shards(tmp_path_factory):
         chats[f"v{i}.1.jpg"] = good  # a PNG under a .jpg name: PIL reads the bytes, not the name
     chats["odd.json"] = json.dumps(turn).encode()
     chats["odd.0.png"] = good  # two marks, one image
+    spelled = {"messages": [{"role": "user", "content": "<image> or <|image|>?"}, {"role": "assistant", "content": "No."}]}
+    chats["spelled.json"] = json.dumps(spelled).encode()  # the text writes the image token itself
+    chats["spelled.0.png"] = good
     return write_shard(root / "captions.tar", captions), write_shard(root / "chats.tar", chats)
 
 
@@ -91,7 +94,7 @@ def test_captions_and_conversations_become_samples_and_bad_ones_are_counted(shar
     assert (len(a), len(b)) == (12, 6)
     assert dict(a.skipped) == {"images that do not decode": 2, "images larger than max_image_pixels": 1,
                                "<image> marks that do not match their images": 1}
-    assert dict(b.skipped) == {"<image> marks that do not match their images": 1}
+    assert dict(b.skipped) == {"<image> marks that do not match their images": 2}
     assert len([r for r in caplog.records if "skipped" in r.message]) == 2
 
     pair = a[0]
