@@ -80,7 +80,8 @@ def shards(tmp_path_factory):
         chats[f"v{i}.1.jpg"] = good  # a PNG under a .jpg name: PIL reads the bytes, not the name
     chats["odd.json"] = json.dumps(turn).encode()
     chats["odd.0.png"] = good  # two marks, one image
-    spelled = {"messages": [{"role": "user", "content": "<image> or <|image|>?"}, {"role": "assistant", "content": "No."}]}
+    spelled = {"messages": [{"role": "user", "content": "<image> or <|image|>?"},
+                            {"role": "assistant", "content": "No."}]}
     chats["spelled.json"] = json.dumps(spelled).encode()  # the text writes the image token itself
     chats["spelled.0.png"] = good
     return write_shard(root / "captions.tar", captions), write_shard(root / "chats.tar", chats)
