@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -270,3 +271,67 @@ def test_placeholders_and_images_must_agree():
             model(tokens, pixel_values=images)
     with pytest.raises(ValueError, match=r"images are \(3, 28, 28\)"):
         model(tokens, pixel_values=torch.zeros(1, 3, 28, 28))
+
+
+def test_generate_chat_with_an_image_answers_as_transformers(tmp_path, capsys):
+    """generate.py --chat --image: the image's placeholders open the user turn, a line before the question
+    (LLaVA's chat format), so the prompt is the training sample of that conversation cut where the
+    assistant's answer starts (data/image_text.py's conversation samples); the greedy answer is what
+    transformers' LlavaForConditionalGeneration.generate gives on our HF export, fed that prompt and
+    transformers' own CLIP processor's pixels."""
+    from PIL import Image
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from titanlike.cli.generate import main
+    from titanlike.checkpoint.format import write_hf
+    from titanlike.config.schema import JobConfig
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+    from titanlike.data.chat_template import load_chat_template
+    from titanlike.data.image_text import IGNORE_INDEX, ImageTextSource
+
+    tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
+    args = SPEC.flavors["debugmodel"].update_from_config(vocab_size=tokenizer.vocab_size, seq_len=96)
+    model = materialize(SPEC.model_cls, args, seed=3).eval()
+    write_hf(model.state_dict(), SPEC, args, str(tmp_path / "hf"))
+    pixels = torch.randint(0, 256, (36, 40, 3), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
+    image = Image.fromarray(pixels.numpy())
+    image.save(tmp_path / "noise.png")
+    question = "What is in the picture?"
+    assert main([str(tmp_path / "hf"), "--chat", "--image", str(tmp_path / "noise.png"), "--prompt", question,
+                 "--temperature", "0", "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+
+    # The training sample of the conversation, cut before the answer's first token.
+    objective = SPEC.objective(JobConfig(), args)
+    conversation = {"messages": [{"role": "user", "content": f"<image>\n{question}"},
+                                 {"role": "assistant", "content": "Noise."}]}
+    shard = str(tmp_path / "chat.tar")
+    with tarfile.open(shard, "w") as tar:
+        tar.add(tmp_path / "noise.png", "k.0.png")
+        (tmp_path / "k.json").write_text(json.dumps(conversation))
+        tar.add(tmp_path / "k.json", "k.json")
+    sample = ImageTextSource(shard, tokenizer, seq_len=96, image_token_id=args.image_token_id,
+                             tokens_per_image=objective.tokens_per_image, processor=objective.processor)[0]
+    answer_at = int((sample["labels"] != IGNORE_INDEX).nonzero()[0][0])
+    prompt = torch.from_numpy(sample["inputs"][:answer_at + 1])[None]
+    assert (prompt == args.image_token_id).sum() == args.vision.tokens_per_image
+    template = load_chat_template("auto", tokenizer, option="--chat")
+    ids, fields = objective.chat_prompt(tokenizer, template, [{"role": "user", "content": question}], [image])
+    assert ids == prompt[0].tolist() and fields["pixel_values"].shape == (1, 1, 3, 32, 32)
+    with pytest.raises(ValueError, match="spells the image token <\\|image\\|> itself"):
+        objective.chat_prompt(tokenizer, template, [{"role": "user", "content": "What is <|image|>?"}], [image])
+
+    hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    clip = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processed = clip(image, return_tensors="pt")
+    stops = [tokenizer.eot_id, tokenizer.eos_id]
+    with torch.no_grad():
+        out = hf.generate(input_ids=prompt, pixel_values=processed["pixel_values"],
+                          max_new_tokens=6, do_sample=False, eos_token_id=stops, pad_token_id=tokenizer.eos_id)
+    new = [t for t in out[0, prompt.shape[1]:].tolist() if t not in stops]
+    assert new  # an answer to compare
+    assert printed == f"{question}\n> {tokenizer.decode(new)}\n"
+    # Marks and images must pair up, in one sentence.
+    assert main([str(tmp_path / "hf"), "--chat", "--image", str(tmp_path / "noise.png"), "--prompt",
+                 "<image> and <image>?", "--max-new-tokens", "1"]) == 1
+    assert "2 <image> mark(s) but 1 image(s)" in capsys.readouterr().err

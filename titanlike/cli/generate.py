@@ -4,6 +4,7 @@
     titanlike-generate path/to/Llama-3.2-1B --tokenizer path/to/tokenizer.model --temperature 0
     titanlike-generate outputs/sft/checkpoint --chat --prompts-file questions.jsonl --batch-size 8
     titanlike-generate outputs/llava/checkpoint --image cat.png --prompt "<image> What is it?" --temperature 0
+    titanlike-generate outputs/llava_sft/checkpoint --chat --image cat.png --prompt "What is it?"
 
 (scripts/generate.py in a checkout.)
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                         "ending at the end of the assistant's turn (models fine-tuned with training.objective sft)")
     parser.add_argument("--image", action="append", default=[], help="an image file (repeat for several) given with "
                         "every prompt to a vision-language model: each <image> in the prompt takes the next one, or "
-                        "all come before the text when it has none")
+                        "all come before the text when it has none (with --chat: the first user turn's)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=50, help="0 means no top-k filtering")
@@ -134,8 +135,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             return fail(str(e))
     prompts = prompts or [""]
 
-    if args.image and args.chat:
-        return fail("--image works with plain prompts so far, not with --chat (write <image> in the --prompt text)")
     from titanlike.models import protocol
 
     def decoder(model) -> None:
@@ -181,7 +180,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     def encode(prompt) -> list[int]:
         if args.chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            return chat_prompt_ids(template, tokenizer, messages)
+            if objective is None:
+                return chat_prompt_ids(template, tokenizer, messages)
+            ids, fields[0] = objective.chat_prompt(tokenizer, template, messages, images)
+            return ids
         if objective is None:
             return tokenizer.encode(prompt, bos=True, eos=False)
         # The objective the model trained with knows where its images go in a prompt.

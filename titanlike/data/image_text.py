@@ -40,6 +40,8 @@ logger = logging.getLogger("titanlike")
 IGNORE_INDEX = -100  # models/outputs.py's, restated: data/ does not import the models
 IMAGE_MARK = "<image>"
 IMAGE_SUFFIXES = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "ppm")
+# The part of an Energon split (train / val / test) a split of ours reads (train.py's held-out split is "valid").
+ENERGON_PARTS = {"train": "train", "valid": "val", "validation": "val", "test": "test"}
 
 
 @dataclass(frozen=True)
@@ -104,29 +106,98 @@ def _decode(member: Member, max_pixels: int | None):
         raise _Skip("images that do not decode") from None
 
 
+@dataclass(frozen=True)
+class Content:
+    """What one sample says, before tokenizing: its images (in order) and either a caption (an
+    image-caption pair) or the messages of a conversation (each `<image>` where an image goes)."""
+    images: list[Member]
+    caption: str | None = None
+    messages: list[dict] | None = None
+
+
+# LLaVA's own JSON ({"conversations": [{"from": "human", "value": ...}]}) names the roles so.
+_LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def conversation_messages(value) -> list[dict]:
+    """{"messages": [{"role", "content"}, ...]} (the SFT format) or LLaVA's {"conversations": [{"from",
+    "value"}, ...]} as messages; _Skip for anything else."""
+    try:
+        if "messages" in value:
+            messages = [dict(m) for m in value["messages"]]
+        else:
+            messages = [{"role": _LLAVA_ROLES[m["from"]], "content": str(m["value"])} for m in value["conversations"]]
+        if not messages or not all(isinstance(m.get("content", ""), str) for m in messages):
+            raise ValueError
+        return messages
+    except Exception:
+        raise _Skip("conversations that are not {\"messages\": [...]} JSON") from None
+
+
+def webdataset_content(members: dict[str, Member]) -> Content:
+    """A sample in this module's convention: `json` a conversation with images `0.png`, `1.jpg`, ...
+    (in the order of their extensions), or an image and its `txt` caption."""
+    images = [members[ext] for ext in sorted(members) if ext.rsplit(".", 1)[-1] in IMAGE_SUFFIXES]
+    if "json" in members:
+        try:
+            value = json.loads(members["json"].read())
+        except Exception:
+            raise _Skip("conversations that are not {\"messages\": [...]} JSON") from None
+        return Content(images, messages=conversation_messages(value if isinstance(value, dict) else {}))
+    if "txt" in members:
+        return Content(images, caption=members["txt"].read().decode("utf-8", errors="replace").strip())
+    raise _Skip("no text")
+
+
+def image_token_text(tokenizer, image_token_id: int) -> str:
+    """The special token's text a rendered conversation holds where an image goes; DataError, one
+    sentence, for an id that is no special token (text could produce it)."""
+    names = {v: k for k, v in (getattr(tokenizer, "special_tokens", None) or {}).items()}
+    if image_token_id not in names:
+        raise DataError(f"the image token id {image_token_id} is not a special token of the tokenizer, so text "
+                        "could produce it; give the model the id of its <|image|> token")
+    return names[image_token_id]
+
+
+def expand_images(ids: list[int], mask: list[bool], image_token_id: int, per_image: int) -> tuple[list, list]:
+    """Each image token of a rendered conversation as its image's per_image placeholders (never
+    trained on); the other tokens and their loss mask as they are."""
+    tokens, trained = [], []
+    for token, on in zip(ids, mask):
+        run = per_image if token == image_token_id else 1
+        tokens += [token] * run
+        trained += [bool(on) and run == 1] * run
+    return tokens, trained
+
+
 class ImageTextSource:
     """The valid samples of some shards, as {"inputs", "labels"} (seq_len,) int64 and "pixel_values"
     (max_images, 3, H, W) float32 (images past a sample's own are zeros: the model's splice leaves
     them unused). tokens_per_image: placeholders per image; processor: data/images.ImageProcessor."""
 
     def __init__(self, path: str, tokenizer, *, seq_len: int, image_token_id: int, tokens_per_image: int,
-                 processor, max_images: int = 1, max_image_pixels: int | None = None, template=None):
+                 processor, max_images: int = 1, max_image_pixels: int | None = None, template=None,
+                 split_name: str = "train"):
         self.path, self.tokenizer, self.seq_len = path, tokenizer, seq_len
         self.image_token_id, self.tokens_per_image, self.processor = image_token_id, tokens_per_image, processor
         self.max_images, self.max_image_pixels, self._template = max_images, max_image_pixels, template
-        names = {v: k for k, v in tokenizer.special_tokens.items()}
-        if image_token_id not in names:
-            raise DataError(f"the image token id {image_token_id} is not a special token of the tokenizer, so text "
-                            "could produce it; give the model the id of its <|image|> token")
-        self.image_token_text = names[image_token_id]
+        self.image_token_text = image_token_text(tokenizer, image_token_id)
         self.records: list[tuple[np.ndarray, np.ndarray, list[Member]]] = []
         self.skipped: Counter = Counter()
-        for shard in shard_files(path):
-            for key, members in shard_samples(shard):
-                try:
-                    self.records.append(self._tokenize(members))
-                except _Skip as e:
-                    self.skipped[str(e)] += 1
+        from titanlike.data.energon import EnergonDataset, is_energon_dataset
+
+        if is_energon_dataset(path):
+            # A folder `energon prepare` made: the shards of one split part, read by its field map.
+            dataset = EnergonDataset(path, ENERGON_PARTS.get(split_name, split_name))
+            samples, read = dataset.samples(), dataset.content
+        else:
+            samples = ((key, members) for shard in shard_files(path) for key, members in shard_samples(shard))
+            read = webdataset_content
+        for key, members in samples:
+            try:
+                self.records.append(self._tokenize(read(members)))
+            except _Skip as e:
+                self.skipped[str(e)] += 1
         if self.skipped:
             logger.warning(f"{path}: skipped " + ", ".join(f"{n} samples with {why}" for why, n in
                                                             sorted(self.skipped.items())))
@@ -144,19 +215,16 @@ class ImageTextSource:
             self._template = load_chat_template("auto", self.tokenizer, option="training.dataset_path")
         return self._template
 
-    def _tokenize(self, members: dict[str, Member]) -> tuple[np.ndarray, np.ndarray, list[Member]]:
-        images = [members[ext] for ext in sorted(members) if ext.rsplit(".", 1)[-1] in IMAGE_SUFFIXES]
+    def _tokenize(self, content: Content) -> tuple[np.ndarray, np.ndarray, list[Member]]:
+        images = content.images
         if len(images) > self.max_images:
             raise _Skip("more images than max_images")
         for image in images:
             _decode(image, self.max_image_pixels)  # checked once here; decoded again when read
         t = self.tokenizer
-        if "json" in members:
-            try:
-                messages = json.loads(members["json"].read())["messages"]
-                marks = sum(str(m.get("content", "")).count(IMAGE_MARK) for m in messages)
-            except Exception:
-                raise _Skip("conversations that are not {\"messages\": [...]} JSON") from None
+        if content.messages is not None:
+            messages = content.messages
+            marks = sum(str(m.get("content", "")).count(IMAGE_MARK) for m in messages)
             if marks != len(images):
                 raise _Skip("<image> marks that do not match their images")
             messages = [{**m, "content": str(m.get("content", "")).replace(IMAGE_MARK, self.image_token_text)}
@@ -167,22 +235,18 @@ class ImageTextSource:
                 ids, mask = tokenize_conversation(self.template, t, messages)
             except Exception:
                 raise _Skip("conversations the chat template refuses") from None
-            tokens, trained = [], []
-            for token, on in zip(ids, mask):
-                run = self.tokens_per_image if token == self.image_token_id else 1
-                tokens += [token] * run
-                trained += [bool(on) and run == 1] * run
-        elif "txt" in members:
+            if ids.count(self.image_token_id) != len(images):  # the text spelled the token itself
+                raise _Skip("<image> marks that do not match their images")
+            tokens, trained = expand_images(ids, mask, self.image_token_id, self.tokens_per_image)
+        else:
+            caption = content.caption
             if len(images) != 1:
                 raise _Skip("<image> marks that do not match their images")
-            caption = members["txt"].read().decode("utf-8", errors="replace").strip()
             if IMAGE_MARK in caption or not caption:
                 raise _Skip("<image> marks that do not match their images" if caption else "no text")
             prompt = [t.bos_id] + [self.image_token_id] * self.tokens_per_image
             answer = t.encode(caption, bos=False, eos=False) + [t.eos_id]
             tokens, trained = prompt + answer, [False] * len(prompt) + [True] * len(answer)
-        else:
-            raise _Skip("no text")
         if len(tokens) > self.seq_len + 1:
             raise _Skip("more tokens than seq_len + 1")
         inputs = np.full(self.seq_len, t.eos_id, dtype=np.int64)
@@ -243,4 +307,5 @@ class BlendedImageText:
         return f"BlendedImageText({self.sources!r})"
 
 
-__all__ = ["BlendedImageText", "IMAGE_MARK", "ImageTextSource", "shard_files", "shard_samples"]
+__all__ = ["BlendedImageText", "Content", "IMAGE_MARK", "ImageTextSource", "conversation_messages", "expand_images",
+           "image_token_text", "shard_files", "shard_samples", "webdataset_content"]

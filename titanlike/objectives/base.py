@@ -250,6 +250,16 @@ class Objective:
             raise ValueError(f"a model trained on {self.name} samples takes no images")
         return tokenizer.encode(text, bos=True, eos=False), {}
 
+    def chat_prompt(self, tokenizer, template, messages: Sequence[dict],
+                    images: Sequence = ()) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """prompt() for a conversation: `messages` rendered with the chat template, then its generation
+        prompt (what the model answers), and the prefill's other inputs."""
+        from titanlike.data.chat_template import chat_prompt_ids
+
+        if images:
+            raise ValueError(f"a model trained on {self.name} samples takes no images")
+        return chat_prompt_ids(template, tokenizer, messages), {}
+
     # Loss -------------------------------------------------------------------------------------
 
     def count_units(self, labels: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ Samples carry `pixel_values` (batch, images, channels, height, width) beside the
 model replaces each sample's placeholders by its images' features (models/llava). The data: the
 synthetic caption set of titanlike/data/image_captions.py (training.dataset default), or WebDataset
 shards of caption pairs and conversations, blended by weight (training.dataset webdataset,
-titanlike/data/image_text.py). prompt() builds a generation prompt with images the same way.
+titanlike/data/image_text.py); a folder prepared with Megatron Energon is read by its metadata
+(titanlike/data/energon.py). prompt() builds a generation prompt with images the same way.
 """
 
 from __future__ import annotations
@@ -50,15 +51,30 @@ class ImageCaption(Objective):
         for option, section in (("training", cfg.training), ("validation", cfg.validation)):
             if section.dataset is not None and (option == "training" or cfg.validation.enable):
                 self.validate_dataset(section.dataset, section.dataset_path, option=option)
+        t = cfg.training
+        if cfg.validation.enable and cfg.validation.dataset is None and t.dataset == "webdataset" and t.dataset_path:
+            from titanlike.data.blend import parse_blend
+            from titanlike.data.energon import is_energon_dataset, is_metadataset
+
+            plain = [path for path in parse_blend(t.dataset_path)[0]
+                     if not (is_energon_dataset(path) or is_metadataset(path))]
+            if plain:
+                raise ValueError("validation needs validation.dataset and validation.dataset_path: the shards "
+                                 f"{plain[0]} hold out no split (a folder energon prepare made gives its val part)")
         if cfg.training.seq_len < self.tokens_per_image + 3:
             raise ValueError(f"training.seq_len {cfg.training.seq_len} cannot hold an image's {self.tokens_per_image} "
                              f"tokens and a caption; set it to at least {self.tokens_per_image + 3}")
+
+    def validate_held_out(self, dataset: str) -> None:
+        # The synthetic captions draw held-out images; an Energon folder has a val part (validate() checks the paths).
+        if dataset not in ("default", "webdataset"):
+            super().validate_held_out(dataset)
 
     def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
         if dataset == "webdataset":
             if not dataset_path:
                 raise ValueError(f"{option}.dataset webdataset needs {option}.dataset_path: a .tar shard, a folder of "
-                                 "them, or a blend 'weight path weight path ...'")
+                                 "them (or one energon prepare made), or a blend 'weight path weight path ...'")
             return
         if self.max_images > 1 and dataset == "default":
             raise ValueError(f"llava.max_images {self.max_images} needs {option}.dataset webdataset: the synthetic "
@@ -79,24 +95,35 @@ class ImageCaption(Objective):
 
         self.validate_dataset(dataset, dataset_path)
         if dataset == "webdataset":
-            return GlobalSamples(self.shard_blend(dataset_path, tokenizer, seq_len=seq_len, seed=seed),
-                                 shuffle=False, fields=self.sample_fields(seq_len))
+            blend = self.shard_blend(dataset_path, tokenizer, seq_len=seq_len, seed=seed, split_name=split_name)
+            return GlobalSamples(blend, shuffle=False, fields=self.sample_fields(seq_len))
         source = SyntheticCaptions(tokenizer, seq_len=seq_len, seed=seed, image_token_id=self.image_token_id,
                                    tokens_per_image=self.tokens_per_image, processor=self.processor, split=split_name)
         # Every index draws its own image: already in random order.
         return GlobalSamples(source, shuffle=False, fields=source.fields)
 
-    def shard_blend(self, dataset_path: str, tokenizer, *, seq_len: int, seed: int):
+    def shard_blend(self, dataset_path: str, tokenizer, *, seq_len: int, seed: int, split_name: str = "train"):
         """The samples of WebDataset shards, one path or a blend 'weight path weight path ...'
-        (data/image_text.py): a pure function of (dataset_path, seed) and the sample number."""
+        (data/image_text.py): a pure function of (dataset_path, seed) and the sample number. An Energon
+        folder gives its split part of that name (train, or val for split_name valid)."""
         from titanlike.data.blend import parse_blend
         from titanlike.data.image_text import BlendedImageText, ImageTextSource
 
+        from titanlike.data.energon import ENERGON_PARTS, is_metadataset, metadataset_blend
+
         paths, weights = parse_blend(dataset_path)
+        parts = [split_name] * len(paths)
+        if any(is_metadataset(path) for path in paths):
+            if len(paths) > 1:
+                raise ValueError(f"an Energon metadataset ({next(p for p in paths if is_metadataset(p))}) is a blend "
+                                 "of its own: give it alone as the dataset path")
+            paths, weights, parts = map(list, zip(*metadataset_blend(paths[0], ENERGON_PARTS.get(split_name,
+                                                                                                  split_name))))
         sources = [ImageTextSource(path, tokenizer, seq_len=seq_len, image_token_id=self.image_token_id,
                                    tokens_per_image=self.tokens_per_image, processor=self.processor,
-                                   max_images=self.max_images, max_image_pixels=self.max_image_pixels)
-                   for path in paths]
+                                   max_images=self.max_images, max_image_pixels=self.max_image_pixels,
+                                   split_name=part)
+                   for path, part in zip(paths, parts)]
         return BlendedImageText(sources, weights or [len(s) for s in sources], seed=seed)
 
     def prompt(self, tokenizer, text: str, images=()) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -115,6 +142,34 @@ class ImageCaption(Objective):
                 ids += [self.image_token_id] * self.tokens_per_image
             if piece:
                 ids += tokenizer.encode(piece, bos=False, eos=False)
+        if not images:
+            return ids, {}
+        return ids, {"pixel_values": torch.stack([self.processor(image) for image in images])[None]}
+
+    def chat_prompt(self, tokenizer, template, messages, images=()) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """A conversation as the chat template renders it, with its generation prompt, and each `<image>`
+        of its turns an image's placeholders, as the conversation samples are (data/image_text.py): a
+        conversation without marks gets its images at the start of its first user turn, a line before
+        the text (LLaVA's place). ValueError, one sentence, when marks and images do not pair up."""
+        from titanlike.data.chat_template import chat_prompt_ids
+        from titanlike.data.image_text import expand_images, image_token_text
+
+        marks = sum(str(m.get("content", "")).count(IMAGE_MARK) for m in messages)
+        if marks != len(images) and (marks or not images):
+            raise ValueError(f"the conversation has {marks} {IMAGE_MARK} mark(s) but {len(images)} image(s) were given")
+        messages = [dict(m) for m in messages]
+        if images and not marks:
+            user = next((m for m in messages if m.get("role") == "user"), None)
+            if user is None:
+                raise ValueError("the conversation has no user turn to hold the images")
+            user["content"] = IMAGE_MARK * len(images) + "\n" + str(user.get("content", ""))
+        token = image_token_text(tokenizer, self.image_token_id)
+        messages = [{**m, "content": str(m.get("content", "")).replace(IMAGE_MARK, token)} for m in messages]
+        ids = chat_prompt_ids(template, tokenizer, messages)
+        if ids.count(self.image_token_id) != len(images):
+            raise ValueError(f"the conversation's text spells the image token {token} itself; write {IMAGE_MARK} "
+                             "where an image goes")
+        ids, _ = expand_images(ids, [False] * len(ids), self.image_token_id, self.tokens_per_image)
         if not images:
             return ids, {}
         return ids, {"pixel_values": torch.stack([self.processor(image) for image in images])[None]}
