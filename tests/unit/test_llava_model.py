@@ -134,3 +134,51 @@ def test_flops_per_token_count_one_image_per_sample():
     projector = 48 * 64 + 64 * 64 + 2 * 64
     image = positions * (6 * tower_params + 12 * 2 * d * positions) + 6 * projector * 16
     assert args.flops_per_token(128) == args.text.flops_per_token(128) + image // 128
+
+
+@pytest.mark.parametrize("preset, trains", [
+    ("llava_1.5_7b_pretrain", {"projector"}),
+    ("llava_1.5_7b_finetune", {"projector", "language_model"}),
+    ("llava_1.5_7b_lora", {"projector", "adapters"}),
+])
+def test_the_7b_presets_plan_from_a_hugging_face_folder(tmp_path, preset, trains):
+    """Each LLaVA-1.5-7B preset plans (plan_job, nothing allocated) on the 8 GPUs its comment names, from a
+    folder holding llava-hf/llava-1.5-7b-hf's config.json, and trains what its stage trains: stage 1 the
+    projector, stage 2 the language model and the projector, LoRA adapters on every linear of the language
+    model (none in the tower) beside the projector in full."""
+    import io
+    import json
+    import tarfile
+
+    from titanlike.config import load_job_config
+    from titanlike.models.lora import apply_lora
+    from titanlike.train.plan import plan_job
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(SPEC.hf.args_to_config(SPEC.flavors["llava-1.5-7b"])))
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "stage1").mkdir()
+    (tmp_path / "stage1" / ".metadata").touch()  # planning checks that stage 1's checkpoint is one; loading reads it
+    with tarfile.open(tmp_path / "shards" / "0.tar", "w") as tar:
+        info = tarfile.TarInfo("k.txt")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"a cat"))
+    cfg = load_job_config(["--job.config_file", f"train_configs/{preset}.toml", "--model.hf_assets_path",
+                           str(tmp_path / "hf"), "--training.dataset_path", str(tmp_path / "shards"),
+                           *(["--checkpoint.initial_load_path", str(tmp_path / "stage1")]
+                             if "pretrain" not in preset else [])])
+    plan = plan_job(cfg, 8, vocab_size=32064)
+    args = plan.model_args
+    assert plan.dims.dp_shard == 8 and (args.text.dim, args.text.n_layers, args.vision.n_layers) == (4096, 32, 23)
+    with torch.device("meta"):
+        model = SPEC.model_cls(args)
+    if "lora" in cfg.model.converters:
+        apply_lora(model, cfg.lora)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    parts = {"adapters" if name.endswith((".lora_a", ".lora_b")) else name.split(".")[0] for name in trained}
+    assert parts == trains
+    if "adapters" in trains:  # rank 128 on q, k, v, o, gate, up, down of each of the 32 layers
+        dim, hidden = args.text.dim, 11008  # Vicuna-7B's MLP width
+        per_layer = 4 * 128 * 2 * dim + 3 * 128 * (dim + hidden)
+        adapters = sum(p.numel() for name, p in model.named_parameters() if name.endswith((".lora_a", ".lora_b")))
+        assert adapters == 32 * per_layer and not any("vision_tower" in name for name in trained)
