@@ -161,7 +161,8 @@ def test_pipeline_ranks_are_within_10_percent_of_measured_cpu_steps(tmp_path):
 MEASURED_JOBS = {
     "optimizer step": [*_preset("debug_model"), "--training.seq_len", "32", "--training.local_batch_size", "1",
                        "--optimizer.implementation", "foreach"],
-    "lora": _preset("lora_debug"),
+    # The job's own [lora] (not the defaults): rank 16 on the MLP too.
+    "lora": [*_preset("lora_debug"), "--lora.rank", "16", "--lora.target_modules", "q_proj,v_proj,gate_proj,down_proj"],
     "compiled": [*_preset("debug_model"), "--training.seq_len", "512", "--training.local_batch_size", "4",
                  "--compile.enable"],
     "compiled, op-level checkpointing": [
@@ -210,13 +211,15 @@ def test_the_optimizer_steps_peak_is_within_10_percent_of_a_measured_cpu_step(me
 
 
 def test_lora_holds_gradients_and_optimizer_state_for_adapters_only(measured_jobs):
-    """The LoRA preset: the frozen base has no gradient and no AdamW state, the adapters have both (their
-    element count from the model itself), and the step is within 10% of the measured one (0.1%)."""
+    """The LoRA preset at the job's own rank and targets: the frozen base has no gradient and no AdamW
+    state, the adapters have both (their element count from the model itself), and the step is within 10%
+    of the measured one (0.1%)."""
     from titanlike.models.converters import build_model_converters
 
     prep = prepare_job(load_job_config(MEASURED_JOBS["lora"]), 1)
     model = prep.plan.spec.model_cls(prep.plan.model_args)
-    build_model_converters(prep.plan.cfg.model.converters, prep.plan.cfg.float8).convert(model)
+    cfg = prep.plan.cfg
+    build_model_converters(cfg.model.converters, cfg.float8, lambda name: getattr(cfg, name)).convert(model)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 0 < adapters < sum(p.numel() for p in model.parameters()) // 10
     pr = probe(prep.plan, device="cpu", granularity=1)
