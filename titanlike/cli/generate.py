@@ -135,18 +135,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             return fail(str(e))
     prompts = prompts or [""]
 
-    from titanlike.models import protocol
-
-    def decoder(model) -> None:
-        if protocol.generation_hooks(model) is None:
-            objective = training_objective(model)
-            raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder (trained on "
-                                  f"{objective.name} samples), and this script continues prompts with decoder-only or "
-                                  "encoder-decoder models (load it with titanlike.load_model and call it, or export "
-                                  "it to Hugging Face)")
-
     try:
-        model, tokenizer = load_model_arguments(args, accept=decoder)
+        model, tokenizer = load_model_arguments(args)
     except GenerationError as e:
         return fail(str(e))
     vocab = tokenizer.vocab_size
