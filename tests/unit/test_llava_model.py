@@ -86,12 +86,14 @@ def test_caption_samples_put_the_loss_on_the_caption_only():
     (("--llava.freeze", "vison_tower"), "'vison_tower' is not a part of llava"),
     (("--training.seq_len", "12"), "cannot hold an image's 16 tokens"),
     (("--training.dataset", "c4_test"), "holds no images"),
-    (("--parallelism.context_parallel_degree", "2"), "context parallel"),
+    # The tower's heads are split by tensor parallelism as the language model's are.
+    (("--parallelism.tensor_parallel_degree", "2", "--model.args.vision.n_heads", "3"),
+     "vision tower's n_heads 3 must be divisible by parallelism.tensor_parallel_degree 2"),
 ])
 def test_jobs_it_cannot_train_are_refused_in_one_sentence(options, words):
     from titanlike.config import ConfigError
 
-    world = 2 if "context_parallel_degree" in options[0] else 1
+    world = 2 if "tensor_parallel_degree" in options[0] else 1
     with pytest.raises((ConfigError, ValueError), match=words) as e:
         plan_family("llava", "debugmodel", *options, world_size=world,
                     **({"seq_len": int(options[1])} if options[0] == "--training.seq_len" else {}))
