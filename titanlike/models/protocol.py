@@ -53,9 +53,10 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
          "tied-gradient sync (parallel/pipeline.py) and checkpoints."),
     Hook("extra_layers", "model", tuple, (),
          "ModuleDicts of blocks besides `layers` (a vision-language model's vision tower blocks) that "
-         "activation checkpointing and compile wrap block by block as they wrap `layers`; () on a "
-         "pipeline stage without them. Set by the model; read through layer_stacks by "
-         "parallel/activation_checkpoint.py and the compile step of parallel/parallelize.py."),
+         "activation checkpointing, compile and FSDP wrap block by block as they wrap `layers` (the "
+         "pipeline split does not cut them); () on a pipeline stage without them. Set by the model; "
+         "read through layer_stacks by parallel/activation_checkpoint.py, parallel/fsdp.py and the "
+         "compile step of parallel/parallelize.py."),
     Hook("tie_weights", "model", Callable, None,
          "A method making every alias in tied_weights the same Parameter as its owner where both are "
          "held (a pipeline stage may hold one end). Required when tied_weights is not empty. Called "
