@@ -391,7 +391,7 @@ class Llava(nn.Module):
 
     @property
     def extra_layers(self) -> tuple[nn.ModuleDict, ...]:
-        # The tower's blocks: checkpointed and compiled block by block like the language model's.
+        # The tower's blocks: checkpointed, compiled and FSDP-sharded block by block like the language model's.
         return (self.vision_tower.layers,) if self.vision_tower is not None else ()
 
     def tie_weights(self) -> None:
@@ -441,6 +441,9 @@ class Llava(nn.Module):
             offset = torch.arange(batch, device=tokens.device)[:, None] * rows
             index = torch.where(image_index >= 0, image_index + offset, -1)
         elif pixel_values.dim() == 4:
+            if image_index is not None:
+                raise ValueError("image_index goes with pixel_values of (batch, images, C, H, W): its rows are "
+                                 "counted within each sample's images")
             features = self.image_features(pixel_values)
             is_image = tokens == self.model_args.image_token_id
             index = torch.where(is_image, is_image.flatten().cumsum(0).view_as(tokens) - 1, -1)
