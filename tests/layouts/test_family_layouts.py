@@ -361,11 +361,8 @@ def compare(got: dict, want: dict, what: str) -> None:
 
 
 # Per family, the smallest flavor of each distinct structure, preferring one deep enough for a looped pipeline;
-# less a flavor whose differences no declared layout reaches. LLaVA declares FSDP 2 alone, which shards
-# every parameter alike: SigLIP's tower differs from CLIP's in its class token, pre-norm, patch bias and
-# activation, which tests/integration/test_llava_hf.py checks against transformers and the conformance
-# suite per flavor; its FSDP step would re-check CLIP's (tests/MAP.md).
-NO_NEW_LAYOUT_RULE = {("llava", "debugmodel_siglip")}
+# less a flavor whose differences no declared layout reaches (none now).
+NO_NEW_LAYOUT_RULE: set[tuple[str, str]] = set()
 FAMILY_FLAVORS = [key for key in distinct_flavors(min_layers=4) if key not in NO_NEW_LAYOUT_RULE]
 # A flavor whose difference from its family's other flavor only some layouts reach runs those alone.
 # DeepSeek-V3 without query LoRA differs in its query projection (wq for wq_a, q_norm, wq_b): a per-token
@@ -373,7 +370,14 @@ FAMILY_FLAVORS = [key for key in distinct_flavors(min_layers=4) if key not in NO
 # it by a rule of its own.
 # The hybrid's debugmodel_tiny ("M-M*M-") has block kinds debugmodel_moe ("M-ME*-ME") has too, where FSDP, TP
 # (both logits), CP and the looped pipeline check them; it keeps the layouts no MoE flavor is offered.
+# LLaVA's logits are its language model's (llama3's output projection, gathered in llama3's own layouts):
+# no gathered-logits run. Its SigLIP tower has 16 positions, which TP 2 splits (sequence parallel in the
+# tower: cut entering its first block, gathered leaving its last), where CLIP's 17 (a class token) stay
+# whole; no class token or pre-norm among the tower's replicated ends. FSDP, CP and TP without sequence
+# parallelism treat both towers alike.
 ONLY_LAYOUTS = {("deepseek_v3", "debugmodel_nolora"): ("tp2",),
+                ("llava", "debugmodel"): ("fsdp2", "tp2", "tp2_no_sequence_parallel", "cp2_alltoall"),
+                ("llava", "debugmodel_siglip"): ("tp2",),
                 ("hybrid", "debugmodel_tiny"): ("tp2_no_sequence_parallel", "pp2_v")}
 
 

@@ -63,7 +63,10 @@ def _checks(rank: int) -> None:
     mesh = init_device_mesh("cpu", (2,))
     for family, flavor in _families():
         spec = get_model_spec(family)
-        args = dataclasses.replace(spec.flavors[flavor], vocab_size=256)
+        args = spec.flavors[flavor]
+        # A vision-language model's vocabulary is its language model's: sized as the trainer sizes it.
+        args = (dataclasses.replace(args, vocab_size=256) if "vocab_size" in {f.name for f in dataclasses.fields(args)}
+                else args.update_from_config(vocab_size=256, seq_len=args.context_len))
         models = []
         for sharded in (False, True):
             with torch.device("meta"):

@@ -51,6 +51,12 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
          "{alias name: owner name} of parameters that are one Parameter under two names (tied input "
          "and output embeddings), {} otherwise. Set by the model; read by the pipeline split and its "
          "tied-gradient sync (parallel/pipeline.py) and checkpoints."),
+    Hook("extra_layers", "model", tuple, (),
+         "ModuleDicts of blocks besides `layers` (a vision-language model's vision tower blocks) that "
+         "activation checkpointing, compile and FSDP wrap block by block as they wrap `layers` (the "
+         "pipeline split does not cut them); () on a pipeline stage without them. Set by the model; "
+         "read through layer_stacks by parallel/activation_checkpoint.py, parallel/fsdp.py and the "
+         "compile step of parallel/parallelize.py."),
     Hook("tie_weights", "model", Callable, None,
          "A method making every alias in tied_weights the same Parameter as its owner where both are "
          "held (a pipeline stage may hold one end). Required when tied_weights is not empty. Called "
@@ -136,6 +142,11 @@ def _get(module: nn.Module, name: str) -> Any:
 
 def tied_weights(model: nn.Module) -> dict[str, str]:
     return dict(_get(model, "tied_weights") or {})
+
+
+def layer_stacks(model: nn.Module) -> list[nn.ModuleDict]:
+    """model.layers, then its extra_layers: every ModuleDict of blocks wrapped block by block."""
+    return [model.layers, *_get(model, "extra_layers")]
 
 
 def retie_weights(model: nn.Module) -> None:
@@ -256,7 +267,7 @@ def head_split_parameters(module: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
-__all__ = ["HOOKS", "Hook", "core_attention_modules", "fsdp_mesh", "generation_hooks", "head_split_parameters", "keeps_high_precision",
+__all__ = ["HOOKS", "Hook", "core_attention_modules", "fsdp_mesh", "generation_hooks", "head_split_parameters", "keeps_high_precision", "layer_stacks",
            "reported_loss", "reported_loss_sum", "retie_weights", "sequence_carry_modules", "sequence_inputs",
            "set_core_attention", "set_fsdp_mesh", "set_record_statistics", "set_sequence_carry", "set_skip_compile",
            "skips_compile", "statistics_recorders", "tied_weights"]

@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from titanlike.data.loader import register_dataset_kind
-from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Objective, refuse_pretraining_options
+from titanlike.objectives.base import (
+    BatchContext,
+    FieldShapes,
+    Microbatch,
+    Objective,
+    cut_sequence,
+    refuse_pretraining_options,
+)
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
@@ -25,6 +32,16 @@ if TYPE_CHECKING:
 
 # Where a prompt's text puts an image (LLaVA's convention).
 IMAGE_MARK = "<image>"
+
+
+def image_index(tokens: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """(batch, seq) int64: which of its sample's image-feature rows each `<image>` placeholder takes
+    (the sample's placeholders in order: image i's features are rows i * tokens_per_image, ...), -1
+    for a text token. Relative to the sample, so that a pipeline's cut into microbatches of rows
+    keeps it right; computed on whole sequences, since a context-parallel slice cannot count the
+    placeholders before it."""
+    is_image = tokens == image_token_id
+    return torch.where(is_image, is_image.cumsum(1) - 1, -1)
 
 
 class ImageCaption(Objective):
@@ -175,8 +192,20 @@ class ImageCaption(Objective):
         return ids, {"pixel_values": torch.stack([self.processor(image) for image in images])[None]}
 
     def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
-        return Microbatch(batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device),
-                          fields={"pixel_values": batch["pixel_values"].to(ctx.device)})
+        inputs, labels = batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device)
+        pixel_values = batch["pixel_values"].to(ctx.device)
+        if ctx.cp_positions is None:
+            return Microbatch(inputs, labels, fields={"pixel_values": pixel_values})
+        # Context parallel: each rank keeps its slice of the tokens and the image rows its placeholders
+        # take (counted over the whole sequence first), and every rank encodes the sample's images whole.
+        index = image_index(inputs, self.image_token_id)
+        placeholders = (index >= 0).sum(1)
+        torch._assert_async(((placeholders <= pixel_values.shape[1] * self.tokens_per_image)
+                             & (placeholders % self.tokens_per_image == 0)).all(),
+                            "the <image> placeholders do not match the images: each image takes "
+                            f"{self.tokens_per_image} placeholders, in order")
+        return Microbatch(cut_sequence(inputs, ctx), cut_sequence(labels, ctx), positions=ctx.cp_positions,
+                          fields={"pixel_values": pixel_values, "image_index": cut_sequence(index, ctx)})
 
 
 def _webdataset_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
@@ -189,4 +218,4 @@ def _webdataset_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=No
 
 register_dataset_kind("webdataset", _webdataset_source, shuffle=False)
 
-__all__ = ["ImageCaption"]
+__all__ = ["ImageCaption", "image_index"]

@@ -17,6 +17,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titanlike.models import protocol
+
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 # Outputs worth keeping: recomputing them costs FLOPs (or a collective), storing them costs memory once.
 _SAVE_OPS = {
@@ -57,7 +59,7 @@ class CheckpointOptions:
 def apply_activation_checkpointing(model: nn.Module, mode: str, selective_ac_option: str,
                                    options: CheckpointOptions = CheckpointOptions(),
                                    memory_budget: float = 0.5) -> None:
-    """Wrap blocks of model.layers in place. mode: none | full | selective | memory_budget.
+    """Wrap blocks of model.layers (and of its extra_layers, models/protocol.py) in place. mode: none | full | selective | memory_budget.
 
     memory_budget wraps nothing: torch.compile's min-cut partitioner decides what each compiled
     block recomputes, keeping about `memory_budget` of the activations it would keep without
@@ -72,10 +74,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective_ac_opt
         return
     wrap = partial(checkpoint_wrapper, preserve_rng_state=options.preserve_rng_state,
                    determinism_check=options.determinism_check, debug=options.debug, early_stop=options.early_stop)
-    for name, block in list(model.layers.items()):
-        how = checkpointing(name, mode, selective_ac_option)
-        if how is not None:
-            model.layers[name] = wrap(block, context_fn=partial(_op_level_contexts)) if how == "op" else wrap(block)
+    for layers in protocol.layer_stacks(model):  # model.layers, and a vision tower's blocks
+        for name, block in list(layers.items()):
+            how = checkpointing(name, mode, selective_ac_option)
+            if how is not None:
+                layers[name] = wrap(block, context_fn=partial(_op_level_contexts)) if how == "op" else wrap(block)
 
 
 def checkpointing(layer: str, mode: str, selective_ac_option: str) -> str | None:

@@ -37,7 +37,8 @@ def apply_fsdp(
     mesh_named: Callable[[str], DeviceMesh | None] | None = None,
     cpu_offload: bool = False,
 ) -> None:
-    """fully_shard every block of model.layers, then the whole model (in place).
+    """fully_shard every block of model.layers (and of its extra_layers: a vision tower's), then the
+    whole model (in place).
 
     reshard_after_forward: "default" frees gathered block parameters after forward
     (the root keeps them: backward needs them right away), "always" / "never" force it.
@@ -56,7 +57,7 @@ def apply_fsdp(
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     reshard = reshard_after_forward != "never"
     ignored: set[nn.Parameter] = set()
-    for block in model.layers.values():
+    for block in [block for layers in protocol.layer_stacks(model) for block in layers.values()]:
         # reversed pre-order: every submodule comes before the modules that contain it.
         for module in reversed(list(block.modules())):
             own = protocol.fsdp_mesh(module)

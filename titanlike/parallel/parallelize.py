@@ -86,8 +86,8 @@ def _activation_checkpointing(model, shard, dims: ParallelDims, opts: Paralleliz
 def _compile(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     if opts.compile_blocks:
         # Per block and in place: parameter names stay unchanged, and every block of the same
-        # shape reuses one compiled graph.
-        for block in model.layers.values():
+        # shape reuses one compiled graph. A vision tower's blocks (extra_layers) too.
+        for block in [block for layers in protocol.layer_stacks(model) for block in layers.values()]:
             eager = [m for m in block.modules() if protocol.skips_compile(m)]
             if not eager:
                 block.compile(fullgraph=True, backend=opts.compile_backend)

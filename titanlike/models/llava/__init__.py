@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from titanlike.config.schema import opt
 from titanlike.models.llava.hf_adapter import LlavaHF
 from titanlike.models.llava.model import PARTS, Llava, LlavaArgs, VisionArgs
+from titanlike.models.llava.sharding import llava_sharding
 from titanlike.models.registry import ModelOptions, ModelSpec, get_model_spec, register_model_spec
 from titanlike.objectives.image_caption import ImageCaption
 
@@ -86,7 +87,8 @@ def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:
         raise ValueError(f"llava.freeze: {e}") from None
 
 
-register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, objective=image_caption,
+register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, shard=llava_sharding,
+                              objective=image_caption,
                               hf=LlavaHF(), options=ModelOptions("llava", LlavaOptions, _with_options)))
 
 __all__ = ["Llava", "LlavaArgs", "LlavaOptions", "VisionArgs", "llava_flavors"]

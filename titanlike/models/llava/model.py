@@ -29,11 +29,12 @@ import torch.nn.functional as F
 
 from titanlike.models import protocol
 from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees
-from titanlike.models.common.attention import Attention, DocumentMask
+from titanlike.models.common.attention import Attention, DocumentMask, core_attention
 from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.feed_forward import GeluMLP
 from titanlike.models.common.init import LinearInit, normal_, trunc_normal_, zeros_
 from titanlike.models.common.norms import init_norm
+from titanlike.objectives.image_caption import image_index as placeholder_index
 
 TOWERS = ("clip", "siglip")
 PARTS = ("vision_tower", "projector", "language_model")
@@ -218,10 +219,20 @@ class LlavaArgs(BaseModelArgs):
         return self.text.attention_shape()
 
     def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
-        if dims.cp > 1:
-            # A rank's slice of the sequence cannot tell which image its placeholders belong to.
-            raise ValueError("llava does not run context parallel yet: set parallelism.context_parallel_degree 1")
+        # Context parallelism splits the text only (the objective hands each rank its placeholders'
+        # image rows, objectives/image_caption.py image_index); every cp rank encodes the images whole.
         self.text.validate(dims, seq_len=seq_len)
+        if dims.tp > 1:
+            from titanlike.models.registry import get_model_spec
+
+            if get_model_spec(self.language_model).shard is None:
+                raise ValueError(f"language_model {self.language_model} has no tensor-parallel plan, so "
+                                 "parallelism.tensor_parallel_degree must be 1")
+            v = self.vision
+            for name, value in (("n_heads", v.n_heads), ("ffn_dim", v.ffn_dim)):
+                if value % dims.tp:
+                    raise ValueError(f"the vision tower's {name} {value} must be divisible by "
+                                     f"parallelism.tensor_parallel_degree {dims.tp} (its heads and MLP are split)")
         if self.image_token_id >= self.text.vocab_size:
             raise ValueError(f"the image token id {self.image_token_id} is outside the vocabulary of "
                              f"{self.text.vocab_size} tokens")
@@ -244,6 +255,25 @@ class VisionMLP(GeluMLP):
         return self.w2(ACTIVATIONS[self.act](self.w1(x)))
 
 
+class VisionAttention(Attention):
+    """The tower's bidirectional attention over one image's positions (wq, wk, wv, wo with biases,
+    split by heads under tensor parallelism as every attention's). It carries no `core_attention`
+    hook (models/protocol.py): context parallelism splits the text, never the patches, which every
+    cp rank encodes whole, so it must not switch this attention to its cross-rank kernel."""
+
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__(dim, n_heads, n_heads, dim // n_heads, bias=True, causal=False)
+        del self.core_attention
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism this rank holds only its local heads.
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = core_attention(q, k, v, None, causal=False)  # every position sees every position
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
 class VisionTower(nn.Module):
     """pixel values (images, channels, height, width) -> features (images, positions, dim) of the last
     layer built; no final norm (LLaVA reads the blocks' output)."""
@@ -259,7 +289,7 @@ class VisionTower(nn.Module):
         self.pre_norm = nn.LayerNorm(d, eps=args.norm_eps) if args.class_token else None
         init = LinearInit(std=0.02, out_std=0.02 / math.sqrt(2 * max(args.n_layers, 1)))
         self.layers = nn.ModuleDict({str(i): TransformerBlock(
-            i, attention=Attention(d, args.n_heads, args.n_heads, d // args.n_heads, bias=True, causal=False),
+            i, attention=VisionAttention(d, args.n_heads),
             feed_forward=VisionMLP(d, args.ffn_dim, args.hidden_act),
             attention_norm=nn.LayerNorm(d, eps=args.norm_eps), ffn_norm=nn.LayerNorm(d, eps=args.norm_eps),
             init=init) for i in range(args.n_layers)})
@@ -320,6 +350,17 @@ class Projector(nn.Module):
                 zeros_(linear.bias)
 
 
+class ImageSplice(nn.Module):
+    """Every `<image>` placeholder's embedding replaced by its image-feature row: (embeddings (batch,
+    seq, dim), index (batch, seq), the row each token takes of `features` (rows, dim) or -1 for a
+    text token) -> embeddings. A module of its own (without parameters) so that tensor parallelism
+    can hand it the index of this rank's slice of the sequence (models/llava/sharding.py)."""
+
+    def forward(self, h: torch.Tensor, index: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        rows = features.to(h.dtype)[index.clamp(0, features.shape[0] - 1)]
+        return torch.where((index >= 0)[..., None], rows, h)
+
+
 class Llava(nn.Module):
     """tokens (batch, seq) with `<image>` placeholders and pixel values -> logits (batch, seq, vocab).
 
@@ -335,6 +376,7 @@ class Llava(nn.Module):
         self.model_args = args
         self.vision_tower = VisionTower(args.vision)
         self.projector = Projector(args.vision.dim, args.text.hidden_size, args.projector_act, args.projector_bias)
+        self.splice = ImageSplice()
         self.language_model = get_model_spec(args.language_model).model_cls(args.text)
         # The language model's tied names, under its prefix here.
         self.tied_weights = {f"language_model.{alias}": f"language_model.{owner}"
@@ -346,6 +388,11 @@ class Llava(nn.Module):
     @property
     def layers(self) -> nn.ModuleDict:
         return self.language_model.layers
+
+    @property
+    def extra_layers(self) -> tuple[nn.ModuleDict, ...]:
+        # The tower's blocks: checkpointed, compiled and FSDP-sharded block by block like the language model's.
+        return (self.vision_tower.layers,) if self.vision_tower is not None else ()
 
     def tie_weights(self) -> None:
         protocol.retie_weights(self.language_model)
@@ -359,33 +406,47 @@ class Llava(nn.Module):
         return self.projector(features)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: DocumentMask | None = None, *, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+                mask: DocumentMask | None = None, *, pixel_values: torch.Tensor | None = None,
+                image_index: torch.Tensor | None = None) -> torch.Tensor:
         """pixel_values: None (text only), (images, C, H, W) taken in the order their placeholders
         appear in the batch (Hugging Face's layout), or (batch, images, C, H, W): each sample's
         placeholders take its own images in order (images it has no placeholders for are unused,
-        padding). Each image fills vision.tokens_per_image consecutive placeholders."""
+        padding). Each image fills vision.tokens_per_image consecutive placeholders.
+        image_index (batch, seq), with (batch, images, C, H, W) pixel values: which of its sample's
+        image-feature rows each token takes, -1 for text (objectives/image_caption.py image_index),
+        when the tokens are a slice of the sequence (context parallelism) that cannot count the
+        placeholders before it; None: counted from the tokens."""
         lm = self.language_model
         h = lm.embed(tokens, positions)
         if pixel_values is not None:
-            h = self._splice(tokens, h, pixel_values)
+            h = self._splice(tokens, h, pixel_values, image_index)
         return lm(tokens, positions, mask, embeddings=h)
 
-    def _splice(self, tokens: torch.Tensor, h: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
-        is_image = tokens == self.model_args.image_token_id
+    def _splice(self, tokens: torch.Tensor, h: torch.Tensor, pixel_values: torch.Tensor,
+                image_index: torch.Tensor | None = None) -> torch.Tensor:
         if pixel_values.dim() == 5:
             batch, count = pixel_values.shape[:2]
             if batch != tokens.shape[0]:
                 raise ValueError(f"pixel_values hold images for {batch} samples, but the batch has {tokens.shape[0]}")
             features = self.image_features(pixel_values.flatten(0, 1))
-            per_image = features.shape[1]
-            # Placeholder j of sample b takes feature j of sample b's images; images past a sample's
-            # placeholders are padding. Each sample's placeholders fill whole images.
-            placeholders = is_image.sum(1)
-            rank = is_image.cumsum(1) - 1 + (torch.arange(batch, device=tokens.device) * count * per_image)[:, None]
-            fits = ((placeholders <= count * per_image) & (placeholders % per_image == 0)).all()
+            rows = count * features.shape[1]
+            if image_index is None:
+                image_index = placeholder_index(tokens, self.model_args.image_token_id)
+                # Each sample's placeholders fill whole images, no more than it has.
+                placeholders = (image_index >= 0).sum(1)
+                fits = ((placeholders <= rows) & (placeholders % features.shape[1] == 0)).all()
+            else:  # a slice of the sequence: the objective checked the whole (image_index)
+                fits = (image_index < rows).all()
+            # Row j of sample b's images is row b * rows + j of them all; -1 (text) stays -1.
+            offset = torch.arange(batch, device=tokens.device)[:, None] * rows
+            index = torch.where(image_index >= 0, image_index + offset, -1)
         elif pixel_values.dim() == 4:
+            if image_index is not None:
+                raise ValueError("image_index goes with pixel_values of (batch, images, C, H, W): its rows are "
+                                 "counted within each sample's images")
             features = self.image_features(pixel_values)
-            rank = is_image.flatten().cumsum(0).view_as(tokens) - 1
+            is_image = tokens == self.model_args.image_token_id
+            index = torch.where(is_image, is_image.flatten().cumsum(0).view_as(tokens) - 1, -1)
             fits = is_image.sum() == features.shape[0] * features.shape[1]
         else:
             raise ValueError(f"pixel_values must be (images, C, H, W) or (batch, images, C, H, W), got "
@@ -393,9 +454,7 @@ class Llava(nn.Module):
         # A device assertion, not a host sync: the trainer's step reads nothing back.
         torch._assert_async(fits, "the <image> placeholders do not match the images: each image takes "
                                   f"{features.shape[1]} placeholders, in order")
-        flat = features.flatten(0, 1).to(h.dtype)
-        index = torch.where(is_image, rank, 0).clamp(max=flat.shape[0] - 1)
-        return torch.where(is_image[..., None], flat[index], h)
+        return self.splice(h, index, features.flatten(0, 1))
 
     # Generation (models/protocol.py) ------------------------------------------------------------
 
@@ -428,4 +487,4 @@ class Llava(nn.Module):
         self.language_model.init_weights(seed=seed, buffer_device=buffer_device)
 
 
-__all__ = ["PARTS", "Llava", "LlavaArgs", "Projector", "VisionArgs", "VisionTower"]
+__all__ = ["PARTS", "ImageSplice", "Llava", "LlavaArgs", "Projector", "VisionArgs", "VisionAttention", "VisionTower"]
