@@ -38,6 +38,9 @@ from titanlike.models.common.norms import init_norm
 TOWERS = ("clip", "siglip")
 PARTS = ("vision_tower", "projector", "language_model")
 SELECT_STRATEGIES = ("default", "full")
+# The language model's pipeline ends (inputs, outputs) llava's split cuts it at (the Decoder skeleton's,
+# llama3's): the tower and projector join its input end on the first stage.
+TEXT_ENDS = (("tok_embeddings",), ("norm", "output"))
 # Hugging Face's activation names (hidden_act, projector_hidden_act) that the towers and the projector use.
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's
@@ -118,6 +121,9 @@ class LlavaArgs(BaseModelArgs):
     projector_bias: bool = True
     # Parts left untrained (requires_grad off), of PARTS: LLaVA's stage 1 trains the projector only.
     frozen: tuple[str, ...] = ()
+    # Images the tower encodes per sample: the job's llava.max_images (every sample carries that many,
+    # missing ones as zeros). The FLOPs and the pipeline stages' balance count them.
+    images_per_sample: int = 1
 
     def __post_init__(self) -> None:
         from titanlike.models.registry import get_model_spec
@@ -210,9 +216,22 @@ class LlavaArgs(BaseModelArgs):
         return tower + 6 * self.projector_params() * v.tokens_per_image
 
     def flops_per_token(self, seq_len: int) -> int:
-        # The language model's, plus one image's per sample of seq_len tokens (the caption samples'
-        # layout; a conversation with more images costs more than this counts).
-        return self.text.flops_per_token(seq_len) + self.image_flops() // seq_len
+        # The language model's, plus the images' of a sample of seq_len tokens.
+        return self.text.flops_per_token(seq_len) + self.images_per_sample * self.image_flops() // seq_len
+
+    def layer_costs(self, seq_len: int) -> list[float]:
+        """Forward FLOPs per token of each language-model layer (its own family's layer_costs, or its
+        FLOPs less the output projection's, spread evenly), the first layer's plus the images' tower
+        and projector: they run on the first pipeline stage, which that layer always joins, so the
+        balanced split gives that stage fewer layers when the images weigh."""
+        text, n = self.text, self.text.num_layers
+        costs = text.layer_costs(seq_len)
+        if costs is None:
+            per_layer = (text.flops_per_token(seq_len) / 3 - 2 * text.vocab_size * text.hidden_size) / n
+            costs = [max(per_layer, 0.0)] * n
+        costs = list(costs)
+        costs[0] += self.images_per_sample * self.image_flops() / (3 * seq_len)
+        return costs
 
     def attention_shape(self) -> AttentionShape | None:
         return self.text.attention_shape()
@@ -222,6 +241,14 @@ class LlavaArgs(BaseModelArgs):
             # A rank's slice of the sequence cannot tell which image its placeholders belong to.
             raise ValueError("llava does not run context parallel yet: set parallelism.context_parallel_degree 1")
         self.text.validate(dims, seq_len=seq_len)
+        if dims.pp > 1:
+            from titanlike.models.registry import get_model_spec
+
+            ends = get_model_spec(self.language_model).pipeline_ends
+            if ends is None or (ends.inputs, ends.outputs) != TEXT_ENDS:
+                raise ValueError(f"llava splits its language model into pipeline stages at {TEXT_ENDS[0][0]} and "
+                                 f"{'/'.join(TEXT_ENDS[1])}, which {self.language_model} does not end with; set "
+                                 "parallelism.pipeline_parallel_degree 1")
         if self.image_token_id >= self.text.vocab_size:
             raise ValueError(f"the image token id {self.image_token_id} is outside the vocabulary of "
                              f"{self.text.vocab_size} tokens")
@@ -365,6 +392,8 @@ class Llava(nn.Module):
         placeholders take its own images in order (images it has no placeholders for are unused,
         padding). Each image fills vision.tokens_per_image consecutive placeholders."""
         lm = self.language_model
+        if lm.tok_embeddings is None:  # a later pipeline stage: `tokens` are the hidden states
+            return lm(tokens, positions, mask)
         h = lm.embed(tokens, positions)
         if pixel_values is not None:
             h = self._splice(tokens, h, pixel_values)
@@ -423,9 +452,10 @@ class Llava(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
-        self.vision_tower.init_weights(seed=seed, prefix="vision_tower.")
-        self.projector.init_weights(seed=seed, prefix="projector.")
+        for name in ("vision_tower", "projector"):  # None on a pipeline stage other than the first
+            if getattr(self, name) is not None:
+                getattr(self, name).init_weights(seed=seed, prefix=f"{name}.")
         self.language_model.init_weights(seed=seed, buffer_device=buffer_device)
 
 
-__all__ = ["PARTS", "Llava", "LlavaArgs", "Projector", "VisionArgs", "VisionTower"]
+__all__ = ["PARTS", "TEXT_ENDS", "Llava", "LlavaArgs", "Projector", "VisionArgs", "VisionTower"]
