@@ -49,9 +49,11 @@ class ImageCaption(Objective):
         for option, section in (("training", cfg.training), ("validation", cfg.validation)):
             if section.dataset is not None and (option == "training" or cfg.validation.enable):
                 self.validate_dataset(section.dataset, section.dataset_path, option=option)
-        if cfg.training.seq_len < self.tokens_per_image + 3:
-            raise ValueError(f"training.seq_len {cfg.training.seq_len} cannot hold an image's {self.tokens_per_image} "
-                             f"tokens and a caption; set it to at least {self.tokens_per_image + 3}")
+        # Every sample carries max_images images' placeholders, BOS, and at least one caption token and EOS.
+        need = self.max_images * self.tokens_per_image + 3
+        if cfg.training.seq_len < need:
+            raise ValueError(f"training.seq_len {cfg.training.seq_len} cannot hold llava.max_images {self.max_images} x "
+                             f"{self.tokens_per_image} image tokens and a caption; set it to at least {need}")
 
     def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
         if dataset == "webdataset":
