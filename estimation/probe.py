@@ -143,12 +143,11 @@ def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularit
 
     out = {kinds[k]: _static(b.parameters(), list(b.buffers()), optimizer, granularity) for k, b in part.layers.items()}
     in_blocks = {id(t) for b in part.layers.values() for t in [*b.parameters(), *b.buffers()]}
-    under = lambda name, ends_: any(name == e or name.startswith(e + ".") for e in ends_)  # noqa: E731 (dotted ends)
+    under = lambda name, ends_: any(f"{canonical_fqn(name)}.".startswith(f"{e}.") for e in ends_)  # noqa: E731
     held: dict[str, tuple[list, list]] = {"input": ([], []), "output": ([], []), "shared": ([], [])}
     for i, items in enumerate((part.named_parameters(remove_duplicate=False), part.named_buffers())):
         for name, t in items:
-            if id(t) not in in_blocks:
-                name = canonical_fqn(name)
+            if id(t) not in in_blocks:  # ends may be dotted paths (PipelineEnds)
                 end = "input" if ends and under(name, ends.inputs) else "output" if ends and under(
                     name, ends.outputs) else "shared"
                 held[end][i].append(t)
