@@ -14,6 +14,11 @@ num_hidden_layers and vision_feature_layer to the layers built (hf_adapter.py).
 
 The language model is any registered decoder family whose forward takes `embeddings` (the Decoder
 skeleton of models/common/decoder.py); it is built through the registry, never imported.
+
+Pipeline stages: the tower and the projector go with the embeddings to the first stage (the spec's
+pipeline_ends), the language model's blocks are split as a decoder's, its norm and output go to the
+last. `layer_costs` adds the images' forward FLOPs to the first layer's, so the balanced split gives
+the first stage fewer blocks when the images weigh.
 """
 
 from __future__ import annotations
