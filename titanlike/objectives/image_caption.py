@@ -52,8 +52,9 @@ class ImageCaption(Objective):
         # Every sample carries max_images images' placeholders, BOS, and at least one caption token and EOS.
         need = self.max_images * self.tokens_per_image + 3
         if cfg.training.seq_len < need:
-            raise ValueError(f"training.seq_len {cfg.training.seq_len} cannot hold llava.max_images {self.max_images} x "
-                             f"{self.tokens_per_image} image tokens and a caption; set it to at least {need}")
+            raise ValueError(f"training.seq_len {cfg.training.seq_len} cannot hold llava.max_images "
+                             f"{self.max_images} x {self.tokens_per_image} image tokens and a caption; set it to "
+                             f"at least {need}")
 
     def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
         if dataset == "webdataset":
