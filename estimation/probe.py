@@ -139,13 +139,17 @@ def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularit
     """Parameter, gradient and optimizer bytes of one block of each kind (blocks of a kind hold the same),
     and of each end ("input", "output", "shared": held by every pipeline stage), plus "tied": what both
     ends hold (a tied embedding), counted once on a stage that holds both."""
+    from titanlike.models.common.init import canonical_fqn
+
     out = {kinds[k]: _static(b.parameters(), list(b.buffers()), optimizer, granularity) for k, b in part.layers.items()}
+    in_blocks = {id(t) for b in part.layers.values() for t in [*b.parameters(), *b.buffers()]}
+    under = lambda name, ends_: any(f"{canonical_fqn(name)}.".startswith(f"{e}.") for e in ends_)  # noqa: E731
     held: dict[str, tuple[list, list]] = {"input": ([], []), "output": ([], []), "shared": ([], [])}
     for i, items in enumerate((part.named_parameters(remove_duplicate=False), part.named_buffers())):
         for name, t in items:
-            top = name.split(".")[0]
-            if top != "layers":
-                end = "input" if ends and top in ends.inputs else "output" if ends and top in ends.outputs else "shared"
+            if id(t) not in in_blocks:  # ends may be dotted paths (PipelineEnds)
+                end = "input" if ends and under(name, ends.inputs) else "output" if ends and under(
+                    name, ends.outputs) else "shared"
                 held[end][i].append(t)
     out |= {end: _static(*held[end], optimizer, granularity) for end in held}
     both = [p for p in held["input"][0] if any(p is q for q in held["output"][0])]

@@ -234,7 +234,7 @@ def _stage_cases():
 @pytest.mark.parametrize("family, flavor, schedule", _stage_cases())
 def test_pipeline_stages_compose_to_the_whole_model(family, flavor, schedule):
     from titanlike.models.outputs import LossReports
-    from titanlike.parallel.pipeline import plan_layout
+    from titanlike.parallel.pipeline import end_module, plan_layout
 
     case = Case.of(family, flavor)
     args, ends = case.args, case.spec.pipeline_ends
@@ -248,9 +248,10 @@ def test_pipeline_stages_compose_to_the_whole_model(family, flavor, schedule):
     last = layout.num_stages - 1
     for stage, part in parts.items():
         for name in ends.inputs:
-            assert (getattr(part, name) is not None) == (stage == 0 and getattr(full, name) is not None), (stage, name)
+            assert (end_module(part, name) is not None) == (stage == 0 and end_module(full, name) is not None), (
+                stage, name)
         for name in ends.outputs:
-            assert (getattr(part, name) is not None) == (stage == last and getattr(full, name) is not None), (
+            assert (end_module(part, name) is not None) == (stage == last and end_module(full, name) is not None), (
                 stage, name)
         # Tied weights the split keeps: one Parameter per name, or a copy the pipeline syncs.
         held = dict(part.named_parameters(remove_duplicate=False))

@@ -73,6 +73,9 @@ CANDIDATES = {
 
 
 LAYERS = 4  # the fewest a looped pipeline takes (4 stages over 2 ranks)
+# Flavors shallower than that, deepened by their own [model.args] key for every layout (the reference too):
+# llava's 2-layer language model, so that its pipeline split runs looped (Interleaved1F1B) and V-placed.
+DEEPER = {("llava", "debugmodel"): ["--model.args.text.n_layers", str(LAYERS)]}
 
 
 def shallower(family: str, flavor: str) -> list[str]:
@@ -98,7 +101,7 @@ def job(family: str, flavor: str, folder: Path, options=(), local_batch: int = 2
     # torch's V-shaped schedules have no forward-only mode: no validation there.
     validation = [] if "ZBVZeroBubble" in options else [
         "--validation.enable", "--validation.steps", "1", "--validation.local_batch_size", str(4 // dp)]
-    return ["--model.name", family, "--model.flavor", flavor, *shallower(family, flavor),
+    return ["--model.name", family, "--model.flavor", flavor, *DEEPER.get((family, flavor), shallower(family, flavor)),
             "--training.seq_len", str(SEQ),
             "--training.local_batch_size", str(local_batch), "--training.global_batch_size", "4",
             "--training.steps", "1", "--training.mixed_precision_param", "float32", *validation,
@@ -455,9 +458,9 @@ def test_the_declared_layouts_follow_the_spec(family):
     for flavor in [f for name, f in ONLY_LAYOUTS if name == family]:
         assert set(ONLY_LAYOUTS[family, flavor]) <= declared_layouts(family, flavor).keys(), (family, flavor)
     for flavor in [f for name, f in NO_NEW_LAYOUT_RULE if name == family]:
-        # Left out of the layouts world only while FSDP is all it declares (a TP plan or pipeline ends
-        # would shard its tower's own parameters by rules of their own).
-        assert set(declared_layouts(family, flavor)) == {"fsdp2"}, (family, flavor)
+        # Left out of the layouts world only while it declares no layout that splits its tower's own
+        # parameters by rules of their own (a TP plan would; FSDP and the pipeline split do not).
+        assert set(declared_layouts(family, flavor)) <= {"fsdp2", "pp2_looped", "pp2_v"}, (family, flavor)
 
 
 def _tp_divides(args) -> bool:

@@ -84,7 +84,9 @@ def test_caption_samples_put_the_loss_on_the_caption_only():
 @pytest.mark.parametrize("options, words", [
     (("--llava.freeze", "vision_tower,projector,language_model"), "nothing would train"),
     (("--llava.freeze", "vison_tower"), "'vison_tower' is not a part of llava"),
-    (("--training.seq_len", "12"), "cannot hold an image's 16 tokens"),
+    (("--training.seq_len", "12"), "cannot hold llava.max_images 1 x 16 image tokens"),
+    (("--llava.max_images", "2", "--training.dataset", "webdataset", "--training.dataset_path", "shards.tar"),
+     "seq_len 32 cannot hold llava.max_images 2 x 16 image tokens and a caption; set it to at least 35"),
     (("--training.dataset", "c4_test"), "holds no images"),
     # The tower's heads are split by tensor parallelism as the language model's are.
     (("--parallelism.tensor_parallel_degree", "2", "--model.args.vision.n_heads", "3"),
@@ -126,9 +128,10 @@ def test_the_cache_with_images_equals_the_full_forward():
             torch.testing.assert_close(cached[row], full[len(prompt) - 1:], rtol=0, atol=1e-5)
 
 
-def test_flops_per_token_count_one_image_per_sample():
+def test_flops_per_token_count_the_images_per_sample():
     """The tower and projector by hand (debugmodel: CLIP 48 wide, 2 layers, 17 positions, projector
-    48 -> 64 -> 64) on top of the language model's count, over a sample of seq_len tokens."""
+    48 -> 64 -> 64) on top of the language model's count, over a sample of seq_len tokens, once per
+    image a sample carries (llava.max_images)."""
     args = SPEC.flavors["debugmodel"]
     d, f, positions = 48, 96, 17
     block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
@@ -136,6 +139,31 @@ def test_flops_per_token_count_one_image_per_sample():
     projector = 48 * 64 + 64 * 64 + 2 * 64
     image = positions * (6 * tower_params + 12 * 2 * d * positions) + 6 * projector * 16
     assert args.flops_per_token(128) == args.text.flops_per_token(128) + image // 128
+    three = plan_family("llava", "debugmodel", "--llava.max_images", "3", "--training.dataset", "webdataset",
+                        "--training.dataset_path", "shards.tar", seq_len=128).model_args
+    assert three.flops_per_token(128) == three.text.flops_per_token(128) + 3 * image // 128
+
+
+def test_the_pipeline_split_gives_the_towers_stage_fewer_layers_when_its_images_weigh():
+    """The tower and projector run on the first stage: their forward FLOPs (llava.max_images images of
+    577 positions through CLIP ViT-L) count there, so LLaVA-1.5-7B's 32 layers over 4 stages at seq_len
+    4096 split evenly for 1 image (it weighs under one layer) and leave the first stage fewer for 7 (the
+    most the sequence holds: 7 x 576 placeholders)."""
+    from titanlike.config import load_job_config
+    from titanlike.train.plan import plan_job
+
+    def layers(images: int) -> tuple[int, ...]:
+        cfg = load_job_config(["--model.name", "llava", "--model.flavor", "llava-1.5-7b", "--training.seq_len", "4096",
+                               "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "4",
+                               "--parallelism.pipeline_parallel_schedule", "1F1B", "--training.dataset", "webdataset",
+                               "--training.dataset_path", "shards.tar", "--llava.max_images", str(images)])
+        return plan_job(cfg, 4, vocab_size=32064).pipeline.layers
+
+    assert layers(1) == (8, 8, 8, 8)
+    heavy = layers(7)
+    assert sum(heavy) == 32 and heavy[0] < min(heavy[1:]), heavy
+    costs = SPEC.flavors["llava-1.5-7b"].layer_costs(4096)
+    assert costs[0] > costs[1] == costs[-1]  # the tower weighs on the first layer only
 
 
 @pytest.mark.parametrize("preset, trains", [

@@ -75,14 +75,21 @@ def contract_violations(spec: ModelSpec, args, model: nn.Module) -> list[str]:
             bad.append(f"tied_weights {alias} is not the same Parameter as {owner}")
     if tied and not callable(getattr(model, "tie_weights", None)):
         bad.append("tied_weights is set but the model has no tie_weights()")
+    from titanlike.parallel.pipeline import end_module
+
     ends = spec.pipeline_ends
     for name in (ends.inputs + ends.outputs) if ends is not None else ():
         # None: a flavor without that end (BERT's post-norm models have no final norm).
-        if not hasattr(model, name) or not isinstance(getattr(model, name), (nn.Module, type(None))):
+        try:
+            end = end_module(model, name)
+        except AttributeError:
+            end = "absent"
+        if not isinstance(end, (nn.Module, type(None))):
             bad.append(f"pipeline end {name} is not a module of the model")
             continue
-        setattr(model, name, None)
-        if getattr(model, name) is not None:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, None)
+        if end_module(model, name) is not None:
             bad.append(f"pipeline end {name} cannot be set to None")
     return bad
 

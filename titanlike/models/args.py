@@ -143,8 +143,10 @@ class BaseModelArgs:
     def layer_costs(self, seq_len: int) -> list[float] | None:
         """Relative compute of each trunk layer at this sequence length (e.g. forward FLOPs per token),
         for models whose layers differ in cost (a hybrid's Mamba, attention and MLP layers): the
-        pipeline split then balances the stages' summed costs. None (the default): every layer costs
-        the same, and the split balances layer counts."""
+        pipeline split then balances the stages' summed costs. Work the first stage does besides its
+        layers (a vision tower beside the embedding) is added to the first layer's cost: that layer
+        always goes there. None (the default): every layer costs the same, and the split balances
+        layer counts."""
         return None
 
     def attention_shape(self) -> AttentionShape | None:

@@ -30,7 +30,8 @@ class PipelineEnds:
     """Which top-level modules belong to the first pipeline stage (inputs) and to the last (outputs).
 
     The generic split (parallel/pipeline.py) keeps `inputs` on stage 0, `outputs` on the last
-    stage, sets them to None elsewhere, and hands every stage its share of `layers`.
+    stage, sets them to None elsewhere, and hands every stage its share of `layers`. A name is a
+    dotted path where an end sits inside a submodule (LLaVA: `language_model.tok_embeddings`).
     """
 
     inputs: tuple[str, ...]

@@ -78,9 +78,12 @@ class ImageCaption(Objective):
             if plain:
                 raise ValueError("validation needs validation.dataset and validation.dataset_path: the shards "
                                  f"{plain[0]} hold out no split (a folder energon prepare made gives its val part)")
-        if cfg.training.seq_len < self.tokens_per_image + 3:
-            raise ValueError(f"training.seq_len {cfg.training.seq_len} cannot hold an image's {self.tokens_per_image} "
-                             f"tokens and a caption; set it to at least {self.tokens_per_image + 3}")
+        # Every sample carries max_images images' placeholders, BOS, and at least one caption token and EOS.
+        need = self.max_images * self.tokens_per_image + 3
+        if cfg.training.seq_len < need:
+            raise ValueError(f"training.seq_len {cfg.training.seq_len} cannot hold llava.max_images "
+                             f"{self.max_images} x {self.tokens_per_image} image tokens and a caption; set it to "
+                             f"at least {need}")
 
     def validate_held_out(self, dataset: str) -> None:
         # The synthetic captions draw held-out images; an Energon folder has a val part (validate() checks the paths).

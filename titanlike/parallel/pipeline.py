@@ -291,11 +291,16 @@ def pipeline_stage(model: nn.Module, ends: PipelineEnds, layer_keys: list[str], 
     for key in list(stage.layers.keys()):
         if key not in keep:
             del stage.layers[key]
-    for name in () if first else ends.inputs:
-        setattr(stage, name, None)
-    for name in () if last else ends.outputs:
-        setattr(stage, name, None)
+    for name in [*(() if first else ends.inputs), *(() if last else ends.outputs)]:
+        parent, _, attr = name.rpartition(".")
+        setattr(stage.get_submodule(parent), attr, None)
     return stage
+
+
+def end_module(model: nn.Module, name: str) -> nn.Module | None:
+    """The pipeline end `name` (a dotted path, PipelineEnds) of a model or stage, None where it is not held."""
+    parent, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(parent), attr)
 
 
 def build_stage_modules(model: nn.Module, spec: ModelSpec, layout: PipelineLayout, pp_rank: int) -> list[nn.Module]:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from titanlike.config.schema import opt
 from titanlike.models.llava.hf_adapter import LlavaHF
-from titanlike.models.llava.model import PARTS, Llava, LlavaArgs, VisionArgs
+from titanlike.models.llava.model import PARTS, TEXT_ENDS, Llava, LlavaArgs, VisionArgs
 from titanlike.models.llava.sharding import llava_sharding
-from titanlike.models.registry import ModelOptions, ModelSpec, get_model_spec, register_model_spec
+from titanlike.models.registry import ModelOptions, ModelSpec, PipelineEnds, get_model_spec, register_model_spec
 from titanlike.objectives.image_caption import ImageCaption
 
 _llama = get_model_spec("llama3").args_cls
@@ -79,6 +79,7 @@ def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:
         raise ValueError(f"llava.max_images must be at least 1, got {options.max_images}")
     if options.max_image_pixels < 1:
         raise ValueError(f"llava.max_image_pixels must be at least 1, got {options.max_image_pixels}")
+    args = dataclasses.replace(args, images_per_sample=options.max_images)
     if not options.freeze:
         return args
     try:
@@ -89,6 +90,10 @@ def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:
 
 register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, shard=llava_sharding,
                               objective=image_caption,
-                              hf=LlavaHF(), options=ModelOptions("llava", LlavaOptions, _with_options)))
+                              hf=LlavaHF(), options=ModelOptions("llava", LlavaOptions, _with_options),
+                              # The tower and projector go with the embeddings the images are spliced into.
+                              pipeline_ends=PipelineEnds(
+                                  inputs=("vision_tower", "projector", *(f"language_model.{n}" for n in TEXT_ENDS[0])),
+                                  outputs=tuple(f"language_model.{n}" for n in TEXT_ENDS[1]))))
 
 __all__ = ["Llava", "LlavaArgs", "LlavaOptions", "VisionArgs", "llava_flavors"]

@@ -14,6 +14,11 @@ num_hidden_layers and vision_feature_layer to the layers built (hf_adapter.py).
 
 The language model is any registered decoder family whose forward takes `embeddings` (the Decoder
 skeleton of models/common/decoder.py); it is built through the registry, never imported.
+
+Pipeline stages: the tower and the projector go with the embeddings to the first stage (the spec's
+pipeline_ends), the language model's blocks are split as a decoder's, its norm and output go to the
+last. `layer_costs` adds the images' forward FLOPs to the first layer's, so the balanced split gives
+the first stage fewer blocks when the images weigh.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from titanlike.objectives.image_caption import image_index as placeholder_index
 TOWERS = ("clip", "siglip")
 PARTS = ("vision_tower", "projector", "language_model")
 SELECT_STRATEGIES = ("default", "full")
+# The language model's pipeline ends (inputs, outputs) llava's split cuts it at (the Decoder skeleton's,
+# llama3's): the tower and projector join its input end on the first stage.
+TEXT_ENDS = (("tok_embeddings",), ("norm", "output"))
 # Hugging Face's activation names (hidden_act, projector_hidden_act) that the towers and the projector use.
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's
@@ -119,6 +127,9 @@ class LlavaArgs(BaseModelArgs):
     projector_bias: bool = True
     # Parts left untrained (requires_grad off), of PARTS: LLaVA's stage 1 trains the projector only.
     frozen: tuple[str, ...] = ()
+    # Images the tower encodes per sample: the job's llava.max_images (every sample carries that many,
+    # missing ones as zeros). The FLOPs and the pipeline stages' balance count them.
+    images_per_sample: int = 1
 
     def __post_init__(self) -> None:
         from titanlike.models.registry import get_model_spec
@@ -211,9 +222,22 @@ class LlavaArgs(BaseModelArgs):
         return tower + 6 * self.projector_params() * v.tokens_per_image
 
     def flops_per_token(self, seq_len: int) -> int:
-        # The language model's, plus one image's per sample of seq_len tokens (the caption samples'
-        # layout; a conversation with more images costs more than this counts).
-        return self.text.flops_per_token(seq_len) + self.image_flops() // seq_len
+        # The language model's, plus the images' of a sample of seq_len tokens.
+        return self.text.flops_per_token(seq_len) + self.images_per_sample * self.image_flops() // seq_len
+
+    def layer_costs(self, seq_len: int) -> list[float]:
+        """Forward FLOPs per token of each language-model layer (its own family's layer_costs, or its
+        FLOPs less the output projection's, spread evenly), the first layer's plus the images' tower
+        and projector: they run on the first pipeline stage, which that layer always joins, so the
+        balanced split gives that stage fewer layers when the images weigh."""
+        text, n = self.text, self.text.num_layers
+        costs = text.layer_costs(seq_len)
+        if costs is None:
+            per_layer = (text.flops_per_token(seq_len) / 3 - 2 * text.vocab_size * text.hidden_size) / n
+            costs = [max(per_layer, 0.0)] * n
+        costs = list(costs)
+        costs[0] += self.images_per_sample * self.image_flops() / (3 * seq_len)
+        return costs
 
     def attention_shape(self) -> AttentionShape | None:
         return self.text.attention_shape()
@@ -233,6 +257,14 @@ class LlavaArgs(BaseModelArgs):
                 if value % dims.tp:
                     raise ValueError(f"the vision tower's {name} {value} must be divisible by "
                                      f"parallelism.tensor_parallel_degree {dims.tp} (its heads and MLP are split)")
+        if dims.pp > 1:
+            from titanlike.models.registry import get_model_spec
+
+            ends = get_model_spec(self.language_model).pipeline_ends
+            if ends is None or (ends.inputs, ends.outputs) != TEXT_ENDS:
+                raise ValueError(f"llava splits its language model into pipeline stages at {TEXT_ENDS[0][0]} and "
+                                 f"{'/'.join(TEXT_ENDS[1])}, which {self.language_model} does not end with; set "
+                                 "parallelism.pipeline_parallel_degree 1")
         if self.image_token_id >= self.text.vocab_size:
             raise ValueError(f"the image token id {self.image_token_id} is outside the vocabulary of "
                              f"{self.text.vocab_size} tokens")
@@ -417,6 +449,8 @@ class Llava(nn.Module):
         when the tokens are a slice of the sequence (context parallelism) that cannot count the
         placeholders before it; None: counted from the tokens."""
         lm = self.language_model
+        if lm.tok_embeddings is None:  # a later pipeline stage: `tokens` are the hidden states
+            return lm(tokens, positions, mask)
         h = lm.embed(tokens, positions)
         if pixel_values is not None:
             h = self._splice(tokens, h, pixel_values, image_index)
@@ -482,9 +516,11 @@ class Llava(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
-        self.vision_tower.init_weights(seed=seed, prefix="vision_tower.")
-        self.projector.init_weights(seed=seed, prefix="projector.")
+        for name in ("vision_tower", "projector"):  # None on a pipeline stage other than the first
+            if getattr(self, name) is not None:
+                getattr(self, name).init_weights(seed=seed, prefix=f"{name}.")
         self.language_model.init_weights(seed=seed, buffer_device=buffer_device)
 
 
-__all__ = ["PARTS", "ImageSplice", "Llava", "LlavaArgs", "Projector", "VisionArgs", "VisionAttention", "VisionTower"]
+__all__ = ["PARTS", "TEXT_ENDS", "ImageSplice", "Llava", "LlavaArgs", "Projector", "VisionArgs", "VisionAttention",
+           "VisionTower"]
