@@ -93,6 +93,9 @@ PUBLISHED: dict[tuple[str, str], Published] = {
     # LLaVA reads (vision_feature_layer -2), so the count adds the 24th back.
     ("llava", "llava-1.5-7b"): Published(Count(7.06, digits=2, unit=1e9), changes={"vision": {
         "kind": "clip", "image_size": 336, "patch_size": 14, "dim": 1024, "n_layers": 24, "n_heads": 16, "ffn_dim": 4096}}),
+    # llava-hf/llava-1.5-13b-hf: 13.4B, the same way.
+    ("llava", "llava-1.5-13b"): Published(Count(13.4, digits=1, unit=1e9), changes={"vision": {
+        "kind": "clip", "image_size": 336, "patch_size": 14, "dim": 1024, "n_layers": 24, "n_heads": 16, "ffn_dim": 4096}}),
 }
 
 # Released-size flavors that name no released model, and why.

@@ -166,14 +166,15 @@ def test_the_pipeline_split_gives_the_towers_stage_fewer_layers_when_its_images_
     assert costs[0] > costs[1] == costs[-1]  # the tower weighs on the first layer only
 
 
-@pytest.mark.parametrize("preset, trains", [
-    ("llava_1.5_7b_pretrain", {"projector"}),
-    ("llava_1.5_7b_finetune", {"projector", "language_model"}),
-    ("llava_1.5_7b_lora", {"projector", "adapters"}),
+@pytest.mark.parametrize("preset, flavor, world, tp, trains", [
+    ("llava_1.5_7b_pretrain", "llava-1.5-7b", 8, 1, {"projector"}),
+    ("llava_1.5_7b_finetune", "llava-1.5-7b", 8, 1, {"projector", "language_model"}),
+    ("llava_1.5_7b_lora", "llava-1.5-7b", 8, 1, {"projector", "adapters"}),
+    ("llava_1.5_13b_finetune", "llava-1.5-13b", 16, 2, {"projector", "language_model"}),
 ])
-def test_the_7b_presets_plan_from_a_hugging_face_folder(tmp_path, preset, trains):
-    """Each LLaVA-1.5-7B preset plans (plan_job, nothing allocated) on the 8 GPUs its comment names, from a
-    folder holding llava-hf/llava-1.5-7b-hf's config.json, and trains what its stage trains: stage 1 the
+def test_the_presets_plan_from_a_hugging_face_folder(tmp_path, preset, flavor, world, tp, trains):
+    """Each LLaVA-1.5 preset plans (plan_job, nothing allocated) on the GPUs its comment names, from a
+    folder holding llava-hf's config.json of its size, and trains what its stage trains: stage 1 the
     projector, stage 2 the language model and the projector, LoRA adapters on every linear of the language
     model (none in the tower) beside the projector in full."""
     import io
@@ -185,7 +186,7 @@ def test_the_7b_presets_plan_from_a_hugging_face_folder(tmp_path, preset, trains
     from titanlike.train.plan import plan_job
 
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(SPEC.hf.args_to_config(SPEC.flavors["llava-1.5-7b"])))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(SPEC.hf.args_to_config(SPEC.flavors[flavor])))
     (tmp_path / "shards").mkdir()
     (tmp_path / "stage1").mkdir()
     (tmp_path / "stage1" / ".metadata").touch()  # planning checks that stage 1's checkpoint is one; loading reads it
@@ -197,9 +198,10 @@ def test_the_7b_presets_plan_from_a_hugging_face_folder(tmp_path, preset, trains
                            str(tmp_path / "hf"), "--training.dataset_path", str(tmp_path / "shards"),
                            *(["--checkpoint.initial_load_path", str(tmp_path / "stage1")]
                              if "pretrain" not in preset else [])])
-    plan = plan_job(cfg, 8, vocab_size=32064)
-    args = plan.model_args
-    assert plan.dims.dp_shard == 8 and (args.text.dim, args.text.n_layers, args.vision.n_layers) == (4096, 32, 23)
+    plan = plan_job(cfg, world, vocab_size=32064)
+    args, want = plan.model_args, SPEC.flavors[flavor]
+    assert (plan.dims.dp_shard, plan.dims.tp) == (world // tp, tp)
+    assert (args.text.dim, args.text.n_layers, args.vision.n_layers) == (want.text.dim, want.text.n_layers, 23)
     with torch.device("meta"):
         model = SPEC.model_cls(args)
     if "lora" in cfg.model.converters:

@@ -47,6 +47,14 @@ llava_flavors: dict[str, LlavaArgs] = {
         text=_llama(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32064, multiple_of=11008,
                     norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096),
         image_token_id=32000),
+    # llava-hf/llava-1.5-13b-hf: the same tower, Vicuna-13B (Llama 2 13B's shape: 40 layers of width 5120,
+    # 40 heads, MLP width 13824).
+    "llava-1.5-13b": LlavaArgs(
+        vision=VisionArgs(kind="clip", image_size=336, patch_size=14, dim=1024, n_layers=23, n_heads=16, ffn_dim=4096,
+                          norm_eps=1e-5, hidden_act="quick_gelu", select="default"),
+        text=_llama(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32064, multiple_of=13824,
+                    norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096),
+        image_token_id=32000),
 }
 
 
