@@ -121,9 +121,10 @@ def train_in_process(argv: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def captured_output():
+def captured_output(stdout=None):
     """What the block prints (stdout and stderr) and logs at INFO (titanlike's logger, as rank 0 of a
-    launched job logs) into one StringIO, which the block yields."""
+    launched job logs) into one StringIO, which the block yields; stdout: a StringIO of its own for
+    what is printed to stdout, kept apart (a script's answer)."""
     import io
     import logging
 
@@ -134,7 +135,7 @@ def captured_output():
     root.addHandler(handler)
     titanlike_log.setLevel(logging.INFO)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with contextlib.redirect_stdout(out if stdout is None else stdout), contextlib.redirect_stderr(out):
             yield out
     finally:
         root.removeHandler(handler)
@@ -143,10 +144,12 @@ def captured_output():
 
 @dataclass
 class InProcessRun:
-    """A command's main() run in this process, read as a launched process's result: its exit code and
-    everything it printed and logged (stdout, stderr and logs in one text, as `stderr`)."""
+    """A command's main() run in this process, read as a launched process's result: its exit code,
+    everything it printed and logged (stdout, stderr and logs in one text, as `stderr`), and for a
+    script (script_here) what it printed to stdout alone."""
     returncode: int
     stderr: str
+    stdout: str = ""
 
 
 def train_here(argv: list[str]) -> InProcessRun:
@@ -175,9 +178,12 @@ def script_here(name: str, *args: str) -> InProcessRun:
     spec = importlib.util.spec_from_file_location(f"scripts_{Path(name).stem}", REPO / "scripts" / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    with captured_output() as out:
-        rc = module.main(list(args))
-    return InProcessRun(rc, out.getvalue())
+    import io
+
+    stdout = io.StringIO()
+    with captured_output(stdout) as out:
+        rc = module.main([str(a) for a in args])
+    return InProcessRun(rc, out.getvalue(), stdout.getvalue())
 
 
 def pytest_configure(config):
