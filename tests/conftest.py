@@ -152,10 +152,11 @@ class InProcessRun:
     stdout: str = ""
 
 
-def train_here(argv: list[str]) -> InProcessRun:
+def train_here(argv: list[str], checks: list | None = TEST_JOB_CHECKS) -> InProcessRun:
     """train.py argv in this process (train_in_process's thread and environment handling) where a test
     reads its exit code and what it said, as of a launch; an exception it raises is the test's failure
-    (a launched train.py would have printed a traceback)."""
+    (a launched train.py would have printed a traceback). checks: the pre-flight checks (None: those
+    installed packages register, as train.py runs them)."""
     from titanlike.cli.train import main
 
     threads = torch.get_num_threads()
@@ -163,7 +164,7 @@ def train_here(argv: list[str]) -> InProcessRun:
     environ = dict(os.environ)
     try:
         with captured_output() as out:
-            rc = main(argv, "train.py", checks=TEST_JOB_CHECKS)
+            rc = main(argv, "train.py", checks=checks)
     finally:
         torch.set_num_threads(threads)
         os.environ.clear()
