@@ -120,6 +120,73 @@ def train_in_process(argv: list[str]) -> None:
         raise AssertionError(f"train.main({argv}) returned {rc} (its log is in the captured output)")
 
 
+@contextlib.contextmanager
+def captured_output(stdout=None):
+    """What the block prints (stdout and stderr) and logs at INFO (titanlike's logger, as rank 0 of a
+    launched job logs) into one StringIO, which the block yields; stdout: a StringIO of its own for
+    what is printed to stdout, kept apart (a script's answer)."""
+    import io
+    import logging
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    root, titanlike_log = logging.getLogger(), logging.getLogger("titanlike")
+    level = titanlike_log.level
+    root.addHandler(handler)
+    titanlike_log.setLevel(logging.INFO)
+    try:
+        with contextlib.redirect_stdout(out if stdout is None else stdout), contextlib.redirect_stderr(out):
+            yield out
+    finally:
+        root.removeHandler(handler)
+        titanlike_log.setLevel(level)
+
+
+@dataclass
+class InProcessRun:
+    """A command's main() run in this process, read as a launched process's result: its exit code,
+    everything it printed and logged (stdout, stderr and logs in one text, as `stderr`), and for a
+    script (script_here) what it printed to stdout alone."""
+    returncode: int
+    stderr: str
+    stdout: str = ""
+
+
+def train_here(argv: list[str], checks: list | None = TEST_JOB_CHECKS) -> InProcessRun:
+    """train.py argv in this process (train_in_process's thread and environment handling) where a test
+    reads its exit code and what it said, as of a launch; an exception it raises is the test's failure
+    (a launched train.py would have printed a traceback). checks: the pre-flight checks (None: those
+    installed packages register, as train.py runs them)."""
+    from titanlike.cli.train import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    environ = dict(os.environ)
+    try:
+        with captured_output() as out:
+            rc = main(argv, "train.py", checks=checks)
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
+    return InProcessRun(rc, out.getvalue())
+
+
+def script_here(name: str, *args: str) -> InProcessRun:
+    """scripts/<name> run in this process (its main(argv)), read as train_here's result."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"scripts_{Path(name).stem}", REPO / "scripts" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import io
+
+    stdout = io.StringIO()
+    with captured_output(stdout) as out:
+        rc = module.main([str(a) for a in args])
+    return InProcessRun(rc, out.getvalue(), stdout.getvalue())
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "train_run(*extra, nproc=1, name='run', after=None): a train.py job (the tiny job plus extra) "
@@ -229,25 +296,14 @@ class TrainJobPool:
     def _run_here(self, job: _Job) -> None:
         """A single-process job inside this process (train_in_process), what it prints and logs kept as
         its output; its exit code, or the exception it raised, in `<name>.rc`."""
-        import io
-        import logging
         import traceback
 
-        out = io.StringIO()
-        handler = logging.StreamHandler(out)
-        root, titanlike_log = logging.getLogger(), logging.getLogger("titanlike")
-        level = titanlike_log.level
-        root.addHandler(handler)
-        titanlike_log.setLevel(logging.INFO)  # what rank 0 of a launched job logs
         rc = "0"
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            with captured_output() as out:
                 train_in_process(self._argv(job))
         except Exception:
             rc = f"raised:\n{traceback.format_exc()}"
-        finally:
-            root.removeHandler(handler)
-            titanlike_log.setLevel(level)
         (self.root / f"{job.name}.rc").write_text(rc)
         self.outputs[job.name] = out.getvalue()
 

@@ -207,8 +207,20 @@ def _greedy_right(model, tokenizer, by_length, stop, max_new_tokens: int) -> int
                         done[i] = next_id in stop
                         if not done[i]:
                             new[i].append(next_id)
+                            # A row whose answer so far no continuation can turn into the expected one is
+                            # wrong already: decoding it on changes nothing but the cost (an untrained
+                            # model's rows run to max_new_tokens). Its text is kept, so it still counts wrong.
+                            done[i] = _cannot_match(tokenizer.decode(new[i]), group[i][1])
                 if all(done):
                     break
                 tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
             right += sum(tokenizer.decode(ids).strip() == answer for ids, (_, answer) in zip(new, group))
     return right
+
+
+def _cannot_match(text: str, answer: str) -> bool:
+    """Whether no continuation of text can strip to answer (exact_match compares stripped answers). Only
+    sure verdicts: a prefix ending in an incomplete character (U+FFFD) may still become anything."""
+    if "\ufffd" in text:
+        return False
+    return not answer.startswith(text.strip())

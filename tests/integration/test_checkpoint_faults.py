@@ -9,7 +9,9 @@ nothing left behind.
   checkpoint kept; the relaunch removes a leftover step-N.tmp before its metrics writers start.
 * A NaN in one rank's parameter shard (2 ranks): no checkpoint is published, both ranks stop.
 
-Faults are injected by tests/faults.py around train.main() (no disk is filled for real).
+Faults are injected by tests/faults.py around train.main() (no disk is filled for real), in a launched
+process; the other runs, relaunches and scripts run in the test process (conftest.train_here,
+script_here: their exit code and what they said, no interpreter and torch import to pay per run).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_JOB, _env, launch, read_metrics
+from conftest import REPO, TINY_JOB, _env, launch, read_metrics, script_here, train_here, train_in_process
 from faults import flip_two_bytes, poison_entry, poison_index
 
 from titanlike.checkpoint import CheckpointError, load_model, published_steps
@@ -48,16 +50,11 @@ def with_fault(args: list[str], fault: dict, *, nproc: int = 1, timeout: float =
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def script(name: str, *args: str):
-    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """6 steps, full checkpoints at steps 3 and 6."""
     dump = tmp_path_factory.mktemp("trained")
-    launch([*JOB, "--job.dump_folder", str(dump)])
+    train_in_process([*JOB, "--job.dump_folder", str(dump)])
     return dump, by_step(read_metrics(dump))
 
 
@@ -70,8 +67,8 @@ def folder(trained, tmp_path) -> Path:
 
 def relaunch(tmp_path: Path, folder: Path, *extra: str, name: str = "run"):
     """The job extended to 9 steps, resuming from folder."""
-    return launch([*JOB, "--training.steps", "9", "--job.dump_folder", str(tmp_path / name),
-                   "--checkpoint.folder", str(folder), *extra], check=False, timeout=300)
+    return train_here([*JOB, "--training.steps", "9", "--job.dump_folder", str(tmp_path / name),
+                       "--checkpoint.folder", str(folder), *extra])
 
 
 def training_error(proc) -> str:
@@ -94,9 +91,9 @@ def test_crafted_index_is_refused_by_train_py_the_scripts_and_load_model(tmp_pat
                "refusing to unpickle it (a crafted or foreign file?)")
     assert training_error(relaunch(tmp_path, folder)).startswith(refusal + "; the newest checkpoint that verifies is")
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or read_metrics(tmp_path / "run") == []
-    proc = script("convert_dcp_to_hf.py", str(latest), str(tmp_path / "hf"))
+    proc = script_here("convert_dcp_to_hf.py", str(latest), str(tmp_path / "hf"))
     assert proc.returncode == 1 and f"convert_dcp_to_hf: {refusal}" in proc.stderr, proc.stderr[-2000:]
-    proc = script("generate.py", str(folder), "--max-new-tokens", "2")
+    proc = script_here("generate.py", str(folder), "--max-new-tokens", "2")
     assert proc.returncode == 1 and f"error: {refusal}" in proc.stderr, proc.stderr[-2000:]
     with pytest.raises(CheckpointError, match="refers to posix.system"):
         load_model(latest)
@@ -122,7 +119,7 @@ def test_flipped_bytes_stop_the_relaunch_or_fall_back(tmp_path, folder, trained)
     assert message.startswith(f"checkpoint file {file} is corrupt: its CRC-32 is "), message
     assert message.endswith(f"; the newest checkpoint that verifies is {folder}/step-3: resume from it with "
                             "--checkpoint.load_step 3 or --checkpoint.fallback_on_corruption"), message
-    proc = script("convert_dcp_to_hf.py", str(folder / "step-6"), str(tmp_path / "hf"))
+    proc = script_here("convert_dcp_to_hf.py", str(folder / "step-6"), str(tmp_path / "hf"))
     assert proc.returncode == 1 and f"checkpoint file {file} is corrupt" in proc.stderr, proc.stderr[-2000:]
 
     proc = relaunch(tmp_path, folder, "--checkpoint.fallback_on_corruption", name="fallback")

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY_JOB, _env, read_metrics, wait_for
+from conftest import REPO, TINY_JOB, _env, read_metrics, train_here, wait_for
 
 POISONED = "layers.1.feed_forward.w1.weight"
 
@@ -239,8 +239,8 @@ def test_second_job_on_a_dump_folder_is_refused_until_the_first_is_gone(tmp_path
         wait_for(lambda: lock.exists() and lock.stat().st_size > 0, first, "the lock")
         holder = json.loads(lock.read_text())
         assert holder["pid"] == first.pid
-        second = subprocess.run([sys.executable, str(REPO / "train.py"), *args, "--training.steps", "1"], cwd=REPO,
-                                env=_env(), capture_output=True, text=True, timeout=300)
+        # The second and third jobs in this process (conftest.train_here): the lock is the first's process's.
+        second = train_here([*args, "--training.steps", "1"])
         assert second.returncode == 1
         lines = [line for line in second.stderr.splitlines() if line.strip() and "Warning" not in line]
         assert lines[-1] == (
@@ -251,8 +251,7 @@ def test_second_job_on_a_dump_folder_is_refused_until_the_first_is_gone(tmp_path
     finally:
         first.kill()  # SIGKILL: no clean release, the kernel drops the flock
         first.wait()
-    third = subprocess.run([sys.executable, str(REPO / "train.py"), *args, "--training.steps", "1"], cwd=REPO,
-                           env=_env(), capture_output=True, text=True, timeout=300)
+    third = train_here([*args, "--training.steps", "1"])
     assert third.returncode == 0, third.stderr[-3000:]
     assert (f"job.dump_folder {dump}: taking over the lock of a titanlike job that is gone (pid {first.pid} on "
             f"{holder['host']} since {holder['since']}") in third.stderr

@@ -1,27 +1,26 @@
 """scripts/generate.py on a checkpoint written by train.py: greedy decoding is the argmax of the
 loaded model's logits token by token, sampling is reproducible from the seed, and a tokenizer
-that does not fit the model is refused."""
+that does not fit the model is refused. The job and the script run in the test process
+(conftest.train_in_process, script_here: the script's main, its exit code and what it printed)."""
 
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, TINY_JOB, launch
+from conftest import REPO, TINY_JOB, script_here, train_in_process
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     dump = tmp_path_factory.mktemp("gen")
-    launch([*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "2", "--checkpoint.enable",
-            "--checkpoint.interval", "2", "--job.dump_folder", str(dump)])
+    train_in_process([*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "2", "--checkpoint.enable",
+                      "--checkpoint.interval", "2", "--job.dump_folder", str(dump)])
     return dump / "checkpoint"
 
 
 def _generate(*args):
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return script_here("generate.py", *args)
 
 
 def test_greedy_is_the_argmax_continuation(checkpoint):

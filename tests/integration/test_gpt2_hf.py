@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 import titanlike
-from conftest import TINY_JOB, hf_warnings, launch, read_metrics
+from conftest import TINY_JOB, hf_warnings, read_metrics, train_here
 from family_checks import first_batch_and_hf_loss, materialize, probe_tokens
 from titanlike.checkpoint.format import CheckpointError
 from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp
@@ -150,17 +150,18 @@ def test_train_from_hf_and_export_to_hf(tmp_path):
     inputs, hf_loss = first_batch_and_hf_loss(hf, tokenizer)
 
     dump = tmp_path / "run"
-    proc = launch([*TINY_JOB, "--model.name", "gpt2", "--model.flavor", "debugmodel", "--job.dump_folder", str(dump),
-                   "--training.steps", "2", "--training.local_batch_size", "8",
-                   "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-                   "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf"])
+    proc = train_here([*TINY_JOB, "--model.name", "gpt2", "--model.flavor", "debugmodel", "--job.dump_folder",
+                       str(dump), "--training.steps", "2", "--training.local_batch_size", "8",
+                       "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                       "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     first = read_metrics(dump)[0]
     assert first["loss"] == pytest.approx(hf_loss, rel=1e-5)
     export = dump / "checkpoint" / "step-2"
     config = json.loads((export / "config.json").read_text())
     assert config["n_positions"] == 1024 and config["eos_token_id"] == tokenizer.eos_id
     # The job's tokenizer is part of the export, and the log says so.
-    assert "checkpoint: tokenizer.json and tokenizer_config.json from" in proc.stdout + proc.stderr
+    assert "checkpoint: tokenizer.json and tokenizer_config.json from" in proc.stderr
     with hf_warnings() as warned:
         hf_tok = AutoTokenizer.from_pretrained(export)
         trained = GPT2LMHeadModel.from_pretrained(export).eval()

@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import titanlike
-from conftest import REPO, TINY_JOB, hf_warnings, launch, read_metrics
+from conftest import REPO, hf_warnings, read_metrics
 from family_checks import (
     check_hf_export,
     check_hf_import,
@@ -89,22 +89,34 @@ def test_convert_reports_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.distributed
-def test_train_from_hf_and_export_to_hf(tmp_path):
-    """On 2 ranks (FSDP2): rank 0 reads the HF weights and broadcasts them into the shards;
-    at the end every rank writes its shards and rank 0 converts them to HF."""
+def _debugmodel_hf(seed: int = 4):
+    """A random transformers Llama of the debug flavor (the debug tokenizer's vocabulary) and that tokenizer."""
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
     args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=tokenizer.vocab_size, max_seq_len=64)
-    hf = hf_model(args, seed=4)
-    hf.save_pretrained(tmp_path / "hf")
+    return hf_model(args, seed=seed), tokenizer
+
+
+def write_debugmodel_hf(root):
+    """_debugmodel_hf's model saved in the pool's scratch folder when the 2-rank launch starts (the test
+    builds the same model again from the seed to know the first loss)."""
+    folder = root / "hf_interchange_debugmodel"
+    _debugmodel_hf()[0].save_pretrained(folder)
+    return folder
+
+
+# A pooled 2-rank job (conftest.TrainJobPool): its HF folder is written when its launch starts.
+@pytest.mark.train_run("--training.steps", "2", "--checkpoint.enable", "--checkpoint.initial_load_path",
+                       write_debugmodel_hf, "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf",
+                       "--training.local_batch_size", "2", "--training.global_batch_size", "8", nproc=2)
+def test_train_from_hf_and_export_to_hf(train_run):
+    """On 2 ranks (FSDP2): rank 0 reads the HF weights and broadcasts them into the shards;
+    at the end every rank writes its shards and rank 0 converts them to HF."""
+    hf, tokenizer = _debugmodel_hf()
     inputs, hf_loss = first_batch_and_hf_loss(hf, tokenizer)
 
-    dump = tmp_path / "run"
-    launch([*TINY_JOB, "--job.dump_folder", str(dump), "--training.steps", "2",
-            "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-            "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf",
-            "--training.local_batch_size", "2", "--training.global_batch_size", "8"], nproc=2)
+    dump = train_run.folder
     first = read_metrics(dump)[0]
     assert first["step"] == 1
     assert first["loss"] == pytest.approx(hf_loss, rel=1e-5)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import REPO, launch, train_metrics
+from conftest import REPO, train_here, train_in_process, train_metrics
 from sft_assets import TAGGED, tokenizer_folder
 
 DATA = str(REPO / "tests" / "assets" / "sft" / "reverse_words.jsonl")
@@ -30,11 +30,13 @@ def test_lora_from_a_hugging_face_folder_to_a_peft_adapter(tmp_path):
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**get_model_spec("llama3").hf.args_to_config(args))) \
         .save_pretrained(hf_folder)
     dump = tmp_path / "out"
-    proc = launch(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.flavor",
-                   "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
-                   "--checkpoint.last_save_in_hf", "--training.steps", "4", "--training.seq_len", "64",
-                   "--training.local_batch_size", "4", "--metrics.no_enable_tensorboard", "--job.dump_folder", str(dump)])
-    assert "lora: rank 8, alpha 16 on 32 linear layers" in proc.stdout + proc.stderr
+    run = train_here(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.flavor",
+                      "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
+                      "--checkpoint.last_save_in_hf", "--training.steps", "4", "--training.seq_len", "64",
+                      "--training.local_batch_size", "4", "--metrics.no_enable_tensorboard",
+                      "--job.dump_folder", str(dump)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "lora: rank 8, alpha 16 on 32 linear layers" in run.stderr
     export = dump / "checkpoint" / "step-4"
     tokens = torch.randint(0, tokenizer.vocab_size, (2, 16))
     with torch.no_grad():
@@ -49,11 +51,11 @@ def test_lora_from_a_hugging_face_folder_to_a_peft_adapter(tmp_path):
     # Import: a new run starts from the base folder and the adapter (a learning rate too small to move
     # anything), and exports the same merged model.
     again = tmp_path / "again"
-    launch(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.flavor",
-            "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
-            "--checkpoint.last_save_in_hf", "--training.steps", "1", "--training.seq_len", "64",
-            "--training.local_batch_size", "4", "--optimizer.lr", "1e-12", "--metrics.no_enable_tensorboard",
-            "--lora.adapter_path", str(export / "adapter"), "--job.dump_folder", str(again)])
+    train_in_process(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.flavor",
+                      "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
+                      "--checkpoint.last_save_in_hf", "--training.steps", "1", "--training.seq_len", "64",
+                      "--training.local_batch_size", "4", "--optimizer.lr", "1e-12", "--metrics.no_enable_tensorboard",
+                      "--lora.adapter_path", str(export / "adapter"), "--job.dump_folder", str(again)])
     with torch.no_grad():
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(again / "checkpoint" / "step-1").eval()
         torch.testing.assert_close(reloaded(tokens).logits, merged, rtol=0, atol=1e-4)

@@ -1,4 +1,5 @@
-"""train.py on Megatron-format data written by scripts/preprocess_data.py, single prefix and a blend."""
+"""train.py on Megatron-format data written by scripts/preprocess_data.py, single prefix and a blend; the jobs
+and their refusals run in the test process (conftest.train_in_process, train_here)."""
 
 import gzip
 import json
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY_JOB, launch, read_metrics
+from conftest import REPO, TINY_JOB, read_metrics, train_here, train_in_process
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +30,15 @@ def prefixes(tmp_path_factory):
 @pytest.mark.parametrize("blend", [False, True])
 def test_train_on_megatron_data(tmp_path, prefixes, blend):
     path = f"0.7 {prefixes[0]} 0.3 {prefixes[1]}" if blend else prefixes[0]
-    launch([*TINY_JOB, "--training.steps", "3", "--training.local_batch_size", "2",
-            "--training.dataset", "megatron", "--training.dataset_path", path, "--job.dump_folder", str(tmp_path)])
+    train_in_process([*TINY_JOB, "--training.steps", "3", "--training.local_batch_size", "2",
+                      "--training.dataset", "megatron", "--training.dataset_path", path,
+                      "--job.dump_folder", str(tmp_path)])
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert len(losses) == 3 and all(0 < x < 20 for x in losses)
 
 
 def test_missing_prefix_is_a_config_error(tmp_path):
-    proc = launch(["--training.dataset", "megatron", "--training.dataset_path", str(tmp_path / "nope")],
-                  check=False, timeout=60)
+    proc = train_here(["--training.dataset", "megatron", "--training.dataset_path", str(tmp_path / "nope")])
     assert proc.returncode == 2
     assert "nope.bin does not exist" in proc.stderr
 
@@ -45,9 +46,9 @@ def test_missing_prefix_is_a_config_error(tmp_path):
 def test_validation_on_the_held_out_split(tmp_path, prefixes):
     from titanlike.data.blend import build_megatron_dataset
 
-    launch([*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "4",
-            "--training.dataset", "megatron", "--training.dataset_path", prefixes[0],
-            "--validation.enable", "--validation.freq", "2", "--job.dump_folder", str(tmp_path)])
+    train_in_process([*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "4",
+                      "--training.dataset", "megatron", "--training.dataset_path", prefixes[0],
+                      "--validation.enable", "--validation.freq", "2", "--job.dump_folder", str(tmp_path)])
     valid = [r for r in read_metrics(tmp_path) if "validation_loss" in r]
     # validation.steps -1: every whole batch of 4 of the 'valid' part of split 969,30,1, once.
     held_out = build_megatron_dataset(prefixes[0], seq_len=64, num_samples=None, seed=0, split="969,30,1",
@@ -93,10 +94,10 @@ def sentence_prefix(tmp_path_factory):
                          ids=["bert", "t5"])
 def test_encoder_families_train_on_sentence_split_data(tmp_path, sentence_prefix, family):
     name, extra = family
-    launch([*TINY_JOB, "--model.name", name, "--model.flavor", "debugmodel", *extra, "--training.steps", "3",
-            "--training.local_batch_size", "4", "--training.dataset", "megatron", "--training.dataset_path",
-            sentence_prefix, "--validation.enable", "--validation.freq", "3", "--validation.steps", "2",
-            "--job.dump_folder", str(tmp_path)])
+    train_in_process([*TINY_JOB, "--model.name", name, "--model.flavor", "debugmodel", *extra, "--training.steps",
+                      "3", "--training.local_batch_size", "4", "--training.dataset", "megatron",
+                      "--training.dataset_path", sentence_prefix, "--validation.enable", "--validation.freq", "3",
+                      "--validation.steps", "2", "--job.dump_folder", str(tmp_path)])
     records = read_metrics(tmp_path)
     losses = [r["loss"] for r in records if "loss" in r]
     valid = [r for r in records if "validation_loss" in r]
@@ -108,8 +109,7 @@ def test_encoder_families_train_on_sentence_split_data(tmp_path, sentence_prefix
 
 
 def test_encoder_samples_need_sentence_split_sources(tmp_path):
-    proc = launch([*TINY_JOB, "--model.name", "bert", "--model.flavor", "debugmodel", "--training.dataset", "text",
-                   "--training.dataset_path", str(REPO / "README.md"), "--job.dump_folder", str(tmp_path)],
-                  check=False, timeout=60)
+    proc = train_here([*TINY_JOB, "--model.name", "bert", "--model.flavor", "debugmodel", "--training.dataset",
+                       "text", "--training.dataset_path", str(REPO / "README.md"), "--job.dump_folder", str(tmp_path)])
     assert proc.returncode == 2
     assert "cannot give masked_lm samples" in proc.stderr and "--split-sentences" in proc.stderr

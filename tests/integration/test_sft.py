@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, launch, read_metrics, train_in_process
+from conftest import REPO, read_metrics, train_in_process
 from sft_assets import TAGGED, exact_match, first_word_task, reverse_task, tokenizer_folder, write_jsonl
 
 PRESET = ["--job.config_file", str(REPO / "train_configs" / "sft_debug.toml"), "--metrics.no_enable_tensorboard"]
@@ -102,11 +102,11 @@ def test_sft_from_a_hugging_face_folder_to_one(tmp_path):
     hf.save_pretrained(hf_folder)
     data = write_jsonl(tmp_path / "conv.jsonl", reverse_task(200, seed=3, words=2))
     dump = tmp_path / "out"
-    launch([*PRESET, "--model.flavor", "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder),
-            "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--training.dataset_path", str(data),
-            "--training.steps", "3", "--training.local_batch_size", "2", "--training.seq_len", "64",
-            "--metrics.log_freq", "1", "--metrics.enable_jsonl", "--validation.enable", "--validation.freq", "3",
-            "--training.split", "90,10", "--job.dump_folder", str(dump)])
+    train_in_process([*PRESET, "--model.flavor", "debugmodel_tiny", "--model.hf_assets_path", str(hf_folder),
+                      "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--training.dataset_path",
+                      str(data), "--training.steps", "3", "--training.local_batch_size", "2", "--training.seq_len",
+                      "64", "--metrics.log_freq", "1", "--metrics.enable_jsonl", "--validation.enable",
+                      "--validation.freq", "3", "--training.split", "90,10", "--job.dump_folder", str(dump)])
     records = read_metrics(dump)
 
     # The first step's loss is the HF model's on the first batch the loader gives (same samples).

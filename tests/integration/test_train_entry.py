@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from conftest import TINY_JOB, launch
+from conftest import TINY_JOB, launch, train_in_process
 
 
 def test_tensorboard_events_have_loss_tag(tmp_path):
-    launch([*TINY_JOB, "--training.steps", "3", "--training.local_batch_size", "2",
-            "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)])
+    train_in_process([*TINY_JOB, "--training.steps", "3", "--training.local_batch_size", "2",
+                      "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # torchtitan's layout: one timestamped folder per launch (beside the job's folder lock, observe/run_lock.py)

@@ -88,10 +88,10 @@ def test_async_mode_choices_are_enforced():
 
 
 def test_bad_checkpoint_option_exits_2_without_starting(tmp_path):
-    from conftest import TINY_JOB, launch
+    from conftest import TINY_JOB, train_here
 
-    proc = launch([*TINY_JOB, "--job.dump_folder", str(tmp_path), "--checkpoint.enable",
-                   "--checkpoint.interval", "0"], check=False, timeout=120)
+    proc = train_here([*TINY_JOB, "--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+                       "--checkpoint.interval", "0"])
     assert proc.returncode == 2
     assert "config error: checkpoint.interval must be at least 1, got 0" in proc.stderr
 

@@ -316,9 +316,9 @@ def test_valid_float8_configs_pass():
 
 @pytest.mark.skipif(not NO_FLOAT8_GPU, reason="the refusal is for machines without an SM 8.9+ GPU")
 def test_train_py_refuses_float8_on_this_machine_in_one_sentence():
-    from conftest import launch
+    from conftest import train_here
 
-    proc = launch(["--model.converters", "float8", "--training.steps", "1"], check=False, timeout=60)
+    proc = train_here(["--model.converters", "float8", "--training.steps", "1"])
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import TINY_JOB, launch
+from tests.conftest import TINY_JOB, train_here
 
 REPO = Path(__file__).resolve().parents[2]
 HEADER = 34  # MMIDIDX: magic 9 + version 8 + dtype code 1 + two counts 8 + 8
@@ -41,7 +41,9 @@ def megatron_prefix(tmp_path: Path, field: str, i: int, value: int) -> str:
 
 
 def run(tmp_path, *argv):
-    return launch([*TINY_JOB, "--job.dump_folder", str(tmp_path / "dump"), *argv], check=False, timeout=300)
+    """train.py argv in the test process (conftest.train_here: its exit code and what it said), with the
+    pre-flight checks train.py runs (the memory rule's among them)."""
+    return train_here([*TINY_JOB, "--job.dump_folder", str(tmp_path / "dump"), *argv], checks=None)
 
 
 def test_dataset_path_with_the_default_dataset(tmp_path):

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, _env
+from conftest import REPO
 from family_checks import check_stages_initialized_as_full, held_params, init_pipeline_stages, materialize, run_stages
 from titanlike.models.common import sharding
 from titanlike.models.gpt2 import GPT2, GPT2Args, gpt2_flavors
@@ -173,10 +171,13 @@ def test_pipeline_stages_compose_to_the_full_model():
 # ---------------------------------------------------------------- config rules through train.py
 
 
-def run_train(argv, world=1):
-    env = {**_env(), "WORLD_SIZE": str(world)}
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+def run_train(argv, world, monkeypatch):
+    """train.py argv in the test process (conftest.train_here) as a rank of a world of `world` sees it:
+    the refusals come before any process group exists."""
+    from conftest import train_here
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    return train_here(argv)
 
 
 @pytest.mark.parametrize("argv, world, fragment", [
@@ -185,8 +186,8 @@ def run_train(argv, world=1):
     (["--model.flavor", "debugmodel", "--training.seq_len", "2048"], 1,
      "gpt2 debugmodel: training.seq_len 2048 exceeds the model's context of 1024 positions"),
 ])
-def test_family_rules_refuse_with_one_sentence(argv, world, fragment):
-    proc = run_train(["--model.name", "gpt2", *argv], world=world)
+def test_family_rules_refuse_with_one_sentence(argv, world, fragment, monkeypatch):
+    proc = run_train(["--model.name", "gpt2", *argv], world, monkeypatch)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip() and line.startswith("config error")]
