@@ -304,21 +304,27 @@ def rope_only(tt, titanlike_model, tt_model, batch_size: int, seq_len: int, args
 
 
 def profile_steps(step_fns: dict, fetch, *, warmup: int, steps: int, rows: int = 30) -> None:
-    """torch.profiler over `steps` steps of each loop (same batches): self CPU ms and calls per step of
-    every operator, side by side, the costliest first."""
+    """torch.profiler over `steps` steps of each loop (same batches): self ms and calls per step of every
+    operator, side by side, the costliest first: GPU kernel time on a GPU (where the step's time is), CPU
+    time otherwise."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     batches = fetch(warmup + steps)
     per_op = {}
     for name, fn in step_fns.items():
         time_steps(fn, batches[:warmup])
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=activities) as prof:
             time_steps(fn, batches[warmup:])
-        per_op[name] = {e.key: (e.self_cpu_time_total / steps / 1000, e.count / steps) for e in prof.key_averages()}
+        per_op[name] = {e.key: ((e.self_device_time_total if gpu else e.self_cpu_time_total) / steps / 1000,
+                                e.count / steps) for e in prof.key_averages()}
     names = list(per_op)
     ops = sorted({op for table in per_op.values() for op in table},
                  key=lambda op: -max(table.get(op, (0, 0))[0] for table in per_op.values()))
-    print(f"load average: {load()}; self CPU ms per step (calls per step), {steps} profiled steps per loop")
+    print(f"load average: {load()}; self {'GPU' if gpu else 'CPU'} ms per step (calls per step), {steps} profiled "
+          "steps per loop")
     print(f"{'operator':48s}" + "".join(f" {name[:24]:>24s}" for name in names))
     for op in ops[:rows]:
         cells = (per_op[name].get(op, (0.0, 0)) for name in names)
