@@ -25,6 +25,20 @@ def _debug_text():
                   rope_theta=10000.0, max_seq_len=2048)
 
 
+def _clip_vit_l_336():
+    # LLaVA-1.5's tower: CLIP ViT-L/14 at 336 px, read at its layer 23 of 24 (vision_feature_layer -2).
+    return VisionArgs(kind="clip", image_size=336, patch_size=14, dim=1024, n_layers=23, n_heads=16, ffn_dim=4096,
+                      norm_eps=1e-5, hidden_act="quick_gelu", select="default")
+
+
+def _vicuna(dim: int, n_layers: int, mlp_width: int):
+    # Vicuna (Llama 2's shapes: heads of 128, no grouped keys) with LLaVA-1.5's vocabulary of 32064. Its
+    # MLP width is spelled multiple_of=mlp_width, the rule the Llama adapter reads back for a width no
+    # Llama 3 flavor has.
+    return _llama(dim=dim, n_layers=n_layers, n_heads=dim // 128, n_kv_heads=dim // 128, vocab_size=32064,
+                  multiple_of=mlp_width, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096)
+
+
 # <|image|>, a special token of the debug tokenizer (and of Llama 3's): no text encodes to it.
 DEBUG_IMAGE_TOKEN = 1803
 
@@ -38,23 +52,9 @@ llava_flavors: dict[str, LlavaArgs] = {
         vision=VisionArgs(kind="siglip", image_size=32, patch_size=8, dim=48, n_layers=2, n_heads=4, ffn_dim=96,
                           norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", select="full"),
         text=_debug_text(), image_token_id=DEBUG_IMAGE_TOKEN),
-    # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14 at 336 px read at its layer 23 of 24 (vision_feature_layer
-    # -2), Vicuna-7B (Llama 2 7B's shape) with the <image> token at 32000 of 32064. Its MLP width 11008 is
-    # spelled multiple_of=11008, the rule the Llama adapter reads back for a width no Llama 3 flavor has.
-    "llava-1.5-7b": LlavaArgs(
-        vision=VisionArgs(kind="clip", image_size=336, patch_size=14, dim=1024, n_layers=23, n_heads=16, ffn_dim=4096,
-                          norm_eps=1e-5, hidden_act="quick_gelu", select="default"),
-        text=_llama(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32064, multiple_of=11008,
-                    norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096),
-        image_token_id=32000),
-    # llava-hf/llava-1.5-13b-hf: the same tower, Vicuna-13B (Llama 2 13B's shape: 40 layers of width 5120,
-    # 40 heads, MLP width 13824).
-    "llava-1.5-13b": LlavaArgs(
-        vision=VisionArgs(kind="clip", image_size=336, patch_size=14, dim=1024, n_layers=23, n_heads=16, ffn_dim=4096,
-                          norm_eps=1e-5, hidden_act="quick_gelu", select="default"),
-        text=_llama(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32064, multiple_of=13824,
-                    norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096),
-        image_token_id=32000),
+    # llava-hf/llava-1.5-7b-hf and -13b-hf: LLaVA-1.5's tower, Vicuna-7B / -13B, the <image> token at 32000.
+    "llava-1.5-7b": LlavaArgs(vision=_clip_vit_l_336(), text=_vicuna(4096, 32, 11008), image_token_id=32000),
+    "llava-1.5-13b": LlavaArgs(vision=_clip_vit_l_336(), text=_vicuna(5120, 40, 13824), image_token_id=32000),
 }
 
 
