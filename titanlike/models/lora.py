@@ -266,14 +266,11 @@ def saved_parameters(model: nn.Module, options: LoRAOptions, hf_names: Mapping[s
 
     if not options.modules_to_save:
         return set()
-    found, named = set(), set()
+    found = set()
     for fqn, module in model.named_modules():
         fqn = canonical_fqn(fqn)
-        pattern = _named(fqn, options.modules_to_save, hf_names)
-        if pattern is None:
-            continue
-        named.add(pattern)
-        found.update(f"{fqn}.{name}" for name, _ in module.named_parameters(recurse=False))
+        if _named(fqn, options.modules_to_save, hf_names) is not None:
+            found.update(f"{fqn}.{name}" for name, _ in module.named_parameters(recurse=False))
     return found
 
 
@@ -566,10 +563,11 @@ def _saved_from_peft(model: nn.Module, folder: str, tensors: Mapping[str, torch.
     for name in sorted(saved_parameters(model, options, hf_module_names(model, spec, args))):
         raw, param = params[name]
         (key, _), = spec.hf.to_hf_state_dict({name: torch.empty(param.shape, device="meta")}, args).items()
-        value = tensors.get(f"{PEFT_PREFIX}{spec.hf.module_name(key)}")
+        path = spec.hf.module_name(key)
+        value = tensors.get(f"{PEFT_PREFIX}{path}")
         if value is None or tuple(value.shape) != tuple(param.shape):
             found = "nothing" if value is None else f"a tensor of shape {tuple(value.shape)}"
-            raise ValueError(f"{folder} holds {found} for {spec.hf.module_name(key)} ({name}, of shape "
+            raise ValueError(f"{folder} holds {found} for {path} ({name}, of shape "
                              f"{tuple(param.shape)}), which lora.modules_to_save trains in full")
         out[raw] = spec.hf.from_hf_state_dict({key: value}, args)[name].to(param.dtype)
     return out
