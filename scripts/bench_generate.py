@@ -5,6 +5,7 @@ in one process on the same machine.
     python scripts/bench_generate.py                       # llama3 debugmodel, batch 1 and 8
     python scripts/bench_generate.py --flavor debugmodel --dim 512 --n-layers 8 --markdown
     python scripts/bench_generate.py --compile --device cuda --dtype bfloat16   # + the compiled decode step
+    python scripts/bench_generate.py --family t5 --flavor debugmodel --compile --skip-hf --skip-uncached
 
 For each batch size: time to first token (the prefill and the first sample) and tokens per second
 over the whole call (every row's new tokens / wall time, the prefill included), greedy, prompts of
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's "
                         "own); on a machine shared with other jobs 1 avoids OpenMP threads spinning against them")
     parser.add_argument("--skip-uncached", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true", help="no transformers column: the engine against itself "
+                        "(with --compile, eager against compiled tokens, for a family transformers cannot run)")
     parser.add_argument("--compile", action="store_true", help="also time the engine with its decode step "
                         "compiled (Engine(compile=True)), as a column of its own")
     parser.add_argument("--device", default="cpu")
@@ -134,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     model.init_weights(seed=0)
     dtype = getattr(torch, args.dtype)
     model.to(dtype).eval()
-    with tempfile.TemporaryDirectory() as folder:
-        write_hf(model.state_dict(), spec, model_args, folder)
-        architecture = json.load(open(os.path.join(folder, "config.json")))["architectures"][0]
-        hf = getattr(transformers, architecture).from_pretrained(folder).to(args.device, dtype).eval()
+    hf = None
+    if not args.skip_hf:
+        with tempfile.TemporaryDirectory() as folder:
+            write_hf(model.state_dict(), spec, model_args, folder)
+            architecture = json.load(open(os.path.join(folder, "config.json")))["architectures"][0]
+            hf = getattr(transformers, architecture).from_pretrained(folder).to(args.device, dtype).eval()
     g = torch.Generator().manual_seed(0)
     params = model_args.num_params()
     print(f"# {args.family} {args.flavor} {changes or ''} ({params / 1e6:.1f}M parameters), prompt "
@@ -148,16 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts = torch.randint(3, model_args.vocab_size, (batch, args.prompt_len), generator=g).tolist()
-        runs = {"ours": ours(model, prompts, args.new_tokens), "hf": transformers_static(hf, prompts, args.new_tokens)}
+        runs = {"ours": ours(model, prompts, args.new_tokens)}
+        if hf is not None:
+            runs["hf"] = transformers_static(hf, prompts, args.new_tokens)
         if not args.skip_uncached:
             runs["uncached"] = uncached(model, prompts, args.new_tokens)
         if args.compile:
             runs["compiled"] = ours(model, prompts, args.new_tokens, compile=True)
         got = measure(runs, args.repeats)
         (ours_first, ours_rate), ours_tokens = got["ours"]
-        (hf_first, hf_rate), hf_tokens = got["hf"]
-        same = ours_tokens == hf_tokens
-        row = [batch, ours_first, ours_rate, hf_first, hf_rate, ours_rate / hf_rate]
+        same, row = True, [batch, ours_first, ours_rate]
+        if hf is not None:
+            (hf_first, hf_rate), hf_tokens = got["hf"]
+            same = ours_tokens == hf_tokens
+            row += [hf_first, hf_rate, ours_rate / hf_rate]
         if not args.skip_uncached:
             (un_first, un_rate), un_tokens = got["uncached"]
             same = same and un_tokens == ours_tokens
@@ -167,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             same = same and c_tokens == ours_tokens
             row += [c_first, c_rate, c_rate / ours_rate]
         rows.append(row + [same])
-    head = ["batch", "titanlike TTFT ms", "titanlike tok/s", "HF static TTFT ms", "HF static tok/s", "vs HF"]
+    head = ["batch", "titanlike TTFT ms", "titanlike tok/s"]
+    if hf is not None:
+        head += ["HF static TTFT ms", "HF static tok/s", "vs HF"]
     if not args.skip_uncached:
         head += ["uncached TTFT ms", "uncached tok/s", "vs uncached"]
     if args.compile:

@@ -194,10 +194,16 @@ def torchtitan_trainer(tt, job, model, device):
 
 
 def time_steps(step_fn, batches: list) -> float:
-    """Seconds for step_fn over the batches, fetched beforehand so that loading is not timed."""
+    """Seconds for step_fn over the batches, fetched beforehand so that loading is not timed; on a GPU
+    until the last kernel ends (a step that never syncs the host returns while its kernels queue)."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     start = time.perf_counter()
     for batch in batches:
         step_fn(batch)
+    sync()
     return time.perf_counter() - start
 
 
@@ -303,7 +309,7 @@ def rope_only(tt, titanlike_model, tt_model, batch_size: int, seq_len: int, args
     print(f"load average after: {load()}")
 
 
-def profile_steps(step_fns: dict, fetch, *, warmup: int, steps: int, rows: int = 30) -> None:
+def profile_steps(step_fns: dict, fetch, *, warmup: int, steps: int, rows: int = 60) -> None:
     """torch.profiler over `steps` steps of each loop (same batches): self ms and calls per step of every
     operator, side by side, the costliest first: GPU kernel time on a GPU (where the step's time is), CPU
     time otherwise."""
@@ -312,14 +318,21 @@ def profile_steps(step_fns: dict, fetch, *, warmup: int, steps: int, rows: int =
 
     gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    from torch._dynamo.utils import counters
+
     batches = fetch(warmup + steps)
-    per_op = {}
+    per_op, wall = {}, {}
     for name, fn in step_fns.items():
+        counters.clear()
         time_steps(fn, batches[:warmup])
+        wall[name] = time_steps(fn, batches[warmup:]) / steps * 1000  # unprofiled, for the gaps
         with profile(activities=activities) as prof:
             time_steps(fn, batches[warmup:])
         per_op[name] = {e.key: ((e.self_device_time_total if gpu else e.self_cpu_time_total) / steps / 1000,
                                 e.count / steps) for e in prof.key_averages()}
+        # Recompiles and graph breaks show as host time the kernel table does not count.
+        print(f"{name}: dynamo {dict(counters['stats'])}, graph breaks {sum(counters['graph_break'].values())}, "
+              f"recompiles {dict(counters['recompiles'])}")
     names = list(per_op)
     ops = sorted({op for table in per_op.values() for op in table},
                  key=lambda op: -max(table.get(op, (0, 0))[0] for table in per_op.values()))
@@ -330,6 +343,7 @@ def profile_steps(step_fns: dict, fetch, *, warmup: int, steps: int, rows: int =
         cells = (per_op[name].get(op, (0.0, 0)) for name in names)
         print(f"{op[:48]:48s}" + "".join(f" {f'{ms:.2f} ({calls:g})':>24s}" for ms, calls in cells))
     print(f"{'total':48s}" + "".join(f" {sum(ms for ms, _ in per_op[n].values()):24.1f}" for n in names))
+    print(f"{'wall ms per step (unprofiled)':48s}" + "".join(f" {wall[n]:24.1f}" for n in names))
 
 
 def main() -> None:

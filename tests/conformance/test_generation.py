@@ -8,7 +8,9 @@ vocabulary 256, width 128, at most 2 decoder layers) is written with the library
 - greedy continuations of the engine (one batch, per-row lengths) equal transformers' `generate`
   (one batch, left-padded with an attention mask) token for token;
 - teacher-forced on those tokens, the cached logits (prefill, then one decode step per token) equal
-  the uncached forward over the whole sequence within 1e-4 (fp32), row by row;
+  the uncached forward over the whole sequence within 1e-4 (fp32), row by row; so do those of a
+  static cache (a compiled step's), whose decode steps keep its tensors where they are, used
+  twice;
 - continuous batching on two slots (the third prompt refills the slot of the first, which ends
   early: the family's cache copies a row) gives each prompt the same tokens.
 An encoder-only model is refused in one sentence.
@@ -102,6 +104,13 @@ def _hf_greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
     return out[:, 1 if encoder_decoder else longest:].tolist()
 
 
+def _addresses(cache) -> dict[tuple[str, str], int]:
+    """Where each tensor a cache holds lives: (entry, attribute) -> data pointer."""
+    entries = {**{f"layer {k}": e for k, e in cache.layers.items()}, **cache.extra}
+    return {(key, name): value.data_ptr() for key, entry in entries.items() for name, value in vars(entry).items()
+            if isinstance(value, torch.Tensor)}
+
+
 def _uncached(model, prompt: list[int], new: list[int], encoder_decoder: bool) -> torch.Tensor:
     """Logits (len(new) + 1, vocab) of the token after the prompt and each prefix of `new`, from full
     forwards (decoder-only: the prompt and the new tokens as one sequence; T5: the prompt to the
@@ -129,14 +138,28 @@ def test_greedy_generation_equals_transformers_and_the_cache_equals_the_full_for
     padded = torch.zeros(len(prompts), max(PROMPT_LENGTHS), dtype=torch.long)
     for row, p in enumerate(prompts):
         padded[row, :len(p)] = torch.tensor(p)
-    cache = init_cache(len(prompts), max(PROMPT_LENGTHS) + NEW_TOKENS, device="cpu", dtype=torch.float32)
-    cached = [prefill(padded, lengths, cache)]
-    for step in range(NEW_TOKENS - 1):
-        cached.append(decode_step(torch.tensor([row[step] for row in ours]), cache))
-    cached = torch.stack(cached, dim=1)  # (batch, steps, vocab)
+
+    def teacher_forced(cache) -> torch.Tensor:  # (batch, steps, vocab)
+        cached = [prefill(padded, lengths, cache)]
+        held = _addresses(cache)
+        for step in range(NEW_TOKENS - 1):
+            cached.append(decode_step(torch.tensor([row[step] for row in ours]), cache))
+        # A static cache's decode steps write in place (a CUDA graph of the step reads and writes its
+        # state at the addresses it was recorded with).
+        assert not cache.static or _addresses(cache) == held, family
+        return torch.stack(cached, dim=1)
+
+    cached = teacher_forced(init_cache(len(prompts), max(PROMPT_LENGTHS) + NEW_TOKENS, device="cpu",
+                                       dtype=torch.float32))
     for row, p in enumerate(prompts):
         want = _uncached(model, p, ours[row][:-1], hf.config.is_encoder_decoder)
         torch.testing.assert_close(cached[row], want, rtol=0, atol=1e-4)
+    # The compiled engine's cache: static (every slot read, past a row's length masked), reused by
+    # the next call (its prefill rewrites what the call reads): the same logits both times.
+    static = init_cache(len(prompts), max(PROMPT_LENGTHS) + NEW_TOKENS + 4, device="cpu", dtype=torch.float32)
+    static.static = True
+    for _ in range(2):
+        torch.testing.assert_close(teacher_forced(static), cached, rtol=0, atol=1e-5)
 
     batch = ContinuousBatch(Engine(model), slots=2)
     lengths = (2, NEW_TOKENS, NEW_TOKENS)

@@ -159,6 +159,7 @@ def test_compiled_decode_gives_the_eager_tokens_without_recompiling():
     assert got == want
     assert [s.completion.tokens for s in seqs] == want[0] + want[1]
     assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs  # no graph after the first call's
+    assert len(engine._caches) == 1  # both calls' batches of 2 decode in one static cache (a CUDA graph's)
     assert batch.cache.static and batch.cache.layer("0").k.shape[2] == 40
 
 

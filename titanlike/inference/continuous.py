@@ -126,7 +126,7 @@ class ContinuousBatch:
         if not live:
             return
         self.cache.reset_rows([row for row, seq in enumerate(self.rows) if seq is None])
-        logits = self.engine.decode_step(self.last, self.cache)
+        logits = self.engine.decode(self.last, self.cache)
         self.steps += 1
         self._sample(logits[torch.tensor(live, device=logits.device)], live)
 

@@ -14,7 +14,12 @@ different lengths need no left padding and a row's slot can later be refilled on
 - Static (a compiled decode step, titanlike/inference/engine.py): every decode step reads all
   `capacity` slots (the mask hides those past a row's length), so its shapes never change and one
   compiled graph serves every step. The host-side bookkeeping (begin_decode, end_decode) stays out of
-  the graph: its integers would otherwise be guarded on, and change, at every step.
+  the graph: its integers would otherwise be guarded on, and change, at every step. On a GPU that
+  graph is replayed as a CUDA graph, which reads and writes its state at the addresses it was
+  recorded with: a static cache's tensors are marked as such after the prefill, state that a step
+  replaces as a whole is copied into its tensor instead (`keep`), and the engine reuses one cache
+  per batch size across calls (a prefill rewrites all that a call reads), so the recorded graph
+  stays valid.
 - Refill (continuous batching, titanlike/inference/continuous.py): a new prompt is prefilled in a
   cache of its own and copied into a free row (copy_row); a row that holds nothing is reset to
   length 0 (reset_rows) so its placeholder steps never fill the cache. Rows never mix (every op
@@ -72,6 +77,26 @@ class ModelCache:
         self.host_max_length = self.slots_in_use
         self._row_bounds = [self.slots_in_use] * self.batch_size
         self.prefilling = False
+        self._hold_static()
+
+    def _hold_static(self) -> None:
+        """In a static cache, mark the tensors it holds as the compiled step's inputs at fixed
+        addresses: CUDA graphs then neither copy them in at every replay nor refuse the step's
+        in-place writes into them. Unguarded: a tensor at a new address (one a prefill made anew)
+        re-records the CUDA graph rather than recompiling the step."""
+        if not self.static:
+            return
+        for entry in [*self.layers.values(), *self.extra.values()]:
+            for value in vars(entry).values():
+                if isinstance(value, torch.Tensor):
+                    torch._dynamo.mark_static_address(value, guard=False)
+
+    def keep(self, held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """State a step replaces as a whole (a Mamba-2 state): `new`, copied into the tensor already
+        held when the cache is static (a CUDA graph reads it at that address), else `new` itself."""
+        if self.static and held is not None and held.shape == new.shape:
+            return held.copy_(new)
+        return new
 
     @torch.compiler.disable
     def begin_decode(self) -> None:
@@ -102,6 +127,7 @@ class ModelCache:
         self.lengths[row] = source.lengths[source_row]
         self._row_bounds[row] = source._row_bounds[source_row]
         self.host_max_length = max(self._row_bounds)
+        self._hold_static()  # the first copy allocates the rows' tensors
 
     def reset_rows(self, rows: list[int]) -> None:
         """Rows that hold no sequence: length 0, so the placeholder steps they still take (the

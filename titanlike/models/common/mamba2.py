@@ -277,13 +277,14 @@ class Mamba2Mixer(nn.Module):
             # (token t is row t + K-1 of the zero-padded inputs).
             padded = torch.cat([xbc.new_zeros(batch, a.conv_kernel - 1, xbc.shape[-1]), xbc], dim=1)
             index = state.cache.prompt_lengths[:, None] + torch.arange(a.conv_kernel - 1, device=u.device)
-            state.conv = padded.gather(1, index[..., None].expand(-1, -1, xbc.shape[-1])).to(state.dtype)
+            state.conv = state.cache.keep(state.conv, padded.gather(1, index[..., None].expand(-1, -1, xbc.shape[-1]))
+                                          .to(state.dtype))
         else:
             window = torch.cat([state.conv.to(xbc.dtype), xbc], dim=1)  # (batch, K, channels)
             conv = (window * weight.to(xbc.dtype).t()).sum(1, keepdim=True)
             if bias is not None:
                 conv = conv + bias.to(xbc.dtype)
-            state.conv = window[:, 1:].to(state.conv.dtype)
+            state.conv = state.cache.keep(state.conv, window[:, 1:].to(state.conv.dtype))
         xbc = F.silu(conv)
         x, B, C = xbc.view(batch, seq, groups, width + 2 * n).split([width, n, n], dim=-1)
         x = x.reshape(batch, seq, -1, a.head_dim)
@@ -294,14 +295,15 @@ class Mamba2Mixer(nn.Module):
             # Placeholders past a row's prompt take steps of 0: they neither decay nor add to the
             # state, so the final state is the one after the row's last real token.
             real = torch.arange(seq, device=u.device)[None, :] < state.cache.prompt_lengths[:, None]
-            y, state.ssm = self._chunked_scan(x, dt * real[..., None], A, B, C, None)
+            y, ssm = self._chunked_scan(x, dt * real[..., None], A, B, C, None)
+            state.ssm = state.cache.keep(state.ssm, ssm)
         else:
             per_group = x.shape[2] // groups
             step_dt = dt[:, 0]  # (batch, heads)
             b_in = B[:, 0].float().repeat_interleave(per_group, dim=1)  # (batch, heads, n)
             c_out = C[:, 0].float().repeat_interleave(per_group, dim=1)
             update = (step_dt[..., None] * x[:, 0].float())[..., None] * b_in[:, :, None, :]
-            state.ssm = torch.exp(step_dt * A)[..., None, None] * state.ssm + update
+            state.ssm = state.cache.keep(state.ssm, torch.exp(step_dt * A)[..., None, None] * state.ssm + update)
             y = torch.einsum("bhpn,bhn->bhp", state.ssm, c_out)[:, None]
         y = y + x.float() * _local(self.D).float()[:, None]
         y = self.norm(y.reshape(batch, seq, -1), z.reshape(batch, seq, -1))
@@ -408,9 +410,9 @@ class Mamba2Mixer(nn.Module):
 class MambaState:
     """What a Mamba-2 layer keeps while generating: the last K-1 conv inputs (batch, K-1, channels)
     and the SSM state (batch, heads, head_dim, state_size, float32), this rank's heads only. Both
-    are replaced as a whole each step (their size does not grow with the sequence), first by the
-    prefill, which gives them their shapes (the forward's own: a weight outside the forward may be
-    an FSDP shard)."""
+    are replaced as a whole each step (their size does not grow with the sequence; a static cache
+    copies them into the tensors it holds, ModelCache.keep), first by the prefill, which gives them
+    their shapes (the forward's own: a weight outside the forward may be an FSDP shard)."""
 
     def __init__(self, cache, dtype: torch.dtype):
         self.cache, self.dtype = cache, dtype
