@@ -262,8 +262,9 @@ def report(times: dict[str, list[float]], unit: str, *, tokens: int = 0, flops_p
             tps = tokens / statistics.median(samples) * 1000
             line += f", {tps:,.0f} tokens/s" + (f", MFU {100 * tps * flops_per_token / peak:.1f}%" if peak else "")
         if name != base:
-            ratios = [b / s for b, s in zip(times[base], samples)]
-            line += f"; {base} / {name} = {statistics.median(ratios):.3f} (median of paired rounds)"
+            speedups = [s / b for b, s in zip(times[base], samples)]  # > 1: the base loop is faster
+            line += (f"; {base} speed / {name} speed = {statistics.median(speedups):.3f}x (median of paired "
+                     "rounds' time ratios)")
         print(line)
 
 
