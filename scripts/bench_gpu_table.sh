@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The single-GPU benchmark table of docs/performance.md: Llama 3.2 1B and 3B at seq 4096 and
-# 8192, eager vs compile vs compile + float8 vs activation-checkpointing modes, bf16.
+# 8192, eager vs compile vs compile + float8 (tensorwise, rowwise) vs activation-checkpointing modes
+# (op, full), bf16: 24 rows, about 12 minutes on an H200 (each row a process: start, compile, 23 steps).
 #
 #   bash scripts/bench_gpu_table.sh [TOKENIZER] > bench_table.log
 #
@@ -18,13 +19,14 @@ TOKENIZER=${1:-}
 STEPS=${BENCH_STEPS:-10}
 for flavor in 1b 3b; do
   for seq in 4096 8192; do
-    for mode in eager compile compile_float8 compile_ac_op compile_ac_full; do
+    for mode in eager compile compile_float8 compile_float8_rowwise compile_ac_op compile_ac_full; do
       args=(--job.config_file "train_configs/llama3_${flavor}.toml" --model.tokenizer_path "$TOKENIZER"
             --training.seq_len "$seq" --bench-warmup 3 --bench-steps "$STEPS" --bench-rounds 2)
       case $mode in
         eager) args+=(--compile.no_enable) ;;
         compile) ;;
         compile_float8) args+=(--model.converters float8) ;;
+        compile_float8_rowwise) args+=(--model.converters float8 --float8.recipe_name rowwise) ;;
         compile_ac_op) args+=(--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op) ;;
         compile_ac_full) args+=(--activation_checkpoint.mode full) ;;
       esac

@@ -3,6 +3,7 @@ token-by-token recurrence written here from the equations, on CPU, forward and b
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import pytest
@@ -181,6 +182,42 @@ def test_scan_kernel_choice_falls_back_to_torch_and_says_so(caplog):
         assert scan_implementation("torch", "cuda") == "torch"
     assert "PyTorch chunked scan" in caplog.text
     scan_implementation.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("mamba_ssm") is None,
+                    reason="a GPU check: mamba_ssm's Triton kernels run on CUDA only (docs/performance.md says how "
+                           "a lent GPU runs it)")
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_mamba_ssm_kernels_give_the_pytorch_scan_on_a_gpu(with_documents):
+    """The mixer with mamba_ssm's fused chunked scan (`mamba_chunk_scan_combined`, what kernel "auto"
+    picks on CUDA) against the same mixer with the PyTorch scan, fp32: outputs, the input's gradient
+    and every parameter's, packed documents (its seq_idx) included."""
+    args = Mamba2Args(num_heads=4, head_dim=32, state_size=64, n_groups=2, conv_kernel=4, chunk_size=64,
+                      dt_limit_min=0.001)
+    dim = 128
+    with torch.device("meta"):
+        m = Mamba2Mixer(dim, args, norm_eps=1e-5)
+    m.to_empty(device="cuda")
+    m.init_weights(LinearInit(std=0.2, out_std=0.2), seed=0, prefix="mixer.")
+    assert m.scan_impl == "mamba_ssm"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    u = torch.randn(2, 300, dim, device="cuda", generator=g)
+    mask = None
+    if with_documents:
+        ids = documents(2, 300, 5).cuda()
+        mask = DocumentMask(document_ids=ids, positions=torch.zeros_like(ids))
+    results = {}
+    for impl in ("mamba_ssm", "torch"):
+        m.scan_impl = impl
+        m.zero_grad(set_to_none=True)
+        x = u.clone().requires_grad_()
+        out = m(x, mask) if mask is not None else m(x)
+        out.pow(2).mean().backward()
+        results[impl] = [out.detach(), x.grad] + [p.grad for p in m.parameters()]
+    names = ["output", "input grad"] + [name for name, _ in m.named_parameters()]
+    for name, fused, ours in zip(names, results["mamba_ssm"], results["torch"]):
+        error = ((fused - ours).norm() / ours.norm()).item()
+        assert error < 1e-2, (name, error)  # Triton's fp32 dots may round through TF32
 
 
 def test_bad_mamba_args_are_refused_in_one_sentence():

@@ -137,8 +137,11 @@ class Engine:
             # with the prompts, and it runs once per call. dynamic=False: a new batch size gets a
             # graph of its own rather than a symbolic one. On a GPU, "reduce-overhead" replays the
             # step as a CUDA graph: one launch instead of a few hundred kernels' (a decode step of
-            # a model this size is launch overhead; transformers' static cache does the same).
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            # a model this size is launch overhead; transformers' static cache does the same). One
+            # process only: a tensor-parallel step's collectives inside a CUDA graph have not run on
+            # the machines this was checked on (one GPU), so several ranks compile without graphs.
+            alone = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+            mode = "reduce-overhead" if self.device.type == "cuda" and alone else None
             self.decode_step = torch.compile(self.decode_step, dynamic=False, mode=mode)
 
     def init_cache(self, batch_size: int, capacity: int, *, device, dtype):

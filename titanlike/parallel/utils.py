@@ -24,6 +24,7 @@ class GradNorm:
     total: torch.Tensor
     nonfinite_at: torch.Tensor
     order: list[int]
+    factor: torch.Tensor | None = None  # scale=False: the multiplier the gradients still need
 
     def nonfinite_param(self) -> int | None:
         """Index of this rank's parameter whose gradient was non-finite, or None (reads the device)."""
@@ -34,10 +35,12 @@ class GradNorm:
 @torch.no_grad()
 def clip_grad_norm_(
     parameters, max_norm: float, *, pp_mesh: DeviceMesh | None = None, exclude: frozenset[int] = frozenset(),
-    prescale: torch.Tensor | float = 1.0,
+    prescale: torch.Tensor | float = 1.0, scale: bool = True,
 ) -> GradNorm:
     """Scale the gradients by `prescale`, clip them to a total L2 norm of max_norm over every
     parameter of every rank, and return that norm (of the scaled gradients, before clipping).
+    scale=False leaves the gradients as they are and returns the multiplier in `factor`, for an
+    optimizer that applies it in its own pass (fused AdamW's grad_scale: titanlike/train/step.py).
 
     prescale folds the step's one division of the gradients (by the global target count, or by the
     loss scale) into the clipping multiplication: one pass over the gradients instead of two.
@@ -79,8 +82,12 @@ def clip_grad_norm_(
     # torch's clip_grads_with_norm_ coefficient. A non-finite norm does not clip (clipping by it
     # would make every gradient nan); the step that follows is skipped anyway.
     clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    scale_gradients(params, torch.where(total.isfinite(), clip, torch.ones_like(clip)) * prescale)
-    return GradNorm(total, nonfinite_at, [i for indices in groups.values() for i in indices])
+    factor = torch.where(total.isfinite(), clip, torch.ones_like(clip)) * prescale
+    order = [i for indices in groups.values() for i in indices]
+    if not scale:
+        return GradNorm(total, nonfinite_at, order, factor)
+    scale_gradients(params, factor)
+    return GradNorm(total, nonfinite_at, order)
 
 
 @torch.no_grad()

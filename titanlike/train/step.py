@@ -23,7 +23,10 @@ gradients, so `finite` is the same on every rank with no extra collective. The f
 take it as their `found_inf` flag (torch's mechanism for gradient scalers): on a non-finite step
 they leave parameters, moments and step counts as they were, without the host knowing. torch's
 foreach and for-loop kernels have no such flag; with those (optimizer.implementation) the step
-reads the flag on the host before updating, one synchronization per step.
+reads the flag on the host before updating, one synchronization per step. The fused kernels also
+take the step's one multiplication of the gradients (the division by the token count times the
+clipping coefficient) as their `grad_scale`, which they divide each gradient by as they read it:
+that saves a pass over every gradient (on an H200, 3.3 ms of an 85 ms Llama 3.2 1B step).
 
 float16 loss scaling (train/loss_scaling.py): backward differentiates scale / global_tokens x the
 summed loss, and the one multiplication unscaling the gradients replaces the division by the
@@ -180,10 +183,11 @@ class TrainStep:
         norm = clip_grad_norm_(self.params, self.max_norm, pp_mesh=self.pp_mesh,
                                exclude=frozenset(self.tied.duplicates) if self.tied else frozenset(),
                                prescale=1.0 / self.loss_scaler.scale if self.loss_scaler is not None
-                               else 1.0 / global_tokens)
+                               else 1.0 / global_tokens, scale=not self.device_skips)
         finite = norm.total.isfinite()
         if self.device_skips:
             self.optimizer.found_inf = (~finite).float().to(self.optimizer_device)
+            self.optimizer.grad_scale = (1.0 / norm.factor).to(self.optimizer_device)
             self.optimizer.step()
         elif bool(finite):  # torch's foreach / for-loop kernels: the host decides
             self.optimizer.step()
