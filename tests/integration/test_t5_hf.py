@@ -160,3 +160,36 @@ def test_checkpoint_round_trip_and_load_model(tmp_path, variant):
     assert (back.lm_head.weight is back.shared.weight) is args.tie_word_embeddings
     with torch.no_grad():
         torch.testing.assert_close(hf_logits(back, *batch), want, rtol=0, atol=ATOL)
+
+
+def test_generation_starts_the_decoder_where_the_folder_says(tmp_path):
+    """A Hugging Face folder whose decoder_start_token_id is not 0 (T5's own): generate.py's engine
+    starts the decoder from config.json's id, and its greedy tokens equal transformers' generate;
+    a start id outside the vocabulary is one sentence."""
+    from titanlike.inference import Engine, GenerationError, SamplingParams
+    from titanlike.inference.loading import decoder_start_id
+
+    # As many decoder layers as encoder ones: transformers' generate sizes its cache by the encoder's.
+    hf = hf_model(dataclasses.replace(tiny_args("original"), n_decoder_layers=2))
+    hf.config.decoder_start_token_id = hf.generation_config.decoder_start_token_id = 7
+    hf.save_pretrained(tmp_path / "hf")
+    model = titanlike.load_model(tmp_path / "hf").eval()
+    tokenizer = None  # no tokenizer files: the folder's config.json is what is read
+    start = decoder_start_id(str(tmp_path / "hf"), tokenizer, model)
+    assert start == 7
+    prompts = [[11, 20, 31, 9, 14], [40, 41, 5]]
+    got = [c.tokens for c in Engine(model, start_id=start).generate(prompts, SamplingParams(max_new_tokens=6))[0]]
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, :len(p)], mask[row, :len(p)] = torch.tensor(p), 1
+    want = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert want[:, 0].tolist() == [7, 7] and got == want[:, 1:].tolist()
+    from0 = [c.tokens for c in Engine(model, start_id=0).generate(prompts, SamplingParams(max_new_tokens=6))[0]]
+    assert from0 != got  # the start token matters: the test can tell
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "decoder_start_token_id": 10**9}))
+    with pytest.raises(GenerationError, match="decoder start token 1000000000, which is not an id"):
+        decoder_start_id(str(tmp_path / "hf"), tokenizer, model)
+

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 1
 
     from titanlike.inference import Engine, GenerationError, SamplingParams
-    from titanlike.inference.loading import load_model_arguments
+    from titanlike.inference.loading import decoder_start_id, load_model_arguments
 
     from titanlike.inference.loading import one_process
 
@@ -186,11 +186,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return fail(str(e))
     except Exception as e:  # a chat template that refuses the messages, a hostile file's content
         return fail(f"a prompt cannot be encoded: {type(e).__name__}: {e}")
-    start_id = getattr(tokenizer, "pad_id", None)  # an encoder-decoder's decoder start (T5: pad)
+    try:
+        start_id = decoder_start_id(args.checkpoint, tokenizer, model)
+    except GenerationError as e:
+        return fail(str(e))
     # Compiled, one cache length for every batch (a graph per length otherwise).
     context = min(model.model_args.context_len, max(map(len, ids)) + args.max_new_tokens) if args.compile else None
-    engine = Engine(model, start_id=start_id if isinstance(start_id, int) else None, compile=args.compile,
-                    context_len=context)
+    engine = Engine(model, start_id=start_id, compile=args.compile, context_len=context)
     try:
         engine.check_prompts(ids)
     except GenerationError as e:

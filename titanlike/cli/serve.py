@@ -54,7 +54,7 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     from titanlike.data.chat_template import chat_prompt_ids, end_of_turn_ids, load_chat_template
     from titanlike.data.errors import DataError
     from titanlike.inference import Engine
-    from titanlike.inference.loading import load_model_arguments
+    from titanlike.inference.loading import decoder_start_id, load_model_arguments
     from titanlike.inference.server import OpenAIServer, Tokenizer
 
     try:
@@ -70,9 +70,11 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     max_len = args.max_model_len or min(context, 4096)
     if max_len > context:
         return None, f"--max-model-len {max_len} exceeds the model's context of {context} tokens"
-    start_id = getattr(tokenizer, "pad_id", None)  # an encoder-decoder's decoder start (T5: pad)
-    engine = Engine(model, context_len=max_len, start_id=start_id if isinstance(start_id, int) else None,
-                    compile=args.compile)
+    try:
+        start_id = decoder_start_id(args.checkpoint, tokenizer, model)
+    except GenerationError as e:
+        return None, str(e)
+    engine = Engine(model, context_len=max_len, start_id=start_id, compile=args.compile)
     eos = frozenset({tokenizer.eos_id} if tokenizer.eos_id is not None else ())
     api_tokenizer = Tokenizer(encode=lambda text: tokenizer.encode(text, bos=True, eos=False),
                               decode=tokenizer.decode, vocab_size=vocab, stop_ids=eos,

@@ -102,6 +102,39 @@ def checkpoint_tokenizer(checkpoint: str, tokenizer: str | None = None):
         raise GenerationError(f"the tokenizer {path} cannot be read: {e}") from None
 
 
+def decoder_start_id(checkpoint: str, tokenizer, model: nn.Module) -> int | None:
+    """The token an encoder-decoder's decoder starts from (T5: the pad id its samples start the
+    decoder inputs with): a Hugging Face folder's config.json `decoder_start_token_id`, a titanlike
+    checkpoint's recorded pad id, else the tokenizer's; None leaves the model's default. An id
+    outside the vocabulary is a GenerationError, one sentence."""
+    import json
+
+    from titanlike.checkpoint import CheckpointError
+    from titanlike.checkpoint.format import HF_CONFIG, is_hf_folder, read_sidecar, resolve_checkpoint_folder
+
+    value, where = None, None
+    try:
+        folder = resolve_checkpoint_folder(checkpoint)
+        if is_hf_folder(folder):
+            where = os.path.join(folder, HF_CONFIG)
+            with open(where) as f:
+                value = json.load(f).get("decoder_start_token_id")
+        else:
+            where = f"{folder}'s tokenizer record"
+            value = ((read_sidecar(folder) or {}).get("tokenizer") or {}).get("pad_id")
+    except (CheckpointError, OSError, ValueError, AttributeError):
+        value = None  # load_for_inference has read this checkpoint: what it lacks, it does not need
+    if value is None:
+        value, where = getattr(tokenizer, "pad_id", None), "the tokenizer's pad id"
+    if value is None:
+        return None
+    vocab = vocab_size(model)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+        raise GenerationError(f"{where} gives the decoder start token {json.dumps(value)[:40]}, which is not an id "
+                              f"of the model's {vocab}-token vocabulary")
+    return value
+
+
 # The dtypes weights may be cast to for inference (the names of train.py's checkpoint.export_dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -196,5 +229,5 @@ def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device:
 
 
 __all__ = ["DTYPES", "PIPELINE_REFUSAL", "add_model_arguments",
-           "checkpoint_tokenizer", "choose_device", "load_for_inference", "load_model_arguments", "model_dtype",
+           "checkpoint_tokenizer", "choose_device", "decoder_start_id", "load_for_inference", "load_model_arguments", "model_dtype",
            "one_process", "refuse_encoders", "scores_only", "training_objective", "vocab_size"]
