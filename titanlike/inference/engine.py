@@ -129,7 +129,7 @@ class Engine:
         self.context_len = context_len or model.model_args.context_len
         self.start_id = start_id
         self.compiled = compile
-        self._caches = {}  # compiled: one static cache per (batch size, capacity), reused by every call
+        self._cache = None  # compiled: the static cache the last call decoded in (kept for the next)
         if compile:
             # Static shapes: every cache holds context_len slots and a decode step reads them all
             # (ModelCache.static), so the one-token step is one graph for every step of every call
@@ -158,15 +158,15 @@ class Engine:
         return self.decode_step(tokens, cache)
 
     def _call_cache(self, batch_size: int, capacity: int):
-        """A cache for one generate call: compiled, the static cache of this batch size, which the
-        prefill rewrites (its tensors keep their addresses, so a recorded CUDA graph of the step stays
-        valid); else a new one."""
+        """A cache for one generate call: compiled, the last call's static cache when it has this batch
+        size, which the prefill rewrites (its tensors keep their addresses, so a recorded CUDA graph of
+        the step stays valid), else a new one that replaces it (one cache's memory at a time)."""
         if not self.compiled:
             return self.init_cache(batch_size, capacity, device=self.device, dtype=self.dtype)
-        if (batch_size, capacity) not in self._caches:
-            self._caches[batch_size, capacity] = self.init_cache(batch_size, capacity, device=self.device,
-                                                                 dtype=self.dtype)
-        return self._caches[batch_size, capacity]
+        if self._cache is None or (self._cache.batch_size, self._cache.capacity) != (batch_size, capacity):
+            self._cache = None  # freed before the new one is allocated
+            self._cache = self.init_cache(batch_size, capacity, device=self.device, dtype=self.dtype)
+        return self._cache
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """GenerationError, one sentence, for prompts the model cannot continue."""

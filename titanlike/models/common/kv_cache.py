@@ -17,9 +17,9 @@ different lengths need no left padding and a row's slot can later be refilled on
   the graph: its integers would otherwise be guarded on, and change, at every step. On a GPU that
   graph is replayed as a CUDA graph, which reads and writes its state at the addresses it was
   recorded with: a static cache's tensors are marked as such after the prefill, state that a step
-  replaces as a whole is copied into its tensor instead (`keep`), and the engine reuses one cache
-  per batch size across calls (a prefill rewrites all that a call reads), so the recorded graph
-  stays valid.
+  replaces as a whole is copied into its tensor instead (`keep`), and the engine reuses its cache
+  for the next call of the same batch size (a prefill rewrites all that a call reads), so the
+  recorded graph stays valid.
 - Refill (continuous batching, titanlike/inference/continuous.py): a new prompt is prefilled in a
   cache of its own and copied into a free row (copy_row); a row that holds nothing is reset to
   length 0 (reset_rows) so its placeholder steps never fill the cache. Rows never mix (every op
