@@ -162,9 +162,7 @@ class ImageCaption(Objective):
                 ids += [self.image_token_id] * self.tokens_per_image
             if piece:
                 ids += tokenizer.encode(piece, bos=False, eos=False)
-        if not images:
-            return ids, {}
-        return ids, {"pixel_values": torch.stack([self.processor(image) for image in images])[None]}
+        return ids, self._prefill_fields(images)
 
     def chat_prompt(self, tokenizer, template, messages, images=()) -> tuple[list[int], dict[str, torch.Tensor]]:
         """A conversation as the chat template renders it, with its generation prompt, and each `<image>`
@@ -190,9 +188,13 @@ class ImageCaption(Objective):
             raise ValueError(f"the conversation's text spells the image token {token} itself; write {IMAGE_MARK} "
                              "where an image goes")
         ids, _ = expand_images(ids, [False] * len(ids), self.image_token_id, self.tokens_per_image)
+        return ids, self._prefill_fields(images)
+
+    def _prefill_fields(self, images) -> dict[str, torch.Tensor]:
+        """A prompt's images as the prefill takes them: pixel_values (1, images, C, H, W); none, nothing."""
         if not images:
-            return ids, {}
-        return ids, {"pixel_values": torch.stack([self.processor(image) for image in images])[None]}
+            return {}
+        return {"pixel_values": torch.stack([self.processor(image) for image in images])[None]}
 
     def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
         inputs, labels = batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device)
