@@ -8,7 +8,8 @@
 # the package, mamba_chunk_scan_combined (mamba_ssm/ops/triton/ssd_combined.py), whose modules are
 # pure Python and Triton; they are copied as they are into .gpu-kit/mamba/mamba_ssm. The package's
 # own __init__ imports its compiled selective-scan extension, so the kit's __init__ sets the version
-# only. einops (which the kernels import) comes as a wheel. On the GPU box, after activate.sh:
+# only. einops (which the kernels import) and pytest come as wheels (pip download --no-deps
+# --only-binary=:all:, into .gpu-kit/whl). On the GPU box, after activate.sh:
 #
 #   export PYTHONPATH=$PWD/.gpu-kit/mamba:$PYTHONPATH
 #   python -m pytest -q tests/unit/test_mamba2.py -k gpu   # the kernels against the PyTorch scan

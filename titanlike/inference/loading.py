@@ -228,6 +228,6 @@ def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device:
     return model, tok
 
 
-__all__ = ["DTYPES", "PIPELINE_REFUSAL", "add_model_arguments",
-           "checkpoint_tokenizer", "choose_device", "decoder_start_id", "load_for_inference", "load_model_arguments", "model_dtype",
-           "one_process", "refuse_encoders", "scores_only", "training_objective", "vocab_size"]
+__all__ = ["DTYPES", "PIPELINE_REFUSAL", "add_model_arguments", "checkpoint_tokenizer", "choose_device",
+           "decoder_start_id", "load_for_inference", "load_model_arguments", "model_dtype", "one_process",
+           "refuse_encoders", "scores_only", "training_objective", "vocab_size"]
