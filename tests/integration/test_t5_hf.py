@@ -165,7 +165,7 @@ def test_checkpoint_round_trip_and_load_model(tmp_path, variant):
 def test_generation_starts_the_decoder_where_the_folder_says(tmp_path):
     """A Hugging Face folder whose decoder_start_token_id is not 0 (T5's own): generate.py's engine
     starts the decoder from config.json's id, and its greedy tokens equal transformers' generate;
-    a start id outside the vocabulary is one sentence."""
+    without one, from the tokenizer's pad token; a start id outside the vocabulary is one sentence."""
     from titanlike.inference import Engine, GenerationError, SamplingParams
     from titanlike.inference.loading import decoder_start_id
 
@@ -189,6 +189,16 @@ def test_generation_starts_the_decoder_where_the_folder_says(tmp_path):
     assert from0 != got  # the start token matters: the test can tell
 
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    # No id in config.json: the tokenizer's pad token, found as the span-corruption samples find it.
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "decoder_start_token_id": None}))
+    from tokenizers import Tokenizer, models
+
+    words = {"<unk>": 0, "</s>": 1, "hello": 2, "<pad>": 5}
+    (tmp_path / "tok").mkdir()
+    Tokenizer(models.WordLevel(words, unk_token="<unk>")).save(str(tmp_path / "tok" / "tokenizer.json"))
+    from titanlike.data import build_tokenizer
+
+    assert decoder_start_id(str(tmp_path / "hf"), build_tokenizer(str(tmp_path / "tok")), model) == 5
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "decoder_start_token_id": 10**9}))
     with pytest.raises(GenerationError, match="decoder start token 1000000000, which is not an id"):
         decoder_start_id(str(tmp_path / "hf"), tokenizer, model)

@@ -289,7 +289,6 @@ NOT_HOOKS = {
     ("titanlike/models/converters.py", "_titanlike_gloo"): "our marker on a torchao handler function",
     ("titanlike/models/converters.py", "fp8_autocast"): "Transformer Engine's module API",
     ("estimation/probe.py", "pipeline_order"): "torch's pipeline schedule",
-    ("titanlike/inference/loading.py", "pad_id"): "a tokenizer's (a tokenizer.json folder's has none)",
 }
 
 

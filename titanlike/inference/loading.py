@@ -105,8 +105,9 @@ def checkpoint_tokenizer(checkpoint: str, tokenizer: str | None = None):
 def decoder_start_id(checkpoint: str, tokenizer, model: nn.Module) -> int | None:
     """The token an encoder-decoder's decoder starts from (T5: the pad id its samples start the
     decoder inputs with): a Hugging Face folder's config.json `decoder_start_token_id`, a titanlike
-    checkpoint's recorded pad id, else the tokenizer's; None leaves the model's default. An id
-    outside the vocabulary is a GenerationError, one sentence."""
+    checkpoint's recorded pad id, else the tokenizer's pad token (data/special_tokens.py, as the
+    samples find it); None leaves the model's default. An id outside the vocabulary is a
+    GenerationError, one sentence."""
     import json
 
     from titanlike.checkpoint import CheckpointError
@@ -124,8 +125,14 @@ def decoder_start_id(checkpoint: str, tokenizer, model: nn.Module) -> int | None
             value = ((read_sidecar(folder) or {}).get("tokenizer") or {}).get("pad_id")
     except (CheckpointError, OSError, ValueError, AttributeError):
         value = None  # load_for_inference has read this checkpoint: what it lacks, it does not need
-    if value is None:
-        value, where = getattr(tokenizer, "pad_id", None), "the tokenizer's pad id"
+    if value is None and tokenizer is not None:  # the pad token span-corruption samples start with
+        from titanlike.data.errors import DataError
+        from titanlike.data.special_tokens import special_token_ids
+
+        try:
+            value, where = special_token_ids(tokenizer, ["pad"])["pad"], "the tokenizer's pad token"
+        except (DataError, TypeError):
+            value = None
     if value is None:
         return None
     vocab = vocab_size(model)
