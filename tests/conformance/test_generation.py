@@ -104,11 +104,9 @@ def _hf_greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
     return out[:, 1 if encoder_decoder else longest:].tolist()
 
 
-def _addresses(cache) -> dict[tuple[str, str], int]:
+def _addresses(cache) -> dict[tuple[str, str, str], int]:
     """Where each tensor a cache holds lives: (entry, attribute) -> data pointer."""
-    entries = {**{f"layer {k}": e for k, e in cache.layers.items()}, **cache.extra}
-    return {(key, name): value.data_ptr() for key, entry in entries.items() for name, value in vars(entry).items()
-            if isinstance(value, torch.Tensor)}
+    return {where: value.data_ptr() for where, value in cache.held_tensors().items()}
 
 
 def _uncached(model, prompt: list[int], new: list[int], encoder_decoder: bool) -> torch.Tensor:

@@ -86,10 +86,15 @@ class ModelCache:
         re-records the CUDA graph rather than recompiling the step."""
         if not self.static:
             return
-        for entry in [*self.layers.values(), *self.extra.values()]:
-            for value in vars(entry).values():
-                if isinstance(value, torch.Tensor):
-                    torch._dynamo.mark_static_address(value, guard=False)
+        for value in self.held_tensors().values():
+            torch._dynamo.mark_static_address(value, guard=False)
+
+    def held_tensors(self) -> dict[tuple[str, str, str], torch.Tensor]:
+        """Every tensor the layers' and the family's entries hold: ("layers" or "extra", entry key,
+        attribute) -> tensor."""
+        return {(kind, key, name): value for kind, entries in (("layers", self.layers), ("extra", self.extra))
+                for key, entry in entries.items() for name, value in vars(entry).items()
+                if isinstance(value, torch.Tensor)}
 
     def keep(self, held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """State a step replaces as a whole (a Mamba-2 state): `new`, copied into the tensor already
