@@ -19,6 +19,7 @@ as it is generated; the speed (tokens/s, time to first token) goes to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -76,7 +77,7 @@ def _sampling_error(e: ValueError) -> str:
     return f"--{name.replace('_', '-')} {rest}"
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, compile_shapes="every batch's cache holds the longest prompt + --max-new-tokens")
     parser.add_argument("--prompt", action="append", help="prompt text (repeat for several); default: a BOS only")
@@ -101,130 +102,124 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together; 1 streams the text "
                         "as it is generated")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser
 
-    def fail(message: str) -> int:
-        print(f"error: {message}", file=sys.stderr)
-        return 1
 
-    from titanlike.inference import Engine, GenerationError, SamplingParams
-    from titanlike.inference.loading import decoder_start_id, load_model_arguments
+def _request(args: argparse.Namespace):
+    """(prompts, SamplingParams) the options ask for, --chat's texts as user turns; GenerationError,
+    one sentence, for options that ask for nothing sensible."""
+    from titanlike.inference import GenerationError, SamplingParams
 
-    from titanlike.inference.loading import one_process
-
-    try:
-        one_process("titanlike-generate")
-    except GenerationError as e:
-        return fail(str(e))
     if args.batch_size < 1:
-        return fail(f"--batch-size must be at least 1, got {args.batch_size}")
+        raise GenerationError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.prompt is not None and any(p == "" for p in args.prompt):
-        return fail("--prompt is empty: give some text, or leave --prompt out to sample from a BOS token alone")
+        raise GenerationError("--prompt is empty: give some text, or leave --prompt out to sample from a BOS token "
+                              "alone")
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                                 stop_strings=tuple(args.stop), stop_token_ids=frozenset(args.stop_token),
                                 seed=args.seed)
     except ValueError as e:
-        return fail(_sampling_error(e))
+        raise GenerationError(_sampling_error(e)) from None
     prompts: list = list(args.prompt or [])
     if args.prompts_file:
         try:
             prompts += _read_prompts_file(args.prompts_file, chat=args.chat)
         except ValueError as e:
-            return fail(str(e))
+            raise GenerationError(str(e)) from None
     prompts = prompts or [""]
-
-    try:
-        model, tokenizer = load_model_arguments(args)
-    except GenerationError as e:
-        return fail(str(e))
-    vocab = tokenizer.vocab_size
-    bad_stop = [t for t in args.stop_token if t >= vocab]
-    if bad_stop:
-        return fail(f"--stop-token {bad_stop[0]} is not a token id of the model's vocabulary of {vocab}")
-    stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
     if args.chat:
-        from titanlike.data.chat_template import chat_prompt_ids, end_of_turn_ids, load_chat_template
-        from titanlike.data.errors import DataError
+        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    return prompts, params
 
-        try:
-            template = load_chat_template("auto", tokenizer, option="--chat")
-        except DataError as e:
-            return fail(str(e))
-        stops = end_of_turn_ids(template, tokenizer)
-    params = SamplingParams(**{**params.__dict__, "stop_token_ids": frozenset(stops | set(args.stop_token))})
+
+def _read_images(paths: list[str]) -> list:
+    """The --image files as RGB PIL images; GenerationError, one sentence, for one that is no image."""
+    from titanlike.inference import GenerationError
 
     images = []
-    for path in args.image:
+    for path in paths:
         from PIL import Image, UnidentifiedImageError
 
         try:
             with Image.open(path) as image:
                 images.append(image.convert("RGB"))
         except (OSError, UnidentifiedImageError) as e:
-            return fail(f"--image {path} cannot be read as an image: {e}")
-    objective = training_objective(model) if images else None
-    fields = [{}]
+            raise GenerationError(f"--image {path} cannot be read as an image: {e}") from None
+    return images
 
-    def encode(prompt) -> list[int]:
-        if args.chat:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            if objective is None:
-                return chat_prompt_ids(template, tokenizer, messages)
-            ids, fields[0] = objective.chat_prompt(tokenizer, template, messages, images)
-            return ids
-        if objective is None:
-            return tokenizer.encode(prompt, bos=True, eos=False)
-        # The objective the model trained with knows where its images go in a prompt.
-        ids, fields[0] = objective.prompt(tokenizer, prompt, images)
-        return ids
+
+def _encode(processor, prompts: list, images: list) -> list[list[int]]:
+    """Every prompt's token ids with the images (the processor's); GenerationError, one sentence."""
+    from titanlike.inference import GenerationError
 
     try:
-        ids = [encode(p) for p in prompts]
+        return [processor.encode(prompt, images) for prompt in prompts]
     except ValueError as e:
-        return fail(str(e))
+        raise GenerationError(str(e)) from None
     except Exception as e:  # a chat template that refuses the messages, a hostile file's content
-        return fail(f"a prompt cannot be encoded: {type(e).__name__}: {e}")
-    try:
-        start_id = decoder_start_id(args.checkpoint, tokenizer, model)
-    except GenerationError as e:
-        return fail(str(e))
-    # Compiled, one cache length for every batch (a graph per length otherwise).
-    context = min(model.model_args.context_len, max(map(len, ids)) + args.max_new_tokens) if args.compile else None
-    engine = Engine(model, start_id=start_id, compile=args.compile, context_len=context)
-    try:
-        engine.check_prompts(ids)
-    except GenerationError as e:
-        return fail(str(e))
+        raise GenerationError(f"a prompt cannot be encoded: {type(e).__name__}: {e}") from None
 
-    def label(prompt) -> str:
-        return prompt if isinstance(prompt, str) else prompt[-1].get("content", "") if prompt else ""
 
+def _label(prompt) -> str:
+    """What is printed of a prompt: its text, or the last turn of a conversation."""
+    return prompt if isinstance(prompt, str) else prompt[-1].get("content", "") if prompt else ""
+
+
+def _print_completions(engine, processor, prompts: list, ids: list, images: list, params, args) -> None:
+    """Generate batch after batch and print each prompt with its continuation (streamed when a batch
+    holds one prompt), then the speed on stderr."""
     total_new, total_time, first_token = 0, 0.0, []
     for start in range(0, len(ids), args.batch_size):
         batch, texts = ids[start:start + args.batch_size], prompts[start:start + args.batch_size]
         streaming = len(batch) == 1
         if streaming:
-            print(f"{label(texts[0])}\n> " if args.chat else label(texts[0]), end="", flush=True)
+            print(f"{_label(texts[0])}\n> " if args.chat else _label(texts[0]), end="", flush=True)
         on_text = (lambda row, text: print(text, end="", flush=True)) if streaming else None
-        try:
-            # Every prompt has the same images.
-            rows = {name: value.expand(len(batch), *value.shape[1:]) for name, value in fields[0].items()}
-            completions, stats = engine.generate(batch, params, detokenize=lambda t: tokenizer.decode(
-                [x for x in t if x not in params.stop_token_ids]), on_text=on_text, fields=rows)
-        except GenerationError as e:
-            return fail(str(e))
+        completions, stats = engine.generate(
+            batch, params, detokenize=lambda t: processor.decode(t, stop_ids=params.stop_token_ids), on_text=on_text,
+            fields=processor.image_fields([images] * len(batch)))  # every prompt has the same images
         for prompt, completion in zip(texts, completions):
             if streaming:
                 print()
             else:
-                print(f"{label(prompt)}\n> {completion.text}" if args.chat else label(prompt) + completion.text)
+                print(f"{_label(prompt)}\n> {completion.text}" if args.chat else _label(prompt) + completion.text)
         total_new += stats.new_tokens
         total_time += stats.total_time
         first_token.append(stats.time_to_first_token)
     print(f"[{total_new} new tokens in {total_time:.2f} s: {total_new / max(total_time, 1e-9):.1f} tokens/s; first "
           f"token after {1000 * sum(first_token) / len(first_token):.0f} ms on average]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = _parser(prog).parse_args(argv)
+    from titanlike.inference import Engine, GenerationError
+    from titanlike.inference.loading import load_model_arguments, one_process
+    from titanlike.inference.processor import Processor
+
+    try:
+        one_process("titanlike-generate")
+        prompts, params = _request(args)
+        model, tokenizer = load_model_arguments(args)
+        bad_stop = [t for t in args.stop_token if t >= tokenizer.vocab_size]
+        if bad_stop:
+            raise GenerationError(f"--stop-token {bad_stop[0]} is not a token id of the model's vocabulary of "
+                                  f"{tokenizer.vocab_size}")
+        processor = Processor.for_model(model, tokenizer, checkpoint=args.checkpoint,
+                                        chat_template="auto" if args.chat else None, option="--chat")
+        images = _read_images(args.image)
+        ids = _encode(processor, prompts, images)
+        stops = processor.stop_ids(chat=args.chat) | params.stop_token_ids
+        params = dataclasses.replace(params, stop_token_ids=stops)
+        # Compiled, one cache length for every batch (a graph per length otherwise).
+        context = min(model.model_args.context_len, max(map(len, ids)) + args.max_new_tokens) if args.compile else None
+        engine = Engine(model, start_id=processor.start_id, compile=args.compile, context_len=context)
+        engine.check_prompts(ids)
+        _print_completions(engine, processor, prompts, ids, images, params, args)
+    except GenerationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -58,6 +58,15 @@ class ImageProcessor:
         return cls(height=size, width=size, mean=STANDARD_MEAN, std=STANDARD_STD)
 
     @classmethod
+    def of_tower(cls, kind: str, size: int) -> ImageProcessor:
+        """The processor of a vision tower of that kind ("clip" or "siglip") at that image size;
+        ValueError, one sentence, for another kind."""
+        makers = {"clip": cls.clip, "siglip": cls.siglip}
+        if kind not in makers:
+            raise ValueError(f"image processor {kind!r} is unknown; known: {', '.join(makers)}")
+        return makers[kind](size)
+
+    @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ImageProcessor:
         """From a preprocessor_config.json of CLIPImageProcessor or SiglipImageProcessor (ValueError,
         one sentence, for settings we do not reproduce)."""
@@ -103,6 +112,17 @@ class ImageProcessor:
         return (x - mean) / std
 
 
+@dataclass(frozen=True)
+class ImageInputs:
+    """How a vision-language family takes images with a prompt (ModelSpec.images gives it from the
+    model args): an image stands in the tokens as `tokens_per_image` copies of `image_token_id`, and
+    its pixels go to the prefill as `processor` prepares them (pixel_values)."""
+
+    image_token_id: int
+    tokens_per_image: int
+    processor: ImageProcessor
+
+
 def to_rgb(image):
     """An RGB PIL image; alpha composited onto white, as transformers' convert_to_rgb."""
     from PIL import Image
@@ -128,4 +148,4 @@ def center_crop(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return pixels[:, top:top + height, left:left + width]
 
 
-__all__ = ["ImageProcessor", "center_crop", "to_rgb"]
+__all__ = ["ImageInputs", "ImageProcessor", "center_crop", "to_rgb"]

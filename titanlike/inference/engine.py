@@ -104,6 +104,18 @@ class _TextStream:
         return delta
 
 
+def scores_only(model: nn.Module) -> str | None:
+    """The sentence for a decoder whose head scores instead of predicting tokens (a reward model:
+    models/protocol.py no_text_reason), None otherwise (an encoder is its caller's to name)."""
+    if protocol.generation_hooks(model) is None:
+        return None
+    reason = protocol.no_text_reason(model, model.model_args)
+    if reason is None:
+        return None
+    return (f"{type(model).__name__} cannot generate text: it {reason}; score text with titanlike.load_model, or "
+            "export it to Hugging Face")
+
+
 class Engine:
     """Generation for one model (one process, or one tensor-parallel rank of several: every rank
     runs the same steps and draws the same samples from the same seed)."""
@@ -118,10 +130,9 @@ class Engine:
             raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder to continue a "
                                   "prompt with (an encoder-only model such as BERT predicts masked tokens); use a "
                                   "decoder or encoder-decoder checkpoint")
-        if protocol.no_text_reason(model, model.model_args) is not None:  # a reward model
-            from titanlike.inference.loading import scores_only
-
-            raise GenerationError(scores_only(model))
+        problem = scores_only(model)  # a reward model
+        if problem is not None:
+            raise GenerationError(problem)
         self.model = model.eval()
         self._init_cache, self.prefill, self.decode_step = hooks
         first = next(model.parameters())
@@ -190,7 +201,7 @@ class Engine:
         completion its text and makes stop strings work; on_text(row, text) receives each row's text
         as it becomes final (streaming), on_token(row, id) each new token. fields: the prompts' other
         inputs the model's prefill takes, one row per prompt (a vision-language model's pixel_values,
-        made by its objective's prompt())."""
+        made by the Processor, processor.py)."""
         self.check_prompts(prompts)
         fields = {name: value.to(self.device) for name, value in (fields or {}).items()}
         unknown = sorted(set(fields) - set(inspect.signature(self.prefill).parameters))
@@ -294,4 +305,4 @@ def uncached_logits(model: nn.Module, prompt: Sequence[int], continuation: Seque
     return logits[len(prompt) - 1:]
 
 
-__all__ = ["Completion", "Engine", "GenerationError", "GenerationStats", "uncached_logits"]
+__all__ = ["Completion", "Engine", "GenerationError", "GenerationStats", "scores_only", "uncached_logits"]

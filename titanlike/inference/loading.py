@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from titanlike.inference.engine import GenerationError
+# The engine's refusal of a reward model is the loader's too (scores_only); the engine imports nothing of here.
+from titanlike.inference.engine import GenerationError, scores_only
 
 
 def _logits(output) -> torch.Tensor:
@@ -42,27 +43,21 @@ def vocab_size(model) -> int:
                    device=device), cache).shape[-1]
 
 
-def scores_only(model) -> str | None:
-    """The sentence for a decoder whose head scores instead of predicting tokens (a reward model:
-    models/protocol.py no_text_reason), None otherwise (an encoder is its caller's to name)."""
-    from titanlike.models import protocol
+def model_spec(model: nn.Module):
+    """The ModelSpec of the family `model` is of: its class's, else the one it derives from (FSDP's
+    wrapper of a model is a subclass of the model's class)."""
+    from titanlike.models.registry import get_model_spec, model_names
 
-    if protocol.generation_hooks(model) is None:
-        return None
-    reason = protocol.no_text_reason(model, model.model_args)
-    if reason is None:
-        return None
-    return (f"{type(model).__name__} cannot generate text: it {reason}; score text with titanlike.load_model, or "
-            "export it to Hugging Face")
+    specs = [get_model_spec(name) for name in model_names()]
+    exact = next((spec for spec in specs if spec.model_cls is type(model)), None)
+    return exact or next(spec for spec in specs if isinstance(model, spec.model_cls))
 
 
 def training_objective(model):
     """The objective the model's family trains with (its ModelSpec's, for these args)."""
     from titanlike.config import JobConfig
-    from titanlike.models.registry import get_model_spec, model_names
 
-    spec = next(get_model_spec(name) for name in model_names() if get_model_spec(name).model_cls is type(model))
-    return spec.objective(JobConfig(), model.model_args)
+    return model_spec(model).objective(JobConfig(), model.model_args)
 
 
 # Why no pipeline parallelism in generation, serving or evaluation: a decode step carries one token
@@ -102,6 +97,18 @@ def checkpoint_tokenizer(checkpoint: str, tokenizer: str | None = None):
         raise GenerationError(f"the tokenizer {path} cannot be read: {e}") from None
 
 
+def pad_start_id(tokenizer) -> int | None:
+    """The tokenizer's pad token, which span-corruption samples start the decoder inputs with
+    (data/special_tokens.py), None when it has none."""
+    from titanlike.data.errors import DataError
+    from titanlike.data.special_tokens import special_token_ids
+
+    try:
+        return special_token_ids(tokenizer, ["pad"])["pad"]
+    except (DataError, TypeError):
+        return None
+
+
 def decoder_start_id(checkpoint: str, tokenizer, model: nn.Module) -> int | None:
     """The token an encoder-decoder's decoder starts from (T5: the pad id its samples start the
     decoder inputs with): a Hugging Face folder's config.json `decoder_start_token_id`, a titanlike
@@ -125,14 +132,8 @@ def decoder_start_id(checkpoint: str, tokenizer, model: nn.Module) -> int | None
             value = ((read_sidecar(folder) or {}).get("tokenizer") or {}).get("pad_id")
     except (CheckpointError, OSError, ValueError, AttributeError):
         value = None  # load_for_inference has read this checkpoint: what it lacks, it does not need
-    if value is None and tokenizer is not None:  # the pad token span-corruption samples start with
-        from titanlike.data.errors import DataError
-        from titanlike.data.special_tokens import special_token_ids
-
-        try:
-            value, where = special_token_ids(tokenizer, ["pad"])["pad"], "the tokenizer's pad token"
-        except (DataError, TypeError):
-            value = None
+    if value is None and tokenizer is not None:
+        value, where = pad_start_id(tokenizer), "the tokenizer's pad token"
     if value is None:
         return None
     vocab = vocab_size(model)
@@ -236,5 +237,5 @@ def load_for_inference(checkpoint: str, *, tokenizer: str | None = None, device:
 
 
 __all__ = ["DTYPES", "PIPELINE_REFUSAL", "add_model_arguments", "checkpoint_tokenizer", "choose_device",
-           "decoder_start_id", "load_for_inference", "load_model_arguments", "model_dtype", "one_process",
-           "refuse_encoders", "scores_only", "training_objective", "vocab_size"]
+           "decoder_start_id", "load_for_inference", "load_model_arguments", "model_dtype", "model_spec",
+           "one_process", "pad_start_id", "refuse_encoders", "scores_only", "training_objective", "vocab_size"]

@@ -24,6 +24,8 @@ from titanlike.objectives.causal_lm import CausalLM
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from titanlike.data.images import ImageInputs
+
 
 @dataclass(frozen=True)
 class PipelineEnds:
@@ -89,6 +91,9 @@ class ModelSpec:
     hf: HFAdapter | None = None
     # The family's own config section, or None.
     options: ModelOptions | None = None
+    # A vision-language family's images in a prompt, from the model args: where they go in the tokens
+    # and how their pixels are prepared (inference/processor.py reads it). None: a text model.
+    images: Callable[[BaseModelArgs], ImageInputs] | None = None
 
     def __post_init__(self) -> None:
         kinds = {type(args) for args in self.flavors.values()}

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlike.config.schema import opt
+from titanlike.data.images import ImageInputs, ImageProcessor
 from titanlike.models.llava.hf_adapter import LlavaHF
 from titanlike.models.llava.model import PARTS, TEXT_ENDS, Llava, LlavaArgs, VisionArgs
 from titanlike.models.llava.sharding import llava_sharding
@@ -68,6 +69,14 @@ def image_caption(cfg, args: LlavaArgs) -> ImageCaption:
                         max_image_pixels=options.max_image_pixels, **ImageCaption.compile_options(cfg))
 
 
+def image_inputs(args: LlavaArgs) -> ImageInputs:
+    """A prompt's images as the caption and conversation samples hold them: each image the tower's
+    placeholder tokens, its pixels processed as the tower's transformers processor does."""
+    v = args.vision
+    return ImageInputs(image_token_id=args.image_token_id, tokens_per_image=v.tokens_per_image,
+                       processor=ImageProcessor.of_tower(v.kind, v.image_size))
+
+
 @dataclass
 class LlavaOptions:
     """[llava]: the job's training stage."""
@@ -97,7 +106,7 @@ def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:
 
 
 register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, shard=llava_sharding,
-                              objective=image_caption,
+                              objective=image_caption, images=image_inputs,
                               hf=LlavaHF(), options=ModelOptions("llava", LlavaOptions, _with_options),
                               # The tower and projector go with the embeddings the images are spliced into.
                               pipeline_ends=PipelineEnds(
