@@ -288,6 +288,7 @@ def test_generate_chat_with_an_image_answers_as_transformers(tmp_path, capsys):
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
     from titanlike.data.chat_template import load_chat_template
     from titanlike.data.image_text import IGNORE_INDEX, ImageTextSource
+    from titanlike.inference.processor import Processor
 
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
     args = SPEC.flavors["debugmodel"].update_from_config(vocab_size=tokenizer.vocab_size, seq_len=96)
@@ -315,11 +316,12 @@ def test_generate_chat_with_an_image_answers_as_transformers(tmp_path, capsys):
     answer_at = int((sample["labels"] != IGNORE_INDEX).nonzero()[0][0])
     prompt = torch.from_numpy(sample["inputs"][:answer_at + 1])[None]
     assert (prompt == args.image_token_id).sum() == args.vision.tokens_per_image
-    template = load_chat_template("auto", tokenizer, option="--chat")
-    ids, fields = objective.chat_prompt(tokenizer, template, [{"role": "user", "content": question}], [image])
-    assert ids == prompt[0].tolist() and fields["pixel_values"].shape == (1, 1, 3, 32, 32)
+    processor = Processor(tokenizer, template=load_chat_template("auto", tokenizer, option="--chat"),
+                          images=SPEC.images(args))
+    batch = processor([[{"role": "user", "content": question}]], [[image]])
+    assert batch.ids == [prompt[0].tolist()] and batch.fields["pixel_values"].shape == (1, 1, 3, 32, 32)
     with pytest.raises(ValueError, match="spells the image token <\\|image\\|> itself"):
-        objective.chat_prompt(tokenizer, template, [{"role": "user", "content": "What is <|image|>?"}], [image])
+        processor.encode([{"role": "user", "content": "What is <|image|>?"}], [image])
 
     hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
     clip = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})

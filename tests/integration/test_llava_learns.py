@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from family_checks import materialize
-from titanlike.config import JobConfig
 from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 from titanlike.inference import Engine, SamplingParams
+from titanlike.inference.processor import Processor
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.models.registry import get_model_spec
 
@@ -46,15 +46,15 @@ def scene(rng: np.random.Generator):
     return image, {"color": color, "shape": shape, "count": COUNTS[count - 1]}
 
 
-def examples(objective, tokenizer, seed: int, n: int):
+def examples(processor, seed: int, n: int):
     """n (prompt ids, pixel_values (1, 1, C, H, W), answer word), one random question per image."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         image, answers = scene(rng)
         kind = list(QUESTIONS)[rng.integers(3)]
-        ids, fields = objective.prompt(tokenizer, QUESTIONS[kind], [image])
-        out.append((ids, fields["pixel_values"], answers[kind], image, QUESTIONS[kind]))
+        batch = processor([QUESTIONS[kind]], [[image]])
+        out.append((batch.ids[0], batch.fields["pixel_values"], answers[kind], image, QUESTIONS[kind]))
     return out
 
 
@@ -90,12 +90,13 @@ def test_greedy_answers_about_held_out_images_get_right(tmp_path, capsys):
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
     # Sized by the tokenizer as the trainer sizes it.
     args = spec.flavors["debugmodel"].update_from_config(vocab_size=tokenizer.vocab_size, seq_len=64)
-    objective = spec.objective(JobConfig(), args)  # the family's own: its prompt() places the images
+    # The family's image inputs (ModelSpec.images) place the images in the prompts.
+    processor = Processor(tokenizer, images=spec.images(args))
     model = materialize(spec.model_cls, args, seed=0)
-    held_out = examples(objective, tokenizer, seed=1, n=96)
+    held_out = examples(processor, seed=1, n=96)
     before, _ = accuracy(model, held_out, tokenizer)
 
-    train = examples(objective, tokenizer, seed=0, n=3200)
+    train = examples(processor, seed=0, n=3200)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
     started = time.perf_counter()
     steps, batch_size = 100, 32

@@ -84,19 +84,19 @@ def test_models_health_completions_and_chat(server, client):
     result = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
     choice = result.choices[0]
     assert choice.finish_reason == "length" and result.usage.completion_tokens == 12
-    tokenizer = server.tokenizer
-    assert result.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0]))
+    processor = server.processor
+    assert result.usage.prompt_tokens == len(processor.tokenizer.encode(PROMPTS[0], bos=True, eos=False))
 
     # What the engine gives the chat template's prompt alone, with the template's end of turn.
     from titanlike.inference import Engine, SamplingParams
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
-    ids = tokenizer.chat_encode(messages)
-    stops = tokenizer.chat_stop_ids
+    ids = processor.encode(messages)
+    stops = processor.stop_ids(chat=True)
     (want,), _ = Engine(server.engine.model).generate(
         [ids], SamplingParams(max_new_tokens=10, stop_token_ids=stops),
-        detokenize=lambda t: tokenizer.decode([x for x in t if x not in stops]))
+        detokenize=lambda t: processor.tokenizer.decode([x for x in t if x not in stops]))
     message = chat.choices[0].message
     assert message.role == "assistant" and message.content == want.text
     assert chat.usage.prompt_tokens == len(ids)

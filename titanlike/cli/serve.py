@@ -51,38 +51,25 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     if not 0 <= args.port <= 65535:
         return None, f"--port must be from 0 to 65535, got {args.port}"
 
-    from titanlike.data.chat_template import chat_prompt_ids, end_of_turn_ids, load_chat_template
-    from titanlike.data.errors import DataError
     from titanlike.inference import Engine
-    from titanlike.inference.loading import decoder_start_id, load_model_arguments
-    from titanlike.inference.server import OpenAIServer, Tokenizer
+    from titanlike.inference.loading import load_model_arguments
+    from titanlike.inference.processor import Processor
+    from titanlike.inference.server import OpenAIServer
 
     try:
         model, tokenizer = load_model_arguments(args)
+        processor = Processor.for_model(model, tokenizer, checkpoint=args.checkpoint,
+                                        chat_template=args.chat_template, option="--chat-template")
     except GenerationError as e:
-        return None, str(e)
-    vocab = tokenizer.vocab_size
-    try:
-        template = load_chat_template(args.chat_template, tokenizer, option="--chat-template")
-    except DataError as e:
         return None, str(e)
     context = model.model_args.context_len
     max_len = args.max_model_len or min(context, 4096)
     if max_len > context:
         return None, f"--max-model-len {max_len} exceeds the model's context of {context} tokens"
-    try:
-        start_id = decoder_start_id(args.checkpoint, tokenizer, model)
-    except GenerationError as e:
-        return None, str(e)
-    engine = Engine(model, context_len=max_len, start_id=start_id, compile=args.compile)
-    eos = frozenset({tokenizer.eos_id} if tokenizer.eos_id is not None else ())
-    api_tokenizer = Tokenizer(encode=lambda text: tokenizer.encode(text, bos=True, eos=False),
-                              decode=tokenizer.decode, vocab_size=vocab, stop_ids=eos,
-                              chat_encode=lambda messages: chat_prompt_ids(template, tokenizer, messages),
-                              chat_stop_ids=frozenset(end_of_turn_ids(template, tokenizer)))
+    engine = Engine(model, context_len=max_len, start_id=processor.start_id, compile=args.compile)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
     try:
-        server = OpenAIServer(engine, api_tokenizer, model_name=name, slots=args.max_batch_size, host=args.host,
+        server = OpenAIServer(engine, processor, model_name=name, slots=args.max_batch_size, host=args.host,
                               port=args.port)
     except OSError as e:
         return None, f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"

@@ -43,7 +43,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from titanlike.inference.engine import Engine, GenerationError
-from titanlike.inference.loading import choose_device, load_for_inference, model_dtype
+from titanlike.inference.loading import choose_device, load_for_inference, model_dtype, model_spec
+from titanlike.inference.processor import Processor
 from titanlike.inference.sampling import SamplingParams
 
 
@@ -90,10 +91,9 @@ def _tensor_parallel(model, device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from titanlike.models.registry import get_model_spec, model_names
     from titanlike.parallel.tensor_parallel import apply_tensor_parallel
 
-    spec = next(get_model_spec(n) for n in model_names() if get_model_spec(n).model_cls is type(model))
+    spec = model_spec(model)
     world = torch.distributed.get_world_size()
     if spec.shard is None:
         raise GenerationError(f"{type(model).__name__} has no tensor-parallel plan; evaluate it on one process")
@@ -144,8 +144,11 @@ class TitanlikeLM(TemplateLM):
         self.add_bos_token = _flag("add_bos_token", add_bos_token)
         self._device = choose_device(device, option="device")
         load_on = "cpu" if self._tensor_parallel() else self._device
-        model, self.tokenizer = load_for_inference(checkpoint, tokenizer=tokenizer, device=load_on,
-                                                   dtype=torch_dtype, accept=_decoder_only)
+        model, tok = load_for_inference(checkpoint, tokenizer=tokenizer, device=load_on, dtype=torch_dtype,
+                                        accept=_decoder_only)
+        # The tokenizer and the stop ids generate_until ends at, as generate and serve have them.
+        self.processor = Processor.for_model(model, tok)
+        self.tokenizer = self.processor.tokenizer
         self.model = _tensor_parallel(model, self._device) if self._tensor_parallel() else model
         context = self.model.model_args.context_len
         self._max_length = _count("max_length", max_length) if max_length is not None else context
@@ -309,7 +312,7 @@ class TitanlikeLM(TemplateLM):
                                   f"{', '.join(sorted(kwargs))}")
         try:
             return SamplingParams(max_new_tokens=max_new, temperature=float(temperature), **fields,
-                                  stop_token_ids=frozenset({self.eot_token_id}),
+                                  stop_token_ids=self.processor.stop_ids(chat=False),
                                   stop_strings=tuple(dict.fromkeys(s for s in until if s)))
         except ValueError as e:
             raise GenerationError(f"generation arguments: {e}") from None

@@ -45,12 +45,12 @@ def vocab_size(model) -> int:
 
 def model_spec(model: nn.Module):
     """The ModelSpec of the family `model` is of: its class's, else the one it derives from (FSDP's
-    wrapper of a model is a subclass of the model's class)."""
+    wrapper of a model is a subclass of the model's class); None for a class no family registered."""
     from titanlike.models.registry import get_model_spec, model_names
 
     specs = [get_model_spec(name) for name in model_names()]
     exact = next((spec for spec in specs if spec.model_cls is type(model)), None)
-    return exact or next(spec for spec in specs if isinstance(model, spec.model_cls))
+    return exact or next((spec for spec in specs if isinstance(model, spec.model_cls)), None)
 
 
 def training_objective(model):

@@ -28,10 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from titanlike.data.image_text import IMAGE_MARK
 from titanlike.inference.engine import GenerationError
-
-# Where a prompt's text puts an image (LLaVA's convention, as the conversation samples spell it).
-IMAGE_MARK = "<image>"
 
 # A prompt: a text, or a conversation (a list of {"role", "content"} messages) the model answers.
 Prompt = str | Sequence[dict]
@@ -84,7 +82,7 @@ class Processor:
         from titanlike.inference.loading import decoder_start_id, model_spec, pad_start_id
 
         spec = model_spec(model)
-        images = spec.images(model.model_args) if spec.images is not None else None
+        images = spec.images(model.model_args) if spec is not None and spec.images is not None else None
         start_id = decoder_start_id(checkpoint, tokenizer, model) if checkpoint else pad_start_id(tokenizer)
         try:
             template = None if chat_template is None else load_chat_template(chat_template, tokenizer, option=option)
@@ -202,4 +200,4 @@ class Processor:
         return text[:min(found)] if found else text
 
 
-__all__ = ["IMAGE_MARK", "Processor", "PromptBatch"]
+__all__ = ["Processor", "PromptBatch"]

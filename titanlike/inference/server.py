@@ -30,12 +30,12 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from titanlike.inference.continuous import ContinuousBatch, Sequence
 from titanlike.inference.engine import Engine, GenerationError
+from titanlike.inference.processor import Processor
 from titanlike.inference.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,19 +62,6 @@ class ApiError(Exception):
 
 
 @dataclass
-class Tokenizer:
-    """What the server needs of a tokenizer: text -> ids (with BOS), ids -> text, the vocabulary,
-    and for chat the template's rendering and its end-of-turn tokens (None: no chat)."""
-
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    vocab_size: int
-    stop_ids: frozenset[int]
-    chat_encode: Callable[[list[dict]], list[int]] | None = None
-    chat_stop_ids: frozenset[int] = frozenset()
-
-
-@dataclass
 class _Request:
     """A validated request: its prompts, the settings of each choice, and how to answer."""
 
@@ -89,9 +76,10 @@ class _Request:
 class OpenAIServer:
     """The HTTP server and its engine thread. start() serves in background threads; shutdown() stops."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, slots: int = 8,
+    def __init__(self, engine: Engine, processor: Processor, *, model_name: str, slots: int = 8,
                  host: str = "127.0.0.1", port: int = 8000):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        """processor: the prompts' tokens and the answers' text (processor.py); chat needs its template."""
+        self.engine, self.processor, self.model_name = engine, processor, model_name
         self.batch = ContinuousBatch(engine, slots)
         self.created = int(time.time())
         self._stop = threading.Event()
@@ -189,10 +177,10 @@ class OpenAIServer:
 
         if chat:
             prompts = [self._chat_prompt(body.get("messages"))]
-            stops = self.tokenizer.chat_stop_ids
+            stops = self.processor.stop_ids(chat=True)
         else:
             prompts = self._completion_prompts(body.get("prompt"))
-            stops = self.tokenizer.stop_ids
+            stops = self.processor.stop_ids(chat=False)
 
         context = self.batch.capacity
         for prompt in prompts:
@@ -255,24 +243,24 @@ class OpenAIServer:
         else:
             raise ApiError(400, "'prompt' is empty: give some text or token ids", "prompt") \
                 if isinstance(prompt, list) else bad()
-        out = []
+        out, vocab = [], self.processor.tokenizer.vocab_size
         for item in items:
             if isinstance(item, str):
-                out.append(self.tokenizer.encode(item))
+                out.append(self.processor.encode(item))
             elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
                 if not item:
                     raise ApiError(400, "a prompt of token ids is empty: give at least one token", "prompt")
-                bad_ids = [t for t in item if not 0 <= t < self.tokenizer.vocab_size]
+                bad_ids = [t for t in item if not 0 <= t < vocab]
                 if bad_ids:
                     raise ApiError(400, f"the prompt's token id {bad_ids[0]} is not in the model's vocabulary of "
-                                   f"{self.tokenizer.vocab_size}", "prompt")
+                                   f"{vocab}", "prompt")
                 out.append(list(item))
             else:
                 raise bad()
         return out
 
     def _chat_prompt(self, messages) -> list[int]:
-        if self.tokenizer.chat_encode is None:
+        if self.processor.template is None:
             raise ApiError(400, "this server has no chat template: use /v1/completions", "messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' is required: a non-empty list of {\"role\", \"content\"} objects",
@@ -292,7 +280,7 @@ class OpenAIServer:
                 raise ApiError(400, f"messages[{i}].content must be a string", "messages")
             plain.append({"role": message["role"], "content": content})
         try:
-            return self.tokenizer.chat_encode(plain)
+            return self.processor.encode(plain)
         except Exception as e:  # the template refuses the conversation (a role it does not know...)
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ApiError(400, f"the chat template cannot render these messages: {message}", "messages") from None
@@ -305,7 +293,7 @@ class OpenAIServer:
             stop_ids |= params.stop_token_ids
 
         def detokenize(ids: list[int]) -> str:
-            return self.tokenizer.decode([t for t in ids if t not in stop_ids])
+            return self.processor.decode(ids, stop_ids=frozenset(stop_ids))
 
         try:
             for index, params in enumerate(request.params):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
@@ -239,26 +239,6 @@ class Objective:
     def attach(self, models: ObjectiveModels) -> None:
         """Called once by the trainer before the first step (of a fresh or a resumed run): an objective
         that needs a model beside the one it trains (a frozen reference) takes it here. Nothing by default."""
-
-    # Generation -------------------------------------------------------------------------------
-
-    def prompt(self, tokenizer, text: str, images: Sequence = ()) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """A generation prompt for the model this objective trains: its token ids (BOS, then the text)
-        and the other inputs its prefill takes, one row (Engine.generate's fields). ValueError, one
-        sentence, for images a text model cannot take."""
-        if images:
-            raise ValueError(f"a model trained on {self.name} samples takes no images")
-        return tokenizer.encode(text, bos=True, eos=False), {}
-
-    def chat_prompt(self, tokenizer, template, messages: Sequence[dict],
-                    images: Sequence = ()) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """prompt() for a conversation: `messages` rendered with the chat template, then its generation
-        prompt (what the model answers), and the prefill's other inputs."""
-        from titanlike.data.chat_template import chat_prompt_ids
-
-        if images:
-            raise ValueError(f"a model trained on {self.name} samples takes no images")
-        return chat_prompt_ids(template, tokenizer, messages), {}
 
     # Loss -------------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ model replaces each sample's placeholders by its images' features (models/llava)
 synthetic caption set of titanlike/data/image_captions.py (training.dataset default), or WebDataset
 shards of caption pairs and conversations, blended by weight (training.dataset webdataset,
 titanlike/data/image_text.py); a folder prepared with Megatron Energon is read by its metadata
-(titanlike/data/energon.py). prompt() builds a generation prompt with images the same way.
+(titanlike/data/energon.py). Generation prompts with images are built the same way by
+titanlike/inference/processor.py.
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ from titanlike.objectives.base import (
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
     from titanlike.models.args import LayoutDegrees
-
-
-# Where a prompt's text puts an image (LLaVA's convention).
-IMAGE_MARK = "<image>"
 
 
 def image_index(tokens: torch.Tensor, image_token_id: int) -> torch.Tensor:
@@ -145,56 +142,6 @@ class ImageCaption(Objective):
                                    split_name=part)
                    for path, part in zip(paths, parts)]
         return BlendedImageText(sources, weights or [len(s) for s in sources], seed=seed)
-
-    def prompt(self, tokenizer, text: str, images=()) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """BOS, then the text with each `<image>` mark replaced by an image's placeholders (a text
-        without marks: the images first, as the caption samples put them); pixel_values (1, images,
-        C, H, W) for the prefill. ValueError, one sentence, when marks and images do not pair up."""
-        pieces = text.split(IMAGE_MARK)
-        marks = len(pieces) - 1
-        if marks and marks != len(images):
-            raise ValueError(f"the prompt has {marks} {IMAGE_MARK} mark(s) but {len(images)} image(s) were given")
-        if not marks and images:
-            pieces = [""] * len(images) + [text]
-        ids = [tokenizer.bos_id]
-        for i, piece in enumerate(pieces):
-            if i:
-                ids += [self.image_token_id] * self.tokens_per_image
-            if piece:
-                ids += tokenizer.encode(piece, bos=False, eos=False)
-        return ids, self._prefill_fields(images)
-
-    def chat_prompt(self, tokenizer, template, messages, images=()) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """A conversation as the chat template renders it, with its generation prompt, and each `<image>`
-        of its turns an image's placeholders, as the conversation samples are (data/image_text.py): a
-        conversation without marks gets its images at the start of its first user turn, a line before
-        the text (LLaVA's place). ValueError, one sentence, when marks and images do not pair up."""
-        from titanlike.data.chat_template import chat_prompt_ids
-        from titanlike.data.image_text import expand_images, image_token_text
-
-        marks = sum(str(m.get("content", "")).count(IMAGE_MARK) for m in messages)
-        if marks != len(images) and (marks or not images):
-            raise ValueError(f"the conversation has {marks} {IMAGE_MARK} mark(s) but {len(images)} image(s) were given")
-        messages = [dict(m) for m in messages]
-        if images and not marks:
-            user = next((m for m in messages if m.get("role") == "user"), None)
-            if user is None:
-                raise ValueError("the conversation has no user turn to hold the images")
-            user["content"] = IMAGE_MARK * len(images) + "\n" + str(user.get("content", ""))
-        token = image_token_text(tokenizer, self.image_token_id)
-        messages = [{**m, "content": str(m.get("content", "")).replace(IMAGE_MARK, token)} for m in messages]
-        ids = chat_prompt_ids(template, tokenizer, messages)
-        if ids.count(self.image_token_id) != len(images):
-            raise ValueError(f"the conversation's text spells the image token {token} itself; write {IMAGE_MARK} "
-                             "where an image goes")
-        ids, _ = expand_images(ids, [False] * len(ids), self.image_token_id, self.tokens_per_image)
-        return ids, self._prefill_fields(images)
-
-    def _prefill_fields(self, images) -> dict[str, torch.Tensor]:
-        """A prompt's images as the prefill takes them: pixel_values (1, images, C, H, W); none, nothing."""
-        if not images:
-            return {}
-        return {"pixel_values": torch.stack([self.processor(image) for image in images])[None]}
 
     def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
         inputs, labels = batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device)

@@ -25,10 +25,9 @@ import torch
 
 from titanlike.config.schema import JobConfig
 from titanlike.data import build_dataloader
-from titanlike.data.errors import DataError
-from titanlike.data.special_tokens import special_token_ids
 from titanlike.data.tokenizer import Tokenizer
 from titanlike.inference import Engine, SamplingParams
+from titanlike.inference.processor import Processor
 from titanlike.objectives.base import Objective
 from titanlike.parallel.utils import sum_over_world
 from titanlike.train.step import TrainStep
@@ -120,8 +119,9 @@ def validate_samples_layout(v, dims, *, no_text: str | None, compile_blocks: boo
                          "for training's shapes, not a decode step's); sample from a checkpoint with "
                          "scripts/generate.py instead")
     if tokenizer is not None and context_len is not None:
+        processor = Processor(tokenizer)
         for i, prompt in enumerate(v.sample_prompts):
-            n = len(tokenizer.encode(prompt, bos=True, eos=False))
+            n = len(processor.encode(prompt))
             if n >= context_len:
                 raise ValueError(f"validation.sample_prompts[{i}] has {n} tokens, which leaves no room in the "
                                  f"model's context of {context_len} tokens")
@@ -134,23 +134,22 @@ class Samples:
     the same tokens, so they stop together."""
 
     def __init__(self, model, tokenizer, prompts: list[str], max_tokens: int):
-        self.model, self.tokenizer, self.prompts = model, tokenizer, list(prompts)
-        self.ids = [tokenizer.encode(p, bos=True, eos=False) for p in self.prompts]
-        stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
-        self.params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=frozenset(stops))
-        try:  # an encoder-decoder's decoder start: the pad token, as span-corruption samples start theirs
-            self.start_id = special_token_ids(tokenizer, ("pad",))["pad"]
-        except DataError:
-            self.start_id = None
+        # The processor: the prompts' tokens, their stop ids, an encoder-decoder's decoder start (the
+        # pad token, as span-corruption samples start theirs), the answers' text.
+        self.model, self.prompts = model, list(prompts)
+        self.processor = Processor.for_model(model, tokenizer)
+        batch = self.processor(self.prompts)
+        self.ids = batch.ids
+        self.params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=batch.stop_ids)
 
     @torch.no_grad()
     def run(self) -> list[tuple[str, str]]:
         """(prompt, continuation) of each prompt; every rank calls it."""
         stops = self.params.stop_token_ids
         try:
-            engine = Engine(self.model, start_id=self.start_id)
-            completions, _ = engine.generate(self.ids, self.params, detokenize=lambda t: self.tokenizer.decode(
-                [x for x in t if x not in stops]))
+            engine = Engine(self.model, start_id=self.processor.start_id)
+            completions, _ = engine.generate(self.ids, self.params,
+                                             detokenize=lambda t: self.processor.decode(t, stop_ids=stops))
         finally:
             self.model.train()
         return [(prompt, c.text) for prompt, c in zip(self.prompts, completions)]
