@@ -68,7 +68,7 @@ def test_for_model_takes_the_familys_images_and_the_named_template(tokenizer, ll
     v = llava.model_args.vision
     assert processor.images.image_token_id == llava.model_args.image_token_id
     assert processor.images.tokens_per_image == v.tokens_per_image == 16
-    assert processor.images.processor == ImageProcessor.clip(v.image_size)
+    assert processor.image_processor == ImageProcessor.clip(v.image_size)
     assert processor.template is not None and "llama3" in processor.template.origin
     text_model = materialize(get_model_spec("llama3").model_cls,
                              dataclasses.replace(get_model_spec("llama3").flavors["debugmodel_tiny"],

@@ -112,17 +112,6 @@ class ImageProcessor:
         return (x - mean) / std
 
 
-@dataclass(frozen=True)
-class ImageInputs:
-    """How a vision-language family takes images with a prompt (ModelSpec.images gives it from the
-    model args): an image stands in the tokens as `tokens_per_image` copies of `image_token_id`, and
-    its pixels go to the prefill as `processor` prepares them (pixel_values)."""
-
-    image_token_id: int
-    tokens_per_image: int
-    processor: ImageProcessor
-
-
 def to_rgb(image):
     """An RGB PIL image; alpha composited onto white, as transformers' convert_to_rgb."""
     from PIL import Image
@@ -148,4 +137,4 @@ def center_crop(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return pixels[:, top:top + height, left:left + width]
 
 
-__all__ = ["ImageInputs", "ImageProcessor", "center_crop", "to_rgb"]
+__all__ = ["ImageProcessor", "center_crop", "to_rgb"]

@@ -4,7 +4,7 @@ titanlike-serve, the lm-evaluation-harness model (harness.py) and validation's s
 
 A Processor holds what a prompt needs beside the model: the tokenizer, the chat template (for
 conversations), the family's image inputs (ModelSpec.images: the placeholder token, the tokens per
-image, the tower's pixel processing; data/images.py), the stop ids (EOS for text, the template's end of
+image, the tower's pixel preprocessing of data/images.py), the stop ids (EOS for text, the template's end of
 turn for chat) and an encoder-decoder's decoder start token. Processor.for_model takes them from a
 loaded checkpoint (inference/loading.py) and its family's spec.
 
@@ -56,12 +56,16 @@ class Processor:
     def __init__(self, tokenizer, *, template=None, images=None, start_id: int | None = None,
                  model_name: str = "the model"):
         """template: a data/chat_template.py ChatTemplate (None: text prompts only). images: the family's
-        data/images.py ImageInputs (None: a text model). start_id: the decoder start token of an
+        image inputs (models/registry.py ImageInputs; None: a text model). start_id: the decoder start token of an
         encoder-decoder (None: the model's default). model_name: the model in messages."""
         from titanlike.data.chat_template import end_of_turn_ids
         from titanlike.data.errors import DataError
 
+        from titanlike.data.images import ImageProcessor
+
         self.tokenizer, self.template, self.images = tokenizer, template, images
+        # The tower's preprocessing of an image's pixels (resize, crop, normalization).
+        self.image_processor = None if images is None else ImageProcessor.of_tower(images.processor, images.image_size)
         self.start_id, self.model_name = start_id, model_name
         self.eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
         try:
@@ -138,7 +142,7 @@ class Processor:
             return {}
         if self.images is None:
             raise GenerationError(f"{self.model_name} takes no images: it reads text only")
-        pixels = [[self.images.processor(image) for image in own] for own in images]
+        pixels = [[self.image_processor(image) for image in own] for own in images]
         shape = next(p for own in pixels for p in own).shape
         return {"pixel_values": torch.stack([torch.stack(own + [torch.zeros(shape)] * (most - len(own)))
                                              for own in pixels])}

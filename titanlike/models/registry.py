@@ -24,8 +24,6 @@ from titanlike.objectives.causal_lm import CausalLM
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from titanlike.data.images import ImageInputs
-
 
 @dataclass(frozen=True)
 class PipelineEnds:
@@ -64,6 +62,19 @@ class ShardOptions:
 
     loss_parallel: bool
     sequence_parallel: bool = True
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """How a vision-language family takes images with a prompt (ModelSpec.images): an image stands in
+    the tokens as `tokens_per_image` copies of `image_token_id`, and its pixels go to the prefill as
+    the tower's preprocessing prepares them: `processor` "clip" or "siglip" at `image_size`
+    (data/images.py ImageProcessor.of_tower; inference/processor.py applies it)."""
+
+    image_token_id: int
+    tokens_per_image: int
+    processor: str
+    image_size: int
 
 
 # shard(model, tp_mesh, opts): shard a whole model or a pipeline stage of one (skipping the modules it

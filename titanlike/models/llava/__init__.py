@@ -10,11 +10,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlike.config.schema import opt
-from titanlike.data.images import ImageInputs, ImageProcessor
 from titanlike.models.llava.hf_adapter import LlavaHF
 from titanlike.models.llava.model import PARTS, TEXT_ENDS, Llava, LlavaArgs, VisionArgs
 from titanlike.models.llava.sharding import llava_sharding
-from titanlike.models.registry import ModelOptions, ModelSpec, PipelineEnds, get_model_spec, register_model_spec
+from titanlike.models.registry import (
+    ImageInputs,
+    ModelOptions,
+    ModelSpec,
+    PipelineEnds,
+    get_model_spec,
+    register_model_spec,
+)
 from titanlike.objectives.image_caption import ImageCaption
 
 _llama = get_model_spec("llama3").args_cls
@@ -73,8 +79,8 @@ def image_inputs(args: LlavaArgs) -> ImageInputs:
     """A prompt's images as the caption and conversation samples hold them: each image the tower's
     placeholder tokens, its pixels processed as the tower's transformers processor does."""
     v = args.vision
-    return ImageInputs(image_token_id=args.image_token_id, tokens_per_image=v.tokens_per_image,
-                       processor=ImageProcessor.of_tower(v.kind, v.image_size))
+    return ImageInputs(image_token_id=args.image_token_id, tokens_per_image=v.tokens_per_image, processor=v.kind,
+                       image_size=v.image_size)
 
 
 @dataclass
