@@ -6,7 +6,11 @@ reads the same names as lm-eval model_args through model_dtype and choose_device
 The checkpoint is a DCP step folder (full or model-only), a checkpoint folder of step-N folders (the
 latest is taken) or a Hugging Face folder; the tokenizer is the one named, else the checkpoint
 folder's own tokenizer.json, else titanlike's debug tokenizer. A tokenizer whose vocabulary is not
-the model's is refused: every id it produces must be one the model was trained on."""
+the model's is refused: every id it produces must be one the model was trained on. What turns
+requests into the loaded model's inputs is the Processor (processor.py: Processor.for_model).
+
+The engine imports nothing from here (no cycle): this module imports GenerationError and scores_only
+from it."""
 
 from __future__ import annotations
 
@@ -17,7 +21,6 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-# The engine's refusal of a reward model is the loader's too (scores_only); the engine imports nothing of here.
 from titanlike.inference.engine import GenerationError, scores_only
 
 

@@ -26,8 +26,7 @@ import torch
 from titanlike.config.schema import JobConfig
 from titanlike.data import build_dataloader
 from titanlike.data.tokenizer import Tokenizer
-from titanlike.inference import Engine, SamplingParams
-from titanlike.inference.processor import Processor
+from titanlike.inference import Engine, Processor, SamplingParams
 from titanlike.objectives.base import Objective
 from titanlike.parallel.utils import sum_over_world
 from titanlike.train.step import TrainStep
