@@ -4,8 +4,8 @@ titanlike-serve, the lm-evaluation-harness model (harness.py) and validation's s
 
 A Processor holds what a prompt needs beside the model: the tokenizer, the chat template (for
 conversations), the family's image inputs (ModelSpec.images: the placeholder token, the tokens per
-image, the tower's pixel preprocessing of data/images.py), the stop ids (EOS for text, the template's end of
-turn for chat) and an encoder-decoder's decoder start token. Processor.for_model takes them from a
+image, the tower's pixel preprocessing of data/images.py), the stop ids (EOS for text, the
+template's end of turn for chat) and an encoder-decoder's decoder start token. Processor.for_model takes them from a
 loaded checkpoint (inference/loading.py) and its family's spec.
 
     processor = Processor.for_model(model, tokenizer, checkpoint=path, chat_template="auto")
@@ -44,23 +44,18 @@ class PromptBatch:
     fields: dict[str, torch.Tensor]
     stop_ids: frozenset[int]
 
-    def rows(self, start: int, stop: int) -> PromptBatch:
-        """Prompts start..stop-1 (a batch of the engine's, when there are more prompts than it runs at once)."""
-        return PromptBatch(self.ids[start:stop], {name: value[start:stop] for name, value in self.fields.items()},
-                           self.stop_ids)
-
 
 class Processor:
     """Prompts -> token ids and the prefill's inputs; completions' tokens -> text (module docstring)."""
 
     def __init__(self, tokenizer, *, template=None, images=None, start_id: int | None = None,
                  model_name: str = "the model"):
-        """template: a data/chat_template.py ChatTemplate (None: text prompts only). images: the family's
-        image inputs (models/registry.py ImageInputs; None: a text model). start_id: the decoder start token of an
-        encoder-decoder (None: the model's default). model_name: the model in messages."""
+        """template: a data/chat_template.py ChatTemplate (None: text prompts only). images: the
+        family's image inputs (models/registry.py ImageInputs; None: a text model). start_id: the
+        decoder start token of an encoder-decoder (None: the model's default). model_name: the model
+        in messages."""
         from titanlike.data.chat_template import end_of_turn_ids
         from titanlike.data.errors import DataError
-
         from titanlike.data.images import ImageProcessor
 
         self.tokenizer, self.template, self.images = tokenizer, template, images
