@@ -153,3 +153,24 @@ def test_decode_ends_at_the_first_stop_token_and_the_earliest_stop_string(tokeni
         "one two three four<|eot_id|>"
     assert processor.decode(words, stop_strings=("four", " two")) == "one"
     assert processor.decode(words, stop_strings=("", "five")) == "one two three four"
+
+
+def test_the_engine_imports_neither_the_loader_nor_the_processor():
+    """They import the engine (GenerationError, scores_only): read from the source, so an import inside
+    a function counts, no module of the three imports one that imports it back."""
+    import ast
+    from pathlib import Path
+
+    import titanlike.inference
+
+    folder = Path(titanlike.inference.__file__).parent
+
+    def imports(name: str) -> set[str]:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        found = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        found |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        return {module.rpartition(".")[2] for module in found if module.startswith("titanlike.inference.")}
+
+    assert imports("engine") == {"sampling"}
+    assert "processor" not in imports("loading") and "engine" in imports("loading")
+    assert {"engine", "loading"} <= imports("processor")
