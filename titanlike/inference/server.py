@@ -288,12 +288,10 @@ class OpenAIServer:
     def submit(self, request: _Request, events: queue.Queue) -> list[Sequence]:
         """Queue every choice of a request; events receive ("text", index, piece) and ("done", index, seq)."""
         seqs = []
-        stop_ids = set()
-        for params in request.params:
-            stop_ids |= params.stop_token_ids
+        stop_ids = frozenset().union(*(params.stop_token_ids for params in request.params))
 
         def detokenize(ids: list[int]) -> str:
-            return self.processor.decode(ids, stop_ids=frozenset(stop_ids))
+            return self.processor.decode(ids, stop_ids=stop_ids)
 
         try:
             for index, params in enumerate(request.params):
