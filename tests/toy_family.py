@@ -42,7 +42,8 @@ from titanlike.models.common.init import normal_, ones_
 from titanlike.models.common.sharding import ShardingPlan, replicated
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.models.registry import ModelSpec, PipelineEnds, model_names, register_model_spec
-from titanlike.objectives.base import Microbatch, Objective
+from titanlike.objectives.base import (LossTerms, Microbatch, Objective, compile_options, next_token_correct,
+                                       target_count)
 
 # ---------------------------------------------------------------------------------- the family
 
@@ -247,14 +248,14 @@ class ToyCopy(Objective):
         super().__init__(**loss_options)
         self.options = options or ToyCopyOptions()
         self._loss = _smoothed_cross_entropy_sum
-        if self.compile_backend is not None:
-            self._loss = torch.compile(self._loss, backend=self.compile_backend)
+        if self._compile_backend is not None:
+            self._loss = torch.compile(self._loss, backend=self._compile_backend)
 
     @classmethod
     def for_job(cls, cfg, args) -> ToyCopy:
-        return cls(cfg.toy_copy, **cls.compile_options(cfg))
+        return cls(cfg.toy_copy, **compile_options(cfg))
 
-    def validate(self, cfg, dims, *, model: str) -> None:
+    def _validate_job(self, cfg, dims, *, model: str) -> None:
         t = cfg.training
         if t.dataset != "default" or t.dataset_path:
             raise ValueError(f"toy_copy makes its own samples and reads no dataset: leave training.dataset at "
@@ -284,10 +285,12 @@ class ToyCopy(Objective):
         half = tokens.shape[1] // 2
         labels = torch.full_like(tokens, IGNORE_INDEX)
         labels[:, half - 1:-1] = tokens[:, half:]
-        return Microbatch(tokens, labels)
+        return Microbatch(tokens, {"labels": labels}, target_count(labels))
 
-    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._loss(output, labels, self.options.label_smoothing)
+    def loss(self, output: torch.Tensor, targets, ctx, *, correct: bool = False) -> LossTerms:
+        labels = targets["labels"]
+        return LossTerms(self._loss(output, labels, self.options.label_smoothing),
+                         correct=next_token_correct(output, labels) if correct else None)
 
 
 def _smoothed_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, smoothing: float) -> torch.Tensor:
