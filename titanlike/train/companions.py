@@ -15,6 +15,9 @@ Sources:
   - POLICY: the model's own parts, no copy (RL's old policy; with the converters off, DPO's reference
     as the base model without LoRA adapters).
   - CHECKPOINT: another model (a DCP checkpoint or a Hugging Face folder): build_frozen_model.
+
+What reads the policy to generate from it (RL rollouts) takes its weights through PolicyWeights:
+the module itself on one process, one gather per update under FSDP or TP.
 """
 
 from __future__ import annotations
@@ -34,6 +37,61 @@ if TYPE_CHECKING:
     from titanlike.train.plan import JobPlan
 
 logger = logging.getLogger("titanlike")
+
+
+class PolicyWeights:
+    """The trained model's current weights as one whole module on every rank, for what reads the policy
+    without training it (RL's rollouts through the generation engine, titanlike/inference).
+
+    On one process, and wherever a rank holds whole parameters, it is the trained module itself: no
+    copy. Under FSDP or TP (parameters are DTensor shards) it is a plain copy of the model on each rank,
+    refreshed by one gather of the weights per update: `module(version)` gathers only when `version`
+    (the caller's count of optimizer steps) moved since the last call. `gathered_bytes` counts what the
+    gathers brought in (each parameter's full size minus this rank's shard)."""
+
+    def __init__(self, plan: JobPlan, parts: list[nn.Module], device: torch.device, build_converters):
+        from torch.distributed.tensor import DTensor
+
+        self.parts, self.device = parts, device
+        self.sharded = any(isinstance(p, DTensor) for part in parts for p in part.parameters())
+        self._copy: nn.Module | None = None
+        self._version: int | None = None
+        self.gathers, self.gathered_bytes = 0, 0
+        if len(parts) != 1:
+            raise ValueError("the policy's weights for generation need every layer on each rank; pipeline "
+                             "parallelism splits them over stages")
+        if self.sharded:
+            from titanlike.models.common.init import canonical_fqn
+
+            with torch.device("meta"):
+                model = plan.spec.model_cls(plan.model_args)
+            build_converters().convert(model)
+            model.to_empty(device=device)
+            model.init_weights(seed=plan.cfg.debug.seed)  # buffers (RoPE tables); every weight is gathered
+            model.requires_grad_(False)
+            model.eval()
+            self._copy = model
+            own = dict(model.named_parameters())
+            self._pairs = [(own[canonical_fqn(name)], p) for name, p in parts[0].named_parameters()]
+
+    @torch.no_grad()
+    def module(self, version: int) -> nn.Module:
+        """The policy's whole module as of `version`."""
+        if not self.sharded:
+            return self.parts[0]
+        if version != self._version:
+            from torch.distributed.tensor import DTensor
+
+            for whole, param in self._pairs:
+                if isinstance(param, DTensor):
+                    full = param.full_tensor()
+                    self.gathered_bytes += (full.numel() - param.to_local().numel()) * full.element_size()
+                else:
+                    full = param
+                whole.copy_(full)
+            self.gathers += 1
+            self._version = version
+        return self._copy
 
 
 def validate_companions(objective: Objective, schedule: str | None) -> None:
@@ -177,4 +235,4 @@ def build_companions(companions: tuple[Companion, ...], plan: JobPlan, policy: l
     return Companions(companions, built, forward, converters.disabled)
 
 
-__all__ = ["Companions", "ForwardOnly", "build_companions", "frozen_copy", "validate_companions"]
+__all__ = ["Companions", "ForwardOnly", "PolicyWeights", "build_companions", "frozen_copy", "validate_companions"]
