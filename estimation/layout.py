@@ -137,7 +137,9 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
         static = sum((stage_static(probe, *stages[s]) for s in held), Static())
         # The objective's frozen copies of the model (DPO's reference), parallelized like it: its
         # parameter shards again (offloaded with it), no gradients, no optimizer state.
-        frozen = static.params * plan.objective.frozen_copies
+        from titanlike.objectives.companion import Source
+
+        frozen = static.params * sum(c.source is Source.FROZEN_COPY for c in plan.objective.companions)
         # Its frozen other models (a distillation teacher), each with the job's layout over the same
         # stages: their parameter shards likewise, and each microbatch first runs their forward without
         # gradients, whose activations are freed block by block: the highest rise of one of its windows.

@@ -93,7 +93,7 @@ class Probe:
     actions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-    # The objective's frozen other models (Objective.frozen_models: a distillation teacher), each as
+    # The objective's frozen other models (companions of Source.CHECKPOINT: a distillation teacher), each as
     # (its plan: the job's layout and its own pipeline split, its own probe).
     frozen: list[tuple] = field(default_factory=list)
 
@@ -158,29 +158,37 @@ def _statics(part: nn.Module, optimizer, kinds: dict[str, str], ends, granularit
 
 def _fake_microbatch(plan, batch: int, positions):
     """One microbatch as the trainer hands it to the step (the objective's fields, prepared)."""
-    from titanlike.objectives.base import BatchContext
-
     fields = {name: torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=DEVICE)
               for name, (shape, dtype) in plan.objective.sample_fields(plan.cfg.training.seq_len).items()}
+    return plan.objective.prepare(fields, _context(plan, positions))
+
+
+def _context(plan, positions):
+    """The BatchContext of the trainer's microbatches (no cp mesh: the probe traces one rank's work)."""
+    from titanlike.objectives.base import BatchContext
+
     # Values do not matter to fake tensors: token 0 stands in for the end of document.
-    ctx = BatchContext(DEVICE, cp_positions=positions, mask_kernel=None if positions is not None else "sdpa",
-                       eos_id=0, lookahead_tokens=plan.model_args.lookahead_tokens)
-    return plan.objective.prepare(fields, ctx)
+    return BatchContext(DEVICE, cp_positions=positions, mask_kernel=None if positions is not None else "sdpa",
+                        eos_id=0, lookahead_tokens=plan.model_args.lookahead_tokens)
 
 
 def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
-    """Probe `plan` (a JobPlan), and each frozen other model its objective runs beside the model
-    (Objective.frozen_models), planned as the trainer builds it (train/plan.py other_model_plan) with
-    its family's own objective. Where the compiled probe fails (a graph dynamo or AOT autograd cannot
+    """Probe `plan` (a JobPlan), and each other checkpoint its objective runs beside the model (a
+    companion of Source.CHECKPOINT: objectives/companion.py), planned as the trainer builds it
+    (train/plan.py other_model_plan) with its family's own objective. Where the compiled probe fails (a graph dynamo or AOT autograd cannot
     take on fake tensors), the job is probed in eager mode, which errs high, and `Probe.notes` says so."""
     from titanlike.checkpoint.hf import checkpoint_model
+    from titanlike.objectives.companion import Source
+    from titanlike.objectives.registry import family_objective
     from titanlike.train.plan import other_model_plan
 
     out = _probe_plan(plan, granularity, device)
-    for path in plan.objective.frozen_models:
-        folder, spec, args = checkpoint_model(path)
+    for companion in plan.objective.companions:
+        if companion.source is not Source.CHECKPOINT:
+            continue
+        folder, spec, args = checkpoint_model(companion.path)
         other = other_model_plan(plan, spec, args, model=folder)
-        other = dataclasses.replace(other, objective=spec.objective(other.cfg, other.model_args))
+        other = dataclasses.replace(other, objective=family_objective(spec, other.cfg, other.model_args))
         out.frozen.append((other, _probe_plan(other, granularity, device)))
     return out
 
@@ -197,7 +205,7 @@ def _probe_plan(plan, granularity: int, device: str) -> Probe:
         if compiled:  # the fake graphs serve no trainer in this process and count against its recompile limit
             torch._dynamo.reset()
     objective = copy.copy(plan.objective)
-    objective.compile_backend = None
+    objective._compile_backend = None
     objective.__dict__.pop("_cross_entropy", None)
     eager = dataclasses.replace(plan, objective=objective,
                                 parallelize=dataclasses.replace(plan.parallelize, compile_blocks=False))
@@ -270,13 +278,19 @@ def _probe(plan, granularity: int, device: str) -> Probe:
                 mark("backward")
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: mark("backward done"))
 
-            def loss_fn(output, labels):
-                loss = plan.objective.loss(output, labels)
-                loss.register_hook(started)
-                return loss
+            def loss_fn(output, targets, ctx, *, correct=False):
+                # The companions' outputs (no companion runs here) as the trained model's own would be:
+                # the same names, shapes and dtypes.
+                with torch.no_grad():
+                    for companion in plan.objective.companions:
+                        targets = targets | companion.outputs(output, targets)
+                terms = plan.objective.loss(output, targets, ctx, correct=correct)
+                terms.value.register_hook(started)
+                return terms
 
             step = TrainStep.for_plan(plan, dims, model_parts=[part], device=DEVICE, optimizer=optimizer,
-                                      step_loss=StepLoss(loss_fn, scale),
+                                      step_loss=StepLoss(plan.objective, _context(plan, positions), scale,
+                                                         loss_fn=loss_fn),
                                       converters=converters)
             live = LiveBytes(granularity)
 

@@ -83,7 +83,7 @@ def main() -> None:
 
         def minimal_step(batches):
             mb = trainer.objective.prepare(batches[0], batch_ctx)
-            inputs, labels, kwargs = mb.inputs, mb.labels, mb.forward_kwargs()
+            inputs, labels, kwargs = mb.inputs, mb.targets["labels"], mb.forward_kwargs()
             loss = F.cross_entropy(logits_of(model(inputs, **kwargs)).flatten(0, 1).float(), labels.flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)

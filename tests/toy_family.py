@@ -42,7 +42,10 @@ from titanlike.models.common.init import normal_, ones_
 from titanlike.models.common.sharding import ShardingPlan, replicated
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.models.registry import ModelSpec, PipelineEnds, model_names, register_model_spec
-from titanlike.objectives.base import Microbatch, Objective
+from titanlike.objectives.companion import Companion, Source
+from titanlike.objectives.registry import register_objective
+from titanlike.objectives.base import (LossTerms, Microbatch, Objective, compile_options, next_token_correct,
+                                       target_count)
 
 # ---------------------------------------------------------------------------------- the family
 
@@ -247,14 +250,14 @@ class ToyCopy(Objective):
         super().__init__(**loss_options)
         self.options = options or ToyCopyOptions()
         self._loss = _smoothed_cross_entropy_sum
-        if self.compile_backend is not None:
-            self._loss = torch.compile(self._loss, backend=self.compile_backend)
+        if self._compile_backend is not None:
+            self._loss = torch.compile(self._loss, backend=self._compile_backend)
 
     @classmethod
     def for_job(cls, cfg, args) -> ToyCopy:
-        return cls(cfg.toy_copy, **cls.compile_options(cfg))
+        return cls(cfg.toy_copy, **compile_options(cfg))
 
-    def validate(self, cfg, dims, *, model: str) -> None:
+    def _validate_job(self, cfg, dims, *, model: str) -> None:
         t = cfg.training
         if t.dataset != "default" or t.dataset_path:
             raise ValueError(f"toy_copy makes its own samples and reads no dataset: leave training.dataset at "
@@ -284,10 +287,12 @@ class ToyCopy(Objective):
         half = tokens.shape[1] // 2
         labels = torch.full_like(tokens, IGNORE_INDEX)
         labels[:, half - 1:-1] = tokens[:, half:]
-        return Microbatch(tokens, labels)
+        return Microbatch(tokens, {"labels": labels}, target_count(labels))
 
-    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._loss(output, labels, self.options.label_smoothing)
+    def loss(self, output: torch.Tensor, targets, ctx, *, correct: bool = False) -> LossTerms:
+        labels = targets["labels"]
+        return LossTerms(self._loss(output, labels, self.options.label_smoothing),
+                         correct=next_token_correct(output, labels) if correct else None)
 
 
 def _smoothed_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, smoothing: float) -> torch.Tensor:
@@ -297,6 +302,51 @@ def _smoothed_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, smoo
     nll = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     per_token = (1 - smoothing) * nll - smoothing * logp.mean(-1)
     return (per_token * target).sum()
+
+
+# ------------------------------------------------------- a test-only objective with a frozen companion
+
+
+@dataclass
+class ToyAnchorOptions:
+    weight: float = opt(1.0, "weight of the KL from the frozen copy of the model as training started")
+
+
+def anchor_logps(output, targets) -> dict[str, torch.Tensor]:
+    """What the frozen companion adds: its log-probabilities over the vocabulary at every position."""
+    return {"anchor_logps": output.float().log_softmax(-1)}
+
+
+class ToyAnchoredCopy(ToyCopy):
+    """The copy task, anchored to the model as it started: the copy loss plus `weight` x KL(anchor ||
+    model) summed over the targets (reported apart as anchor_kl). It touches no file of titanlike/:
+    its companion (a frozen copy) is declared, the trainer builds and runs it."""
+
+    name = "toy_anchored_copy"
+    reported_terms = ("anchor_kl",)
+
+    def __init__(self, options: ToyAnchorOptions | None = None, copy: ToyCopyOptions | None = None, **loss_options):
+        super().__init__(copy, **loss_options)
+        self.anchor = options or ToyAnchorOptions()
+
+    @classmethod
+    def for_job(cls, cfg, args, *, family_objective=None, model: str = "the model") -> ToyAnchoredCopy:
+        if not isinstance(family_objective, ToyCopy):
+            raise ValueError(f"training.objective toy_anchored_copy trains the toy family's copy task; {model} trains "
+                             f"with {family_objective.name}")
+        return cls(cfg.toy_anchor, cfg.toy_copy, **compile_options(cfg))
+
+    @property
+    def companions(self) -> tuple[Companion, ...]:
+        return (Companion("anchor", "training.objective toy_anchored_copy", Source.FROZEN_COPY, anchor_logps),)
+
+    def loss(self, output: torch.Tensor, targets, ctx, *, correct: bool = False) -> LossTerms:
+        copy = super().loss(output, targets, ctx, correct=correct)
+        anchor = targets["anchor_logps"]
+        trained = targets["labels"] != IGNORE_INDEX
+        kl = (anchor.exp() * (anchor - output.float().log_softmax(-1))).sum(-1)
+        kl = (kl * trained).sum()
+        return LossTerms(copy.value + self.anchor.weight * kl, kl.detach().reshape(1), copy.correct)
 
 
 # ---------------------------------------------------------------------------------- registration
@@ -312,7 +362,9 @@ toy_spec = ModelSpec(
 
 if "toy" not in model_names():  # importing this file under two module names registers once
     register_section("toy_copy", ToyCopyOptions)
+    register_section("toy_anchor", ToyAnchorOptions)
     register_model_spec(toy_spec)
+    register_objective("toy_anchored_copy", ToyAnchoredCopy.for_job, section="toy_anchor")
 
-__all__ = ["CopySamples", "HeadMajorQKV", "ToyArgs", "ToyCopy", "ToyCopyOptions", "ToyDecoder", "toy_sharding",
-           "toy_spec"]
+__all__ = ["CopySamples", "HeadMajorQKV", "ToyAnchorOptions", "ToyAnchoredCopy", "ToyArgs", "ToyCopy", "ToyCopyOptions",
+           "ToyDecoder", "anchor_logps", "toy_sharding", "toy_spec"]

@@ -54,6 +54,7 @@ from published import PUBLISHED, UNPUBLISHED
 from titanlike.models import protocol
 from titanlike.models.common.moe import MoE
 from titanlike.models.outputs import IGNORE_INDEX
+from titanlike.objectives.base import BatchContext
 from titanlike.models.registry import get_model_spec, model_names
 
 ALL = family_flavors()
@@ -190,9 +191,11 @@ def test_forward_and_backward_on_the_objective(family, flavor):
     model = case.build().train()
     output = case.forward(model)
     logits = logits_of(output)
-    assert logits.shape == (*case.mb.labels.shape, case.args.vocab_size)
-    loss = case.plan.objective.loss(output, case.mb.labels)
-    targets = int((case.mb.labels != IGNORE_INDEX).sum())
+    labels = case.mb.targets["labels"]
+    assert labels.dtype == torch.int64 and logits.shape == (*labels.shape, case.args.vocab_size)
+    loss = case.plan.objective.loss(output, case.mb.targets, BatchContext(torch.device("cpu"))).value
+    targets = int((labels != IGNORE_INDEX).sum())
+    assert int(case.mb.units) == targets
     assert loss.dim() == 0 and math.isfinite(loss.item()) and targets > 0
     # At init the model is close to uniform over the vocabulary: the summed loss is about ln V per target.
     assert 0.5 * math.log(case.args.vocab_size) < loss.item() / targets < 2 * math.log(case.args.vocab_size)
@@ -328,7 +331,7 @@ def test_objective_samples_and_batches(family, flavor):
     again, other = loader_batch(case.plan), loader_batch(case.plan, seed=1)
     assert all(torch.equal(again[k], v) for k, v in case.batch.items())
     assert not all(torch.equal(other[k], v) for k, v in case.batch.items())
-    labels = case.mb.labels
+    labels = case.mb.targets["labels"]
     targets = labels != IGNORE_INDEX
     assert targets.any() and bool(((labels >= 0) & (labels < case.args.vocab_size))[targets].all())
     # Context parallelism: each rank's slice of the whole sequence, where the objective allows it.
@@ -337,11 +340,11 @@ def test_objective_samples_and_batches(family, flavor):
     except ValueError as e:
         pytest.skip(f"no context parallelism for {family}: {e}")
     seq = case.mb.inputs.shape[1]
-    token_fields = objective.token_fields
+    token_fields = getattr(objective, "token_fields", ())
     for rank in range(2):
         positions = load_balanced_positions(seq, 2, rank)
         cut = microbatch(case.plan, case.batch, cp_positions=positions)
-        assert torch.equal(cut.inputs, case.mb.inputs[:, positions]) and torch.equal(cut.labels, labels[:, positions])
+        assert torch.equal(cut.inputs, case.mb.inputs[:, positions]) and torch.equal(cut.targets["labels"], labels[:, positions])
         for name in token_fields:
             assert torch.equal(cut.fields[name], case.mb.fields[name][:, positions]), name
         for name in set(case.mb.fields) - set(token_fields):

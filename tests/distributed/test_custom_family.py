@@ -103,7 +103,7 @@ def test_labels_cover_only_the_copied_half():
     assert samples.fields == {"tokens": ((16,), "int64")}
     batch = {"tokens": torch.from_numpy(samples.source[7]["tokens"]).unsqueeze(0)}
     mb = objective.prepare(batch, BatchContext(torch.device("cpu")))
-    tokens, labels = mb.inputs[0], mb.labels[0]
+    tokens, labels = mb.inputs[0], mb.targets["labels"][0]
     assert torch.equal(tokens[8:], tokens[:8])
     # Position t predicts token t + 1: targets exactly where that token lies in the second half.
     assert (labels[:7] == IGNORE_INDEX).all() and labels[-1] == IGNORE_INDEX
@@ -119,7 +119,8 @@ def test_loss_is_a_label_smoothed_cross_entropy_summed_over_targets():
     objective = toy_family.ToyCopy(toy_family.ToyCopyOptions(label_smoothing=0.1))
     expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum",
                                label_smoothing=0.1)
-    torch.testing.assert_close(objective.loss(logits, labels), expected)
+    torch.testing.assert_close(objective.loss(logits, {"labels": labels}, BatchContext(torch.device("cpu"))).value,
+                               expected)
 
 
 def test_toy_family_imports_nothing_private():

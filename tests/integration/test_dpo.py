@@ -26,7 +26,7 @@ def preference_accuracy(policy, reference, rows) -> tuple[float, float]:
     from titanlike.data.preferences import PreferenceSamples, tokenize_pairs
     from titanlike.models.outputs import logits_of
     from titanlike.objectives.base import BatchContext
-    from titanlike.objectives.preference import DPO, REFERENCE, TARGET, token_logps
+    from titanlike.objectives.preference import DPO, token_logps
 
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
     pairs = tokenize_pairs([(f"row {i}", r) for i, r in enumerate(rows)], load_chat_template("auto", tokenizer),
@@ -34,17 +34,16 @@ def preference_accuracy(policy, reference, rows) -> tuple[float, float]:
     samples = PreferenceSamples(pairs, seq_len=64, packing=True, pad_id=tokenizer.eos_id)
     batch = {k: torch.as_tensor(np.stack([samples[i][k] for i in range(len(samples))])) for k in samples.fields}
     objective = DPO()
-    mb = objective.prepare(batch, BatchContext(torch.device("cpu"), mask_kernel="sdpa"))
-    pairs_n = objective.count_units(mb.labels)
+    ctx = BatchContext(torch.device("cpu"), mask_kernel="sdpa")
+    mb = objective.prepare(batch, ctx)
+    pairs_n = mb.units
     assert int(pairs_n) == len(rows)
     with torch.no_grad():
         logits = logits_of(policy(mb.inputs, **mb.forward_kwargs()))
-        objective.loss(logits, mb.labels)  # reference 0: rewards are beta x the answers' log-probabilities
-        own = objective.collect_reports(torch.device("cpu"))[3] / pairs_n
-        mb.labels[..., REFERENCE] = token_logps(logits_of(reference(mb.inputs, **mb.forward_kwargs())),
-                                                mb.labels[..., TARGET].long())
-        objective.loss(logits, mb.labels)
-        implicit = objective.collect_reports(torch.device("cpu"))[3] / pairs_n
+        # reference 0: rewards are beta x the answers' log-probabilities
+        own = objective.loss(logits, mb.targets, ctx).reported[3] / pairs_n
+        ref = token_logps(logits_of(reference(mb.inputs, **mb.forward_kwargs())), mb.targets["labels"])
+        implicit = objective.loss(logits, mb.targets | {"ref_logps": ref}, ctx).reported[3] / pairs_n
     return float(own), float(implicit)
 
 

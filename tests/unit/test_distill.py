@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from titanlike.models.outputs import IGNORE_INDEX
-from titanlike.objectives.distill import Distill, DistillOptions, kl_per_token, teacher_channels
+from titanlike.objectives.base import BatchContext
+from titanlike.objectives.distill import Distill, DistillOptions, kl_per_token, teacher_targets
+
+CPU = BatchContext(torch.device("cpu"))
 
 B, S, V = 2, 5, 48
 
@@ -25,9 +28,9 @@ def logits():
     return student, teacher, targets
 
 
-def labels_of(teacher, targets, **options) -> torch.Tensor:
+def labels_of(teacher, targets, **options) -> dict[str, torch.Tensor]:
     o = DistillOptions(**options)
-    return torch.cat([targets.float()[..., None], teacher_channels(teacher, o.top_k, o.temperature)], dim=-1)
+    return {"labels": targets, **teacher_targets(teacher, o.top_k, o.temperature)}
 
 
 @pytest.mark.parametrize("loss,beta", [("forward_kl", 0.0), ("reverse_kl", 1.0)])
@@ -39,7 +42,8 @@ def test_kl_equals_kl_div_and_trl_generalized_jsd(logits, loss, beta, temperatur
     student.requires_grad_(True)
     objective = Distill(family=None, options=DistillOptions(teacher="t", loss=loss, temperature=temperature))
     labels = labels_of(teacher, targets, temperature=temperature)
-    ours = objective.loss(student, labels)
+    terms = objective.loss(student, labels, CPU)
+    ours = terms.value
     trained = targets != IGNORE_INDEX
     ls, lt = F.log_softmax(student / temperature, -1), F.log_softmax(teacher / temperature, -1)
     direct = (F.kl_div(ls, lt, log_target=True, reduction="none") if loss == "forward_kl"
@@ -50,7 +54,7 @@ def test_kl_equals_kl_div_and_trl_generalized_jsd(logits, loss, beta, temperatur
     grad, = torch.autograd.grad(ours, student)
     want, = torch.autograd.grad(direct, student)
     assert torch.allclose(grad, want, atol=1e-6)
-    kl, hard = objective.collect_reports(torch.device("cpu"))
+    kl, hard = terms.reported
     assert torch.allclose(kl, ours.detach()) and torch.allclose(hard, F.cross_entropy(
         student.detach().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"))
 
@@ -60,8 +64,9 @@ def test_top_k_and_the_hard_label_mix(logits):
     k, weight = 6, 0.25
     objective = Distill(family=None, options=DistillOptions(teacher="t", top_k=k, kl_weight=weight))
     labels = labels_of(teacher, targets, top_k=k)
-    assert labels.shape == (B, S, 1 + 2 * k)
-    ours = objective.loss(student, labels)
+    assert labels["teacher_logps"].shape == labels["teacher_ids"].shape == (B, S, k)
+    assert labels["teacher_ids"].dtype == torch.int64
+    ours = objective.loss(student, labels, CPU).value
     values, ids = teacher.topk(k, -1)
     p = F.softmax(values, -1)  # the teacher renormalized over its top k
     logq = F.log_softmax(student, -1).gather(-1, ids)
@@ -71,10 +76,11 @@ def test_top_k_and_the_hard_label_mix(logits):
     assert torch.allclose(ours, weight * kl + (1 - weight) * hard, rtol=1e-5)
     assert kl > 0
     # k = the vocabulary: the whole forward KL.
-    whole = Distill(family=None, options=DistillOptions(teacher="t", top_k=V)).loss(student, labels_of(teacher, targets, top_k=V))
-    full = Distill(family=None, options=DistillOptions(teacher="t")).loss(student, labels_of(teacher, targets))
+    whole = Distill(family=None, options=DistillOptions(teacher="t", top_k=V)).loss(
+        student, labels_of(teacher, targets, top_k=V), CPU).value
+    full = Distill(family=None, options=DistillOptions(teacher="t")).loss(student, labels_of(teacher, targets), CPU).value
     assert torch.allclose(whole, full, rtol=1e-5)
-    assert torch.allclose(kl_per_token(student, labels[..., 1:], loss="forward_kl", top_k=k, temperature=1.0)[trained].sum(),
+    assert torch.allclose(kl_per_token(student, labels, loss="forward_kl", top_k=k, temperature=1.0)[trained].sum(),
                           kl, rtol=1e-5)
 
 

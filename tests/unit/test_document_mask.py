@@ -114,10 +114,10 @@ def test_trainer_prepares_document_masked_microbatches(trainer_factory):
     labels = torch.tensor([[8, eos, 9, 10, 11, 12], [5, 6, 7, eos, 8, 9]])
     mb = trainer.prepare({"inputs": inputs, "labels": labels})
     # Predictions made from an EOD (of the next document's first token) carry no loss.
-    assert mb.labels.tolist() == [[8, eos, -100, 10, 11, 12], [-100, 6, 7, eos, -100, 9]]
+    assert mb.targets["labels"].tolist() == [[8, eos, -100, 10, 11, 12], [-100, 6, 7, eos, -100, 9]]
     assert mb.positions.tolist() == [[0, 1, 2, 0, 1, 2], [0, 0, 1, 2, 3, 0]]
     assert mb.mask is not None and mb.mask.dense is not None
 
     plain = trainer_factory().prepare({"inputs": inputs, "labels": labels})
-    assert plain.mask is None and plain.positions is None and torch.equal(plain.labels, labels)
+    assert plain.mask is None and plain.positions is None and torch.equal(plain.targets["labels"], labels)
 

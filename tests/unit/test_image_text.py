@@ -153,7 +153,7 @@ def test_a_blend_is_the_same_on_any_data_parallel_degree_and_resumes_exactly(sha
 
 def test_a_job_on_shards_it_cannot_read_is_refused_in_one_sentence(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="needs training.dataset_path"):
-        objective().validate_dataset("webdataset", None)
+        objective()._check_dataset("webdataset", None)
     with pytest.raises(ValueError, match="does not exist"):
         objective().shard_blend(str(tmp_path / "missing.tar"), tokenizer, seq_len=SEQ, seed=0)
     (tmp_path / "junk.tar").write_bytes(b"x" * 1000)

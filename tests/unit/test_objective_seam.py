@@ -1,6 +1,6 @@
 """The objective seam: a family's forward may return auxiliary losses beside the logits, and its
-spec names its objective; the trainer only calls objective.loss(output, labels) and divides by the
-step's target tokens. A test-only family (Llama 3 whose forward adds a logit-size penalty, with an
+spec names its objective; the trainer only calls objective.loss(output, targets, ctx) and divides by
+the step's target tokens. A test-only family (Llama 3 whose forward adds a logit-size penalty, with an
 objective that records what its loss got) goes through the real Trainer in one process."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from titanlike.config import load_job_config
 from titanlike.models.llama3 import Transformer, llama3_flavors
 from titanlike.models.outputs import IGNORE_INDEX, ModelOutput
 from titanlike.models.registry import ModelSpec, get_model_spec, model_names, register_model_spec
-from titanlike.objectives import CausalLM
+from titanlike.objectives import BatchContext, CausalLM
 from titanlike.train.trainer import Trainer
 from titanlike.train.plan import plan_job
 
@@ -31,9 +31,9 @@ class PenalizedLlama(Transformer):
 
 
 class RecordingCausalLM(CausalLM):
-    def loss(self, output, labels):
-        SEEN.append((output, labels))
-        return super().loss(output, labels)
+    def loss(self, output, targets, ctx, *, correct=False):
+        SEEN.append((output, targets["labels"]))
+        return super().loss(output, targets, ctx, correct=correct)
 
 
 def _register() -> None:
@@ -118,7 +118,7 @@ def test_causal_lm_prepares_masks_lookahead_and_the_context_parallel_cut():
     mb = objective.prepare({"inputs": inputs, "labels": labels}, ctx)
     masked = labels.masked_fill(inputs == eos, IGNORE_INDEX)
     whole = DocumentMask.from_tokens(inputs, eos, None)
-    assert torch.equal(mb.inputs, inputs[:, positions]) and torch.equal(mb.labels, masked[:, positions])
+    assert torch.equal(mb.inputs, inputs[:, positions]) and torch.equal(mb.targets["labels"], masked[:, positions])
     assert torch.equal(mb.positions, whole.positions[:, positions])
     assert torch.equal(mb.mask.document_ids, whole.document_ids)  # whole: cp attention picks its rows
     want = lookahead_targets(labels, masked, 2, whole.document_ids)[:, positions]
@@ -126,7 +126,7 @@ def test_causal_lm_prepares_masks_lookahead_and_the_context_parallel_cut():
     assert set(mb.forward_kwargs()) == {"positions", "mask", "lookahead"}
     plain = CausalLM().prepare({"inputs": inputs, "labels": labels}, BatchContext(torch.device("cpu")))
     assert plain.mask is None and plain.positions is None and plain.lookahead is None
-    assert torch.equal(plain.labels, labels) and plain.forward_kwargs() == {"positions": None, "mask": None}
+    assert torch.equal(plain.targets["labels"], labels) and plain.forward_kwargs() == {"positions": None, "mask": None}
 
 
 def test_padded_samples_cut_their_token_fields_only():
@@ -139,7 +139,7 @@ def test_padded_samples_cut_their_token_fields_only():
     positions = load_balanced_positions(32, 2, 0, "cpu")
     mb = MaskedLM(sentence_pairs=True).prepare(batch, BatchContext(torch.device("cpu"), cp_positions=positions))
     assert torch.equal(mb.inputs, batch["inputs"][:, positions])
-    assert torch.equal(mb.labels, batch["labels"][:, positions])
+    assert torch.equal(mb.targets["labels"], batch["labels"][:, positions])
     assert torch.equal(mb.fields["token_types"], batch["token_types"][:, positions])
     assert torch.equal(mb.fields["binary_labels"], batch["binary_labels"])
     assert not mb.mask.causal and torch.equal(mb.mask.document_ids, batch["document_ids"])
@@ -153,6 +153,7 @@ def test_loss_adds_auxiliary_losses_and_compiles_only_when_used():
     assert "_cross_entropy" not in vars(objective)  # building one to check a job's rules compiles nothing
     plain = CausalLM()
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-    assert torch.equal(plain.loss(logits, labels), ce)
+    ctx = BatchContext(torch.device("cpu"))
+    assert torch.equal(plain.loss(logits, {"labels": labels}, ctx).value, ce)
     aux = torch.tensor(0.25)
-    assert torch.equal(plain.loss(ModelOutput(logits, {"aux": aux}), labels), ce + aux)
+    assert torch.equal(plain.loss(ModelOutput(logits, {"aux": aux}), {"labels": labels}, ctx).value, ce + aux)

@@ -19,7 +19,8 @@ import torch
 
 from titanlike.data.preferences import PreferenceSamples, pack_pairs
 from titanlike.models.outputs import IGNORE_INDEX
-from titanlike.objectives.preference import DPO, REFERENCE, DPOOptions, pair_labels, token_logps
+from titanlike.objectives.base import BatchContext
+from titanlike.objectives.preference import DPO, DPOOptions, pair_starts, token_logps
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -77,17 +78,18 @@ def our_loss(objective: DPO, policy, reference, batch, *, seq_len: int = 24):
     """(mean loss per pair, mean reported terms) of our objective on TRL's batch, packed."""
     stacked, where, samples = packed_layout(batch, seq_len)
     assert samples < batch["input_ids"].shape[0] // 2, "packing put more than one pair in a sample"
-    labels = pair_labels(stacked["labels"], stacked["document_ids"])
+    labels, documents = stacked["labels"], stacked["document_ids"]
+    targets = {"labels": labels, "document_ids": documents, "pair_start": pair_starts(labels != -100, documents)}
 
     def logits(model):
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return out.flatten(0, 1)[where]
 
     with torch.no_grad():
-        labels[..., REFERENCE] = token_logps(logits(reference), labels[..., 0].long())
-    pairs = objective.count_units(labels)
-    loss = objective.loss(logits(policy), labels) / pairs
-    return loss, objective.collect_reports(torch.device("cpu")) / pairs
+        targets["ref_logps"] = token_logps(logits(reference), labels)
+    pairs = targets["pair_start"].sum()
+    terms = objective.loss(logits(policy), targets, BatchContext(torch.device("cpu")))
+    return terms.value / pairs, terms.reported / pairs
 
 
 def grads(model) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from titanlike.data import DataError, build_tokenizer
 from titanlike.data.chat_template import load_chat_template, tokenize_conversation
 from titanlike.data.preferences import PreferenceSamples, tokenize_pairs
 from titanlike.objectives.base import BatchContext
-from titanlike.objectives.preference import DPO, DPOOptions, DOCUMENT, PAIR_START, TARGET
+from titanlike.objectives.preference import DPO, DPOOptions
 
 ROWS = [
     {"prompt": "What is two and two?", "chosen": "Four.", "rejected": "Five, probably."},
@@ -73,13 +73,13 @@ def test_packing_keeps_pairs_whole_and_counts_them(chatml):
         assert (np.diff(ids) >= 0).all()
         mb = objective.prepare({k: torch.from_numpy(v)[None] for k, v in s.items()},
                                BatchContext(torch.device("cpu"), mask_kernel="sdpa"))
-        docs = mb.labels[0, :, DOCUMENT].long()
-        n_pairs = int(objective.count_units(mb.labels))
+        docs = mb.targets["document_ids"][0]
+        n_pairs = int(mb.units)
         # Documents 0..2n-1 are n whole pairs (each side with answer tokens), then the padding.
         assert set(docs.tolist()) <= set(range(2 * n_pairs + 1))
         for d in range(2 * n_pairs):
-            assert ((docs == d) & (mb.labels[0, :, TARGET] != -100)).any()
-        assert mb.labels[0, :, PAIR_START].nonzero().flatten().tolist() == [
+            assert ((docs == d) & (mb.targets["labels"][0] != -100)).any()
+        assert mb.targets["pair_start"][0].nonzero().flatten().tolist() == [
             int((docs == 2 * k).nonzero()[0]) for k in range(n_pairs)]
         for k in range(n_pairs):
             seen.append(tuple(tuple(s["labels"][ids == d].tolist()) for d in (2 * k, 2 * k + 1)))
@@ -112,13 +112,15 @@ def test_packed_loss_equals_unpacked(chatml, loss_type):
     for packing in (True, False):
         samples = PreferenceSamples(pairs, seq_len=256, packing=packing, pad_id=0)
         batch = {k: torch.from_numpy(np.stack([samples[i][k] for i in range(len(samples))])) for k in samples.fields}
-        mb = objective.prepare(batch, BatchContext(torch.device("cpu"), mask_kernel="sdpa"))
+        ctx = BatchContext(torch.device("cpu"), mask_kernel="sdpa")
+        mb = objective.prepare(batch, ctx)
         # A made-up reference, the same per pair token either way: a function of the target ids.
-        mb.labels[..., 2] = torch.where(mb.labels[..., TARGET] >= 0, -0.01 * (mb.labels[..., TARGET] % 7), 0.0)
+        labels = mb.targets["labels"]
+        mb.targets["ref_logps"] = torch.where(labels >= 0, -0.01 * (labels % 7), 0.0)
         model.zero_grad()
-        loss = objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.labels)
+        loss = objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.targets, ctx).value
         loss.backward()
-        results.append((len(samples), int(objective.count_units(mb.labels)), loss.item(),
+        results.append((len(samples), int(mb.units), loss.item(),
                         [p.grad.clone() for p in model.parameters()]))
     (n_packed, units_packed, packed, g_packed), (n_padded, units_padded, padded, g_padded) = results
     assert n_packed < n_padded == len(ROWS) == units_packed == units_padded

@@ -101,12 +101,14 @@ def test_exported_reward_model_scores_and_trl_loss_agree(family, tmp_path):
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
     objective = RewardModel(RewardOptions(center_rewards_coefficient=0.01))
-    mb = objective.prepare(packed_batch(), BatchContext(torch.device("cpu"), mask_kernel="sdpa"))
-    pairs = objective.count_units(mb.labels)
+    ctx = BatchContext(torch.device("cpu"), mask_kernel="sdpa")
+    mb = objective.prepare(packed_batch(), ctx)
+    pairs = mb.units
     assert int(pairs) == len(PAIRS)
     model.train()
-    loss = objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.labels) / pairs
-    chosen, rejected, margin, accuracy = (objective.collect_reports(torch.device("cpu")) / pairs).tolist()
+    terms = objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.targets, ctx)
+    loss = terms.value / pairs
+    chosen, rejected, margin, accuracy = (terms.reported / pairs).tolist()
     assert abs(loss.item() - trl_loss.item()) < 1e-5, (loss.item(), trl_loss.item())
     assert abs(margin - metrics["margin"]) < 1e-5 and abs(accuracy - metrics["accuracy"]) < 1e-6
     assert abs((chosen + rejected) / 2 - metrics["mean_reward"]) < 1e-5

@@ -167,8 +167,8 @@ def _our_loss(model, objective, samples) -> float:
     batch = {k: torch.from_numpy(np.stack([source[i][k] for i in range(len(source))])) for k in source.fields}
     mb = objective.prepare(batch, ctx)
     with torch.no_grad():
-        loss = objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.labels)
-    return loss.item() / int((mb.labels != -100).sum())
+        loss = objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.targets, ctx).value
+    return loss.item() / int(mb.units)
 
 
 def test_packed_and_padded_losses_equal_trls_sftTrainer(tmp_path):
@@ -215,8 +215,8 @@ def test_padding_to_the_longest_cuts_each_microbatch_and_keeps_its_loss(tmp_path
             objective = SFT(options)
             mb = objective.prepare(batch, ctx)
             with torch.no_grad():
-                results.append((objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.labels).item(),
-                                int((mb.labels != -100).sum()), mb.inputs.shape[1]))
+                results.append((objective.loss(model(mb.inputs, **mb.forward_kwargs()), mb.targets, ctx).value.item(),
+                                int((mb.targets["labels"] != -100).sum()), mb.inputs.shape[1]))
         (full, count, length), (cut, cut_count, cut_length) = results
         assert length == 128 and cut_length == -(-last // 8) * 8 < 128, (last, cut_length)
         assert cut_count == count and abs(cut - full) < 1e-5 * abs(full), (cut, full)

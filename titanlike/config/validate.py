@@ -116,7 +116,7 @@ def _validate_validation(cfg: JobConfig) -> None:
     _check(v.seq_len == -1 or 1 <= v.seq_len <= t.seq_len,
            f"validation.seq_len must be -1 (training's) or 1 to training.seq_len {t.seq_len} (the model's positions "
            f"are sized for training), got {v.seq_len}")
-    # Whether the training data hold out a split is the objective's rule (Objective.validate_held_out).
+    # Whether the training data hold out a split is the objective's rule (Objective.validate: its _check_held_out).
     kind = t.dataset if v.dataset is None else v.dataset
     rule = dataset_kind_rules().get(kind)
     if rule is None:  # an unknown kind in a JobConfig built in code: the data loader refuses it by name

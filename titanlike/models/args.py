@@ -59,7 +59,7 @@ class BaseModelArgs:
 
     def update_from_config(self, *, vocab_size: int, seq_len: int, decoder_seq_len: int | None = None) -> BaseModelArgs:
         """A copy sized for a job: the tokenizer's vocabulary and the training sequence length, plus
-        the lengths the job's objective adds (its model_lengths(): decoder_seq_len, an encoder-decoder's
+        the lengths the job's objective adds (its model_args: decoder_seq_len, an encoder-decoder's
         decoder tokens per sample, from span_corruption.decoder_seq_len; models without a decoder
         stack ignore it).
 

@@ -58,6 +58,11 @@ class ModelConverter:
     def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         """Called after every optimizer step with this rank's model parts."""
 
+    def disabled(self, model_parts: list[nn.Module]) -> contextlib.AbstractContextManager:
+        """A context in which the parts compute as if this converter had not changed them, where it can
+        (ModelConverters.disabled); nothing by default."""
+        return contextlib.nullcontext()
+
     def initial_state(self, model: nn.Module) -> dict:
         """For a fresh run, after the model's initial load (checkpoint.initial_load_path) or init: what
         the swap loads into this model part, full tensors by name (rank 0's are broadcast; {} none)."""
@@ -126,6 +131,15 @@ class ModelConverters:
     def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         for converter in self.converters:
             converter.post_optimizer_step(model_parts)
+
+    @contextlib.contextmanager
+    def disabled(self, model_parts: list[nn.Module]):
+        """The parts compute as if no converter had changed them where a converter can switch its
+        change off (LoRA: the adapters' term is zero), for the duration of the context."""
+        with contextlib.ExitStack() as stack:
+            for converter in self.converters:
+                stack.enter_context(converter.disabled(model_parts))
+            yield
 
 
 def build_model_converters(names: list[str], float8: Float8,
@@ -463,6 +477,21 @@ class LoRAConverter(ModelConverter):
 
     name = "lora"
     section = "lora"
+
+    @contextlib.contextmanager
+    def disabled(self, model_parts: list[nn.Module]):
+        """The adapters' term is exactly zero (scaling 0): the base model, as DPO's reference."""
+        from titanlike.models.lora import adapters
+
+        layers = [m for part in model_parts for m in adapters(part).values()]
+        saved = [m.lora_scaling for m in layers]
+        for m in layers:
+            m.lora_scaling = 0.0
+        try:
+            yield
+        finally:
+            for m, scaling in zip(layers, saved):
+                m.lora_scaling = scaling
 
     def convert(self, model: nn.Module) -> None:
         from titanlike.models.lora import LoRAOptions, apply_lora

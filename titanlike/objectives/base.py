@@ -1,37 +1,38 @@
 """What every training objective provides, and the microbatch it hands the training step.
 
-An objective (causal LM, masked LM, span corruption) owns, for the model family that trains with it
-(ModelSpec.objective builds it from the job and the flavor's args):
-  - its options: a config section registered with the loader (titanlike/config/sections.py);
-  - its rules (`validate`): one sentence, before any process group;
-  - its samples (`samples`): the global sample source the data loader slices by rank and step;
-  - its batch (`prepare`): the loader's dict of named tensors -> a Microbatch on the device, masked
-    and cut to this rank's context-parallel positions, as the model and the loss take it;
-  - its loss (`loss`): summed over its units (target tokens by default, pairs for preference
-    objectives: `count_units`), the model's auxiliary losses added;
-  - optionally, models beside the one it trains (`attach`: a frozen reference) and loss terms it
-    reports apart (`reported_terms`, `collect_reports`).
-Generic code (data/, train/, checkpoint/, estimation/) calls these and never asks which objective
-it has.
+An objective (causal LM, masked LM, span corruption, SFT, DPO, reward model, distillation, image
+captioning) is three small things, built once at planning time and never changed after:
+  - its samples: the job's rules (`validate`, one sentence before any process group, the datasets'
+    included), the fields of a sample (`sample_fields`) and the global sample source (`samples`);
+  - its batch (`prepare`): the loader's dict of named tensors -> a Microbatch on the device, cut to
+    this rank's context-parallel positions: the model's inputs, and the named `targets` the loss
+    reads, each with its own dtype (token ids and document indices stay int64), plus the count of
+    the units its loss is summed over;
+  - its loss (`loss`): a pure function of the model's output and the targets -> LossTerms (the
+    summed value, and the terms it reports apart, named by `reported_terms`).
+Models that run beside the one it trains (a frozen reference, a teacher) are `companions`: the
+objective declares what each is and what it adds to the targets (objectives/companion.py); the
+trainer builds and runs them (train/companions.py). Generic code (data/, train/, checkpoint/,
+estimation/) calls these members and never asks which objective it has.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from titanlike.models.common.attention import DocumentMask
-from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, cross_entropy_sum
+from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, cross_entropy_sum, logits_of
 
 if TYPE_CHECKING:
-    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
 
     from titanlike.config.schema import JobConfig
-    from titanlike.models.args import LayoutDegrees
+    from titanlike.models.args import BaseModelArgs, LayoutDegrees
+    from titanlike.objectives.companion import Companion
 
 # Field name -> (shape of one sample, "int64" | "float32").
 FieldShapes = dict[str, tuple[tuple[int, ...], str]]
@@ -39,7 +40,8 @@ FieldShapes = dict[str, tuple[tuple[int, ...], str]]
 
 @dataclasses.dataclass(frozen=True)
 class BatchContext:
-    """What `prepare` needs beyond the loader's batch: where the tensors go and how this rank cuts them."""
+    """Where a microbatch goes and how this rank cuts it: what `prepare` and `loss` need beyond the
+    tensors themselves, built by the trainer once the meshes exist."""
 
     device: torch.device
     # Context parallel: the global positions of the tokens this rank keeps of every sequence.
@@ -50,6 +52,22 @@ class BatchContext:
     eos_id: int | None = None  # the tokenizer's end-of-document token
     # The depth of multi-token prediction (the model args' lookahead_tokens); 0: none.
     lookahead_tokens: int = 0
+    # Context parallel's mesh, for a loss whose terms span positions held by several ranks (a
+    # preference pair's summed log-probabilities); None without context parallelism.
+    cp_mesh: DeviceMesh | None = None
+
+    @property
+    def cp_degree(self) -> int:
+        return 1 if self.cp_mesh is None else self.cp_mesh.size()
+
+    def cp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the context-parallel ranks, its gradient passed through to each (parallel/utils.py
+        sum_over_for_replicated_loss); itself without context parallelism."""
+        if self.cp_mesh is None:
+            return value
+        from titanlike.parallel.utils import sum_over_for_replicated_loss
+
+        return sum_over_for_replicated_loss(value, self.cp_mesh)
 
 
 @dataclasses.dataclass
@@ -57,7 +75,12 @@ class Microbatch:
     """What the model and the loss of one microbatch get, on this rank's device and slice."""
 
     inputs: torch.Tensor
-    labels: torch.Tensor
+    # What the loss reads, by name, each (batch, ...) with its own dtype: cut along the batch with the
+    # inputs by a pipeline schedule, extended by the companions (a reference's log-probabilities).
+    targets: dict[str, torch.Tensor]
+    # The units the microbatch's summed loss is over (target tokens, preference pairs), a 0-d tensor:
+    # the step divides the gradients once by their global count.
+    units: torch.Tensor
     positions: torch.Tensor | None = None  # RoPE positions when not 0..seq-1
     mask: DocumentMask | None = None  # attend within documents (training.document_masking, or a padding mask)
     # Multi-token prediction's inputs and targets (objectives/causal_lm.py lookahead_targets), for
@@ -84,30 +107,20 @@ class Microbatch:
             **({} if self.lookahead is None else {"lookahead": self.lookahead[start:stop]}),
         }
 
+    def target_rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """The targets of samples start..stop-1 (a pipeline microbatch's)."""
+        return {name: value[start:stop] for name, value in self.targets.items()}
+
 
 @dataclasses.dataclass(frozen=True)
-class ObjectiveModels:
-    """What the trainer lends an objective that needs models beside the one it trains (`attach`),
-    once the model is built and loaded, before the first step."""
+class LossTerms:
+    """One microbatch's loss: `value`, summed over its units (what backward differentiates, with the
+    model's auxiliary losses in the same units); `reported`, (len(reported_terms),) sums of the terms
+    reported apart (detached), or None; `correct`, validation's count of correct units when asked."""
 
-    parts: list[nn.Module]  # this rank's parts of the model being trained
-    # A frozen copy of them (requires_grad off): the same plan and layout, the weights of the model as
-    # the run started (the parts' own before the first step; rebuilt from the initial load on resume).
-    frozen_copy: Callable[[], list[nn.Module]]
-    # forward(parts, mb, fn): a forward-only pass of `parts` (the model's or a frozen copy's) over the
-    # microbatch, as the step runs it (autocast, loss parallelism, the pipeline schedule), returning
-    # fn(output, labels) of its samples concatenated along the batch, (batch, ...), on the ranks that
-    # hold the last pipeline stage, and None on the others (where the loss never runs).
-    forward: Callable[[list[nn.Module], Microbatch, Callable], torch.Tensor | None]
-    # Context parallelism: each rank holds some positions of every sample. cp_sum(x) sums a tensor
-    # over the cp ranks (its backward passes the gradient through: parallel/utils.py
-    # sum_over_for_replicated_loss); None without it. cp_degree: the number of cp ranks.
-    cp_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
-    cp_degree: int = 1
-    # other_model(path): this rank's parts of the model of another checkpoint (a DCP checkpoint or a
-    # Hugging Face folder; a distillation teacher), frozen, built with the job's layout (its own
-    # pipeline split over the same stages) and loaded; `forward` runs it like the frozen copy.
-    other_model: Callable[[str], list[nn.Module]] | None = None
+    value: torch.Tensor
+    reported: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
 
 
 def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
@@ -117,6 +130,37 @@ def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
     from titanlike.parallel.context import shard_sequence
 
     return shard_sequence(x, ctx.cp_positions)
+
+
+def target_count(labels: torch.Tensor) -> torch.Tensor:
+    """The target tokens of a (batch, seq) labels tensor: the units of a token-level loss."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+def next_token_correct(output: torch.Tensor | ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+    """The targets whose most likely token is right (vocabulary-parallel logits are gathered for it:
+    validation only)."""
+    from torch.distributed.tensor import DTensor
+
+    logits = logits_of(output).detach()
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return (logits.argmax(-1) == labels)[labels != IGNORE_INDEX].sum()
+
+
+def with_aux_losses(loss: torch.Tensor, output) -> torch.Tensor:
+    """The loss plus the output's auxiliary losses (MoE balancing, multi-token prediction), in the
+    same summed units."""
+    if isinstance(output, ModelOutput):
+        for aux in output.aux_losses.values():
+            loss = loss + aux
+    return loss
+
+
+def compile_options(cfg: JobConfig) -> dict[str, Any]:
+    """The loss's compile settings from the job's [compile] section (for objectives' factories)."""
+    c = cfg.compile
+    return {"compile_loss": c.enable and "loss" in c.components, "compile_backend": c.backend}
 
 
 def refuse_pretraining_options(cfg: JobConfig, objective: str) -> None:
@@ -133,91 +177,89 @@ def refuse_pretraining_options(cfg: JobConfig, objective: str) -> None:
 
 
 class Objective:
-    """Base of every objective: the loss they share (cross-entropy summed over the targets, plus the
-    model's auxiliary losses). Subclasses implement the rest (see the module docstring)."""
+    """Base of every objective: next-token cross-entropy over `targets["labels"]` summed over the
+    targets, plus the model's auxiliary losses. Subclasses implement the rest (module docstring).
+
+    Public members (what generic code may use): name, predicts_next_token, vocab_parallel_loss,
+    attention_mask, reported_terms, companions, validate, model_args, sample_fields, samples,
+    prepare, loss. Subclasses add their rules in `_validate_job` and refine the data rules in
+    `_check_dataset` and `_check_held_out`."""
 
     # Name shown in messages ("masked_lm"); nothing dispatches on it.
     name: ClassVar[str] = ""
-    # Fields of a sample laid out along the sequence of `inputs` (cut with it under context
-    # parallelism), besides inputs and labels.
-    token_fields: ClassVar[tuple[str, ...]] = ()
-    # What the attention mask of its samples is, for the start-up log: "a document mask", "a padding
-    # mask", or None (plain causal or bidirectional attention).
-    attention_mask: str | None = None
+    # Whether the model it trains predicts the next token from the tokens before it, so it can be
+    # sampled from left to right (generation, and the objectives that fine-tune such models, ask).
+    predicts_next_token: ClassVar[bool] = False
     # Whether `loss` works on logits split over the vocabulary (a DTensor, Shard(-1)) inside torch's
     # loss_parallel(): cross-entropy does. Under tensor parallelism the plan then keeps the logits
     # sharded (parallelism.disable_loss_parallel off); an objective whose loss needs whole logits says
     # False, and the output projection gathers them.
     vocab_parallel_loss: ClassVar[bool] = True
-    # Whether the model it trains predicts the next token from the tokens before it, so it can be
-    # sampled from left to right (scripts/generate.py asks; the later inference issue builds on it).
-    predicts_next_token: ClassVar[bool] = False
-
-    @property
-    def frozen_copies(self) -> int:
-        """How many frozen copies of the model (same plan, sharded like it: parameters only, no
-        gradients or optimizer state) the objective holds beside it; the memory estimator counts them."""
-        return 0
-
-    @property
-    def frozen_models(self) -> tuple[str, ...]:
-        """Checkpoints of other models the objective runs frozen beside the one it trains (what `attach`
-        asks ObjectiveModels.other_model for: a distillation teacher). The memory estimator counts their
-        parameter shards (no gradients, no optimizer state) and their forward without gradients."""
-        return ()
+    # What the attention mask of its samples is, for the start-up log: "a document mask", "a padding
+    # mask", or None (plain causal or bidirectional attention).
+    attention_mask: str | None = None
+    # Loss terms the objective reports apart (LossTerms.reported, logged as their sums divided by the
+    # step's units, like the loss).
+    reported_terms: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
         # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so
         # that building an objective to check a job's rules compiles nothing).
-        self.compile_backend = compile_backend if compile_loss else None
+        self._compile_backend = compile_backend if compile_loss else None
 
     @functools.cached_property
     def _cross_entropy(self):
-        if self.compile_backend is None:
+        if self._compile_backend is None:
             return cross_entropy_sum
-        return torch.compile(cross_entropy_sum, backend=self.compile_backend)
+        return torch.compile(cross_entropy_sum, backend=self._compile_backend)
 
-    @staticmethod
-    def compile_options(cfg: JobConfig) -> dict[str, Any]:
-        """The loss's compile settings from the job's [compile] section (for subclasses' for_job)."""
-        c = cfg.compile
-        return {"compile_loss": c.enable and "loss" in c.components, "compile_backend": c.backend}
-
-    # Loss terms the objective reports apart (logged as their sums divided by the step's units, like
-    # the loss): collect_reports gives their sums since the last call, in this order.
-    reported_terms: ClassVar[tuple[str, ...]] = ()
+    @property
+    def companions(self) -> tuple[Companion, ...]:
+        """The models that run beside the one it trains, and what each adds to the targets
+        (objectives/companion.py); the trainer builds them, the estimator counts them."""
+        return ()
 
     # Rules ------------------------------------------------------------------------------------
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str, data: bool = True) -> None:
         """Raise ValueError (one sentence naming the option) when this job cannot train with this
-        objective; `model` names the model in messages. Called before any process group exists."""
+        objective; `model` names the model in messages. Called before any process group exists: the
+        objective's own rules (`_validate_job`), then the datasets': the validation data (its own, or
+        the training data's held-out split) and, with `data`, the training data (the estimator plans
+        layouts without them)."""
+        t, v = cfg.training, cfg.validation
+        self._validate_job(cfg, dims, model=model)
+        if v.enable:
+            if v.dataset is None:
+                self._check_held_out(t.dataset)
+            elif v.dataset != "default" and v.dataset_path:
+                self._check_dataset(v.dataset, v.dataset_path, option="validation")
+        if data:
+            self._check_dataset(t.dataset, t.dataset_path)
 
-    def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
-        """Raise ValueError (one sentence) when `dataset` at `dataset_path` cannot give this objective's
-        samples; option: the section named in messages ("training", "validation"). The dataset
-        kind's own rules by default."""
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+        """The objective's own rules (its options against the job and the layout): ValueError."""
+
+    def _check_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
+        """ValueError (one sentence) when `dataset` at `dataset_path` cannot give this objective's
+        samples; option: the section named in messages. The dataset kind's own rules by default."""
         from titanlike.data.loader import validate_dataset
 
         validate_dataset(dataset, dataset_path, option=option)
 
-    def validate_held_out(self, dataset: str) -> None:
-        """Validation without a dataset of its own reads the training data's held-out split: raise
-        ValueError (one sentence) when `dataset` has none for this objective's samples. Only the
-        embedded corpus and Megatron datasets hold one out by default."""
+    def _check_held_out(self, dataset: str) -> None:
+        """Validation without a dataset of its own reads the training data's held-out split: ValueError
+        (one sentence) when `dataset` has none for this objective's samples. Only the embedded corpus and
+        Megatron datasets hold one out by default."""
         if dataset not in ("default", "megatron"):
             raise ValueError(f"validation needs validation.dataset and validation.dataset_path: a {dataset} training "
                              "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
 
-    def model_args(self, args):
-        """The model args this objective trains, from the job's (sized) ones: unchanged by default; a
-        reward model's have a scalar head (BaseModelArgs.with_score_head). ValueError, one sentence."""
-        return args
-
-    def model_lengths(self) -> dict[str, int]:
-        """Lengths the objective adds to the model's sizing (update_from_config's keywords beyond
-        vocab_size and seq_len), e.g. an encoder-decoder's decoder tokens."""
-        return {}
+    def model_args(self, args: BaseModelArgs, *, vocab_size: int, seq_len: int) -> BaseModelArgs:
+        """The model args this objective trains, sized for the job (the tokenizer's vocabulary, the
+        training sequence length and any length of its own: an encoder-decoder's decoder tokens) from
+        the flavor's; a reward model's also get a scalar head. ValueError, one sentence."""
+        return args.update_from_config(vocab_size=vocab_size, seq_len=seq_len)
 
     # Samples ----------------------------------------------------------------------------------
 
@@ -227,7 +269,8 @@ class Objective:
 
     def samples(self, dataset: str, **source_args):
         """The global sample source (titanlike.data.loader.GlobalSamples) of `dataset` for this
-        objective; source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name."""
+        objective; source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name.
+        Checks the dataset first (training's or validation's: `option`)."""
         raise NotImplementedError
 
     # Batch ------------------------------------------------------------------------------------
@@ -236,49 +279,17 @@ class Objective:
         """A loader microbatch (a dict of named tensors) as the model and the loss take it."""
         raise NotImplementedError
 
-    def attach(self, models: ObjectiveModels) -> None:
-        """Called once by the trainer before the first step (of a fresh or a resumed run): an objective
-        that needs a model beside the one it trains (a frozen reference) takes it here. Nothing by default."""
-
     # Loss -------------------------------------------------------------------------------------
 
-    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
-        """The units a microbatch's summed loss is over (the step divides by their global count): its
-        target tokens by default."""
-        return (labels != IGNORE_INDEX).sum()
-
-    def count_correct(self, output: torch.Tensor | ModelOutput, labels: torch.Tensor) -> torch.Tensor:
-        """Validation's accuracy count over this microbatch's units (divided by their global count):
-        by default the targets whose most likely token is right (vocabulary-parallel logits are
-        gathered for it, in validation only)."""
-        from torch.distributed.tensor import DTensor
-
-        logits = output.logits if isinstance(output, ModelOutput) else output
-        logits = logits.detach()
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        targets = labels != IGNORE_INDEX
-        return (logits.argmax(-1) == labels)[targets].sum()
-
-    def collect_reports(self, device: torch.device) -> torch.Tensor:
-        """(len(reported_terms),) the reported terms' sums since the last call, then zeroed; device
-        work only."""
-        return torch.zeros(len(self.reported_terms), device=device)
-
-    def reports_paused(self) -> contextlib.AbstractContextManager:
-        """A context in which `loss` records no reported terms (a pipeline's metadata inference)."""
-        return contextlib.nullcontext()
-
-    def loss(self, output: torch.Tensor | ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, output: torch.Tensor | ModelOutput, targets: dict[str, torch.Tensor], ctx: BatchContext, *,
+             correct: bool = False) -> LossTerms:
         """The microbatch's loss summed over its target tokens, with the output's auxiliary losses (in
-        the same summed units). The trainer divides the step's total once by its global target count."""
-        if isinstance(output, ModelOutput):
-            loss = self._cross_entropy(output.logits, labels)
-            for aux in output.aux_losses.values():
-                loss = loss + aux
-            return loss
-        return self._cross_entropy(output, labels)
+        the same summed units); correct: also count validation's correct units (LossTerms.correct). A
+        pure function of its arguments: the step keeps the sums."""
+        labels = targets["labels"]
+        value = with_aux_losses(self._cross_entropy(logits_of(output), labels), output)
+        return LossTerms(value, correct=next_token_correct(output, labels) if correct else None)
 
 
-__all__ = ["BatchContext", "FieldShapes", "Microbatch", "Objective", "ObjectiveModels", "cut_sequence",
-           "refuse_pretraining_options"]
+__all__ = ["BatchContext", "FieldShapes", "LossTerms", "Microbatch", "Objective", "compile_options", "cut_sequence",
+           "next_token_correct", "refuse_pretraining_options", "target_count", "with_aux_losses"]

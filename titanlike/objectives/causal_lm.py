@@ -15,7 +15,8 @@ import torch
 
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX
-from titanlike.objectives.base import BatchContext, FieldShapes, Microbatch, Objective, cut_sequence
+from titanlike.objectives.base import (BatchContext, FieldShapes, Microbatch, Objective, compile_options,
+                                       cut_sequence, target_count)
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
@@ -35,7 +36,7 @@ class CausalLM(Objective):
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs) -> CausalLM:
         t = cfg.training
-        return cls(document_masking=t.document_masking, eod_mask_loss=t.eod_mask_loss, **cls.compile_options(cfg))
+        return cls(document_masking=t.document_masking, eod_mask_loss=t.eod_mask_loss, **compile_options(cfg))
 
     def sample_fields(self, seq_len: int) -> FieldShapes:
         tokens = ((seq_len,), "int64")
@@ -51,7 +52,7 @@ class CausalLM(Objective):
         raw_labels = labels
         if self.eod_mask_loss:
             labels = labels.masked_fill(inputs == ctx.eos_id, IGNORE_INDEX)
-        mb = Microbatch(inputs, labels, positions=ctx.cp_positions)
+        mb = Microbatch(inputs, {"labels": labels}, target_count(labels), positions=ctx.cp_positions)
         if self.document_masking:
             mb.mask = DocumentMask.from_tokens(inputs, ctx.eos_id, ctx.mask_kernel)
             mb.positions = mb.mask.positions
@@ -61,7 +62,8 @@ class CausalLM(Objective):
         if ctx.cp_positions is not None:
             # Every cp rank of a data-parallel group got the same samples; each keeps its slice
             # before counting, so the token count summed over the loss mesh (which includes cp) is exact.
-            mb.inputs, mb.labels = cut_sequence(inputs, ctx), cut_sequence(labels, ctx)
+            labels = cut_sequence(labels, ctx)
+            mb.inputs, mb.targets, mb.units = cut_sequence(inputs, ctx), {"labels": labels}, target_count(labels)
             if self.document_masking:
                 mb.positions = cut_sequence(mb.positions, ctx)
             if mb.lookahead is not None:

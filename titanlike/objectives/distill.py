@@ -4,11 +4,10 @@ Chosen by `training.objective distill` for any family whose own objective predic
 (the student); its samples, batch and masks are that objective's (pre-training text, the family's
 causal LM), only the loss changes. The teacher (`distill.teacher`) is another checkpoint: a DCP
 checkpoint with its sidecar or a Hugging Face folder, of any next-token family or size whose
-vocabulary is the student's (the same tokenizer). It is built with the job's layout (FSDP, TP, its
-own pipeline split over the same stages: train/model_parts.py build_frozen_model, lent by the
-trainer as ObjectiveModels.other_model), frozen, and run forward-only when a microbatch is prepared,
-as DPO's reference is (objectives/preference.py); what the loss needs of it travels in the labels,
-which the pipeline schedule cuts along the batch like the inputs.
+vocabulary is the student's (the same tokenizer). It is a companion (objectives/companion.py): built
+with the job's layout (FSDP, TP, its own pipeline split over the same stages: train/companions.py),
+frozen, and run forward-only when a microbatch is prepared, as DPO's reference is; what the loss needs
+of it joins the targets, which the pipeline schedule cuts along the batch like the inputs.
 
 Per target token, with p = softmax(teacher logits / T) and q = softmax(student logits / T):
   forward  KL(p || q) = sum_v p_v (log p_v - log q_v)
@@ -19,16 +18,17 @@ summed over the target tokens (the step divides once by their global count).
 
 Top-k distillation (distill.top_k k > 0, forward KL): only the teacher's k most likely tokens of each
 position are kept, with p renormalized over them, and the student's full log q at those tokens:
-sum_{v in top k} p_v (log p_v - log q_v) (>= 0). The labels then hold 2k numbers per token instead
-of the vocabulary, which bounds the memory the teacher's output takes.
+sum_{v in top k} p_v (log p_v - log q_v) (>= 0). The teacher then adds 2k numbers per token instead
+of the vocabulary, which bounds the memory its output takes.
 
-The labels, (batch, seq, 1 + n) float32: the target (IGNORE_INDEX where not trained; exact below
-2**24), then the teacher's log p: the whole vocabulary's (n = this rank's vocabulary shard under
-tensor parallelism), or top-k's k log-probabilities then their k token ids.
+The targets: the family's (`labels`, int64, IGNORE_INDEX where not trained), and the teacher's:
+`teacher_logps` (batch, seq, n) float32, the whole vocabulary's log p (n = this rank's vocabulary
+shard under tensor parallelism) or top-k's k log-probabilities, with top-k's `teacher_ids` (batch,
+seq, k) int64.
 
 Tensor parallelism: the logits stay split over the vocabulary (loss parallel) and are never
 gathered. Softmaxes are held per shard (ShardSoftmax): the max and the sum of exponentials are
-all-reduced; each rank keeps its shard of the teacher's log p in its labels; the student's KL is a
+all-reduced; each rank keeps its shard of the teacher's log p in its targets; the student's KL is a
 partial sum per shard completed by an all-reduce whose backward passes the gradient through, with
 the normalizer's term added after it (a pass-through is exact only for what every rank reads
 alike). Top-k: each rank's k best, all-gathered (k x tp candidates), then the best k; the student's
@@ -53,9 +53,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
-from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, logits_of
-from titanlike.objectives.base import BatchContext, Microbatch, Objective
-from titanlike.objectives.preference import DPO
+from titanlike.models.outputs import IGNORE_INDEX, logits_of
+from titanlike.objectives.base import (BatchContext, LossTerms, Microbatch, Objective, compile_options,
+                                       next_token_correct, with_aux_losses)
+from titanlike.objectives.companion import Companion, Source, Targets
 from titanlike.objectives.registry import register_objective
 from titanlike.parallel.utils import sum_over_for_replicated_loss
 
@@ -124,13 +125,13 @@ def shard_softmax(logits: torch.Tensor, temperature: float) -> ShardSoftmax:
     return ShardSoftmax(x, e, total, top + total.log(), start)
 
 
-def teacher_channels(output, top_k: int, temperature: float) -> torch.Tensor:
-    """(batch, seq, n) the teacher's part of the labels (module docstring) from its output."""
+def teacher_targets(output, top_k: int, temperature: float) -> Targets:
+    """The teacher's targets (module docstring) from its output."""
     logits = logits_of(output)
     t = shard_softmax(logits, temperature)
     logp = t.x - t.log_z[..., None]
     if not top_k:
-        return logp
+        return {"teacher_logps": logp}
     values, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     ids = ids + t.start
     if isinstance(logits, DTensor):  # every rank's best k, then the best k of them
@@ -139,20 +140,20 @@ def teacher_channels(output, top_k: int, temperature: float) -> torch.Tensor:
         ids = DTensor.from_local(ids, mesh, [Shard(-1)], run_check=False).full_tensor()
         values, best = values.topk(top_k, dim=-1)
         ids = ids.gather(-1, best)
-    return torch.cat([values - values.logsumexp(-1, keepdim=True), ids.float()], dim=-1)
+    return {"teacher_logps": values - values.logsumexp(-1, keepdim=True), "teacher_ids": ids}
 
 
-def kl_per_token(student_logits: torch.Tensor, teacher: torch.Tensor, *, loss: str, top_k: int,
+def kl_per_token(student_logits: torch.Tensor, teacher: Targets, *, loss: str, top_k: int,
                  temperature: float) -> torch.Tensor:
     """(batch, seq) the KL of every position, from the student's logits (whole or split over the
-    vocabulary) and the teacher's channels of the labels (teacher_channels)."""
+    vocabulary) and the teacher's targets (teacher_targets)."""
     q = shard_softmax(student_logits, temperature)
     if top_k:
-        logp, ids = teacher[..., :top_k], teacher[..., top_k:].long()
+        logp, ids = teacher["teacher_logps"], teacher["teacher_ids"]
         inside = (ids >= q.start) & (ids < q.start + q.x.shape[-1])
         picked = over_vocab_shards(q.x.gather(-1, torch.where(inside, ids - q.start, 0)) * inside, student_logits)
         return (logp.exp() * (logp - picked + q.log_z[..., None])).sum(-1)
-    logp = teacher
+    logp = teacher["teacher_logps"]
     if loss == "forward_kl":  # sum p (log p - x) + (sum p) log_z
         p = logp.exp()
         mass = over_vocab_shards(p.sum(-1), student_logits)
@@ -167,14 +168,11 @@ class Distill(Objective):
     reported_terms = ("distill_kl", "hard_loss")
 
     def __init__(self, family: Objective, options: DistillOptions | None = None, **loss_options):
+        """family: the student's own objective: its samples, batch and masks."""
         super().__init__(**loss_options)
-        self.family = family  # the student's own objective: its samples, batch and masks
+        self.family = family
         self.options = options or DistillOptions()
         self.attention_mask = None if family is None else family.attention_mask
-        self.teacher = None  # set by attach
-        self._vocab_split, self._channels = 1, 0  # set by validate and model_args
-        self._reports: torch.Tensor | None = None
-        self._recording = True
 
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
@@ -185,7 +183,7 @@ class Distill(Objective):
                              f"with {what}")
         if args.lookahead_tokens:
             raise ValueError(f"training.objective distill does not train multi-token prediction models yet ({model})")
-        return cls(family_objective, cfg.distill, **cls.compile_options(cfg))
+        return cls(family_objective, cfg.distill, **compile_options(cfg))
 
     def teacher_model(self):
         """(folder, spec, args) of distill.teacher; ValueError (one sentence) if it holds no model."""
@@ -197,10 +195,9 @@ class Distill(Objective):
         except CheckpointError as e:
             raise ValueError(f"distill.teacher: {e}") from None
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         o = self.options
-        self.family.validate(cfg, dims, model=model)
-        self._vocab_split = dims.tp if dims.tp > 1 and not cfg.parallelism.disable_loss_parallel else 1
+        self.family._validate_job(cfg, dims, model=model)
         if not o.teacher:
             raise ValueError("training.objective distill needs distill.teacher: a DCP checkpoint or a Hugging Face folder "
                              "of the teacher")
@@ -215,8 +212,9 @@ class Distill(Objective):
                              "distill.loss forward_kl or distill.top_k 0")
         folder, spec, args = self.teacher_model()
         teacher = f"distill.teacher {folder}"
-        family = spec.objective(cfg, args)
-        if not family.predicts_next_token:
+        from titanlike.objectives.registry import family_objective
+
+        if not family_objective(spec, cfg, args).predicts_next_token:
             raise ValueError(f"{teacher} is a {spec.name} model, which does not predict the next token: a teacher must")
         if args.lookahead_tokens:
             raise ValueError(f"{teacher} is a multi-token prediction model; such teachers are not supported yet")
@@ -228,38 +226,24 @@ class Distill(Objective):
             args.validate(dims, seq_len=cfg.training.seq_len)
         except ValueError as e:
             raise ValueError(f"{teacher}: {e}") from None
-        if dims.pp > 1:
-            from titanlike.parallel.pipeline import V_SCHEDULES, schedule_name
 
-            name = schedule_name(cfg.parallelism.pipeline_parallel_schedule)
-            if name in V_SCHEDULES:
-                raise ValueError(f"the distillation teacher needs a forward-only pass, which the {name} pipeline "
-                                 "schedule does not have (torch's V-shaped schedules); use another schedule")
-
-    def model_args(self, args):
-        """The student's args, unchanged, once the teacher's vocabulary is known to be the student's."""
-        # The teacher's channels of the labels per token (module docstring); under loss-parallel TP a
-        # vocabulary shard's (torch.chunk's size: the first ranks' shards are the largest).
-        self._channels = 2 * self.options.top_k or math.ceil(args.vocab_size / self._vocab_split)
+    def model_args(self, args, *, vocab_size: int, seq_len: int):
+        """The student's args, sized by its family's objective, once the teacher's vocabulary is known to
+        be the student's."""
+        args = self.family.model_args(args, vocab_size=vocab_size, seq_len=seq_len)
         folder, _, teacher = self.teacher_model()
         if teacher.vocab_size != args.vocab_size:
             raise ValueError(f"distill.teacher {folder} has a vocabulary of {teacher.vocab_size} tokens and the student "
                              f"{args.vocab_size}: a teacher must use the student's tokenizer")
-        if args.vocab_size >= 2 ** 24:
-            raise ValueError(f"training.objective distill carries target ids in float32 labels, exact below 2**24; the "
-                             f"vocabulary has {args.vocab_size}")
         return args
 
     # The student's samples ----------------------------------------------------------------------
 
-    def validate_dataset(self, dataset, dataset_path, *, option="training"):
-        self.family.validate_dataset(dataset, dataset_path, option=option)
+    def _check_dataset(self, dataset, dataset_path, *, option="training"):
+        self.family._check_dataset(dataset, dataset_path, option=option)
 
-    def validate_held_out(self, dataset: str) -> None:
-        self.family.validate_held_out(dataset)
-
-    def model_lengths(self) -> dict[str, int]:
-        return self.family.model_lengths()
+    def _check_held_out(self, dataset: str) -> None:
+        self.family._check_held_out(dataset)
 
     def sample_fields(self, seq_len: int):
         return self.family.sample_fields(seq_len)
@@ -267,67 +251,37 @@ class Distill(Objective):
     def samples(self, dataset: str, **source_args):
         return self.family.samples(dataset, **source_args)
 
-    # Batch ------------------------------------------------------------------------------------
-
     def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
-        mb = self.family.prepare(batch, ctx)
-        targets = mb.labels.float()[..., None]
-        channels = self.teacher(mb) if self.teacher is not None else None
-        if channels is None:
-            # Pipeline ranks without the last stage (no loss runs there), or no teacher attached (the
-            # estimator's trace of the step): channels of the teacher's width, zero.
-            channels = targets.new_zeros(*targets.shape[:-1], self._channels)
-        mb.labels = torch.cat([targets, channels], dim=-1)
-        return mb
+        return self.family.prepare(batch, ctx)
+
+    # The teacher ------------------------------------------------------------------------------
 
     @property
-    def frozen_models(self) -> tuple[str, ...]:
-        return (self.options.teacher,)
-
-    def attach(self, models) -> None:
-        parts = models.other_model(self.options.teacher)
+    def companions(self) -> tuple[Companion, ...]:
         o = self.options
+        return (Companion("teacher", "distill.teacher", Source.CHECKPOINT, self._teacher_outputs, path=o.teacher),)
 
-        def channels(output, labels: torch.Tensor) -> torch.Tensor:
-            return teacher_channels(output, o.top_k, o.temperature)
-
-        @torch.no_grad()
-        def teacher(mb: Microbatch) -> torch.Tensor | None:
-            return models.forward(parts, mb, channels)
-
-        self.teacher = teacher
+    def _teacher_outputs(self, output, targets: Targets) -> Targets:
+        return teacher_targets(output, self.options.top_k, self.options.temperature)
 
     # Loss -------------------------------------------------------------------------------------
 
-    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
-        return (labels[..., 0] != IGNORE_INDEX).sum()
-
-    def loss(self, output, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, output, targets: Targets, ctx: BatchContext, *, correct: bool = False) -> LossTerms:
         o = self.options
         logits = logits_of(output)
-        targets = labels[..., 0].long()
-        trained = targets != IGNORE_INDEX
-        kl = kl_per_token(logits, labels[..., 1:], loss=o.loss, top_k=o.top_k, temperature=o.temperature)
+        labels = targets["labels"]
+        trained = labels != IGNORE_INDEX
+        kl = kl_per_token(logits, targets, loss=o.loss, top_k=o.top_k, temperature=o.temperature)
         kl = torch.where(trained, kl, torch.zeros((), device=kl.device)).sum()
-        hard = self._cross_entropy(logits, targets)
+        hard = self._cross_entropy(logits, labels)
         if isinstance(hard, DTensor):  # vocabulary-parallel cross-entropy: replicated
             hard = hard.full_tensor()
         total = o.kl_weight * kl + (1 - o.kl_weight) * hard if o.kl_weight < 1 else kl
-        if isinstance(output, ModelOutput):
-            for aux in output.aux_losses.values():
-                total = total + aux
-        if self._recording:
-            reports = torch.stack([kl.detach(), hard.detach()])
-            self._reports = reports if self._reports is None else self._reports + reports
-        return total
-
-    def count_correct(self, output, labels: torch.Tensor) -> torch.Tensor:
-        return Objective.count_correct(self, output, labels[..., 0].long())
-
-    reports_paused = DPO.reports_paused
-    collect_reports = DPO.collect_reports
+        reported = torch.stack([kl.detach(), hard.detach()])
+        return LossTerms(with_aux_losses(total, output), reported,
+                         next_token_correct(output, labels) if correct else None)
 
 
 register_objective("distill", Distill.for_job, section="distill")
 
-__all__ = ["Distill", "DistillOptions", "kl_per_token", "teacher_channels"]
+__all__ = ["Distill", "DistillOptions", "kl_per_token", "teacher_targets"]

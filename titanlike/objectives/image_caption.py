@@ -24,6 +24,7 @@ from titanlike.objectives.base import (
     Objective,
     cut_sequence,
     refuse_pretraining_options,
+    target_count,
 )
 
 if TYPE_CHECKING:
@@ -60,11 +61,11 @@ class ImageCaption(Objective):
             raise ValueError(f"image processor {processor!r} is unknown; known: {', '.join(makers)}")
         self.processor: ImageProcessor = makers[processor](image_size)
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         refuse_pretraining_options(cfg, self.name)
         for option, section in (("training", cfg.training), ("validation", cfg.validation)):
             if section.dataset is not None and (option == "training" or cfg.validation.enable):
-                self.validate_dataset(section.dataset, section.dataset_path, option=option)
+                self._check_dataset(section.dataset, section.dataset_path, option=option)
         t = cfg.training
         if cfg.validation.enable and cfg.validation.dataset is None and t.dataset == "webdataset" and t.dataset_path:
             from titanlike.data.blend import parse_blend
@@ -82,12 +83,12 @@ class ImageCaption(Objective):
                              f"{self.max_images} x {self.tokens_per_image} image tokens and a caption; set it to "
                              f"at least {need}")
 
-    def validate_held_out(self, dataset: str) -> None:
+    def _check_held_out(self, dataset: str) -> None:
         # The synthetic captions draw held-out images; an Energon folder has a val part (validate() checks the paths).
         if dataset not in ("default", "webdataset"):
-            super().validate_held_out(dataset)
+            super()._check_held_out(dataset)
 
-    def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
+    def _check_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
         if dataset == "webdataset":
             if not dataset_path:
                 raise ValueError(f"{option}.dataset webdataset needs {option}.dataset_path: a .tar shard, a folder of "
@@ -110,7 +111,7 @@ class ImageCaption(Objective):
         from titanlike.data.image_captions import SyntheticCaptions
         from titanlike.data.loader import GlobalSamples
 
-        self.validate_dataset(dataset, dataset_path)
+        self._check_dataset(dataset, dataset_path)
         if dataset == "webdataset":
             blend = self.shard_blend(dataset_path, tokenizer, seq_len=seq_len, seed=seed, split_name=split_name)
             return GlobalSamples(blend, shuffle=False, fields=self.sample_fields(seq_len))
@@ -147,7 +148,7 @@ class ImageCaption(Objective):
         inputs, labels = batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device)
         pixel_values = batch["pixel_values"].to(ctx.device)
         if ctx.cp_positions is None:
-            return Microbatch(inputs, labels, fields={"pixel_values": pixel_values})
+            return Microbatch(inputs, {"labels": labels}, target_count(labels), fields={"pixel_values": pixel_values})
         # Context parallel: each rank keeps its slice of the tokens and the image rows its placeholders
         # take (counted over the whole sequence first), and every rank encodes the sample's images whole.
         index = image_index(inputs, self.image_token_id)
@@ -156,7 +157,9 @@ class ImageCaption(Objective):
                              & (placeholders % self.tokens_per_image == 0)).all(),
                             "the <image> placeholders do not match the images: each image takes "
                             f"{self.tokens_per_image} placeholders, in order")
-        return Microbatch(cut_sequence(inputs, ctx), cut_sequence(labels, ctx), positions=ctx.cp_positions,
+        labels = cut_sequence(labels, ctx)
+        return Microbatch(cut_sequence(inputs, ctx), {"labels": labels}, target_count(labels),
+                          positions=ctx.cp_positions,
                           fields={"pixel_values": pixel_values, "image_index": cut_sequence(index, ctx)})
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
-from titanlike.objectives.base import FieldShapes
+from titanlike.objectives.base import FieldShapes, compile_options
 from titanlike.objectives.padded import PaddedSamples, check_fraction
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class MaskedLM(PaddedSamples):
 
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, sentence_pairs: bool = False) -> MaskedLM:
-        return cls(cfg.masked_lm, sentence_pairs=sentence_pairs, **cls.compile_options(cfg))
+        return cls(cfg.masked_lm, sentence_pairs=sentence_pairs, **compile_options(cfg))
 
     def sample_fields(self, seq_len: int) -> FieldShapes:
         from titanlike.data.masked_lm import masked_lm_fields

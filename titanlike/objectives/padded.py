@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from titanlike.models.common.attention import DocumentMask
-from titanlike.objectives.base import BatchContext, Microbatch, Objective, cut_sequence
+from titanlike.objectives.base import BatchContext, Microbatch, Objective, cut_sequence, target_count
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
@@ -28,8 +28,11 @@ class PaddedSamples(Objective):
     """Base of the objectives whose samples are padded sentence-split text (subclasses build them)."""
 
     attention_mask = "a padding mask"
+    # Fields of a sample laid out along the sequence of `inputs` (cut with it under context
+    # parallelism), besides inputs and labels.
+    token_fields: tuple[str, ...] = ()
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         self.validate_datasets(cfg)
         self.validate_packing(cfg, model=model)
 
@@ -69,14 +72,14 @@ class PaddedSamples(Objective):
         """`document_ids` become a bidirectional mask (padding apart), and under context parallelism
         the inputs, labels and token fields are cut to this rank's positions."""
         fields = {name: value.to(ctx.device) for name, value in batch.items()}
-        mb = Microbatch(fields.pop("inputs"), fields.pop("labels"), positions=ctx.cp_positions)
+        labels = cut_sequence(fields.pop("labels"), ctx)
         # Every cp rank keeps the ids of the whole sequence: its attention picks its rows.
-        mb.mask = DocumentMask.from_document_ids(fields.pop("document_ids"), ctx.mask_kernel, causal=False)
-        mb.inputs, mb.labels = cut_sequence(mb.inputs, ctx), cut_sequence(mb.labels, ctx)
+        mask = DocumentMask.from_document_ids(fields.pop("document_ids"), ctx.mask_kernel, causal=False)
+        inputs = cut_sequence(fields.pop("inputs"), ctx)
         for name in self.token_fields:
             fields[name] = cut_sequence(fields[name], ctx)
-        mb.fields = fields
-        return mb
+        return Microbatch(inputs, {"labels": labels}, target_count(labels), positions=ctx.cp_positions, mask=mask,
+                          fields=fields)
 
 
 __all__ = ["PaddedSamples", "check_fraction"]

@@ -6,13 +6,11 @@ a pair are two adjacent documents of one sample (document ids 2k and 2k + 1), so
 whole in one microbatch on one rank.
 
 The loss of a pair needs the summed log-probability of each answer under the policy and under the
-reference. Everything per token travels in the labels tensor, (batch, seq, 4) float32, because the
-pipeline schedule hands the loss (output, labels) only and cuts both along the batch:
-  0: the target token (IGNORE_INDEX where not an answer token; exact in float32 below 2**24),
-  1: the document id (which pair, which side),
-  2: the reference log-probability of the target (0 where not trained; filled before the step by
-     the reference's forward, or left 0 for SimPO, which has no reference),
-  3: 1 at the first position of each pair, which makes "count the pairs" a sum (count_units).
+reference. Its targets, each (batch, seq): `labels` (int64, the target token, IGNORE_INDEX where not
+an answer token), `document_ids` (int64, which pair and which side), `pair_start` (bool, the first
+position of each pair: "count the pairs" is a sum, Microbatch.units) and `ref_logps` (float32, the
+reference log-probability of the target, 0 where not trained; added before the step by the reference
+companion, or read from the data when precomputed; absent for SimPO, which has no reference).
 Per-token log-probabilities are -cross_entropy(reduction="none"), which torch's loss_parallel also
 computes on logits split over the vocabulary; they are summed per document with one scatter_add over
 the document ids, and the loss is a sum over pairs: the step divides it once by the global pair
@@ -32,17 +30,18 @@ The reference (`dpo.reference`): `model`, a frozen copy of the policy as the run
 plan and layout, parallelized like it; its weights copied from the policy before the first step, or,
 in a resumed run, rebuilt from the initialization and checkpoint.initial_load_path); or `adapters`,
 the policy itself with its LoRA adapters switched off (training LoRA: the base is the reference).
-Its forward runs when a microbatch is prepared (`prepare`), before the step, so the step stays a
-function of its microbatches; under pipeline parallelism it runs through a forward-only schedule of
-its own stages, and its log-probabilities reach the labels on the last stage, where the loss runs.
+It is a companion (objectives/companion.py): its forward runs when a microbatch is prepared, before
+the step, so the step stays a function of its microbatches; under pipeline parallelism it runs through
+a forward-only schedule of its own stages, and its log-probabilities join the targets on the last
+stage, where the loss runs.
 Under context parallelism each rank holds some positions of every pair: the per-document sums are
 completed over the cp ranks (an all-reduce whose backward passes the gradient through), every cp
 rank computes every pair's loss, reports 1/cp of it and differentiates all of it. Or `precomputed`:
 for a model too large to hold twice, the reference's log-probabilities computed in one pass before
 training (scripts/precompute_reference.py: the model the job starts from, each side of each pair
 alone, every answer token's log-probability written into the row as ref_chosen_logps /
-ref_rejected_logps) travel with the samples (field reference_logps, along the positions) and fill
-the labels' reference channel in `prepare`; no reference model is built. A summed value per side
+ref_rejected_logps) travel with the samples (field reference_logps, along the positions) and become
+the `ref_logps` target in `prepare`; no reference model is built. A summed value per side
 (TRL's precomputed form) is accepted too, placed on the answer's first token, since the loss only
 sums the channel per answer.
 
@@ -52,9 +51,8 @@ overlong.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +62,9 @@ from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX, logits_of
-from titanlike.objectives.base import (BatchContext, FieldShapes, Microbatch, Objective, cut_sequence,
-                                       refuse_pretraining_options)
+from titanlike.objectives.base import (BatchContext, FieldShapes, LossTerms, Microbatch, Objective, compile_options,
+                                       cut_sequence, refuse_pretraining_options)
+from titanlike.objectives.companion import Companion, Source, Targets
 from titanlike.objectives.registry import register_objective
 
 if TYPE_CHECKING:
@@ -73,7 +72,6 @@ if TYPE_CHECKING:
     from titanlike.models.args import BaseModelArgs, LayoutDegrees
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
-TARGET, DOCUMENT, REFERENCE, PAIR_START = range(4)
 
 
 @dataclass
@@ -118,6 +116,83 @@ def document_sums(values: torch.Tensor, documents: torch.Tensor, seq_len: int | 
         1, documents, values)
 
 
+def pair_starts(trained: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) bool: the first position of each pair, a chosen (even) document with trained tokens
+    (the padding document, also even, has none). trained: (batch, seq) bool, the positions a side is
+    trained or scored on."""
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    has = document_sums(trained.float(), documents).gather(1, documents) > 0
+    return first & (documents % 2 == 0) & has
+
+
+class PairObjective(Objective):
+    """What DPO and reward models share: samples of preference pairs (chosen = document 2k, rejected =
+    2k + 1 of one sample, so a pair is whole in one microbatch on one rank; titanlike/data/preferences.py),
+    their rules, and the pair count as the loss's units. Subclasses build their targets (`pair_targets`)
+    and their loss."""
+
+    attention_mask = "a document mask"
+    reported_terms = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+
+    def __init__(self, options, **loss_options):
+        super().__init__(**loss_options)
+        self.options = options
+
+    @classmethod
+    def refuse(cls, args: BaseModelArgs, family_objective: Objective | None, *, model: str, what: str) -> None:
+        """ValueError (one sentence) for a family or model a pair objective cannot train: `what` says
+        what the objective does to the model."""
+        if family_objective is not None and not family_objective.predicts_next_token:
+            raise ValueError(f"training.objective {cls.name} {what}; {model} trains with {family_objective.name}")
+        if args.moe_args() is not None or args.lookahead_tokens:
+            kind = "mixture-of-experts" if args.moe_args() is not None else "multi-token prediction"
+            raise ValueError(f"training.objective {cls.name} does not train {kind} models yet ({model}): their "
+                             f"auxiliary losses are counted per token, {cls.name}'s per pair")
+
+    def _check_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
+        from titanlike.data.conversations import check_row_dataset
+
+        check_row_dataset(dataset, dataset_path, option=option, objective=self.name, files="preference files",
+                          contents="the preference pairs")
+
+    def _check_held_out(self, dataset: str) -> None:
+        """Pairs are held out by training.split, whatever the files."""
+
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+        refuse_pretraining_options(cfg, self.name)
+        super()._validate_job(cfg, dims, model=model)
+
+    def sample_fields(self, seq_len: int) -> FieldShapes:
+        tokens = ((seq_len,), "int64")
+        return {"inputs": tokens, "labels": tokens, "document_ids": tokens}
+
+    def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
+                split_name="train", **pair_options):
+        from titanlike.data.preferences import preference_samples
+
+        self._check_dataset(dataset, dataset_path)
+        return preference_samples(self.options, self.name, dataset_path=dataset_path, tokenizer=tokenizer,
+                                  seq_len=seq_len, split=split, split_name=split_name, **pair_options)
+
+    def pair_targets(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Targets:
+        """The loss's targets of a loader microbatch, over whole sequences (prepare cuts them)."""
+        raise NotImplementedError
+
+    def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
+        inputs = batch["inputs"].to(ctx.device)
+        documents = batch["document_ids"].to(ctx.device)
+        mask = DocumentMask.from_document_ids(documents, ctx.mask_kernel)
+        targets = self.pair_targets(batch, ctx)
+        # Every cp rank keeps the ids of the whole sequence in its mask (its attention picks its rows)
+        # and cuts the rest; the loss completes each pair's sums over the cp ranks.
+        targets = {name: cut_sequence(value, ctx) for name, value in targets.items()}
+        # After the cut: each pair's start lies on one cp rank, so the world's sum counts it once.
+        units = targets["pair_start"].sum()
+        return Microbatch(cut_sequence(inputs, ctx), targets, units, positions=cut_sequence(mask.positions, ctx),
+                          mask=mask)
+
+
 @dataclass
 class PairTerms:
     """Per pair slot (batch, slots / 2): the loss and the rewards, and which slots hold a pair."""
@@ -128,21 +203,20 @@ class PairTerms:
     valid: torch.Tensor
 
 
-def pair_terms(options: DPOOptions, logps: torch.Tensor, labels: torch.Tensor, *, cp_degree: int = 1,
-               cp_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PairTerms:
-    """The loss of every pair of the labels' structure (module docstring), from per-token policy
-    log-probs. Under context parallelism (cp_sum) the labels hold this rank's positions: the
-    per-document sums are completed over the cp ranks, and every cp rank computes every pair's terms."""
+def pair_terms(options: DPOOptions, logps: torch.Tensor, targets: Targets, ctx: BatchContext) -> PairTerms:
+    """The loss of every pair of the targets (module docstring), from per-token policy log-probs.
+    Under context parallelism the targets hold this rank's positions: the per-document sums are
+    completed over the cp ranks, and every cp rank computes every pair's terms."""
     o = options
-    documents = labels[..., DOCUMENT].long()
-    seq_len = documents.shape[1] * cp_degree
-    trained = (labels[..., TARGET] != IGNORE_INDEX).float()
+    documents = targets["document_ids"]
+    seq_len = documents.shape[1] * ctx.cp_degree
+    trained = (targets["labels"] != IGNORE_INDEX).float()
     policy = document_sums(logps, documents, seq_len)
+    reference = targets.get("ref_logps")
     with torch.no_grad():
-        sides = torch.stack([document_sums(labels[..., channel] if channel != TARGET else trained, documents, seq_len)
-                             for channel in (TARGET, PAIR_START, REFERENCE)])
-    if cp_sum is not None:
-        policy, sides = cp_sum(policy), cp_sum(sides)
+        sides = torch.stack([document_sums(v, documents, seq_len) for v in (
+            trained, targets["pair_start"].float(), torch.zeros_like(logps) if reference is None else reference)])
+    policy, sides = ctx.cp_sum(policy), ctx.cp_sum(sides)
     tokens = sides[0].clamp(min=1.0)  # empty slots stay finite
     valid = sides[1][:, 0::2] > 0
     pc, pr, nc, nr = policy[:, 0::2], policy[:, 1::2], tokens[:, 0::2], tokens[:, 1::2]
@@ -166,44 +240,51 @@ def pair_terms(options: DPOOptions, logps: torch.Tensor, labels: torch.Tensor, *
     return PairTerms(loss, b * xc.detach(), b * xr.detach(), valid)
 
 
-class DPO(Objective):
+def pair_reports(chosen: torch.Tensor, rejected: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The reported terms of pair objectives (PairObjective.reported_terms), summed over the valid pairs."""
+    with torch.no_grad():
+        zero = torch.zeros((), device=chosen.device)
+        margin = chosen - rejected
+        return torch.stack([torch.where(valid, v, zero).sum() for v in (chosen, rejected, margin,
+                                                                         (margin > 0).float())])
+
+
+def reference_logps(output, targets: Targets) -> Targets:
+    """What the reference companion adds: the log-probability of every target token."""
+    return {"ref_logps": token_logps(logits_of(output), targets["labels"])}
+
+
+class DPO(PairObjective):
     name = "dpo"
-    attention_mask = "a document mask"
     predicts_next_token = True
-    reported_terms = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
     def __init__(self, options: DPOOptions | None = None, **loss_options):
-        super().__init__(**loss_options)
-        self.options = options or DPOOptions()
-        self.reference: Callable[[Microbatch], torch.Tensor] | None = None  # set by attach
-        self._reports: torch.Tensor | None = None
-        self._recording = True
-        self._cp_sum, self._cp_degree = None, 1  # context parallelism (attach)
+        super().__init__(options or DPOOptions(), **loss_options)
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
+                model: str = "the model") -> DPO:
+        cls.refuse(args, family_objective, model=model, what="trains models that predict the next token")
+        return cls(cfg.dpo, **compile_options(cfg))
 
     @property
     def uses_reference(self) -> bool:
         return self.options.loss_type != "simpo"
 
     @property
-    def frozen_copies(self) -> int:
-        return int(self.uses_reference and self.options.reference == "model")
+    def precomputed(self) -> bool:
+        """The reference's log-probabilities come with the data (sample field reference_logps)."""
+        return self.uses_reference and self.options.reference == "precomputed"
 
-    @classmethod
-    def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
-                model: str = "the model") -> DPO:
-        if family_objective is not None and not family_objective.predicts_next_token:
-            raise ValueError(f"training.objective dpo trains models that predict the next token; {model} trains "
-                             f"with {family_objective.name}")
-        if args.moe_args() is not None or args.lookahead_tokens:
-            what = "mixture-of-experts" if args.moe_args() is not None else "multi-token prediction"
-            raise ValueError(f"training.objective dpo does not train {what} models yet ({model}): their auxiliary "
-                             "losses are counted per token, dpo's per pair")
-        if args.vocab_size >= 2 ** 24:
-            raise ValueError(f"training.objective dpo carries target ids in float32 labels, exact below 2**24; "
-                             f"{model} has vocab_size {args.vocab_size}")
-        return cls(cfg.dpo, **cls.compile_options(cfg))
+    @property
+    def companions(self) -> tuple[Companion, ...]:
+        if not self.uses_reference or self.precomputed:
+            return ()
+        adapters = self.options.reference == "adapters"
+        return (Companion("reference", f"dpo.reference {self.options.reference}",
+                          Source.POLICY if adapters else Source.FROZEN_COPY, reference_logps, converters_off=adapters),)
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         o = self.options
         if o.beta <= 0:
             raise ValueError(f"dpo.beta must be positive, got {o.beta}")
@@ -212,176 +293,44 @@ class DPO(Objective):
         if o.label_smoothing and o.loss_type in ("ipo", "hinge"):
             raise ValueError(f"dpo.label_smoothing applies to the sigmoid, robust and simpo losses, not dpo.loss_type "
                              f"{o.loss_type}; remove it")
-        refuse_pretraining_options(cfg, "dpo")
-        if self.uses_reference and not self.precomputed and dims.pp > 1:
-            from titanlike.parallel.pipeline import V_SCHEDULES, schedule_name
-
-            name = schedule_name(cfg.parallelism.pipeline_parallel_schedule)
-            if name in V_SCHEDULES:
-                raise ValueError(f"dpo.reference {o.reference} needs a forward-only pass, which the {name} pipeline "
-                                 "schedule does not have (torch's V-shaped schedules); use another schedule")
+        super()._validate_job(cfg, dims, model=model)
         if self.uses_reference and o.reference == "adapters" and "lora" not in cfg.model.converters:
             raise ValueError("dpo.reference adapters is the policy without its LoRA adapters, so it needs "
                              "model.converters lora")
 
-    def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
-        from titanlike.data.conversations import check_row_dataset
-
-        check_row_dataset(dataset, dataset_path, option=option, objective="dpo", files="preference files",
-                          contents="the preference pairs")
-
-    def validate_held_out(self, dataset: str) -> None:
-        """Pairs are held out by training.split, whatever the files."""
-
-    # Samples ----------------------------------------------------------------------------------
-
-    @property
-    def precomputed(self) -> bool:
-        """The reference's log-probabilities come with the data (sample field reference_logps)."""
-        return self.uses_reference and self.options.reference == "precomputed"
-
     def sample_fields(self, seq_len: int) -> FieldShapes:
-        tokens = ((seq_len,), "int64")
-        fields = {"inputs": tokens, "labels": tokens, "document_ids": tokens}
+        fields = super().sample_fields(seq_len)
         if self.precomputed:
             fields["reference_logps"] = ((seq_len,), "float32")
         return fields
 
-    def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
-                split_name="train"):
-        from titanlike.data.preferences import preference_samples
+    def samples(self, dataset: str, **source_args):
+        return super().samples(dataset, reference=self.precomputed, **source_args)
 
-        self.validate_dataset(dataset, dataset_path)
-        return preference_samples(self.options, "dpo", dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len,
-                                  split=split, split_name=split_name, reference=self.precomputed)
-
-    # Batch ------------------------------------------------------------------------------------
-
-    def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
-        inputs, targets = batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device)
-        documents = batch["document_ids"].to(ctx.device)
-        mask = DocumentMask.from_document_ids(documents, ctx.mask_kernel)
-        labels = pair_labels(targets, documents)
+    def pair_targets(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Targets:
+        labels, documents = batch["labels"].to(ctx.device), batch["document_ids"].to(ctx.device)
+        targets = {"labels": labels, "document_ids": documents,
+                   "pair_start": pair_starts(labels != IGNORE_INDEX, documents)}
         if self.precomputed:
-            labels[..., REFERENCE] = batch["reference_logps"].to(ctx.device, torch.float32)
-        mb = Microbatch(inputs, labels, positions=mask.positions, mask=mask)
-        if ctx.cp_positions is not None:
-            # Every cp rank keeps the ids of the whole sequence (its attention picks its rows) and cuts
-            # the rest; the loss completes each pair's sums over the cp ranks.
-            mb.inputs, mb.labels = cut_sequence(inputs, ctx), cut_sequence(labels, ctx)
-            mb.positions = cut_sequence(mask.positions, ctx)
-            labels = mb.labels
-        if self.reference is not None and self.uses_reference:
-            logps = self.reference(mb)
-            if logps is not None:  # (None on pipeline ranks without the last stage, where no loss runs)
-                labels[..., REFERENCE] = logps
-        return mb
+            targets["ref_logps"] = batch["reference_logps"].to(ctx.device, torch.float32)
+        return targets
 
-    def attach(self, models) -> None:
-        """The reference's forward (ObjectiveModels, objectives/base.py): a frozen copy of the policy or
-        the policy with its adapters off; None for SimPO."""
-        self._cp_sum, self._cp_degree = models.cp_sum, models.cp_degree
-        if not self.uses_reference or self.precomputed:
-            return
-        if self.options.reference == "adapters":
-            from titanlike.models.lora import adapters
-
-            parts = models.parts
-            switch = lambda: adapters_off([m for part in parts for m in adapters(part).values()])  # noqa: E731
-        else:
-            parts = models.frozen_copy()
-            switch = contextlib.nullcontext
-
-        def logps(output, labels: torch.Tensor) -> torch.Tensor:
-            return token_logps(logits_of(output), labels[..., TARGET].long())
-
-        @torch.no_grad()
-        def reference(mb: Microbatch) -> torch.Tensor | None:
-            modes = [part.training for part in parts]
-            for part in parts:
-                part.eval()
-            try:
-                with switch():
-                    return models.forward(parts, mb, logps)
-            finally:
-                for part, mode in zip(parts, modes):
-                    part.train(mode)
-
-        self.reference = reference
-
-    # Loss -------------------------------------------------------------------------------------
-
-    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
-        return labels[..., PAIR_START].sum()
-
-    def loss(self, output, labels: torch.Tensor) -> torch.Tensor:
-        logps = token_logps(logits_of(output), labels[..., TARGET].long())
-        terms = pair_terms(self.options, logps, labels, cp_degree=self._cp_degree, cp_sum=self._cp_sum)
+    def loss(self, output, targets: Targets, ctx: BatchContext, *, correct: bool = False) -> LossTerms:
+        logps = token_logps(logits_of(output), targets["labels"])
+        terms = pair_terms(self.options, logps, targets, ctx)
         valid = terms.valid
-        zero = torch.zeros((), device=logps.device)
-        total = torch.where(valid, terms.loss, zero).sum()
-        if self._cp_degree > 1:
+        total = torch.where(valid, terms.loss, torch.zeros((), device=logps.device)).sum()
+        cp = ctx.cp_degree
+        if cp > 1:
             # Every cp rank holds every pair's loss: each reports 1/cp of it (the step's sum over the
             # world counts it once) and differentiates all of it (its own positions' share).
-            total = total / self._cp_degree + (total - total.detach()) * (1 - 1 / self._cp_degree)
-        if not self._recording:
-            return total
-        with torch.no_grad():
-            margin = terms.chosen_rewards - terms.rejected_rewards
-            reports = torch.stack([torch.where(valid, v, zero).sum() for v in (
-                terms.chosen_rewards, terms.rejected_rewards, margin, (margin > 0).float())]) / self._cp_degree
-            self._reports = reports if self._reports is None else self._reports + reports
-        return total
-
-    def count_correct(self, output, labels: torch.Tensor) -> torch.Tensor:
-        """Validation's accuracy: the pairs whose chosen answer gets the higher reward."""
-        with torch.no_grad():
-            logps = token_logps(logits_of(output).detach(), labels[..., TARGET].long())
-            terms = pair_terms(self.options, logps, labels, cp_degree=self._cp_degree, cp_sum=self._cp_sum)
-            right = (terms.valid & (terms.chosen_rewards > terms.rejected_rewards)).sum().float()
-        return right / self._cp_degree  # every cp rank counts every pair
-
-    @contextlib.contextmanager
-    def reports_paused(self):
-        self._recording = False
-        try:
-            yield
-        finally:
-            self._recording = True
-
-    def collect_reports(self, device: torch.device) -> torch.Tensor:
-        reports, self._reports = self._reports, None
-        return torch.zeros(len(self.reported_terms), device=device) if reports is None else reports.to(device)
-
-
-def pair_labels(targets: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
-    """The (batch, seq, 4) labels of pair-structured samples (module docstring), the reference channel 0."""
-    labels = torch.zeros(*targets.shape, 4, dtype=torch.float32, device=targets.device)
-    labels[..., TARGET] = targets.float()
-    labels[..., DOCUMENT] = documents.float()
-    # A pair starts at the first position of a chosen (even) document that has answer tokens (the
-    # padding document, also even, has none).
-    first = torch.ones_like(documents, dtype=torch.bool)
-    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    trained = document_sums((targets != IGNORE_INDEX).float(), documents)
-    labels[..., PAIR_START] = (first & (documents % 2 == 0) & (trained.gather(1, documents) > 0)).float()
-    return labels
-
-
-@contextlib.contextmanager
-def adapters_off(modules: list):
-    """LoRA layers compute their base alone (scaling 0: the adapter's term is exactly zero)."""
-    saved = [m.lora_scaling for m in modules]
-    for m in modules:
-        m.lora_scaling = 0.0
-    try:
-        yield
-    finally:
-        for m, s in zip(modules, saved):
-            m.lora_scaling = s
+            total = total / cp + (total - total.detach()) * (1 - 1 / cp)
+        reports = pair_reports(terms.chosen_rewards, terms.rejected_rewards, valid) / cp
+        right = (valid & (terms.chosen_rewards > terms.rejected_rewards)).sum().float() / cp if correct else None
+        return LossTerms(total, reports, right)
 
 
 register_objective("dpo", DPO.for_job, section="dpo")
 
-__all__ = ["DPO", "DPOOptions", "LOSS_TYPES", "PairTerms", "adapters_off", "document_sums", "pair_labels",
-           "pair_terms", "token_logps"]
+__all__ = ["DPO", "DPOOptions", "LOSS_TYPES", "PairObjective", "PairTerms", "document_sums", "pair_reports",
+           "pair_starts", "pair_terms", "reference_logps", "token_logps"]

@@ -52,10 +52,15 @@ def objective_names() -> list[str]:
     return sorted(_OBJECTIVES)
 
 
+def family_objective(spec: ModelSpec, cfg: JobConfig, args: BaseModelArgs) -> Objective:
+    """The objective a family trains with by default, for this job."""
+    return spec.objective(cfg, args)
+
+
 def job_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs, *, model: str) -> Objective:
     """The objective of the job: training.objective's, or (empty, or naming it) the family's own.
     ValueError (one sentence) for an unknown name or one the family cannot train with."""
-    family = spec.objective(cfg, args)
+    family = family_objective(spec, cfg, args)
     name = cfg.training.objective
     check_unused_sections(cfg, name or family.name)
     if not name or name == family.name:
@@ -67,4 +72,4 @@ def job_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs, *, model
     return _OBJECTIVES[name](cfg, args, family_objective=family, model=model)
 
 
-__all__ = ["check_unused_sections", "job_objective", "objective_names", "register_objective"]
+__all__ = ["check_unused_sections", "family_objective", "job_objective", "objective_names", "register_objective"]

@@ -11,13 +11,13 @@ last token that is not padding), so every rendered token is an input (tokenize_p
 Per pair, with r_c and r_r the scores at the last token of the chosen and the rejected side (TRL's
 RewardTrainer, trl 1.16, tests/unit/test_reward_model.py compares):
   loss = -log s(r_c - r_r) + c (r_c + r_r)^2        (c: reward.center_rewards_coefficient)
-summed over pairs; the step divides once by the global pair count (count_units). Reported per
+summed over pairs; the step divides once by the global pair count (Microbatch.units). Reported per
 pair: the chosen and rejected scores, the margin and the accuracy (r_c > r_r), as DPO reports its
 rewards; validation's accuracy is the same preference accuracy.
 
-The labels, (batch, seq, 3) float32: the document id, 1 where a side is scored (its last token),
-1 at the first position of each pair (count_units is a sum). The score of a side is one scatter_add
-over the document ids. Exported to Hugging Face (checkpoint/format.py write_hf) as the family's
+Its targets, each (batch, seq): `document_ids` (int64), `scored` (bool, a side's last token) and
+`pair_start` (bool, the first position of each pair: the pair count is a sum). The score of a side is
+one scatter_add over the document ids. Exported to Hugging Face (checkpoint/format.py write_hf) as the family's
 sequence-classification class with num_labels 1 and the tokenizer's pad id (models/common/hf.py
 HFAdapter.score_model).
 
@@ -34,17 +34,15 @@ import torch.nn.functional as F
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
-from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX, logits_of
-from titanlike.objectives.base import BatchContext, Microbatch, Objective, refuse_pretraining_options
-from titanlike.objectives.preference import DPO, document_sums
+from titanlike.objectives.base import BatchContext, LossTerms, Objective, compile_options
+from titanlike.objectives.companion import Targets
+from titanlike.objectives.preference import PairObjective, document_sums, pair_reports, pair_starts
 from titanlike.objectives.registry import register_objective
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
     from titanlike.models.args import BaseModelArgs, LayoutDegrees
-
-DOCUMENT, SCORED, PAIR_START = range(3)
 
 
 @dataclass
@@ -61,128 +59,70 @@ class RewardOptions:
 register_section("reward", RewardOptions)
 
 
-def reward_labels(targets: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
-    """The (batch, seq, 3) labels of pair-structured samples whose sides are whole (module docstring)."""
-    labels = torch.zeros(*targets.shape, 3, dtype=torch.float32, device=targets.device)
-    labels[..., DOCUMENT] = documents.float()
-    has_answer = document_sums((targets != IGNORE_INDEX).float(), documents).gather(1, documents) > 0
+def reward_targets(labels: torch.Tensor, documents: torch.Tensor) -> Targets:
+    """The targets of pair-structured samples whose sides are whole (module docstring)."""
+    has_answer = document_sums((labels != IGNORE_INDEX).float(), documents).gather(1, documents) > 0
     last = torch.ones_like(documents, dtype=torch.bool)
     last[:, :-1] = documents[:, 1:] != documents[:, :-1]
-    first = torch.ones_like(documents, dtype=torch.bool)
-    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    labels[..., SCORED] = (last & has_answer).float()
-    # The padding document (even, like a chosen side) has no answer tokens.
-    labels[..., PAIR_START] = (first & (documents % 2 == 0) & has_answer).float()
-    return labels
+    return {"document_ids": documents, "scored": last & has_answer,
+            "pair_start": pair_starts(labels != IGNORE_INDEX, documents)}
 
 
-def pair_scores(output, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pair_scores(output, targets: Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen, rejected, valid), each (batch, slots / 2): the scores of every pair slot's sides."""
     scores = logits_of(output)[..., 0].float()
-    documents = labels[..., DOCUMENT].long()
-    sides = document_sums(scores * labels[..., SCORED], documents)
+    documents = targets["document_ids"]
+    sides = document_sums(scores * targets["scored"], documents)
     with torch.no_grad():
-        valid = document_sums(labels[..., PAIR_START], documents)[:, 0::2] > 0
+        valid = document_sums(targets["pair_start"].float(), documents)[:, 0::2] > 0
     return sides[:, 0::2], sides[:, 1::2], valid
 
 
-class RewardModel(Objective):
+class RewardModel(PairObjective):
     name = "reward"
-    attention_mask = "a document mask"
     # The head's output is one score, not logits over a vocabulary: the plan gathers nothing else.
     vocab_parallel_loss = False
-    reported_terms = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
     def __init__(self, options: RewardOptions | None = None, **loss_options):
-        super().__init__(**loss_options)
-        self.options = options or RewardOptions()
-        self._reports: torch.Tensor | None = None
-        self._recording = True
+        super().__init__(options or RewardOptions(), **loss_options)
 
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
                 model: str = "the model") -> RewardModel:
-        if family_objective is not None and not family_objective.predicts_next_token:
-            raise ValueError(f"training.objective reward puts a scalar head on a decoder; {model} trains with "
-                             f"{family_objective.name}")
-        if args.moe_args() is not None or args.lookahead_tokens:
-            what = "mixture-of-experts" if args.moe_args() is not None else "multi-token prediction"
-            raise ValueError(f"training.objective reward does not train {what} models ({model}): their auxiliary "
-                             "losses are counted per token, a reward model's per pair")
-        return cls(cfg.reward, **cls.compile_options(cfg))
+        cls.refuse(args, family_objective, model=model, what="puts a scalar head on a decoder")
+        return cls(cfg.reward, **compile_options(cfg))
 
-    def model_args(self, args):
-        return args.with_score_head()
+    def model_args(self, args, *, vocab_size: int, seq_len: int):
+        return super().model_args(args, vocab_size=vocab_size, seq_len=seq_len).with_score_head()
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         if self.options.center_rewards_coefficient < 0:
             raise ValueError(f"reward.center_rewards_coefficient must be at least 0, got "
                              f"{self.options.center_rewards_coefficient}")
-        refuse_pretraining_options(cfg, "reward")
+        super()._validate_job(cfg, dims, model=model)
         if dims.cp > 1:
             raise ValueError("training.objective reward scores each side at its last token, which context "
                              "parallelism would put on one rank only; set parallelism.context_parallel_degree 1")
 
-    def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
-        from titanlike.data.conversations import check_row_dataset
-
-        check_row_dataset(dataset, dataset_path, option=option, objective="reward", files="preference files",
-                          contents="the preference pairs")
-
-    def validate_held_out(self, dataset: str) -> None:
-        """Pairs are held out by training.split, whatever the files."""
-
-    # Samples ----------------------------------------------------------------------------------
-
-    sample_fields = DPO.sample_fields
-
-    def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
-                split_name="train"):
-        from titanlike.data.preferences import preference_samples
+    def samples(self, dataset: str, **source_args):
         from titanlike.objectives.sft import pad_id
 
-        self.validate_dataset(dataset, dataset_path)
-        return preference_samples(self.options, "reward", dataset_path=dataset_path, tokenizer=tokenizer, seq_len=seq_len,
-                                  split=split, split_name=split_name, end_id=pad_id(tokenizer))
+        return super().samples(dataset, end_id=pad_id(source_args["tokenizer"]), **source_args)
 
-    # Batch ------------------------------------------------------------------------------------
+    def pair_targets(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Targets:
+        return reward_targets(batch["labels"].to(ctx.device), batch["document_ids"].to(ctx.device))
 
-    def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
-        inputs, targets = batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device)
-        documents = batch["document_ids"].to(ctx.device)
-        mask = DocumentMask.from_document_ids(documents, ctx.mask_kernel)
-        return Microbatch(inputs, reward_labels(targets, documents), positions=mask.positions, mask=mask)
-
-    # Loss -------------------------------------------------------------------------------------
-
-    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
-        return labels[..., PAIR_START].sum()
-
-    def loss(self, output, labels: torch.Tensor) -> torch.Tensor:
-        chosen, rejected, valid = pair_scores(output, labels)
+    def loss(self, output, targets: Targets, ctx: BatchContext, *, correct: bool = False) -> LossTerms:
+        chosen, rejected, valid = pair_scores(output, targets)
         margin = chosen - rejected
         per_pair = -F.logsigmoid(margin)
         if self.options.center_rewards_coefficient:
             per_pair = per_pair + self.options.center_rewards_coefficient * (chosen + rejected) ** 2
-        zero = torch.zeros((), device=per_pair.device)
-        total = torch.where(valid, per_pair, zero).sum()
-        if self._recording:
-            with torch.no_grad():
-                reports = torch.stack([torch.where(valid, v, zero).sum() for v in (
-                    chosen, rejected, margin, (margin > 0).float())])
-                self._reports = reports if self._reports is None else self._reports + reports
-        return total
-
-    def count_correct(self, output, labels: torch.Tensor) -> torch.Tensor:
-        """Validation's accuracy: the pairs whose chosen side scores higher."""
-        with torch.no_grad():
-            chosen, rejected, valid = pair_scores(logits_of(output).detach(), labels)
-            return (valid & (chosen > rejected)).sum().float()
-
-    reports_paused = DPO.reports_paused
-    collect_reports = DPO.collect_reports
+        total = torch.where(valid, per_pair, torch.zeros((), device=per_pair.device)).sum()
+        right = (valid & (chosen > rejected)).sum().float() if correct else None
+        return LossTerms(total, pair_reports(chosen.detach(), rejected.detach(), valid), right)
 
 
 register_objective("reward", RewardModel.for_job, section="reward")
 
-__all__ = ["RewardModel", "RewardOptions", "pair_scores", "reward_labels"]
+__all__ = ["RewardModel", "RewardOptions", "pair_scores", "reward_targets"]

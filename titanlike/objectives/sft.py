@@ -29,8 +29,8 @@ from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX
-from titanlike.objectives.base import (BatchContext, FieldShapes, Microbatch, Objective, cut_sequence,
-                                       refuse_pretraining_options)
+from titanlike.objectives.base import (BatchContext, FieldShapes, Microbatch, Objective, compile_options,
+                                       cut_sequence, refuse_pretraining_options, target_count)
 from titanlike.objectives.causal_lm import lookahead_targets
 from titanlike.objectives.registry import register_objective
 
@@ -83,10 +83,11 @@ class SFT(Objective):
         if family_objective is not None and not family_objective.predicts_next_token:
             raise ValueError(f"training.objective sft fine-tunes models that predict the next token; {model} trains "
                              f"with {family_objective.name}")
-        return cls(cfg.sft, **cls.compile_options(cfg))
+        return cls(cfg.sft, **compile_options(cfg))
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         refuse_pretraining_options(cfg, "sft")
+        super()._validate_job(cfg, dims, model=model)
         o = self.options
         if o.pad_to_multiple_of < 1:
             raise ValueError(f"sft.pad_to_multiple_of must be at least 1, got {o.pad_to_multiple_of}")
@@ -101,13 +102,13 @@ class SFT(Objective):
                                  f"parallelism.tensor_parallel_degree {dims.tp}: sequence parallelism splits each "
                                  "microbatch's sequence over its ranks")
 
-    def validate_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
+    def _check_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
         from titanlike.data.conversations import check_row_dataset
 
         check_row_dataset(dataset, dataset_path, option=option, objective="sft", files="conversation files",
                           contents="the conversations")
 
-    def validate_held_out(self, dataset: str) -> None:
+    def _check_held_out(self, dataset: str) -> None:
         """Conversations are held out by training.split (its 'valid' part), whatever the files."""
 
     def sample_fields(self, seq_len: int) -> FieldShapes:
@@ -120,7 +121,7 @@ class SFT(Objective):
         from titanlike.data.conversations import ConversationSamples, split_rows, tokenize_conversations
         from titanlike.data.loader import GlobalSamples
 
-        self.validate_dataset(dataset, dataset_path)
+        self._check_dataset(dataset, dataset_path)
         o = self.options
         rows = split_rows(dataset_path, split, split_name)
         template = load_chat_template(o.chat_template, tokenizer)
@@ -135,14 +136,15 @@ class SFT(Objective):
         inputs, labels = batch["inputs"].to(ctx.device), batch["labels"].to(ctx.device)
         # Every cp rank keeps the ids of the whole sequence: its attention picks its rows.
         mask = DocumentMask.from_document_ids(batch["document_ids"].to(ctx.device), ctx.mask_kernel)
-        mb = Microbatch(inputs, labels, positions=mask.positions, mask=mask)
+        mb = Microbatch(inputs, {"labels": labels}, target_count(labels), positions=mask.positions, mask=mask)
         if ctx.lookahead_tokens:
             # The tokens after each position (the next input; the labels hide untrained ones): a
             # prediction never reaches past its conversation (the document ids stop it).
             following = torch.cat([inputs[:, 1:], inputs[:, -1:]], dim=1)
             mb.lookahead = lookahead_targets(following, labels, ctx.lookahead_tokens, mask.document_ids)
         if ctx.cp_positions is not None:
-            mb.inputs, mb.labels = cut_sequence(inputs, ctx), cut_sequence(labels, ctx)
+            labels = cut_sequence(labels, ctx)
+            mb.inputs, mb.targets, mb.units = cut_sequence(inputs, ctx), {"labels": labels}, target_count(labels)
             mb.positions = cut_sequence(mask.positions, ctx)
             if mb.lookahead is not None:
                 mb.lookahead = cut_sequence(mb.lookahead, ctx)

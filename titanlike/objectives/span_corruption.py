@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
-from titanlike.objectives.base import FieldShapes
+from titanlike.objectives.base import FieldShapes, compile_options
 from titanlike.objectives.padded import PaddedSamples, check_fraction
 
 if TYPE_CHECKING:
@@ -57,9 +57,9 @@ class SpanCorruption(PaddedSamples):
 
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs) -> SpanCorruption:
-        return cls(cfg.span_corruption, **cls.compile_options(cfg))
+        return cls(cfg.span_corruption, **compile_options(cfg))
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         self.validate_datasets(cfg)
         decoder = self.options.decoder_seq_len
         if decoder % dims.tp:
@@ -67,8 +67,10 @@ class SpanCorruption(PaddedSamples):
                              f"{dims.tp} (sequence parallelism cuts the decoder's sequence too)")
         self.validate_packing(cfg, model=model)
 
-    def model_lengths(self) -> dict[str, int]:
-        return {"decoder_seq_len": self.options.decoder_seq_len}
+    def model_args(self, args, *, vocab_size: int, seq_len: int):
+        """Sized with the decoder's tokens per sample too."""
+        return args.update_from_config(vocab_size=vocab_size, seq_len=seq_len,
+                                       decoder_seq_len=self.options.decoder_seq_len)
 
     def sample_fields(self, seq_len: int) -> FieldShapes:
         from titanlike.data.span_corruption import span_corruption_fields

@@ -453,28 +453,47 @@ def _statistics_paused(module: nn.Module):
             protocol.set_record_statistics(m, True)
 
 
+class _NamedTargets:
+    """The schedule's loss on the last stage, over a microbatch's named targets.
+
+    torch's schedules split one target tensor along the batch; the targets of an objective are
+    several tensors of their own dtypes (token ids stay int64). So the schedule's target is the index of
+    each pipeline microbatch (a CPU tensor, split like any target: reading it syncs nothing), and the
+    loss gets that microbatch's targets by name. `rows` is set for the duration of one step."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn = loss_fn
+        self.rows: list[dict] | None = None
+
+    def __call__(self, output, index: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, self.rows[int(index)])
+
+
 class PipelineRunner:
     """The schedule of this rank's stages, and what the trainer needs to drive it."""
 
-    def __init__(self, schedule, layout: PipelineLayout, stages: list[_Stage]):
+    def __init__(self, schedule, layout: PipelineLayout, stages: list[_Stage], losses: list[_NamedTargets]):
         self.schedule = schedule
         self.layout = layout
         self.stages = stages
+        self.losses = losses
         stage_ids = [stage.stage_index for stage in stages]
         self.has_first = 0 in stage_ids
         self.has_last = layout.num_stages - 1 in stage_ids
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, microbatch_kwargs: list[dict] | None = None,
-             *, backward: bool = True) -> list[torch.Tensor]:
-        """Forward and backward (or forward only) of one local batch; the per-microbatch losses
-        where this rank holds the last stage, an empty list elsewhere. microbatch_kwargs: extra
-        forward arguments of every stage, one dict per microbatch in order."""
+    def step(self, mb, microbatch_size: int, *, backward: bool = True) -> list[torch.Tensor]:
+        """Forward and backward (or forward only) of one local batch `mb` (a Microbatch: inputs, named
+        targets, the model's other inputs) cut into pipeline microbatches of microbatch_size samples;
+        the per-microbatch losses where this rank holds the last stage, an empty list elsewhere."""
+        starts = range(0, mb.inputs.shape[0], microbatch_size)
         losses: list[torch.Tensor] = []
         for stage in self.stages:
-            stage.extra = microbatch_kwargs
+            stage.extra = [mb.rows(i, i + microbatch_size) for i in starts]
+        for loss in self.losses:
+            loss.rows = [mb.target_rows(i, i + microbatch_size) for i in starts] if self.has_last else None
         try:
-            args = (inputs,) if self.has_first else ()
-            target = labels if self.has_last else None
+            args = (mb.inputs,) if self.has_first else ()
+            target = torch.arange(len(starts)) if self.has_last else None
             if backward:
                 self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             else:
@@ -482,6 +501,8 @@ class PipelineRunner:
         finally:
             for stage in self.stages:
                 stage.extra = None
+            for loss in self.losses:
+                loss.rows = None
         return losses
 
 
@@ -493,11 +514,12 @@ def build_schedule(
     *,
     schedule: str,
     n_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    inference_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: Callable[[object, dict], torch.Tensor],
+    inference_loss_fn: Callable[[object, dict], torch.Tensor] | None = None,
 ) -> PipelineRunner:
     """Wrap this rank's (already parallelized and initialized) parts into stages and a schedule.
-    inference_loss_fn: loss_fn as torch's metadata inference may run it (recording nothing), if it differs."""
+    loss_fn(output, targets): a pipeline microbatch's loss from its named targets; inference_loss_fn:
+    loss_fn as torch's metadata inference may run it (recording nothing), if it differs."""
     name = schedule_name(schedule)
     rank = pp_mesh.get_local_rank()
     stage_ids = layout.stages_of_rank(rank)
@@ -505,12 +527,14 @@ def build_schedule(
     # TP, CP and any batch shape need no example inputs here.
     stages = [_Stage(part, index, layout.num_stages, device, group=pp_mesh.get_group())
               for part, index in zip(parts, stage_ids)]
+    named = _NamedTargets(loss_fn)
+    inference = _NamedTargets(inference_loss_fn) if inference_loss_fn is not None else None
     for stage in stages:
-        stage.inference_loss_fn = inference_loss_fn
+        stage.inference_loss_fn = inference
     cls = SCHEDULES[name]
     first_arg = stages[0] if is_single_stage(name) else stages
-    sched = cls(first_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return PipelineRunner(sched, layout, stages)
+    sched = cls(first_arg, n_microbatches=n_microbatches, loss_fn=named, scale_grads=False)
+    return PipelineRunner(sched, layout, stages, [named] + ([inference] if inference is not None else []))
 
 
 

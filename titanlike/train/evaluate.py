@@ -7,8 +7,8 @@ split at every run, so successive runs measure the same tokens. The loss is the 
 summed loss over all its units of the run (target tokens; pairs for preference objectives) divided
 by their count, exactly as the training loss, so it is the same number for every parallel layout.
 
-Accuracy is counted by the objective (Objective.count_correct) from the outputs the step's loss
-sees (an observer on StepLoss): by default the fraction of targets (next tokens, masked tokens,
+Accuracy is counted by the objective's loss (LossTerms.correct, asked for by the step's loss in
+validation: StepLoss.counting_correct): by default the fraction of targets (next tokens, masked tokens,
 decoder targets) whose most likely token is right (vocabulary-parallel logits gathered for it, in
 validation only); for preference pairs, the pairs whose chosen answer gets the higher reward.
 
@@ -80,13 +80,10 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int,
 
 
 
-def validate_validation_layout(v, t, dims, *, check_dataset=None) -> None:
+def validate_validation_layout(v, t, dims) -> None:
     """The [validation] rules that depend on the layout: ValueError, one sentence. v: the
-    validation section, t: the training section, dims: ParallelDims; check_dataset: the objective's
-    dataset rules (Objective.validate_dataset), the dataset kind's by default."""
-    from titanlike.data.loader import validate_dataset
-
-    check_dataset = check_dataset or validate_dataset
+    validation section, t: the training section, dims: ParallelDims. (Its dataset is the
+    objective's to check: Objective.validate.)"""
     if v.seq_len not in (-1, t.seq_len):
         if dims.cp_enabled or dims.pp_enabled:
             raise ValueError(f"validation.seq_len {v.seq_len} must be -1 or training.seq_len {t.seq_len} under "
@@ -95,8 +92,7 @@ def validate_validation_layout(v, t, dims, *, check_dataset=None) -> None:
         if v.seq_len % dims.tp:
             raise ValueError(f"validation.seq_len {v.seq_len} must be divisible by tensor_parallel_degree {dims.tp} "
                              "(sequence parallelism cuts it)")
-    if v.dataset not in (None, "default") and v.dataset_path:
-        check_dataset(v.dataset, v.dataset_path, option="validation")
+
 
 def validate_samples_layout(v, dims, *, no_text: str | None, compile_blocks: bool, model: str, tokenizer=None,
                             context_len: int | None = None) -> None:
@@ -165,34 +161,28 @@ class Evaluator:
         """(mean loss per target token, target tokens, accuracy); every rank calls it."""
         step = self.step
         device = step.device
-        correct = torch.zeros((), device=device)
-
-        def count(output, labels: torch.Tensor) -> None:
-            nonlocal correct
-            correct = correct + step.step_loss.objective.count_correct(output, labels)
-
         for part in step.model_parts:
             part.eval()
-        step.step_loss.observer = count
         loss_sum = torch.zeros((), device=device)
         tokens = torch.zeros((), device=device)
         data = iter(self.data.loader)
         try:
-            # The objective's reported terms are the training steps' (validation's would join the next step's).
-            with step.step_loss.objective.reports_paused():
+            # The loss counts correct units too, and records no reported terms (those are the training steps').
+            with step.step_loss.counting_correct() as correct:
                 for _ in range(self.data.num_batches):
                     mb = self.prepare(next(data))
-                    tokens += step.step_loss.count_units(mb.labels)
+                    tokens += mb.units
                     loss_sum += step.forward_backward(mb, backward=False)
+                right = correct()
         finally:
-            step.step_loss.observer = None
             for part in step.model_parts:
                 part.train()
+        right = torch.zeros((), device=device) if right is None else right
         # Tokens are seen by every tp rank and stage, the loss and correct counts by the last stage's.
         sums = sum_over_world(torch.stack([tokens * step.token_share, loss_sum * step.loss_share,
-                                           correct.float() * step.loss_share]))
-        tokens, loss_sum, correct = sums.tolist()
-        return loss_sum / tokens, int(tokens), correct / tokens
+                                           right.float() * step.loss_share]))
+        tokens, loss_sum, right = sums.tolist()
+        return loss_sum / tokens, int(tokens), right / tokens
 
 
 __all__ = ["Evaluator", "Samples", "ValidationData", "build_validation_data", "validate_samples_layout"]

@@ -155,6 +155,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     from titanlike.parallel.parallelize import validate_compile_backend
     from titanlike.parallel.tensor_parallel import validate_tensor_parallel
     from titanlike.models import protocol
+    from titanlike.train.companions import validate_companions
     from titanlike.train.evaluate import validate_samples_layout, validate_validation_layout
 
     m, p, t = cfg.model, cfg.parallelism, cfg.training
@@ -181,18 +182,16 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
     objective = job_objective(cfg, spec, args, model=model)
-    objective.validate(cfg, dims, model=model)
-    if cfg.validation.enable and cfg.validation.dataset is None:
-        objective.validate_held_out(t.dataset)
+    # The estimator reads no data (it plans with the embedded corpus named).
+    objective.validate(cfg, dims, model=model, data=vocab_size is None)
     vocab = source.vocab_size or vocab_size or tokenizer.vocab_size
     if tokenizer is not None and tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary "
                          f"({source.description}) holds {vocab}; use the model's own tokenizer (model.tokenizer_path "
                          "or model.hf_assets_path)")
     context_len = args.context_len
-    args = args.update_from_config(vocab_size=vocab, seq_len=t.seq_len, **objective.model_lengths())
     try:
-        args = objective.model_args(args)
+        args = objective.model_args(args, vocab_size=vocab, seq_len=t.seq_len)
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
     validate_converter_targets(m.converters, lambda name: getattr(cfg, name), spec, args, model=model)
@@ -206,10 +205,8 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         validate_context_parallel(t.seq_len, dims.cp, dims.tp)
     batch = BatchPlan.build(t, dims, p.pipeline_parallel_microbatch_size if dims.pp_enabled else None)
     validate_cpu_offload(t.enable_cpu_offload, fsdp_enabled=dims.fsdp_enabled, dp_shard=dims.dp_shard)
-    if vocab_size is None:  # the estimator reads no data (it plans with the embedded corpus named)
-        objective.validate_dataset(t.dataset, t.dataset_path)
     if cfg.validation.enable:
-        validate_validation_layout(cfg.validation, t, dims, check_dataset=objective.validate_dataset)
+        validate_validation_layout(cfg.validation, t, dims)
     if cfg.validation.sample_prompts:
         # The class and args answer whether the model generates (models/protocol.py: BERT sets
         # init_cache None; a reward model's args have a score head).
@@ -219,6 +216,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     if cfg.compile.enable:
         validate_compile_backend(cfg.compile.backend)
     pipeline = _pipeline(cfg, dims, spec, args, model, parallelize.compile_blocks)
+    validate_companions(objective, p.pipeline_parallel_schedule if dims.pp > 1 else None)
     validate_checkpoint_config(cfg.checkpoint, spec, hf_assets_path=m.hf_assets_path)
     if cfg.metrics.enable_wandb:
         from titanlike.observe.wandb_run import validate_wandb

@@ -7,7 +7,7 @@ nothing back to the host: the loop decides when to look (titanlike/train/trainer
 
 Exact arithmetic: the loss is a sum over target tokens, and the gradients are divided once, after
 every backward, by the target tokens of the whole global batch (an objective may count other units:
-preference pairs, StepLoss.count_units). That keeps gradient accumulation,
+preference pairs: Microbatch.units). That keeps gradient accumulation,
 data parallelism and pipeline microbatches exact, and lets a term join the objective anywhere in
 the model in the same summed units (an MoE layer's balancing losses, on any pipeline stage).
 
@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlike.models import protocol
 from titanlike.models.outputs import LossReports, weighted_objective
-from titanlike.objectives.base import Objective
+from titanlike.objectives.base import BatchContext, LossTerms, Objective
 from titanlike.parallel.utils import clip_grad_norm_, first_rank_of, sum_over_world
 
 
@@ -58,36 +58,61 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
 
 
 class StepLoss:
-    """What the step differentiates for one microbatch's output: the objective's summed loss,
-    carrying the objective weight for backward. The pipeline schedule calls it on the last stage;
-    `observer` (the evaluator's accuracy count) may look at every output on its way.
+    """What the step differentiates for one microbatch's output: the objective's summed loss
+    (LossTerms.value), carrying the objective weight for backward. The pipeline schedule calls it on
+    the last stage with the microbatch's named targets. The objective's loss is a pure function: the
+    terms it reports apart (and, in validation, its correct counts) are summed here until `collect`.
 
-    objective: the Objective whose loss this is, which says what the loss's units are
-    (count_units: target tokens, or pairs), which terms it reports apart (collect_reports,
-    reports_paused) and what a correct prediction is (count_correct); None (a bare loss function, as
-    the estimator's): target tokens, no reported terms, the next-token count."""
+    objective: the job's Objective; ctx: the BatchContext its microbatches were prepared with;
+    weight: the objective weight (loss scaling) or None; loss_fn: objective.loss, or a function of
+    the same arguments wrapping it (the estimator's, which marks where backward starts)."""
 
-    def __init__(self, loss_fn: Callable[[object, torch.Tensor], torch.Tensor], weight: torch.Tensor | None, *,
-                 objective: Objective | None = None):
-        self.loss_fn = loss_fn
-        self.weight = weight
-        self.objective = objective if objective is not None else Objective()
-        self.reports = self.objective.collect_reports if self.objective.reported_terms else None
-        self.observer: Callable[[object, torch.Tensor], None] | None = None
+    def __init__(self, objective: Objective, ctx: BatchContext, weight: torch.Tensor | None, *,
+                 loss_fn: Callable[..., LossTerms] | None = None):
+        self.objective, self.ctx, self.weight = objective, ctx, weight
+        self.loss_fn = loss_fn or objective.loss
+        self.count_correct = False  # validation sets it: LossTerms.correct are summed into `correct`
+        self.recording = True
+        self.reported: torch.Tensor | None = None
+        self.correct: torch.Tensor | None = None
 
-    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
-        if self.observer is not None:
-            self.observer(output, labels)
-        return weighted_objective(self.loss_fn(output, labels), self.weight)
+    def __call__(self, output, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        terms = self.loss_fn(output, targets, self.ctx, correct=self.count_correct)
+        if self.recording:
+            if terms.reported is not None:
+                self.reported = terms.reported if self.reported is None else self.reported + terms.reported
+            if terms.correct is not None:
+                self.correct = terms.correct if self.correct is None else self.correct + terms.correct
+        return weighted_objective(terms.value, self.weight)
 
-    def unrecorded(self, output, labels: torch.Tensor) -> torch.Tensor:
-        """The same loss, unobserved and recording no reported terms: for a pipeline schedule's
-        metadata inference, which runs it on placeholder outputs."""
-        with self.objective.reports_paused():
-            return weighted_objective(self.loss_fn(output, labels), self.weight)
+    def unrecorded(self, output, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The same loss, recording nothing: for a pipeline schedule's metadata inference, which runs
+        it on placeholder outputs."""
+        recording, self.recording = self.recording, False
+        try:
+            return self(output, targets)
+        finally:
+            self.recording = recording
 
-    def count_units(self, labels: torch.Tensor) -> torch.Tensor:
-        return self.objective.count_units(labels)
+    def collect(self, device: torch.device) -> torch.Tensor | None:
+        """(len(reported_terms),) the reported terms' sums since the last call, then zeroed; None when
+        the objective reports none. Device work only."""
+        if not self.objective.reported_terms:
+            return None
+        reported, self.reported = self.reported, None
+        return torch.zeros(len(self.objective.reported_terms), device=device) if reported is None else reported
+
+    @contextlib.contextmanager
+    def counting_correct(self):
+        """Validation: the loss also counts correct units (yielded getter of their sum) and records no
+        reported terms (those are the training steps')."""
+        saved = self.count_correct, self.recording, self.reported
+        self.count_correct, self.correct = True, None
+        try:
+            yield lambda: self.correct
+        finally:
+            self.count_correct, self.recording, self.reported = saved
+            self.correct = None
 
 
 @dataclass
@@ -165,7 +190,7 @@ class TrainStep:
     def count_tokens(self, microbatches: list, side: list[float] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's collective: (global target tokens, the side values summed over all ranks). Under
         loss scaling it also sets the objective weight backward will use."""
-        tokens = sum(self.step_loss.count_units(mb.labels) for mb in microbatches).float()
+        tokens = sum(mb.units for mb in microbatches).float()
         values = torch.zeros(1 + len(side), device=self.device)
         values[0] = tokens * self.token_share
         for i, value in enumerate(side):
@@ -196,8 +221,8 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         table = self.expert_balance.step_done(applied=finite) if self.expert_balance is not None else None
         reported = self.reports.collect() if self.reports is not None else None
-        if self.step_loss.reports is not None:  # the objective's terms, after the model's
-            mine = self.step_loss.reports(self.device)
+        mine = self.step_loss.collect(self.device)  # the objective's terms, after the model's
+        if mine is not None:
             reported = mine if reported is None else torch.cat([reported, mine])
         reported = reported * self.loss_share if reported is not None else None
         return StepOutput(loss_sum * self.loss_share, global_tokens, norm.total, finite, side, reported,
@@ -210,15 +235,13 @@ class TrainStep:
             else contextlib.nullcontext()
         if self.pipeline is not None:
             # The schedule cuts the batch into pipeline microbatches; every stage gets their fields.
-            size = self.pipeline_microbatch_size
-            extra = [mb.rows(i, i + size) for i in range(0, mb.inputs.shape[0], size)]
             with self.autocast, loss_context:
-                losses = self.pipeline.step(mb.inputs, mb.labels, extra, backward=backward)
+                losses = self.pipeline.step(mb, self.pipeline_microbatch_size, backward=backward)
             return sum((local_value(loss) for loss in losses), torch.zeros((), device=self.device))
         with self.autocast:
             output = self.model_parts[0](mb.inputs, **mb.forward_kwargs())
         with loss_context:
-            loss = self.step_loss(output, mb.labels)
+            loss = self.step_loss(output, mb.targets)
             if backward:
                 loss.backward()
         return local_value(loss)

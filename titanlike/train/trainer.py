@@ -16,10 +16,8 @@ overflow instead: every rank skips the step, the learning rate is held and the s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
-import functools
 import logging
 import math
 import os
@@ -42,18 +40,19 @@ from titanlike.observe.profiler import Profiler
 from titanlike.observe.run_lock import FolderLock, FolderRefused, lock_folders, output_folders
 from titanlike.observe.stragglers import StragglerDetector, format_stragglers
 from titanlike.observe.summary import RunSummary
-from titanlike.objectives.base import BatchContext, Microbatch, ObjectiveModels
+from titanlike.objectives.base import BatchContext, Microbatch
 from titanlike.parallel.context import load_balanced_positions
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
-from titanlike.parallel.utils import sum_over_for_replicated_loss, sum_over_world
+from titanlike.parallel.utils import sum_over_world
 from titanlike.train.evaluate import Evaluator, Samples, build_validation_data
 from titanlike.train.expert_balance import ExpertBalance
 from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torchrun
 from titanlike.train.gc_schedule import PeriodicGC
 from titanlike.train.loss_scaling import build_loss_scaler
 from titanlike.train.step import StepLoss, StepOutput, TrainStep
-from titanlike.train.model_parts import build_frozen_model, build_model_parts
+from titanlike.train.companions import Companions, ForwardOnly, build_companions
+from titanlike.train.model_parts import build_model_parts
 from titanlike.train.plan import JobPlan
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
 
@@ -128,24 +127,6 @@ def init_distributed(cfg: JobConfig, world_size: int) -> tuple[torch.device, boo
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.comm.init_timeout_seconds))
         return device, True
     return device, False
-
-
-class _Collector:
-    """The "loss" of a forward-only pipeline schedule that keeps fn(output, labels) of every pipeline
-    microbatch on the last stage (Trainer._attach_objective)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.fn, self.kept = device, None, []
-
-    def start(self, fn) -> None:
-        self.fn, self.kept = fn, []
-
-    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
-        self.kept.append(self.fn(output, labels))
-        return torch.zeros((), device=self.device)
-
-    def result(self) -> torch.Tensor:
-        return torch.cat(self.kept)
 
 
 class Trainer:
@@ -261,7 +242,8 @@ class Trainer:
             cfg.model.attention_backend, self.device.type)
         self.batch_context = BatchContext(self.device, cp_positions=self.cp_positions, mask_kernel=self.mask_kernel,
                                           eos_id=self.tokenizer.eos_id,
-                                          lookahead_tokens=self.model_args.lookahead_tokens)
+                                          lookahead_tokens=self.model_args.lookahead_tokens,
+                                          cp_mesh=dims.mesh("cp") if dims.cp_enabled else None)
         if self.rank == 0:
             self._log_attention()
 
@@ -271,8 +253,8 @@ class Trainer:
         # float16: the loss is scaled before backward and steps whose gradients overflow are skipped.
         self.loss_scaler = build_loss_scaler(cfg.loss_scaling, self.plan.precision.loss_scaling)
         # The objective's weight for backward: a device tensor the step rewrites (loss scaling), or 1.
-        self.step_loss = StepLoss(self.objective.loss, torch.ones((), device=self.device)
-                                  if self.loss_scaler is not None else None, objective=self.objective)
+        self.step_loss = StepLoss(self.objective, self.batch_context, torch.ones((), device=self.device)
+                                  if self.loss_scaler is not None else None)
         pipeline = tied = None
         if self.plan.pipeline is not None:
             layout = self.plan.pipeline
@@ -300,6 +282,8 @@ class Trainer:
             device=self.device, pipeline=pipeline, tied=tied, converters=self.converters,
             expert_balance=self.expert_balance, loss_scaler=self.loss_scaler)
         self.evaluator = Evaluator(self.train_step, self.validation, self.prepare) if self.validation is not None else None
+        self.companions = Companions((), [], ForwardOnly(self.train_step, self.plan, dims.mesh("pp"), self.device),
+                                     self.converters.disabled)  # built by _start
         v = cfg.validation
         # Greedy samples of fixed prompts (plan_job allowed them: every rank holds whole layers, model_parts[0]).
         self.samples = Samples(self.model_parts[0], self.tokenizer, v.sample_prompts, v.sample_max_tokens) \
@@ -388,7 +372,7 @@ class Trainer:
         refusal on any rank stops every rank with one sentence."""
         from titanlike.models.common.init import copy_full_
 
-        parts = self.model_parts if parts is None else parts  # or a frozen copy's (_attach_objective)
+        parts = self.model_parts if parts is None else parts  # or a frozen copy's (companions)
         error, states = None, []
         try:
             states = [self.converters.initial_state(part) for part in parts]
@@ -402,74 +386,23 @@ class Trainer:
             if state and self.rank == 0:
                 logger.info(f"converters: {len(state)} tensors loaded into the model")
 
-    def _attach_objective(self, *, resumed: bool) -> None:
-        """Lend the objective the model (and a frozen copy of it, built only if it asks) before the first step."""
-        def frozen_copy() -> list[nn.Module]:
-            converters = build_model_converters(self.cfg.model.converters, self.cfg.float8,
-                                                lambda name: getattr(self.cfg, name))
-            parts = build_model_parts(self.plan, converters)
-            for part, source in zip(parts, self.model_parts):
-                part.to_empty(device=self.device)
-                if resumed:  # the model as this job started: initialized, then loaded like it was
-                    part.init_weights(seed=self.cfg.debug.seed)
-                    converters.init_weights(part, self.cfg.debug.seed)
-                else:  # the policy, before its first update
-                    with torch.no_grad():
-                        state = dict(source.named_parameters()) | dict(source.named_buffers())
-                        for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
-                            tensor.copy_(state[name])
-            if resumed:
-                self.checkpointer.load_initial_model(parts)
-                self._load_converter_state(parts)
-            for part in parts:
-                part.requires_grad_(False)
-                part.eval()
-            if self.rank == 0:
-                logger.info(f"{self.objective.name}: a frozen copy of the model as it started, sharded like it"
-                            + (" (rebuilt from its initialization and initial load)" if resumed else ""))
-            return parts
+    def _build_companions(self, *, resumed: bool) -> None:
+        """The models the objective runs beside this one (train/companions.py), once the model is loaded."""
+        def load_start(parts: list[nn.Module]) -> None:
+            self.checkpointer.load_initial_model(parts)
+            self._load_converter_state(parts)
 
-        schedules: dict[int, tuple] = {}  # a forward-only pipeline schedule per set of parts, and its collector
-
-        def forward(parts: list[nn.Module], mb: Microbatch, fn):
-            step = self.train_step
-            loss_context = torch.distributed.tensor.parallel.loss_parallel() if step.loss_parallel \
-                else contextlib.nullcontext()
-            if self.plan.pipeline is None:
-                with step.autocast, loss_context:
-                    return fn(parts[0](mb.inputs, **mb.forward_kwargs()), mb.labels)
-            # Pipeline stages of their own over these parts; the schedule's "loss" on the last stage
-            # keeps fn of each pipeline microbatch, in order.
-            if id(parts) not in schedules:
-                collect = _Collector(self.device)
-                runner = build_schedule(parts, self.plan.pipeline, self.dims.mesh("pp"), self.device,
-                                        schedule=self.cfg.parallelism.pipeline_parallel_schedule,
-                                        n_microbatches=self.batches.pipeline_microbatches, loss_fn=collect)
-                schedules[id(parts)] = runner, collect
-            runner, collect = schedules[id(parts)]
-            size = step.pipeline_microbatch_size
-            extra = [mb.rows(i, i + size) for i in range(0, mb.inputs.shape[0], size)]
-            collect.start(fn)
-            with step.autocast, loss_context:
-                runner.step(mb.inputs, mb.labels, extra, backward=False)
-            return collect.result() if runner.has_last else None
-
-        def other_model(path: str) -> list[nn.Module]:
-            parts = build_frozen_model(self.plan, path, self.device, seed=self.cfg.debug.seed)
-            if self.rank == 0:
-                logger.info(f"{self.objective.name}: a frozen {path}, sharded like the model")
-            return parts
-
-        cp_mesh = self.dims.mesh("cp") if self.dims.cp_enabled else None
-        self.objective.attach(ObjectiveModels(
-            self.model_parts, frozen_copy, forward, cp_degree=self.dims.cp,
-            cp_sum=None if cp_mesh is None else functools.partial(sum_over_for_replicated_loss, mesh=cp_mesh),
-            other_model=other_model))
+        self.companions = build_companions(
+            self.objective.companions, self.plan, self.model_parts, forward=self.companions.forward,
+            device=self.device, resumed=resumed, load_start=load_start, converters=self.converters,
+            build_converters=lambda: build_model_converters(self.cfg.model.converters, self.cfg.float8,
+                                                            lambda name: getattr(self.cfg, name)),
+            log=self.rank == 0)
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
-        and cut to this cp rank, by the objective."""
-        return self.objective.prepare(batch, self.batch_context)
+        and cut to this cp rank, by the objective; with what its companions add to the targets."""
+        return self.companions.fill(self.objective.prepare(batch, self.batch_context))
 
     def train(self) -> list[float]:
         """Run to training.steps; returns the loss of every step the host read (log, save and
@@ -555,7 +488,7 @@ class Trainer:
             return None
         if start == 0:
             self._load_converter_state()
-        self._attach_objective(resumed=start > 0)
+        self._build_companions(resumed=start > 0)
         if self.stop.agreed():
             if self.rank == 0:
                 logger.info(f"received {StopRequest.describe(self.stop.agreed_code)} before the first step: "

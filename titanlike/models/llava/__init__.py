@@ -22,6 +22,7 @@ from titanlike.models.registry import (
     register_model_spec,
 )
 from titanlike.objectives.image_caption import ImageCaption
+from titanlike.objectives.base import compile_options
 
 _llama = get_model_spec("llama3").args_cls
 
@@ -72,7 +73,7 @@ def image_caption(cfg, args: LlavaArgs) -> ImageCaption:
     options = cfg.llava
     return ImageCaption(image_token_id=args.image_token_id, tokens_per_image=v.tokens_per_image,
                         image_size=v.image_size, processor=v.kind, max_images=options.max_images,
-                        max_image_pixels=options.max_image_pixels, **ImageCaption.compile_options(cfg))
+                        max_image_pixels=options.max_image_pixels, **compile_options(cfg))
 
 
 def image_inputs(args: LlavaArgs) -> ImageInputs:

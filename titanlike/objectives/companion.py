@@ -1,0 +1,57 @@
+"""Companions: the models an objective runs beside the one it trains, as the objective declares them.
+
+A companion is a model (a frozen copy of the trained one as the run started, the trained one itself
+as it is now, or another checkpoint) and what its forward adds to each microbatch's targets (DPO's
+reference log-probabilities, a distillation teacher's distribution). The objective declares them
+(Objective.companions); the trainer builds, loads and runs them with the job's layout, pipeline
+stages included (train/companions.py), and the estimator counts their memory. The objective's loss
+then reads what they added by name, as it reads any other target.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Targets = dict[str, torch.Tensor]
+
+
+class Source(enum.Enum):
+    """Which weights a companion runs."""
+
+    FROZEN_COPY = "a frozen copy of the model as the run started"  # sharded like it; DPO's reference
+    POLICY = "the model being trained, as it is now"  # no copy: RL's old policy, DPO's base without adapters
+    CHECKPOINT = "another checkpoint"  # a DCP checkpoint or a Hugging Face folder: a distillation teacher
+
+
+@dataclass(frozen=True)
+class Companion:
+    """role: its name in the log ("reference", "teacher"); option: the job option that chose it, for
+    messages ("dpo.reference model"); source, and path for a CHECKPOINT;
+    outputs(output, targets): what its forward's output adds to the targets, computed where the loss
+    runs (the last pipeline stage), without gradients (the estimator, which runs no companion, traces
+    the loss with outputs of the trained model's own output: the same names, shapes and dtypes);
+    converters_off: run with the
+    model's converters switched off (ModelConverters.disabled: LoRA's adapters, so the policy's base is
+    the reference)."""
+
+    role: str
+    option: str
+    source: Source
+    outputs: Callable[[object, Targets], Targets]
+    path: str | None = None
+    converters_off: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.source is Source.CHECKPOINT) != (self.path is not None):
+            raise ValueError("a companion has a path exactly when its source is a checkpoint")
+
+    def describe(self) -> str:
+        what = f"{self.path}" if self.source is Source.CHECKPOINT else self.source.value
+        return f"{self.role}: {what}" + (" with the converters off" if self.converters_off else "")
+
+
+__all__ = ["Companion", "Source", "Targets"]
