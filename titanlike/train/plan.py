@@ -271,7 +271,7 @@ def hf_model_folder(cfg: JobConfig) -> str | None:
 @dataclass(frozen=True)
 class ModelSource:
     """The model's sizes before the job's settings: a flavor's, or a Hugging Face folder's config.json
-    read by the family's adapter (checkpoint/format.py hf_folder_args), then [model.args]."""
+    read by the family's adapter (checkpoint/hf.py hf_folder_args), then [model.args]."""
 
     args: BaseModelArgs
     flavor: str | None  # the flavor the args are, unchanged
@@ -281,7 +281,8 @@ class ModelSource:
     @classmethod
     def of(cls, cfg: JobConfig, spec: ModelSpec, folder: str | None) -> ModelSource:
         """ValueError, one sentence, for a folder or a [model.args] setting the family refuses."""
-        from titanlike.checkpoint.format import PLANNING_LIMIT, CheckpointError, check_model_size, hf_folder_args
+        from titanlike.checkpoint.format import PLANNING_LIMIT, CheckpointError, check_model_size
+        from titanlike.checkpoint.hf import hf_folder_args
 
         overrides = cfg.model.args
         if folder is not None:
