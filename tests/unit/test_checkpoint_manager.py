@@ -468,6 +468,29 @@ def test_checkpoint_modules_import_in_layers():
         assert not above, (name, above)
 
 
+def test_checkpoint_package_knows_no_converter_and_no_objective():
+    """What a converter or an objective adds on load comes in as a LoadHook (checkpoint/hooks.py): no
+    module of the package imports LoRA, the converters or an objective, at its top or in a function."""
+    import ast
+
+    import titanlike.checkpoint as package
+
+    folder = os.path.dirname(package.__file__)
+    forbidden = ("titanlike.models.lora", "titanlike.models.converters", "titanlike.objectives")
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(open(os.path.join(folder, name)).read())):
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            bad = [m for m in modules if m in forbidden or m.startswith(tuple(f"{f}." for f in forbidden))]
+            assert not bad, f"titanlike/checkpoint/{name}:{node.lineno} imports {bad[0]}"
+
+
 def test_load_model_refuses_tensors_that_do_not_fit_the_sidecar(tmp_path):
     from titanlike.checkpoint.format import model_description
     from titanlike.checkpoint.hf import write_dcp_model

@@ -30,6 +30,7 @@ from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, cross_entropy_su
 if TYPE_CHECKING:
     import torch.nn as nn
 
+    from titanlike.checkpoint.hooks import LoadHook
     from titanlike.config.schema import JobConfig
     from titanlike.models.args import LayoutDegrees
 
@@ -108,6 +109,10 @@ class ObjectiveModels:
     # Hugging Face folder; a distillation teacher), frozen, built with the job's layout (its own
     # pipeline split over the same stages) and loaded; `forward` runs it like the frozen copy.
     other_model: Callable[[str], list[nn.Module]] | None = None
+    # converters_off(parts): a context in which `parts` compute as the model before the converters'
+    # swaps, as far as they can (LoRA: adapters off; models/converters.py ModelConverters.disabled).
+    converters_off: Callable[[list[nn.Module]], contextlib.AbstractContextManager] = \
+        lambda parts: contextlib.nullcontext()
 
 
 def cut_sequence(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
@@ -213,6 +218,11 @@ class Objective:
         """The model args this objective trains, from the job's (sized) ones: unchanged by default; a
         reward model's have a scalar head (BaseModelArgs.with_score_head). ValueError, one sentence."""
         return args
+
+    def load_hooks(self) -> tuple[LoadHook, ...]:
+        """What the objective adds when a checkpoint loads into its model (checkpoint/hooks.py: a
+        reward model's new score head when it starts from a language model). None by default."""
+        return ()
 
     def model_lengths(self) -> dict[str, int]:
         """Lengths the objective adds to the model's sizing (update_from_config's keywords beyond

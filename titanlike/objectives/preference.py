@@ -284,10 +284,8 @@ class DPO(Objective):
         if not self.uses_reference or self.precomputed:
             return
         if self.options.reference == "adapters":
-            from titanlike.models.lora import adapters
-
             parts = models.parts
-            switch = lambda: adapters_off([m for part in parts for m in adapters(part).values()])  # noqa: E731
+            switch = lambda: models.converters_off(parts)  # noqa: E731
         else:
             parts = models.frozen_copy()
             switch = contextlib.nullcontext
@@ -368,20 +366,7 @@ def pair_labels(targets: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-@contextlib.contextmanager
-def adapters_off(modules: list):
-    """LoRA layers compute their base alone (scaling 0: the adapter's term is exactly zero)."""
-    saved = [m.lora_scaling for m in modules]
-    for m in modules:
-        m.lora_scaling = 0.0
-    try:
-        yield
-    finally:
-        for m, s in zip(modules, saved):
-            m.lora_scaling = s
-
-
 register_objective("dpo", DPO.for_job, section="dpo")
 
-__all__ = ["DPO", "DPOOptions", "LOSS_TYPES", "PairTerms", "adapters_off", "document_sums", "pair_labels",
+__all__ = ["DPO", "DPOOptions", "LOSS_TYPES", "PairTerms", "document_sums", "pair_labels",
            "pair_terms", "token_logps"]

@@ -17,7 +17,7 @@ rewards; validation's accuracy is the same preference accuracy.
 
 The labels, (batch, seq, 3) float32: the document id, 1 where a side is scored (its last token),
 1 at the first position of each pair (count_units is a sum). The score of a side is one scatter_add
-over the document ids. Exported to Hugging Face (checkpoint/format.py write_hf) as the family's
+over the document ids. Exported to Hugging Face (checkpoint/hf.py write_hf) as the family's
 sequence-classification class with num_labels 1 and the tokenizer's pad id (models/common/hf.py
 HFAdapter.score_model).
 
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from titanlike.checkpoint.hooks import LoadHook
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
@@ -114,6 +115,9 @@ class RewardModel(Objective):
     def model_args(self, args):
         return args.with_score_head()
 
+    def load_hooks(self) -> tuple[NewScoreHead]:
+        return (NewScoreHead(),)
+
     def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         if self.options.center_rewards_coefficient < 0:
             raise ValueError(f"reward.center_rewards_coefficient must be at least 0, got "
@@ -181,6 +185,17 @@ class RewardModel(Objective):
 
     reports_paused = DPO.reports_paused
     collect_reports = DPO.collect_reports
+
+
+class NewScoreHead(LoadHook):
+    """A reward model started from a language model (an SFT run's checkpoint or export): every tensor
+    but the output projection, whose one-score head starts from its initialization."""
+
+    def fresh(self, key: str, saved_args) -> bool:
+        return key == "output.weight" and saved_args is not None and not saved_args.has_score_head
+
+    def saved_args(self, job_args, saved_args):
+        return saved_args if saved_args.has_score_head else saved_args.with_score_head()
 
 
 register_objective("reward", RewardModel.for_job, section="reward")

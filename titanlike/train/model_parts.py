@@ -47,7 +47,7 @@ def build_frozen_model(plan: JobPlan, path: str, device: torch.device, *, seed: 
 
     folder, spec, args = checkpoint_model(path)
     other = other_model_plan(plan, spec, args, model=folder)
-    parts = build_model_parts(other, build_model_converters([], plan.cfg.float8))
+    parts = build_model_parts(other, build_model_converters([], plan.cfg))
     for part in parts:
         part.to_empty(device=device)
         part.init_weights(seed=seed)  # the non-persistent buffers (RoPE tables); every weight is loaded below

@@ -163,7 +163,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     if vocab_size is None:  # the job itself (the estimator's layouts write nothing)
         check_output_folders(cfg)
     dims = ParallelDims.from_config(p, world_size)
-    validate_converters(m.converters, cfg.float8, tp=dims.tp)
+    validate_converters(m.converters, cfg, tp=dims.tp)
     validate_attention_backend(m.attention_backend, cuda=cuda)
 
     # The model, its family's rules, the objective's.
@@ -195,7 +195,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         args = objective.model_args(args)
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
-    validate_converter_targets(m.converters, lambda name: getattr(cfg, name), spec, args, model=model)
+    validate_converter_targets(m.converters, cfg, spec, args, model=model)
 
     # The layout.
     parallelize = parallelize_options(cfg, objective)

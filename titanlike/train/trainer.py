@@ -178,7 +178,8 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
-            loss_scaler=self.loss_scaler, converters=self.converters, context_len=plan.context_len,
+            loss_scaler=self.loss_scaler, hooks=[*self.converters.load_hooks(), *self.objective.load_hooks()],
+            context_len=plan.context_len,
             flavor=plan.flavor)
         self._build_observers()
         self.step = 0
@@ -237,7 +238,7 @@ class Trainer:
         """This rank's model parts: built on meta, converted, parallelized, then materialized shard by
         shard and initialized; and what the objective's batches need on this rank."""
         cfg, dims, t = self.cfg, self.dims, self.cfg.training
-        self.converters = build_model_converters(cfg.model.converters, cfg.float8, lambda name: getattr(cfg, name))
+        self.converters = build_model_converters(cfg.model.converters, cfg)
         parts = build_model_parts(self.plan, self.converters)
         if cfg.model.print_after_conversion and self.rank == 0:
             for part in parts:
@@ -405,8 +406,7 @@ class Trainer:
     def _attach_objective(self, *, resumed: bool) -> None:
         """Lend the objective the model (and a frozen copy of it, built only if it asks) before the first step."""
         def frozen_copy() -> list[nn.Module]:
-            converters = build_model_converters(self.cfg.model.converters, self.cfg.float8,
-                                                lambda name: getattr(self.cfg, name))
+            converters = build_model_converters(self.cfg.model.converters, self.cfg)
             parts = build_model_parts(self.plan, converters)
             for part, source in zip(parts, self.model_parts):
                 part.to_empty(device=self.device)
@@ -464,7 +464,7 @@ class Trainer:
         self.objective.attach(ObjectiveModels(
             self.model_parts, frozen_copy, forward, cp_degree=self.dims.cp,
             cp_sum=None if cp_mesh is None else functools.partial(sum_over_for_replicated_loss, mesh=cp_mesh),
-            other_model=other_model))
+            other_model=other_model, converters_off=self.converters.disabled))
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
