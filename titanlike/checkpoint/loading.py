@@ -509,7 +509,13 @@ class Loader:
                 except Exception as e:
                     raise CheckpointError(f"Hugging Face checkpoint {path} does not match its {fmt.HF_CONFIG} "
                                           f"({type(e).__name__}: {e})") from None
-                fresh = sorted(k for k in state_dict if any(h.fresh(k, saved) for h in self.hooks))
+                if self.hooks:  # what the hooks start fresh and the folder holds in another shape is not loaded
+                    with torch.device("meta"):
+                        shapes = {k: tuple(v.shape) for k, v in spec.model_cls(job_args).state_dict().items()}
+                    fresh = sorted(k for k, v in state_dict.items()
+                                   if any(h.fresh(k, saved) for h in self.hooks) and tuple(v.shape) != shapes.get(k))
+                else:
+                    fresh = []
                 for key in fresh:
                     del state_dict[key]
                 if fresh:

@@ -189,10 +189,10 @@ class RewardModel(Objective):
 
 class NewScoreHead(LoadHook):
     """A reward model started from a language model (an SFT run's checkpoint or export): every tensor
-    but the output projection, whose one-score head starts from its initialization."""
+    but the output projection, whose one-score head (another shape) starts from its initialization."""
 
     def fresh(self, key: str, saved_args) -> bool:
-        return key == "output.weight" and saved_args is not None and not saved_args.has_score_head
+        return saved_args is not None and not saved_args.has_score_head
 
     def saved_args(self, job_args, saved_args):
         return saved_args if saved_args.has_score_head else saved_args.with_score_head()
