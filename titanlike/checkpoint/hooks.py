@@ -72,5 +72,6 @@ def merged(state_dict: dict[str, torch.Tensor], hooks: Sequence[LoadHook] | None
 
 
 def merges(keys: Mapping[str, Any] | Iterable[str], hooks: Sequence[LoadHook] | None = None) -> bool:
+    """Whether any hook (default: the registered ones) merges a state dict of these keys."""
     keys = list(keys)
     return any(hook.merges(keys) for hook in (registered_hooks() if hooks is None else hooks))
