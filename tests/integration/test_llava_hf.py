@@ -283,7 +283,7 @@ def test_generate_chat_with_an_image_answers_as_transformers(tmp_path, capsys):
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     from titanlike.cli.generate import main
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.config.schema import JobConfig
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
     from titanlike.data.chat_template import load_chat_template

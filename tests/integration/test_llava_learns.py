@@ -115,7 +115,7 @@ def test_greedy_answers_about_held_out_images_get_right(tmp_path, capsys):
     assert after >= 0.6 and after - before >= 0.4
 
     # scripts/generate.py --image on the Hugging Face export answers as the engine does.
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.cli.generate import main
 
     write_hf(model.state_dict(), spec, args, str(tmp_path / "hf"))

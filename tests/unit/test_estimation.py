@@ -229,7 +229,7 @@ def test_lora_holds_gradients_and_optimizer_state_for_adapters_only(measured_job
     prep = prepare_job(load_job_config(MEASURED_JOBS["lora"]), 1)
     model = prep.plan.spec.model_cls(prep.plan.model_args)
     cfg = prep.plan.cfg
-    build_model_converters(cfg.model.converters, cfg.float8, lambda name: getattr(cfg, name)).convert(model)
+    build_model_converters(cfg.model.converters, cfg).convert(model)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 0 < adapters < sum(p.numel() for p in model.parameters()) // 10
     pr = probe(prep.plan, device="cpu", granularity=1)

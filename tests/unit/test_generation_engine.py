@@ -210,7 +210,7 @@ def test_continuous_batching_cancels_and_survives_a_failed_step(model):
 def hf_folder(tmp_path_factory):
     """A random GPT-2 (its context is its position table: 48) with the debug tokenizer, written as a
     Hugging Face folder."""
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)

@@ -164,7 +164,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     if vocab_size is None:  # the job itself (the estimator's layouts write nothing)
         check_output_folders(cfg)
     dims = ParallelDims.from_config(p, world_size)
-    validate_converters(m.converters, cfg.float8, tp=dims.tp)
+    validate_converters(m.converters, cfg, tp=dims.tp)
     validate_attention_backend(m.attention_backend, cuda=cuda)
 
     # The model, its family's rules, the objective's.
@@ -194,7 +194,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         args = objective.model_args(args, vocab_size=vocab, seq_len=t.seq_len)
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
-    validate_converter_targets(m.converters, lambda name: getattr(cfg, name), spec, args, model=model)
+    validate_converter_targets(m.converters, cfg, spec, args, model=model)
 
     # The layout.
     parallelize = parallelize_options(cfg, objective)
@@ -269,7 +269,7 @@ def hf_model_folder(cfg: JobConfig) -> str | None:
 @dataclass(frozen=True)
 class ModelSource:
     """The model's sizes before the job's settings: a flavor's, or a Hugging Face folder's config.json
-    read by the family's adapter (checkpoint/format.py hf_folder_args), then [model.args]."""
+    read by the family's adapter (checkpoint/hf.py hf_folder_args), then [model.args]."""
 
     args: BaseModelArgs
     flavor: str | None  # the flavor the args are, unchanged
@@ -279,7 +279,8 @@ class ModelSource:
     @classmethod
     def of(cls, cfg: JobConfig, spec: ModelSpec, folder: str | None) -> ModelSource:
         """ValueError, one sentence, for a folder or a [model.args] setting the family refuses."""
-        from titanlike.checkpoint.format import PLANNING_LIMIT, CheckpointError, check_model_size, hf_folder_args
+        from titanlike.checkpoint.format import PLANNING_LIMIT, CheckpointError, check_model_size
+        from titanlike.checkpoint.hf import hf_folder_args
 
         overrides = cfg.model.args
         if folder is not None:
