@@ -446,13 +446,13 @@ def test_unknown_hf_model_type_is_a_checkpoint_error():
 
 
 def test_checkpoint_modules_import_in_layers():
-    """No import cycle: each module of the package imports only those below it (format.py and hooks.py
-    at the bottom, the manager's facade on top); hf.py, in particular, never imports the manager."""
+    """No import cycle: each module of the package imports only those below it (format.py at the
+    bottom, the manager's facade on top); hf.py, in particular, never imports the manager."""
     import ast
 
     import titanlike.checkpoint as package
 
-    layers = ["format", "hooks", "resume", "states", "hf", "saving", "loading", "manager"]
+    layers = ["format", "resume", "states", "hf", "saving", "loading", "manager"]
     folder = os.path.dirname(package.__file__)
     assert sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n != "__init__.py") == sorted(layers)
     for i, name in enumerate(layers):
