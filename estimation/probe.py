@@ -174,13 +174,14 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
     its family's own objective. Where the compiled probe fails (a graph dynamo or AOT autograd cannot
     take on fake tensors), the job is probed in eager mode, which errs high, and `Probe.notes` says so."""
     from titanlike.checkpoint.hf import checkpoint_model
+    from titanlike.objectives.registry import family_objective
     from titanlike.train.plan import other_model_plan
 
     out = _probe_plan(plan, granularity, device)
     for path in plan.objective.frozen_models:
         folder, spec, args = checkpoint_model(path)
         other = other_model_plan(plan, spec, args, model=folder)
-        other = dataclasses.replace(other, objective=spec.objective(other.cfg, other.model_args))
+        other = dataclasses.replace(other, objective=family_objective(other.cfg, spec, other.model_args))
         out.frozen.append((other, _probe_plan(other, granularity, device)))
     return out
 

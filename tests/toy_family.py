@@ -43,6 +43,7 @@ from titanlike.models.common.sharding import ShardingPlan, replicated
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.models.registry import ModelSpec, PipelineEnds, model_names, register_model_spec
 from titanlike.objectives.base import Microbatch, Objective
+from titanlike.objectives.registry import register_family_objective
 
 # ---------------------------------------------------------------------------------- the family
 
@@ -307,11 +308,12 @@ toy_spec = ModelSpec(
     flavors={"tiny": ToyArgs()},
     shard=toy_sharding(),
     pipeline_ends=PipelineEnds(inputs=("tok_embeddings", "pos_embeddings"), outputs=("norm", "output")),
-    objective=ToyCopy.for_job,
+    objective=ToyCopy.name,
 )
 
 if "toy" not in model_names():  # importing this file under two module names registers once
     register_section("toy_copy", ToyCopyOptions)
+    register_family_objective(ToyCopy.name, ToyCopy.for_job)
     register_model_spec(toy_spec)
 
 __all__ = ["CopySamples", "HeadMajorQKV", "ToyArgs", "ToyCopy", "ToyCopyOptions", "ToyDecoder", "toy_sharding",

@@ -19,6 +19,7 @@ from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 from titanlike.inference import Engine, SamplingParams
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.models.registry import get_model_spec
+from titanlike.objectives.registry import family_objective
 
 COLORS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (230, 210, 30)}
 SHAPES = ("circle", "square", "triangle")
@@ -90,7 +91,7 @@ def test_greedy_answers_about_held_out_images_get_right(tmp_path, capsys):
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
     # Sized by the tokenizer as the trainer sizes it.
     args = spec.flavors["debugmodel"].update_from_config(vocab_size=tokenizer.vocab_size, seq_len=64)
-    objective = spec.objective(JobConfig(), args)  # the family's own: its prompt() places the images
+    objective = family_objective(JobConfig(), spec, args)  # the family's own: its prompt() places the images
     model = materialize(spec.model_cls, args, seed=0)
     held_out = examples(objective, tokenizer, seed=1, n=96)
     before, _ = accuracy(model, held_out, tokenizer)

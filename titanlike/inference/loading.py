@@ -60,9 +60,10 @@ def training_objective(model):
     """The objective the model's family trains with (its ModelSpec's, for these args)."""
     from titanlike.config import JobConfig
     from titanlike.models.registry import get_model_spec, model_names
+    from titanlike.objectives.registry import family_objective
 
     spec = next(get_model_spec(name) for name in model_names() if get_model_spec(name).model_cls is type(model))
-    return spec.objective(JobConfig(), model.model_args)
+    return family_objective(JobConfig(), spec, model.model_args)
 
 
 # Why no pipeline parallelism in generation, serving or evaluation: a decode step carries one token

@@ -1,7 +1,7 @@
 """What every training objective provides, and the microbatch it hands the training step.
 
 An objective (causal LM, masked LM, span corruption) owns, for the model family that trains with it
-(ModelSpec.objective builds it from the job and the flavor's args):
+(ModelSpec.objective names it; objectives/registry.py builds it from the job and the flavor's args):
   - its options: a config section registered with the loader (titanlike/config/sections.py);
   - its rules (`validate`): one sentence, before any process group;
   - its samples (`samples`): the global sample source the data loader slices by rank and step;

@@ -56,7 +56,7 @@ from titanlike.config.sections import register_section
 from titanlike.models.outputs import IGNORE_INDEX, ModelOutput, logits_of
 from titanlike.objectives.base import BatchContext, Microbatch, Objective
 from titanlike.objectives.preference import DPO
-from titanlike.objectives.registry import register_objective
+from titanlike.objectives.registry import family_objective, register_objective
 from titanlike.parallel.utils import sum_over_for_replicated_loss
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ class Distill(Objective):
                              "distill.loss forward_kl or distill.top_k 0")
         folder, spec, args = self.teacher_model()
         teacher = f"distill.teacher {folder}"
-        family = spec.objective(cfg, args)
+        family = family_objective(cfg, spec, args)
         if not family.predicts_next_token:
             raise ValueError(f"{teacher} is a {spec.name} model, which does not predict the next token: a teacher must")
         if args.lookahead_tokens:

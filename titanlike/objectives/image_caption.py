@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from titanlike.data.loader import register_dataset_kind
+from titanlike.models.common.image_tokens import image_index
 from titanlike.objectives.base import (
     BatchContext,
     FieldShapes,
@@ -24,24 +25,15 @@ from titanlike.objectives.base import (
     cut_sequence,
     refuse_pretraining_options,
 )
+from titanlike.objectives.registry import register_family_objective
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
-    from titanlike.models.args import LayoutDegrees
+    from titanlike.models.args import BaseModelArgs, LayoutDegrees
 
 
 # Where a prompt's text puts an image (LLaVA's convention).
 IMAGE_MARK = "<image>"
-
-
-def image_index(tokens: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """(batch, seq) int64: which of its sample's image-feature rows each `<image>` placeholder takes
-    (the sample's placeholders in order: image i's features are rows i * tokens_per_image, ...), -1
-    for a text token. Relative to the sample, so that a pipeline's cut into microbatches of rows
-    keeps it right; computed on whole sequences, since a context-parallel slice cannot count the
-    placeholders before it."""
-    is_image = tokens == image_token_id
-    return torch.where(is_image, is_image.cumsum(1) - 1, -1)
 
 
 class ImageCaption(Objective):
@@ -62,6 +54,12 @@ class ImageCaption(Objective):
         if processor not in makers:
             raise ValueError(f"image processor {processor!r} is unknown; known: {', '.join(makers)}")
         self.processor: ImageProcessor = makers[processor](image_size)
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig, args: BaseModelArgs, **options) -> ImageCaption:
+        """options: what the family's ModelSpec.objective_options gives (image_token_id, tokens_per_image,
+        image_size, processor, max_images, max_image_pixels)."""
+        return cls(**options, **cls.compile_options(cfg))
 
     def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         refuse_pretraining_options(cfg, self.name)
@@ -220,6 +218,8 @@ def _webdataset_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=No
     raise DataError("webdataset shards hold image-text samples: train them with a vision-language model (model.name "
                     "llava)")
 
+
+register_family_objective(ImageCaption.name, ImageCaption.for_job)
 
 register_dataset_kind("webdataset", _webdataset_source, shuffle=False)
 
