@@ -142,7 +142,8 @@ def test_the_scan_sees_relative_and_nested_imports():
 
 
 def test_the_scan_leaves_out_type_checking_blocks_only():
-    source = ("from typing import TYPE_CHECKING\nimport typing\nif TYPE_CHECKING:\n    from titanlike.data import loader\n"
+    source = ("from typing import TYPE_CHECKING\nimport typing\n"
+              "if TYPE_CHECKING:\n    from titanlike.data import loader\n"
               "else:\n    from titanlike.train import step\nif typing.TYPE_CHECKING:\n    import titanlike.parallel\n"
               "class A:\n    def f(self):\n        import titanlike.objectives.sft\n")
     assert titanlike_imports(MODELS / "registry.py", source) == [(6, "titanlike.train.step"),

@@ -37,8 +37,8 @@ import os
 import difflib
 import logging
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Union, runtime_checkable
 
 import numpy as np
@@ -63,9 +63,12 @@ __all__ = [
     "GlobalSamples",
     "MapSampleSource",
     "RankBatches",
+    "add_dataset_reader",
     "build_dataloader",
     "build_dataloader_from_source",
+    "dataset_kind",
     "dataset_kinds",
+    "find_dataset_kind",
     "register_dataset_kind",
     "window_samples",
 ]
@@ -85,11 +88,37 @@ SourceFactory = Callable[..., SampleSource]
 
 @dataclass(frozen=True)
 class DatasetKind:
+    """A dataset kind and its own rules: code outside this file asks the kind (`dataset_kind(name)`)
+    rather than comparing kind names, so a new kind is one registration."""
+
+    name: str
     factory: SourceFactory  # (*, dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name)
     shuffle: bool  # reshuffle a map-style source's samples every epoch from `seed`
     needs_path: bool
     workers_ok: bool  # False where the source cannot be read whole inside each loader worker
     optional_path: bool = False  # reads dataset_path when given, works without it too
+    # Its data keep a held-out split (split_name "valid") that validation reads when it has no dataset
+    # of its own (and, reading no path, when it is validation.dataset: validates_on_held_out).
+    held_out: bool = False
+    # The samples it gives besides token windows, by sort -> the kind's reader of them:
+    #   "sentences": reader(dataset_path=, tokenizer=, split=, what=) -> (sentence-split documents, the
+    #       split string over them), for masked-LM and span-corruption samples (data/sentence_samples.py);
+    #   "rows": reader(kind, dataset_path, option=, contents=) checks that the path holds JSONL or Parquet rows
+    #       (conversations, preference pairs: data/conversations.py);
+    #   "image_captions": image-caption samples (objectives/image_caption.py defines the reader).
+    readers: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def takes_path(self) -> bool:
+        return self.needs_path or self.optional_path
+
+    def gives(self, sort: str) -> bool:
+        return sort in self.readers
+
+    @property
+    def validates_on_held_out(self) -> bool:
+        """As validation.dataset it gives its held-out part: reading no path, it trains on the same data."""
+        return self.held_out and not self.takes_path
 
 
 _KINDS: dict[str, DatasetKind] = {}
@@ -115,21 +144,47 @@ class SampleObjective(Protocol):
 
 def register_dataset_kind(
     name: str, factory: SourceFactory, *, shuffle: bool, needs_path: bool = True, workers_ok: bool = True,
-    optional_path: bool = False, streaming: bool = False,
+    optional_path: bool = False, streaming: bool = False, held_out: bool = False,
+    readers: Mapping[str, Any] | None = None,
 ) -> None:
     """Add `name` as a dataset kind, and as a value of training.dataset and validation.dataset
     (config/sections.py: the config checks its path rule and, for a `streaming` source without end,
-    validation.steps, before any process starts)."""
+    validation.steps, before any process starts). held_out, readers: DatasetKind's."""
     from titanlike.config.sections import register_dataset_kind_rule
 
-    _KINDS[name] = DatasetKind(factory=factory, shuffle=shuffle, needs_path=needs_path and not optional_path,
-                               workers_ok=workers_ok, optional_path=optional_path)
+    _KINDS[name] = DatasetKind(name=name, factory=factory, shuffle=shuffle, needs_path=needs_path and not optional_path,
+                               workers_ok=workers_ok, optional_path=optional_path, held_out=held_out,
+                               readers=dict(readers or {}))
     register_dataset_kind_rule(name, path="optional" if optional_path else "required" if needs_path else "none",
                                streaming=streaming)
 
 
 def dataset_kinds() -> list[str]:
     return sorted(_KINDS)
+
+
+def dataset_kind(name: str) -> DatasetKind:
+    """The registered kind `name` (DataError, one sentence, for an unknown name)."""
+    kind = _KINDS.get(name)
+    if kind is None:
+        close = difflib.get_close_matches(str(name), _KINDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise DataError(f"unknown dataset {name!r}{hint}; known: {', '.join(dataset_kinds())}")
+    return kind
+
+
+def find_dataset_kind(name: str | None) -> DatasetKind | None:
+    """The registered kind `name`, or None (an unknown name is refused where the data is built)."""
+    return _KINDS.get(name) if name is not None else None
+
+
+def add_dataset_reader(name: str, sort: str, reader: Any) -> None:
+    """Give the registered kind `name` a reader of `sort` (DatasetKind.readers): for an objective that
+    defines how a kind registered here gives its samples (objectives/image_caption.py)."""
+    kind = dataset_kind(name)
+    if sort in kind.readers:
+        raise ValueError(f"dataset kind {name!r} already has a {sort} reader")
+    _KINDS[name] = replace(kind, readers={**kind.readers, sort: reader})
 
 
 # The embedded corpus keeps its last 1% of samples out of training, for validation runs of the demo.
@@ -158,8 +213,27 @@ def _huggingface_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=N
     return PackedStream(HuggingFaceDocuments(dataset_path), tokenizer, seq_len)
 
 
-register_dataset_kind("default", _default_source, shuffle=True, needs_path=False)
-register_dataset_kind("text", _text_source, shuffle=True)
+def _embedded_sentences(**reader_args):
+    from titanlike.data.sentence_samples import embedded_sentence_documents
+
+    return embedded_sentence_documents(**reader_args)
+
+
+def _prefix_sentences(**reader_args):
+    from titanlike.data.sentence_samples import prefix_sentence_documents
+
+    return prefix_sentence_documents(**reader_args)
+
+
+def _rows(dataset, dataset_path, **options) -> None:
+    from titanlike.data.conversations import check_row_files
+
+    check_row_files(dataset, dataset_path, **options)
+
+
+register_dataset_kind("default", _default_source, shuffle=True, needs_path=False, held_out=True,
+                      readers={"sentences": _embedded_sentences})
+register_dataset_kind("text", _text_source, shuffle=True, readers={"rows": _rows})
 
 
 def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
@@ -175,7 +249,8 @@ def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None
                                   split=split or DEFAULT_SPLIT, split_name=split_name)
 
 
-register_dataset_kind("megatron", _megatron_source, shuffle=False)
+register_dataset_kind("megatron", _megatron_source, shuffle=False, held_out=True,
+                      readers={"sentences": _prefix_sentences})
 # `datasets` hands each torch loader worker a disjoint share of a stream's shards, while every
 # worker here must see the whole stream to keep the global sample order.
 register_dataset_kind("huggingface", _huggingface_source, shuffle=False, workers_ok=False, streaming=True)
@@ -624,11 +699,7 @@ def build_dataloader(
         seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers, rampup=rampup,
     )
-    kind = _KINDS.get(dataset)
-    if kind is None:
-        close = difflib.get_close_matches(str(dataset), _KINDS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise DataError(f"unknown dataset {dataset!r}{hint}; known: {', '.join(dataset_kinds())}")
+    kind = dataset_kind(dataset)
     dataset_path = dataset_path or None
     if kind.needs_path and dataset_path is None:
         raise DataError(f"dataset {dataset!r} needs dataset_path")

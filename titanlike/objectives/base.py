@@ -204,8 +204,11 @@ class Objective:
     def validate_held_out(self, dataset: str) -> None:
         """Validation without a dataset of its own reads the training data's held-out split: raise
         ValueError (one sentence) when `dataset` has none for this objective's samples. Only the
-        embedded corpus and Megatron datasets hold one out by default."""
-        if dataset not in ("default", "megatron"):
+        embedded corpus and Megatron datasets hold one out by default (DatasetKind.held_out)."""
+        from titanlike.data.loader import find_dataset_kind
+
+        kind = find_dataset_kind(dataset)
+        if kind is None or not kind.held_out:
             raise ValueError(f"validation needs validation.dataset and validation.dataset_path: a {dataset} training "
                              "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
 
