@@ -262,7 +262,7 @@ def check_row_dataset(dataset: str, dataset_path: str | None, *, option: str, ob
     """DataError (one sentence) unless `dataset` at `dataset_path` is rows an objective reads
     (`training.dataset text` naming JSONL or Parquet files or a saved datasets folder): sft's
     conversations, dpo's preference pairs. files: "conversation files"; contents: "the conversations"."""
-    from titanlike.data.loader import find_dataset_kind
+    from titanlike.data.kinds import find_dataset_kind
 
     kind = find_dataset_kind(dataset)
     if kind is None or not kind.gives("rows"):

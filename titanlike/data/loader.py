@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import os
 
-import difflib
 import logging
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, Union, runtime_checkable
 
 import numpy as np
@@ -48,6 +47,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlike.data.batch_schedule import BatchSchedule
 from titanlike.data.errors import DataError
+from titanlike.data.kinds import (DatasetKind, add_dataset_reader, dataset_kind, dataset_kinds, find_dataset_kind,
+                                  register_dataset_kind)
 from titanlike.data.text_datasets import (
     HuggingFaceDocuments,
     PackedStream,
@@ -86,43 +87,6 @@ SampleSource = Union[MapSampleSource, SampleStream]
 SourceFactory = Callable[..., SampleSource]
 
 
-@dataclass(frozen=True)
-class DatasetKind:
-    """A dataset kind and its own rules: code outside this file asks the kind (`dataset_kind(name)`)
-    rather than comparing kind names, so a new kind is one registration."""
-
-    name: str
-    factory: SourceFactory  # (*, dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name)
-    shuffle: bool  # reshuffle a map-style source's samples every epoch from `seed`
-    needs_path: bool
-    workers_ok: bool  # False where the source cannot be read whole inside each loader worker
-    optional_path: bool = False  # reads dataset_path when given, works without it too
-    # Its data keep a held-out split (split_name "valid") that validation reads when it has no dataset
-    # of its own (and, reading no path, when it is validation.dataset: validates_on_held_out).
-    held_out: bool = False
-    # The samples it gives besides token windows, by sort -> the kind's reader of them:
-    #   "sentences": reader(dataset_path=, tokenizer=, split=, what=) -> (sentence-split documents, the
-    #       split string over them), for masked-LM and span-corruption samples (data/sentence_samples.py);
-    #   "rows": reader(kind, dataset_path, option=, contents=) checks that the path holds JSONL or Parquet rows
-    #       (conversations, preference pairs: data/conversations.py);
-    #   "image_captions": image-caption samples (objectives/image_caption.py defines the reader).
-    readers: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def takes_path(self) -> bool:
-        return self.needs_path or self.optional_path
-
-    def gives(self, sort: str) -> bool:
-        return sort in self.readers
-
-    @property
-    def validates_on_held_out(self) -> bool:
-        """As validation.dataset it gives its held-out part: reading no path, it trains on the same data."""
-        return self.held_out and not self.takes_path
-
-
-_KINDS: dict[str, DatasetKind] = {}
-
 
 @dataclass(frozen=True)
 class GlobalSamples:
@@ -140,51 +104,6 @@ class SampleObjective(Protocol):
     dataset kind; source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name."""
 
     def samples(self, dataset: str, **source_args) -> GlobalSamples: ...
-
-
-def register_dataset_kind(
-    name: str, factory: SourceFactory, *, shuffle: bool, needs_path: bool = True, workers_ok: bool = True,
-    optional_path: bool = False, streaming: bool = False, held_out: bool = False,
-    readers: Mapping[str, Any] | None = None,
-) -> None:
-    """Add `name` as a dataset kind, and as a value of training.dataset and validation.dataset
-    (config/sections.py: the config checks its path rule and, for a `streaming` source without end,
-    validation.steps, before any process starts). held_out, readers: DatasetKind's."""
-    from titanlike.config.sections import register_dataset_kind_rule
-
-    _KINDS[name] = DatasetKind(name=name, factory=factory, shuffle=shuffle, needs_path=needs_path and not optional_path,
-                               workers_ok=workers_ok, optional_path=optional_path, held_out=held_out,
-                               readers=dict(readers or {}))
-    register_dataset_kind_rule(name, path="optional" if optional_path else "required" if needs_path else "none",
-                               streaming=streaming)
-
-
-def dataset_kinds() -> list[str]:
-    return sorted(_KINDS)
-
-
-def dataset_kind(name: str) -> DatasetKind:
-    """The registered kind `name` (DataError, one sentence, for an unknown name)."""
-    kind = _KINDS.get(name)
-    if kind is None:
-        close = difflib.get_close_matches(str(name), _KINDS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise DataError(f"unknown dataset {name!r}{hint}; known: {', '.join(dataset_kinds())}")
-    return kind
-
-
-def find_dataset_kind(name: str | None) -> DatasetKind | None:
-    """The registered kind `name`, or None (an unknown name is refused where the data is built)."""
-    return _KINDS.get(name) if name is not None else None
-
-
-def add_dataset_reader(name: str, sort: str, reader: Any) -> None:
-    """Give the registered kind `name` a reader of `sort` (DatasetKind.readers): for an objective that
-    defines how a kind registered here gives its samples (objectives/image_caption.py)."""
-    kind = dataset_kind(name)
-    if sort in kind.readers:
-        raise ValueError(f"dataset kind {name!r} already has a {sort} reader")
-    _KINDS[name] = replace(kind, readers={**kind.readers, sort: reader})
 
 
 # The embedded corpus keeps its last 1% of samples out of training, for validation runs of the demo.
@@ -213,16 +132,30 @@ def _huggingface_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=N
     return PackedStream(HuggingFaceDocuments(dataset_path), tokenizer, seq_len)
 
 
-def _embedded_sentences(**reader_args):
-    from titanlike.data.sentence_samples import embedded_sentence_documents
+def _embedded_sentences(*, dataset_path, tokenizer, split: str | None, what: str):
+    """The default kind's sentences: the embedded corpus, sentence-split in memory with the rule-based
+    splitter; its last 1% of documents held out, as for GPT samples."""
+    from titanlike.data import DEFAULT_CORPUS_PATH
+    from titanlike.data.sentence_samples import sentence_split_corpus
 
-    return embedded_sentence_documents(**reader_args)
+    return sentence_split_corpus(DEFAULT_CORPUS_PATH, tokenizer), DEFAULT_CORPUS_SPLIT
 
 
-def _prefix_sentences(**reader_args):
-    from titanlike.data.sentence_samples import prefix_sentence_documents
+def _prefix_sentences(*, dataset_path, tokenizer, split: str | None, what: str):
+    """The megatron kind's sentences: one prefix of sentence-split data (preprocess_data.py
+    --split-sentences); training.split divides its documents (Megatron splits BERT / T5 data by
+    documents too)."""
+    from titanlike.data.blend import parse_blend
+    from titanlike.data.gpt_dataset import DEFAULT_SPLIT
+    from titanlike.data.indexed import IndexedDataset, check_token_ids
 
-    return prefix_sentence_documents(**reader_args)
+    prefixes, _ = parse_blend(dataset_path)
+    if len(prefixes) != 1:
+        raise DataError(f"{what} samples read one Megatron prefix, not a blend of {len(prefixes)}; "
+                        "merge the data into one prefix")
+    data = IndexedDataset(prefixes[0])
+    check_token_ids(prefixes[0], tokenizer.vocab_size)
+    return data, split or DEFAULT_SPLIT
 
 
 def _rows(dataset, dataset_path, **options) -> None:
@@ -725,5 +658,5 @@ def build_dataloader(
 def window_samples(dataset: str, **source_args) -> GlobalSamples:
     """The dataset kind's own samples, windows of seq_len + 1 token ids (next-token prediction's).
     source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name."""
-    kind = _KINDS[dataset]
+    kind = dataset_kind(dataset)
     return GlobalSamples(kind.factory(**source_args), shuffle=kind.shuffle)
