@@ -9,6 +9,9 @@ Some objectives are a different use of the same model: supervised fine-tuning tr
 decoder on conversations. Such an objective registers with `register_objective` under the name
 `training.objective` takes, with a factory `factory(job_config, flavor_args, family_objective=...)`
 that refuses, in one sentence, a family it cannot train; `job_objective` builds the one a job names.
+
+Python imports a package before any module of it, so whoever imports this module has run
+titanlike/objectives/__init__.py, which imports (and so registers) every built-in objective.
 """
 
 from __future__ import annotations
@@ -45,8 +48,6 @@ def register_family_objective(name: str, factory: Callable[..., Objective]) -> N
 def family_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs) -> Objective:
     """The objective the family of `spec` trains with, for these args (ModelSpec.objective and
     objective_options)."""
-    import titanlike.objectives  # noqa: F401  (importing the package registers every objective)
-
     factory = _FAMILY_OBJECTIVES.get(spec.objective)
     if factory is None:
         raise ValueError(f"model spec {spec.name!r} names objective {spec.objective!r}, which is not registered; "
@@ -72,8 +73,6 @@ def check_unused_sections(cfg: JobConfig, chosen: str) -> None:
 
 
 def objective_names() -> list[str]:
-    import titanlike.objectives  # noqa: F401  (importing the package registers every objective)
-
     return sorted(_OBJECTIVES)
 
 
