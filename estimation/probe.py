@@ -188,7 +188,7 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
             continue
         folder, spec, args = checkpoint_model(companion.path)
         other = other_model_plan(plan, spec, args, model=folder)
-        other = dataclasses.replace(other, objective=family_objective(spec, other.cfg, other.model_args))
+        other = dataclasses.replace(other, objective=family_objective(other.cfg, spec, other.model_args))
         out.frozen.append((other, _probe_plan(other, granularity, device)))
     return out
 

@@ -45,7 +45,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _torch_schedules
 
 from titanlike.models import protocol
-from titanlike.models.registry import ModelSpec, PipelineEnds
+from titanlike.models.registry import ModelSpec
+from titanlike.models.spec_types import PipelineEnds
 
 # Our names for torch's schedule classes (torchtitan's names). DualPipeV only exists in newer
 # torch releases, so the list a user may choose from is what the installed torch has.
