@@ -539,6 +539,15 @@ def build_schedule(
 
 
 
+def check_forward_only(schedule: str, what: str) -> None:
+    """`what` (a companion model, named by the option that asks for it) runs forward-only passes, which
+    torch's V-shaped schedules do not have: ValueError, one sentence."""
+    name = schedule_name(schedule)
+    if name in V_SCHEDULES:
+        raise ValueError(f"{what} needs a forward-only pass, which the {name} pipeline schedule does not have "
+                         "(torch's V-shaped schedules); use another schedule")
+
+
 def plan_pipeline(p, *, model: str, n_layers: int, layer_costs: Sequence[float] | None, has_pipeline_ends: bool,
                   local_batch_size: int, fsdp_enabled: bool, compile_blocks: bool, ac_mode: str, ac_option: str,
                   validation_enabled: bool, validation_batch_size: int) -> PipelineLayout:

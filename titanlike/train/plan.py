@@ -155,7 +155,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     from titanlike.parallel.parallelize import validate_compile_backend
     from titanlike.parallel.tensor_parallel import validate_tensor_parallel
     from titanlike.models import protocol
-    from titanlike.train.companions import validate_companions
+    from titanlike.parallel.pipeline import check_forward_only
     from titanlike.train.evaluate import validate_samples_layout, validate_validation_layout
 
     m, p, t = cfg.model, cfg.parallelism, cfg.training
@@ -216,7 +216,9 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     if cfg.compile.enable:
         validate_compile_backend(cfg.compile.backend)
     pipeline = _pipeline(cfg, dims, spec, args, model, parallelize.compile_blocks)
-    validate_companions(objective, p.pipeline_parallel_schedule if dims.pp > 1 else None)
+    if dims.pp_enabled:
+        for companion in objective.companions:  # run forward-only through their own stages
+            check_forward_only(p.pipeline_parallel_schedule, companion.option)
     validate_checkpoint_config(cfg.checkpoint, spec, hf_assets_path=m.hf_assets_path)
     if cfg.metrics.enable_wandb:
         from titanlike.observe.wandb_run import validate_wandb
