@@ -155,12 +155,12 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
 
 def kept_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """(B // G,) bool: the groups DAPO's dynamic sampling keeps, those whose rewards are not all equal
-    (NaN rewards ignored; a group with fewer than two rewards is dropped)."""
+    (NaN rewards ignored, so a group with fewer than two rewards is dropped)."""
     groups = rewards.view(-1, num_generations)
     finite = ~groups.isnan()
     high = torch.where(finite, groups, torch.full_like(groups, -math.inf)).amax(dim=1)
     low = torch.where(finite, groups, torch.full_like(groups, math.inf)).amin(dim=1)
-    return (finite.sum(dim=1) > 1) & (high > low)
+    return high > low
 
 
 def overlong_penalty(lengths: torch.Tensor, max_completion_length: int, buffer_length: int,

@@ -133,16 +133,41 @@ def format_reward(pattern: str | None = None, *, max_chars: int = 20_000) -> Rew
     return Reward("format", format)
 
 
+def _is_hf_score_folder(path: str) -> bool:
+    import json
+    import os
+
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return any(a.endswith("ForSequenceClassification") for a in json.load(f).get("architectures") or ())
+
+
 def reward_model(path: str | None = None, *, tokenizer=None, device: str = "cpu") -> Reward:
     """The score a reward model gives prompt + completion, at its last token: a titanlike checkpoint
-    or a Hugging Face `...ForSequenceClassification` folder (titanlike.load_model), with the folder's
-    tokenizer unless one is given (an object with encode(text, bos=, eos=))."""
+    (titanlike.load_model, a model with a scalar head: training.objective reward) or a Hugging Face
+    `...ForSequenceClassification` folder (transformers), with the folder's tokenizer unless one is
+    given (an object with encode(text, bos=, eos=), as titanlike/data/tokenizer.py's)."""
     if not path:
         raise ValueError("reward reward_model needs a model: set grpo.reward_model_path")
-    import titanlike
     from titanlike.models.outputs import logits_of
 
-    model = titanlike.load_model(path, device)
+    if _is_hf_score_folder(path):
+        import transformers
+
+        hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        score = lambda ids: hf(input_ids=ids).logits[0]  # noqa: E731
+    else:
+        import titanlike
+
+        model = titanlike.load_model(path, device)
+        score = lambda ids: logits_of(model(ids))[0, -1]  # noqa: E731
+    with torch.no_grad():
+        width = score(torch.zeros(1, 1, dtype=torch.long, device=device)).numel()
+    if width != 1:
+        raise ValueError(f"grpo.reward_model_path {path} is not a reward model: it gives {width} scores per token, "
+                         "not one")
     if tokenizer is None:
         from titanlike.data.tokenizer import build_tokenizer
 
@@ -153,11 +178,7 @@ def reward_model(path: str | None = None, *, tokenizer=None, device: str = "cpu"
         with torch.no_grad():
             for prompt, completion in zip(prompts, completions):
                 ids = tokenizer.encode(_text(prompt) + _text(completion), bos=True, eos=False)
-                out = logits_of(model(torch.tensor([ids], device=device)))
-                if out.shape[-1] != 1:
-                    raise ValueError(f"grpo.reward_model_path {path} is not a reward model: it gives "
-                                     f"{out.shape[-1]} scores per token, not one")
-                scores.append(out[0, -1, 0].float().item())
+                scores.append(score(torch.tensor([ids], device=device)).float().item())
         return scores
 
     return Reward("reward_model", reward_model)
