@@ -55,7 +55,8 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def rewards() -> tuple[torch.Tensor, torch.Tensor]:
     """Our total and per-function rewards of REWARDS, through compute_rewards."""
-    funcs = [Reward(f"r{i}", lambda prompts, completions, i=i, **kw: [row[i] for row in REWARDS]) for i in range(2)]
+    funcs = [Reward(f"r{i}", lambda prompts, completions, i=i, **kw: [row[i] for row in REWARDS])
+             for i in range(2)]
     total, per_function, _ = compute_rewards(funcs, WEIGHTS, ["p"] * B, ["c"] * B, {})
     return total, per_function
 
@@ -68,13 +69,15 @@ def trl_trainer(o: GRPOOptions, data: dict, policy_logps: torch.Tensor, *, engin
     policy, ref_model = object(), object()
     t.model = types.SimpleNamespace(training=True, is_gradient_checkpointing=False)
     t.ref_model = ref_model if o.beta else None
-    t.accelerator = types.SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x,
-                                          reduce=lambda x, reduction: x, process_index=0, num_processes=1)
+    t.accelerator = types.SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x,
+                                          gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x,
+                                          process_index=0, num_processes=1)
     t.args = types.SimpleNamespace(steps_per_generation=1, gradient_accumulation_steps=1, per_device_train_batch_size=B,
                                    gradient_checkpointing_kwargs=None, delta=None,
                                    use_bias_correction_kl=o.kl_bias_correction)
     for name, value in dict(
-            environment_factories=None, environments=None, tools=None, pad_to_multiple_of=None, eos_token_ids=[EOS], log_multimodal=False,
+            environment_factories=None, environments=None, tools=None, pad_to_multiple_of=None, eos_token_ids=[EOS],
+            log_multimodal=False,
             _tokenizer=types.SimpleNamespace(pad_token_id=PAD), num_generations=G, beta=o.beta, loss_type=o.loss_type,
             scale_rewards=o.scale_rewards, importance_sampling_level=o.importance_sampling_level,
             mask_truncated_completions=o.mask_truncated_completions, multi_objective_aggregation="sum_then_normalize",
@@ -88,14 +91,14 @@ def trl_trainer(o: GRPOOptions, data: dict, policy_logps: torch.Tensor, *, engin
             current_gradient_accumulation_steps=1).items():
         setattr(t, name, value)
     t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    t._logs = {"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [], "extra": defaultdict(list),
-               "images": []}
+    t._logs = {"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
+               "extra": defaultdict(list), "images": []}
     t._pending_extra_logs, t._pending_metrics = defaultdict(list), defaultdict(list)
 
     completion_ids = [[7] * (n - 1) + [9 if cut else EOS] for n, cut in zip(LENGTHS, TRUNCATED)]
     engine_lists = [data["engine_logps"][i, :n].tolist() for i, n in enumerate(LENGTHS)]
-    t._generate = lambda prompts: ([[5, 6]] * B, completion_ids, None, ["c"] * B, engine_lists if engine else None, {},
-                                   None, None)
+    t._generate = lambda prompts: ([[5, 6]] * B, completion_ids, None, ["c"] * B,
+                                   engine_lists if engine else None, {}, None, None)
     rows = torch.tensor([[math.nan if r is None else r for r in row] for row in REWARDS])
     t._calculate_rewards = lambda inputs, prompts, completions, ids: rows.clone()
 
@@ -242,3 +245,11 @@ def test_section_registered():
 
     assert registered_sections()["grpo"] is GRPOOptions
     assert section_default("grpo").loss_type == "dapo"  # TRL 1.16's default
+    from titanlike.config.loader import ConfigError, load_job_config
+
+    cfg = load_job_config(["--grpo.reward_funcs", "exact_answer,my_rewards:length", "--grpo.reward_weights", "1,0.5",
+                           "--grpo.epsilon_high", "0.28", "--grpo.loss_type", "dr_grpo"])
+    assert cfg.grpo.reward_funcs == ["exact_answer", "my_rewards:length"] and cfg.grpo.reward_weights == [1.0, 0.5]
+    assert cfg.grpo.epsilon_high == 0.28 and cfg.grpo.loss_type == "dr_grpo"
+    with pytest.raises(ConfigError, match="grpo.loss_type must be one of grpo, bnpo, dr_grpo, dapo, got 'ppo'"):
+        load_job_config(["--grpo.loss_type", "ppo"])

@@ -47,7 +47,8 @@ def test_a_user_function_loads_by_module_and_name(user_module):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("length", "reward function 'length' is neither a built-in (exact_answer, format, reward_model) nor module:function"),
+    ("length", "reward function 'length' is neither a built-in (exact_answer, format, reward_model) nor "
+               "module:function"),
     ("my_rewards:", "is neither a built-in"),
     ("no_such_module_here:length", "module no_such_module_here does not import (ModuleNotFoundError"),
     ("broken_rewards:length", "module broken_rewards does not import (RuntimeError: boom)"),
@@ -209,7 +210,8 @@ def fails_on_prime(prompts, completions, **kwargs):
                                     "must return one per completion"),
     (Reward("scalar", lambda prompts, completions, **kwargs: 1.0), "reward scalar returned float values for 3 "
                                                                    "completions"),
-    (constant("nan", [1.0, 2.0, float("nan")]), "reward nan returned nan for prompt 2 (\"Spell 'cat'.\"); return a finite"),
+    (constant("nan", [1.0, 2.0, float("nan")]),
+     "reward nan returned nan for prompt 2 (\"Spell 'cat'.\"); return a finite"),
     (constant("inf", [float("inf"), 2.0, 3.0]), f"reward inf returned inf for prompt 0 ({FIRST})"),
     (constant("text", [1.0, "1", 3.0]), "reward text returned str '1' for prompt 1 ('Name a prime.'), not a number"),
 ])

@@ -15,6 +15,7 @@ Python path). Reward functions run inside the training job, with its privileges.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import math
 import numbers
@@ -198,8 +199,6 @@ def load_reward(name: str, **options) -> Reward:
     that is not callable."""
     if name in BUILTINS:
         factory = BUILTINS[name]
-        import inspect
-
         accepted = inspect.signature(factory).parameters
         return factory(**{k: v for k, v in options.items() if k in accepted})
     module_name, sep, attr = name.partition(":")
@@ -309,8 +308,8 @@ def compute_rewards(funcs: Sequence[Reward], weights: Sequence[float] | None, pr
             if v is None:
                 continue
             if not isinstance(v, numbers.Real):
-                raise RewardError(f"reward {reward.name} returned {type(v).__name__} {v!r:.40} for {_prompt(prompts, i)}, "
-                                  "not a number or None")
+                raise RewardError(f"reward {reward.name} returned {type(v).__name__} {v!r:.40} for "
+                                  f"{_prompt(prompts, i)}, not a number or None")
             if not math.isfinite(v):
                 raise RewardError(f"reward {reward.name} returned {v} for {_prompt(prompts, i)}; return a finite "
                                   "number, or None for no reward")
