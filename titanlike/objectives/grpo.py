@@ -205,17 +205,17 @@ def engine_weights(options: GRPOOptions, old_logps: torch.Tensor, engine_logps: 
     return weights.masked_fill(outside, 0.0)
 
 
-def _mean_of(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[sum, count] of per-token values over the mask, or of per-completion values (B, 1) over every
-    completion."""
-    if values.shape[-1] == 1:
+def _mean_of(values: torch.Tensor, mask: torch.Tensor, *, per_completion: bool = False) -> torch.Tensor:
+    """[sum, count] of per-token values (B, T) over the mask, or of per-completion values (B, 1) over
+    every completion (said explicitly: TRL tells them apart by shape, which a one-token batch confuses)."""
+    if per_completion:
         return torch.stack([values.sum(), torch.tensor(float(values.shape[0]), device=values.device)])
     return torch.stack([(values * mask).sum(), mask.sum()])
 
 
-def _seq_extreme(values: torch.Tensor, mask: torch.Tensor, *, largest: bool) -> torch.Tensor:
+def _seq_extreme(values: torch.Tensor, mask: torch.Tensor, *, per_completion: bool, largest: bool) -> torch.Tensor:
     """The largest (smallest) per-completion mean of `values` (NaN for a completion without tokens)."""
-    per_seq = values.squeeze(1) if values.shape[-1] == 1 else (values * mask).sum(-1) / mask.sum(-1)
+    per_seq = values.squeeze(1) if per_completion else (values * mask).sum(-1) / mask.sum(-1)
     finite = per_seq[~per_seq.isnan()]
     if finite.numel() == 0:
         return torch.tensor(math.nan, device=values.device)
@@ -246,6 +246,10 @@ def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str
     clipped = ratio.clamp(1 - low, 1 + high)
     per_token = -torch.min(ratio * advantages, clipped * advantages)
     reported = {}
+    for name, needed in (("engine_logps", o.engine_importance_sampling_correction), ("ref_logps", o.beta != 0.0)):
+        if needed and name not in targets:
+            raise ValueError(f"the GRPO loss needs the target {name} with these grpo options (engine correction on, "
+                             f"or beta > 0)")
     if o.engine_importance_sampling_correction:
         weights = engine_weights(o, old, targets["engine_logps"], m)
         per_token = per_token * weights
@@ -270,11 +274,12 @@ def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str
         r = ratio.detach()
         low_clipped = ((r < 1 - low) & (advantages < 0)).to(m.dtype)
         high_clipped = ((r > 1 + high) & (advantages > 0)).to(m.dtype)
-        reported["clip_ratio/low_mean"] = _mean_of(low_clipped, m)
-        reported["clip_ratio/high_mean"] = _mean_of(high_clipped, m)
-        reported["clip_ratio/region_mean"] = _mean_of(torch.maximum(low_clipped, high_clipped), m)
-        reported["clip_ratio/low_min"] = _seq_extreme(low_clipped, m, largest=False)
-        reported["clip_ratio/high_max"] = _seq_extreme(high_clipped, m, largest=True)
+        seq = o.importance_sampling_level == "sequence"  # one ratio per completion
+        reported["clip_ratio/low_mean"] = _mean_of(low_clipped, m, per_completion=seq)
+        reported["clip_ratio/high_mean"] = _mean_of(high_clipped, m, per_completion=seq)
+        reported["clip_ratio/region_mean"] = _mean_of(torch.maximum(low_clipped, high_clipped), m, per_completion=seq)
+        reported["clip_ratio/low_min"] = _seq_extreme(low_clipped, m, per_completion=seq, largest=False)
+        reported["clip_ratio/high_max"] = _seq_extreme(high_clipped, m, per_completion=seq, largest=True)
         if o.engine_importance_sampling_correction:
             zero = torch.zeros((), device=logps.device)
             delta = (old - targets["engine_logps"]).abs()

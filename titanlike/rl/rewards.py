@@ -22,6 +22,7 @@ import numbers
 import re
 import threading
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -185,8 +186,9 @@ def reward_model(path: str | None = None, *, tokenizer=None, device: str = "cpu"
     return Reward("reward_model", reward_model)
 
 
-BUILTINS: Mapping[str, Callable[..., Reward]] = {
-    "exact_answer": exact_answer, "format": format_reward, "reward_model": reward_model}
+# Short name -> the factory of a built-in (read-only).
+BUILTINS: Mapping[str, Callable[..., Reward]] = types.MappingProxyType({
+    "exact_answer": exact_answer, "format": format_reward, "reward_model": reward_model})
 
 
 # Loading ---------------------------------------------------------------------------------------
@@ -282,7 +284,10 @@ def compute_rewards(funcs: Sequence[Reward], weights: Sequence[float] | None, pr
     row no function rewarded; per_function (F, B), NaN for None; timings, name -> seconds). weights:
     one per function, None for all 1. A call slower than `slow` seconds is logged as a warning; one
     that raises, returns the wrong count, NaN, inf or a non-number, or runs past `timeout` seconds,
-    stops the job with RewardError (one sentence naming the function and the prompt)."""
+    stops the job with RewardError (one sentence naming the function and the prompt: a function that
+    raised on the batch is called again one row at a time to find the row). Each call runs in a worker
+    thread; Python cannot kill a thread, so one past its time limit is left running while the job
+    stops."""
     b = len(prompts)
     columns = {k: list(v) for k, v in columns.items()}
     per_function = torch.full((len(funcs), b), math.nan, dtype=torch.float32)
