@@ -209,17 +209,50 @@ def _mean_of(values: torch.Tensor, mask: torch.Tensor, *, per_completion: bool =
     """[sum, count] of per-token values (B, T) over the mask, or of per-completion values (B, 1) over
     every completion (said explicitly: TRL tells them apart by shape, which a one-token batch confuses)."""
     if per_completion:
-        return torch.stack([values.sum(), torch.tensor(float(values.shape[0]), device=values.device)])
+        return torch.stack([values.sum(), torch.full((), float(values.shape[0]), device=values.device)])
     return torch.stack([(values * mask).sum(), mask.sum()])
 
 
-def _seq_extreme(values: torch.Tensor, mask: torch.Tensor, *, per_completion: bool, largest: bool) -> torch.Tensor:
-    """The largest (smallest) per-completion mean of `values` (NaN for a completion without tokens)."""
-    per_seq = values.squeeze(1) if per_completion else (values * mask).sum(-1) / mask.sum(-1)
-    finite = per_seq[~per_seq.isnan()]
-    if finite.numel() == 0:
-        return torch.tensor(math.nan, device=values.device)
-    return finite.max() if largest else finite.min()
+def _extreme(values: torch.Tensor, valid: torch.Tensor, *, largest: bool, empty: float) -> torch.Tensor:
+    """The largest (smallest) of the valid values, `empty` when none is; no host sync."""
+    fill = -math.inf if largest else math.inf
+    masked = torch.where(valid, values, torch.full_like(values, fill))
+    extreme = masked.amax() if largest else masked.amin()
+    return torch.where(valid.any(), extreme, torch.full_like(extreme, empty))
+
+
+def _clip_reports(ratio, advantages, m, *, low: float, high: float, per_completion: bool) -> dict[str, torch.Tensor]:
+    """TRL's clip_ratio terms: the share of tokens (completions, for a sequence-level ratio) whose ratio
+    is clipped below with a negative advantage, above with a positive one, either; and the smallest
+    (largest) per-completion share."""
+    low_clipped = ((ratio < 1 - low) & (advantages < 0)).to(m.dtype)
+    high_clipped = ((ratio > 1 + high) & (advantages > 0)).to(m.dtype)
+    either = torch.maximum(low_clipped, high_clipped)
+
+    def per_seq(x):  # NaN for a completion without tokens, as TRL's
+        return x.squeeze(1) if per_completion else (x * m).sum(-1) / m.sum(-1)
+
+    low_seq, high_seq = per_seq(low_clipped), per_seq(high_clipped)
+    return {"clip_ratio/low_mean": _mean_of(low_clipped, m, per_completion=per_completion),
+            "clip_ratio/high_mean": _mean_of(high_clipped, m, per_completion=per_completion),
+            "clip_ratio/region_mean": _mean_of(either, m, per_completion=per_completion),
+            "clip_ratio/low_min": _extreme(low_seq, ~low_seq.isnan(), largest=False, empty=math.nan),
+            "clip_ratio/high_max": _extreme(high_seq, ~high_seq.isnan(), largest=True, empty=math.nan)}
+
+
+def _engine_reports(old, engine, weights, mask, *, per_completion: bool) -> dict[str, torch.Tensor]:
+    """TRL's sampling terms: |log pi_old - log pi_engine| over the scored completion tokens (mean, max),
+    and the engine weights over the completion tokens, or the completions (min, mean, max)."""
+    delta = (old - engine).abs()
+    scored = mask & ~delta.isnan()
+    delta = torch.where(scored, delta, torch.zeros_like(delta))
+    kept = torch.ones_like(weights, dtype=torch.bool) if per_completion else mask
+    return {"sampling/sampling_logp_difference/mean": torch.stack([delta.sum(), scored.sum().to(delta.dtype)]),
+            "sampling/sampling_logp_difference/max": _extreme(delta, scored, largest=True, empty=0.0),
+            "sampling/importance_sampling_ratio/min": _extreme(weights, kept, largest=False, empty=0.0),
+            "sampling/importance_sampling_ratio/mean": torch.stack(
+                [(weights * kept).sum(), kept.sum().to(weights.dtype)]),
+            "sampling/importance_sampling_ratio/max": _extreme(weights, kept, largest=True, empty=0.0)}
 
 
 def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str, torch.Tensor], *,
@@ -228,8 +261,13 @@ def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str
     the completion tokens (objectives/preference.py token_logps). targets: completion_mask (bool, B x T),
     advantages (float32, B), truncated (bool, B; read with mask_truncated_completions), old_logps (B x T;
     absent: pi_old is pi detached), ref_logps (B x T, with beta > 0), engine_logps (B x T, with the engine
-    correction). entropies: (B, T) per-token entropies of the policy, reported when given."""
+    correction). entropies: (B, T) per-token entropies of the policy, reported when given. The reported
+    terms need no host sync."""
     o = options
+    for name, needed in (("engine_logps", o.engine_importance_sampling_correction), ("ref_logps", o.beta != 0.0)):
+        if needed and name not in targets:
+            raise ValueError(f"the GRPO loss needs the target {name} with these grpo options (engine correction on, "
+                             "or beta > 0)")
     mask = targets["completion_mask"].bool()
     if o.mask_truncated_completions:
         mask = mask & ~targets["truncated"].bool().unsqueeze(1)
@@ -239,20 +277,18 @@ def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str
     old = targets.get("old_logps")
     old = logps.detach() if old is None else old
     log_ratio = logps - old
-    if o.importance_sampling_level == "sequence":
+    sequence_ratio = o.importance_sampling_level == "sequence"
+    if sequence_ratio:
         log_ratio = ((log_ratio * m).sum(-1) / tokens.clamp(min=1.0)).unsqueeze(-1)
     ratio = log_ratio.exp()
     low, high = o.epsilon, o.epsilon if o.epsilon_high is None else o.epsilon_high
-    clipped = ratio.clamp(1 - low, 1 + high)
-    per_token = -torch.min(ratio * advantages, clipped * advantages)
+    per_token = -torch.min(ratio * advantages, ratio.clamp(1 - low, 1 + high) * advantages)
     reported = {}
-    for name, needed in (("engine_logps", o.engine_importance_sampling_correction), ("ref_logps", o.beta != 0.0)):
-        if needed and name not in targets:
-            raise ValueError(f"the GRPO loss needs the target {name} with these grpo options (engine correction on, "
-                             f"or beta > 0)")
     if o.engine_importance_sampling_correction:
         weights = engine_weights(o, old, targets["engine_logps"], m)
         per_token = per_token * weights
+        reported.update(_engine_reports(old, targets["engine_logps"], weights, mask,
+                                        per_completion=o.engine_importance_sampling_mode.startswith("sequence")))
     if o.beta != 0.0:
         d = targets["ref_logps"] - logps
         kl = d.exp() - d - 1
@@ -261,37 +297,16 @@ def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str
         per_token = per_token + o.beta * kl
         reported["kl"] = _mean_of(kl.detach(), m)
     per_completion = (per_token * m).sum(-1)
-    batch = torch.tensor(float(logps.shape[0]), device=logps.device)
+    completions = torch.full((), float(logps.shape[0]), device=logps.device)
     if o.loss_type == "grpo":
-        value, units = (per_completion / tokens.clamp(min=1.0)).sum(), batch
+        value, units = (per_completion / tokens.clamp(min=1.0)).sum(), completions
     elif o.loss_type == "dr_grpo":
-        value, units = per_completion.sum() / o.max_completion_length, batch
+        value, units = per_completion.sum() / o.max_completion_length, completions
     else:  # bnpo, dapo
         value, units = per_completion.sum(), m.sum()
-    with torch.no_grad():
-        if entropies is not None:
-            reported["entropy"] = _mean_of(entropies.detach(), m)
-        r = ratio.detach()
-        low_clipped = ((r < 1 - low) & (advantages < 0)).to(m.dtype)
-        high_clipped = ((r > 1 + high) & (advantages > 0)).to(m.dtype)
-        seq = o.importance_sampling_level == "sequence"  # one ratio per completion
-        reported["clip_ratio/low_mean"] = _mean_of(low_clipped, m, per_completion=seq)
-        reported["clip_ratio/high_mean"] = _mean_of(high_clipped, m, per_completion=seq)
-        reported["clip_ratio/region_mean"] = _mean_of(torch.maximum(low_clipped, high_clipped), m, per_completion=seq)
-        reported["clip_ratio/low_min"] = _seq_extreme(low_clipped, m, per_completion=seq, largest=False)
-        reported["clip_ratio/high_max"] = _seq_extreme(high_clipped, m, per_completion=seq, largest=True)
-        if o.engine_importance_sampling_correction:
-            zero = torch.zeros((), device=logps.device)
-            delta = (old - targets["engine_logps"]).abs()
-            delta = delta[mask & ~delta.isnan()]
-            reported["sampling/sampling_logp_difference/mean"] = torch.stack(
-                [delta.sum(), torch.tensor(float(delta.numel()), device=delta.device)])
-            reported["sampling/sampling_logp_difference/max"] = delta.max() if delta.numel() else zero
-            flat = weights.flatten() if weights.shape[-1] == 1 else weights[mask]
-            reported["sampling/importance_sampling_ratio/min"] = flat.min() if flat.numel() else zero
-            reported["sampling/importance_sampling_ratio/mean"] = torch.stack(
-                [flat.sum(), torch.tensor(float(flat.numel()), device=flat.device)])
-            reported["sampling/importance_sampling_ratio/max"] = flat.max() if flat.numel() else zero
+    if entropies is not None:
+        reported["entropy"] = _mean_of(entropies.detach(), m)
+    reported.update(_clip_reports(ratio.detach(), advantages, m, low=low, high=high, per_completion=sequence_ratio))
     return GRPOTerms(value, units, reported)
 
 
