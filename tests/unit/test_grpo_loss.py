@@ -267,3 +267,19 @@ def test_section_registered():
     assert cfg.grpo.epsilon_high == 0.28 and cfg.grpo.loss_type == "dr_grpo"
     with pytest.raises(ConfigError, match="grpo.loss_type must be one of grpo, bnpo, dr_grpo, dapo, got 'ppo'"):
         load_job_config(["--grpo.loss_type", "ppo"])
+
+
+def test_the_loss_and_its_reports_read_nothing_back_to_the_host():
+    """No .item(), bool(), ... of a tensor (test_host_syncs.py's count), with every option on."""
+    from test_host_syncs import counting_syncs
+
+    data = batch()
+    targets = {"completion_mask": data["completion_mask"], "advantages": torch.randn(B), "truncated": data["truncated"],
+               "old_logps": data["old_logps"], "ref_logps": data["ref_logps"], "engine_logps": data["engine_logps"]}
+    counter = {"on": True, "calls": []}
+    for level, mode in (("token", "token_mask"), ("sequence", "sequence_truncate")):
+        o = options("grpo", level, 0.04, 0.28, mode, True)
+        with counting_syncs(counter):
+            terms = grpo_token_loss(o, data["logps"].clone().requires_grad_(), targets, entropies=data["entropies"])
+            (terms.value / terms.units).backward()
+    assert counter["calls"] == []
