@@ -77,10 +77,7 @@ def normalize_answer(answer: str) -> str | float:
     """A math answer in a comparable form: a number as a float ("1,000" and "1000.0" are 1000.0),
     anything else with its spaces, dollar signs and final period removed."""
     s = answer.strip().replace("$", "").rstrip(".").strip()
-    try:
-        return float(s.replace(",", "")) if _NUMBER.fullmatch(s) else s.replace(" ", "")
-    except ValueError:
-        return s.replace(" ", "")
+    return float(s.replace(",", "")) if _NUMBER.fullmatch(s) else s.replace(" ", "")
 
 
 def extract_answer(completion: str) -> str | None:
