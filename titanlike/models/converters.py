@@ -1,5 +1,5 @@
 """Model converters: module swaps applied to the model on meta, after construction and before
-parallelize (shared/design.md: model on meta -> converters -> parallelize).
+parallelize (the build order of README.md's "How a job runs": model on meta -> converters -> parallelize).
 
 `model.converters` names them, in order. A converter is built from the JobConfig, swaps modules of
 the whole meta model in place (before any pipeline split, so every stage inherits the swap), and
