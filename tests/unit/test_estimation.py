@@ -134,6 +134,7 @@ LLAVA = ["--model.name", "llava", "--model.flavor", "debugmodel", "--model.args.
          str(REPO / "titanlike" / "data" / "assets" / "debug_tokenizer.tiktoken"), "--metrics.no_enable_tensorboard"]
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_every_family_debug_preset_is_within_10_percent_of_a_measured_cpu_step(tmp_path):
     """One real training step of each family's debug preset (and LLaVA's, above) on CPU, measured by
     scripts/measure_memory.py (allocator events, independent of the probe's storage count): the estimate
@@ -149,6 +150,7 @@ def test_every_family_debug_preset_is_within_10_percent_of_a_measured_cpu_step(t
         assert abs(e - m) <= 0.10 * m, (name, e, m)
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_pipeline_ranks_are_within_10_percent_of_measured_cpu_steps(tmp_path):
     """PP 2 (1F1B, 4 microbatches) on 2 gloo ranks: each rank's peak, from torch's own schedule, within
     10% of its measured step (measured: -0.3% and 0.0%)."""
@@ -197,6 +199,7 @@ def _cpu_estimate(name: str, *more: str):
     return r
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_compiled_blocks_and_loss_are_within_10_percent_of_a_measured_compiled_cpu_step(measured_jobs):
     """A step whose blocks and loss inductor really compiles on CPU: the estimate (AOT autograd, inductor's
     partitioner, fusion's buffers) within 10% of it (measured: 0.01%); the eager estimate of the same
@@ -212,6 +215,7 @@ def test_compiled_blocks_and_loss_are_within_10_percent_of_a_measured_compiled_c
     assert abs(op - m) <= 0.10 * m, (op, m)
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_the_optimizer_steps_peak_is_within_10_percent_of_a_measured_cpu_step(measured_jobs):
     """Short sequences and foreach AdamW (its temporaries span every parameter at once): the peak is the
     optimizer step, with the gradients held, both in the estimate and on this machine (measured: 0.0%)."""
@@ -220,6 +224,7 @@ def test_the_optimizer_steps_peak_is_within_10_percent_of_a_measured_cpu_step(me
     assert abs(r.peak_bytes - m) <= 0.10 * m, (r.peak_bytes, m)
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_lora_holds_gradients_and_optimizer_state_for_adapters_only(measured_jobs):
     """The LoRA preset at the job's own rank and targets: the frozen base has no gradient and no AdamW
     state, the adapters have both (their element count from the model itself), and the step is within 10%
