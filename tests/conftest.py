@@ -190,7 +190,7 @@ def script_here(name: str, *args: str) -> InProcessRun:
 # The folders whose tests start processes (torchrun launches, spawned gloo worlds, scripts run as programs):
 # every test in them is `slow`. Elsewhere a test that starts one says so with its own `slow` mark, and the
 # fast lane (`pytest -m "not slow" tests`) refuses one that does not (no_process_in_the_fast_lane).
-SLOW_FOLDERS = ("distributed", "integration", "layouts", "programs")
+SLOW_FOLDERS = ("distributed", "integration", "layouts")
 
 
 def pytest_collection_modifyitems(config, items):
