@@ -85,6 +85,7 @@ def test_the_probe_keeps_one_pair_of_each_pair_of_neighbouring_kinds():
     assert probed_layers(list("AB")) == {("A", "B"): 0}
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 @pytest.mark.parametrize("layout, world", [
     (["--training.global_batch_size", "16"], 2),  # FSDP, two microbatches
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
@@ -313,6 +314,7 @@ def test_a_real_flavor_without_a_tokenizer_keeps_its_own_vocabulary_and_says_so(
 # Mixture of experts ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_expert_parallel_probe_assumes_balanced_routing():
     """Routing sizes tensors from values fake tensors lack: the probe answers as balanced routing would
     (a top-k picks round-robin, so every expert gets tokens x top_k / experts rows), and under EP 2 each
@@ -356,6 +358,7 @@ def test_json_and_text_reports(capsys):
     assert "reserved" in text and "probed" in text and "verdict: fits" in text
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_llava_7b_estimate_counts_each_image_through_the_tower(capsys):
     """estimate.py on LLaVA-1.5-7B: one more image per sample (llava.max_images) adds its FLOPs (tower and
     projector, over the sample's tokens) and the tower's activations over its 577 positions: at least
@@ -390,6 +393,7 @@ def test_cli_reports_impossible_layout_as_config_error(capsys):
 # The planner ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_planner_ranks_fitting_layouts_by_throughput():
     from estimation.plan import format_plan, run_plan
 
