@@ -196,8 +196,7 @@ SLOW_FOLDERS = ("distributed", "integration", "layouts")
 def pytest_collection_modifyitems(config, items):
     tests = REPO / "tests"
     for item in items:
-        path = Path(item.fspath)
-        if path.is_relative_to(tests) and path.relative_to(tests).parts[0] in SLOW_FOLDERS:
+        if item.path.is_relative_to(tests) and item.path.relative_to(tests).parts[0] in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
 
 

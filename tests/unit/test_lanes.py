@@ -33,7 +33,7 @@ def test_every_test_of_a_folder_of_processes_is_slow():
 
     class Item:
         def __init__(self, path):
-            self.fspath, self.marks = conftest.REPO / "tests" / path, []
+            self.path, self.marks = conftest.REPO / "tests" / path, []
 
         def add_marker(self, mark):
             self.marks.append(mark.name)
