@@ -336,6 +336,7 @@ def test_memory_rule_refuses_a_job_no_machine_holds():
     assert check_fits(plan_job(load_job_config([]), world_size=1)) is None  # the debug job fits anywhere
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_memory_rule_compares_with_this_machines_share(monkeypatch):
     import estimation.fits as fits
 

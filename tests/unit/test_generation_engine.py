@@ -130,6 +130,7 @@ def test_bad_prompts_are_one_sentence(model):
         assert words in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_compiled_decode_gives_the_eager_tokens_without_recompiling():
     """Engine(compile=True): static caches of the context's length and a torch.compile'd decode step
     (inductor), which compiles once for a batch size and is reused by every step of every call, the

@@ -238,6 +238,7 @@ def test_preset_parses_and_layouts_are_checked_before_any_process_group():
 # ---------------------------------------------------------------- two ranks: TP (+SP) and FSDP
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_tensor_parallel_and_fsdp_match_single_process():
     """Two gloo ranks: tensor parallelism (with and without sequence parallelism and loss
     parallelism, both variants, padded encoder inputs), then FSDP: the same init, loss and

@@ -1,5 +1,5 @@
 """Model converters: module swaps applied to the model on meta, after construction and before
-parallelize (shared/design.md: model on meta -> converters -> parallelize).
+parallelize (the build order of README.md's "How a job runs": model on meta -> converters -> parallelize).
 
 `model.converters` names them, in order. A converter is registered with the config section it is
 built from (its own: float8 and te read [float8], lora reads [lora], titanlike/models/lora.py), swaps

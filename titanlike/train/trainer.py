@@ -1,6 +1,6 @@
 """The trainer: assemble a job from a validated JobConfig, then run the training loop.
 
-Assembly follows shared/design.md: ParallelDims -> model on meta -> parallelize ->
+Assembly follows README.md's "How a job runs": ParallelDims -> model on meta -> parallelize ->
 materialize and initialize on the sharded tensors -> optimizer and schedule ->
 data -> loop. The training step is `TrainStep` (titanlike/train/step.py): all microbatches of
 one global batch, one clip, one optimizer step, device tensors out; the loop decides when the
