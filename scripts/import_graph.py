@@ -30,10 +30,11 @@ def module_name(path: Path, root: Path = REPO) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, root: Path = REPO, file_level: bool = False) -> list[tuple[int, str]]:
-    """(line, module) of every import the file runs: relative imports resolved, `from a import b`
-    counted as a.b (b may be a submodule), TYPE_CHECKING blocks skipped, and function bodies skipped
-    when `file_level`."""
+def imports_of(path: Path, root: Path = REPO, file_level: bool = False,
+               source: str | None = None) -> list[tuple[int, str]]:
+    """(line, module) of every import the file (or `source` in its place) runs: relative imports
+    resolved, `from a import b` counted as a.b (b may be a submodule), TYPE_CHECKING blocks skipped,
+    and function bodies skipped when `file_level`."""
     package = module_name(path, root)
     if path.name != "__init__.py":
         package = package.rpartition(".")[0]
@@ -57,7 +58,7 @@ def imports_of(path: Path, root: Path = REPO, file_level: bool = False) -> list[
         for child in ast.iter_child_nodes(node):
             visit(child)
 
-    visit(ast.parse(path.read_text(), str(path)))
+    visit(ast.parse(path.read_text() if source is None else source, str(path)))
     return found
 
 

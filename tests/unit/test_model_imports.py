@@ -12,8 +12,7 @@ name (ModelSpec.objective), which titanlike/objectives/registry.py resolves.
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,9 @@ import pytest
 import titanlike.models
 
 MODELS = Path(titanlike.models.__file__).parent
+_spec = importlib.util.spec_from_file_location("import_graph", MODELS.parent.parent / "scripts" / "import_graph.py")
+import_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_graph)
 SHARED = "common"
 FAMILIES = sorted(p.name for p in MODELS.iterdir() if (p / "__init__.py").is_file() and p.name != SHARED)
 
@@ -39,47 +41,18 @@ ALLOWED_ROOTS = (
 # The packages that apply the models: nothing under titanlike/models imports them.
 APPLIERS = ("titanlike.objectives", "titanlike.parallel", "titanlike.train", "titanlike.data", "titanlike.checkpoint",
             "titanlike.inference", "titanlike.cli")
-# What importing the model registry must not load (a subprocess, so that nothing this test process
-# imported before counts).
-NOT_LOADED = ("titanlike.objectives", "titanlike.data", "titanlike.parallel", "titanlike.train", "titanlike.checkpoint")
 
 
 def _under(module: str, roots: tuple[str, ...]) -> bool:
     return any(module == root or module.startswith(root + ".") for root in roots)
 
 
-def _type_checking_only(node: ast.AST) -> bool:
-    test = node.test if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def titanlike_imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
     """(line, module) of every titanlike module the file (or `source` in its place) imports, at file
     level or inside a function; relative imports resolved, `from package import name` counted as
-    package.name (a name may be a submodule), the body of `if TYPE_CHECKING:` left out."""
-    package = ".".join(path.relative_to(MODELS.parent.parent).with_suffix("").parts)
-    if path.name != "__init__.py":
-        package = package.rpartition(".")[0]
-    found = []
-
-    def visit(node: ast.AST) -> None:
-        if _type_checking_only(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
-            found.extend((node.lineno, alias.name) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}" if base else parent
-            found.extend((node.lineno, f"{base}.{alias.name}") for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text() if source is None else source, str(path)))
+    package.name (a name may be a submodule), the body of `if TYPE_CHECKING:` left out (the scanner of
+    scripts/import_graph.py)."""
+    found = import_graph.imports_of(path, MODELS.parent.parent, source=source)
     return [(line, module) for line, module in found if _under(module, ("titanlike",))]
 
 
@@ -120,19 +93,6 @@ def test_model_code_imports_none_of_the_packages_that_apply_it():
              for path in sorted(MODELS.rglob("*.py")) for line, module in titanlike_imports(path)
              if _under(module, APPLIERS)]
     assert wrong == []
-
-
-def test_importing_the_model_registry_loads_nothing_above_the_models():
-    """The whole chain, not only direct imports: a fresh interpreter imports the registry, then every
-    family (model_names), and lists what it loaded."""
-    code = ("import sys, titanlike.models.registry as r; print(' '.join(sorted(sys.modules))); r.model_names(); "
-            "print(' '.join(sorted(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=MODELS.parent.parent).stdout.splitlines()
-    for when, loaded in zip(("importing titanlike.models.registry", "importing every family"), out):
-        wrong = sorted(m for m in loaded.split() if _under(m, NOT_LOADED))
-        assert wrong == [], f"{when} loads {', '.join(wrong)}"
-    assert "titanlike.models.llama3" in out[1].split()  # the families did load
 
 
 def test_the_scan_sees_relative_and_nested_imports():
