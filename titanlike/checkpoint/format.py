@@ -68,6 +68,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the file or key."""
 
 
+def raise_rank0_verdict(error: str | None, *, distributed: bool, group=None) -> None:
+    """Raise CheckpointError(error) on every rank when rank 0 has one: its verdict is broadcast first
+    (under several ranks), so that no rank waits in a later broadcast that never comes."""
+    if distributed:
+        import torch.distributed as dist
+
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0, group=group)
+        error = verdict[0]
+    if error:
+        raise CheckpointError(error)
+
+
 def step_folder(folder: str, step: int) -> str:
     return os.path.join(folder, f"step-{step}")
 

@@ -118,12 +118,7 @@ def load_frozen_model(parts: list[nn.Module], folder: str, spec, args) -> None:
             full = hf.checkpoint_state_dict(folder, spec, args)
         except CheckpointError as e:
             error = str(e)
-    if distributed:  # rank 0's verdict first, so no rank waits in a broadcast that never comes
-        verdict = [error]
-        dist.broadcast_object_list(verdict, src=0)
-        error = verdict[0]
-    if error:
-        raise CheckpointError(error)
+    fmt.raise_rank0_verdict(error, distributed=distributed)
     opts = StateDictOptions(full_state_dict=distributed, broadcast_from_rank0=distributed, strict=False)
     for part in parts:
         set_model_state_dict(part, dict(full), options=opts)
@@ -534,13 +529,7 @@ class Loader:
                                 f"are not loaded, e.g. {', '.join(dropped[:3])}")
             except Exception as e:  # any verdict of rank 0 must reach the other ranks, never strand them
                 error = str(e) if isinstance(e, CheckpointError) else f"{path}: {type(e).__name__}: {e}"
-        if self.distributed:
-            # Share rank 0's verdict first, so no rank waits in a broadcast that never comes.
-            verdict = [error]
-            dist.broadcast_object_list(verdict, src=0, group=self._pg)
-            error = verdict[0]
-        if error:
-            raise CheckpointError(error)
+        fmt.raise_rank0_verdict(error, distributed=self.distributed, group=self._pg)
         # Every rank of the job joins the broadcast of every tensor; each keeps its own shard.
         opts = StateDictOptions(full_state_dict=self.distributed, broadcast_from_rank0=self.distributed, strict=False)
         for part in self.states[MODEL].parts:

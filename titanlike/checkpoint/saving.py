@@ -266,12 +266,7 @@ class Saver:
             except Exception as e:  # whatever rank 0 meets, the other ranks must hear it, not wait
                 detail = str(e) if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: {e}"
                 error = str(self._save_failed(step, e, f"publishing checkpoint {self._tmp(step)} failed: {detail}"))
-        if self.distributed:
-            verdict = [error]
-            dist.broadcast_object_list(verdict, src=0, group=self._pg)
-            error = verdict[0]
-        if error:
-            raise CheckpointError(error)
+        fmt.raise_rank0_verdict(error, distributed=self.distributed, group=self._pg)
 
     def _publish(self, step: int, contents: str, seconds: float) -> None:
         """Rank 0 renames step-N.tmp to step-N; every rank's data is on disk by now.
