@@ -19,7 +19,6 @@ from titanlike.inference import Engine, SamplingParams
 from titanlike.inference.processor import Processor
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.models.registry import get_model_spec
-from titanlike.objectives.registry import family_objective
 
 COLORS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (230, 210, 30)}
 SHAPES = ("circle", "square", "triangle")

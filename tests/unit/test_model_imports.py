@@ -11,7 +11,6 @@ name (ModelSpec.objective), which titanlike/objectives/registry.py resolves.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 from pathlib import Path
 

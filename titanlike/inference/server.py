@@ -463,4 +463,4 @@ class _Handler(BaseHTTPRequestHandler):
         send("[DONE]")
 
 
-__all__ = ["ApiError", "OpenAIServer", "Tokenizer"]
+__all__ = ["ApiError", "OpenAIServer"]
