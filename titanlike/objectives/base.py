@@ -198,6 +198,9 @@ class Objective:
     # What the attention mask of its samples is, for the start-up log: "a document mask", "a padding
     # mask", or None (plain causal or bidirectional attention).
     attention_mask: str | None = None
+    # Whether its samples are conversations rendered with a chat template: the model it trains answers
+    # turns, so the run's summary suggests sampling it with generate.py --chat.
+    chat_samples: ClassVar[bool] = False
     # Loss terms the objective reports apart (LossTerms.reported, logged as their sums divided by the
     # step's units, like the loss).
     reported_terms: ClassVar[tuple[str, ...]] = ()

@@ -133,6 +133,7 @@ class PairObjective(Objective):
     and their loss."""
 
     attention_mask = "a document mask"
+    chat_samples = True  # pairs are rendered with the chat template (titanlike/data/preferences.py)
     reported_terms = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
     def __init__(self, options, **loss_options):

@@ -626,7 +626,7 @@ class Trainer:
             metrics_jsonl=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
             profile_traces=os.path.join(dump, p.save_traces_folder) if profiler.traces else None,
             memory_snapshots=os.path.join(dump, p.save_memory_snapshot_folder) if snapshots.written else None,
-            wandb=self.wandb_folder, generates=self.plan.generates,
+            wandb=self.wandb_folder, generates=self.plan.generates, chat=self.plan.objective.chat_samples,
         )
 
     def _precision_and_batch_metrics(self, batch: int) -> dict:
