@@ -204,6 +204,9 @@ class Objective:
     # Loss terms the objective reports apart (LossTerms.reported, logged as their sums divided by the
     # step's units, like the loss).
     reported_terms: ClassVar[tuple[str, ...]] = ()
+    # Those of reported_terms the console line shows beside the loss (all go to TensorBoard and JSONL):
+    # the few a user watches to see that the run learns.
+    console_terms: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
         # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so

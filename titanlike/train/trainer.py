@@ -576,7 +576,7 @@ class Trainer:
             expert_counts = {i: table[i, :moe.num_experts]
                              for i in range(self.model_args.total_layers) if moe.is_moe_layer(i)}
         self.metrics.log(record.step, loss=loss, grad_norm=norm, lr=record.lr, extra=extra or None,
-                         expert_counts=expert_counts)
+                         expert_counts=expert_counts, console=self.objective.console_terms)
         slow = self.stragglers.report(record.step)  # a collective: every rank
         if slow and self.rank == 0:
             logger.warning(format_stragglers(record.step, slow, self.stragglers.factor))
