@@ -5,6 +5,7 @@ finds model="titanlike" once titanlike.inference.harness is imported."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -80,5 +81,5 @@ def test_lm_eval_from_python_knows_the_model_once_the_harness_is_imported():
             "import titanlike.inference.harness as h\n"
             "assert r.get_model('titanlike') is h.TitanlikeLM\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
