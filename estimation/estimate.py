@@ -12,7 +12,6 @@ kind, estimation/probe.py) and lays that out along the model, the layout and the
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,10 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from estimation.layout import estimate  # noqa: E402
-from estimation.options import EstimateOptions, parse_estimate_args, prepare_job  # noqa: E402
+from estimation.options import EstimateOptions, GiB, command_line, prepare_job, verdict  # noqa: E402
 from estimation.probe import probe  # noqa: E402
 
-GiB = 2**30
 BUCKET_DOCS = {  # what each bucket holds, printed next to it
     "parameters": "parameter shards (fp32 masters) and buffers, as parallelized",
     "optimizer_state": "optimizer state (AdamW exp_avg, exp_avg_sq, step)",
@@ -32,20 +30,6 @@ BUCKET_DOCS = {  # what each bucket holds, printed next to it
                    "made so far, pipeline stage inputs, the batch",
     "transient": "the rise above that within the peak's stretch: recompute, collective buffers, temporaries",
 }
-
-
-def verdict(reserved_bytes: int, opts: EstimateOptions) -> dict | None:
-    """Whether what the allocator reserves, plus the memory outside it, fits the device."""
-    if opts.device_memory_gib is None:
-        return None
-    needed, capacity = reserved_bytes + opts.reserved_gib * GiB, opts.device_memory_gib * GiB
-    headroom = capacity - needed
-    text = (f"fits in {opts.device_memory_gib:g} GiB with {headroom / GiB:.1f} GiB headroom" if headroom >= 0 else
-            f"does NOT fit in {opts.device_memory_gib:g} GiB: {-headroom / GiB:.1f} GiB short")
-    return {"fits": headroom >= 0, "device_memory_bytes": int(capacity), "needed_bytes": int(needed),
-            "headroom_bytes": int(headroom),
-            "text": f"{text} ({reserved_bytes / GiB:.1f} GiB reserved by the allocator + {opts.reserved_gib:g} GiB "
-                    "outside it for the CUDA context and NCCL)"}
 
 
 def run_estimate(cfg, opts: EstimateOptions) -> dict:
@@ -119,31 +103,15 @@ def format_report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "estimation/estimate.py") -> int:
-    from titanlike.config import ConfigError, help_text, load_job_config
-    from titanlike.config.loader import section_help
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in argv or "--help" in argv:
-        print(help_text().replace("usage: train.py", f"usage: {prog} [--estimate.key VALUE ...]", 1) + "\n\n"
-              + section_help("estimate", EstimateOptions, title="(estimation/estimate.py and plan.py, not train.py)")
-              + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, EP, float8, activation "
-              "checkpointing) by running the job's own training step on fake tensors, one block of each kind.")
-        return 0
-    try:
-        opts, rest = parse_estimate_args(argv)
-        cfg = load_job_config(rest)
+    def run(cfg, opts: EstimateOptions):
         if opts.plan:
             from estimation.plan import format_plan, run_plan
 
             # The planner's progress goes to stderr: stdout keeps the JSON.
-            result, text = run_plan(cfg, opts, log=lambda msg: print(msg, file=sys.stderr, flush=True)), format_plan
-        else:
-            result, text = run_estimate(cfg, opts), format_report
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=1) if opts.json else text(result))
-    return 0
+            return run_plan(cfg, opts, log=lambda msg: print(msg, file=sys.stderr, flush=True)), format_plan
+        return run_estimate(cfg, opts), format_report
+
+    return command_line(sys.argv[1:] if argv is None else argv, prog, run)
 
 
 def console_main() -> None:

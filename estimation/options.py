@@ -7,12 +7,14 @@ cannot run (each removal is noted).
 from __future__ import annotations
 
 import copy
+import json
 import os
+import sys
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import estimation.fake  # noqa: F401 (registers the compile backend the probe runs)
-from titanlike.config.loader import ConfigError, parse_section_options
+from titanlike.config.loader import ConfigError, parse_section_options, section_help
 from titanlike.config.schema import JobConfig, opt
 from titanlike.parallel.parallel_dims import ParallelDims
 from titanlike.train.plan import JobPlan, plan_job
@@ -53,6 +55,49 @@ def parse_estimate_args(argv: Sequence[str]) -> tuple[EstimateOptions, list[str]
         if (value := getattr(opts, name)) is not None and value < 1:
             raise ConfigError(f"estimate.{name} must be at least 1, got {value}")
     return opts, rest
+
+
+GiB = 2**30
+
+
+def verdict(reserved_bytes: int, opts: EstimateOptions) -> dict | None:
+    """Whether what the allocator reserves, plus the memory outside it, fits the device."""
+    if opts.device_memory_gib is None:
+        return None
+    needed, capacity = reserved_bytes + opts.reserved_gib * GiB, opts.device_memory_gib * GiB
+    headroom = capacity - needed
+    text = (f"fits in {opts.device_memory_gib:g} GiB with {headroom / GiB:.1f} GiB headroom" if headroom >= 0 else
+            f"does NOT fit in {opts.device_memory_gib:g} GiB: {-headroom / GiB:.1f} GiB short")
+    return {"fits": headroom >= 0, "device_memory_bytes": int(capacity), "needed_bytes": int(needed),
+            "headroom_bytes": int(headroom),
+            "text": f"{text} ({reserved_bytes / GiB:.1f} GiB reserved by the allocator + {opts.reserved_gib:g} GiB "
+                    "outside it for the CUDA context and NCCL)"}
+
+
+# run(job_config, options) -> (result, format): the result as a dict, and what turns it into the report.
+Run = Callable[[JobConfig, EstimateOptions], tuple[dict, Callable[[dict], str]]]
+
+
+def command_line(argv: Sequence[str], prog: str, run: Run) -> int:
+    """The command line of estimation/estimate.py and plan.py (each passes its own `run`): --help, the
+    options, the job's config, then the result as JSON or the report; exit 2 on a config error."""
+    from titanlike.config import help_text, load_job_config
+
+    argv = list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text().replace("usage: train.py", f"usage: {prog} [--estimate.key VALUE ...]", 1) + "\n\n"
+              + section_help("estimate", EstimateOptions, title="(estimation/estimate.py and plan.py, not train.py)")
+              + "\n\nEstimates every layout train.py runs (FSDP/HSDP, TP, CP, PP, EP, float8, activation "
+              "checkpointing) by running the job's own training step on fake tensors, one block of each kind.")
+        return 0
+    try:
+        opts, rest = parse_estimate_args(argv)
+        result, text = run(load_job_config(rest), opts)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if opts.json else text(result))
+    return 0
 
 
 class PreparedJob(NamedTuple):

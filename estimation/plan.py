@@ -42,10 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from estimation.estimate import GiB, verdict  # noqa: E402
 from estimation.layout import estimate  # noqa: E402
-from estimation.estimate import main as _estimate_main  # noqa: E402
-from estimation.options import EstimateOptions, PreparedJob, prepare_job  # noqa: E402
+from estimation.options import EstimateOptions, GiB, PreparedJob, command_line, prepare_job, verdict  # noqa: E402
 from estimation.probe import probe  # noqa: E402
 from titanlike.config.loader import ConfigError  # noqa: E402
 
@@ -275,7 +273,11 @@ def format_plan(plan: dict) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "estimation/plan.py") -> int:
-    return _estimate_main([*(sys.argv[1:] if argv is None else argv), "--estimate.plan"], prog=prog)
+    def run(cfg, opts: EstimateOptions):
+        # The planner's progress goes to stderr: stdout keeps the JSON.
+        return run_plan(cfg, opts, log=lambda msg: print(msg, file=sys.stderr, flush=True)), format_plan
+
+    return command_line([*(sys.argv[1:] if argv is None else argv), "--estimate.plan"], prog, run)
 
 
 def console_main() -> None:

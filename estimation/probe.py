@@ -188,7 +188,7 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
             continue
         folder, spec, args = checkpoint_model(companion.path)
         other = other_model_plan(plan, spec, args, model=folder)
-        other = dataclasses.replace(other, objective=family_objective(spec, other.cfg, other.model_args))
+        other = dataclasses.replace(other, objective=family_objective(other.cfg, spec, other.model_args))
         out.frozen.append((other, _probe_plan(other, granularity, device)))
     return out
 
@@ -243,8 +243,8 @@ def _probe(plan, granularity: int, device: str) -> Probe:
             model = spec.model_cls(args)
         # float8 matmuls as on the GPU (torch._scaled_mm, whose fake kernel runs anywhere) rather than
         # emulated in fp32, which a job needs on CPU only.
-        float8 = dataclasses.replace(cfg.float8, emulate=False) if device == "cuda" else cfg.float8
-        converters = build_model_converters(cfg.model.converters, float8, lambda name: getattr(cfg, name))
+        job = dataclasses.replace(cfg, float8=dataclasses.replace(cfg.float8, emulate=False)) if device == "cuda" else cfg
+        converters = build_model_converters(cfg.model.converters, job)
         converters.convert(model)
         keys = list(model.layers.keys())
         kinds = [f"{b!r}|{[(n, tuple(p.shape), p.dtype) for n, p in b.named_parameters()]}|{checkpointing(k, *ac)}"

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.models.registry import get_model_spec
 
     spec = get_model_spec(args.family)

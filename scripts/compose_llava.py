@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the projector's initialization")
     a = parser.parse_args(argv)
 
-    from titanlike.checkpoint.format import CheckpointError, read_hf, write_hf
+    from titanlike.checkpoint.format import CheckpointError
+    from titanlike.checkpoint.hf import read_hf, write_hf
     from titanlike.models.registry import get_model_spec
 
     spec = get_model_spec("llava")

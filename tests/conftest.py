@@ -187,6 +187,68 @@ def script_here(name: str, *args: str) -> InProcessRun:
     return InProcessRun(rc, out.getvalue(), stdout.getvalue())
 
 
+# The folders whose tests start processes (torchrun launches, spawned gloo worlds, scripts run as programs):
+# every test in them is `slow`. Elsewhere a test that starts one says so with its own `slow` mark, and the
+# fast lane (`pytest -m "not slow" tests`) refuses one that does not (no_process_in_the_fast_lane).
+SLOW_FOLDERS = ("distributed", "integration", "layouts")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = REPO / "tests"
+    for item in items:
+        if item.path.is_relative_to(tests) and item.path.relative_to(tests).parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
+
+
+def _refuse_process(name: str, what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{name} starts a process ({what}) but is not marked slow: mark it "
+                             "@pytest.mark.slow or move it to a slow folder (tests/conftest.py SLOW_FOLDERS)")
+    return refuse
+
+
+@contextlib.contextmanager
+def no_process_in_the_fast_lane(item):
+    """A test not marked slow runs in this process only: starting a subprocess, a multiprocessing process
+    (a Pool's workers too) or torch.multiprocessing.spawn fails it, naming it, so that the fast lane stays
+    fast and a process-starting test cannot hide in a fast folder. Applied around each phase of the test
+    (the hooks below) rather than in an autouse fixture, which would miss what its module- and
+    session-scoped fixtures start: pytest sets those up before any function-scoped fixture."""
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+    import multiprocessing.process
+
+    import torch.multiprocessing
+
+    with pytest.MonkeyPatch.context() as patch:
+        name = item.nodeid
+        patch.setattr(subprocess.Popen, "_execute_child", _refuse_process(name, "subprocess.Popen"))
+        patch.setattr(multiprocessing.process.BaseProcess, "start", _refuse_process(name, "multiprocessing"))
+        patch.setattr(torch.multiprocessing, "spawn", _refuse_process(name, "torch.multiprocessing.spawn"))
+        patch.setattr(torch.multiprocessing, "start_processes",
+                      _refuse_process(name, "torch.multiprocessing.start_processes"))
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with no_process_in_the_fast_lane(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with no_process_in_the_fast_lane(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    with no_process_in_the_fast_lane(item):
+        yield
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "train_run(*extra, nproc=1, name='run', after=None): a train.py job (the tiny job plus extra) "

@@ -42,10 +42,10 @@ from titanlike.models.common.init import normal_, ones_
 from titanlike.models.common.sharding import ShardingPlan, replicated
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.models.registry import ModelSpec, PipelineEnds, model_names, register_model_spec
-from titanlike.objectives.companion import Companion, Source
-from titanlike.objectives.registry import register_objective
 from titanlike.objectives.base import (LossTerms, Microbatch, Objective, compile_options, next_token_correct,
                                        target_count)
+from titanlike.objectives.companion import Companion, Source
+from titanlike.objectives.registry import register_family_objective, register_objective
 
 # ---------------------------------------------------------------------------------- the family
 
@@ -357,12 +357,13 @@ toy_spec = ModelSpec(
     flavors={"tiny": ToyArgs()},
     shard=toy_sharding(),
     pipeline_ends=PipelineEnds(inputs=("tok_embeddings", "pos_embeddings"), outputs=("norm", "output")),
-    objective=ToyCopy.for_job,
+    objective=ToyCopy.name,
 )
 
 if "toy" not in model_names():  # importing this file under two module names registers once
     register_section("toy_copy", ToyCopyOptions)
     register_section("toy_anchor", ToyAnchorOptions)
+    register_family_objective(ToyCopy.name, ToyCopy.for_job)
     register_model_spec(toy_spec)
     register_objective("toy_anchored_copy", ToyAnchoredCopy.for_job, section="toy_anchor")
 

@@ -61,7 +61,7 @@ def _prompts() -> list[list[int]]:
 
 def _model_and_export(family: str, flavor: str, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
 
     spec = get_model_spec(family)
     flavor_args = spec.flavors[flavor]

@@ -25,7 +25,7 @@ def _parts(plan):
     from titanlike.train.model_parts import build_model_parts
 
     plan.dims.build_mesh("cpu", experts=False)
-    parts = build_model_parts(plan, build_model_converters([], plan.cfg.float8))
+    parts = build_model_parts(plan, build_model_converters([], plan.cfg))
     for part in parts:
         part.to_empty(device="cpu")
         part.init_weights(seed=0)
@@ -36,7 +36,7 @@ def _weights(plan, parts):
     from titanlike.models.converters import build_model_converters
     from titanlike.train.companions import PolicyWeights
 
-    return PolicyWeights(plan, parts, torch.device("cpu"), lambda: build_model_converters([], plan.cfg.float8))
+    return PolicyWeights(plan, parts, torch.device("cpu"), lambda: build_model_converters([], plan.cfg))
 
 
 def _check(rank: int) -> None:

@@ -4,7 +4,7 @@
   FSDP2 on 2 ranks, reproduce the plain single-process run (the shared reference of
   test_fsdp_parity.py) within that file's tolerances: scaling and the folded unscaling only round
   differently, and offload only moves shards (on a CPU-only machine its host copies are no-ops;
-  tests/unit/test_cpu_offload.py checks the policy is applied). One job checks both.
+  tests/distributed/test_cpu_offload.py checks the policy is applied). One job checks both.
 * An inf planted in one rank's gradient shard (float16, FSDP2, 2 ranks): every rank skips the
   step with its parameters unchanged, the learning rate is held, the scale backs off, the run
   goes on.

@@ -26,7 +26,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 import titanlike
 from conftest import REPO
 from family_checks import check_hf_export, check_hf_import, materialize, probe_tokens, write_model_only_dcp
-from titanlike.checkpoint.format import model_description, read_hf
+from titanlike.checkpoint.format import model_description
+from titanlike.checkpoint.hf import read_hf
 from titanlike.checkpoint.hf import write_dcp_model
 from titanlike.models.common.rope import YaRNScaling
 from titanlike.models.deepseek_v3 import DeepSeekV3ModelArgs, deepseek_v3_flavors

@@ -241,7 +241,7 @@ HF_JOB = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf"]
 def _hf_folder(out: Path, *, edit=None, dtype=torch.float32) -> Path:
     """The job's model (llama3 debugmodel, the job's vocabulary) as a Hugging Face folder; edit(state
     dict) may poison a weight."""
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.train.plan import plan_job
 
     plan = plan_job(_cfg(out / "unused"), 1)

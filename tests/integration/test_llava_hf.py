@@ -25,6 +25,7 @@ from conftest import hf_warnings
 from family_checks import materialize, write_model_only_dcp
 from titanlike.checkpoint.hf import export_dcp_to_hf, import_hf_to_dcp
 from titanlike.models.registry import get_model_spec
+from titanlike.objectives.registry import family_objective
 
 SPEC = get_model_spec("llava")
 HF = SPEC.hf
@@ -283,7 +284,7 @@ def test_generate_chat_with_an_image_answers_as_transformers(tmp_path, capsys):
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     from titanlike.cli.generate import main
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.config.schema import JobConfig
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
     from titanlike.data.chat_template import load_chat_template
@@ -303,7 +304,7 @@ def test_generate_chat_with_an_image_answers_as_transformers(tmp_path, capsys):
     printed = capsys.readouterr().out
 
     # The training sample of the conversation, cut before the answer's first token.
-    objective = SPEC.objective(JobConfig(), args)
+    objective = family_objective(JobConfig(), SPEC, args)
     conversation = {"messages": [{"role": "user", "content": f"<image>\n{question}"},
                                  {"role": "assistant", "content": "Noise."}]}
     shard = str(tmp_path / "chat.tar")

@@ -19,6 +19,7 @@ from titanlike.inference import Engine, SamplingParams
 from titanlike.inference.processor import Processor
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.models.registry import get_model_spec
+from titanlike.objectives.registry import family_objective
 
 COLORS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (230, 210, 30)}
 SHAPES = ("circle", "square", "triangle")
@@ -115,7 +116,7 @@ def test_greedy_answers_about_held_out_images_get_right(tmp_path, capsys):
     assert after >= 0.6 and after - before >= 0.4
 
     # scripts/generate.py --image on the Hugging Face export answers as the engine does.
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.cli.generate import main
 
     write_hf(model.state_dict(), spec, args, str(tmp_path / "hf"))

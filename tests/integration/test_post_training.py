@@ -77,7 +77,7 @@ def test_distillation_layouts_match_one_process(train_runs):
     shard; top-k from every shard's best k), PP2 (the teacher's own stages through a forward-only
     schedule) and CP2 (the teacher attends over the cp ranks like the student) equal one process:
     loss per token, gradient norm, KL and hard loss. The teacher is a DCP checkpoint, loaded from
-    each rank's shards (checkpoint/manager.py load_frozen_model)."""
+    each rank's shards (checkpoint/loading.py load_frozen_model)."""
     keys = ("loss", "grad_norm", "distill_kl", "hard_loss")
     one, one_top_k = table(train_runs["one"], keys), table(train_runs["one_top_k"], keys)
     assert one[-1][0] < one[0][0] and one[-1][2] < one[0][2]  # it learns

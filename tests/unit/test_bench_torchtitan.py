@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_torchtitan.py"
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is not None, reason="torchtitan is installed here")
 def test_without_torchtitan_it_says_so_in_one_sentence(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--torchtitan-path", str(tmp_path)], capture_output=True,

@@ -17,6 +17,7 @@ from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import LossReports
 from titanlike.models.registry import get_model_spec, model_names, spec_for_hf_model_type
 from titanlike.objectives import MaskedLM
+from titanlike.objectives.registry import family_objective
 
 SPEC = get_model_spec("bert")
 
@@ -50,9 +51,9 @@ def test_registered_by_its_folder_alone():
     assert debug.norm_eps == 1e-12 and not debug.pre_norm and debug.binary_head
     # Its objective: masked LM, on sentence pairs exactly when the flavor has the binary head.
     cfg = load_job_config([])
-    objective = SPEC.objective(cfg, debug)
+    objective = family_objective(cfg, SPEC, debug)
     assert isinstance(objective, MaskedLM) and objective.sentence_pairs and objective.token_fields == ("token_types",)
-    assert SPEC.objective(cfg, tiny_args(binary_head=False)).sentence_pairs is False
+    assert family_objective(cfg, SPEC, tiny_args(binary_head=False)).sentence_pairs is False
     assert debug.attention_shape().causal is False
     assert debug.reported_losses() == (BINARY_LOSS,) and tiny_args(binary_head=False).reported_losses() == ()
     assert all(callable(style) for style in {**SPEC.shard.top, **SPEC.shard.block}.values())

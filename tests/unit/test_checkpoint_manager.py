@@ -408,17 +408,17 @@ def test_initial_load_in_hf_of_another_size_is_refused(tmp_path):
 
 
 def test_hf_config_comparison_is_key_by_key_and_ignores_the_context():
-    """_check_hf_args compares the two models' configs from the family's adapter, so it needs no
+    """check_hf_args compares the two models' configs from the family's adapter, so it needs no
     family's field names."""
-    from types import SimpleNamespace
+    from titanlike.checkpoint.loading import check_hf_args
 
-    job = SimpleNamespace(model_args=ARGS, spec=get_model_spec("llama3"))
-    CheckpointManager._check_hf_args(job, ARGS.with_context_len(4096), "hf")  # context: not compared
+    spec = get_model_spec("llama3")
+    check_hf_args(spec, ARGS, ARGS.with_context_len(4096), "hf")  # context: not compared
     with pytest.raises(CheckpointError, match=r"^Hugging Face checkpoint hf has rope_theta=10000\.0 but this "
                                               r"job's model has 500000\.0 \(model\.flavor / tokenizer\)$"):
-        CheckpointManager._check_hf_args(job, dataclasses.replace(ARGS, rope_theta=10000.0), "hf")
+        check_hf_args(spec, ARGS, dataclasses.replace(ARGS, rope_theta=10000.0), "hf")
     with pytest.raises(CheckpointError, match=r"has tie_word_embeddings=true but this job's model has false"):
-        CheckpointManager._check_hf_args(job, dataclasses.replace(ARGS, tie_word_embeddings=True), "hf")
+        check_hf_args(spec, ARGS, dataclasses.replace(ARGS, tie_word_embeddings=True), "hf")
 
 
 # ------------------------------------------------------------------ the sidecar and the format module
@@ -445,14 +445,17 @@ def test_unknown_hf_model_type_is_a_checkpoint_error():
         hf_model_from_config({"model_type": "whisper"}, where="x/config.json")
 
 
-def test_manager_and_hf_depend_on_format_only():
-    """No import cycle: manager.py and hf.py import format.py, never each other."""
+def test_checkpoint_modules_import_in_layers():
+    """No import cycle: each module of the package imports only those below it (format.py at the
+    bottom, the manager's facade on top); hf.py, in particular, never imports the manager."""
     import ast
 
     import titanlike.checkpoint as package
 
+    layers = ["format", "resume", "states", "hf", "saving", "loading", "manager"]
     folder = os.path.dirname(package.__file__)
-    for name, other in (("manager", "hf"), ("hf", "manager")):
+    assert sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n != "__init__.py") == sorted(layers)
+    for i, name in enumerate(layers):
         tree = ast.parse(open(os.path.join(folder, f"{name}.py")).read())
         imported = set()
         for node in ast.walk(tree):
@@ -461,7 +464,31 @@ def test_manager_and_hf_depend_on_format_only():
                 imported.update(f"{node.module}.{a.name}" for a in node.names)
             elif isinstance(node, ast.Import):
                 imported.update(a.name for a in node.names)
-        assert not {m for m in imported if m.startswith(f"titanlike.checkpoint.{other}")}, (name, imported)
+        above = {m for m in imported for other in layers[i:] if m.startswith(f"titanlike.checkpoint.{other}")}
+        assert not above, (name, above)
+
+
+def test_checkpoint_package_knows_no_converter_and_no_objective():
+    """What a converter or an objective adds on load comes in as a LoadHook (models/load_hooks.py): no
+    module of the package imports LoRA, the converters or an objective, at its top or in a function."""
+    import ast
+
+    import titanlike.checkpoint as package
+
+    folder = os.path.dirname(package.__file__)
+    forbidden = ("titanlike.models.lora", "titanlike.models.converters", "titanlike.objectives")
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(open(os.path.join(folder, name)).read())):
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            bad = [m for m in modules if m in forbidden or m.startswith(tuple(f"{f}." for f in forbidden))]
+            assert not bad, f"titanlike/checkpoint/{name}:{node.lineno} imports {bad[0]}"
 
 
 def test_load_model_refuses_tensors_that_do_not_fit_the_sidecar(tmp_path):

@@ -65,11 +65,11 @@ def test_a_registered_dataset_kind_is_a_config_value_with_its_rules(monkeypatch)
     """training.dataset / validation.dataset take what the data loader registers (no list in config/),
     and the config checks the kind's own path and streaming rules before anything runs."""
     from titanlike.config import sections, validate_values
-    from titanlike.data import loader
+    from titanlike.data import kinds, loader
 
     with pytest.raises(ConfigError, match="training.dataset must be one of .*webdataset"):
         load_job_config(["--training.dataset", "shards"])
-    monkeypatch.setattr(loader, "_KINDS", dict(loader._KINDS))
+    monkeypatch.setattr(kinds, "_KINDS", dict(kinds._KINDS))
     monkeypatch.setattr(sections, "_DATASET_KINDS", dict(sections._DATASET_KINDS))
     loader.register_dataset_kind("shards", lambda **_: None, shuffle=False, needs_path=False, streaming=True)
     assert load_job_config(["--training.dataset", "shards"]).training.dataset == "shards"
@@ -336,6 +336,7 @@ def test_memory_rule_refuses_a_job_no_machine_holds():
     assert check_fits(plan_job(load_job_config([]), world_size=1)) is None  # the debug job fits anywhere
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_memory_rule_compares_with_this_machines_share(monkeypatch):
     import estimation.fits as fits
 

@@ -26,7 +26,7 @@ pytest.importorskip("torchao")
 
 
 def converters_of(cfg):
-    return build_model_converters(cfg.model.converters, cfg.float8)
+    return build_model_converters(cfg.model.converters, cfg)
 
 
 def float8_cfg(*argv: str):

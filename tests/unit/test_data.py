@@ -183,7 +183,8 @@ def _assert_same(a, b):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
-@pytest.mark.parametrize("kind", ["default", "stream", "default_workers"])
+# default_workers starts the DataLoader's worker processes: slow (the fast lane refuses it, tests/conftest.py).
+@pytest.mark.parametrize("kind", ["default", "stream", pytest.param("default_workers", marks=pytest.mark.slow)])
 def test_resume_mid_stream(tok, docs, kind):
     def make():
         if kind == "stream":

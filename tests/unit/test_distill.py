@@ -140,7 +140,7 @@ def test_a_hugging_face_teacher_is_built_and_loaded_as_transformers_runs_it(tmp_
 
     import transformers
 
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.models.registry import get_model_spec
     from titanlike.train.model_parts import build_frozen_model
 
@@ -162,7 +162,7 @@ def test_a_hugging_face_teacher_is_built_and_loaded_as_transformers_runs_it(tmp_
 
 
 def test_a_dcp_teacher_is_loaded_from_its_shards_as_read_whole(tmp_path):
-    """A DCP teacher goes through the sharded load (checkpoint/manager.py load_frozen_model: the
+    """A DCP teacher goes through the sharded load (checkpoint/loading.py load_frozen_model: the
     checkpoint's index checked, then each rank's shards read): the same tensors as the checkpoint read
     whole (titanlike.load_model); an index of another shape and a damaged file are refused in one sentence."""
     import json

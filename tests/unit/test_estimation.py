@@ -85,6 +85,7 @@ def test_the_probe_keeps_one_pair_of_each_pair_of_neighbouring_kinds():
     assert probed_layers(list("AB")) == {("A", "B"): 0}
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 @pytest.mark.parametrize("layout, world", [
     (["--training.global_batch_size", "16"], 2),  # FSDP, two microbatches
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
@@ -134,10 +135,11 @@ LLAVA = ["--model.name", "llava", "--model.flavor", "debugmodel", "--model.args.
          str(REPO / "titanlike" / "data" / "assets" / "debug_tokenizer.tiktoken"), "--metrics.no_enable_tensorboard"]
 
 
-def test_every_family_debug_preset_is_within_10_percent_of_a_measured_cpu_step(tmp_path):
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
+def test_every_family_debug_preset_is_within_2_percent_of_a_measured_cpu_step(tmp_path):
     """One real training step of each family's debug preset (and LLaVA's, above) on CPU, measured by
     scripts/measure_memory.py (allocator events, independent of the probe's storage count): the estimate
-    counting torch's CPU kernels and exact bytes is within 10% (measured: within 0.1% for all eight,
+    counting torch's CPU kernels and exact bytes is within 2% (measured: within 0.13% for all eight,
     LLaVA +1.0%)."""
     names, jobs = [*FAMILY_PRESETS, "llava"], [*(_preset(name) for name in FAMILY_PRESETS), LLAVA]
     proc = subprocess.run([sys.executable, "-c", _MEASURE_ALL.format(repo=str(REPO)), json.dumps(jobs), str(tmp_path)],
@@ -146,12 +148,13 @@ def test_every_family_debug_preset_is_within_10_percent_of_a_measured_cpu_step(t
     measured = [json.loads(line)["peak_bytes"] for line in proc.stdout.splitlines() if line.startswith("{")]
     for name, argv, m in zip(names, jobs, measured, strict=True):
         e = max(r.peak_bytes for r in _estimate(*argv, world=1, device="cpu", granularity=1))
-        assert abs(e - m) <= 0.10 * m, (name, e, m)
+        assert abs(e - m) <= 0.02 * m, (name, e, m)
 
 
-def test_pipeline_ranks_are_within_10_percent_of_measured_cpu_steps(tmp_path):
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
+def test_pipeline_ranks_are_within_2_percent_of_measured_cpu_steps(tmp_path):
     """PP 2 (1F1B, 4 microbatches) on 2 gloo ranks: each rank's peak, from torch's own schedule, within
-    10% of its measured step (measured: -0.3% and 0.0%)."""
+    2% of its measured step (measured: -0.3% and 0.0%)."""
     argv = [*_preset("debug_model"), "--training.seq_len", "256", "--training.local_batch_size", "8",
             "--training.mixed_precision_param", "float32", "--parallelism.pipeline_parallel_degree", "2",
             "--parallelism.pipeline_parallel_microbatch_size", "2"]
@@ -163,7 +166,7 @@ def test_pipeline_ranks_are_within_10_percent_of_measured_cpu_steps(tmp_path):
     measured = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())["peak_bytes"]
                 for p in tmp_path.glob("rank*.json")}
     for r in _estimate(*argv, world=2, device="cpu", granularity=1):
-        assert abs(r.peak_bytes - measured[r.rank]) <= 0.10 * measured[r.rank], (r.rank, r.peak_bytes, measured)
+        assert abs(r.peak_bytes - measured[r.rank]) <= 0.02 * measured[r.rank], (r.rank, r.peak_bytes, measured)
 
 
 # Compiled blocks, the optimizer step's peak and LoRA, against steps measured on this machine: one
@@ -197,39 +200,42 @@ def _cpu_estimate(name: str, *more: str):
     return r
 
 
-def test_compiled_blocks_and_loss_are_within_10_percent_of_a_measured_compiled_cpu_step(measured_jobs):
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
+def test_compiled_blocks_and_loss_are_within_2_percent_of_a_measured_compiled_cpu_step(measured_jobs):
     """A step whose blocks and loss inductor really compiles on CPU: the estimate (AOT autograd, inductor's
-    partitioner, fusion's buffers) within 10% of it (measured: 0.01%); the eager estimate of the same
+    partitioner, fusion's buffers) within 2% of it (measured: 0.01%); the eager estimate of the same
     job is not (it keeps every intermediate the compiled graphs recompute or fuse away: +28%)."""
     m = measured_jobs["compiled"]
     compiled = _cpu_estimate("compiled").peak_bytes
-    assert abs(compiled - m) <= 0.10 * m, (compiled, m)
+    assert abs(compiled - m) <= 0.02 * m, (compiled, m)
     eager = _cpu_estimate("compiled", "--compile.no_enable").peak_bytes
     assert eager > 1.15 * m, (eager, m)
-    # Op-level checkpointing's policy reaches the partitioner through dynamo (measured: -4.9%).
+    # Op-level checkpointing's policy reaches the partitioner through dynamo: within 7% (measured: -4.9%).
     m = measured_jobs["compiled, op-level checkpointing"]
     op = _cpu_estimate("compiled, op-level checkpointing").peak_bytes
-    assert abs(op - m) <= 0.10 * m, (op, m)
+    assert abs(op - m) <= 0.07 * m, (op, m)
 
 
-def test_the_optimizer_steps_peak_is_within_10_percent_of_a_measured_cpu_step(measured_jobs):
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
+def test_the_optimizer_steps_peak_is_within_2_percent_of_a_measured_cpu_step(measured_jobs):
     """Short sequences and foreach AdamW (its temporaries span every parameter at once): the peak is the
-    optimizer step, with the gradients held, both in the estimate and on this machine (measured: 0.0%)."""
+    optimizer step, with the gradients held, both in the estimate and on this machine, within 2% (measured: 0.0%)."""
     r, m = _cpu_estimate("optimizer step"), measured_jobs["optimizer step"]
     assert r.peak_phase == "optimizer step" and r.peak.gradients > 0, r.peak_phase
-    assert abs(r.peak_bytes - m) <= 0.10 * m, (r.peak_bytes, m)
+    assert abs(r.peak_bytes - m) <= 0.02 * m, (r.peak_bytes, m)
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_lora_holds_gradients_and_optimizer_state_for_adapters_only(measured_jobs):
     """The LoRA preset at the job's own rank and targets: the frozen base has no gradient and no AdamW
-    state, the adapters have both (their element count from the model itself), and the step is within 10%
-    of the measured one (0.1%)."""
+    state, the adapters have both (their element count from the model itself), and the step is within 2%
+    of the measured one (measured: 0.07%)."""
     from titanlike.models.converters import build_model_converters
 
     prep = prepare_job(load_job_config(MEASURED_JOBS["lora"]), 1)
     model = prep.plan.spec.model_cls(prep.plan.model_args)
     cfg = prep.plan.cfg
-    build_model_converters(cfg.model.converters, cfg.float8, lambda name: getattr(cfg, name)).convert(model)
+    build_model_converters(cfg.model.converters, cfg).convert(model)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 0 < adapters < sum(p.numel() for p in model.parameters()) // 10
     pr = probe(prep.plan, device="cpu", granularity=1)
@@ -239,7 +245,7 @@ def test_lora_holds_gradients_and_optimizer_state_for_adapters_only(measured_job
     assert grads == 4 * adapters and state == 2 * 4 * adapters + steps, (grads, state, adapters)
     (r,) = estimate(prep.plan, pr)
     m = measured_jobs["lora"]
-    assert abs(r.peak_bytes - m) <= 0.10 * m, (r.peak_bytes, m)
+    assert abs(r.peak_bytes - m) <= 0.02 * m, (r.peak_bytes, m)
 
 
 # Against torchtitan's published figures (scripts/published_memory.py holds every row) ---------------
@@ -262,6 +268,9 @@ def _row_estimate(gpus: int, argv: list[str]):
     return _ROW_ESTIMATES[key]
 
 
+# Slow though it starts no process: the rows probe 8B-405B models at up to 262k tokens, about 70 s on one
+# core, a third of what the fast lane would take with them.
+@pytest.mark.slow
 @pytest.mark.parametrize("published, gpus, argv", [pytest.param(*row[2:], id=f"{row[0]} {row[1]}") for row in ROWS])
 def test_published_torchtitan_memory_within_25_percent(published, gpus, argv):
     """What the caching allocator reserves, by the estimate, against torchtitan's published H100 figure
@@ -305,6 +314,7 @@ def test_a_real_flavor_without_a_tokenizer_keeps_its_own_vocabulary_and_says_so(
 # Mixture of experts ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_expert_parallel_probe_assumes_balanced_routing():
     """Routing sizes tensors from values fake tensors lack: the probe answers as balanced routing would
     (a top-k picks round-robin, so every expert gets tokens x top_k / experts rows), and under EP 2 each
@@ -348,6 +358,7 @@ def test_json_and_text_reports(capsys):
     assert "reserved" in text and "probed" in text and "verdict: fits" in text
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_llava_7b_estimate_counts_each_image_through_the_tower(capsys):
     """estimate.py on LLaVA-1.5-7B: one more image per sample (llava.max_images) adds its FLOPs (tower and
     projector, over the sample's tokens) and the tower's activations over its 577 positions: at least
@@ -382,6 +393,7 @@ def test_cli_reports_impossible_layout_as_config_error(capsys):
 # The planner ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_planner_ranks_fitting_layouts_by_throughput():
     from estimation.plan import format_plan, run_plan
 

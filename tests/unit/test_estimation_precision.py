@@ -22,6 +22,7 @@ def _top(*overrides: str, world: int):
     return max(estimate(prep.plan, probe(prep.plan)), key=lambda r: r.peak_bytes)
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 @pytest.mark.parametrize("world", [1, 2])  # autocast without FSDP; FSDP's mixed precision
 def test_float16_takes_the_bytes_of_bfloat16(world):
     half, bf16, fp32 = (_top("--training.mixed_precision_param", dtype, world=world)
@@ -30,6 +31,7 @@ def test_float16_takes_the_bytes_of_bfloat16(world):
     assert abs(half.peak_bytes - bf16.peak_bytes) <= 4096 and half.peak_bytes < fp32.peak_bytes
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_cpu_offload_moves_parameters_gradients_and_optimizer_state_to_the_host():
     accumulate = ["--training.global_batch_size", "16"]  # sharded gradients held across microbatches
     plain, off = _top(*accumulate, world=2), _top(*accumulate, "--training.enable_cpu_offload", world=2)
@@ -42,6 +44,7 @@ def test_cpu_offload_moves_parameters_gradients_and_optimizer_state_to_the_host(
         prepare_job(load_job_config([*TINY, "--training.enable_cpu_offload"]), 1)
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_ramp_up_is_estimated_at_its_final_batch():
     full = ["--training.global_batch_size", "32"]
     plain, ramped = _top(*full, world=2), _top(*full, "--training.rampup_batch_size", "8,8,64", world=2)

@@ -130,6 +130,7 @@ def test_bad_prompts_are_one_sentence(model):
         assert words in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_compiled_decode_gives_the_eager_tokens_without_recompiling():
     """Engine(compile=True): static caches of the context's length and a torch.compile'd decode step
     (inductor), which compiles once for a batch size and is reused by every step of every call, the
@@ -210,7 +211,7 @@ def test_continuous_batching_cancels_and_survives_a_failed_step(model):
 def hf_folder(tmp_path_factory):
     """A random GPT-2 (its context is its position table: 48) with the debug tokenizer, written as a
     Hugging Face folder."""
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)

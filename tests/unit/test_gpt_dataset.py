@@ -525,6 +525,7 @@ print("MEGATRON PARITY OK")
 '''
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_files_and_samples_identical_to_megatron_lm(tmp_path):
     import importlib.util
     import subprocess

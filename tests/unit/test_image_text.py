@@ -112,6 +112,7 @@ def test_captions_and_conversations_become_samples_and_bad_ones_are_counted(shar
     assert chat["pixel_values"][1].any()  # the second image is there
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 @pytest.mark.parametrize("prepared", [False, True], ids=["webdataset", "energon"])
 def test_a_blend_is_the_same_on_any_data_parallel_degree_and_resumes_exactly(shards, energon_datasets, tokenizer,
                                                                              prepared):
@@ -233,6 +234,7 @@ def energon_reference(folder: str, part: str) -> list:
         return list(get_loader(dataset))
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_energon_prepared_datasets_read_as_energon_reads_them(energon_datasets, tokenizer):
     from PIL import Image
 
@@ -290,6 +292,7 @@ def test_energon_prepared_datasets_read_as_energon_reads_them(energon_datasets, 
     assert "The first, 1." in trained(crude[1]) and "brighter" not in trained(crude[1])
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_hostile_energon_metadata_is_refused_in_one_sentence(energon_datasets, tmp_path, tokenizer):
     import shutil
 

@@ -348,6 +348,7 @@ def test_num_flops_per_token_hand_computed():
 TIMEOUT_S = 240
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_sharded_init_and_tensor_parallelism_equal_one_process():
     """One world of 4 spawned ranks (started once): FSDP2 over the 4 ranks with uneven shards, FSDP x TP
     (2 x 2, _StridedShard placements), then TP over each pair of ranks, tied or not, with and without

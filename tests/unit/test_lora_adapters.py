@@ -236,3 +236,35 @@ def test_dora_under_tensor_parallelism_is_refused_before_training(tmp_path):
         plan_job(load_job_config(["--model.converters", "lora", "--lora.use_dora", "--parallelism.tensor_parallel_degree",
                                   "2", "--job.dump_folder", str(tmp_path)]), 2)
     assert str(e.value) == "lora.use_dora is not supported with tensor parallelism; use FSDP (or plain LoRA)"
+
+
+def test_converters_disabled_computes_the_base_model_and_restores_the_adapters(hf_folder):
+    """ModelConverters.disabled (DPO's reference with the adapters off): inside it the adapted model
+    computes the base model's logits exactly; after it, its own again."""
+    import titanlike
+    from titanlike.models.converters import ModelConverters
+    from titanlike.models.lora import LoRAConverter
+
+    options = LoRAOptions(rank=4, alpha=8, target_modules=TARGETS)
+    model, _ = _lora_model(hf_folder, options)
+    base = titanlike.load_model(hf_folder)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = model(tokens)
+        with ModelConverters([LoRAConverter(options)]).disabled([model]):
+            off = model(tokens)
+        again = model(tokens)
+    assert torch.equal(off, base(tokens)) and not torch.allclose(adapted, off)
+    assert torch.equal(again, adapted)
+
+
+def test_load_model_merges_a_lora_checkpoint_through_the_registered_hook(hf_folder):
+    """load_model knows no LoRA: the merge is the LoadHook models/lora.py registers."""
+    from titanlike.models.load_hooks import merged, registered_hooks
+    from titanlike.models.lora import LoRAMerge
+
+    assert any(isinstance(h, LoRAMerge) for h in registered_hooks())
+    model, _ = _lora_model(hf_folder, LoRAOptions(rank=4, alpha=8, target_modules=TARGETS))
+    sd = dict(model.state_dict())
+    assert merged(sd).keys() == merged_state_dict(sd).keys()
+    assert all(torch.equal(v, merged_state_dict(sd)[k]) for k, v in merged(sd).items())

@@ -1,13 +1,18 @@
 """Model families stay independent: a family package imports itself and the shared model code only,
-and the model code imports none of the packages that apply it (parallel, train, data, checkpoint).
+and the model code sits at the bottom of the package graph: it imports none of the packages that
+apply it (objectives, data, parallel, train, checkpoint, inference, cli), so importing the registry
+loads none of them.
 
-Read from the source (ast), so every import counts, including one inside a function. What one
-family shares with another lives in titanlike/models/common/, which imports no family.
+Read from the source (ast), so every import counts, including one inside a function; one under
+`if TYPE_CHECKING:` does not (it never runs). What one family shares with another lives in
+titanlike/models/common/, which imports no family. A family names its objective by its registered
+name (ModelSpec.objective), which titanlike/objectives/registry.py resolves.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,23 +20,27 @@ import pytest
 import titanlike.models
 
 MODELS = Path(titanlike.models.__file__).parent
+_spec = importlib.util.spec_from_file_location("import_graph", MODELS.parent.parent / "scripts" / "import_graph.py")
+import_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_graph)
 SHARED = "common"
 FAMILIES = sorted(p.name for p in MODELS.iterdir() if (p / "__init__.py").is_file() and p.name != SHARED)
 
 # What a family may import from titanlike besides its own package: the shared model code and the
-# contracts its spec fills (issue 26: the module-hook protocol, the objective it trains with, and
-# the config loader's leaf package for a family's own config section).
+# contracts its spec fills (issue 26: the module-hook protocol, and the config loader's leaf package
+# for a family's own config section).
 ALLOWED_ROOTS = (
     "titanlike.models.common",
     "titanlike.models.args",
     "titanlike.models.outputs",
     "titanlike.models.registry",
+    "titanlike.models.spec_types",
     "titanlike.models.protocol",
-    "titanlike.objectives",
     "titanlike.config",
 )
 # The packages that apply the models: nothing under titanlike/models imports them.
-APPLIERS = ("titanlike.parallel", "titanlike.train", "titanlike.data", "titanlike.checkpoint")
+APPLIERS = ("titanlike.objectives", "titanlike.parallel", "titanlike.train", "titanlike.data", "titanlike.checkpoint",
+            "titanlike.inference", "titanlike.cli")
 
 
 def _under(module: str, roots: tuple[str, ...]) -> bool:
@@ -39,22 +48,11 @@ def _under(module: str, roots: tuple[str, ...]) -> bool:
 
 
 def titanlike_imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
-    """(line, module) of every titanlike module the file (or `source` in its place) imports;
-    relative imports resolved, and `from package import name` counted as package.name (a name may
-    be a submodule)."""
-    package = ".".join(path.relative_to(MODELS.parent.parent).with_suffix("").parts)
-    if path.name != "__init__.py":
-        package = package.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text() if source is None else source, str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}" if base else parent
-            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    """(line, module) of every titanlike module the file (or `source` in its place) imports, at file
+    level or inside a function; relative imports resolved, `from package import name` counted as
+    package.name (a name may be a submodule), the body of `if TYPE_CHECKING:` left out (the scanner of
+    scripts/import_graph.py)."""
+    found = import_graph.imports_of(path, MODELS.parent.parent, source=source)
     return [(line, module) for line, module in found if _under(module, ("titanlike",))]
 
 
@@ -101,3 +99,12 @@ def test_the_scan_sees_relative_and_nested_imports():
     source = "import torch\nfrom .hf_adapter import KEYS\ndef f():\n    from titanlike.models import qwen3\n"
     assert titanlike_imports(MODELS / "llama3" / "model.py", source) == [
         (2, "titanlike.models.llama3.hf_adapter.KEYS"), (4, "titanlike.models.qwen3")]
+
+
+def test_the_scan_leaves_out_type_checking_blocks_only():
+    source = ("from typing import TYPE_CHECKING\nimport typing\n"
+              "if TYPE_CHECKING:\n    from titanlike.data import loader\n"
+              "else:\n    from titanlike.train import step\nif typing.TYPE_CHECKING:\n    import titanlike.parallel\n"
+              "class A:\n    def f(self):\n        import titanlike.objectives.sft\n")
+    assert titanlike_imports(MODELS / "registry.py", source) == [(6, "titanlike.train.step"),
+                                                                 (11, "titanlike.objectives.sft")]

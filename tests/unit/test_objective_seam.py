@@ -17,6 +17,7 @@ from titanlike.models.llama3 import Transformer, llama3_flavors
 from titanlike.models.outputs import IGNORE_INDEX, ModelOutput
 from titanlike.models.registry import ModelSpec, get_model_spec, model_names, register_model_spec
 from titanlike.objectives import BatchContext, CausalLM
+from titanlike.objectives.registry import register_family_objective
 from titanlike.train.trainer import Trainer
 from titanlike.train.plan import plan_job
 
@@ -31,6 +32,8 @@ class PenalizedLlama(Transformer):
 
 
 class RecordingCausalLM(CausalLM):
+    name = "test_recording_causal_lm"
+
     def loss(self, output, targets, ctx, *, correct=False):
         SEEN.append((output, targets["labels"]))
         return super().loss(output, targets, ctx, correct=correct)
@@ -38,10 +41,11 @@ class RecordingCausalLM(CausalLM):
 
 def _register() -> None:
     if "test_penalized_llama" not in model_names():
+        register_family_objective(RecordingCausalLM.name, RecordingCausalLM.for_job)
         llama = get_model_spec("llama3")
         register_model_spec(ModelSpec(name="test_penalized_llama", model_cls=PenalizedLlama, flavors=llama3_flavors,
                                       shard=llama.shard, pipeline_ends=llama.pipeline_ends,
-                                      objective=RecordingCausalLM.for_job))
+                                      objective=RecordingCausalLM.name))
 
 
 def first_step(tmp_path, name: str) -> tuple[float, float]:

@@ -116,6 +116,7 @@ def test_without_append_eod(tmp_path):
         expected_docs(tok, eod=False))
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_two_workers_and_gzip_give_identical_bytes(tmp_path):
     many = LINES * 40  # several chunks per worker, malformed lines spread across them
     plain = write_jsonl(tmp_path / "many.jsonl", many)
@@ -161,6 +162,7 @@ def test_large_vocab_writes_int32(tmp_path):
     assert IndexedDataset(str(tmp_path / "out_text_document"))[0][-1] == 69_999
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_failure_leaves_no_output(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", LINES * 10, extra=[json.dumps({"text": "BOOM"})])
     with pytest.raises(RuntimeError, match="exploded"):
@@ -197,6 +199,7 @@ def test_split_sentences_writes_one_sequence_per_sentence(tmp_path, capsys):
     assert not os.path.exists(str(tmp_path / "o_text_document.bin"))
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_split_sentences_two_workers_give_identical_bytes(tmp_path):
     lines = [{"text": f"Verse {i}. And it was so! Is it? It is. Mr. Jones agreed."} for i in range(40)]
     src = write_jsonl(tmp_path / "in.jsonl", lines)
@@ -243,6 +246,7 @@ def test_missing_input_is_a_clear_error(tmp_path, capsys):
     assert rc == 1 and "input not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_cli_with_megatron_flags(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl.gz", LINES)
     cmd = [sys.executable, str(SCRIPT), "--input", str(src), "--output-prefix",
@@ -261,6 +265,7 @@ def test_cli_with_megatron_flags(tmp_path):
 # -- an input that gives an empty dataset is an error and publishes nothing ------------------------
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 @pytest.mark.parametrize("content, message", [
     (b"", "input {src} is empty: no line to tokenize, nothing written"),
     (b"{not json\n" + json.dumps({"title": "no text"}).encode() + b"\n[1, 2]\n",

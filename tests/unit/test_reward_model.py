@@ -1,6 +1,6 @@
 """Reward models (training.objective reward) against transformers and TRL (trl 1.16).
 
-Our model with its scalar head is exported (checkpoint/format.py write_hf) as the family's
+Our model with its scalar head is exported (checkpoint/hf.py write_hf) as the family's
 `...ForSequenceClassification` (num_labels 1, pad_token_id set); transformers loads it and scores
 right-padded sequences at their last non-pad token with the scores our model gives at that token
 (fp32, within 1e-4). TRL's RewardTrainer.compute_loss on that transformers model and a batch of
@@ -66,7 +66,7 @@ def packed_batch():
 def test_exported_reward_model_scores_and_trl_loss_agree(family, tmp_path):
     import json
 
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
 
     spec, args, model = our_model(family)
     write_hf(dict(model.state_dict()), spec, args, str(tmp_path), context_len=64, bos_id=0, eos_id=1, pad_id=PAD)
@@ -135,7 +135,8 @@ def test_a_reward_model_starts_from_a_language_model(kind, tmp_path):
     from conftest import REPO, train_in_process
 
     import titanlike
-    from titanlike.checkpoint.format import model_description, write_hf
+    from titanlike.checkpoint.format import model_description
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.checkpoint.hf import write_dcp_model
 
     spec = get_model_spec("llama3")

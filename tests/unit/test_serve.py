@@ -32,7 +32,7 @@ SLOTS = 3
 
 
 def _write(spec_name: str, folder, context_len: int | None = None, **changes):
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)

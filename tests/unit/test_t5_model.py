@@ -20,6 +20,7 @@ from titanlike.models.registry import get_model_spec, model_names
 from titanlike.models.t5 import T5, T5Args, t5_flavors
 from titanlike.models.t5.model import relative_position_bucket
 from titanlike.objectives import SpanCorruption
+from titanlike.objectives.registry import family_objective
 
 SPEC = get_model_spec("t5")
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ def test_registered_by_its_folder_alone():
     assert {"debugmodel", "small", "base", "large", "3B", "11B"} <= set(SPEC.flavors)
     assert SPEC.shard.top["encoder_relative_bias"] is sharding.split_heads
     assert SPEC.shard.block["cross_attention.wo"] is sharding.rowwise
-    assert isinstance(SPEC.objective(load_job_config([]), t5_flavors["debugmodel"]), SpanCorruption)
+    assert isinstance(family_objective(load_job_config([]), SPEC, t5_flavors["debugmodel"]), SpanCorruption)
     d = t5_flavors["debugmodel"]
     assert (d.dim, d.n_encoder_layers, d.n_decoder_layers, d.n_heads, d.head_dim, d.ffn_hidden_dim, d.vocab_size) == (
         256, 2, 2, 8, 32, 512, 2048)
@@ -237,6 +238,7 @@ def test_preset_parses_and_layouts_are_checked_before_any_process_group():
 # ---------------------------------------------------------------- two ranks: TP (+SP) and FSDP
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_tensor_parallel_and_fsdp_match_single_process():
     """Two gloo ranks: tensor parallelism (with and without sequence parallelism and loss
     parallelism, both variants, padded encoder inputs), then FSDP: the same init, loss and

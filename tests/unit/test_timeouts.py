@@ -77,6 +77,7 @@ def _rank(rank: int, port: int, queue) -> None:
     os._exit(0)  # no destroy_process_group: it would wait on the peer
 
 
+@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
 def test_a_collective_on_gloo_fails_after_the_train_timeout():
     import socket
 

@@ -436,6 +436,7 @@ def test_compile_backend_must_be_torchs():
     plan_job(load("--compile.enable", "--compile.backend", "aot_eager")[0], world_size=1)
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_periodic_gc_collects_at_its_steps_only():
     from titanlike.train.gc_schedule import PeriodicGC
 
@@ -524,6 +525,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_v022_debug_layout_trains(tmp_path, caplog, one_thread):
     import train
     from titanlike.train.optimizer import lr_factor
@@ -548,6 +550,7 @@ def test_v022_debug_layout_trains(tmp_path, caplog, one_thread):
     assert saved["lr_scheduler"]["total_steps"] == 10 and saved["model"]["hf_assets_path"] == "./tests/assets/tokenizer"
 
 
+@pytest.mark.slow  # starts no process, but among the heaviest (1.5 s or more): kept out of the fast lane's 2 minutes
 def test_v010_debug_layout_trains(tmp_path, caplog, one_thread):
     import train
 

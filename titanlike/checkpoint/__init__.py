@@ -1,7 +1,9 @@
 """Distributed checkpointing (DCP) and Hugging Face interchange.
 
-format.py: the on-disk formats; manager.py: CheckpointManager (save / resume a job);
-hf.py: conversions and load_model. manager.py and hf.py depend on format.py only.
+format.py: the DCP formats on disk; hf.py: Hugging Face folders, conversions and load_model;
+states.py: what a checkpoint holds; saving.py and loading.py: writing and reading a job's checkpoints;
+manager.py: CheckpointManager, the trainer's facade over them; hooks.py: LoadHook, what a converter or
+an objective adds on load (this package imports neither).
 """
 
 from titanlike.checkpoint.format import CheckpointError, published_steps

@@ -1,8 +1,8 @@
 """Hugging Face interchange and load_model: DCP checkpoint <-> Hugging Face folder, and a
 checkpoint of either kind -> an unsharded model.
 
-The on-disk formats (sidecar, DCP index checks, safetensors reading and writing) live in
-format.py, shared with the manager. A family is found from a config.json's model_type with
+Hugging Face folders are read and written here (config.json, safetensors); the DCP formats
+(sidecar, index checks, checksums) live in format.py. A family is found from a config.json's model_type with
 registry.spec_for_hf_model_type and speaks through its spec's Hugging Face adapter, spec.hf
 (config_to_args / args_to_config, to_hf_state_dict / from_hf_state_dict, token_ids); nothing here
 reads a family's fields. Everything runs in one process on full (unsharded) tensors.
@@ -16,34 +16,229 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from titanlike.checkpoint.format import (
     HF_CONFIG,
+    HF_INDEX,
     SIDECAR,
     CheckpointError,
+    NoPickleLoadPlanner,
     build_args,
     check_fits,
     check_model_size,
     dcp_save,
-    hf_folder_args,
-    hf_model_from_config,
     drop_aliases,
     is_dcp_folder,
     model_description,
     read_dcp_model,
-    read_hf,
     read_sidecar,
     resolve_checkpoint_folder,
+    single_process_dcp,
     summarize,
-    write_hf,
+    verify_checksums,
     write_sidecar,
 )
-
+from titanlike.models.load_hooks import merged
 from titanlike.data.hf_tokenizer import stored_tokenizer
 from titanlike.models import protocol
 from titanlike.models.common.init import buffers_only
 
 if TYPE_CHECKING:
     from titanlike.data.hf_tokenizer import TokenizerExport
+
+
+# Hugging Face folders ---------------------------------------------------------------------
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """A Hugging Face folder's config.json (a JSON object), or one sentence naming what is wrong."""
+    config_path = os.path.join(path, HF_CONFIG)
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"{path} is not a Hugging Face model folder: {HF_CONFIG} is missing")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{config_path} is damaged: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} is not a JSON object")
+    return config
+
+
+def hf_tensor_names(path: str) -> set[str]:
+    """The tensor names a Hugging Face safetensors folder holds, from the files' headers (no tensor is read)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    try:
+        metadata = HuggingFaceStorageReader(path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"cannot read the safetensors files in {path}: {type(e).__name__}: {e}") from None
+    return {key for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+
+
+def read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict with HF names, config.json) of a Hugging Face safetensors folder."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    config = read_hf_config(path)
+    problem = verify_checksums(path)  # titanlike's own exports record checksums in a sidecar
+    if problem:
+        raise CheckpointError(problem)
+    reader = HuggingFaceStorageReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"cannot read the safetensors files in {path}: {type(e).__name__}: {e}") from None
+    template = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    if not template:
+        raise CheckpointError(f"{path} holds no safetensors tensors")
+    try:
+        with single_process_dcp():
+            dcp.load(template, storage_reader=HuggingFaceStorageReader(path), planner=NoPickleLoadPlanner(),
+                     no_dist=True)
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"reading Hugging Face checkpoint {path} failed: {summarize(e)}") from None
+    return template, config
+
+
+def _unlist(out: str, names: set[str], file_name: str) -> None:
+    """Move the file holding `names` (written alone) to file_name and drop them from the index."""
+    index_path = os.path.join(out, HF_INDEX)
+    with open(index_path) as f:
+        index = json.load(f)
+    weight_map = index["weight_map"]
+    (written,) = {weight_map.pop(name) for name in names}
+    os.replace(os.path.join(out, written), os.path.join(out, file_name))
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+
+
+def _shard_plan(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
+    """Key -> 1-based file index, filling files in key order up to max_shard_bytes."""
+    plan, index, used = {}, 1, 0
+    for key, t in state_dict.items():
+        size = t.numel() * t.element_size()
+        if used and used + size > max_shard_bytes:
+            index, used = index + 1, 0
+        plan[key] = index
+        used += size
+    return plan
+
+
+def write_hf(
+    state_dict: dict[str, torch.Tensor],
+    spec,
+    args,
+    out: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 1024**3,
+    context_len: int | None = None,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    tokenizer_path: str | None = None,
+    tokenizer_fingerprint: str | None = None,
+) -> TokenizerExport:
+    """Write our full state dict as a Hugging Face folder loadable by transformers.
+
+    context_len becomes config.json's max_position_embeddings (default: the args' own). bos_id, eos_id
+    and pad_id become the config.json token ids the family's adapter writes (spec.hf.token_ids).
+    tokenizer_path: the job's tokenizer, written as tokenizer.json + tokenizer_config.json (or
+    copied with a note when it cannot be converted; see titanlike.data.hf_tokenizer), checked
+    against tokenizer_fingerprint when given. Returns that step's TokenizerExport, whose message
+    the caller logs: a folder without a usable tokenizer is still a valid export.
+    """
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from titanlike.data.hf_tokenizer import write_hf_tokenizer
+
+    if spec.hf is None:
+        raise CheckpointError(f"model {spec.name} has no Hugging Face adapter")
+    hf_sd = spec.hf.to_hf_state_dict(state_dict, args)
+    config = spec.hf.args_to_config(args, max_position_embeddings=context_len)
+    if args.has_score_head:  # a reward model: transformers finds each sequence's score by the pad id
+        try:
+            hf_sd, config = spec.hf.score_model(hf_sd, config)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        pad = pad_id if pad_id is not None else eos_id  # what training padded with (objectives/sft.py pad_id)
+        if pad is not None:
+            config["pad_token_id"] = pad
+    # Contiguous: converted tensors may be views (permuted rows), and safetensors stores raw storage.
+    hf_sd = {k: v.to(dtype).contiguous() for k, v in hf_sd.items()}
+    os.makedirs(out, exist_ok=True)
+    unlisted_file, unlisted = spec.hf.unlisted_tensors(list(hf_sd), args)
+    plan = _shard_plan({k: v for k, v in hf_sd.items() if k not in unlisted}, max_shard_bytes)
+    if unlisted:  # one more file, renamed and left out of the index below
+        plan.update({k: max(plan.values(), default=0) + 1 for k in unlisted})
+    writer = HuggingFaceStorageWriter(out, fqn_to_index_mapping=plan)
+    try:
+        with single_process_dcp():
+            dcp.save(hf_sd, storage_writer=writer, no_dist=True)
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"writing Hugging Face checkpoint {out} failed: {summarize(e)}") from None
+    if unlisted:
+        _unlist(out, unlisted, unlisted_file)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    generation = {"_from_model_config": True}
+    for name, value in spec.hf.token_ids(bos=bos_id, eos=eos_id, pad=pad_id).items():
+        config[name] = generation[name] = value
+    for name, content in ((HF_CONFIG, config), ("generation_config.json", generation)):
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(content, f, indent=2)
+    return write_hf_tokenizer(out, tokenizer_path, fingerprint=tokenizer_fingerprint, vocab_size=args.vocab_size,
+                              model_max_length=context_len or args.context_len,
+                              template=spec.hf.tokenizer_template, roles=spec.hf.tokenizer_roles)
+
+
+def hf_model_from_config(config: dict[str, Any], *, where: str = HF_CONFIG):
+    """(ModelSpec, args) for a Hugging Face config.json; `where` names it in errors."""
+    from titanlike.models.registry import spec_for_hf_model_type
+
+    try:
+        spec = spec_for_hf_model_type(config.get("model_type"))
+    except KeyError as e:
+        raise CheckpointError(f"{where}: {e.args[0] if e.args else e}") from None
+    try:
+        args = spec.hf.read_config(config)  # every value it reads checked first
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return spec, args
+
+
+def hf_folder_args(folder: str, spec=None):
+    """The model a Hugging Face folder holds, of any size: (ModelSpec, args) from its config.json,
+    read by the family's adapter (every value it reads checked, HFAdapter.read_config) and fitted to
+    the tensors the folder holds (HFAdapter.args_for_weights: a DeepSeek-V3 folder saved by
+    transformers, without its multi-token-prediction layer, is the model without it). `spec`: the
+    family the caller trains (model.name); a folder of another family is refused by name.
+    CheckpointError, one sentence naming the file, for anything else. Nothing is allocated: the
+    caller checks the size (check_model_size) before building the model."""
+    where = os.path.join(folder, HF_CONFIG)
+    config = read_hf_config(folder)
+    if spec is not None and spec.hf is None:
+        raise CheckpointError(f"model {spec.name} has no Hugging Face adapter, so it cannot read {folder}")
+    if spec is not None and config.get("model_type") not in spec.hf.model_types:
+        raise CheckpointError(
+            f"{where} has model_type={json.dumps(config.get('model_type'))[:40]} but model {spec.name} reads "
+            f"{' or '.join(spec.hf.model_types)}; set model.name to the folder's family")
+    spec, args = hf_model_from_config(config, where=where)
+    try:
+        args = spec.hf.args_for_weights(args, hf_tensor_names(folder))
+    except ValueError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+    return spec, args
 
 
 def write_dcp_model(state_dict: dict[str, torch.Tensor], out: str, info: dict[str, Any]) -> None:
@@ -64,7 +259,7 @@ def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
     """convert_dcp_to_hf: a titanlike DCP checkpoint (full or model-only) -> Hugging Face folder.
 
     The tokenizer files come from tokenizer_path, else from the tokenizer the checkpoint's
-    sidecar names. Returns the tokenizer step's TokenizerExport (see format.write_hf).
+    sidecar names. Returns the tokenizer step's TokenizerExport (see write_hf).
     """
     info = read_sidecar(src) or {}
     description = description or info.get("model")
@@ -74,7 +269,7 @@ def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
         )
     spec, args = build_args(description, where=os.path.join(src, SIDECAR))
     check_model_size(args, os.path.join(src, SIDECAR))
-    state_dict = _merged(read_dcp_model(src))
+    state_dict = merged(read_dcp_model(src))
     check_fits(state_dict, spec, args, src)
     tokenizer = info.get("tokenizer")
     tokenizer = tokenizer if isinstance(tokenizer, dict) else {}
@@ -134,14 +329,6 @@ def _from_hf(spec, hf_sd: dict[str, torch.Tensor], args, src: str) -> dict[str, 
                               f"({type(e).__name__}: {e})") from None
 
 
-def _merged(state_dict: dict) -> dict:
-    """A LoRA job's checkpoint (model.converters lora) with its adapters folded into the weights; any
-    other state dict as it is."""
-    from titanlike.models.lora import has_adapters, merged_state_dict
-
-    return merged_state_dict(state_dict) if has_adapters(state_dict) else state_dict
-
-
 def checkpoint_model(path: str | os.PathLike):
     """(folder, spec, args) of the model a checkpoint holds (a DCP checkpoint with its sidecar, a
     Hugging Face folder, or a folder of step-N checkpoints: the latest), reading no tensor;
@@ -158,10 +345,11 @@ def checkpoint_model(path: str | os.PathLike):
 
 
 def checkpoint_state_dict(folder: str, spec, args) -> dict[str, torch.Tensor]:
-    """The full tensors of checkpoint_model's folder in our names (a LoRA checkpoint merged), checked
+    """The full tensors of checkpoint_model's folder in our names (merged by the registered load hooks:
+    a LoRA checkpoint's adapters folded in), checked
     against the model (check_fits)."""
     if is_dcp_folder(folder):
-        state_dict = _merged(read_dcp_model(folder))
+        state_dict = merged(read_dcp_model(folder))
     else:
         state_dict = _from_hf(spec, read_hf(folder)[0], args, folder)
     check_fits(state_dict, spec, args, folder)
@@ -186,7 +374,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
             raise CheckpointError(f"{folder} has no {SIDECAR} naming the model it holds")
         spec, args = build_args(info["model"], where=os.path.join(folder, SIDECAR))
         check_model_size(args, os.path.join(folder, SIDECAR), device=device, bytes_per_param=bytes_per_param)
-        state_dict = _merged(read_dcp_model(folder, dtype=dtype))
+        state_dict = merged(read_dcp_model(folder, dtype=dtype))
     else:
         spec, args = hf_folder_args(folder)
         check_model_size(args, os.path.join(folder, HF_CONFIG), device=device, bytes_per_param=bytes_per_param)
@@ -224,5 +412,6 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     return model.eval()
 
 
-__all__ = ["check_fits", "checkpoint_model", "checkpoint_state_dict", "export_dcp_to_hf", "hf_folder_args", "hf_model_from_config", "import_hf_to_dcp",
-           "load_model", "write_dcp_model"]
+__all__ = ["check_fits", "checkpoint_model", "checkpoint_state_dict", "export_dcp_to_hf", "hf_folder_args",
+           "hf_model_from_config", "hf_tensor_names", "import_hf_to_dcp", "load_model", "read_hf", "read_hf_config",
+           "write_dcp_model", "write_hf"]

@@ -262,12 +262,21 @@ def check_row_dataset(dataset: str, dataset_path: str | None, *, option: str, ob
     """DataError (one sentence) unless `dataset` at `dataset_path` is rows an objective reads
     (`training.dataset text` naming JSONL or Parquet files or a saved datasets folder): sft's
     conversations, dpo's preference pairs. files: "conversation files"; contents: "the conversations"."""
-    if dataset != "text":
+    from titanlike.data.kinds import find_dataset_kind
+
+    kind = find_dataset_kind(dataset)
+    if kind is None or not kind.gives("rows"):
         raise DataError(f"{option}.dataset {dataset!r} cannot give {objective} samples, which read {files}: set "
                         f"{option}.dataset text and {option}.dataset_path to JSONL or Parquet files or a saved datasets "
                         f"folder of {contents}")
+    kind.readers["rows"](dataset, dataset_path, option=option, contents=contents)
+
+
+def check_row_files(dataset: str, dataset_path: str | None, *, option: str, contents: str) -> None:
+    """The text kind's rows (data/loader.py): DataError, one sentence, unless dataset_path names JSONL or
+    Parquet files or a saved datasets folder."""
     if not dataset_path:
-        raise DataError(f"{option}.dataset text needs {option}.dataset_path ({contents})")
+        raise DataError(f"{option}.dataset {dataset} needs {option}.dataset_path ({contents})")
     try:
         conversation_files(dataset_path)
     except DataError as e:
@@ -334,5 +343,5 @@ class ConversationSamples:
 
 
 __all__ = ["CONVERSATION_SUFFIXES", "ConversationSamples", "FORMATS", "TokenizedConversations", "best_fit_decreasing",
-           "check_row_dataset", "split_rows",
+           "check_row_dataset", "check_row_files", "split_rows",
            "conversation_files", "iter_rows", "row_messages", "tokenize_conversations"]

@@ -39,10 +39,12 @@ import os
 import re
 
 from titanlike.data.errors import DataError
-from titanlike.data.image_text import (ENERGON_PARTS, IMAGE_MARK, IMAGE_SUFFIXES, Content, Member, _Skip,
-                                       shard_samples, webdataset_content)
+from titanlike.data.shards import (IMAGE_MARK, IMAGE_SUFFIXES, Content, Member, _Skip, shard_samples,
+                                   webdataset_content)
 
 META = ".nv-meta"
+# The part of an Energon split (train / val / test) a split of ours reads (train.py's held-out split is "valid").
+ENERGON_PARTS = {"train": "train", "valid": "val", "validation": "val", "test": "test"}
 # Energon skips tar members named __something__ (its own metadata).
 _META_MEMBER = re.compile(r"__[^/]*__($|/)")
 _FIELD = re.compile(r"^(?P<part>[^\[\]]+)(?P<keys>(?:\[[^\[\]]+\])*)$")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 
-import difflib
 import logging
 import warnings
 from collections.abc import Callable
@@ -48,6 +47,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlike.data.batch_schedule import BatchSchedule
 from titanlike.data.errors import DataError
+from titanlike.data.kinds import (DatasetKind, add_dataset_reader, dataset_kind, dataset_kinds, find_dataset_kind,
+                                  register_dataset_kind)
 from titanlike.data.text_datasets import (
     HuggingFaceDocuments,
     PackedStream,
@@ -63,9 +64,12 @@ __all__ = [
     "GlobalSamples",
     "MapSampleSource",
     "RankBatches",
+    "add_dataset_reader",
     "build_dataloader",
     "build_dataloader_from_source",
+    "dataset_kind",
     "dataset_kinds",
+    "find_dataset_kind",
     "register_dataset_kind",
     "window_samples",
 ]
@@ -82,17 +86,6 @@ class MapSampleSource(Protocol):
 SampleSource = Union[MapSampleSource, SampleStream]
 SourceFactory = Callable[..., SampleSource]
 
-
-@dataclass(frozen=True)
-class DatasetKind:
-    factory: SourceFactory  # (*, dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name)
-    shuffle: bool  # reshuffle a map-style source's samples every epoch from `seed`
-    needs_path: bool
-    workers_ok: bool  # False where the source cannot be read whole inside each loader worker
-    optional_path: bool = False  # reads dataset_path when given, works without it too
-
-
-_KINDS: dict[str, DatasetKind] = {}
 
 
 @dataclass(frozen=True)
@@ -111,25 +104,6 @@ class SampleObjective(Protocol):
     dataset kind; source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name."""
 
     def samples(self, dataset: str, **source_args) -> GlobalSamples: ...
-
-
-def register_dataset_kind(
-    name: str, factory: SourceFactory, *, shuffle: bool, needs_path: bool = True, workers_ok: bool = True,
-    optional_path: bool = False, streaming: bool = False,
-) -> None:
-    """Add `name` as a dataset kind, and as a value of training.dataset and validation.dataset
-    (config/sections.py: the config checks its path rule and, for a `streaming` source without end,
-    validation.steps, before any process starts)."""
-    from titanlike.config.sections import register_dataset_kind_rule
-
-    _KINDS[name] = DatasetKind(factory=factory, shuffle=shuffle, needs_path=needs_path and not optional_path,
-                               workers_ok=workers_ok, optional_path=optional_path)
-    register_dataset_kind_rule(name, path="optional" if optional_path else "required" if needs_path else "none",
-                               streaming=streaming)
-
-
-def dataset_kinds() -> list[str]:
-    return sorted(_KINDS)
 
 
 # The embedded corpus keeps its last 1% of samples out of training, for validation runs of the demo.
@@ -158,8 +132,41 @@ def _huggingface_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=N
     return PackedStream(HuggingFaceDocuments(dataset_path), tokenizer, seq_len)
 
 
-register_dataset_kind("default", _default_source, shuffle=True, needs_path=False)
-register_dataset_kind("text", _text_source, shuffle=True)
+def _embedded_sentences(*, dataset_path, tokenizer, split: str | None, what: str):
+    """The default kind's sentences: the embedded corpus, sentence-split in memory with the rule-based
+    splitter; its last 1% of documents held out, as for GPT samples."""
+    from titanlike.data import DEFAULT_CORPUS_PATH
+    from titanlike.data.sentence_samples import sentence_split_corpus
+
+    return sentence_split_corpus(DEFAULT_CORPUS_PATH, tokenizer), DEFAULT_CORPUS_SPLIT
+
+
+def _prefix_sentences(*, dataset_path, tokenizer, split: str | None, what: str):
+    """The megatron kind's sentences: one prefix of sentence-split data (preprocess_data.py
+    --split-sentences); training.split divides its documents (Megatron splits BERT / T5 data by
+    documents too)."""
+    from titanlike.data.blend import parse_blend
+    from titanlike.data.gpt_dataset import DEFAULT_SPLIT
+    from titanlike.data.indexed import IndexedDataset, check_token_ids
+
+    prefixes, _ = parse_blend(dataset_path)
+    if len(prefixes) != 1:
+        raise DataError(f"{what} samples read one Megatron prefix, not a blend of {len(prefixes)}; "
+                        "merge the data into one prefix")
+    data = IndexedDataset(prefixes[0])
+    check_token_ids(prefixes[0], tokenizer.vocab_size)
+    return data, split or DEFAULT_SPLIT
+
+
+def _rows(dataset, dataset_path, **options) -> None:
+    from titanlike.data.conversations import check_row_files
+
+    check_row_files(dataset, dataset_path, **options)
+
+
+register_dataset_kind("default", _default_source, shuffle=True, needs_path=False, held_out=True,
+                      readers={"sentences": _embedded_sentences})
+register_dataset_kind("text", _text_source, shuffle=True, readers={"rows": _rows})
 
 
 def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
@@ -175,7 +182,8 @@ def _megatron_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None
                                   split=split or DEFAULT_SPLIT, split_name=split_name)
 
 
-register_dataset_kind("megatron", _megatron_source, shuffle=False)
+register_dataset_kind("megatron", _megatron_source, shuffle=False, held_out=True,
+                      readers={"sentences": _prefix_sentences})
 # `datasets` hands each torch loader worker a disjoint share of a stream's shards, while every
 # worker here must see the whole stream to keep the global sample order.
 register_dataset_kind("huggingface", _huggingface_source, shuffle=False, workers_ok=False, streaming=True)
@@ -624,11 +632,7 @@ def build_dataloader(
         seq_len=seq_len, local_batch_size=local_batch_size, global_batch_size=global_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, num_workers=num_workers, rampup=rampup,
     )
-    kind = _KINDS.get(dataset)
-    if kind is None:
-        close = difflib.get_close_matches(str(dataset), _KINDS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise DataError(f"unknown dataset {dataset!r}{hint}; known: {', '.join(dataset_kinds())}")
+    kind = dataset_kind(dataset)
     dataset_path = dataset_path or None
     if kind.needs_path and dataset_path is None:
         raise DataError(f"dataset {dataset!r} needs dataset_path")
@@ -654,5 +658,5 @@ def build_dataloader(
 def window_samples(dataset: str, **source_args) -> GlobalSamples:
     """The dataset kind's own samples, windows of seq_len + 1 token ids (next-token prediction's).
     source_args: dataset_path, tokenizer, seq_len, seed, num_samples, split, split_name."""
-    kind = _KINDS[dataset]
+    kind = dataset_kind(dataset)
     return GlobalSamples(kind.factory(**source_args), shuffle=kind.shuffle)

@@ -289,7 +289,7 @@ def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_le
     from titanlike.data.chat_template import load_chat_template
     from titanlike.data.conversations import split_rows
     from titanlike.data.loader import GlobalSamples
-    from titanlike.objectives.sft import pad_id
+    from titanlike.data.tokenizer import pad_id
 
     rows = split_rows(dataset_path, split, split_name)
     template = load_chat_template(options.chat_template, tokenizer, option=f"{section}.chat_template")

@@ -28,8 +28,8 @@ import numpy as np
 from titanlike.data.errors import DataError
 from titanlike.data.token_cache import cached_arrays, corpus_cache_key, ids_within_vocabulary
 
-__all__ = ["SENTENCE_DATASETS", "InMemorySentences", "SentenceSamples", "numpy_fields", "pack_sentences",
-           "sentence_documents", "sentence_split_corpus", "split_documents", "validate_sentence_dataset"]
+__all__ = ["InMemorySentences", "SentenceSamples", "numpy_fields", "pack_sentences", "sentence_documents",
+           "sentence_split_corpus", "split_documents", "validate_sentence_dataset"]
 
 
 class InMemorySentences:
@@ -242,14 +242,13 @@ def numpy_fields(shapes: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, tu
     return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in shapes.items()}
 
 
-# Dataset kinds that give sentence-split documents (masked-LM and span-corruption samples are built
-# from sentences).
-SENTENCE_DATASETS = ("default", "megatron")
-
-
 def validate_sentence_dataset(dataset: str, what: str, *, option: str = "training") -> None:
-    """DataError (one sentence) when `dataset` cannot give sentence-split documents for `what` samples."""
-    if dataset not in SENTENCE_DATASETS:
+    """DataError (one sentence) when `dataset` cannot give sentence-split documents for `what` samples
+    (a kind that can has a "sentences" reader, data/loader.py DatasetKind)."""
+    from titanlike.data.kinds import find_dataset_kind
+
+    kind = find_dataset_kind(dataset)
+    if kind is None or not kind.gives("sentences"):
         raise DataError(f"{option}.dataset {dataset!r} cannot give {what} samples, which need sentence-split "
                         "documents; use dataset 'megatron' (data from preprocess_data.py --split-sentences) or "
                         "'default'")
@@ -257,24 +256,9 @@ def validate_sentence_dataset(dataset: str, what: str, *, option: str = "trainin
 
 def sentence_documents(dataset: str, *, dataset_path, tokenizer, split: str | None, what: str):
     """(sentence-split documents, the split string over them) of a dataset kind, for `what` samples."""
+    from titanlike.data.kinds import dataset_kind
+
     validate_sentence_dataset(dataset, what)
-    if dataset == "default":
-        # The embedded corpus, sentence-split in memory with the rule-based splitter; its last 1% of
-        # documents held out, as for GPT samples.
-        from titanlike.data import DEFAULT_CORPUS_PATH
-        from titanlike.data.loader import DEFAULT_CORPUS_SPLIT
+    return dataset_kind(dataset).readers["sentences"](dataset_path=dataset_path, tokenizer=tokenizer, split=split,
+                                                      what=what)
 
-        return sentence_split_corpus(DEFAULT_CORPUS_PATH, tokenizer), DEFAULT_CORPUS_SPLIT
-    # One prefix of sentence-split data (preprocess_data.py --split-sentences); training.split
-    # divides its documents (Megatron splits BERT / T5 data by documents too).
-    from titanlike.data.blend import parse_blend
-    from titanlike.data.gpt_dataset import DEFAULT_SPLIT
-    from titanlike.data.indexed import IndexedDataset, check_token_ids
-
-    prefixes, _ = parse_blend(dataset_path)
-    if len(prefixes) != 1:
-        raise DataError(f"{what} samples read one Megatron prefix, not a blend of {len(prefixes)}; "
-                        "merge the data into one prefix")
-    data = IndexedDataset(prefixes[0])
-    check_token_ids(prefixes[0], tokenizer.vocab_size)
-    return data, split or DEFAULT_SPLIT

@@ -25,6 +25,7 @@ __all__ = [
     "build_tokenizer",
     "job_tokenizer",
     "load_bpe_ranks",
+    "pad_id",
     "save_bpe_ranks",
 ]
 
@@ -255,3 +256,10 @@ def job_tokenizer(tokenizer_path: str | None, hf_assets_path: str | None, defaul
     except OSError as e:  # a file that exists but cannot be read (permissions, /proc)
         raise ValueError(f"model.tokenizer_path {tokenizer_path or default} cannot be read "
                          f"({os.strerror(e.errno) if e.errno else e})") from None
+
+
+def pad_id(tokenizer) -> int:
+    """The token that fills padding (never trained on, masked out of attention): the tokenizer's pad
+    token where it has one, else EOS."""
+    pad = getattr(tokenizer, "pad_id", None)
+    return pad if isinstance(pad, int) and pad >= 0 else tokenizer.eos_id

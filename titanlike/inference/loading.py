@@ -59,8 +59,9 @@ def model_spec(model: nn.Module):
 def training_objective(model):
     """The objective the model's family trains with (its ModelSpec's, for these args)."""
     from titanlike.config import JobConfig
+    from titanlike.objectives.registry import family_objective
 
-    return model_spec(model).objective(JobConfig(), model.model_args)
+    return family_objective(JobConfig(), model_spec(model), model.model_args)
 
 
 # Why no pipeline parallelism in generation, serving or evaluation: a decode step carries one token

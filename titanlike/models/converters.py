@@ -1,11 +1,12 @@
 """Model converters: module swaps applied to the model on meta, after construction and before
-parallelize (shared/design.md: model on meta -> converters -> parallelize).
+parallelize (the build order of README.md's "How a job runs": model on meta -> converters -> parallelize).
 
-`model.converters` names them, in order. A converter is built from the JobConfig, swaps modules of
-the whole meta model in place (before any pipeline split, so every stage inherits the swap), and
-may act after each optimizer step. `validate_converters` refuses a converter this machine cannot
-run before any process group exists. Converters read the [float8] section only, never the whole
-job config.
+`model.converters` names them, in order. A converter is registered with the config section it is
+built from (its own: float8 and te read [float8], lora reads [lora], titanlike/models/lora.py), swaps
+modules of the whole meta model in place (before any pipeline split, so every stage inherits the
+swap), and may act after each optimizer step, bring load hooks (models/load_hooks.py) and switch
+itself off for a reference forward (`ModelConverters.disabled`). `validate_converters` refuses a
+converter this machine cannot run before any process group exists.
 
 - `float8`: torchao's Float8Linear for every nn.Linear whose in and out features are multiples of
   16 (what float8 matmuls need) and whose name is not in `float8.filter_fqns` (the output
@@ -23,7 +24,7 @@ import dataclasses
 import importlib.util
 import logging
 import sys
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -31,21 +32,40 @@ import torch.nn as nn
 from titanlike.config.schema import Float8
 from titanlike.models import protocol
 
+if TYPE_CHECKING:
+    from titanlike.models.load_hooks import LoadHook
+    from titanlike.config.schema import JobConfig
+
 logger = logging.getLogger("titanlike")
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 
 
 class ModelConverter:
-    """One named swap. Subclasses set `name` and implement convert(); one with a config section of
-    its own names it in `section` and gets it as `options`."""
+    """One named swap, built from its own config section and nothing else: `section` names it
+    ([float8], [lora]) and the converter gets it as `options`. Subclasses set `name` and `section` and
+    implement convert(); the rest is optional."""
 
     name = ""
-    section: str | None = None
+    section = ""
 
-    def __init__(self, float8: Float8, options=None):
-        self.float8 = float8
+    def __init__(self, options):
         self.options = options
+
+    @classmethod
+    def validate(cls, options, *, tp: int) -> None:
+        """Its rules that need no model, before any process group: ValueError, one sentence. tp: the
+        job's tensor-parallel degree."""
+
+    @classmethod
+    def validate_model(cls, options, cfg, spec, args, *, model: str) -> None:
+        """Its rules that need the model (spec and args; build it on meta) or the job's other sections
+        (`cfg`); ValueError, one sentence, before any process group."""
+
+    @classmethod
+    def validate_unnamed(cls, options) -> None:
+        """When model.converters does not name it: ValueError if its section asks for something (an
+        option set for a converter that is not applied)."""
 
     def convert(self, model: nn.Module) -> None:
         raise NotImplementedError
@@ -58,53 +78,52 @@ class ModelConverter:
     def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         """Called after every optimizer step with this rank's model parts."""
 
-    def disabled(self, model_parts: list[nn.Module]) -> contextlib.AbstractContextManager:
-        """A context in which the parts compute as if this converter had not changed them, where it can
-        (ModelConverters.disabled); nothing by default."""
-        return contextlib.nullcontext()
-
     def initial_state(self, model: nn.Module) -> dict:
         """For a fresh run, after the model's initial load (checkpoint.initial_load_path) or init: what
         the swap loads into this model part, full tensors by name (rank 0's are broadcast; {} none)."""
         return {}
 
-    def added(self, key: str) -> bool:
-        """Whether the model state-dict entry `key` is one the swap added: a checkpoint of the model
-        without the swap (a pre-training run's, as checkpoint.initial_load_path) lacks it, and an
-        initial load leaves it at its initialization."""
-        return False
+    def load_hooks(self) -> tuple[LoadHook, ...]:
+        """What the swap adds when a checkpoint loads into, or is exported from, the model
+        (models/load_hooks.py: LoRA's adapters, which a checkpoint of the model before the swap lacks)."""
+        return ()
 
-    def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
-        """Before a model-only Hugging Face export of `state_dict` (full tensors, rank 0) into
-        `folder`: the state dict to convert (LoRA folds its adapters in, and writes its PEFT folder)."""
-        return state_dict
+    def disabled(self, parts: list[nn.Module]) -> contextlib.AbstractContextManager:
+        """A context in which `parts` compute as the model before the swap, where the swap can say so
+        (LoRA: its adapters off, a DPO reference for free); else a context that changes nothing."""
+        return contextlib.nullcontext()
 
 
 _CONVERTERS: dict[str, type[ModelConverter]] = {}
 
 
 def register_converter(cls: type[ModelConverter]) -> type[ModelConverter]:
+    """Make `cls.name` a value of model.converters, built from the job's `[cls.section]` (a class
+    decorator; its module registers it when imported: config/sections.py's discovery imports it)."""
     if cls.name in _CONVERTERS:
         raise ValueError(f"model converter {cls.name!r} is already registered")
+    if not cls.section:
+        raise ValueError(f"model converter {cls.name!r} names no config section")
     _CONVERTERS[cls.name] = cls
     return cls
 
 
+def _registered() -> dict[str, type[ModelConverter]]:
+    from titanlike.config.sections import registered_sections
+
+    registered_sections()  # runs the discovery once: it imports every converter's module
+    return _CONVERTERS
+
+
 def converter_names() -> list[str]:
-    return sorted(_CONVERTERS)
+    return sorted(_registered())
 
 
 class ModelConverters:
     """The converters of one job, applied in the order model.converters names them."""
 
-    def __init__(self, names: list[str], float8: Float8, section: Callable[[str], object] | None = None):
-        """section: the job's registered section of a name (`getattr(job_config, name)`), for the
-        converters that have one."""
-        self.converters = []
-        for name in names:
-            cls = _CONVERTERS[name]
-            options = None if cls.section is None or section is None else section(cls.section)
-            self.converters.append(cls(float8, options))
+    def __init__(self, converters: list[ModelConverter]):
+        self.converters = converters
 
     def convert(self, model: nn.Module) -> None:
         for converter in self.converters:
@@ -120,32 +139,55 @@ class ModelConverters:
             state.update(converter.initial_state(model))
         return state
 
-    def added(self, key: str) -> bool:
-        return any(converter.added(key) for converter in self.converters)
-
-    def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
-        for converter in self.converters:
-            state_dict = converter.hf_export(state_dict, spec, args, folder)
-        return state_dict
-
     def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         for converter in self.converters:
             converter.post_optimizer_step(model_parts)
 
+    def load_hooks(self) -> tuple[LoadHook, ...]:
+        return tuple(hook for converter in self.converters for hook in converter.load_hooks())
+
     @contextlib.contextmanager
-    def disabled(self, model_parts: list[nn.Module]):
-        """The parts compute as if no converter had changed them where a converter can switch its
-        change off (LoRA: the adapters' term is zero), for the duration of the context."""
+    def disabled(self, parts: list[nn.Module]):
+        """Every converter's `disabled` context at once: `parts` as the model before the swaps, as far
+        as they can say."""
         with contextlib.ExitStack() as stack:
             for converter in self.converters:
-                stack.enter_context(converter.disabled(model_parts))
+                stack.enter_context(converter.disabled(parts))
             yield
 
 
-def build_model_converters(names: list[str], float8: Float8,
-                           section: Callable[[str], object] | None = None) -> ModelConverters:
-    """The converters model.converters names, configured by the [float8] section and (section) their own."""
-    return ModelConverters(names, float8, section)
+def build_model_converters(names: list[str], cfg: JobConfig) -> ModelConverters:
+    """The converters model.converters names, each built from its own section of the job (`cfg`)."""
+    registered = _registered()
+    return ModelConverters([registered[name](getattr(cfg, registered[name].section)) for name in names])
+
+
+def validate_converters(names: list[str], cfg: JobConfig, *, tp: int) -> None:
+    """Refuse converters this job cannot run, in one sentence (ValueError), before any process group:
+    names model.converters may not give, then each named converter's own rules on its section."""
+    registered = _registered()
+    for name in names:
+        if name not in registered:
+            raise ValueError(f"model.converters names an unknown converter {name!r}; known converters: "
+                             f"{', '.join(sorted(registered))}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"model.converters names a converter twice: {', '.join(names)}")
+    if {"float8", "te"} <= set(names):
+        raise ValueError("model.converters float8 and te both replace the linear layers; name one of them")
+    for name in names:
+        registered[name].validate(getattr(cfg, registered[name].section), tp=tp)
+
+
+def validate_converter_targets(names: list[str], cfg: JobConfig, spec, args, *, model: str) -> None:
+    """The converters' rules that need the model (LoRA's targets must name linears of it), and those of
+    the converters the job does not name (LoRA's options left unset). ValueError, one sentence, before
+    any process group."""
+    for name, cls in sorted(_registered().items()):
+        options = getattr(cfg, cls.section)
+        if name in names:
+            cls.validate_model(options, cfg, spec, args, model=model)
+        else:
+            cls.validate_unnamed(options)
 
 
 def _importable(module: str) -> bool:
@@ -167,47 +209,6 @@ def _gpu_description() -> str:
         return "this machine has none"
     major, minor = torch.cuda.get_device_capability()
     return f"this machine's {torch.cuda.get_device_name()} has compute capability {major}.{minor}"
-
-
-def validate_converters(names: list[str], f: Float8, *, tp: int) -> None:
-    """Refuse converters this job cannot run, in one sentence (ValueError), before any process group."""
-
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            raise ValueError(message)
-
-    for name in names:
-        check(name in converter_names(),
-              f"model.converters names an unknown converter {name!r}; known converters: {', '.join(converter_names())}")
-    check(len(set(names)) == len(names), f"model.converters names a converter twice: {', '.join(names)}")
-    check(not {"float8", "te"} <= set(names),
-          "model.converters float8 and te both replace the linear layers; name one of them")
-    if "float8" in names:
-        check(not f.recipe_name or f.recipe_name in FLOAT8_RECIPES,
-              f"float8.recipe_name must be {' or '.join(FLOAT8_RECIPES)} (empty means tensorwise), "
-              f"got {f.recipe_name!r}")
-        check(_importable("torchao"),
-              "model.converters float8 needs torchao, which is not installed: pip install torchao "
-              "(or pip install -e '.[float8]')")
-        check(f.emulate or _has_float8_gpu(),
-              f"float8 needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), but "
-              f"{_gpu_description()}; set float8.emulate to test the swap on CPU")
-        check(not (f.enable_fsdp_float8_all_gather and f.recipe_name == "rowwise"),
-              "float8.enable_fsdp_float8_all_gather works with the tensorwise recipe only, not rowwise; "
-              "unset it or set float8.recipe_name tensorwise")
-        check(not f.precompute_float8_dynamic_scale_for_fsdp or f.enable_fsdp_float8_all_gather,
-              "float8.precompute_float8_dynamic_scale_for_fsdp precomputes the scales of the float8 "
-              "all-gather, so it needs float8.enable_fsdp_float8_all_gather")
-    if "te" in names:
-        check(_importable("transformer_engine"),
-              "model.converters te needs NVIDIA Transformer Engine, which is not installed "
-              "(pip install transformer-engine[pytorch] on a CUDA machine), or use the float8 converter")
-        check(_has_float8_gpu(),
-              f"model.converters te needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), "
-              f"but {_gpu_description()}; the float8 converter with float8.emulate tests float8 on CPU")
-        check(tp == 1,
-              "model.converters te does not work with tensor parallelism (the tensor-parallel plan shards "
-              "nn.Linear layers), so tensor_parallel_degree must be 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,22 +236,22 @@ class LinearSelection:
         text = f"converted {len(self.converted)} of {total} linear layers"
         kept = []
         if self.filtered:
-            kept.append(f"{_names(self.filtered)} (float8.filter_fqns)")
+            kept.append(f"{short_list(self.filtered)} (float8.filter_fqns)")
         if self.model_kept:
-            kept.append(f"{_names(self.model_kept)} (kept in high precision by the model)")
+            kept.append(f"{short_list(self.model_kept)} (kept in high precision by the model)")
         if self.misaligned:
-            kept.append(f"{_names(self.misaligned)} (features not multiples of 16)")
+            kept.append(f"{short_list(self.misaligned)} (features not multiples of 16)")
         if kept:
             text += "; left in high precision: " + ", ".join(kept)
         return text
 
 
-def _log_on_rank0(message: str) -> None:
+def log_on_rank0(message: str) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         logger.info(message)
 
 
-def _names(fqns: list[str], limit: int = 4) -> str:
+def short_list(fqns: list[str], limit: int = 4) -> str:
     shown = ", ".join(fqns[:limit])
     return shown if len(fqns) <= limit else f"{shown} and {len(fqns) - limit} more"
 
@@ -308,19 +309,42 @@ def float8_linear_config(f: Float8):
 @register_converter
 class Float8Converter(ModelConverter):
     name = "float8"
+    section = "float8"
 
-    def __init__(self, float8: Float8, options=None):
-        super().__init__(float8)
-        self.config = float8_linear_config(float8)
-        self.recipe = float8.recipe_name or "tensorwise"
-        self.precompute_scales = float8.precompute_float8_dynamic_scale_for_fsdp
+    def __init__(self, options: Float8):
+        super().__init__(options)
+        self.config = float8_linear_config(options)
+        self.recipe = options.recipe_name or "tensorwise"
+        self.precompute_scales = options.precompute_float8_dynamic_scale_for_fsdp
         self.selection = LinearSelection()
+
+    @classmethod
+    def validate(cls, f: Float8, *, tp: int) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(not f.recipe_name or f.recipe_name in FLOAT8_RECIPES,
+              f"float8.recipe_name must be {' or '.join(FLOAT8_RECIPES)} (empty means tensorwise), "
+              f"got {f.recipe_name!r}")
+        check(_importable("torchao"),
+              "model.converters float8 needs torchao, which is not installed: pip install torchao "
+              "(or pip install -e '.[float8]')")
+        check(f.emulate or _has_float8_gpu(),
+              f"float8 needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), but "
+              f"{_gpu_description()}; set float8.emulate to test the swap on CPU")
+        check(not (f.enable_fsdp_float8_all_gather and f.recipe_name == "rowwise"),
+              "float8.enable_fsdp_float8_all_gather works with the tensorwise recipe only, not rowwise; "
+              "unset it or set float8.recipe_name tensorwise")
+        check(not f.precompute_float8_dynamic_scale_for_fsdp or f.enable_fsdp_float8_all_gather,
+              "float8.precompute_float8_dynamic_scale_for_fsdp precomputes the scales of the float8 "
+              "all-gather, so it needs float8.enable_fsdp_float8_all_gather")
 
     def convert(self, model: nn.Module) -> None:
         float8 = import_torchao_float8()
         selection = LinearSelection()
         float8.convert_to_float8_training(
-            model, module_filter_fn=linear_filter(self.float8.filter_fqns, selection), config=self.config)
+            model, module_filter_fn=linear_filter(self.options.filter_fqns, selection), config=self.config)
         self.selection = selection
         details = [self.recipe]
         if self.config.emulate:
@@ -329,7 +353,7 @@ class Float8Converter(ModelConverter):
             details.append("FSDP all-gather in float8")
         if self.precompute_scales:
             details.append("scales precomputed after each step")
-        _log_on_rank0(f"float8 ({', '.join(details)}): {selection.describe()}")
+        log_on_rank0(f"float8 ({', '.join(details)}): {selection.describe()}")
 
     def post_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         if self.precompute_scales:
@@ -410,17 +434,30 @@ class TransformerEngineConverter(ModelConverter):
     """
 
     name = "te"
+    section = "float8"  # its filter_fqns
 
-    def __init__(self, float8: Float8, options=None):
-        super().__init__(float8)
+    def __init__(self, options: Float8):
+        super().__init__(options)
         import transformer_engine.pytorch as te
 
         self.te = te
         self.selection = LinearSelection()
 
+    @classmethod
+    def validate(cls, f: Float8, *, tp: int) -> None:
+        if not _importable("transformer_engine"):
+            raise ValueError("model.converters te needs NVIDIA Transformer Engine, which is not installed "
+                             "(pip install transformer-engine[pytorch] on a CUDA machine), or use the float8 converter")
+        if not _has_float8_gpu():
+            raise ValueError(f"model.converters te needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), "
+                             f"but {_gpu_description()}; the float8 converter with float8.emulate tests float8 on CPU")
+        if tp != 1:
+            raise ValueError("model.converters te does not work with tensor parallelism (the tensor-parallel plan "
+                             "shards nn.Linear layers), so tensor_parallel_degree must be 1")
+
     def convert(self, model: nn.Module) -> None:
         selection = LinearSelection()
-        keep = linear_filter(self.float8.filter_fqns, selection)
+        keep = linear_filter(self.options.filter_fqns, selection)
         for fqn, module in list(model.named_modules()):
             if not keep(module, fqn):
                 continue
@@ -429,7 +466,7 @@ class TransformerEngineConverter(ModelConverter):
             setattr(parent, attr, self._swap(module))
         self.selection = selection
         _register_forward_context(model, self._autocast)
-        _log_on_rank0(f"Transformer Engine: {selection.describe()}")
+        log_on_rank0(f"Transformer Engine: {selection.describe()}")
 
     def _swap(self, linear: nn.Linear) -> nn.Module:
         weight = linear.weight
@@ -465,107 +502,3 @@ def _register_forward_context(model: nn.Module, make_context: Callable[[], conte
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA (titanlike/models/lora.py).
-
-
-@register_converter
-class LoRAConverter(ModelConverter):
-    """Low-rank adapters on the linears lora.target_modules names, the rest frozen ([lora])."""
-
-    name = "lora"
-    section = "lora"
-
-    @contextlib.contextmanager
-    def disabled(self, model_parts: list[nn.Module]):
-        """The adapters' term is exactly zero (scaling 0): the base model, as DPO's reference."""
-        from titanlike.models.lora import adapters
-
-        layers = [m for part in model_parts for m in adapters(part).values()]
-        saved = [m.lora_scaling for m in layers]
-        for m in layers:
-            m.lora_scaling = 0.0
-        try:
-            yield
-        finally:
-            for m, scaling in zip(layers, saved):
-                m.lora_scaling = scaling
-
-    def convert(self, model: nn.Module) -> None:
-        from titanlike.models.lora import LoRAOptions, apply_lora
-
-        targets = apply_lora(model, self.options or LoRAOptions())
-        o = self.options or LoRAOptions()
-        kind = "dora" if o.use_dora else "lora"
-        _log_on_rank0(f"{kind}: rank {o.rank}, alpha {o.alpha:g} on {len(targets)} linear layers "
-                      f"({_names(targets)}); every other parameter frozen"
-                      + (f" but those of {', '.join(o.modules_to_save)} (lora.modules_to_save)" if o.modules_to_save
-                         else "")
-                      + (f", held in {o.base_dtype} (the adapters in float32)" if o.base_dtype != "float32" else ""))
-
-    def init_weights(self, model: nn.Module, seed: int) -> None:
-        from titanlike.models.lora import LoRAOptions, adapters, freeze_base, hf_module_names, saved_parameters, spec_of
-
-        for fqn, module in adapters(model).items():
-            module.init_adapter(seed=seed, fqn=fqn)
-        options = self.options or LoRAOptions()
-        hf_names = hf_module_names(model, spec_of(model), model.model_args) if options.modules_to_save else {}
-        freeze_base(model, keep=saved_parameters(model, options, hf_names))
-
-    def initial_state(self, model: nn.Module) -> dict:
-        """lora.adapter_path's A and B (a PEFT folder) for the adapters of this model part, and DoRA's
-        initial magnitudes."""
-        from titanlike.models.lora import dora_magnitudes, peft_state_dict
-
-        # DoRA's magnitudes start at the row norms of the weights the base now holds (loaded or drawn).
-        state = dora_magnitudes(model) if self.options is not None and self.options.use_dora else {}
-        if self.options is not None and self.options.adapter_path:
-            state.update(peft_state_dict(model, self.options.adapter_path, options=self.options))
-        return state
-
-    def added(self, key: str) -> bool:
-        from titanlike.models.lora import is_adapter_key
-
-        return is_adapter_key(key)
-
-    def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
-        """The PEFT adapter into folder/adapter, and the merged weights for the full export."""
-        import os
-
-        from titanlike.models.lora import LoRAOptions, export_peft, merged_state_dict
-
-        export_peft(state_dict, spec, args, os.path.join(folder, "adapter"), self.options or LoRAOptions())
-        return merged_state_dict(state_dict)
-
-
-def validate_converter_targets(names: list[str], section: Callable[[str], object], spec, args, *, model: str) -> None:
-    """The converters' rules that need the model: LoRA's targets must name linears of it (built on
-    meta). ValueError, one sentence, before any process group."""
-    if "lora" not in names:
-        import dataclasses
-
-        options = section("lora")
-        for field in dataclasses.fields(options):
-            if getattr(options, field.name) != getattr(type(options)(), field.name):
-                raise ValueError(f"lora.{field.name} is set, but model.converters does not name lora; add it "
-                                 f"(--model.converters lora) or remove lora.{field.name}")
-        return
-    from titanlike.models.lora import check_saved, check_targets, hf_module_names, select_targets
-
-    with torch.device("meta"):
-        meta = spec.model_cls(args)
-    options = section("lora")
-    if options.use_dora and section("parallelism").tensor_parallel_degree > 1:
-        # The row norms of a row-parallel weight would need a reduction over the tp ranks in forward.
-        raise ValueError("lora.use_dora is not supported with tensor parallelism; use FSDP (or plain LoRA)")
-    if options.base_dtype != "float32" and section("training").mixed_precision_param != options.base_dtype:
-        # The base would otherwise meet float32 activations (one process) or be cast back up (FSDP's
-        # param_dtype): bfloat16 compute is what a bfloat16 base is for.
-        raise ValueError(f"lora.base_dtype {options.base_dtype} needs training.mixed_precision_param "
-                         f"{options.base_dtype} (it is {section('training').mixed_precision_param})")
-    hf_names = hf_module_names(meta, spec, args)
-    check_targets(select_targets(meta, options.target_modules, hf_names, exclude=options.exclude_modules,
-                                 saved=options.modules_to_save), model=model)
-    check_saved(meta, options, hf_names, name=model)

@@ -1,4 +1,5 @@
 """LoRA: low-rank adapters on a frozen model, as a model converter (`model.converters lora`, [lora]).
+Everything LoRA is here: the layer, the converter and its rules, its load hooks, PEFT import and export.
 
 The swap. A targeted nn.Linear becomes a LoRALinear in place (its class changes; `weight` and
 `bias` stay the same Parameters under the same names) and gains two parameters, `lora_a` (rank x
@@ -38,6 +39,8 @@ listed as its exclude_modules, so that peft builds exactly our adapters.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -49,8 +52,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from titanlike.models.load_hooks import LoadHook, register_load_hook
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
+from titanlike.models.converters import ModelConverter, fqn_matches, log_on_rank0, register_converter, short_list
 
 if TYPE_CHECKING:
     from titanlike.models.registry import ModelSpec
@@ -240,8 +245,6 @@ def hf_module_names(model: nn.Module, spec: ModelSpec | None, args) -> dict[str,
 
 def _named(fqn: str, patterns: list[str], hf_names: Mapping[str, str]) -> str | None:
     """The first pattern naming module `fqn` (ours or its HF name, whole dot-separated parts)."""
-    from titanlike.models.converters import fqn_matches
-
     return next((p for p in patterns if fqn_matches(fqn, p) or (fqn in hf_names and fqn_matches(hf_names[fqn], p))),
                 None)
 
@@ -589,6 +592,119 @@ def _peft_keys(folder: str) -> list[str]:
         return list(f.keys())
 
 
-__all__ = ["LoRALinear", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "dora_magnitudes", "dora_row_norms", "export_peft", "freeze_base",
+# ---------------------------------------------------------------------------------------------
+# The converter, its rules and its load hooks.
+
+
+@register_converter
+class LoRAConverter(ModelConverter):
+    """Low-rank adapters on the linears lora.target_modules names, the rest frozen ([lora])."""
+
+    name = "lora"
+    section = "lora"
+    options: LoRAOptions
+
+    @classmethod
+    def validate_unnamed(cls, options: LoRAOptions) -> None:
+        default = LoRAOptions()
+        for field in dataclasses.fields(options):
+            if getattr(options, field.name) != getattr(default, field.name):
+                raise ValueError(f"lora.{field.name} is set, but model.converters does not name lora; add it "
+                                 f"(--model.converters lora) or remove lora.{field.name}")
+
+    @classmethod
+    def validate_model(cls, options: LoRAOptions, cfg, spec, args, *, model: str) -> None:
+        """Its targets must name linears of the model (built on meta); DoRA and a bfloat16 base need what
+        the parallelism and training sections give them."""
+        if options.use_dora and cfg.parallelism.tensor_parallel_degree > 1:
+            # The row norms of a row-parallel weight would need a reduction over the tp ranks in forward.
+            raise ValueError("lora.use_dora is not supported with tensor parallelism; use FSDP (or plain LoRA)")
+        if options.base_dtype != "float32" and cfg.training.mixed_precision_param != options.base_dtype:
+            # The base would otherwise meet float32 activations (one process) or be cast back up (FSDP's
+            # param_dtype): bfloat16 compute is what a bfloat16 base is for.
+            raise ValueError(f"lora.base_dtype {options.base_dtype} needs training.mixed_precision_param "
+                             f"{options.base_dtype} (it is {cfg.training.mixed_precision_param})")
+        with torch.device("meta"):
+            meta = spec.model_cls(args)
+        hf_names = hf_module_names(meta, spec, args)
+        check_targets(select_targets(meta, options.target_modules, hf_names, exclude=options.exclude_modules,
+                                     saved=options.modules_to_save), model=model)
+        check_saved(meta, options, hf_names, name=model)
+
+    def convert(self, model: nn.Module) -> None:
+        o = self.options
+        targets = apply_lora(model, o)
+        kind = "dora" if o.use_dora else "lora"
+        log_on_rank0(f"{kind}: rank {o.rank}, alpha {o.alpha:g} on {len(targets)} linear layers "
+                     f"({short_list(targets)}); every other parameter frozen"
+                     + (f" but those of {', '.join(o.modules_to_save)} (lora.modules_to_save)" if o.modules_to_save
+                        else "")
+                     + (f", held in {o.base_dtype} (the adapters in float32)" if o.base_dtype != "float32" else ""))
+
+    def init_weights(self, model: nn.Module, seed: int) -> None:
+        for fqn, module in adapters(model).items():
+            module.init_adapter(seed=seed, fqn=fqn)
+        hf_names = hf_module_names(model, spec_of(model), model.model_args) if self.options.modules_to_save else {}
+        freeze_base(model, keep=saved_parameters(model, self.options, hf_names))
+
+    def initial_state(self, model: nn.Module) -> dict:
+        """lora.adapter_path's A and B (a PEFT folder) for the adapters of this model part, and DoRA's
+        initial magnitudes."""
+        # DoRA's magnitudes start at the row norms of the weights the base now holds (loaded or drawn).
+        state = dora_magnitudes(model) if self.options.use_dora else {}
+        if self.options.adapter_path:
+            state.update(peft_state_dict(model, self.options.adapter_path, options=self.options))
+        return state
+
+    def load_hooks(self) -> tuple[LoadHook, ...]:
+        return (LoRAHooks(self.options),)
+
+    @contextlib.contextmanager
+    def disabled(self, parts: list[nn.Module]):
+        """The adapters off: every LoRA layer of `parts` computes its base alone (scaling 0, so the
+        adapter's term is exactly zero), e.g. DPO's reference."""
+        modules = [m for part in parts for m in adapters(part).values()]
+        saved = [m.lora_scaling for m in modules]
+        for m in modules:
+            m.lora_scaling = 0.0
+        try:
+            yield
+        finally:
+            for m, s in zip(modules, saved):
+                m.lora_scaling = s
+
+
+class LoRAMerge(LoadHook):
+    """A LoRA job's checkpoint read without the job (load_model, convert_dcp_to_hf, a teacher): its
+    adapters folded into the weights, as its lora_scale buffers say."""
+
+    def merges(self, keys) -> bool:
+        return any(map(is_adapter_key, keys))
+
+    def merged(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return merged_state_dict(state_dict)
+
+
+register_load_hook(LoRAMerge())
+
+
+class LoRAHooks(LoadHook):
+    """A LoRA job's own: its adapters, which a checkpoint of the model before the swap (a pre-training
+    run's, as checkpoint.initial_load_path) lacks, keep their initialization; a Hugging Face export
+    writes the PEFT adapter beside the merged model."""
+
+    def __init__(self, options: LoRAOptions):
+        self.options = options
+
+    def fresh(self, key: str, saved_args) -> bool:
+        return is_adapter_key(key)
+
+    def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
+        """The PEFT adapter into folder/adapter, and the merged weights for the full export."""
+        export_peft(state_dict, spec, args, os.path.join(folder, "adapter"), self.options)
+        return merged_state_dict(state_dict)
+
+
+__all__ = ["LoRAConverter", "LoRAHooks", "LoRALinear", "LoRAMerge", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "dora_magnitudes", "dora_row_norms", "export_peft", "freeze_base",
            "has_adapters", "hold_base_in", "load_peft", "merged_state_dict", "peft_state_dict", "read_adapter_config",
            "split_state_dict"]

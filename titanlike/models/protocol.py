@@ -16,7 +16,7 @@ device that provides:
     parallelization and `to_empty`, as a function of (seed, parameter name, args) only;
   - `forward(tokens, positions=None, mask=None, **fields)`: tokens (or, on a later pipeline stage,
     hidden states) -> logits, or a ModelOutput with auxiliary losses (models/outputs.py); `fields`
-    are the other fields of its objective's samples (spec.objective, titanlike/objectives/: BERT's
+    are the other fields of its objective's samples (the objective spec.objective names, titanlike/objectives/: BERT's
     token types, T5's decoder inputs), given to every pipeline stage;
   - the input-end and output-end modules named in its spec's `pipeline_ends`, settable to None;
   - optionally the `tied_weights` / `tie_weights` hooks below.

@@ -19,23 +19,10 @@ import torch.nn as nn
 from titanlike.config.sections import register_section
 from titanlike.models.args import BaseModelArgs
 from titanlike.models.common.hf import HFAdapter
-from titanlike.objectives.causal_lm import CausalLM
+from titanlike.models.spec_types import PipelineEnds, ShardFn, ShardOptions
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-
-@dataclass(frozen=True)
-class PipelineEnds:
-    """Which top-level modules belong to the first pipeline stage (inputs) and to the last (outputs).
-
-    The generic split (parallel/pipeline.py) keeps `inputs` on stage 0, `outputs` on the last
-    stage, sets them to None elsewhere, and hands every stage its share of `layers`. A name is a
-    dotted path where an end sits inside a submodule (LLaVA: `language_model.tok_embeddings`).
-    """
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
+    from titanlike.config.schema import JobConfig
 
 
 @dataclass(frozen=True)
@@ -53,18 +40,6 @@ class ModelOptions:
 
 
 @dataclass(frozen=True)
-class ShardOptions:
-    """What the job asks of a family's `shard`. loss_parallel: the output projection leaves its logits
-    sharded over the vocabulary (a DTensor, Shard(-1)) for a vocabulary-parallel loss, otherwise
-    they are gathered into a plain replicated tensor. sequence_parallel: the activations between
-    the parallel regions stay split along the sequence (the sequence length is divisible by the
-    TP degree)."""
-
-    loss_parallel: bool
-    sequence_parallel: bool = True
-
-
-@dataclass(frozen=True)
 class ImageInputs:
     """How a vision-language family takes images with a prompt (ModelSpec.images): an image stands in
     the tokens as `tokens_per_image` copies of `image_token_id`, and its pixels go to the prefill as
@@ -77,11 +52,6 @@ class ImageInputs:
     image_size: int
 
 
-# shard(model, tp_mesh, opts): shard a whole model or a pipeline stage of one (skipping the modules it
-# does not hold) over the 1-D tp_mesh in place, with torch ParallelStyles (models/common/sharding.py).
-ShardFn = Callable[[nn.Module, "DeviceMesh", ShardOptions], None]
-
-
 @dataclass
 class ModelSpec:
     name: str
@@ -89,14 +59,18 @@ class ModelSpec:
     model_cls: type[nn.Module]
     # flavor name -> model args (a BaseModelArgs dataclass), e.g. "debugmodel", "8B".
     flavors: dict[str, BaseModelArgs]
-    # The family's tensor/sequence-parallel function (ShardFn above), usually a ShardingPlan of
+    # The family's tensor/sequence-parallel function (ShardFn, models/spec_types.py), usually a ShardingPlan of
     # models/common/sharding.py. None: no tensor parallelism.
     shard: ShardFn | None = None
     # Input and output ends for the pipeline split. None: no pipeline parallelism.
     pipeline_ends: PipelineEnds | None = None
-    # The family's training objective (titanlike/objectives/): objective(job_config, flavor_args)
-    # builds it, an Objective class's for_job or the family's own factory.
-    objective: Callable[..., Any] = CausalLM.for_job
+    # The family's training objective, by the name it is registered under (titanlike/objectives/
+    # registry.py builds it): the family names it and imports nothing of the objectives.
+    objective: str = "causal_lm"
+    # What the objective takes from this family's args, as keyword arguments of its factory:
+    # objective_options(job_config, flavor_args) -> dict (BERT's sentence pairs, LLaVA's image
+    # tokens). None: nothing.
+    objective_options: Callable[[JobConfig, BaseModelArgs], dict[str, Any]] | None = None
     # Hugging Face interchange (models/common/hf.py): the config.json model_types the family reads,
     # config.json <-> args, state dicts, token ids. None: no HF.
     hf: HFAdapter | None = None
@@ -114,6 +88,9 @@ class ModelSpec:
             raise TypeError(f"model spec {self.name!r}: args must derive from BaseModelArgs")
         if self.hf is not None and not (isinstance(self.hf, HFAdapter) and self.hf.model_types):
             raise TypeError(f"model spec {self.name!r}: hf must be an HFAdapter naming its model_types")
+        if not isinstance(self.objective, str):
+            raise TypeError(f"model spec {self.name!r}: objective is the name of a registered objective "
+                            f"(titanlike/objectives/registry.py), got {self.objective!r}")
 
     @property
     def args_cls(self) -> type[BaseModelArgs]:
@@ -196,3 +173,9 @@ def _import_builtin_families() -> None:
 
 
 _NOT_FAMILIES = {"common"}
+
+
+# PipelineEnds and ShardOptions are defined in models/spec_types.py; a family imports them from here
+# with the rest of its spec.
+__all__ = ["ImageInputs", "ModelOptions", "ModelSpec", "PipelineEnds", "ShardFn", "ShardOptions", "check_other_families_sections",
+           "get_model_spec", "model_names", "register_model_spec", "resolve_model", "spec_for_hf_model_type"]

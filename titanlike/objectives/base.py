@@ -1,7 +1,8 @@
 """What every training objective provides, and the microbatch it hands the training step.
 
 An objective (causal LM, masked LM, span corruption, SFT, DPO, reward model, distillation, image
-captioning) is three small things, built once at planning time and never changed after:
+captioning; a family names its own in ModelSpec.objective, objectives/registry.py builds it) is three
+small things, built once at planning time and never changed after:
   - its samples: the job's rules (`validate`, one sentence before any process group, the datasets'
     included), the fields of a sample (`sample_fields`) and the global sample source (`samples`);
   - its batch (`prepare`): the loader's dict of named tensors -> a Microbatch on the device, cut to
@@ -238,8 +239,12 @@ class Objective:
         if v.enable:
             if v.dataset is None:
                 self._check_held_out(t.dataset)
-            elif v.dataset != "default" and v.dataset_path:
-                self._check_dataset(v.dataset, v.dataset_path, option="validation")
+            elif v.dataset_path:
+                from titanlike.data.loader import find_dataset_kind
+
+                kind = find_dataset_kind(v.dataset)
+                if not (kind is not None and kind.validates_on_held_out):  # the embedded corpus reads its own
+                    self._check_dataset(v.dataset, v.dataset_path, option="validation")
         if data:
             self._check_dataset(t.dataset, t.dataset_path)
 
@@ -256,8 +261,11 @@ class Objective:
     def _check_held_out(self, dataset: str) -> None:
         """Validation without a dataset of its own reads the training data's held-out split: ValueError
         (one sentence) when `dataset` has none for this objective's samples. Only the embedded corpus and
-        Megatron datasets hold one out by default."""
-        if dataset not in ("default", "megatron"):
+        Megatron datasets hold one out by default (DatasetKind.held_out)."""
+        from titanlike.data.loader import find_dataset_kind
+
+        kind = find_dataset_kind(dataset)
+        if kind is None or not kind.held_out:
             raise ValueError(f"validation needs validation.dataset and validation.dataset_path: a {dataset} training "
                              "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
 

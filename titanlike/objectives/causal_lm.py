@@ -17,6 +17,7 @@ from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.objectives.base import (BatchContext, FieldShapes, Microbatch, Objective, compile_options,
                                        cut_sequence, target_count)
+from titanlike.objectives.registry import register_family_objective
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
@@ -96,5 +97,7 @@ def lookahead_targets(raw_labels: torch.Tensor, labels: torch.Tensor, depth: int
             targets[:, : seq - k, k - 1] = target
     return torch.stack([inputs, targets], dim=-1)
 
+
+register_family_objective(CausalLM.name, CausalLM.for_job)
 
 __all__ = ["CausalLM", "lookahead_targets"]

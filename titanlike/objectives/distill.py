@@ -57,7 +57,7 @@ from titanlike.models.outputs import IGNORE_INDEX, logits_of
 from titanlike.objectives.base import (BatchContext, LossTerms, Microbatch, Objective, compile_options,
                                        next_token_correct, with_aux_losses)
 from titanlike.objectives.companion import Companion, Source, Targets
-from titanlike.objectives.registry import register_objective
+from titanlike.objectives.registry import family_objective, register_objective
 from titanlike.parallel.utils import sum_over_for_replicated_loss
 
 if TYPE_CHECKING:
@@ -212,9 +212,7 @@ class Distill(Objective):
                              "distill.loss forward_kl or distill.top_k 0")
         folder, spec, args = self.teacher_model()
         teacher = f"distill.teacher {folder}"
-        from titanlike.objectives.registry import family_objective
-
-        if not family_objective(spec, cfg, args).predicts_next_token:
+        if not family_objective(cfg, spec, args).predicts_next_token:
             raise ValueError(f"{teacher} is a {spec.name} model, which does not predict the next token: a teacher must")
         if args.lookahead_tokens:
             raise ValueError(f"{teacher} is a multi-token prediction model; such teachers are not supported yet")

@@ -16,30 +16,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titanlike.data.loader import register_dataset_kind
+from titanlike.data.loader import add_dataset_reader, find_dataset_kind, register_dataset_kind
+from titanlike.models.common.image_tokens import image_index
 from titanlike.objectives.base import (
     BatchContext,
     FieldShapes,
     Microbatch,
     Objective,
     cut_sequence,
+    compile_options,
     refuse_pretraining_options,
     target_count,
 )
+from titanlike.objectives.registry import register_family_objective
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
-    from titanlike.models.args import LayoutDegrees
+    from titanlike.models.args import BaseModelArgs, LayoutDegrees
 
 
-def image_index(tokens: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """(batch, seq) int64: which of its sample's image-feature rows each `<image>` placeholder takes
-    (the sample's placeholders in order: image i's features are rows i * tokens_per_image, ...), -1
-    for a text token. Relative to the sample, so that a pipeline's cut into microbatches of rows
-    keeps it right; computed on whole sequences, since a context-parallel slice cannot count the
-    placeholders before it."""
-    is_image = tokens == image_token_id
-    return torch.where(is_image, is_image.cumsum(1) - 1, -1)
 
 
 class ImageCaption(Objective):
@@ -61,21 +56,21 @@ class ImageCaption(Objective):
             raise ValueError(f"image processor {processor!r} is unknown; known: {', '.join(makers)}")
         self.processor: ImageProcessor = makers[processor](image_size)
 
+    @classmethod
+    def for_job(cls, cfg: JobConfig, args: BaseModelArgs, **options) -> ImageCaption:
+        """options: what the family's ModelSpec.objective_options gives (image_token_id, tokens_per_image,
+        image_size, processor, max_images, max_image_pixels)."""
+        return cls(**options, **compile_options(cfg))
+
     def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         refuse_pretraining_options(cfg, self.name)
         for option, section in (("training", cfg.training), ("validation", cfg.validation)):
             if section.dataset is not None and (option == "training" or cfg.validation.enable):
                 self._check_dataset(section.dataset, section.dataset_path, option=option)
         t = cfg.training
-        if cfg.validation.enable and cfg.validation.dataset is None and t.dataset == "webdataset" and t.dataset_path:
-            from titanlike.data.blend import parse_blend
-            from titanlike.data.energon import is_energon_dataset, is_metadataset
-
-            plain = [path for path in parse_blend(t.dataset_path)[0]
-                     if not (is_energon_dataset(path) or is_metadataset(path))]
-            if plain:
-                raise ValueError("validation needs validation.dataset and validation.dataset_path: the shards "
-                                 f"{plain[0]} hold out no split (a folder energon prepare made gives its val part)")
+        reader = _caption_reader(t.dataset)
+        if cfg.validation.enable and cfg.validation.dataset is None and reader is not None and t.dataset_path:
+            reader.check_held_out(t.dataset_path)
         # Every sample carries max_images images' placeholders, BOS, and at least one caption token and EOS.
         need = self.max_images * self.tokens_per_image + 3
         if cfg.training.seq_len < need:
@@ -84,22 +79,16 @@ class ImageCaption(Objective):
                              f"at least {need}")
 
     def _check_held_out(self, dataset: str) -> None:
-        # The synthetic captions draw held-out images; an Energon folder has a val part (validate() checks the paths).
-        if dataset not in ("default", "webdataset"):
+        # A kind that gives image captions holds some out (its reader's check_held_out checks the paths).
+        if _caption_reader(dataset) is None:
             super()._check_held_out(dataset)
 
     def _check_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
-        if dataset == "webdataset":
-            if not dataset_path:
-                raise ValueError(f"{option}.dataset webdataset needs {option}.dataset_path: a .tar shard, a folder of "
-                                 "them (or one energon prepare made), or a blend 'weight path weight path ...'")
-            return
-        if self.max_images > 1 and dataset == "default":
-            raise ValueError(f"llava.max_images {self.max_images} needs {option}.dataset webdataset: the synthetic "
-                             "captions have one image each")
-        if dataset != "default" or dataset_path:
-            raise ValueError(f"{option}.dataset {dataset} holds no images; the {self.name} objective reads "
-                             "webdataset shards or the synthetic image-caption set (dataset default, no dataset_path)")
+        reader = _caption_reader(dataset)
+        if reader is None:
+            raise _no_images(self.name, dataset, option)
+        reader.check(self, dataset, dataset_path, option=option)
+
 
     def sample_fields(self, seq_len: int) -> FieldShapes:
         height, width = self.processor.output_size()
@@ -108,17 +97,9 @@ class ImageCaption(Objective):
 
     def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
                 split_name="train"):
-        from titanlike.data.image_captions import SyntheticCaptions
-        from titanlike.data.loader import GlobalSamples
-
         self._check_dataset(dataset, dataset_path)
-        if dataset == "webdataset":
-            blend = self.shard_blend(dataset_path, tokenizer, seq_len=seq_len, seed=seed, split_name=split_name)
-            return GlobalSamples(blend, shuffle=False, fields=self.sample_fields(seq_len))
-        source = SyntheticCaptions(tokenizer, seq_len=seq_len, seed=seed, image_token_id=self.image_token_id,
-                                   tokens_per_image=self.tokens_per_image, processor=self.processor, split=split_name)
-        # Every index draws its own image: already in random order.
-        return GlobalSamples(source, shuffle=False, fields=source.fields)
+        return _caption_reader(dataset).samples(self, dataset_path, tokenizer, seq_len=seq_len, seed=seed,
+                                                split_name=split_name)
 
     def shard_blend(self, dataset_path: str, tokenizer, *, seq_len: int, seed: int, split_name: str = "train"):
         """The samples of WebDataset shards, one path or a blend 'weight path weight path ...'
@@ -163,6 +144,68 @@ class ImageCaption(Objective):
                           fields={"pixel_values": pixel_values, "image_index": cut_sequence(index, ctx)})
 
 
+def _caption_reader(dataset: str | None):
+    """The image-caption reader of a dataset kind (DatasetKind.readers), None where it gives none."""
+    kind = find_dataset_kind(dataset)
+    return kind.readers.get("image_captions") if kind is not None else None
+
+
+def _no_images(objective: str, dataset: str, option: str) -> ValueError:
+    return ValueError(f"{option}.dataset {dataset} holds no images; the {objective} objective reads "
+                      "webdataset shards or the synthetic image-caption set (dataset default, no dataset_path)")
+
+
+class SyntheticCaptionReader:
+    """The default kind's image captions: the synthetic set of data/image_captions.py, one image a
+    sample, which draws held-out images for validation."""
+
+    def check(self, objective: ImageCaption, dataset: str, dataset_path: str | None, *, option: str) -> None:
+        if objective.max_images > 1:
+            raise ValueError(f"llava.max_images {objective.max_images} needs {option}.dataset webdataset: the "
+                             "synthetic captions have one image each")
+        if dataset_path:
+            raise _no_images(objective.name, dataset, option)
+
+    def check_held_out(self, dataset_path: str) -> None:
+        pass
+
+    def samples(self, objective: ImageCaption, dataset_path, tokenizer, *, seq_len, seed, split_name):
+        from titanlike.data.image_captions import SyntheticCaptions
+        from titanlike.data.loader import GlobalSamples
+
+        source = SyntheticCaptions(tokenizer, seq_len=seq_len, seed=seed, image_token_id=objective.image_token_id,
+                                   tokens_per_image=objective.tokens_per_image, processor=objective.processor,
+                                   split=split_name)
+        # Every index draws its own image: already in random order.
+        return GlobalSamples(source, shuffle=False, fields=source.fields)
+
+
+class ShardCaptionReader:
+    """The webdataset kind's image captions: WebDataset shards or Energon folders, blended by weight
+    (ImageCaption.shard_blend); only a folder energon prepare made holds out a split (its val part)."""
+
+    def check(self, objective: ImageCaption, dataset: str, dataset_path: str | None, *, option: str) -> None:
+        if not dataset_path:
+            raise ValueError(f"{option}.dataset {dataset} needs {option}.dataset_path: a .tar shard, a folder of "
+                             "them (or one energon prepare made), or a blend 'weight path weight path ...'")
+
+    def check_held_out(self, dataset_path: str) -> None:
+        from titanlike.data.blend import parse_blend
+        from titanlike.data.energon import is_energon_dataset, is_metadataset
+
+        plain = [path for path in parse_blend(dataset_path)[0]
+                 if not (is_energon_dataset(path) or is_metadataset(path))]
+        if plain:
+            raise ValueError("validation needs validation.dataset and validation.dataset_path: the shards "
+                             f"{plain[0]} hold out no split (a folder energon prepare made gives its val part)")
+
+    def samples(self, objective: ImageCaption, dataset_path, tokenizer, *, seq_len, seed, split_name):
+        from titanlike.data.loader import GlobalSamples
+
+        blend = objective.shard_blend(dataset_path, tokenizer, seq_len=seq_len, seed=seed, split_name=split_name)
+        return GlobalSamples(blend, shuffle=False, fields=objective.sample_fields(seq_len))
+
+
 def _webdataset_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None, split_name="train"):
     # Only this objective reads image-text shards (ImageCaption.samples); any other asks the kind's source.
     from titanlike.data.errors import DataError
@@ -171,6 +214,10 @@ def _webdataset_source(*, dataset_path, tokenizer, seq_len, seed, num_samples=No
                     "llava)")
 
 
-register_dataset_kind("webdataset", _webdataset_source, shuffle=False)
+register_family_objective(ImageCaption.name, ImageCaption.for_job)
+
+register_dataset_kind("webdataset", _webdataset_source, shuffle=False,
+                      readers={"image_captions": ShardCaptionReader()})
+add_dataset_reader("default", "image_captions", SyntheticCaptionReader())
 
 __all__ = ["ImageCaption", "image_index"]

@@ -15,6 +15,7 @@ from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.objectives.base import FieldShapes, compile_options
 from titanlike.objectives.padded import PaddedSamples, check_fraction
+from titanlike.objectives.registry import register_family_objective
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
@@ -64,5 +65,7 @@ class MaskedLM(PaddedSamples):
         return MaskedLMSamples(sentences, tokenizer, sentence_pairs=self.sentence_pairs, mask_prob=o.mask_prob,
                                short_seq_prob=o.short_seq_prob, **options)
 
+
+register_family_objective(MaskedLM.name, MaskedLM.for_job)
 
 __all__ = ["MaskedLM", "MaskedLMOptions"]

@@ -1,10 +1,17 @@
-"""Objectives a job may choose over its family's own (`training.objective`).
+"""Objectives by name: the ones families train with, and those a job may choose over its family's own.
 
-A family trains with its own objective (ModelSpec.objective: next-token prediction for a decoder,
-masked LM for BERT). Some objectives are a different use of the same model: supervised fine-tuning
-trains any next-token decoder on conversations. Such an objective registers here under its name,
-with a factory `factory(job_config, flavor_args, family_objective=...)` that refuses, in one
-sentence, a family it cannot train; `job_objective` builds the one a job names.
+A family trains with its own objective, which its ModelSpec names (`objective`: "causal_lm" for a
+decoder, "masked_lm" for BERT) so that titanlike/models/ imports nothing of the objectives; such an
+objective registers with `register_family_objective` and a factory `factory(job_config, flavor_args,
+**spec.objective_options(job_config, flavor_args))`; `family_objective` builds a spec's.
+
+Some objectives are a different use of the same model: supervised fine-tuning trains any next-token
+decoder on conversations. Such an objective registers with `register_objective` under the name
+`training.objective` takes, with a factory `factory(job_config, flavor_args, family_objective=...)`
+that refuses, in one sentence, a family it cannot train; `job_objective` builds the one a job names.
+
+Python imports a package before any module of it, so whoever imports this module has run
+titanlike/objectives/__init__.py, which imports (and so registers) every built-in objective.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ if TYPE_CHECKING:
     from titanlike.objectives.base import Objective
 
 _OBJECTIVES: dict[str, Callable[..., Objective]] = {}
+_FAMILY_OBJECTIVES: dict[str, Callable[..., Objective]] = {}
 _SECTIONS: dict[str, str] = {}  # objective name -> its config section
 
 
@@ -28,6 +36,24 @@ def register_objective(name: str, factory: Callable[..., Objective], *, section:
     _OBJECTIVES[name] = factory
     if section is not None:
         _SECTIONS[name] = section
+
+
+def register_family_objective(name: str, factory: Callable[..., Objective]) -> None:
+    """An objective a family names in its ModelSpec; factory(job_config, flavor_args, **options)."""
+    if name in _FAMILY_OBJECTIVES:
+        raise ValueError(f"family objective {name!r} is already registered")
+    _FAMILY_OBJECTIVES[name] = factory
+
+
+def family_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs) -> Objective:
+    """The objective the family of `spec` trains with, for these args (ModelSpec.objective and
+    objective_options)."""
+    factory = _FAMILY_OBJECTIVES.get(spec.objective)
+    if factory is None:
+        raise ValueError(f"model spec {spec.name!r} names objective {spec.objective!r}, which is not registered; "
+                         f"registered: {', '.join(sorted(_FAMILY_OBJECTIVES))}")
+    options = spec.objective_options(cfg, args) if spec.objective_options is not None else {}
+    return factory(cfg, args, **options)
 
 
 def check_unused_sections(cfg: JobConfig, chosen: str) -> None:
@@ -47,20 +73,13 @@ def check_unused_sections(cfg: JobConfig, chosen: str) -> None:
 
 
 def objective_names() -> list[str]:
-    import titanlike.objectives  # noqa: F401  (importing the package registers every objective)
-
     return sorted(_OBJECTIVES)
-
-
-def family_objective(spec: ModelSpec, cfg: JobConfig, args: BaseModelArgs) -> Objective:
-    """The objective a family trains with by default, for this job."""
-    return spec.objective(cfg, args)
 
 
 def job_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs, *, model: str) -> Objective:
     """The objective of the job: training.objective's, or (empty, or naming it) the family's own.
     ValueError (one sentence) for an unknown name or one the family cannot train with."""
-    family = family_objective(spec, cfg, args)
+    family = family_objective(cfg, spec, args)
     name = cfg.training.objective
     check_unused_sections(cfg, name or family.name)
     if not name or name == family.name:
@@ -72,4 +91,5 @@ def job_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs, *, model
     return _OBJECTIVES[name](cfg, args, family_objective=family, model=model)
 
 
-__all__ = ["check_unused_sections", "family_objective", "job_objective", "objective_names", "register_objective"]
+__all__ = ["check_unused_sections", "family_objective", "job_objective", "objective_names", "register_family_objective",
+           "register_objective"]

@@ -27,6 +27,7 @@ import torch
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
+from titanlike.data.tokenizer import pad_id
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.outputs import IGNORE_INDEX
 from titanlike.objectives.base import (BatchContext, FieldShapes, Microbatch, Objective, compile_options,
@@ -166,13 +167,6 @@ def cut_to_longest(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, t
     if length == seq:
         return batch
     return {name: value[:, :length] for name, value in batch.items()}
-
-
-def pad_id(tokenizer) -> int:
-    """The token that fills padding (never trained on, masked out of attention): the tokenizer's pad
-    token where it has one, else EOS."""
-    pad = getattr(tokenizer, "pad_id", None)
-    return pad if isinstance(pad, int) and pad >= 0 else tokenizer.eos_id
 
 
 __all__ = ["SFT", "SFTOptions", "cut_to_longest", "pad_id"]

@@ -15,6 +15,7 @@ from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.objectives.base import FieldShapes, compile_options
 from titanlike.objectives.padded import PaddedSamples, check_fraction
+from titanlike.objectives.registry import register_family_objective
 
 if TYPE_CHECKING:
     from titanlike.config.schema import JobConfig
@@ -85,5 +86,7 @@ class SpanCorruption(PaddedSamples):
                                      mean_noise_span_length=o.mean_noise_span_length,
                                      short_seq_prob=o.short_seq_prob, **options)
 
+
+register_family_objective(SpanCorruption.name, SpanCorruption.for_job)
 
 __all__ = ["SpanCorruption", "SpanCorruptionOptions"]

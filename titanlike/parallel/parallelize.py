@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from titanlike.models import protocol
-from titanlike.models.registry import ShardFn
+from titanlike.models.spec_types import ShardFn
 from titanlike.parallel.activation_checkpoint import CheckpointOptions, apply_activation_checkpointing
 from titanlike.parallel.context import apply_context_parallel
 from titanlike.parallel.expert_parallel import apply_expert_parallel

@@ -45,7 +45,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _torch_schedules
 
 from titanlike.models import protocol
-from titanlike.models.registry import ModelSpec, PipelineEnds
+from titanlike.models.registry import ModelSpec
+from titanlike.models.spec_types import PipelineEnds
 
 # Our names for torch's schedule classes (torchtitan's names). DualPipeV only exists in newer
 # torch releases, so the list a user may choose from is what the installed torch has.
@@ -536,6 +537,15 @@ def build_schedule(
     sched = cls(first_arg, n_microbatches=n_microbatches, loss_fn=named, scale_grads=False)
     return PipelineRunner(sched, layout, stages, [named] + ([inference] if inference is not None else []))
 
+
+
+def check_forward_only(schedule: str, what: str) -> None:
+    """`what` (a companion model, named by the option that asks for it) runs forward-only passes, which
+    torch's V-shaped schedules do not have: ValueError, one sentence."""
+    name = schedule_name(schedule)
+    if name in V_SCHEDULES:
+        raise ValueError(f"{what} needs a forward-only pass, which the {name} pipeline schedule does not have "
+                         "(torch's V-shaped schedules); use another schedule")
 
 
 def plan_pipeline(p, *, model: str, n_layers: int, layer_costs: Sequence[float] | None, has_pipeline_ends: bool,

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanlike.models import protocol
-from titanlike.models.registry import ShardFn, ShardOptions
+from titanlike.models.spec_types import ShardFn, ShardOptions
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, shard: ShardFn, *, loss_parallel: bool,

@@ -33,7 +33,6 @@ from titanlike.objectives.base import Microbatch
 from titanlike.objectives.companion import Companion, Source, Targets
 
 if TYPE_CHECKING:
-    from titanlike.objectives.base import Objective
     from titanlike.train.plan import JobPlan
 
 logger = logging.getLogger("titanlike")
@@ -92,19 +91,6 @@ class PolicyWeights:
             self.gathers += 1
             self._version = version
         return self._copy
-
-
-def validate_companions(objective: Objective, schedule: str | None) -> None:
-    """A companion runs forward-only, which torch's V-shaped pipeline schedules do not have: ValueError
-    (one sentence) for such a schedule (schedule: the job's, None without pipeline parallelism)."""
-    from titanlike.parallel.pipeline import V_SCHEDULES, schedule_name
-
-    if schedule is None or not objective.companions:
-        return
-    name = schedule_name(schedule)
-    if name in V_SCHEDULES:
-        raise ValueError(f"{objective.companions[0].option} needs a forward-only pass, which the {name} pipeline "
-                         "schedule does not have (torch's V-shaped schedules); use another schedule")
 
 
 class ForwardOnly:
@@ -235,4 +221,4 @@ def build_companions(companions: tuple[Companion, ...], plan: JobPlan, policy: l
     return Companions(companions, built, forward, converters.disabled)
 
 
-__all__ = ["Companions", "ForwardOnly", "PolicyWeights", "build_companions", "frozen_copy", "validate_companions"]
+__all__ = ["Companions", "ForwardOnly", "PolicyWeights", "build_companions", "frozen_copy"]

@@ -44,11 +44,12 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int,
     v, t = cfg.validation, cfg.training
     local_batch_size = v.local_batch_size if v.local_batch_size != -1 else t.local_batch_size
     global_batch_size = local_batch_size * dp_degree
+    kind = find_dataset_kind(v.dataset)
     if v.dataset is None:
         # No dataset of its own: the held-out split of the training data.
         dataset, dataset_path, split, part = t.dataset, t.dataset_path, t.split, "valid"
-    elif v.dataset == "default":
-        dataset, dataset_path, split, part = "default", None, None, "valid"  # the embedded corpus's held-out 1%
+    elif kind is not None and kind.validates_on_held_out:  # the embedded corpus's held-out 1%
+        dataset, dataset_path, split, part = v.dataset, None, None, "valid"
     else:
         # A dataset given for validation is used whole ("1": one part holding everything).
         dataset, dataset_path, split, part = v.dataset, v.dataset_path, "1", "train"
@@ -92,7 +93,6 @@ def validate_validation_layout(v, t, dims) -> None:
         if v.seq_len % dims.tp:
             raise ValueError(f"validation.seq_len {v.seq_len} must be divisible by tensor_parallel_degree {dims.tp} "
                              "(sequence parallelism cuts it)")
-
 
 def validate_samples_layout(v, dims, *, no_text: str | None, compile_blocks: bool, model: str, tokenizer=None,
                             context_len: int | None = None) -> None:

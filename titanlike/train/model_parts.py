@@ -38,21 +38,21 @@ def build_frozen_model(plan: JobPlan, path: str, device: torch.device, *, seed: 
     """This rank's parts of another model, frozen: the model of checkpoint `path` (a DCP checkpoint
     or a Hugging Face folder, checkpoint/hf.py checkpoint_model), built and parallelized with the
     job's layout (its own pipeline split over the same stages) and loaded sharded, as the job's own
-    initial load (checkpoint/manager.py load_frozen_model): no rank holds a full copy of a DCP
+    initial load (checkpoint/loading.py load_frozen_model): no rank holds a full copy of a DCP
     checkpoint's model, and only rank 0 one of a Hugging Face folder's."""
-    from titanlike.checkpoint.hf import checkpoint_model, checkpoint_state_dict
-    from titanlike.checkpoint.manager import load_frozen_model
+    from titanlike.checkpoint.hf import checkpoint_model
+    from titanlike.checkpoint.loading import load_frozen_model
     from titanlike.models.converters import build_model_converters
     from titanlike.train.plan import other_model_plan
 
     folder, spec, args = checkpoint_model(path)
     other = other_model_plan(plan, spec, args, model=folder)
-    parts = build_model_parts(other, build_model_converters([], plan.cfg.float8))
+    parts = build_model_parts(other, build_model_converters([], plan.cfg))
     for part in parts:
         part.to_empty(device=device)
         part.init_weights(seed=seed)  # the non-persistent buffers (RoPE tables); every weight is loaded below
     with torch.no_grad():
-        load_frozen_model(parts, folder, spec, other.model_args, checkpoint_state_dict)
+        load_frozen_model(parts, folder, spec, other.model_args)
     for part in parts:
         part.requires_grad_(False)
         part.eval()

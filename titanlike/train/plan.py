@@ -155,7 +155,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     from titanlike.parallel.parallelize import validate_compile_backend
     from titanlike.parallel.tensor_parallel import validate_tensor_parallel
     from titanlike.models import protocol
-    from titanlike.train.companions import validate_companions
+    from titanlike.parallel.pipeline import check_forward_only
     from titanlike.train.evaluate import validate_samples_layout, validate_validation_layout
 
     m, p, t = cfg.model, cfg.parallelism, cfg.training
@@ -164,7 +164,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     if vocab_size is None:  # the job itself (the estimator's layouts write nothing)
         check_output_folders(cfg)
     dims = ParallelDims.from_config(p, world_size)
-    validate_converters(m.converters, cfg.float8, tp=dims.tp)
+    validate_converters(m.converters, cfg, tp=dims.tp)
     validate_attention_backend(m.attention_backend, cuda=cuda)
 
     # The model, its family's rules, the objective's.
@@ -194,7 +194,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         args = objective.model_args(args, vocab_size=vocab, seq_len=t.seq_len)
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
-    validate_converter_targets(m.converters, lambda name: getattr(cfg, name), spec, args, model=model)
+    validate_converter_targets(m.converters, cfg, spec, args, model=model)
 
     # The layout.
     parallelize = parallelize_options(cfg, objective)
@@ -216,7 +216,9 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     if cfg.compile.enable:
         validate_compile_backend(cfg.compile.backend)
     pipeline = _pipeline(cfg, dims, spec, args, model, parallelize.compile_blocks)
-    validate_companions(objective, p.pipeline_parallel_schedule if dims.pp > 1 else None)
+    if dims.pp_enabled:
+        for companion in objective.companions:  # run forward-only through their own stages
+            check_forward_only(p.pipeline_parallel_schedule, companion.option)
     validate_checkpoint_config(cfg.checkpoint, spec, hf_assets_path=m.hf_assets_path)
     if cfg.metrics.enable_wandb:
         from titanlike.observe.wandb_run import validate_wandb
@@ -269,7 +271,7 @@ def hf_model_folder(cfg: JobConfig) -> str | None:
 @dataclass(frozen=True)
 class ModelSource:
     """The model's sizes before the job's settings: a flavor's, or a Hugging Face folder's config.json
-    read by the family's adapter (checkpoint/format.py hf_folder_args), then [model.args]."""
+    read by the family's adapter (checkpoint/hf.py hf_folder_args), then [model.args]."""
 
     args: BaseModelArgs
     flavor: str | None  # the flavor the args are, unchanged
@@ -279,7 +281,8 @@ class ModelSource:
     @classmethod
     def of(cls, cfg: JobConfig, spec: ModelSpec, folder: str | None) -> ModelSource:
         """ValueError, one sentence, for a folder or a [model.args] setting the family refuses."""
-        from titanlike.checkpoint.format import PLANNING_LIMIT, CheckpointError, check_model_size, hf_folder_args
+        from titanlike.checkpoint.format import PLANNING_LIMIT, CheckpointError, check_model_size
+        from titanlike.checkpoint.hf import hf_folder_args
 
         overrides = cfg.model.args
         if folder is not None:

@@ -1,6 +1,6 @@
 """The trainer: assemble a job from a validated JobConfig, then run the training loop.
 
-Assembly follows shared/design.md: ParallelDims -> model on meta -> parallelize ->
+Assembly follows README.md's "How a job runs": ParallelDims -> model on meta -> parallelize ->
 materialize and initialize on the sharded tensors -> optimizer and schedule ->
 data -> loop. The training step is `TrainStep` (titanlike/train/step.py): all microbatches of
 one global batch, one clip, one optimizer step, device tensors out; the loop decides when the
@@ -34,6 +34,7 @@ from titanlike.config.schema import JobConfig
 from titanlike.data import build_dataloader
 from titanlike.models.common.attention import describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
+from titanlike.models.load_hooks import model_hooks
 from titanlike.observe.memory import MemorySnapshot, tensor_footprint
 from titanlike.observe.metrics import MetricsLogger, tensorboard_run_folder
 from titanlike.observe.profiler import Profiler
@@ -159,7 +160,8 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
-            loss_scaler=self.loss_scaler, converters=self.converters, context_len=plan.context_len,
+            loss_scaler=self.loss_scaler, hooks=[*self.converters.load_hooks(), *model_hooks(self.model_args)],
+            context_len=plan.context_len,
             flavor=plan.flavor)
         self._build_observers()
         self.step = 0
@@ -218,7 +220,7 @@ class Trainer:
         """This rank's model parts: built on meta, converted, parallelized, then materialized shard by
         shard and initialized; and what the objective's batches need on this rank."""
         cfg, dims, t = self.cfg, self.dims, self.cfg.training
-        self.converters = build_model_converters(cfg.model.converters, cfg.float8, lambda name: getattr(cfg, name))
+        self.converters = build_model_converters(cfg.model.converters, cfg)
         parts = build_model_parts(self.plan, self.converters)
         if cfg.model.print_after_conversion and self.rank == 0:
             for part in parts:
@@ -395,8 +397,7 @@ class Trainer:
         self.companions = build_companions(
             self.objective.companions, self.plan, self.model_parts, forward=self.companions.forward,
             device=self.device, resumed=resumed, load_start=load_start, converters=self.converters,
-            build_converters=lambda: build_model_converters(self.cfg.model.converters, self.cfg.float8,
-                                                            lambda name: getattr(self.cfg, name)),
+            build_converters=lambda: build_model_converters(self.cfg.model.converters, self.cfg),
             log=self.rank == 0)
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:

@@ -13,7 +13,6 @@ from titanlike.models.bert.hf_adapter import BertHF
 from titanlike.models.bert.model import BINARY_LOSS, Bert, BertArgs
 from titanlike.models.bert.sharding import bert_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
-from titanlike.objectives.masked_lm import MaskedLM
 
 BERT_VOCAB = 30522
 
@@ -29,10 +28,10 @@ bert_flavors: dict[str, BertArgs] = {
 }
 
 
-def bert_objective(cfg, args: BertArgs) -> MaskedLM:
+def bert_objective_options(cfg, args: BertArgs) -> dict:
     """Masked LM; with the binary head, on sentence pairs whose order the head predicts (Megatron's
     BERT; a flavor without it trains on single segments, as --bert-no-binary-head)."""
-    return MaskedLM.for_job(cfg, args, sentence_pairs=args.binary_head)
+    return {"sentence_pairs": args.binary_head}
 
 
 register_model_spec(
@@ -45,7 +44,8 @@ register_model_spec(
             inputs=("tok_embeddings", "pos_embeddings", "type_embeddings", "embedding_norm"),
             outputs=("norm", "lm_head", "output", "binary_head")),
         hf=BertHF(),
-        objective=bert_objective,
+        objective="masked_lm",
+        objective_options=bert_objective_options,
     )
 )
 

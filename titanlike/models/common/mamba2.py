@@ -50,7 +50,7 @@ from titanlike.models.common.init import LinearInit, ones_, uniform_
 from titanlike.models.common.kv_cache import lazy_buffer
 from titanlike.models.common.sharding import HeadSplitParameters, Style, colwise, gather_layouts, rowwise
 from titanlike.models.common.ssd import carried_output, ssd_scan
-from titanlike.models.registry import ShardOptions
+from titanlike.models.spec_types import ShardOptions
 
 logger = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from titanlike.models import protocol
-from titanlike.models.registry import ShardOptions
+from titanlike.models.spec_types import ShardOptions
 
 # A style: how one module is sharded, given the job's options; None leaves it alone.
 Style = Callable[[nn.Module, ShardOptions], ParallelStyle | None]

@@ -25,7 +25,7 @@ from titanlike.models.common.sharding import (
     sequence_replicated,
     vocab_embedding,
 )
-from titanlike.models.registry import ShardOptions
+from titanlike.models.spec_types import ShardOptions
 
 
 class ReplicatedToHeads(ReplicatedModule):

@@ -21,8 +21,6 @@ from titanlike.models.registry import (
     get_model_spec,
     register_model_spec,
 )
-from titanlike.objectives.image_caption import ImageCaption
-from titanlike.objectives.base import compile_options
 
 _llama = get_model_spec("llama3").args_cls
 
@@ -67,13 +65,13 @@ llava_flavors: dict[str, LlavaArgs] = {
 
 
 
-def image_caption(cfg, args: LlavaArgs) -> ImageCaption:
-    """The family's objective: captions of images, processed as the tower's transformers processor does."""
+def image_caption_options(cfg, args: LlavaArgs) -> dict:
+    """The family's objective, image_caption (objectives/image_caption.py): captions of images,
+    processed as the tower's transformers processor does."""
     v = args.vision
     options = cfg.llava
-    return ImageCaption(image_token_id=args.image_token_id, tokens_per_image=v.tokens_per_image,
-                        image_size=v.image_size, processor=v.kind, max_images=options.max_images,
-                        max_image_pixels=options.max_image_pixels, **compile_options(cfg))
+    return dict(image_token_id=args.image_token_id, tokens_per_image=v.tokens_per_image, image_size=v.image_size,
+                processor=v.kind, max_images=options.max_images, max_image_pixels=options.max_image_pixels)
 
 
 def image_inputs(args: LlavaArgs) -> ImageInputs:
@@ -113,7 +111,8 @@ def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:
 
 
 register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, shard=llava_sharding,
-                              objective=image_caption, images=image_inputs,
+                              objective="image_caption", objective_options=image_caption_options,
+                              images=image_inputs,
                               hf=LlavaHF(), options=ModelOptions("llava", LlavaOptions, _with_options),
                               # The tower and projector go with the embeddings the images are spliced into.
                               pipeline_ends=PipelineEnds(

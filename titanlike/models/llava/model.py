@@ -39,7 +39,7 @@ from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.feed_forward import GeluMLP
 from titanlike.models.common.init import LinearInit, normal_, trunc_normal_, zeros_
 from titanlike.models.common.norms import init_norm
-from titanlike.objectives.image_caption import image_index as placeholder_index
+from titanlike.models.common.image_tokens import image_index as placeholder_index
 
 TOWERS = ("clip", "siglip")
 PARTS = ("vision_tower", "projector", "language_model")
@@ -244,7 +244,7 @@ class LlavaArgs(BaseModelArgs):
 
     def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
         # Context parallelism splits the text only (the objective hands each rank its placeholders'
-        # image rows, objectives/image_caption.py image_index); every cp rank encodes the images whole.
+        # image rows, models/common/image_tokens.py image_index); every cp rank encodes the images whole.
         self.text.validate(dims, seq_len=seq_len)
         if dims.tp > 1:
             from titanlike.models.registry import get_model_spec
@@ -445,7 +445,7 @@ class Llava(nn.Module):
         placeholders take its own images in order (images it has no placeholders for are unused,
         padding). Each image fills vision.tokens_per_image consecutive placeholders.
         image_index (batch, seq), with (batch, images, C, H, W) pixel values: which of its sample's
-        image-feature rows each token takes, -1 for text (objectives/image_caption.py image_index),
+        image-feature rows each token takes, -1 for text (models/common/image_tokens.py image_index),
         when the tokens are a slice of the sequence (context parallelism) that cannot count the
         placeholders before it; None: counted from the tokens."""
         lm = self.language_model

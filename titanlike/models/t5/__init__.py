@@ -15,7 +15,6 @@ from titanlike.models.registry import ModelSpec, register_model_spec
 from titanlike.models.t5.hf_adapter import T5HF
 from titanlike.models.t5.model import T5, T5Args
 from titanlike.models.t5.sharding import t5_sharding
-from titanlike.objectives.span_corruption import SpanCorruption
 
 
 def _v1_1(dim: int, layers: int, heads: int, ffn: int, vocab: int = 32128) -> T5Args:
@@ -44,7 +43,7 @@ register_model_spec(
         shard=t5_sharding,
         pipeline_ends=None,  # no pipeline parallelism (T5Args.validate says why)
         hf=T5HF(),
-        objective=SpanCorruption.for_job,
+        objective="span_corruption",
     )
 )
 

@@ -1,0 +1,328 @@
+"""GRPO and its variants (Dr. GRPO, BNPO, DAPO, GSPO): the options, the group advantages and the loss.
+
+On-policy RL samples G completions of each prompt (a group), scores each with the reward functions
+(titanlike/rl/rewards.py), turns the rewards into advantages relative to the group, and trains the
+policy on the completion tokens with a clipped importance ratio (PPO's surrogate). The formulas are
+TRL's GRPOTrainer (trl 1.16: `_generate_and_score_completions` for the advantages and the engine's
+importance-sampling ratio, `_compute_loss` for the loss); tests/unit/test_grpo_loss.py runs TRL's own
+methods on the same batch and compares the loss, its gradient and the logged terms.
+
+The loss is a sum over its units, like every objective's here (the training step divides once by
+their global count), so that sum / units is TRL's loss:
+  grpo     each completion's mean token loss, summed over completions      units: completions
+  bnpo     the token losses summed                                        units: completion tokens
+  dapo     the same sum (TRL divides by the generation batch's tokens)    units: completion tokens
+  dr_grpo  the token losses summed, / max_completion_length               units: completions
+Per token, with r = pi / pi_old (per token, or GSPO's exp of the completion's mean log-ratio for
+importance_sampling_level sequence), A the completion's advantage:
+  -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) * w  +  beta * kl * (r if kl_bias_correction)
+where kl = exp(ref - logp) - (ref - logp) - 1 (the k3 estimator) and w the generation engine's
+truncated importance weight (pi_old / pi_engine, clipped or masked; 1 when the correction is off).
+Without old log-probabilities (one optimisation step per generation) pi_old is pi detached: r = 1
+with the gradient of log pi.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from titanlike.config.schema import opt
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@dataclass
+class GRPOOptions:
+    num_generations: int = opt(8, "completions sampled per prompt (G, one group); at least 2")
+    beta: float = opt(0.0, "the weight of the KL penalty toward the reference model (0: no reference is built)")
+    epsilon: float = opt(0.2, "the ratio's lower clipping bound is 1 - epsilon")
+    epsilon_high: float | None = opt(None, "the ratio's upper clipping bound is 1 + epsilon_high (DAPO's clip-higher: "
+                                     "0.28); empty: epsilon")
+    loss_type: str = opt("dapo", "how token losses are summed: grpo (per completion, a mean over its tokens), bnpo "
+                         "and dapo (over tokens), dr_grpo (over tokens / max_completion_length); TRL's meanings",
+                         choices=LOSS_TYPES)
+    importance_sampling_level: str = opt("token", "the policy ratio per token, or per completion (sequence: GSPO, the "
+                                         "exp of the mean token log-ratio)", choices=("token", "sequence"))
+    scale_rewards: str = opt("group", "advantages divided by the group's reward std (group), the batch's (batch), or "
+                             "not at all (none: Dr. GRPO)", choices=SCALE_REWARDS)
+    mask_truncated_completions: bool = opt(False, "completions cut at max_completion_length (no end-of-text) add no "
+                                           "loss (DAPO)")
+    kl_bias_correction: bool = opt(True, "multiply the KL term by the policy ratio, the unbiased reverse-KL gradient "
+                                   "(TRL's use_bias_correction_kl)")
+    num_iterations: int = opt(1, "optimisation steps on each generated batch (mu); above 1 the old policy's "
+                              "log-probabilities are kept")
+    max_completion_length: int = opt(512, "the most tokens generated per completion")
+    temperature: float = opt(1.0, "sampling temperature of the generation")
+    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1: all")
+    top_k: int = opt(0, "sample among the top_k most likely tokens; 0: all")
+    engine_importance_sampling_correction: bool = opt(
+        True, "weight each token by pi_old / pi_engine, the generation engine's log-probabilities against the "
+        "trainer's, truncated or masked by the mode (TRL's vllm_importance_sampling_correction)")
+    engine_importance_sampling_mode: str = opt(
+        "sequence_mask", "token_* weights each token, sequence_* each completion (the product of its tokens'); "
+        "*_truncate clips the weight into [clip_min, clip_max], *_mask zeroes it outside", choices=ENGINE_IS_MODES)
+    engine_importance_sampling_clip_max: float | None = opt(3.0, "the engine weight's upper bound (TRL's "
+                                                            "vllm_importance_sampling_cap); empty: none")
+    engine_importance_sampling_clip_min: float | None = opt(None, "the engine weight's lower bound; empty: none")
+    dynamic_sampling: bool = opt(False, "drop the groups whose rewards are all equal (no advantage to learn from; "
+                                 "DAPO)")
+    overlong_buffer_length: int = opt(0, "DAPO's soft overlong punishment: a completion longer than "
+                                      "max_completion_length - this many tokens loses up to overlong_penalty_factor "
+                                      "reward, linearly (TRL's soft_punish_cache); 0: off")
+    overlong_penalty_factor: float = opt(1.0, "the reward a completion of max_completion_length tokens loses")
+    reward_funcs: list[str] = opt([], "reward functions, each a built-in name (exact_answer, format, reward_model) or "
+                                  "module:function (titanlike/rl/rewards.py)")
+    reward_weights: list[float] = opt([], "one weight per reward function; empty: all 1")
+    format_pattern: str = opt("", "the regular expression a whole completion must match for the format reward")
+    reward_model_path: str | None = opt(None, "the reward model of the reward_model reward: a titanlike checkpoint "
+                                        "or a Hugging Face ...ForSequenceClassification folder")
+    reward_timeout: float = opt(300.0, "seconds a reward function may take on one batch before the job stops")
+    reward_slow_warning: float = opt(10.0, "a reward function's call longer than this many seconds is logged")
+
+
+# Registered as the [grpo] config section by the GRPO objective that trains with it (issue 42: the
+# rollout loop is next); until then no job can set an option that would change nothing.
+
+
+def check_options(o: GRPOOptions) -> None:
+    """ValueError (one sentence naming the option) for values GRPO cannot train with."""
+    if o.num_generations < 2:
+        raise ValueError(f"grpo.num_generations must be at least 2 (a group's advantages compare its completions), "
+                         f"got {o.num_generations}")
+    if o.beta < 0:
+        raise ValueError(f"grpo.beta must not be negative, got {o.beta}")
+    if not 0 <= o.epsilon < 1:
+        raise ValueError(f"grpo.epsilon must lie in [0, 1), got {o.epsilon}")
+    if o.epsilon_high is not None and o.epsilon_high < 0:
+        raise ValueError(f"grpo.epsilon_high must not be negative, got {o.epsilon_high}")
+    for name in ("num_iterations", "max_completion_length"):
+        if getattr(o, name) < 1:
+            raise ValueError(f"grpo.{name} must be at least 1, got {getattr(o, name)}")
+    if o.temperature <= 0 or not 0 < o.top_p <= 1 or o.top_k < 0:
+        raise ValueError(f"grpo.temperature must be positive, top_p in (0, 1] and top_k not negative, got "
+                         f"{o.temperature}, {o.top_p} and {o.top_k}")
+    lo, hi = o.engine_importance_sampling_clip_min, o.engine_importance_sampling_clip_max
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"grpo.engine_importance_sampling_clip_min ({lo}) must not exceed clip_max ({hi})")
+    if o.engine_importance_sampling_mode.endswith("truncate") and hi is None and lo is None:
+        raise ValueError("grpo.engine_importance_sampling_mode truncate needs clip_max or clip_min")
+    if not 0 <= o.overlong_buffer_length <= o.max_completion_length:
+        raise ValueError(f"grpo.overlong_buffer_length must lie in [0, max_completion_length "
+                         f"{o.max_completion_length}], got {o.overlong_buffer_length}")
+    if o.reward_timeout <= 0 or o.reward_slow_warning <= 0:
+        raise ValueError(f"grpo.reward_timeout and grpo.reward_slow_warning must be positive, got {o.reward_timeout} "
+                         f"and {o.reward_slow_warning}")
+    if o.reward_weights and len(o.reward_weights) != len(o.reward_funcs):
+        raise ValueError(f"grpo.reward_weights has {len(o.reward_weights)} weights for {len(o.reward_funcs)} "
+                         "reward functions; give one per function, or none")
+
+
+# Advantages ------------------------------------------------------------------------------------
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The sample standard deviation (Bessel-corrected) ignoring NaN; NaN with fewer than two values."""
+    if dim is None:
+        x, dim = x.flatten(), 0
+    count = (~x.isnan()).sum(dim)
+    squares = torch.nansum((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim)
+    std = (squares / (count - 1).clamp(min=1)).sqrt()
+    return torch.where(count > 1, std, torch.full_like(std, math.nan))
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
+    """(B,) advantages of (B,) rewards in consecutive groups of num_generations: the reward minus its
+    group's mean, divided by the group's std (group), the batch's (batch), or not (none), std + 1e-4.
+    A NaN reward (every reward function returned None) is left out of its group's statistics and gets
+    advantage 0, as TRL does."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"grpo.scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale_rewards!r}")
+    groups = rewards.view(-1, num_generations)
+    mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale_rewards == "group":
+        advantages = advantages / (_nanstd(groups, dim=1).repeat_interleave(num_generations) + 1e-4)
+    elif scale_rewards == "batch":
+        advantages = advantages / (_nanstd(rewards) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def kept_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(B // G,) bool: the groups DAPO's dynamic sampling keeps, those whose rewards are not all equal
+    (NaN rewards ignored, so a group with fewer than two rewards is dropped)."""
+    groups = rewards.view(-1, num_generations)
+    finite = ~groups.isnan()
+    high = torch.where(finite, groups, torch.full_like(groups, -math.inf)).amax(dim=1)
+    low = torch.where(finite, groups, torch.full_like(groups, math.inf)).amin(dim=1)
+    return high > low
+
+
+def overlong_penalty(lengths: torch.Tensor, max_completion_length: int, buffer_length: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """(B,) DAPO's soft overlong punishment of completions of `lengths` tokens (a reward, <= 0): 0 up to
+    max_completion_length - buffer_length tokens, then falling linearly to -factor at
+    max_completion_length, -factor beyond (TRL's get_soft_overlong_punishment, times factor)."""
+    if buffer_length == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
+    start = max_completion_length - buffer_length
+    ramp = (start - lengths.float()) / buffer_length
+    return factor * torch.where(lengths <= start, 0.0, torch.where(lengths <= max_completion_length, ramp, -1.0))
+
+
+# Loss ------------------------------------------------------------------------------------------
+
+
+class GRPOTerms(NamedTuple):
+    """value: the loss summed over its units (module docstring); units: their count, 0-d; reported:
+    the logged terms, name -> a (2,) [sum, count] whose global value is the sum of the sums over the sum
+    of the counts, or, for names ending in _min / _max / /min / /max, a 0-d value reduced by min or max
+    (NaN: none on this rank). All detached."""
+
+    value: torch.Tensor
+    units: torch.Tensor
+    reported: dict[str, torch.Tensor]
+
+
+def engine_weights(options: GRPOOptions, old_logps: torch.Tensor, engine_logps: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """The truncated importance weights pi_old / pi_engine, (B, T) per token or (B, 1) per completion;
+    a token the engine could not score (NaN) counts as a ratio of 1."""
+    o = options
+    diff = torch.nan_to_num((old_logps - engine_logps) * mask, nan=0.0)
+    if o.engine_importance_sampling_mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    weights = diff.exp()
+    lo, hi = o.engine_importance_sampling_clip_min, o.engine_importance_sampling_clip_max
+    if o.engine_importance_sampling_mode.endswith("truncate"):
+        return weights.clamp(min=lo, max=hi)
+    outside = (weights < (-math.inf if lo is None else lo)) | (weights > (math.inf if hi is None else hi))
+    return weights.masked_fill(outside, 0.0)
+
+
+def _mean_of(values: torch.Tensor, mask: torch.Tensor, *, per_completion: bool = False) -> torch.Tensor:
+    """[sum, count] of per-token values (B, T) over the mask, or of per-completion values (B, 1) over
+    every completion (said explicitly: TRL tells them apart by shape, which a one-token batch confuses)."""
+    if per_completion:
+        return torch.stack([values.sum(), torch.full((), float(values.shape[0]), device=values.device)])
+    return torch.stack([(values * mask).sum(), mask.sum()])
+
+
+def _extreme(values: torch.Tensor, valid: torch.Tensor, *, largest: bool, empty: float) -> torch.Tensor:
+    """The largest (smallest) of the valid values, `empty` when none is; no host sync."""
+    fill = -math.inf if largest else math.inf
+    masked = torch.where(valid, values, torch.full_like(values, fill))
+    extreme = masked.amax() if largest else masked.amin()
+    return torch.where(valid.any(), extreme, torch.full_like(extreme, empty))
+
+
+def _clip_reports(ratio, advantages, m, *, low: float, high: float, per_completion: bool) -> dict[str, torch.Tensor]:
+    """TRL's clip_ratio terms: the share of tokens (completions, for a sequence-level ratio) whose ratio
+    is clipped below with a negative advantage, above with a positive one, either; and the smallest
+    (largest) per-completion share."""
+    low_clipped = ((ratio < 1 - low) & (advantages < 0)).to(m.dtype)
+    high_clipped = ((ratio > 1 + high) & (advantages > 0)).to(m.dtype)
+    either = torch.maximum(low_clipped, high_clipped)
+
+    def per_seq(x):  # NaN for a completion without tokens, as TRL's
+        return x.squeeze(1) if per_completion else (x * m).sum(-1) / m.sum(-1)
+
+    low_seq, high_seq = per_seq(low_clipped), per_seq(high_clipped)
+    return {"clip_ratio/low_mean": _mean_of(low_clipped, m, per_completion=per_completion),
+            "clip_ratio/high_mean": _mean_of(high_clipped, m, per_completion=per_completion),
+            "clip_ratio/region_mean": _mean_of(either, m, per_completion=per_completion),
+            "clip_ratio/low_min": _extreme(low_seq, ~low_seq.isnan(), largest=False, empty=math.nan),
+            "clip_ratio/high_max": _extreme(high_seq, ~high_seq.isnan(), largest=True, empty=math.nan)}
+
+
+def _engine_reports(old, engine, weights, mask, *, per_completion: bool) -> dict[str, torch.Tensor]:
+    """TRL's sampling terms: |log pi_old - log pi_engine| over the scored completion tokens (mean, max),
+    and the engine weights over the completion tokens, or the completions (min, mean, max)."""
+    delta = (old - engine).abs()
+    scored = mask & ~delta.isnan()
+    delta = torch.where(scored, delta, torch.zeros_like(delta))
+    kept = torch.ones_like(weights, dtype=torch.bool) if per_completion else mask
+    return {"sampling/sampling_logp_difference/mean": torch.stack([delta.sum(), scored.sum().to(delta.dtype)]),
+            "sampling/sampling_logp_difference/max": _extreme(delta, scored, largest=True, empty=0.0),
+            "sampling/importance_sampling_ratio/min": _extreme(weights, kept, largest=False, empty=0.0),
+            "sampling/importance_sampling_ratio/mean": torch.stack(
+                [(weights * kept).sum(), kept.sum().to(weights.dtype)]),
+            "sampling/importance_sampling_ratio/max": _extreme(weights, kept, largest=True, empty=0.0)}
+
+
+def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str, torch.Tensor], *,
+                    entropies: torch.Tensor | None = None) -> GRPOTerms:
+    """The GRPO loss of one microbatch (module docstring) from the policy's (B, T) log-probabilities of
+    the completion tokens (objectives/preference.py token_logps). targets: completion_mask (bool, B x T),
+    advantages (float32, B), truncated (bool, B; read with mask_truncated_completions), old_logps (B x T;
+    absent: pi_old is pi detached), ref_logps (B x T, with beta > 0), engine_logps (B x T, with the engine
+    correction). entropies: (B, T) per-token entropies of the policy, reported when given. The reported
+    terms need no host sync."""
+    o = options
+    for name, needed in (("engine_logps", o.engine_importance_sampling_correction), ("ref_logps", o.beta != 0.0)):
+        if needed and name not in targets:
+            raise ValueError(f"the GRPO loss needs the target {name} with these grpo options (engine correction on, "
+                             "or beta > 0)")
+    mask = targets["completion_mask"].bool()
+    if o.mask_truncated_completions:
+        mask = mask & ~targets["truncated"].bool().unsqueeze(1)
+    m = mask.to(logps.dtype)
+    tokens = m.sum(-1)
+    advantages = targets["advantages"].to(logps.dtype).unsqueeze(1)
+    old = targets.get("old_logps")
+    old = logps.detach() if old is None else old
+    log_ratio = logps - old
+    sequence_ratio = o.importance_sampling_level == "sequence"
+    if sequence_ratio:
+        log_ratio = ((log_ratio * m).sum(-1) / tokens.clamp(min=1.0)).unsqueeze(-1)
+    ratio = log_ratio.exp()
+    low, high = o.epsilon, o.epsilon if o.epsilon_high is None else o.epsilon_high
+    per_token = -torch.min(ratio * advantages, ratio.clamp(1 - low, 1 + high) * advantages)
+    reported = {}
+    if o.engine_importance_sampling_correction:
+        weights = engine_weights(o, old, targets["engine_logps"], m)
+        per_token = per_token * weights
+        reported.update(_engine_reports(old, targets["engine_logps"], weights, mask,
+                                        per_completion=o.engine_importance_sampling_mode.startswith("sequence")))
+    if o.beta != 0.0:
+        d = targets["ref_logps"] - logps
+        kl = d.exp() - d - 1
+        if o.kl_bias_correction:
+            kl = kl * ratio
+        per_token = per_token + o.beta * kl
+        reported["kl"] = _mean_of(kl.detach(), m)
+    per_completion = (per_token * m).sum(-1)
+    completions = torch.full((), float(logps.shape[0]), device=logps.device)
+    if o.loss_type == "grpo":
+        value, units = (per_completion / tokens.clamp(min=1.0)).sum(), completions
+    elif o.loss_type == "dr_grpo":
+        value, units = per_completion.sum() / o.max_completion_length, completions
+    else:  # bnpo, dapo
+        value, units = per_completion.sum(), m.sum()
+    if entropies is not None:
+        reported["entropy"] = _mean_of(entropies.detach(), m)
+    reported.update(_clip_reports(ratio.detach(), advantages, m, low=low, high=high, per_completion=sequence_ratio))
+    return GRPOTerms(value, units, reported)
+
+
+def reported_values(reported: dict[str, torch.Tensor]) -> dict[str, float]:
+    """One process's logged values of GRPOTerms.reported: sum / count, or the extreme itself."""
+    return {name: (v[0] / v[1].clamp(min=1.0)).item() if v.ndim else v.item() for name, v in reported.items()}
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """(B, T) entropies of the (B, T, vocab) logits' distributions, without gradient: what
+    grpo_token_loss reports as entropy (whole logits; one extra pass over the vocabulary)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+
+
+__all__ = ["ENGINE_IS_MODES", "GRPOOptions", "GRPOTerms", "LOSS_TYPES", "SCALE_REWARDS", "check_options",
+           "engine_weights", "group_advantages", "grpo_token_loss", "kept_groups", "overlong_penalty",
+           "reported_values", "token_entropy"]
