@@ -19,7 +19,7 @@ PROMPTS = ["In the beginning", "And God said"]
 def client(tmp_path_factory):
     """tests/unit/test_serve.py's server: a random 2-layer GPT-2 (context 256) with the debug tokenizer,
     started by build_server in this process's threads on an ephemeral port."""
-    from titanlike.checkpoint.format import write_hf
+    from titanlike.checkpoint.hf import write_hf
     from titanlike.cli.serve import build_server
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
     from titanlike.models.registry import get_model_spec
