@@ -25,6 +25,7 @@ import torch
 
 from titanlike.config.schema import JobConfig
 from titanlike.data import build_dataloader
+from titanlike.data.loader import find_dataset_kind
 from titanlike.data.tokenizer import Tokenizer
 from titanlike.inference import Engine, Processor, SamplingParams
 from titanlike.objectives.base import Objective
