@@ -1,5 +1,7 @@
 """Plot a run's metrics.jsonl as one PNG: loss and validation loss, learning rate, gradient norm
-and throughput against the step.
+and throughput against the step, then every other series the run logged (the objective's own: DPO's
+rewards and accuracy, a reward model's accuracy, distillation's KL; MoE balance, loss scale), one
+panel each (keys sharing a "name/" prefix share one).
 
     python scripts/plot_metrics.py outputs/metrics.jsonl                 # writes outputs/metrics.png
     python scripts/plot_metrics.py outputs/metrics.jsonl -o run.png --smooth 0.9
@@ -21,6 +23,24 @@ import sys
 # (record key, panel title); the loss panel also draws validation_loss.
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("tps", "tokens/s per device"))
+# What the machine did rather than what the model learned (observe/metrics.py peak_memory_gib's labels, MFU
+# follows tokens/s): no panel of their own.
+MACHINE = ("memory", "max_rss", "mfu")
+
+
+def other_panels(records: list[dict]) -> dict[str, list[str]]:
+    """Panel title -> the numeric keys it draws, for every key of the records beyond PANELS and MACHINE:
+    a key "group/name" joins the panel of its group."""
+    panels: dict[str, list[str]] = {}
+    known = {"step", *MACHINE, *(key for key, _ in PANELS)}
+    for record in records:
+        for key, value in record.items():
+            if key in known or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            keys = panels.setdefault(key.split("/")[0] if "/" in key else key, [])
+            if key not in keys:
+                keys.append(key)
+    return panels
 
 
 def read_metrics(path: str) -> tuple[dict[int, dict], dict[int, float]]:
@@ -66,11 +86,25 @@ def plot(runs: list[tuple[str, str]], output: str, smoothing: float = 0.0) -> No
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    for index, (label, path) in enumerate(runs):
+    read = [read_metrics(path) for _, path in runs]
+    extra: dict[str, list[str]] = {}
+    for train, _ in read:
+        for title, keys in other_panels([train[s] for s in sorted(train)]).items():
+            extra.setdefault(title, []).extend(k for k in keys if k not in extra.get(title, []))
+    rows = 2 + (len(extra) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows), constrained_layout=True, squeeze=False)
+    for index, ((label, path), (train, validation)) in enumerate(zip(runs, read)):
         color = f"C{index}"  # one color per run, its validation loss included
-        train, validation = read_metrics(path)
         steps = sorted(train)
+        for ax, (title, keys) in zip(axes.flat[len(PANELS):], extra.items()):
+            for n, key in enumerate(keys):
+                xs = [s for s in steps if key in train[s]]
+                if xs:
+                    name = label if len(keys) == 1 else f"{label} {key}"
+                    ax.plot(xs, [train[s][key] for s in xs], color=color, linestyle=("-", "--", ":", "-.")[n % 4],
+                            label=name)
+            ax.set_title(title)
+            ax.set_xlabel("step")
         for ax, (key, title) in zip(axes.flat, PANELS):
             xs = [s for s in steps if key in train[s]]
             if xs:
@@ -85,7 +119,9 @@ def plot(runs: list[tuple[str, str]], output: str, smoothing: float = 0.0) -> No
             xs = sorted(validation)
             axes.flat[0].plot(xs, [validation[s] for s in xs], "o--", color=color, label=f"{label} validation")
     axes.flat[1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    for ax in axes.flat:
+    for ax in axes.flat[len(PANELS) + len(extra):]:
+        ax.set_visible(False)  # the odd panel out
+    for ax in axes.flat[:len(PANELS) + len(extra)]:
         if ax.lines:
             ax.legend(fontsize="small")
         else:

@@ -18,6 +18,9 @@ ids alone. Samples are packed by best-fit decreasing over whole pairs (packing o
 sample). A pair longer than `seq_len` positions is cut (`overlong truncate`: both answers shortened
 alike, the prompt kept whole) or left out (`drop`); both are counted in the log. A prompt so long
 that not even one answer token of each side fits is left out under drop and refused under truncate.
+A pair whose cut leaves chosen and rejected identical (answers that differ only past the cut) would
+train on nothing (a loss of log 2 and no gradient): it is left out and counted, and a run where that
+is over half of the pairs is refused.
 """
 
 from __future__ import annotations
@@ -119,8 +122,9 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate", section: str 
     token or a prompt that leaves no room for an answer (under truncate). section: the objective's
     config section (dpo, reward), which the log and the messages name."""
     inputs, labels, bounds, references = [], [], [0], []
-    truncated = dropped = 0
+    truncated = dropped = identical = total = 0
     for where, *sides in pairs:
+        total += 1
         refs = sides.pop() if len(sides) == 3 else None  # precomputed reference values of both sides
         cut = False
         sides = [(list(ids), np.asarray(mask, dtype=bool)) for ids, mask in sides]
@@ -137,6 +141,9 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate", section: str 
                 dropped += 1
                 continue
             sides, cut = fitted, True
+            if sides[0][0] == sides[1][0]:  # the same prompt, so the same answer tokens too
+                identical += 1
+                continue
             truncated += 1
         for i, (ids, mask) in enumerate(sides):
             target = np.asarray(ids[1:], dtype=np.int64)
@@ -145,9 +152,14 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate", section: str 
             bounds.append(bounds[-1] + len(target))
             if refs is not None:
                 references.append(_reference_values(refs[i], mask[1:], where, ("chosen", "rejected")[i], cut=cut))
-    if truncated or dropped:
+    if 2 * identical > total:
+        raise DataError(f"{identical} of {total} preference pairs have identical chosen and rejected answers once cut "
+                        f"to training.seq_len {seq_len} (their answers differ only past the cut), so they would train "
+                        f"nothing; raise training.seq_len or set {section}.overlong drop")
+    if truncated or dropped or identical:
+        same = f", {identical} dropped as identical once cut (chosen equals rejected)" if identical else ""
         logger.info(f"{section}: {truncated} pairs longer than training.seq_len = {seq_len} positions truncated "
-                    f"(answers shortened), {dropped} dropped ({section}.overlong {overlong})")
+                    f"(answers shortened), {dropped} dropped ({section}.overlong {overlong}){same}")
     if len(bounds) == 1:
         raise DataError("no preference pair is left to train on" + (
             f" (every one is too long for training.seq_len; {section}.overlong truncate keeps them)"

@@ -1,5 +1,10 @@
 """An lm-evaluation-harness model for titanlike checkpoints: `--model titanlike` (titanlike-eval or
-scripts/eval.py registers it; lm-eval 0.4 loads no model plugins by itself).
+scripts/eval.py registers it; lm-eval 0.4 loads no model plugins by itself: its registry reads no
+entry points). Importing this module registers it too, for lm-eval from Python:
+
+    import lm_eval
+    import titanlike.inference.harness  # noqa: F401  (registers model="titanlike")
+    lm_eval.simple_evaluate(model="titanlike", model_args="checkpoint=outputs/checkpoint", tasks=["hellaswag"])
 
     titanlike-eval --model titanlike --model_args checkpoint=outputs/checkpoint,tokenizer=tok/ \\
         --tasks hellaswag --batch_size 8
@@ -40,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import model_registry
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from titanlike.inference.engine import Engine, GenerationError
@@ -318,4 +324,8 @@ class TitanlikeLM(TemplateLM):
             raise GenerationError(f"generation arguments: {e}") from None
 
 
-__all__ = ["TitanlikeLM"]
+MODEL_NAME = "titanlike"
+if MODEL_NAME not in model_registry:  # titanlike.cli.eval.register may have named this class already
+    model_registry.register(MODEL_NAME, target=TitanlikeLM)
+
+__all__ = ["MODEL_NAME", "TitanlikeLM"]

@@ -5,8 +5,11 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-s
 ids or lists of them) or messages, max_tokens, temperature, top_p, n, stop, seed, stream,
 stream_options.include_usage, and as extensions (vLLM's names) top_k and repetition_penalty.
 Fields whose behaviour this server does not have (logprobs, echo, suffix, logit_bias, penalties
-other than 0, best_of) are refused rather than ignored, so a client never gets an answer to a
-question it did not ask.
+other than 0, best_of, tools, a response_format other than text) are refused rather than ignored, so
+a client never gets an answer to a question it did not ask; so are fields the endpoint does not know
+("Unrecognized request argument supplied: NAME", as OpenAI answers), a temperature outside OpenAI's
+[0, 2] and stream_options without stream. Each request is logged in one line: its id, tokens in and
+out, time and status.
 
 The HTTP stack is the standard library's ThreadingHTTPServer: one thread per connection parses,
 validates and tokenizes, then waits on a queue; one engine thread owns the model and steps the
@@ -47,6 +50,14 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 # SamplingParams names its fields; the API names them so.
 _API_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop"}
 _FINISH = {"stop": "stop", "length": "length", "context": "length"}
+# The request fields each endpoint knows (OpenAI's, and vLLM's top_k and repetition_penalty); any other
+# is refused as OpenAI refuses it. Those this server cannot honour are refused when set, in parse.
+_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "logprobs",
+           "logit_bias", "presence_penalty", "frequency_penalty", "user", "top_k", "repetition_penalty"}
+_ENDPOINT_FIELDS = {False: _FIELDS | {"prompt", "best_of", "echo", "suffix"},
+                    True: _FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                     "response_format"}}
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 
 
 class ApiError(Exception):
@@ -155,10 +166,18 @@ class OpenAIServer:
         if model != self.model_name:
             raise ApiError(404, f"the model '{model}' is not served here; this server serves '{self.model_name}'",
                            "model", "model_not_found")
+        unknown = sorted(set(body) - _ENDPOINT_FIELDS[chat])
+        if unknown:
+            raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
         for name in ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
-                     "frequency_penalty", "tools"):
-            if body.get(name):  # absent, null, false, 0 and empty ask for nothing
+                     "frequency_penalty", "tools", "tool_choice"):
+            if body.get(name) and body.get(name) != "none":  # absent, null, false, 0, empty, "none": nothing
                 raise ApiError(400, f"'{name}' is not supported by this server", name)
+        response_format = body.get("response_format")
+        if response_format is not None and response_format != {"type": "text"}:
+            kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+            raise ApiError(400, f"'response_format' of type {kind!r} is not supported by this server (only text)",
+                           "response_format")
         n = body.get("n", 1)
         if n is None:
             n = 1
@@ -170,7 +189,10 @@ class OpenAIServer:
         stream = body.get("stream", False)
         if not isinstance(stream, bool) and stream is not None:
             raise ApiError(400, f"'stream' must be true or false, got {stream!r}", "stream")
-        options = body.get("stream_options") or {}
+        options = body.get("stream_options")
+        if options is not None and not stream:
+            raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
+        options = options or {}
         if not isinstance(options, dict):
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
         include_usage = bool(options.get("include_usage", False))
@@ -210,6 +232,11 @@ class OpenAIServer:
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("repetition_penalty", 1.0)):
             value = body.get(name)
             fields[name] = default if value is None else value
+        temperature = fields["temperature"]
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
+                and temperature > MAX_TEMPERATURE:
+            raise ApiError(400, f"'temperature' must be from 0 to {MAX_TEMPERATURE:g}, got {temperature}",
+                           "temperature")
         if fields["top_k"] == -1:  # vLLM's spelling of "no top-k"
             fields["top_k"] = 0
         params = []
@@ -342,8 +369,25 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send_json(200, self.app._model_card())
         self._error(ApiError(404, f"no such endpoint: GET {path}", code="not_found"))
 
+    def log_request(self, code="-", size="-"):
+        if self.command != "POST":  # a POST gets its own line, with its id, tokens and time (do_POST)
+            super().log_request(code, size)
+
+    def send_response(self, code, message=None):
+        self._status = code
+        super().send_response(code, message)
+
     def do_POST(self):
         path = self.path.split("?")[0].rstrip("/")
+        start = time.monotonic()
+        self._rid, self._status, self._tokens = "-", None, (0, 0)
+        try:
+            self._post(path)
+        finally:
+            logger.info(f"{self.address_string()} POST {path} {self._rid}: status {self._status}, "
+                        f"{self._tokens[0]} tokens in, {self._tokens[1]} out, {time.monotonic() - start:.3f} s")
+
+    def _post(self, path: str) -> None:
         chat = {"/v1/completions": False, "/v1/chat/completions": True}.get(path)
         try:
             body = self._read_body()
@@ -352,6 +396,7 @@ class _Handler(BaseHTTPRequestHandler):
             request = self.app.parse(body, chat=chat)
         except ApiError as e:
             return self._error(e)
+        self._tokens = (sum(map(len, request.prompts)), 0)
         events: queue.Queue = queue.Queue()
         try:
             seqs = self.app.submit(request, events)
@@ -366,6 +411,7 @@ class _Handler(BaseHTTPRequestHandler):
             # The client left: free its slots at the next step.
             self.close_connection = True
         finally:
+            self._tokens = (self._tokens[0], sum(len(seq.completion.tokens) for seq in seqs))
             for seq in seqs:
                 self.app.batch.cancel(seq)
 
@@ -386,8 +432,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"the request body is not valid JSON ({e})") from None
 
     def _ids(self, chat: bool) -> tuple[str, str]:
-        return (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion") if chat else \
+        self._rid, kind = (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion") if chat else \
             (f"cmpl-{uuid.uuid4().hex}", "text_completion")
+        return self._rid, kind
 
     def _usage(self, request: _Request, seqs: list[Sequence]) -> dict:
         prompt = sum(map(len, request.prompts))

@@ -199,9 +199,15 @@ class Objective:
     # What the attention mask of its samples is, for the start-up log: "a document mask", "a padding
     # mask", or None (plain causal or bidirectional attention).
     attention_mask: str | None = None
+    # Whether its samples are conversations rendered with a chat template: the model it trains answers
+    # turns, so the run's summary suggests sampling it with generate.py --chat.
+    chat_samples: ClassVar[bool] = False
     # Loss terms the objective reports apart (LossTerms.reported, logged as their sums divided by the
     # step's units, like the loss).
     reported_terms: ClassVar[tuple[str, ...]] = ()
+    # Those of reported_terms the console line shows beside the loss (all go to TensorBoard and JSONL):
+    # the few a user watches to see that the run learns.
+    console_terms: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
         # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so

@@ -133,7 +133,9 @@ class PairObjective(Objective):
     and their loss."""
 
     attention_mask = "a document mask"
+    chat_samples = True  # pairs are rendered with the chat template (titanlike/data/preferences.py)
     reported_terms = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+    console_terms = ("reward_accuracy", "reward_margin")
 
     def __init__(self, options, **loss_options):
         super().__init__(**loss_options)

@@ -71,6 +71,7 @@ register_section("sft", SFTOptions)
 class SFT(Objective):
     name = "sft"
     attention_mask = "a document mask"
+    chat_samples = True
     predicts_next_token = True
 
     def __init__(self, options: SFTOptions | None = None, **loss_options):

@@ -166,10 +166,11 @@ class MetricsLogger:
         self._tokens_since += self.tokens_per_step_per_device if tokens_per_device is None else tokens_per_device
 
     def log(self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict | None = None,
-            expert_counts: dict[int, torch.Tensor] | None = None) -> dict:
+            expert_counts: dict[int, torch.Tensor] | None = None, console: tuple[str, ...] = ()) -> dict:
         """One step's record to the console, TensorBoard and JSONL; extra: more scalars for the record;
         expert_counts: routes per expert of each MoE layer (layer index -> (experts,) tensor), for the
-        TensorBoard histograms and the JSONL record."""
+        TensorBoard histograms and the JSONL record; console: keys of extra the console line shows too
+        (the objective's console_terms)."""
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         tps = self._tokens_since / elapsed
@@ -186,8 +187,9 @@ class MetricsLogger:
         mfu = f"  mfu: {record['mfu']:5.2f}%" if "mfu" in record else ""
         moe = format_moe(record)
         # Loss terms the model reports apart from the loss (e.g. mtp_loss); per target token too.
-        terms = "".join(f"  {key}: {value:8.4f}" for key, value in (extra or {}).items()
-                        if key.endswith("_loss") and "/" not in key)
+        shown = [key for key in (extra or {}) if key.endswith("_loss") and "/" not in key]
+        shown += [key for key in console if key in (extra or {}) and key not in shown]
+        terms = "".join(f"  {key}: {extra[key]:8.4f}" for key in shown)
         of_total, eta = "", ""
         if self.total_steps:
             of_total = f"/{self.total_steps}"

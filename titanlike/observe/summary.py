@@ -38,6 +38,8 @@ class RunSummary:
     wandb: str | None = None
     # Whether the model continues text (JobPlan.generates): only then is generate.py suggested.
     generates: bool = True
+    # Whether it was trained on chat-rendered conversations (Objective.chat_samples): sample with --chat.
+    chat: bool = False
 
     def lines(self) -> list[str]:
         steps = self.last_step - self.first_step + 1
@@ -79,7 +81,8 @@ class RunSummary:
             return f" (latest: {self.latest_checkpoint}, {what})"
         # generate.py takes a checkpoint folder (its latest DCP step) or a Hugging Face folder itself.
         target = self.checkpoints if self.latest_contents != "hf" else f"{self.checkpoints}/{self.latest_checkpoint}"
-        return f" (latest: {self.latest_checkpoint}, {what}; sample: python scripts/generate.py {target})"
+        chat = " --chat" if self.chat else ""
+        return f" (latest: {self.latest_checkpoint}, {what}; sample: python scripts/generate.py {target}{chat})"
 
 
 _CONTENTS = {"full": "the full training state", "model_only": "the model only",
