@@ -37,8 +37,8 @@ def test_an_objective_with_a_frozen_companion_trains_without_touching_the_librar
 def test_the_objective_base_keeps_a_small_public_surface():
     """What generic code may use of an objective (issue 41: at most 12 public members)."""
     public = sorted(n for n in dir(Objective) if not n.startswith("_"))
-    assert public == ["attention_mask", "companions", "loss", "model_args", "name", "predicts_next_token",
-                      "prepare", "reported_terms", "sample_fields", "samples", "validate", "vocab_parallel_loss"]
+    assert public == ["attention_mask", "companions", "generation", "loss", "model_args", "name", "prepare",
+                      "reported_terms", "sample_fields", "samples", "validate", "vocab_parallel_loss"]
 
 
 def test_a_companion_names_its_checkpoint_exactly_when_it_reads_one():

@@ -17,10 +17,10 @@ from titanlike.train.plan import plan_job
 def test_a_chat_trained_run_suggests_sampling_it_with_chat(preset, chat, monkeypatch):
     monkeypatch.chdir(REPO)
     plan = plan_job(load_job_config(["--job.config_file", f"train_configs/{preset}.toml"]), world_size=1)
-    assert plan.objective.chat_samples is chat
+    assert (plan.objective.generation == "chat") is chat
     summary = RunSummary(first_step=1, last_step=2, seconds=1.0, checkpoints="out/checkpoint",
                          latest_checkpoint="step-2", latest_contents="model_only", generates=plan.generates,
-                         chat=plan.objective.chat_samples)
+                         chat=plan.objective.generation == "chat")
     line = summary.lines()[1]
     assert line.endswith("sample: python scripts/generate.py out/checkpoint --chat)" if chat else
                          "sample: python scripts/generate.py out/checkpoint)"), line

@@ -85,7 +85,7 @@ def _decoder_only(model) -> None:
         raise GenerationError(f"{name} cannot be evaluated with lm-evaluation-harness: it is an encoder trained on "
                               f"{objective.name} samples, and the titanlike model scores and continues text with "
                               "decoder-only models")
-    if not objective.predicts_next_token:
+    if objective.generation is None:
         raise GenerationError(f"{name} cannot be evaluated with the titanlike lm-evaluation-harness model: it is an "
                               f"encoder-decoder trained on {objective.name} samples, and the titanlike model scores "
                               "text with decoder-only models")

@@ -181,16 +181,19 @@ class Objective:
     """Base of every objective: next-token cross-entropy over `targets["labels"]` summed over the
     targets, plus the model's auxiliary losses. Subclasses implement the rest (module docstring).
 
-    Public members (what generic code may use): name, predicts_next_token, vocab_parallel_loss,
+    Public members (what generic code may use): name, generation, vocab_parallel_loss,
     attention_mask, reported_terms, companions, validate, model_args, sample_fields, samples,
     prepare, loss. Subclasses add their rules in `_validate_job` and refine the data rules in
     `_check_dataset` and `_check_held_out`."""
 
     # Name shown in messages ("masked_lm"); nothing dispatches on it.
     name: ClassVar[str] = ""
-    # Whether the model it trains predicts the next token from the tokens before it, so it can be
-    # sampled from left to right (generation, and the objectives that fine-tune such models, ask).
-    predicts_next_token: ClassVar[bool] = False
+    # How the model it trains is sampled from, left to right: None (it is not: an encoder, a score
+    # head), "text" (it predicts the next token: a prompt is continued) or "chat" (it predicts the next
+    # token and was trained on conversations rendered with a chat template: prompts are conversations,
+    # and the run's summary suggests generate.py --chat). Objectives that fine-tune a family's model
+    # ask whether the family's own generates.
+    generation: ClassVar[str | None] = None
     # Whether `loss` works on logits split over the vocabulary (a DTensor, Shard(-1)) inside torch's
     # loss_parallel(): cross-entropy does. Under tensor parallelism the plan then keeps the logits
     # sharded (parallelism.disable_loss_parallel off); an objective whose loss needs whole logits says
@@ -199,15 +202,10 @@ class Objective:
     # What the attention mask of its samples is, for the start-up log: "a document mask", "a padding
     # mask", or None (plain causal or bidirectional attention).
     attention_mask: str | None = None
-    # Whether its samples are conversations rendered with a chat template: the model it trains answers
-    # turns, so the run's summary suggests sampling it with generate.py --chat.
-    chat_samples: ClassVar[bool] = False
     # Loss terms the objective reports apart (LossTerms.reported, logged as their sums divided by the
-    # step's units, like the loss).
+    # step's units, like the loss, and shown on the console line beside it: what a user watches to see
+    # that the run learns).
     reported_terms: ClassVar[tuple[str, ...]] = ()
-    # Those of reported_terms the console line shows beside the loss (all go to TensorBoard and JSONL):
-    # the few a user watches to see that the run learns.
-    console_terms: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, compile_loss: bool = False, compile_backend: str = "inductor"):
         # compile.components "loss": the cross-entropy compiled with compile.backend (on first use, so

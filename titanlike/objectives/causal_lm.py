@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 class CausalLM(Objective):
     name = "causal_lm"
-    predicts_next_token = True
+    generation = "text"
 
     def __init__(self, *, document_masking: bool = False, eod_mask_loss: bool = False, **loss_options):
         super().__init__(**loss_options)

@@ -164,7 +164,7 @@ def kl_per_token(student_logits: torch.Tensor, teacher: Targets, *, loss: str, t
 
 class Distill(Objective):
     name = "distill"
-    predicts_next_token = True
+    generation = "text"
     reported_terms = ("distill_kl", "hard_loss")
 
     def __init__(self, family: Objective, options: DistillOptions | None = None, **loss_options):
@@ -177,7 +177,7 @@ class Distill(Objective):
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
                 model: str = "the model") -> Distill:
-        if family_objective is None or not family_objective.predicts_next_token:
+        if family_objective is None or family_objective.generation is None:
             what = family_objective.name if family_objective is not None else "no next-token objective"
             raise ValueError(f"training.objective distill trains models that predict the next token; {model} trains "
                              f"with {what}")
@@ -212,7 +212,7 @@ class Distill(Objective):
                              "distill.loss forward_kl or distill.top_k 0")
         folder, spec, args = self.teacher_model()
         teacher = f"distill.teacher {folder}"
-        if not family_objective(cfg, spec, args).predicts_next_token:
+        if family_objective(cfg, spec, args).generation is None:
             raise ValueError(f"{teacher} is a {spec.name} model, which does not predict the next token: a teacher must")
         if args.lookahead_tokens:
             raise ValueError(f"{teacher} is a multi-token prediction model; such teachers are not supported yet")

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 class ImageCaption(Objective):
     name = "image_caption"
-    predicts_next_token = True
+    generation = "text"
 
     def __init__(self, *, image_token_id: int, tokens_per_image: int, image_size: int, processor: str = "clip",
                  max_images: int = 1, max_image_pixels: int | None = None, **loss_options):

@@ -133,9 +133,7 @@ class PairObjective(Objective):
     and their loss."""
 
     attention_mask = "a document mask"
-    chat_samples = True  # pairs are rendered with the chat template (titanlike/data/preferences.py)
     reported_terms = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
-    console_terms = ("reward_accuracy", "reward_margin")
 
     def __init__(self, options, **loss_options):
         super().__init__(**loss_options)
@@ -145,7 +143,7 @@ class PairObjective(Objective):
     def refuse(cls, args: BaseModelArgs, family_objective: Objective | None, *, model: str, what: str) -> None:
         """ValueError (one sentence) for a family or model a pair objective cannot train: `what` says
         what the objective does to the model."""
-        if family_objective is not None and not family_objective.predicts_next_token:
+        if family_objective is not None and family_objective.generation is None:
             raise ValueError(f"training.objective {cls.name} {what}; {model} trains with {family_objective.name}")
         if args.moe_args() is not None or args.lookahead_tokens:
             kind = "mixture-of-experts" if args.moe_args() is not None else "multi-token prediction"
@@ -258,7 +256,7 @@ def reference_logps(output, targets: Targets) -> Targets:
 
 class DPO(PairObjective):
     name = "dpo"
-    predicts_next_token = True
+    generation = "chat"  # pairs are rendered with the chat template (titanlike/data/preferences.py)
 
     def __init__(self, options: DPOOptions | None = None, **loss_options):
         super().__init__(options or DPOOptions(), **loss_options)

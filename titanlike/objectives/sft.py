@@ -71,8 +71,7 @@ register_section("sft", SFTOptions)
 class SFT(Objective):
     name = "sft"
     attention_mask = "a document mask"
-    chat_samples = True
-    predicts_next_token = True
+    generation = "chat"
 
     def __init__(self, options: SFTOptions | None = None, **loss_options):
         super().__init__(**loss_options)
@@ -82,7 +81,7 @@ class SFT(Objective):
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
                 model: str = "the model") -> SFT:
         """training.objective sft: only for a family whose own objective predicts the next token."""
-        if family_objective is not None and not family_objective.predicts_next_token:
+        if family_objective is not None and family_objective.generation is None:
             raise ValueError(f"training.objective sft fine-tunes models that predict the next token; {model} trains "
                              f"with {family_objective.name}")
         return cls(cfg.sft, **compile_options(cfg))

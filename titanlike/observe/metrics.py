@@ -170,7 +170,7 @@ class MetricsLogger:
         """One step's record to the console, TensorBoard and JSONL; extra: more scalars for the record;
         expert_counts: routes per expert of each MoE layer (layer index -> (experts,) tensor), for the
         TensorBoard histograms and the JSONL record; console: keys of extra the console line shows too
-        (the objective's console_terms)."""
+        (the objective's reported terms)."""
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         tps = self._tokens_since / elapsed

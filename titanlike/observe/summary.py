@@ -38,7 +38,7 @@ class RunSummary:
     wandb: str | None = None
     # Whether the model continues text (JobPlan.generates): only then is generate.py suggested.
     generates: bool = True
-    # Whether it was trained on chat-rendered conversations (Objective.chat_samples): sample with --chat.
+    # Whether it was trained on chat-rendered conversations (Objective.generation "chat"): sample with --chat.
     chat: bool = False
 
     def lines(self) -> list[str]:

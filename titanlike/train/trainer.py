@@ -577,7 +577,7 @@ class Trainer:
             expert_counts = {i: table[i, :moe.num_experts]
                              for i in range(self.model_args.total_layers) if moe.is_moe_layer(i)}
         self.metrics.log(record.step, loss=loss, grad_norm=norm, lr=record.lr, extra=extra or None,
-                         expert_counts=expert_counts, console=self.objective.console_terms)
+                         expert_counts=expert_counts, console=self.objective.reported_terms)
         slow = self.stragglers.report(record.step)  # a collective: every rank
         if slow and self.rank == 0:
             logger.warning(format_stragglers(record.step, slow, self.stragglers.factor))
@@ -627,7 +627,7 @@ class Trainer:
             metrics_jsonl=os.path.join(dump, "metrics.jsonl") if m.enable_jsonl else None,
             profile_traces=os.path.join(dump, p.save_traces_folder) if profiler.traces else None,
             memory_snapshots=os.path.join(dump, p.save_memory_snapshot_folder) if snapshots.written else None,
-            wandb=self.wandb_folder, generates=self.plan.generates, chat=self.plan.objective.chat_samples,
+            wandb=self.wandb_folder, generates=self.plan.generates, chat=self.plan.objective.generation == "chat",
         )
 
     def _precision_and_batch_metrics(self, batch: int) -> dict:
