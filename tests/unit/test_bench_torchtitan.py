@@ -1,24 +1,11 @@
-"""scripts/bench_torchtitan.py: torchtitan is not a dependency, so without it the script stops with
-one sentence (before importing torch), and its torchtitan-free helpers behave."""
+"""scripts/bench_torchtitan.py: its torchtitan-free helpers behave. Without torchtitan the program stops
+with one sentence: tests/integration/test_bench_torchtitan_program.py."""
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_torchtitan.py"
-
-
-@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
-@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is not None, reason="torchtitan is installed here")
-def test_without_torchtitan_it_says_so_in_one_sentence(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--torchtitan-path", str(tmp_path)], capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
-    assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.startswith("torchtitan is not importable") and proc.stderr.count("\n") <= 1, proc.stderr
 
 
 def test_paired_rounds_alternate_on_the_same_batches():

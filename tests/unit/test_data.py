@@ -1,4 +1,5 @@
-"""Datasets and the data-parallel loader: packing, rank slicing, resume, bad input."""
+"""Datasets and the data-parallel loader: packing, rank slicing, resume, bad input. Resumed with DataLoader
+worker processes: tests/integration/test_data_workers.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from data_checks import G, SEQ, assert_same_batches, check_resume_mid_stream, default_loader, take
 from titanlike.data import (
     DEFAULT_CORPUS_PATH,
     DEFAULT_TOKENIZER_PATH,
@@ -28,9 +30,6 @@ from titanlike.data.text_datasets import (
     pack_documents,
 )
 
-SEQ = 16
-G = 8
-
 
 @pytest.fixture(scope="module")
 def tok():
@@ -40,21 +39,6 @@ def tok():
 @pytest.fixture(scope="module")
 def docs():
     return list(itertools.islice(iter_documents(DEFAULT_CORPUS_PATH), 40))
-
-
-def take(loader, n):
-    """The next n microbatches of token windows, as (inputs, labels) (the loader yields them by name)."""
-    it = iter(loader)
-    batches = [next(it) for _ in range(n)]
-    assert all(set(batch) == {"inputs", "labels"} for batch in batches)
-    return [(batch["inputs"], batch["labels"]) for batch in batches]
-
-
-def default_loader(tok, *, rank=0, dp=1, local=G, seed=0, seq_len=SEQ, num_workers=0):
-    return build_dataloader(
-        dataset="default", dataset_path=None, tokenizer=tok, seq_len=seq_len, local_batch_size=local,
-        global_batch_size=G, dp_rank=rank, dp_degree=dp, seed=seed, num_workers=num_workers,
-    )
 
 
 def stream_loader(tok, docs, *, rank=0, dp=1, local=G):
@@ -177,34 +161,14 @@ def test_rank_block_formula():
 # --------------------------------------------------------------------------- resume
 
 
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for (xa, ya), (xb, yb) in zip(a, b):
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
-
-
-# default_workers starts the DataLoader's worker processes: slow (the fast lane refuses it, tests/conftest.py).
-@pytest.mark.parametrize("kind", ["default", "stream", pytest.param("default_workers", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["default", "stream"])
 def test_resume_mid_stream(tok, docs, kind):
     def make():
         if kind == "stream":
             return stream_loader(tok, docs[:3], rank=1, dp=2, local=2)
-        return default_loader(tok, rank=1, dp=2, local=2, num_workers=2 if kind == "default_workers" else 0)
+        return default_loader(tok, rank=1, dp=2, local=2)
 
-    original = make()
-    it = iter(original)
-    for _ in range(5):  # mid-step: microbatch 1 of step 2
-        next(it)
-    state = original.state_dict()
-    expected = [(batch["inputs"], batch["labels"]) for batch in (next(it) for _ in range(7))]
-    # Serialized after the original moved on: the snapshot must not alias live state.
-    state = pickle.loads(pickle.dumps(state))
-
-    resumed = make()
-    resumed.load_state_dict(state)
-    _assert_same(take(resumed, 7), expected)
-    fresh = take(make(), 12)[5:]
-    _assert_same(fresh, expected)
+    check_resume_mid_stream(make)
 
 
 @pytest.mark.parametrize("kind", ["default", "stream"])
@@ -357,7 +321,7 @@ def test_huggingface_streaming_local(tmp_path, tok, monkeypatch):
     # Same packing as the stand-in stream over the same documents, through several epochs.
     expected = take(stream_loader(tok, texts, local=2), 24)
     got = take(hf_loader(), 24)
-    _assert_same(got, expected)
+    assert_same_batches(got, expected)
 
     original = hf_loader()
     it = iter(original)
@@ -367,7 +331,7 @@ def test_huggingface_streaming_local(tmp_path, tok, monkeypatch):
     assert "source" in state["dataset_state"]["samples"], "resume should use the HF dataset's own state"
     resumed = hf_loader()
     resumed.load_state_dict(state)
-    _assert_same(take(resumed, 10), expected[7:17])
+    assert_same_batches(take(resumed, 10), expected[7:17])
 
 
 def test_packed_split_parts_are_disjoint_and_cover_the_source():

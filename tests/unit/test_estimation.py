@@ -1,17 +1,14 @@
-"""Memory estimation (estimation/): the probe and its layout against measured steps and every row of
-torchtitan's published table, what users run as the README shows it, the command line, the planner
-on every family.
+"""Memory estimation (estimation/): the probe and its layout against every row of torchtitan's published
+table, what users run as the README shows it, the command line, the planner on every family.
 
 Estimates run the job's own step on fake tensors under a fake process group, in this process, one
-block of each kind: a second or two for the tiny models, a few for 8B-405B. Measured CPU steps run
-in one subprocess (every family's debug preset) and one 2-rank launch.
+block of each kind: a second or two for the tiny models, a few for 8B-405B. Against steps measured
+on this machine (subprocesses and a 2-rank launch): tests/integration/test_estimation_measured.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +18,7 @@ from estimation.layout import estimate
 from estimation.options import EstimateOptions, parse_estimate_args, prepare_job
 from estimation.probe import probe, probed_layers
 from estimation.estimate import run_estimate, verdict
+from estimation_checks import FAMILY_PRESETS, estimate_job, preset_argv
 from titanlike.config import ConfigError, load_job_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,15 +26,6 @@ TINY = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "
         "--training.seq_len", "64", "--training.local_batch_size", "4"]
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 GiB = 2**30
-
-
-def _estimate(*overrides: str, world: int, device: str = "cuda", granularity: int = 512):
-    prep = prepare_job(load_job_config(list(overrides)), world)
-    return estimate(prep.plan, probe(prep.plan, device=device, granularity=granularity))
-
-
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
 
 
 # Options and planning ---------------------------------------------------------------------------
@@ -98,154 +87,11 @@ def test_some_blocks_lay_out_as_all_blocks_probed(layout, world, monkeypatch):
 
     args = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--training.seq_len", "128",
             "--training.local_batch_size", "4", *layout]
-    some = _estimate(*args, world=world)
+    some = estimate_job(*args, world=world)
     monkeypatch.setattr(probe_module, "_kept", lambda kinds, where: list(range(len(kinds))))
-    every = _estimate(*args, world=world)
+    every = estimate_job(*args, world=world)
     for a, b in zip(some, every):
         assert abs(a.peak_bytes - b.peak_bytes) <= 0.01 * b.peak_bytes, (a.pp_rank, a.peak_bytes, b.peak_bytes)
-
-
-# Against steps measured on this machine ---------------------------------------------------------
-
-FAMILY_PRESETS = ["debug_model", "gpt2_debug", "qwen3_debug_moe", "mixtral_debug", "deepseek_v3_debug",
-                  "hybrid_debug", "bert_debug", "t5_debug"]
-
-_MEASURE_ALL = """
-import contextlib, io, json, sys
-sys.path.insert(0, {repo!r} + "/scripts")
-from measure_memory import main
-for i, argv in enumerate(json.loads(sys.argv[1])):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        main([*argv, "--job.dump_folder", f"{{sys.argv[2]}}/{{i}}"])
-    print(out.getvalue().strip().splitlines()[-1], flush=True)
-"""
-
-
-def _preset(name: str) -> list[str]:
-    return ["--job.config_file", str(REPO / "train_configs" / f"{name}.toml"), "--metrics.no_enable_tensorboard"]
-
-
-# LLaVA's debugmodel with its tower a fifth of the step's peak (64 x 64 images, 4 tower layers; the job's
-# tokenizer named, so that the estimate sizes the vocabulary as train.py does): an estimate missing the
-# encoder's parameters, optimizer state or activations over the image patches would be off by more than 10%.
-LLAVA = ["--model.name", "llava", "--model.flavor", "debugmodel", "--model.args.vision.image_size", "64",
-         "--model.args.vision.n_layers", "4", "--training.seq_len", "80", "--training.local_batch_size", "8",
-         "--training.mixed_precision_param", "float32", "--model.tokenizer_path",
-         str(REPO / "titanlike" / "data" / "assets" / "debug_tokenizer.tiktoken"), "--metrics.no_enable_tensorboard"]
-
-
-@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
-def test_every_family_debug_preset_is_within_2_percent_of_a_measured_cpu_step(tmp_path):
-    """One real training step of each family's debug preset (and LLaVA's, above) on CPU, measured by
-    scripts/measure_memory.py (allocator events, independent of the probe's storage count): the estimate
-    counting torch's CPU kernels and exact bytes is within 2% (measured: within 0.13% for all eight,
-    LLaVA +1.0%)."""
-    names, jobs = [*FAMILY_PRESETS, "llava"], [*(_preset(name) for name in FAMILY_PRESETS), LLAVA]
-    proc = subprocess.run([sys.executable, "-c", _MEASURE_ALL.format(repo=str(REPO)), json.dumps(jobs), str(tmp_path)],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    measured = [json.loads(line)["peak_bytes"] for line in proc.stdout.splitlines() if line.startswith("{")]
-    for name, argv, m in zip(names, jobs, measured, strict=True):
-        e = max(r.peak_bytes for r in _estimate(*argv, world=1, device="cpu", granularity=1))
-        assert abs(e - m) <= 0.02 * m, (name, e, m)
-
-
-@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
-def test_pipeline_ranks_are_within_2_percent_of_measured_cpu_steps(tmp_path):
-    """PP 2 (1F1B, 4 microbatches) on 2 gloo ranks: each rank's peak, from torch's own schedule, within
-    2% of its measured step (measured: -0.3% and 0.0%)."""
-    argv = [*_preset("debug_model"), "--training.seq_len", "256", "--training.local_batch_size", "8",
-            "--training.mixed_precision_param", "float32", "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_microbatch_size", "2"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "scripts" / "measure_memory.py"), *argv, "--job.dump_folder",
-                           str(tmp_path / "dump"), "--measure.out", str(tmp_path)],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    measured = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())["peak_bytes"]
-                for p in tmp_path.glob("rank*.json")}
-    for r in _estimate(*argv, world=2, device="cpu", granularity=1):
-        assert abs(r.peak_bytes - measured[r.rank]) <= 0.02 * measured[r.rank], (r.rank, r.peak_bytes, measured)
-
-
-# Compiled blocks, the optimizer step's peak and LoRA, against steps measured on this machine: one
-# subprocess measures them all (the compiled ones last: inductor on CPU takes a minute or two).
-MEASURED_JOBS = {
-    "optimizer step": [*_preset("debug_model"), "--training.seq_len", "32", "--training.local_batch_size", "1",
-                       "--optimizer.implementation", "foreach"],
-    # The job's own [lora] (not the defaults): rank 16 on the MLP too.
-    "lora": [*_preset("lora_debug"), "--lora.rank", "16", "--lora.target_modules", "q_proj,v_proj,gate_proj,down_proj"],
-    "compiled": [*_preset("debug_model"), "--training.seq_len", "512", "--training.local_batch_size", "4",
-                 "--compile.enable"],
-    "compiled, op-level checkpointing": [
-        *_preset("debug_model"), "--training.seq_len", "512", "--training.local_batch_size", "4", "--compile.enable",
-        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
-}
-
-
-@pytest.fixture(scope="module")
-def measured_jobs(tmp_path_factory) -> dict[str, int]:
-    jobs = list(MEASURED_JOBS.values())
-    proc = subprocess.run([sys.executable, "-c", _MEASURE_ALL.format(repo=str(REPO)), json.dumps(jobs),
-                           str(tmp_path_factory.mktemp("measured"))],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    peaks = [json.loads(line)["peak_bytes"] for line in proc.stdout.splitlines() if line.startswith("{")]
-    return dict(zip(MEASURED_JOBS, peaks, strict=True))
-
-
-def _cpu_estimate(name: str, *more: str):
-    (r,) = _estimate(*MEASURED_JOBS[name], *more, world=1, device="cpu", granularity=1)
-    return r
-
-
-@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
-def test_compiled_blocks_and_loss_are_within_2_percent_of_a_measured_compiled_cpu_step(measured_jobs):
-    """A step whose blocks and loss inductor really compiles on CPU: the estimate (AOT autograd, inductor's
-    partitioner, fusion's buffers) within 2% of it (measured: 0.01%); the eager estimate of the same
-    job is not (it keeps every intermediate the compiled graphs recompute or fuse away: +28%)."""
-    m = measured_jobs["compiled"]
-    compiled = _cpu_estimate("compiled").peak_bytes
-    assert abs(compiled - m) <= 0.02 * m, (compiled, m)
-    eager = _cpu_estimate("compiled", "--compile.no_enable").peak_bytes
-    assert eager > 1.15 * m, (eager, m)
-    # Op-level checkpointing's policy reaches the partitioner through dynamo: within 7% (measured: -4.9%).
-    m = measured_jobs["compiled, op-level checkpointing"]
-    op = _cpu_estimate("compiled, op-level checkpointing").peak_bytes
-    assert abs(op - m) <= 0.07 * m, (op, m)
-
-
-@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
-def test_the_optimizer_steps_peak_is_within_2_percent_of_a_measured_cpu_step(measured_jobs):
-    """Short sequences and foreach AdamW (its temporaries span every parameter at once): the peak is the
-    optimizer step, with the gradients held, both in the estimate and on this machine, within 2% (measured: 0.0%)."""
-    r, m = _cpu_estimate("optimizer step"), measured_jobs["optimizer step"]
-    assert r.peak_phase == "optimizer step" and r.peak.gradients > 0, r.peak_phase
-    assert abs(r.peak_bytes - m) <= 0.02 * m, (r.peak_bytes, m)
-
-
-@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
-def test_lora_holds_gradients_and_optimizer_state_for_adapters_only(measured_jobs):
-    """The LoRA preset at the job's own rank and targets: the frozen base has no gradient and no AdamW
-    state, the adapters have both (their element count from the model itself), and the step is within 2%
-    of the measured one (measured: 0.07%)."""
-    from titanlike.models.converters import build_model_converters
-
-    prep = prepare_job(load_job_config(MEASURED_JOBS["lora"]), 1)
-    model = prep.plan.spec.model_cls(prep.plan.model_args)
-    cfg = prep.plan.cfg
-    build_model_converters(cfg.model.converters, cfg).convert(model)
-    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert 0 < adapters < sum(p.numel() for p in model.parameters()) // 10
-    pr = probe(prep.plan, device="cpu", granularity=1)
-    held = [pr.static[k] for k in pr.kinds] + [pr.static[e] for e in ("input", "output", "shared")]
-    grads, state = sum(s.grads for s in held) - pr.static["tied"].grads, sum(s.optimizer for s in held)
-    steps = 4 * sum(1 for p in model.parameters() if p.requires_grad)  # AdamW's fp32 step per parameter
-    assert grads == 4 * adapters and state == 2 * 4 * adapters + steps, (grads, state, adapters)
-    (r,) = estimate(prep.plan, pr)
-    m = measured_jobs["lora"]
-    assert abs(r.peak_bytes - m) <= 0.02 * m, (r.peak_bytes, m)
 
 
 # Against torchtitan's published figures (scripts/published_memory.py holds every row) ---------------
@@ -293,7 +139,7 @@ def test_rows_beyond_the_models_context_are_refused_in_one_sentence():
 @pytest.mark.parametrize("preset, world", [("qwen3_30b_a3b", 8), ("deepseek_v3_671b", 256)])
 def test_moe_presets_plan_on_the_smallest_world_their_degrees_allow(preset, world):
     """No --estimate.world_size: dp_shard -1 takes the fewest shards expert parallelism allows."""
-    assert prepare_job(load_job_config(_preset(preset))).plan.dims.world_size == world
+    assert prepare_job(load_job_config(preset_argv(preset))).plan.dims.world_size == world
 
 
 def test_a_real_flavor_without_a_tokenizer_keeps_its_own_vocabulary_and_says_so():
@@ -307,7 +153,7 @@ def test_a_real_flavor_without_a_tokenizer_keeps_its_own_vocabulary_and_says_so(
     assert prep.plan.model_args.vocab_size == 128256 and round(prep.plan.model_args.num_params() / 1e9, 2) == 8.03
     said = [n for n in prep.notes if "debug tokenizer" in n]
     assert len(said) == 1 and "128,256" in said[0] and "7.00B" in said[0] and "\n" not in said[0]
-    debug = prepare_job(load_job_config(_preset("debug_model")), 1)
+    debug = prepare_job(load_job_config(preset_argv("debug_model")), 1)
     assert debug.plan.model_args.vocab_size == 2048 and not any("tokenizer" in n for n in debug.notes)
 
 
@@ -328,8 +174,8 @@ def test_expert_parallel_probe_assumes_balanced_routing():
         counts = torch.bincount(chosen.reshape(-1), minlength=8)
         assert counts.tolist() == [3] * 8 and int(counts.sum()) == 24
         assert torch.repeat_interleave(torch.arange(8), counts).shape == (24,)
-    moe = [*_preset("qwen3_debug_moe"), "--training.seq_len", "128", "--training.local_batch_size", "2"]
-    one, two = (_estimate(*moe, "--parallelism.expert_parallel_degree", str(ep), world=2)[0] for ep in (1, 2))
+    moe = [*preset_argv("qwen3_debug_moe"), "--training.seq_len", "128", "--training.local_batch_size", "2"]
+    one, two = (estimate_job(*moe, "--parallelism.expert_parallel_degree", str(ep), world=2)[0] for ep in (1, 2))
     assert two.peak_bytes < one.peak_bytes
     result = run_estimate(load_job_config([*moe, "--parallelism.expert_parallel_degree", "2"]),
                           EstimateOptions(world_size=2))
@@ -420,7 +266,7 @@ def test_planner_plans_every_familys_debug_preset(name):
     opts, _ = parse_estimate_args(["--estimate.world_size", "2", "--estimate.device_memory_gib", "80",
                                    "--estimate.plan_top", "1", "--estimate.plan_probes", "1",
                                    "--estimate.plan_ac_modes", "none"])
-    job = [*_preset(name), "--training.seq_len", "64", "--training.local_batch_size", "2"]
+    job = [*preset_argv(name), "--training.seq_len", "64", "--training.local_batch_size", "2"]
     plan = run_plan(load_job_config(job), opts)
     assert plan["counts"]["estimated"] == 1 and len(plan["top"]) == 1, plan["counts"]
     best = plan["top"][0]
@@ -433,7 +279,7 @@ def test_planner_searches_expert_degrees_and_lighter_end_stages():
     from estimation.plan import expert_degrees, stage_splits
 
     assert expert_degrees(8, 4) == [1, 2, 4]
-    args = prepare_job(load_job_config(_preset("deepseek_v3_debug")), 1).plan.model_args
+    args = prepare_job(load_job_config(preset_argv("deepseek_v3_debug")), 1).plan.model_args
     assert args.total_layers > args.num_layers  # multi-token prediction rides on the last stage
     assert len(stage_splits(args, 2, "1F1B")) >= 1 and stage_splits(args, 1, None) == [None]
 

@@ -5,7 +5,7 @@
 - The engine: a batch gives each row what it gives alone; a row ends at a stop token (kept last),
   a stop string (cut from the text), max_new_tokens or the context, each with its reason; streamed
   text pieces add up to the final text. Compiled (a torch.compile'd decode step on static caches) it
-  gives the eager tokens and compiles once.
+  gives the eager tokens and compiles once: tests/integration/test_generation_engine_compiled.py.
 - The program: batched and streamed output agree, prompts come from a JSONL file, chat mode renders
   the chat template, the speed goes to stderr, and every bad value is one sentence.
 Families against transformers' generate: tests/conformance/test_generation.py.
@@ -128,43 +128,6 @@ def test_bad_prompts_are_one_sentence(model):
         with pytest.raises(GenerationError) as e:
             engine.generate(prompts, SamplingParams())
         assert words in str(e.value) and "\n" not in str(e.value)
-
-
-@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
-def test_compiled_decode_gives_the_eager_tokens_without_recompiling():
-    """Engine(compile=True): static caches of the context's length and a torch.compile'd decode step
-    (inductor), which compiles once for a batch size and is reused by every step of every call, the
-    continuous batch's (a server's) included; greedy tokens equal the eager engine's. One layer: a
-    cold compile on CPU costs seconds per kernel."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    from titanlike.inference import ContinuousBatch
-
-    spec = get_model_spec("llama3")
-    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], vocab_size=256, n_layers=1, max_seq_len=40)
-    model = materialize(spec.model_cls, args, seed=0).eval()
-    prompts = [[[5, 9, 17, 3, 44, 12, 8], [7, 31, 90]], [[1, 2], [60, 61, 62, 63, 64]]]
-    params = SamplingParams(max_new_tokens=4)
-    eager = Engine(model)
-    want = [[c.tokens for c in eager.generate(p, params)[0]] for p in prompts]
-    torch._dynamo.reset()
-    counters.clear()
-    engine = Engine(model, compile=True)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        got, caches = [], []
-        for p in prompts:
-            got.append([c.tokens for c in engine.generate(p, params)[0]])
-            caches.append(engine._cache)
-        graphs = counters["stats"]["unique_graphs"]
-        batch = ContinuousBatch(engine, slots=2)
-        seqs = [batch.submit(p, params) for p in prompts[0] + prompts[1]]
-        batch.run()
-    assert got == want
-    assert [s.completion.tokens for s in seqs] == want[0] + want[1]
-    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs  # no graph after the first call's
-    assert caches[0] is caches[1]  # both calls' batches of 2 decode in one static cache (a CUDA graph's)
-    assert batch.cache.static and batch.cache.layer("0").k.shape[2] == 40
 
 
 def test_continuous_batching_cancels_and_survives_a_failed_step(model):

@@ -1,10 +1,9 @@
 """The [comm] options: the training timeout after the first step, a failed collective reported with
 its step, and the flight recorder (its size, its dump). The whole path through train.py with a
-stalled rank: tests/distributed/test_hangs.py."""
+stalled rank: tests/distributed/test_hangs.py; a collective on two forked gloo ranks failing after the
+train timeout: tests/distributed/test_timeouts_ranks.py."""
 
-import multiprocessing
 import os
-import time
 from datetime import timedelta
 
 import pytest
@@ -57,47 +56,6 @@ def test_missing_private_api_warns_once_and_changes_nothing(one_rank_group, monk
 def test_without_a_process_group_it_does_nothing():
     assert not dist.is_initialized()
     assert set_train_timeout(7) == 0
-
-
-def _rank(rank: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    set_train_timeout(1)
-    if rank == 0:
-        begin = time.monotonic()
-        try:
-            dist.all_reduce(torch.ones(1))  # rank 1 never joins
-            queue.put(("no error", 0.0))
-        except Exception as e:  # gloo raises RuntimeError / DistBackendError on timeout
-            queue.put((f"{type(e).__name__}: {e}"[:300], time.monotonic() - begin))
-        queue.close()
-        queue.join_thread()  # os._exit would drop what the queue's feeder thread has not sent
-    else:
-        time.sleep(2.5)  # alive, so rank 0 waits for it rather than seeing it leave
-    os._exit(0)  # no destroy_process_group: it would wait on the peer
-
-
-@pytest.mark.slow  # starts processes: the fast lane refuses it (tests/conftest.py)
-def test_a_collective_on_gloo_fails_after_the_train_timeout():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")  # no torch re-import: a second or two, not ten
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        kind, seconds = queue.get(timeout=60)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert "timed out" in kind.lower(), kind
-    assert 0.5 < seconds < 3.5, f"the all_reduce failed after {seconds:.1f} s, not after the 1 s train timeout"
 
 
 def test_flight_recorder_size_is_set_unless_the_user_set_it(monkeypatch, tmp_path):
