@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,15 +31,8 @@ import pytest
 from titanlike.data import DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_PATH
 from titanlike.data.indexed import IndexedDataset
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "preprocess_data.py"
+from preprocess_checks import SCRIPT, pp  # the script as a module, loaded once a session
 
-pp = sys.modules.get("preprocess_data")
-if pp is None:
-    _spec = importlib.util.spec_from_file_location("preprocess_data", SCRIPT)
-    pp = importlib.util.module_from_spec(_spec)
-    sys.modules["preprocess_data"] = pp
-    _spec.loader.exec_module(pp)
 
 # Text that exercises the pre-tokenizers: contractions, digits, whitespace runs, newlines, non-ASCII,
 # and special tokens' text (a special token with Megatron's types, as in megatron-core).
