@@ -33,6 +33,8 @@ from titanlike.data.indexed import IndexedDataset
 
 from preprocess_checks import SCRIPT, pp  # the script as a module, loaded once a session
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 # Text that exercises the pre-tokenizers: contractions, digits, whitespace runs, newlines, non-ASCII,
 # and special tokens' text (a special token with Megatron's types, as in megatron-core).
