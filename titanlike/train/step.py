@@ -104,15 +104,13 @@ class StepLoss:
 
     @contextlib.contextmanager
     def counting_correct(self):
-        """Validation: the loss also counts correct units (yielded getter of their sum) and records no
-        reported terms (those are the training steps')."""
-        saved = self.count_correct, self.recording, self.reported
-        self.count_correct, self.correct = True, None
+        """Validation: the loss also counts correct units (yielded getter of their sum); the reported
+        terms it sums meanwhile are dropped (those are the training steps')."""
+        reported, self.count_correct, self.correct = self.reported, True, None
         try:
             yield lambda: self.correct
         finally:
-            self.count_correct, self.recording, self.reported = saved
-            self.correct = None
+            self.count_correct, self.reported, self.correct = False, reported, None
 
 
 @dataclass
