@@ -38,6 +38,11 @@ def test_lora_from_a_hugging_face_folder_to_a_peft_adapter(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "lora: rank 8, alpha 16 on 32 linear layers" in run.stderr
     export = dump / "checkpoint" / "step-4"
+    # The adapter names the folder the job started from, so peft's AutoPeftModel finds its base offline.
+    import json
+
+    assert json.loads((export / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(hf_folder.resolve())
     tokens = torch.randint(0, tokenizer.vocab_size, (2, 16))
     with torch.no_grad():
         merged = transformers.AutoModelForCausalLM.from_pretrained(export).eval()(tokens).logits

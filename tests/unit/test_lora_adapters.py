@@ -268,3 +268,28 @@ def test_load_model_merges_a_lora_checkpoint_through_the_registered_hook(hf_fold
     sd = dict(model.state_dict())
     assert merged(sd).keys() == merged_state_dict(sd).keys()
     assert all(torch.equal(v, merged_state_dict(sd)[k]) for k, v in merged(sd).items())
+
+
+def test_the_adapter_names_its_base_folder_so_peft_loads_it_offline(hf_folder, tmp_path, monkeypatch):
+    """adapter_config.json's base_model_name_or_path is the base folder, absolute (peft hands it to
+    transformers, which resolves a relative path against the working directory): peft's
+    AutoPeftModelForCausalLM loads the adapter from another directory with the Hub switched off."""
+    import os
+
+    import huggingface_hub
+
+    from titanlike.models.registry import get_model_spec
+
+    options = LoRAOptions(rank=4, alpha=8, target_modules=TARGETS)
+    model, _ = _lora_model(hf_folder, options)
+    adapter = tmp_path / "run" / "step-4" / "adapter"
+    export_peft(model.state_dict(), get_model_spec("llama3"), model.model_args, str(adapter), options,
+                base_model=os.path.relpath(hf_folder))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(hf_folder.resolve())
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets
+    monkeypatch.chdir(tmp_path / "run")
+    with torch.no_grad():
+        loaded = peft.AutoPeftModelForCausalLM.from_pretrained("step-4/adapter").eval()
+        torch.testing.assert_close(loaded(tokens).logits, model(tokens), rtol=0, atol=1e-4)

@@ -201,10 +201,11 @@ class CheckpointManager:
             # GPUs they then cost no GPU memory.
             self._pg = dist.new_group(backend="gloo")
         where = dict(rank=self.rank, distributed=self.distributed, pg=self._pg)
+        start = initial_load_path(c, cfg.model.hf_assets_path)
         self._saver = Saver(c, self.folder, self.states, total_steps=self.total_steps, job=job,
                             tokenizer=tokenizer_record(tokenizer) if tokenizer is not None else {}, hooks=hooks,
-                            optimizer=optimizer, **where)
-        self._loader = Loader(c, self.folder, self.states, initial_load_path=initial_load_path(c, cfg.model.hf_assets_path),
+                            optimizer=optimizer, base_model=start if c.initial_load_in_hf else None, **where)
+        self._loader = Loader(c, self.folder, self.states, initial_load_path=start,
                               job=job, hooks=hooks, pp=dims is not None and dims.pp_enabled, **where)
         # Before the trainer builds its metrics writers (a full disk would stop them first).
         self._saver.remove_leftovers()

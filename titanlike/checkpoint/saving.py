@@ -53,8 +53,12 @@ class Saver:
     """CheckpointManager's saving half (manager.py): writes `states` into `folder`'s step-N folders."""
 
     def __init__(self, c, folder: str, states: dict[str, Stateful], *, total_steps: int, job: JobModel | None,
-                 tokenizer: dict[str, Any], hooks: Sequence[LoadHook], optimizer, rank: int, distributed: bool, pg):
+                 tokenizer: dict[str, Any], hooks: Sequence[LoadHook], optimizer, rank: int, distributed: bool, pg,
+                 base_model: str | None = None):
+        """base_model: the Hugging Face folder the job's model started from (None: a DCP checkpoint or
+        its initialization), which a hook's export names as its base (a PEFT adapter's)."""
         self.cfg, self.folder, self.states, self.total_steps = c, folder, states, total_steps
+        self.base_model = base_model
         self.job, self._tokenizer, self.hooks = job, tokenizer, tuple(hooks)
         self.rank, self.distributed, self._pg = rank, distributed, pg
         self.blocked_s = 0.0  # time the training loop spent inside save() and staging waits
@@ -220,7 +224,7 @@ class Saver:
         def convert() -> None:
             state_dict = fmt.read_dcp_model(staging, verify=False)  # written just now, by this job
             for hook in self.hooks:
-                state_dict = hook.hf_export(state_dict, job.spec, job.args, tmp)
+                state_dict = hook.hf_export(state_dict, job.spec, job.args, tmp, base_model=self.base_model)
             tok = self._tokenizer
             export = hf.write_hf(state_dict, job.spec, job.args, tmp, dtype=dtype,
                                  context_len=job.context_len, bos_id=tok.get("bos_id"), eos_id=tok.get("eos_id"),

@@ -40,9 +40,11 @@ class LoadHook:
         model has `job_args` (a reward model read from a language model: with a score head)."""
         return saved_args
 
-    def hf_export(self, state_dict: dict[str, torch.Tensor], spec, args, folder: str) -> dict[str, torch.Tensor]:
+    def hf_export(self, state_dict: dict[str, torch.Tensor], spec, args, folder: str, *,
+                  base_model: str | None = None) -> dict[str, torch.Tensor]:
         """Before a model-only Hugging Face export of `state_dict` (full tensors, rank 0) into
-        `folder`: the state dict to convert (LoRA writes its PEFT folder beside, and merges)."""
+        `folder`: the state dict to convert (LoRA writes its PEFT folder beside, and merges).
+        base_model: the Hugging Face folder the job started from, if it did (None otherwise)."""
         return state_dict
 
 

@@ -448,7 +448,12 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
                 base_model: str | None = None) -> list[str]:
     """Write `folder` as a PEFT LoRA adapter of the family's transformers model: adapter_config.json
     and adapter_model.safetensors. Returns the HF module names written. ValueError when the family's
-    HF conversion of a targeted weight is not a reordering of its rows (B's rows then cannot follow)."""
+    HF conversion of a targeted weight is not a reordering of its rows (B's rows then cannot follow).
+
+    base_model: the Hugging Face folder of the base model, written as base_model_name_or_path so that
+    peft's AutoPeftModelForCausalLM.from_pretrained(folder) finds it without the Hub. The path is
+    absolute: peft hands it to transformers as it is, which resolves a relative path against the
+    working directory, not against the adapter folder."""
     from safetensors.torch import save_file
 
     base, parts = split_state_dict(sd)
@@ -489,7 +494,7 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
         "lora_dropout": options.dropout, "target_modules": sorted(modules), "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": options.use_dora, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": saved_modules or None, "exclude_modules": excluded or None,
-        "base_model_name_or_path": base_model,
+        "base_model_name_or_path": os.path.abspath(base_model) if base_model else None,
         "revision": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {},
     }
@@ -699,9 +704,10 @@ class LoRAHooks(LoadHook):
     def fresh(self, key: str, saved_args) -> bool:
         return is_adapter_key(key)
 
-    def hf_export(self, state_dict: dict, spec, args, folder: str) -> dict:
-        """The PEFT adapter into folder/adapter, and the merged weights for the full export."""
-        export_peft(state_dict, spec, args, os.path.join(folder, "adapter"), self.options)
+    def hf_export(self, state_dict: dict, spec, args, folder: str, *, base_model: str | None = None) -> dict:
+        """The PEFT adapter into folder/adapter (naming the Hugging Face folder the job started from as
+        its base), and the merged weights for the full export."""
+        export_peft(state_dict, spec, args, os.path.join(folder, "adapter"), self.options, base_model=base_model)
         return merged_state_dict(state_dict)
 
 
