@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
@@ -56,12 +57,18 @@ from titanlike.models.load_hooks import LoadHook, register_load_hook
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.converters import ModelConverter, fqn_matches, log_on_rank0, register_converter, short_list
+from titanlike.models.peft_adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    check_tensor,
+    pattern_value,
+    read_adapter_config,
+    read_adapter_tensors,
+)
 
 if TYPE_CHECKING:
     from titanlike.models.registry import ModelSpec
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
@@ -69,11 +76,13 @@ PEFT_PREFIX = "base_model.model."
 class LoRAOptions:
     rank: int = opt(8, "rank r of each adapter (PEFT's r)")
     alpha: float = opt(16.0, "scale numerator: the adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)")
+    use_rslora: bool = opt(False, "rank-stabilized LoRA (PEFT's use_rslora): the scale is alpha / sqrt(rank)")
     dropout: float = opt(0.0, "dropout on the adapter's input while training (PEFT's lora_dropout)")
     target_modules: list[str] = opt(
         ["q_proj", "k_proj", "v_proj", "o_proj"],
         "linear layers that get adapters: Hugging Face module names (q_proj, gate_proj, ...) or ours "
-        "(attention.wq, feed_forward.w1, layers.3.attention.wq), matched as whole dot-separated parts")
+        "(attention.wq, feed_forward.w1, layers.3.attention.wq), matched as whole dot-separated parts; all-linear: "
+        "every linear layer but the output head (as PEFT's all-linear)")
     exclude_modules: list[str] = opt(
         [], "linear layers, or modules holding them, that get no adapter even where target_modules names them "
         "(PEFT's exclude_modules), named as target_modules; e.g. vision_tower keeps a vision-language model's "
@@ -94,7 +103,9 @@ class LoRAOptions:
 
     adapter_path: str | None = opt(
         None, "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) whose A and B a fresh "
-        "run starts from, after the base model's initial load; its rank and alpha must be lora.rank and lora.alpha")
+        "run starts from, after the base model's initial load; its rank, alpha and use_rslora must be lora.rank, "
+        "lora.alpha and lora.use_rslora (its rank_pattern and alpha_pattern apply), and its adapters must be those of "
+        "the layers lora.target_modules names, no more and no fewer")
 
     def check(self) -> None:
         if self.adapter_path:
@@ -103,6 +114,11 @@ class LoRAOptions:
                 raise ValueError(f"lora.adapter_path {self.adapter_path} holds adapters of rank {config.get('r')} and "
                                  f"alpha {config.get('lora_alpha')}, but lora.rank is {self.rank} and lora.alpha "
                                  f"{self.alpha:g}; set them to the adapter's")
+            if bool(config.get("use_rslora")) != self.use_rslora:
+                raise ValueError(f"lora.adapter_path {self.adapter_path} was trained with use_rslora "
+                                 f"{str(bool(config.get('use_rslora'))).lower()} (scale alpha / "
+                                 f"{'sqrt(r)' if config.get('use_rslora') else 'r'}), but lora.use_rslora is "
+                                 f"{str(self.use_rslora).lower()}; set it to the adapter's")
             if bool(config.get("use_dora")) != self.use_dora:
                 kind = "DoRA" if config.get("use_dora") else "plain LoRA"
                 raise ValueError(f"lora.adapter_path {self.adapter_path} holds {kind} adapters, but lora.use_dora "
@@ -122,29 +138,13 @@ class LoRAOptions:
 register_section("lora", LoRAOptions)
 
 
-def read_adapter_config(folder: str, *, option: str = "the adapter") -> dict:
-    """A PEFT folder's adapter_config.json, checked to be a LoRA adapter with its weights beside it;
-    ValueError (one sentence) otherwise."""
-    path = os.path.join(folder, ADAPTER_CONFIG)
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{option} {folder} is not a PEFT adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}): "
-                         f"{e}") from None
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise ValueError(f"{option}: {path} is not a LoRA adapter (peft_type {config.get('peft_type')!r})"
-                         if isinstance(config, dict) else f"{option}: {path} is not a JSON object")
-    if not os.path.isfile(os.path.join(folder, ADAPTER_WEIGHTS)):
-        raise ValueError(f"{option} {folder} has no {ADAPTER_WEIGHTS}")
-    return config
-
-
 class LoRALinear(nn.Linear):
     """An nn.Linear with a low-rank adapter (module docstring). Made by `add_adapter` from an
     existing nn.Linear, on any device (meta included)."""
 
     lora_rank: int
+    lora_alpha: float
+    lora_rslora: bool
     lora_scaling: float
     lora_dropout: float
     # lora_scale, a persistent scalar buffer holding lora_scaling: a checkpoint's state dict then
@@ -202,17 +202,25 @@ def dora_row_norms(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scali
     return torch.linalg.vector_norm(w + scaling * (b @ a), dim=1)
 
 
-def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float, *, dora: bool = False) -> LoRALinear:
+def lora_scaling(rank: int, alpha: float, *, rslora: bool = False) -> float:
+    """The adapter's scale: alpha / rank, or rank-stabilized LoRA's alpha / sqrt(rank) (as peft)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float, *, dora: bool = False,
+                rslora: bool = False) -> LoRALinear:
     """`linear`, now a LoRALinear (in place: the same object, parameters and names)."""
     device, dtype = linear.weight.device, linear.weight.dtype
     linear.__class__ = LoRALinear
-    linear.lora_rank, linear.lora_scaling, linear.lora_dropout = rank, alpha / rank, dropout
+    scaling = lora_scaling(rank, alpha, rslora=rslora)
+    linear.lora_rank, linear.lora_scaling, linear.lora_dropout = rank, scaling, dropout
+    linear.lora_alpha, linear.lora_rslora = alpha, rslora
     linear.lora_dora = dora
     linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=device, dtype=dtype))
     linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, device=device, dtype=dtype))
     if dora:
         linear.lora_magnitude = nn.Parameter(torch.empty(linear.out_features, device=device, dtype=dtype))
-    linear.register_buffer("lora_scale", torch.full((), alpha / rank, device=device, dtype=torch.float32))
+    linear.register_buffer("lora_scale", torch.full((), scaling, device=device, dtype=torch.float32))
     return linear
 
 
@@ -249,16 +257,23 @@ def _named(fqn: str, patterns: list[str], hf_names: Mapping[str, str]) -> str | 
                 None)
 
 
+ALL_LINEAR = "all-linear"
+
+
 def select_targets(model: nn.Module, patterns: list[str], hf_names: Mapping[str, str], *,
                    exclude: list[str] = (), saved: list[str] = ()) -> dict[str, list[str]]:
     """pattern -> the linear fqns it names (ours or their HF names, whole dot-separated parts), less
-    those `exclude` or `saved` (modules trained in full, as peft never adapts them) name."""
+    those `exclude` or `saved` (modules trained in full, as peft never adapts them) name. ALL_LINEAR
+    names every linear but the output head, as peft's all-linear leaves out the transformers model's
+    output embeddings (its lm_head; without HF names, a linear with vocab_size outputs)."""
     found: dict[str, list[str]] = {p: [] for p in patterns}
+    vocab = getattr(getattr(model, "model_args", None), "vocab_size", None)
     for fqn, module in model.named_modules():
         if type(module) is not nn.Linear or _named(fqn, [*exclude, *saved], hf_names) is not None:
             continue
+        head = hf_names[fqn].rsplit(".", 1)[-1] == "lm_head" if fqn in hf_names else module.out_features == vocab
         for pattern in patterns:
-            if _named(fqn, [pattern], hf_names) is not None:
+            if (not head) if pattern == ALL_LINEAR else _named(fqn, [pattern], hf_names) is not None:
                 found[pattern].append(fqn)
     return found
 
@@ -310,12 +325,28 @@ def apply_lora(model: nn.Module, options: LoRAOptions, *, spec: ModelSpec | None
                            saved=options.modules_to_save)
     check_targets(found, model=type(model).__name__)
     targets = sorted({fqn for fqns in found.values() for fqn in fqns})
+    shape = adapter_shapes(options)
     for fqn in targets:
-        add_adapter(model.get_submodule(fqn), options.rank, options.alpha, options.dropout, dora=options.use_dora)
+        rank, alpha = shape(hf_names.get(fqn, fqn))
+        add_adapter(model.get_submodule(fqn), rank, alpha, options.dropout, dora=options.use_dora,
+                    rslora=options.use_rslora)
     freeze_base(model, keep=saved_parameters(model, options, hf_names))
     if options.base_dtype != "float32":
         hold_base_in(model, getattr(torch, options.base_dtype))
     return targets
+
+
+def adapter_shapes(options: LoRAOptions, config: dict | None = None):
+    """name -> (rank, alpha) of the adapter of the module of that name in the transformers model:
+    lora.rank and lora.alpha, or what the rank_pattern and alpha_pattern of lora.adapter_path (its
+    `config`, read if not given) give it, as peft does."""
+    if not options.adapter_path:
+        return lambda name: (options.rank, options.alpha)
+    config = config or read_adapter_config(options.adapter_path, option="lora.adapter_path")
+    where = os.path.join(options.adapter_path, ADAPTER_CONFIG)
+    return lambda name: (
+        pattern_value(config.get("rank_pattern"), name, options.rank, path=where, field="rank_pattern"),
+        pattern_value(config.get("alpha_pattern"), name, options.alpha, path=where, field="alpha_pattern"))
 
 
 def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
@@ -458,8 +489,17 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
 
     base, parts = split_state_dict(sd)
     tensors, modules = {}, set()
-    for fqn, (a, b, _, magnitude) in sorted(parts.items()):
+    rank_pattern, alpha_pattern = {}, {}
+    for fqn, (a, b, scaling, magnitude) in sorted(parts.items()):
         name, b_hf = _hf_rows(spec, args, fqn, b.float())
+        # A module whose rank or alpha is not [lora]'s (an adapter read with its rank_pattern /
+        # alpha_pattern) is named in the same patterns, by its whole name.
+        rank = a.shape[0]
+        alpha = scaling * (math.sqrt(rank) if options.use_rslora else rank)
+        if rank != options.rank:
+            rank_pattern[re.escape(name)] = rank
+        if not math.isclose(alpha, options.alpha, rel_tol=1e-6):
+            alpha_pattern[re.escape(name)] = float(f"{alpha:.6g}")
         # The conversion must act on rows only: then conv(B A) = conv(B) A.
         _, delta = _hf_rows(spec, args, fqn, b.float() @ a.float())
         if not torch.allclose(delta, b_hf @ a.float(), atol=1e-6, rtol=1e-5):
@@ -492,11 +532,11 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": options.rank, "lora_alpha": options.alpha,
         "lora_dropout": options.dropout, "target_modules": sorted(modules), "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": options.use_dora, "init_lora_weights": True,
+        "fan_in_fan_out": False, "use_rslora": options.use_rslora, "use_dora": options.use_dora, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": saved_modules or None, "exclude_modules": excluded or None,
         "base_model_name_or_path": os.path.abspath(base_model) if base_model else None,
-        "revision": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
-        "alpha_pattern": {},
+        "revision": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
     }
     with open(os.path.join(folder, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
@@ -508,17 +548,13 @@ def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = N
     """A PEFT adapter folder's A and B under our names ({fqn.lora_a, fqn.lora_b}: full tensors, our row
     order) for the adapters `model` (a whole model or a pipeline stage, sharded or not) holds, and the
     weights of the modules options.modules_to_save trains in full. ValueError (one sentence) for a
-    folder of another rank, scale or set of modules."""
-    from safetensors.torch import load_file
-
+    folder of another rank, scale or set of modules, or holding a tensor that is not floating point
+    and finite (peft_adapter.py: the folder is data, checked before it is used)."""
     spec = spec or spec_of(model)
     args = model.model_args
     config = read_adapter_config(folder)
     path = os.path.join(folder, ADAPTER_CONFIG)
-    try:
-        tensors = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
-    except Exception as e:  # safetensors' own errors: a truncated or foreign file
-        raise ValueError(f"{folder}/{ADAPTER_WEIGHTS} cannot be read: {e}") from None
+    tensors = read_adapter_tensors(folder)
     ours = adapters(model)
     if not ours:
         raise ValueError("the model has no LoRA adapters to load into (model.converters lora)")
@@ -526,15 +562,20 @@ def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = N
     if bool(config.get("use_dora")) != some.lora_dora:
         raise ValueError(f"{path} is {'a DoRA' if config.get('use_dora') else 'a plain LoRA'} adapter; this job's "
                          f"are {'DoRA' if some.lora_dora else 'plain LoRA'} (lora.use_dora)")
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or not isinstance(alpha, (int, float)) or rank != some.lora_rank \
-            or alpha / rank != some.lora_scaling:
-        raise ValueError(f"{path} is an adapter of rank {rank} and alpha {alpha}; this job's adapters have rank "
-                         f"{some.lora_rank} and alpha {some.lora_scaling * some.lora_rank:g} (lora.rank, lora.alpha)")
+    rslora = bool(config.get("use_rslora"))
+    shape = adapter_shapes(LoRAOptions(rank=config["r"], alpha=config["lora_alpha"], adapter_path=folder), config)
     sd = {}
     for fqn, module in ours.items():
         index = torch.arange(module.out_features, dtype=torch.float32).view(-1, 1)
         name, order = _hf_rows(spec, args, fqn, index)
+        rank, alpha = shape(name)
+        if rank != module.lora_rank or not math.isclose(lora_scaling(rank, alpha, rslora=rslora), module.lora_scaling,
+                                                        rel_tol=1e-6):
+            patterned = "" if (rank, alpha) == (config["r"], config["lora_alpha"]) else f" for {name}"
+            raise ValueError(f"{path} is an adapter of rank {rank} and alpha {alpha:g}{' (rslora)' if rslora else ''}"
+                             f"{patterned}; this job's adapters have rank {module.lora_rank} and alpha "
+                             f"{module.lora_alpha:g}{' (rslora)' if module.lora_rslora else ''} "
+                             "(lora.rank, lora.alpha, lora.use_rslora)")
         a, b = (tensors.get(f"{PEFT_PREFIX}{name}.lora_{x}.weight") for x in "AB")
         if a is None or b is None:
             raise ValueError(f"{folder} has no adapter for {name} ({fqn}): it was trained for other modules or "
@@ -583,18 +624,28 @@ def _saved_from_peft(model: nn.Module, folder: str, tensors: Mapping[str, torch.
 
 def load_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -> None:
     """Copy a PEFT adapter folder's A and B into `model`'s adapters (one process, unsharded)."""
+    spec = spec or spec_of(model)
     sd = peft_state_dict(model, folder, spec=spec)
-    extra = sum(1 for k in _peft_keys(folder) if k.endswith("lora_A.weight")) - len(adapters(model))
-    if extra > 0:
-        raise ValueError(f"{folder} holds {extra} adapters this model does not have (lora.target_modules)")
+    names = {_hf_rows(spec, model.model_args, fqn, torch.empty(m.out_features, 1, device="meta"))[0]
+             for fqn, m in adapters(model).items()}
+    check_no_extra_adapters(folder, names)
     model.load_state_dict(sd, strict=False)
 
 
-def _peft_keys(folder: str) -> list[str]:
+def check_no_extra_adapters(folder: str, names: set[str]) -> None:
+    """ValueError (one sentence) when the PEFT folder holds adapters of modules other than `names`
+    (their names in the transformers model): this job does not take its targets from the adapter, so
+    an adapter it would load only in part is refused rather than changed silently."""
     from safetensors import safe_open
 
     with safe_open(os.path.join(folder, ADAPTER_WEIGHTS), framework="pt") as f:
-        return list(f.keys())
+        held = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") for k in f.keys()
+                if k.endswith(".lora_A.weight")}
+    extra = sorted(held - names)
+    if extra:
+        raise ValueError(f"{folder} holds adapters of {len(extra)} modules this job does not adapt (e.g. {extra[0]}): "
+                         f"it adapts {len(held)} modules, this job {len(names)}; name them in lora.target_modules "
+                         "(all-linear names every linear layer) or use an adapter of this job's modules")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,7 +671,9 @@ class LoRAConverter(ModelConverter):
     @classmethod
     def validate_model(cls, options: LoRAOptions, cfg, spec, args, *, model: str) -> None:
         """Its targets must name linears of the model (built on meta); DoRA and a bfloat16 base need what
-        the parallelism and training sections give them."""
+        the parallelism and training sections give them; lora.adapter_path's tensors must be exactly those
+        of the adapters it targets, each of their shape, floating point and finite (read here, before any
+        process group: an adapter is small)."""
         if options.use_dora and cfg.parallelism.tensor_parallel_degree > 1:
             # The row norms of a row-parallel weight would need a reduction over the tp ranks in forward.
             raise ValueError("lora.use_dora is not supported with tensor parallelism; use FSDP (or plain LoRA)")
@@ -635,6 +688,10 @@ class LoRAConverter(ModelConverter):
         check_targets(select_targets(meta, options.target_modules, hf_names, exclude=options.exclude_modules,
                                      saved=options.modules_to_save), model=model)
         check_saved(meta, options, hf_names, name=model)
+        if options.adapter_path:
+            apply_lora(meta, options, spec=spec)
+            peft_state_dict(meta, options.adapter_path, spec=spec, options=options)
+            check_no_extra_adapters(options.adapter_path, {hf_names.get(fqn, fqn) for fqn in adapters(meta)})
 
     def convert(self, model: nn.Module) -> None:
         o = self.options
