@@ -153,3 +153,66 @@ def _cfg():
     from titanlike.config import load_job_config
 
     return load_job_config([])
+
+
+class _Marker:
+    """Unpickling this writes a file: the proof a pickle was opened."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_an_adapter_is_data_a_pickle_is_never_opened_and_tensors_are_checked_by_name(hf_folder, tmp_path):
+    import pickle
+
+    import safetensors.torch
+
+    import titanlike
+    from titanlike.models.lora import apply_lora
+
+    adapter = tmp_path / "adapter"
+    _peft_adapter(hf_folder, adapter, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    options = LoRAOptions(rank=4, alpha=8, target_modules=["q_proj", "v_proj"], adapter_path=str(adapter))
+    good = safetensors.torch.load_file(adapter / "adapter_model.safetensors")
+
+    def model():
+        m = titanlike.load_model(hf_folder)
+        apply_lora(m, dataclasses.replace(options, adapter_path=None))
+        return m
+
+    # A pickle in place of safetensors: refused by name, never unpickled.
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    marker = tmp_path / "unpickled"
+    (pickled / "adapter_model.bin").write_bytes(pickle.dumps(_Marker(str(marker))))
+    for load in (lambda: LoRAOptions(rank=4, alpha=8, adapter_path=str(pickled)).check(),
+                 lambda: load_peft(model(), str(pickled))):
+        with pytest.raises(ValueError, match="holds its weights as adapter_model.bin, a pickle, which titanlike never "
+                                             "opens") as e:
+            load()
+        assert "\n" not in str(e.value)
+    assert not marker.exists()
+
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    for bad, words in [(good[name].to(torch.int32), f"{name} has dtype int32, but adapter weights are floating"),
+                       (torch.full_like(good[name], float("nan")), f"{name} holds non-finite values"),
+                       (good[name].double() * 1e300 * 1e10, f"{name} holds non-finite values"),
+                       (good[name][:, :2].contiguous(), "has shapes (4, 64) and (32, 2), this model's (4, 64) and (32, 4)"),
+                       (None, "holds base_model.model.stray, which is no tensor of this job's adapters")]:
+        tensors = {**good, "base_model.model.stray": torch.zeros(2)} if bad is None else {**good, name: bad}
+        safetensors.torch.save_file(tensors, adapter / "adapter_model.safetensors")
+        for load in (lambda: LoRAConverter.validate_model(options, _cfg(), _spec(), model().model_args, model="m"),
+                     lambda: load_peft(model(), str(adapter))):
+            with pytest.raises(ValueError) as e:
+                load()
+            assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def _spec():
+    from titanlike.models.registry import get_model_spec
+
+    return get_model_spec("llama3")

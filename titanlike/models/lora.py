@@ -545,6 +545,12 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
 
 def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = None,
                     options: LoRAOptions | None = None) -> dict[str, torch.Tensor]:
+    """See _read_peft; the state dict only (a pipeline stage reads the tensors of its own layers)."""
+    return _read_peft(model, folder, spec=spec, options=options)[0]
+
+
+def _read_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None,
+               options: LoRAOptions | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """A PEFT adapter folder's A and B under our names ({fqn.lora_a, fqn.lora_b}: full tensors, our row
     order) for the adapters `model` (a whole model or a pipeline stage, sharded or not) holds, and the
     weights of the modules options.modules_to_save trains in full. ValueError (one sentence) for a
@@ -554,7 +560,7 @@ def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = N
     args = model.model_args
     config = read_adapter_config(folder)
     path = os.path.join(folder, ADAPTER_CONFIG)
-    tensors = read_adapter_tensors(folder)
+    tensors = _Reads(read_adapter_tensors(folder))
     ours = adapters(model)
     if not ours:
         raise ValueError("the model has no LoRA adapters to load into (model.converters lora)")
@@ -592,7 +598,19 @@ def peft_state_dict(model: nn.Module, folder: str, *, spec: ModelSpec | None = N
                 raise ValueError(f"{folder}: the DoRA adapter of {name} has no magnitude of {module.out_features} rows")
             sd[f"{fqn}.lora_magnitude"] = m[back].to(module.lora_magnitude.dtype)
     sd.update(_saved_from_peft(model, folder, tensors, config, spec, options))
-    return sd
+    return sd, sorted(set(tensors) - tensors.read)
+
+
+class _Reads(dict):
+    """A dict that remembers which keys were asked for: the adapter's tensors no module read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
 
 
 def _saved_from_peft(model: nn.Module, folder: str, tensors: Mapping[str, torch.Tensor], config: dict, spec: ModelSpec,
@@ -624,28 +642,34 @@ def _saved_from_peft(model: nn.Module, folder: str, tensors: Mapping[str, torch.
 
 def load_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None) -> None:
     """Copy a PEFT adapter folder's A and B into `model`'s adapters (one process, unsharded)."""
-    spec = spec or spec_of(model)
-    sd = peft_state_dict(model, folder, spec=spec)
-    names = {_hf_rows(spec, model.model_args, fqn, torch.empty(m.out_features, 1, device="meta"))[0]
-             for fqn, m in adapters(model).items()}
-    check_no_extra_adapters(folder, names)
+    sd = read_whole_peft(model, folder, spec=spec)
     model.load_state_dict(sd, strict=False)
 
 
-def check_no_extra_adapters(folder: str, names: set[str]) -> None:
-    """ValueError (one sentence) when the PEFT folder holds adapters of modules other than `names`
-    (their names in the transformers model): this job does not take its targets from the adapter, so
-    an adapter it would load only in part is refused rather than changed silently."""
+def read_whole_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None,
+                    options: LoRAOptions | None = None) -> dict[str, torch.Tensor]:
+    """peft_state_dict for a whole model (not a pipeline stage), which must read every tensor of the
+    folder: ValueError (one sentence) for an adapter of modules this job does not adapt, or a tensor
+    no adapter has. The job does not take its targets from the adapter: an adapter it would load only
+    in part is refused rather than changed silently."""
+    sd, unused = _read_peft(model, folder, spec=spec, options=options)
+    extra = [k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") for k in unused if k.endswith(".lora_A.weight")]
+    if extra:
+        held = sum(k.endswith(".lora_A.weight") for k in safetensors_keys(folder))
+        raise ValueError(f"{folder} holds adapters of {len(extra)} modules this job does not adapt (e.g. {extra[0]}): "
+                         f"it adapts {held} modules, this job {len(adapters(model))}; name them in lora.target_modules "
+                         "(all-linear names every linear layer) or use an adapter of this job's modules")
+    if unused:
+        raise ValueError(f"{folder}/{ADAPTER_WEIGHTS} holds {unused[0]}, which is no tensor of this job's adapters "
+                         f"(nor of lora.modules_to_save){f' ({len(unused)} such tensors)' if len(unused) > 1 else ''}")
+    return sd
+
+
+def safetensors_keys(folder: str) -> list[str]:
     from safetensors import safe_open
 
     with safe_open(os.path.join(folder, ADAPTER_WEIGHTS), framework="pt") as f:
-        held = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") for k in f.keys()
-                if k.endswith(".lora_A.weight")}
-    extra = sorted(held - names)
-    if extra:
-        raise ValueError(f"{folder} holds adapters of {len(extra)} modules this job does not adapt (e.g. {extra[0]}): "
-                         f"it adapts {len(held)} modules, this job {len(names)}; name them in lora.target_modules "
-                         "(all-linear names every linear layer) or use an adapter of this job's modules")
+        return list(f.keys())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -690,8 +714,7 @@ class LoRAConverter(ModelConverter):
         check_saved(meta, options, hf_names, name=model)
         if options.adapter_path:
             apply_lora(meta, options, spec=spec)
-            peft_state_dict(meta, options.adapter_path, spec=spec, options=options)
-            check_no_extra_adapters(options.adapter_path, {hf_names.get(fqn, fqn) for fqn in adapters(meta)})
+            read_whole_peft(meta, options.adapter_path, spec=spec, options=options)
 
     def convert(self, model: nn.Module) -> None:
         o = self.options

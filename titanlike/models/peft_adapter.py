@@ -169,7 +169,7 @@ def read_adapter_tensors(folder: str) -> dict[str, torch.Tensor]:
 def check_tensor(folder: str, name: str, value: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
     """One adapter tensor: floating point, finite and (if given) of `shape`; ValueError naming it."""
     if not value.is_floating_point():
-        raise ValueError(f"{folder}/{ADAPTER_WEIGHTS}: {name} is a {str(value.dtype).removeprefix('torch.')} tensor, "
+        raise ValueError(f"{folder}/{ADAPTER_WEIGHTS}: {name} has dtype {str(value.dtype).removeprefix('torch.')}, "
                          "but adapter weights are floating point")
     if shape is not None and tuple(value.shape) != tuple(shape):
         raise ValueError(f"{folder}/{ADAPTER_WEIGHTS}: {name} has shape {tuple(value.shape)} but this job's model "
