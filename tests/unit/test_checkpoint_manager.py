@@ -503,3 +503,24 @@ def test_load_model_refuses_tensors_that_do_not_fit_the_sidecar(tmp_path):
                                               r"needs \(400, 64\)"):
         load_model(tmp_path / "x")
 
+
+
+def test_an_initial_load_with_a_nan_weight_is_refused_by_name(tmp_path):
+    """checkpoint.initial_load_path is a DCP checkpoint this run did not write: its values are checked
+    as a Hugging Face folder's are (a NaN weight named), before the first step, not a NaN loss at step 1.
+    A frozen-copy reference (DPO, KL) starts from the same load."""
+    from titanlike.checkpoint.format import model_description
+    from titanlike.checkpoint.hf import write_dcp_model
+
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=1)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["layers.1.feed_forward.w2.weight"][3, 1] = float("inf")
+    bad = tmp_path / "bad"
+    write_dcp_model(sd, str(bad), {"contents": "model_only", "step": 0, "model": model_description("llama3", ARGS)})
+    job = Job(tmp_path / "run", "--checkpoint.initial_load_path", str(bad), seed=9)
+    with pytest.raises(CheckpointError, match=r"layers.1.feed_forward.w2.weight holds non-finite values") as e:
+        job.start()
+    assert "checkpoint.initial_load_path" in str(e.value) and "\n" not in str(e.value)

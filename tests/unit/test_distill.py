@@ -193,3 +193,34 @@ def test_a_dcp_teacher_is_loaded_from_its_shards_as_read_whole(tmp_path):
     data.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="is corrupt: its CRC-32"):
         build_frozen_model(_plan(teacher), str(teacher), torch.device("cpu"), seed=5)
+
+
+def test_a_nan_dcp_teacher_or_reference_is_refused_by_name_as_load_model_refuses_it(tmp_path):
+    """A DCP checkpoint with a NaN weight, as a teacher (or an RL reference: the CHECKPOINT companion,
+    the same build_frozen_model) and as a job's initial load (where a FROZEN_COPY reference starts):
+    refused in one sentence naming the tensor, as titanlike.load_model refuses the same file."""
+    import dataclasses
+
+    import titanlike
+    from titanlike.checkpoint.format import CheckpointError, model_description
+    from titanlike.checkpoint.hf import write_dcp_model
+    from titanlike.models.registry import get_model_spec
+    from titanlike.train.model_parts import build_frozen_model
+
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], vocab_size=2048)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=1)
+    sd = dict(model.state_dict())
+    sd["layers.0.attention.wq.weight"] = sd["layers.0.attention.wq.weight"].clone()
+    sd["layers.0.attention.wq.weight"][0, 0] = float("nan")
+    bad = tmp_path / "nan"
+    write_dcp_model(sd, str(bad), {"contents": "model_only", "step": 0, "model": model_description("llama3", args)})
+    words = r"layers.0.attention.wq.weight holds non-finite values \(NaN or infinity\)"
+    with pytest.raises(CheckpointError, match=words):
+        titanlike.load_model(bad)
+    with pytest.raises(CheckpointError, match=words) as e:
+        build_frozen_model(_plan(bad), str(bad), torch.device("cpu"), seed=5)
+    assert "\n" not in str(e.value)

@@ -40,7 +40,7 @@ import re
 import warnings
 import zlib
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -79,6 +79,32 @@ def raise_rank0_verdict(error: str | None, *, distributed: bool, group=None) -> 
         error = verdict[0]
     if error:
         raise CheckpointError(error)
+
+
+def refuse_non_finite(tensors: Mapping[str, torch.Tensor], where: str, *, distributed: bool, group=None) -> None:
+    """CheckpointError "WHERE: NAME holds non-finite values" on every rank when a floating-point tensor
+    this rank loaded (its local shard) holds a NaN or an infinity: a model loaded from a DCP checkpoint
+    the job did not write (an initial load, a teacher, a reference) is checked as check_fits checks a
+    Hugging Face folder's tensors. One isfinite().all() per tensor and one device sync; under several
+    ranks every rank learns the first name any rank found."""
+    from torch.distributed.tensor import DTensor
+
+    names, flags = [], []
+    for name, t in tensors.items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and local.numel():
+            names.append(name)
+            flags.append(torch.isfinite(local).all())
+    bad = (~torch.stack(flags)).nonzero().flatten().tolist() if flags else []
+    first = names[bad[0]] if bad else None
+    if distributed:
+        import torch.distributed as dist
+
+        found: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, first, group=group)
+        first = next((n for n in found if n is not None), None)
+    if first is not None:
+        raise CheckpointError(f"{where}: {first} holds non-finite values (NaN or infinity)")
 
 
 def step_folder(folder: str, step: int) -> str:

@@ -109,7 +109,10 @@ def load_frozen_model(parts: list[nn.Module], folder: str, spec, args) -> None:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 raise CheckpointError(f"reading checkpoint {folder} failed: {summarize(e)}") from None
-            state.load_state_dict({k: template[names[k]] for k in local})
+            loaded = {k: template[names[k]] for k in local}
+            # A teacher's or a reference's weights are input from anywhere, as a Hugging Face folder's are.
+            fmt.refuse_non_finite(loaded, f"checkpoint {folder}", distributed=distributed)
+            state.load_state_dict(loaded)
             return
     full: dict[str, torch.Tensor] = {}
     error = None
@@ -449,7 +452,11 @@ class Loader:
                             f"them and keep their initialization, e.g. {', '.join(fresh[:3])}")
         template = {prefix + k: v for k, v in local.items()}
         loaded = self._load_entries(template, metadata, path, what=f"loading the model from {path}")
-        model.load_state_dict({k[len(prefix):]: v for k, v in loaded.items()})
+        loaded = {k[len(prefix):]: v for k, v in loaded.items()}
+        if initial:  # a checkpoint this run did not write: its values are checked as a Hugging Face folder's
+            fmt.refuse_non_finite(loaded, f"checkpoint.initial_load_path {path}", distributed=self.distributed,
+                                  group=self._pg)
+        model.load_state_dict(loaded)
 
     @torch.no_grad()
     def load_initial_model(self, parts: list[nn.Module]) -> bool:
