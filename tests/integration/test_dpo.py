@@ -198,3 +198,28 @@ def test_dpo_with_precomputed_reference_equals_the_frozen_reference(tmp_path):
     assert len(want) == 4 and want[0][0] == pytest.approx(math.log(2), abs=1e-6) and want[-1][2] > 0
     for step, (w, g) in enumerate(zip(want, got)):
         assert g == pytest.approx(w, abs=1e-5, rel=1e-5), (step, g, w)
+    # Every row records the model and tokenizer it was computed with; a job starting from another
+    # checkpoint (the frozen run's own end) refuses the file at its first row, in one sentence.
+    import json
+
+    from titanlike.data import DataError
+    from titanlike.data.chat_template import load_chat_template
+    from titanlike.data.preferences import tokenize_pairs
+    from titanlike.objectives.preference import reference_fingerprint
+
+    rows = [json.loads(line) for line in stored.read_text().splitlines()]
+    from titanlike.config import load_job_config
+    from titanlike.train.plan import plan_job
+
+    plan = plan_job(load_job_config([*TINY_JOB, *job]), world_size=1)
+    tok = plan.tokenizer
+    start = reference_fingerprint(str(tmp_path / "start" / "checkpoint" / "step-0"), tok)
+    assert {r["ref_fingerprint"] for r in rows} == {start}
+    other = reference_fingerprint(str(tmp_path / "frozen" / "checkpoint"), tok)
+    assert other != start
+    template = load_chat_template(plan.objective.options.chat_template, tok)
+    with pytest.raises(DataError, match="pairs.jsonl line 1: its reference log-probabilities were computed with "
+                                        "another model or tokenizer") as e:
+        tokenize_pairs([("pairs.jsonl line 1", rows[0])], template, tok, seq_len=512, reference=True,
+                       fingerprint=other)
+    assert "\n" not in str(e.value)

@@ -192,6 +192,12 @@ def test_precomputed_reference_values_are_laid_out_along_the_labels(chatml):
      "chosen answer renders to"),
     ({"ref_chosen_logps": "x", "ref_rejected_logps": -2.0}, "ref_chosen_logps is neither a number nor a list"),
     ({"ref_chosen_logps": -1.0, "ref_rejected_logps": float("nan")}, "its ref_rejected_logps is not a finite number"),
+    ({"ref_chosen_logps": 1e30, "ref_rejected_logps": -2.0}, "its ref_chosen_logps is 1e+30, but a log-probability is "
+     "at most 0"),
+    ({"ref_chosen_logps": [0.5] * 4, "ref_rejected_logps": -2.0}, "ref_chosen_logps holds 0.5, but a log-probability "
+     "is at most 0"),
+    ({"ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0, "ref_fingerprint": "0123456789abcdef"},
+     "its reference log-probabilities were computed with another model or tokenizer (ref_fingerprint '0123"),
 ])
 def test_bad_precomputed_reference_is_refused_in_one_sentence(chatml, refs, words):
     with pytest.raises(DataError) as e:

@@ -273,6 +273,38 @@ def is_dcp_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, DCP_METADATA))
 
 
+def model_fingerprint(path: str) -> str:
+    """A short digest that tells the model of checkpoint `path` (a DCP checkpoint or a Hugging Face
+    folder) from another, without reading all its weights: a DCP checkpoint's recorded checksums (its
+    index where it records none); a Hugging Face folder's config.json and, per safetensors file, its
+    size, header and 16 samples of 64 KiB spread over its data (a fine-tune changes nearly every weight,
+    so the samples differ). What a precomputed reference records of the model it was computed with."""
+    import hashlib
+
+    folder = resolve_checkpoint_folder(path)
+    digest = hashlib.sha256()
+    if is_dcp_folder(folder):
+        crcs = checksummed_files(folder)
+        if crcs is not None:
+            digest.update(json.dumps(crcs, sort_keys=True).encode())
+        else:
+            with open(os.path.join(folder, DCP_METADATA), "rb") as f:
+                digest.update(f.read())
+        return digest.hexdigest()[:16]
+    with open(os.path.join(folder, HF_CONFIG), "rb") as f:
+        digest.update(f.read())
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
+        file = os.path.join(folder, name)
+        size = os.path.getsize(file)
+        digest.update(f"{name}:{size}".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(min(size, 8 + 2**20)))  # the header: names, dtypes, shapes, offsets
+            for i in range(16):
+                f.seek(size * i // 16)
+                digest.update(f.read(2**16))
+    return digest.hexdigest()[:16]
+
+
 def resolve_checkpoint_folder(path: str) -> str:
     """A checkpoint folder itself, or the latest step-N inside a checkpoint.folder."""
     if is_dcp_folder(path) or is_hf_folder(path):

@@ -11,7 +11,8 @@ The options after `--` are the DPO job's. Its reference is the model it starts f
 (checkpoint.initial_load_path, or model.hf_assets_path with checkpoint.initial_load_in_hf), loaded
 whole on one device (--device; no gradients or optimizer state, so a model that trains sharded over
 several devices may fit one for this pass). Every row of training.dataset_path (both parts of a
-training.split) is written to OUT, a JSONL file, with `ref_chosen_logps` and `ref_rejected_logps`:
+training.split) is written to OUT, a JSONL file, with `ref_chosen_logps` and `ref_rejected_logps`
+and `ref_fingerprint` (a digest of the model and tokenizer, which the DPO job checks against its own):
 the log-probability of each answer token of the side, rendered alone with the job's chat template
 and not cut (a job of any training.seq_len keeps the first ones of a pair it shortens). A row the
 job would refuse is refused here, in the same sentence.
@@ -53,9 +54,9 @@ def precompute(job: list[str], out: str, *, device: str = "cpu") -> int:
     from titanlike.config import load_job_config
     from titanlike.data.chat_template import load_chat_template
     from titanlike.data.conversations import split_rows
-    from titanlike.data.preferences import REFERENCE_KEYS, render_pair
+    from titanlike.data.preferences import FINGERPRINT_KEY, REFERENCE_KEYS, render_pair
     from titanlike.models.outputs import IGNORE_INDEX, logits_of
-    from titanlike.objectives.preference import DPO, token_logps
+    from titanlike.objectives.preference import DPO, reference_fingerprint, token_logps
     from titanlike.train.plan import plan_job
 
     cfg = load_job_config(job)
@@ -69,6 +70,7 @@ def precompute(job: list[str], out: str, *, device: str = "cpu") -> int:
         raise ValueError("the job starts from no checkpoint, so its reference would be its random initialization; "
                          "give checkpoint.initial_load_path (or model.hf_assets_path with checkpoint.initial_load_in_hf)")
     model = titanlike.load_model(source, device)
+    fingerprint = reference_fingerprint(source, plan.tokenizer)
     template = load_chat_template(objective.options.chat_template, plan.tokenizer, option="dpo.chat_template")
     rows = split_rows(cfg.training.dataset_path, None, "train")
     with open(out, "w") as f, torch.no_grad():
@@ -79,7 +81,7 @@ def precompute(job: list[str], out: str, *, device: str = "cpu") -> int:
                 targets = torch.where(trained, torch.as_tensor(ids[1:]), IGNORE_INDEX)[None].to(device)
                 logps = token_logps(logits_of(model(torch.as_tensor(ids[:-1])[None].to(device))), targets)
                 values.append(logps[0][trained.to(device)].float().cpu().tolist())
-            f.write(json.dumps({**row, **dict(zip(REFERENCE_KEYS, values))}) + "\n")
+            f.write(json.dumps({**row, **dict(zip(REFERENCE_KEYS, values)), FINGERPRINT_KEY: fingerprint}) + "\n")
     return len(rows)
 
 

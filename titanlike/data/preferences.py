@@ -171,6 +171,11 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate", section: str 
 
 
 REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+# The model and tokenizer the reference was computed with (scripts/precompute_reference.py writes it,
+# objectives/preference.py reference_fingerprint): a row computed with another is refused.
+FINGERPRINT_KEY = "ref_fingerprint"
+# A log-probability is at most 0; log_softmax's rounding may leave the largest a hair above.
+_LOGP_SLACK = 1e-4
 
 
 def _reference_values(value, trained: np.ndarray, where: str, side: str, *, cut: bool) -> np.ndarray:
@@ -188,6 +193,8 @@ def _reference_values(value, trained: np.ndarray, where: str, side: str, *, cut:
                             "training.seq_len, or set dpo.overlong drop")
         if not np.isfinite(value):
             raise DataError(f"{where}: its {key} is not a finite number")
+        if value > _LOGP_SLACK:
+            raise DataError(f"{where}: its {key} is {value:g}, but a log-probability is at most 0")
         out[at[0]] = value
         return out
     if not (isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
@@ -196,9 +203,11 @@ def _reference_values(value, trained: np.ndarray, where: str, side: str, *, cut:
         raise DataError(f"{where}: {key} holds {len(value)} log-probabilities but the {side} answer renders to "
                         f"{len(at)} answer tokens: they were computed with another chat template or tokenizer; "
                         "precompute them again for this job")
-    values = np.asarray(value[:len(at)], dtype=np.float32)
+    values = np.asarray(value[:len(at)], dtype=np.float64)
     if not np.isfinite(values).all():
         raise DataError(f"{where}: {key} holds a value that is not finite")
+    if (values > _LOGP_SLACK).any():
+        raise DataError(f"{where}: {key} holds {values.max():g}, but a log-probability is at most 0")
     out[at] = values
     return out
 
@@ -227,12 +236,16 @@ def render_pair(row: dict, where: str, template, tokenizer, *, end_id: int | Non
 
 
 def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate",
-                   end_id: int | None = None, reference: bool = False, section: str = "dpo") -> TokenizedPairs:
+                   end_id: int | None = None, reference: bool = False, fingerprint: str | None = None,
+                   section: str = "dpo") -> TokenizedPairs:
     """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate; end_id:
     render_pair's. reference: read each row's precomputed reference log-probabilities (REFERENCE_KEYS)
-    into TokenizedPairs.reference. section: pack_pairs'."""
+    into TokenizedPairs.reference; fingerprint: the job's model and tokenizer (None: it starts from no
+    checkpoint), which a row's FINGERPRINT_KEY must equal. section: pack_pairs'."""
+    unchecked = 0
 
     def pairs():
+        nonlocal unchecked
         for where, row in rows:
             sides = render_pair(row, where, template, tokenizer, end_id=end_id)
             if not reference:
@@ -242,9 +255,22 @@ def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "
             if missing:
                 raise DataError(f"{where} has no {missing[0]!r}, which dpo.reference precomputed reads; write the "
                                 "reference log-probabilities with scripts/precompute_reference.py")
+            theirs = row.get(FINGERPRINT_KEY)
+            if theirs is None:
+                unchecked += 1
+            elif theirs != fingerprint:
+                mine = f"this job's is {fingerprint}" if fingerprint else "this job starts from no checkpoint"
+                raise DataError(f"{where}: its reference log-probabilities were computed with another model or "
+                                f"tokenizer ({FINGERPRINT_KEY} {str(theirs)[:40]!r}; {mine}: checkpoint.initial_load_path "
+                                "and the tokenizer); compute them again for this job with scripts/precompute_reference.py")
             yield where, *sides, tuple(row[k] for k in REFERENCE_KEYS)
 
-    return pack_pairs(pairs(), seq_len=seq_len, overlong=overlong, section=section)
+    packed = pack_pairs(pairs(), seq_len=seq_len, overlong=overlong, section=section)
+    if unchecked:
+        logger.warning(f"{section}: {unchecked} preference rows carry no {FINGERPRINT_KEY} (not written by "
+                       "scripts/precompute_reference.py), so whether their reference log-probabilities come from this "
+                       "job's model cannot be checked")
+    return packed
 
 
 class PreferenceSamples(ConversationSamples):
@@ -283,7 +309,7 @@ class PreferenceSamples(ConversationSamples):
 
 
 def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_len, split, split_name,
-                       end_id: int | None = None, reference: bool = False):
+                       end_id: int | None = None, reference: bool = False, fingerprint: str | None = None):
     """The global sample source of preference rows for an objective whose options have chat_template,
     overlong and packing (section: its config section, named in messages); end_id, reference: tokenize_pairs'."""
     from titanlike.data.chat_template import load_chat_template
@@ -294,11 +320,11 @@ def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_le
     rows = split_rows(dataset_path, split, split_name)
     template = load_chat_template(options.chat_template, tokenizer, option=f"{section}.chat_template")
     pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=options.overlong,
-                           end_id=end_id, reference=reference, section=section)
+                           end_id=end_id, reference=reference, fingerprint=fingerprint, section=section)
     source = PreferenceSamples(pairs, section=section, seq_len=seq_len, packing=options.packing,
                                pad_id=pad_id(tokenizer))
     return GlobalSamples(source, shuffle=True, fields=source.fields)
 
 
-__all__ = ["PAIR_KEYS", "PreferenceSamples", "REFERENCE_KEYS", "TokenizedPairs", "answer_mask", "pack_pairs",
+__all__ = ["FINGERPRINT_KEY", "PAIR_KEYS", "PreferenceSamples", "REFERENCE_KEYS", "TokenizedPairs", "answer_mask", "pack_pairs",
            "preference_samples", "render_pair", "row_pair", "tokenize_pairs"]

@@ -258,14 +258,20 @@ class DPO(PairObjective):
     name = "dpo"
     generation = "chat"  # pairs are rendered with the chat template (titanlike/data/preferences.py)
 
-    def __init__(self, options: DPOOptions | None = None, **loss_options):
+    def __init__(self, options: DPOOptions | None = None, *, reference_source: str | None = None, **loss_options):
+        """reference_source: the checkpoint the job starts from (its reference's model), which a precomputed
+        reference must have been computed with (reference_fingerprint)."""
         super().__init__(options or DPOOptions(), **loss_options)
+        self.reference_source = reference_source
 
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
                 model: str = "the model") -> DPO:
+        from titanlike.checkpoint.manager import initial_load_path
+
         cls.refuse(args, family_objective, model=model, what="trains models that predict the next token")
-        return cls(cfg.dpo, **compile_options(cfg))
+        return cls(cfg.dpo, reference_source=initial_load_path(cfg.checkpoint, cfg.model.hf_assets_path),
+                   **compile_options(cfg))
 
     @property
     def uses_reference(self) -> bool:
@@ -305,7 +311,10 @@ class DPO(PairObjective):
         return fields
 
     def samples(self, dataset: str, **source_args):
-        return super().samples(dataset, reference=self.precomputed, **source_args)
+        if not self.precomputed:
+            return super().samples(dataset, reference=False, **source_args)
+        fingerprint = reference_fingerprint(self.reference_source, source_args["tokenizer"])
+        return super().samples(dataset, reference=True, fingerprint=fingerprint, **source_args)
 
     def pair_targets(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Targets:
         labels, documents = batch["labels"].to(ctx.device), batch["document_ids"].to(ctx.device)
@@ -330,7 +339,20 @@ class DPO(PairObjective):
         return LossTerms(total, reports, right)
 
 
+def reference_fingerprint(source: str | None, tokenizer) -> str | None:
+    """A digest of the reference's model (checkpoint `source`, format.model_fingerprint) and the
+    tokenizer: scripts/precompute_reference.py records it in every row it writes, and a DPO job with
+    dpo.reference precomputed refuses rows of another (None: the job starts from no checkpoint)."""
+    import hashlib
+
+    from titanlike.checkpoint.format import model_fingerprint
+
+    if source is None:
+        return None
+    return hashlib.sha256(f"{model_fingerprint(source)}:{tokenizer.fingerprint}".encode()).hexdigest()[:16]
+
+
 register_objective("dpo", DPO.for_job, section="dpo")
 
 __all__ = ["DPO", "DPOOptions", "LOSS_TYPES", "PairObjective", "PairTerms", "document_sums", "pair_reports",
-           "pair_starts", "pair_terms", "reference_logps", "token_logps"]
+           "pair_starts", "pair_terms", "reference_fingerprint", "reference_logps", "token_logps"]
