@@ -76,7 +76,7 @@ def precompute(job: list[str], out: str, *, device: str = "cpu") -> int:
     with open(out, "w") as f, torch.no_grad():
         for where, row in rows:
             values = []
-            for ids, mask in render_pair(row, where, template, plan.tokenizer):
+            for ids, mask in render_pair(row, where, template, plan.tokenizer, seq_len=cfg.training.seq_len):
                 trained = torch.as_tensor(mask[1:])
                 targets = torch.where(trained, torch.as_tensor(ids[1:]), IGNORE_INDEX)[None].to(device)
                 logps = token_logps(logits_of(model(torch.as_tensor(ids[:-1])[None].to(device))), targets)

@@ -28,6 +28,7 @@ import gzip
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -81,6 +82,17 @@ def _jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
                 continue
             try:
                 row = json.loads(raw)
+                # A \u escape of a lone surrogate parses, but is no text a tokenizer can encode.
+                json.dumps(row, ensure_ascii=False).encode("utf-8")
+            except RecursionError:
+                raise DataError(f"{path} line {lineno} is JSON nested too deeply to read (past Python's recursion "
+                                f"limit of {sys.getrecursionlimit()} levels)") from None
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                f"{e.start + 1})") from None
+            except UnicodeEncodeError as e:
+                raise DataError(f"{path} line {lineno} holds a \\u escape of a lone surrogate "
+                                f"({e.object[e.start]!r}), which is not text") from None
             except ValueError as e:
                 raise DataError(f"{path} line {lineno} is not JSON: {e}") from None
             if not isinstance(row, dict):
@@ -199,6 +211,15 @@ def render_row(template, tokenizer, messages: list[dict], where: str, what: str)
                         f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None
 
 
+def check_turns(turns: int, seq_len: int, where: str) -> None:
+    """DataError (one sentence) for a conversation of more turns than training.seq_len + 1 tokens could
+    hold: every turn renders to at least one token, so those past it would never be trained on, and
+    rendering them (a template re-renders the turns before each assistant turn) could take hours."""
+    if turns > seq_len + 1:
+        raise DataError(f"{where} holds {turns:,} turns, more than the training.seq_len + 1 = {seq_len + 1:,} tokens "
+                        "a sample holds (each turn is at least one token); split the conversation")
+
+
 def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str = "auto",
                            assistant_only_loss: bool = True, overlong: str = "truncate") -> TokenizedConversations:
     """rows: (where, row) pairs; template: a chat_template.ChatTemplate. DataError (one sentence)
@@ -209,6 +230,7 @@ def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str 
     truncated = dropped = 0
     for where, row in rows:
         messages = row_messages(row, fmt, where)
+        check_turns(len(messages), seq_len, where)
         if assistant_only_loss and not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where} has no assistant turn, so nothing of it would be trained on")
         ids, mask = render_row(template, tokenizer, messages, where, "conversation")
@@ -343,5 +365,5 @@ class ConversationSamples:
 
 
 __all__ = ["CONVERSATION_SUFFIXES", "ConversationSamples", "FORMATS", "TokenizedConversations", "best_fit_decreasing",
-           "check_row_dataset", "check_row_files", "split_rows",
+           "check_row_dataset", "check_row_files", "check_turns", "split_rows",
            "conversation_files", "iter_rows", "row_messages", "tokenize_conversations"]

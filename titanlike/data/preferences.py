@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from titanlike.data.conversations import IGNORE_INDEX, ConversationSamples, render_row
+from titanlike.data.conversations import IGNORE_INDEX, ConversationSamples, check_turns, render_row
 from titanlike.data.errors import DataError
 
 logger = logging.getLogger("titanlike")
@@ -212,11 +212,12 @@ def _reference_values(value, trained: np.ndarray, where: str, side: str, *, cut:
     return out
 
 
-def render_pair(row: dict, where: str, template, tokenizer, *, end_id: int | None = None
+def render_pair(row: dict, where: str, template, tokenizer, *, end_id: int | None = None, seq_len: int | None = None
                 ) -> tuple[tuple[list[int], np.ndarray], ...]:
     """((chosen ids, answer mask), (rejected ids, answer mask)) of one preference row, whole. end_id: a
     token appended to every rendered side as its last target, so that the side's last real token is an
-    input too (a reward model scores each whole sequence at its last token)."""
+    input too (a reward model scores each whole sequence at its last token). seq_len: the job's, which
+    bounds the turns of each side (conversations.check_turns)."""
     from titanlike.data.chat_template import chat_prompt_ids
 
     def render(messages: list[dict], prompt_ids: list[int]):
@@ -227,6 +228,8 @@ def render_pair(row: dict, where: str, template, tokenizer, *, end_id: int | Non
         return ids, mask
 
     prompt, chosen, rejected = row_pair(row, where)
+    if seq_len is not None:
+        check_turns(len(prompt) + max(len(chosen), len(rejected)), seq_len, where)
     try:
         prompt_ids = chat_prompt_ids(template, tokenizer, prompt)
     except Exception as e:
@@ -247,7 +250,7 @@ def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "
     def pairs():
         nonlocal unchecked
         for where, row in rows:
-            sides = render_pair(row, where, template, tokenizer, end_id=end_id)
+            sides = render_pair(row, where, template, tokenizer, end_id=end_id, seq_len=seq_len)
             if not reference:
                 yield where, *sides
                 continue
