@@ -216,3 +216,35 @@ def _spec():
     from titanlike.models.registry import get_model_spec
 
     return get_model_spec("llama3")
+
+
+def test_the_trainer_refuses_an_adapter_of_more_modules_before_any_process_group(tmp_path):
+    """train.py's path: planning (the converter's validate_model) reads lora.adapter_path against the
+    job's model, so an all-linear adapter given to a q,k,v,o job is a config error, not 8 of 14 loaded."""
+    import titanlike  # noqa: F401 (registers the families)
+    from titanlike.config import load_job_config
+    from titanlike.config.loader import ConfigError
+    from titanlike.models.lora import apply_lora, export_peft
+    from titanlike.train.plan import plan_job
+
+    base = ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8", "--job.dump_folder",
+            str(tmp_path / "o")]
+    plan = plan_job(load_job_config(base), 1)
+    with torch.device("meta"):
+        model = plan.spec.model_cls(plan.model_args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    options = LoRAOptions(rank=4, alpha=8, target_modules=["all-linear"])
+    apply_lora(model, options)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_a"):
+                m.lora_a.normal_(0, 0.1)
+                m.lora_b.normal_(0, 0.1)
+                m.lora_scale.fill_(m.lora_scaling)
+    export_peft(model.state_dict(), plan.spec, plan.model_args, str(tmp_path / "all"), options)
+    with pytest.raises(ConfigError) as e:
+        plan_job(load_job_config([*base, "--lora.adapter_path", str(tmp_path / "all")]), 1)
+    assert "modules this job does not adapt" in str(e.value) and "\n" not in str(e.value)
+    plan_job(load_job_config([*base, "--lora.target_modules", "all-linear", "--lora.adapter_path",
+                              str(tmp_path / "all")]), 1)
