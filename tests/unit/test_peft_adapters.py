@@ -201,7 +201,8 @@ def test_an_adapter_is_data_a_pickle_is_never_opened_and_tensors_are_checked_by_
     for bad, words in [(good[name].to(torch.int32), f"{name} has dtype int32, but adapter weights are floating"),
                        (torch.full_like(good[name], float("nan")), f"{name} holds non-finite values"),
                        (good[name].double() * 1e300 * 1e10, f"{name} holds non-finite values"),
-                       (good[name][:, :2].contiguous(), "has shapes (4, 64) and (32, 2), this model's (4, 64) and (32, 4)"),
+                       (good[name][:, :2].contiguous(),
+                        "has shapes (4, 64) and (32, 2), this model's (4, 64) and (32, 4)"),
                        (None, "holds base_model.model.stray, which is no tensor of this job's adapters")]:
         tensors = {**good, "base_model.model.stray": torch.zeros(2)} if bad is None else {**good, name: bad}
         safetensors.torch.save_file(tensors, adapter / "adapter_model.safetensors")

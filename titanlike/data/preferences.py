@@ -264,8 +264,9 @@ def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "
             elif theirs != fingerprint:
                 mine = f"this job's is {fingerprint}" if fingerprint else "this job starts from no checkpoint"
                 raise DataError(f"{where}: its reference log-probabilities were computed with another model or "
-                                f"tokenizer ({FINGERPRINT_KEY} {str(theirs)[:40]!r}; {mine}: checkpoint.initial_load_path "
-                                "and the tokenizer); compute them again for this job with scripts/precompute_reference.py")
+                                f"tokenizer ({FINGERPRINT_KEY} {str(theirs)[:40]!r}; {mine}: "
+                                "checkpoint.initial_load_path and the tokenizer); compute them again for this job "
+                                "with scripts/precompute_reference.py")
             yield where, *sides, tuple(row[k] for k in REFERENCE_KEYS)
 
     packed = pack_pairs(pairs(), seq_len=seq_len, overlong=overlong, section=section)
@@ -329,5 +330,5 @@ def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_le
     return GlobalSamples(source, shuffle=True, fields=source.fields)
 
 
-__all__ = ["FINGERPRINT_KEY", "PAIR_KEYS", "PreferenceSamples", "REFERENCE_KEYS", "TokenizedPairs", "answer_mask", "pack_pairs",
-           "preference_samples", "render_pair", "row_pair", "tokenize_pairs"]
+__all__ = ["FINGERPRINT_KEY", "PAIR_KEYS", "PreferenceSamples", "REFERENCE_KEYS", "TokenizedPairs", "answer_mask",
+           "pack_pairs", "preference_samples", "render_pair", "row_pair", "tokenize_pairs"]

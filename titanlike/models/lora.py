@@ -3,7 +3,8 @@ Everything LoRA is here: the layer, the converter and its rules, its load hooks,
 
 The swap. A targeted nn.Linear becomes a LoRALinear in place (its class changes; `weight` and
 `bias` stay the same Parameters under the same names) and gains two parameters, `lora_a` (rank x
-in) and `lora_b` (out x rank): y = W x + b + (alpha / rank) B A dropout(x), B initialized to zero so
+in) and `lora_b` (out x rank): y = W x + b + (alpha / rank) B A dropout(x) (alpha / sqrt(rank) with
+lora.use_rslora, as PEFT's rank-stabilized LoRA), B initialized to zero so
 training starts from the base model, A as PEFT draws it (uniform, bound 1/sqrt(in)). Every other
 parameter of the model is frozen (requires_grad False): the optimizer holds state for the adapters
 only (train/optimizer.py keeps trainable parameters).
@@ -35,6 +36,11 @@ into the adapters. Modules trained in full beside the adapters (lora.modules_to_
 in its stage 2) are written under their own names and listed as peft's modules_to_save; linears that
 peft would adapt by their name but ours did not (lora.exclude_modules: a vision tower's q_proj) are
 listed as its exclude_modules, so that peft builds exactly our adapters.
+
+A folder read back (lora.adapter_path, load_peft) is data from anywhere: models/peft_adapter.py checks
+its config and tensors; its rank_pattern / alpha_pattern give modules their own rank and alpha (as
+peft matches them, and the export writes them back); it must hold exactly the adapters of the job's
+targets, checked while planning on the whole model (a pipeline stage reads only its own).
 """
 
 from __future__ import annotations
@@ -532,7 +538,8 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": options.rank, "lora_alpha": options.alpha,
         "lora_dropout": options.dropout, "target_modules": sorted(modules), "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": options.use_rslora, "use_dora": options.use_dora, "init_lora_weights": True,
+        "fan_in_fan_out": False, "use_rslora": options.use_rslora, "use_dora": options.use_dora,
+        "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": saved_modules or None, "exclude_modules": excluded or None,
         "base_model_name_or_path": os.path.abspath(base_model) if base_model else None,
         "revision": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": rank_pattern,
@@ -792,5 +799,5 @@ class LoRAHooks(LoadHook):
 
 
 __all__ = ["LoRAConverter", "LoRAHooks", "LoRALinear", "LoRAMerge", "LoRAOptions", "adapters", "add_adapter", "apply_lora", "dora_magnitudes", "dora_row_norms", "export_peft", "freeze_base",
-           "has_adapters", "hold_base_in", "load_peft", "merged_state_dict", "peft_state_dict", "read_adapter_config",
-           "split_state_dict"]
+           "has_adapters", "hold_base_in", "load_peft", "lora_scaling", "merged_state_dict", "peft_state_dict",
+           "read_adapter_config", "read_whole_peft", "split_state_dict"]
