@@ -200,7 +200,8 @@ def test_an_adapter_is_data_a_pickle_is_never_opened_and_tensors_are_checked_by_
     name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
     for bad, words in [(good[name].to(torch.int32), f"{name} has dtype int32, but adapter weights are floating"),
                        (torch.full_like(good[name], float("nan")), f"{name} holds non-finite values"),
-                       (good[name].double() * 1e300 * 1e10, f"{name} holds non-finite values"),
+                       (good[name].double() * 1e300, f"{name} holds non-finite values (NaN or infinity, or beyond "
+                        "float32's range)"),
                        (good[name][:, :2].contiguous(),
                         "has shapes (4, 64) and (32, 2), this model's (4, 64) and (32, 4)"),
                        (None, "holds base_model.model.stray, which is no tensor of this job's adapters")]:

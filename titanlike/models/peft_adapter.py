@@ -167,15 +167,17 @@ def read_adapter_tensors(folder: str) -> dict[str, torch.Tensor]:
 
 
 def check_tensor(folder: str, name: str, value: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
-    """One adapter tensor: floating point, finite and (if given) of `shape`; ValueError naming it."""
+    """One adapter tensor: floating point, finite in float32 and (if given) of `shape`; ValueError naming it."""
     if not value.is_floating_point():
         raise ValueError(f"{folder}/{ADAPTER_WEIGHTS}: {name} has dtype {str(value.dtype).removeprefix('torch.')}, "
                          "but adapter weights are floating point")
     if shape is not None and tuple(value.shape) != tuple(shape):
         raise ValueError(f"{folder}/{ADAPTER_WEIGHTS}: {name} has shape {tuple(value.shape)} but this job's model "
                          f"needs {tuple(shape)} (another base model, rank or rank_pattern?)")
-    if value.numel() and not bool(torch.isfinite(value).all()):
-        raise ValueError(f"{folder}/{ADAPTER_WEIGHTS}: {name} holds non-finite values (NaN or infinity)")
+    # The job holds adapters in float32 at most: a float64 value beyond its range would become infinite.
+    if value.numel() and not bool(torch.isfinite(value.float()).all()):
+        raise ValueError(f"{folder}/{ADAPTER_WEIGHTS}: {name} holds non-finite values (NaN or infinity"
+                         + (", or beyond float32's range)" if value.dtype == torch.float64 else ")"))
 
 
 def _check_names(value, path: str, field: str) -> None:
