@@ -66,6 +66,47 @@ def test_lora_from_a_hugging_face_folder_to_a_peft_adapter(tmp_path):
         torch.testing.assert_close(reloaded(tokens).logits, merged, rtol=0, atol=1e-4)
 
 
+def test_a_peft_rslora_all_linear_adapter_through_train_py_starts_at_peft_s_loss(tmp_path):
+    """train.py with lora.adapter_path of an adapter peft made (use_rslora, all-linear, a rank_pattern and an
+    alpha_pattern) starts where peft's merged model starts: its first loss equals the loss of a run from
+    peft's merge_and_unload folder (whose fresh adapters add nothing), on the same data."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from conftest import read_metrics
+    from titanlike.data import build_tokenizer
+    from titanlike.models.llama3 import llama3_flavors
+    from titanlike.models.registry import get_model_spec
+
+    hf_folder = tokenizer_folder(tmp_path / "hf", TAGGED["chatml"])
+    merged_folder = tokenizer_folder(tmp_path / "merged", TAGGED["chatml"])
+    tokenizer = build_tokenizer(str(hf_folder))
+    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], vocab_size=tokenizer.vocab_size, max_seq_len=2048)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**get_model_spec("llama3").hf.args_to_config(args)))
+    base.save_pretrained(hf_folder)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear",
+                                                      rank_pattern={"q_proj": 4}, alpha_pattern={"down_proj": 4}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(tmp_path / "adapter")
+    model.merge_and_unload().save_pretrained(merged_folder)
+    job = ["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.flavor", "debugmodel_tiny",
+           "--checkpoint.initial_load_in_hf", "--training.steps", "1", "--training.seq_len", "64",
+           "--training.local_batch_size", "4", "--metrics.no_enable_tensorboard", "--lora.use_rslora",
+           "--lora.target_modules", "all-linear"]
+    train_in_process([*job, "--model.hf_assets_path", str(hf_folder), "--lora.adapter_path", str(tmp_path / "adapter"),
+                      "--job.dump_folder", str(tmp_path / "imported")])
+    train_in_process([*job, "--model.hf_assets_path", str(merged_folder),
+                      "--job.dump_folder", str(tmp_path / "merged_run")])
+    imported, merged = (read_metrics(tmp_path / name)[0]["loss"] for name in ("imported", "merged_run"))
+    assert imported == pytest.approx(merged, abs=1e-4), (imported, merged)
+    base_run = tmp_path / "base_run"
+    train_in_process([*job, "--model.hf_assets_path", str(hf_folder), "--job.dump_folder", str(base_run)])
+    assert abs(read_metrics(base_run)[0]["loss"] - imported) > 1e-3  # the adapter changes the loss
+
+
 SFT = ("--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", DATA,
        "--training.steps", "4", "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4",
        "--training.global_batch_size", "8")
