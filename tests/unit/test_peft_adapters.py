@@ -223,7 +223,6 @@ def _spec():
 def test_the_trainer_refuses_an_adapter_of_more_modules_before_any_process_group(tmp_path):
     """train.py's path: planning (the converter's validate_model) reads lora.adapter_path against the
     job's model, so an all-linear adapter given to a q,k,v,o job is a config error, not 8 of 14 loaded."""
-    import titanlike  # noqa: F401 (registers the families)
     from titanlike.config import load_job_config
     from titanlike.config.loader import ConfigError
     from titanlike.models.lora import apply_lora, export_peft

@@ -66,7 +66,6 @@ from titanlike.models.converters import ModelConverter, fqn_matches, log_on_rank
 from titanlike.models.peft_adapter import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
-    check_tensor,
     pattern_value,
     read_adapter_config,
     read_adapter_tensors,
