@@ -135,9 +135,12 @@ class PairObjective(Objective):
     attention_mask = "a document mask"
     reported_terms = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
-    def __init__(self, options, **loss_options):
+    def __init__(self, options, *, holds_out: bool = False, **loss_options):
+        """holds_out: leave training.split's held-out pairs out of training (validation reads them:
+        data/conversations.py held_out_for_validation); otherwise every pair is trained on."""
         super().__init__(**loss_options)
         self.options = options
+        self.holds_out = holds_out
 
     @classmethod
     def refuse(cls, args: BaseModelArgs, family_objective: Objective | None, *, model: str, what: str) -> None:
@@ -163,6 +166,11 @@ class PairObjective(Objective):
         refuse_pretraining_options(cfg, self.name)
         super()._validate_job(cfg, dims, model=model)
 
+    def chat_template(self, tokenizer):
+        from titanlike.data.conversations import job_chat_template
+
+        return job_chat_template(self.options.chat_template, tokenizer, option=f"{self.name}.chat_template")
+
     def sample_fields(self, seq_len: int) -> FieldShapes:
         tokens = ((seq_len,), "int64")
         return {"inputs": tokens, "labels": tokens, "document_ids": tokens}
@@ -173,7 +181,8 @@ class PairObjective(Objective):
 
         self._check_dataset(dataset, dataset_path)
         return preference_samples(self.options, self.name, dataset_path=dataset_path, tokenizer=tokenizer,
-                                  seq_len=seq_len, split=split, split_name=split_name, **pair_options)
+                                  seq_len=seq_len, split=split, split_name=split_name, holds_out=self.holds_out,
+                                  **pair_options)
 
     def pair_targets(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Targets:
         """The loss's targets of a loader microbatch, over whole sequences (prepare cuts them)."""
@@ -264,8 +273,10 @@ class DPO(PairObjective):
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
                 model: str = "the model") -> DPO:
+        from titanlike.data.conversations import held_out_for_validation
+
         cls.refuse(args, family_objective, model=model, what="trains models that predict the next token")
-        return cls(cfg.dpo, **compile_options(cfg))
+        return cls(cfg.dpo, holds_out=held_out_for_validation(cfg), **compile_options(cfg))
 
     @property
     def uses_reference(self) -> bool:

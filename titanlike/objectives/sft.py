@@ -73,9 +73,12 @@ class SFT(Objective):
     attention_mask = "a document mask"
     generation = "chat"
 
-    def __init__(self, options: SFTOptions | None = None, **loss_options):
+    def __init__(self, options: SFTOptions | None = None, *, holds_out: bool = False, **loss_options):
+        """holds_out: leave training.split's held-out parts out of training (validation reads them:
+        data/conversations.py held_out_for_validation); otherwise every conversation is trained on."""
         super().__init__(**loss_options)
         self.options = options or SFTOptions()
+        self.holds_out = holds_out
 
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
@@ -84,7 +87,9 @@ class SFT(Objective):
         if family_objective is not None and family_objective.generation is None:
             raise ValueError(f"training.objective sft fine-tunes models that predict the next token; {model} trains "
                              f"with {family_objective.name}")
-        return cls(cfg.sft, **compile_options(cfg))
+        from titanlike.data.conversations import held_out_for_validation
+
+        return cls(cfg.sft, holds_out=held_out_for_validation(cfg), **compile_options(cfg))
 
     def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         refuse_pretraining_options(cfg, "sft")
@@ -112,20 +117,24 @@ class SFT(Objective):
     def _check_held_out(self, dataset: str) -> None:
         """Conversations are held out by training.split (its 'valid' part), whatever the files."""
 
+    def chat_template(self, tokenizer):
+        from titanlike.data.conversations import job_chat_template
+
+        return job_chat_template(self.options.chat_template, tokenizer, option="sft.chat_template")
+
     def sample_fields(self, seq_len: int) -> FieldShapes:
         tokens = ((seq_len,), "int64")
         return {"inputs": tokens, "labels": tokens, "document_ids": tokens}
 
     def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
                 split_name="train"):
-        from titanlike.data.chat_template import load_chat_template
         from titanlike.data.conversations import ConversationSamples, split_rows, tokenize_conversations
         from titanlike.data.loader import GlobalSamples
 
         self._check_dataset(dataset, dataset_path)
         o = self.options
-        rows = split_rows(dataset_path, split, split_name)
-        template = load_chat_template(o.chat_template, tokenizer)
+        rows = split_rows(dataset_path, split, split_name, holds_out=self.holds_out)
+        template, _ = self.chat_template(tokenizer)
         conversations = tokenize_conversations(rows, template, tokenizer, seq_len=seq_len, fmt=o.format,
                                                assistant_only_loss=o.assistant_only_loss, overlong=o.overlong)
         source = ConversationSamples(conversations, seq_len=seq_len, packing=o.packing, pad_id=pad_id(tokenizer))
