@@ -135,9 +135,10 @@ class PairObjective(Objective):
     attention_mask = "a document mask"
     reported_terms = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
-    def __init__(self, options, *, holds_out: bool = False, **loss_options):
+    def __init__(self, options, *, holds_out: bool = True, **loss_options):
         """holds_out: leave training.split's held-out pairs out of training (validation reads them:
-        data/conversations.py held_out_for_validation); otherwise every pair is trained on."""
+        data/conversations.py held_out_for_validation; for_job turns it off when validation does not
+        read them, so that every pair is trained on)."""
         super().__init__(**loss_options)
         self.options = options
         self.holds_out = holds_out

@@ -73,9 +73,10 @@ class SFT(Objective):
     attention_mask = "a document mask"
     generation = "chat"
 
-    def __init__(self, options: SFTOptions | None = None, *, holds_out: bool = False, **loss_options):
+    def __init__(self, options: SFTOptions | None = None, *, holds_out: bool = True, **loss_options):
         """holds_out: leave training.split's held-out parts out of training (validation reads them:
-        data/conversations.py held_out_for_validation); otherwise every conversation is trained on."""
+        data/conversations.py held_out_for_validation; for_job turns it off when validation does not
+        read them, so that every conversation is trained on)."""
         super().__init__(**loss_options)
         self.options = options or SFTOptions()
         self.holds_out = holds_out
