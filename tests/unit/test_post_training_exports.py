@@ -190,15 +190,18 @@ def test_a_reward_model_scores_as_transformers_both_ways(tmp_path):
     ours = titanlike.load_model(tmp_path / "rm" / "checkpoint")
     with torch.no_grad():
         want = torch.stack([ours(torch.tensor([r]))[0, -1, 0] for r in rows])
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    assert hf_tokenizer.pad_token_id not in (None, tokenizer.eos_id)
-    batch = hf_tokenizer.pad({"input_ids": rows}, return_tensors="pt")
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf"),
                                                                          dtype=torch.float32).eval()
-    assert hf.config.pad_token_id == hf_tokenizer.pad_token_id
+    pad = hf.config.pad_token_id
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     with torch.no_grad():
-        theirs = hf(**batch).logits[:, 0]
+        theirs = hf(input_ids=ids, attention_mask=(ids != pad).long()).logits[:, 0]
     torch.testing.assert_close(theirs, want, rtol=0, atol=1e-5)
+    # The exported tokenizer pads with that token too (TRL's RewardTrainer pads with the tokenizer's).
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf_tokenizer.pad_token_id == pad != tokenizer.eos_id
+    assert torch.equal(hf_tokenizer.pad({"input_ids": rows}, return_tensors="pt")["input_ids"], ids)
 
     hf.save_pretrained(tmp_path / "saved")
     for path in (tmp_path / "hf", tmp_path / "saved"):
