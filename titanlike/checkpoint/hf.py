@@ -245,7 +245,7 @@ def _score_pad(pad_id: int | None, bos_id: int | None, eos_id: int | None, stops
 
 def _special_tokens(tokenizer_path: str | None) -> dict[str, int]:
     """The special tokens (string -> id) of the tokenizer at tokenizer_path; {} when it cannot be read."""
-    from titanlike.data.tokenizer import build_tokenizer
+    from titanlike.data.tokenizer import Tokenizer, build_tokenizer
 
     if not tokenizer_path:
         return {}
@@ -253,7 +253,7 @@ def _special_tokens(tokenizer_path: str | None) -> dict[str, int]:
         tokenizer = build_tokenizer(tokenizer_path)
     except (ImportError, OSError, ValueError):
         return {}
-    if isinstance(getattr(tokenizer, "special_tokens", None), dict):  # tiktoken: Llama 3's 256 slots
+    if isinstance(tokenizer, Tokenizer):  # tiktoken: Llama 3's 256 slots
         return dict(tokenizer.special_tokens)
     added = tokenizer.model.get_added_tokens_decoder()
     return {token.content: i for i, token in added.items() if token.special}

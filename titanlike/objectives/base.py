@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from titanlike.config.schema import JobConfig
-    from titanlike.data.chat_template import ChatTemplate
     from titanlike.models.args import BaseModelArgs, LayoutDegrees
     from titanlike.objectives.companion import Companion
 
@@ -183,8 +182,8 @@ class Objective:
     targets, plus the model's auxiliary losses. Subclasses implement the rest (module docstring).
 
     Public members (what generic code may use): name, generation, vocab_parallel_loss,
-    attention_mask, reported_terms, companions, validate, model_args, chat_template, sample_fields,
-    samples, prepare, loss. Subclasses add their rules in `_validate_job` and refine the data rules in
+    attention_mask, reported_terms, companions, validate, model_args, sample_fields, samples,
+    prepare, loss. Subclasses add their rules in `_validate_job` and refine the data rules in
     `_check_dataset` and `_check_held_out`."""
 
     # Name shown in messages ("masked_lm"); nothing dispatches on it.
@@ -224,13 +223,6 @@ class Objective:
         """The models that run beside the one it trains, and what each adds to the targets
         (objectives/companion.py); the trainer builds them, the estimator counts them."""
         return ()
-
-    def chat_template(self, tokenizer) -> tuple[ChatTemplate | None, str | None]:
-        """(the chat template its samples are rendered with, a data/chat_template.py ChatTemplate that
-        the job's checkpoints record so that their Hugging Face exports chat as training rendered; a
-        warning for the start-up log when that template is a fallback), or (None, None): the default,
-        for objectives that render no conversations."""
-        return None, None
 
     # Rules ------------------------------------------------------------------------------------
 

@@ -167,11 +167,6 @@ class PairObjective(Objective):
         refuse_pretraining_options(cfg, self.name)
         super()._validate_job(cfg, dims, model=model)
 
-    def chat_template(self, tokenizer):
-        from titanlike.data.conversations import job_chat_template
-
-        return job_chat_template(self.options.chat_template, tokenizer, option=f"{self.name}.chat_template")
-
     def sample_fields(self, seq_len: int) -> FieldShapes:
         tokens = ((seq_len,), "int64")
         return {"inputs": tokens, "labels": tokens, "document_ids": tokens}

@@ -118,24 +118,20 @@ class SFT(Objective):
     def _check_held_out(self, dataset: str) -> None:
         """Conversations are held out by training.split (its 'valid' part), whatever the files."""
 
-    def chat_template(self, tokenizer):
-        from titanlike.data.conversations import job_chat_template
-
-        return job_chat_template(self.options.chat_template, tokenizer, option="sft.chat_template")
-
     def sample_fields(self, seq_len: int) -> FieldShapes:
         tokens = ((seq_len,), "int64")
         return {"inputs": tokens, "labels": tokens, "document_ids": tokens}
 
     def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
                 split_name="train"):
+        from titanlike.data.chat_template import load_chat_template
         from titanlike.data.conversations import ConversationSamples, split_rows, tokenize_conversations
         from titanlike.data.loader import GlobalSamples
 
         self._check_dataset(dataset, dataset_path)
         o = self.options
         rows = split_rows(dataset_path, split, split_name, holds_out=self.holds_out)
-        template, _ = self.chat_template(tokenizer)
+        template = load_chat_template(o.chat_template, tokenizer)
         conversations = tokenize_conversations(rows, template, tokenizer, seq_len=seq_len, fmt=o.format,
                                                assistant_only_loss=o.assistant_only_loss, overlong=o.overlong)
         source = ConversationSamples(conversations, seq_len=seq_len, packing=o.packing, pad_id=pad_id(tokenizer))

@@ -42,6 +42,7 @@ from titanlike.observe.run_lock import FolderLock, FolderRefused, lock_folders, 
 from titanlike.observe.stragglers import StragglerDetector, format_stragglers
 from titanlike.observe.summary import RunSummary
 from titanlike.objectives.base import BatchContext, Microbatch
+from titanlike.objectives.registry import job_chat_template
 from titanlike.parallel.context import load_balanced_positions
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
@@ -158,7 +159,7 @@ class Trainer:
         self.tokenizer, self.batches = plan.tokenizer, plan.batch
         # The template the objective renders conversations with: logged, and recorded by checkpoints so
         # that their Hugging Face exports chat as training rendered (checkpoint/hf.py write_hf).
-        self.chat_template, self._template_warning = self.objective.chat_template(self.tokenizer)
+        self.chat_template, self._template_warning = job_chat_template(cfg, self.tokenizer)
         dims.build_mesh(self.device.type, experts=self.model_args.moe_args() is not None)
         self._agree(self._log_job() if self.rank == 0 else None)
         self._build_data()
