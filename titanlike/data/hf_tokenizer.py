@@ -59,7 +59,10 @@ def tokenizer_record(tokenizer, chat_template=None) -> dict:
         from titanlike.data.chat_template import end_of_turn_ids
 
         record["chat_template"] = chat_template.source
-        record["end_of_turn_ids"] = sorted(end_of_turn_ids(chat_template, tokenizer) - {tokenizer.eos_id})
+        try:
+            record["end_of_turn_ids"] = sorted(end_of_turn_ids(chat_template, tokenizer) - {tokenizer.eos_id})
+        except Exception:  # a template refusing the probe conversation: its exports stop at EOS only
+            pass
     return record
 
 
