@@ -172,7 +172,8 @@ def test_a_reward_model_scores_as_transformers_both_ways(tmp_path):
     """A reward model trained with a tokenizer without a pad token whose EOS ends every turn: its export
     (titanlike-convert) names a pad token that no scored sequence ends with, so transformers'
     LlamaForSequenceClassification scores the token ours scores (1e-5, fp32); that folder and one
-    transformers saved load as reward models (titanlike.load_model, and a reward job's initial load)."""
+    transformers saved load as reward models (titanlike.load_model, titanlike-convert from-hf, and a reward
+    job's initial load)."""
     import titanlike
     from titanlike.cli.convert import main
     from titanlike.data import build_tokenizer
@@ -204,7 +205,8 @@ def test_a_reward_model_scores_as_transformers_both_ways(tmp_path):
     assert torch.equal(hf_tokenizer.pad({"input_ids": rows}, return_tensors="pt")["input_ids"], ids)
 
     hf.save_pretrained(tmp_path / "saved")
-    for path in (tmp_path / "hf", tmp_path / "saved"):
+    assert main(["from-hf", str(tmp_path / "saved"), str(tmp_path / "dcp")]) == 0  # and on to a DCP checkpoint
+    for path in (tmp_path / "hf", tmp_path / "saved", tmp_path / "dcp"):
         back = titanlike.load_model(path)
         with torch.no_grad():
             got = torch.stack([back(torch.tensor([r]))[0, -1, 0] for r in rows])
