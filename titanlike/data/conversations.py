@@ -314,7 +314,7 @@ def _part_sizes(split: str, count: int) -> str:
     return ", ".join(f"{name} {round(b[1] * count) - round(b[0] * count)}" for name, b in parts if b is not None)
 
 
-def job_chat_template(choice: str, tokenizer, *, option: str):
+def choose_chat_template(choice: str, tokenizer, *, option: str):
     """(the template `choice` names, data/chat_template.py load_chat_template's, a warning when "auto"
     found none in the tokenizer folder and fell back to titanlike's llama3 template, else None)."""
     from titanlike.data.chat_template import folder_chat_template, load_chat_template
@@ -379,5 +379,5 @@ class ConversationSamples:
 
 
 __all__ = ["CONVERSATION_SUFFIXES", "ConversationSamples", "FORMATS", "TokenizedConversations", "best_fit_decreasing",
-           "check_row_dataset", "check_row_files", "held_out_for_validation", "job_chat_template", "split_rows",
+           "check_row_dataset", "check_row_files", "choose_chat_template", "held_out_for_validation", "split_rows",
            "conversation_files", "iter_rows", "row_messages", "tokenize_conversations"]

@@ -84,9 +84,9 @@ def job_chat_template(cfg: JobConfig, tokenizer):
     options = getattr(cfg, section) if section is not None else None
     if options is None or "chat_template" not in {f.name for f in dataclasses.fields(options)}:
         return None, None
-    from titanlike.data.conversations import job_chat_template as load
+    from titanlike.data.conversations import choose_chat_template
 
-    return load(options.chat_template, tokenizer, option=f"{section}.chat_template")
+    return choose_chat_template(options.chat_template, tokenizer, option=f"{section}.chat_template")
 
 
 def objective_names() -> list[str]:
