@@ -87,25 +87,27 @@ def test_an_sft_export_carries_the_builtin_template_and_stops_at_the_end_of_the_
     assert processor.stop_ids(chat=True) == frozenset({tokenizer.eos_id, tokenizer.eot_id})
 
 
-def test_a_dpo_export_carries_a_jinja_files_template(tmp_path, caplog):
-    """dpo_debug with a tokenizer folder of its own (ChatML tokens, no template) and dpo.chat_template a
-    Jinja file: the Hugging Face export the run writes (checkpoint.last_save_in_hf) carries that template
-    and stops at <|im_end|>; no fallback warning."""
+@pytest.mark.parametrize("where", ["file", "folder"])
+def test_a_dpo_export_carries_a_jinja_file_or_the_folders_template(where, tmp_path, caplog):
+    """dpo_debug with a tokenizer folder of its own (ChatML tokens) and the ChatML template as a Jinja file
+    (dpo.chat_template) or in the folder's tokenizer_config.json (auto): the Hugging Face export the run
+    writes (checkpoint.last_save_in_hf) carries that template and stops at <|im_end|>; no fallback warning."""
     from titanlike.data import build_tokenizer
     from titanlike.data.chat_template import load_chat_template
 
-    folder = tokenizer_folder(tmp_path / "tok")
     jinja = tmp_path / "chatml.jinja"
     jinja.write_text(TAGGED["chatml"])
+    folder = tokenizer_folder(tmp_path / "tok", TAGGED["chatml"] if where == "folder" else None)
+    choice = str(jinja) if where == "file" else "auto"
     with caplog.at_level(logging.INFO, logger="titanlike"):
         train_in_process([*DPO_PRESET, "--training.steps", "1", "--training.dataset_path", str(PAIRS),
                           "--training.seq_len", "128", "--model.hf_assets_path", str(folder),
-                          "--dpo.chat_template", str(jinja),
+                          "--dpo.chat_template", choice,
                           "--checkpoint.last_save_in_hf", "--job.dump_folder", str(tmp_path / "dpo")])
-    assert f"chat template: {jinja}" in caplog.text
+    assert f"chat template: {jinja if where == 'file' else f'the chat_template of {folder}'}" in caplog.text
     assert not [r for r in caplog.records if r.levelno == logging.WARNING and "chat_template" in r.getMessage()]
     tokenizer = build_tokenizer(str(folder))
-    template = load_chat_template(str(jinja), tokenizer)
+    template = load_chat_template(choice, tokenizer)
     check_chat_export(tmp_path / "dpo" / "checkpoint" / "step-1", template, tokenizer)
 
 
