@@ -104,11 +104,11 @@ def test_a_dpo_export_carries_a_jinja_file_or_the_folders_template(where, tmp_pa
                           "--training.seq_len", "128", "--model.hf_assets_path", str(folder),
                           "--dpo.chat_template", choice,
                           "--checkpoint.last_save_in_hf", "--job.dump_folder", str(tmp_path / "dpo")])
-    assert f"chat template: {jinja if where == 'file' else f'the chat_template of {folder}'}" in caplog.text
-    assert not [r for r in caplog.records if r.levelno == logging.WARNING and "chat_template" in r.getMessage()]
     tokenizer = build_tokenizer(str(folder))
     template = load_chat_template(choice, tokenizer)
     check_chat_export(tmp_path / "dpo" / "checkpoint" / "step-1", template, tokenizer)
+    assert f"chat template: {jinja if where == 'file' else f'the chat_template of {folder}'}" in caplog.text
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING and "chat_template" in r.getMessage()]
 
 
 def _rows(objective_args: list[str], tmp_path: Path, caplog) -> int:
