@@ -221,3 +221,40 @@ def test_a_reward_model_scores_as_transformers_both_ways(tmp_path):
                       str(tmp_path / "again")])
     again = dict(titanlike.load_model(tmp_path / "again" / "checkpoint").named_parameters())
     torch.testing.assert_close(again["output.weight"], hf.score.weight, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_sequence_classification_folders_load_as_reward_models(family, tmp_path):
+    """Every family with a ...ForSequenceClassification class: our export and the folder transformers saves
+    from it load back (titanlike.load_model) with transformers' scores (1e-5, fp32); a folder of two labels
+    is refused in one sentence."""
+    import dataclasses
+
+    import titanlike
+    from titanlike.checkpoint import CheckpointError
+    from titanlike.checkpoint.hf import write_hf
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec(family)
+    flavor = spec.flavors["debugmodel_tiny" if family == "llama3" else "debugmodel"]
+    args = dataclasses.replace(flavor, n_layers=2, vocab_size=64, max_seq_len=64).with_score_head()
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=4)
+    write_hf(dict(model.state_dict()), spec, args, str(tmp_path / "ours"), context_len=64, bos_id=0, eos_id=1, pad_id=2)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "ours"),
+                                                                         dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path / "saved")
+    tokens = torch.randint(3, 64, (3, 9))
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens).logits[:, 0]
+        for path in ("ours", "saved"):
+            torch.testing.assert_close(titanlike.load_model(tmp_path / path)(tokens)[:, -1, 0], theirs, rtol=0, atol=1e-5)
+
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    config["id2label"] = {"0": "bad", "1": "good"}
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="has 2 labels, and a reward model scores with one") as e:
+        titanlike.load_model(tmp_path / "saved")
+    assert "\n" not in str(e.value)
