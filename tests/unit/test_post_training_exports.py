@@ -250,7 +250,8 @@ def test_sequence_classification_folders_load_as_reward_models(family, tmp_path)
     with torch.no_grad():
         theirs = hf(input_ids=tokens).logits[:, 0]
         for path in ("ours", "saved"):
-            torch.testing.assert_close(titanlike.load_model(tmp_path / path)(tokens)[:, -1, 0], theirs, rtol=0, atol=1e-5)
+            ours = titanlike.load_model(tmp_path / path)(tokens)[:, -1, 0]
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     config["id2label"] = {"0": "bad", "1": "good"}

@@ -196,10 +196,11 @@ class HFAdapter(abc.ABC):
         check_fields(type(args), args.to_dict(), what="the model it describes")
         if self.is_score_model(config):
             # transformers saves num_labels as id2label (its default: two labels).
-            labels = len(config["id2label"]) if isinstance(config.get("id2label"), Mapping) else config.get("num_labels", 2)
+            id2label = config.get("id2label")
+            labels = len(id2label) if isinstance(id2label, Mapping) else config.get("num_labels", 2)
             if labels != 1:
-                raise ValueError(f"its {self.score_architecture} has {labels} labels, and a reward model scores with one "
-                                 "(num_labels 1)")
+                raise ValueError(f"its {self.score_architecture} has {labels} labels, and a reward model scores with "
+                                 "one (num_labels 1)")
             args = args.with_score_head()
         return args
 
