@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -147,6 +147,8 @@ def write_hf(
     pad_id: int | None = None,
     tokenizer_path: str | None = None,
     tokenizer_fingerprint: str | None = None,
+    chat_template: str | None = None,
+    end_of_turn_ids: Sequence[int] | None = None,
 ) -> TokenizerExport:
     """Write our full state dict as a Hugging Face folder loadable by transformers.
 
@@ -156,6 +158,11 @@ def write_hf(
     copied with a note when it cannot be converted; see titanlike.data.hf_tokenizer), checked
     against tokenizer_fingerprint when given. Returns that step's TokenizerExport, whose message
     the caller logs: a folder without a usable tokenizer is still a valid export.
+    chat_template, end_of_turn_ids: the Jinja template the job rendered conversations with and the
+    tokens that end its turns (the checkpoint's tokenizer record, data/hf_tokenizer.py
+    tokenizer_record): written as tokenizer_config.json's chat_template, and generation_config.json
+    stops at EOS and at those (eos_token_id a list, EOS first), so that transformers' apply_chat_template
+    renders what training rendered and its generate ends with the turn.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -165,12 +172,14 @@ def write_hf(
         raise CheckpointError(f"model {spec.name} has no Hugging Face adapter")
     hf_sd = spec.hf.to_hf_state_dict(state_dict, args)
     config = spec.hf.args_to_config(args, max_position_embeddings=context_len)
+    stops = [i for i in end_of_turn_ids or () if i != eos_id]
+    pad_token = None
     if args.has_score_head:  # a reward model: transformers finds each sequence's score by the pad id
         try:
             hf_sd, config = spec.hf.score_model(hf_sd, config)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
-        pad = pad_id if pad_id is not None else eos_id  # what training padded with (objectives/sft.py pad_id)
+        pad, pad_token = _score_pad(pad_id, bos_id, eos_id, stops, tokenizer_path, chat_template)
         if pad is not None:
             config["pad_token_id"] = pad
     # Contiguous: converted tensors may be views (permuted rows), and safetensors stores raw storage.
@@ -194,12 +203,60 @@ def write_hf(
     generation = {"_from_model_config": True}
     for name, value in spec.hf.token_ids(bos=bos_id, eos=eos_id, pad=pad_id).items():
         config[name] = generation[name] = value
+    if stops and generation.get("eos_token_id") is not None:
+        # transformers' generate stops at any id of the list (Meta's Llama 3 Instruct folders: EOS, then eot).
+        generation["eos_token_id"] = [generation["eos_token_id"], *stops]
     for name, content in ((HF_CONFIG, config), ("generation_config.json", generation)):
         with open(os.path.join(out, name), "w") as f:
             json.dump(content, f, indent=2)
-    return write_hf_tokenizer(out, tokenizer_path, fingerprint=tokenizer_fingerprint, vocab_size=args.vocab_size,
-                              model_max_length=context_len or args.context_len,
-                              template=spec.hf.tokenizer_template, roles=spec.hf.tokenizer_roles)
+    export = write_hf_tokenizer(out, tokenizer_path, fingerprint=tokenizer_fingerprint, vocab_size=args.vocab_size,
+                                model_max_length=context_len or args.context_len,
+                                template=spec.hf.tokenizer_template, roles=spec.hf.tokenizer_roles)
+    entries = {"chat_template": chat_template, "pad_token": pad_token}
+    config_path = os.path.join(out, "tokenizer_config.json")
+    if export.converted and os.path.isfile(config_path) and any(v is not None for v in entries.values()):
+        with open(config_path, encoding="utf-8") as f:
+            tokenizer_config = json.load(f)
+        tokenizer_config.update({k: v for k, v in entries.items() if v is not None})
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+    return export
+
+
+def _score_pad(pad_id: int | None, bos_id: int | None, eos_id: int | None, stops: Sequence[int],
+               tokenizer_path: str | None, chat_template: str | None) -> tuple[int | None, str | None]:
+    """(pad_token_id, its token or None) of a reward model's export. transformers' ...ForSequenceClassification
+    scores a sequence at its last token that is not the pad id, and ours scores it at its last token:
+    the pad must be a token no scored sequence ends with, so not EOS, an end-of-turn token or one the
+    chat template writes. The tokenizer's pad token when it is none of those, else the highest special
+    token of the tokenizer that is none of them (named as tokenizer_config.json's pad_token too), else
+    what training padded with (objectives/sft.py pad_id: the pad token, or EOS)."""
+    taken = {i for i in (bos_id, eos_id, *stops) if i is not None}
+    if pad_id is not None and pad_id not in taken:
+        return pad_id, None
+    specials = _special_tokens(tokenizer_path)
+    free = [(i, token) for token, i in specials.items()
+            if i not in taken and not (chat_template and token in chat_template)]
+    if free:
+        return max(free)
+    return (pad_id if pad_id is not None else eos_id), None
+
+
+def _special_tokens(tokenizer_path: str | None) -> dict[str, int]:
+    """The special tokens (string -> id) of the tokenizer at tokenizer_path; {} when it cannot be read."""
+    from titanlike.data.tokenizer import Tokenizer, build_tokenizer
+
+    if not tokenizer_path:
+        return {}
+    try:
+        tokenizer = build_tokenizer(tokenizer_path)
+    except (ImportError, OSError, ValueError):
+        return {}
+    if isinstance(tokenizer, Tokenizer):  # tiktoken: Llama 3's 256 slots
+        return dict(tokenizer.special_tokens)
+    added = tokenizer.model.get_added_tokens_decoder()
+    return {token.content: i for i, token in added.items() if token.special}
 
 
 def hf_model_from_config(config: dict[str, Any], *, where: str = HF_CONFIG):
@@ -280,10 +337,24 @@ def export_dcp_to_hf(src: str, out: str, *, dtype: torch.dtype = torch.float32,
     fingerprint = tokenizer.get("fingerprint")
     export = write_hf(state_dict, spec, args, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
                       context_len=args.context_len, **ids, tokenizer_path=tokenizer_path or stored,
-                      tokenizer_fingerprint=fingerprint if isinstance(fingerprint, str) else None)
+                      tokenizer_fingerprint=fingerprint if isinstance(fingerprint, str) else None,
+                      **_chat_record(tokenizer, args.vocab_size, src))
     if why_not and not tokenizer_path:
         export = export._replace(message=f"no tokenizer files written: {why_not}")
     return export
+
+
+def _chat_record(record: dict, vocab_size: int, src: str) -> dict[str, Any]:
+    """write_hf's chat_template and end_of_turn_ids from the sidecar's tokenizer entry (tokenizer_record),
+    each checked: a string, and token ids of the vocabulary."""
+    template, stops = record.get("chat_template"), record.get("end_of_turn_ids")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{os.path.join(src, SIDECAR)}: tokenizer chat_template is not a string")
+    if stops is not None and not (isinstance(stops, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in stops)):
+        raise CheckpointError(f"{os.path.join(src, SIDECAR)}: tokenizer end_of_turn_ids is {json.dumps(stops)[:50]}, "
+                              f"not a list of token ids below the model's vocabulary size {vocab_size}")
+    return {"chat_template": template, "end_of_turn_ids": stops}
 
 
 def _token_id(record: dict, name: str, vocab_size: int, src: str) -> int | None:
@@ -319,7 +390,10 @@ def import_hf_to_dcp(src: str, out: str, *, dtype: torch.dtype | None = None) ->
 
 
 def _from_hf(spec, hf_sd: dict[str, torch.Tensor], args, src: str) -> dict[str, torch.Tensor]:
-    """The adapter's conversion of a Hugging Face state dict; one sentence when it does not fit."""
+    """The adapter's conversion of a Hugging Face state dict (a sequence-classification model's: a reward
+    model, args with a score head); one sentence when it does not fit."""
+    if args.has_score_head:
+        hf_sd = spec.hf.unscore_model(hf_sd)
     try:
         return spec.hf.from_hf_state_dict(hf_sd, args)
     except (KeyError, ValueError) as e:

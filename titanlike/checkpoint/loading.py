@@ -506,6 +506,8 @@ class Loader:
                 if not self.job.grown:
                     check_hf_args(spec, job_args, args, path)
                 hf_sd, _ = hf.read_hf(path)
+                if args.has_score_head:  # a reward model's folder (...ForSequenceClassification)
+                    hf_sd = spec.hf.unscore_model(hf_sd)
                 try:
                     state_dict = spec.hf.from_hf_state_dict(hf_sd, args)
                 except Exception as e:

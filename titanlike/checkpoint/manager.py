@@ -150,11 +150,12 @@ class CheckpointManager:
 
     def __init__(self, cfg, *, dims, model_parts: list[nn.Module], optimizer, lr_scheduler,
                  dataloader, model_args=None, tokenizer=None, loss_scaler=None, hooks: Sequence[LoadHook] = (),
-                 context_len: int | None = None, flavor: str | None | _Unset = _UNSET):
+                 context_len: int | None = None, flavor: str | None | _Unset = _UNSET, chat_template=None):
         """hooks: what the job's converters and objective add when a checkpoint loads or is exported
         (hooks.py); context_len: the model's own context (the plan's), recorded instead of the job's
         seq_len; flavor: the flavor the model is (None: sized by a Hugging Face folder or
-        [model.args]). Both default to model.flavor's."""
+        [model.args]). Both default to model.flavor's. chat_template: the data/chat_template.py ChatTemplate
+        the objective rendered conversations with, recorded with the tokenizer for the exports."""
         c = self.cfg = cfg.checkpoint
         self.enabled = c.enable
         self.folder = os.path.join(cfg.job.dump_folder, c.folder)
@@ -203,8 +204,9 @@ class CheckpointManager:
         where = dict(rank=self.rank, distributed=self.distributed, pg=self._pg)
         start = initial_load_path(c, cfg.model.hf_assets_path)
         self._saver = Saver(c, self.folder, self.states, total_steps=self.total_steps, job=job,
-                            tokenizer=tokenizer_record(tokenizer) if tokenizer is not None else {}, hooks=hooks,
-                            optimizer=optimizer, base_model=start if c.initial_load_in_hf else None, **where)
+                            tokenizer=tokenizer_record(tokenizer, chat_template) if tokenizer is not None else {},
+                            hooks=hooks, optimizer=optimizer, base_model=start if c.initial_load_in_hf else None,
+                            **where)
         self._loader = Loader(c, self.folder, self.states, initial_load_path=start,
                               job=job, hooks=hooks, pp=dims is not None and dims.pp_enabled, **where)
         # Before the trainer builds its metrics writers (a full disk would stop them first).

@@ -229,7 +229,8 @@ class Saver:
             export = hf.write_hf(state_dict, job.spec, job.args, tmp, dtype=dtype,
                                  context_len=job.context_len, bos_id=tok.get("bos_id"), eos_id=tok.get("eos_id"),
                                  pad_id=tok.get("pad_id"), tokenizer_path=tok.get("path"),
-                                 tokenizer_fingerprint=tok.get("fingerprint"))
+                                 tokenizer_fingerprint=tok.get("fingerprint"), chat_template=tok.get("chat_template"),
+                                 end_of_turn_ids=tok.get("end_of_turn_ids"))
             (logger.info if export.converted else logger.warning)(f"checkpoint: {export.message}")
             shutil.rmtree(staging)
 

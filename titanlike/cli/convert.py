@@ -22,7 +22,9 @@ model), or a checkpoint folder of step-N checkpoints (the latest is taken). OUT 
 model-0000i-of-0000n.safetensors, model.safetensors.index.json, config.json,
 generation_config.json, and the tokenizer the model was trained with as tokenizer.json +
 tokenizer_config.json (same ids as titanlike's tokenizer), so that AutoModelForCausalLM and
-AutoTokenizer both load OUT. The tokenizer is the one titanlike.json records, or --tokenizer
+AutoTokenizer both load OUT. A run that rendered conversations (sft, dpo, reward) recorded its chat
+template: it becomes tokenizer_config.json's chat_template, and its end-of-turn ids follow EOS in
+generation_config.json's eos_token_id. The tokenizer is the one titanlike.json records, or --tokenizer
 (or torchtitan's --hf_assets_path folder); one that cannot be converted is copied with a note on
 how to load it, and the weights are written either way. A DCP checkpoint without titanlike.json
 (e.g. torchtitan's) needs --model-name/--flavor/--vocab-size."""

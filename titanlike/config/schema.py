@@ -121,7 +121,8 @@ class Training:
     )
     eod_mask_loss: bool = opt(False, "no loss on the prediction made from an EOS token (the next document's start)")
     split: str = opt(
-        "969,30,1", "Megatron train,valid,test split of megatron datasets (validation uses 'valid')"
+        "969,30,1", "Megatron train,valid,test split of megatron datasets (validation uses 'valid'); sft, dpo and "
+        "reward rows hold out 'valid' and 'test' only when validation reads the held-out split"
     )
     gc_freq: int = opt(
         50, "Python's garbage collector runs every gc_freq steps (on every rank at the same step) instead of "

@@ -305,15 +305,51 @@ def check_row_files(dataset: str, dataset_path: str | None, *, option: str, cont
         raise DataError(f"{option}.dataset_path: {e}") from None
 
 
-def split_rows(dataset_path: str, split, split_name: str) -> list:
-    """The rows of `dataset_path` in training.split's part `split_name` (all of them without a split)."""
+def held_out_for_validation(cfg) -> bool:
+    """Whether validation reads the training rows' held-out part (training.split's 'valid'): it is on
+    and has no dataset of its own. Only then does training leave that part out (split_rows)."""
+    return cfg.validation.enable and cfg.validation.dataset is None
+
+
+def split_rows(dataset_path: str, split, split_name: str, *, holds_out: bool = True,
+               what: str = "conversations", section: str = "sft") -> list:
+    """The rows of `dataset_path` in training.split's part `split_name` (all of them without a split).
+    holds_out: whether training leaves the other parts out (held_out_for_validation); with it off the
+    'train' part is every row. The training part's log line says what was held out (what: "conversations",
+    "pairs"; section: the objective's, which the line names)."""
     from titanlike.data.sentence_samples import split_documents
 
     rows = list(iter_rows(dataset_path))
-    if split is not None:
-        begin, end = split_documents(len(rows), split, split_name, name=dataset_path)
-        rows = rows[begin:end]
-    return rows
+    if split is None or (split_name == "train" and not holds_out):
+        return rows
+    begin, end = split_documents(len(rows), split, split_name, name=dataset_path)
+    if split_name == "train" and end - begin < len(rows):
+        logger.info(f"{section}: training.split {split} holds {len(rows) - (end - begin)} of the {len(rows)} {what} "
+                    f"out of training ({_part_sizes(split, len(rows))}), for validation's 'valid' part")
+    return rows[begin:end]
+
+
+def _part_sizes(split: str, count: int) -> str:
+    from titanlike.data.gpt_dataset import split_bookends
+
+    parts = zip(("train", "valid", "test"), split_bookends(split))
+    return ", ".join(f"{name} {round(b[1] * count) - round(b[0] * count)}" for name, b in parts if b is not None)
+
+
+def choose_chat_template(choice: str, tokenizer, *, option: str):
+    """(the template `choice` names, data/chat_template.py load_chat_template's, a warning when "auto"
+    found none in the tokenizer folder and fell back to titanlike's llama3 template, else None)."""
+    from titanlike.data.chat_template import folder_chat_template, load_chat_template
+
+    template = load_chat_template(choice, tokenizer, option=option)
+    if choice != "auto":
+        return template, None
+    folder = getattr(tokenizer, "path", None)
+    if folder and os.path.isdir(folder) and folder_chat_template(folder) is not None:
+        return template, None
+    where = f"the tokenizer folder {folder}" if folder and os.path.isdir(folder) else "the tokenizer"
+    return template, (f"{option} auto: {where} has no chat template, so conversations are rendered with titanlike's "
+                      f"llama3 template (written into Hugging Face exports); name one with {option} to choose")
 
 
 class ConversationSamples:
@@ -365,5 +401,6 @@ class ConversationSamples:
 
 
 __all__ = ["CONVERSATION_SUFFIXES", "ConversationSamples", "FORMATS", "TokenizedConversations", "best_fit_decreasing",
-           "check_row_dataset", "check_row_files", "check_turns", "split_rows",
+           "check_row_dataset", "check_row_files", "check_turns", "choose_chat_template", "held_out_for_validation",
+           "split_rows",
            "conversation_files", "iter_rows", "row_messages", "tokenize_conversations"]

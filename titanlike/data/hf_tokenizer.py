@@ -37,13 +37,15 @@ class TokenizerExport(NamedTuple):
     message: str  # one line for the export's log
 
 
-def tokenizer_record(tokenizer) -> dict:
+def tokenizer_record(tokenizer, chat_template=None) -> dict:
     """What a checkpoint records about its job's tokenizer (the sidecar's "tokenizer" entry).
 
     Besides the special ids, where the tokenizer file is and a fingerprint of its ranks: the
     checkpoint writer stores those files inside the checkpoint (store_tokenizer), so that an export
     made later (convert_dcp_to_hf) can add the tokenizer files, and can tell when they no longer
-    hold the ranks the model was trained with.
+    hold the ranks the model was trained with. chat_template (a data/chat_template.py ChatTemplate):
+    the template the job rendered conversations with, recorded with its end-of-turn ids (EOS left
+    out), which the exports write as tokenizer_config.json's chat_template and generation stops.
     """
     record = {"bos_id": int(tokenizer.bos_id), "eos_id": int(tokenizer.eos_id)}
     pad_id = _pad_id(tokenizer)
@@ -53,6 +55,14 @@ def tokenizer_record(tokenizer) -> dict:
         record["path"] = os.path.abspath(tokenizer.path)
     if getattr(tokenizer, "fingerprint", None):
         record["fingerprint"] = tokenizer.fingerprint
+    if chat_template is not None:
+        from titanlike.data.chat_template import end_of_turn_ids
+
+        record["chat_template"] = chat_template.source
+        try:
+            record["end_of_turn_ids"] = sorted(end_of_turn_ids(chat_template, tokenizer) - {tokenizer.eos_id})
+        except Exception:  # a template refusing the probe conversation: its exports stop at EOS only
+            pass
     return record
 
 

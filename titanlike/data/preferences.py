@@ -313,15 +313,17 @@ class PreferenceSamples(ConversationSamples):
 
 
 def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_len, split, split_name,
-                       end_id: int | None = None, reference: bool = False, fingerprint: str | None = None):
+                       end_id: int | None = None, reference: bool = False, fingerprint: str | None = None,
+                       holds_out: bool = True):
     """The global sample source of preference rows for an objective whose options have chat_template,
-    overlong and packing (section: its config section, named in messages); end_id, reference: tokenize_pairs'."""
+    overlong and packing (section: its config section, named in messages); end_id, reference: tokenize_pairs';
+    holds_out: data/conversations.py split_rows'."""
     from titanlike.data.chat_template import load_chat_template
     from titanlike.data.conversations import split_rows
     from titanlike.data.loader import GlobalSamples
     from titanlike.data.tokenizer import pad_id
 
-    rows = split_rows(dataset_path, split, split_name)
+    rows = split_rows(dataset_path, split, split_name, holds_out=holds_out, what="pairs", section=section)
     template = load_chat_template(options.chat_template, tokenizer, option=f"{section}.chat_template")
     pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=options.overlong,
                            end_id=end_id, reference=reference, fingerprint=fingerprint, section=section)

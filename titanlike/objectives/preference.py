@@ -135,9 +135,13 @@ class PairObjective(Objective):
     attention_mask = "a document mask"
     reported_terms = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
-    def __init__(self, options, **loss_options):
+    def __init__(self, options, *, holds_out: bool = True, **loss_options):
+        """holds_out: leave training.split's held-out pairs out of training (validation reads them:
+        data/conversations.py held_out_for_validation; for_job turns it off when validation does not
+        read them, so that every pair is trained on)."""
         super().__init__(**loss_options)
         self.options = options
+        self.holds_out = holds_out
 
     @classmethod
     def refuse(cls, args: BaseModelArgs, family_objective: Objective | None, *, model: str, what: str) -> None:
@@ -173,7 +177,8 @@ class PairObjective(Objective):
 
         self._check_dataset(dataset, dataset_path)
         return preference_samples(self.options, self.name, dataset_path=dataset_path, tokenizer=tokenizer,
-                                  seq_len=seq_len, split=split, split_name=split_name, **pair_options)
+                                  seq_len=seq_len, split=split, split_name=split_name, holds_out=self.holds_out,
+                                  **pair_options)
 
     def pair_targets(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Targets:
         """The loss's targets of a loader microbatch, over whole sequences (prepare cuts them)."""
@@ -268,10 +273,11 @@ class DPO(PairObjective):
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
                 model: str = "the model") -> DPO:
         from titanlike.checkpoint.manager import initial_load_path
+        from titanlike.data.conversations import held_out_for_validation
 
         cls.refuse(args, family_objective, model=model, what="trains models that predict the next token")
         return cls(cfg.dpo, reference_source=initial_load_path(cfg.checkpoint, cfg.model.hf_assets_path),
-                   **compile_options(cfg))
+                   holds_out=held_out_for_validation(cfg), **compile_options(cfg))
 
     @property
     def uses_reference(self) -> bool:

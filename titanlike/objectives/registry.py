@@ -72,6 +72,23 @@ def check_unused_sections(cfg: JobConfig, chosen: str) -> None:
                                  f"this job's objective is {chosen}; remove it or set training.objective {name}")
 
 
+def job_chat_template(cfg: JobConfig, tokenizer):
+    """(the chat template the job's objective renders conversations with, a data/chat_template.py
+    ChatTemplate, and a warning for the log when "auto" fell back to titanlike's llama3 template), or
+    (None, None): an objective whose config section has a `chat_template` option (sft, dpo, reward)
+    renders with the template it names. The trainer logs it and its checkpoints record it, so that
+    their Hugging Face exports chat as training rendered."""
+    import dataclasses
+
+    section = _SECTIONS.get(cfg.training.objective)
+    options = getattr(cfg, section) if section is not None else None
+    if options is None or "chat_template" not in {f.name for f in dataclasses.fields(options)}:
+        return None, None
+    from titanlike.data.conversations import choose_chat_template
+
+    return choose_chat_template(options.chat_template, tokenizer, option=f"{section}.chat_template")
+
+
 def objective_names() -> list[str]:
     return sorted(_OBJECTIVES)
 
@@ -91,5 +108,5 @@ def job_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs, *, model
     return _OBJECTIVES[name](cfg, args, family_objective=family, model=model)
 
 
-__all__ = ["check_unused_sections", "family_objective", "job_objective", "objective_names", "register_family_objective",
-           "register_objective"]
+__all__ = ["check_unused_sections", "family_objective", "job_chat_template", "job_objective", "objective_names",
+           "register_family_objective", "register_objective"]

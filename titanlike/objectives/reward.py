@@ -89,8 +89,10 @@ class RewardModel(PairObjective):
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
                 model: str = "the model") -> RewardModel:
+        from titanlike.data.conversations import held_out_for_validation
+
         cls.refuse(args, family_objective, model=model, what="puts a scalar head on a decoder")
-        return cls(cfg.reward, **compile_options(cfg))
+        return cls(cfg.reward, holds_out=held_out_for_validation(cfg), **compile_options(cfg))
 
     def model_args(self, args, *, vocab_size: int, seq_len: int):
         return super().model_args(args, vocab_size=vocab_size, seq_len=seq_len).with_score_head()

@@ -73,9 +73,13 @@ class SFT(Objective):
     attention_mask = "a document mask"
     generation = "chat"
 
-    def __init__(self, options: SFTOptions | None = None, **loss_options):
+    def __init__(self, options: SFTOptions | None = None, *, holds_out: bool = True, **loss_options):
+        """holds_out: leave training.split's held-out parts out of training (validation reads them:
+        data/conversations.py held_out_for_validation; for_job turns it off when validation does not
+        read them, so that every conversation is trained on)."""
         super().__init__(**loss_options)
         self.options = options or SFTOptions()
+        self.holds_out = holds_out
 
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
@@ -84,7 +88,9 @@ class SFT(Objective):
         if family_objective is not None and family_objective.generation is None:
             raise ValueError(f"training.objective sft fine-tunes models that predict the next token; {model} trains "
                              f"with {family_objective.name}")
-        return cls(cfg.sft, **compile_options(cfg))
+        from titanlike.data.conversations import held_out_for_validation
+
+        return cls(cfg.sft, holds_out=held_out_for_validation(cfg), **compile_options(cfg))
 
     def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
         refuse_pretraining_options(cfg, "sft")
@@ -124,7 +130,7 @@ class SFT(Objective):
 
         self._check_dataset(dataset, dataset_path)
         o = self.options
-        rows = split_rows(dataset_path, split, split_name)
+        rows = split_rows(dataset_path, split, split_name, holds_out=self.holds_out)
         template = load_chat_template(o.chat_template, tokenizer)
         conversations = tokenize_conversations(rows, template, tokenizer, seq_len=seq_len, fmt=o.format,
                                                assistant_only_loss=o.assistant_only_loss, overlong=o.overlong)

@@ -42,6 +42,7 @@ from titanlike.observe.run_lock import FolderLock, FolderRefused, lock_folders, 
 from titanlike.observe.stragglers import StragglerDetector, format_stragglers
 from titanlike.observe.summary import RunSummary
 from titanlike.objectives.base import BatchContext, Microbatch
+from titanlike.objectives.registry import job_chat_template
 from titanlike.parallel.context import load_balanced_positions
 from titanlike.parallel.pipeline import TiedWeightSync, build_schedule
 from titanlike.parallel.timeouts import CollectiveGuard, set_train_timeout
@@ -100,6 +101,10 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message is for the user."""
 
 
+def _millions(count: int) -> str:
+    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
 def _cannot_write(what: str, e: OSError) -> str:
     """The sentence refusing a job whose outputs cannot be written before training starts."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -152,6 +157,9 @@ class Trainer:
         torch.manual_seed(cfg.debug.seed)
         self.spec, self.objective, self.model_args = plan.spec, plan.objective, plan.model_args
         self.tokenizer, self.batches = plan.tokenizer, plan.batch
+        # The template the objective renders conversations with: logged, and recorded by checkpoints so
+        # that their Hugging Face exports chat as training rendered (checkpoint/hf.py write_hf).
+        self.chat_template, self._template_warning = job_chat_template(cfg, self.tokenizer)
         dims.build_mesh(self.device.type, experts=self.model_args.moe_args() is not None)
         self._agree(self._log_job() if self.rank == 0 else None)
         self._build_data()
@@ -161,7 +169,7 @@ class Trainer:
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
             loss_scaler=self.loss_scaler, hooks=[*self.converters.load_hooks(), *model_hooks(self.model_args)],
-            context_len=plan.context_len,
+            context_len=plan.context_len, chat_template=self.chat_template,
             flavor=plan.flavor)
         self._build_observers()
         self.step = 0
@@ -173,8 +181,13 @@ class Trainer:
         """Rank 0's first lines; the sentence refusing the job when job.save_config_file cannot be
         written (a full disk), else None."""
         cfg, dims, args = self.cfg, self.dims, self.model_args
-        if cfg.job.description:
-            logger.info(cfg.job.description)
+        # What runs, from the plan: a preset's job.description may describe another model or data.
+        logger.info(f"run: {self._describe_run()}"
+                    + (f"; job.description: {cfg.job.description}" if cfg.job.description else ""))
+        if self.chat_template is not None:
+            logger.info(f"chat template: {self.chat_template.origin}")
+        if self._template_warning:
+            logger.warning(self._template_warning)
         if cfg.job.print_config:
             logger.info(f"config: {config_to_dict(cfg)}")
         if cfg.job.save_config_file:
@@ -189,6 +202,16 @@ class Trainer:
                     + (f" ({active:,} active per token)" if active != total else "")
                     + f", {args.flops_per_token(cfg.training.seq_len):,.0f} training FLOPs per token")
         return None
+
+    def _describe_run(self) -> str:
+        """The model (family and flavor, or where its sizes came from), its size, the objective and the
+        data, e.g. "llama3 debugmodel (6.1M parameters), objective sft, data text ./conversations.jsonl"."""
+        t, plan = self.cfg.training, self.plan
+        data = f"{t.dataset} {t.dataset_path}" if t.dataset_path else t.dataset
+        if t.dataset == "default" and not t.dataset_path:
+            data = "default (the embedded corpus)"
+        return (f"{plan.model_name} ({_millions(self.model_args.num_params())} parameters), "
+                f"objective {self.objective.name}, data {data}")
 
     def _agree(self, error: str | None, *, elsewhere: str = "rank 0 could not start the job (it says why)") -> None:
         """Raise TrainingError on every rank when any rank has an error (one all-reduce on the CPU

@@ -194,7 +194,21 @@ class HFAdapter(abc.ABC):
             raise ValueError(f"not a supported {self.model_types[0]} configuration "
                              f"({type(e).__name__}: {e})") from None
         check_fields(type(args), args.to_dict(), what="the model it describes")
+        if self.is_score_model(config):
+            # transformers saves num_labels as id2label (its default: two labels).
+            id2label = config.get("id2label")
+            labels = len(id2label) if isinstance(id2label, Mapping) else config.get("num_labels", 2)
+            if labels != 1:
+                raise ValueError(f"its {self.score_architecture} has {labels} labels, and a reward model scores with "
+                                 "one (num_labels 1)")
+            args = args.with_score_head()
         return args
+
+    def is_score_model(self, config: Mapping[str, Any]) -> bool:
+        """Whether a config.json describes the family's sequence-classification class (score_model's)."""
+        architectures = config.get("architectures")
+        return self.score_architecture is not None and isinstance(architectures, list) \
+            and self.score_architecture in architectures
 
     def args_for_weights(self, args: BaseModelArgs, names: Collection[str]) -> BaseModelArgs:
         """The args of a folder whose config.json describes more than its tensors (`names`, HF's) hold,
@@ -251,6 +265,12 @@ class HFAdapter(abc.ABC):
         names = self.score_names
         return ({names.get(k, k): v for k, v in hf_sd.items()},
                 {**config, "architectures": [self.score_architecture], "num_labels": 1})
+
+    def unscore_model(self, hf_sd: StateDict) -> dict[str, torch.Tensor]:
+        """A sequence-classification state dict (score_model's, or one transformers saved) under the names
+        to_hf_state_dict gives, which from_hf_state_dict reads."""
+        back = {hf: ours for ours, hf in self.score_names.items()}
+        return {back.get(k, k): v for k, v in hf_sd.items()}
 
     def token_ids(self, *, bos: int | None, eos: int | None, pad: int | None) -> dict[str, int]:
         """The token-id fields of config.json (and generation_config.json) for the tokenizer's
