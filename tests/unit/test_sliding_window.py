@@ -6,6 +6,7 @@ windows are checked with the other CP masks in tests/distributed/test_context_at
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -58,8 +59,9 @@ def test_window_within_documents_matches_the_naive_band():
     i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
     allowed = ((j <= i) & (i - j < 4) & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
     torch.testing.assert_close(core_attention(q, k, v, mask, window=4), _naive(q, k, v, allowed))
-    # The windowed mask is built once per microbatch mask and shared by every sliding layer.
-    assert mask.windowed(4) is mask.windowed(4)
+    # The windowed mask is built once per microbatch mask and shared by every sliding layer, also through
+    # the copies FSDP's cast of forward inputs makes of the mask (dataclasses.replace).
+    assert mask.windowed(4) is mask.windowed(4) is dataclasses.replace(mask).windowed(4)
     # Full layers of the same microbatch keep the plain document mask.
     full = ((j <= i) & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
     torch.testing.assert_close(core_attention(q, k, v, mask), _naive(q, k, v, full))

@@ -63,6 +63,15 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.
                                           **kwargs)
 
 
+class WindowedMasks:
+    """window -> a DocumentMask restricted to it. A plain object, not a dict: utilities that rebuild a
+    module's inputs field by field (FSDP's cast of forward inputs, dataclasses.replace) then hand every
+    copy of a mask the same one, so the layers of a microbatch share what the first built."""
+
+    def __init__(self):
+        self.by_window: dict[int, DocumentMask] = {}
+
+
 @dataclass(frozen=True)
 class DocumentMask:
     """Which earlier tokens each token may attend to in a batch of packed sequences.
@@ -80,9 +89,9 @@ class DocumentMask:
     block_mask: object | None = None  # torch.nn.attention.flex_attention.BlockMask
     # False: a token sees every token of its document, later ones too (an encoder's padding mask).
     causal: bool = True
-    # window -> this mask restricted to a sliding window (`windowed`), built at the first sliding layer
-    # and shared by the others; the cache lives and dies with the microbatch's mask.
-    _windowed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # This mask restricted to each sliding window (`windowed`), built at the first sliding layer and
+    # shared by the others; it lives and dies with the microbatch's mask.
+    windowed_masks: WindowedMasks = field(default_factory=lambda: WindowedMasks(), repr=False, compare=False)
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, eod_id: int, kernel: str | None) -> DocumentMask:
@@ -120,14 +129,15 @@ class DocumentMask:
         """This mask where each token also sees only the `window` most recent tokens (itself included)."""
         if not self.causal:
             raise ValueError("a sliding window needs causal attention")
-        if window not in self._windowed:
+        masks = self.windowed_masks.by_window
+        if window not in masks:
             dense = block_mask = None
             if self.dense is not None:
                 dense = self.dense & sliding_window_band(self.dense.shape[-1], window, self.dense.device)
             elif self.block_mask is not None:
                 block_mask = _flex_block_mask(self.document_ids, causal=True, window=window)
-            self._windowed[window] = DocumentMask(self.document_ids, self.positions, dense, block_mask, True)
-        return self._windowed[window]
+            masks[window] = DocumentMask(self.document_ids, self.positions, dense, block_mask, True)
+        return masks[window]
 
     def rows(self, start: int, stop: int) -> DocumentMask:
         """The mask of samples start..stop-1 (a pipeline microbatch of this batch)."""
