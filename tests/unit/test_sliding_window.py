@@ -67,10 +67,14 @@ def test_window_within_documents_matches_the_naive_band():
     torch.testing.assert_close(core_attention(q, k, v, mask), _naive(q, k, v, full))
 
 
-def test_flex_window_matches_dense():
+def test_flex_window_matches_dense(monkeypatch):
     # FlexAttention runs forward-only in eager on CPU: enough to check that its windowed block mask
-    # describes the same attention as the dense one.
+    # describes the same attention as the dense one. Its warning of eager use is shown once per
+    # process; this test's own record of it is dropped after (test_document_mask.py expects it).
+    import torch.nn.attention.flex_attention as flex_module
     from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(flex_module, "_WARNINGS_SHOWN", set())
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 256, 16) for _ in range(3))
@@ -78,7 +82,7 @@ def test_flex_window_matches_dense():
     tokens[0, [40, 200]] = EOD
     dense = core_attention(q, k, v, DocumentMask.from_tokens(tokens, EOD, "sdpa"), window=70)
     block_mask = DocumentMask.from_tokens(tokens, EOD, "flex").windowed(70).block_mask
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match="without torch.compile"):
         flex = flex_attention(q, k, v, block_mask=block_mask)
     torch.testing.assert_close(flex, dense, atol=2e-6, rtol=1e-5)
 
