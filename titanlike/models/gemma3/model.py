@@ -53,9 +53,18 @@ class Gemma3ModelArgs(DecoderArgs):
     def attention_window(self, layer_id: int) -> int | None:
         return None if (layer_id + 1) % self.sliding_window_pattern == 0 else self.sliding_window
 
+    def block_params(self) -> int:
+        return self.attention_params() + 2 * self.head_dim + 3 * self.dim * self.ffn_hidden_dim + 4 * self.dim
+
     def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
-        block = self.attention_params() + 2 * self.head_dim + 3 * self.dim * self.ffn_hidden_dim + 4 * self.dim
-        return self.n_layers * block + self.dim + self.vocab_params(exclude_embedding=exclude_embedding)
+        return self.n_layers * self.block_params() + self.dim + self.vocab_params(exclude_embedding=exclude_embedding)
+
+    def layer_costs(self, seq_len: int) -> list[float]:
+        """Forward FLOPs per token of each layer: a global layer's attention reads every key, a local one's
+        its window, so at long sequences the pipeline split gives stages of global layers fewer layers."""
+        attention = 4 * self.n_heads * self.head_dim
+        return [float(2 * self.block_params() + attention * min(seq_len, self.attention_window(i) or seq_len))
+                for i in range(self.n_layers)]
 
 
 class GatedGelu(FeedForward):
