@@ -96,6 +96,12 @@ PUBLISHED: dict[tuple[str, str], Published] = {
     # llava-hf/llava-1.5-13b-hf: 13.4B, the same way.
     ("llava", "llava-1.5-13b"): Published(Count(13.4, digits=1, unit=1e9), changes={"vision": {
         "kind": "clip", "image_size": 336, "patch_size": 14, "dim": 1024, "n_layers": 24, "n_heads": 16, "ffn_dim": 4096}}),
+    # The Gemma 3 technical report's Table 1: embedding + non-embedding parameters of the language model
+    # (the 4B-27B vision encoder's 417M apart; google/gemma-3-1b-pt has no vision encoder).
+    ("gemma3", "1B"): Published(Count(302e6 + 698e6, rel=0.005)),
+    ("gemma3", "4B"): Published(Count(675e6 + 3_209e6, rel=0.005)),
+    ("gemma3", "12B"): Published(Count(1_012e6 + 10_759e6, rel=0.005)),
+    ("gemma3", "27B"): Published(Count(1_416e6 + 25_600e6, rel=0.005)),
 }
 
 # Released-size flavors that name no released model, and why.

@@ -4,8 +4,9 @@ also with document masks (packed documents whose boundaries fall inside and acro
 
 The distributed check spawns 4 gloo processes once and runs cp=4 on all of them and cp=2
 on both halves of a 2 x 2 mesh, each with both rotate methods, GQA and MHA, and values
-narrower or wider than the keys (multi-head latent attention: v_head_dim != qk_head_dim), and
-bidirectional (an encoder's, with and without documents). These are every kind of q/k/v and mask
+narrower or wider than the keys (multi-head latent attention: v_head_dim != qk_head_dim),
+bidirectional (an encoder's, with and without documents), and sliding windows that cross chunk
+and rank boundaries (with and without documents). These are every kind of q/k/v and mask
 a family hands the CP attention, so the per-family layouts (tests/layouts) run one rotate method
 (the ring) and the choice of method is checked here. Tolerances:
 every rank computes in fp32 and differs from one device only in summation order (measured
@@ -103,7 +104,7 @@ def _document_mask(tokens: torch.Tensor, kernel: str | None, causal: bool) -> Do
 
 
 def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bool, v_dim: int = 16,
-                     causal: bool = True) -> None:
+                     causal: bool = True, window: int | None = None) -> None:
     cp, rank = mesh.size(), mesh.get_local_rank()
     torch.manual_seed(1234)  # the same full tensors on every rank
     b, seq, d = 2, 8 * cp, 16
@@ -112,17 +113,19 @@ def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bo
     v = torch.randn(b, kv_heads, seq, v_dim, requires_grad=True)
     grad_out = torch.randn(b, heads, seq, v_dim)
     tokens = _packed_tokens(seq, 50) if documents else None
-    ref = core_attention(q, k, v, _document_mask(tokens, "sdpa", causal) if documents else None, causal=causal)
+    extra = {} if window is None else {"window": window}
+    ref = core_attention(q, k, v, _document_mask(tokens, "sdpa", causal) if documents else None, causal=causal,
+                         **extra)
     ref.backward(grad_out)
 
     positions = load_balanced_positions(seq, cp, rank)
     local = [shard_sequence(t.detach(), positions, dim=2).requires_grad_() for t in (q, k, v)]
     mask = _document_mask(tokens, None, causal) if documents else None
-    out = ContextParallelAttention(mesh, method)(*local, mask, causal=causal)
+    out = ContextParallelAttention(mesh, method)(*local, mask, causal=causal, **extra)
     out.backward(shard_sequence(grad_out, positions, dim=2))
 
     what = (f"cp={cp} {method} heads={heads}/{kv_heads} v_dim={v_dim} documents={documents} causal={causal} "
-            f"cp rank {rank}")
+            f"window={window} cp rank {rank}")
     torch.testing.assert_close(out, shard_sequence(ref.detach(), positions, dim=2), atol=ATOL, rtol=RTOL,
                                msg=lambda m: f"output, {what}: {m}")
     for name, full, part in zip("qkv", (q, k, v), local):
@@ -186,6 +189,11 @@ def _worker(rank: int) -> None:
             # An encoder's attention (BERT): every token sees the whole sequence, or its whole document.
             _check_attention(mesh, method, 4, 4, documents=False, causal=False)
             _check_attention(mesh, method, 4, 2, documents=True, causal=False)
+            # Sliding windows (Gemma 3's local layers) of 5 and 11 tokens over chunks of 4: windows reach
+            # across chunk and rank boundaries and end inside other ranks' chunks.
+            for window in (5, 11):
+                _check_attention(mesh, method, 4, 2, documents=False, window=window)
+                _check_attention(mesh, method, 4, 2, documents=True, window=window)
             for documents in (False, True):
                 _check_model(mesh, method, documents)
 

@@ -378,7 +378,12 @@ FAMILY_FLAVORS = [key for key in distinct_flavors(min_layers=4) if key not in NO
 # tower: cut entering its first block, gathered leaving its last), where CLIP's 17 (a class token) stay
 # whole; no class token or pre-norm among the tower's replicated ends. FSDP, CP and TP without sequence
 # parallelism treat both towers alike.
-ONLY_LAYOUTS = {("deepseek_v3", "debugmodel_nolora"): ("tp2",),
+# Gemma 3's differences from Llama are inside its blocks (post-norms, sliding windows, two RoPE tables,
+# scaled embeddings): its output projection is the shared one (no gathered-logits run) and one pipeline
+# schedule checks its stage ends; FSDP, both TP runs (the post-norms' sequence-parallel styles) and CP
+# (windows of 16 over chunks of 8) are its own.
+ONLY_LAYOUTS = {("gemma3", "debugmodel"): ("fsdp2", "tp2", "tp2_no_sequence_parallel", "cp2_alltoall", "pp2_looped"),
+                ("deepseek_v3", "debugmodel_nolora"): ("tp2",),
                 ("llava", "debugmodel"): ("fsdp2", "tp2", "tp2_no_sequence_parallel", "cp2_alltoall"),
                 ("llava", "debugmodel_siglip"): ("tp2",),
                 ("hybrid", "debugmodel_tiny"): ("tp2_no_sequence_parallel", "pp2_v")}

@@ -81,7 +81,8 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
          "titanlike/inference/engine.py."),
     # Context parallelism --------------------------------------------------------------------------
     Hook("core_attention", "module", Callable, None,
-         "An instance attribute of an attention module: the kernel (q, k, v, mask, causal=...) it "
+         "An instance attribute of an attention module: the kernel (q, k, v, mask, causal=..., and "
+         "window=... for a sliding-window layer) it "
          "calls. Set by the module to models/common/attention.core_attention; context parallelism "
          "(parallel/context.py) replaces it by its ring/all-gather attention. A model without one "
          "cannot run context parallel."),

@@ -127,29 +127,35 @@ class ContextParallelAttention:
         return f"ContextParallelAttention(cp={self.cp}, rotate_method={self.rotate_method!r})"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: DocumentMask | None = None, *, causal: bool = True) -> torch.Tensor:
+                 mask: DocumentMask | None = None, *, causal: bool = True, window: int | None = None) -> torch.Tensor:
         """mask: document ids of the whole sequence (every cp rank has them); None is plain causal
-        (or, with causal=False, every token sees every token: an encoder without padding)."""
+        (or, with causal=False, every token sees every token: an encoder without padding). window: a
+        sliding-window layer's (models/common/attention.py), applied to the global positions, so a
+        window that reaches into another rank's chunks sees exactly the keys one rank would."""
         if mask is not None and mask.causal != causal:
             raise ValueError("the document mask's direction differs from the attention's")
+        if window is not None and not causal:
+            raise ValueError("a sliding window needs causal attention")
         layout = load_balanced_layout(q.shape[2] * self.cp, self.cp, q.device)
         documents = None if mask is None else mask.document_ids
         if self.rotate_method == "allgather":
-            return self._allgather(q, k, v, layout, documents, causal)
-        return self._ring(q, k, v, layout, documents, causal)
+            return self._allgather(q, k, v, layout, documents, causal, window)
+        return self._ring(q, k, v, layout, documents, causal, window)
 
     def _allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor, documents: torch.Tensor | None,
-                 causal: bool) -> torch.Tensor:
+                 causal: bool, window: int | None = None) -> torch.Tensor:
         """Which keys (global positions k_pos) each query (q_pos) sees: (seq_q, seq_k), or
         (batch, 1, seq_q, seq_k) within documents."""
         allowed = k_pos[None, :] <= q_pos[:, None] if causal else \
             torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device)
+        if window is not None:
+            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
         if documents is None:
             return allowed
         same = documents[:, q_pos][:, :, None] == documents[:, k_pos][:, None, :]
         return (allowed & same).unsqueeze(1)
 
-    def _allgather(self, q, k, v, layout, documents, causal):
+    def _allgather(self, q, k, v, layout, documents, causal, window):
         # One collective for both: (b, h, s, dk + dv) gathered on dim 0 -> (cp * b, h, s, dk + dv).
         # Joined on the feature dim, which k and v need not share (MLA: v_head_dim != qk_head_dim).
         kv = _all_gather(torch.cat([k, v], dim=-1), 0, self.mesh)
@@ -157,7 +163,7 @@ class ContextParallelAttention:
         keys, values = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         # Keys stay in rank-major order: the mask carries their positions, and attention
         # does not care in which order its keys come.
-        mask = self._allowed(layout[self.rank], layout.flatten(), documents, causal)
+        mask = self._allowed(layout[self.rank], layout.flatten(), documents, causal, window)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
@@ -170,7 +176,7 @@ class ContextParallelAttention:
         recv[(self.rank - 1) % self.cp] = n
         return funcol.all_to_all_single_autograd(kv, recv, send, self.mesh)
 
-    def _ring(self, q, k, v, layout, documents, causal):
+    def _ring(self, q, k, v, layout, documents, causal, window):
         b, hq, s, d = q.shape
         hkv, dk, dv = k.shape[1], k.shape[-1], v.shape[-1]
         q_pos = layout[self.rank]
@@ -184,7 +190,7 @@ class ContextParallelAttention:
             # backend can overlap them (functional collectives wait only when the result is used).
             nxt = self._shift(kv) if step < self.cp - 1 else None
             k_pos = layout[(self.rank - step) % self.cp]
-            allowed = self._allowed(q_pos, k_pos, documents, causal)
+            allowed = self._allowed(q_pos, k_pos, documents, causal, window)
             if documents is not None:
                 allowed = allowed.unsqueeze(1)  # (batch, 1, 1, s, s): broadcast over k/v and query groups
             k_t, v_t = kv.float().unsqueeze(2).split([dk, dv], dim=-1)

@@ -13,12 +13,20 @@ Kernels:
   of keys outside the document (GPU; it has no backward on CPU).
 - document mask, "sdpa": SDPA with a dense boolean (batch, 1, seq, seq) mask; exact
   everywhere, but O(seq^2) memory and no block skipping. The CPU path.
+
+Sliding windows (Gemma 3's local layers, gpt-oss's banded ones, Mistral's): an attention module
+built with `window=W` lets each query see only the W most recent tokens, itself included (HF's
+`sliding_window`: key j is seen by query i when i - W < j <= i). The family picks which layers
+slide. Every kernel takes the window as one more condition on its mask: a banded SDPA mask, a
+FlexAttention block mask that also skips the blocks outside the band, context parallel attention
+(parallel/context.py) from the global positions of its queries and keys, and the KV cache
+(SlidingKVCache in kv_cache.py), which keeps only the last W keys of a sliding layer.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -26,7 +34,7 @@ import torch.nn.functional as F
 
 from titanlike.models.args import AttentionShape
 from titanlike.models.common.init import LinearInit, ones_, zeros_
-from titanlike.models.common.kv_cache import KVCache
+from titanlike.models.common.kv_cache import KVCache, SlidingKVCache
 from titanlike.models.common.rope import apply_rotary_emb
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
@@ -55,6 +63,15 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.
                                           **kwargs)
 
 
+class WindowedMasks:
+    """window -> a DocumentMask restricted to it. A plain object, not a dict: utilities that rebuild a
+    module's inputs field by field (FSDP's cast of forward inputs, dataclasses.replace) then hand every
+    copy of a mask the same one, so the layers of a microbatch share what the first built."""
+
+    def __init__(self):
+        self.by_window: dict[int, DocumentMask] = {}
+
+
 @dataclass(frozen=True)
 class DocumentMask:
     """Which earlier tokens each token may attend to in a batch of packed sequences.
@@ -72,6 +89,9 @@ class DocumentMask:
     block_mask: object | None = None  # torch.nn.attention.flex_attention.BlockMask
     # False: a token sees every token of its document, later ones too (an encoder's padding mask).
     causal: bool = True
+    # This mask restricted to each sliding window (`windowed`), built at the first sliding layer and
+    # shared by the others; it lives and dies with the microbatch's mask.
+    windowed_masks: WindowedMasks = field(default_factory=lambda: WindowedMasks(), repr=False, compare=False)
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, eod_id: int, kernel: str | None) -> DocumentMask:
@@ -104,6 +124,21 @@ class DocumentMask:
             raise ValueError(f"unknown document-mask kernel {kernel!r}; expected 'sdpa', 'flex' or None")
         return cls(document_ids, positions, dense, block_mask, causal)
 
+    @torch.compiler.disable  # built once per microbatch, eagerly, even when the blocks are compiled
+    def windowed(self, window: int) -> DocumentMask:
+        """This mask where each token also sees only the `window` most recent tokens (itself included)."""
+        if not self.causal:
+            raise ValueError("a sliding window needs causal attention")
+        masks = self.windowed_masks.by_window
+        if window not in masks:
+            dense = block_mask = None
+            if self.dense is not None:
+                dense = self.dense & sliding_window_band(self.dense.shape[-1], window, self.dense.device)
+            elif self.block_mask is not None:
+                block_mask = _flex_block_mask(self.document_ids, causal=True, window=window)
+            masks[window] = DocumentMask(self.document_ids, self.positions, dense, block_mask, True)
+        return masks[window]
+
     def rows(self, start: int, stop: int) -> DocumentMask:
         """The mask of samples start..stop-1 (a pipeline microbatch of this batch)."""
         return DocumentMask(
@@ -116,18 +151,27 @@ class DocumentMask:
         )
 
 
-def _flex_block_mask(document_ids: torch.Tensor, *, causal: bool = True):
+def sliding_window_band(seq: int, window: int, device=None) -> torch.Tensor:
+    """(seq, seq) bool, True where query i may see key j: i - window < j <= i."""
+    distance = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def _flex_block_mask(document_ids: torch.Tensor, *, causal: bool = True, window: int | None = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
+    def same_document_window(b, h, q_idx, kv_idx):
+        return same_document_causal(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
     def same_document(b, h, q_idx, kv_idx):
         return document_ids[b, q_idx] == document_ids[b, kv_idx]
 
     batch, seq = document_ids.shape
-    return create_block_mask(same_document_causal if causal else same_document, batch, None, seq, seq,
-                             device=document_ids.device)
+    mask_mod = same_document if not causal else same_document_causal if window is None else same_document_window
+    return create_block_mask(mask_mod, batch, None, seq, seq, device=document_ids.device)
 
 
 @functools.cache
@@ -144,15 +188,20 @@ def _flex_attention(q, k, v, block_mask):
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: DocumentMask | None = None, *, causal: bool = True) -> torch.Tensor:
+                   mask: DocumentMask | None = None, *, causal: bool = True, window: int | None = None) -> torch.Tensor:
     """Attention over (batch, heads, seq, head_dim); k/v may have fewer heads than q (GQA).
 
     mask None is plain causal attention (or full attention with causal=False); a DocumentMask
     restricts attention to each document (its own `causal` says whether to later tokens too).
+    window: each query sees only the `window` most recent tokens, itself included (causal only).
     """
     if mask is not None and mask.causal != causal:
         raise ValueError(f"a {'causal' if mask.causal else 'bidirectional'} document mask was given to "
                          f"{'causal' if causal else 'bidirectional'} attention")
+    if window is not None:
+        if mask is None:  # a band within the sequence (no fused kernel takes one: a dense mask)
+            return _sdpa(q, k, v, attn_mask=sliding_window_band(q.shape[2], window, q.device))
+        mask = mask.windowed(window)
     if not causal and mask is None:
         return _sdpa(q, k, v)
     if mask is None:
@@ -211,13 +260,24 @@ class Attention(nn.Module):
     head_dim need not be dim // n_heads (Qwen3: 128 at any width). qk_norm_eps set adds QK-norm
     (Qwen3, OLMo 2 style): q_norm and k_norm, RMSNorms over each head's features shared by all
     heads, applied to q and k before RoPE; they keep attention logits bounded as training goes on.
+
+    window: a sliding-window layer (each query sees the `window` most recent tokens; see the module
+    docstring), None for full attention; the family chooses it per layer. softmax_scale: the scale of
+    q.k when it is not head_dim^-0.5 (Gemma 3: query_pre_attn_scalar^-0.5); q is multiplied by the
+    ratio so that every kernel (CP, the KV cache) keeps its default scale. A per-head sink logit
+    (gpt-oss) would be one more option here, passed to the kernels beside the window.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
-                 causal: bool = True, qk_norm_eps: float | None = None):
+                 causal: bool = True, qk_norm_eps: float | None = None, window: int | None = None,
+                 softmax_scale: float | None = None):
         super().__init__()
+        if window is not None and (not causal or window < 1):
+            raise ValueError(f"a sliding window needs causal attention and at least 1 token, got {window}")
         self.head_dim = head_dim
         self.causal = causal
+        self.window = window
+        self.q_scale = None if softmax_scale is None else softmax_scale * head_dim**0.5
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
@@ -240,17 +300,23 @@ class Attention(nn.Module):
         if rope is not None:
             q = apply_rotary_emb(q, rope)
             k = apply_rotary_emb(k, rope)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # Only sliding layers pass the keyword, so kernels that know no window still serve the others.
+        window = {} if self.window is None else {"window": self.window}
         if cache is not None:
-            out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask))
+            out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask, **window))
         elif self.causal:
-            out = self.core_attention(q, k, v, mask)
+            out = self.core_attention(q, k, v, mask, **window)
         else:  # only kernels that can attend both ways accept the keyword
             out = self.core_attention(q, k, v, mask, causal=False)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def new_cache(self, cache, dtype: torch.dtype) -> KVCache:
         """Room for this layer's keys and values (the heads this rank computes, sized at the prefill)."""
+        if self.window is not None:
+            return SlidingKVCache(cache, dtype, self.window)
         return KVCache(cache, dtype)
 
     def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:

@@ -111,11 +111,18 @@ class DecoderArgs(BaseModelArgs):
         weights = self.dim * q_dim + 2 * self.dim * kv_dim + q_dim * self.dim
         return weights + ((q_dim + 2 * kv_dim + self.dim) if bias else 0)
 
+    def attention_window(self, layer_id: int) -> int | None:
+        """The sliding window of layer layer_id's attention (models/common/attention.py), None for full
+        attention (the default: every layer)."""
+        return None
+
     def flops_per_token(self, seq_len: int) -> int:
         """6 N + 12 L H Q T: N parameters a token uses (without embeddings; routed experts: top_k), L layers, H heads, Q head_dim,
-        T = seq_len; the attention term counts the full T x T scores (non-causal)."""
+        T = seq_len; the attention term counts the full T x T scores (non-causal). A sliding-window
+        layer counts the keys its band holds, min(window, T), instead of T."""
         n = self.num_params(exclude_embedding=True, active=True)
-        return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        keys = sum(min(seq_len, self.attention_window(i) or seq_len) for i in range(self.n_layers))
+        return 6 * n + 12 * self.n_heads * self.head_dim * keys
 
     def validate(self, dims: LayoutDegrees, *, seq_len: int) -> None:
         # A head cannot be split across tensor-parallel ranks.

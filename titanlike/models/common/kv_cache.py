@@ -228,6 +228,61 @@ class KVCache:
                                               **kwargs)
 
 
+class SlidingKVCache(KVCache):
+    """The keys and values of a sliding-window attention layer (attention.py): a rolling buffer of
+    min(window, capacity) slots per row, position p in slot p % slots, so its memory is bounded by the
+    window however long the generation runs (Mistral's rolling buffer cache).
+
+    A prefill attends within the prompt with the module's kernel (its window included) and keeps each
+    row's last `slots` real tokens; a decode step writes slot lengths % slots and reads every slot,
+    masking those no token has reached yet. The window always covers the slots that are filled: a
+    row's last `window` tokens are exactly what they hold. Rows copied from another cache (copy_row)
+    keep their slots: a smaller source has slots == positions, which are also ours."""
+
+    def __init__(self, cache: ModelCache, dtype: torch.dtype, window: int):
+        super().__init__(cache, dtype)
+        self.slots = min(window, cache.capacity)
+
+    def _buffer(self, buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        if buffer is not None:
+            return buffer
+        like = like.to_local() if isinstance(like, DTensor) else like
+        shape = [self.cache.batch_size, like.shape[1], self.slots, *like.shape[3:]]
+        return torch.zeros(shape, dtype=self.dtype, device=self.cache.device)
+
+    def copy_row(self, row: int, source: KVCache, source_row: int) -> None:
+        self.k, self.v = self._buffer(self.k, source.k), self._buffer(self.v, source.v)
+        copy_slots(self.k, row, source.k, source_row, dim=2)
+        copy_slots(self.v, row, source.v, source_row, dim=2)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill_kernel, *,
+               scale: float | None = None) -> torch.Tensor:
+        c = self.cache
+        self.k, self.v = self._buffer(self.k, k), self._buffer(self.v, v)
+        slots = torch.arange(self.slots, device=c.device)
+        if c.prefilling:
+            # Slot s of row i takes the latest real position p < length_i with p % slots == s (none: p < 0,
+            # left as it is and masked until a decode step writes it).
+            last = c.prompt_lengths[:, None] - 1
+            positions = last - (last - slots[None, :]).remainder(self.slots)  # (batch, slots)
+            filled = (positions >= 0)[:, None, :, None]
+            index = positions.clamp(min=0)[:, None, :, None]
+            for buffer, new in ((self.k, k), (self.v, v)):
+                picked = new.gather(2, index.expand(-1, new.shape[1], -1, new.shape[3])).to(buffer.dtype)
+                buffer.copy_(torch.where(filled, picked, buffer))
+            return prefill_kernel(q, k, v)
+        rows = torch.arange(c.batch_size, device=c.device)
+        slot = c.lengths.remainder(self.slots)
+        self.k[rows, :, slot] = k.select(2, 0).to(self.dtype)
+        self.v[rows, :, slot] = v.select(2, 0).to(self.dtype)
+        # Before a row has filled its buffer, slots past its new token hold nothing yet.
+        mask = (slots[None, :] <= c.lengths[:, None])[:, None, None, :]
+        kwargs = {} if scale is None else {"scale": scale}
+        if self.k.shape[1] != q.shape[1]:
+            kwargs["enable_gqa"] = True
+        return F.scaled_dot_product_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), attn_mask=mask, **kwargs)
+
+
 def local_rows(weight: torch.Tensor) -> int:
     """Rows of a weight this rank holds (a tensor-parallel DTensor's local shard; a plain tensor whole)."""
     return (weight.to_local() if isinstance(weight, DTensor) else weight).shape[0]
@@ -243,4 +298,4 @@ def last_prompt_tokens(h: torch.Tensor, cache: ModelCache) -> torch.Tensor:
     return h[rows, cache.prompt_lengths - 1][:, None]
 
 
-__all__ = ["KVCache", "ModelCache", "copy_slots", "lazy_buffer", "last_prompt_tokens", "local_rows"]
+__all__ = ["KVCache", "ModelCache", "SlidingKVCache", "copy_slots", "lazy_buffer", "last_prompt_tokens", "local_rows"]
