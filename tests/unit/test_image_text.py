@@ -214,6 +214,10 @@ def test_energon_brace_ranges_and_yaml_alias_bombs_are_refused_before_they_grow(
     bomb_dataset = energon_folder(tmp_path / "bomb_dataset", "split_parts:\n  train: [part_0.tar]\n",
                                   "__module__: megatron.energon\n__class__: CrudeWebdataset\n" + laughs)
     refused(bomb_dataset, "dataset.yaml that cannot be read .its YAML aliases")
+    metadataset = tmp_path / "blend.yaml"
+    metadataset.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\n" + laughs +
+                           "splits:\n  train: {path: ok}\n")
+    refused(str(metadataset), r"metadataset .*blend.yaml cannot be read \(its YAML aliases")
     loop = energon_folder(tmp_path / "loop", "listed: &s [part_0.tar]\nsplit_parts:\n  train: *s\n  val: *s\n")
     assert len(objective().shard_blend(loop, tokenizer, seq_len=SEQ, seed=0).sources[0]) == 2  # an alias is fine
     cycle = energon_folder(tmp_path / "cycle", "split_parts:\n  train: &t [part_0.tar, *t]\n")
