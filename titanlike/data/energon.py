@@ -419,5 +419,5 @@ class EnergonDataset:
         return f"EnergonDataset({self.folder!r}, {self.part!r}, {self.kind}, {len(self.shards)} shards)"
 
 
-__all__ = ["ENERGON_PARTS", "EnergonDataset", "MAX_PATTERN_NAMES", "SAMPLE_TYPES", "count_braces", "expand_braces", "is_energon_dataset", "is_metadataset",
-           "metadataset_blend"]
+__all__ = ["ENERGON_PARTS", "EnergonDataset", "MAX_PATTERN_NAMES", "SAMPLE_TYPES", "count_braces", "expand_braces",
+           "is_energon_dataset", "is_metadataset", "metadataset_blend"]

@@ -164,5 +164,5 @@ def webdataset_content(members: dict[str, Member]) -> Content:
     raise _Skip("no text")
 
 
-__all__ = ["Content", "IMAGE_MARK", "IMAGE_SUFFIXES", "MAX_MEMBER_BYTES", "Member", "refused_member", "conversation_messages", "shard_files", "shard_samples",
-           "webdataset_content"]
+__all__ = ["Content", "IMAGE_MARK", "IMAGE_SUFFIXES", "MAX_MEMBER_BYTES", "Member", "conversation_messages",
+           "refused_member", "shard_files", "shard_samples", "webdataset_content"]
