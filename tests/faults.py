@@ -17,6 +17,10 @@ object (or a list of them) runs train.main() with the fault(s) installed:
                                                (a straggler: a slow GPU or a busy core)
   {"kind": "stall", "step": 4, "rank": 1, "seconds": 9}   rank 1 sleeps before step 4's work (a
                                                hung rank that comes back)
+  {"kind": "kill_at_step", "step": 5}         SIGKILL (kill -9) after step 5's optimizer step, before it
+                                               is logged or saved
+  {"kind": "kill_while_saving", "where": "step-4.tmp", "budget": 10000}   SIGKILL once DCP has written
+                                               `budget` bytes to a file under that folder (a save half done)
   {"kind": "inf_grad", "step": 3, "rank": 1}   at step 3, after backward and before the gradient norm,
                                                rank 1 finds an inf in its shard of the first gradient
                                                (as a float16 overflow leaves one); every rank then
@@ -37,17 +41,27 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class FullDisk(io.RawIOBase):
-    """A write stream over `raw` that raises ENOSPC once `budget` bytes are written."""
+def _no_space():
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def __init__(self, raw, budget: int):
+
+def _kill_9():
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FullDisk(io.RawIOBase):
+    """A write stream over `raw` that raises ENOSPC once `budget` bytes are written (or calls `when_full`)."""
+
+    def __init__(self, raw, budget: int, when_full=_no_space):
         super().__init__()
-        self.raw, self.budget = raw, budget
+        self.raw, self.budget, self.when_full = raw, budget, when_full
 
     def write(self, b) -> int:
         n = len(memoryview(b).cast("B"))
         if n > self.budget:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.when_full()
         self.budget -= n
         return self.raw.write(b)
 
@@ -70,7 +84,7 @@ class FullDisk(io.RawIOBase):
         self.raw.flush()
 
 
-def _full_disk_create_stream(where: str, budget: int):
+def _full_disk_create_stream(where: str, budget: int, when_full=_no_space):
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     original = FileSystem.create_stream
@@ -78,7 +92,7 @@ def _full_disk_create_stream(where: str, budget: int):
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         with original(self, path, mode) as stream:
-            yield FullDisk(stream, budget) if "w" in mode and where in os.fspath(path) else stream
+            yield FullDisk(stream, budget, when_full) if "w" in mode and where in os.fspath(path) else stream
 
     return FileSystem, create_stream
 
@@ -162,6 +176,21 @@ def install(fault: dict) -> None:
     if kind == "disk_full":
         cls, create_stream = _full_disk_create_stream(fault["where"], fault.get("budget", 10_000))
         cls.create_stream = create_stream
+    elif kind == "kill_while_saving":
+        cls, create_stream = _full_disk_create_stream(fault["where"], fault.get("budget", 10_000), _kill_9)
+        cls.create_stream = create_stream
+    elif kind == "kill_at_step":
+        from titanlike.train.trainer import Trainer
+
+        run_step = Trainer._run_step
+
+        def killed(self, data):
+            out = run_step(self, data)
+            if self.step == fault["step"]:
+                _kill_9()
+            return out
+
+        Trainer._run_step = killed
     elif kind == "full_while_tmp":
         from titanlike.observe.metrics import MetricsLogger
 

@@ -8,6 +8,9 @@ nothing left behind.
 * A full disk while saving: "no space left on device", the partial save removed, the previous
   checkpoint kept; the relaunch removes a leftover step-N.tmp before its metrics writers start.
 * A NaN in one rank's parameter shard (2 ranks): no checkpoint is published, both ranks stop.
+* kill -9 in the post-training loops (SFT, SFT with LoRA, DPO): killed half way through a save, then
+  in the middle of a step after resuming (in a fork of the test process); the re-run steps' losses are
+  the uninterrupted run's, bit for bit.
 
 Faults are injected by tests/faults.py around train.main() (no disk is filled for real), in a launched
 process; the other runs, relaunches and scripts run in the test process (conftest.train_here,
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +182,76 @@ def test_two_ranks_refuse_non_finite_parameters_and_a_corrupt_checkpoint_togethe
     assert proc.returncode != 0
     assert f"training error: checkpoint file {file} is corrupt" in proc.stderr, proc.stderr[-3000:]
     assert f"; no older checkpoint in {folder} verifies" in proc.stderr
+
+
+# ------------------------------------------------------------------ kill -9 in the post-training loops
+
+SFT = ("--training.objective", "sft", "--training.dataset", "text", "--training.local_batch_size", "4",
+       "--training.dataset_path", str(REPO / "tests" / "assets" / "sft" / "reverse_words.jsonl"))
+OBJECTIVES = {
+    "sft": SFT,
+    "lora": (*SFT, "--model.converters", "lora"),
+    "dpo": ("--training.objective", "dpo", "--training.dataset", "text", "--training.local_batch_size", "4",
+            "--training.dataset_path", str(REPO / "tests" / "assets" / "dpo" / "prefer_reverse.jsonl")),
+}
+KILLED = [*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "4", "--checkpoint.enable",
+          "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
+
+
+def killed_in_a_fork(args: list[str], fault: dict, log: Path) -> int:
+    """train.py args in a fork of this process with a fault of tests/faults.py installed (one that kills
+    it): its exit code as subprocess reports one (-9 for SIGKILL), what it printed and logged in `log`.
+    A fork has torch and titanlike imported already: the 5 s a launched train.py spends importing them
+    on a busy 2-core machine, 6 times per test, were most of its cost. This process runs torch on one
+    thread (conftest), so no OpenMP pool is forked half alive."""
+    import logging
+    import traceback
+
+    from faults import install
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 97
+        try:
+            out = open(log, "w", buffering=1)
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            sys.stdout = sys.stderr = out
+            logging.basicConfig(force=True, stream=out, level=logging.INFO, format="[titanlike] %(message)s")
+            install(fault)
+            from titanlike.cli.train import main
+
+            code = main(args, "train.py", checks=[])
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_kill_9_while_saving_and_mid_step_then_the_resume_is_the_uninterrupted_run(tmp_path, objective):
+    """SIGKILL half way through the save of step 4 (step-4.tmp left, step 2 the latest: the run had logged
+    steps 1-4 uninterrupted); relaunched, SIGKILL again after step 4's optimizer step (before it is logged
+    or saved); the second relaunch finishes. Each re-run step equals the uninterrupted one, loss and grad
+    norm bit for bit: the samples, the adapters, the optimizer and the DPO reference are resumed or rebuilt
+    exactly."""
+    dump = tmp_path / "killed"
+    folder, args = dump / "checkpoint", [*KILLED, *OBJECTIVES[objective], "--job.dump_folder", str(dump)]
+    log = tmp_path / "killed.log"
+    code = killed_in_a_fork(args, {"kind": "kill_while_saving", "where": "step-4.tmp", "budget": 10_000}, log)
+    assert code == -signal.SIGKILL, log.read_text()[-3000:]
+    assert published_steps(str(folder)) == [2] and (folder / "step-4.tmp").is_dir()
+    straight = by_step(read_metrics(dump))
+    assert sorted(straight) == [1, 2, 3, 4]
+    code = killed_in_a_fork(args, {"kind": "kill_at_step", "step": 4}, log)
+    assert code == -signal.SIGKILL, log.read_text()[-3000:]
+    assert f"removing {folder}/step-4.tmp" in log.read_text() and published_steps(str(folder)) == [2]
+    train_in_process(args)
+    records = read_metrics(dump)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 3, 3, 4]
+    for r in records:
+        want = straight[r["step"]]
+        assert (r["loss"], r["grad_norm"]) == (want["loss"], want["grad_norm"]), (objective, r["step"])
+    assert published_steps(str(folder)) == [2, 4]

@@ -61,9 +61,17 @@ def is_energon_dataset(path: str) -> bool:
     return os.path.isdir(os.path.join(path, META))
 
 
-def expand_braces(pattern: str) -> list[str]:
-    """A shard pattern's names, as the braceexpand package energon uses: `{a,b}` alternatives and
-    `{000..012}` ranges (zero padding kept), nested and several per pattern."""
+# At most this many names from the brace patterns of one split.yaml (shards and excluded samples), and
+# a pattern at most this long: a range such as `x_{0..999999999}.tar` is counted before it is expanded.
+MAX_PATTERN_NAMES = 1_000_000
+_MAX_PATTERN_CHARS = 4096
+# A YAML file may repeat nodes through aliases (*name) by at most this many nodes in all: a 1 KB alias
+# bomb ("billion laughs") would otherwise grow into billions of nodes in whatever walks it.
+_MAX_ALIAS_NODES = 1_000_000
+
+
+def _outer_brace(pattern: str) -> tuple[int, int] | None:
+    """(start, end) of the first top-level `{...}` of a pattern, None for none."""
     depth, start = 0, None
     for i, c in enumerate(pattern):
         if c == "{":
@@ -71,29 +79,122 @@ def expand_braces(pattern: str) -> list[str]:
         elif c == "}" and depth:
             depth -= 1
             if depth == 0:
-                inner, rest = pattern[start + 1:i], expand_braces(pattern[i + 1:])
-                head = pattern[:start]
-                span = re.fullmatch(r"(-?\d+)\.\.(-?\d+)", inner)
-                if span:
-                    a, b = span.groups()
-                    width = max(len(a), len(b)) if a.startswith("0") or b.startswith("0") else 0
-                    step = 1 if int(b) >= int(a) else -1
-                    options = [str(n).zfill(width) for n in range(int(a), int(b) + step, step)]
-                else:
-                    options, level, piece = [], 0, ""
-                    for ch in inner:
-                        if ch == "," and level == 0:
-                            options.append(piece)
-                            piece = ""
-                            continue
-                        level += (ch == "{") - (ch == "}")
-                        piece += ch
-                    options.append(piece)
-                    if len(options) == 1:  # `{x}` is no alternative: kept as written
-                        return [head + "{" + o + "}" + r for o in expand_braces(inner) for r in rest]
-                    options = [x for o in options for x in expand_braces(o)]
-                return [head + o + r for o in options for r in rest]
-    return [pattern]
+                return start, i
+    return None
+
+
+def _alternatives(inner: str) -> list[str]:
+    """The comma-separated options of a brace's inside, commas of nested braces kept."""
+    options, level, piece = [], 0, ""
+    for ch in inner:
+        if ch == "," and level == 0:
+            options.append(piece)
+            piece = ""
+            continue
+        level += (ch == "{") - (ch == "}")
+        piece += ch
+    options.append(piece)
+    return options
+
+
+_SPAN = re.compile(r"(-?\d+)\.\.(-?\d+)")
+
+
+def count_braces(pattern: str) -> int:
+    """How many names expand_braces(pattern) gives, counted without making them."""
+    brace = _outer_brace(pattern)
+    if brace is None:
+        return 1
+    start, end = brace
+    inner, rest = pattern[start + 1:end], count_braces(pattern[end + 1:])
+    span = _SPAN.fullmatch(inner)
+    if span:
+        return (abs(int(span[2]) - int(span[1])) + 1) * rest
+    options = _alternatives(inner)
+    if len(options) == 1:
+        return count_braces(inner) * rest
+    return sum(count_braces(o) for o in options) * rest
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """A shard pattern's names, as the braceexpand package energon uses: `{a,b}` alternatives and
+    `{000..012}` ranges (zero padding kept), nested and several per pattern. Count them first
+    (count_braces) where the pattern comes from a file."""
+    brace = _outer_brace(pattern)
+    if brace is None:
+        return [pattern]
+    start, end = brace
+    inner, rest, head = pattern[start + 1:end], expand_braces(pattern[end + 1:]), pattern[:start]
+    span = _SPAN.fullmatch(inner)
+    if span:
+        a, b = span.groups()
+        width = max(len(a), len(b)) if a.startswith("0") or b.startswith("0") else 0
+        step = 1 if int(b) >= int(a) else -1
+        options = [str(n).zfill(width) for n in range(int(a), int(b) + step, step)]
+    else:
+        options = _alternatives(inner)
+        if len(options) == 1:  # `{x}` is no alternative: kept as written
+            return [head + "{" + o + "}" + r for o in expand_braces(inner) for r in rest]
+        options = [x for o in options for x in expand_braces(o)]
+    return [head + o + r for o in options for r in rest]
+
+
+def _split_names(folder: str, patterns: list) -> list[list[str]]:
+    """Each pattern of split.yaml expanded, after counting them all against MAX_PATTERN_NAMES."""
+    total = 0
+    for pattern in patterns:
+        text = str(pattern)
+        try:
+            count = count_braces(text) if len(text) <= _MAX_PATTERN_CHARS else None
+        except RecursionError:
+            count = None
+        if count is None:
+            raise DataError(f"the Energon dataset {folder} has a shard pattern in {META}/split.yaml longer than "
+                            f"{_MAX_PATTERN_CHARS} characters or nested too deeply ({text[:60]!r}...)")
+        total += count
+        if total > MAX_PATTERN_NAMES:
+            raise DataError(f"the Energon dataset {folder} has shard patterns in {META}/split.yaml that name "
+                            f"at least {total:,} shards ({text[:60]!r}), more than the {MAX_PATTERN_NAMES:,} titanlike "
+                            "reads; list the shards it holds")
+    return [expand_braces(str(pattern)) for pattern in patterns]
+
+
+def _load_yaml(raw):
+    """YAML with PyYAML's safe loader (no Python tags, no class is built), refusing a document whose
+    aliases repeat more than _MAX_ALIAS_NODES nodes or refer to themselves."""
+    import yaml  # PyYAML: a dependency of huggingface_hub, which titanlike requires
+
+    class Loader(yaml.SafeLoader):
+        def get_single_node(self):
+            node = super().get_single_node()
+            if node is not None:
+                _check_aliases(node)
+            return node
+
+    return yaml.load(raw, Loader=Loader)
+
+
+def _check_aliases(root) -> None:
+    """ValueError when the node graph, each alias counted as a copy, exceeds the distinct nodes by more
+    than _MAX_ALIAS_NODES, or holds a cycle. Sizes are memoised per node, so this is linear in the file."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ValueError("it has a YAML alias that refers to itself")
+        children = node.value if isinstance(node.value, list) else []
+        open_nodes.add(key)
+        n = 1 + sum(size(c) for child in children for c in (child if isinstance(child, tuple) else (child,)))
+        open_nodes.discard(key)
+        sizes[key] = n
+        return n
+
+    if size(root) - len(sizes) > _MAX_ALIAS_NODES:
+        raise ValueError(f"its YAML aliases (*name) repeat more than {_MAX_ALIAS_NODES:,} nodes (an alias bomb?)")
 
 
 def _read_meta(folder: str, *names: str, required: bool = True):
@@ -109,9 +210,7 @@ def _read_meta(folder: str, *names: str, required: bool = True):
                 raw = f.read()
             if name.endswith(".json"):
                 return json.loads(raw)
-            import yaml  # PyYAML: a dependency of huggingface_hub, which titanlike requires
-
-            return yaml.safe_load(raw)
+            return _load_yaml(raw)
         except Exception as e:
             reason = " ".join(str(e).split())[:160] or type(e).__name__
             raise DataError(f"the Energon dataset {folder} has a {META}/{name} that cannot be read "
@@ -187,10 +286,8 @@ def metadataset_blend(path: str, part: str) -> list[tuple[str, float, str]]:
     try:
         if os.path.getsize(path) > _MAX_META_BYTES:
             raise ValueError(f"it is larger than {_MAX_META_BYTES >> 20} MiB")
-        import yaml  # the safe loader, as for .nv-meta
-
         with open(path, "rb") as f:
-            config = yaml.safe_load(f)
+            config = _load_yaml(f.read())
     except Exception as e:
         fail(f"cannot be read ({' '.join(str(e).split())[:160] or type(e).__name__})")
     if not isinstance(config, dict) or config.get("__module__") != "megatron.energon" or \
@@ -253,12 +350,14 @@ class EnergonDataset:
         if not parts.get(part):
             raise DataError(f"the Energon dataset {folder} has no shards in its {part!r} split part (it has "
                             f"{', '.join(k for k, v in parts.items() if v) or 'none'})")
-        excluded = {name for pattern in split.get("exclude") or [] for name in expand_braces(str(pattern))}
+        exclude, listed = split.get("exclude") or [], parts[part]
+        names = _split_names(folder, [*exclude, *listed])
+        excluded = {name for expanded in names[:len(exclude)] for name in expanded}
         # Entries with a "/" may name "shard/key" samples (energon's rule; a shard name with a folder is both).
         self.excluded_samples = {e for e in excluded if "/" in e}
         root = os.path.normpath(os.path.abspath(folder))
         self.shards: list[tuple[str, str, int]] = []  # (name in the metadata, path, its sample count)
-        for name in (n for pattern in parts[part] for n in expand_braces(str(pattern))):
+        for name in (n for expanded in names[len(exclude):] for n in expanded):
             if name in excluded:
                 continue
             # Lexically inside (a shard linked from elsewhere is the owner's choice; `../` in a name is not).
@@ -320,5 +419,5 @@ class EnergonDataset:
         return f"EnergonDataset({self.folder!r}, {self.part!r}, {self.kind}, {len(self.shards)} shards)"
 
 
-__all__ = ["ENERGON_PARTS", "EnergonDataset", "SAMPLE_TYPES", "expand_braces", "is_energon_dataset", "is_metadataset",
-           "metadataset_blend"]
+__all__ = ["ENERGON_PARTS", "EnergonDataset", "MAX_PATTERN_NAMES", "SAMPLE_TYPES", "count_braces", "expand_braces",
+           "is_energon_dataset", "is_metadataset", "metadataset_blend"]

@@ -13,8 +13,10 @@ A caption pair becomes BOS, the image's placeholders, the caption, EOS, the loss
 EOS; a conversation is rendered with the chat template (data/chat_template.py) with each `<image>`
 expanded to the image's placeholders, the loss on the assistant turns. Bad samples are counted and
 skipped when the shards are indexed (one log line of counts): an image that does not decode (corrupt,
-truncated), an image larger than max_image_pixels, `<image>` marks and images that do not pair up,
-a sample longer than seq_len + 1 tokens (its images cannot be cut), a sample with no text.
+truncated), an image larger than max_image_pixels or whose resize would be (an extreme aspect ratio),
+`<image>` marks and images that do not pair up, a sample longer than seq_len + 1 tokens (its images
+cannot be cut), a sample with no text, a sample with a member that is a link, is named with `..` or
+an absolute path, or is larger than shards.MAX_MEMBER_BYTES (never read).
 
 Blending: sample s of the blend comes from dataset build_blending_indices(weights)[s] (the text
 blend's rule, data/blend.py), its n-th sample of that dataset being the n-th of the dataset's own
@@ -29,8 +31,8 @@ from collections import Counter
 import numpy as np
 
 from titanlike.data.errors import DataError
-from titanlike.data.shards import (IMAGE_MARK, Content, Member, _decode, _Skip, conversation_messages, shard_files,
-                                   shard_samples, webdataset_content)
+from titanlike.data.shards import (IMAGE_MARK, Content, Member, _decode, _Skip, conversation_messages, refused_member,
+                                   shard_files, shard_samples, webdataset_content)
 
 logger = logging.getLogger("titanlike")
 
@@ -83,6 +85,7 @@ class ImageTextSource:
             read = webdataset_content
         for key, members in samples:
             try:
+                refused_member(members)
                 self.records.append(self._tokenize(read(members)))
             except _Skip as e:
                 self.skipped[str(e)] += 1
@@ -108,7 +111,7 @@ class ImageTextSource:
         if len(images) > self.max_images:
             raise _Skip("more images than max_images")
         for image in images:
-            _decode(image, self.max_image_pixels)  # checked once here; decoded again when read
+            _decode(image, self.max_image_pixels, self.processor)  # checked once here; decoded again when read
         t = self.tokenizer
         if content.messages is not None:
             messages = content.messages

@@ -17,18 +17,46 @@ from titanlike.data.errors import DataError
 
 IMAGE_MARK = "<image>"
 IMAGE_SUFFIXES = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "ppm")
+# No image or caption of a real dataset comes near this; a member that claims more (a 1 GB JSON sidecar)
+# is never read, since reading then parsing it whole while indexing would run the host out of memory.
+MAX_MEMBER_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
 class Member:
+    """A tar member's bytes in its shard; `refused` names why it is never read (a link, a name with `..`
+    or an absolute path, a size over MAX_MEMBER_BYTES): its sample is counted and skipped."""
     shard: str
     offset: int
     size: int
+    refused: str | None = None
 
     def read(self) -> bytes:
+        if self.refused is not None:
+            raise _Skip(self.refused)
         with open(self.shard, "rb") as f:
             f.seek(self.offset)
             return f.read(self.size)
+
+
+def _refusal(info: tarfile.TarInfo) -> str | None:
+    """Why a tar member is never read, or None. We read members by offset and never extract them, so
+    a link or a `../` name cannot reach outside the shard; they are still refused, as no shard a tool
+    writes holds them and what they point to is not the sample's."""
+    if not info.isfile():
+        return "tar members that are links or devices"
+    if info.name.startswith("/") or ".." in info.name.split("/"):
+        return "tar members named with .. or an absolute path"
+    if info.size > MAX_MEMBER_BYTES:
+        return f"tar members larger than {MAX_MEMBER_BYTES >> 20} MiB"
+    return None
+
+
+def refused_member(members: dict[str, Member]) -> None:
+    """_Skip when one of a sample's members is refused (the whole sample is left out)."""
+    for member in members.values():
+        if member.refused is not None:
+            raise _Skip(member.refused)
 
 
 def shard_files(path: str) -> list[str]:
@@ -44,19 +72,21 @@ def shard_files(path: str) -> list[str]:
 
 
 def shard_samples(shard: str) -> list[tuple[str, dict[str, Member]]]:
-    """(key, {extension: member}) of every sample of a shard, in the shard's order."""
+    """(key, {extension: member}) of every sample of a shard, in the shard's order (folders left out;
+    refused members kept, marked, so that their sample is counted when it is skipped)."""
     samples: dict[str, dict[str, Member]] = {}
     try:
         with tarfile.open(shard, "r:") as tar:
             for info in tar:
-                if not info.isfile():
+                if info.isdir():
                     continue
                 base = os.path.basename(info.name)
                 if "." not in base:
                     continue
                 stem, ext = base.split(".", 1)
                 key = os.path.join(os.path.dirname(info.name), stem)
-                samples.setdefault(key, {})[ext.lower()] = Member(shard, info.offset_data, info.size)
+                samples.setdefault(key, {})[ext.lower()] = Member(shard, info.offset_data, info.size,
+                                                                    _refusal(info))
     except (tarfile.TarError, OSError, EOFError) as e:
         raise DataError(f"the shard {shard} cannot be read as a tar file: {e}") from None
     return list(samples.items())
@@ -66,17 +96,27 @@ class _Skip(Exception):
     """A sample counted and left out; the message is the reason's name."""
 
 
-def _decode(member: Member, max_pixels: int | None):
+def _decode(member: Member, max_pixels: int | None, processor=None):
+    """The member as an RGB PIL image; _Skip when it does not decode or, from its header alone (before
+    any pixel is decompressed), when it or its resize by `processor` would hold more than max_pixels."""
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(member.read())) as image:
             if max_pixels is not None and image.width * image.height > max_pixels:
                 raise _Skip("images larger than max_image_pixels")
+            if max_pixels is not None and processor is not None:
+                # CLIP's resize keeps the aspect ratio: a 1 x 4,000,000 image under the limit becomes
+                # 336 x 1.3e9 pixels, an out-of-memory kill mid-training.
+                height, width = processor.resized_size(image.height, image.width)
+                if height * width > max_pixels:
+                    raise _Skip("images whose resize would be larger than max_image_pixels (extreme aspect ratios)")
             image.load()
             return image.convert("RGB")
     except _Skip:
         raise
+    except Image.DecompressionBombError:  # PIL's own cap, past max_image_pixels if the user set it higher
+        raise _Skip("images larger than max_image_pixels") from None
     except Exception:  # PIL raises OSError, SyntaxError, ValueError... for bad bytes
         raise _Skip("images that do not decode") from None
 
@@ -124,5 +164,5 @@ def webdataset_content(members: dict[str, Member]) -> Content:
     raise _Skip("no text")
 
 
-__all__ = ["Content", "IMAGE_MARK", "IMAGE_SUFFIXES", "Member", "conversation_messages", "shard_files", "shard_samples",
-           "webdataset_content"]
+__all__ = ["Content", "IMAGE_MARK", "IMAGE_SUFFIXES", "MAX_MEMBER_BYTES", "Member", "conversation_messages",
+           "refused_member", "shard_files", "shard_samples", "webdataset_content"]
