@@ -129,7 +129,7 @@ class Qwen3NextHF(HFAdapter):
         **DECODER_RULES, **MOE_RULES, "partial_rotary_factor": POSITIVE, "full_attention_interval": COUNT,
         "layer_types": list_of(TEXT), "linear_num_key_heads": COUNT, "linear_num_value_heads": COUNT,
         "linear_key_head_dim": COUNT, "linear_value_head_dim": COUNT, "linear_conv_kernel_dim": COUNT,
-        "num_experts": INDEX, "shared_expert_intermediate_size": INDEX,
+        "num_experts": INDEX, "shared_expert_intermediate_size": INDEX, "chunk_size": COUNT,
     }
 
     def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: Qwen3NextModelArgs) -> dict[str, torch.Tensor]:
@@ -171,6 +171,9 @@ class Qwen3NextHF(HFAdapter):
             "linear_key_head_dim": args.linear_k_dim,
             "linear_value_head_dim": args.linear_v_dim,
             "linear_conv_kernel_dim": args.conv_kernel,
+            # Ours, kept beside transformers' keys (it ignores it): the delta rule's chunk, which changes
+            # the rounding, not the result.
+            "chunk_size": args.chunk_size,
             "num_experts": 0,
             "initializer_range": 0.02,
         }
@@ -227,7 +230,7 @@ class Qwen3NextHF(HFAdapter):
             full_attention_interval=interval, linear_k_heads=cfg.get("linear_num_key_heads", 16),
             linear_v_heads=cfg.get("linear_num_value_heads", 32), linear_k_dim=cfg.get("linear_key_head_dim", 128),
             linear_v_dim=cfg.get("linear_value_head_dim", 128), conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
-            moe=moe,
+            chunk_size=cfg.get("chunk_size", 64), moe=moe,
         )
 
 
