@@ -32,19 +32,20 @@ qwen3_next_flavors: dict[str, Qwen3NextModelArgs] = {
         vocab_size=DEBUG_VOCAB, max_seq_len=2048, rope_theta=10_000.0, full_attention_interval=2,
         linear_k_heads=4, linear_v_heads=8, linear_k_dim=32, linear_v_dim=32,
     ),
-    # The same with mixture-of-experts MLPs (sizes multiples of 8 for torch._grouped_mm).
+    # The same with mixture-of-experts MLPs after a dense first layer (sizes multiples of 8 for
+    # torch._grouped_mm).
     "debugmodel_moe": Qwen3NextModelArgs(
         dim=256, n_layers=8, n_heads=8, n_kv_heads=2, explicit_head_dim=32, ffn_hidden_dim=768,
         vocab_size=DEBUG_VOCAB, max_seq_len=2048, rope_theta=10_000.0, full_attention_interval=2,
-        linear_k_heads=4, linear_v_heads=8, linear_k_dim=32, linear_v_dim=32, moe=_debug_moe(128),
+        linear_k_heads=4, linear_v_heads=8, linear_k_dim=32, linear_v_dim=32, moe=_debug_moe(128, first_k_dense=1),
     ),
-    # Tiny, for parity tests: each mixer with a dense MLP (layers 0, 1) and with MoE (layers 2, 3), two
-    # key heads (TP 2), chunks of 16 (several per sequence).
+    # Tiny, debugmodel_moe's structure, for parity tests: a dense first layer, then MoE; two key heads
+    # (TP 2), chunks of 16 (several per sequence).
     "debugmodel_tiny": Qwen3NextModelArgs(
         dim=64, n_layers=4, n_heads=4, n_kv_heads=2, explicit_head_dim=16, ffn_hidden_dim=128,
         vocab_size=DEBUG_VOCAB, max_seq_len=2048, rope_theta=10_000.0, full_attention_interval=2, chunk_size=16,
         linear_k_heads=2, linear_v_heads=4, linear_k_dim=16, linear_v_dim=16,
-        moe=_debug_moe(32, first_k_dense=2),
+        moe=_debug_moe(32, first_k_dense=1),
     ),
     "80B-A3B": Qwen3NextModelArgs(
         dim=2048, n_layers=48, n_heads=16, n_kv_heads=2, explicit_head_dim=256, ffn_hidden_dim=5120,
