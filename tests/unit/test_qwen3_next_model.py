@@ -11,7 +11,6 @@ import torch
 
 from titanlike.config import ConfigError, load_job_config
 from titanlike.models.common.attention import DocumentMask
-from titanlike.models.common.kv_cache import ModelCache
 from titanlike.models.qwen3_next import Qwen3Next, qwen3_next_flavors
 from titanlike.models.qwen3_next.model import GatedAttention, GatedDeltaNet, GatedSharedExpert
 from titanlike.parallel.parallel_dims import ParallelDims

@@ -62,7 +62,8 @@ ZERO_CENTRED = ("attention_norm.weight", "ffn_norm.weight", "attention.q_norm.we
 
 def conv_channels(args: Qwen3NextModelArgs) -> torch.Tensor:
     """Our conv channels as indices into transformers' ([all q, all k, all v]): ours = theirs[index]."""
-    kh, dk, r, dv = args.linear_k_heads, args.linear_k_dim, args.linear_v_heads // args.linear_k_heads, args.linear_v_dim
+    kh, dk, dv = args.linear_k_heads, args.linear_k_dim, args.linear_v_dim
+    r = args.linear_v_heads // kh
     groups = [torch.cat([h * dk + torch.arange(dk), kh * dk + h * dk + torch.arange(dk),
                          2 * kh * dk + h * r * dv + torch.arange(r * dv)]) for h in range(kh)]
     return torch.cat(groups)

@@ -30,8 +30,6 @@ by a k_dim x k_dim matrix per head, not scaled as the Mamba-2 carry of parallel/
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +44,6 @@ from titanlike.models.common.feed_forward import FeedForward
 from titanlike.models.common.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from titanlike.models.common.init import LinearInit, ones_, uniform_
 from titanlike.models.common.mamba2 import MambaState, causal_conv
-from titanlike.models.common.moe import MoE
 from titanlike.models.common.moe_decoder import MoEDecoder, depth_scaled_init
 from titanlike.models.common.norms import init_norm
 from titanlike.models.common.rope import apply_rotary_emb, precompute_rope_cache
