@@ -1,4 +1,5 @@
-"""Qwen3-Next's Hugging Face interchange against transformers' own Qwen3NextForCausalLM, built offline
+"""Qwen3-Next's and Qwen3.5's Hugging Face interchange against transformers' own Qwen3NextForCausalLM,
+Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM, built offline
 from a small config of a size no flavor has (width 48, the published 3:1 layer pattern) with random
 weights, in fp32, both ways, through the path users take: save_pretrained -> convert_hf_to_dcp.py ->
 titanlike.load_model, and our DCP -> convert_dcp_to_hf.py -> from_pretrained. Two key heads of two
@@ -14,7 +15,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+import transformers
+from transformers import Qwen3NextForCausalLM
 
 from family_checks import check_hf_export, check_hf_import, materialize, probe_tokens, write_model_only_dcp
 from titanlike.models.common.moe import MoEArgs
@@ -25,20 +27,32 @@ HF = get_model_spec("qwen3_next").hf
 ATOL = 1e-5
 
 
-def args(moe: bool) -> Qwen3NextModelArgs:
+def args(moe: bool, release: str = "qwen3_next") -> Qwen3NextModelArgs:
+    # Qwen3.5's MoE models route every layer through experts; Qwen3-Next's may keep dense layers.
+    dense_first = int(release == "qwen3_next")
     experts = MoEArgs(num_experts=4, top_k=2, hidden_dim=24, num_shared_experts=1, shared_hidden_dim=40,
-                      route_norm=True, first_k_dense=1, aux_loss_coeff=0.001) if moe else None
+                      route_norm=True, first_k_dense=dense_first, aux_loss_coeff=0.001) if moe else None
     return Qwen3NextModelArgs(dim=48, n_layers=4, n_heads=4, n_kv_heads=2, explicit_head_dim=16, ffn_hidden_dim=80,
                               vocab_size=300, max_seq_len=128, rope_theta=10_000.0, linear_k_heads=2,
-                              linear_v_heads=4, linear_k_dim=8, linear_v_dim=12, chunk_size=16, moe=experts)
+                              linear_v_heads=4, linear_k_dim=8, linear_v_dim=12, chunk_size=16, moe=experts,
+                              release=release)
 
 
-def hf_model(moe: bool, seed: int = 0):
+CASES = {"qwen3_next": (False, "qwen3_next"), "qwen3_next_moe": (True, "qwen3_next"),
+         "qwen3_5": (False, "qwen3_5"), "qwen3_5_moe": (True, "qwen3_5")}
+
+
+def hf_class(a: Qwen3NextModelArgs):
+    return getattr(transformers, HF.args_to_config(a)["architectures"][0])
+
+
+def hf_model(case: str, seed: int = 0):
     """A random HF model whose norms, dt_bias and A_log are away from their init, so that a mis-mapped or
     mis-permuted one shows in the logits."""
-    a = args(moe)
+    a = args(*CASES[case])
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**HF.args_to_config(a))).eval()
+    cls = hf_class(a)
+    model = cls(cls.config_class(**HF.args_to_config(a))).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(("dt_bias", "A_log")):
@@ -46,13 +60,13 @@ def hf_model(moe: bool, seed: int = 0):
     return a, model
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_hf_to_titanlike_and_back(tmp_path, moe):
-    a, hf = hf_model(moe)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_to_titanlike_and_back(tmp_path, case):
+    a, hf = hf_model(case)
     assert HF.config_to_args(hf.config.to_dict()) == a
     t = probe_tokens(a.vocab_size)
     want = check_hf_import(hf, tmp_path / "hf", tmp_path / "dcp", "qwen3_next", t, ATOL)
-    check_hf_export(tmp_path / "dcp", tmp_path / "out", Qwen3NextForCausalLM, t, want, ATOL)
+    check_hf_export(tmp_path / "dcp", tmp_path / "out", hf_class(a), t, want, ATOL)
     written = set(json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"])
     assert written == set(load_file(tmp_path / "hf" / "model.safetensors"))  # the keys save_pretrained writes
 
@@ -84,6 +98,9 @@ def test_what_transformers_cannot_express_is_refused_in_one_sentence():
     ]:
         with pytest.raises(ValueError, match=fragment):
             HF.config_to_args({**base, **changes})
+    with_a_dense_layer = dataclasses.replace(args(True, "qwen3_5"), moe=args(True).moe)  # first_k_dense 1
+    with pytest.raises(ValueError, match="route every layer through experts"):
+        HF.args_to_config(with_a_dense_layer)
     with pytest.raises(ValueError, match="one shared expert"):
         HF.args_to_config(dataclasses.replace(args(moe=True), moe=dataclasses.replace(args(True).moe,
                                                                                        score_func="sigmoid")))

@@ -56,7 +56,7 @@ qwen3_next_flavors: dict[str, Qwen3NextModelArgs] = {
     ),
     "3.5-27B": Qwen3NextModelArgs(
         dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, explicit_head_dim=256, ffn_hidden_dim=17408,
-        vocab_size=248320, max_seq_len=262144, linear_v_heads=48,
+        vocab_size=248320, max_seq_len=262144, linear_v_heads=48, release="qwen3_5",
     ),
 }
 

@@ -1,4 +1,5 @@
-"""Qwen3-Next <-> Hugging Face Qwen3NextForCausalLM (state dicts and config.json).
+"""Qwen3-Next and Qwen3.5 <-> Hugging Face Qwen3NextForCausalLM, Qwen3_5ForCausalLM and
+Qwen3_5MoeForCausalLM (state dicts and config.json), by the args' release.
 
 Names are Qwen3-MoE's plus `linear_attn.*` for Gated DeltaNet layers and `mlp.shared_expert*` for the
 gated shared expert; experts are one tensor per expert on disk (models/common/hf_moe.py's loop).
@@ -9,7 +10,11 @@ Layouts that differ on the way:
   - block norms, the final norm and QK-norms hold their scale here and scale - 1 there (Qwen's
     zero-centred RMSNorm); the Gated DeltaNet norm holds its scale on both sides;
   - the conv's channels are grouped by key head here ([q, k, v] of each), [all q, all k, all v] there;
-    in_proj_qkvz and in_proj_ba are grouped by key head on both sides.
+    in_proj_qkvz and in_proj_ba are grouped by key head on both sides;
+  - Qwen3.5 keeps those projections apart: in_proj_qkv ([all q, all k, all v], the conv's order),
+    in_proj_z, in_proj_b and in_proj_a (value-head order), joined and split here (`_split_projections`).
+Qwen3.5's multimodal RoPE turns every one of its three sections by the same position for text, which
+is plain RoPE; its vision tower is not read (the text classes' folders are).
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ from titanlike.models.common.moe import MoEArgs
 from titanlike.models.qwen3_next.model import Qwen3NextModelArgs
 
 QWEN3_NEXT = "qwen3_next"
+QWEN3_5 = "qwen3_5_text"
+QWEN3_5_MOE = "qwen3_5_moe_text"
+ARCHITECTURES = {QWEN3_NEXT: "Qwen3NextForCausalLM", QWEN3_5: "Qwen3_5ForCausalLM",
+                 QWEN3_5_MOE: "Qwen3_5MoeForCausalLM"}
 def _moe_layer_pattern(moe_layers: list[int], n_layers: int) -> tuple[int, int]:
     """(first_k_dense, layer_freq) whose MoE layers are exactly `moe_layers`; ValueError if none is."""
     first = moe_layers[0] if moe_layers else n_layers
@@ -122,10 +131,53 @@ NAMES = HFNames(
 )
 
 
-class Qwen3NextHF(HFAdapter):
-    """Qwen3NextForCausalLM ("qwen3_next"): dense (num_experts 0) or MoE with a gated shared expert."""
+def _split_projections(hf: dict[str, torch.Tensor], args: Qwen3NextModelArgs) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba (grouped by key head) -> Qwen3.5's four projections."""
+    kh, dk, dv = args.linear_k_heads, args.linear_k_dim, args.linear_v_dim
+    r = args.linear_v_heads // kh
+    out = {}
+    for key, value in hf.items():
+        if key.endswith("linear_attn.in_proj_qkvz.weight"):
+            prefix = key[:-len("in_proj_qkvz.weight")]
+            q, k, v, z = value.view(kh, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+            out[prefix + "in_proj_qkv.weight"] = torch.cat([t.reshape(-1, value.shape[-1]) for t in (q, k, v)])
+            out[prefix + "in_proj_z.weight"] = z.reshape(-1, value.shape[-1])
+        elif key.endswith("linear_attn.in_proj_ba.weight"):
+            prefix = key[:-len("in_proj_ba.weight")]
+            b, a = value.view(kh, 2 * r, -1).split([r, r], dim=1)
+            out[prefix + "in_proj_b.weight"] = b.reshape(-1, value.shape[-1])
+            out[prefix + "in_proj_a.weight"] = a.reshape(-1, value.shape[-1])
+        else:
+            out[key] = value
+    return out
 
-    model_types = (QWEN3_NEXT,)
+
+def _join_projections(hf: Mapping[str, torch.Tensor], args: Qwen3NextModelArgs) -> dict[str, torch.Tensor]:
+    """Qwen3.5's four Gated DeltaNet projections -> Qwen3-Next's in_proj_qkvz / in_proj_ba."""
+    kh, dk, dv = args.linear_k_heads, args.linear_k_dim, args.linear_v_dim
+    r = args.linear_v_heads // kh
+    out = {}
+    for key, value in hf.items():
+        if key.endswith("linear_attn.in_proj_qkv.weight"):
+            prefix, dim = key[:-len("in_proj_qkv.weight")], value.shape[-1]
+            q, k, v = value.split([kh * dk, kh * dk, kh * r * dv])
+            z = hf[prefix + "in_proj_z.weight"]
+            parts = [t.reshape(kh, -1, dim) for t in (q, k, v, z)]
+            out[prefix + "in_proj_qkvz.weight"] = torch.cat(parts, dim=1).reshape(-1, dim)
+            b, a = (hf[prefix + f"in_proj_{n}.weight"].reshape(kh, r, dim) for n in "ba")
+            out[prefix + "in_proj_ba.weight"] = torch.cat([b, a], dim=1).reshape(-1, dim)
+        elif not key.endswith(("linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+                               "linear_attn.in_proj_a.weight")):
+            out[key] = value
+    return out
+
+
+class Qwen3NextHF(HFAdapter):
+    """Qwen3NextForCausalLM ("qwen3_next"), dense (num_experts 0) or MoE with a gated shared expert;
+    Qwen3_5ForCausalLM ("qwen3_5_text", dense) and Qwen3_5MoeForCausalLM ("qwen3_5_moe_text", every
+    layer MoE) for args of release qwen3_5."""
+
+    model_types = (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE)
     config_rules = {
         **DECODER_RULES, **MOE_RULES, "partial_rotary_factor": POSITIVE, "full_attention_interval": COUNT,
         "layer_types": list_of(TEXT), "linear_num_key_heads": COUNT, "linear_num_value_heads": COUNT,
@@ -133,22 +185,30 @@ class Qwen3NextHF(HFAdapter):
         "num_experts": INDEX, "shared_expert_intermediate_size": INDEX, "chunk_size": COUNT,
     }
 
+    def model_type(self, args: Qwen3NextModelArgs) -> str:
+        if args.release == "qwen3_next":
+            return QWEN3_NEXT
+        return QWEN3_5_MOE if args.moe is not None else QWEN3_5
+
     def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: Qwen3NextModelArgs) -> dict[str, torch.Tensor]:
         hf = moe_to_hf_state_dict(sd, args, NAMES)
         hf["model.norm.weight"] = hf["model.norm.weight"] - 1.0
-        return hf
+        return hf if args.release == "qwen3_next" else _split_projections(hf, args)
 
     def from_hf_state_dict(self, hf_sd: Mapping[str, torch.Tensor],
                            args: Qwen3NextModelArgs) -> dict[str, torch.Tensor]:
+        if args.release == "qwen3_5":
+            hf_sd = _join_projections(hf_sd, args)
         sd = moe_from_hf_state_dict(hf_sd, args, NAMES)
         sd["norm.weight"] = sd["norm.weight"] + 1.0
         return sd
 
     def args_to_config(self, args: Qwen3NextModelArgs, *,
                        max_position_embeddings: int | None = None) -> dict[str, Any]:
+        model_type = self.model_type(args)
         cfg: dict[str, Any] = {
-            "architectures": ["Qwen3NextForCausalLM"],
-            "model_type": QWEN3_NEXT,
+            "architectures": [ARCHITECTURES[model_type]],
+            "model_type": model_type,
             "hidden_size": args.dim,
             "intermediate_size": args.ffn_hidden_dim,
             "num_hidden_layers": args.n_layers,
@@ -175,9 +235,10 @@ class Qwen3NextHF(HFAdapter):
             # Ours, kept beside transformers' keys (it ignores it): the delta rule's chunk, which changes
             # the rounding, not the result.
             "chunk_size": args.chunk_size,
-            "num_experts": 0,
             "initializer_range": 0.02,
         }
+        if model_type == QWEN3_NEXT:
+            cfg["num_experts"] = 0
         moe = args.moe
         if moe is not None:
             if (moe.score_func != "softmax" or moe.num_shared_experts != 1 or moe.n_groups != 1
@@ -189,11 +250,14 @@ class Qwen3NextHF(HFAdapter):
                 "num_experts_per_tok": moe.top_k,
                 "moe_intermediate_size": moe.hidden_dim,
                 "shared_expert_intermediate_size": moe.shared_dim,
-                "norm_topk_prob": moe.route_norm,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": [i for i in range(args.n_layers) if not moe.is_moe_layer(i)],
                 "router_aux_loss_coef": moe.aux_loss_coeff,
             })
+            if model_type == QWEN3_NEXT:
+                cfg.update({"norm_topk_prob": moe.route_norm, "decoder_sparse_step": 1,
+                            "mlp_only_layers": [i for i in range(args.n_layers) if not moe.is_moe_layer(i)]})
+            elif moe.first_k_dense or moe.layer_freq != 1 or not moe.route_norm:
+                raise ValueError("Qwen3.5's MoE models route every layer through experts with renormalized "
+                                 "top-k weights; these moe settings have no Hugging Face equivalent")
         return cfg
 
     def config_to_args(self, cfg: Mapping[str, Any]) -> Qwen3NextModelArgs:
@@ -209,7 +273,11 @@ class Qwen3NextHF(HFAdapter):
         if cfg.get("layer_types") not in (None, pattern):
             raise ValueError("layer_types is not every full_attention_interval-th layer full attention")
         moe = None
-        if cfg.get("num_experts", 0):
+        release = "qwen3_next" if cfg.get("model_type", QWEN3_NEXT) == QWEN3_NEXT else "qwen3_5"
+        if cfg.get("model_type") == QWEN3_5_MOE:
+            # Every layer MoE, top-k weights renormalized; intermediate_size (unused) kept when given.
+            cfg = {**cfg, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+        if cfg.get("model_type") != QWEN3_5 and cfg.get("num_experts", 0):
             step, dense_only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
             first_k_dense, layer_freq = _moe_layer_pattern(
                 [i for i in range(n_layers) if i not in dense_only and (i + 1) % step == 0], n_layers)
@@ -223,7 +291,7 @@ class Qwen3NextHF(HFAdapter):
         dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         return Qwen3NextModelArgs(
             dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads", n_heads),
-            explicit_head_dim=cfg.get("head_dim") or dim // n_heads, ffn_hidden_dim=cfg["intermediate_size"],
+            explicit_head_dim=cfg.get("head_dim") or dim // n_heads, ffn_hidden_dim=cfg.get("intermediate_size", 5120),
             vocab_size=cfg["vocab_size"], max_seq_len=cfg.get("max_position_embeddings", 32768),
             norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10_000.0))),
@@ -231,7 +299,7 @@ class Qwen3NextHF(HFAdapter):
             full_attention_interval=interval, linear_k_heads=cfg.get("linear_num_key_heads", 16),
             linear_v_heads=cfg.get("linear_num_value_heads", 32), linear_k_dim=cfg.get("linear_key_head_dim", 128),
             linear_v_dim=cfg.get("linear_value_head_dim", 128), conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
-            chunk_size=cfg.get("chunk_size", 64), moe=moe,
+            chunk_size=cfg.get("chunk_size", 64), moe=moe, release=release,
         )
 
 

@@ -49,6 +49,9 @@ from titanlike.models.common.norms import init_norm
 from titanlike.models.common.rope import apply_rotary_emb, precompute_rope_cache
 
 
+RELEASES = ("qwen3_next", "qwen3_5")
+
+
 @dataclass
 class Qwen3NextModelArgs(DecoderArgs):
     ARG_ALIASES = {
@@ -68,9 +71,14 @@ class Qwen3NextModelArgs(DecoderArgs):
     linear_v_dim: int = 128
     conv_kernel: int = 4
     chunk_size: int = 64  # tokens per chunk of the chunked delta rule
+    # Whose checkpoints these are: "qwen3_next", or "qwen3_5" (Qwen3.5 keeps the Gated DeltaNet's
+    # projections apart and routes every layer through experts); the computation is the same.
+    release: str = "qwen3_next"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.release not in RELEASES:
+            raise ValueError(f"release {self.release!r} is not one of {RELEASES}")
         if self.linear_v_heads % self.linear_k_heads:
             raise ValueError(f"linear_v_heads ({self.linear_v_heads}) must be a multiple of linear_k_heads "
                              f"({self.linear_k_heads})")
@@ -352,5 +360,5 @@ class Qwen3Next(MoEDecoder):
         return precompute_rope_cache(a.rotary_dim, a.max_seq_len, a.rope_theta, None, device=device)
 
 
-__all__ = ["GatedAttention", "GatedDeltaNet", "GatedSharedExpert", "Qwen3Next", "Qwen3NextBlock",
+__all__ = ["RELEASES", "GatedAttention", "GatedDeltaNet", "GatedSharedExpert", "Qwen3Next", "Qwen3NextBlock",
            "Qwen3NextModelArgs"]
