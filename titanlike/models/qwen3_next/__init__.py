@@ -4,8 +4,8 @@ dense or mixture of experts with a gated shared expert, and CPU-sized debug mode
 Hyper-parameters: Qwen3-Next-80B-A3B from Qwen's config.json (Qwen/Qwen3-Next-80B-A3B-Instruct: 48
 layers, every 4th full attention with 16 heads of 256 (2 key/value heads, RoPE on 64 features, theta
 1e7); Gated DeltaNet with 16 key heads and 32 value heads of 128; 512 experts of 512, top 10, one shared
-expert of 512). Qwen3.5-27B is the text model of Qwen/Qwen3.5-27B (64 dense layers of the same pattern,
-24 heads, 48 value heads, vocabulary 248320); its vision tower is not built here. vocab_size and
+expert of 512). Qwen3.5 (9B, 27B dense; 35B-A3B: 256 experts, top 8, every layer) are the text models
+of Qwen's releases (the same pattern, vocabulary 248320); their vision tower is not built here. vocab_size and
 max_seq_len are placeholders the trainer overwrites (update_from_config); max_seq_len is the context.
 """
 
@@ -53,6 +53,18 @@ qwen3_next_flavors: dict[str, Qwen3NextModelArgs] = {
         moe=MoEArgs(num_experts=512, top_k=10, hidden_dim=512, num_shared_experts=1, shared_hidden_dim=512,
                     score_func="softmax",
                     route_norm=True, aux_loss_coeff=0.001),
+    ),
+    # transformers' Qwen3_5TextConfig and Qwen3_5MoeTextConfig defaults, which its docstrings name as the
+    # 9B and 35B-A3B configurations.
+    "3.5-9B": Qwen3NextModelArgs(
+        dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, explicit_head_dim=256, ffn_hidden_dim=12288,
+        vocab_size=248320, max_seq_len=262144, release="qwen3_5",
+    ),
+    "3.5-35B-A3B": Qwen3NextModelArgs(
+        dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, explicit_head_dim=256, vocab_size=248320,
+        max_seq_len=262144, release="qwen3_5",
+        moe=MoEArgs(num_experts=256, top_k=8, hidden_dim=512, num_shared_experts=1, shared_hidden_dim=512,
+                    score_func="softmax", route_norm=True, aux_loss_coeff=0.001),
     ),
     "3.5-27B": Qwen3NextModelArgs(
         dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, explicit_head_dim=256, ffn_hidden_dim=17408,
