@@ -88,8 +88,11 @@ def _rotary_rows(w: torch.Tensor, heads: int, head_dim: int, rotary_dim: int, co
     return torch.cat([first, w[:, 1:]], dim=1).reshape(shape)
 
 
-def _layout(convert, offset: float):
-    """(our per-layer name, tensor, args) -> tensor in the other side's layout (see the module docstring)."""
+def _layout(*, to_hf: bool):
+    """(our per-layer name, tensor, args) -> tensor in transformers' layout (to_hf) or back (see the
+    module docstring)."""
+    convert, offset = (interleaved_to_half, -1.0) if to_hf else (half_to_interleaved, 1.0)
+
     def change(name: str | None, value: torch.Tensor, args: Qwen3NextModelArgs) -> torch.Tensor:
         hd, rot = args.head_dim, args.rotary_dim
         if name == "attention.wq.weight":
@@ -102,7 +105,7 @@ def _layout(convert, offset: float):
             return value + offset
         if name == "linear_attention.conv_weight":
             index = conv_channels(args)
-            if convert is interleaved_to_half:  # ours (C, K) -> theirs (C, 1, K)
+            if to_hf:  # ours (C, K) -> theirs (C, 1, K)
                 out = torch.empty_like(value)
                 out[index] = value
                 return out[:, None]
@@ -126,8 +129,8 @@ NAMES = HFNames(
            "moe.shared_experts.gate.weight": "mlp.shared_expert_gate.weight"},
     experts=MLP_EXPERTS,
     expert_weights=EXPERT_PROJ_NAMES,
-    to_hf_layout=_layout(interleaved_to_half, -1.0),
-    from_hf_layout=_layout(half_to_interleaved, 1.0),
+    to_hf_layout=_layout(to_hf=True),
+    from_hf_layout=_layout(to_hf=False),
 )
 
 

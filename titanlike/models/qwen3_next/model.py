@@ -22,7 +22,8 @@ The MLP is SwiGLU, or in MoE models a routed mixture of experts (models/common/m
 expert is gated per token by sigmoid(w x) (GatedSharedExpert).
 
 Norms: the block norms, final norm and QK-norms are RMSNorms holding their scale; Qwen's checkpoints
-hold scale - 1 (a zero-centred norm), converted by the adapter (hf_adapter.py).
+hold scale - 1 (a zero-centred norm), converted by the adapter (hf_adapter.py). Weight decay therefore
+pulls them towards 0, as every family's norms here, not towards a scale of 1 as in Qwen's training.
 
 Context parallelism is refused (validate): the state entering a piece of the sequence is transformed
 by a k_dim x k_dim matrix per head, not scaled as the Mamba-2 carry of parallel/context.py does.
