@@ -52,7 +52,8 @@ def _prepare(q, k, v, g, beta, scale):
         q = q.repeat_interleave(v_heads // k_heads, dim=2)
         k = k.repeat_interleave(v_heads // k_heads, dim=2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for t in (q, k, v, g, beta))
     return q * scale, k, v, g, beta
 
 
