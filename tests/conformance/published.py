@@ -109,7 +109,4 @@ PUBLISHED: dict[tuple[str, str], Published] = {
 UNPUBLISHED = {
     ("llama3", "100M"): "a size of our own for CPU runs (its count with the debug tokenizer: tests/unit/test_llama3_model.py)",
     ("toy", "tiny"): "the test-only family of tests/toy_family.py",
-    ("qwen3_next", "debugmodel"): "a CPU-sized debug model",
-    ("qwen3_next", "debugmodel_moe"): "a CPU-sized debug model",
-    ("qwen3_next", "debugmodel_tiny"): "a CPU-sized model for parity tests",
 }
