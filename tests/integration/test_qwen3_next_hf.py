@@ -71,6 +71,22 @@ def test_hf_to_titanlike_and_back(tmp_path, case):
     assert written == set(load_file(tmp_path / "hf" / "model.safetensors"))  # the keys save_pretrained writes
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_multimodal_qwen3_5_folder_is_read_as_its_text_model(tmp_path, moe):
+    """The published Qwen3.5 folders are Qwen3_5(Moe)ForConditionalGeneration: text_config, the text model
+    under model.language_model., a vision tower; on text the logits are its text model's."""
+    a, text_model = hf_model("qwen3_5_moe" if moe else "qwen3_5")
+    cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=a.dim, patch_size=4)
+    hf = cls(cls.config_class(text_config=text_model.config.to_dict(), vision_config=vision)).eval()
+    with torch.no_grad():  # the text model's weights, norms and all
+        for name, p in hf.named_parameters():
+            if name.startswith("model.language_model.") or name == "lm_head.weight":
+                p.copy_(text_model.get_parameter(name.replace("model.language_model.", "model.")))
+    assert HF.config_to_args(hf.config.to_dict()) == a
+    check_hf_import(hf, tmp_path / "hf", tmp_path / "dcp", "qwen3_next", probe_tokens(a.vocab_size), ATOL)
+
+
 def test_titanlike_weights_give_the_same_logits_in_transformers(tmp_path):
     """The other direction with weights of our own init, via a model-only DCP."""
     a = args(moe=True)

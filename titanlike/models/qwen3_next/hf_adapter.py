@@ -14,7 +14,9 @@ Layouts that differ on the way:
   - Qwen3.5 keeps those projections apart: in_proj_qkv ([all q, all k, all v], the conv's order),
     in_proj_z, in_proj_b and in_proj_a (value-head order), joined and split here (`_split_projections`).
 Qwen3.5's multimodal RoPE turns every one of its three sections by the same position for text, which
-is plain RoPE; its vision tower is not read (the text classes' folders are).
+is plain RoPE. A folder of the published multimodal models (Qwen3_5ForConditionalGeneration,
+Qwen3_5MoeForConditionalGeneration: text_config, model.language_model.*) is read as its text model: the
+vision tower's and multi-token prediction's tensors are left unread.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from titanlike.models.common.hf import (
     interleaved_to_half,
     list_of,
     rope_settings,
+    table,
 )
 from titanlike.models.common.hf_moe import (
     EXPERT_PROJ_NAMES,
@@ -54,6 +57,7 @@ from titanlike.models.qwen3_next.model import Qwen3NextModelArgs
 QWEN3_NEXT = "qwen3_next"
 QWEN3_5 = "qwen3_5_text"
 QWEN3_5_MOE = "qwen3_5_moe_text"
+MULTIMODAL = {"qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5_MOE}  # read as their text model
 ARCHITECTURES = {QWEN3_NEXT: "Qwen3NextForCausalLM", QWEN3_5: "Qwen3_5ForCausalLM",
                  QWEN3_5_MOE: "Qwen3_5MoeForCausalLM"}
 def _moe_layer_pattern(moe_layers: list[int], n_layers: int) -> tuple[int, int]:
@@ -175,18 +179,30 @@ def _join_projections(hf: Mapping[str, torch.Tensor], args: Qwen3NextModelArgs) 
     return out
 
 
+TEXT_RULES = {
+    **DECODER_RULES, **MOE_RULES, "partial_rotary_factor": POSITIVE, "full_attention_interval": COUNT,
+    "layer_types": list_of(TEXT), "linear_num_key_heads": COUNT, "linear_num_value_heads": COUNT,
+    "linear_key_head_dim": COUNT, "linear_value_head_dim": COUNT, "linear_conv_kernel_dim": COUNT,
+    "num_experts": INDEX, "shared_expert_intermediate_size": INDEX, "chunk_size": COUNT,
+}
+LANGUAGE_MODEL = "model.language_model."  # the text model's prefix in a multimodal folder
+
+
+def _text_tensors(hf_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal folder's text model, named as the text class names it (other folders unchanged)."""
+    if not any(key.startswith(LANGUAGE_MODEL) for key in hf_sd):
+        return dict(hf_sd)
+    return {"model." + key[len(LANGUAGE_MODEL):] if key.startswith(LANGUAGE_MODEL) else key: value
+            for key, value in hf_sd.items() if key.startswith(LANGUAGE_MODEL) or key == "lm_head.weight"}
+
+
 class Qwen3NextHF(HFAdapter):
     """Qwen3NextForCausalLM ("qwen3_next"), dense (num_experts 0) or MoE with a gated shared expert;
     Qwen3_5ForCausalLM ("qwen3_5_text", dense) and Qwen3_5MoeForCausalLM ("qwen3_5_moe_text", every
     layer MoE) for args of release qwen3_5."""
 
-    model_types = (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE)
-    config_rules = {
-        **DECODER_RULES, **MOE_RULES, "partial_rotary_factor": POSITIVE, "full_attention_interval": COUNT,
-        "layer_types": list_of(TEXT), "linear_num_key_heads": COUNT, "linear_num_value_heads": COUNT,
-        "linear_key_head_dim": COUNT, "linear_value_head_dim": COUNT, "linear_conv_kernel_dim": COUNT,
-        "num_experts": INDEX, "shared_expert_intermediate_size": INDEX, "chunk_size": COUNT,
-    }
+    model_types = (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, *MULTIMODAL)
+    config_rules = {**TEXT_RULES, "text_config": table(TEXT_RULES)}
 
     def model_type(self, args: Qwen3NextModelArgs) -> str:
         if args.release == "qwen3_next":
@@ -201,7 +217,7 @@ class Qwen3NextHF(HFAdapter):
     def from_hf_state_dict(self, hf_sd: Mapping[str, torch.Tensor],
                            args: Qwen3NextModelArgs) -> dict[str, torch.Tensor]:
         if args.release == "qwen3_5":
-            hf_sd = _join_projections(hf_sd, args)
+            hf_sd = _join_projections(_text_tensors(hf_sd), args)
         sd = moe_from_hf_state_dict(hf_sd, args, NAMES)
         sd["norm.weight"] = sd["norm.weight"] + 1.0
         return sd
@@ -264,6 +280,11 @@ class Qwen3NextHF(HFAdapter):
         return cfg
 
     def config_to_args(self, cfg: Mapping[str, Any]) -> Qwen3NextModelArgs:
+        if cfg.get("model_type") in MULTIMODAL:
+            text = cfg["text_config"]
+            return self.config_to_args({**text, "model_type": MULTIMODAL[cfg["model_type"]],
+                                        "tie_word_embeddings": cfg.get("tie_word_embeddings",
+                                                               text.get("tie_word_embeddings", False))})
         for key, expected in (("hidden_act", "silu"), ("attention_bias", False)):
             if cfg.get(key, expected) != expected:
                 raise ValueError(f"unsupported Qwen3-Next config: {key}={cfg[key]!r} (expected {expected!r})")
