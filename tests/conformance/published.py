@@ -79,6 +79,13 @@ PUBLISHED: dict[tuple[str, str], Published] = {
     ("hybrid", "nemotron_h_8b"): Published(Count(8.10e9, rel=2e-3)),
     ("hybrid", "nemotron_h_56b"): Published(Count(56.3e9, rel=2e-3)),
     ("hybrid", "mamba2_2.7b"): Published(Count(2.70e9, rel=2e-3)),
+    # Qwen's model cards: "80B in total and 3B activated" (ours, 3.87B active, counts the embedding and
+    # output tables, 0.62B, as every figure here does); Qwen3.5's text models (their names count the
+    # vision tower too, not built here).
+    ("qwen3_next", "80B-A3B"): Published(billions(80, 0), Count(3.0e9, rel=0.3)),
+    ("qwen3_next", "3.5-9B"): Published(billions(9, 0)),
+    ("qwen3_next", "3.5-27B"): Published(billions(27, 0)),
+    ("qwen3_next", "3.5-35B-A3B"): Published(billions(35, 0), billions(3, 0)),
     # BERT's paper (base 110M, large 340M); Megatron-LM's 3.9B BERT.
     ("bert", "base"): Published(Count(110e6, rel=0.01)),
     ("bert", "large"): Published(Count(340e6, rel=0.02)),

@@ -372,7 +372,8 @@ FAMILY_FLAVORS = [key for key in distinct_flavors(min_layers=4) if key not in NO
 # map that FSDP shards like any parameter and that CP, EP and the pipeline split leave alone; TP splits
 # it by a rule of its own.
 # The hybrid's debugmodel_tiny ("M-M*M-") has block kinds debugmodel_moe ("M-ME*-ME") has too, where FSDP, TP
-# (both logits), CP and the looped pipeline check them; it keeps the layouts no MoE flavor is offered.
+# (both logits), CP and the looped pipeline check them; it keeps the layouts no MoE flavor is offered. So does
+# Qwen3-Next's dense debugmodel beside its debugmodel_tiny (both mixers, a dense first layer, then MoE).
 # LLaVA's logits are its language model's (llama3's output projection, gathered in llama3's own layouts):
 # no gathered-logits run. Its SigLIP tower has 16 positions, which TP 2 splits (sequence parallel in the
 # tower: cut entering its first block, gathered leaving its last), where CLIP's 17 (a class token) stay
@@ -386,7 +387,8 @@ ONLY_LAYOUTS = {("gemma3", "debugmodel"): ("fsdp2", "tp2", "tp2_no_sequence_para
                 ("deepseek_v3", "debugmodel_nolora"): ("tp2",),
                 ("llava", "debugmodel"): ("fsdp2", "tp2", "tp2_no_sequence_parallel", "cp2_alltoall"),
                 ("llava", "debugmodel_siglip"): ("tp2",),
-                ("hybrid", "debugmodel_tiny"): ("tp2_no_sequence_parallel", "pp2_v")}
+                ("hybrid", "debugmodel_tiny"): ("tp2_no_sequence_parallel", "pp2_v"),
+                ("qwen3_next", "debugmodel"): ("tp2_no_sequence_parallel", "pp2_v")}
 
 
 @pytest.fixture(scope="module")
