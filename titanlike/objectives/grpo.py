@@ -1,4 +1,5 @@
-"""GRPO and its variants (Dr. GRPO, BNPO, DAPO, GSPO): the options, the group advantages and the loss.
+"""GRPO and its variants (Dr. GRPO, BNPO, DAPO, GSPO): the options, the group advantages, the loss, and
+the objective `training.objective grpo` that trains with them.
 
 On-policy RL samples G completions of each prompt (a group), scores each with the reward functions
 (titanlike/rl/rewards.py), turns the rewards into advantages relative to the group, and trains the
@@ -6,6 +7,13 @@ policy on the completion tokens with a clipped importance ratio (PPO's surrogate
 TRL's GRPOTrainer (trl 1.16: `_generate_and_score_completions` for the advantages and the engine's
 importance-sampling ratio, `_compute_loss` for the loss); tests/unit/test_grpo_loss.py runs TRL's own
 methods on the same batch and compares the loss, its gradient and the logged terms.
+
+The objective's samples are prompts; its generating companion (objectives/companion.py, run by
+train/companions.py) samples the completions through the generation engine on the policy's current
+weights and scores them (titanlike/rl/rollout.py), so that `prepare` and `loss` see rows of prompt +
+completion tokens with their advantages, the engine's log-probabilities, and, from other companions,
+the old policy's (num_iterations > 1) and the reference's (beta > 0; the policy with its LoRA adapters
+off for a LoRA job) log-probabilities.
 
 The loss is a sum over its units, like every objective's here (the training step divides once by
 their global count), so that sum / units is TRL's loss:
