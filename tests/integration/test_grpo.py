@@ -31,7 +31,8 @@ def sft_model(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("chain")
     train_in_process(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
                       "--metrics.no_enable_tensorboard", "--training.steps", "20", "--training.seq_len", "128",
-                      "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(tmp / "pre")])
+                      "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "2",
+                      "--job.dump_folder", str(tmp / "pre")])
     train_in_process(["--job.config_file", str(REPO / "train_configs" / "sft_debug.toml"),
                       "--metrics.no_enable_tensorboard", "--job.dump_folder", str(tmp / "sft"),
                       "--checkpoint.initial_load_path", str(tmp / "pre" / "checkpoint" / "step-20"),

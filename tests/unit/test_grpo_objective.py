@@ -23,7 +23,8 @@ PRESET = ["--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml"), 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("grpo") / "prompts.jsonl", prompt_rows(reverse_task(40, seed=0, words=2)))
+    rows = prompt_rows(reverse_task(40, seed=0, words=2))
+    return write_jsonl(tmp_path_factory.mktemp("grpo") / "prompts.jsonl", rows)
 
 
 def _run(tmp_path, name, prompts, *extra) -> list[dict]:

@@ -16,6 +16,6 @@ from titanlike.objectives.reward import RewardModel, RewardOptions
 from titanlike.objectives.sft import SFT, SFTOptions
 from titanlike.objectives.span_corruption import SpanCorruption, SpanCorruptionOptions
 
-__all__ = ["BatchContext", "CausalLM", "DPO", "DPOOptions", "Distill", "DistillOptions", "GRPO", "GRPOOptions", "ImageCaption", "MaskedLM",
-           "MaskedLMOptions", "Microbatch", "Objective", "RewardModel", "RewardOptions", "SFT", "SFTOptions", "SpanCorruption",
-           "SpanCorruptionOptions", "lookahead_targets"]
+__all__ = ["BatchContext", "CausalLM", "DPO", "DPOOptions", "Distill", "DistillOptions", "GRPO", "GRPOOptions",
+           "ImageCaption", "MaskedLM", "MaskedLMOptions", "Microbatch", "Objective", "RewardModel", "RewardOptions",
+           "SFT", "SFTOptions", "SpanCorruption", "SpanCorruptionOptions", "lookahead_targets"]

@@ -148,7 +148,8 @@ class GRPORollout:
                    clipped_fraction=truncated.float().mean().item(), kept_fraction=keep.float().mean().item(),
                    rollout_tokens_per_second=stats.tokens_per_second)
         for reward, values in zip(self.rewards, per_function):
-            self._note(**{f"reward/{reward.name}/mean": _nan_mean(values), f"reward/{reward.name}/std": _nan_std(values)})
+            self._note(**{f"reward/{reward.name}/mean": _nan_mean(values),
+                          f"reward/{reward.name}/std": _nan_std(values)})
         kept = keep.nonzero()[:, 0].tolist()
         longest = max(len(ids[i]) + len(completions[i].tokens) - 1 for i in kept)
         width = min(self.seq_len, -(-longest // self.multiple) * self.multiple)

@@ -211,7 +211,8 @@ class Companions:
             policy = self.weights.module(version)
             modes = [part.training for part in parts]
             try:
-                batches = [self.rollout.generate(next(data), policy, seed=rollout_seed(self.seed, version, self.rank, i))
+                batches = [self.rollout.generate(next(data), policy,
+                                                 seed=rollout_seed(self.seed, version, self.rank, i))
                            for i in range(microbatches())]
             finally:
                 for part, mode in zip(parts, modes):
