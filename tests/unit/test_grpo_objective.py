@@ -52,12 +52,17 @@ def test_a_run_is_deterministic_and_resumes_exactly(tmp_path, prompts):
     assert [(r["loss"], r["reward"]) for r in resumed[-2:]] == [(r["loss"], r["reward"]) for r in whole[-2:]]
 
 
-def test_a_reference_and_several_iterations_per_generation(tmp_path, prompts):
-    runs = _run(tmp_path, "kl", prompts, "--training.steps", "4", "--grpo.beta", "0.1", "--grpo.num_iterations", "2")
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen_copy", "lora_adapters_off"])
+def test_a_reference_and_several_iterations_per_generation(tmp_path, prompts, lora):
+    """The reference is a frozen copy, or (LoRA) the policy with its adapters off: KL 0 at first either way."""
+    extra = ["--model.converters", "lora", "--optimizer.lr", "1e-2"] if lora else []
+    runs = _run(tmp_path, "kl", prompts, "--training.steps", "4", "--grpo.beta", "0.1", "--grpo.num_iterations", "2",
+                *extra)
     assert runs[0]["kl"] == 0.0 and runs[-1]["kl"] > 0  # the frozen copy is the policy at first
     # A generated batch trains two steps: steps 1 and 2 share their rollouts (rewards), step 3 draws anew.
     assert runs[0]["reward"] == runs[1]["reward"]
     assert runs[0]["clip_ratio"] == 0.0  # the first step on a batch: the policy is the old policy
+    assert all(r["mismatch"] < 1e-5 for r in runs)  # the old policy's, the one that generated, on every step
 
 
 @pytest.mark.parametrize("extra,words", [

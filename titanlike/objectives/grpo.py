@@ -534,7 +534,10 @@ class GRPO(Objective):
                 values.append(mean(terms.reported["kl"]))
             values.append(mean(terms.reported["clip_ratio/region_mean"]))
             values.append(mean(terms.reported["entropy"]) if entropies is not None else nan)
-            values.append(((targets["engine_logps"] - logps).abs() * m).sum() / m.sum().clamp(min=1.0))
+            # The engine's against the trainer's for the policy that generated (TRL's sampling_logp_difference):
+            # the old policy's when kept, else the policy now (the first step on a batch).
+            trainer = targets.get("old_logps", logps)
+            values.append(((targets["engine_logps"] - trainer).abs() * m).sum() / m.sum().clamp(min=1.0))
             values.append(m.sum(-1).mean())
             reported = torch.stack(values) * terms.units
         return LossTerms(terms.value, reported)
