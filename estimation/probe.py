@@ -283,7 +283,8 @@ def _probe(plan, granularity: int, device: str) -> Probe:
                 # the same names, shapes and dtypes.
                 with torch.no_grad():
                     for companion in plan.objective.companions:
-                        targets = targets | companion.outputs(output, targets)
+                        if companion.outputs is not None:  # a generator without a forward adds none
+                            targets = targets | companion.outputs(output, targets)
                 terms = plan.objective.loss(output, targets, ctx, correct=correct)
                 terms.value.register_hook(started)
                 return terms

@@ -106,6 +106,27 @@ def test_a_batch_gives_each_row_what_it_gives_alone_and_rows_end_on_their_own(mo
     assert len(full.tokens) == 40 - 35 and full.finish_reason == "context"
 
 
+def test_logprobs_equal_an_uncached_forward_and_cost_nothing_when_off(model):
+    """Engine log-probabilities (RL's engine logps): each drawn token's log_softmax(logits / T) equals a full
+    uncached forward's within 1e-5 in fp32, in a batch of prompts of different lengths; off by default."""
+    from titanlike.inference.engine import uncached_logits
+
+    engine = Engine(model)
+    prompts = [[5, 9, 17, 3, 44, 12, 8], [7, 31, 90]]
+    for params in (SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, seed=3, logprobs=True),
+                   SamplingParams(max_new_tokens=10, logprobs=True)):
+        completions, _ = engine.generate(prompts, params)
+        for prompt, c in zip(prompts, completions):
+            assert len(c.logprobs) == len(c.tokens)
+            logits = uncached_logits(model, prompt, c.tokens[:-1]) / (params.temperature or 1.0)
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.tokens)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
+    plain, _ = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.7, seed=3))
+    assert all(c.logprobs is None for c in plain)
+    assert [c.tokens for c in plain] == [c.tokens[:4] for c in engine.generate(prompts, SamplingParams(
+        max_new_tokens=4, temperature=0.7, seed=3, logprobs=True))[0]]
+
+
 def test_stop_strings_cut_the_text_and_streamed_pieces_add_up(model):
     engine = Engine(model)
     text = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731  a detokenizer whose pieces are visible

@@ -313,7 +313,8 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted(tmp_path, c
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--training.objective", "ppo"], "training.objective 'ppo' is unknown for llama3 debugmodel; known: causal_lm, distill, dpo, reward, sft"),
+    (["--training.objective", "ppo"],
+     "training.objective 'ppo' is unknown for llama3 debugmodel; known: causal_lm, distill, dpo, grpo, reward, sft"),
     (["--training.objective", "sft"], "training.dataset 'default' cannot give sft samples"),
     (["--training.objective", "sft", "--training.dataset", "text"], "training.dataset text needs training.dataset_path"),
     (["--training.objective", "sft", "--training.dataset", "text", "--training.dataset_path", "/nope"],

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from titanlike.inference.sampling import SamplingParams, next_tokens
+from titanlike.inference.sampling import SamplingParams, next_tokens, sampled_logprobs
 from titanlike.models import protocol
 
 
@@ -39,11 +39,13 @@ class Completion:
     """One prompt's continuation. tokens: the new token ids (a stop token, when one ended it, last);
     text: their text without the stop token and cut before a stop string (when a detokenizer was
     given); finish_reason: "stop" (a stop token or string), "length" (max_new_tokens) or "context"
-    (the model's context is full)."""
+    (the model's context is full); logprobs: with SamplingParams.logprobs, the log-probability of each
+    token under the distribution it was drawn from (sampling.py sampled_logprobs), else None."""
 
     tokens: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
+    logprobs: list[float] | None = None
 
 
 @dataclass
@@ -231,21 +233,24 @@ class Engine:
             seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=self.device)
             for row, prompt in enumerate(prompts):
                 seen[row, torch.as_tensor(list(prompt), device=self.device)] = True
-        completions = [Completion() for _ in prompts]
+        completions = [Completion(logprobs=[] if params.logprobs else None) for _ in prompts]
         streams = [_TextStream(detokenize, params.stop_strings) if detokenize else None for _ in prompts]
         stats = GenerationStats(prompt_tokens=sum(lengths))
         active = list(range(batch))
         step = 0
         while True:
             chosen = next_tokens(logits, params, seen=seen, generator=generator)
+            logprobs = sampled_logprobs(logits, chosen, params, seen=seen).tolist() if params.logprobs else None
             if seen is not None:
                 seen.scatter_(1, chosen[:, None], True)
-            ids = chosen.tolist()  # the one host sync of a step
+            ids = chosen.tolist()  # the one host sync of a step (two with logprobs)
             if step == 0:
                 stats.time_to_first_token = time.perf_counter() - started
                 stats.first_step_tokens = len(active)
             still = []
             for row in active:
+                if logprobs is not None:
+                    completions[row].logprobs.append(logprobs[row])
                 done = self._append(row, ids[row], completions[row], streams[row], params, lengths[row], on_text,
                                     on_token)
                 if not done:

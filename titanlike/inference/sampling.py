@@ -18,7 +18,8 @@ class SamplingParams:
     decoder the encoder's prompt counts too, where transformers counts the decoder's tokens only).
     Generation of a row ends at a stop token (kept as the last token), at a stop string (cut from
     the text), after max_new_tokens, or at the model's context (prompt and new tokens together).
-    seed: the same seed gives the same samples; None draws from torch's global generator."""
+    seed: the same seed gives the same samples; None draws from torch's global generator.
+    logprobs: each completion also gets the log-probability of every token it drew (sampled_logprobs)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -28,6 +29,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
@@ -106,4 +108,21 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, *, seen: torch.Ten
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
-__all__ = ["SamplingParams", "apply_repetition_penalty", "filter_top_k", "filter_top_p", "next_tokens"]
+def sampled_logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: SamplingParams, *,
+                     seen: torch.Tensor | None) -> torch.Tensor:
+    """(batch,) fp32 log-probabilities of the chosen tokens under the distribution they were drawn from
+    after the repetition penalty and the temperature, before top-k and top-p: log_softmax(logits / T),
+    what a trainer recomputes from its own logits (TRL's GRPOTrainer divides its logits by the
+    temperature and nothing else), so that their difference measures numerics only. vLLM's
+    processed_logprobs, which TRL asks of vLLM, are taken after top-k / top-p as well; the two agree
+    when neither filters (top_k 0, top_p 1, GRPO's defaults). Greedy: temperature 1."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if not params.greedy:
+        logits = logits / params.temperature
+    return torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
+
+
+__all__ = ["SamplingParams", "apply_repetition_penalty", "filter_top_k", "filter_top_p", "next_tokens",
+           "sampled_logprobs"]

@@ -6,17 +6,37 @@ reference log-probabilities, a distillation teacher's distribution). The objecti
 (Objective.companions); the trainer builds, loads and runs them with the job's layout, pipeline
 stages included (train/companions.py), and the estimator counts their memory. The objective's loss
 then reads what they added by name, as it reads any other target.
+
+A companion may also generate (RL): its `rollout` turns each loader batch of prompts into a batch of
+rollouts sampled from the policy's current weights, and its `outputs` (the old policy's
+log-probabilities) are computed once per generated batch, before any update on it.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+if TYPE_CHECKING:
+    import torch.nn as nn
+
 Targets = dict[str, torch.Tensor]
+
+
+class Rollout(Protocol):
+    """What a generating companion builds (titanlike/rl/rollout.py): `generate` turns one loader batch
+    of prompts into a loader-like batch of rollouts (named tensors the objective's `prepare` takes)
+    with the policy's whole module, sampling from `seed`; each generated batch trains `iterations`
+    optimizer steps; `metrics` are the host-side figures of the rollouts since its last call."""
+
+    iterations: int
+
+    def generate(self, prompts: Targets, policy: nn.Module, *, seed: int) -> Targets: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 class Source(enum.Enum):
@@ -36,22 +56,28 @@ class Companion:
     the loss with outputs of the trained model's own output: the same names, shapes and dtypes);
     converters_off: run with the
     model's converters switched off (ModelConverters.disabled: LoRA's adapters, so the policy's base is
-    the reference)."""
+    the reference); rollout(plan): a generating companion's Rollout (module docstring), which reads the
+    policy (source POLICY), its outputs then computed once per generated batch (None: no forward)."""
 
     role: str
     option: str
     source: Source
-    outputs: Callable[[object, Targets], Targets]
+    outputs: Callable[[object, Targets], Targets] | None
     path: str | None = None
     converters_off: bool = False
+    rollout: Callable[[object], Rollout] | None = None
 
     def __post_init__(self) -> None:
         if (self.source is Source.CHECKPOINT) != (self.path is not None):
             raise ValueError("a companion has a path exactly when its source is a checkpoint")
+        if self.rollout is not None and self.source is not Source.POLICY:
+            raise ValueError("a companion that generates reads the policy: its source is POLICY")
+        if self.outputs is None and self.rollout is None:
+            raise ValueError("a companion adds outputs to the targets unless it generates")
 
     def describe(self) -> str:
         what = f"{self.path}" if self.source is Source.CHECKPOINT else self.source.value
         return f"{self.role}: {what}" + (" with the converters off" if self.converters_off else "")
 
 
-__all__ = ["Companion", "Source", "Targets"]
+__all__ = ["Companion", "Rollout", "Source", "Targets"]

@@ -1,4 +1,5 @@
-"""GRPO and its variants (Dr. GRPO, BNPO, DAPO, GSPO): the options, the group advantages and the loss.
+"""GRPO and its variants (Dr. GRPO, BNPO, DAPO, GSPO): the options, the group advantages, the loss, and
+the objective `training.objective grpo` that trains with them.
 
 On-policy RL samples G completions of each prompt (a group), scores each with the reward functions
 (titanlike/rl/rewards.py), turns the rewards into advantages relative to the group, and trains the
@@ -6,6 +7,13 @@ policy on the completion tokens with a clipped importance ratio (PPO's surrogate
 TRL's GRPOTrainer (trl 1.16: `_generate_and_score_completions` for the advantages and the engine's
 importance-sampling ratio, `_compute_loss` for the loss); tests/unit/test_grpo_loss.py runs TRL's own
 methods on the same batch and compares the loss, its gradient and the logged terms.
+
+The objective's samples are prompts; its generating companion (objectives/companion.py, run by
+train/companions.py) samples the completions through the generation engine on the policy's current
+weights and scores them (titanlike/rl/rollout.py), so that `prepare` and `loss` see rows of prompt +
+completion tokens with their advantages, the engine's log-probabilities, and, from other companions,
+the old policy's (num_iterations > 1) and the reference's (beta > 0; the policy with its LoRA adapters
+off for a LoRA job) log-probabilities.
 
 The loss is a sum over its units, like every objective's here (the training step divides once by
 their global count), so that sum / units is TRL's loss:
@@ -26,11 +34,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from functools import partial
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from titanlike.config.schema import opt
+from titanlike.config.sections import register_section
+from titanlike.models.outputs import IGNORE_INDEX, logits_of
+from titanlike.objectives.base import (BatchContext, FieldShapes, LossTerms, Microbatch, Objective, compile_options,
+                                       refuse_pretraining_options)
+from titanlike.objectives.companion import Companion, Source, Targets
+from titanlike.objectives.registry import register_objective
+
+if TYPE_CHECKING:
+    from titanlike.config.schema import JobConfig
+    from titanlike.models.args import BaseModelArgs, LayoutDegrees
+    from titanlike.train.plan import JobPlan
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -84,10 +104,8 @@ class GRPOOptions:
                                         "or a Hugging Face ...ForSequenceClassification folder")
     reward_timeout: float = opt(300.0, "seconds a reward function may take on one batch before the job stops")
     reward_slow_warning: float = opt(10.0, "a reward function's call longer than this many seconds is logged")
-
-
-# Registered as the [grpo] config section by the GRPO objective that trains with it (issue 42: the
-# rollout loop is next); until then no job can set an option that would change nothing.
+    chat_template: str = opt("auto", "the template conversation prompts are rendered with, as sft.chat_template: "
+                             "auto, tokenizer, llama3, chatml, or a Jinja file")
 
 
 def check_options(o: GRPOOptions) -> None:
@@ -323,6 +341,211 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
         return -(logp.exp() * logp).sum(-1)
 
 
-__all__ = ["ENGINE_IS_MODES", "GRPOOptions", "GRPOTerms", "LOSS_TYPES", "SCALE_REWARDS", "check_options",
-           "engine_weights", "group_advantages", "grpo_token_loss", "kept_groups", "overlong_penalty",
+# The objective ----------------------------------------------------------------------------------
+
+
+register_section("grpo", GRPOOptions)
+
+
+def policy_logps(name: str, temperature: float, output, targets: Targets) -> Targets:
+    """What a companion adds: the log-probabilities of the labels under logits / temperature, as `name`
+    (the old policy's, the reference's)."""
+    from titanlike.objectives.preference import token_logps
+
+    return {name: token_logps(logits_of(output) / temperature, targets["labels"])}
+
+
+class GRPO(Objective):
+    """training.objective grpo: on-policy RL from rewards (module docstring). Its samples are prompts;
+    its generating companion (titanlike/rl/rollout.py, run by train/companions.py) turns each batch of
+    them into rows of prompt + completion with their advantages, which `prepare` and `loss` take."""
+
+    name = "grpo"
+    generation = "chat"
+
+    def __init__(self, options: GRPOOptions | None = None, *, lora: bool = False, **loss_options):
+        super().__init__(**loss_options)
+        self.options = options or GRPOOptions()
+        self.lora = lora  # the reference is then the policy with its adapters off
+        self.reported_terms = ("reward", *(("kl",) if self.options.beta else ()), "clip_ratio", "entropy", "mismatch",
+                               "completion_length")
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,
+                model: str = "the model") -> GRPO:
+        if family_objective is not None and family_objective.generation is None:
+            raise ValueError(f"training.objective grpo trains models that generate text; {model} trains with "
+                             f"{family_objective.name}")
+        return cls(cfg.grpo, lora="lora" in cfg.model.converters, **compile_options(cfg))
+
+    @property
+    def companions(self) -> tuple[Companion, ...]:
+        o = self.options
+        old = partial(policy_logps, "old_logps", o.temperature) if o.num_iterations > 1 else None
+        out = [Companion("generator", "training.objective grpo", Source.POLICY, old, rollout=self.rollout)]
+        if o.beta:
+            out.append(Companion("reference", "grpo.beta", Source.POLICY if self.lora else Source.FROZEN_COPY,
+                                 partial(policy_logps, "ref_logps", o.temperature), converters_off=self.lora))
+        return tuple(out)
+
+    # Rules ------------------------------------------------------------------------------------
+
+    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str, data: bool = True) -> None:
+        super().validate(cfg, dims, model=model, data=data)
+        if data:
+            self._check_prompts(cfg)
+
+    def _validate_job(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str) -> None:
+        o = self.options
+        check_options(o)
+        refuse_pretraining_options(cfg, "grpo")
+        if dims.pp > 1:
+            raise ValueError("training.objective grpo generates with the policy's whole module on every rank "
+                             "(train/companions.py PolicyWeights), which pipeline parallelism splits over stages: set "
+                             "parallelism.pipeline_parallel_degree 1")
+        if dims.cp > 1:
+            raise ValueError("training.objective grpo does not take context parallelism yet (its rows are cut to "
+                             "their longest): set parallelism.context_parallel_degree 1")
+        if cfg.validation.enable:
+            raise ValueError("training.objective grpo has no validation loss (its samples are prompts): remove "
+                             "validation.enable and measure a checkpoint's answers instead")
+        if not o.reward_funcs:
+            raise ValueError("grpo.reward_funcs names no reward function: give at least one (exact_answer, format, "
+                             "reward_model, or module:function)")
+        if o.max_completion_length >= cfg.training.seq_len:
+            raise ValueError(f"grpo.max_completion_length {o.max_completion_length} leaves no room for a prompt in "
+                             f"training.seq_len {cfg.training.seq_len}")
+
+    def _check_dataset(self, dataset: str, dataset_path: str | None, *, option: str = "training") -> None:
+        from titanlike.data.conversations import check_row_dataset
+
+        check_row_dataset(dataset, dataset_path, option=option, objective="grpo", files="prompt files",
+                          contents="the prompts")
+
+    def _check_prompts(self, cfg: JobConfig) -> None:
+        """ValueError (one sentence) for a prompt dataset without a column a reward reads, or a prompt
+        longer than training.seq_len less grpo.max_completion_length (no room left to answer)."""
+        from titanlike.data import DEFAULT_TOKENIZER_PATH
+        from titanlike.data.tokenizer import job_tokenizer
+        from titanlike.rl.rewards import check_columns
+        from titanlike.rl.rollout import PromptRows
+
+        o, t, m = self.options, cfg.training, cfg.model
+        tokenizer = job_tokenizer(m.tokenizer_path, m.hf_assets_path, DEFAULT_TOKENIZER_PATH)
+        prompts = PromptRows.read(t.dataset_path, t.split, "train", self._processor(tokenizer))
+        check_columns(self._rewards(tokenizer), prompts.columns)
+        room = t.seq_len - o.max_completion_length
+        longest = max(range(len(prompts.ids)), key=lambda i: len(prompts.ids[i]))
+        if len(prompts.ids[longest]) > room:
+            raise ValueError(f"prompt {longest + 1} of {t.dataset_path} has {len(prompts.ids[longest])} tokens, more "
+                             f"than training.seq_len {t.seq_len} less grpo.max_completion_length "
+                             f"{o.max_completion_length} ({room}): raise training.seq_len or shorten the prompts")
+
+    def _processor(self, tokenizer):
+        from titanlike.data.chat_template import load_chat_template
+        from titanlike.inference.processor import Processor
+
+        return Processor(tokenizer, template=load_chat_template(self.options.chat_template, tokenizer,
+                                                                 option="grpo.chat_template"))
+
+    def _rewards(self, tokenizer):
+        from titanlike.rl.rewards import load_rewards
+
+        o = self.options
+        return load_rewards(o.reward_funcs, pattern=o.format_pattern or None, path=o.reward_model_path,
+                            tokenizer=tokenizer)
+
+    def rollout(self, plan: JobPlan):
+        """The generating companion's Rollout for a planned job (titanlike/rl/rollout.py)."""
+        from titanlike.data.tokenizer import pad_id
+        from titanlike.rl.rollout import GRPORollout, PromptRows
+
+        t = plan.cfg.training
+        processor = self._processor(plan.tokenizer)
+        prompts = PromptRows.read(t.dataset_path, t.split, "train", processor)
+        return GRPORollout(self.options, prompts, processor, self._rewards(plan.tokenizer), seq_len=t.seq_len,
+                           multiple=math.lcm(16, plan.dims.tp), pad_id=pad_id(plan.tokenizer))
+
+    # Samples and batch ------------------------------------------------------------------------
+
+    def sample_fields(self, seq_len: int) -> FieldShapes:
+        """A generated row, what `prepare` takes (the loader's prompts are PromptSamples.fields): the step and
+        the estimator see these. A microbatch holds num_generations rows per prompt."""
+        tokens, row = ((seq_len,), "int64"), ((), "float32")
+        return {"inputs": tokens, "labels": tokens, "engine_logps": ((seq_len,), "float32"), "advantages": row,
+                "rewards": row, "truncated": ((), "int64")}
+
+    def samples(self, dataset: str, *, dataset_path, tokenizer, seq_len, seed, num_samples=None, split=None,
+                split_name="train"):
+        from titanlike.data.loader import GlobalSamples
+        from titanlike.data.tokenizer import pad_id
+        from titanlike.rl.rollout import PromptRows, PromptSamples
+
+        self._check_dataset(dataset, dataset_path)
+        prompts = PromptRows.read(dataset_path, split, split_name, self._processor(tokenizer))
+        source = PromptSamples(prompts, seq_len=seq_len, pad_id=pad_id(tokenizer))
+        return GlobalSamples(source, shuffle=True, fields=source.fields)
+
+    def prepare(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Microbatch:
+        """A generated batch (titanlike/rl/rollout.py GRPORollout.generate) as the model and the loss take
+        it; the old policy's log-probabilities come with it when num_iterations > 1."""
+        o = self.options
+        labels = batch["labels"].to(ctx.device)
+        targets = {"labels": labels, "completion_mask": labels != IGNORE_INDEX}
+        for name in ("advantages", "rewards", "truncated", "engine_logps", "old_logps"):
+            if name in batch:
+                targets[name] = batch[name].to(ctx.device)
+        if o.loss_type in ("grpo", "dr_grpo"):
+            units = torch.tensor(float(labels.shape[0]), device=ctx.device)
+        else:
+            mask = targets["completion_mask"]
+            if o.mask_truncated_completions:
+                mask = mask & ~targets["truncated"].bool().unsqueeze(1)
+            units = mask.sum()
+        return Microbatch(batch["inputs"].to(ctx.device), targets, units)
+
+    # Loss -------------------------------------------------------------------------------------
+
+    def loss(self, output, targets: Targets, ctx: BatchContext, *, correct: bool = False) -> LossTerms:
+        """grpo_token_loss on the policy's log-probabilities of the completion tokens (logits / the
+        sampling temperature, as TRL), with the reported terms as means over the microbatch times its
+        units (the step divides their sums by the global units)."""
+        from torch.distributed.tensor import DTensor
+
+        from titanlike.objectives.preference import token_logps
+
+        o = self.options
+        logits = logits_of(output) / o.temperature
+        logps = token_logps(logits, targets["labels"])
+        entropies = None if isinstance(logits, DTensor) else token_entropy(logits)  # whole logits only
+        terms = grpo_token_loss(o, logps, targets, entropies=entropies)
+        with torch.no_grad():
+            mask = targets["completion_mask"]
+            m = mask.float()
+
+            def mean(pair: torch.Tensor) -> torch.Tensor:
+                return pair[0] / pair[1].clamp(min=1.0)
+
+            nan = torch.full((), math.nan, device=logps.device)
+            rewards = targets["rewards"].float()
+            finite = ~rewards.isnan()
+            values = [torch.where(finite, rewards, 0.0).sum() / finite.sum().clamp(min=1)]
+            if o.beta:
+                values.append(mean(terms.reported["kl"]))
+            values.append(mean(terms.reported["clip_ratio/region_mean"]))
+            values.append(mean(terms.reported["entropy"]) if entropies is not None else nan)
+            # The engine's against the trainer's for the policy that generated (TRL's sampling_logp_difference):
+            # the old policy's when kept, else the policy now (the first step on a batch).
+            trainer = targets.get("old_logps", logps)
+            values.append(((targets["engine_logps"] - trainer).abs() * m).sum() / m.sum().clamp(min=1.0))
+            values.append(m.sum(-1).mean())
+            reported = torch.stack(values) * terms.units
+        return LossTerms(terms.value, reported)
+
+
+register_objective("grpo", GRPO.for_job, section="grpo")
+
+
+__all__ = ["ENGINE_IS_MODES", "GRPO", "GRPOOptions", "GRPOTerms", "LOSS_TYPES", "SCALE_REWARDS", "check_options",
+           "engine_weights", "group_advantages", "grpo_token_loss", "kept_groups", "overlong_penalty", "policy_logps",
            "reported_values", "token_entropy"]

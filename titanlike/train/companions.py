@@ -17,13 +17,21 @@ Sources:
   - CHECKPOINT: another model (a DCP checkpoint or a Hugging Face folder): build_frozen_model.
 
 What reads the policy to generate from it (RL rollouts) takes its weights through PolicyWeights:
-the module itself on one process, one gather per update under FSDP or TP.
+the module itself on one process, one gather per update under FSDP or TP. A generating companion
+(Companion.rollout) is the one seam RL needs in the loop: `Companions.batches` wraps the trainer's
+loader iterator so that each step's loader batches of prompts become batches of rollouts (generated
+with the policy as of that step, from a seed of (debug.seed, step, data-parallel rank, microbatch):
+a run is deterministic and resumes without saved sampler state), each generated batch trained
+`iterations` optimizer steps; its own outputs (the old policy's log-probabilities) are computed once
+per generated batch, before the first update on it. Without one, the iterator is the loader's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -139,32 +147,95 @@ class ForwardOnly:
         return self._schedules[id(parts)]
 
 
+def rollout_seed(seed: int, step: int, rank: int, index: int) -> int:
+    """The sampling seed of one generated microbatch: a function of (debug.seed, step, data-parallel
+    rank, microbatch), so that a resumed run draws what the uninterrupted one drew (tensor-parallel
+    ranks of one data-parallel rank draw the same samples)."""
+    return ((((seed * 1_000_003) + step) * 65_537 + rank) * 257 + index) % (2 ** 63)
+
+
 class Companions:
-    """This rank's companions of a job, built; `fill` runs them on a microbatch."""
+    """This rank's companions of a job, built; `fill` runs them on a microbatch, `batches` turns the
+    loader's batches into generated ones when a companion generates."""
 
     def __init__(self, companions: tuple[Companion, ...], parts: list[list[nn.Module]], forward: ForwardOnly,
-                 disabled: Callable[[list[nn.Module]], contextlib.AbstractContextManager]):
-        """parts: each companion's model parts; disabled(parts): the converters switched off on them."""
+                 disabled: Callable[[list[nn.Module]], contextlib.AbstractContextManager], *,
+                 rollout=None, weights: PolicyWeights | None = None, seed: int = 0, rank: int = 0):
+        """parts: each companion's model parts; disabled(parts): the converters switched off on them;
+        rollout, weights: the generating companion's Rollout and the policy's weights it reads; seed: the
+        job's (debug.seed); rank: the data-parallel rank (rollout_seed)."""
         self.companions, self.parts, self.forward, self.disabled = companions, parts, forward, disabled
+        self.rollout, self.weights, self.seed, self.rank = rollout, weights, seed, rank
+        self._generating = 0.0  # seconds spent generating since the last metrics()
+        self._since = time.perf_counter()
 
     def __bool__(self) -> bool:
         return bool(self.companions)
 
+    def _run(self, companion: Companion, parts: list[nn.Module], mb: Microbatch) -> Targets | None:
+        modes = [part.training for part in parts]
+        for part in parts:
+            part.eval()
+        try:
+            with self.disabled(parts) if companion.converters_off else contextlib.nullcontext():
+                return self.forward(parts, mb, companion.outputs)
+        finally:
+            for part, mode in zip(parts, modes):
+                part.train(mode)
+
     def fill(self, mb: Microbatch) -> Microbatch:
-        """Add every companion's outputs to the microbatch's targets (where the loss runs)."""
+        """Add every companion's outputs to the microbatch's targets (where the loss runs); a generating
+        companion's were added to its batch when it was generated (batches)."""
         for companion, parts in zip(self.companions, self.parts):
-            modes = [part.training for part in parts]
-            for part in parts:
-                part.eval()
-            try:
-                with self.disabled(parts) if companion.converters_off else contextlib.nullcontext():
-                    out = self.forward(parts, mb, companion.outputs)
-            finally:
-                for part, mode in zip(parts, modes):
-                    part.train(mode)
+            if companion.rollout is not None or companion.outputs is None:
+                continue
+            out = self._run(companion, parts, mb)
             if out is not None:
                 mb.targets.update(out)
         return mb
+
+    def batches(self, data: Iterator[dict], *, step: Callable[[], int], microbatches: Callable[[], int],
+                prepare: Callable[[dict], Microbatch]) -> Iterator[dict]:
+        """The loader's batches, or, with a generating companion, batches of rollouts (module docstring):
+        step(): the step about to train (the policy's version and the seed); microbatches(): that
+        step's count; prepare: a batch as the objective prepares it (for the old policy's forward)."""
+        if self.rollout is None:
+            return data
+        return self._rollouts(data, step, microbatches, prepare)
+
+    def _rollouts(self, data, step, microbatches, prepare) -> Iterator[dict]:
+        companion, parts = next((c, p) for c, p in zip(self.companions, self.parts) if c.rollout is not None)
+        while True:
+            version = step()
+            started = time.perf_counter()
+            policy = self.weights.module(version)
+            modes = [part.training for part in parts]
+            try:
+                batches = [self.rollout.generate(next(data), policy,
+                                                 seed=rollout_seed(self.seed, version, self.rank, i))
+                           for i in range(microbatches())]
+            finally:
+                for part, mode in zip(parts, modes):
+                    part.train(mode)
+            if companion.outputs is not None:  # the old policy: before any update on these batches
+                for batch in batches:
+                    out = self._run(companion, parts, prepare(batch))
+                    if out is not None:
+                        batch.update(out)
+            self._generating += time.perf_counter() - started
+            for _ in range(self.rollout.iterations):
+                yield from batches
+
+    def metrics(self) -> dict[str, float]:
+        """The generating companion's figures since the last call (nothing without one), with the share
+        of the wall time spent generating."""
+        if self.rollout is None:
+            return {}
+        now = time.perf_counter()
+        out = self.rollout.metrics()
+        out["generation_share"] = self._generating / max(now - self._since, 1e-9)
+        self._generating, self._since = 0.0, now
+        return out
 
 
 def frozen_copy(plan: JobPlan, source: list[nn.Module], device: torch.device, *, resumed: bool,
@@ -204,8 +275,13 @@ def build_companions(companions: tuple[Companion, ...], plan: JobPlan, policy: l
     of the job; converters: the policy's (their `disabled`)."""
     from titanlike.train.model_parts import build_frozen_model
 
-    built = []
+    built, rollout, weights = [], None, None
     for companion in companions:
+        if companion.rollout is not None:
+            if rollout is not None:
+                raise ValueError("a job has at most one companion that generates")
+            rollout = companion.rollout(plan)
+            weights = PolicyWeights(plan, policy, device, build_converters)
         if companion.source is Source.POLICY:
             parts = policy
         elif companion.source is Source.FROZEN_COPY:
@@ -218,7 +294,8 @@ def build_companions(companions: tuple[Companion, ...], plan: JobPlan, policy: l
             rebuilt = " (rebuilt from its initialization and initial load)" if (
                 resumed and companion.source is Source.FROZEN_COPY) else ""
             logger.info(f"{plan.objective.name} companion {companion.describe()}, sharded like the model{rebuilt}")
-    return Companions(companions, built, forward, converters.disabled)
+    return Companions(companions, built, forward, converters.disabled, rollout=rollout, weights=weights,
+                      seed=plan.cfg.debug.seed, rank=plan.dims.dp_rank())
 
 
-__all__ = ["Companions", "ForwardOnly", "PolicyWeights", "build_companions", "frozen_copy"]
+__all__ = ["Companions", "ForwardOnly", "PolicyWeights", "build_companions", "frozen_copy", "rollout_seed"]

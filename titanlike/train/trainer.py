@@ -449,7 +449,10 @@ class Trainer:
             return self.losses
         self.step = start
         begin = time.monotonic()
-        data = self.stragglers.timed(iter(self.dataloader))
+        # The loader's batches, or (a companion that generates: RL) batches of rollouts made from them.
+        data = self.companions.batches(self.stragglers.timed(iter(self.dataloader)), step=lambda: self.step,
+                                       microbatches=lambda: self.batches.microbatches(self.step),
+                                       prepare=lambda batch: self.objective.prepare(batch, self.batch_context))
         p = self.cfg.profiling
         profiler = Profiler(enabled=p.enable_profiling, freq=p.profile_freq, rank=self.rank, start_step=start,
                             folder=os.path.join(self.cfg.job.dump_folder, p.save_traces_folder))
@@ -591,6 +594,7 @@ class Trainer:
         extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
         extra.update(self._precision_and_batch_metrics(record.batch))
         extra.update(zip(self.model_args.reported_losses() + self.objective.reported_terms, reported))
+        extra.update(self.companions.metrics())  # a generating companion's (rewards, lengths, speed)
         expert_counts = None
         if self.expert_balance is not None:
             table = record.out.expert_table

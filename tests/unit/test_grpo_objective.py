@@ -1,0 +1,101 @@
+"""training.objective grpo through train.py (issue 42): the generating companion rolls out G completions
+per prompt through the engine on the policy's weights, scores them and trains the GRPO loss.
+
+- A run is deterministic and resumes exactly without saved sampler state (seeds of (debug.seed, step,
+  rank)); the engine's log-probabilities equal the trainer's (mismatch) within 1e-5 in fp32.
+- beta > 0 builds the reference (KL 0 at the first step), num_iterations > 1 keeps the old policy's
+  log-probabilities (a generated batch trains that many steps).
+- Plan-time refusals, one sentence each, before any process group.
+The loss itself against TRL: tests/unit/test_grpo_loss.py; learning: tests/integration/test_grpo.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO, read_metrics, train_in_process
+from grpo_assets import prompt_rows
+from sft_assets import reverse_task, write_jsonl
+
+PRESET = ["--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml"), "--model.flavor", "debugmodel_tiny",
+          "--metrics.log_freq", "1", "--metrics.enable_jsonl", "--metrics.no_enable_tensorboard",
+          "--grpo.reward_funcs", "grpo_assets:length_reward", "--optimizer.lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    rows = prompt_rows(reverse_task(40, seed=0, words=2))
+    return write_jsonl(tmp_path_factory.mktemp("grpo") / "prompts.jsonl", rows)
+
+
+def _run(tmp_path, name, prompts, *extra) -> list[dict]:
+    train_in_process([*PRESET, "--training.dataset_path", str(prompts), "--job.dump_folder", str(tmp_path / name),
+                      *map(str, extra)])
+    return read_metrics(tmp_path / name)
+
+
+def test_a_run_is_deterministic_and_resumes_exactly(tmp_path, prompts):
+    whole = _run(tmp_path, "whole", prompts, "--training.steps", "4")
+    again = _run(tmp_path, "again", prompts, "--training.steps", "4")
+    assert [r["loss"] for r in whole] == [r["loss"] for r in again]
+    assert [r["reward"] for r in whole] == [r["reward"] for r in again]
+    assert whole[-1]["grad_norm"] > 0 and whole[0]["reward_std"] > 0  # the rewards vary: real gradients
+    for r in whole:
+        assert r["mismatch"] < 1e-5  # the engine's log-probabilities are the trainer's
+        assert 0 < r["generation_share"] < 1 and r["rollout_tokens_per_second"] > 0
+        assert r["completion_length_max"] <= 8 and 0 <= r["clipped_fraction"] <= 1
+        assert "reward/grpo_assets:length_reward/mean" in r
+    # Stopped after step 2, then resumed: steps 3 and 4 draw and train what the whole run did.
+    _run(tmp_path, "resumed", prompts, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
+         "--checkpoint.no_last_save_model_only")
+    resumed = _run(tmp_path, "resumed", prompts, "--training.steps", "4", "--checkpoint.enable",
+                   "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only")
+    assert [(r["loss"], r["reward"]) for r in resumed[-2:]] == [(r["loss"], r["reward"]) for r in whole[-2:]]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen_copy", "lora_adapters_off"])
+def test_a_reference_and_several_iterations_per_generation(tmp_path, prompts, lora):
+    """The reference is a frozen copy, or (LoRA) the policy with its adapters off: KL 0 at first either way."""
+    extra = ["--model.converters", "lora", "--optimizer.lr", "1e-2"] if lora else []
+    runs = _run(tmp_path, "kl", prompts, "--training.steps", "4", "--grpo.beta", "0.1", "--grpo.num_iterations", "2",
+                *extra)
+    assert runs[0]["kl"] == 0.0 and runs[-1]["kl"] > 0  # the frozen copy is the policy at first
+    # A generated batch trains two steps: steps 1 and 2 share their rollouts (rewards), step 3 draws anew.
+    assert runs[0]["reward"] == runs[1]["reward"]
+    assert runs[0]["clip_ratio"] == 0.0  # the first step on a batch: the policy is the old policy
+    assert all(r["mismatch"] < 1e-5 for r in runs)  # the old policy's, the one that generated, on every step
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--grpo.num_generations", "1"], "grpo.num_generations must be at least 2"),
+    (["--parallelism.pipeline_parallel_degree", "2"], "which pipeline parallelism splits over stages"),
+    (["--grpo.reward_funcs", "exact_answer"], "reward exact_answer needs the dataset column 'answer'"),
+    (["--training.seq_len", "12"], "less grpo.max_completion_length"),
+    (["--validation.enable"], "training.objective grpo has no validation loss"),
+    (["--grpo.reward_funcs", "no_such_module:f"], "module no_such_module does not import"),
+])
+def test_bad_jobs_are_one_sentence_at_plan_time(tmp_path, extra, words):
+    from titanlike.config import load_job_config
+    from titanlike.train.plan import plan_job
+
+    rows = [{"prompt": "reverse: red dog", "solution": "dog red"}] * 4
+    if "exact_answer" not in extra:
+        rows = [dict(r, answer="dog red") for r in rows]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    world = 2 if "--parallelism.pipeline_parallel_degree" in extra else 1
+    cfg = load_job_config([*PRESET, "--training.dataset_path", str(data), "--job.dump_folder", str(tmp_path / "o"),
+                           *extra])
+    with pytest.raises(ValueError) as e:
+        plan_job(cfg, world)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_generating_companion_reads_the_policy():
+    from titanlike.objectives.companion import Companion, Source
+    from titanlike.train.companions import rollout_seed
+
+    with pytest.raises(ValueError, match="reads the policy"):
+        Companion("generator", "x", Source.FROZEN_COPY, None, rollout=lambda plan: None)
+    with pytest.raises(ValueError, match="unless it generates"):
+        Companion("reference", "x", Source.FROZEN_COPY, None)
+    seeds = {rollout_seed(0, step, rank, i) for step in range(3) for rank in range(2) for i in range(2)}
+    assert len(seeds) == 12

@@ -1,0 +1,188 @@
+"""GRPO's rollouts: prompts from the dataset, G completions of each from the policy through the
+generation engine, their rewards and group advantages, as token rows the objective trains on.
+
+Rows of the prompt dataset (JSONL or Parquet files, or a saved datasets folder: data/conversations.py
+reads them, as it reads SFT's) hold a `prompt` (TRL's column: a text, or a conversation answered
+with the chat template) and the columns the reward functions read (`answer`, ...). The loader gives
+the prompts as token ids with their row index (PromptSamples); the generating companion
+(train/companions.py) hands each loader batch to GRPORollout.generate with the policy's whole module
+(PolicyWeights), which returns a batch of B x G rows of prompt + completion tokens with named
+targets: the completion tokens as labels, the engine's log-probabilities of them, each row's
+advantage, reward and truncation. Right padding: a causal model's rows need no attention mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from titanlike.data.errors import DataError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from titanlike.inference.processor import Processor
+    from titanlike.objectives.grpo import GRPOOptions
+    from titanlike.rl.rewards import Reward
+
+IGNORE_INDEX = -100  # models/outputs.py's
+PROMPT_COLUMN = "prompt"
+
+
+@dataclass
+class PromptRows:
+    """The prompt dataset's rows (where each comes from, the row), each prompt's token ids, and the
+    columns every row holds beside the prompt (what reward functions may read)."""
+
+    rows: list[dict]
+    ids: list[list[int]]
+    columns: tuple[str, ...]
+
+    @classmethod
+    def read(cls, dataset_path: str, split, split_name: str, processor: Processor) -> PromptRows:
+        """The rows of training.split's part `split_name`, their prompts encoded by the processor (a
+        conversation through the chat template, with its generation prompt). DataError, one sentence,
+        for a row without a prompt or a prompt that is neither a text nor a list of messages."""
+        from titanlike.data.conversations import split_rows
+
+        rows, ids = [], []
+        for where, row in split_rows(dataset_path, split, split_name):
+            prompt = row.get(PROMPT_COLUMN)
+            if isinstance(prompt, np.ndarray):  # Parquet's lists
+                prompt = list(prompt)
+            if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                                 and all(isinstance(m, dict) for m in prompt))):
+                raise DataError(f"{where} has no {PROMPT_COLUMN!r} column holding a text or a list of messages "
+                                f"(its keys: {', '.join(sorted(row)) or 'none'})")
+            row = dict(row, prompt=prompt)
+            rows.append(row)
+            ids.append(processor.encode(prompt))
+        if not rows:
+            raise DataError(f"{dataset_path} holds no prompt rows")
+        columns = set(rows[0])
+        for row in rows[1:]:
+            columns &= set(row)
+        return cls(rows, ids, tuple(sorted(columns - {PROMPT_COLUMN})))
+
+
+class PromptSamples:
+    """Map-style samples, one per prompt: its token ids padded to seq_len, its length and its row."""
+
+    def __init__(self, prompts: PromptRows, *, seq_len: int, pad_id: int):
+        self.prompts, self.seq_len, self.pad_id = prompts, seq_len, pad_id
+
+    @property
+    def fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {"prompt_ids": ((self.seq_len,), "int64"), "prompt_length": ((1,), "int64"), "row": ((1,), "int64")}
+
+    def __len__(self) -> int:
+        return len(self.prompts.ids)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        ids = self.prompts.ids[index][:self.seq_len]
+        tokens = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        tokens[:len(ids)] = ids
+        return {"prompt_ids": tokens, "prompt_length": np.asarray([len(ids)], dtype=np.int64),
+                "row": np.asarray([index], dtype=np.int64)}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} prompts of at most {self.seq_len} tokens)"
+
+
+class GRPORollout:
+    """One generated batch per loader batch of prompts (module docstring); a Rollout of
+    objectives/companion.py. `multiple`: row lengths are rounded up to it (fewer shapes; under tensor
+    parallelism a multiple of its degree, as sequence parallelism splits the sequence)."""
+
+    def __init__(self, options: GRPOOptions, prompts: PromptRows, processor: Processor, rewards: list[Reward], *,
+                 seq_len: int, multiple: int, pad_id: int):
+        self.options, self.prompts, self.processor, self.rewards = options, prompts, processor, rewards
+        self.seq_len, self.multiple, self.pad_id = seq_len, multiple, pad_id
+        self.iterations = options.num_iterations
+        self._figures: dict[str, list[float]] = {}
+
+    def _note(self, **values: float) -> None:
+        for name, value in values.items():
+            self._figures.setdefault(name, []).append(value)
+
+    @torch.no_grad()
+    def generate(self, prompts: dict[str, torch.Tensor], policy: nn.Module, *, seed: int) -> dict[str, torch.Tensor]:
+        from titanlike.inference.engine import Engine
+        from titanlike.inference.sampling import SamplingParams
+        from titanlike.objectives.grpo import group_advantages, kept_groups, overlong_penalty
+        from titanlike.rl.rewards import compute_rewards
+
+        o, g = self.options, self.options.num_generations
+        lengths = prompts["prompt_length"][:, 0].tolist()
+        rows = [r for r in prompts["row"][:, 0].tolist() for _ in range(g)]
+        ids = [prompts["prompt_ids"][i, :n].tolist() for i, n in enumerate(lengths) for _ in range(g)]
+        texts = [self.prompts.rows[r][PROMPT_COLUMN] for r in rows]
+        chat = [not isinstance(t, str) for t in texts]
+        stop = frozenset().union(*(self.processor.stop_ids(chat=c) for c in set(chat)))
+        params = SamplingParams(max_new_tokens=o.max_completion_length, temperature=o.temperature, top_k=o.top_k,
+                                top_p=o.top_p, stop_token_ids=stop, seed=seed, logprobs=True)
+        completions, stats = Engine(policy, context_len=self.seq_len).generate(ids, params)
+        answers = [self.processor.decode(c.tokens, stop_ids=stop) for c in completions]
+        # TRL's forms: a text completes a text prompt, an assistant message a conversation.
+        given = [[{"role": "assistant", "content": a}] if c else a for a, c in zip(answers, chat)]
+        columns = {k: [self.prompts.rows[r][k] for r in rows] for k in self.prompts.columns}
+        total, per_function, _ = compute_rewards(self.rewards, o.reward_weights or None, texts, given, columns,
+                                                 timeout=o.reward_timeout, slow=o.reward_slow_warning)
+        new = torch.tensor([len(c.tokens) for c in completions])
+        if o.overlong_buffer_length:
+            total = total + overlong_penalty(new, o.max_completion_length, o.overlong_buffer_length,
+                                             o.overlong_penalty_factor)
+        advantages = group_advantages(total, g, o.scale_rewards)
+        truncated = torch.tensor([c.finish_reason != "stop" for c in completions])
+        keep = torch.ones(len(rows), dtype=torch.bool)
+        if o.dynamic_sampling:  # DAPO: groups whose rewards are all equal teach nothing (not refilled here)
+            groups = kept_groups(total, g)
+            if groups.any():
+                keep = groups.repeat_interleave(g)
+        self._note(reward=_nan_mean(total), reward_std=_nan_std(total),
+                   completion_length=new.float().mean().item(), completion_length_max=float(new.max()),
+                   clipped_fraction=truncated.float().mean().item(), kept_fraction=keep.float().mean().item(),
+                   rollout_tokens_per_second=stats.tokens_per_second)
+        for reward, values in zip(self.rewards, per_function):
+            self._note(**{f"reward/{reward.name}/mean": _nan_mean(values),
+                          f"reward/{reward.name}/std": _nan_std(values)})
+        kept = keep.nonzero()[:, 0].tolist()
+        longest = max(len(ids[i]) + len(completions[i].tokens) - 1 for i in kept)
+        width = min(self.seq_len, -(-longest // self.multiple) * self.multiple)
+        inputs = torch.full((len(kept), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(kept), width), IGNORE_INDEX, dtype=torch.long)
+        engine = torch.zeros(len(kept), width)
+        for out, i in enumerate(kept):
+            prompt, c = ids[i], completions[i]
+            sequence = (prompt + c.tokens)[:width + 1]
+            inputs[out, :len(sequence) - 1] = torch.tensor(sequence[:-1])
+            start, n = len(prompt) - 1, len(sequence) - len(prompt)
+            labels[out, start:start + n] = torch.tensor(c.tokens[:n])
+            engine[out, start:start + n] = torch.tensor(c.logprobs[:n])
+        index = torch.tensor(kept)
+        return {"inputs": inputs, "labels": labels, "engine_logps": engine, "advantages": advantages[index],
+                "rewards": total[index], "truncated": truncated[index]}
+
+    def metrics(self) -> dict[str, float]:
+        """The figures of the batches generated since the last call, averaged (the maximum length: its
+        maximum); empty when none was."""
+        figures, self._figures = self._figures, {}
+        return {name: max(values) if name.endswith("_max") else sum(values) / len(values)
+                for name, values in figures.items()}
+
+
+def _nan_mean(values: torch.Tensor) -> float:
+    finite = values[~values.isnan()]
+    return finite.mean().item() if len(finite) else math.nan
+
+
+def _nan_std(values: torch.Tensor) -> float:
+    finite = values[~values.isnan()]
+    return finite.std(correction=0).item() if len(finite) > 1 else 0.0
+
+
+__all__ = ["GRPORollout", "PROMPT_COLUMN", "PromptRows", "PromptSamples"]
