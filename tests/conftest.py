@@ -193,11 +193,29 @@ def script_here(name: str, *args: str) -> InProcessRun:
 SLOW_FOLDERS = ("distributed", "integration", "layouts")
 
 
+# The suite runs on both cores of a CI machine (`-n 2`, pytest-xdist, `--dist loadgroup`). Each test file
+# is one group, so its module-scoped fixtures are built once; the tests that share launched worlds (the
+# train_run pool, the single-process reference, the layouts suite's worlds) form one group, so that every
+# world is launched once, as in a serial run.
+WORLD_FIXTURES = {"train_job_pool", "train_run", "train_runs", "single_process_reference"}
+WORLD_FOLDERS = ("layouts",)
+
+
+def _xdist_group(item, tests: Path) -> str:
+    folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+    if folder in WORLD_FOLDERS or WORLD_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return "worlds"
+    return str(item.path)
+
+
 def pytest_collection_modifyitems(config, items):
     tests = REPO / "tests"
+    grouped = config is not None and config.pluginmanager.hasplugin("xdist")
     for item in items:
         if item.path.is_relative_to(tests) and item.path.relative_to(tests).parts[0] in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
+        if grouped:
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item, tests)))
 
 
 def _refuse_process(name: str, what: str):

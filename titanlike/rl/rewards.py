@@ -158,9 +158,9 @@ def reward_model(path: str | None = None, *, tokenizer=None, device: str = "cpu"
         hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
         score = lambda ids: hf(input_ids=ids).logits[0]  # noqa: E731
     else:
-        import titanlike
+        from titanlike.checkpoint.hf import load_model
 
-        model = titanlike.load_model(path, device)
+        model = load_model(path, device)
         score = lambda ids: logits_of(model(ids))[0, -1]  # noqa: E731
     with torch.no_grad():
         width = score(torch.zeros(1, 1, dtype=torch.long, device=device)).numel()

@@ -113,7 +113,7 @@ class GRPORollout:
     def generate(self, prompts: dict[str, torch.Tensor], policy: nn.Module, *, seed: int) -> dict[str, torch.Tensor]:
         from titanlike.inference.engine import Engine
         from titanlike.inference.sampling import SamplingParams
-        from titanlike.objectives.grpo import group_advantages, kept_groups, overlong_penalty
+        from titanlike.rl.advantages import group_advantages, kept_groups, overlong_penalty
         from titanlike.rl.rewards import compute_rewards
 
         o, g = self.options, self.options.num_generations
