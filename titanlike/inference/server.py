@@ -581,6 +581,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):  # BrokenPipe, ConnectionReset, a send that timed out, a closed file
             # The client left (or stopped reading): free its slots at the next step.
             self._refusal = "the client disconnected"
+            self._status = 499  # nginx's code for a request its client closed
             self.close_connection = True
         finally:
             self._tokens = (self._tokens[0], sum(len(seq.completion.tokens) for seq in seqs))
@@ -630,13 +631,15 @@ class _Handler(BaseHTTPRequestHandler):
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _answer(self, request: _Request, seqs: list[Sequence], events: queue.Queue) -> None:
-        remaining = len(seqs)
+        remaining, look = len(seqs), time.monotonic() + DISCONNECT_POLL
         while remaining:
+            if time.monotonic() >= look:  # text events keep coming while it decodes: look by the clock
+                if self._client_gone():
+                    raise ConnectionAbortedError("the client disconnected")
+                look = time.monotonic() + DISCONNECT_POLL
             try:
                 kind, _, seq = events.get(timeout=DISCONNECT_POLL)
             except queue.Empty:
-                if self._client_gone():
-                    raise ConnectionAbortedError("the client disconnected") from None
                 continue
             if kind == "done":
                 remaining -= 1
