@@ -212,7 +212,7 @@ class _Render(threading.local):
 
     def tick(self) -> None:
         self.ticks += 1
-        if self.ticks % 256 == 0:
+        if not self.ticks & 255:
             self.check_time()
 
     def check_size(self, size: int, what: str) -> None:
@@ -275,7 +275,11 @@ def _compile(source: str):
         intercepted_binops = frozenset({"*", "+", "**", "%"})
 
         def call_binop(self, context, operator, left, right):
-            state.check_time()
+            if operator == "+" and type(left) is str and type(right) is str:  # text joined: the common case, fast
+                if len(left) + len(right) > state.max_chars:
+                    state.check_size(len(left) + len(right), "a string joined")
+                return left + right
+            state.tick()
             if operator == "*":
                 for seq, times in ((left, right), (right, left)):
                     if _sized(seq) is not None and isinstance(times, int):
@@ -301,19 +305,26 @@ def _compile(source: str):
             return _checked(super().call(__context, __obj, *args, **kwargs))
 
         def getattr(self, obj, attribute):
-            state.tick()
+            state.ticks += 1
+            if not state.ticks & 255:
+                state.check_time()
             return super().getattr(obj, attribute)
 
         def getitem(self, obj, argument):
-            state.tick()
+            state.ticks += 1
+            if not state.ticks & 255:
+                state.check_time()
             return super().getitem(obj, argument)
 
     def _check_args(values, what: str) -> None:
         # A width, a count or a repeat beyond the size limit asks for text beyond it (center, indent,
         # ljust, wordwrap, '%*d', '{:>N}'.format...): refused before it is built.
+        # A string or list argument past the limit (a macro doubling its argument) is refused too.
         for value in values:
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > state.max_chars:
                 raise _Limit(f"{what} {value} is beyond the size limit of {state.max_chars}")
+            if _sized(value) is not None:
+                state.check_size(len(value), what)
 
     def _check_format(text: str, spec: str) -> None:
         # A width or precision of as many digits as the size limit has asks for text beyond it.
@@ -374,8 +385,10 @@ def render(template: ChatTemplate, messages: Sequence[dict], *, add_generation_p
                                        **template.variables):
             blocks.append(block)
             state.length += len(block)
-            state.check_size(state.length, "the rendered text")
-            state.check_time()
+            if state.length > template.max_chars:
+                state.check_size(state.length, "the rendered text")
+            if not len(blocks) & 63:
+                state.check_time()
         return "".join(blocks), state.spans
     except _Limit as e:
         raise TemplateLimitError(f"the chat template ({template.origin}) was stopped: {e}") from None
