@@ -105,14 +105,17 @@ def test_rendering_many_turns_is_linear_and_prefixes_stop_at_the_truncation(monk
     from titanlike.data import DEFAULT_TOKENIZER_PATH
 
     tok = build_tokenizer(DEFAULT_TOKENIZER_PATH)
-    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(4000)]
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(8000)]
     tagged = load_chat_template("llama3", tok)
     times = []
-    for n in (1000, 4000):
-        start = time.perf_counter()
-        render(tagged, turns[:n])
-        times.append(time.perf_counter() - start)
-    assert times[1] < 4 * times[0] * 2, times  # 4x the turns: about 4x the time, never 16x
+    for n in (2000, 8000):
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            render(tagged, turns[:n])
+            best = min(best, time.perf_counter() - start)
+        times.append(best)
+    assert times[1] < 8 * times[0], times  # 4x the turns: about 4x the time (it was 16x)
 
     plain = ChatTemplate(CHATML_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""),
                          "chatml without tags", tagged.variables)
