@@ -84,7 +84,10 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 
 
 def _max_int_digits() -> int:
-    limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+    try:
+        limit = sys.get_int_max_str_digits()
+    except AttributeError:  # Python before 3.11 (and its security releases) has no limit
+        limit = 0
     return limit or 4300  # 0: the limit is off in this process; 4300 is Python's default
 
 
@@ -483,6 +486,7 @@ def _finish_reason(seq: Sequence) -> str:
 
 class _Handler(BaseHTTPRequestHandler):
     app: OpenAIServer
+    _body_read = True  # False while a POST's body is unread (do_POST)
     protocol_version = "HTTP/1.1"
     server_version = "titanlike"
 
@@ -498,7 +502,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, error: ApiError) -> None:
-        if not getattr(self, "_body_read", True):  # the connection cannot carry another request
+        if not self._body_read:  # the connection cannot carry another request
             self.close_connection = True
         self._send_json(error.status, error.body())
 
