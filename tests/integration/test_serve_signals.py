@@ -60,7 +60,8 @@ def test_sigterm_finishes_or_cancels_the_requests_in_flight_within_the_bound_and
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
     try:
         start = lines.get(timeout=120)
-        assert start.startswith("serving tiny at http://127.0.0.1:") and "bound to 127.0.0.1, this machine only" in start
+        assert start.startswith("serving tiny at http://127.0.0.1:"), start
+        assert "bound to 127.0.0.1, this machine only" in start
         url = start.split(" at ")[1].split("/v1")[0]
         answers: dict = {}
         short = {"model": "tiny", "prompt": "In the beginning", "max_tokens": 50, "temperature": 0}

@@ -168,8 +168,8 @@ def test_a_body_shorter_than_announced_times_out_with_408(server, client):
 @pytest.mark.parametrize("body, words", [
     (b'{"model": "tiny", "prompt": "x", "seed": ' + b"9" * 5000 + b"}", "an integer of 5000 digits"),
     (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
-    (json.dumps({"model": "tiny", "prompt": "x", "user": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]})
-     .encode(), "nests deeper than 32 levels"),
+    (json.dumps({"model": "tiny", "prompt": "x", "user": json.loads("[" * 33 + "]" * 33)}).encode(),
+     "nests deeper than 32 levels"),
     (b"\xff\xfe{}", "not valid JSON"),
 ], ids=["5000-digit-int", "100k-deep", "33-deep", "not-utf8"])
 def test_huge_integers_and_deep_json_are_a_400_in_one_log_line(server, client, caplog, capfd, body, words):

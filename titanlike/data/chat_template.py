@@ -396,9 +396,8 @@ def render(template: ChatTemplate, messages: Sequence[dict], *, add_generation_p
         raise TemplateLimitError(f"the chat template ({template.origin}) was stopped: the sandbox refuses "
                                  f"{_one_line(e)}") from None
     except (RecursionError, MemoryError) as e:
-        raise TemplateLimitError(f"the chat template ({template.origin}) was stopped: "
-                                 f"{'it recursed too deeply' if isinstance(e, RecursionError) else 'it ran out of memory'}"
-                                 ) from None
+        rule = "it recursed too deeply" if isinstance(e, RecursionError) else "it ran out of memory"
+        raise TemplateLimitError(f"the chat template ({template.origin}) was stopped: {rule}") from None
     finally:
         state.spans, state.deadline = None, float("inf")
 
