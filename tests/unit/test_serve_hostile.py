@@ -188,7 +188,7 @@ def test_huge_integers_and_deep_json_are_a_400_in_one_log_line(server, client, c
 @pytest.mark.parametrize("call, param, words", [
     (dict(temperature=1e-40), "temperature", "'temperature' must be a finite number >= 0 (0: greedy, else at least"),
     (dict(temperature=0.5, extra_body={"repetition_penalty": 1e-40}), "repetition_penalty",
-     "'repetition_penalty' must be a finite number from 0.01 to 100"),
+     "'repetition_penalty' must be a finite number > 0, from 0.01 to 100"),
     (dict(temperature=0.5, extra_body={"repetition_penalty": 1e40}), "repetition_penalty", "from 0.01 to 100"),
     (dict(seed=2**64), "seed", "'seed' must be an integer from 0 to 9223372036854775807"),
     (dict(seed=-1), "seed", "'seed' must be an integer from 0 to"),

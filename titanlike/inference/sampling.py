@@ -59,7 +59,7 @@ class SamplingParams:
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "a number in (0, 1] (1: no nucleus filtering)")
         if not _finite(self.repetition_penalty) or not MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY:
-            raise bad("repetition_penalty", self.repetition_penalty, f"a finite number from {MIN_PENALTY:g} to "
+            raise bad("repetition_penalty", self.repetition_penalty, f"a finite number > 0, from {MIN_PENALTY:g} to "
                       f"{MAX_PENALTY:g} (1: no penalty)")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", sorted(self.stop_token_ids, key=str), "token ids (integers >= 0)")
