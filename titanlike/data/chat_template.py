@@ -436,16 +436,21 @@ def overlap_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, 
     return mask
 
 
-def assistant_spans(template: ChatTemplate, messages: Sequence[dict], *, char_limit: int | None = None
-                    ) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(template: ChatTemplate, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the character spans of the assistant's turns): the template's
     generation blocks, or the spans found by re-rendering prefixes (module docstring). DataError
-    when a template without generation tags rewrites earlier turns. char_limit: the text past this
-    character is cut anyway (truncation), so turns starting there are not re-rendered: each
-    re-rendering costs the turns before it, and 10^5 turns would cost 10^10."""
+    when a template without generation tags rewrites earlier turns."""
     text, spans = render(template, messages)
     if template.has_generation_tags:
         return text, spans
+    return text, _prefix_spans(template, messages, text)
+
+
+def _prefix_spans(template: ChatTemplate, messages: Sequence[dict], text: str, char_limit: int | None = None
+                  ) -> list[tuple[int, int]]:
+    """The assistant turns' spans in `text` by re-rendering prefixes. char_limit: the text past this
+    character is cut anyway (truncation), so turns starting there are not re-rendered: each
+    re-rendering costs the turns before it, and 10^5 turns would cost 10^10."""
     spans = []
     for k, message in enumerate(messages):
         if message.get("role") != "assistant":
@@ -459,22 +464,19 @@ def assistant_spans(template: ChatTemplate, messages: Sequence[dict], *, char_li
                             "turns follow, so its assistant tokens cannot be found by re-rendering; use a template "
                             "with {% generation %} tags (sft.chat_template)")
         spans.append((len(prompt), len(upto)))
-    return text, spans
+    return spans
 
 
 def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[dict], *,
                           max_tokens: int | None = None) -> tuple[list[int], list[bool]]:
     """A conversation's token ids and, per token, whether it is the assistant's. max_tokens: the
     caller keeps at most this many (it truncates): the mask of the tokens past them may be left
-    unfound (False), which spares re-rendering the turns that lie there (assistant_spans)."""
-    if max_tokens is None or template.has_generation_tags:
-        text, spans = assistant_spans(template, messages)
-        ids, offsets = encode_with_offsets(tokenizer, text)
-        return ids, overlap_mask(offsets, spans)
-    text, _ = render(template, messages)
+    unfound (False), which spares re-rendering the turns that lie there (_prefix_spans)."""
+    text, spans = render(template, messages)
     ids, offsets = encode_with_offsets(tokenizer, text)
-    char_limit = offsets[max_tokens - 1][1] if 0 < max_tokens < len(ids) else None
-    text, spans = assistant_spans(template, messages, char_limit=char_limit)
+    if not template.has_generation_tags:
+        char_limit = offsets[max_tokens - 1][1] if max_tokens is not None and 0 < max_tokens < len(ids) else None
+        spans = _prefix_spans(template, messages, text, char_limit)
     return ids, overlap_mask(offsets, spans)
 
 
