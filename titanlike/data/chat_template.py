@@ -199,8 +199,8 @@ class _Render(threading.local):
     characters yielded so far, the spans of `{% generation %}` blocks, the deadline and the size cap."""
 
     def __init__(self) -> None:
-        self.length = 0
-        self.spans: list[tuple[int, int]] | None = None
+        self.blocks: list[str] = []
+        self.spans: list[tuple[int, int]] | None = None  # (blocks yielded before it, its length)
         self.deadline = float("inf")
         self.time_limit = 0.0
         self.max_chars = MAX_RENDER_CHARS
@@ -264,9 +264,10 @@ def _compile(source: str):
         def _span(self, caller):
             text = caller()
             if state.spans is not None:
-                # Everything rendered before this block has been yielded already (see render()), and
-                # counted as it was: a running length, so many turns cost no more than their text.
-                state.spans.append((state.length, state.length + len(text)))
+                # Everything rendered before this block has been yielded already (see render()): its
+                # start is the length of those blocks, summed once at the end (summing them here,
+                # at every block, was quadratic in the turns).
+                state.spans.append((len(state.blocks), len(text)))
             return text
 
     class Limited(ImmutableSandboxedEnvironment):
@@ -295,13 +296,15 @@ def _compile(source: str):
             return super().call_binop(context, operator, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's spelling)
-            state.check_time()
-            method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
-            if isinstance(getattr(method, "__self__", None), str) and getattr(method, "__name__", "") in (
-                    "format", "format_map"):
-                _check_format(method.__self__, r"[:!][^{}]*?")
-            _check_args(args, "a call's argument")
-            _check_args(kwargs.values(), "a call's argument")
+            state.tick()
+            if getattr(__obj, "__name__", None) in ("format", "format_map"):
+                method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+                if isinstance(getattr(method, "__self__", None), str):
+                    _check_format(method.__self__, r"[:!][^{}]*?")
+            if args:
+                _check_args(args, "a call's argument")
+            if kwargs:
+                _check_args(kwargs.values(), "a call's argument")
             return _checked(super().call(__context, __obj, *args, **kwargs))
 
         def getattr(self, obj, attribute):
@@ -341,9 +344,11 @@ def _compile(source: str):
 
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
-            state.check_time()
-            _check_args(args[offset:], "a filter's argument")
-            _check_args(kwargs.values(), "a filter's argument")
+            state.tick()
+            if len(args) > offset:
+                _check_args(args[offset:], "a filter's argument")
+            if kwargs:
+                _check_args(kwargs.values(), "a filter's argument")
             return _checked(f(*args, **kwargs))
 
         return wrapper
@@ -377,19 +382,25 @@ def render(template: ChatTemplate, messages: Sequence[dict], *, add_generation_p
     compiled, state = _compile(template.source)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     blocks: list[str] = []
-    state.length, state.spans, state.ticks = 0, [], 0
+    state.blocks, state.spans, state.ticks = blocks, [], 0
     state.time_limit, state.max_chars = template.time_limit, template.max_chars
     state.deadline = time.monotonic() + template.time_limit
+    length, max_chars = 0, template.max_chars
     try:
         for block in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                        **template.variables):
             blocks.append(block)
-            state.length += len(block)
-            if state.length > template.max_chars:
-                state.check_size(state.length, "the rendered text")
+            length += len(block)
+            if length > max_chars:
+                state.check_size(length, "the rendered text")
             if not len(blocks) & 63:
                 state.check_time()
-        return "".join(blocks), state.spans
+        spans, done, total = [], 0, 0
+        for index, size in state.spans:
+            while done < index:
+                total, done = total + len(blocks[done]), done + 1
+            spans.append((total, total + size))
+        return "".join(blocks), spans
     except _Limit as e:
         raise TemplateLimitError(f"the chat template ({template.origin}) was stopped: {e}") from None
     except SecurityError as e:
@@ -399,7 +410,7 @@ def render(template: ChatTemplate, messages: Sequence[dict], *, add_generation_p
         rule = "it recursed too deeply" if isinstance(e, RecursionError) else "it ran out of memory"
         raise TemplateLimitError(f"the chat template ({template.origin}) was stopped: {rule}") from None
     finally:
-        state.spans, state.deadline = None, float("inf")
+        state.blocks, state.spans, state.deadline = [], None, float("inf")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ def _parse_json(raw: bytes):
         if isinstance(value, (dict, list)):
             if depth > MAX_JSON_DEPTH:
                 raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
-            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)
+                         if isinstance(v, (dict, list)))
     return body
 
 
@@ -287,7 +288,7 @@ class OpenAIServer:
             prompts = [self._chat_prompt(body.get("messages"))]
             stops = self.processor.stop_ids(chat=True)
         else:
-            prompts = self._completion_prompts(body.get("prompt"))
+            prompts = self._completion_prompts(body.get("prompt"), n)
             stops = self.processor.stop_ids(chat=False)
 
         context = self.batch.capacity
@@ -317,10 +318,6 @@ class OpenAIServer:
         if stop_chars > MAX_STOP_CHARS:
             raise ApiError(400, f"'stop' holds {stop_chars} characters, more than the {MAX_STOP_CHARS} this server "
                            "searches each new piece of text for", "stop")
-        if len(prompts) * n > MAX_REQUEST_SEQUENCES:
-            raise ApiError(400, f"{len(prompts)} prompts x n {n} ask for {len(prompts) * n} sequences, more than the "
-                           f"{MAX_REQUEST_SEQUENCES} one request may queue; send fewer prompts or a lower n",
-                           "prompt" if len(prompts) > 1 else "n")
         seed = body.get("seed")
         if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= MAX_SEED:
             raise ApiError(400, f"'seed' must be an integer from 0 to {MAX_SEED}, got {seed}", "seed")
@@ -350,7 +347,7 @@ class OpenAIServer:
                     raise ApiError(400, f"'{name}' {rest}", name) from None
         return _Request(chat, prompts, params, n, bool(stream), include_usage)
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _completion_prompts(self, prompt, n: int = 1) -> list[list[int]]:
         def bad() -> ApiError:
             return ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
                             "lists of token ids", "prompt")
@@ -367,6 +364,10 @@ class OpenAIServer:
         else:
             raise ApiError(400, "'prompt' is empty: give some text or token ids", "prompt") \
                 if isinstance(prompt, list) else bad()
+        if len(items) * n > MAX_REQUEST_SEQUENCES:  # before tokenizing them all
+            raise ApiError(400, f"{len(items)} prompts x n {n} ask for {len(items) * n} sequences, more than the "
+                           f"{MAX_REQUEST_SEQUENCES} one request may queue; send fewer prompts or a lower n",
+                           "prompt" if len(items) > 1 else "n")
         out, vocab = [], self.processor.tokenizer.vocab_size
         for item in items:
             if isinstance(item, str):
