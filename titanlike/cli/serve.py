@@ -9,6 +9,11 @@ chat template, titanlike's llama3 template if it has none), streaming by server-
 /v1/models, /health. Concurrent requests share each decode step (continuous batching: up to
 --max-batch-size sequences, a finished one's slot refilled at once). One process, one device; the
 logic is titanlike/inference/server.py.
+
+It listens on 127.0.0.1 (this machine only) unless --host says otherwise, and says so at start; on
+every interface without an API key (--api-key or TITANLIKE_API_KEY) it warns that anyone who can
+reach the port can use it. SIGTERM (or Ctrl-C) drains: no new connection is accepted, the requests
+in flight get up to --drain-seconds to finish, the rest are answered 503, and the exit status is 0.
 """
 
 from __future__ import annotations
@@ -16,7 +21,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
+
+API_KEY_ENV = "TITANLIKE_API_KEY"
 
 
 def build_server(argv: list[str] | None = None, prog: str | None = None):
@@ -35,6 +44,14 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
                         "model's context, at most 4096, which bounds the cache's memory)")
     parser.add_argument("--chat-template", default="auto", help="'auto' (the tokenizer's, else llama3), a builtin "
                         "name or a Jinja file, as sft.chat_template")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but "
+                        f"/health (default: the environment variable {API_KEY_ENV}; neither: no key)")
+    parser.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long the requests in "
+                        "flight may take to finish before they are cancelled")
+    parser.add_argument("--max-connections", type=int, default=256, help="open connections at most (one past it "
+                        "is answered 503)")
+    parser.add_argument("--read-timeout", type=float, default=30.0, help="seconds a client may take to send the "
+                        "next bytes of its request before its connection is closed")
     args = parser.parse_args(argv)
 
     from titanlike.inference import GenerationError
@@ -50,6 +67,13 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
         return None, f"--max-model-len must be at least 2, got {args.max_model_len}"
     if not 0 <= args.port <= 65535:
         return None, f"--port must be from 0 to 65535, got {args.port}"
+    if not 0 <= args.drain_seconds <= 3600:
+        return None, f"--drain-seconds must be from 0 to 3600, got {args.drain_seconds:g}"
+    if args.max_connections < 1:
+        return None, f"--max-connections must be at least 1, got {args.max_connections}"
+    if not 0 < args.read_timeout <= 3600:
+        return None, f"--read-timeout must be more than 0 and at most 3600 seconds, got {args.read_timeout:g}"
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
 
     from titanlike.inference import Engine
     from titanlike.inference.loading import load_model_arguments
@@ -70,10 +94,27 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
     try:
         server = OpenAIServer(engine, processor, model_name=name, slots=args.max_batch_size, host=args.host,
-                              port=args.port)
+                              port=args.port, api_key=api_key, max_connections=args.max_connections,
+                              read_timeout=args.read_timeout, drain_seconds=args.drain_seconds)
     except OSError as e:
         return None, f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
     return server, None
+
+
+def start_lines(server) -> list[str]:
+    """What titanlike-serve says at start: where it listens, who can reach it, and a warning when
+    every interface can without an API key."""
+    host, _ = server.address
+    everywhere = host in ("0.0.0.0", "::", "")
+    reach = "every interface: other machines can reach it" if everywhere else \
+        "this machine only" if host in ("127.0.0.1", "::1", "localhost") else f"the interface of {host}"
+    lines = [f"serving {server.model_name} at {server.url}/v1 ({server.batch.slots} slots of "
+             f"{server.batch.capacity} tokens; bound to {host}, {reach}; "
+             f"{'an API key is required' if server.api_key else 'no API key'}; SIGTERM or Ctrl-C drains and stops)"]
+    if everywhere and not server.api_key:
+        lines.append(f"warning: listening on {host} without an API key: anyone who can reach port "
+                     f"{server.address[1]} can use this model; set --api-key or {API_KEY_ENV}")
+    return lines
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -82,12 +123,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    print(f"serving {server.model_name} at {server.url}/v1 ({server.batch.slots} slots of "
-          f"{server.batch.capacity} tokens; Ctrl-C stops)", file=sys.stderr, flush=True)
+    for line in start_lines(server):
+        print(line, file=sys.stderr, flush=True)
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum, frame):
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server.start()
+        while not stop.wait(0.5):  # a timed wait, so the handler runs promptly
+            pass
+        busy = server.batch.active + len(server.batch.waiting)
+        print(f"received {received[0]}: no new connections; {busy} sequences in flight get up to "
+              f"{server.drain_seconds:g} s to finish", file=sys.stderr, flush=True)
+        cancelled = server.drain(server.drain_seconds)
+        print(f"stopped ({cancelled} sequences cancelled)", file=sys.stderr, flush=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

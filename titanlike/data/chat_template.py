@@ -21,12 +21,24 @@ drops old reasoning) cannot be split so and is refused in one sentence, naming g
 Templates of our own serve tokenizers without one (`BUILTIN_TEMPLATES`): Llama 3's format (whose
 header and end-of-turn tokens every Llama-3-format tokenizer, the debug one included, has) and
 ChatML, both with generation tags.
+
+A template is data a downloaded folder or a server's operator supplies, so rendering is bounded
+(issue 46): Jinja's immutable sandbox (no attribute walks to Python internals, no mutating
+methods), a time limit (`ChatTemplate.time_limit`, checked at every call, attribute, operator and
+`range` item), and a size limit on the text (`max_chars`, checked before a string or list is
+multiplied or joined and on every piece rendered). A template that breaks a rule stops with a
+DataError naming the template and the rule (`TemplateLimitError`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import threading
+import time
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -65,13 +77,25 @@ BUILTIN_TEMPLATES = {"llama3": LLAMA3_TEMPLATE, "chatml": CHATML_TEMPLATE}
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+RENDER_SECONDS = 10.0  # one rendering; a conversation of 10^5 turns renders in about a second
+MAX_RENDER_CHARS = 1 << 26  # 64 Mi characters of text, or items of a list a template builds
+MAX_RANGE = 100_000  # items of one range(), Jinja's sandbox's own cap
+
+
+class TemplateLimitError(DataError):
+    """A chat template broke one of the rendering rules (the module docstring's limits)."""
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
-    """A template's source, where it came from (for messages), and the variables it renders with."""
+    """A template's source, where it came from (for messages), the variables it renders with, and
+    the limits of one rendering (seconds, characters)."""
 
     source: str
     origin: str  # "tokenizer_config.json of FOLDER", "titanlike's llama3 template", a file path
     variables: dict[str, str]
+    time_limit: float = RENDER_SECONDS
+    max_chars: int = MAX_RENDER_CHARS
 
     @property
     def has_generation_tags(self) -> bool:
@@ -166,12 +190,59 @@ def _one_line(e: BaseException) -> str:
 # The Jinja environment (transformers' settings), compiled once per template.
 
 
-class _Tracker:
-    """The character spans `{% generation %}` blocks produced in the render under way."""
+class _Limit(Exception):
+    """Raised inside a rendering that broke a rule; render() names the template (TemplateLimitError)."""
+
+
+class _Render(threading.local):
+    """The rendering under way in this thread (server threads render one template concurrently): the
+    characters yielded so far, the spans of `{% generation %}` blocks, the deadline and the size cap."""
 
     def __init__(self) -> None:
-        self.blocks: list[str] | None = None
-        self.spans: list[tuple[int, int]] | None = None
+        self.blocks: list[str] = []
+        self.spans: list[tuple[int, int]] | None = None  # (blocks yielded before it, its length)
+        self.deadline = float("inf")
+        self.time_limit = 0.0
+        self.max_chars = MAX_RENDER_CHARS
+        self.ticks = 0
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _Limit(f"it ran past the time limit of {self.time_limit:g} s (a loop too long?)")
+
+    def tick(self) -> None:
+        self.ticks += 1
+        if not self.ticks & 255:
+            self.check_time()
+
+    def check_size(self, size: int, what: str) -> None:
+        if size > self.max_chars:
+            raise _Limit(f"{what} would hold {size} items or characters, more than the limit of {self.max_chars}")
+
+
+class _Range(SequenceABC):
+    """range() for templates: at most MAX_RANGE items, and each item a tick of the time limit (a loop
+    over it may have no other hook: `{% for i in range(n) %}{% endfor %}`)."""
+
+    def __init__(self, state: _Render, *args) -> None:
+        self._range, self._state = range(*args), state
+        if len(self._range) > MAX_RANGE:
+            raise _Limit(f"range() of {len(self._range)} items is more than the limit of {MAX_RANGE}")
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __getitem__(self, index):
+        return self._range[index]
+
+    def __iter__(self):
+        for item in self._range:
+            self._state.tick()
+            yield item
+
+
+def _sized(value) -> int | None:
+    return len(value) if isinstance(value, (str, list, tuple)) else None
 
 
 @lru_cache(maxsize=32)
@@ -180,7 +251,7 @@ def _compile(source: str):
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    tracker = _Tracker()
+    state = _Render()
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
@@ -192,11 +263,95 @@ def _compile(source: str):
 
         def _span(self, caller):
             text = caller()
-            if tracker.blocks is not None:
-                # Everything rendered before this block has been yielded already (see render()).
-                start = sum(len(b) for b in tracker.blocks)
-                tracker.spans.append((start, start + len(text)))
+            if state.spans is not None:
+                # Everything rendered before this block has been yielded already (see render()): its
+                # start is the length of those blocks, summed once at the end (summing them here,
+                # at every block, was quadratic in the turns).
+                state.spans.append((len(state.blocks), len(text)))
             return text
+
+    class Limited(ImmutableSandboxedEnvironment):
+        """The immutable sandbox with the time and size rules at each hook it offers."""
+
+        intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "+" and type(left) is str and type(right) is str:  # text joined: the common case, fast
+                if len(left) + len(right) > state.max_chars:
+                    state.check_size(len(left) + len(right), "a string joined")
+                return left + right
+            state.tick()
+            if operator == "*":
+                for seq, times in ((left, right), (right, left)):
+                    if _sized(seq) is not None and isinstance(times, int):
+                        state.check_size(_sized(seq) * max(times, 0), "a string or list multiplied")
+            elif operator == "+" and _sized(left) is not None and _sized(right) is not None:
+                state.check_size(_sized(left) + _sized(right), "a string or list joined")
+            elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                    and right > 4096:
+                raise _Limit(f"{left} ** {right} is a number of more than 1,000 digits")
+            elif operator == "%" and isinstance(left, str):
+                _check_format(left, r"%[^a-zA-Z%]*?")
+                _check_args(right if isinstance(right, tuple) else (right,), "a %-format's value")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's spelling)
+            state.tick()
+            if getattr(__obj, "__name__", None) in ("format", "format_map"):
+                method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+                if isinstance(getattr(method, "__self__", None), str):
+                    _check_format(method.__self__, r"[:!][^{}]*?")
+            if args:
+                _check_args(args, "a call's argument")
+            if kwargs:
+                _check_args(kwargs.values(), "a call's argument")
+            return _checked(super().call(__context, __obj, *args, **kwargs))
+
+        def getattr(self, obj, attribute):
+            state.ticks += 1
+            if not state.ticks & 255:
+                state.check_time()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            state.ticks += 1
+            if not state.ticks & 255:
+                state.check_time()
+            return super().getitem(obj, argument)
+
+    def _check_args(values, what: str) -> None:
+        # A width, a count or a repeat beyond the size limit asks for text beyond it (center, indent,
+        # ljust, wordwrap, '%*d', '{:>N}'.format...): refused before it is built.
+        # A string or list argument past the limit (a macro doubling its argument) is refused too.
+        for value in values:
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > state.max_chars:
+                raise _Limit(f"{what} {value} is beyond the size limit of {state.max_chars}")
+            if _sized(value) is not None:
+                state.check_size(len(value), what)
+
+    def _check_format(text: str, spec: str) -> None:
+        # A width or precision of as many digits as the size limit has asks for text beyond it.
+        if re.search(spec + r"\d{%d,}" % len(str(state.max_chars)), text):
+            raise _Limit(f"a format's width or precision is beyond the size limit of {state.max_chars}")
+
+    def _checked(result):
+        if _sized(result) is not None:
+            state.check_size(len(result), "a value")
+        return result
+
+    def limited_filter(f):
+        offset = 2 if hasattr(f, "jinja_pass_arg") else 1  # (context,) value, then the filter's arguments
+
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            state.tick()
+            if len(args) > offset:
+                _check_args(args[offset:], "a filter's argument")
+            if kwargs:
+                _check_args(kwargs.values(), "a filter's argument")
+            return _checked(f(*args, **kwargs))
+
+        return wrapper
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -205,31 +360,57 @@ def _compile(source: str):
         # Not Jinja's own filter, which escapes HTML characters.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = Limited(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters = {name: limited_filter(f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["dict"] = dict
     env.globals["namespace"] = jinja2.utils.Namespace
-    return env.from_string(source), tracker
+    env.globals["range"] = lambda *args: _Range(state, *args)
+    return env.from_string(source), state
 
 
 def render(template: ChatTemplate, messages: Sequence[dict], *, add_generation_prompt: bool = False
            ) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered text, the character spans of its generation blocks). Messages' keys whose value
-    is None are dropped first, as transformers does. Exceptions of the template propagate."""
-    compiled, tracker = _compile(template.source)
+    is None are dropped first, as transformers does. A rule broken (time, size) or an operation the
+    sandbox refuses is a TemplateLimitError naming the template; the template's other exceptions
+    (its raise_exception) propagate."""
+    from jinja2.exceptions import SecurityError
+
+    compiled, state = _compile(template.source)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     blocks: list[str] = []
-    tracker.blocks, tracker.spans = blocks, []
+    state.blocks, state.spans, state.ticks = blocks, [], 0
+    state.time_limit, state.max_chars = template.time_limit, template.max_chars
+    state.deadline = time.monotonic() + template.time_limit
+    length, max_chars = 0, template.max_chars
     try:
         for block in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                        **template.variables):
             blocks.append(block)
-        return "".join(blocks), tracker.spans
+            length += len(block)
+            if length > max_chars:
+                state.check_size(length, "the rendered text")
+            if not len(blocks) & 63:
+                state.check_time()
+        spans, done, total = [], 0, 0
+        for index, size in state.spans:
+            while done < index:
+                total, done = total + len(blocks[done]), done + 1
+            spans.append((total, total + size))
+        return "".join(blocks), spans
+    except _Limit as e:
+        raise TemplateLimitError(f"the chat template ({template.origin}) was stopped: {e}") from None
+    except SecurityError as e:
+        raise TemplateLimitError(f"the chat template ({template.origin}) was stopped: the sandbox refuses "
+                                 f"{_one_line(e)}") from None
+    except (RecursionError, MemoryError) as e:
+        rule = "it recursed too deeply" if isinstance(e, RecursionError) else "it ran out of memory"
+        raise TemplateLimitError(f"the chat template ({template.origin}) was stopped: {rule}") from None
     finally:
-        tracker.blocks = tracker.spans = None
+        state.blocks, state.spans, state.deadline = [], None, float("inf")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,24 +454,40 @@ def assistant_spans(template: ChatTemplate, messages: Sequence[dict]) -> tuple[s
     text, spans = render(template, messages)
     if template.has_generation_tags:
         return text, spans
+    return text, _prefix_spans(template, messages, text)
+
+
+def _prefix_spans(template: ChatTemplate, messages: Sequence[dict], text: str, char_limit: int | None = None
+                  ) -> list[tuple[int, int]]:
+    """The assistant turns' spans in `text` by re-rendering prefixes. char_limit: the text past this
+    character is cut anyway (truncation), so turns starting there are not re-rendered: each
+    re-rendering costs the turns before it, and 10^5 turns would cost 10^10."""
     spans = []
     for k, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
         prompt, _ = render(template, messages[:k], add_generation_prompt=True)
+        if char_limit is not None and len(prompt) >= char_limit and text.startswith(prompt):
+            break
         upto, _ = render(template, messages[: k + 1])
         if not (text.startswith(prompt) and text.startswith(upto) and len(upto) >= len(prompt)):
             raise DataError(f"{template.origin} renders the turns before assistant turn {k} differently once later "
                             "turns follow, so its assistant tokens cannot be found by re-rendering; use a template "
                             "with {% generation %} tags (sft.chat_template)")
         spans.append((len(prompt), len(upto)))
-    return text, spans
+    return spans
 
 
-def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[bool]]:
-    """A conversation's token ids and, per token, whether it is the assistant's."""
-    text, spans = assistant_spans(template, messages)
+def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[dict], *,
+                          max_tokens: int | None = None) -> tuple[list[int], list[bool]]:
+    """A conversation's token ids and, per token, whether it is the assistant's. max_tokens: the
+    caller keeps at most this many (it truncates): the mask of the tokens past them may be left
+    unfound (False), which spares re-rendering the turns that lie there (_prefix_spans)."""
+    text, spans = render(template, messages)
     ids, offsets = encode_with_offsets(tokenizer, text)
+    if not template.has_generation_tags:
+        char_limit = offsets[max_tokens - 1][1] if max_tokens is not None and 0 < max_tokens < len(ids) else None
+        spans = _prefix_spans(template, messages, text, char_limit)
     return ids, overlap_mask(offsets, spans)
 
 
@@ -299,8 +496,14 @@ def end_of_turn_ids(template: ChatTemplate, tokenizer) -> set[int]:
     token the template writes after the assistant's text (Llama 3's <|eot_id|>, ChatML's
     <|im_end|>, Gemma's <end_of_turn>, Mistral's EOS), and the tokenizer's EOS."""
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
-    prompt, _ = render(template, probe[:1], add_generation_prompt=True)
-    ids, mask = tokenize_conversation(template, tokenizer, probe)
+    try:
+        prompt, _ = render(template, probe[:1], add_generation_prompt=True)
+        ids, mask = tokenize_conversation(template, tokenizer, probe)
+    except DataError:
+        raise
+    except Exception as e:  # its raise_exception, an undefined name...: one sentence where it is loaded
+        raise DataError(f"the chat template ({template.origin}) cannot render a user turn and an assistant answer: "
+                        f"{_one_line(e)}") from None
     prompt_ids, _ = encode_with_offsets(tokenizer, prompt)
     answer = encode_with_offsets(tokenizer, "ok")[0]
     after = len(prompt_ids) + len(answer)
@@ -316,6 +519,6 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict])
     return encode_with_offsets(tokenizer, text)[0]
 
 
-__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "ChatTemplate", "LLAMA3_TEMPLATE", "assistant_spans",
-           "chat_prompt_ids", "encode_with_offsets", "end_of_turn_ids", "folder_chat_template", "load_chat_template", "overlap_mask", "render",
-           "tokenize_conversation"]
+__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "ChatTemplate", "LLAMA3_TEMPLATE", "TemplateLimitError",
+           "assistant_spans", "chat_prompt_ids", "encode_with_offsets", "end_of_turn_ids", "folder_chat_template",
+           "load_chat_template", "overlap_mask", "render", "tokenize_conversation"]

@@ -197,13 +197,16 @@ class TokenizedConversations:
         return np.diff(self.bounds)
 
 
-def render_row(template, tokenizer, messages: list[dict], where: str, what: str):
+def render_row(template, tokenizer, messages: list[dict], where: str, what: str, *, max_tokens: int | None = None):
     """tokenize_conversation's (ids, assistant mask) of one row; an error raised inside the template
-    (its own raise_exception included) is one DataError naming the row; what: "conversation", "pair"."""
-    from titanlike.data.chat_template import tokenize_conversation
+    (its own raise_exception included, or a rendering rule it broke) is one DataError naming the row;
+    what: "conversation", "pair"; max_tokens: tokenize_conversation's (the caller truncates there)."""
+    from titanlike.data.chat_template import TemplateLimitError, tokenize_conversation
 
     try:
-        return tokenize_conversation(template, tokenizer, messages)
+        return tokenize_conversation(template, tokenizer, messages, max_tokens=max_tokens)
+    except TemplateLimitError as e:
+        raise DataError(f"{where}: {e}") from None
     except DataError:
         raise
     except Exception as e:
@@ -233,7 +236,7 @@ def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str 
         check_turns(len(messages), seq_len, where)
         if assistant_only_loss and not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where} has no assistant turn, so nothing of it would be trained on")
-        ids, mask = render_row(template, tokenizer, messages, where, "conversation")
+        ids, mask = render_row(template, tokenizer, messages, where, "conversation", max_tokens=seq_len + 1)
         if len(ids) > seq_len + 1:
             if overlong == "drop":
                 dropped += 1

@@ -130,11 +130,20 @@ class ContinuousBatch:
         self.steps += 1
         self._sample(logits[torch.tensor(live, device=logits.device)], live)
 
-    def fail_all(self, error: BaseException) -> None:
-        """End every sequence with `error` (the step raised) and start from an empty cache."""
+    def cancel_all(self) -> int:
+        """Cancel every sequence waiting or running (a server that drains); how many there were."""
         with self.work:
-            pending = [seq for seq in self.rows if seq is not None] + self._admitting + list(self.waiting)
-            self.waiting.clear()
+            pending = [seq for seq in self.rows if seq is not None] + list(self.waiting)
+            for seq in pending:
+                seq.cancelled = True
+            self.work.notify_all()
+        return len(pending)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End the sequences the step was serving (in a row or being admitted) with `error` (the step
+        raised) and start from an empty cache; the waiting ones were not in it and stay queued."""
+        with self.work:
+            pending = [seq for seq in self.rows if seq is not None] + self._admitting
             self._admitting = []
         for seq in pending:
             seq.error = error
@@ -176,16 +185,24 @@ class ContinuousBatch:
         plain = [s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs]
         chosen = logits.float().argmax(-1) if any(plain) else torch.zeros(len(rows), dtype=torch.long,
                                                                           device=logits.device)
+        failed: dict[int, BaseException] = {}
         for i, (row, seq) in enumerate(zip(rows, seqs)):
             if not plain[i]:
                 seen = self.seen[row:row + 1] if seq.params.repetition_penalty != 1.0 else None
-                chosen[i] = next_tokens(logits[i:i + 1], seq.params, seen=seen, generator=seq._generator)[0]
+                try:
+                    chosen[i] = next_tokens(logits[i:i + 1], seq.params, seen=seen, generator=seq._generator)[0]
+                except RuntimeError as e:  # its settings broke sampling (NaN probabilities): it alone ends
+                    failed[i] = e
         index = torch.tensor(rows, device=logits.device)
         if self.seen is not None:
             self.seen[index, chosen] = True
         self.last.index_copy_(0, index, chosen)
         ids = chosen.tolist()  # the one host sync of a step
         for i, (row, seq) in enumerate(zip(rows, seqs)):
+            if i in failed:
+                seq.error = failed[i]
+                self._end(seq, "error")
+                continue
             on_text = (lambda _, text, seq=seq: seq.on_text(seq, text)) if seq.on_text else None
             on_token = (lambda _, token, seq=seq: seq.on_token(seq, token)) if seq.on_token else None
             if self.engine._append(row, ids[i], seq.completion, seq._stream, seq.params, len(seq.prompt), on_text,

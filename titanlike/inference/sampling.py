@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+MIN_TEMPERATURE = 1e-4
+MIN_PENALTY, MAX_PENALTY = 1e-2, 1e2
+MAX_SEED = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,7 +23,12 @@ class SamplingParams:
     Generation of a row ends at a stop token (kept as the last token), at a stop string (cut from
     the text), after max_new_tokens, or at the model's context (prompt and new tokens together).
     seed: the same seed gives the same samples; None draws from torch's global generator.
-    logprobs: each completion also gets the log-probability of every token it drew (sampled_logprobs)."""
+    logprobs: each completion also gets the log-probability of every token it drew (sampled_logprobs).
+
+    The ranges are those the step can compute: logits divided by a temperature below
+    MIN_TEMPERATURE, or by a repetition penalty outside [MIN_PENALTY, MAX_PENALTY], overflow
+    float32 to infinities whose softmax is NaN, and torch.Generator takes seeds below 2**64 (the
+    server's n choices use seed + j, so a seed stays below 2**63)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -44,20 +53,23 @@ class SamplingParams:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
             raise bad("max_new_tokens", self.max_new_tokens, "an integer of at least 1")
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", self.temperature, "a finite number >= 0 (0: greedy)")
+        if not _finite(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise bad("temperature", self.temperature, f"a finite number >= 0 (0: greedy, else at least "
+                      f"{MIN_TEMPERATURE:g})")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", self.top_k, "an integer >= 0 (0: no top-k filtering)")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "a number in (0, 1] (1: no nucleus filtering)")
-        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1: no penalty)")
+        if not _finite(self.repetition_penalty) or not MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY:
+            raise bad("repetition_penalty", self.repetition_penalty, f"a finite number > 0, from {MIN_PENALTY:g} to "
+                      f"{MAX_PENALTY:g} (1: no penalty)")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", sorted(self.stop_token_ids, key=str), "token ids (integers >= 0)")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop_strings", list(self.stop_strings), "non-empty strings")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad("seed", self.seed, "an integer")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise bad("seed", self.seed, f"an integer from 0 to {MAX_SEED} (2**63 - 1)")
 
     @property
     def greedy(self) -> bool:
@@ -124,5 +136,5 @@ def sampled_logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: Samplin
     return torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
 
 
-__all__ = ["SamplingParams", "apply_repetition_penalty", "filter_top_k", "filter_top_p", "next_tokens",
+__all__ = ["MAX_SEED", "SamplingParams", "apply_repetition_penalty", "filter_top_k", "filter_top_p", "next_tokens",
            "sampled_logprobs"]

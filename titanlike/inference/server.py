@@ -23,13 +23,29 @@ A client that disconnects is noticed when its next piece of stream cannot be wri
 sequences are cancelled and their slots freed at the next step. A request the server cannot serve
 gets a 4xx with OpenAI's error body ({"error": {"message", "type", "param", "code"}}), its message
 one sentence naming the field; nothing a request holds can stop the engine thread.
+
+What a client on the network controls is bounded (docs/reliability.md lists each case): an optional
+API key (`Authorization: Bearer KEY`, compared in constant time) on every route but /health; the
+body's size (a missing, negative or malformed Content-Length is refused before anything is read),
+its JSON (integers of more digits than Python reads, nesting deeper than MAX_JSON_DEPTH), the
+sequences one request may queue (prompts x n) and all requests together, the stop strings' number
+and length; each connection has a read timeout and their number a cap, so slow or half-open
+clients hold neither threads nor memory for long. A non-streamed client that disconnects is noticed
+while it waits (its socket polled) and its sequences cancelled; a sampling step that raises ends
+only the requests it was serving. drain() stops accepting and lets the requests in flight finish
+for a bounded time (titanlike-serve on SIGTERM).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
+import re
+import select
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -39,13 +55,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from titanlike.inference.continuous import ContinuousBatch, Sequence
 from titanlike.inference.engine import Engine, GenerationError
 from titanlike.inference.processor import Processor
-from titanlike.inference.sampling import SamplingParams
+from titanlike.inference.sampling import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
 MAX_N = 64
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1024  # all stop strings together: each decode step searches the new text for them
+MAX_JSON_DEPTH = 32  # a request body is a few levels deep (messages -> parts -> text)
+MAX_REQUEST_SEQUENCES = 256  # prompts x n of one request
+MAX_QUEUED_SEQUENCES = 1024  # sequences waiting for a slot, all requests together
+MAX_CONNECTIONS = 256
+READ_TIMEOUT = 30.0  # seconds a connection may take to send a request's next bytes
+DISCONNECT_POLL = 0.1  # seconds between looks at a waiting non-streamed client's socket
 
 # SamplingParams names its fields; the API names them so.
 _API_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop"}
@@ -58,6 +81,43 @@ _ENDPOINT_FIELDS = {False: _FIELDS | {"prompt", "best_of", "echo", "suffix"},
                     True: _FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                      "response_format"}}
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+
+
+def _max_int_digits() -> int:
+    try:
+        limit = sys.get_int_max_str_digits()
+    except AttributeError:  # Python before 3.11 (and its security releases) has no limit
+        limit = 0
+    return limit or 4300  # 0: the limit is off in this process; 4300 is Python's default
+
+
+def _parse_json(raw: bytes):
+    """json.loads with Python's limit on an integer's digits and MAX_JSON_DEPTH (ApiError 400)."""
+    digits = _max_int_digits()
+
+    def parse_int(text: str) -> int:
+        if len(text.lstrip("-")) > digits:
+            raise ApiError(400, f"the request body holds an integer of {len(text.lstrip('-'))} digits, more than the "
+                           f"{digits} this server reads")
+        return int(text)
+
+    try:
+        body = json.loads(raw, parse_int=parse_int)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, f"the request body is not valid JSON ({_one_line(e)})") from None
+    stack = [(body, 1)]
+    while stack:  # iterative, so a deep body cannot exhaust the stack here either
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)
+                         if isinstance(v, (dict, list)))
+    return body
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
 
 
 class ApiError(Exception):
@@ -88,16 +148,24 @@ class OpenAIServer:
     """The HTTP server and its engine thread. start() serves in background threads; shutdown() stops."""
 
     def __init__(self, engine: Engine, processor: Processor, *, model_name: str, slots: int = 8,
-                 host: str = "127.0.0.1", port: int = 8000):
-        """processor: the prompts' tokens and the answers' text (processor.py); chat needs its template."""
+                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 max_connections: int = MAX_CONNECTIONS, read_timeout: float = READ_TIMEOUT,
+                 drain_seconds: float = 30.0):
+        """processor: the prompts' tokens and the answers' text (processor.py); chat needs its template.
+        api_key: what every route but /health requires as `Authorization: Bearer KEY` (None: none).
+        drain_seconds: what titanlike-serve gives drain() on SIGTERM."""
         self.engine, self.processor, self.model_name = engine, processor, model_name
+        self.drain_seconds = drain_seconds
+        self.api_key = api_key or None
         self.batch = ContinuousBatch(engine, slots)
         self.created = int(time.time())
         self._stop = threading.Event()
+        self.draining = False
+        self._inflight = 0  # POST requests being answered (drain waits for them)
+        self._inflight_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        handler = type("Handler", (_Handler,), {"app": self})
-        self.http = ThreadingHTTPServer((host, port), handler)
-        self.http.daemon_threads = True
+        handler = type("Handler", (_Handler,), {"app": self, "timeout": read_timeout})
+        self.http = _HTTPServer((host, port), handler, max_connections)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -109,6 +177,7 @@ class OpenAIServer:
         return f"http://{host}:{port}"
 
     def start(self) -> OpenAIServer:
+        """Serve in background threads (the engine's and the accept loop's)."""
         for target in (self._engine_loop, self.http.serve_forever):
             thread = threading.Thread(target=target, daemon=True, name=f"titanlike-serve-{target.__name__}")
             thread.start()
@@ -132,6 +201,24 @@ class OpenAIServer:
         for thread in self._threads:
             thread.join(timeout=10)
 
+    def drain(self, seconds: float) -> int:
+        """Stop accepting, let the requests in flight finish for up to `seconds`, cancel what is left
+        (answered 503), then stop; the number of sequences cancelled."""
+        self.draining = True
+        self.http.shutdown()  # the accept loop ends; open connections finish their request
+        self.http.server_close()
+        deadline = time.monotonic() + max(seconds, 0)
+        while self.batch.busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cancelled = self.batch.cancel_all()
+        deadline = time.monotonic() + 5  # the cancelled requests' answers are written by their threads
+        while (self._inflight or self.batch.busy()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        return cancelled
+
     def _engine_loop(self) -> None:
         while not self._stop.is_set():
             if not self.batch.wait_for_work(timeout=0.1):
@@ -139,7 +226,7 @@ class OpenAIServer:
             try:
                 self.batch.step()
             except Exception as e:  # a model error ends the requests in flight, not the server
-                logger.exception("generation step failed")
+                logger.error(f"generation step failed, ending the requests it served: {_one_line(e)}")
                 self.batch.fail_all(e)
 
     # Requests ------------------------------------------------------------------------------------
@@ -201,7 +288,7 @@ class OpenAIServer:
             prompts = [self._chat_prompt(body.get("messages"))]
             stops = self.processor.stop_ids(chat=True)
         else:
-            prompts = self._completion_prompts(body.get("prompt"))
+            prompts = self._completion_prompts(body.get("prompt"), n)
             stops = self.processor.stop_ids(chat=False)
 
         context = self.batch.capacity
@@ -227,7 +314,13 @@ class OpenAIServer:
             stop_strings = ()
         elif not isinstance(stop_strings, tuple) or len(stop_strings) > MAX_STOP_STRINGS:
             raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+        stop_chars = sum(len(s) for s in stop_strings if isinstance(s, str))
+        if stop_chars > MAX_STOP_CHARS:
+            raise ApiError(400, f"'stop' holds {stop_chars} characters, more than the {MAX_STOP_CHARS} this server "
+                           "searches each new piece of text for", "stop")
         seed = body.get("seed")
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= MAX_SEED:
+            raise ApiError(400, f"'seed' must be an integer from 0 to {MAX_SEED}, got {seed}", "seed")
         fields = {"max_new_tokens": max_tokens, "stop_strings": stop_strings, "stop_token_ids": stops}
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("repetition_penalty", 1.0)):
             value = body.get(name)
@@ -244,7 +337,8 @@ class OpenAIServer:
             for j in range(n):
                 # Each choice draws from a generator of its own, so what it gets does not depend on
                 # the other requests in the batch; seed + j keeps n choices of one seed apart.
-                choice_seed = seed + j if isinstance(seed, int) and not isinstance(seed, bool) else seed
+                choice_seed = (seed + j) % (MAX_SEED + 1) if isinstance(seed, int) and not isinstance(seed, bool) \
+                    else seed
                 try:
                     params.append(SamplingParams(**fields, seed=choice_seed))
                 except ValueError as e:
@@ -253,7 +347,7 @@ class OpenAIServer:
                     raise ApiError(400, f"'{name}' {rest}", name) from None
         return _Request(chat, prompts, params, n, bool(stream), include_usage)
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _completion_prompts(self, prompt, n: int = 1) -> list[list[int]]:
         def bad() -> ApiError:
             return ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
                             "lists of token ids", "prompt")
@@ -270,6 +364,10 @@ class OpenAIServer:
         else:
             raise ApiError(400, "'prompt' is empty: give some text or token ids", "prompt") \
                 if isinstance(prompt, list) else bad()
+        if len(items) * n > MAX_REQUEST_SEQUENCES:  # before tokenizing them all
+            raise ApiError(400, f"{len(items)} prompts x n {n} ask for {len(items) * n} sequences, more than the "
+                           f"{MAX_REQUEST_SEQUENCES} one request may queue; send fewer prompts or a lower n",
+                           "prompt" if len(items) > 1 else "n")
         out, vocab = [], self.processor.tokenizer.vocab_size
         for item in items:
             if isinstance(item, str):
@@ -308,9 +406,9 @@ class OpenAIServer:
             plain.append({"role": message["role"], "content": content})
         try:
             return self.processor.encode(plain)
-        except Exception as e:  # the template refuses the conversation (a role it does not know...)
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ApiError(400, f"the chat template cannot render these messages: {message}", "messages") from None
+        except Exception as e:  # the template refuses the conversation (a role it does not know, a limit...)
+            raise ApiError(400, f"the chat template cannot render these messages: {_one_line(e)}",
+                           "messages") from None
 
     def submit(self, request: _Request, events: queue.Queue) -> list[Sequence]:
         """Queue every choice of a request; events receive ("text", index, piece) and ("done", index, seq)."""
@@ -320,6 +418,11 @@ class OpenAIServer:
         def detokenize(ids: list[int]) -> str:
             return self.processor.decode(ids, stop_ids=stop_ids)
 
+        queued = len(self.batch.waiting)
+        if queued + len(request.params) > MAX_QUEUED_SEQUENCES:
+            raise ApiError(503, f"the server is busy: {queued} sequences wait for a slot and this request would add "
+                           f"{len(request.params)}, past the {MAX_QUEUED_SEQUENCES} it queues; retry later",
+                           code="overloaded")
         try:
             for index, params in enumerate(request.params):
                 prompt = request.prompts[index // request.n]
@@ -334,12 +437,57 @@ class OpenAIServer:
         return seqs
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with at most `max_connections` open connections (one thread each): one past
+    the cap is answered 503 and closed at once, so clients that hold connections open cannot
+    exhaust threads or memory; the read timeout (the handler's) ends the ones that stall."""
+
+    daemon_threads = True
+    request_queue_size = 1024  # the listen backlog (socketserver's default is 5)
+
+    def __init__(self, address, handler, max_connections: int):
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            logger.warning(f"{client_address[0]} refused: {self.max_connections} connections are open already")
+            try:
+                body = json.dumps(ApiError(503, f"the server has {self.max_connections} connections open already; "
+                                           "retry later", code="overloaded").body()).encode()
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        # One line, not socketserver's traceback on stderr: a client's misbehaviour is not the server's.
+        error = sys.exc_info()[1]
+        logger.warning(f"{client_address[0]} connection ended: {_one_line(error) if error else 'unknown error'}")
+
+
 def _finish_reason(seq: Sequence) -> str:
     return _FINISH.get(seq.completion.finish_reason, seq.completion.finish_reason or "stop")
 
 
 class _Handler(BaseHTTPRequestHandler):
     app: OpenAIServer
+    _body_read = True  # False while a POST's body is unread (do_POST)
     protocol_version = "HTTP/1.1"
     server_version = "titanlike"
 
@@ -355,14 +503,32 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, error: ApiError) -> None:
-        if error.status in (411, 413):  # the body was not read: the connection cannot carry another request
+        if not self._body_read:  # the connection cannot carry another request
             self.close_connection = True
         self._send_json(error.status, error.body())
+
+    def _authorize(self) -> None:
+        """ApiError 401 unless the request carries the server's API key (compared in constant time)."""
+        key = self.app.api_key
+        if key is None:
+            return
+        given = self.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "this server requires an API key: send it as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key.encode()):
+            raise ApiError(401, "the API key is not this server's", code="invalid_api_key")
 
     def do_GET(self):
         path = self.path.split("?")[0].rstrip("/")
         if path in ("/health", "/v1/health"):
             return self._send_json(200, self.app.health())
+        try:
+            self._authorize()
+        except ApiError as e:
+            logger.info(f"{self.address_string()} GET {path}: status 401")
+            return self._error(e)
         if path == "/v1/models":
             return self._send_json(200, self.app.models())
         if path == f"/v1/models/{self.app.model_name}":
@@ -380,35 +546,47 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         path = self.path.split("?")[0].rstrip("/")
         start = time.monotonic()
-        self._rid, self._status, self._tokens = "-", None, (0, 0)
+        self._rid, self._status, self._tokens, self._body_read, self._refusal = "-", None, (0, 0), False, ""
+        with self.app._inflight_lock:
+            self.app._inflight += 1
         try:
             self._post(path)
         finally:
+            with self.app._inflight_lock:
+                self.app._inflight -= 1
             logger.info(f"{self.address_string()} POST {path} {self._rid}: status {self._status}, "
-                        f"{self._tokens[0]} tokens in, {self._tokens[1]} out, {time.monotonic() - start:.3f} s")
+                        f"{self._tokens[0]} tokens in, {self._tokens[1]} out, {time.monotonic() - start:.3f} s"
+                        + (f": {self._refusal}" if self._refusal else ""))
 
     def _post(self, path: str) -> None:
         chat = {"/v1/completions": False, "/v1/chat/completions": True}.get(path)
         try:
+            if self.app.draining:
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            self._authorize()
             body = self._read_body()
             if chat is None:
                 raise ApiError(404, f"no such endpoint: POST {path}", code="not_found")
             request = self.app.parse(body, chat=chat)
         except ApiError as e:
+            self._refusal = e.message
             return self._error(e)
         self._tokens = (sum(map(len, request.prompts)), 0)
         events: queue.Queue = queue.Queue()
         try:
             seqs = self.app.submit(request, events)
         except ApiError as e:
+            self._refusal = e.message
             return self._error(e)
         try:
             if request.stream:
                 self._stream(request, seqs, events)
             else:
                 self._answer(request, seqs, events)
-        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
-            # The client left: free its slots at the next step.
+        except (OSError, ValueError):  # BrokenPipe, ConnectionReset, a send that timed out, a closed file
+            # The client left (or stopped reading): free its slots at the next step.
+            self._refusal = "the client disconnected"
+            self._status = 499  # nginx's code for a request its client closed
             self.close_connection = True
         finally:
             self._tokens = (self._tokens[0], sum(len(seq.completion.tokens) for seq in seqs))
@@ -416,20 +594,36 @@ class _Handler(BaseHTTPRequestHandler):
                 self.app.batch.cancel(seq)
 
     def _read_body(self):
-        length = self.headers.get("Content-Length")
-        if length is None:
+        """The request's JSON body, read only when its Content-Length is a plain number within the cap
+        (`int()` would take "-1", which reads to the end of the stream, and " +1_0")."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise ApiError(411, "a chunked request body is not accepted: send it with a Content-Length header")
+        lengths = self.headers.get_all("Content-Length") or []
+        if not lengths:
             raise ApiError(411, "the request has no Content-Length header")
-        try:
-            length = int(length)
-        except ValueError:
-            raise ApiError(400, f"the Content-Length header is not a number: {length!r}") from None
+        if len(set(lengths)) > 1 or not re.fullmatch(r"[0-9]{1,18}", lengths[0]):
+            raise ApiError(400, f"the Content-Length header must be one non-negative number, got "
+                           f"{', '.join(lengths)[:40]!r}")
+        length = int(lengths[0])
         if length > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(length)
         try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.timeout:g} s") from None
+        if len(raw) < length:
+            raise ApiError(400, f"the request body ended after {len(raw)} of the {length} bytes its Content-Length "
+                           "announced")
+        self._body_read = True
+        return _parse_json(raw)
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its end (a non-streamed request's client is otherwise silent)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def _ids(self, chat: bool) -> tuple[str, str]:
         self._rid, kind = (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion") if chat else \
@@ -442,13 +636,25 @@ class _Handler(BaseHTTPRequestHandler):
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _answer(self, request: _Request, seqs: list[Sequence], events: queue.Queue) -> None:
-        remaining = len(seqs)
+        remaining, look = len(seqs), time.monotonic() + DISCONNECT_POLL
         while remaining:
-            kind, _, seq = events.get()
+            if time.monotonic() >= look:  # text events keep coming while it decodes: look by the clock
+                if self._client_gone():
+                    raise ConnectionAbortedError("the client disconnected")
+                look = time.monotonic() + DISCONNECT_POLL
+            try:
+                kind, _, seq = events.get(timeout=DISCONNECT_POLL)
+            except queue.Empty:
+                continue
             if kind == "done":
                 remaining -= 1
                 if seq.completion.finish_reason == "error":
-                    return self._error(ApiError(500, f"generation failed: {seq.error}"))
+                    self._refusal = f"generation failed: {_one_line(seq.error)}"
+                    return self._error(ApiError(500, self._refusal))
+                if seq.completion.finish_reason == "cancelled" and self.app.draining:
+                    self._refusal = "the server is shutting down"
+                    return self._error(ApiError(503, "the server shut down before this request finished",
+                                                code="shutting_down"))
         rid, kind = self._ids(request.chat)
         choices = []
         for index, seq in enumerate(seqs):
@@ -502,7 +708,13 @@ class _Handler(BaseHTTPRequestHandler):
                 continue
             remaining -= 1
             if value.completion.finish_reason == "error":
-                send({"error": ApiError(500, f"generation failed: {value.error}").body()["error"]})
+                self._refusal = f"generation failed: {_one_line(value.error)}"
+                send({"error": ApiError(500, self._refusal).body()["error"]})
+                return
+            if value.completion.finish_reason == "cancelled" and self.app.draining:
+                self._refusal = "the server is shutting down"
+                send({"error": ApiError(503, "the server shut down before this request finished",
+                                        code="shutting_down").body()["error"]})
                 return
             send(chunk([choice(index, None, _finish_reason(value))]))
         if request.include_usage:
