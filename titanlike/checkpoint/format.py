@@ -50,6 +50,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
+from titanlike.config.compat import hub_id_hint
+
 SIDECAR = "titanlike.json"
 DCP_METADATA = ".metadata"
 HF_INDEX = "model.safetensors.index.json"
@@ -257,7 +259,7 @@ def resolve_checkpoint_folder(path: str) -> str:
             return step_folder(path, steps[-1])
     raise CheckpointError(
         f"{path} is neither a DCP checkpoint (no {DCP_METADATA}), a Hugging Face folder "
-        f"({HF_CONFIG} + *.safetensors) nor a folder of step-N checkpoints"
+        f"({HF_CONFIG} + *.safetensors) nor a folder of step-N checkpoints" + hub_id_hint(path)
     )
 
 
