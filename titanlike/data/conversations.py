@@ -180,8 +180,8 @@ def row_messages(row: dict, fmt: str, where: str) -> list[dict]:
 
 
 def text_ids(tokenizer, text, where: str) -> list[int]:
-    """A text row's token ids as TRL's SFTTrainer makes them (trl/trainer/sft_trainer.py: add_eos, then
-    the tokenizer called on the text): the tokenizer's own special tokens around the text (a Hugging
+    """A text row's token ids as TRL's SFTTrainer makes them (its add_eos, then the tokenizer
+    called on the text): the tokenizer's own special tokens around the text (a Hugging
     Face tokenizer's post-processor, Llama 3's BOS for a tiktoken file) and EOS at the end, written
     once whether or not the text ends with EOS's string."""
     from titanlike.data.tokenizer_json import HuggingFaceTokenizer

@@ -57,7 +57,7 @@ def _conversational(value) -> bool:
 
 def implicit_prompt(chosen, rejected):
     """(prompt, chosen, rejected) of a pair whose prompt is the shared start of both answers: TRL's
-    extract_prompt (trl/data_utils.py), its rules included: turns of conversations or characters of
+    extract_prompt, its rules included: turns of conversations or characters of
     strings, the space before a string's first difference left to the answers."""
     idx = 0
     for idx in range(min(len(chosen), len(rejected))):
