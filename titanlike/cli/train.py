@@ -55,15 +55,23 @@ def main(argv: list[str] | None = None, prog: str = "train.py", *, process: bool
 def _run(argv: list[str] | None, prog: str, stop, rank: int, checks) -> int:
     from titanlike.config import ConfigError, HelpRequested, load_job_config
 
+    # The launcher (scripts/run_train.sh) validated this job for the same world size before starting the
+    # ranks, showing its config notes and running the pre-flight checks: the ranks repeat neither.
+    validated = os.environ.get(LAUNCHER_VALIDATED) == "1"
     try:
         notes: list[str] = []  # torchtitan's older spellings, and its keys that do nothing here
         cfg = load_job_config(argv, notes=notes)
         from titanlike.train.plan import plan_job  # after --help, which needs none of the planning
-        if rank == 0:
+
+        if rank == 0 and not validated:
             for note in notes:
                 logging.getLogger("titanlike").warning(f"config: {note}")
         plan = plan_job(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-        run_checks(plan, rank, preflight_checks() if checks is None else checks() if callable(checks) else checks)
+        if validated:
+            if rank == 0:
+                logging.getLogger("titanlike").info("pre-flight checks: run by the launcher before the ranks started")
+        else:
+            run_checks(plan, rank, preflight_checks() if checks is None else checks() if callable(checks) else checks)
     except HelpRequested as h:
         print(str(h).replace("usage: train.py", f"usage: {prog}", 1))
         return 0
@@ -122,6 +130,8 @@ def _run(argv: list[str] | None, prog: str, stop, rank: int, checks) -> int:
 
 
 PREFLIGHT_GROUP = "titanlike.preflight"
+# Set to 1 by scripts/run_train.sh for the ranks it starts after validating the job (--job.validate_only).
+LAUNCHER_VALIDATED = "TITANLIKE_LAUNCHER_VALIDATED"
 
 
 def preflight_checks() -> list:
