@@ -237,9 +237,11 @@ def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str 
     for a row that is not a conversation, one without an assistant turn (under assistant-only loss),
     or one the template refuses."""
 
+    from titanlike.observe.progress import progress
+
     inputs, labels, bounds = [], [], [0]
     truncated = dropped = 0
-    for where, row in rows:
+    for where, row in progress(rows, desc="sft: tokenizing conversations", unit=" conversations"):
         if row_format(row, fmt, where) == "text":
             # TRL trains every token of a text row (it has no turns to pick the assistant's from).
             ids = text_ids(tokenizer, row["text"], where)

@@ -262,8 +262,10 @@ def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "
     render_pair's. reference: read each row's precomputed reference log-probabilities (REFERENCE_KEYS)
     into TokenizedPairs.reference. section: pack_pairs'."""
 
+    from titanlike.observe.progress import progress
+
     def pairs():
-        for where, row in rows:
+        for where, row in progress(rows, desc=f"{section}: tokenizing pairs", unit=" pairs"):
             sides = render_pair(row, where, template, tokenizer, end_id=end_id)
             if not reference:
                 yield where, *sides
