@@ -1,6 +1,6 @@
 """Start-up (issue 45, item 13): `--help` imports only what it prints. train.py's help imports neither
-its memory check (estimation/fits.py) nor the planner; titanlike-eval's imports no torch (its help is
-lm-eval's parser and the titanlike model's lines). Each runs in a fresh process, whose modules are
+its memory check (estimation/fits.py) nor the planner; titanlike-eval's and titanlike-generate's import no
+torch (lm-eval's parser and the titanlike model's lines; the options of titanlike/inference/arguments.py). Each runs in a fresh process, whose modules are
 the ones counted."""
 
 from __future__ import annotations
@@ -35,3 +35,9 @@ def test_train_py_help_imports_no_memory_check_and_no_planner():
 def test_titanlike_eval_help_imports_no_torch():
     modules = _modules_after("from titanlike.cli.eval import main\nmain(['--help'])")
     assert "lm_eval" in modules and "torch" not in modules
+
+
+def test_titanlike_generate_help_imports_no_torch():
+    modules = _modules_after("from titanlike.cli.generate import console_main\nimport sys\nsys.argv = ['titanlike-generate', "
+                             "'--help']\ntry:\n    console_main()\nexcept SystemExit:\n    pass")
+    assert "titanlike.inference.arguments" in modules and "torch" not in modules
