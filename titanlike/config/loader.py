@@ -338,10 +338,13 @@ def _split_cli(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str], l
         if not arg.startswith("--") or "." not in name:
             bare.append(arg)
             # A flag's value is not reported on its own: the word after a flag that takes one (Megatron's
-            # --lr 3e-4, or any flag the table does not know) is skipped.
+            # --lr 3e-4, or any flag the table does not know) is skipped, and after a switch a true/false
+            # (Hugging Face's --bf16 True).
             foreign = FOREIGN_FLAGS.get(arg.partition("=")[0])
-            takes_value = arg.startswith("-") and not eq and not (foreign is not None and foreign.switch)
-            i += 2 if takes_value and i + 1 < len(argv) and not argv[i + 1].startswith("-") else 1
+            nxt = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
+            switch = foreign is not None and foreign.switch
+            value = nxt is not None and arg.startswith("-") and not eq and (not switch or nxt.lower() in _TRUE | _FALSE)
+            i += 2 if value else 1
             continue
         option, negated = _resolve(name), False
         head, _, last = name.rpartition(".")
