@@ -25,8 +25,8 @@ MEGATRON_DAILY = ["--data-path", "--lr", "--save", "--load", "--tensor-model-par
                   "--tokenizer-model", "--context-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
                   "--recompute-activations", "--adam-beta1", "--adam-beta2", "--seed"]
 HF_DAILY = ["--model_name_or_path", "--output_dir", "--learning_rate", "--max_steps", "--per_device_train_batch_size",
-            "--dataset_name", "--gradient_accumulation_steps", "--num_train_epochs", "--warmup_steps", "--logging_steps",
-            "--save_steps", "--bf16", "--weight_decay", "--lr_scheduler_type", "--max_grad_norm",
+            "--dataset_name", "--gradient_accumulation_steps", "--num_train_epochs", "--warmup_steps",
+            "--logging_steps", "--save_steps", "--bf16", "--weight_decay", "--lr_scheduler_type", "--max_grad_norm",
             "--gradient_checkpointing", "--max_length", "--use_peft", "--lora_r", "--beta"]
 
 

@@ -1,7 +1,7 @@
 """Start-up (issue 45, item 13): `--help` imports only what it prints. train.py's help imports neither
-its memory check (estimation/fits.py) nor the planner; titanlike-eval's and titanlike-generate's import no
-torch (lm-eval's parser and the titanlike model's lines; the options of titanlike/inference/arguments.py). Each runs in a fresh process, whose modules are
-the ones counted."""
+its memory check (estimation/fits.py) nor the planner; titanlike-eval's and titanlike-generate's import
+no torch (lm-eval's parser and the titanlike model's lines; titanlike/inference/arguments.py's options).
+Each runs in a fresh process, whose modules are the ones counted."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def test_titanlike_eval_help_imports_no_torch():
 
 
 def test_titanlike_generate_help_imports_no_torch():
-    modules = _modules_after("from titanlike.cli.generate import console_main\nimport sys\nsys.argv = ['titanlike-generate', "
-                             "'--help']\ntry:\n    console_main()\nexcept SystemExit:\n    pass")
+    modules = _modules_after("import sys\nfrom titanlike.cli.generate import console_main\n"
+                             "sys.argv = ['titanlike-generate', '--help']\ntry:\n    console_main()\n"
+                             "except SystemExit:\n    pass")
     assert "titanlike.inference.arguments" in modules and "torch" not in modules

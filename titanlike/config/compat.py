@@ -367,11 +367,12 @@ MODEL_ASSETS = "tokenizer config safetensors index"
 
 
 def hub_id_hint(path: str, option: str | None = None, *, assets: str = MODEL_ASSETS) -> str:
-    """For `path`, given as `option` (None: the caller names it), that is no file or folder here but reads as a Hub id (a Hugging Face
-    user's habit: HuggingFaceTB/SmolLM2-135M): a clause saying so with the exact download command, to
-    append to the message that refuses it ("; ..."); else "". titanlike reads local folders only."""
+    """For `path`, given as `option` (None: the caller names it), that is no file or folder here but
+    reads as a Hub id (a Hugging Face user's habit: HuggingFaceTB/SmolLM2-135M): a clause saying so with
+    the exact download command, to append to the message that refuses it ("; ..."); else "". titanlike
+    reads local folders only."""
     if not path or os.path.exists(path) or not _HUB_ID.fullmatch(path):
         return ""
     folder = f"assets/hf/{path.split('/')[1]}"
-    return (f"; it looks like a Hugging Face Hub id (titanlike reads local folders only): download it with `titanlike-download-hf-assets --repo_id {path} --assets {assets}` "
-            f"(into {folder}) and " + (f"pass --{option} {folder}" if option else f"give {folder} instead"))
+    return (f"; it looks like a Hugging Face Hub id (titanlike reads local folders only): download it with "
+            f"`titanlike-download-hf-assets --repo_id {path} --assets {assets}` (into {folder}) and " + (f"pass --{option} {folder}" if option else f"give {folder} instead"))
