@@ -340,7 +340,7 @@ class NoPickleLoadPlanner(DefaultLoadPlanner):
         from titanlike.observe.progress import progress
 
         plan = super().create_local_plan()
-        self.bar = progress(desc=self.desc, total=len(plan.items), unit=" tensors")
+        self.bar = progress(desc=self.desc, total=len(plan.items), unit=" tensors") if plan.items else None
         return plan
 
     def commit_tensor(self, read_item, tensor) -> None:
