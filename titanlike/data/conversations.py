@@ -183,7 +183,9 @@ def text_ids(tokenizer, text, where: str) -> list[int]:
     """A text row's token ids as TRL's SFTTrainer makes them (its add_eos, then the tokenizer
     called on the text): the tokenizer's own special tokens around the text (a Hugging
     Face tokenizer's post-processor, Llama 3's BOS for a tiktoken file) and EOS at the end, written
-    once whether or not the text ends with EOS's string."""
+    once whether or not the text ends with EOS's string. One difference: a special token's string
+    inside the text stays text (the tokenizers' rule here: data cannot forge a special token), where
+    TRL's tokenizer call would read it as the token."""
     from titanlike.data.tokenizer_json import HuggingFaceTokenizer
 
     if not isinstance(text, str):
