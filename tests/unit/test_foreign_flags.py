@@ -65,6 +65,9 @@ def test_every_bare_argument_is_reported_in_one_message():
     # A flag's value is not an argument of its own ('3e-4', 'ckpt'); a switch takes none ('stray' is reported).
     assert "'3e-4'" not in message and "'ckpt'" not in message
     assert "\n" not in message
+    # Megatron's --data-path takes a blend of several words.
+    with pytest.raises(ConfigError, match=r"^2 unexpected arguments: '--data-path' \(.*\), '--split' \("):
+        load_job_config(["--data-path", "0.7", "a", "0.3", "b", "--split", "949,50,1"])
     # Hugging Face's booleans take an optional true/false.
     with pytest.raises(ConfigError, match=r"^2 unexpected arguments: '--bf16' \(.*\), '--gradient_checkpointing' "):
         load_job_config(["--bf16", "True", "--gradient_checkpointing", "true"])

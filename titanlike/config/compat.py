@@ -172,14 +172,16 @@ class ForeignFlag:
     whose: str  # "Megatron", "Hugging Face", "TRL" (the trainers whose users type it, comma-separated)
     switch: bool = False  # the flag takes no value (--bf16): the word after it is not its value
     note: str = ""  # what differs, when the mapping is not one to one
+    many: bool = False  # the flag takes every word up to the next flag (Megatron's --data-path 0.7 a 0.3 b)
 
 
-def _megatron(instead: str, *, switch: bool = False, note: str = "") -> ForeignFlag:
-    return ForeignFlag(instead, "Megatron", switch, note)
+def _megatron(instead: str, *, switch: bool = False, note: str = "", many: bool = False) -> ForeignFlag:
+    return ForeignFlag(instead, "Megatron", switch, note, many)
 
 
-def _hf(instead: str, *, switch: bool = False, note: str = "", whose: str = "Hugging Face") -> ForeignFlag:
-    return ForeignFlag(instead, whose, switch, note)
+def _hf(instead: str, *, switch: bool = False, note: str = "", whose: str = "Hugging Face",
+        many: bool = False) -> ForeignFlag:
+    return ForeignFlag(instead, whose, switch, note, many)
 
 
 _FROM_DATA = "global_batch_size / (local_batch_size x data-parallel degree)"
@@ -207,7 +209,7 @@ FOREIGN_FLAGS: dict[str, ForeignFlag] = {
     "--use-mcore-models": _megatron("nothing", switch=True, note="there is one model implementation per family"),
     # Megatron: data and tokenizer
     "--data-path": _megatron("--training.dataset megatron --training.dataset_path",
-                             note="a prefix or a '0.7 a 0.3 b' blend, as Megatron reads it"),
+                             note="a prefix or a '0.7 a 0.3 b' blend, as Megatron reads it", many=True),
     "--split": _megatron("--training.split"),
     "--seq-length": _megatron("--training.seq_len"),
     "--tokenizer-type": _megatron("--model.hf_assets_path",
@@ -311,7 +313,7 @@ FOREIGN_FLAGS: dict[str, ForeignFlag] = {
     "--eval_strategy": _hf("--validation.enable"),
     "--do_eval": _hf("--validation.enable", switch=True),
     "--do_train": _hf("nothing", switch=True, note="train.py trains"),
-    "--report_to": _hf("--metrics.enable_tensorboard or --metrics.enable_wandb"),
+    "--report_to": _hf("--metrics.enable_tensorboard or --metrics.enable_wandb", many=True),
     "--logging_dir": _hf("--metrics.save_tb_folder"),
     "--gradient_checkpointing": _hf("--activation_checkpoint.mode full", switch=True),
     "--torch_dtype": _hf("--training.mixed_precision_param"),
@@ -329,7 +331,7 @@ FOREIGN_FLAGS: dict[str, ForeignFlag] = {
     "--lora_r": _hf("--lora.rank", whose="TRL"),
     "--lora_alpha": _hf("--lora.alpha", whose="TRL"),
     "--lora_dropout": _hf("--lora.dropout", whose="TRL"),
-    "--lora_target_modules": _hf("--lora.target_modules", whose="TRL"),
+    "--lora_target_modules": _hf("--lora.target_modules", whose="TRL", many=True),
     "--beta": _hf("--dpo.beta", whose="TRL"),
     "--loss_type": _hf("--dpo.loss_type", whose="TRL"),
     "--label_smoothing": _hf("--dpo.label_smoothing", whose="TRL"),

@@ -345,6 +345,8 @@ def _split_cli(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str], l
             switch = foreign is not None and foreign.switch
             value = nxt is not None and arg.startswith("-") and not eq and (not switch or nxt.lower() in _TRUE | _FALSE)
             i += 2 if value else 1
+            while value and foreign is not None and foreign.many and i < len(argv) and not argv[i].startswith("-"):
+                i += 1
             continue
         option, negated = _resolve(name), False
         head, _, last = name.rpartition(".")
