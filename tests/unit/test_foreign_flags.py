@@ -111,5 +111,6 @@ def test_a_folder_or_a_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "model").mkdir(parents=True)
     assert hub_id_hint("org/model", "model.hf_assets_path") == ""  # it exists
+    assert hub_id_hint("org/modle", "model.hf_assets_path") == ""  # a typo in a folder that exists
     for path in ("./org/name", "/abs/name", "a/b/c", "name", ""):
         assert hub_id_hint(path, "x") == ""

@@ -373,7 +373,8 @@ def hub_id_hint(path: str, option: str | None = None, *, assets: str = MODEL_ASS
     reads as a Hub id (a Hugging Face user's habit: HuggingFaceTB/SmolLM2-135M): a clause saying so with
     the exact download command, to append to the message that refuses it ("; ..."); else "". titanlike
     reads local folders only."""
-    if not path or os.path.exists(path) or not _HUB_ID.fullmatch(path):
+    # organization/name whose organization is a folder here is a local path with a typo, not a Hub id.
+    if not path or os.path.exists(path) or not _HUB_ID.fullmatch(path) or os.path.isdir(path.split("/")[0]):
         return ""
     folder = f"assets/hf/{path.split('/')[1]}"
     return (f"; it looks like a Hugging Face Hub id (titanlike reads local folders only): download it with "
