@@ -48,6 +48,8 @@ done
 
 PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-"expandable_segments:True"}
 export PYTORCH_ALLOC_CONF
+# The ranks neither repeat the checks nor print the config notes again (titanlike/cli/train.py).
+export TITANLIKE_LAUNCHER_VALIDATED=1
 set -x
 exec python3 -m torch.distributed.run --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

@@ -40,10 +40,13 @@ def run_train_sh(env: dict, *args: str, cwd=None, timeout: float = 300) -> subpr
 
 def test_run_train_sh_trains_with_torchtitans_environment_variables(tmp_path):
     proc = run_train_sh({"NGPU": "2", "CONFIG_FILE": str(DEBUG)}, *SHORT, "--job.dump_folder", str(tmp_path / "run"),
-                        "--metrics.enable_jsonl", cwd=tmp_path)
+                        "--metrics.enable_jsonl", "--job.print_args", "false", cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "world size 2" in out and "step:     2/2" in out
+    # The config's notes once (by the validation before torchrun), and the pre-flight checks once (issue 45.13).
+    assert out.count("config: job.print_args is deprecated") == 1, out[-4000:]
+    assert "pre-flight checks: run by the launcher before the ranks started" in out
     # LOG_RANK defaults to 0: torchrun shows rank 0's lines only
     assert "[rank0]:" in out and "[rank1]:" not in out
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -262,7 +262,8 @@ def test_bad_conversations_are_refused_in_one_sentence(tmp_path):
         (chatml, {"messages": [{"role": "user", "content": "hi"}]}, "has no assistant turn"),
         (mistral, {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]},
          "refused the conversation: Conversation roles must alternate"),
-        (chatml, {"text": "plain"}, "none of the conversation forms"),
+        # (a {"text": ...} row is TRL's language-modeling form, read since issue 45: tests/unit/test_trl_rows.py)
+        (chatml, {"body": "plain"}, "none of the conversation forms"),
         (chatml, {"messages": "hi"}, "'messages' is not a list"),
         (chatml, {"prompt": 3, "completion": "x"}, "'prompt' is int"),
     ]

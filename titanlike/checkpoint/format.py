@@ -50,6 +50,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
+from titanlike.config.compat import hub_id_hint
+
 SIDECAR = "titanlike.json"
 DCP_METADATA = ".metadata"
 HF_INDEX = "model.safetensors.index.json"
@@ -315,7 +317,7 @@ def resolve_checkpoint_folder(path: str) -> str:
             return step_folder(path, steps[-1])
     raise CheckpointError(
         f"{path} is neither a DCP checkpoint (no {DCP_METADATA}), a Hugging Face folder "
-        f"({HF_CONFIG} + *.safetensors) nor a folder of step-N checkpoints"
+        f"({HF_CONFIG} + *.safetensors) nor a folder of step-N checkpoints" + hub_id_hint(path)
     )
 
 
@@ -383,7 +385,28 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 class NoPickleLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, except that a pickled (non-tensor) entry is an error, not a
-    torch.load(weights_only=False). Callers check the index first; this is the backstop."""
+    torch.load(weights_only=False). Callers check the index first; this is the backstop.
+
+    It also counts the tensors read on a progress bar named `desc` (titanlike/observe/progress.py:
+    rank 0 at a terminal only), whichever storage reader reads them: a large checkpoint takes minutes."""
+
+    def __init__(self, *args: Any, desc: str = "loading checkpoint", **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.desc, self.bar = desc, None
+
+    def create_local_plan(self):
+        from titanlike.observe.progress import progress
+
+        plan = super().create_local_plan()
+        self.bar = progress(desc=self.desc, total=len(plan.items), unit=" tensors") if plan.items else None
+        return plan
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.bar.n >= self.bar.total:
+                self.bar.close()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         raise CheckpointError(
@@ -414,8 +437,8 @@ def ignore_single_process_warning() -> None:
 def dcp_load(state_dict: dict, path: str, *, process_group=None, no_dist: bool = False) -> None:
     """dcp.load of a checkpoint folder, reading no pickle (raises DCP's exceptions)."""
     with single_process_dcp():
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=NoPickleLoadPlanner(),
-                 process_group=process_group, no_dist=no_dist)
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
+                 planner=NoPickleLoadPlanner(desc=f"loading {path}"), process_group=process_group, no_dist=no_dist)
 
 
 def pickled_entries(keys, metadata: Metadata) -> list[str]:

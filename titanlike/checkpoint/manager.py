@@ -33,6 +33,7 @@ from titanlike.checkpoint.hf import read_hf_config
 from titanlike.models.load_hooks import LoadHook
 from titanlike.checkpoint.loading import HF_KEYS_NOT_COMPARED, Loader
 from titanlike.checkpoint.saving import Saver
+from titanlike.config.compat import hub_id_hint
 from titanlike.checkpoint.states import (
     CHECKPOINT_COMPONENTS,
     COMPONENTS,
@@ -96,7 +97,8 @@ def validate_checkpoint_config(c, spec, *, hf_assets_path: str | None = None) ->
     check(c.initial_load_model_only or not c.initial_load_in_hf,
           "checkpoint.initial_load_in_hf loads a model only, so it needs checkpoint.initial_load_model_only")
     if path:
-        check(os.path.isdir(path), f"checkpoint.initial_load_path {path} does not exist or is not a folder")
+        check(os.path.isdir(path), f"checkpoint.initial_load_path {path} does not exist or is not a folder"
+                                   + hub_id_hint(path, "checkpoint.initial_load_path"))
         if c.initial_load_in_hf:
             check(os.path.isfile(os.path.join(path, fmt.HF_CONFIG)),
                   f"checkpoint.initial_load_path {path} has no {fmt.HF_CONFIG}, so it is not a Hugging Face "

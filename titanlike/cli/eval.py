@@ -44,10 +44,10 @@ lm-eval's own options follow.
 def with_default_device(argv: list[str]) -> list[str]:
     """argv with `--device cpu` added to a run that names no device on a machine without CUDA:
     lm-eval's default is cuda:0."""
-    import torch
-
     if "--model" not in argv or any(a == "--device" or a.startswith("--device=") for a in argv):
         return argv
+    import torch  # only for a run: --help needs no torch
+
     return argv if torch.cuda.is_available() else [*argv, "--device", "cpu"]
 
 
@@ -61,8 +61,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print("error: evaluation needs lm-evaluation-harness (pip install 'lm_eval==0.4.13', or titanlike[dev])",
               file=sys.stderr)
         return 1
-    from titanlike.inference import GenerationError
-
     register()
     saved = sys.argv
     # lm-eval's command line reads sys.argv (and inserts its `run` command there when none is given)
@@ -75,7 +73,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         cli_evaluate()
     except SystemExit as e:  # argparse after --help (0) or a bad option (2)
         return e.code if isinstance(e.code, int) else 1
-    except GenerationError as e:
+    except Exception as e:
+        # Imported here, once a model was asked for: --help and a bad option import no torch.
+        from titanlike.inference import GenerationError
+
+        if not isinstance(e, GenerationError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

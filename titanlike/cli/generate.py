@@ -23,9 +23,17 @@ import dataclasses
 import json
 import sys
 
-from titanlike.inference.loading import add_model_arguments
-# The loader's helpers, importable from here as before (scripts/generate.py re-exports them).
-from titanlike.inference.loading import training_objective, vocab_size  # noqa: F401
+from titanlike.inference.arguments import add_model_arguments
+
+
+def __getattr__(name: str):
+    # The loader's helpers, importable from here as before (scripts/generate.py re-exports them), imported
+    # when asked for: `titanlike-generate --help` imports no torch.
+    if name in ("training_objective", "vocab_size"):
+        from titanlike.inference import loading
+
+        return getattr(loading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int | None,

@@ -20,12 +20,13 @@ import sys
 
 
 def main(argv: list[str] | None = None, prog: str = "train.py", *, process: bool = False,
-         checks: list | None = None) -> int:
+         checks=None) -> int:
     """The trainer's work; the exit code. process: this call is the process's whole life (train.py,
     python -m titanlike.train, titanlike-train), so the stop-signal handlers installed first thing stay
     until it exits: SIGTERM or SIGUSR1 at any moment, in setup or after the final summary, never kills
     it (an in-process caller, a test, gets its own handlers back when main returns). checks: the
-    pre-flight checks to run on the plan; None means those installed packages register (preflight_checks)."""
+    pre-flight checks to run on the plan, or a function returning them (called once the job is planned,
+    so that --help imports none of them); None means those installed packages register (preflight_checks)."""
     # First, before torch is imported: a stop signal in the first seconds of setup is recorded, and
     # acted on as the loop would (there is nothing to save yet: exit 0, saying so).
     from titanlike.train.faults import StopRequest, set_parent_death_signal, under_torchrun
@@ -51,18 +52,26 @@ def main(argv: list[str] | None = None, prog: str = "train.py", *, process: bool
             stop.restore()
 
 
-def _run(argv: list[str] | None, prog: str, stop, rank: int, checks: list | None) -> int:
+def _run(argv: list[str] | None, prog: str, stop, rank: int, checks) -> int:
     from titanlike.config import ConfigError, HelpRequested, load_job_config
-    from titanlike.train.plan import plan_job
 
+    # The launcher (scripts/run_train.sh) validated this job for the same world size before starting the
+    # ranks, showing its config notes and running the pre-flight checks: the ranks repeat neither.
+    validated = os.environ.get(LAUNCHER_VALIDATED) == "1"
     try:
         notes: list[str] = []  # torchtitan's older spellings, and its keys that do nothing here
         cfg = load_job_config(argv, notes=notes)
-        if rank == 0:
+        from titanlike.train.plan import plan_job  # after --help, which needs none of the planning
+
+        if rank == 0 and not validated:
             for note in notes:
                 logging.getLogger("titanlike").warning(f"config: {note}")
         plan = plan_job(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-        run_checks(plan, rank, preflight_checks() if checks is None else checks)
+        if validated:
+            if rank == 0:
+                logging.getLogger("titanlike").info("pre-flight checks: run by the launcher before the ranks started")
+        else:
+            run_checks(plan, rank, preflight_checks() if checks is None else checks() if callable(checks) else checks)
     except HelpRequested as h:
         print(str(h).replace("usage: train.py", f"usage: {prog}", 1))
         return 0
@@ -121,6 +130,8 @@ def _run(argv: list[str] | None, prog: str, stop, rank: int, checks: list | None
 
 
 PREFLIGHT_GROUP = "titanlike.preflight"
+# Set to 1 by scripts/run_train.sh for the ranks it starts after validating the job (--job.validate_only).
+LAUNCHER_VALIDATED = "TITANLIKE_LAUNCHER_VALIDATED"
 
 
 def preflight_checks() -> list:

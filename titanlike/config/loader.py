@@ -18,13 +18,14 @@ import typing
 from typing import Any, Sequence
 
 from titanlike.config.compat import (
+    FOREIGN_FLAGS,
     ITEM_ALIASES,
-    MEGATRON_FLAGS,
     SECTION_ALIASES,
     TORCHTITAN_KEYS,
     Alias,
     NotHere,
     Renamed,
+    foreign_flag_hint,
 )
 from titanlike.config.schema import JobConfig
 from titanlike.config.sections import RENAMED_SINCE, registered_sections, renamed_keys
@@ -324,22 +325,29 @@ def _suggest(section: str, key: str, known: list[str]) -> str | None:
     return option.name if option is not None and option.renamed is not None else target
 
 
-def _split_cli(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str]]:
-    """argv as (dotted name, raw value) pairs in order, and the names no option answers to."""
+def _split_cli(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str], list[str]]:
+    """argv as (dotted name, raw value) pairs in order, the dotted names no option answers to, and the
+    arguments that are no --section.key option at all (another trainer's flags, stray words)."""
     out: list[tuple[str, Any]] = []
     unknown: list[str] = []
+    bare: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
-        megatron = MEGATRON_FLAGS.get(arg[2:].partition("=")[0]) if arg.startswith("--") else None
-        if megatron is not None:
-            raise ConfigError(f"unexpected argument {arg!r}: Megatron's {arg.partition('=')[0]} is --{megatron} here "
-                              "(options look like --section.key value; see --help)")
-        if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(
-                f"unexpected argument {arg!r}; options look like --section.key value (see --help)"
-            )
         name, eq, inline = arg[2:].partition("=")
+        if not arg.startswith("--") or "." not in name:
+            bare.append(arg)
+            # A flag's value is not reported on its own: the word after a flag that takes one (Megatron's
+            # --lr 3e-4, or any flag the table does not know) is skipped, and after a switch a true/false
+            # (Hugging Face's --bf16 True).
+            foreign = FOREIGN_FLAGS.get(arg.partition("=")[0])
+            nxt = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
+            switch = foreign is not None and foreign.switch
+            value = nxt is not None and arg.startswith("-") and not eq and (not switch or nxt.lower() in _TRUE | _FALSE)
+            i += 2 if value else 1
+            while value and foreign is not None and foreign.many and i < len(argv) and not argv[i].startswith("-"):
+                i += 1
+            continue
         option, negated = _resolve(name), False
         head, _, last = name.rpartition(".")
         if option is None and last.startswith("no_"):
@@ -353,7 +361,22 @@ def _split_cli(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str]]:
             continue
         raw, i = _take_value(argv, i, name, option.tp, negated=negated, eq=eq, inline=inline)
         out.append((name, raw))
-    return out, unknown
+    return out, unknown, bare
+
+
+_OPTIONS_LOOK = "options look like --section.key value"
+
+
+def _describe_bare(bare: list[str]) -> str:
+    """One sentence naming every argument that is no --section.key option, another trainer's flag with
+    the option it is here (titanlike/config/compat.py FOREIGN_FLAGS)."""
+    if len(bare) == 1:
+        hint = foreign_flag_hint(bare[0])
+        if hint:
+            return f"unexpected argument {bare[0]!r}: {hint} ({_OPTIONS_LOOK}; see --help)"
+        return f"unexpected argument {bare[0]!r}; {_OPTIONS_LOOK} (see --help)"
+    listed = [f"{arg!r}" + (f" ({hint})" if (hint := foreign_flag_hint(arg)) else "") for arg in bare]
+    return f"{len(bare)} unexpected arguments: {', '.join(listed)}; {_OPTIONS_LOOK} (see --help)"
 
 
 def _take_value(argv: Sequence[str], i: int, name: str, tp: Any, *, negated: bool, eq: str,
@@ -497,7 +520,7 @@ def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | Non
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         raise HelpRequested(help_text())
-    overrides, unknown_in_argv = _split_cli(argv)
+    overrides, unknown_in_argv, bare = _split_cli(argv)
     settings: list[tuple[str, Any, str]] = []  # (dotted name, raw value, where)
     unknown: list[str] = []
     config_file = [v for name, v in overrides if name == "job.config_file"]
@@ -508,8 +531,11 @@ def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | Non
                 unknown.append(name)
             settings.append((name, value, path))
     unknown += unknown_in_argv
-    if unknown:
-        raise ConfigError(_describe_unknown(list(dict.fromkeys(unknown))))
+    if bare or unknown:
+        # Every argument the command cannot take, in one message: fixing one at a time is slow.
+        problems = [_describe_bare(bare)] if bare else []
+        problems += [_describe_unknown(list(dict.fromkeys(unknown)))] if unknown else []
+        raise ConfigError("; and ".join(problems))
     settings += [(name, value, "") for name, value in overrides]
 
     values: dict[str, dict[str, Any]] = {}

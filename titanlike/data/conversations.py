@@ -3,13 +3,17 @@
 Files (`training.dataset text`, `training.dataset_path` a file or a folder): JSONL (`.jsonl`,
 `.jsonl.gz`, `.json` lines), Parquet (`.parquet`, needs pyarrow), or a folder a Hugging Face
 `datasets` object was saved into (`save_to_disk`; needs `datasets`), or a folder of the files. A
-row is one conversation, in one of three forms (`sft.format`, or "auto" from each row's keys):
+row is one conversation, in one of four forms (`sft.format`, or "auto" from each row's keys):
 
 - `messages`: a list of {"role", "content", ...} (system / user / assistant / tool turns; any
   other keys, such as tool calls, go to the template as they are);
 - `prompt` / `completion`: strings (a user turn and the assistant's answer) or lists of messages;
 - `instruction` / `input` / `output` (Alpaca's): the instruction and the input, joined by a blank
-  line when there is one, as the user turn, the output as the assistant's.
+  line when there is one, as the user turn, the output as the assistant's;
+- `text` (TRL's language-modeling rows, its default dataset_text_field): a string, no chat template,
+  read as TRL's SFTTrainer does: the tokenizer's own encoding (the BOS a Hugging Face tokenizer's
+  post-processor adds, a tiktoken file's Llama 3 BOS) with EOS appended unless the text ends with it,
+  every token trained (text_ids).
 
 Each conversation becomes tokens t_0..t_{n-1} (titanlike/data/chat_template.py) and n - 1 training
 positions: input t_j, target t_{j+1}, the target kept when t_{j+1} is the assistant's (or always,
@@ -40,9 +44,10 @@ logger = logging.getLogger("titanlike")
 
 IGNORE_INDEX = -100  # models/outputs.py's, restated: data/ does not import the models
 CONVERSATION_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
-FORMATS = ("auto", "messages", "prompt_completion", "instruction")
+FORMATS = ("auto", "messages", "prompt_completion", "instruction", "text")
+# In the order "auto" tries them: a row with messages and text is a conversation (TRL's order too).
 _FORM_KEYS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"),
-              "instruction": ("instruction", "output")}
+              "instruction": ("instruction", "output"), "text": ("text",)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,16 +153,25 @@ def _as_messages(value, where: str, key: str, role: str) -> list[dict]:
     raise DataError(f"{where}: {key!r} is {type(value).__name__}, not a string or a list of messages")
 
 
-def row_messages(row: dict, fmt: str, where: str) -> list[dict]:
-    """The messages of one row in form `fmt` (FORMATS; "auto" looks at the row's keys)."""
+def row_format(row: dict, fmt: str, where: str) -> str:
+    """The form of one row: `fmt` (FORMATS), or for "auto" the first whose keys the row has."""
     if fmt == "auto":
         fmt = next((f for f, keys in _FORM_KEYS.items() if all(k in row for k in keys)), "")
         if not fmt:
             raise DataError(f"{where} has the keys {', '.join(sorted(row)) or 'none'}, none of the conversation "
-                            "forms: messages; prompt and completion; instruction (input) and output")
+                            "forms: messages; prompt and completion; instruction (input) and output; text")
     missing = [k for k in _FORM_KEYS[fmt] if k not in row]
     if missing:
         raise DataError(f"{where} has no {missing[0]!r} (sft.format {fmt})")
+    return fmt
+
+
+def row_messages(row: dict, fmt: str, where: str) -> list[dict]:
+    """The messages of one row in form `fmt` (FORMATS; "auto" looks at the row's keys); a text row
+    has none (text_ids reads it)."""
+    fmt = row_format(row, fmt, where)
+    if fmt == "text":
+        raise ValueError("a text row has no messages: text_ids reads it")  # a caller's mistake, not the data's
     if fmt == "messages":
         messages = row["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -175,6 +189,26 @@ def row_messages(row: dict, fmt: str, where: str) -> list[dict]:
         if not isinstance(m.get("role"), str):
             raise DataError(f"{where}: a message has no string 'role'")
     return messages
+
+
+def text_ids(tokenizer, text, where: str) -> list[int]:
+    """A text row's token ids as TRL's SFTTrainer makes them (its add_eos, then the tokenizer
+    called on the text): the tokenizer's own special tokens around the text (a Hugging
+    Face tokenizer's post-processor, Llama 3's BOS for a tiktoken file) and EOS at the end, written
+    once whether or not the text ends with EOS's string. One difference: a special token's string
+    inside the text stays text (the tokenizers' rule here: data cannot forge a special token), where
+    TRL's tokenizer call would read it as the token."""
+    from titanlike.data.tokenizer_json import HuggingFaceTokenizer
+
+    if not isinstance(text, str):
+        raise DataError(f"{where}: 'text' is {type(text).__name__}, not a string")
+    eos = tokenizer.decode([tokenizer.eos_id])
+    if eos and text.endswith(eos):
+        text = text[: -len(eos)]
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        ids = tokenizer.model.encode(text, add_special_tokens=True).ids
+        return [*ids, tokenizer.eos_id]
+    return tokenizer.encode(text, bos=True, eos=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,14 +263,21 @@ def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str 
     for a row that is not a conversation, one without an assistant turn (under assistant-only loss),
     or one the template refuses."""
 
+    from titanlike.observe.progress import progress
+
     inputs, labels, bounds = [], [], [0]
     truncated = dropped = 0
-    for where, row in rows:
-        messages = row_messages(row, fmt, where)
-        check_turns(len(messages), seq_len, where)
-        if assistant_only_loss and not any(m["role"] == "assistant" for m in messages):
-            raise DataError(f"{where} has no assistant turn, so nothing of it would be trained on")
-        ids, mask = render_row(template, tokenizer, messages, where, "conversation", max_tokens=seq_len + 1)
+    for where, row in progress(rows, desc="sft: tokenizing conversations", unit=" conversations"):
+        if row_format(row, fmt, where) == "text":
+            # TRL trains every token of a text row (it has no turns to pick the assistant's from).
+            ids = text_ids(tokenizer, row["text"], where)
+            mask = [True] * len(ids)
+        else:
+            messages = row_messages(row, fmt, where)
+            check_turns(len(messages), seq_len, where)
+            if assistant_only_loss and not any(m["role"] == "assistant" for m in messages):
+                raise DataError(f"{where} has no assistant turn, so nothing of it would be trained on")
+            ids, mask = render_row(template, tokenizer, messages, where, "conversation", max_tokens=seq_len + 1)
         if len(ids) > seq_len + 1:
             if overlong == "drop":
                 dropped += 1
@@ -405,5 +446,5 @@ class ConversationSamples:
 
 __all__ = ["CONVERSATION_SUFFIXES", "ConversationSamples", "FORMATS", "TokenizedConversations", "best_fit_decreasing",
            "check_row_dataset", "check_row_files", "check_turns", "choose_chat_template", "held_out_for_validation",
-           "split_rows",
-           "conversation_files", "iter_rows", "row_messages", "tokenize_conversations"]
+           "split_rows", "conversation_files", "iter_rows", "row_format", "row_messages", "text_ids",
+           "tokenize_conversations"]

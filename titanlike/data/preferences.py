@@ -3,7 +3,10 @@
 Files as for conversations (titanlike/data/conversations.py: JSONL, Parquet, a saved `datasets`
 folder, or a folder of them). A row is one pair: `prompt`, `chosen`, `rejected`, each a string or a
 list of messages. A string prompt is the user's turn and a string answer the assistant's; a list
-prompt is the conversation so far and a list answer the assistant's reply (its turns).
+prompt is the conversation so far and a list answer the assistant's reply (its turns). A row without
+a prompt (or with a string prompt beside conversations) holds it implicitly, as TRL reads it: the
+prompt is the longest common prefix of chosen and rejected (whole turns of conversations), the
+answers what follows (implicit_prompt).
 
 Each side of a pair is rendered as one conversation, prompt then answer (data/chat_template.py),
 and becomes a document of n - 1 training positions (input t_j, target t_{j+1}); a target is trained
@@ -48,8 +51,35 @@ def _messages(value, where: str, key: str, role: str) -> list[dict]:
                     "a string or a non-empty list of messages with a 'role'")
 
 
+def _conversational(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def implicit_prompt(chosen, rejected):
+    """(prompt, chosen, rejected) of a pair whose prompt is the shared start of both answers: TRL's
+    extract_prompt, its rules included: turns of conversations or characters of
+    strings, the space before a string's first difference left to the answers."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
 def row_pair(row: dict, where: str) -> tuple[list[dict], list[dict], list[dict]]:
     """(prompt, chosen, rejected) messages of one row; DataError (one sentence) for a row that is not a pair."""
+    has = {k for k in PAIR_KEYS if row.get(k) is not None}
+    if {"chosen", "rejected"} <= has and row.get("chosen") != row.get("rejected") and (
+            "prompt" not in has or _conversational(row["prompt"]) != _conversational(row["chosen"])):
+        # TRL's maybe_extract_prompt: no prompt, or one of another form than the answers (a string beside
+        # whole conversations, which then hold it).
+        prompt, chosen, rejected = implicit_prompt(row["chosen"], row["rejected"])
+        if not prompt:
+            raise DataError(f"{where} has no 'prompt', and its chosen and rejected answers share no start to take "
+                            "it from (TRL's implicit prompt)")
+        row = {**row, "prompt": prompt, "chosen": chosen, "rejected": rejected}
     missing = [k for k in PAIR_KEYS if k not in row or row[k] is None]
     if missing:
         raise DataError(f"{where} has no {missing[0]!r}: a preference pair needs prompt, chosen and rejected "
@@ -247,9 +277,11 @@ def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "
     checkpoint), which a row's FINGERPRINT_KEY must equal. section: pack_pairs'."""
     unchecked = 0
 
+    from titanlike.observe.progress import progress
+
     def pairs():
         nonlocal unchecked
-        for where, row in rows:
+        for where, row in progress(rows, desc=f"{section}: tokenizing pairs", unit=" pairs"):
             sides = render_pair(row, where, template, tokenizer, end_id=end_id, seq_len=seq_len)
             if not reference:
                 yield where, *sides
@@ -333,4 +365,5 @@ def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_le
 
 
 __all__ = ["FINGERPRINT_KEY", "PAIR_KEYS", "PreferenceSamples", "REFERENCE_KEYS", "TokenizedPairs", "answer_mask",
+           "implicit_prompt",
            "pack_pairs", "preference_samples", "render_pair", "row_pair", "tokenize_pairs"]

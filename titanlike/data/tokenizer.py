@@ -237,10 +237,12 @@ def job_tokenizer(tokenizer_path: str | None, hf_assets_path: str | None, defaul
     model.tokenizer_path, a tiktoken ranks file; else `default`), built once. ValueError, one
     sentence, when what is named is not there or cannot be read."""
     if hf_assets_path:
+        from titanlike.config.compat import hub_id_hint
         from titanlike.data.tokenizer_json import TOKENIZER_JSON, is_tokenizer_folder
 
         if not os.path.isdir(hf_assets_path):
-            raise ValueError(f"model.hf_assets_path {hf_assets_path} does not exist or is not a folder")
+            raise ValueError(f"model.hf_assets_path {hf_assets_path} does not exist or is not a folder"
+                             + hub_id_hint(hf_assets_path, "model.hf_assets_path"))
         if not is_tokenizer_folder(hf_assets_path):
             raise ValueError(f"model.hf_assets_path {hf_assets_path} has no {TOKENIZER_JSON} (torchtitan's "
                              "scripts/download_hf_assets.py --assets tokenizer fetches it; a tiktoken tokenizer.model "

@@ -52,6 +52,7 @@ from titanlike.inference.engine import Engine, GenerationError
 from titanlike.inference.loading import choose_device, load_for_inference, model_dtype, model_spec
 from titanlike.inference.processor import Processor
 from titanlike.inference.sampling import SamplingParams
+from titanlike.observe.progress import progress
 
 
 def _flag(name: str, value) -> bool:
@@ -234,9 +235,11 @@ class TitanlikeLM(TemplateLM):
             logits = logits.full_tensor()
         return F.log_softmax(logits.float(), dim=-1)
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, desc: str = "lm-eval: loglikelihood",
+                              **kwargs) -> list[tuple[float, bool]]:
         """(log-probability of the continuation, whether greedy decoding gives it) per request of
-        (key, context ids, continuation ids), batch_size requests per forward, longest first."""
+        (key, context ids, continuation ids), batch_size requests per forward, longest first; a
+        progress bar over the requests (titanlike/observe/progress.py) unless disable_tqdm."""
         inputs = []
         for _, context, continuation in requests:
             if not continuation:
@@ -249,9 +252,11 @@ class TitanlikeLM(TemplateLM):
             inputs.append((context + continuation)[-(self.max_length + 1):][:-1])
         order = sorted(range(len(requests)), key=lambda i: (-len(inputs[i]) - 1, inputs[i]))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
+        bar = progress(desc=desc, total=len(order), unit=" requests", enabled=not disable_tqdm)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             logprobs = self._logits([inputs[i] for i in chunk])
+            bar.update(len(chunk))
             for row, i in enumerate(chunk):
                 continuation = requests[i][2]
                 length = len(inputs[i])
@@ -259,6 +264,7 @@ class TitanlikeLM(TemplateLM):
                 target = torch.tensor(continuation, device=scores.device)
                 greedy = bool((scores.argmax(-1) == target).all())
                 results[i] = (float(scores.gather(1, target[:, None]).sum()), greedy)
+        bar.close()
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -271,7 +277,8 @@ class TitanlikeLM(TemplateLM):
                 windows.append((None, context, continuation))
                 owners.append(index)
         totals = [0.0] * len(requests)
-        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows)):
+        scored = self._loglikelihood_tokens(windows, disable_tqdm, desc="lm-eval: loglikelihood_rolling (windows)")
+        for owner, (logprob, _) in zip(owners, scored):
             totals[owner] += logprob
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
@@ -285,6 +292,7 @@ class TitanlikeLM(TemplateLM):
             groups[repr(sorted(req.args[1].items(), key=lambda kv: kv[0]))].append(i)
         results: list[str | None] = [None] * len(requests)
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        bar = progress(desc="lm-eval: generate_until", total=len(requests), unit=" requests", enabled=not disable_tqdm)
         for members in groups.values():
             kwargs = normalize_gen_kwargs(requests[members[0]].args[1], self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
@@ -299,11 +307,13 @@ class TitanlikeLM(TemplateLM):
                 chunk = order[start:start + self.batch_size]
                 completions, _ = self.engine.generate([prompts[i] for i in chunk], params,
                                                       detokenize=self.tok_decode)
+                bar.update(len(chunk))
                 for i, completion in zip(chunk, completions):
                     text = postprocess_generated_text(self.tok_decode(completion.tokens), stop=until,
                                                       think_end_token=None)
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        bar.close()
         return results
 
     def _sampling(self, kwargs: dict, until: list[str]) -> SamplingParams:

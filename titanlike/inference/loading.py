@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from titanlike.inference.arguments import DTYPE_NAMES, add_model_arguments  # noqa: F401 (importable from here)
 from titanlike.inference.engine import GenerationError, scores_only
 
 
@@ -147,8 +148,8 @@ def decoder_start_id(checkpoint: str, tokenizer, model: nn.Module) -> int | None
     return value
 
 
-# The dtypes weights may be cast to for inference (the names of train.py's checkpoint.export_dtype).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtypes weights may be cast to for inference, by name (arguments.py's --dtype choices).
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def model_dtype(name: str | None, *, option: str = "--dtype") -> torch.dtype | None:
@@ -177,21 +178,6 @@ def choose_device(name: str | None, *, option: str = "--device") -> torch.device
             chosen = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(chosen)
     return chosen
-
-
-def add_model_arguments(parser: argparse.ArgumentParser, *, compile_shapes: str) -> None:
-    """The options that name the model and how it runs: the checkpoint, --tokenizer, --device,
-    --dtype, --compile (`compile_shapes`: what fixes the compiled step's shapes in this tool).
-    load_model_arguments loads what they name."""
-    group = parser.add_argument_group("model")
-    group.add_argument("checkpoint", help="DCP step folder, checkpoint folder (latest step), or HF folder")
-    group.add_argument("--tokenizer", default=None, help="tiktoken file or Hugging Face tokenizer folder; default: "
-                       "the checkpoint folder's tokenizer.json if it has one, else the debug tokenizer")
-    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when this machine has "
-                       "a GPU, else cpu)")
-    group.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="the weights' dtype (default: as stored)")
-    group.add_argument("--compile", action="store_true", help=f"torch.compile the decode step (its shapes are fixed: "
-                       f"{compile_shapes}; the compile costs seconds to minutes at the first step)")
 
 
 def refuse_encoders(model: nn.Module) -> None:

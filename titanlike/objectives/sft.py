@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 class SFTOptions:
     format: str = opt("auto", "conversation form of each row: messages (a list of role/content turns), "
                       "prompt_completion (prompt and completion), instruction (instruction, input, output: "
-                      "Alpaca's), or auto (from each row's keys)",
-                      choices=("auto", "messages", "prompt_completion", "instruction"))
+                      "Alpaca's), text (TRL's language-modeling rows: plain text, every token trained), or auto "
+                      "(from each row's keys)", choices=("auto", "messages", "prompt_completion", "instruction", "text"))
     chat_template: str = opt(
         "auto", "auto: the tokenizer folder's chat_template (tokenizer_config.json or chat_template.jinja), else "
         "titanlike's llama3 template; tokenizer: the folder's, required; llama3 or chatml: titanlike's own; or a "

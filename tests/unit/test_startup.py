@@ -1,0 +1,44 @@
+"""Start-up (issue 45, item 13): `--help` imports only what it prints. train.py's help imports neither
+its memory check (estimation/fits.py) nor the planner; titanlike-eval's and titanlike-generate's import
+no torch (lm-eval's parser and the titanlike model's lines; titanlike/inference/arguments.py's options).
+Each runs in a fresh process, whose modules are the ones counted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, _env
+
+pytestmark = pytest.mark.slow  # fresh interpreters
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after `code` (which prints help to stdout)."""
+    script = code + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)), file=sys.stderr)"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
+    return set(json.loads(proc.stderr.strip().splitlines()[-1]))
+
+
+def test_train_py_help_imports_no_memory_check_and_no_planner():
+    modules = _modules_after("import train\ntrain.main(['--help'])")
+    assert "estimation.fits" not in modules and "titanlike.train.plan" not in modules
+    assert "titanlike.train.trainer" not in modules
+
+
+def test_titanlike_eval_help_imports_no_torch():
+    modules = _modules_after("from titanlike.cli.eval import main\nmain(['--help'])")
+    assert "lm_eval" in modules and "torch" not in modules
+
+
+def test_titanlike_generate_help_imports_no_torch():
+    modules = _modules_after("import sys\nfrom titanlike.cli.generate import console_main\n"
+                             "sys.argv = ['titanlike-generate', '--help']\ntry:\n    console_main()\n"
+                             "except SystemExit:\n    pass")
+    assert "titanlike.inference.arguments" in modules and "torch" not in modules
