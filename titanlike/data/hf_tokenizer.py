@@ -216,6 +216,18 @@ def _role_ids(tokenizer, roles) -> dict[str, int]:
     return {role: ids[role] if role in ids else special_token_ids(tokenizer, [role])[role] for role in roles}
 
 
+def template_framing(tokenizer, template: str):
+    """A family's single-text template (HFAdapter.tokenizer_template[0], e.g. "bos $A") as the ids it
+    puts around a text with `tokenizer` (data/tokenizer_json.py Framing): how the family's exported
+    tokenizer frames it. DataError (a ValueError) for a role the tokenizer lacks."""
+    from titanlike.data.tokenizer_json import Framing
+
+    pieces = template.split()
+    at = pieces.index("$A")
+    role_ids = _role_ids(tokenizer, {p for p in pieces if p != "$A"})
+    return Framing(tuple(role_ids[p] for p in pieces[:at]), tuple(role_ids[p] for p in pieces[at + 1:]))
+
+
 def _framed(template: str, role_ids: dict[str, int], ids: list[int]) -> list[int]:
     """A single-text template applied to a text's ids (what the converted tokenizer must give)."""
     return [i for piece in template.split() for i in (ids if piece == "$A" else [role_ids[piece]])]
@@ -341,4 +353,4 @@ def _copy_with_note(out: str, path: str, tokenizer, reason: str) -> TokenizerExp
 
 
 __all__ = ["TOKENIZER_COPY", "TOKENIZER_NOTE", "TokenizerExport", "store_tokenizer", "stored_tokenizer",
-           "tokenizer_record", "write_hf_tokenizer"]
+           "template_framing", "tokenizer_record", "write_hf_tokenizer"]

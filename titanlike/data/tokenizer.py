@@ -135,9 +135,12 @@ class Tokenizer:
 
     What every tokenizer build_tokenizer returns answers (this class and HuggingFaceTokenizer), and
     all that generic code reads of one: path, bos_id, eos_id, vocab_size, special_ids, fingerprint,
-    encode, encode_batch, decode."""
+    framing, encode, encode_batch, decode."""
 
     pat_str = LLAMA3_PAT_STR
+    # How a text given to a model is framed (data/tokenizer_json.py Framing): a ranks file does not
+    # say, so the model's family does (inference/processor.py prompt_framing).
+    framing = None
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from typing import AbstractSet, Literal
+from typing import AbstractSet, Literal, NamedTuple
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -23,6 +23,14 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 # Names of BOS / EOS tokens tried, in order, when tokenizer_config.json does not name them.
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|endoftext|>", "<bos>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
+
+
+class Framing(NamedTuple):
+    """The special ids a tokenizer puts around one text given to a model (transformers'
+    `tokenizer(text)`): Llama 3 BOS before, T5 EOS after, GPT-2 nothing."""
+
+    before: tuple[int, ...]
+    after: tuple[int, ...]
 
 
 def is_tokenizer_folder(path: str | os.PathLike) -> bool:
@@ -77,6 +85,17 @@ class HuggingFaceTokenizer:
         digest = hashlib.sha256(raw)
         digest.update(f"{self.bos_id},{self.eos_id}".encode())
         self.fingerprint = digest.hexdigest()
+        self.framing = self._framing()
+
+    def _framing(self) -> Framing:
+        """How tokenizer.json's post-processor frames a text (what transformers' `tokenizer(text)` adds
+        with this folder), read off a probe text."""
+        framed = self.model.encode("a", add_special_tokens=True).ids
+        plain = self.model.encode("a", add_special_tokens=False).ids
+        at = next((i for i in range(len(framed) - len(plain) + 1) if framed[i:i + len(plain)] == plain), None)
+        if at is None:  # a post-processor that rewrites the text's own ids: frame nothing
+            return Framing((), ())
+        return Framing(tuple(framed[:at]), tuple(framed[at + len(plain):]))
 
     @property
     def special_ids(self) -> frozenset[int]:
