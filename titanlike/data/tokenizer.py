@@ -134,8 +134,8 @@ class Tokenizer:
     """Llama 3 style tokenizer: tiktoken BPE ranks + Llama 3 regex + 256 special tokens.
 
     What every tokenizer build_tokenizer returns answers (this class and HuggingFaceTokenizer), and
-    all that generic code reads of one: path, bos_id, eos_id, vocab_size, special_ids, fingerprint,
-    framing, encode, encode_batch, decode."""
+    all that generic code reads of one: path, bos_id, eos_id, vocab_size, special_tokens, special_ids,
+    fingerprint, framing, encode, encode_batch, decode."""
 
     pat_str = LLAMA3_PAT_STR
     # How a text given to a model is framed (data/tokenizer_json.py Framing): a ranks file does not

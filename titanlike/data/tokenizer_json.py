@@ -98,10 +98,16 @@ class HuggingFaceTokenizer:
         return Framing(tuple(framed[:at]), tuple(framed[at + len(plain):]))
 
     @property
+    def special_tokens(self) -> dict[str, int]:
+        """The added tokens the file marks special, text -> id, as Tokenizer.special_tokens has them
+        (a LLaVA export's image token among them: data/image_text.py image_token_text)."""
+        return {token.content: i for i, token in self.model.get_added_tokens_decoder().items() if token.special}
+
+    @property
     def special_ids(self) -> frozenset[int]:
         """The ids of the added tokens the file marks special (what generated text leaves out, as
         transformers' decode with skip_special_tokens)."""
-        return frozenset(i for i, token in self.model.get_added_tokens_decoder().items() if token.special)
+        return frozenset(self.special_tokens.values())
 
     def _special_id(self, config: dict, key: str, names: Sequence[str]) -> int | None:
         named = _config_token(config, key)
