@@ -180,3 +180,23 @@ def test_simpo_equals_trl_cpo_simpo(trl_setup, smoothing):
     assert reports[1].item() == pytest.approx(rejected_rewards.mean().item(), abs=1e-5)
     for name, g in their_grads.items():
         torch.testing.assert_close(grads(policy)[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_help_says_sigmoid_label_smoothing_is_conservative_dpo_not_trl_1_16s(trl_setup):
+    """TRL 1.16's DPOTrainer ignores label_smoothing for sigmoid (its loss with 0.2 is its loss with 0);
+    ours is conservative DPO (test above), and dpo.label_smoothing's help says which we follow."""
+    import dataclasses
+
+    from titanlike.config.loader import help_text
+
+    trainer, policy, _, batch = trl_setup
+    trainer.loss_types, trainer.loss_weights = ["sigmoid"], [1.0]
+    with torch.no_grad():
+        trainer.label_smoothing = 0.2
+        smoothed = trainer._compute_loss(policy, batch, False).item()
+        trainer.label_smoothing = 0.0
+        plain = trainer._compute_loss(policy, batch, False).item()
+    assert smoothed == plain
+    doc = next(f for f in dataclasses.fields(DPOOptions) if f.name == "label_smoothing").metadata["doc"]
+    assert "conservative DPO for sigmoid" in doc and "TRL 1.16's DPOTrainer, which ignores it for sigmoid" in doc
+    assert "TRL 1.16's DPOTrainer" in " ".join(help_text().split())

@@ -18,7 +18,8 @@ count, like the token count of a language-model loss.
 
 Per pair, with x_c = log pi(chosen) - log ref(chosen), x_r likewise and d = x_c - x_r (TRL's
 DPOTrainer and CPOTrainer, trl 1.16, tests/unit/test_preference.py compares):
-  sigmoid  -(1 - e) log s(b d) - e log s(-b d)    (e: label_smoothing; e = 0 is DPO)
+  sigmoid  -(1 - e) log s(b d) - e log s(-b d)    (e: label_smoothing; e = 0 is DPO, e > 0 conservative
+                                                   DPO, which TRL 1.16's DPOTrainer ignores e for)
   robust   (-(1 - e) log s(b d) + e log s(-b d)) / (1 - 2 e)
   hinge    relu(1 - b d)
   ipo      (x_c / n_c - x_r / n_r - 1 / (2 b))^2  (n: the answer's tokens)
@@ -79,8 +80,10 @@ class DPOOptions:
     beta: float = opt(0.1, "the strength of the KL penalty toward the reference (SimPO: the reward scale)")
     loss_type: str = opt("sigmoid", "sigmoid (DPO), ipo, hinge, robust (robust DPO, with label_smoothing), or simpo "
                          "(reference-free, length-normalized, with simpo_gamma)", choices=LOSS_TYPES)
-    label_smoothing: float = opt(0.0, "the assumed probability that a pair's preference is flipped (conservative "
-                                 "DPO for sigmoid and simpo, robust DPO for robust), in [0, 0.5)")
+    label_smoothing: float = opt(0.0, "the assumed probability that a pair's preference is flipped, in [0, 0.5): "
+                                 "robust DPO for robust; conservative DPO for sigmoid and simpo, as TRL's CPOTrainer "
+                                 "and DPOTrainer before 1.0, not TRL 1.16's DPOTrainer, which ignores it for sigmoid "
+                                 "(leave it 0 to match that)")
     simpo_gamma: float = opt(0.5, "SimPO's target reward margin (loss_type simpo only)")
     reference: str = opt("model", "model: a frozen copy of the policy as training starts, sharded like it; adapters: "
                          "the policy with its LoRA adapters off (needs the lora converter); precomputed: the "
