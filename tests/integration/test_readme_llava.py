@@ -51,8 +51,9 @@ def _demo_checkpoint(cwd) -> None:
     with torch.device("meta"):
         model = spec.model_cls(args)
     state = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
+    description = model_description("llama3", args, flavor="debugmodel")
     write_dcp_model(state, str(cwd / "outputs" / "checkpoint" / "step-20"),
-                    {"contents": "model_only", "step": 20, "model": model_description("llama3", args, flavor="debugmodel")})
+                    {"contents": "model_only", "step": 20, "model": description})
 
 
 def test_readme_llava_stage_1_after_the_demo(tmp_path):

@@ -200,3 +200,24 @@ def test_help_says_sigmoid_label_smoothing_is_conservative_dpo_not_trl_1_16s(trl
     doc = next(f for f in dataclasses.fields(DPOOptions) if f.name == "label_smoothing").metadata["doc"]
     assert "conservative DPO for sigmoid" in doc and "TRL 1.16's DPOTrainer, which ignores it for sigmoid" in doc
     assert "TRL 1.16's DPOTrainer" in " ".join(help_text().split())
+
+
+@pytest.mark.parametrize("converters,adapter_path,reference,want", [
+    ([], None, "auto", "model"), (["lora"], None, "auto", "adapters"), (["lora"], "peft_adapter", "auto", "model"),
+    (["lora"], "peft_adapter", "adapters", "adapters"), (["lora"], None, "model", "model")])
+def test_the_reference_of_a_pretrained_adapter_is_its_copy_as_trl_has_it(converters, adapter_path, reference, want):
+    """TRL 1.16's DPOTrainer on a PEFT model: a new adapter's reference is the base (adapters disabled), a
+    pretrained adapter's a frozen copy of it; dpo.reference auto (the default) does the same, and both
+    stay on offer (issue 45.18)."""
+    from titanlike.config.schema import JobConfig
+    from titanlike.models.registry import get_model_spec
+    from titanlike.objectives.companion import Source
+
+    cfg = JobConfig()
+    cfg.model.converters, cfg.lora.adapter_path, cfg.dpo.reference = converters, adapter_path, reference
+    objective = DPO.for_job(cfg, get_model_spec("llama3").flavors["debugmodel"])
+    assert objective.options.reference == want
+    (companion,) = objective.companions
+    assert companion.source == (Source.POLICY if want == "adapters" else Source.FROZEN_COPY)
+    assert companion.converters_off == (want == "adapters")
+    assert DPOOptions().reference == "auto"

@@ -209,8 +209,9 @@ class Processor:
 
 
 def prompt_framing(tokenizer, spec):
-    """The ids around a text prompt: the tokenizer's own (a Hugging Face folder's post-processor), else those the family's exported tokenizer applies (spec.hf.tokenizer_template;
-    no spec: BOS first, as titanlike trains)."""
+    """The ids around a text prompt: the tokenizer's own (a Hugging Face folder's post-processor), else
+    those the family's exported tokenizer applies (spec.hf.tokenizer_template; no spec: BOS first, as
+    titanlike trains)."""
     from titanlike.data.errors import DataError
     from titanlike.data.hf_tokenizer import DEFAULT_TEMPLATE, template_framing
     from titanlike.data.tokenizer_json import Framing
