@@ -20,7 +20,9 @@ from typing import NamedTuple
 # itself, with its own special tokens, which would give other ids than the model was trained on.
 TOKENIZER_COPY = "tokenizer.tiktoken"
 TOKENIZER_NOTE = "TOKENIZER.md"
-_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# A Hugging Face tokenizer folder's files (data/tokenizer_json.py reads a sentencepiece tokenizer.model
+# or a tekken.json where there is no tokenizer.json).
+_HF_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # Text the converted tokenizer must encode as tiktoken does: regex edge cases (contractions,
 # digit runs, whitespace runs, CR/LF), multi-byte UTF-8, and special-token strings.
@@ -108,7 +110,7 @@ def stored_tokenizer(folder: str, record: dict) -> tuple[str | None, str | None]
         if not _plain_file(folder, name):
             return None, (f"the checkpoint's tokenizer file {name!r:.200} is not a plain file inside {folder} "
                           "(a path, a link or missing), so it is not read")
-    if "tokenizer.json" in files:
+    if {"tokenizer.json", "tokenizer.model", "tekken.json"} & set(files):
         extra = [n for n in _HF_FILES if os.path.lexists(os.path.join(folder, n)) and not _plain_file(folder, n)]
         if extra:
             return None, f"the checkpoint's tokenizer file {extra[0]} is a link or not a plain file, so it is not read"

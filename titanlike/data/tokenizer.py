@@ -226,8 +226,9 @@ class Tokenizer:
 
 
 def build_tokenizer(path: str | os.PathLike):
-    """A tiktoken ranks file (Tokenizer), or a Hugging Face folder holding tokenizer.json
-    (HuggingFaceTokenizer, torchtitan's model.hf_assets_path); both answer alike."""
+    """A tiktoken ranks file (Tokenizer), or a Hugging Face folder holding tokenizer.json, a
+    sentencepiece tokenizer.model or Mistral's tekken.json (HuggingFaceTokenizer, torchtitan's
+    model.hf_assets_path); both answer alike."""
     if os.path.isdir(path):
         from titanlike.data.tokenizer_json import HuggingFaceTokenizer
 
@@ -236,7 +237,8 @@ def build_tokenizer(path: str | os.PathLike):
 
 
 def job_tokenizer(tokenizer_path: str | None, hf_assets_path: str | None, default: str):
-    """The tokenizer a job names (model.hf_assets_path, a folder with tokenizer.json, or
+    """The tokenizer a job names (model.hf_assets_path, a folder with tokenizer.json, a sentencepiece
+    tokenizer.model or tekken.json, or
     model.tokenizer_path, a tiktoken ranks file; else `default`), built once. ValueError, one
     sentence, when what is named is not there or cannot be read."""
     if hf_assets_path:
@@ -246,8 +248,9 @@ def job_tokenizer(tokenizer_path: str | None, hf_assets_path: str | None, defaul
             raise ValueError(f"model.hf_assets_path {hf_assets_path} does not exist or is not a folder")
         if not is_tokenizer_folder(hf_assets_path):
             raise ValueError(f"model.hf_assets_path {hf_assets_path} has no {TOKENIZER_JSON} (torchtitan's "
-                             "scripts/download_hf_assets.py --assets tokenizer fetches it; a tiktoken tokenizer.model "
-                             "goes in model.tokenizer_path)")
+                             "scripts/download_hf_assets.py --assets tokenizer fetches it; a sentencepiece "
+                             "tokenizer.model or Mistral's tekken.json in its place also loads; a tiktoken "
+                             "tokenizer.model goes in model.tokenizer_path)")
         try:
             return build_tokenizer(hf_assets_path)
         except (ImportError, OSError, ValueError) as e:
