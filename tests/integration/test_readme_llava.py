@@ -28,13 +28,13 @@ def _llava_commands() -> list[list[str]]:
             if line.startswith(("python3 train.py", "energon prepare"))]
 
 
-def _run(argv: list[str], cwd, shards: str = "") -> subprocess.CompletedProcess:
+def _run(argv: list[str], cwd, shards: str = "", tensorboard: bool = False) -> subprocess.CompletedProcess:
     argv = [a.replace("path/to/shards", shards) for a in argv]
     if argv[:2] == ["python3", "train.py"]:
         argv = [sys.executable, str(REPO / "train.py"), *argv[2:]]
         argv = [str(REPO / a) if a.startswith("train_configs/") else a for a in argv]
         argv[argv.index("--training.steps") + 1] = "2"
-        argv += ["--training.local_batch_size", "2", "--metrics.no_enable_tensorboard"]
+        argv += ["--training.local_batch_size", "2"] + ([] if tensorboard else ["--metrics.no_enable_tensorboard"])
     return subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -69,11 +69,13 @@ def test_readme_llava_stage_1_after_the_demo(tmp_path):
 
     # Without a dump folder of its own, the demo's Llama checkpoint is refused, not a finished run.
     at = stage1.index("--job.dump_folder")
-    proc = _run(stage1[:at] + stage1[at + 2:], tmp_path)
+    proc = _run(stage1[:at] + stage1[at + 2:], tmp_path, tensorboard=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "nothing to train" not in out, out[-4000:]
     assert "holds a llama3 debugmodel model but this job's is llava debugmodel (model.name, model.flavor)" in out, \
         out[-4000:]
+    # No empty TensorBoard run left behind (the folder keeps only its job lock, observe/run_lock.py).
+    assert not [p for p in (tmp_path / "outputs" / "tb").iterdir() if p.is_dir()]
 
 
 @pytest.mark.skipif(not __import__("shutil").which("energon"), reason="megatron-energon's `energon` is not installed")
