@@ -180,3 +180,44 @@ def test_simpo_equals_trl_cpo_simpo(trl_setup, smoothing):
     assert reports[1].item() == pytest.approx(rejected_rewards.mean().item(), abs=1e-5)
     for name, g in their_grads.items():
         torch.testing.assert_close(grads(policy)[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_help_says_sigmoid_label_smoothing_is_conservative_dpo_not_trl_1_16s(trl_setup):
+    """TRL 1.16's DPOTrainer ignores label_smoothing for sigmoid (its loss with 0.2 is its loss with 0);
+    ours is conservative DPO (test above), and dpo.label_smoothing's help says which we follow."""
+    import dataclasses
+
+    from titanlike.config.loader import help_text
+
+    trainer, policy, _, batch = trl_setup
+    trainer.loss_types, trainer.loss_weights = ["sigmoid"], [1.0]
+    with torch.no_grad():
+        trainer.label_smoothing = 0.2
+        smoothed = trainer._compute_loss(policy, batch, False).item()
+        trainer.label_smoothing = 0.0
+        plain = trainer._compute_loss(policy, batch, False).item()
+    assert smoothed == plain
+    doc = next(f for f in dataclasses.fields(DPOOptions) if f.name == "label_smoothing").metadata["doc"]
+    assert "conservative DPO for sigmoid" in doc and "TRL 1.16's DPOTrainer, which ignores it for sigmoid" in doc
+    assert "TRL 1.16's DPOTrainer" in " ".join(help_text().split())
+
+
+@pytest.mark.parametrize("converters,adapter_path,reference,want", [
+    ([], None, "auto", "model"), (["lora"], None, "auto", "adapters"), (["lora"], "peft_adapter", "auto", "model"),
+    (["lora"], "peft_adapter", "adapters", "adapters"), (["lora"], None, "model", "model")])
+def test_the_reference_of_a_pretrained_adapter_is_its_copy_as_trl_has_it(converters, adapter_path, reference, want):
+    """TRL 1.16's DPOTrainer on a PEFT model: a new adapter's reference is the base (adapters disabled), a
+    pretrained adapter's a frozen copy of it; dpo.reference auto (the default) does the same, and both
+    stay on offer (issue 45.18)."""
+    from titanlike.config.schema import JobConfig
+    from titanlike.models.registry import get_model_spec
+    from titanlike.objectives.companion import Source
+
+    cfg = JobConfig()
+    cfg.model.converters, cfg.lora.adapter_path, cfg.dpo.reference = converters, adapter_path, reference
+    objective = DPO.for_job(cfg, get_model_spec("llama3").flavors["debugmodel"])
+    assert objective.options.reference == want
+    (companion,) = objective.companions
+    assert companion.source == (Source.POLICY if want == "adapters" else Source.FROZEN_COPY)
+    assert companion.converters_off == (want == "adapters")
+    assert DPOOptions().reference == "auto"

@@ -47,23 +47,26 @@ def padded(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
 
 
-def packed_batch():
-    """Our samples of PAIRS: each side whole as inputs (a final pad target, as tokenize_pairs' end_id)."""
+def packed_batch(margins=None):
+    """Our samples of PAIRS: each side whole as inputs (a final pad target, as tokenize_pairs' end_id);
+    margins: each pair's `margin` (None: the rows have none)."""
     def side(ids, start):
         mask = np.zeros(len(ids) + 1, dtype=bool)
         mask[start:] = True
         return [*ids, PAD], mask
 
-    pairs = pack_pairs([(f"pair {k}", side(c, s), side(r, s)) for k, ((c, r), s) in enumerate(zip(PAIRS, PROMPT))],
-                       seq_len=24)
+    extra = [()] * len(PAIRS) if margins is None else [({"margin": m},) for m in margins]
+    pairs = pack_pairs([(f"pair {k}", side(c, s), side(r, s), *extra[k])
+                        for k, ((c, r), s) in enumerate(zip(PAIRS, PROMPT))], seq_len=24)
     samples = PreferenceSamples(pairs, seq_len=24, packing=True, pad_id=PAD)
     rows = [samples[i] for i in range(len(samples))]
     assert len(rows) < len(PAIRS)  # several pairs share a sample
     return {k: torch.as_tensor(np.stack([r[k] for r in rows])) for k in samples.fields}
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_exported_reward_model_scores_and_trl_loss_agree(family, tmp_path):
+@pytest.mark.parametrize("family,margins", [("llama3", None), ("qwen3", None), ("llama3", [0.5, -1.0, 2.0, 0.0])])
+def test_exported_reward_model_scores_and_trl_loss_agree(family, margins, tmp_path):
+    """margins: TRL's `margin` column, which its RewardTrainer subtracts inside the sigmoid (issue 45.18)."""
     import json
 
     from titanlike.checkpoint.hf import write_hf
@@ -97,12 +100,15 @@ def test_exported_reward_model_scores_and_trl_loss_agree(family, tmp_path):
                                                        bf16=False, center_rewards_coefficient=0.01),
                             train_dataset=data, processing_class=tokenizer)
     hf.train()
-    trl_loss = trainer.compute_loss(hf, {"input_ids": ids, "attention_mask": (ids != PAD).long()})
+    inputs = {"input_ids": ids, "attention_mask": (ids != PAD).long()}
+    if margins is not None:
+        inputs["margin"] = torch.tensor(margins)
+    trl_loss = trainer.compute_loss(hf, inputs)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
     objective = RewardModel(RewardOptions(center_rewards_coefficient=0.01))
     ctx = BatchContext(torch.device("cpu"), mask_kernel="sdpa")
-    mb = objective.prepare(packed_batch(), ctx)
+    mb = objective.prepare(packed_batch(margins), ctx)
     pairs = mb.units
     assert int(pairs) == len(PAIRS)
     model.train()
@@ -166,3 +172,28 @@ def test_a_reward_model_starts_from_a_language_model(kind, tmp_path):
         with pytest.raises(GenerationError, match="cannot generate text: it is a reward model") as e:
             load_for_inference(str(tmp_path / "rm" / "checkpoint"))
         assert "\n" not in str(e.value)
+
+
+def test_margin_column_is_read_from_every_row_or_none():
+    from titanlike.data.chat_template import load_chat_template
+    from titanlike.data.errors import DataError
+    from titanlike.data.preferences import tokenize_pairs
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+
+    tok = build_tokenizer(DEFAULT_TOKENIZER_PATH)
+    rows = [{"prompt": "Say a colour.", "chosen": "Red.", "rejected": "Seven.", "margin": 1.5},
+            {"prompt": "Say a number.", "chosen": "Two.", "rejected": "Blue.", "margin": 0.25}]
+
+    def tokenized(rows, margins=True):
+        return tokenize_pairs([(f"pairs.jsonl line {i + 1}", r) for i, r in enumerate(rows)],
+                              load_chat_template("llama3", tok), tok, seq_len=128, margins=margins)
+
+    pairs = tokenized(rows)
+    samples = PreferenceSamples(pairs, seq_len=128, packing=True, pad_id=0)
+    sample = samples[0]
+    assert sorted(sample["margins"][sample["margins"] != 0].tolist()) == [0.25, 1.5]
+    assert tokenized(rows, margins=False).margin is None  # DPO: TRL's DPOTrainer reads no margin
+    with pytest.raises(DataError, match="some preference rows have a 'margin' and some do not"):
+        tokenized([rows[0], {k: v for k, v in rows[1].items() if k != "margin"}])
+    with pytest.raises(DataError, match="line 1: its margin 'big' is not a finite number"):
+        tokenized([{**rows[0], "margin": "big"}])

@@ -212,6 +212,9 @@ def write_hf(
     export = write_hf_tokenizer(out, tokenizer_path, fingerprint=tokenizer_fingerprint, vocab_size=args.vocab_size,
                                 model_max_length=context_len or args.context_len,
                                 template=spec.hf.tokenizer_template, roles=spec.hf.tokenizer_roles)
+    for name, content in spec.hf.extra_files(args, _special_tokens(tokenizer_path) if export.converted else {}).items():
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(content, f, indent=2)
     entries = {"chat_template": chat_template, "pad_token": pad_token}
     config_path = os.path.join(out, "tokenizer_config.json")
     if export.converted and os.path.isfile(config_path) and any(v is not None for v in entries.values()):

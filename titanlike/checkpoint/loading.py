@@ -153,7 +153,7 @@ class Loader:
         verdict = None
         if self.rank == 0:
             try:
-                verdict = resume_verdict(self.folder, c.load_step, total_steps)
+                verdict = resume_verdict(self.folder, c.load_step, total_steps, other_model=self._other_model)
             except Exception:  # a damaged or crafted checkpoint: load() reports it, on every rank
                 verdict = None
         if self.distributed:
@@ -366,16 +366,9 @@ class Loader:
         if self.job is None:
             return
         partial = self.cfg.allow_partial_load
-        recorded = (fmt.read_sidecar(path) or {}).get("model")
-        if isinstance(recorded, dict) and not partial:
-            theirs = (recorded.get("name"), recorded.get("flavor"))
-            mine = (self.job.spec.name, self.job.description.get("flavor"))
-            if theirs[0] != mine[0] or (theirs[1] is not None and theirs[1] != mine[1]):
-                held = " ".join(str(x) for x in theirs if x is not None)
-                raise CheckpointError(
-                    f"checkpoint {path} holds a {held} model but this job's is "
-                    f"{' '.join(x for x in mine if x is not None)} (model.name, model.flavor): loading it would drop or misread weights; resume it with its own model, or "
-                    "pass --checkpoint.allow_partial_load to load only the tensors the two models share")
+        other = self._other_model(path)
+        if other is not None:
+            raise CheckpointError(other)
         extra = sorted(set(fmt.dcp_model_keys(metadata)[0]) - self._model_keys())
         if extra and not partial:
             raise CheckpointError(
@@ -385,6 +378,22 @@ class Loader:
         if extra and self.rank == 0:
             logger.warning(f"checkpoint: {len(extra)} model tensor(s) of {path} that this job's model does not have "
                            f"are not loaded (checkpoint.allow_partial_load), e.g. {', '.join(extra[:3])}")
+
+    def _other_model(self, path: str) -> str | None:
+        """The refusal, one sentence, when the sidecar of checkpoint `path` records another family or
+        flavor than the job's (None: the same, unrecorded, or checkpoint.allow_partial_load)."""
+        recorded = (fmt.read_sidecar(path) or {}).get("model")
+        if self.job is None or self.cfg.allow_partial_load or not isinstance(recorded, dict):
+            return None
+        theirs = (recorded.get("name"), recorded.get("flavor"))
+        mine = (self.job.spec.name, self.job.description.get("flavor"))
+        if theirs[0] == mine[0] and (theirs[1] is None or theirs[1] == mine[1]):
+            return None
+        held = " ".join(str(x) for x in theirs if x is not None)
+        return (f"checkpoint {path} holds a {held} model but this job's is "
+                f"{' '.join(x for x in mine if x is not None)} (model.name, model.flavor): loading it would drop or "
+                "misread weights; resume it with its own model, or pass --checkpoint.allow_partial_load to load only "
+                "the tensors the two models share")
 
     def _model_keys(self) -> set[str]:
         """The whole model's state-dict keys (tied aliases left out, as saved): this rank's parts', or

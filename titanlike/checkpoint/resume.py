@@ -10,14 +10,19 @@ from __future__ import annotations
 from titanlike.checkpoint import format as fmt
 
 
-def resume_verdict(folder: str, load_step: int, steps: int) -> tuple[str, str] | None:
+def resume_verdict(folder: str, load_step: int, steps: int, other_model=None) -> tuple[str, str] | None:
     """("done", sentence) when the checkpoint a job would resume from is at or past training.steps;
-    ("error", sentence) when it is a model-only final export below training.steps; else None (the
-    checkpoint manager loads normally, or reports what is wrong)."""
+    ("error", sentence) when it is a model-only final export below training.steps, or when
+    other_model(step folder) says it holds another model than the job's (a sentence, else None: a
+    finished run of another model is not this job's run to declare done); else None (the checkpoint
+    manager loads normally, or reports what is wrong)."""
     published = fmt.published_steps(folder)
     step = load_step if load_step >= 0 else (published[-1] if published else None)
     if step is None or step not in published:
         return None
+    other = other_model(fmt.step_folder(folder, step)) if other_model is not None else None
+    if other is not None:
+        return "error", other
     full = _is_full_checkpoint(fmt.step_folder(folder, step))
     if step >= steps:
         head = f"the checkpoint in {folder} is at step {step} >= training.steps {steps}: nothing to train"

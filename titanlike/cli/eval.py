@@ -35,7 +35,8 @@ titanlike-eval: lm-evaluation-harness's command line with the `titanlike` model 
       max_length=N,max_gen_toks=N,add_bos_token=true|false]
   checkpoint: a DCP step folder, a checkpoint folder (its latest step) or a Hugging Face folder;
   tokenizer: default the folder's tokenizer.json, else the debug tokenizer; max_length: default the
-  model's context; max_gen_toks: default 256 (titanlike/inference/harness.py). --device: default cuda
+  model's context; max_gen_toks: default 256; add_bos_token: default as the exported tokenizer starts
+  a text (Llama BOS, GPT-2 nothing; titanlike/inference/harness.py). --device: default cuda
   where CUDA exists, else cpu.
 lm-eval's own options follow.
 """

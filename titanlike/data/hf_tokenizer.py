@@ -20,7 +20,9 @@ from typing import NamedTuple
 # itself, with its own special tokens, which would give other ids than the model was trained on.
 TOKENIZER_COPY = "tokenizer.tiktoken"
 TOKENIZER_NOTE = "TOKENIZER.md"
-_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# A Hugging Face tokenizer folder's files (data/tokenizer_json.py reads a sentencepiece tokenizer.model
+# or a tekken.json where there is no tokenizer.json).
+_HF_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # Text the converted tokenizer must encode as tiktoken does: regex edge cases (contractions,
 # digit runs, whitespace runs, CR/LF), multi-byte UTF-8, and special-token strings.
@@ -108,7 +110,7 @@ def stored_tokenizer(folder: str, record: dict) -> tuple[str | None, str | None]
         if not _plain_file(folder, name):
             return None, (f"the checkpoint's tokenizer file {name!r:.200} is not a plain file inside {folder} "
                           "(a path, a link or missing), so it is not read")
-    if "tokenizer.json" in files:
+    if {"tokenizer.json", "tokenizer.model", "tekken.json"} & set(files):
         extra = [n for n in _HF_FILES if os.path.lexists(os.path.join(folder, n)) and not _plain_file(folder, n)]
         if extra:
             return None, f"the checkpoint's tokenizer file {extra[0]} is a link or not a plain file, so it is not read"
@@ -214,6 +216,18 @@ def _role_ids(tokenizer, roles) -> dict[str, int]:
 
     ids = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id}
     return {role: ids[role] if role in ids else special_token_ids(tokenizer, [role])[role] for role in roles}
+
+
+def template_framing(tokenizer, template: str):
+    """A family's single-text template (HFAdapter.tokenizer_template[0], e.g. "bos $A") as the ids it
+    puts around a text with `tokenizer` (data/tokenizer_json.py Framing): how the family's exported
+    tokenizer frames it. DataError (a ValueError) for a role the tokenizer lacks."""
+    from titanlike.data.tokenizer_json import Framing
+
+    pieces = template.split()
+    at = pieces.index("$A")
+    role_ids = _role_ids(tokenizer, {p for p in pieces if p != "$A"})
+    return Framing(tuple(role_ids[p] for p in pieces[:at]), tuple(role_ids[p] for p in pieces[at + 1:]))
 
 
 def _framed(template: str, role_ids: dict[str, int], ids: list[int]) -> list[int]:
@@ -341,4 +355,4 @@ def _copy_with_note(out: str, path: str, tokenizer, reason: str) -> TokenizerExp
 
 
 __all__ = ["TOKENIZER_COPY", "TOKENIZER_NOTE", "TokenizerExport", "store_tokenizer", "stored_tokenizer",
-           "tokenizer_record", "write_hf_tokenizer"]
+           "template_framing", "tokenizer_record", "write_hf_tokenizer"]

@@ -114,6 +114,9 @@ class TokenizedPairs:
     bounds: np.ndarray  # (2 n + 1,) int64
     # Precomputed reference log-probabilities along the labels (0 where not trained), or None.
     reference: np.ndarray | None = None
+    # Each pair's margin (TRL's reward-model `margin` column) at its chosen document's first position
+    # (0 elsewhere: the loss sums it per document), along the labels; None when the rows have none.
+    margin: np.ndarray | None = None
 
     def __len__(self) -> int:
         return (len(self.bounds) - 1) // 2
@@ -151,11 +154,13 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate", section: str 
     dropped by `overlong` (counted in the log). DataError (one sentence) for a side with no answer
     token or a prompt that leaves no room for an answer (under truncate). section: the objective's
     config section (dpo, reward), which the log and the messages name."""
-    inputs, labels, bounds, references = [], [], [0], []
+    inputs, labels, bounds, references, margins = [], [], [0], [], []
     truncated = dropped = identical = total = 0
     for where, *sides in pairs:
         total += 1
-        refs = sides.pop() if len(sides) == 3 else None  # precomputed reference values of both sides
+        # What a row brings beside its sides: precomputed reference values of both, its margin.
+        extra = sides.pop() if len(sides) == 3 else {}
+        refs, margin = extra.get("reference"), extra.get("margin")
         cut = False
         sides = [(list(ids), np.asarray(mask, dtype=bool)) for ids, mask in sides]
         for (ids, mask), side in zip(sides, ("chosen", "rejected")):
@@ -182,6 +187,9 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate", section: str 
             bounds.append(bounds[-1] + len(target))
             if refs is not None:
                 references.append(_reference_values(refs[i], mask[1:], where, ("chosen", "rejected")[i], cut=cut))
+            if margin is not None:
+                margins.append(np.zeros(len(target), dtype=np.float32))
+                margins[-1][0] = margin if i == 0 else 0.0
     if 2 * identical > total:
         raise DataError(f"{identical} of {total} preference pairs have identical chosen and rejected answers once cut "
                         f"to training.seq_len {seq_len} (their answers differ only past the cut), so they would train "
@@ -196,8 +204,22 @@ def pack_pairs(pairs, *, seq_len: int, overlong: str = "truncate", section: str 
             if dropped else ""))
     if references and len(references) != len(labels):
         raise DataError("some preference pairs have precomputed reference log-probabilities and some do not")
+    if margins and len(margins) != len(labels):
+        raise DataError("some preference rows have a 'margin' and some do not; give every row one or none")
     return TokenizedPairs(np.concatenate(inputs), np.concatenate(labels), np.asarray(bounds, dtype=np.int64),
-                          np.concatenate(references) if references else None)
+                          np.concatenate(references) if references else None,
+                          np.concatenate(margins) if margins else None)
+
+
+def _margin(row: dict, where: str) -> float | None:
+    """A row's `margin` (TRL's reward-model column: how much more the chosen side is preferred), None
+    without one; DataError, one sentence, for one that is not a finite number."""
+    value = row.get("margin")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise DataError(f"{where}: its margin {value!r:.40} is not a finite number")
+    return float(value)
 
 
 REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -270,11 +292,12 @@ def render_pair(row: dict, where: str, template, tokenizer, *, end_id: int | Non
 
 def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "truncate",
                    end_id: int | None = None, reference: bool = False, fingerprint: str | None = None,
-                   section: str = "dpo") -> TokenizedPairs:
+                   section: str = "dpo", margins: bool = False) -> TokenizedPairs:
     """rows: (where, row) of preference rows; template: a chat_template.ChatTemplate; end_id:
     render_pair's. reference: read each row's precomputed reference log-probabilities (REFERENCE_KEYS)
     into TokenizedPairs.reference; fingerprint: the job's model and tokenizer (None: it starts from no
-    checkpoint), which a row's FINGERPRINT_KEY must equal. section: pack_pairs'."""
+    checkpoint), which a row's FINGERPRINT_KEY must equal. section: pack_pairs'. margins: read each
+    row's `margin` (a reward model's, as TRL's RewardTrainer does) into TokenizedPairs.margin."""
     unchecked = 0
 
     from titanlike.observe.progress import progress
@@ -284,7 +307,8 @@ def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "
         for where, row in progress(rows, desc=f"{section}: tokenizing pairs", unit=" pairs"):
             sides = render_pair(row, where, template, tokenizer, end_id=end_id, seq_len=seq_len)
             if not reference:
-                yield where, *sides
+                margin = _margin(row, where) if margins else None
+                yield (where, *sides) if margin is None else (where, *sides, {"margin": margin})
                 continue
             missing = [k for k in REFERENCE_KEYS if row.get(k) is None]
             if missing:
@@ -299,7 +323,7 @@ def tokenize_pairs(rows, template, tokenizer, *, seq_len: int, overlong: str = "
                                 f"tokenizer ({FINGERPRINT_KEY} {str(theirs)[:40]!r}; {mine}: "
                                 "checkpoint.initial_load_path and the tokenizer); compute them again for this job "
                                 "with scripts/precompute_reference.py")
-            yield where, *sides, tuple(row[k] for k in REFERENCE_KEYS)
+            yield where, *sides, {"reference": tuple(row[k] for k in REFERENCE_KEYS)}
 
     packed = pack_pairs(pairs(), seq_len=seq_len, overlong=overlong, section=section)
     if unchecked:
@@ -325,31 +349,34 @@ class PreferenceSamples(ConversationSamples):
     @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
         fields = super().fields
-        if self.data.reference is not None:
-            fields["reference_logps"] = ((self.seq_len,), "float32")
+        for name, values in (("reference_logps", self.data.reference), ("margins", self.data.margin)):
+            if values is not None:
+                fields[name] = ((self.seq_len,), "float32")
         return fields
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         sample = super().__getitem__(index)
-        if self.data.reference is not None:
+        for name, values in (("reference_logps", self.data.reference), ("margins", self.data.margin)):
+            if values is None:
+                continue
             # Laid out as the labels are (ConversationSamples.__getitem__): the bin's documents in order.
-            reference = np.zeros(self.seq_len, dtype=np.float32)
+            out = np.zeros(self.seq_len, dtype=np.float32)
             at, b = 0, self.data.bounds
             for item in self.bins[index]:
                 for d in range(2 * item, 2 * item + 2):
                     n = int(b[d + 1] - b[d])
-                    reference[at: at + n] = self.data.reference[b[d]: b[d + 1]]
+                    out[at: at + n] = values[b[d]: b[d + 1]]
                     at += n
-            sample["reference_logps"] = reference
+            sample[name] = out
         return sample
 
 
 def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_len, split, split_name,
                        end_id: int | None = None, reference: bool = False, fingerprint: str | None = None,
-                       holds_out: bool = True):
+                       holds_out: bool = True, margins: bool = False):
     """The global sample source of preference rows for an objective whose options have chat_template,
-    overlong and packing (section: its config section, named in messages); end_id, reference: tokenize_pairs';
-    holds_out: data/conversations.py split_rows'."""
+    overlong and packing (section: its config section, named in messages); end_id, reference, margins:
+    tokenize_pairs'; holds_out: data/conversations.py split_rows'."""
     from titanlike.data.chat_template import load_chat_template
     from titanlike.data.conversations import split_rows
     from titanlike.data.loader import GlobalSamples
@@ -358,7 +385,8 @@ def preference_samples(options, section: str, *, dataset_path, tokenizer, seq_le
     rows = split_rows(dataset_path, split, split_name, holds_out=holds_out, what="pairs", section=section)
     template = load_chat_template(options.chat_template, tokenizer, option=f"{section}.chat_template")
     pairs = tokenize_pairs(rows, template, tokenizer, seq_len=seq_len, overlong=options.overlong,
-                           end_id=end_id, reference=reference, fingerprint=fingerprint, section=section)
+                           end_id=end_id, reference=reference, fingerprint=fingerprint, section=section,
+                           margins=margins)
     source = PreferenceSamples(pairs, section=section, seq_len=seq_len, packing=options.packing,
                                pad_id=pad_id(tokenizer))
     return GlobalSamples(source, shuffle=True, fields=source.fields)

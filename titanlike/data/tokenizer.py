@@ -134,10 +134,13 @@ class Tokenizer:
     """Llama 3 style tokenizer: tiktoken BPE ranks + Llama 3 regex + 256 special tokens.
 
     What every tokenizer build_tokenizer returns answers (this class and HuggingFaceTokenizer), and
-    all that generic code reads of one: path, bos_id, eos_id, vocab_size, special_ids, fingerprint,
-    encode, encode_batch, decode."""
+    all that generic code reads of one: path, bos_id, eos_id, vocab_size, special_tokens, special_ids,
+    fingerprint, framing, encode, encode_batch, decode."""
 
     pat_str = LLAMA3_PAT_STR
+    # How a text given to a model is framed (data/tokenizer_json.py Framing): a ranks file does not
+    # say, so the model's family does (inference/processor.py prompt_framing).
+    framing = None
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
@@ -223,8 +226,9 @@ class Tokenizer:
 
 
 def build_tokenizer(path: str | os.PathLike):
-    """A tiktoken ranks file (Tokenizer), or a Hugging Face folder holding tokenizer.json
-    (HuggingFaceTokenizer, torchtitan's model.hf_assets_path); both answer alike."""
+    """A tiktoken ranks file (Tokenizer), or a Hugging Face folder holding tokenizer.json, a
+    sentencepiece tokenizer.model or Mistral's tekken.json (HuggingFaceTokenizer, torchtitan's
+    model.hf_assets_path); both answer alike."""
     if os.path.isdir(path):
         from titanlike.data.tokenizer_json import HuggingFaceTokenizer
 
@@ -233,7 +237,8 @@ def build_tokenizer(path: str | os.PathLike):
 
 
 def job_tokenizer(tokenizer_path: str | None, hf_assets_path: str | None, default: str):
-    """The tokenizer a job names (model.hf_assets_path, a folder with tokenizer.json, or
+    """The tokenizer a job names (model.hf_assets_path, a folder with tokenizer.json, a sentencepiece
+    tokenizer.model or tekken.json, or
     model.tokenizer_path, a tiktoken ranks file; else `default`), built once. ValueError, one
     sentence, when what is named is not there or cannot be read."""
     if hf_assets_path:
@@ -245,8 +250,9 @@ def job_tokenizer(tokenizer_path: str | None, hf_assets_path: str | None, defaul
                              + hub_id_hint(hf_assets_path, "model.hf_assets_path"))
         if not is_tokenizer_folder(hf_assets_path):
             raise ValueError(f"model.hf_assets_path {hf_assets_path} has no {TOKENIZER_JSON} (torchtitan's "
-                             "scripts/download_hf_assets.py --assets tokenizer fetches it; a tiktoken tokenizer.model "
-                             "goes in model.tokenizer_path)")
+                             "scripts/download_hf_assets.py --assets tokenizer fetches it; a sentencepiece "
+                             "tokenizer.model or Mistral's tekken.json in its place also loads; a tiktoken "
+                             "tokenizer.model goes in model.tokenizer_path)")
         try:
             return build_tokenizer(hf_assets_path)
         except (ImportError, OSError, ValueError) as e:

@@ -12,8 +12,9 @@ entry points). Importing this module registers it too, for lm-eval from Python:
 model_args: checkpoint (a DCP step folder, a checkpoint folder of step-N folders, or a Hugging Face
 folder), tokenizer (default: the checkpoint folder's tokenizer.json, else the debug tokenizer),
 dtype (float32, bfloat16, float16; default as stored), max_length (default: the model's context),
-max_gen_toks (default 256), add_bos_token (default true: a document starts with BOS, as titanlike
-trains and as Llama 3's tokenizer.json encodes for Hugging Face); lm-eval's --device (default: cuda
+max_gen_toks (default 256), add_bos_token (true: a text starts with BOS; false: with nothing; default:
+as the model's exported tokenizer starts it, which lm-eval's `hf` model does on the export: Llama BOS,
+GPT-2 nothing; inference/processor.py prompt_framing); lm-eval's --device (default: cuda
 when there is a GPU, else cpu). Checkpoint, tokenizer, dtype and device mean what they mean to
 titanlike-generate and titanlike-serve (inference/loading.py).
 
@@ -130,7 +131,7 @@ class TitanlikeLM(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, tokenizer: str | None = None, batch_size=1,
                  max_batch_size=None, device: str | None = None, dtype: str | None = None, max_length=None,
-                 max_gen_toks=256, add_bos_token=True, **unknown):
+                 max_gen_toks=256, add_bos_token=None, **unknown):
         super().__init__()
         if any(key.startswith(("pipeline_parallel", "pp")) for key in unknown):
             # Why not: inference/loading.py, above PIPELINE_REFUSAL.
@@ -148,7 +149,7 @@ class TitanlikeLM(TemplateLM):
             raise GenerationError("the titanlike model takes a number as batch_size, not auto")
         self._batch_size = _count("batch_size", batch_size)
         self._max_gen_toks = _count("max_gen_toks", max_gen_toks)
-        self.add_bos_token = _flag("add_bos_token", add_bos_token)
+        self.add_bos_token = None if add_bos_token is None else _flag("add_bos_token", add_bos_token)
         self._device = choose_device(device, option="device")
         load_on = "cpu" if self._tensor_parallel() else self._device
         model, tok = load_for_inference(checkpoint, tokenizer=tokenizer, device=load_on, dtype=torch_dtype,
@@ -165,6 +166,10 @@ class TitanlikeLM(TemplateLM):
         self.engine = Engine(self.model, context_len=self._max_length)
         self.special_ids = self.tokenizer.special_ids
         self.bos_text = self.tokenizer.decode([self.tokenizer.bos_id])
+        # What a text starts with: the ids the export's tokenizer puts first, or BOS as add_bos_token
+        # says. (What it puts last, T5's EOS, belongs to encoder-decoders, which are refused.)
+        bos = (self.tokenizer.bos_id,)
+        self.prefix = {None: self.processor.framing.before, True: bos, False: ()}[self.add_bos_token]
 
     @staticmethod
     def _tensor_parallel() -> bool:
@@ -206,12 +211,12 @@ class TitanlikeLM(TemplateLM):
         return self.tokenizer.path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # As lm-eval's hf model: BOS unless the text starts with it; special-token strings in the
-        # text are those tokens (as transformers encodes them).
-        bos = self.add_bos_token if add_special_tokens is None else add_special_tokens
-        if add_special_tokens is None and string.startswith(self.bos_text):
-            bos = False
-        return self.tokenizer.encode(string, bos=bos, eos=False, allowed_special="all")
+        # As lm-eval's hf model: the tokenizer's start (self.prefix) unless the text starts with BOS;
+        # special-token strings in the text are those tokens (as transformers encodes them).
+        prefix = self.prefix if add_special_tokens is None else self.processor.framing.before
+        if add_special_tokens is False or (add_special_tokens is None and string.startswith(self.bos_text)):
+            prefix = ()
+        return list(prefix) + self.tokenizer.encode(string, bos=False, eos=False, allowed_special="all")
 
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         tokens = [tokens] if isinstance(tokens, int) else list(tokens)

@@ -5,8 +5,11 @@ titanlike-serve, the lm-evaluation-harness model (harness.py) and validation's s
 A Processor holds what a prompt needs beside the model: the tokenizer, the chat template (for
 conversations), the family's image inputs (ModelSpec.images: the placeholder token, the tokens per
 image, the tower's pixel preprocessing of data/images.py), the stop ids (EOS for text, the
-template's end of turn for chat) and an encoder-decoder's decoder start token. Processor.for_model takes them from a
-loaded checkpoint (inference/loading.py) and its family's spec.
+template's end of turn for chat), an encoder-decoder's decoder start token, and the ids a text prompt
+is framed with: those the tokenizer folder's own files apply (transformers' `tokenizer(text)`), else
+the family's exported tokenizer's (HFAdapter.tokenizer_template: Llama BOS first, GPT-2 nothing, T5
+EOS last), so that a prompt gives the same tokens as transformers on the export. Processor.for_model
+takes them from a loaded checkpoint (inference/loading.py) and its family's spec.
 
     processor = Processor.for_model(model, tokenizer, checkpoint=path, chat_template="auto")
     batch = processor(["In the beginning", [{"role": "user", "content": "<image> What is it?"}]],
@@ -49,11 +52,12 @@ class Processor:
     """Prompts -> token ids and the prefill's inputs; completions' tokens -> text (module docstring)."""
 
     def __init__(self, tokenizer, *, template=None, images=None, start_id: int | None = None,
-                 model_name: str = "the model"):
+                 model_name: str = "the model", framing=None):
         """template: a data/chat_template.py ChatTemplate (None: text prompts only). images: the
         family's image inputs (models/registry.py ImageInputs; None: a text model). start_id: the
         decoder start token of an encoder-decoder (None: the model's default). model_name: the model
-        in messages."""
+        in messages. framing: the ids around a text prompt (data/tokenizer_json.py Framing; None: the
+        tokenizer's own, else BOS first)."""
         from titanlike.data.chat_template import end_of_turn_ids
         from titanlike.data.errors import DataError
         from titanlike.data.images import ImageProcessor
@@ -62,6 +66,7 @@ class Processor:
         # The tower's preprocessing of an image's pixels (resize, crop, normalization).
         self.image_processor = None if images is None else ImageProcessor.of_tower(images.processor, images.image_size)
         self.start_id, self.model_name = start_id, model_name
+        self.framing = framing or prompt_framing(tokenizer, None)
         self.eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
         try:
             self.end_of_turn_ids = None if template is None else frozenset(end_of_turn_ids(template, tokenizer))
@@ -87,7 +92,8 @@ class Processor:
             template = None if chat_template is None else load_chat_template(chat_template, tokenizer, option=option)
         except DataError as e:
             raise GenerationError(str(e)) from None
-        return cls(tokenizer, template=template, images=images, start_id=start_id, model_name=type(model).__name__)
+        return cls(tokenizer, template=template, images=images, start_id=start_id, model_name=type(model).__name__,
+                   framing=prompt_framing(tokenizer, spec))
 
     # Prompts -> inputs ------------------------------------------------------------------------
 
@@ -111,7 +117,8 @@ class Processor:
         return self.end_of_turn_ids
 
     def encode(self, prompt: Prompt, images: Sequence = ()) -> list[int]:
-        """One prompt's token ids: a text after BOS, a conversation rendered by the chat template with
+        """One prompt's token ids: a text framed as the export's tokenizer frames it (an empty text: BOS
+        alone, what to sample from), a conversation rendered by the chat template with
         its generation prompt; with images, each an image's placeholder tokens where the module
         docstring says (their pixels: image_fields). GenerationError, one sentence, for marks and
         images that do not pair up or images a text model cannot take."""
@@ -125,7 +132,9 @@ class Processor:
                 from titanlike.data.chat_template import chat_prompt_ids
 
                 return chat_prompt_ids(self.template, self.tokenizer, prompt)
-            return self.tokenizer.encode(prompt, bos=True, eos=False)
+            before, after = self.framing
+            ids = list(before) + self.tokenizer.encode(prompt, bos=False, eos=False) + list(after)
+            return ids or [self.tokenizer.bos_id]
         return self._chat_with_images(prompt, len(images)) if chat else self._text_with_images(prompt, len(images))
 
     def image_fields(self, images: Sequence[Sequence]) -> dict[str, torch.Tensor]:
@@ -143,21 +152,21 @@ class Processor:
                                              for own in pixels])}
 
     def _text_with_images(self, text: str, count: int) -> list[int]:
-        """BOS, then the text with each mark an image's placeholders (no marks: the images first, as
-        the caption samples put them)."""
+        """The text with each mark an image's placeholders (no marks: the images first, as the caption
+        samples put them), framed as a text is."""
         pieces = text.split(IMAGE_MARK)
         marks = len(pieces) - 1
         if marks and marks != count:
             raise GenerationError(f"the prompt has {marks} {IMAGE_MARK} mark(s) but {count} image(s) were given")
         if not marks:
             pieces = [""] * count + [text]
-        ids = [self.tokenizer.bos_id]
+        ids = list(self.framing.before)
         for i, piece in enumerate(pieces):
             if i:
                 ids += [self.images.image_token_id] * self.images.tokens_per_image
             if piece:
                 ids += self.tokenizer.encode(piece, bos=False, eos=False)
-        return ids
+        return ids + list(self.framing.after)
 
     def _chat_with_images(self, messages: Sequence[dict], count: int) -> list[int]:
         """The conversation rendered with each mark of its turns the image token, then each image token
@@ -199,4 +208,21 @@ class Processor:
         return text[:min(found)] if found else text
 
 
-__all__ = ["Processor", "PromptBatch"]
+def prompt_framing(tokenizer, spec):
+    """The ids around a text prompt: the tokenizer's own (a Hugging Face folder's post-processor), else
+    those the family's exported tokenizer applies (spec.hf.tokenizer_template; no spec: BOS first, as
+    titanlike trains)."""
+    from titanlike.data.errors import DataError
+    from titanlike.data.hf_tokenizer import DEFAULT_TEMPLATE, template_framing
+    from titanlike.data.tokenizer_json import Framing
+
+    if tokenizer.framing is not None:
+        return tokenizer.framing
+    template = spec.hf.tokenizer_template[0] if spec is not None and spec.hf is not None else DEFAULT_TEMPLATE[0]
+    try:
+        return template_framing(tokenizer, template)
+    except DataError:  # a role the tokenizer has no token for (BERT's cls): BOS first
+        return Framing((tokenizer.bos_id,), ())
+
+
+__all__ = ["Processor", "PromptBatch", "prompt_framing"]

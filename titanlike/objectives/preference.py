@@ -18,7 +18,8 @@ count, like the token count of a language-model loss.
 
 Per pair, with x_c = log pi(chosen) - log ref(chosen), x_r likewise and d = x_c - x_r (TRL's
 DPOTrainer and CPOTrainer, trl 1.16, tests/unit/test_preference.py compares):
-  sigmoid  -(1 - e) log s(b d) - e log s(-b d)    (e: label_smoothing; e = 0 is DPO)
+  sigmoid  -(1 - e) log s(b d) - e log s(-b d)    (e: label_smoothing; e = 0 is DPO, e > 0 conservative
+                                                   DPO, which TRL 1.16's DPOTrainer ignores e for)
   robust   (-(1 - e) log s(b d) + e log s(-b d)) / (1 - 2 e)
   hinge    relu(1 - b d)
   ipo      (x_c / n_c - x_r / n_r - 1 / (2 b))^2  (n: the answer's tokens)
@@ -26,10 +27,13 @@ DPOTrainer and CPOTrainer, trl 1.16, tests/unit/test_preference.py compares):
 Rewards: b x (b x the mean log-probability for SimPO); reported per pair: chosen, rejected, margin
 and accuracy (chosen rewarded more than rejected).
 
-The reference (`dpo.reference`): `model`, a frozen copy of the policy as the run started (the same
-plan and layout, parallelized like it; its weights copied from the policy before the first step, or,
-in a resumed run, rebuilt from the initialization and checkpoint.initial_load_path); or `adapters`,
-the policy itself with its LoRA adapters switched off (training LoRA: the base is the reference).
+The reference (`dpo.reference`; `auto`, the default, chooses as TRL's DPOTrainer does on a PEFT
+model: `adapters` for LoRA adapters that start fresh (no lora.modules_to_save), `model` for a
+pretrained adapter, lora.adapter_path, whose frozen copy TRL keeps as its "ref" adapter; `model`
+otherwise): `model`, a frozen copy of the policy as the run started (the same plan and layout,
+parallelized like it; its weights copied from the policy before the first step, or, in a resumed run,
+rebuilt from the initialization and checkpoint.initial_load_path); or `adapters`, the policy itself
+with its LoRA adapters switched off (training LoRA: the base is the reference).
 It is a companion (objectives/companion.py): its forward runs when a microbatch is prepared, before
 the step, so the step stays a function of its microbatches; under pipeline parallelism it runs through
 a forward-only schedule of its own stages, and its log-probabilities join the targets on the last
@@ -51,6 +55,7 @@ overlong.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,13 +84,19 @@ class DPOOptions:
     beta: float = opt(0.1, "the strength of the KL penalty toward the reference (SimPO: the reward scale)")
     loss_type: str = opt("sigmoid", "sigmoid (DPO), ipo, hinge, robust (robust DPO, with label_smoothing), or simpo "
                          "(reference-free, length-normalized, with simpo_gamma)", choices=LOSS_TYPES)
-    label_smoothing: float = opt(0.0, "the assumed probability that a pair's preference is flipped (conservative "
-                                 "DPO for sigmoid and simpo, robust DPO for robust), in [0, 0.5)")
+    label_smoothing: float = opt(0.0, "the assumed probability that a pair's preference is flipped, in [0, 0.5): "
+                                 "robust DPO for robust; conservative DPO for sigmoid and simpo, as TRL's CPOTrainer "
+                                 "and DPOTrainer before 1.0, not TRL 1.16's DPOTrainer, which ignores it for sigmoid "
+                                 "(leave it 0 to match that)")
     simpo_gamma: float = opt(0.5, "SimPO's target reward margin (loss_type simpo only)")
-    reference: str = opt("model", "model: a frozen copy of the policy as training starts, sharded like it; adapters: "
-                         "the policy with its LoRA adapters off (needs the lora converter); precomputed: the "
-                         "ref_chosen_logps / ref_rejected_logps of each row (scripts/precompute_reference.py), no "
-                         "reference forward; unused by simpo", choices=("model", "adapters", "precomputed"))
+    reference: str = opt("auto", "auto: TRL's choice, adapters when LoRA adapters start fresh (no "
+                         "modules_to_save), model when lora.adapter_path loads a pretrained adapter (TRL's copy "
+                         "of it), else model; model: a frozen copy of the policy as training starts (a "
+                         "pretrained adapter included), sharded like it; adapters: the policy with its LoRA "
+                         "adapters off, the base (needs the lora converter); "
+                         "precomputed: the ref_chosen_logps / ref_rejected_logps of each row "
+                         "(scripts/precompute_reference.py), no reference forward; unused by simpo",
+                         choices=("auto", "model", "adapters", "precomputed"))
     chat_template: str = opt("auto", "as sft.chat_template: auto, tokenizer, llama3, chatml, or a Jinja file")
     packing: bool = opt(True, "pack several pairs into each sample (best-fit decreasing over whole pairs); off: one "
                         "pair per sample")
@@ -276,7 +287,15 @@ class DPO(PairObjective):
         from titanlike.data.conversations import held_out_for_validation
 
         cls.refuse(args, family_objective, model=model, what="trains models that predict the next token")
-        return cls(cfg.dpo, reference_source=initial_load_path(cfg.checkpoint, cfg.model.hf_assets_path),
+        options = cfg.dpo
+        if options.reference == "auto":
+            # TRL's DPOTrainer on a PEFT model: a new adapter's reference is the base (adapters disabled), a
+            # pretrained adapter's a frozen copy of it (its "ref" adapter).
+            # Modules trained in full beside the adapters stay trained with the adapters off: a copy then.
+            lora = "lora" in cfg.model.converters
+            fresh = lora and not cfg.lora.adapter_path and not cfg.lora.modules_to_save
+            options = dataclasses.replace(options, reference="adapters" if fresh else "model")
+        return cls(options, reference_source=initial_load_path(cfg.checkpoint, cfg.model.hf_assets_path),
                    holds_out=held_out_for_validation(cfg), **compile_options(cfg))
 
     @property

@@ -10,13 +10,16 @@ last token that is not padding), so every rendered token is an input (tokenize_p
 
 Per pair, with r_c and r_r the scores at the last token of the chosen and the rejected side (TRL's
 RewardTrainer, trl 1.16, tests/unit/test_reward_model.py compares):
-  loss = -log s(r_c - r_r) + c (r_c + r_r)^2        (c: reward.center_rewards_coefficient)
+  loss = -log s(r_c - r_r - m) + c (r_c + r_r)^2    (c: reward.center_rewards_coefficient; m: the
+                                                    row's `margin`, 0 without one, as TRL reads it)
 summed over pairs; the step divides once by the global pair count (Microbatch.units). Reported per
 pair: the chosen and rejected scores, the margin and the accuracy (r_c > r_r), as DPO reports its
 rewards; validation's accuracy is the same preference accuracy.
 
 Its targets, each (batch, seq): `document_ids` (int64), `scored` (bool, a side's last token) and
-`pair_start` (bool, the first position of each pair: the pair count is a sum). The score of a side is
+`pair_start` (bool, the first position of each pair: the pair count is a sum) and, when the rows have
+a `margin` column, `margins` (float32, each pair's margin at its chosen side's first position, 0
+elsewhere: the sample field of data/preferences.py). The score of a side is
 one scatter_add over the document ids. Exported to Hugging Face (checkpoint/format.py write_hf) as the family's
 sequence-classification class with num_labels 1 and the tokenizer's pad id (models/common/hf.py
 HFAdapter.score_model).
@@ -109,14 +112,19 @@ class RewardModel(PairObjective):
     def samples(self, dataset: str, **source_args):
         from titanlike.objectives.sft import pad_id
 
-        return super().samples(dataset, end_id=pad_id(source_args["tokenizer"]), **source_args)
+        return super().samples(dataset, end_id=pad_id(source_args["tokenizer"]), margins=True, **source_args)
 
     def pair_targets(self, batch: dict[str, torch.Tensor], ctx: BatchContext) -> Targets:
-        return reward_targets(batch["labels"].to(ctx.device), batch["document_ids"].to(ctx.device))
+        targets = reward_targets(batch["labels"].to(ctx.device), batch["document_ids"].to(ctx.device))
+        if "margins" in batch:
+            targets["margins"] = batch["margins"].to(ctx.device, torch.float32)
+        return targets
 
     def loss(self, output, targets: Targets, ctx: BatchContext, *, correct: bool = False) -> LossTerms:
         chosen, rejected, valid = pair_scores(output, targets)
         margin = chosen - rejected
+        if "margins" in targets:  # TRL's RewardTrainer: the required margin inside the sigmoid
+            margin = margin - document_sums(targets["margins"], targets["document_ids"])[:, 0::2]
         per_pair = -F.logsigmoid(margin)
         if self.options.center_rewards_coefficient:
             per_pair = per_pair + self.options.center_rewards_coefficient * (chosen + rejected) ** 2

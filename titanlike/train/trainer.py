@@ -21,6 +21,7 @@ import errno
 import logging
 import math
 import os
+import shutil
 import time
 from datetime import timedelta
 
@@ -327,6 +328,7 @@ class Trainer:
         # torchtitan's layout: <dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMM>, one run per launch (rank 0 writes).
         self.tb_folder = (tensorboard_run_folder(os.path.join(dump, m.save_tb_folder))
                           if m.enable_tensorboard and self.rank == 0 else None)
+        self.trained = False  # whether the loop started: a launch that trains nothing leaves no TensorBoard run
         error = None
         try:  # rank 0 opens the files; a full disk refuses the job here, on every rank, before training
             self.metrics = MetricsLogger(
@@ -447,7 +449,7 @@ class Trainer:
         start = self._start()
         if start is None:
             return self.losses
-        self.step = start
+        self.step, self.trained = start, True
         begin = time.monotonic()
         # The loader's batches, or (a companion that generates: RL) batches of rollouts made from them.
         data = self.companions.batches(self.stragglers.timed(iter(self.dataloader)), step=lambda: self.step,
@@ -686,6 +688,8 @@ class Trainer:
         try:
             self.checkpointer.close()
             self.metrics.close()
+            if self.tb_folder is not None and not self.trained:  # refused or finished: no empty run to show
+                shutil.rmtree(self.tb_folder, ignore_errors=True)
             if self.summary is not None and self.rank == 0:
                 # After the checkpointer's close: an asynchronous last save is published by now.
                 from titanlike.checkpoint.format import CheckpointError, published_steps, read_sidecar

@@ -178,6 +178,13 @@ class HFAdapter(abc.ABC):
     score_architecture: ClassVar[str | None] = None
     score_names: ClassVar[Mapping[str, str]] = {}
 
+
+    def extra_files(self, args, special_tokens: Mapping[str, int]) -> dict[str, dict]:
+        """JSON files an export writes beside config.json (file name -> content), given the exported
+        tokenizer's special tokens (text -> id): a vision-language model's preprocessor_config.json, so
+        that transformers' AutoProcessor loads the folder. None by default."""
+        return {}
+
     def read_config(self, config: Mapping[str, Any]) -> BaseModelArgs:
         """config_to_args for a config.json from anywhere: every value it reads checked first
         (config_rules), any failure of the conversion and any args field out of range one ValueError

@@ -161,6 +161,34 @@ class LlavaHF(HFAdapter):
             "tie_word_embeddings": text.get("tie_word_embeddings", False),
         }
 
+    def extra_files(self, args: LlavaArgs, special_tokens: Mapping[str, int]) -> dict[str, dict]:
+        """preprocessor_config.json: the tower's image processor as transformers names it (what
+        data/images.py ImageProcessor.of_tower reproduces); with the image token among the tokenizer's
+        special tokens, processor_config.json too, so that AutoProcessor builds a LlavaProcessor that
+        expands it to the tokens an image takes here."""
+        from titanlike.data.images import ImageProcessor
+
+        v = args.vision
+        p = ImageProcessor.of_tower(v.kind, v.image_size)
+        image = {"image_processor_type": {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor"}[v.kind],
+                 "processor_class": "LlavaProcessor", "do_convert_rgb": True, "do_resize": True, "resample": 3,
+                 "do_rescale": True, "rescale_factor": p.rescale_factor, "do_normalize": True,
+                 "image_mean": list(p.mean), "image_std": list(p.std), "do_center_crop": p.crop is not None,
+                 "size": ({"shortest_edge": p.shortest_edge} if p.shortest_edge is not None
+                          else {"height": p.height, "width": p.width})}
+        if p.crop is not None:
+            image["crop_size"] = {"height": p.crop[0], "width": p.crop[1]}
+        files = {"preprocessor_config.json": image}
+        token = next((t for t, i in special_tokens.items() if i == args.image_token_id), None)
+        if token is not None:
+            # LlavaProcessor: (size // patch)**2 + num_additional_image_tokens, less one for "default".
+            patches = (v.image_size // v.patch_size) ** 2
+            files["processor_config.json"] = {
+                "processor_class": "LlavaProcessor", "image_token": token, "patch_size": v.patch_size,
+                "vision_feature_select_strategy": v.select,
+                "num_additional_image_tokens": v.tokens_per_image - patches + (v.select == "default")}
+        return files
+
     def compose(self, vision_config: Mapping[str, Any], vision_sd: StateDict, text_config: Mapping[str, Any],
                 text_sd: StateDict, *, image_token_id: int, feature_layer: int = -2,
                 select: str | None = None) -> tuple[LlavaArgs, dict[str, torch.Tensor]]:
