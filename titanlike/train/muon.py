@@ -163,6 +163,9 @@ class MuonAdamW(torch.optim.Adam):
                  weight_decay: float, decoupled: bool, implementation: str, state_dtype: torch.dtype,
                  seed: int = 0):
         self.state_dtype, self.seed = state_dtype, seed
+        # Set by the training step under fused kernels (train/step.py), as for torch's fused Adam.
+        self.grad_scale: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
         fused = implementation == "fused"
         super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          foreach=implementation == "foreach" and state_dtype == torch.float32,
@@ -176,8 +179,7 @@ class MuonAdamW(torch.optim.Adam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scale, skip = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        skip = skip.bool() if skip is not None else None
+        scale, skip = self.grad_scale, self.found_inf.bool() if self.found_inf is not None else None
         for group in self.param_groups:
             if group["muon"]:
                 self._muon(group, scale, skip)
@@ -240,7 +242,7 @@ class MuonAdamW(torch.optim.Adam):
              has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
              eps=group["eps"], maximize=group["maximize"], foreach=group["foreach"], capturable=group["capturable"],
              differentiable=group["differentiable"], fused=group["fused"], grad_scale=scale,
-             found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=group["decoupled_weight_decay"])
+             found_inf=self.found_inf, decoupled_weight_decay=group["decoupled_weight_decay"])
 
     def _adam_low_precision(self, group: dict, scale, skip) -> None:
         """Adam(W) in float32 arithmetic over bfloat16 moments (rounded stochastically)."""
