@@ -112,11 +112,11 @@ def _gather_orthogonalize_scatter(items, updates, params, ns, group, out) -> Non
     """Each matrix gathered whole to its owner, orthogonalised there, its pieces scattered back."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     owners = _owners([params[i].numel() for i, _ in items], ranks)
-    # bfloat16 travels as int16: every backend moves 2-byte integers.
+    # bfloat16 travels as float16 bits (gloo moves no bfloat16 and no int16; gather and scatter only copy).
     pending, gathered = [], {}
     for (i, dim), owner in zip(items, owners):
         chunk = math.ceil(params[i].shape[dim] / ranks)
-        piece = _padded(updates[i].bfloat16(), dim, chunk).view(torch.int16)
+        piece = _padded(updates[i].bfloat16(), dim, chunk).view(torch.float16)
         bufs = [torch.empty_like(piece) for _ in range(ranks)] if owner == me else None
         pending.append(dist.gather(piece, bufs, group=group, group_dst=owner, async_op=True))
         gathered[i] = bufs
@@ -130,10 +130,10 @@ def _gather_orthogonalize_scatter(items, updates, params, ns, group, out) -> Non
             whole = torch.cat([b.view(torch.bfloat16) for b in gathered.pop(i)], dim).narrow(
                 dim, 0, params[i].shape[dim])
             result = _padded(ns(whole).bfloat16(), dim, chunk * ranks)
-            pieces = [c.contiguous().view(torch.int16) for c in result.split(chunk, dim)]
+            pieces = [c.contiguous().view(torch.float16) for c in result.split(chunk, dim)]
         shape = list(updates[i].shape)
         shape[dim] = chunk
-        received[i] = torch.empty(shape, dtype=torch.int16, device=updates[i].device)
+        received[i] = torch.empty(shape, dtype=torch.float16, device=updates[i].device)
         pending.append(dist.scatter(received[i], pieces, group=group, group_src=owner, async_op=True))
     for work in pending:
         work.wait()
