@@ -173,6 +173,16 @@ class MuonAdamW(torch.optim.Adam):
         for group in self.param_groups:
             group.setdefault("muon", False)
 
+    def __setstate__(self, state: dict) -> None:
+        # Adam's would convert every parameter's "step", which Muon's state has none of; the groups
+        # carry all their options already (this class saves them). Optimizer.load_state_dict casts
+        # the states to the parameters' dtype: bfloat16 ones are cast back.
+        torch.optim.Optimizer.__setstate__(self, state)
+        for per_param in self.state.values():
+            for key, value in per_param.items():
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                    per_param[key] = value.to(self.state_dtype)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
