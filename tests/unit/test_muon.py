@@ -156,3 +156,24 @@ def test_plan_refuses_in_one_sentence(overrides, sentence):
 def test_patterns_need_muon():
     with pytest.raises(ConfigError, match="only apply with optimizer.name Muon"):
         plan_job(load_job_config(["--optimizer.muon_exclude", "x"]), world_size=1, vocab_size=320)
+
+
+def test_estimator_counts_muon_momentum_bfloat16_states_and_the_gathered_matrices():
+    """The estimator steps the real optimizer on fake tensors (estimation/probe.py): Muon keeps one
+    momentum buffer per matrix, AdamW two moments; bfloat16 halves them; the optimizer step's window
+    holds the matrices an owner gathers whole."""
+    from estimation.probe import probe
+
+    def measured(*overrides: str):
+        cfg = load_job_config(["--model.flavor", "debugmodel_tiny", "--parallelism.data_parallel_shard_degree", "2",
+                               "--training.seq_len", "64", "--training.local_batch_size", "1", *overrides])
+        plan = plan_job(cfg, 2, vocab_size=ARGS.vocab_size)
+        pr = probe(plan)
+        return sum(s.optimizer for s in pr.static.values()), pr.update.over
+
+    adamw, adamw_update = measured()
+    muon, muon_update = measured("--optimizer.name", "Muon")
+    muon_bf16, _ = measured("--optimizer.name", "Muon", "--optimizer.state_dtype", "bfloat16")
+    assert 0.4 * adamw < muon < 0.9 * adamw
+    assert abs(muon_bf16 / muon - 0.5) < 0.02
+    assert muon_update > adamw_update
