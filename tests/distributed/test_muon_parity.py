@@ -8,8 +8,9 @@
   the wrong piece of the update is off by order 1).
 - Every placement the orthogonalisation handles, on a toy block: a matrix sharded along its rows
   (gathered to an owner) and along its columns (TP's row-wise split), a 3-D stack of experts split by
-  expert (EP: whole matrices on each rank, nothing moves) and along a matrix dimension, and a matrix
-  sharded along two mesh dimensions (assembled on every rank).
+  expert (EP: whole matrices on each rank, nothing moves) and along a matrix dimension, a matrix
+  replicated along one mesh dimension and sharded along the other (HSDP: gathered within the shard
+  group) and a matrix sharded along two mesh dimensions (assembled on every rank).
 The Newton-Schulz input is rounded to bfloat16 by torch's own iteration, so the pieces travel as
 bfloat16 and the result is the same bits: the tolerance covers the elementwise steps' float32 sums.
 """
@@ -89,6 +90,7 @@ class _Block(nn.Module):
         self.experts = nn.Parameter(torch.randn(4, 6, 5))
         self.experts_rows = nn.Parameter(torch.randn(3, 9, 4))
         self.two_dims = nn.Parameter(torch.randn(8, 6))
+        self.hsdp = nn.Parameter(torch.randn(5, 6))
         self.norm = nn.Parameter(torch.ones(6))
 
 
@@ -100,14 +102,16 @@ class _Toy(nn.Module):
 
 def _placement_checks(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from titanlike.config import load_job_config
     from titanlike.train.optimizer import build_optimizer
 
     flat, grid = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
+    replicated = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     placed = {"rows": (flat, [Shard(0)]), "cols": (flat, [Shard(1)]), "experts": (flat, [Shard(0)]),
-              "experts_rows": (flat, [Shard(1)]), "two_dims": (grid, [Shard(0), Shard(1)])}
+              "experts_rows": (flat, [Shard(1)]), "two_dims": (grid, [Shard(0), Shard(1)]),
+              "hsdp": (replicated, [Replicate(), Shard(0)])}
     cfg = load_job_config(["--optimizer.name", "Muon", "--optimizer.lr", "0.02", "--optimizer.implementation",
                            "for-loop"]).optimizer
     torch.manual_seed(0)
