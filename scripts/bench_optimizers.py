@@ -7,7 +7,7 @@ see the same tokens seed by seed. For each optimizer the learning rate with the 
 reach --target (default: the higher of the two optimizers' mean final losses, so both reach it),
 and --plot draws the kept runs' curves (thin: each seed; thick: the mean).
 
-    python scripts/bench_optimizers.py --steps 200 --seeds 0,1,2 --plot docs/optimizers.png
+    python scripts/bench_optimizers.py --steps 200 --seeds 0,1,2 --plot optimizers.png
     python scripts/bench_optimizers.py --flavor debugmodel_tiny --steps 30 --adamw-lrs 8e-4 --muon-lrs 8e-4
 """
 
