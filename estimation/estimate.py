@@ -24,11 +24,13 @@ from estimation.probe import probe  # noqa: E402
 
 BUCKET_DOCS = {  # what each bucket holds, printed next to it
     "parameters": "parameter shards (fp32 masters) and buffers, as parallelized",
-    "optimizer_state": "optimizer state (AdamW exp_avg, exp_avg_sq, step)",
+    "optimizer_state": "optimizer state in optimizer.state_dtype (AdamW exp_avg, exp_avg_sq, step; Muon's momentum "
+                       "per matrix)",
     "gradients": "reduced gradients kept from earlier microbatches, or for the optimizer step",
     "activations": "what the step holds when the peak begins: saved activations, gathered weights, gradients "
                    "made so far, pipeline stage inputs, the batch",
-    "transient": "the rise above that within the peak's stretch: recompute, collective buffers, temporaries",
+    "transient": "the rise above that within the peak's stretch: recompute, collective buffers, temporaries (at "
+                 "the optimizer step: the matrices Muon gathers whole)",
 }
 
 

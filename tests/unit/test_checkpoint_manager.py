@@ -215,6 +215,36 @@ def test_exclude_from_loading_skips_components(tmp_path):
     assert job.scheduler.last_epoch == 3
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_muon_state_resumes_exactly(tmp_path, state_dtype):
+    """Muon's momentum (and the AdamW half's moments, and bfloat16 states' rounding count) save and
+    resume: the resumed run's losses equal the uninterrupted run's, bit for bit."""
+    muon = ("--optimizer.name", "Muon", "--optimizer.state_dtype", state_dtype, "--checkpoint.no_last_save_model_only")
+    straight = Job(tmp_path / "straight", *muon)
+    straight.start()
+    losses = straight.train(6)
+    first = Job(tmp_path / "resumed", *muon)
+    first.start()
+    first.train(3)
+    first.manager.close()
+    second = Job(tmp_path / "resumed", *muon, seed=123)
+    assert second.start() == 3
+    assert any("momentum_buffer" in s for s in second.optimizer.state.values())
+    assert second.train(3) == losses[3:]
+
+
+def test_switching_optimizer_on_resume_is_refused_unless_excluded(tmp_path):
+    run(tmp_path, 3, "--checkpoint.no_last_save_model_only", steps=3)
+    with pytest.raises(CheckpointError, match="holds another optimizer's state for layers.0.attention.wq.weight "
+                                              r"\(exp_avg, exp_avg_sq, step, where this job's optimizer keeps "
+                                              r"momentum_buffer\); resume with --checkpoint.exclude_from_loading "
+                                              "optimizer"):
+        Job(tmp_path, "--optimizer.name", "Muon", steps=6).start()
+    job = Job(tmp_path, "--optimizer.name", "Muon", "--checkpoint.exclude_from_loading", "optimizer", steps=6)
+    assert job.start() == 3
+    job.train(1)
+
+
 # ------------------------------------------------------------------ publishing and purging
 
 

@@ -32,6 +32,7 @@ from titanlike.checkpoint.states import (
     COMPONENTS,
     DATALOADER,
     MODEL,
+    OPTIMIZER,
     RNG,
     SAME_SHAPE,
     TRAIN_STATE,
@@ -426,6 +427,8 @@ class Loader:
     def _index_problem(template: dict, metadata: Metadata, path: str) -> str | None:
         flat, _ = flatten_state_dict(template)
         saved = metadata.state_dict_metadata
+        if (problem := _other_optimizer(flat, saved, path)) is not None:
+            return problem
         for key, value in flat.items():
             md = saved.get(key)
             if md is None:
@@ -552,6 +555,23 @@ class Loader:
         opts = StateDictOptions(full_state_dict=self.distributed, broadcast_from_rank0=self.distributed, strict=False)
         for part in self.states[MODEL].parts:
             set_model_state_dict(part, dict(state_dict), options=opts)
+
+
+def _other_optimizer(flat: dict, saved: dict, path: str) -> str | None:
+    """A checkpoint of another optimizer (AdamW's moments where this job keeps Muon's momentum, or
+    the reverse: optimizer.name or the parameters Muon steps changed), in one sentence."""
+    prefix = f"{OPTIMIZER}.state."
+    for key in flat:
+        if not key.startswith(prefix) or key in saved:
+            continue
+        fqn = key[len(prefix):].rsplit(".", 1)[0]  # state names hold no dots
+        theirs = sorted(k.rsplit(".", 1)[1] for k in saved if k.startswith(f"{prefix}{fqn}."))
+        if theirs:
+            ours = sorted(k.rsplit(".", 1)[1] for k in flat if k.startswith(f"{prefix}{fqn}."))
+            return (f"checkpoint {path} holds another optimizer's state for {fqn} ({', '.join(theirs)}, where this "
+                    f"job's optimizer keeps {', '.join(ours)}); resume with --checkpoint.exclude_from_loading "
+                    "optimizer to start the optimizer's state afresh")
+    return None
 
 
 def check_hf_args(spec, job_args, args, path: str) -> None:

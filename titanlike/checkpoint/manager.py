@@ -46,6 +46,7 @@ from titanlike.checkpoint.states import (
     TRAIN_STATE,
     JobModel,
     JsonState,
+    ScheduleState,
     ModelState,
     OptimizerState,
     PerRankState,
@@ -175,7 +176,7 @@ class CheckpointManager:
         self.states: dict[str, Stateful] = {
             MODEL: ModelState(model_parts),
             OPTIMIZER: OptimizerState(model_parts, optimizer),
-            LR_SCHEDULER: JsonState(lr_scheduler, LR_SCHEDULER),
+            LR_SCHEDULER: ScheduleState(lr_scheduler, LR_SCHEDULER),
             DATALOADER: PerRankState(DATALOADER, "dp_rank_", dp_rank,
                                      dataloader.state_dict, dataloader.load_state_dict),
             RNG: PerRankState(RNG, "rank_", self.rank, rng_state, set_rng_state),

@@ -211,6 +211,25 @@ class JsonState(Stateful):
         self.obj.load_state_dict(state_dict["state"])
 
 
+class ScheduleState(JsonState):
+    """The LR schedule, whose per-group lists (base_lrs, _last_lr, lr_lambdas) are fitted to this job's optimizer:
+    every group of a job follows one schedule, so a checkpoint of another optimizer (AdamW's one group,
+    Muon's two) resumes the schedule when its optimizer state is not loaded."""
+
+    _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state, groups = dict(state_dict["state"]), len(self.obj.optimizer.param_groups)
+        for key in self._PER_GROUP:
+            values = state.get(key)
+            if isinstance(values, list) and values and len(values) != groups:
+                if any(v != values[0] for v in values):
+                    raise ValueError(f"its learning-rate schedule holds {len(values)} groups with different rates, "
+                                     f"where this job's optimizer has {groups} groups")
+                state[key] = values[:1] * groups
+        self.obj.load_state_dict(state)
+
+
 class PerRankState(Stateful):
     """A state that differs per rank (loader position, RNG): one JSON entry per rank.
 
@@ -272,9 +291,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # The JSON states whose loaded value must have the structure of this job's own (same keys, list
 # lengths, value types; tensors of the same dtype and shape), so that a crafted entry cannot hand a
 # component an absurd value. Lists that may legitimately differ in length: the CUDA generators of
-# another machine, a ramp-up; a dataset's own position state may have other keys.
+# another machine, a ramp-up, the schedule's per-group rates (ScheduleState); a dataset's own position state may have other keys.
 SAME_SHAPE = (LR_SCHEDULER, LOSS_SCALER, DATALOADER, RNG)
-_FREE_LENGTH = {"cuda", "rampup"}
+_FREE_LENGTH = {"cuda", "rampup", *ScheduleState._PER_GROUP}
 _FREE_KEYS = {"samples"}
 
 

@@ -65,7 +65,9 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer", choices=("AdamW", "Adam"))
+    name: str = opt("AdamW", "optimizer; Muon steps the blocks' matrices (2-D, and each expert's of a 3-D stack) with "
+                    "Muon and every other parameter (embeddings, output projection, norms, biases) with AdamW",
+                    choices=("AdamW", "Adam", "Muon"))
     lr: float = opt(8e-4, "peak learning rate")
     beta1: float = opt(0.9, "Adam beta1")
     beta2: float = opt(0.95, "Adam beta2")
@@ -75,6 +77,27 @@ class Optimizer:
         "fused", "optimizer kernel implementation; fused skips a non-finite step on the device, foreach and "
         "for-loop make the host read every step's verdict first", choices=("foreach", "fused", "for-loop")
     )
+    state_dtype: str = opt(
+        "float32", "dtype of the optimizer's state tensors (AdamW's moments, Muon's momentum); bfloat16 halves "
+        "them and rounds them stochastically, unbiased where round-to-nearest would drop small updates",
+        choices=("float32", "bfloat16"))
+    momentum: float = opt(0.95, "Muon: momentum of the matrices' update")
+    nesterov: bool = opt(True, "Muon: Nesterov momentum")
+    ns_steps: int = opt(5, "Muon: Newton-Schulz iterations that orthogonalise each update")
+    ns_coefficients: list[float] = opt([3.4445, -4.775, 2.0315], "Muon: the quintic Newton-Schulz iteration's "
+                                       "coefficients a,b,c (Keller Jordan's, torch.optim.Muon's default)")
+    muon_eps: float = opt(1e-7, "Muon: floor of the update's norm before Newton-Schulz")
+    adjust_lr_fn: str = opt(
+        "match_rms_adamw", "Muon: the update's scale; match_rms_adamw (Moonlight, Kimi K2: 0.2 x sqrt(max(rows, "
+        "cols)), the RMS of an AdamW update) lets one optimizer.lr and weight_decay, tuned for AdamW, serve both "
+        "the matrices and the AdamW parameters, so it is the default; original (Keller Jordan's, torch's "
+        "default: sqrt(max(1, rows/cols))) wants a learning rate near 0.02 for the matrices",
+        choices=("match_rms_adamw", "original"))
+    muon_include: list[str] = opt(
+        [], "Muon: fnmatch patterns of parameter names (layers.*.attention.wq.weight) to step with Muon as well, "
+        "2-D or 3-D ones outside the blocks")
+    muon_exclude: list[str] = opt(
+        [], "Muon: fnmatch patterns of parameter names to step with AdamW instead (they win over muon_include)")
 
 
 @dataclass

@@ -57,6 +57,16 @@ def validate_values(cfg: JobConfig) -> None:
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and optimizer.beta2 must lie in [0, 1)")
     _check(o.eps > 0, f"optimizer.eps must be positive, got {o.eps}")
     _check(o.weight_decay >= 0, f"optimizer.weight_decay must be non-negative, got {o.weight_decay}")
+    _check(0 <= o.momentum < 1, f"optimizer.momentum must lie in [0, 1), got {o.momentum}")
+    _check(1 <= o.ns_steps <= 99, f"optimizer.ns_steps must be 1 to 99 Newton-Schulz iterations, got {o.ns_steps}")
+    _check(len(o.ns_coefficients) == 3,
+           f"optimizer.ns_coefficients must be three numbers a,b,c, got {len(o.ns_coefficients)}")
+    _check(o.muon_eps > 0, f"optimizer.muon_eps must be positive, got {o.muon_eps}")
+    for name in ("muon_include", "muon_exclude"):
+        long = [pattern for pattern in getattr(o, name) if not 0 < len(pattern) <= 200]
+        _check(not long, f"optimizer.{name} patterns must hold 1 to 200 characters, got {len(long[0]) if long else 0}")
+    _check(o.name == "Muon" or not (o.muon_include or o.muon_exclude),
+           f"optimizer.muon_include and muon_exclude only apply with optimizer.name Muon, not {o.name}")
     _check(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be non-negative, got {s.warmup_steps}")
     _check(s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
            f"lr_scheduler.decay_ratio must lie in [0, 1], got {s.decay_ratio}")

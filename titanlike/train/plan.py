@@ -195,6 +195,11 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
     validate_converter_targets(m.converters, cfg, spec, args, model=model)
+    if cfg.optimizer.name == "Muon":  # which parameters Muon steps: the model's names and shapes
+        from titanlike.train.optimizer import validate_optimizer
+
+        with torch.device("meta"):
+            validate_optimizer(cfg.optimizer, spec.model_cls(args))
 
     # The layout.
     parallelize = parallelize_options(cfg, objective)

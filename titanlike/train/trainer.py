@@ -299,7 +299,7 @@ class Trainer:
         self.expert_balance = None if moe is None else ExpertBalance(
             self.model_parts, moe, self.model_args.total_layers, self.device,
             dist.group.WORLD if dist.is_initialized() else None)
-        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, seed=cfg.debug.seed)
         # lr_scheduler.total_steps lets a short run follow a longer run's curve.
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps,
                                                self.batches.schedule)

@@ -1,0 +1,179 @@
+"""optimizer.name Muon and optimizer.state_dtype bfloat16 in one process (train/muon.py): the same
+steps as torch.optim.Muon beside torch.optim.AdamW, which parameters each steps, bfloat16 states'
+rounding, and the plan-time refusals. Distributed Muon: tests/distributed/test_muon_parity.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanlike.config import ConfigError, load_job_config
+from titanlike.models.llama3 import Transformer, llama3_flavors
+from titanlike.train.muon import newton_schulz, stochastic_round
+from titanlike.train.optimizer import build_optimizer, muon_parameters
+from titanlike.train.plan import plan_job
+
+SEQ = 16
+ARGS = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=2, vocab_size=320, max_seq_len=SEQ)
+
+
+def _config(*overrides: str):
+    return load_job_config(["--model.flavor", "debugmodel_tiny", "--optimizer.name", "Muon", *overrides])
+
+
+def _model(seed: int = 0) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    return model
+
+
+def _loss(model, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ + 1), generator=g)
+    return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def test_default_rule_blocks_matrices_muon_the_rest_adamw():
+    cfg = _config().optimizer
+    names = {n for n, _ in muon_parameters(_model(), cfg)}
+    assert names and all(n.startswith("layers.") for n in names)
+    assert "layers.0.attention.wq.weight" in names and "layers.1.feed_forward.w2.weight" in names
+    assert not any("norm" in n for n in names)  # 1-D
+    assert "tok_embeddings.weight" not in names and "output.weight" not in names
+    cfg = _config("--optimizer.muon_exclude", "*.wq.weight", "--optimizer.muon_include", "output.weight").optimizer
+    chosen = {n for n, _ in muon_parameters(_model(), cfg)}
+    assert chosen == (names - {"layers.0.attention.wq.weight", "layers.1.attention.wq.weight"}) | {"output.weight"}
+
+
+@pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
+@pytest.mark.parametrize("implementation", ["fused", "for-loop"])
+def test_every_step_equals_torch_muon_beside_adamw(adjust, implementation):
+    cfg = _config("--optimizer.adjust_lr_fn", adjust, "--optimizer.implementation", implementation,
+                  "--optimizer.lr", "0.01", "--optimizer.nesterov", "false" if adjust == "original" else "true").optimizer
+    ours, theirs = _model(), _model()
+    optimizer = build_optimizer([ours], cfg)
+    chosen = {n for n, _ in muon_parameters(theirs, cfg)}
+    muon = torch.optim.Muon([p for n, p in theirs.named_parameters() if n in chosen], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                            ns_coefficients=tuple(cfg.ns_coefficients), eps=cfg.muon_eps, ns_steps=cfg.ns_steps,
+                            adjust_lr_fn=adjust)
+    adamw = torch.optim.AdamW([p for n, p in theirs.named_parameters() if n not in chosen], lr=cfg.lr,
+                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                              fused=implementation == "fused")
+    for step in range(4):
+        for model in (ours, theirs):
+            _loss(model, step).backward()
+        optimizer.step()
+        muon.step()
+        adamw.step()
+        for opt in (optimizer, muon, adamw):
+            opt.zero_grad(set_to_none=True)
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"step {step}: {name}")
+
+
+def test_device_verdict_skips_the_step_and_unscales_the_gradients():
+    """Under fused kernels the step hands the optimizer grad_scale and found_inf (train/step.py)."""
+    cfg = _config("--optimizer.state_dtype", "bfloat16").optimizer
+    a, b = _model(), _model()
+    oa, ob = build_optimizer([a], cfg), build_optimizer([b], cfg)
+    _loss(a, 0).backward()
+    _loss(b, 0).backward()
+    for p in b.parameters():
+        p.grad.mul_(4.0)
+    oa.found_inf, oa.grad_scale = torch.zeros(()), torch.ones(())
+    ob.found_inf, ob.grad_scale = torch.zeros(()), torch.full((), 4.0)
+    oa.step()
+    ob.step()
+    for x, y in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(x, y)
+    before = {n: p.detach().clone() for n, p in a.named_parameters()}
+    states = {n: {k: v.clone() for k, v in oa.state[p].items()} for n, p in a.named_parameters()}
+    _loss(a, 1).backward()
+    oa.found_inf = torch.ones(())
+    oa.step()
+    for n, p in a.named_parameters():
+        assert torch.equal(p, before[n]), n
+        for k, v in oa.state[p].items():
+            if k != "step":
+                assert torch.equal(v, states[n][k]), (n, k)
+
+
+def test_experts_are_orthogonalised_one_by_one():
+    stack = torch.randn(3, 8, 5)
+    out = newton_schulz(stack, coefficients=(3.4445, -4.775, 2.0315), steps=5, eps=1e-7)
+    for e in range(3):
+        assert torch.equal(out[e], newton_schulz(stack[e], coefficients=(3.4445, -4.775, 2.0315), steps=5,
+                                                 eps=1e-7))
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
+    x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way from 1 to the next bfloat16
+    r = stochastic_round(x, torch.Generator().manual_seed(0)).float()
+    assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(r.mean().item() - x[0].item()) < 2e-5
+    assert torch.equal(stochastic_round(torch.tensor([0.5, -3.0]), None).float(), torch.tensor([0.5, -3.0]))
+
+
+def test_bfloat16_states_are_bfloat16_and_track_float32():
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        for name in ("AdamW", "Muon"):
+            cfg = load_job_config(["--optimizer.name", name, "--optimizer.state_dtype", dtype,
+                                   "--optimizer.lr", "0.003"]).optimizer
+            model = _model()
+            optimizer = build_optimizer([model], cfg)
+            for step in range(20):
+                loss = _loss(model, step % 4)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            losses[dtype, name] = loss.item()
+            kept = {v.dtype for s in optimizer.state.values() for k, v in s.items() if k != "step"}
+            assert kept == {getattr(torch, dtype)}
+    for name in ("AdamW", "Muon"):
+        assert abs(losses["bfloat16", name] / losses["float32", name] - 1) < 0.02, (name, losses)
+
+
+@pytest.mark.parametrize("overrides, sentence", [
+    (["--optimizer.ns_steps", "0"], "optimizer.ns_steps must be 1 to 99"),
+    (["--optimizer.muon_exclude", "layers.*.nothing"], "pattern 'layers.*.nothing' matches no parameter"),
+    (["--optimizer.muon_include", "norm.weight"], "which is not a matrix"),
+    (["--optimizer.muon_exclude", "layers.*"], "finds no matrix to step"),
+    (["--optimizer.ns_coefficients", "1,2"], "three numbers"),
+])
+def test_plan_refuses_in_one_sentence(overrides, sentence):
+    with pytest.raises(ConfigError, match=sentence) as e:
+        plan_job(_config(*overrides), world_size=1, vocab_size=ARGS.vocab_size)
+    assert str(e.value).count(". ") == 0
+
+
+def test_patterns_need_muon():
+    with pytest.raises(ConfigError, match="only apply with optimizer.name Muon"):
+        plan_job(load_job_config(["--optimizer.muon_exclude", "x"]), world_size=1, vocab_size=320)
+
+
+def test_estimator_counts_muon_momentum_bfloat16_states_and_the_gathered_matrices():
+    """The estimator steps the real optimizer on fake tensors (estimation/probe.py): Muon keeps one
+    momentum buffer per matrix, AdamW two moments; bfloat16 halves them; the optimizer step's window
+    holds the matrices an owner gathers whole."""
+    from estimation.probe import probe
+
+    def measured(*overrides: str):
+        cfg = load_job_config(["--model.flavor", "debugmodel_tiny", "--parallelism.data_parallel_shard_degree", "2",
+                               "--training.seq_len", "64", "--training.local_batch_size", "1", *overrides])
+        plan = plan_job(cfg, 2, vocab_size=ARGS.vocab_size)
+        pr = probe(plan)
+        return sum(s.optimizer for s in pr.static.values()), pr.update.over
+
+    adamw, adamw_update = measured()
+    muon, muon_update = measured("--optimizer.name", "Muon")
+    muon_bf16, _ = measured("--optimizer.name", "Muon", "--optimizer.state_dtype", "bfloat16")
+    assert 0.4 * adamw < muon < 0.9 * adamw
+    assert abs(muon_bf16 / muon - 0.5) < 0.02
+    assert muon_update > adamw_update

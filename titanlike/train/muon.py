@@ -1,0 +1,282 @@
+"""Muon for the blocks' matrices, AdamW for the rest, and optimizer states in bfloat16.
+
+Muon (torch.optim.Muon; Keller Jordan's post, Moonlight's "Muon is Scalable for LLM Training")
+keeps one momentum buffer per matrix and steps along its orthogonalised direction, computed by a few
+Newton-Schulz iterations on the whole matrix. The arithmetic is torch's own (`torch.optim._muon`),
+so one process steps exactly as torch.optim.Muon beside torch.optim.AdamW.
+
+Under FSDP2, HSDP, TP or EP a parameter is a DTensor shard, while Newton-Schulz needs the whole
+matrix. `orthogonalized` assembles each matrix once per step and spreads the work: where a matrix is
+sharded along one mesh dimension, every shard is gathered to one owner rank (owners are given whole
+matrices, largest first, to the least-loaded rank, as in Moonlight's distributed Muon), the owner
+orthogonalises it and scatters the pieces back. Newton-Schulz starts by rounding its input to
+bfloat16, so the matrices travel as bfloat16 and the result is the one-process result bit for bit.
+Per step and matrix of N elements sharded over W ranks, the gather and the scatter move
+2 x 2 bytes x N x (W - 1) / W in all (each rank sends and receives 1/W of that on average: a quarter
+of its share of FSDP's own float32 gradient reduce-scatter); an owner holds its matrices whole, in
+bfloat16, twice (gathered and orthogonalised): about 4 bytes x N_muon / W more per rank during the
+step. Experts (a 3-D tensor, one matrix per expert) are orthogonalised one expert at a time; when
+expert parallelism splits the expert dimension each rank already holds whole matrices and moves
+nothing. Other layouts (a matrix sharded along two mesh dimensions: FSDP with TP) assemble the full
+matrix on every rank and orthogonalise it there.
+
+Low-precision states (optimizer.state_dtype bfloat16) are kept in bfloat16 and stepped in float32,
+then rounded back stochastically: round-to-nearest would drop every increment smaller than half a
+bfloat16 ulp (with beta2 = 0.999 the second moment changes by 0.1% a step, under bfloat16's 0.4%
+resolution, and would stall), while stochastic rounding is unbiased at no memory cost; a
+compensation buffer would bring back the bytes bfloat16 saves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim.adam import adam
+
+BLOCK_DIMS = (2, 3)  # a matrix, or a stack of experts' matrices
+
+
+def newton_schulz(update: torch.Tensor, *, coefficients: tuple[float, float, float], steps: int,
+                  eps: float) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation of a matrix (bfloat16 out), or of each matrix of a stack."""
+    if update.ndim == 2:
+        return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
+    return torch.stack([_zeropower_via_newtonschulz(m, coefficients, steps, eps) for m in update])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _spread_dim(param: torch.Tensor) -> tuple[int, int] | None | str:
+    """How a parameter's matrices are assembled: None (this rank holds them whole), (mesh dim, tensor
+    dim) (sharded along one mesh dimension: gather to an owner), or "full" (assemble everywhere)."""
+    if not isinstance(param, DTensor):
+        return None
+    shards = [(i, p) for i, p in enumerate(param.placements) if not isinstance(p, Replicate)]
+    if not shards or (param.ndim == 3 and all(type(p) is Shard and p.dim == 0 for _, p in shards)):
+        return None
+    if len(shards) == 1 and type(shards[0][1]) is Shard:
+        return shards[0][0], shards[0][1].dim
+    return "full"
+
+
+def _owners(sizes: list[int], ranks: int) -> list[int]:
+    """Whole matrices to ranks, largest first to the least loaded (the same answer on every rank)."""
+    load, owner = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[owner[i]] += sizes[i]
+    return owner
+
+
+def _padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    if t.shape[dim] == length:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = length - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim)
+
+
+def orthogonalized(updates: list[torch.Tensor], params: list[torch.Tensor],
+                   ns: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """ns(full update) of each parameter, as this rank's piece (the local shape of its update).
+
+    updates: the local pieces (plain tensors) of each parameter's update; params: the parameters,
+    whose placements say how the pieces make the whole."""
+    out: list[torch.Tensor | None] = [None] * len(params)
+    spread: dict[tuple, list[tuple[int, int]]] = {}
+    for i, (u, p) in enumerate(zip(updates, params)):
+        how = _spread_dim(p)
+        if how is None:
+            out[i] = ns(u)
+        elif how == "full":
+            whole = DTensor.from_local(u.bfloat16(), p.device_mesh, p.placements, shape=p.shape,
+                                       stride=p.stride()).full_tensor()
+            out[i] = distribute_tensor(ns(whole), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        else:
+            mesh_dim, dim = how
+            spread.setdefault((id(p.device_mesh), mesh_dim), []).append((i, dim))
+    for (_, mesh_dim), items in spread.items():
+        group = params[items[0][0]].device_mesh.get_group(mesh_dim)
+        _gather_orthogonalize_scatter(items, updates, params, ns, group, out)
+    return out
+
+
+def _gather_orthogonalize_scatter(items, updates, params, ns, group, out) -> None:
+    """Each matrix gathered whole to its owner, orthogonalised there, its pieces scattered back."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    owners = _owners([params[i].numel() for i, _ in items], ranks)
+    # bfloat16 travels as float16 bits (gloo moves no bfloat16 and no int16; gather and scatter only copy).
+    pending, gathered = [], {}
+    for (i, dim), owner in zip(items, owners):
+        chunk = math.ceil(params[i].shape[dim] / ranks)
+        piece = _padded(updates[i].bfloat16(), dim, chunk).view(torch.float16)
+        bufs = [torch.empty_like(piece) for _ in range(ranks)] if owner == me else None
+        pending.append(dist.gather(piece, bufs, group=group, group_dst=owner, async_op=True))
+        gathered[i] = bufs
+    for work in pending:
+        work.wait()
+    pending, received = [], {}
+    for (i, dim), owner in zip(items, owners):
+        chunk = math.ceil(params[i].shape[dim] / ranks)
+        pieces = None
+        if owner == me:
+            whole = torch.cat([b.view(torch.bfloat16) for b in gathered.pop(i)], dim).narrow(
+                dim, 0, params[i].shape[dim])
+            result = _padded(ns(whole).bfloat16(), dim, chunk * ranks)
+            pieces = [c.contiguous().view(torch.float16) for c in result.split(chunk, dim)]
+        shape = list(updates[i].shape)
+        shape[dim] = chunk
+        received[i] = torch.empty(shape, dtype=torch.float16, device=updates[i].device)
+        pending.append(dist.scatter(received[i], pieces, group=group, group_src=owner, async_op=True))
+    for work in pending:
+        work.wait()
+    for i, dim in items:
+        out[i] = received[i].view(torch.bfloat16).narrow(dim, 0, updates[i].shape[dim])
+
+
+def stochastic_round(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """float32 -> bfloat16, rounding up or down with probability given by the distance (unbiased):
+    16 random bits added below bfloat16's last bit, then truncated."""
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = (x.contiguous().view(torch.int32) + noise) & -65536
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+class MuonAdamW(torch.optim.Adam):
+    """Muon over the groups marked "muon", Adam(W) over the others (torch's kernels when states are
+    float32), with states in `state_dtype`.
+
+    It is one torch Optimizer (the schedule, checkpoints and the step see one object), an Adam whose
+    Muon groups carry their own options. Under fused kernels the training step hands it the
+    gradients' scale and the step's non-finite verdict on the device (train/step.py); the Muon and
+    low-precision steps honour both without reading them on the host.
+    """
+
+    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, decoupled: bool, implementation: str, state_dtype: torch.dtype,
+                 seed: int = 0):
+        self.state_dtype, self.seed = state_dtype, seed
+        # Set by the training step under fused kernels (train/step.py), as for torch's fused Adam.
+        self.grad_scale: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
+        fused = implementation == "fused"
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         foreach=implementation == "foreach" and state_dtype == torch.float32,
+                         fused=fused, decoupled_weight_decay=decoupled)
+        for group in self.param_groups:
+            group.setdefault("muon", False)
+
+    def __setstate__(self, state: dict) -> None:
+        # Adam's would convert every parameter's "step", which Muon's state has none of; the groups
+        # carry all their options already (this class saves them). Optimizer.load_state_dict casts
+        # the states to the parameters' dtype: bfloat16 ones are cast back.
+        torch.optim.Optimizer.__setstate__(self, state)
+        for per_param in self.state.values():
+            for key, value in per_param.items():
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                    per_param[key] = value.to(self.state_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale, skip = self.grad_scale, self.found_inf.bool() if self.found_inf is not None else None
+        for group in self.param_groups:
+            if group["muon"]:
+                self._muon(group, scale, skip)
+            elif self.state_dtype == torch.float32:
+                self._adam(group, scale)
+            else:
+                self._adam_low_precision(group, scale, skip)
+        return loss
+
+    def _generator(self, group: dict, device: torch.device) -> torch.Generator | None:
+        """The stochastic rounding's random bits: a function of (seed, update), so a resumed run
+        rounds as the uninterrupted one (the count is saved with the group's hyper-parameters)."""
+        if self.state_dtype == torch.float32:
+            return None
+        group["rounding"] = group.get("rounding", 0) + 1
+        return torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + group["rounding"])
+
+    def _store(self, state: torch.Tensor, value: torch.Tensor, skip, generator) -> None:
+        if skip is not None:
+            value = torch.where(skip, state.float(), value)
+        state.copy_(stochastic_round(value, generator) if state.dtype == torch.bfloat16 else value)
+
+    def _muon(self, group: dict, scale, skip) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        generator = self._generator(group, _local(params[0]).device)
+        updates = []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=self.state_dtype)
+            grad = _local(p.grad) if scale is None else _local(p.grad) / scale
+            buf = _local(state["momentum_buffer"])
+            if buf.dtype == torch.float32 and skip is None:  # torch.optim.Muon's own steps
+                buf.lerp_(grad, 1 - momentum)
+                new = buf
+            else:
+                new = buf.float().lerp(grad, 1 - momentum)
+                self._store(buf, new, skip, generator)
+            updates.append(grad.lerp(new, momentum) if group["nesterov"] else new)
+        ns = lambda u: newton_schulz(u, coefficients=tuple(group["ns_coefficients"]), steps=group["ns_steps"],
+                                     eps=group["muon_eps"])
+        for p, o in zip(params, orthogonalized(updates, params, ns)):
+            adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:])
+            local = _local(p)
+            if skip is None:
+                local.mul_(1 - lr * wd)
+                local.add_(o, alpha=-adjusted)
+            else:
+                local.copy_(torch.where(skip, local, local.mul(1 - lr * wd).add_(o, alpha=-adjusted)))
+
+    def _adam(self, group: dict, scale) -> None:
+        """torch.optim.Adam.step's body for one group."""
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        beta1, beta2 = group["betas"]
+        adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
+             has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+             eps=group["eps"], maximize=group["maximize"], foreach=group["foreach"], capturable=group["capturable"],
+             differentiable=group["differentiable"], fused=group["fused"], grad_scale=scale,
+             found_inf=self.found_inf, decoupled_weight_decay=group["decoupled_weight_decay"])
+
+    def _adam_low_precision(self, group: dict, scale, skip) -> None:
+        """Adam(W) in float32 arithmetic over bfloat16 moments (rounded stochastically)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        generator = self._generator(group, _local(params[0]).device)
+        for p in params:
+            state = self.state[p]
+            if not state:
+                # On the parameter's device, so that a skipped step leaves it without a host sync.
+                state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+            grad = _local(p.grad) if scale is None else _local(p.grad) / scale
+            local, m, v = _local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            step = state["step"].add_(1 if skip is None else (~skip).float())
+            m32 = m.float().lerp_(grad, 1 - beta1)
+            v32 = v.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            self._store(m, m32, skip, generator)
+            self._store(v, v32, skip, generator)
+            # Adam is built without weight decay (train/optimizer.py), so the decay is AdamW's.
+            denom = (v32.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
+            new = local.mul(1 - lr * wd).sub_((lr / (1 - beta1 ** step)) * m32 / denom)
+            local.copy_(new if skip is None else torch.where(skip, local, new))
