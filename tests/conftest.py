@@ -205,9 +205,10 @@ def _xdist_group(item, tests: Path) -> str:
     folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
     if folder in WORLD_FOLDERS or WORLD_FIXTURES & set(getattr(item, "fixturenames", ())):
         return "worlds"
-    return str(item.path)
+    return str(item.path.relative_to(REPO)) if item.path.is_relative_to(REPO) else str(item.path)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     tests = REPO / "tests"
     grouped = config is not None and config.pluginmanager.hasplugin("xdist")

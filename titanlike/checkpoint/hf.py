@@ -212,7 +212,14 @@ def write_hf(
     export = write_hf_tokenizer(out, tokenizer_path, fingerprint=tokenizer_fingerprint, vocab_size=args.vocab_size,
                                 model_max_length=context_len or args.context_len,
                                 template=spec.hf.tokenizer_template, roles=spec.hf.tokenizer_roles)
-    for name, content in spec.hf.extra_files(args, _special_tokens(tokenizer_path) if export.converted else {}).items():
+    files = dict(spec.hf.extra_files(args, _special_tokens(tokenizer_path) if export.converted else {}))
+    if spec.images is not None:  # a vision-language model: its image processor, as transformers configures it
+        from titanlike.data.images import ImageProcessor
+
+        inputs = spec.images(args)
+        image = ImageProcessor.of_tower(inputs.processor, inputs.image_size).hf_config(inputs.processor)
+        files["preprocessor_config.json"] = {**image, **files.get("preprocessor_config.json", {})}
+    for name, content in files.items():
         with open(os.path.join(out, name), "w") as f:
             json.dump(content, f, indent=2)
     entries = {"chat_template": chat_template, "pad_token": pad_token}

@@ -82,6 +82,20 @@ class ImageProcessor:
                    mean=tuple(config.get("image_mean", CLIP_MEAN)), std=tuple(config.get("image_std", CLIP_STD)),
                    rescale_factor=config.get("rescale_factor", 1 / 255))
 
+    def hf_config(self, kind: str) -> dict[str, Any]:
+        """preprocessor_config.json of transformers' image processor of a tower of that kind ("clip" or
+        "siglip") as this one processes: what from_config reads back, and what AutoProcessor loads from an
+        export of a vision-language model."""
+        config = {"image_processor_type": {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor"}[kind],
+                  "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True,
+                  "rescale_factor": self.rescale_factor, "do_normalize": True, "image_mean": list(self.mean),
+                  "image_std": list(self.std), "do_center_crop": self.crop is not None,
+                  "size": ({"shortest_edge": self.shortest_edge} if self.shortest_edge is not None
+                           else {"height": self.height, "width": self.width})}
+        if self.crop is not None:
+            config["crop_size"] = {"height": self.crop[0], "width": self.crop[1]}
+        return config
+
     def output_size(self) -> tuple[int, int] | None:
         """(height, width) of every processed image, None when it depends on the image (no crop, shortest edge)."""
         if self.crop is not None:

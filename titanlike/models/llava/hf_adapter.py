@@ -162,23 +162,12 @@ class LlavaHF(HFAdapter):
         }
 
     def extra_files(self, args: LlavaArgs, special_tokens: Mapping[str, int]) -> dict[str, dict]:
-        """preprocessor_config.json: the tower's image processor as transformers names it (what
-        data/images.py ImageProcessor.of_tower reproduces); with the image token among the tokenizer's
-        special tokens, processor_config.json too, so that AutoProcessor builds a LlavaProcessor that
-        expands it to the tokens an image takes here."""
-        from titanlike.data.images import ImageProcessor
-
+        """The export writes the tower's preprocessor_config.json (ModelSpec.images, data/images.py
+        ImageProcessor.hf_config); here it gets LLaVA's processor class and, with the image token among
+        the tokenizer's special tokens, processor_config.json too, so that AutoProcessor builds a
+        LlavaProcessor that expands it to the tokens an image takes here."""
         v = args.vision
-        p = ImageProcessor.of_tower(v.kind, v.image_size)
-        image = {"image_processor_type": {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor"}[v.kind],
-                 "processor_class": "LlavaProcessor", "do_convert_rgb": True, "do_resize": True, "resample": 3,
-                 "do_rescale": True, "rescale_factor": p.rescale_factor, "do_normalize": True,
-                 "image_mean": list(p.mean), "image_std": list(p.std), "do_center_crop": p.crop is not None,
-                 "size": ({"shortest_edge": p.shortest_edge} if p.shortest_edge is not None
-                          else {"height": p.height, "width": p.width})}
-        if p.crop is not None:
-            image["crop_size"] = {"height": p.crop[0], "width": p.crop[1]}
-        files = {"preprocessor_config.json": image}
+        files = {"preprocessor_config.json": {"processor_class": "LlavaProcessor"}}
         token = next((t for t, i in special_tokens.items() if i == args.image_token_id), None)
         if token is not None:
             # LlavaProcessor: (size // patch)**2 + num_additional_image_tokens, less one for "default".
