@@ -17,8 +17,9 @@ it frees stays until W. The gradient reduction and the update follow, their wind
 probe by the rank's gradient and parameter bytes. The peak is the highest point of that walk, split
 into what stays between steps, what the step holds when the peak's window begins, and the window's
 rise. A generating companion (RL) adds the policy's whole copy it reads under FSDP or TP to what stays,
-and its prefill into the generation cache as a window before the step. Under FSDP CPU offload the parameter shards, their gradients and the optimizer state are host
-memory, reported apart (the gradients a backward makes count on the device until its end).
+and its prefill into the generation cache as a window before the step. Under FSDP CPU offload the
+parameter shards, their gradients and the optimizer state are host memory, reported apart (the
+gradients a backward makes count on the device until its end).
 """
 
 from __future__ import annotations

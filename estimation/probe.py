@@ -206,7 +206,12 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
     out = _probe_plan(plan, granularity, device)
     generator = next((c for c in plan.objective.companions if c.rollout is not None), None)
     if generator is not None:
-        out.generation = _generation(plan, generator, granularity, device, sharded=out.sharded)
+        try:
+            out.generation = _generation(plan, generator, granularity, device, sharded=out.sharded)
+        except Exception as e:  # noqa: BLE001 (a family's prefill the fake tensors cannot run: say so, go on)
+            out.generation = _generation(plan, generator, granularity, device, sharded=out.sharded, prefill=False)
+            out.notes.append(f"generation: the prefill could not run on fake tensors ({type(e).__name__}); the "
+                             "generator's cache is not counted")
     for companion in plan.objective.companions:
         if companion.source is not Source.CHECKPOINT:
             continue
@@ -374,10 +379,11 @@ def _probe(plan, granularity: int, device: str) -> Probe:
     return out
 
 
-def _generation(plan, generator, granularity: int, device: str, *, sharded: bool) -> Generation:
+def _generation(plan, generator, granularity: int, device: str, *, sharded: bool, prefill: bool = True) -> Generation:
     """The generator's memory on one rank (Generation): the whole model on fake tensors, as PolicyWeights
     builds its copy (the job's converters), prefilling the longest prompts the job allows (seq_len less
-    the completion length) into a cache of seq_len tokens, as the engine sizes it (rl/rollout.py)."""
+    the completion length) into a cache of seq_len tokens, as the engine sizes it (rl/rollout.py);
+    without `prefill`, the copy alone."""
     from titanlike.models.converters import build_model_converters
 
     t = plan.cfg.training
@@ -389,6 +395,8 @@ def _generation(plan, generator, granularity: int, device: str, *, sharded: bool
     copy = sum(round_up(x.numel() * x.element_size(), granularity)
                for x in [*model.parameters(), *model.buffers()]) if sharded else 0
     dtype = next(model.parameters()).dtype
+    if not prefill:
+        return Generation(rows=rows, copy=copy)
     with fake_kernels(device == "cuda"), fake_mode(), AssumedValues():
         model.to_empty(device=DEVICE)
         model.eval()
