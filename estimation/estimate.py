@@ -54,6 +54,15 @@ def run_estimate(cfg, opts: EstimateOptions) -> dict:
         (any(a[0] == "BACKWARD_INPUT" for acts in measured.actions.values() for a in acts),
          "split backward (I, then W): half of what a microbatch's backward frees is assumed kept until its "
          "weight-gradient step")] if when]
+    g = measured.generation
+    if g is not None:
+        def size(n: int) -> str:
+            return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+        notes.append(f"generation (RL rollouts): {g.rows} rows per rank in a cache of {t.seq_len} tokens each, "
+                     f"{size(g.cache)} after the prefill ({size(g.prefill)} at its highest)"
+                     + (f"; the policy's whole copy it reads, {size(g.copy)} per rank, is counted in the "
+                        "parameters" if g.copy else "") + "; the step trains the same rows")
     result = {
         "model": plan.model_name, "world_size": dims.world_size,
         "layout": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")} | {
@@ -66,6 +75,8 @@ def run_estimate(cfg, opts: EstimateOptions) -> dict:
         "peak_phase": top.peak_phase, "breakdown": top.peak.as_dict(),
         "collective_pools": {k: sum(v) for k, v in measured.pools.items()},
         "ranks": [e.as_dict() for e in ranks],
+        "generation": None if g is None else {"rows": g.rows, "policy_copy_bytes": g.copy, "cache_bytes": g.cache,
+                                              "prefill_peak_bytes": g.prefill},
         "probe": {"seconds": round(measured.seconds, 1), "layers": len(measured.kinds),
                   "probed_layers": measured.probed_layers, "kinds": len(set(measured.kinds)),
                   "microbatch": measured.microbatch},

@@ -16,8 +16,10 @@ backward. A split backward (I then W) is a full backward at I whose WEIGHT_SHARE
 it frees stays until W. The gradient reduction and the update follow, their windows scaled from the
 probe by the rank's gradient and parameter bytes. The peak is the highest point of that walk, split
 into what stays between steps, what the step holds when the peak's window begins, and the window's
-rise. Under FSDP CPU offload the parameter shards, their gradients and the optimizer state are host
-memory, reported apart (the gradients a backward makes count on the device until its end).
+rise. A generating companion (RL) adds the policy's whole copy it reads under FSDP or TP to what stays,
+and its prefill into the generation cache as a window before the step. Under FSDP CPU offload the
+parameter shards, their gradients and the optimizer state are host memory, reported apart (the
+gradients a backward makes count on the device until its end).
 """
 
 from __future__ import annotations
@@ -149,7 +151,14 @@ def estimate(plan, probe: Probe) -> list[RankEstimate]:
             frozen += sum((stage_static(measured, *theirs[s]).params for s in held), 0)
             rises = [w.over for s in held for w in stage_windows(measured, 0, *theirs[s])[0]]
             teacher = Window(0, max(teacher.over, max(rises, default=0)))
+        # A generating companion (RL): the policy's whole copy it reads under FSDP or TP stays all run;
+        # its cache and prefill rise before the step's microbatches, when no gradient is held.
+        generation = probe.generation
+        if generation is not None:
+            frozen += generation.copy
         walk = _Walk(static, offload, frozen)
+        if generation is not None:
+            walk.window(Window(0, generation.prefill), "generation of the rollouts (prefill into the cache)")
         done = {s: [0, 0] for s in held}  # forwards, backwards run per stage
 
         def run(s: int, mb: int, backward: bool, keep_share: float = 0.0) -> int:

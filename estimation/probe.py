@@ -96,6 +96,27 @@ class Probe:
     # The objective's frozen other models (companions of Source.CHECKPOINT: a distillation teacher), each as
     # (its plan: the job's layout and its own pipeline split, its own probe).
     frozen: list[tuple] = field(default_factory=list)
+    sharded: bool = False            # parameters are DTensor shards (FSDP, TP)
+    generation: Generation | None = None  # a generating companion's (RL rollouts)
+
+
+@dataclass
+class Generation:
+    """What a generating companion (RL rollouts, train/companions.py) holds on a rank: `rows` sequences
+    (local_batch_size x completions per prompt) in the engine's cache of up to seq_len tokens each.
+    copy: the policy's whole copy the generator reads under FSDP or TP (PolicyWeights; 0 where ranks hold
+    whole parameters and it reads the trained module); cache: the cache after the prefill of the longest
+    prompts; prefill: the highest the prefill rises, the cache included."""
+
+    rows: int = 0
+    copy: int = 0
+    cache: int = 0
+    prefill: int = 0
+
+
+def rows_per_sample(plan) -> int:
+    """Rows of the trained microbatch per loader sample: a generating companion's completions per prompt."""
+    return max([c.completions for c in plan.objective.companions if c.rollout is not None], default=1)
 
 
 def probed_layers(kinds: list[str]) -> dict[tuple[str, str], int]:
@@ -183,6 +204,14 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
     from titanlike.train.plan import other_model_plan
 
     out = _probe_plan(plan, granularity, device)
+    generator = next((c for c in plan.objective.companions if c.rollout is not None), None)
+    if generator is not None:
+        try:
+            out.generation = _generation(plan, generator, granularity, device, sharded=out.sharded)
+        except Exception as e:  # noqa: BLE001 (a family's prefill the fake tensors cannot run: say so, go on)
+            out.generation = _generation(plan, generator, granularity, device, sharded=out.sharded, prefill=False)
+            out.notes.append(f"generation: the prefill could not run on fake tensors ({type(e).__name__}); the "
+                             "generator's cache is not counted")
     for companion in plan.objective.companions:
         if companion.source is not Source.CHECKPOINT:
             continue
@@ -230,7 +259,7 @@ def _probe(plan, granularity: int, device: str) -> Probe:
     dims = dataclasses.replace(plan.dims)  # its own meshes, of the fake world
     ac = (plan.parallelize.activation_checkpoint_mode, plan.parallelize.selective_ac_option)
     pipelined = dims.pp_enabled
-    batch = plan.batch.pipeline_microbatch_size if pipelined else t.local_batch_size
+    batch = (plan.batch.pipeline_microbatch_size if pipelined else t.local_batch_size) * rows_per_sample(plan)
     passes = 2 if pipelined or plan.batch.grad_accum_steps > 1 else 1
     marks: list[tuple] = []
     inputs: list[int] = []
@@ -342,11 +371,44 @@ def _probe(plan, granularity: int, device: str) -> Probe:
                 if gc_was:
                     gc.enable()
     out = Probe(kinds=kinds, static=static, forward=[], backward=[], microbatch=batch, probed_layers=len(kept),
-                stage_input=max(inputs, default=0), actions=actions, pools=pools)
+                stage_input=max(inputs, default=0), actions=actions, pools=pools,
+                sharded=any(isinstance(p, DTensor) for p in part.parameters()))
     out.probed = sum((static[k] for k in [*kind_of.values(), "input", "output", "shared"]), static["tied"] * -1)
     _windows(out, marks, where, keys, passes)
     out.seconds = time.perf_counter() - began
     return out
+
+
+def _generation(plan, generator, granularity: int, device: str, *, sharded: bool, prefill: bool = True) -> Generation:
+    """The generator's memory on one rank (Generation): the whole model on fake tensors, as PolicyWeights
+    builds its copy (the job's converters), prefilling the longest prompts the job allows (seq_len less
+    the completion length) into a cache of seq_len tokens, as the engine sizes it (rl/rollout.py);
+    without `prefill`, the copy alone."""
+    from titanlike.models.converters import build_model_converters
+
+    t = plan.cfg.training
+    rows = t.local_batch_size * generator.completions
+    prompt = max(1, t.seq_len - generator.max_new_tokens)
+    with torch.device("meta"):
+        model = plan.spec.model_cls(plan.model_args)
+    build_model_converters(plan.cfg.model.converters, plan.cfg).convert(model)
+    copy = sum(round_up(x.numel() * x.element_size(), granularity)
+               for x in [*model.parameters(), *model.buffers()]) if sharded else 0
+    dtype = next(model.parameters()).dtype
+    if not prefill:
+        return Generation(rows=rows, copy=copy)
+    with fake_kernels(device == "cuda"), fake_mode(), AssumedValues():
+        model.to_empty(device=DEVICE)
+        model.eval()
+        live = LiveBytes(granularity)
+        with live, torch.no_grad():
+            cache = model.init_cache(rows, t.seq_len, device=DEVICE, dtype=dtype)
+            tokens = torch.zeros(rows, prompt, dtype=torch.long, device=DEVICE)
+            logits = model.prefill(tokens, torch.full((rows,), prompt, device=DEVICE), cache)
+            del logits, tokens
+            held = live.now
+        del cache
+    return Generation(rows=rows, copy=copy, cache=held, prefill=live.high)
 
 
 def _schedule_actions(plan, dims) -> dict[int, list[tuple[str, int, int]]]:

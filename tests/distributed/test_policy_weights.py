@@ -56,6 +56,7 @@ def _check(rank: int) -> None:
         assert model is not parts[0] and weights.gathers == 1
         full = sum(p.numel() * p.element_size() for p in model.parameters())
         assert 0 < weights.gathered_bytes < full  # each rank brought in what it did not hold
+        assert weights.gathered_bytes == weights.gather_bytes and weights.copy_bytes == full  # what it logs
         assert _tokens(model) == want, layout
         assert weights.module(version=0) is model and weights.gathers == 1  # same version: no gather
         with torch.no_grad():  # an "update": the policy's output projection moves

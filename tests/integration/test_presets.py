@@ -109,7 +109,9 @@ def _stand_ins(cfg: dict, root: Path) -> list[str]:
         argv += ["--model.hf_assets_path", str(_hf_folder(root / "hf", model["name"], model["flavor"]))]
     path = training.get("dataset_path")
     if path and not os.path.exists(path):
-        argv += ["--training.dataset_path", str(REPO / "tests" / "assets" / "sft" / "reverse_words.jsonl")]
+        # Conversations (SFT), or prompts with an answer column (GRPO's rewards read it).
+        data = ("grpo", "addition.jsonl") if training.get("objective") == "grpo" else ("sft", "reverse_words.jsonl")
+        argv += ["--training.dataset_path", str(REPO / "tests" / "assets" / data[0] / data[1])]
     initial = cfg.get("checkpoint", {}).get("initial_load_path")
     if initial and not os.path.exists(initial):
         dcp = root / "dcp"

@@ -336,3 +336,36 @@ def test_a_distillation_teacher_is_counted_as_parameters_and_a_forward(tmp_path)
         (student.peak.gradients, student.peak.optimizer_state)
     assert other.spec.name == "qwen3" and len(measured.kinds) == 1  # the teacher's own plan and probe
     assert with_teacher.peak_bytes > student.peak_bytes
+
+
+def test_a_grpo_generator_counts_its_rows_its_cache_and_the_policys_copy():
+    """training.objective grpo: the step trains local_batch_size x num_generations rows, the generator's
+    cache holds keys and values for as many rows of seq_len tokens (fp32: the policy's dtype), and under
+    FSDP the whole copy of the policy it reads (PolicyWeights) joins the parameters; on one process it
+    reads the trained module itself, no copy."""
+    grpo = ["--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml"), "--model.flavor", "debugmodel_tiny",
+            "--training.dataset_path", str(REPO / "tests" / "assets" / "grpo" / "addition.jsonl"),
+            "--training.local_batch_size", "2", "--grpo.num_generations", "3"]
+    one = prepare_job(load_job_config(grpo), 1).plan
+    pr = probe(one, device="cpu", granularity=1)
+    g, a = pr.generation, one.model_args
+    assert pr.microbatch == 6 and g.rows == 6 and g.copy == 0
+    kv_heads = a.n_kv_heads or a.n_heads
+    kv = 2 * a.n_layers * 6 * 64 * kv_heads * (a.dim // a.n_heads) * 4
+    assert 0 <= g.cache - kv <= 2 * 6 * 8  # and each row's length, twice (int64)
+    assert g.prefill > g.cache
+    (alone,) = estimate(one, pr)
+    pr.generation = None
+    (without,) = estimate(one, pr)
+    assert alone.peak.parameters == without.peak.parameters
+    assert alone.peak_bytes >= without.peak_bytes
+
+    fsdp = prepare_job(load_job_config([*grpo, "--parallelism.data_parallel_shard_degree", "2"]), 2).plan
+    pr = probe(fsdp, device="cpu", granularity=1)
+    model = fsdp.spec.model_cls(fsdp.model_args)
+    whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert pr.sharded and pr.generation.copy == whole
+    (sharded,) = estimate(fsdp, pr)
+    pr.generation = None
+    (no_copy,) = estimate(fsdp, pr)
+    assert sharded.peak.parameters == no_copy.peak.parameters + whole

@@ -2,7 +2,7 @@
 per prompt through the engine on the policy's weights, scores them and trains the GRPO loss.
 
 - A run is deterministic and resumes exactly without saved sampler state (seeds of (debug.seed, step,
-  rank)); the engine's log-probabilities equal the trainer's (mismatch) within 1e-5 in fp32.
+  the microbatch's place in the global batch)); the engine's log-probabilities equal the trainer's (mismatch) within 1e-5 in fp32.
 - beta > 0 builds the reference (KL 0 at the first step), num_iterations > 1 keeps the old policy's
   log-probabilities (a generated batch trains that many steps).
 - Plan-time refusals, one sentence each, before any process group.
@@ -97,5 +97,6 @@ def test_a_generating_companion_reads_the_policy():
         Companion("generator", "x", Source.FROZEN_COPY, None, rollout=lambda plan: None)
     with pytest.raises(ValueError, match="unless it generates"):
         Companion("reference", "x", Source.FROZEN_COPY, None)
-    seeds = {rollout_seed(0, step, rank, i) for step in range(3) for rank in range(2) for i in range(2)}
+    # Positions in the global batch: 2 data-parallel ranks x 2 microbatches.
+    seeds = {rollout_seed(0, step, position) for step in range(3) for position in range(4)}
     assert len(seeds) == 12

@@ -57,7 +57,10 @@ class Companion:
     converters_off: run with the
     model's converters switched off (ModelConverters.disabled: LoRA's adapters, so the policy's base is
     the reference); rollout(plan): a generating companion's Rollout (module docstring), which reads the
-    policy (source POLICY), its outputs then computed once per generated batch (None: no forward)."""
+    policy (source POLICY), its outputs then computed once per generated batch (None: no forward);
+    completions, max_new_tokens: what a generating companion samples per prompt, at most how long (each
+    loader sample becomes `completions` rows of the microbatch the step trains: the estimator sizes the
+    step and the generator's cache from them)."""
 
     role: str
     option: str
@@ -66,6 +69,8 @@ class Companion:
     path: str | None = None
     converters_off: bool = False
     rollout: Callable[[object], Rollout] | None = None
+    completions: int = 1
+    max_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if (self.source is Source.CHECKPOINT) != (self.path is not None):

@@ -333,7 +333,8 @@ class GRPO(Objective):
     def companions(self) -> tuple[Companion, ...]:
         o = self.options
         old = partial(policy_logps, "old_logps", o.temperature) if o.num_iterations > 1 else None
-        out = [Companion("generator", "training.objective grpo", Source.POLICY, old, rollout=self.rollout)]
+        out = [Companion("generator", "training.objective grpo", Source.POLICY, old, rollout=self.rollout,
+                         completions=o.num_generations, max_new_tokens=o.max_completion_length)]
         if o.beta:
             out.append(Companion("reference", "grpo.beta", Source.POLICY if self.lora else Source.FROZEN_COPY,
                                  partial(policy_logps, "ref_logps", o.temperature), converters_off=self.lora))

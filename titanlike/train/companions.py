@@ -20,8 +20,9 @@ What reads the policy to generate from it (RL rollouts) takes its weights throug
 the module itself on one process, one gather per update under FSDP or TP. A generating companion
 (Companion.rollout) is the one seam RL needs in the loop: `Companions.batches` wraps the trainer's
 loader iterator so that each step's loader batches of prompts become batches of rollouts (generated
-with the policy as of that step, from a seed of (debug.seed, step, data-parallel rank, microbatch):
-a run is deterministic and resumes without saved sampler state), each generated batch trained
+with the policy as of that step, from a seed of (debug.seed, step, the microbatch's place in the
+global batch): a run is deterministic, resumes without saved sampler state and draws the same
+rollouts on every layout), each generated batch trained
 `iterations` optimizer steps; its own outputs (the old policy's log-probabilities) are computed once
 per generated batch, before the first update on it. Without one, the iterator is the loader's.
 """
@@ -54,7 +55,8 @@ class PolicyWeights:
     copy. Under FSDP or TP (parameters are DTensor shards) it is a plain copy of the model on each rank,
     refreshed by one gather of the weights per update: `module(version)` gathers only when `version`
     (the caller's count of optimizer steps) moved since the last call. `gathered_bytes` counts what the
-    gathers brought in (each parameter's full size minus this rank's shard)."""
+    gathers brought in (each parameter's full size minus this rank's shard), `gather_bytes` what one
+    gather brings in, `copy_bytes` the whole copy's parameters."""
 
     def __init__(self, plan: JobPlan, parts: list[nn.Module], device: torch.device, build_converters):
         from torch.distributed.tensor import DTensor
@@ -64,6 +66,9 @@ class PolicyWeights:
         self._copy: nn.Module | None = None
         self._version: int | None = None
         self.gathers, self.gathered_bytes = 0, 0
+        self.gather_bytes = sum((p.numel() - p.to_local().numel()) * p.element_size()
+                                for part in parts for p in part.parameters() if isinstance(p, DTensor))
+        self.copy_bytes = 0
         if len(parts) != 1:
             raise ValueError("the policy's weights for generation need every layer on each rank; pipeline "
                              "parallelism splits them over stages")
@@ -78,6 +83,7 @@ class PolicyWeights:
             model.requires_grad_(False)
             model.eval()
             self._copy = model
+            self.copy_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             own = dict(model.named_parameters())
             self._pairs = [(own[canonical_fqn(name)], p) for name, p in parts[0].named_parameters()]
 
@@ -147,11 +153,14 @@ class ForwardOnly:
         return self._schedules[id(parts)]
 
 
-def rollout_seed(seed: int, step: int, rank: int, index: int) -> int:
-    """The sampling seed of one generated microbatch: a function of (debug.seed, step, data-parallel
-    rank, microbatch), so that a resumed run draws what the uninterrupted one drew (tensor-parallel
-    ranks of one data-parallel rank draw the same samples)."""
-    return ((((seed * 1_000_003) + step) * 65_537 + rank) * 257 + index) % (2 ** 63)
+def rollout_seed(seed: int, step: int, position: int) -> int:
+    """The sampling seed of one generated microbatch: a function of (debug.seed, step, the microbatch's
+    position in the step's global batch), so that a resumed run draws what the uninterrupted one drew,
+    tensor-parallel ranks of one data-parallel rank draw the same samples, and a layout draws what one
+    process draws for the same prompts. The position is data-parallel rank x microbatches per rank +
+    microbatch, the loader's order (data/loader.py), so one process accumulating D microbatches and D
+    data-parallel ranks of one microbatch each generate the same rollouts."""
+    return ((seed * 1_000_003 + step) * 16_843_009 + position) % (2 ** 63)  # 16_843_009 positions per step
 
 
 class Companions:
@@ -160,13 +169,18 @@ class Companions:
 
     def __init__(self, companions: tuple[Companion, ...], parts: list[list[nn.Module]], forward: ForwardOnly,
                  disabled: Callable[[list[nn.Module]], contextlib.AbstractContextManager], *,
-                 rollout=None, weights: PolicyWeights | None = None, seed: int = 0, rank: int = 0):
+                 rollout=None, weights: PolicyWeights | None = None, seed: int = 0, rank: int = 0, dp_group=None,
+                 device: torch.device | None = None):
         """parts: each companion's model parts; disabled(parts): the converters switched off on them;
         rollout, weights: the generating companion's Rollout and the policy's weights it reads; seed: the
-        job's (debug.seed); rank: the data-parallel rank (rollout_seed)."""
+        job's (debug.seed); rank: the data-parallel rank (its microbatches' places in the global batch:
+        rollout_seed); dp_group: the data-parallel process group (None: one data-parallel rank), over
+        which the rollouts' figures are reduced, on `device`."""
         self.companions, self.parts, self.forward, self.disabled = companions, parts, forward, disabled
         self.rollout, self.weights, self.seed, self.rank = rollout, weights, seed, rank
+        self.dp_group, self.device = dp_group, device
         self._generating = 0.0  # seconds spent generating since the last metrics()
+        self._gathered = (0, 0)  # the policy's weights' (gathers, bytes) at the last metrics()
         self._since = time.perf_counter()
 
     def __bool__(self) -> bool:
@@ -210,10 +224,11 @@ class Companions:
             started = time.perf_counter()
             policy = self.weights.module(version)
             modes = [part.training for part in parts]
+            count = microbatches()
             try:
                 batches = [self.rollout.generate(next(data), policy,
-                                                 seed=rollout_seed(self.seed, version, self.rank, i))
-                           for i in range(microbatches())]
+                                                 seed=rollout_seed(self.seed, version, self.rank * count + i))
+                           for i in range(count)]
             finally:
                 for part, mode in zip(parts, modes):
                     part.train(mode)
@@ -228,14 +243,39 @@ class Companions:
 
     def metrics(self) -> dict[str, float]:
         """The generating companion's figures since the last call (nothing without one), with the share
-        of the wall time spent generating."""
+        of the wall time spent generating and, under FSDP or TP, the bytes each gather of the policy's
+        weights brought into this rank (policy_gather_bytes)."""
         if self.rollout is None:
             return {}
         now = time.perf_counter()
-        out = self.rollout.metrics()
+        out = self._over_data_parallel_ranks(self.rollout.metrics())
         out["generation_share"] = self._generating / max(now - self._since, 1e-9)
         self._generating, self._since = 0.0, now
+        gathers, gathered = self.weights.gathers - self._gathered[0], self.weights.gathered_bytes - self._gathered[1]
+        if gathers:
+            out["policy_gather_bytes"] = gathered / gathers
+        self._gathered = (self.weights.gathers, self.weights.gathered_bytes)
         return out
+
+    def _over_data_parallel_ranks(self, figures: dict[str, float]) -> dict[str, float]:
+        """The rollouts' figures of every data-parallel rank (each generated as many completions): the mean
+        of the ranks' finite values, the largest for a *_max figure, so that what is logged is the global
+        batch's on every layout. Every rank calls it on the same log steps with the same names (one
+        generating code path), as the step's own reduction of the logged values."""
+        if self.dp_group is None or not figures:
+            return figures
+        import torch.distributed as dist
+
+        values = torch.tensor(list(figures.values()), dtype=torch.float64, device=self.device)
+        finite = values.isfinite()
+        sums = torch.cat([torch.where(finite, values, 0.0), finite.to(values.dtype)])
+        largest = torch.where(finite, values, -torch.inf)
+        dist.all_reduce(sums, group=self.dp_group)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.dp_group)
+        n = len(figures)
+        means = torch.where(sums[n:] > 0, sums[:n] / sums[n:].clamp(min=1), torch.nan)
+        means, largest = means.tolist(), largest.tolist()  # one read
+        return {name: largest[i] if name.endswith("_max") else means[i] for i, name in enumerate(figures)}
 
 
 def frozen_copy(plan: JobPlan, source: list[nn.Module], device: torch.device, *, resumed: bool,
@@ -294,8 +334,14 @@ def build_companions(companions: tuple[Companion, ...], plan: JobPlan, policy: l
             rebuilt = " (rebuilt from its initialization and initial load)" if (
                 resumed and companion.source is Source.FROZEN_COPY) else ""
             logger.info(f"{plan.objective.name} companion {companion.describe()}, sharded like the model{rebuilt}")
+    if log and weights is not None and weights.sharded:
+        logger.info(f"generation reads the policy through a whole copy on each rank ({weights.copy_bytes / 2**20:.2f} "
+                    f"MiB), refreshed by one gather per update that brings {weights.gather_bytes / 2**20:.2f} MiB "
+                    "into rank 0")
+    dp = plan.dims.mesh("dp")
     return Companions(companions, built, forward, converters.disabled, rollout=rollout, weights=weights,
-                      seed=plan.cfg.debug.seed, rank=plan.dims.dp_rank())
+                      seed=plan.cfg.debug.seed, rank=plan.dims.dp_rank(),
+                      dp_group=None if dp is None else dp.get_group(), device=device)
 
 
 __all__ = ["Companions", "ForwardOnly", "PolicyWeights", "build_companions", "frozen_copy", "rollout_seed"]

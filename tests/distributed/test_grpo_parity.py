@@ -1,0 +1,67 @@
+"""GRPO on every layout reproduces one process step by step on the same rollouts (issue 42, item 4):
+FSDP2, TP2 and FSDP2 x TP2 against one process that accumulates as many microbatches as the layout has
+data-parallel ranks, so each rank's prompts are one microbatch of the one process's. fp32, seed 0,
+three steps of the tiny debug model: a generation, a second step on the same rollouts (num_iterations
+2, the old policy's log-probabilities), a generation from the updated policy (a second gather of its
+weights); beta 0.1 builds the reference (a frozen copy sharded like the policy).
+
+The rollouts are equal because a microbatch's sampling seed is a function of its place in the global
+batch (train/companions.py rollout_seed), never of the layout, and the policy's gathered copy is the
+whole model every rank generates from. The reward, a format check for a digit, varies among the
+untrained model's completions, so the gradients are real. Tolerances: test_fsdp_parity.py's (the
+layouts differ in the order of sums only); the first step's loss is a sum of advantages that cancel
+(~1e-7), compared absolutely.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO, train_metrics
+
+RTOL, GRAD_RTOL = 2e-5, 5e-4
+GRPO_JOB = ("--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml"), "--model.flavor", "debugmodel_tiny",
+            "--training.dataset_path", str(REPO / "tests" / "assets" / "grpo" / "addition.jsonl"),
+            "--training.steps", "3", "--grpo.reward_funcs", "format", "--grpo.format_pattern", "(?s).*[0-9].*",
+            "--grpo.beta", "0.1", "--grpo.num_iterations", "2", "--optimizer.lr", "1e-3",
+            "--training.local_batch_size", "2", "--training.global_batch_size", "4")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Two microbatches of two prompts (x 4 completions) per step in one process."""
+    return train_metrics(tmp_path_factory.mktemp("grpo"), "one", *GRPO_JOB)
+
+
+def assert_same_steps(got: list[dict], ref: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3]
+    assert ref[-1]["kl"] > 0 and all(r["grad_norm"] > 0 for r in ref) and 0 < ref[0]["reward"] < 1
+    for g, r in zip(got, ref):
+        assert g["loss"] == pytest.approx(r["loss"], rel=RTOL, abs=1e-6), (g, r)
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=GRAD_RTOL), (g, r)
+        for name in ("reward", "kl", "completion_length", "clip_ratio"):
+            assert g[name] == pytest.approx(r[name], rel=RTOL, abs=1e-7), (name, g, r)
+        assert g["mismatch"] < 1e-5
+    for g, r in zip(got[::2], ref[::2]):  # the generating steps: every rank's rollouts, reduced
+        assert g["reward/format/mean"] == pytest.approx(r["reward/format/mean"], rel=1e-6), (g, r)
+        assert g["completion_length_max"] == r["completion_length_max"]
+        assert "policy_gather_bytes" not in r and g["policy_gather_bytes"] > 0  # one gather per update
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*GRPO_JOB, "--parallelism.data_parallel_shard_degree", "2", nproc=2)
+def test_grpo_fsdp2(train_run, one_process):
+    assert_same_steps(train_run.metrics, one_process)
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*GRPO_JOB, "--parallelism.tensor_parallel_degree", "2", nproc=2)
+def test_grpo_tp2(train_run, one_process):
+    assert_same_steps(train_run.metrics, one_process)
+
+
+@pytest.mark.distributed
+@pytest.mark.train_run(*GRPO_JOB, "--parallelism.data_parallel_shard_degree", "2",
+                       "--parallelism.tensor_parallel_degree", "2", nproc=4)
+def test_grpo_fsdp2_tp2(train_run, one_process):
+    assert_same_steps(train_run.metrics, one_process)
