@@ -263,6 +263,13 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return dense(mask.dense)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter split with the heads (a DTensor under tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def resolve_attention_backend(backend: str, device_type: str) -> str:
     """The kernel for document masks: "auto" is FlexAttention on CUDA, dense-mask SDPA elsewhere."""
     if backend not in ATTENTION_BACKENDS:
@@ -318,6 +325,10 @@ class Attention(nn.Module):
     sink logit (gpt-oss; see the module docstring), passed to the kernels beside the window.
     """
 
+    # Tensor parallelism splits the sink logits with the heads (models/protocol.py; a module without
+    # sinks has none to split).
+    head_split_parameters = ("sinks",)
+
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
                  causal: bool = True, qk_norm_eps: float | None = None, window: int | None = None,
                  softmax_scale: float | None = None, sinks: bool = False):
@@ -358,7 +369,7 @@ class Attention(nn.Module):
         # Only sliding layers pass the keyword (sink layers theirs), so kernels that know no window
         # (or no sink) still serve the others.
         window = {} if self.window is None else {"window": self.window}
-        sinks = {} if self.sinks is None else {"sinks": self.sinks}
+        sinks = {} if self.sinks is None else {"sinks": _local(self.sinks)}
         window.update(sinks)
         if cache is not None:
             out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask, **window), **sinks)

@@ -8,9 +8,9 @@ the trainer overwrites.
 """
 
 from titanlike.models.common.moe import MoEArgs
-from titanlike.models.common.sharding import decoder_sharding
 from titanlike.models.gpt_oss.hf_adapter import GptOssHF
 from titanlike.models.gpt_oss.model import GptOss, GptOssModelArgs
+from titanlike.models.gpt_oss.sharding import gpt_oss_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
 
 
@@ -40,7 +40,7 @@ register_model_spec(
         name="gpt_oss",
         model_cls=GptOss,
         flavors=gpt_oss_flavors,
-        shard=decoder_sharding(mlp_inputs=("w1", "w3")),
+        shard=gpt_oss_sharding,
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf=GptOssHF(),
     )
