@@ -325,10 +325,6 @@ class Attention(nn.Module):
     sink logit (gpt-oss; see the module docstring), passed to the kernels beside the window.
     """
 
-    # Tensor parallelism splits the sink logits with the heads (models/protocol.py; a module without
-    # sinks has none to split).
-    head_split_parameters = ("sinks",)
-
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
                  causal: bool = True, qk_norm_eps: float | None = None, window: int | None = None,
                  softmax_scale: float | None = None, sinks: bool = False):
@@ -345,6 +341,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         # One logit per query head; sharded with the heads under tensor parallelism.
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
+        if sinks:  # tensor parallelism splits them with the heads (models/protocol.py)
+            self.head_split_parameters = ("sinks",)
         self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.core_attention = core_attention
