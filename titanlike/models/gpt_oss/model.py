@@ -115,9 +115,10 @@ class GptOssExperts(GroupedExperts):
 
 def _linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, impl: str) -> torch.Tensor:
     """Rows grouped by expert (counts[e] for expert e) times their expert's w (E, out, in), transposed."""
-    if impl == "grouped_mm" and not torch.compiler.is_compiling():
+    # Compiled, torch traces _grouped_mm with a meta kernel that takes bf16 only (see GroupedExperts).
+    if impl == "grouped_mm" and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
-    # The reference (and compiled forwards, as GroupedExperts takes its loop there): one matmul per expert.
+    # The reference: one matmul per expert.
     outputs = [rows @ weight.T for rows, weight in zip(torch.split(x, counts.tolist()), w.unbind(0))]
     return torch.cat(outputs) if outputs else x.new_zeros(0, w.shape[1])
 
