@@ -59,11 +59,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     """(..., rows, G, 16) uint8 blocks and (..., rows, G) uint8 exponents -> (..., rows, 32 G) values."""
     if blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match")
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    blocks = blocks.to(torch.uint8)
-    out = torch.stack([lut[(blocks & 0x0F).int()], lut[(blocks >> 4).int()]], dim=-1).flatten(-2)
-    out = torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1).to(dtype))
-    return out.flatten(-2)
+    # One lookup per byte: the table of its two values (low nibble first).
+    values = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    codes = torch.arange(256, device=blocks.device)
+    pairs = torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=-1)  # (256, 2)
+    out = pairs[blocks.to(torch.int32)].flatten(-3)  # (..., rows, 32 G)
+    # Powers of two are exact in bf16 (8 exponent bits, as fp32's), so the product is ldexp's.
+    scale = torch.exp2(scales.to(torch.float32) - 127).to(dtype).repeat_interleave(32, dim=-1)
+    return out * scale
 
 
 def _rope_rows(convert, name: str, value: torch.Tensor, args: GptOssModelArgs) -> torch.Tensor:
