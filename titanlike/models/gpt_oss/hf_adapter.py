@@ -28,6 +28,7 @@ from titanlike.models.common.hf import (
     DECODER_LAYERS,
     DECODER_RULES,
     DECODER_TOP,
+    FLAG,
     MOE_RULES,
     POSITIVE,
     TEXT,
@@ -82,7 +83,7 @@ class GptOssHF(HFAdapter):
     config_rules = {
         **DECODER_RULES, **MOE_RULES, "attention_bias": COMPARED, "sliding_window": COUNT,
         "layer_types": optional(list_of(TEXT)), "swiglu_limit": POSITIVE, "swiglu_alpha": POSITIVE,
-        "hidden_act": COMPARED, "quantization_config": COMPARED,
+        "hidden_act": COMPARED, "quantization_config": COMPARED, "output_router_logits": FLAG,
     }
     # o200k_harmony has no BOS: a text starts with its own tokens.
     tokenizer_template = ("$A", "$A $B")
