@@ -366,13 +366,12 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Only sliding layers pass the keyword (sink layers theirs), so kernels that know no window
         # (or no sink) still serve the others.
-        window = {} if self.window is None else {"window": self.window}
         sinks = {} if self.sinks is None else {"sinks": _local(self.sinks)}
-        window.update(sinks)
+        options = sinks if self.window is None else {"window": self.window, **sinks}
         if cache is not None:
-            out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask, **window), **sinks)
+            out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask, **options), **sinks)
         elif self.causal:
-            out = self.core_attention(q, k, v, mask, **window)
+            out = self.core_attention(q, k, v, mask, **options)
         else:  # only kernels that can attend both ways accept the keyword
             out = self.core_attention(q, k, v, mask, causal=False, **sinks)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
