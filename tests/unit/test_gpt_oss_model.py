@@ -176,3 +176,26 @@ def test_the_clamped_swiglu_is_transformers():
         assert (gate_up[:, 0::2] > 7).any() and (gate_up[:, 1::2].abs() > 7).any()  # both clamps act
         # Outputs of magnitude ~30: fp32 sums in another order differ by a few ulp.
         torch.testing.assert_close(ours(x, torch.tensor([5])), want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_published_20b_config_reads_as_the_20b_flavor():
+    """openai/gpt-oss-20b's config.json (transformers 4 keys: rope_theta beside rope_scaling; MXFP4
+    quantization; keys of OpenAI's own runtime such as experts_per_token) is the 20B flavor."""
+    published = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+        "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+        "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+        "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+        "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+        "pad_token_id": 199999, "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                    "model.layers.*.mlp.router",
+                                                                                    "model.embed_tokens", "lm_head"],
+                                                        "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    }
+    assert SPEC.hf.read_config(published) == gpt_oss_flavors["20B"]
