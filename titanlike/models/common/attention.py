@@ -84,8 +84,8 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -torch.inf)
-    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.cat([scores, sink], dim=-1).float().softmax(dim=-1)[..., :-1]
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores.float(), sink], dim=-1).softmax(dim=-1)[..., :-1]
     return probs.to(v.dtype) @ v
 
 
@@ -339,9 +339,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
-        # One logit per query head; sharded with the heads under tensor parallelism.
+        # One logit per query head, which tensor parallelism splits with the heads (models/protocol.py).
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
-        if sinks:  # tensor parallelism splits them with the heads (models/protocol.py)
+        if sinks:
             self.head_split_parameters = ("sinks",)
         self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
