@@ -75,6 +75,10 @@ PUBLISHED: dict[tuple[str, str], Published] = {
     # DeepSeek-V3's report: 671B total, 37B activated (without the MTP module); Moonlight 16B-A3B.
     ("deepseek_v3", "671B"): Published(billions(671, digits=0), billions(37.6), changes={"mtp_num_layers": 0}),
     ("deepseek_v3", "16B"): Published(billions(16.0), billions(2.9)),
+    # OpenAI's gpt-oss model card (Table 1: 20.91B and 116.83B total; 3.61B and 5.13B active, which leave
+    # out the embedding table, 201088 x 2880 = 0.58B, that every active figure here counts).
+    ("gpt_oss", "20B"): Published(billions(20.91, 2), Count(3.61e9 + 201088 * 2880, abs=0.005e9)),
+    ("gpt_oss", "120B"): Published(billions(116.83, 2), Count(5.13e9 + 201088 * 2880, abs=0.005e9)),
     # NVIDIA's Nemotron-H and the Mamba-2 paper's 2.7B.
     ("hybrid", "nemotron_h_8b"): Published(Count(8.10e9, rel=2e-3)),
     ("hybrid", "nemotron_h_56b"): Published(Count(56.3e9, rel=2e-3)),

@@ -5,7 +5,7 @@ also with document masks (packed documents whose boundaries fall inside and acro
 The distributed check spawns 4 gloo processes once and runs cp=4 on all of them and cp=2
 on both halves of a 2 x 2 mesh, each with both rotate methods, GQA and MHA, and values
 narrower or wider than the keys (multi-head latent attention: v_head_dim != qk_head_dim),
-bidirectional (an encoder's, with and without documents), and sliding windows that cross chunk
+bidirectional (an encoder's, with and without documents), attention sinks, and sliding windows that cross chunk
 and rank boundaries (with and without documents). These are every kind of q/k/v and mask
 a family hands the CP attention, so the per-family layouts (tests/layouts) run one rotate method
 (the ring) and the choice of method is checked here. Tolerances:
@@ -104,7 +104,7 @@ def _document_mask(tokens: torch.Tensor, kernel: str | None, causal: bool) -> Do
 
 
 def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bool, v_dim: int = 16,
-                     causal: bool = True, window: int | None = None) -> None:
+                     causal: bool = True, window: int | None = None, sinks: bool = False) -> None:
     cp, rank = mesh.size(), mesh.get_local_rank()
     torch.manual_seed(1234)  # the same full tensors on every rank
     b, seq, d = 2, 8 * cp, 16
@@ -114,6 +114,9 @@ def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bo
     grad_out = torch.randn(b, heads, seq, v_dim)
     tokens = _packed_tokens(seq, 50) if documents else None
     extra = {} if window is None else {"window": window}
+    sink = (torch.randn(heads) * 2).requires_grad_() if sinks else None
+    if sinks:
+        extra["sinks"] = sink
     ref = core_attention(q, k, v, _document_mask(tokens, "sdpa", causal) if documents else None, causal=causal,
                          **extra)
     ref.backward(grad_out)
@@ -121,16 +124,23 @@ def _check_attention(mesh, method: str, heads: int, kv_heads: int, documents: bo
     positions = load_balanced_positions(seq, cp, rank)
     local = [shard_sequence(t.detach(), positions, dim=2).requires_grad_() for t in (q, k, v)]
     mask = _document_mask(tokens, None, causal) if documents else None
+    if sinks:  # each rank's own leaf, whose grads summed over cp are the one-device grad
+        reference_sink_grad = sink.grad.clone()
+        extra["sinks"] = sink = sink.detach().clone().requires_grad_()
     out = ContextParallelAttention(mesh, method)(*local, mask, causal=causal, **extra)
     out.backward(shard_sequence(grad_out, positions, dim=2))
 
     what = (f"cp={cp} {method} heads={heads}/{kv_heads} v_dim={v_dim} documents={documents} causal={causal} "
-            f"window={window} cp rank {rank}")
+            f"window={window} sinks={sinks} cp rank {rank}")
     torch.testing.assert_close(out, shard_sequence(ref.detach(), positions, dim=2), atol=ATOL, rtol=RTOL,
                                msg=lambda m: f"output, {what}: {m}")
     for name, full, part in zip("qkv", (q, k, v), local):
         torch.testing.assert_close(part.grad, shard_sequence(full.grad, positions, dim=2), atol=ATOL, rtol=RTOL,
                                    msg=lambda m, name=name: f"grad {name}, {what}: {m}")
+    if sinks:
+        dist.all_reduce(sink.grad, group=mesh.get_group())
+        torch.testing.assert_close(sink.grad, reference_sink_grad, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m: f"grad sinks, {what}: {m}")
 
 
 def _check_model(mesh, method: str, documents: bool) -> None:
@@ -194,6 +204,9 @@ def _worker(rank: int) -> None:
             for window in (5, 11):
                 _check_attention(mesh, method, 4, 2, documents=False, window=window)
                 _check_attention(mesh, method, 4, 2, documents=True, window=window)
+            # Attention sinks (gpt-oss): joined once to the softmax over every rank's keys.
+            _check_attention(mesh, method, 4, 2, documents=False, sinks=True)
+            _check_attention(mesh, method, 4, 2, documents=True, window=5, sinks=True)
             for documents in (False, True):
                 _check_model(mesh, method, documents)
 

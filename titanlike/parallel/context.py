@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanlike.models import protocol
-from titanlike.models.common.attention import DocumentMask
+from titanlike.models.common.attention import DocumentMask, add_sinks, sink_attention
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -127,11 +127,13 @@ class ContextParallelAttention:
         return f"ContextParallelAttention(cp={self.cp}, rotate_method={self.rotate_method!r})"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: DocumentMask | None = None, *, causal: bool = True, window: int | None = None) -> torch.Tensor:
+                 mask: DocumentMask | None = None, *, causal: bool = True, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """mask: document ids of the whole sequence (every cp rank has them); None is plain causal
         (or, with causal=False, every token sees every token: an encoder without padding). window: a
         sliding-window layer's (models/common/attention.py), applied to the global positions, so a
-        window that reaches into another rank's chunks sees exactly the keys one rank would."""
+        window that reaches into another rank's chunks sees exactly the keys one rank would. sinks: a
+        sink layer's per-head logits, joined once to the softmax over every rank's keys."""
         if mask is not None and mask.causal != causal:
             raise ValueError("the document mask's direction differs from the attention's")
         if window is not None and not causal:
@@ -139,8 +141,8 @@ class ContextParallelAttention:
         layout = load_balanced_layout(q.shape[2] * self.cp, self.cp, q.device)
         documents = None if mask is None else mask.document_ids
         if self.rotate_method == "allgather":
-            return self._allgather(q, k, v, layout, documents, causal, window)
-        return self._ring(q, k, v, layout, documents, causal, window)
+            return self._allgather(q, k, v, layout, documents, causal, window, sinks)
+        return self._ring(q, k, v, layout, documents, causal, window, sinks)
 
     def _allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor, documents: torch.Tensor | None,
                  causal: bool, window: int | None = None) -> torch.Tensor:
@@ -155,7 +157,7 @@ class ContextParallelAttention:
         same = documents[:, q_pos][:, :, None] == documents[:, k_pos][:, None, :]
         return (allowed & same).unsqueeze(1)
 
-    def _allgather(self, q, k, v, layout, documents, causal, window):
+    def _allgather(self, q, k, v, layout, documents, causal, window, sinks=None):
         # One collective for both: (b, h, s, dk + dv) gathered on dim 0 -> (cp * b, h, s, dk + dv).
         # Joined on the feature dim, which k and v need not share (MLA: v_head_dim != qk_head_dim).
         kv = _all_gather(torch.cat([k, v], dim=-1), 0, self.mesh)
@@ -164,6 +166,8 @@ class ContextParallelAttention:
         # Keys stay in rank-major order: the mask carries their positions, and attention
         # does not care in which order its keys come.
         mask = self._allowed(layout[self.rank], layout.flatten(), documents, causal, window)
+        if sinks is not None:
+            return sink_attention(q, keys, values, mask, sinks)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
@@ -176,7 +180,7 @@ class ContextParallelAttention:
         recv[(self.rank - 1) % self.cp] = n
         return funcol.all_to_all_single_autograd(kv, recv, send, self.mesh)
 
-    def _ring(self, q, k, v, layout, documents, causal, window):
+    def _ring(self, q, k, v, layout, documents, causal, window, sinks=None):
         b, hq, s, d = q.shape
         hkv, dk, dv = k.shape[1], k.shape[-1], v.shape[-1]
         q_pos = layout[self.rank]
@@ -203,7 +207,10 @@ class ContextParallelAttention:
                 out = out * torch.exp(lse - new_lse) + out_t * torch.exp(lse_t - new_lse)
                 lse = new_lse
             kv = nxt
-        return out.reshape(b, hq, s, dv).to(q.dtype)
+        out = out.reshape(b, hq, s, dv)
+        if sinks is not None:  # one more term of the merged softmax: weight exp(sink), value 0
+            out = add_sinks(out, lse.reshape(b, hq, s), sinks)
+        return out.to(q.dtype)
 
 
 def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):

@@ -21,6 +21,13 @@ slide. Every kernel takes the window as one more condition on its mask: a banded
 FlexAttention block mask that also skips the blocks outside the band, context parallel attention
 (parallel/context.py) from the global positions of its queries and keys, and the KV cache
 (SlidingKVCache in kv_cache.py), which keeps only the last W keys of a sliding layer.
+
+Attention sinks (gpt-oss): an attention module built with `sinks=True` learns one logit per head that
+joins the softmax's denominator and no value, so a head may give part of its weight to no token at
+all. The kernels add it in two ways: SDPA paths compute the scores and append the sink as one more
+column before the softmax (`sink_attention`: exact, but no fused kernel takes a sink, so it is the
+dense O(seq^2) path, as the document masks on CPU already are); FlexAttention and context parallel
+attention correct their output from its log-sum-exp, out * sigmoid(lse - sink) (`add_sinks`).
 """
 
 from __future__ import annotations
@@ -61,6 +68,32 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
     return F.scaled_dot_product_attention(q, k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1),
                                           **kwargs)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                   sinks: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Softmax attention whose denominator also holds exp(sink) of each query head (sinks: (heads,)).
+
+    allowed: a bool mask broadcast to (batch, heads, q_seq, k_seq), True where attention is allowed, or
+    None for every key. The sink is appended to the scores as one more column, and the softmax runs in
+    fp32 (as transformers' gpt-oss does) before the column is dropped.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep != 1:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -torch.inf)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores.float(), sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention without sinks (out (batch, heads, seq, d), its log-sum-exp lse (batch, heads, seq)) turned
+    into attention with them: the weights shrink by Z / (Z + exp(sink)) = sigmoid(lse - sink)."""
+    kept = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+    return (out.float() * kept.unsqueeze(-1)).to(out.dtype)
 
 
 class WindowedMasks:
@@ -183,34 +216,58 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, fullgraph=True)
 
 
-def _flex_attention(q, k, v, block_mask):
-    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+def _flex_attention(q, k, v, block_mask, sinks=None):
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa,
+                                          return_aux=AuxRequest(lse=True))
+    return add_sinks(out, aux.lse, sinks)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: DocumentMask | None = None, *, causal: bool = True, window: int | None = None) -> torch.Tensor:
+                   mask: DocumentMask | None = None, *, causal: bool = True, window: int | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over (batch, heads, seq, head_dim); k/v may have fewer heads than q (GQA).
 
     mask None is plain causal attention (or full attention with causal=False); a DocumentMask
     restricts attention to each document (its own `causal` says whether to later tokens too).
     window: each query sees only the `window` most recent tokens, itself included (causal only).
+    sinks: (heads,) learned logits added to each head's softmax denominator (see the module docstring).
     """
     if mask is not None and mask.causal != causal:
         raise ValueError(f"a {'causal' if mask.causal else 'bidirectional'} document mask was given to "
                          f"{'causal' if causal else 'bidirectional'} attention")
+
+    def dense(allowed: torch.Tensor | None, **kwargs) -> torch.Tensor:
+        if sinks is not None:
+            return sink_attention(q, k, v, allowed, sinks)
+        return _sdpa(q, k, v, attn_mask=allowed, **kwargs)
+
     if window is not None:
         if mask is None:  # a band within the sequence (no fused kernel takes one: a dense mask)
-            return _sdpa(q, k, v, attn_mask=sliding_window_band(q.shape[2], window, q.device))
+            return dense(sliding_window_band(q.shape[2], window, q.device))
         mask = mask.windowed(window)
     if not causal and mask is None:
-        return _sdpa(q, k, v)
+        return dense(None)
     if mask is None:
+        if sinks is not None:
+            return dense(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril())
         return _sdpa(q, k, v, is_causal=True)
     if mask.block_mask is not None:
-        return _flex_attention(q, k, v, mask.block_mask)
+        return _flex_attention(q, k, v, mask.block_mask, sinks)
     if mask.dense is None:
         raise ValueError("this DocumentMask was built without a kernel (for context parallel attention only)")
-    return _sdpa(q, k, v, attn_mask=mask.dense)
+    return dense(mask.dense)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter split with the heads (a DTensor under tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def resolve_attention_backend(backend: str, device_type: str) -> str:
@@ -264,13 +321,13 @@ class Attention(nn.Module):
     window: a sliding-window layer (each query sees the `window` most recent tokens; see the module
     docstring), None for full attention; the family chooses it per layer. softmax_scale: the scale of
     q.k when it is not head_dim^-0.5 (Gemma 3: query_pre_attn_scalar^-0.5); q is multiplied by the
-    ratio so that every kernel (CP, the KV cache) keeps its default scale. A per-head sink logit
-    (gpt-oss) would be one more option here, passed to the kernels beside the window.
+    ratio so that every kernel (CP, the KV cache) keeps its default scale. sinks=True learns a per-head
+    sink logit (gpt-oss; see the module docstring), passed to the kernels beside the window.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
                  causal: bool = True, qk_norm_eps: float | None = None, window: int | None = None,
-                 softmax_scale: float | None = None):
+                 softmax_scale: float | None = None, sinks: bool = False):
         super().__init__()
         if window is not None and (not causal or window < 1):
             raise ValueError(f"a sliding window needs causal attention and at least 1 token, got {window}")
@@ -282,6 +339,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        # One logit per query head, which tensor parallelism splits with the heads (models/protocol.py).
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
+        if sinks:
+            self.head_split_parameters = ("sinks",)
         self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.core_attention = core_attention
@@ -303,14 +364,16 @@ class Attention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        # Only sliding layers pass the keyword, so kernels that know no window still serve the others.
-        window = {} if self.window is None else {"window": self.window}
+        # Only sliding layers pass the keyword (sink layers theirs), so kernels that know no window
+        # (or no sink) still serve the others.
+        sinks = {} if self.sinks is None else {"sinks": _local(self.sinks)}
+        options = sinks if self.window is None else {"window": self.window, **sinks}
         if cache is not None:
-            out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask, **window))
+            out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask, **options), **sinks)
         elif self.causal:
-            out = self.core_attention(q, k, v, mask, **window)
+            out = self.core_attention(q, k, v, mask, **options)
         else:  # only kernels that can attend both ways accept the keyword
-            out = self.core_attention(q, k, v, mask, causal=False)
+            out = self.core_attention(q, k, v, mask, causal=False, **sinks)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def new_cache(self, cache, dtype: torch.dtype) -> KVCache:
@@ -330,3 +393,5 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 ones_(norm.weight)
+        if self.sinks is not None:
+            zeros_(self.sinks)

@@ -208,11 +208,11 @@ class KVCache:
         copy_slots(self.v, row, source.v, source_row, dim=2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill_kernel, *,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q (batch, heads, seq, head_dim) with the new k, v (batch, kv_heads, seq,
         head_dim) stored first. In a prefill the prompt attends to itself with `prefill_kernel` (the
         module's training kernel, so the numbers are the training forward's); in a decode step the
-        one new token attends to its row's slots."""
+        one new token attends to its row's slots. sinks: the layer's per-head sink logits, if any."""
         c = self.cache
         self.k = lazy_buffer(self.k, c, k, slot_dim=2, dtype=self.dtype)
         self.v = lazy_buffer(self.v, c, v, slot_dim=2, dtype=self.dtype)
@@ -221,11 +221,7 @@ class KVCache:
         if c.prefilling:
             return prefill_kernel(q, k, v)
         keys, values = c.read(self.k, 2), c.read(self.v, 2)
-        kwargs = {} if scale is None else {"scale": scale}
-        if keys.shape[1] != q.shape[1]:
-            kwargs["enable_gqa"] = True
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=c.decode_mask,
-                                              **kwargs)
+        return _decode_attention(q, keys.to(q.dtype), values.to(q.dtype), c.decode_mask, scale, sinks)
 
 
 class SlidingKVCache(KVCache):
@@ -256,7 +252,7 @@ class SlidingKVCache(KVCache):
         copy_slots(self.v, row, source.v, source_row, dim=2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill_kernel, *,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         c = self.cache
         self.k, self.v = self._buffer(self.k, k), self._buffer(self.v, v)
         slots = torch.arange(self.slots, device=c.device)
@@ -277,10 +273,18 @@ class SlidingKVCache(KVCache):
         self.v[rows, :, slot] = v.select(2, 0).to(self.dtype)
         # Before a row has filled its buffer, slots past its new token hold nothing yet.
         mask = (slots[None, :] <= c.lengths[:, None])[:, None, None, :]
-        kwargs = {} if scale is None else {"scale": scale}
-        if self.k.shape[1] != q.shape[1]:
-            kwargs["enable_gqa"] = True
-        return F.scaled_dot_product_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), attn_mask=mask, **kwargs)
+        return _decode_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), mask, scale, sinks)
+
+
+def _decode_attention(q, keys, values, mask, scale, sinks):
+    if sinks is not None:
+        from titanlike.models.common.attention import sink_attention  # attention.py imports this module
+
+        return sink_attention(q, keys, values, mask, sinks, scale=scale)
+    kwargs = {} if scale is None else {"scale": scale}
+    if keys.shape[1] != q.shape[1]:
+        kwargs["enable_gqa"] = True
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **kwargs)
 
 
 def local_rows(weight: torch.Tensor) -> int:
