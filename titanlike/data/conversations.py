@@ -491,5 +491,5 @@ class ConversationSamples:
 
 __all__ = ["CONVERSATION_SUFFIXES", "ConversationSamples", "FORMATS", "TokenizedConversations", "best_fit_decreasing",
            "check_row_dataset", "check_row_files", "check_turns", "choose_chat_template", "held_out_for_validation",
-           "split_rows", "conversation_files", "iter_rows", "row_format", "row_messages", "row_template_inputs", "text_ids",
-           "tokenize_conversations"]
+           "split_rows", "conversation_files", "iter_rows", "row_format", "row_messages", "row_template_inputs",
+           "text_ids", "tokenize_conversations"]
