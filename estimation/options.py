@@ -11,13 +11,13 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
-import estimation.fake  # noqa: F401 (registers the compile backend the probe runs)
 from titanlike.config.loader import ConfigError, parse_section_options, section_help
 from titanlike.config.schema import JobConfig, opt
-from titanlike.parallel.parallel_dims import ParallelDims
-from titanlike.train.plan import JobPlan, plan_job
+
+if TYPE_CHECKING:
+    from titanlike.train.plan import JobPlan
 
 
 @dataclass
@@ -118,7 +118,11 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
         notes.append("float8: probed with the trainer's converter (torchao Float8Linear, float8 casts, float8 "
                      "all-gather buffers and scales as real tensors) and the GPU's float8 matmul")
     if est.compile.enable:
-        est.compile.backend = "estimate_partitioned"  # estimation.fake.partitioned_backend, registered on import
+        # estimation.fake registers it on import; imported here, not at the top, so that a command's --help
+        # does not pay for torch._dynamo (docs/performance.md).
+        import estimation.fake  # noqa: F401
+
+        est.compile.backend = "estimate_partitioned"  # estimation.fake.partitioned_backend
         notes.append("compile: compiled graphs traced with AOT autograd and inductor's decompositions, split by its "
                      "min-cut partitioner (what they save for backward) and run allocating what inductor's fusion "
                      f"would (pointwise chains fused); compile.backend {cfg.compile.backend} itself is not run")
@@ -133,6 +137,11 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
     # vocabulary checks no data source).
     est.checkpoint, est.validation, est.metrics.enable_wandb = type(cfg.checkpoint)(), type(cfg.validation)(), False
     vocab_size, note = _job_vocab_size(est, vocab_size)
+    # The trainer's planning modules import torch.distributed's pipelining (and torch._dynamo): here, not at
+    # the top, so that --help skips them.
+    from titanlike.parallel.parallel_dims import ParallelDims
+    from titanlike.train.plan import plan_job
+
     world = world_size or ParallelDims.smallest_world(cfg.parallelism)
     return PreparedJob(plan_job(est, world, vocab_size=vocab_size), notes + ([note] if note else []))
 

@@ -42,9 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from estimation.layout import estimate  # noqa: E402
 from estimation.options import EstimateOptions, GiB, PreparedJob, command_line, prepare_job, verdict  # noqa: E402
-from estimation.probe import probe  # noqa: E402
 from titanlike.config.loader import ConfigError  # noqa: E402
 
 _AC = {"none": ("none", "2"), "full": ("full", "2"), "op": ("selective", "op"), "selective": ("selective", "2")}
@@ -184,6 +182,10 @@ def throughput(plan, c: Candidate, opts: EstimateOptions) -> None:
 
 
 def run_plan(cfg, opts: EstimateOptions, log=None) -> dict:
+    # The probe's modules import torch._dynamo and DTensor: here, not at the top, so --help skips them.
+    from estimation.layout import estimate
+    from estimation.probe import probe
+
     log = log or (lambda msg: None)
     began = time.perf_counter()
     if opts.device_memory_gib is None:

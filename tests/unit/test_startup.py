@@ -1,5 +1,6 @@
 """Start-up (issue 45, item 13): `--help` imports only what it prints. train.py's help imports neither
-its memory check (estimation/fits.py) nor the planner; titanlike-eval's and titanlike-generate's import
+its memory check (estimation/fits.py) nor the planner, and neither it nor titanlike-plan's imports
+torch._dynamo; titanlike-eval's and titanlike-generate's import
 no torch (lm-eval's parser and the titanlike model's lines; titanlike/inference/arguments.py's options).
 Each runs in a fresh process, whose modules are the ones counted."""
 
@@ -30,6 +31,17 @@ def test_train_py_help_imports_no_memory_check_and_no_planner():
     modules = _modules_after("import train\ntrain.main(['--help'])")
     assert "estimation.fits" not in modules and "titanlike.train.plan" not in modules
     assert "titanlike.train.trainer" not in modules
+    # torch._dynamo is about a second of CPU (docs/performance.md): the families' module-level
+    # torch.compiler.disable waits for the first call (models/common/eager.py).
+    assert "torch._dynamo" not in modules
+
+
+def test_titanlike_plan_help_imports_no_dynamo_and_no_probe():
+    modules = _modules_after("import sys\nfrom estimation.plan import console_main\n"
+                             "sys.argv = ['titanlike-plan', '--help']\ntry:\n    console_main()\n"
+                             "except SystemExit:\n    pass")
+    assert "torch._dynamo" not in modules and "estimation.probe" not in modules
+    assert "titanlike.train.plan" not in modules
 
 
 def test_titanlike_eval_help_imports_no_torch():
@@ -42,3 +54,23 @@ def test_titanlike_generate_help_imports_no_torch():
                              "sys.argv = ['titanlike-generate', '--help']\ntry:\n    console_main()\n"
                              "except SystemExit:\n    pass")
     assert "titanlike.inference.arguments" in modules and "torch" not in modules
+
+
+def test_eager_only_is_never_traced_like_torch_compiler_disable():
+    """models/common/eager.py: a function made eager at its first call still runs outside the graph
+    when a compiled function reaches it, first call included, as a torch.compiler.disable'd one."""
+    import torch
+
+    from titanlike.models.common.eager import eager_only
+
+    seen = []
+
+    @eager_only
+    def outside(x):
+        seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+    compiled = torch.compile(lambda x: outside(x * 2) * 3, backend="eager")
+    for n in (3, 3, 4):
+        assert torch.equal(compiled(torch.ones(n)), torch.full((n,), 9.0))
+    assert seen == [False, False, False]

@@ -16,7 +16,9 @@ tags (most published ones) is re-rendered on prefixes instead: for each assistan
 conversation up to k with the generation prompt, and up to k included; the characters between the
 two ends are that turn's (what TRL and torchtitan do for prompt/completion pairs). That needs each
 prefix's rendering to be a prefix of the whole one; a template that rewrites earlier turns (Qwen3
-drops old reasoning) cannot be split so and is refused in one sentence, naming generation tags.
+drops old reasoning) cannot be split so: SFT swaps in TRL's training variant of the published ones
+it knows (`training_variant`, as TRL's SFTTrainer does) and refuses the others in one sentence,
+naming generation tags.
 
 Templates of our own serve tokenizers without one (`BUILTIN_TEMPLATES`): Llama 3's format (whose
 header and end-of-turn tokens every Llama-3-format tokenizer, the debug one included, has) and
@@ -32,6 +34,7 @@ DataError naming the template and the rule (`TemplateLimitError`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -180,6 +183,38 @@ def load_chat_template(choice: str, tokenizer, *, option: str = "sft.chat_templa
     except Exception as e:  # jinja2.TemplateSyntaxError and the sandbox's refusals
         raise DataError(f"{option}: {origin} does not compile: {_one_line(e)}") from None
     return ChatTemplate(source, origin, variables)
+
+
+# TRL 1.16's training variants of published templates (titanlike/data/assets/chat_templates/README.md):
+# each name's NAME.jinja is the published template, NAME_training.jinja its variant.
+TRAINING_VARIANTS = ("deepseek_r1_distill", "gptoss", "phi3", "phi3_5", "qwen3")
+_VARIANTS_DIR = os.path.join(os.path.dirname(__file__), "assets", "chat_templates")
+
+
+def training_variant(template: ChatTemplate) -> ChatTemplate | None:
+    """TRL's training variant of `template` when it is a published template TRL has one for
+    (TRAINING_VARIANTS, compared byte for byte as TRL's get_training_chat_template does) and has no
+    generation tags, else None. The variant renders each turn as it stays once later turns follow and
+    tags what the assistant writes, so the assistant's tokens can be found (the published Qwen3 and
+    DeepSeek-R1 drop old reasoning, which re-rendering prefixes cannot split); TRL's SFTTrainer swaps
+    it in under assistant-only loss the same way. Exports keep the published template, to chat with."""
+    if template.has_generation_tags:
+        return None
+    name = _published_templates().get(template.source)
+    if name is None:
+        return None
+    with open(os.path.join(_VARIANTS_DIR, f"{name}_training.jinja"), encoding="utf-8") as f:
+        source = f.read()
+    return dataclasses.replace(template, source=source, origin=f"TRL's {name}_training variant of {template.origin}")
+
+
+@lru_cache(maxsize=1)
+def _published_templates() -> dict[str, str]:
+    published = {}
+    for name in TRAINING_VARIANTS:
+        with open(os.path.join(_VARIANTS_DIR, f"{name}.jinja"), encoding="utf-8") as f:
+            published[f.read()] = name
+    return published
 
 
 def _one_line(e: BaseException) -> str:
@@ -371,24 +406,36 @@ def _compile(source: str):
     return env.from_string(source), state
 
 
-def render(template: ChatTemplate, messages: Sequence[dict], *, add_generation_prompt: bool = False
-           ) -> tuple[str, list[tuple[int, int]]]:
-    """(the rendered text, the character spans of its generation blocks). Messages' keys whose value
-    is None are dropped first, as transformers does. A rule broken (time, size) or an operation the
-    sandbox refuses is a TemplateLimitError naming the template; the template's other exceptions
-    (its raise_exception) propagate."""
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict) -> dict:
+    # transformers' names for an answer's reasoning: whichever the row uses, the template finds it
+    # under `thinking` (gpt-oss reads that) and `reasoning_content` (Qwen3, DeepSeek-R1).
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def render(template: ChatTemplate, messages: Sequence[dict], *, add_generation_prompt: bool = False,
+           tools: list | None = None, kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered text, the character spans of its generation blocks). As transformers'
+    apply_chat_template: messages' keys whose value is None are dropped, reasoning is found under
+    each of its names, `tools` (JSON schemas) is a variable (None without), and `kwargs` (its
+    **kwargs: a row's chat_template_kwargs, e.g. enable_thinking) are variables over the special
+    tokens'. A rule broken (time, size) or an operation the sandbox refuses is a TemplateLimitError
+    naming the template; the template's other exceptions (its raise_exception) propagate."""
     from jinja2.exceptions import SecurityError
 
     compiled, state = _compile(template.source)
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    messages = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
+    variables = {**template.variables, "tools": tools, "documents": None, **(kwargs or {})}
     blocks: list[str] = []
     state.blocks, state.spans, state.ticks = blocks, [], 0
     state.time_limit, state.max_chars = template.time_limit, template.max_chars
     state.deadline = time.monotonic() + template.time_limit
     length, max_chars = 0, template.max_chars
     try:
-        for block in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       **template.variables):
+        for block in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
             blocks.append(block)
             length += len(block)
             if length > max_chars:
@@ -447,18 +494,19 @@ def overlap_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, 
     return mask
 
 
-def assistant_spans(template: ChatTemplate, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(template: ChatTemplate, messages: Sequence[dict], *, tools: list | None = None,
+                    kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the character spans of the assistant's turns): the template's
     generation blocks, or the spans found by re-rendering prefixes (module docstring). DataError
-    when a template without generation tags rewrites earlier turns."""
-    text, spans = render(template, messages)
+    when a template without generation tags rewrites earlier turns. tools, kwargs: render's."""
+    text, spans = render(template, messages, tools=tools, kwargs=kwargs)
     if template.has_generation_tags:
         return text, spans
-    return text, _prefix_spans(template, messages, text)
+    return text, _prefix_spans(template, messages, text, tools=tools, kwargs=kwargs)
 
 
-def _prefix_spans(template: ChatTemplate, messages: Sequence[dict], text: str, char_limit: int | None = None
-                  ) -> list[tuple[int, int]]:
+def _prefix_spans(template: ChatTemplate, messages: Sequence[dict], text: str, char_limit: int | None = None, *,
+                  tools: list | None = None, kwargs: dict | None = None) -> list[tuple[int, int]]:
     """The assistant turns' spans in `text` by re-rendering prefixes. char_limit: the text past this
     character is cut anyway (truncation), so turns starting there are not re-rendered: each
     re-rendering costs the turns before it, and 10^5 turns would cost 10^10."""
@@ -466,10 +514,10 @@ def _prefix_spans(template: ChatTemplate, messages: Sequence[dict], text: str, c
     for k, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        prompt, _ = render(template, messages[:k], add_generation_prompt=True)
+        prompt, _ = render(template, messages[:k], add_generation_prompt=True, tools=tools, kwargs=kwargs)
         if char_limit is not None and len(prompt) >= char_limit and text.startswith(prompt):
             break
-        upto, _ = render(template, messages[: k + 1])
+        upto, _ = render(template, messages[: k + 1], tools=tools, kwargs=kwargs)
         if not (text.startswith(prompt) and text.startswith(upto) and len(upto) >= len(prompt)):
             raise DataError(f"{template.origin} renders the turns before assistant turn {k} differently once later "
                             "turns follow, so its assistant tokens cannot be found by re-rendering; use a template "
@@ -479,15 +527,17 @@ def _prefix_spans(template: ChatTemplate, messages: Sequence[dict], text: str, c
 
 
 def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[dict], *,
-                          max_tokens: int | None = None) -> tuple[list[int], list[bool]]:
+                          max_tokens: int | None = None, tools: list | None = None, kwargs: dict | None = None
+                          ) -> tuple[list[int], list[bool]]:
     """A conversation's token ids and, per token, whether it is the assistant's. max_tokens: the
     caller keeps at most this many (it truncates): the mask of the tokens past them may be left
-    unfound (False), which spares re-rendering the turns that lie there (_prefix_spans)."""
-    text, spans = render(template, messages)
+    unfound (False), which spares re-rendering the turns that lie there (_prefix_spans). tools,
+    kwargs: render's (a row's tool schemas and chat_template_kwargs)."""
+    text, spans = render(template, messages, tools=tools, kwargs=kwargs)
     ids, offsets = encode_with_offsets(tokenizer, text)
     if not template.has_generation_tags:
         char_limit = offsets[max_tokens - 1][1] if max_tokens is not None and 0 < max_tokens < len(ids) else None
-        spans = _prefix_spans(template, messages, text, char_limit)
+        spans = _prefix_spans(template, messages, text, char_limit, tools=tools, kwargs=kwargs)
     return ids, overlap_mask(offsets, spans)
 
 
@@ -521,4 +571,5 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict])
 
 __all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "ChatTemplate", "LLAMA3_TEMPLATE", "TemplateLimitError",
            "assistant_spans", "chat_prompt_ids", "encode_with_offsets", "end_of_turn_ids", "folder_chat_template",
-           "load_chat_template", "overlap_mask", "render", "tokenize_conversation"]
+           "load_chat_template", "overlap_mask", "render", "tokenize_conversation", "TRAINING_VARIANTS",
+           "training_variant"]

@@ -7,6 +7,9 @@ row is one conversation, in one of four forms (`sft.format`, or "auto" from each
 
 - `messages`: a list of {"role", "content", ...} (system / user / assistant / tool turns; any
   other keys, such as tool calls, go to the template as they are);
+  beside any conversation form, TRL's `tools` (a list of JSON schemas, or its JSON string) and
+  `chat_template_kwargs` (e.g. {"enable_thinking": false}) columns go to the template as
+  transformers' apply_chat_template(tools=..., **kwargs) passes them (row_template_inputs);
 - `prompt` / `completion`: strings (a user turn and the assistant's answer) or lists of messages;
 - `instruction` / `input` / `output` (Alpaca's): the instruction and the input, joined by a blank
   line when there is one, as the user turn, the output as the assistant's;
@@ -191,6 +194,31 @@ def row_messages(row: dict, fmt: str, where: str) -> list[dict]:
     return messages
 
 
+_RESERVED_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
+
+
+def row_template_inputs(row: dict, where: str) -> tuple[list | None, dict | None]:
+    """(tools, chat_template_kwargs) of one row, as TRL's SFTTrainer reads them: `tools` a list of
+    tool schemas (objects) or its JSON text, `chat_template_kwargs` an object of template variables.
+    DataError (one sentence) for another type or a variable the renderer sets itself."""
+    tools, kwargs = row.get("tools"), row.get("chat_template_kwargs")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise DataError(f"{where}: 'tools' is a string but not JSON: {e}") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where}: 'tools' is {type(tools).__name__}, not a list of tool schemas (JSON objects)")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise DataError(f"{where}: 'chat_template_kwargs' is {type(kwargs).__name__}, not an object of template "
+                            "variables")
+        taken = [k for k in kwargs if k in _RESERVED_VARIABLES]
+        if taken:
+            raise DataError(f"{where}: 'chat_template_kwargs' sets {taken[0]!r}, which the renderer sets itself")
+    return tools, kwargs
+
+
 def text_ids(tokenizer, text, where: str) -> list[int]:
     """A text row's token ids as TRL's SFTTrainer makes them (its add_eos, then the tokenizer
     called on the text): the tokenizer's own special tokens around the text (a Hugging
@@ -231,14 +259,21 @@ class TokenizedConversations:
         return np.diff(self.bounds)
 
 
-def render_row(template, tokenizer, messages: list[dict], where: str, what: str, *, max_tokens: int | None = None):
+def render_row(template, tokenizer, messages: list[dict], where: str, what: str, *, max_tokens: int | None = None,
+               tools: list | None = None, kwargs: dict | None = None, assistant_mask: bool = True):
     """tokenize_conversation's (ids, assistant mask) of one row; an error raised inside the template
     (its own raise_exception included, or a rendering rule it broke) is one DataError naming the row;
-    what: "conversation", "pair"; max_tokens: tokenize_conversation's (the caller truncates there)."""
-    from titanlike.data.chat_template import TemplateLimitError, tokenize_conversation
+    what: "conversation", "pair"; max_tokens: tokenize_conversation's (the caller truncates there);
+    tools, kwargs: row_template_inputs'. assistant_mask off: every token is marked, nothing is
+    re-rendered (a loss on every token needs no turns, so a template that rewrites them serves)."""
+    from titanlike.data.chat_template import (TemplateLimitError, encode_with_offsets, render,
+                                              tokenize_conversation)
 
     try:
-        return tokenize_conversation(template, tokenizer, messages, max_tokens=max_tokens)
+        if not assistant_mask:
+            ids = encode_with_offsets(tokenizer, render(template, messages, tools=tools, kwargs=kwargs)[0])[0]
+            return ids, [True] * len(ids)
+        return tokenize_conversation(template, tokenizer, messages, max_tokens=max_tokens, tools=tools, kwargs=kwargs)
     except TemplateLimitError as e:
         raise DataError(f"{where}: {e}") from None
     except DataError:
@@ -261,9 +296,17 @@ def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str 
                            assistant_only_loss: bool = True, overlong: str = "truncate") -> TokenizedConversations:
     """rows: (where, row) pairs; template: a chat_template.ChatTemplate. DataError (one sentence)
     for a row that is not a conversation, one without an assistant turn (under assistant-only loss),
-    or one the template refuses."""
-
+    or one the template refuses. Under assistant-only loss a published template TRL has a training
+    variant of is rendered with that variant (chat_template.training_variant), which the log says."""
+    from titanlike.data.chat_template import training_variant
     from titanlike.observe.progress import progress
+
+    variant = training_variant(template) if assistant_only_loss else None
+    if variant is not None:
+        logger.info(f"sft: {template.origin} rewrites earlier turns or tags no assistant text, so conversations are "
+                    f"rendered with {variant.origin.split(' variant of ')[0]} variant (what TRL's SFTTrainer "
+                    "does under assistant-only loss); exports keep the published template")
+        template = variant
 
     inputs, labels, bounds = [], [], [0]
     truncated = dropped = 0
@@ -277,7 +320,9 @@ def tokenize_conversations(rows, template, tokenizer, *, seq_len: int, fmt: str 
             check_turns(len(messages), seq_len, where)
             if assistant_only_loss and not any(m["role"] == "assistant" for m in messages):
                 raise DataError(f"{where} has no assistant turn, so nothing of it would be trained on")
-            ids, mask = render_row(template, tokenizer, messages, where, "conversation", max_tokens=seq_len + 1)
+            tools, kwargs = row_template_inputs(row, where)
+            ids, mask = render_row(template, tokenizer, messages, where, "conversation", max_tokens=seq_len + 1,
+                                   tools=tools, kwargs=kwargs, assistant_mask=assistant_only_loss)
         if len(ids) > seq_len + 1:
             if overlong == "drop":
                 dropped += 1
@@ -446,5 +491,5 @@ class ConversationSamples:
 
 __all__ = ["CONVERSATION_SUFFIXES", "ConversationSamples", "FORMATS", "TokenizedConversations", "best_fit_decreasing",
            "check_row_dataset", "check_row_files", "check_turns", "choose_chat_template", "held_out_for_validation",
-           "split_rows", "conversation_files", "iter_rows", "row_format", "row_messages", "text_ids",
-           "tokenize_conversations"]
+           "split_rows", "conversation_files", "iter_rows", "row_format", "row_messages", "row_template_inputs",
+           "text_ids", "tokenize_conversations"]

@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlike.models.args import AttentionShape
+from titanlike.models.common.eager import eager_only
 from titanlike.models.common.init import LinearInit, ones_, zeros_
 from titanlike.models.common.kv_cache import KVCache, SlidingKVCache
 from titanlike.models.common.rope import apply_rotary_emb
@@ -157,7 +158,7 @@ class DocumentMask:
             raise ValueError(f"unknown document-mask kernel {kernel!r}; expected 'sdpa', 'flex' or None")
         return cls(document_ids, positions, dense, block_mask, causal)
 
-    @torch.compiler.disable  # built once per microbatch, eagerly, even when the blocks are compiled
+    @eager_only  # built once per microbatch, eagerly, even when the blocks are compiled
     def windowed(self, window: int) -> DocumentMask:
         """This mask where each token also sees only the `window` most recent tokens (itself included)."""
         if not self.causal:

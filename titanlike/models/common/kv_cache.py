@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from titanlike.models.common.eager import eager_only
+
 
 class ModelCache:
     """The decoding state of a batch: per-row lengths, the step in progress, and each layer's cache."""
@@ -103,7 +105,7 @@ class ModelCache:
             return held.copy_(new)
         return new
 
-    @torch.compiler.disable
+    @eager_only
     def begin_decode(self) -> None:
         if self.host_max_length >= self.capacity:
             raise ValueError(f"the cache of {self.capacity} slots is full")
@@ -112,7 +114,7 @@ class ModelCache:
         slots = torch.arange(self.slots_in_use, device=self.device)
         self._mask = (slots[None, :] <= self.lengths[:, None])[:, None, None, :]
 
-    @torch.compiler.disable
+    @eager_only
     def end_decode(self) -> None:
         self.lengths = self.lengths + 1
         self.host_max_length += 1
