@@ -193,6 +193,12 @@ OBJECTIVES = {
     "lora": (*SFT, "--model.converters", "lora"),
     "dpo": ("--training.objective", "dpo", "--training.dataset", "text", "--training.local_batch_size", "4",
             "--training.dataset_path", str(REPO / "tests" / "assets" / "dpo" / "prefer_reverse.jsonl")),
+    # Two optimizer steps per rollout batch, and a frozen reference: the kill at step 4 falls inside a
+    # batch, whose rollouts (seeded by step and place, titanlike/rl/rollout.py) the resume draws again.
+    "grpo": ("--training.objective", "grpo", "--training.dataset", "text", "--training.local_batch_size", "2",
+             "--training.dataset_path", str(REPO / "tests" / "assets" / "grpo" / "addition.jsonl"),
+             "--grpo.num_generations", "2", "--grpo.max_completion_length", "4", "--grpo.num_iterations", "2",
+             "--grpo.beta", "0.1", "--grpo.reward_funcs", "exact_answer"),
 }
 KILLED = [*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "4", "--checkpoint.enable",
           "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
@@ -235,8 +241,8 @@ def test_kill_9_while_saving_and_mid_step_then_the_resume_is_the_uninterrupted_r
     """SIGKILL half way through the save of step 4 (step-4.tmp left, step 2 the latest: the run had logged
     steps 1-4 uninterrupted); relaunched, SIGKILL again after step 4's optimizer step (before it is logged
     or saved); the second relaunch finishes. Each re-run step equals the uninterrupted one, loss and grad
-    norm bit for bit: the samples, the adapters, the optimizer and the DPO reference are resumed or rebuilt
-    exactly."""
+    norm bit for bit: the samples, the adapters, the optimizer, the DPO and GRPO references and GRPO's
+    rollouts are resumed or rebuilt exactly."""
     dump = tmp_path / "killed"
     folder, args = dump / "checkpoint", [*KILLED, *OBJECTIVES[objective], "--job.dump_folder", str(dump)]
     log = tmp_path / "killed.log"
