@@ -4,8 +4,15 @@ scheduling, as vLLM and Megatron-Core's dynamic engine do it).
 
 One step: sequences that were cancelled leave their slots; waiting sequences take the free slots
 (their prompts prefilled together in a cache of their own, then copied into the slots:
-ModelCache.copy_row, every family's cache provides it); then one decode step over all slots, rows
-that hold nothing included (reset to length 0, their tokens dropped) so the step keeps its shapes.
+ModelCache.copy_row, every family's cache provides it); then one decode step over the rows that hold
+a sequence. The sequences are kept in the first rows (one that ends leaves its row to the last one,
+moved with copy_row), so the step runs on a head of the cache (ModelCache.head) of the smallest
+row bucket that holds them (1, 2, 4, ... slots: a compiled step keeps a few shapes; the rows past the
+sequences are reset to length 0 and their tokens dropped), and attention reads the slots the longest
+row has: exactly those when eager, the smallest of four length buckets (capacity / 8, / 4, / 2, / 1)
+when compiled. Work thus follows the live requests and their lengths, with one cache allocated once;
+a paged cache with a block table would also bound memory by the tokens held, for more bookkeeping per
+step, which a server of this size does not need.
 Each sequence samples with its own settings and its own seeded generator, so what it gets does not
 depend on what else is in the batch: a greedy sequence gets what Engine.generate gives it alone, and
 a seeded one draws what Engine.generate draws for it alone with that seed.
@@ -59,6 +66,9 @@ class ContinuousBatch:
         self.engine, self.slots = engine, slots
         self.capacity = min(capacity or engine.context_len, engine.context_len)
         self.cache = engine.init_cache(slots, self.capacity, device=engine.device, dtype=engine.dtype)
+        # The rows and (compiled) the slots a decode step may take: a few fixed sizes.
+        self.row_buckets = sorted({min(2 ** k, slots) for k in range(slots.bit_length() + 1)})
+        self.slot_buckets = sorted({max(1, self.capacity // 2 ** k) for k in range(4)})
         self.rows: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
         self._admitting: list[Sequence] = []  # taken from waiting, not yet in a row
@@ -116,19 +126,40 @@ class ContinuousBatch:
             for seq in [s for s in self.waiting if s.cancelled]:
                 self.waiting.remove(seq)
                 self._end(seq, "cancelled")
+            self._compact()
             free = [row for row, seq in enumerate(self.rows) if seq is None]
             admitted = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
         if admitted:
             self._admitting = admitted  # ended by fail_all too, should the prefill raise
             self._admit(admitted, free)
             self._admitting = []
-        live = [row for row, seq in enumerate(self.rows) if seq is not None]
+        live = self.active  # rows 0..live - 1 (_compact)
         if not live:
             return
-        self.cache.reset_rows([row for row, seq in enumerate(self.rows) if seq is None])
-        logits = self.engine.decode(self.last, self.cache)
+        rows = next(b for b in self.row_buckets if b >= live)
+        self.cache.reset_rows(list(range(live, self.slots)))
+        slots = None
+        if self.cache.static:
+            slots = next((b for b in self.slot_buckets if b > self.cache.host_max_length), self.capacity)
+        head = self.cache.head(rows, slots)
+        logits = self.engine.decode(self.last[:rows], head)
+        head.write_back()
         self.steps += 1
-        self._sample(logits[torch.tensor(live, device=logits.device)], live)
+        self._sample(logits[:live], list(range(live)))
+
+    def _compact(self) -> None:
+        """Move the sequences into the first rows: each row that holds none below their count takes
+        the sequence of a row past it (its cache row, newest token and seen tokens)."""
+        count = self.active
+        holes = [row for row in range(count) if self.rows[row] is None]
+        movers = [row for row in range(count, self.slots) if self.rows[row] is not None]
+        for hole, row in zip(holes, movers):
+            self.cache.copy_row(hole, self.cache, row)
+            self.last[hole] = self.last[row]
+            if self.seen is not None:
+                self.seen[hole] = self.seen[row]
+            seq = self.rows[row]
+            self.rows[hole], self.rows[row], seq.slot = seq, None, hole
 
     def cancel_all(self) -> int:
         """Cancel every sequence waiting or running (a server that drains); how many there were."""
