@@ -5,8 +5,8 @@ scheduling, as vLLM and Megatron-Core's dynamic engine do it).
 One step: sequences that were cancelled leave their slots; waiting sequences take the free slots
 (their prompts prefilled together in a cache of their own, then copied into the slots:
 ModelCache.copy_row, every family's cache provides it); then one decode step over the rows that hold
-a sequence. The sequences are kept in the first rows (one that ends leaves its row to the last one,
-moved with copy_row), so the step runs on a head of the cache (ModelCache.head) of the smallest
+a sequence. The sequences are kept in the first rows (a row that ends is refilled by a waiting
+sequence, or else takes the last row's, moved with copy_row), so the step runs on a head of the cache (ModelCache.head) of the smallest
 row bucket that holds them (1, 2, 4, ... slots: a compiled step keeps a few shapes; the rows past the
 sequences are reset to length 0 and their tokens dropped), and attention reads the slots the longest
 row has: exactly those when eager, the smallest of four length buckets (capacity / 8, / 4, / 2, / 1)
@@ -126,13 +126,13 @@ class ContinuousBatch:
             for seq in [s for s in self.waiting if s.cancelled]:
                 self.waiting.remove(seq)
                 self._end(seq, "cancelled")
-            self._compact()
             free = [row for row, seq in enumerate(self.rows) if seq is None]
             admitted = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
         if admitted:
             self._admitting = admitted  # ended by fail_all too, should the prefill raise
             self._admit(admitted, free)
             self._admitting = []
+        self._compact()
         live = self.active  # rows 0..live - 1 (_compact)
         if not live:
             return
