@@ -14,8 +14,8 @@ from titanlike.models.registry import get_model_spec
 def test_compiled_decode_gives_the_eager_tokens_without_recompiling():
     """Engine(compile=True): static caches of the context's length and a torch.compile'd decode step
     (inductor), which compiles once for a batch size and is reused by every step of every call, the
-    continuous batch's (a server's) once per row and slot bucket it meets (continuous.py); greedy tokens equal the eager engine's. One layer: a
-    cold compile on CPU costs seconds per kernel."""
+    continuous batch's (a server's) once per row and slot bucket it meets (continuous.py); greedy
+    tokens equal the eager engine's. One layer: a cold compile on CPU costs seconds per kernel."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
