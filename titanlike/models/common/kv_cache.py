@@ -26,6 +26,9 @@ different lengths need no left padding and a row's slot can later be refilled on
   is per row), so what the other rows hold is untouched. Every layer cache (and every entry of
   `extra`) therefore provides copy_row(row, source, source_row): copy what row source_row of a
   cache of the same family holds, slots 0..source capacity - 1 where it has slots.
+- Head (continuous batching's decode step over the rows in use): ModelCache.head is a cache of the
+  first rows whose entries are shallow copies holding views of the same tensors, so every entry's
+  tensors are batch first, and an entry that refers to its ModelCache does so as `cache`.
 
 A layer's cache object is its family's: keys and values (KVCache, here), the compressed latent of
 multi-head latent attention (deepseek_v3/attention.py), the conv and SSM state of a Mamba-2 mixer
