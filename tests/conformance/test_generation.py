@@ -165,6 +165,16 @@ def test_greedy_generation_equals_transformers_and_the_cache_equals_the_full_for
     batch.run()
     assert [s.completion.tokens for s in seqs] == [row[:n] for row, n in zip(ours, lengths)], family
     assert seqs[2].slot == seqs[0].slot
+    # A row that ends with none waiting takes the last row's sequence (moved with copy_row), the step
+    # runs on the rows in use only (ModelCache.head), and a static cache's reads a length bucket.
+    for static in (False, True):
+        batch = ContinuousBatch(Engine(model), slots=3)
+        batch.cache.static = static
+        lengths = (2, 3, NEW_TOKENS)
+        seqs = [batch.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+        batch.run()
+        assert [s.completion.tokens for s in seqs] == [row[:n] for row, n in zip(ours, lengths)], (family, static)
+        assert seqs[2].slot == 0
 
 
 def test_every_generating_family_is_checked():

@@ -188,6 +188,39 @@ def test_continuous_batching_cancels_and_survives_a_failed_step(model):
     assert again.completion.tokens == alone[0]
 
 
+def test_a_continuous_step_computes_the_rows_and_slots_in_use(model):
+    """Sequences that end leave their rows to the others (moved down), and each decode step runs on
+    the rows that hold a sequence and reads the slots the longest has, eager; compiled (a static
+    cache), the smallest row and slot buckets that hold them. Tokens are what each gets alone."""
+    from titanlike.inference import ContinuousBatch
+
+    prompts = [[5, 9, 17, 3], [7, 31, 90], [100, 101, 102], [44, 12, 8, 8, 9]]
+    lengths = [2, 9, 4, 6]
+    for static in (False, True):
+        engine = Engine(model)
+        alone = [engine.generate([p], SamplingParams(max_new_tokens=n))[0][0].tokens for p, n in zip(prompts, lengths)]
+        batch = ContinuousBatch(engine, slots=4)
+        batch.cache.static = static
+        shapes, real = [], engine.decode_step
+
+        def step(tokens, cache):
+            longest = cache.host_max_length
+            logits = real(tokens, cache)
+            shapes.append((cache.batch_size, batch.active, cache.slots_in_use, longest))
+            return logits
+
+        engine.decode_step = step
+        seqs = [batch.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+        batch.run()
+        assert [s.completion.tokens for s in seqs] == alone
+        assert shapes[-1][0] == 1 and seqs[1].slot == 0  # the longest, moved down from row 1
+        for rows, live, slots, longest in shapes:
+            if static:  # capacity 40: slot buckets 10 and 40; 4 slots: row buckets 1 and 4
+                assert rows == (1 if live == 1 else 4) and slots == (10 if longest < 10 else 40), shapes
+            else:
+                assert rows == live and slots == longest + 1, shapes
+
+
 # ---------------------------------------------------------------- scripts/generate.py
 
 

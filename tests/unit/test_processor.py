@@ -148,9 +148,9 @@ def test_decode_ends_at_the_first_stop_token_and_the_earliest_stop_string(tokeni
     # Default stops: EOS and the template's end of turn.
     assert processor.decode(words + [tokenizer.eot_id] + more) == "one two three four"
     assert processor.decode(words + [tokenizer.eos_id] + more) == "one two three four"
-    # Stop ids given: only those.
-    assert processor.decode(words + [tokenizer.eot_id], stop_ids=frozenset({tokenizer.eos_id})) == \
-        "one two three four<|eot_id|>"
+    # Stop ids given: only those (the others kept as text when special tokens are).
+    assert processor.decode(words + [tokenizer.eot_id], stop_ids=frozenset({tokenizer.eos_id}),
+                            skip_special_tokens=False) == "one two three four<|eot_id|>"
     assert processor.decode(words, stop_strings=("four", " two")) == "one"
     assert processor.decode(words, stop_strings=("", "five")) == "one two three four"
 
@@ -174,3 +174,25 @@ def test_the_engine_imports_neither_the_loader_nor_the_processor():
     assert imports("engine") == {"sampling"}
     assert "processor" not in imports("loading") and "engine" in imports("loading")
     assert {"engine", "loading"} <= imports("processor")
+
+
+@pytest.mark.parametrize("source", ["ranks", "folder"])
+def test_decode_leaves_out_special_tokens_as_transformers_does(tokenizer, source, tmp_path):
+    """The text of ids that hold special tokens (a reserved one, BOS, end of turn, between and inside
+    words) equals transformers' decode of the same ids with skip_special_tokens True and False,
+    from the ranks file and from the Hugging Face folder it is exported as."""
+    transformers = pytest.importorskip("transformers")
+    from titanlike.data.hf_tokenizer import write_hf_tokenizer
+
+    write_hf_tokenizer(str(tmp_path), DEFAULT_TOKENIZER_PATH)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = tokenizer if source == "ranks" else build_tokenizer(str(tmp_path))
+    processor = Processor(ours)
+    reserved = ours.special_tokens["<|reserved_special_token_209|>"]
+    words = ours.encode("Hello wor", bos=False, eos=False)
+    rest = ours.encode("ld, and café", bos=False, eos=False)
+    ids = [ours.bos_id, *words, reserved, *rest, tokenizer.eot_id, reserved, *words]
+    for skip in (True, False):
+        want = theirs.decode(ids, skip_special_tokens=skip)
+        assert processor.decode(ids, stop_ids=frozenset(), skip_special_tokens=skip) == want, (source, skip)
+    assert "reserved" not in processor.decode(ids, stop_ids=frozenset())

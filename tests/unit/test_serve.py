@@ -162,6 +162,20 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, client):
     assert _complete(client, PROMPTS[3], max_tokens=4)
 
 
+def test_the_text_leaves_out_special_tokens_unless_asked_to_keep_them(client):
+    """As transformers' decode(skip_special_tokens=True) (the comparison on the same ids:
+    tests/unit/test_processor.py); vLLM's skip_special_tokens false keeps them. A random model
+    greedily names some of the tokenizer's 256 reserved tokens within these 48 tokens."""
+    import re
+
+    kept = [_complete(client, p, max_tokens=48, extra_body={"skip_special_tokens": False}) for p in PROMPTS]
+    skipped = [_complete(client, p, max_tokens=48) for p in PROMPTS]
+    special = re.compile(r"<\|[a-z_0-9]+\|>")
+    assert any(special.search(text) for text in kept), kept
+    assert skipped == [special.sub("", text) for text in kept]
+    assert _complete(client, PROMPTS[0], max_tokens=48, extra_body={"skip_special_tokens": True}) == skipped[0]
+
+
 @pytest.mark.parametrize("call,status,words", [
     (dict(prompt="word " * 300), 400, "leaves no room in this model's context of 256 tokens"),
     (dict(prompt=PROMPTS[0], max_tokens=CONTEXT), 400, "lower max_tokens to at most"),
@@ -171,6 +185,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, client):
     (dict(prompt=PROMPTS[0], logprobs=2), 400, "'logprobs' is not supported"),
     (dict(prompt=[], max_tokens=3), 400, "'prompt' is empty"),
     (dict(prompt=[5, 99999]), 400, "token id 99999 is not in the model's vocabulary"),
+    (dict(prompt=PROMPTS[0], extra_body={"skip_special_tokens": "no"}), 400,
+     "'skip_special_tokens' must be true or false"),
     (dict(prompt=PROMPTS[0], model="gpt-4"), 404, "the model 'gpt-4' is not served here"),
 ])
 def test_a_bad_request_is_a_4xx_naming_the_problem_and_the_server_goes_on(client, call, status, words):

@@ -4,8 +4,20 @@ scheduling, as vLLM and Megatron-Core's dynamic engine do it).
 
 One step: sequences that were cancelled leave their slots; waiting sequences take the free slots
 (their prompts prefilled together in a cache of their own, then copied into the slots:
-ModelCache.copy_row, every family's cache provides it); then one decode step over all slots, rows
-that hold nothing included (reset to length 0, their tokens dropped) so the step keeps its shapes.
+ModelCache.copy_row, every family's cache provides it); then one decode step over the rows that
+hold a sequence. The sequences are kept in the first rows (a row that ends is refilled by a waiting
+sequence, or else takes the last row's, moved with copy_row), so the step runs on a head of the
+cache (ModelCache.head). Eager, it is exactly those rows, and attention reads the slots the longest
+row has. Compiled, it is the smallest of a few row counts that holds them (1, 4, 16, ..., slots;
+rows past the sequences are reset to length 0 and their tokens dropped) and the smaller of two slot
+counts (capacity / 4, capacity) that holds the longest row, so the step keeps a few shapes.
+
+Why a head of one cache rather than a paged cache with a block table (vLLM's): the work of a step
+then follows the live requests and their lengths, every family's cache keeps its own layout (a row
+moves with the copy_row it already has), and a step gathers nothing; a paged cache would also bound
+the memory by the tokens held rather than slots x capacity, which matters for long contexts on a
+GPU, not for the sizes served here.
+
 Each sequence samples with its own settings and its own seeded generator, so what it gets does not
 depend on what else is in the batch: a greedy sequence gets what Engine.generate gives it alone, and
 a seeded one draws what Engine.generate draws for it alone with that seed.
@@ -59,6 +71,11 @@ class ContinuousBatch:
         self.engine, self.slots = engine, slots
         self.capacity = min(capacity or engine.context_len, engine.context_len)
         self.cache = engine.init_cache(slots, self.capacity, device=engine.device, dtype=engine.dtype)
+        # The shapes a compiled step takes (_shape): a few row counts (1, 4, 16, ..., slots) and two
+        # slot counts, since each is a graph of its own and torch compiles at most 8 shapes of one
+        # function before it runs it eagerly (torch._dynamo.config.cache_size_limit).
+        self.row_buckets = sorted({min(4 ** k, slots) for k in range(slots.bit_length())} | {slots})
+        self.slot_buckets = sorted({max(1, self.capacity // 4), self.capacity})
         self.rows: list[Sequence | None] = [None] * slots
         self.waiting: deque[Sequence] = deque()
         self._admitting: list[Sequence] = []  # taken from waiting, not yet in a row
@@ -122,13 +139,41 @@ class ContinuousBatch:
             self._admitting = admitted  # ended by fail_all too, should the prefill raise
             self._admit(admitted, free)
             self._admitting = []
-        live = [row for row, seq in enumerate(self.rows) if seq is not None]
+        self._compact()
+        live = self.active  # rows 0..live - 1 (_compact)
         if not live:
             return
-        self.cache.reset_rows([row for row, seq in enumerate(self.rows) if seq is None])
-        logits = self.engine.decode(self.last, self.cache)
+        self.cache.reset_rows(list(range(live, self.slots)))
+        rows, slots = self._shape(live)
+        head = self.cache.head(rows, slots)
+        logits = self.engine.decode(self.last[:rows], head)
+        head.write_back()
         self.steps += 1
-        self._sample(logits[torch.tensor(live, device=logits.device)], live)
+        self._sample(logits[:live], list(range(live)))
+
+    def _shape(self, live: int) -> tuple[int, int | None]:
+        """The rows and slots a decode step over `live` sequences takes: exactly those rows, and the
+        slots the longest row has (ModelCache.begin_decode), when eager; the smallest buckets that
+        hold them when the step is compiled (a static cache reads all the slots it is given)."""
+        if not self.cache.static:
+            return live, None
+        rows = next(b for b in self.row_buckets if b >= live)
+        slots = next((b for b in self.slot_buckets if b > self.cache.host_max_length), self.capacity)
+        return rows, slots
+
+    def _compact(self) -> None:
+        """Move the sequences into the first rows: each row that holds none below their count takes
+        the sequence of a row past it (its cache row, newest token and seen tokens)."""
+        count = self.active
+        holes = [row for row in range(count) if self.rows[row] is None]
+        movers = [row for row in range(count, self.slots) if self.rows[row] is not None]
+        for hole, row in zip(holes, movers):
+            self.cache.copy_row(hole, self.cache, row)
+            self.last[hole] = self.last[row]
+            if self.seen is not None:
+                self.seen[hole] = self.seen[row]
+            seq = self.rows[row]
+            self.rows[hole], self.rows[row], seq.slot = seq, None, hole
 
     def cancel_all(self) -> int:
         """Cancel every sequence waiting or running (a server that drains); how many there were."""

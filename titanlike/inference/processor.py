@@ -197,13 +197,19 @@ class Processor:
     # Completions -> text ----------------------------------------------------------------------
 
     def decode(self, tokens: Sequence[int], *, stop_ids: frozenset[int] | None = None,
-               stop_strings: Sequence[str] = ()) -> str:
+               stop_strings: Sequence[str] = (), skip_special_tokens: bool = True) -> str:
         """A completion's text: its tokens before the first stop token (stop_ids; default: EOS and,
-        with a template, its end of turn), cut before the earliest stop string. Also the engine's
-        detokenizer of a row's tokens so far (Engine.generate's detokenize)."""
+        with a template, its end of turn), cut before the earliest stop string, without the special
+        tokens (the tokenizer's special_ids) unless skip_special_tokens is False: transformers'
+        decode(skip_special_tokens=True), which also drops them before decoding the rest. Also the
+        engine's detokenizer of a row's tokens so far (Engine.generate's detokenize)."""
         stops = stop_ids if stop_ids is not None else self.eos_ids | (self.end_of_turn_ids or frozenset())
         end = next((i for i, token in enumerate(tokens) if token in stops), len(tokens))
-        text = self.tokenizer.decode(list(tokens[:end]))
+        kept = list(tokens[:end])
+        if skip_special_tokens:
+            special = self.tokenizer.special_ids
+            kept = [token for token in kept if token not in special]
+        text = self.tokenizer.decode(kept)
         found = [at for at in (text.find(stop) for stop in stop_strings if stop) if at >= 0]
         return text[:min(found)] if found else text
 

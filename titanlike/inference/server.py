@@ -3,7 +3,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with
 "stream": true), GET /v1/models, GET /health. Request fields: model, prompt (text, texts, token
 ids or lists of them) or messages, max_tokens, temperature, top_p, n, stop, seed, stream,
-stream_options.include_usage, and as extensions (vLLM's names) top_k and repetition_penalty.
+stream_options.include_usage, and as extensions (vLLM's names) top_k, repetition_penalty and
+skip_special_tokens (default true: the text leaves out special tokens, as transformers' decode does).
 Fields whose behaviour this server does not have (logprobs, echo, suffix, logit_bias, penalties
 other than 0, best_of, tools, a response_format other than text) are refused rather than ignored, so
 a client never gets an answer to a question it did not ask; so are fields the endpoint does not know
@@ -76,7 +77,8 @@ _FINISH = {"stop": "stop", "length": "length", "context": "length"}
 # The request fields each endpoint knows (OpenAI's, and vLLM's top_k and repetition_penalty); any other
 # is refused as OpenAI refuses it. Those this server cannot honour are refused when set, in parse.
 _FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "logprobs",
-           "logit_bias", "presence_penalty", "frequency_penalty", "user", "top_k", "repetition_penalty"}
+           "logit_bias", "presence_penalty", "frequency_penalty", "user", "top_k", "repetition_penalty",
+           "skip_special_tokens"}
 _ENDPOINT_FIELDS = {False: _FIELDS | {"prompt", "best_of", "echo", "suffix"},
                     True: _FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                      "response_format"}}
@@ -142,6 +144,7 @@ class _Request:
     n: int
     stream: bool
     include_usage: bool
+    skip_special_tokens: bool = True  # the text leaves out the tokenizer's special tokens
 
 
 class OpenAIServer:
@@ -283,6 +286,12 @@ class OpenAIServer:
         if not isinstance(options, dict):
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
         include_usage = bool(options.get("include_usage", False))
+        skip_special_tokens = body.get("skip_special_tokens", True)
+        if skip_special_tokens is None:
+            skip_special_tokens = True
+        if not isinstance(skip_special_tokens, bool):
+            raise ApiError(400, f"'skip_special_tokens' must be true or false, got {skip_special_tokens!r}",
+                           "skip_special_tokens")
 
         if chat:
             prompts = [self._chat_prompt(body.get("messages"))]
@@ -345,7 +354,7 @@ class OpenAIServer:
                     name, _, rest = str(e).partition(" ")
                     name = _API_NAMES.get(name, name)
                     raise ApiError(400, f"'{name}' {rest}", name) from None
-        return _Request(chat, prompts, params, n, bool(stream), include_usage)
+        return _Request(chat, prompts, params, n, bool(stream), include_usage, skip_special_tokens)
 
     def _completion_prompts(self, prompt, n: int = 1) -> list[list[int]]:
         def bad() -> ApiError:
@@ -416,7 +425,7 @@ class OpenAIServer:
         stop_ids = frozenset().union(*(params.stop_token_ids for params in request.params))
 
         def detokenize(ids: list[int]) -> str:
-            return self.processor.decode(ids, stop_ids=stop_ids)
+            return self.processor.decode(ids, stop_ids=stop_ids, skip_special_tokens=request.skip_special_tokens)
 
         queued = len(self.batch.waiting)
         if queued + len(request.params) > MAX_QUEUED_SEQUENCES:

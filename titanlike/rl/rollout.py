@@ -126,7 +126,9 @@ class GRPORollout:
         params = SamplingParams(max_new_tokens=o.max_completion_length, temperature=o.temperature, top_k=o.top_k,
                                 top_p=o.top_p, stop_token_ids=stop, seed=seed, logprobs=True)
         completions, stats = Engine(policy, context_len=self.seq_len).generate(ids, params)
-        answers = [self.processor.decode(c.tokens, stop_ids=stop) for c in completions]
+        # The text the rewards have always scored, special tokens included (TRL's GRPO skips them:
+        # a change of the objective's results, for its own issue).
+        answers = [self.processor.decode(c.tokens, stop_ids=stop, skip_special_tokens=False) for c in completions]
         # TRL's forms: a text completes a text prompt, an assistant message a conversation.
         given = [[{"role": "assistant", "content": a}] if c else a for a, c in zip(answers, chat)]
         columns = {k: [self.prompts.rows[r][k] for r in rows] for k in self.prompts.columns}

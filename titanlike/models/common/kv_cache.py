@@ -26,6 +26,9 @@ different lengths need no left padding and a row's slot can later be refilled on
   is per row), so what the other rows hold is untouched. Every layer cache (and every entry of
   `extra`) therefore provides copy_row(row, source, source_row): copy what row source_row of a
   cache of the same family holds, slots 0..source capacity - 1 where it has slots.
+- Head (continuous batching's decode step over the rows in use): ModelCache.head is a cache of the
+  first rows whose entries are shallow copies holding views of the same tensors, so every entry's
+  tensors are batch first, and an entry that refers to its ModelCache does so as `cache`.
 
 A layer's cache object is its family's: keys and values (KVCache, here), the compressed latent of
 multi-head latent attention (deepseek_v3/attention.py), the conv and SSM state of a Mamba-2 mixer
@@ -34,6 +37,8 @@ builds them in its `init_cache` (models/protocol.py) and hands each layer its ow
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +66,7 @@ class ModelCache:
         self._mask: torch.Tensor | None = None
         # A family's own entries that are not layers (T5: the encoder's padding mask).
         self.extra: dict[str, object] = {}
+        self._viewed = None  # a head(): (the full cache, the tensors the view started with)
 
     def layer(self, key: str):
         """The cache of layer `key`, or None for a layer that keeps none (an MLP)."""
@@ -145,6 +151,43 @@ class ModelCache:
         for row in rows:
             self._row_bounds[row] = 0
         self.host_max_length = max(self._row_bounds)
+
+    def head(self, rows: int, slots: int | None = None) -> ModelCache:
+        """A cache of this one's first `rows` rows whose tensors are views of this one's, reading at
+        most `slots` slots (default: this cache's capacity; a static cache reads exactly that many):
+        a decode step over the rows in use only (continuous.py keeps its sequences in the first rows).
+        The step writes its keys and values in place; what it replaces as a whole (a Mamba-2 state,
+        the lengths) comes back with write_back()."""
+        if not 1 <= rows <= self.batch_size:
+            raise ValueError(f"a head of {rows} rows does not fit a cache of {self.batch_size}")
+        view = ModelCache(rows, min(slots or self.capacity, self.capacity), self.device, static=self.static)
+        view.lengths = self.lengths[:rows]
+        view._row_bounds = self._row_bounds[:rows]
+        view.host_max_length = max(view._row_bounds)
+        for kind in ("layers", "extra"):
+            for key, entry in getattr(self, kind).items():
+                part = copy.copy(entry)
+                for name, value in vars(entry).items():
+                    if isinstance(value, torch.Tensor):
+                        setattr(part, name, value[:rows])
+                    elif value is self:  # the entry's back reference (KVCache.cache)
+                        setattr(part, name, view)
+                getattr(view, kind)[key] = part
+        view._viewed = (self, view.held_tensors())
+        view._hold_static()
+        return view
+
+    def write_back(self) -> None:
+        """After a step on a head(): copy into the full cache what the step replaced rather than wrote
+        in place (state a family replaces as a whole, the rows' lengths)."""
+        full, held = self._viewed
+        rows = self.batch_size
+        for (kind, key, name), value in self.held_tensors().items():
+            if value is not held.get((kind, key, name)):
+                getattr(getattr(full, kind)[key], name)[:rows].copy_(value)
+        full.lengths[:rows] = self.lengths
+        full._row_bounds[:rows] = self._row_bounds
+        full.host_max_length = max(full._row_bounds)
 
     @property
     def decode_mask(self) -> torch.Tensor:
@@ -273,9 +316,13 @@ class SlidingKVCache(KVCache):
         slot = c.lengths.remainder(self.slots)
         self.k[rows, :, slot] = k.select(2, 0).to(self.dtype)
         self.v[rows, :, slot] = v.select(2, 0).to(self.dtype)
-        # Before a row has filled its buffer, slots past its new token hold nothing yet.
-        mask = (slots[None, :] <= c.lengths[:, None])[:, None, None, :]
-        return _decode_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), mask, scale, sinks)
+        # While no row has wrapped around (every length below the slots in use), only the slots in use
+        # hold anything: read those. Before a row has filled its buffer, slots past its new token hold
+        # nothing yet.
+        used = min(self.slots, c.slots_in_use)
+        mask = (slots[None, :used] <= c.lengths[:, None])[:, None, None, :]
+        keys, values = self.k.narrow(2, 0, used), self.v.narrow(2, 0, used)
+        return _decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale, sinks)
 
 
 def _decode_attention(q, keys, values, mask, scale, sinks):
