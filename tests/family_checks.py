@@ -39,6 +39,18 @@ def materialize(model_cls, args, seed: int = 0, device: str = "cpu") -> torch.nn
     return model
 
 
+def import_hf_folder(spec, folder) -> torch.nn.Module:
+    """A family's model from a transformers folder, through its HF adapter (config, then weights), in eval
+    mode: what a checkpoint.initial_load_in_hf job loads."""
+    from titanlike.checkpoint.hf import read_hf
+
+    hf_sd, config = read_hf(str(folder))
+    args = spec.hf.read_config(config)
+    model = materialize(spec.model_cls, args, seed=1).eval()
+    model.load_state_dict(spec.hf.from_hf_state_dict(hf_sd, args))
+    return model
+
+
 def held_params(model: torch.nn.Module) -> int:
     """Parameters a module holds (a tied Parameter once)."""
     return sum(p.numel() for p in model.parameters())

@@ -18,8 +18,8 @@ import json
 import pytest
 import torch
 
-from family_checks import materialize
-from titanlike.checkpoint.hf import read_hf, write_hf
+from family_checks import import_hf_folder, materialize
+from titanlike.checkpoint.hf import write_hf
 from titanlike.models.gemma3 import Gemma3, gemma3_flavors
 from titanlike.models.registry import get_model_spec
 
@@ -45,11 +45,7 @@ def _hf_model(**changes):
 
 
 def _import(folder) -> Gemma3:
-    hf_sd, config = read_hf(str(folder))
-    args = SPEC.hf.read_config(config)
-    model = materialize(Gemma3, args, seed=1).eval()
-    model.load_state_dict(SPEC.hf.from_hf_state_dict(hf_sd, args))
-    return model
+    return import_hf_folder(SPEC, folder)
 
 
 def _tokens(seq=20):

@@ -16,8 +16,8 @@ import dataclasses
 import pytest
 import torch
 
-from family_checks import materialize
-from titanlike.checkpoint.hf import read_hf, write_hf
+from family_checks import import_hf_folder, materialize
+from titanlike.checkpoint.hf import write_hf
 from titanlike.models.gpt_oss import GptOss, gpt_oss_flavors
 from titanlike.models.gpt_oss.hf_adapter import dequantize_mxfp4
 from titanlike.models.registry import get_model_spec
@@ -52,11 +52,7 @@ def _hf_model(**changes):
 
 
 def _import(folder) -> GptOss:
-    hf_sd, config = read_hf(str(folder))
-    args = SPEC.hf.read_config(config)
-    model = materialize(GptOss, args, seed=1).eval()
-    model.load_state_dict(SPEC.hf.from_hf_state_dict(hf_sd, args))
-    return model
+    return import_hf_folder(SPEC, folder)
 
 
 def _tokens(seq=20):
