@@ -141,7 +141,8 @@ def test_sft_with_lora_layouts_match_one_process(train_runs):
     assert "dora: rank 8" in train_runs["dora"].output and dora[0][0] == first["loss"]
     assert dora[0][1] != pytest.approx(first["grad_norm"], rel=1e-3) and dora[-1][0] < dora[0][0]
     one = [(r["loss"], r["grad_norm"]) for r in train_runs["one"].metrics]
-    assert len(one) == 4 and one[-1][0] < one[0][0]  # the adapters learn
+    # The adapters learn (at this learning rate the last step may overshoot: the lowest loss counts).
+    assert len(one) == 4 and min(loss for loss, _ in one[1:]) < one[0][0] - 0.5
     full = [(r["loss"], r["grad_norm"]) for r in train_runs["full_one"].metrics]
     assert len(full) == 4 and full[-1][0] < full[0][0] and full[0][0] == first["loss"]  # adapters start at 0
     for name, want in [*((n, one) for n in LAYOUTS), ("full_hsdp", full)]:
@@ -228,6 +229,6 @@ def test_lora_base_held_in_bfloat16_with_float32_adapters(train_runs):
     assert all(".lora_a." in k or ".lora_b." in k for k in state)
 
     fsdp, bf16_base = ([(r["loss"], r["grad_norm"]) for r in train_runs[n].metrics] for n in ("fsdp", "fsdp_bf16_base"))
-    assert len(bf16_base) == 4 and bf16_base[-1][0] < bf16_base[0][0]
+    assert len(bf16_base) == 4 and min(loss for loss, _ in bf16_base[1:]) < bf16_base[0][0] - 0.5
     assert [x for x, _ in bf16_base] == pytest.approx([x for x, _ in fsdp], abs=1e-5)
     assert [g for _, g in bf16_base] == pytest.approx([g for _, g in fsdp], rel=1e-4)

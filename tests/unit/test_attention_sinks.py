@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from titanlike.models.common.attention import Attention, DocumentMask, add_sinks, core_attention
+from titanlike.models.common.attention import Attention, DocumentMask, core_attention
+from titanlike.models.common.sinks import add_sinks
 from titanlike.models.common.kv_cache import ModelCache
 
 EOD = 1

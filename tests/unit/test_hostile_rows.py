@@ -30,8 +30,9 @@ def _turns(n: int) -> list[dict]:
 
 
 HOSTILE = {
-    "turns": (json.dumps({"messages": _turns(10**6), "prompt": _turns(10**6 - 1), "chosen": "a",
-                          "rejected": "b"}).encode(), "holds 1,000,000 turns, more than the training.seq_len + 1 = 65"),
+    "turns": (json.dumps({"messages": _turns(10**6), "prompt": _turns(10**6 - 1),
+                          "chosen": [{"role": "assistant", "content": "a"}],
+                          "rejected": [{"role": "assistant", "content": "b"}]}).encode(), "holds 1,000,000 turns, more than the training.seq_len + 1 = 65"),
     "not_utf8": (b'{"messages": [{"role": "user", "content": "h\xff\xfei"}], "prompt": "h\xff", "chosen": "a", '
                  b'"rejected": "b"}', "is not UTF-8 text (byte 0xff at column"),
     "surrogate": (b'{"messages": [{"role": "user", "content": "h\\udcffi"}], "prompt": "h\\udcff", "chosen": "a", '

@@ -324,7 +324,8 @@ def unlike(mine: Any, theirs: Any, where: str) -> str | None:
         for i, value in enumerate(theirs):
             like = mine[min(i, len(mine) - 1)] if mine else None
             if like is None and free:
-                if not (isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() < 2**20)):
+                # lr_lambdas: None for a plain function (LambdaLR saves only callable objects' state).
+                if not (value is None or isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() < 2**20)):
                     return f"{where}[{i}] is {type(value).__name__}"
                 continue
             if (problem := unlike(like, value, f"{where}[{i}]")) is not None:

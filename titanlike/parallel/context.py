@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanlike.models import protocol
-from titanlike.models.common.attention import DocumentMask, add_sinks, sink_attention
+from titanlike.models.common.attention import DocumentMask
+from titanlike.models.common.sinks import add_sinks, sink_attention
 
 ROTATE_METHODS = ("allgather", "alltoall")
 

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from titanlike.models.common.eager import eager_only
+from titanlike.models.common.sinks import sink_attention
 
 
 class ModelCache:
@@ -327,8 +328,6 @@ class SlidingKVCache(KVCache):
 
 def _decode_attention(q, keys, values, mask, scale, sinks):
     if sinks is not None:
-        from titanlike.models.common.attention import sink_attention  # attention.py imports this module
-
         return sink_attention(q, keys, values, mask, sinks, scale=scale)
     kwargs = {} if scale is None else {"scale": scale}
     if keys.shape[1] != q.shape[1]:
