@@ -51,6 +51,17 @@ def import_hf_folder(spec, folder) -> torch.nn.Module:
     return model
 
 
+def check_greedy_equals_hf(ours: torch.nn.Module, hf, prompts: list[list[int]], new_tokens: int = 8) -> None:
+    """Our engine's greedy tokens for the prompts, decoded in one batch (rows of their own lengths), equal
+    transformers' generate on each prompt alone (hf made with pad_token_id 0)."""
+    from titanlike.inference import Engine, SamplingParams
+
+    completions, _ = Engine(ours).generate(prompts, SamplingParams(max_new_tokens=new_tokens))
+    for prompt, completion in zip(prompts, completions):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        assert completion.tokens == want[0, len(prompt):].tolist()
+
+
 def held_params(model: torch.nn.Module) -> int:
     """Parameters a module holds (a tied Parameter once)."""
     return sum(p.numel() for p in model.parameters())

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from family_checks import import_hf_folder, materialize
+from family_checks import check_greedy_equals_hf, import_hf_folder, materialize
 from titanlike.checkpoint.hf import write_hf
 from titanlike.models.gemma3 import Gemma3, gemma3_flavors
 from titanlike.models.registry import get_model_spec
@@ -95,16 +95,9 @@ def test_our_model_exports_to_transformers_with_its_logits(tmp_path):
 
 
 def test_greedy_generation_past_the_window_equals_transformers(tmp_path):
-    from titanlike.inference import Engine, SamplingParams
-
     hf = _hf_model(pad_token_id=0)
     hf.save_pretrained(tmp_path)
-    ours = _import(tmp_path)
-    prompts = [[5, 9, 44, 17, 3, 8, 100, 21], [7, 250, 31]]
-    completions, _ = Engine(ours).generate(prompts, SamplingParams(max_new_tokens=8))  # one batch, rows apart
-    for prompt, completion in zip(prompts, completions):
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert completion.tokens == want[0, len(prompt):].tolist()
+    check_greedy_equals_hf(_import(tmp_path), hf, [[5, 9, 44, 17, 3, 8, 100, 21], [7, 250, 31]])
 
 
 @pytest.mark.parametrize("key, value, message", [
