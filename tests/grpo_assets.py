@@ -25,3 +25,10 @@ def length_reward(prompts, completions, **kwargs) -> list[float]:
     """A reward every completion of an untrained model varies in (its length in characters, over 10):
     nonzero advantages, so the plumbing tests train on real gradients."""
     return [len(_text(c)) / 10 for c in completions]
+
+
+def length_unless_red(prompts, completions, answer, **kwargs) -> list[float]:
+    """length_reward, but 0 for every completion of a prompt whose answer holds "red": those groups'
+    rewards are all equal, so dynamic sampling drops them (the rollout's figures and the trained rows'
+    then differ)."""
+    return [0.0 if "red" in a else len(_text(c)) / 10 for c, a in zip(completions, answer)]

@@ -35,16 +35,16 @@ def one_process(tmp_path_factory):
 
 def assert_same_steps(got: list[dict], ref: list[dict]) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3]
-    assert ref[-1]["kl"] > 0 and all(r["grad_norm"] > 0 for r in ref) and 0 < ref[0]["reward"] < 1
+    assert ref[-1]["kl"] > 0 and all(r["grad_norm"] > 0 for r in ref) and 0 < ref[0]["reward/mean"] < 1
     for g, r in zip(got, ref):
         assert g["loss"] == pytest.approx(r["loss"], rel=RTOL, abs=1e-6), (g, r)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=GRAD_RTOL), (g, r)
-        for name in ("reward", "kl", "completion_length", "clip_ratio"):
+        for name in ("reward/trained_mean", "kl", "completion_length/trained_mean", "clip_ratio"):
             assert g[name] == pytest.approx(r[name], rel=RTOL, abs=1e-7), (name, g, r)
         assert g["mismatch"] < 1e-5
     for g, r in zip(got[::2], ref[::2]):  # the generating steps: every rank's rollouts, reduced
         assert g["reward/format/mean"] == pytest.approx(r["reward/format/mean"], rel=1e-6), (g, r)
-        assert g["completion_length_max"] == r["completion_length_max"]
+        assert g["completion_length/max"] == r["completion_length/max"]
         assert "policy_gather_bytes" not in r and g["policy_gather_bytes"] > 0  # one gather per update
 
 

@@ -37,19 +37,19 @@ def test_a_run_is_deterministic_and_resumes_exactly(tmp_path, prompts):
     whole = _run(tmp_path, "whole", prompts, "--training.steps", "4")
     again = _run(tmp_path, "again", prompts, "--training.steps", "4")
     assert [r["loss"] for r in whole] == [r["loss"] for r in again]
-    assert [r["reward"] for r in whole] == [r["reward"] for r in again]
-    assert whole[-1]["grad_norm"] > 0 and whole[0]["reward_std"] > 0  # the rewards vary: real gradients
+    assert [r["reward/mean"] for r in whole] == [r["reward/mean"] for r in again]
+    assert whole[-1]["grad_norm"] > 0 and whole[0]["reward/std"] > 0  # the rewards vary: real gradients
     for r in whole:
         assert r["mismatch"] < 1e-5  # the engine's log-probabilities are the trainer's
         assert 0 < r["generation_share"] < 1 and r["rollout_tokens_per_second"] > 0
-        assert r["completion_length_max"] <= 8 and 0 <= r["clipped_fraction"] <= 1
+        assert r["completion_length/max"] <= 8 and 0 <= r["completion_length/clipped_fraction"] <= 1
         assert "reward/grpo_assets:length_reward/mean" in r
     # Stopped after step 2, then resumed: steps 3 and 4 draw and train what the whole run did.
     _run(tmp_path, "resumed", prompts, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
          "--checkpoint.no_last_save_model_only")
     resumed = _run(tmp_path, "resumed", prompts, "--training.steps", "4", "--checkpoint.enable",
                    "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only")
-    assert [(r["loss"], r["reward"]) for r in resumed[-2:]] == [(r["loss"], r["reward"]) for r in whole[-2:]]
+    assert [(r["loss"], r["reward/mean"]) for r in resumed[-2:]] == [(r["loss"], r["reward/mean"]) for r in whole[-2:]]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["frozen_copy", "lora_adapters_off"])
@@ -60,7 +60,7 @@ def test_a_reference_and_several_iterations_per_generation(tmp_path, prompts, lo
                 *extra)
     assert runs[0]["kl"] == 0.0 and runs[-1]["kl"] > 0  # the frozen copy is the policy at first
     # A generated batch trains two steps: steps 1 and 2 share their rollouts (rewards), step 3 draws anew.
-    assert runs[0]["reward"] == runs[1]["reward"]
+    assert runs[0]["reward/mean"] == runs[1]["reward/mean"]
     assert runs[0]["clip_ratio"] == 0.0  # the first step on a batch: the policy is the old policy
     assert all(r["mismatch"] < 1e-5 for r in runs)  # the old policy's, the one that generated, on every step
 
@@ -100,3 +100,59 @@ def test_a_generating_companion_reads_the_policy():
     # Positions in the global batch: 2 data-parallel ranks x 2 microbatches.
     seeds = {rollout_seed(0, step, position) for step in range(3) for position in range(4)}
     assert len(seeds) == 12
+
+
+def test_rollout_figures_trained_figures_and_sample_completions(tmp_path, prompts):
+    """reward/mean and completion_length/* are over every completion generated, before dynamic sampling
+    drops the groups whose rewards are all equal; reward/trained_mean over the rows trained (per
+    completion with loss_type grpo). A few completions with their rewards reach metrics.jsonl every
+    grpo.sample_freq steps."""
+    records = _run(tmp_path, "figures", prompts, "--training.steps", "3", "--training.local_batch_size", "8",
+                   "--grpo.reward_funcs", "grpo_assets:length_unless_red", "--grpo.dynamic_sampling",
+                   "--grpo.loss_type", "grpo", "--grpo.sample_freq", "2")
+    steps, samples = [r for r in records if "loss" in r], [r for r in records if "samples" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert min(r["kept_fraction"] for r in steps) < 1  # some groups (the red prompts') were dropped
+    for r in steps:
+        # The dropped groups' rewards are 0: the rollout's mean is the trained rows' times the kept share.
+        assert r["reward/mean"] == pytest.approx(r["kept_fraction"] * r["reward/trained_mean"], rel=1e-5)
+        assert r["reward/mean"] == pytest.approx(r["reward/grpo_assets:length_unless_red/mean"])
+        assert r["completion_length/trained_mean"] <= r["completion_length/max"] <= 8
+    assert [r["step"] for r in samples] == [2]
+    shown = samples[0]["samples"]
+    assert len(shown) == 4
+    for s in shown:
+        assert s["prompt"].startswith("reverse: ") and isinstance(s["text"], str)
+        assert s["reward"] == s["reward/grpo_assets:length_unless_red"] == pytest.approx(
+            0.0 if "red" in s["prompt"] else len(s["text"]) / 10)
+
+
+def test_samples_with_scores_reach_the_console_tensorboard_and_jsonl(tmp_path, caplog):
+    import json
+    import logging
+
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from titanlike.observe.metrics import MetricsLogger
+
+    metrics = MetricsLogger(device=torch.device("cpu"), flops_per_token=1.0, tokens_per_step_per_device=64,
+                            log_freq=1, is_writer=True, tb_folder=str(tmp_path / "tb"),
+                            jsonl_path=str(tmp_path / "metrics.jsonl"))
+    logging.getLogger("titanlike").addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="titanlike"):
+            metrics.log_samples(5, [("reverse: red dog", "dog red", {"reward": 1.0, "reward/exact": 1.0}),
+                                    ("reverse: sun", "sun", {"reward": 0.0, "reward/exact": 0.0})])
+    finally:
+        logging.getLogger("titanlike").removeHandler(caplog.handler)
+    metrics.close()
+    assert "[0] 'reverse: red dog' -> 'dog red'  reward: 1  reward/exact: 1" in caplog.text
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record == {"step": 5, "samples": [
+        {"prompt": "reverse: red dog", "text": "dog red", "reward": 1.0, "reward/exact": 1.0},
+        {"prompt": "reverse: sun", "text": "sun", "reward": 0.0, "reward/exact": 0.0}]}
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    text = acc.Tensors("samples/0/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert text.startswith("**reverse: red dog**dog red") and "reward: 1" in text

@@ -30,13 +30,18 @@ class Rollout(Protocol):
     """What a generating companion builds (titanlike/rl/rollout.py): `generate` turns one loader batch
     of prompts into a loader-like batch of rollouts (named tensors the objective's `prepare` takes)
     with the policy's whole module, sampling from `seed`; each generated batch trains `iterations`
-    optimizer steps; `metrics` are the host-side figures of the rollouts since its last call."""
+    optimizer steps; `metrics` are the host-side figures of the rollouts since its last call; `samples`
+    a few (prompt, completion, scores) of its latest rollouts as text, which the trainer logs every
+    `sample_freq` steps (0: never)."""
 
     iterations: int
+    sample_freq: int
 
     def generate(self, prompts: Targets, policy: nn.Module, *, seed: int) -> Targets: ...
 
     def metrics(self) -> dict[str, float]: ...
+
+    def samples(self) -> list[tuple[str, str, dict[str, float]]]: ...
 
 
 class Source(enum.Enum):

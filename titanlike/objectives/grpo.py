@@ -104,6 +104,8 @@ class GRPOOptions:
                                         "or a Hugging Face ...ForSequenceClassification folder")
     reward_timeout: float = opt(300.0, "seconds a reward function may take on one batch before the job stops")
     reward_slow_warning: float = opt(10.0, "a reward function's call longer than this many seconds is logged")
+    sample_freq: int = opt(10, "steps between logs of a few sample completions with their rewards (console, "
+                           "TensorBoard text, metrics.jsonl); 0: none")
     chat_template: str = opt("auto", "the template conversation prompts are rendered with, as sft.chat_template: "
                              "auto, tokenizer, llama3, chatml, or a Jinja file")
 
@@ -119,6 +121,8 @@ def check_options(o: GRPOOptions) -> None:
         raise ValueError(f"grpo.epsilon must lie in [0, 1), got {o.epsilon}")
     if o.epsilon_high is not None and o.epsilon_high < 0:
         raise ValueError(f"grpo.epsilon_high must not be negative, got {o.epsilon_high}")
+    if o.sample_freq < 0:
+        raise ValueError(f"grpo.sample_freq must not be negative (0: no samples), got {o.sample_freq}")
     for name in ("num_iterations", "max_completion_length"):
         if getattr(o, name) < 1:
             raise ValueError(f"grpo.{name} must be at least 1, got {getattr(o, name)}")
@@ -318,8 +322,11 @@ class GRPO(Objective):
         super().__init__(**loss_options)
         self.options = options or GRPOOptions()
         self.lora = lora  # the reference is then the policy with its adapters off
-        self.reported_terms = ("reward", *(("kl",) if self.options.beta else ()), "clip_ratio", "entropy", "mismatch",
-                               "completion_length")
+        # reward/trained_mean and completion_length/trained_mean: the rows trained (after dynamic sampling's
+        # drops), every step; the rollout's own figures over all its completions are the companion's
+        # (titanlike/rl/rollout.py GRPORollout.metrics: reward/mean, completion_length/mean, ...).
+        self.reported_terms = ("reward/trained_mean", *(("kl",) if self.options.beta else ()), "clip_ratio", "entropy",
+                               "mismatch", "completion_length/trained_mean")
 
     @classmethod
     def for_job(cls, cfg: JobConfig, args: BaseModelArgs, *, family_objective: Objective | None = None,

@@ -247,26 +247,35 @@ class MetricsLogger:
         self._last_time = time.perf_counter()
         return record
 
-    def log_samples(self, step: int, samples: list[tuple[str, str]]) -> dict:
-        """Report greedy samples (prompt, continuation): the console, TensorBoard text (one tag per
-        prompt, samples/<i>, Markdown), metrics.jsonl ({"step", "samples": [{"prompt", "text"}]}) and
-        a W&B table."""
-        record = {"step": step, "samples": [{"prompt": p, "text": t} for p, t in samples]}
+    def log_samples(self, step: int, samples: list[tuple]) -> dict:
+        """Report samples (prompt, continuation), or (prompt, continuation, scores): validation's greedy
+        continuations, RL's completions with their rewards ({name: value}). The console, TensorBoard text
+        (one tag per sample, samples/<i>, Markdown), metrics.jsonl ({"step", "samples": [{"prompt",
+        "text", **scores}]}) and a W&B table."""
+        items = [{"prompt": s[0], "text": s[1], **(s[2] if len(s) > 2 else {})} for s in samples]
+        record = {"step": step, "samples": items}
         if not self.is_writer:
             return record
-        logger.info(f"samples  step: {step:5d}\n" + "\n".join(f"  [{i}] {p!r} -> {t!r}"
-                                                            for i, (p, t) in enumerate(samples)))
+
+        def scores(item: dict) -> str:
+            return "".join(f"  {k}: {v:.4g}" for k, v in item.items() if k not in ("prompt", "text"))
+
+        logger.info(f"samples  step: {step:5d}\n" + "\n".join(f"  [{i}] {s['prompt']!r} -> {s['text']!r}{scores(s)}"
+                                                            for i, s in enumerate(items)))
         if self._tb is not None:
             # TensorBoard renders Markdown: the prompt in bold, then what the model wrote, both escaped.
-            self._write("_tb", lambda: ([self._tb.add_text(f"samples/{i}", sample_markdown(p, t), step)
-                                         for i, (p, t) in enumerate(samples)], self._tb.flush()))
+            self._write("_tb", lambda: ([self._tb.add_text(f"samples/{i}", sample_markdown(s["prompt"], s["text"])
+                                                           + scores(s), step)
+                                         for i, s in enumerate(items)], self._tb.flush()))
         if self._jsonl is not None:
             self._write("_jsonl", lambda: (self._jsonl.write(json.dumps(record) + "\n"), self._jsonl.flush()))
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({"samples": wandb.Table(columns=["step", "prompt", "text"],
-                                                    data=[[step, p, t] for p, t in samples])}, step=step)
+            names = list(dict.fromkeys(k for s in items for k in s if k not in ("prompt", "text")))
+            self._wandb.log({"samples": wandb.Table(columns=["step", "prompt", "text", *names],
+                                                    data=[[step, s["prompt"], s["text"], *(s.get(k) for k in names)]
+                                                          for s in items])}, step=step)
         self._last_time = time.perf_counter()  # sampling time is not training time
         return record
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 IGNORE_INDEX = -100  # models/outputs.py's
 PROMPT_COLUMN = "prompt"
+SAMPLES, SAMPLE_CHARS = 4, 200  # the sample completions logged every grpo.sample_freq steps, and their length
 
 
 @dataclass
@@ -102,8 +103,10 @@ class GRPORollout:
                  seq_len: int, multiple: int, pad_id: int):
         self.options, self.prompts, self.processor, self.rewards = options, prompts, processor, rewards
         self.seq_len, self.multiple, self.pad_id = seq_len, multiple, pad_id
-        self.iterations = options.num_iterations
+        self.iterations, self.sample_freq = options.num_iterations, options.sample_freq
         self._figures: dict[str, list[float]] = {}
+        self._last: dict[str, float] = {}
+        self._latest: list[tuple[str, str, dict[str, float]]] = []
 
     def _note(self, **values: float) -> None:
         for name, value in values.items():
@@ -145,13 +148,19 @@ class GRPORollout:
             groups = kept_groups(total, g)
             if groups.any():
                 keep = groups.repeat_interleave(g)
-        self._note(reward=_nan_mean(total), reward_std=_nan_std(total),
-                   completion_length=new.float().mean().item(), completion_length_max=float(new.max()),
-                   clipped_fraction=truncated.float().mean().item(), kept_fraction=keep.float().mean().item(),
-                   rollout_tokens_per_second=stats.tokens_per_second)
+        # Over every completion generated, before dynamic sampling drops groups (metrics()).
+        self._note(**{"reward/mean": _nan_mean(total), "reward/std": _nan_std(total),
+                      "completion_length/mean": new.float().mean().item(), "completion_length/max": float(new.max()),
+                      "completion_length/clipped_fraction": truncated.float().mean().item(),
+                      "kept_fraction": keep.float().mean().item(),
+                      "rollout_tokens_per_second": stats.tokens_per_second})
         for reward, values in zip(self.rewards, per_function):
             self._note(**{f"reward/{reward.name}/mean": _nan_mean(values),
                           f"reward/{reward.name}/std": _nan_std(values)})
+        self._latest = [(_shown(texts[i]), _shown(answers[i]),
+                         {"reward": total[i].item(), **{f"reward/{r.name}": v[i].item()
+                                                        for r, v in zip(self.rewards, per_function)}})
+                        for i in range(0, min(len(rows), SAMPLES * g), g)]
         kept = keep.nonzero()[:, 0].tolist()
         longest = max(len(ids[i]) + len(completions[i].tokens) - 1 for i in kept)
         width = min(self.seq_len, -(-longest // self.multiple) * self.multiple)
@@ -170,11 +179,29 @@ class GRPORollout:
                 "rewards": total[index], "truncated": truncated[index]}
 
     def metrics(self) -> dict[str, float]:
-        """The figures of the batches generated since the last call, averaged (the maximum length: its
-        maximum); empty when none was."""
-        figures, self._figures = self._figures, {}
-        return {name: max(values) if name.endswith("_max") else sum(values) / len(values)
-                for name, values in figures.items()}
+        """The figures of the completions generated since the last call, before dynamic sampling drops
+        groups, averaged over the batches (a */max figure: its maximum); when none was generated since
+        (num_iterations > 1: the steps trained on earlier rollouts), the previous call's again, so that
+        every logged step has the figures of the rollouts it trained on; empty before any."""
+        if self._figures:
+            figures, self._figures = self._figures, {}
+            self._last = {name: max(values) if name.endswith("/max") else sum(values) / len(values)
+                          for name, values in figures.items()}
+        return dict(self._last)
+
+    def samples(self) -> list[tuple[str, str, dict[str, float]]]:
+        """(prompt, completion, rewards) of the first completion of each of the latest generated batch's
+        first SAMPLES prompts, texts cut to SAMPLE_CHARS characters: what the log shows every
+        grpo.sample_freq steps."""
+        return list(self._latest)
+
+
+def _shown(text) -> str:
+    """A prompt or completion as a sample shows it: a conversation's last message, cut to SAMPLE_CHARS."""
+    if isinstance(text, list):
+        text = text[-1].get("content", "") if text else ""
+    text = str(text)
+    return text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS] + "..."
 
 
 def _nan_mean(values: torch.Tensor) -> float:

@@ -257,9 +257,15 @@ class Companions:
         self._gathered = (self.weights.gathers, self.weights.gathered_bytes)
         return out
 
+    def samples(self, step: int) -> list[tuple[str, str, dict[str, float]]]:
+        """The generating companion's sample completions (prompt, completion, scores) of this rank's latest
+        rollouts when `step` is one of its sample steps (Rollout.sample_freq); else, or without one, none."""
+        every = 0 if self.rollout is None else self.rollout.sample_freq
+        return self.rollout.samples() if every and step % every == 0 else []
+
     def _over_data_parallel_ranks(self, figures: dict[str, float]) -> dict[str, float]:
         """The rollouts' figures of every data-parallel rank (each generated as many completions): the mean
-        of the ranks' finite values, the largest for a *_max figure, so that what is logged is the global
+        of the ranks' finite values, the largest for a */max figure, so that what is logged is the global
         batch's on every layout. Every rank calls it on the same log steps with the same names (one
         generating code path), as the step's own reduction of the logged values."""
         if self.dp_group is None or not figures:
@@ -275,7 +281,7 @@ class Companions:
         n = len(figures)
         means = torch.where(sums[n:] > 0, sums[:n] / sums[n:].clamp(min=1), torch.nan)
         means, largest = means.tolist(), largest.tolist()  # one read
-        return {name: largest[i] if name.endswith("_max") else means[i] for i, name in enumerate(figures)}
+        return {name: largest[i] if name.endswith("/max") else means[i] for i, name in enumerate(figures)}
 
 
 def frozen_copy(plan: JobPlan, source: list[nn.Module], device: torch.device, *, resumed: bool,

@@ -482,6 +482,8 @@ class Trainer:
                     self.metrics.log_validation(self.step, *self.evaluator.run())
                 if self._samples_at(self.step):
                     self.metrics.log_samples(self.step, self.samples.run())
+                if completions := self.companions.samples(self.step):  # RL: a few rollouts with their rewards
+                    self.metrics.log_samples(self.step, completions)
                 if self.step < steps and stop:
                     self._save_and_stop(stop)
                     break
