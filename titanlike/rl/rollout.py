@@ -105,7 +105,6 @@ class GRPORollout:
         self.seq_len, self.multiple, self.pad_id = seq_len, multiple, pad_id
         self.iterations, self.sample_freq = options.num_iterations, options.sample_freq
         self._figures: dict[str, list[float]] = {}
-        self._last: dict[str, float] = {}
         self._latest: list[tuple[str, str, dict[str, float]]] = []
 
     def _note(self, **values: float) -> None:
@@ -180,14 +179,10 @@ class GRPORollout:
 
     def metrics(self) -> dict[str, float]:
         """The figures of the completions generated since the last call, before dynamic sampling drops
-        groups, averaged over the batches (a */max figure: its maximum); when none was generated since
-        (num_iterations > 1: the steps trained on earlier rollouts), the previous call's again, so that
-        every logged step has the figures of the rollouts it trained on; empty before any."""
-        if self._figures:
-            figures, self._figures = self._figures, {}
-            self._last = {name: max(values) if name.endswith("/max") else sum(values) / len(values)
-                          for name, values in figures.items()}
-        return dict(self._last)
+        groups, averaged over the batches (a */max figure: its maximum); empty when none was."""
+        figures, self._figures = self._figures, {}
+        return {name: max(values) if name.endswith("/max") else sum(values) / len(values)
+                for name, values in figures.items()}
 
     def samples(self) -> list[tuple[str, str, dict[str, float]]]:
         """(prompt, completion, rewards) of the first completion of each of the latest generated batch's

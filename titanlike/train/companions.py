@@ -181,6 +181,7 @@ class Companions:
         self.dp_group, self.device = dp_group, device
         self._generating = 0.0  # seconds spent generating since the last metrics()
         self._gathered = (0, 0)  # the policy's weights' (gathers, bytes) at the last metrics()
+        self._figures: dict[str, float] = {}  # the rollout's figures of the latest generated step
         self._since = time.perf_counter()
 
     def __bool__(self) -> bool:
@@ -238,17 +239,19 @@ class Companions:
                     if out is not None:
                         batch.update(out)
             self._generating += time.perf_counter() - started
+            self._figures = self.rollout.metrics()  # this step's rollouts, until the next generation
             for _ in range(self.rollout.iterations):
                 yield from batches
 
     def metrics(self) -> dict[str, float]:
-        """The generating companion's figures since the last call (nothing without one), with the share
-        of the wall time spent generating and, under FSDP or TP, the bytes each gather of the policy's
-        weights brought into this rank (policy_gather_bytes)."""
+        """The generating companion's figures of the rollouts the latest step trained on (those of the
+        step that generated them, for a step on earlier rollouts: num_iterations > 1; nothing without
+        one), with the share of the wall time since the last call spent generating and, under FSDP or
+        TP, the bytes each gather of the policy's weights brought into this rank (policy_gather_bytes)."""
         if self.rollout is None:
             return {}
         now = time.perf_counter()
-        out = self._over_data_parallel_ranks(self.rollout.metrics())
+        out = self._over_data_parallel_ranks(dict(self._figures))
         out["generation_share"] = self._generating / max(now - self._since, 1e-9)
         self._generating, self._since = 0.0, now
         gathers, gathered = self.weights.gathers - self._gathered[0], self.weights.gathered_bytes - self._gathered[1]
