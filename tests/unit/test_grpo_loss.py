@@ -248,6 +248,7 @@ def test_overlong_penalty_equals_trl():
     ({"engine_importance_sampling_clip_min": 4.0}, "clip_min (4.0) must not exceed clip_max"),
     ({"overlong_buffer_length": 600}, "grpo.overlong_buffer_length must lie in"),
     ({"reward_funcs": ["format"], "reward_weights": [1.0, 2.0]}, "grpo.reward_weights has 2 weights for 1"),
+    ({"sample_freq": -1}, "grpo.sample_freq must not be negative"),
 ])
 def test_bad_options_are_one_sentence(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
