@@ -68,7 +68,10 @@ def test_grpo_raises_the_held_out_accuracy_of_an_sft_model(loss_type, sft_model,
     seconds = time.perf_counter() - started
     after = exact_match(titanlike.load_model(tmp_path / "grpo" / "checkpoint" / f"step-{GRPO_STEPS}"), tokenizer,
                         template, held_out)
-    records = [r for r in read_metrics(tmp_path / "grpo") if "loss" in r]  # not the samples records
+    lines = read_metrics(tmp_path / "grpo")
+    records = [r for r in lines if "loss" in r]
+    # A few completions with their rewards every grpo.sample_freq steps (default 10).
+    assert [r["step"] for r in lines if "samples" in r] == list(range(10, GRPO_STEPS + 1, 10))
     rewards = [round(r["reward/grpo_assets:exact_text/mean"], 2) for r in records]
     figures = (f"GRPO ({loss_type}) held-out greedy exact match {before:.0%} -> {after:.0%} in {GRPO_STEPS} steps "
                f"({seconds:.0f} s); sampled rewards every 10 steps {rewards}; completion length "
