@@ -232,3 +232,62 @@ def test_lora_base_held_in_bfloat16_with_float32_adapters(train_runs):
     assert len(bf16_base) == 4 and min(loss for loss, _ in bf16_base[1:]) < bf16_base[0][0] - 0.5
     assert [x for x, _ in bf16_base] == pytest.approx([x for x, _ in fsdp], abs=1e-5)
     assert [g for _, g in bf16_base] == pytest.approx([g for _, g in fsdp], rel=1e-4)
+
+
+# Issue 43's families, SFT with adapters from a random transformers model of the debug flavor's shape: the
+# targets by Hugging Face names (Qwen3-Next's Gated DeltaNet projections beside its attention; MoE routers,
+# experts and gpt-oss's sinks are no linear peft adapts, nor do we), the merged export and the PEFT adapter.
+# (targets, adapted linears): Gemma 3's 6 layers of 7; Qwen3-Next's 2 attention layers of 4 and 2 Gated
+# DeltaNet layers of 3; gpt-oss's 4 attention layers of 4.
+FAMILY_TARGETS = {
+    ("gemma3", "debugmodel"): ("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", 42),
+    ("qwen3_next", "debugmodel_tiny"): ("q_proj,k_proj,v_proj,o_proj,in_proj_qkvz,in_proj_ba,out_proj", 14),
+    ("gpt_oss", "debugmodel"): ("all-linear", 16),
+}
+
+
+@pytest.mark.parametrize("family,flavor", sorted(FAMILY_TARGETS), ids=[f for f, _ in sorted(FAMILY_TARGETS)])
+def test_lora_sft_of_a_new_family_exports_what_transformers_and_peft_load(tmp_path, family, flavor):
+    """Four steps of LoRA SFT from a Hugging Face folder: the loss is finite and falls, the merged export
+    gives titanlike's logits in transformers within 1e-5 (fp32), and peft puts the adapter on the base
+    model with the merged model's logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import math
+
+    import titanlike
+    from conftest import read_metrics
+    from titanlike.data import build_tokenizer
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec(family)
+    targets, adapted = FAMILY_TARGETS[family, flavor]
+    hf_folder = tokenizer_folder(tmp_path / "hf", TAGGED["chatml"])
+    tokenizer = build_tokenizer(str(hf_folder))
+    args = dataclasses.replace(spec.flavors[flavor], vocab_size=tokenizer.vocab_size, max_seq_len=2048)
+    config = spec.hf.args_to_config(args)
+    cls = getattr(transformers, config["architectures"][0])
+    torch.manual_seed(0)
+    cls(cls.config_class(**config)).save_pretrained(hf_folder)
+    dump = tmp_path / "out"
+    run = train_here(["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.name", family,
+                      "--model.flavor", flavor, "--model.hf_assets_path", str(hf_folder),
+                      "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--training.steps", "4",
+                      "--lr_scheduler.warmup_steps", "1", "--training.seq_len", "64", "--training.local_batch_size",
+                      "4", "--lora.target_modules", targets, "--metrics.log_freq", "1",
+                      "--metrics.enable_jsonl", "--metrics.no_enable_tensorboard", "--job.dump_folder", str(dump)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"lora: rank 8, alpha 16 on {adapted} linear layers" in run.stderr
+    losses = [r["loss"] for r in read_metrics(dump)]
+    assert len(losses) == 4 and all(map(math.isfinite, losses)) and min(losses[1:]) < losses[0], losses
+    export = dump / "checkpoint" / "step-4"
+    tokens = torch.randint(0, tokenizer.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
+        want = merged(tokens).logits
+        torch.testing.assert_close(titanlike.load_model(export)(tokens), want, rtol=0, atol=1e-5)
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, attn_implementation="eager").eval()
+        before = base(tokens).logits
+        with_adapter = peft.PeftModel.from_pretrained(base, export / "adapter").eval()(tokens).logits
+        torch.testing.assert_close(with_adapter, want, rtol=0, atol=1e-4)
+        assert (want - before).abs().max() > 1e-4  # the adapters trained

@@ -64,6 +64,31 @@ def test_adapters_freeze_the_base_and_swap_only_the_targets(hf_folder):
     assert all(isinstance(m, LoRALinear) for m in adapters(fresh).values())
 
 
+@pytest.mark.parametrize("family,flavor", [("qwen3", "debugmodel_moe"), ("gpt_oss", "debugmodel"),
+                                           ("qwen3_next", "debugmodel_tiny")])
+def test_all_linear_leaves_routers_experts_and_sinks_alone(family, flavor):
+    """A router reads its gate's weight in fp32 (an adapter there would never be computed) and transformers'
+    routers are no nn.Linear (peft adapts none): all-linear adapts every other linear, Qwen3-Next's Gated
+    DeltaNet projections and gated shared experts among them; a router named alone is refused."""
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec(family)
+    with torch.device("meta"):
+        model = spec.model_cls(spec.flavors[flavor])
+    targets = apply_lora(model, LoRAOptions(target_modules=["all-linear"]), spec=spec)
+    assert targets and not [t for t in targets if ".router." in t]
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        f"{t}.{x}" for t in targets for x in ("lora_a", "lora_b")}  # experts, biases, sinks frozen
+    if family == "qwen3_next":
+        kinds = {t.split(".", 2)[-1] for t in targets}
+        assert {"linear_attention.in_proj_qkvz", "linear_attention.in_proj_ba", "linear_attention.out_proj",
+                "moe.shared_experts.gate"} <= kinds
+    with torch.device("meta"):
+        model = spec.model_cls(spec.flavors[flavor])
+    with pytest.raises(ValueError, match="lora.target_modules router.gate matches no linear layer"):
+        apply_lora(model, LoRAOptions(target_modules=["router.gate"]), spec=spec)
+
+
 def test_peft_loads_our_adapter_onto_the_transformers_model_with_our_logits(hf_folder, tmp_path):
     from titanlike.models.registry import get_model_spec
 

@@ -270,11 +270,20 @@ def select_targets(model: nn.Module, patterns: list[str], hf_names: Mapping[str,
     """pattern -> the linear fqns it names (ours or their HF names, whole dot-separated parts), less
     those `exclude` or `saved` (modules trained in full, as peft never adapts them) name. ALL_LINEAR
     names every linear but the output head, as peft's all-linear leaves out the transformers model's
-    output embeddings (its lm_head; without HF names, a linear with vocab_size outputs)."""
+    output embeddings (its lm_head; without HF names, a linear with vocab_size outputs).
+
+    A mixture of experts' router gate is never a target: the router reads its weight in fp32 rather
+    than calling the linear (models/common/moe.py), and transformers' routers are no nn.Linear, so
+    peft adapts none either. Experts (stacked tensors) and attention sinks are no linear at all."""
+    from titanlike.models.common.moe import Router
+
     found: dict[str, list[str]] = {p: [] for p in patterns}
     vocab = getattr(getattr(model, "model_args", None), "vocab_size", None)
+    routers = {f"{fqn}.{name}" if fqn else name for fqn, module in model.named_modules() if isinstance(module, Router)
+               for name, _ in module.named_children()}
     for fqn, module in model.named_modules():
-        if type(module) is not nn.Linear or _named(fqn, [*exclude, *saved], hf_names) is not None:
+        if (type(module) is not nn.Linear or fqn in routers
+                or _named(fqn, [*exclude, *saved], hf_names) is not None):
             continue
         head = hf_names[fqn].rsplit(".", 1)[-1] == "lm_head" if fqn in hf_names else module.out_features == vocab
         for pattern in patterns:
