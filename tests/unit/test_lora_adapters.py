@@ -89,6 +89,41 @@ def test_all_linear_leaves_routers_experts_and_sinks_alone(family, flavor):
         apply_lora(model, LoRAOptions(target_modules=["router.gate"]), spec=spec)
 
 
+def test_a_projection_transformers_keeps_in_parts_exports_one_adapter_per_part(tmp_path):
+    """Qwen3.5 keeps our in_proj_qkvz as in_proj_qkv and in_proj_z (in_proj_ba as in_proj_b and in_proj_a):
+    the PEFT folder holds an adapter per part, each with our A and its rows of B, which read back as ours;
+    parts with different A's (an adapter peft trained on them apart) are refused in one sentence."""
+    from safetensors.torch import load_file, save_file
+
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec("qwen3_next")
+    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], moe=None, n_layers=2, release="qwen3_5")
+    options = LoRAOptions(rank=4, alpha=8, target_modules=["in_proj_qkvz", "in_proj_ba"])
+    model = spec.model_cls(args)
+    apply_lora(model, options, spec=spec)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in adapters(model).values():
+            module.lora_a.normal_(0, 0.1)
+            module.lora_b.normal_(0, 0.1)
+    written = export_peft(model.state_dict(), spec, args, str(tmp_path), options)
+    assert written == ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z"]
+    again = spec.model_cls(args)
+    apply_lora(again, options, spec=spec)
+    load_peft(again, str(tmp_path), spec=spec)
+    for fqn, module in adapters(model).items():
+        for name in ("lora_a", "lora_b"):
+            assert torch.equal(getattr(adapters(again)[fqn], name), getattr(module, name)), (fqn, name)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    tensors["base_model.model.model.layers.0.linear_attn.in_proj_z.lora_A.weight"] += 1
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="holds different lora_A matrices for model.layers.0.linear_attn.in_proj_qkv "
+                                         "and model.layers.0.linear_attn.in_proj_z, which this model computes as one "
+                                         "projection"):
+        load_peft(again, str(tmp_path), spec=spec)
+
+
 def test_peft_loads_our_adapter_onto_the_transformers_model_with_our_logits(hf_folder, tmp_path):
     from titanlike.models.registry import get_model_spec
 
