@@ -275,8 +275,8 @@ def test_lora_sft_of_a_new_family_exports_what_transformers_and_peft_load(tmp_pa
     torch.manual_seed(0)
     cls(cls.config_class(**config)).save_pretrained(hf_folder)
     dump = tmp_path / "out"
-    job = ["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.name", family, "--model.flavor",
-           flavor, "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
+    job = ["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.name", family,
+           "--model.flavor", flavor, "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
            "--checkpoint.last_save_in_hf", "--lr_scheduler.warmup_steps", "1", "--training.seq_len", "64",
            "--training.local_batch_size", "4", "--lora.target_modules", targets, "--metrics.log_freq", "1",
            "--metrics.enable_jsonl", "--metrics.no_enable_tensorboard"]

@@ -359,7 +359,8 @@ def test_a_generators_cache_holds_a_window_per_sliding_layer_and_a_fixed_state_p
                 tokens = min(seq, a.attention_window(layer) or seq)
                 want += 2 * rows * tokens * (a.n_kv_heads or a.n_heads) * a.head_dim * 4
             else:
-                want += rows * (a.linear_v_heads * a.linear_k_dim * a.linear_v_dim + (a.conv_kernel - 1) * a.conv_dim) * 4
+                state = a.linear_v_heads * a.linear_k_dim * a.linear_v_dim
+                want += rows * (state + (a.conv_kernel - 1) * a.conv_dim) * 4
         g, note = probe_generation(plan, sharded=False, device="cpu", granularity=1)
         assert note is None and g.rows == rows and g.cache == want, (seq, g.cache, want)
 

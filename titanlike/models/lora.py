@@ -601,7 +601,8 @@ def _read_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None,
                 raise ValueError(f"{path} is an adapter of rank {rank} and alpha {alpha:g}"
                                  f"{' (rslora)' if rslora else ''}{patterned}; this job's adapters have rank "
                                  f"{module.lora_rank} and alpha {module.lora_alpha:g}"
-                                 f"{' (rslora)' if module.lora_rslora else ''} (lora.rank, lora.alpha, lora.use_rslora)")
+                                 f"{' (rslora)' if module.lora_rslora else ''} "
+                                 "(lora.rank, lora.alpha, lora.use_rslora)")
         got = [tuple(tensors.get(f"{PEFT_PREFIX}{name}.lora_{x}.weight") for x in "AB") for name, _ in pieces]
         missing = [name for (name, _), (a, b) in zip(pieces, got) if a is None or b is None]
         if missing:
@@ -622,7 +623,8 @@ def _read_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None,
             ms = [tensors.get(f"{PEFT_PREFIX}{name}.lora_magnitude_vector") for name, _ in pieces]
             m = None if any(x is None for x in ms) else torch.cat(ms)
             if m is None or tuple(m.shape) != (module.out_features,):
-                raise ValueError(f"{folder}: the DoRA adapter of {names} has no magnitude of {module.out_features} rows")
+                raise ValueError(f"{folder}: the DoRA adapter of {names} has no magnitude of "
+                                 f"{module.out_features} rows")
             sd[f"{fqn}.lora_magnitude"] = m[back].to(module.lora_magnitude.dtype)
     sd.update(_saved_from_peft(model, folder, tensors, config, spec, options))
     return sd, sorted(set(tensors) - tensors.read)
