@@ -65,6 +65,23 @@ def test_a_reference_and_several_iterations_per_generation(tmp_path, prompts, lo
     assert all(r["mismatch"] < 1e-5 for r in runs)  # the old policy's, the one that generated, on every step
 
 
+@pytest.mark.parametrize("old_logprobs", ["trainer", "engine"])
+def test_the_engines_log_probabilities_stand_in_for_the_old_policys_forward(tmp_path, prompts, monkeypatch,
+                                                                             old_logprobs):
+    """num_iterations 2: the trainer's old policy is one forward per generated batch (2 steps, 1 microbatch,
+    so 1 forward); old_logprobs engine skips it and trains against the engine's log-probabilities."""
+    from titanlike.train.companions import Companions
+
+    forwards = []
+    run = Companions._run
+    monkeypatch.setattr(Companions, "_run", lambda self, *a: forwards.append(a[0].role) or run(self, *a))
+    runs = _run(tmp_path, old_logprobs, prompts, "--training.steps", "2", "--grpo.num_iterations", "2",
+                "--grpo.old_logprobs", old_logprobs)
+    assert forwards == ([] if old_logprobs == "engine" else ["generator"])
+    assert runs[0]["reward"] == runs[1]["reward"] and runs[1]["grad_norm"] > 0
+    assert runs[0]["clip_ratio"] == 0.0  # pi / pi_engine is 1 within 1e-5 at first: nothing clipped
+
+
 @pytest.mark.parametrize("extra,words", [
     (["--grpo.num_generations", "1"], "grpo.num_generations must be at least 2"),
     (["--parallelism.pipeline_parallel_degree", "2"], "which pipeline parallelism splits over stages"),
