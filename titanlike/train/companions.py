@@ -202,12 +202,13 @@ class InFlight:
 
 
 def rollout_seed(seed: int, step: int, position: int) -> int:
-    """The sampling seed of one generated microbatch: a function of (debug.seed, step, the microbatch's
-    position in the step's global batch), so that a resumed run draws what the uninterrupted one drew,
-    tensor-parallel ranks of one data-parallel rank draw the same samples, and a layout draws what one
-    process draws for the same prompts. The position is data-parallel rank x microbatches per rank +
-    microbatch, the loader's order (data/loader.py), so one process accumulating D microbatches and D
-    data-parallel ranks of one microbatch each generate the same rollouts."""
+    """The sampling seed of one generated microbatch: a function of (debug.seed, step: the first step that
+    trains it, the microbatch's position in the step's global batch), so that a resumed run draws what the
+    uninterrupted one drew, tensor-parallel ranks of one data-parallel rank draw the same samples, and a
+    layout draws what one process draws for the same prompts. The position is (refill round x
+    data-parallel ranks + data-parallel rank) x microbatches per rank + microbatch, the loader's order
+    (data/loader.py: a round draws the next global batch), so one process accumulating D microbatches and
+    D data-parallel ranks of one microbatch each generate the same rollouts."""
     return ((seed * 1_000_003 + step) * 16_843_009 + position) % (2 ** 63)  # 16_843_009 positions per step
 
 
@@ -230,6 +231,7 @@ class Companions:
         self.dp_group, self.device = dp_group, device
         self.in_flight = in_flight if in_flight is not None else InFlight(ranks)
         self._figures: dict[str, list[float]] = {}  # per generation: rollout/rounds, dropped and missing prompts
+        self._calls = 0  # the rollout's generate calls since the last metrics()
         self._lag: int | None = None  # of the step served last
         self._generating = 0.0  # seconds spent generating since the last metrics()
         self._gathered = (0, 0)  # the policy's weights' (gathers, bytes) at the last metrics()
@@ -307,6 +309,7 @@ class Companions:
                         slots[i] = self.rollout.generate(prompts, policy, seed=rollout_seed(self.seed, first, position),
                                                          joining=slots[i])
                         generated += drawn
+                        self._calls += 1
                 missing = sum(self.rollout.missing(b) for b in slots)
                 if round_ + 1 == self.rollout.rounds or not self._anywhere(missing > 0):
                     break
@@ -343,10 +346,12 @@ class Companions:
         if self.rollout is None:
             return {}
         now = time.perf_counter()
-        figures = self.rollout.metrics()
-        own, self._figures = self._figures, {}
+        figures = self.rollout.metrics()  # means over this rank's generated batches
+        weights = {name: float(self._calls) for name in figures}
+        own, self._figures, self._calls = self._figures, {}, 0
         figures.update({name: sum(values) / len(values) for name, values in own.items()})
-        out = self._over_data_parallel_ranks(figures, summed=("rollout/dropped_prompts", "rollout/missing_prompts"))
+        out = self._over_data_parallel_ranks(figures, weights, summed=("rollout/dropped_prompts",
+                                                                       "rollout/missing_prompts"))
         if self._lag is not None:
             out["rollout/lag"] = float(self._lag)
         out["generation_share"] = self._generating / max(now - self._since, 1e-9)
@@ -357,23 +362,27 @@ class Companions:
         self._gathered = (self.weights.gathers, self.weights.gathered_bytes)
         return out
 
-    def _over_data_parallel_ranks(self, figures: dict[str, float], summed: tuple[str, ...] = ()) -> dict[str, float]:
-        """The rollouts' figures of every data-parallel rank (each generated as many completions): the mean
-        of the ranks' finite values, the largest for a *_max figure, the sum for the counts `summed`, so
-        that what is logged is the global batch's on every layout. Every rank calls it on the same log steps with the same names (one
+    def _over_data_parallel_ranks(self, figures: dict[str, float], weights: dict[str, float],
+                                  summed: tuple[str, ...] = ()) -> dict[str, float]:
+        """The rollouts' figures of every data-parallel rank: the mean of the ranks' finite values weighted
+        by `weights` (the batches each rank generated: refill rounds may differ per rank; 1 where absent),
+        the largest for a *_max figure, the sum for the counts `summed`, so that what is logged is the
+        global batch's on every layout. Every rank calls it on the same log steps with the same names (one
         generating code path), as the step's own reduction of the logged values."""
         if self.dp_group is None or not figures:
             return figures
         import torch.distributed as dist
 
         values = torch.tensor(list(figures.values()), dtype=torch.float64, device=self.device)
+        weight = torch.tensor([weights.get(name, 1.0) for name in figures], dtype=torch.float64, device=self.device)
         finite = values.isfinite()
-        sums = torch.cat([torch.where(finite, values, 0.0), finite.to(values.dtype)])
+        weight = torch.where(finite, weight, 0.0)
+        sums = torch.cat([torch.where(finite, values * weight, 0.0), weight])
         largest = torch.where(finite, values, -torch.inf)
         dist.all_reduce(sums, group=self.dp_group)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.dp_group)
         n = len(figures)
-        means = torch.where(sums[n:] > 0, sums[:n] / sums[n:].clamp(min=1), torch.nan)
+        means = torch.where(sums[n:] > 0, sums[:n] / sums[n:].clamp(min=1e-30), torch.nan)
         read = torch.cat([means, largest, sums[:n]]).tolist()  # one read
         means, largest, totals = read[:n], read[n:2 * n], read[2 * n:]
         return {name: largest[i] if name.endswith("_max") else totals[i] if name in summed else means[i]
