@@ -133,6 +133,8 @@ def test_dynamic_sampling_refills_and_resumes_exactly(tmp_path, prompts):
     (["--grpo.reward_funcs", "exact_answer"], "reward exact_answer needs the dataset column 'answer'"),
     (["--training.seq_len", "12"], "less grpo.max_completion_length"),
     (["--validation.enable"], "training.objective grpo has no validation loss"),
+    (["--grpo.max_offpolicy_steps", "-1"], "grpo.max_offpolicy_steps must not be negative"),
+    (["--grpo.dynamic_sampling_max_rounds", "0"], "grpo.dynamic_sampling_max_rounds must be at least 1"),
     (["--grpo.reward_funcs", "no_such_module:f"], "module no_such_module does not import"),
 ])
 def test_bad_jobs_are_one_sentence_at_plan_time(tmp_path, extra, words):
@@ -162,3 +164,21 @@ def test_a_generating_companion_reads_the_policy():
     # Positions in the global batch: 2 data-parallel ranks x 2 microbatches.
     seeds = {rollout_seed(0, step, position) for step in range(3) for position in range(4)}
     assert len(seeds) == 12
+
+
+def test_rollouts_in_flight_resume_on_their_data_parallel_degree():
+    """A checkpoint's generations not yet trained belong to its data-parallel ranks: another degree is one
+    sentence naming the way out; with nothing in flight (a finished generation) any layout resumes."""
+    import torch
+
+    from titanlike.train.companions import Generation, InFlight
+
+    saved = InFlight(2)
+    saved.generations, saved.served = [Generation(3, 4, 3, [{"inputs": torch.zeros(2, 3, dtype=torch.long)}])], 3
+    with pytest.raises(ValueError, match="generated for 2 data-parallel ranks and this run has 1: .* "
+                                         "--checkpoint.exclude_from_loading rollouts"):
+        InFlight(1).load_state_dict(saved.state_dict())
+    saved.served = 4
+    fresh = InFlight(1)
+    fresh.load_state_dict(saved.state_dict())
+    assert fresh.generations == []
