@@ -291,7 +291,7 @@ class Companions:
         """A generation of `count` microbatches trained at steps first..last, made with the policy as of
         `version`: one loader batch each, and, while any data-parallel rank's is short, rounds of one more
         loader batch per microbatch (drawn on every rank alike, so the loader's position stays every rank's;
-        a full batch's draw is skipped), then the old policy's outputs with the same weights."""
+        a batch already full leaves its draw unused), then the old policy's outputs with the same weights."""
         companion, parts = next((c, p) for c, p in zip(self.companions, self.parts) if c.rollout is not None)
         started = time.perf_counter()
         policy = self.weights.module(version)
@@ -456,4 +456,5 @@ def build_companions(companions: tuple[Companion, ...], plan: JobPlan, policy: l
                       dp_group=None if dp is None else dp.get_group(), device=device, in_flight=in_flight)
 
 
-__all__ = ["Companions", "ForwardOnly", "Generation", "InFlight", "PolicyWeights", "build_companions", "frozen_copy", "rollout_seed"]
+__all__ = ["Companions", "ForwardOnly", "Generation", "InFlight", "PolicyWeights", "build_companions", "frozen_copy",
+           "rollout_seed"]
