@@ -83,7 +83,8 @@ class GRPOOptions:
     old_logprobs: str = opt("trainer", "the old policy's log-probabilities (pi_old) where the policy ratio needs them: "
                             "the trainer's forward with the weights that generated (trainer), or the generation "
                             "engine's, with no forward (engine: the ratio is then pi / pi_engine, whose clip is the "
-                            "truncated importance-sampling correction)", choices=OLD_LOGPROBS)
+                            "truncated importance-sampling correction; mismatch then compares the engine with the "
+                            "policy being trained)", choices=OLD_LOGPROBS)
     max_completion_length: int = opt(512, "the most tokens generated per completion")
     temperature: float = opt(1.0, "sampling temperature of the generation")
     top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1: all")
