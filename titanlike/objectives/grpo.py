@@ -530,6 +530,5 @@ register_objective("grpo", GRPO.for_job, section="grpo")
 
 
 __all__ = ["ENGINE_IS_MODES", "GRPO", "GRPOOptions", "GRPOTerms", "LOSS_TYPES", "OLD_LOGPROBS", "SCALE_REWARDS",
-           "check_options",
-           "engine_weights", "group_advantages", "grpo_token_loss", "kept_groups", "overlong_penalty", "policy_logps",
-           "old_logps", "reported_values", "token_entropy"]
+           "check_options", "engine_weights", "group_advantages", "grpo_token_loss", "kept_groups", "old_logps",
+           "overlong_penalty", "policy_logps", "reported_values", "token_entropy"]

@@ -118,7 +118,7 @@ class GRPORollout:
     companion draws more loader batches (rounds) for a batch still short of its groups, up to
     dynamic_sampling_max_rounds: `generate(..., joining=)` adds a round's kept groups to the batch so far,
     `missing` says how many it still lacks. A batch that kept no group at all trains its first round's
-    groups (advantages 0: no gradient) rather than an empty microbatch."""
+    groups (advantages 0: no policy-gradient term) rather than an empty microbatch."""
 
     def __init__(self, options: GRPOOptions, prompts: PromptRows, processor: Processor, rewards: list[Reward], *,
                  seq_len: int, multiple: int, pad_id: int):
