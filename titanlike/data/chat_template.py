@@ -563,9 +563,11 @@ def end_of_turn_ids(template: ChatTemplate, tokenizer) -> set[int]:
     return stops
 
 
-def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict]) -> list[int]:
-    """The ids of `messages` followed by the template's generation prompt (what a model answers)."""
-    text, _ = render(template, messages, add_generation_prompt=True)
+def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict], *, tools: list | None = None,
+                    kwargs: dict | None = None) -> list[int]:
+    """The ids of `messages` followed by the template's generation prompt (what a model answers).
+    tools, kwargs: render's (a data row's tool schemas and chat_template_kwargs)."""
+    text, _ = render(template, messages, add_generation_prompt=True, tools=tools, kwargs=kwargs)
     return encode_with_offsets(tokenizer, text)[0]
 
 
