@@ -544,28 +544,38 @@ def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[
 def end_of_turn_ids(template: ChatTemplate, tokenizer) -> set[int]:
     """The tokens that end an assistant turn in this template (where sampling stops): the first
     token the template writes after the assistant's text (Llama 3's <|eot_id|>, ChatML's
-    <|im_end|>, Gemma's <end_of_turn>, Mistral's EOS), and the tokenizer's EOS."""
-    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
-    try:
-        prompt, _ = render(template, probe[:1], add_generation_prompt=True)
-        ids, mask = tokenize_conversation(template, tokenizer, probe)
-    except DataError:
-        raise
-    except Exception as e:  # its raise_exception, an undefined name...: one sentence where it is loaded
-        raise DataError(f"the chat template ({template.origin}) cannot render a user turn and an assistant answer: "
-                        f"{_one_line(e)}") from None
-    prompt_ids, _ = encode_with_offsets(tokenizer, prompt)
-    answer = encode_with_offsets(tokenizer, "ok")[0]
-    after = len(prompt_ids) + len(answer)
+    <|im_end|>, Gemma's <end_of_turn>, DeepSeek-R1's <｜end▁of▁sentence｜>, Mistral's EOS), and the
+    tokenizer's EOS.
+
+    The answer's end is found by rendering the conversation with two answers and keeping what both
+    renderings end with, not by rendering the prompt first: a generation prompt may write what the
+    rendered turn does not (DeepSeek-R1's opens a `<think>` block), and a template may render earlier
+    turns differently once an answer follows, so the prompt's tokens need not start the conversation's."""
+    texts = []
+    for answer in ("ok", "no"):  # no character in common at either end
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]
+        try:
+            texts.append(render(template, probe)[0])
+        except Exception as e:  # its raise_exception, an undefined name...: one sentence where it is loaded
+            raise DataError(f"the chat template ({template.origin}) cannot render a user turn and an assistant "
+                            f"answer: {_one_line(e)}") from None
+    text, other = texts
+    tail = len(os.path.commonprefix([text[::-1], other[::-1]]))  # what the template writes after the answer
+    end = len(text) - tail
+    ids, offsets = encode_with_offsets(tokenizer, text)
     stops = {tokenizer.eos_id}
-    if after < len(ids) and ids[len(prompt_ids): after] == answer:
+    # The first token after the answer, where the answer ends on a token boundary.
+    after = next((i for i, (start, _) in enumerate(offsets) if start >= end), None)
+    if tail and after is not None and after > 0 and offsets[after - 1][1] <= end:
         stops.add(ids[after])
     return stops
 
 
-def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict]) -> list[int]:
-    """The ids of `messages` followed by the template's generation prompt (what a model answers)."""
-    text, _ = render(template, messages, add_generation_prompt=True)
+def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict], *, tools: list | None = None,
+                    kwargs: dict | None = None) -> list[int]:
+    """The ids of `messages` followed by the template's generation prompt (what a model answers).
+    tools, kwargs: render's (a data row's tool schemas and chat_template_kwargs)."""
+    text, _ = render(template, messages, add_generation_prompt=True, tools=tools, kwargs=kwargs)
     return encode_with_offsets(tokenizer, text)[0]
 
 

@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titanlike.models.load_hooks import LoadHook, register_load_hook
 from titanlike.config.schema import opt
@@ -195,6 +194,8 @@ def _gradient_like_param(p: torch.Tensor) -> torch.Tensor:
     optimizer and the gradient norm read the local shard as if it had the parameter's layout: the
     round trip through a local tensor redistributes the gradient (a reduce-scatter or all-reduce of
     rank-sized tensors) in backward, and is free in forward."""
+    from torch.distributed.tensor import DTensor  # here, not at the top: ~0.6 s of every start (docs/performance.md)
+
     if not isinstance(p, DTensor):
         return p
     local = p.to_local(grad_placements=p.placements)
@@ -389,6 +390,8 @@ _TRAINED = (".lora_a", ".lora_b", ".lora_magnitude")
 def dora_magnitudes(model: nn.Module) -> dict[str, torch.Tensor]:
     """{fqn.lora_magnitude: W's row norms (full, float32)} of every DoRA adapter of `model` (a model part,
     sharded or not: a sharded weight is gathered one layer at a time, on every rank alike)."""
+    from torch.distributed.tensor import DTensor
+
     out = {}
     for fqn, module in adapters(model).items():
         if module.lora_dora:

@@ -61,11 +61,11 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
+from titanlike.models.common.dtensor import is_dtensor
 from titanlike.models.outputs import IGNORE_INDEX, logits_of
 from titanlike.objectives.base import (BatchContext, FieldShapes, LossTerms, Microbatch, Objective, compile_options,
                                        cut_sequence, refuse_pretraining_options)
@@ -113,7 +113,7 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     no gather: torch's vocabulary-parallel cross-entropy computes it, and the result is replicated."""
     logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="none",
                             ignore_index=IGNORE_INDEX)
-    if isinstance(logp, DTensor):
+    if is_dtensor(logp):
         logp = logp.full_tensor()
     return logp.view(targets.shape)
 

@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlike.models.args import AttentionShape
+from titanlike.models.common.dtensor import local_part
 from titanlike.models.common.eager import eager_only
 from titanlike.models.common.init import LinearInit, ones_, zeros_
 from titanlike.models.common.kv_cache import KVCache, SlidingKVCache
@@ -239,13 +240,6 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return dense(mask.dense)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter split with the heads (a DTensor under tensor parallelism)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def resolve_attention_backend(backend: str, device_type: str) -> str:
     """The kernel for document masks: "auto" is FlexAttention on CUDA, dense-mask SDPA elsewhere."""
     if backend not in ATTENTION_BACKENDS:
@@ -342,7 +336,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Only sliding layers pass the keyword (sink layers theirs), so kernels that know no window
         # (or no sink) still serve the others.
-        sinks = {} if self.sinks is None else {"sinks": _local(self.sinks)}
+        sinks = {} if self.sinks is None else {"sinks": local_part(self.sinks)}
         options = sinks if self.window is None else {"window": self.window, **sinks}
         if cache is not None:
             out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask, **options), **sinks)
