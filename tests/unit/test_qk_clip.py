@@ -119,10 +119,11 @@ def test_exploding_logits_are_clipped_as_the_rule_computes():
     # group at it). Layers after the first see other inputs once the first is clipped.
     optimizers[0].param_groups[0]["lr"] = optimizers[0].param_groups[1]["lr"] = 0.0
     inputs = []
-    for _, m in clip.layers:
-        m.register_forward_pre_hook(lambda module, args, kwargs: inputs.append((module, args, kwargs)),
-                                    with_kwargs=True)
+    hooks = [m.register_forward_pre_hook(lambda module, args, kwargs: inputs.append((module, args, kwargs)),
+                                         with_kwargs=True) for _, m in clip.layers]
     _step(clipped, optimizers[0], tokens)
+    for hook in hooks:
+        hook.remove()
     before = [m.logit_max.clone() for _, m in clip.layers]
     assert all(x.max() > TAU for x in before)
     clip.apply(torch.tensor(True))
@@ -169,7 +170,7 @@ def _plan(*overrides: str, world: int = 1):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"], "has none (multi-head latent attention"),
+    (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"], "has none \\(multi-head latent attention"),
     (["--model.name", "qwen3", "--model.flavor", "debugmodel"], "its QK-norm normalises q and k"),
     (["--model.flavor", "debugmodel_tiny", "--parallelism.context_parallel_degree", "2"],
      "does not run with context parallelism"),
@@ -183,4 +184,4 @@ def test_plan_refuses_what_it_cannot_clip(overrides, message):
 def test_plan_takes_the_shared_attention_and_refuses_a_negative_threshold():
     _plan("--model.flavor", "debugmodel_tiny")
     with pytest.raises(ConfigError, match="qk_clip_threshold must be positive"):
-        load_job_config(["--optimizer.qk_clip_threshold", "-1"])
+        plan_job(load_job_config(["--optimizer.qk_clip_threshold", "-1"]), world_size=1, vocab_size=320)
