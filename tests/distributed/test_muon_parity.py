@@ -210,10 +210,13 @@ def _fsdp_tp_checks() -> None:
         _steps_as_one_process(plan, parts, one, "FSDP x TP")
     finally:
         muon.newton_schulz = ns
+    # Each rank's orthogonalisations, less the one-process optimizer's (every matrix, each step):
+    # every matrix once a step, on some rank, and every rank owns some.
     matrices = sum(p.ndim == 2 for n, p in one.named_parameters() if n.startswith("layers."))
-    counts = torch.tensor([len(owned)])
-    dist.all_reduce(counts)
-    assert counts.item() == 2 * matrices and len(owned) > 0, (counts, len(owned))  # once each, on every rank
+    mine = torch.tensor([len(owned) - 2 * matrices])
+    counts = [torch.zeros(1, dtype=mine.dtype) for _ in range(4)]
+    dist.all_gather(counts, mine)
+    assert sum(c.item() for c in counts) == 2 * matrices and min(c.item() for c in counts) > 0, counts
     # QK-clip: per-head maxima, the largest on the first data-parallel rank, the heads split by tp.
     dims, tau = plan.dims, 1.0
     clips = [QKClip(parts, tau, data_mesh=dims.mesh("loss"), tp_mesh=dims.mesh("tp")), QKClip([one], tau)]
