@@ -85,14 +85,17 @@ def _group(mesh, dims: tuple[int, ...]):
     return sub._flatten().get_group()  # created once: DeviceMesh keeps its flattened views
 
 
-def _pieces(param: torch.Tensor, group) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(local shape, global offset) of every rank of `group`, in group rank order: each holds one
-    block of the parameter (FSDP's and TP's shards, strided ones included, are blocks, as DCP saves)."""
+def _pieces(param: torch.Tensor, dims: tuple[int, ...], ranks: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(local shape, global offset) of every rank of the group along the mesh `dims`, in group rank
+    order (row-major over those dims, as get_group and _flatten lay them out): each holds one block
+    of the parameter (FSDP's and TP's shards, strided ones included, are blocks, as DCP saves them)."""
     mesh = param.device_mesh
-    layout = mesh.mesh
+    sizes = [mesh.shape[d] for d in dims]
     out = []
-    for rank in dist.get_process_group_ranks(group):
-        coordinate = [int(c) for c in (layout == rank).nonzero()[0]]
+    for r in range(ranks):
+        coordinate = list(mesh.get_coordinate())
+        for d, size in zip(reversed(dims), reversed(sizes)):
+            coordinate[d], r = r % size, r // size
         out.append(_compute_local_shape_and_global_offset(param.shape, mesh.shape, coordinate, param.placements))
     return out
 
@@ -127,15 +130,15 @@ def orthogonalized(updates: list[torch.Tensor], params: list[torch.Tensor],
             spread.setdefault((id(p.device_mesh), dims), []).append(i)
     for (_, dims), items in spread.items():
         group = _group(params[items[0]].device_mesh, dims)
-        _gather_orthogonalize_scatter(items, updates, params, ns, group, out)
+        _gather_orthogonalize_scatter(items, updates, params, ns, group, dims, out)
     return out
 
 
-def _gather_orthogonalize_scatter(items, updates, params, ns, group, out) -> None:
+def _gather_orthogonalize_scatter(items, updates, params, ns, group, dims, out) -> None:
     """Each matrix gathered whole to its owner, orthogonalised there, its pieces scattered back."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     owners = _owners([params[i].numel() for i in items], ranks)
-    blocks = {i: _pieces(params[i], group) for i in items}
+    blocks = {i: _pieces(params[i], dims, ranks) for i in items}
     # Every piece travels padded to the largest piece's shape (uneven shards).
     largest = {i: [max(shape[d] for shape, _ in blocks[i]) for d in range(params[i].ndim)] for i in items}
     # bfloat16 travels as float16 bits (gloo moves no bfloat16 and no int16; gather and scatter only copy).
