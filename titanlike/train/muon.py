@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -82,7 +83,10 @@ def _group(mesh, dims: tuple[int, ...]):
     if names is None:
         raise ValueError("distributed Muon needs named mesh dimensions to gather a matrix split along two of them")
     sub = mesh[tuple(names[d] for d in dims)] if len(dims) < mesh.ndim else mesh
-    return sub._flatten().get_group()  # created once: DeviceMesh keeps its flattened views
+    # Created at the first step by every rank (DeviceMesh keeps its flattened views), from the mesh's
+    # own rank layout: real data even where the step runs on fake tensors (estimation/probe.py).
+    with unset_fake_temporarily():
+        return sub._flatten().get_group()
 
 
 def _pieces(param: torch.Tensor, dims: tuple[int, ...], ranks: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
