@@ -1,16 +1,21 @@
-"""Distributed Muon (titanlike/train/muon.py) steps as one process does, on 2 spawned gloo ranks.
+"""Distributed Muon (titanlike/train/muon.py) steps as one process does, on spawned gloo ranks.
 
-- FSDP2 (fully_shard per block, then the root) over the tiny Llama: every parameter after each of 4
+- 2 ranks, FSDP2 (fully_shard per block, then the root) over the tiny Llama: every parameter after each of 4
   steps equals the one-process optimizer's on the same gradients within 1e-5 (relative), with
-  float32 states; with bfloat16 states within 5e-2 (each rank rounds its shard with its own random bits,
+  float32 states and QK-clip (train/qk_clip.py: the maxima reduced over the ranks, the local rows
+  scaled); with bfloat16 states within 5e-2 (each rank rounds its shard with its own random bits,
   so the runs agree only in distribution, and Newton-Schulz normalises away the scale of the update,
   not its direction's rounding noise: 2.5e-2 measured after 4 steps at lr 0.01; a shard stepped with
   the wrong piece of the update is off by order 1).
-- Every placement the orthogonalisation handles, on a toy block: a matrix sharded along its rows
-  (gathered to an owner) and along its columns (TP's row-wise split), a 3-D stack of experts split by
-  expert (EP: whole matrices on each rank, nothing moves) and along a matrix dimension, a matrix
-  replicated along one mesh dimension and sharded along the other (HSDP: gathered within the shard
-  group) and a matrix sharded along two mesh dimensions (assembled on every rank).
+- 4 ranks, one world: every placement the orthogonalisation handles, on a toy block: a matrix sharded
+  along its rows (gathered to an owner) and along its columns (TP's row-wise split), a 3-D stack of
+  experts split by expert (EP: whole matrices on each rank, nothing moves) and along a matrix
+  dimension, a matrix replicated along one mesh dimension and sharded along the other (HSDP:
+  gathered within the shard group) and a matrix sharded along two mesh dimensions (gathered once over
+  both); then the tiny Llama planned as the trainer plans it under FSDP 2 x TP 2 (every block matrix
+  split along both dimensions, strided FSDP shards included: each orthogonalised once, the owners on
+  all four ranks; QK-clip's reduction and each rank's heads' rows) and under PP 2 x FSDP 2 (each
+  stage steps its own matrices), fed the same gradients as one process.
 The Newton-Schulz input is rounded to bfloat16 by torch's own iteration, so the pieces travel as
 bfloat16 and the result is the same bits: the tolerance covers the elementwise steps' float32 sums.
 """
