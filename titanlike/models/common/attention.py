@@ -245,9 +245,10 @@ def max_logit(q: torch.Tensor, k: torch.Tensor, mask: DocumentMask | None = None
     (query, key) pairs the kernels let attend, for QK-clip (train/qk_clip.py).
 
     No fused kernel returns its logits, so this computes q.k^T once more, without gradients and a
-    block of queries at a time (at most `chunk_bytes` of float32 scores): the FLOPs of one more
-    forward QK^T (a quarter of the attention's forward and backward matmuls), whatever kernel runs.
-    The allowed pairs come from the mask's document ids, so SDPA and FlexAttention paths agree."""
+    block of queries at a time (at most `chunk_bytes` of float32 scores): half the FLOPs of the
+    attention's forward matmuls (QK^T and PV), a sixth of forward and backward's, over every pair
+    (FlexAttention's skipped blocks included). The allowed pairs come from the mask's document ids,
+    so the SDPA and FlexAttention paths agree."""
     with torch.no_grad():
         b, heads, s, d = q.shape
         kv_heads = k.shape[1]
