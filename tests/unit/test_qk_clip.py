@@ -134,7 +134,8 @@ def test_exploding_logits_are_clipped_as_the_rule_computes():
     for (q, k), was in zip(seen, before):
         after = _dense_max(q, k, causal)
         assert (after <= TAU * (1 + 1e-5)).all(), after
-        top = was.view(ARGS.n_kv_heads, -1).argmax(1) + torch.arange(ARGS.n_kv_heads) * (ARGS.n_heads // ARGS.n_kv_heads)
+        group = ARGS.n_heads // ARGS.n_kv_heads
+        top = was.view(ARGS.n_kv_heads, -1).argmax(1) + torch.arange(ARGS.n_kv_heads) * group
         over = was[top] > TAU
         torch.testing.assert_close(after[top][over], torch.full_like(after[top][over], TAU), rtol=1e-5, atol=0)
 
