@@ -58,6 +58,7 @@ from titanlike.train.companions import Companions, ForwardOnly, InFlight, build_
 from titanlike.train.model_parts import build_model_parts
 from titanlike.train.plan import JobPlan
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
+from titanlike.train.qk_clip import QKClip
 
 logger = logging.getLogger("titanlike")
 
@@ -306,10 +307,13 @@ class Trainer:
         # lr_scheduler.total_steps lets a short run follow a longer run's curve.
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps,
                                                self.batches.schedule)
+        tau = cfg.optimizer.qk_clip_threshold
+        self.qk_clip = QKClip(self.model_parts, tau, data_mesh=dims.mesh("loss"), tp_mesh=dims.mesh("tp")) \
+            if tau else None
         self.train_step = TrainStep.for_plan(
             self.plan, dims, model_parts=self.model_parts, step_loss=self.step_loss, optimizer=self.optimizer,
             device=self.device, pipeline=pipeline, tied=tied, converters=self.converters,
-            expert_balance=self.expert_balance, loss_scaler=self.loss_scaler)
+            expert_balance=self.expert_balance, loss_scaler=self.loss_scaler, qk_clip=self.qk_clip)
         self.evaluator = Evaluator(self.train_step, self.validation, self.prepare) if self.validation is not None else None
         self.companions = Companions((), [], ForwardOnly(self.train_step, self.plan, dims.mesh("pp"), self.device),
                                      self.converters.disabled)  # built by _start
@@ -608,6 +612,8 @@ class Trainer:
             moe = self.expert_balance.args
             expert_counts = {i: table[i, :moe.num_experts]
                              for i in range(self.model_args.total_layers) if moe.is_moe_layer(i)}
+        if self.qk_clip is not None:
+            extra.update(self.qk_clip.summary(record.out.max_logits, self.model_args.total_layers))
         self.metrics.log(record.step, loss=loss, grad_norm=norm, lr=record.lr, extra=extra or None,
                          expert_counts=expert_counts, console=self.objective.reported_terms)
         slow = self.stragglers.report(record.step)  # a collective: every rank
