@@ -3,7 +3,7 @@
 vLLM) on the same model, prompts, group size and completion length, one process on CPU.
 
     python scripts/bench_rl.py [--flavor debugmodel] [--prompts 4] [--generations 8] [--completion-length 64]
-                               [--steps 3] [--rounds 3]
+                               [--steps 3] [--rounds 3] [--compile]
 
 The model is titanlike's Llama 3 flavor initialized with seed 0, which the titanlike job builds again
 (debug.seed 0: the initialization is a function of the seed and each parameter's name), exported to a
@@ -18,7 +18,8 @@ Time is the process's CPU time (time.process_time) at one thread, which a shared
 far less than wall time. Each round runs a fresh titanlike job, then a fresh TRL trainer, of steps + 1
 steps (the first one is a warm-up and not counted): rollout tokens per second (the generation call's
 new tokens over its CPU time: titanlike's Engine.generate, TRL's model.generate) and the whole step's
-time (generation, rewards, loss, backward, optimizer), with their ratios.
+time (generation, rewards, loss, backward, optimizer), with their ratios. --compile adds titanlike with
+grpo.compile_generation (the decode step compiled; its compile falls in the warm-up step) to each round.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -91,7 +93,7 @@ def write_prompts(path: str, n: int) -> None:
             f.write(json.dumps({"prompt": f"add: {a} + {b} =", "answer": str(a + b)}) + "\n")
 
 
-def run_titanlike(args, folder: str, prompts: str, dump: str) -> Clock:
+def run_titanlike(args, folder: str, prompts: str, dump: str, *, compile: bool = False) -> Clock:
     from titanlike.config import load_job_config
     from titanlike.inference.engine import Engine
     from titanlike.train.plan import plan_job
@@ -108,7 +110,7 @@ def run_titanlike(args, folder: str, prompts: str, dump: str) -> Clock:
             "--grpo.beta", "0", "--grpo.loss_type", "dapo", "--grpo.temperature", "1.0",
             "--checkpoint.no_enable", "--debug.seed", "0",
             "--metrics.no_enable_tensorboard", "--metrics.no_enable_jsonl", "--metrics.log_freq", "1000",
-            "--job.dump_folder", dump]
+            "--job.dump_folder", dump, *(["--grpo.compile_generation"] if compile else [])]
     clock = Clock()
     trainer = Trainer(plan_job(load_job_config(argv), 1))
     run_step = trainer._run_step
@@ -188,6 +190,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run, after one warm-up step")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds: titanlike, then TRL")
+    parser.add_argument("--compile", action="store_true", help="also titanlike with its decode step compiled")
     args = parser.parse_args()
 
     import logging
@@ -206,21 +209,28 @@ def main() -> int:
     print(f"# llama3 {args.flavor}, {args.prompts} prompts x G {args.generations}, {args.completion_length} new "
           f"tokens; torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; "
           f"1 thread, CPU time; rounds of titanlike then TRL, {args.steps} steps each after a warm-up", flush=True)
-    results = {"titanlike": [], "trl": []}
+    runs = {"titanlike": run_titanlike, "trl": run_trl}
+    if args.compile:
+        runs = {"titanlike": run_titanlike, "compiled": partial(run_titanlike, compile=True), "trl": run_trl}
+    results = {name: [] for name in runs}
     for r in range(args.rounds):
-        for name, run in (("titanlike", run_titanlike), ("trl", run_trl)):
+        for name, run in runs.items():
             figures = run(args, folder, prompts, os.path.join(work, f"{name}_{r}")).figures()
             results[name].append(figures)
             print(f"round {r + 1} {name:9s} rollout {figures['rollout_tokens_per_s']:8.1f} tok/s  step "
                   f"{figures['step_s']:7.3f} s  generating {figures['generation_share']:.0%}  "
                   f"{figures['tokens_per_step']:.0f} tokens/step", flush=True)
-        ours, theirs = results["titanlike"][-1], results["trl"][-1]
-        print(f"round {r + 1} ratio     rollout {ours['rollout_tokens_per_s'] / theirs['rollout_tokens_per_s']:.2f}x  "
-              f"step {theirs['step_s'] / ours['step_s']:.2f}x (titanlike over TRL; > 1: titanlike faster)", flush=True)
-    rollout = statistics.median(o["rollout_tokens_per_s"] / t["rollout_tokens_per_s"]
-                                for o, t in zip(results["titanlike"], results["trl"]))
-    step = statistics.median(t["step_s"] / o["step_s"] for o, t in zip(results["titanlike"], results["trl"]))
-    print(f"median of {args.rounds} rounds: rollout tokens/s {rollout:.2f}x TRL's, whole step {step:.2f}x faster")
+        theirs = results["trl"][-1]
+        for name in [n for n in runs if n != "trl"]:
+            ours = results[name][-1]
+            print(f"round {r + 1} {name} / TRL: rollout {ours['rollout_tokens_per_s'] / theirs['rollout_tokens_per_s']:.2f}x"
+                  f"  step {theirs['step_s'] / ours['step_s']:.2f}x (> 1: titanlike faster)", flush=True)
+    for name in [n for n in runs if n != "trl"]:
+        ours, theirs = results[name], results["trl"]
+        rollout = statistics.median(o["rollout_tokens_per_s"] / t["rollout_tokens_per_s"] for o, t in zip(ours, theirs))
+        step = statistics.median(t["step_s"] / o["step_s"] for o, t in zip(ours, theirs))
+        print(f"median of {args.rounds} rounds, {name}: rollout tokens/s {rollout:.2f}x TRL's, whole step {step:.2f}x "
+              "faster")
     return 0
 
 
