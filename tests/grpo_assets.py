@@ -25,3 +25,9 @@ def length_reward(prompts, completions, **kwargs) -> list[float]:
     """A reward every completion of an untrained model varies in (its length in characters, over 10):
     nonzero advantages, so the plumbing tests train on real gradients."""
     return [len(_text(c)) / 10 for c in completions]
+
+
+def odd_answer_length_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """length_reward for the rows whose answer has an odd number of characters, 0 for the others: about
+    half of the groups have equal rewards, which dynamic sampling drops and refills."""
+    return [len(_text(c)) / 10 if len(a) % 2 else 0.0 for c, a in zip(completions, answer)]

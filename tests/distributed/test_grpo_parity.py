@@ -6,7 +6,9 @@ adapters off); a mixture-of-experts policy (qwen3 debugmodel_moe) under EP2 agai
 the experts split over the ranks and gathered whole for generation. fp32, seed 0,
 three steps of the tiny debug model: a generation, a second step on the same rollouts (num_iterations
 2, the old policy's log-probabilities), a generation from the updated policy (a second gather of its
-weights); beta 0.1 builds the reference (a frozen copy sharded like the policy).
+weights); beta 0.1 builds the reference (a frozen copy sharded like the policy). Dynamic sampling drops
+the groups whose rewards are all equal and refills them (two rounds at steps 1 and 3): the data-parallel
+ranks agree on the rounds, and a refill draws the prompts and seeds one process draws.
 
 The rollouts are equal because a microbatch's sampling seed is a function of its place in the global
 batch (train/companions.py rollout_seed), never of the layout, and the policy's gathered copy is the
@@ -30,7 +32,7 @@ GRPO_JOB = ("--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml")
             "--training.dataset_path", str(REPO / "tests" / "assets" / "grpo" / "addition.jsonl"),
             "--training.steps", "3", "--grpo.reward_funcs", "format", "--grpo.format_pattern", "(?s).*[0-9].*",
             "--grpo.beta", "0.1", "--grpo.num_iterations", "2", "--optimizer.lr", "1e-3",
-            "--training.local_batch_size", "2", "--training.global_batch_size", "4")
+            "--training.local_batch_size", "2", "--training.global_batch_size", "4", "--grpo.dynamic_sampling")
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,16 @@ def assert_same_steps(got: list[dict], ref: list[dict], *, sharded: bool = True)
     for g, r in zip(got[::2], ref[::2]):  # the generating steps: every rank's rollouts, reduced
         assert g["reward/format/mean"] == pytest.approx(r["reward/format/mean"], rel=1e-6), (g, r)
         assert g["completion_length_max"] == r["completion_length_max"]
+        for name in ("rollout/rounds", "rollout/missing_prompts", "rollout/dropped_prompts"):
+            assert g[name] == r[name], (name, g, r)
         assert "policy_gather_bytes" not in r  # one process generates from the module itself
         assert g["policy_gather_bytes"] > 0 if sharded else g["policy_gather_bytes"] == 0  # one gather per update
+
+
+def test_the_one_process_run_refills(one_process):
+    """What the layouts reproduce: each generating step drops groups and refills them in a second round."""
+    for r in one_process[::2]:
+        assert r["rollout/rounds"] == 2 and r["rollout/missing_prompts"] == 0 and r["rollout/dropped_prompts"] > 0
 
 
 @pytest.mark.distributed

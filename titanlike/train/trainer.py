@@ -54,7 +54,7 @@ from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torch
 from titanlike.train.gc_schedule import PeriodicGC
 from titanlike.train.loss_scaling import build_loss_scaler
 from titanlike.train.step import StepLoss, StepOutput, TrainStep
-from titanlike.train.companions import Companions, ForwardOnly, build_companions
+from titanlike.train.companions import Companions, ForwardOnly, InFlight, build_companions
 from titanlike.train.model_parts import build_model_parts
 from titanlike.train.plan import JobPlan
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
@@ -166,12 +166,15 @@ class Trainer:
         self._build_data()
         self._build_model()
         self._build_step()
+        # A generating companion's generations not yet trained (RL), saved with the rank's loader position.
+        generates = any(c.rollout is not None for c in self.objective.companions)
+        self.in_flight = InFlight(dims.dp_degree) if generates else None
         self.checkpointer = CheckpointManager(
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
             loss_scaler=self.loss_scaler, hooks=[*self.converters.load_hooks(), *model_hooks(self.model_args)],
             context_len=plan.context_len, chat_template=self.chat_template,
-            flavor=plan.flavor)
+            flavor=plan.flavor, rollouts=self.in_flight)
         self._build_observers()
         self.step = 0
         self.pending: StepRecord | None = None  # the last step, until the host reads it (see train)
@@ -423,7 +426,7 @@ class Trainer:
             self.objective.companions, self.plan, self.model_parts, forward=self.companions.forward,
             device=self.device, resumed=resumed, load_start=load_start, converters=self.converters,
             build_converters=lambda: build_model_converters(self.cfg.model.converters, self.cfg),
-            log=self.rank == 0)
+            log=self.rank == 0, in_flight=self.in_flight)
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
@@ -453,7 +456,7 @@ class Trainer:
         begin = time.monotonic()
         # The loader's batches, or (a companion that generates: RL) batches of rollouts made from them.
         data = self.companions.batches(self.stragglers.timed(iter(self.dataloader)), step=lambda: self.step,
-                                       microbatches=lambda: self.batches.microbatches(self.step),
+                                       microbatches=self.batches.microbatches,
                                        prepare=lambda batch: self.objective.prepare(batch, self.batch_context))
         p = self.cfg.profiling
         profiler = Profiler(enabled=p.enable_profiling, freq=p.profile_freq, rank=self.rank, start_step=start,
