@@ -17,8 +17,9 @@ untrained model's completions, so the gradients are real. Tolerances: test_fsdp_
 layouts differ in the order of sums only); the first step's loss is a sum of advantages that cancel
 (~1e-7), compared absolutely.
 
-Cost of the HSDP, LoRA and MoE tests on the 2-core machine (shared, load ~8): ~100 s together, of which
-the MoE reference and its EP2 job (two layers) ~30 s; the other jobs run in the pool's 2-rank batch.
+Cost of the HSDP, LoRA and MoE tests: the file took 139 s against 110 s without them, back to back on the
+shared 2-core machine (load ~14): ~30 s more, their jobs joining the pool's 2-rank batch (the MoE model
+has two layers); their two one-process references run in the test process.
 """
 
 from __future__ import annotations
