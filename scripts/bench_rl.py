@@ -7,9 +7,9 @@ vLLM) on the same model, prompts, group size and completion length, one process 
 
 The model is titanlike's Llama 3 flavor initialized with seed 0, which the titanlike job builds again
 (debug.seed 0: the initialization is a function of the seed and each parameter's name), exported to a
-Hugging Face folder with its tokenizer that TRL loads: both start from the same weights. The prompts are texts ("add: 34 + 36 ="),
-the same rows for both (each side shuffles them with its own seed); the reward (`digits` below) is one
-function with TRL's signature that both call. Every step generates G completions of each prompt and
+Hugging Face folder with its tokenizer that TRL loads: both start from the same weights. The prompts are
+texts ("add: 34 + 36 ="), the same rows for both (each side shuffles them with its own seed); the reward
+(`digits` below) is one function with TRL's signature that both call. Every step generates G completions of each prompt and
 trains one optimizer step on them (fp32, AdamW, beta 0, loss_type dapo, num_iterations 1). TRL is told
 `min_new_tokens` = the completion length, so every completion has that many tokens; titanlike has no
 such option and ends a row at EOS, so its figures count the tokens it actually generated.
@@ -223,8 +223,9 @@ def main() -> int:
         theirs = results["trl"][-1]
         for name in [n for n in runs if n != "trl"]:
             ours = results[name][-1]
-            print(f"round {r + 1} {name} / TRL: rollout {ours['rollout_tokens_per_s'] / theirs['rollout_tokens_per_s']:.2f}x"
-                  f"  step {theirs['step_s'] / ours['step_s']:.2f}x (> 1: titanlike faster)", flush=True)
+            rollout = ours["rollout_tokens_per_s"] / theirs["rollout_tokens_per_s"]
+            print(f"round {r + 1} {name} / TRL: rollout {rollout:.2f}x  step {theirs['step_s'] / ours['step_s']:.2f}x "
+                  "(> 1: titanlike faster)", flush=True)
     for name in [n for n in runs if n != "trl"]:
         ours, theirs = results[name], results["trl"]
         rollout = statistics.median(o["rollout_tokens_per_s"] / t["rollout_tokens_per_s"] for o, t in zip(ours, theirs))
