@@ -9,8 +9,9 @@ The model is titanlike's Llama 3 flavor initialized with seed 0, which the titan
 (debug.seed 0: the initialization is a function of the seed and each parameter's name), exported to a
 Hugging Face folder with its tokenizer that TRL loads: both start from the same weights. The prompts are
 texts ("add: 34 + 36 ="), the same rows for both (each side shuffles them with its own seed); the reward
-(`digits` below) is one function with TRL's signature that both call. Every step generates G completions of each prompt and
-trains one optimizer step on them (fp32, AdamW, beta 0, loss_type dapo, num_iterations 1). TRL is told
+(`digits` below) is one function with TRL's signature that both call. Every step generates G completions
+of each prompt and trains one optimizer step on them (fp32, AdamW, beta 0, loss_type dapo, num_iterations
+1). TRL is told
 `min_new_tokens` = the completion length, so every completion has that many tokens; titanlike has no
 such option and ends a row at EOS, so its figures count the tokens it actually generated.
 
