@@ -11,9 +11,8 @@ Hugging Face folder with its tokenizer that TRL loads: both start from the same 
 texts ("add: 34 + 36 ="), the same rows for both (each side shuffles them with its own seed); the reward
 (`digits` below) is one function with TRL's signature that both call. Every step generates G completions
 of each prompt and trains one optimizer step on them (fp32, AdamW, beta 0, loss_type dapo, num_iterations
-1). TRL is told
-`min_new_tokens` = the completion length, so every completion has that many tokens; titanlike has no
-such option and ends a row at EOS, so its figures count the tokens it actually generated.
+1). TRL is told `min_new_tokens` = the completion length, so every completion has that many tokens;
+titanlike has no such option and ends a row at EOS, so its figures count the tokens it actually generated.
 
 Time is the process's CPU time (time.process_time) at one thread, which a shared machine's load moves
 far less than wall time. Each round runs a fresh titanlike job, then a fresh TRL trainer, of steps + 1
