@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from family_checks import materialize
 from titanlike.inference import Engine, SamplingParams
 from titanlike.models.registry import get_model_spec
@@ -51,3 +53,31 @@ def test_compiled_decode_gives_the_eager_tokens_without_recompiling():
     assert graphs >= 1 and counters["stats"]["unique_graphs"] == batch_graphs  # no graph after the first run's
     assert caches[0] is caches[1]  # both calls' batches of 2 decode in one static cache (a CUDA graph's)
     assert batch.cache.static and batch.cache.layer("0").k.shape[2] == 40
+
+
+def test_grpo_rollouts_from_the_compiled_decode_step_are_the_eager_ones(tmp_path):
+    """grpo.compile_generation: the rollout keeps one engine from generation to generation
+    (titanlike/rl/rollout.py), its decode step compiled; the same seeds draw the same completions (the
+    compiled logits differ from the eager ones by rounding), so rewards, lengths and losses agree, and
+    the engine's log-probabilities stay the trainer's. One layer, two generations."""
+    from conftest import REPO, read_metrics, train_in_process
+    from grpo_assets import prompt_rows
+    from sft_assets import reverse_task, write_jsonl
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(reverse_task(16, seed=0, words=2)))
+    job = ["--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml"), "--model.flavor", "debugmodel_tiny",
+           "--model.args.n_layers", "1", "--metrics.log_freq", "1", "--metrics.enable_jsonl",
+           "--metrics.no_enable_tensorboard", "--grpo.reward_funcs", "grpo_assets:length_reward",
+           "--optimizer.lr", "1e-3", "--training.steps", "2", "--training.dataset_path", str(prompts)]
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--grpo.compile_generation"])):
+        counters.clear()
+        train_in_process([*job, "--job.dump_folder", str(tmp_path / name), *extra])
+        runs[name] = read_metrics(tmp_path / name)
+    assert counters["stats"]["unique_graphs"] >= 1  # the compiled run's decode step
+    for got, want in zip(runs["compiled"], runs["eager"], strict=True):
+        assert (got["reward"], got["completion_length"]) == (want["reward"], want["completion_length"])
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
+        assert got["mismatch"] < 1e-5

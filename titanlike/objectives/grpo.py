@@ -118,6 +118,9 @@ class GRPOOptions:
                                         "or a Hugging Face ...ForSequenceClassification folder")
     reward_timeout: float = opt(300.0, "seconds a reward function may take on one batch before the job stops")
     reward_slow_warning: float = opt(10.0, "a reward function's call longer than this many seconds is logged")
+    compile_generation: bool = opt(False, "generate with a torch.compile'd decode step on static caches of "
+                                   "training.seq_len slots (inference/engine.py Engine(compile=True): a CUDA graph on "
+                                   "one GPU); the first generation pays the compile")
     chat_template: str = opt("auto", "the template conversation prompts are rendered with, as sft.chat_template: "
                              "auto, tokenizer, llama3, chatml, or a Jinja file")
 

@@ -128,6 +128,16 @@ class GRPORollout:
         self.ahead = options.max_offpolicy_steps
         self.rounds = options.dynamic_sampling_max_rounds if options.dynamic_sampling else 1
         self._figures: dict[str, list[float]] = {}
+        self._engine = None  # kept from call to call: a compiled decode step and its static cache are built once
+
+    def _engine_for(self, policy: nn.Module):
+        """The generation engine of this policy module (a new one when the module changed)."""
+        from titanlike.inference.engine import Engine
+
+        if self._engine is None or self._engine.model is not policy:
+            self._engine = Engine(policy, context_len=self.seq_len, compile=self.options.compile_generation)
+        policy.eval()  # the caller puts the module back in training mode after each call
+        return self._engine
 
     def _note(self, **values: float) -> None:
         for name, value in values.items():
@@ -142,7 +152,6 @@ class GRPORollout:
     @torch.no_grad()
     def generate(self, prompts: dict[str, torch.Tensor], policy: nn.Module, *, seed: int,
                  joining: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        from titanlike.inference.engine import Engine
         from titanlike.inference.sampling import SamplingParams
         from titanlike.rl.advantages import group_advantages, kept_groups, overlong_penalty
         from titanlike.rl.rewards import compute_rewards
@@ -156,7 +165,7 @@ class GRPORollout:
         stop = frozenset().union(*(self.processor.stop_ids(chat=c) for c in set(chat)))
         params = SamplingParams(max_new_tokens=o.max_completion_length, temperature=o.temperature, top_k=o.top_k,
                                 top_p=o.top_p, stop_token_ids=stop, seed=seed, logprobs=True)
-        completions, stats = Engine(policy, context_len=self.seq_len).generate(ids, params)
+        completions, stats = self._engine_for(policy).generate(ids, params)
         # The text the rewards have always scored, special tokens included (TRL's GRPO skips them:
         # a change of the objective's results, for its own issue).
         answers = [self.processor.decode(c.tokens, stop_ids=stop, skip_special_tokens=False) for c in completions]

@@ -67,7 +67,7 @@ class PolicyWeights:
     copy. Under FSDP or TP (parameters are DTensor shards) it is a plain copy of the model on each rank,
     refreshed by one gather of the weights per update: `module(version)` gathers only when `version`
     (the caller's count of optimizer steps) moved since the last call. `gathered_bytes` counts what the
-    gathers brought in (each parameter's full size minus this rank's shard), `gather_bytes` what one
+    gathers brought in (each parameter's or buffer's full size minus this rank's shard), `gather_bytes` what one
     gather brings in, `copy_bytes` the whole copy's parameters."""
 
     def __init__(self, plan: JobPlan, parts: list[nn.Module], device: torch.device, build_converters):
@@ -78,8 +78,8 @@ class PolicyWeights:
         self._copy: nn.Module | None = None
         self._version: int | None = None
         self.gathers, self.gathered_bytes = 0, 0
-        self.gather_bytes = sum((p.numel() - p.to_local().numel()) * p.element_size()
-                                for part in parts for p in part.parameters() if isinstance(p, DTensor))
+        self.gather_bytes = sum((p.numel() - p.to_local().numel()) * p.element_size() for part in parts
+                                for p in [*part.parameters(), *part.buffers()] if isinstance(p, DTensor))
         self.copy_bytes = 0
         if len(parts) != 1:
             raise ValueError("the policy's weights for generation need every layer on each rank; pipeline "
@@ -96,8 +96,11 @@ class PolicyWeights:
             model.eval()
             self._copy = model
             self.copy_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            own = dict(model.named_parameters())
-            self._pairs = [(own[canonical_fqn(name)], p) for name, p in parts[0].named_parameters()]
+            # Buffers too: some change as the model trains (an MoE router's expert_bias under aux-loss-free
+            # balancing, models/common/moe.py), and a stale one would route the copy's tokens differently.
+            own = dict(model.named_parameters()) | dict(model.named_buffers())
+            self._pairs = [(own[canonical_fqn(name)], p) for name, p in
+                           [*parts[0].named_parameters(), *parts[0].named_buffers()]]
 
     @torch.no_grad()
     def module(self, version: int) -> nn.Module:
