@@ -105,7 +105,8 @@ class GRPOOptions:
     reward_timeout: float = opt(300.0, "seconds a reward function may take on one batch before the job stops")
     reward_slow_warning: float = opt(10.0, "a reward function's call longer than this many seconds is logged")
     chat_template: str = opt("auto", "the template conversation prompts are rendered with, as sft.chat_template: "
-                             "auto, tokenizer, llama3, chatml, or a Jinja file")
+                             "auto, tokenizer, llama3, chatml, a published template's name (gemma3, ...), or a "
+                             "Jinja file")
 
 
 def check_options(o: GRPOOptions) -> None:
