@@ -6,10 +6,10 @@ order, so the two optimizers see the same tokens seed by seed. For each optimize
 with the lowest final loss (mean over seeds) is kept, and the report says when it lies at an edge of
 its grid (the grid should then be widened). The report gives, per seed and paired, the final loss
 and the steps to reach --target (default: the higher of the two optimizers' mean final losses, so
-both reach it), the CPU seconds of each kept run, and --plot draws the kept runs' curves (thin: each
+both reach it), the CPU seconds of a run of each optimizer, and --plot draws the kept runs' curves (thin: each
 seed; thick: the mean). --quick is a smoke run (two short runs) for the tests.
 
-    python scripts/bench_optimizers.py --plot docs/optimizers.png       # docs/optimizers.md's figures
+    python scripts/bench_optimizers.py --runs runs/ --plot docs/optimizers.png   # docs/optimizers.md's figures
     python scripts/bench_optimizers.py --quick
 """
 
@@ -19,6 +19,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,9 +29,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(name: str, lr: float, seed: int, args, folder: Path) -> tuple[list[float], float]:
-    """The loss at every step of one train.py run, and the CPU seconds the run took (user + system)."""
+def _losses(dump: Path) -> list[float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r and "step" in r]
+
+
+def run(name: str, lr: float, seed: int, args, folder: Path) -> tuple[list[float], float | None]:
+    """The loss at every step of one train.py run, and the CPU seconds the run took (user + system;
+    None for a run of --runs made by an earlier call that did not record them). A run --runs already
+    holds whole (the same flavor and sizes: the caller keeps one folder per setting) is read back."""
     dump = folder / f"{name}-{lr:g}-{seed}"
+    if (dump / "metrics.jsonl").is_file() and len(_losses(dump)) == args.steps:
+        cpu = dump / "cpu_seconds.txt"
+        return _losses(dump), float(cpu.read_text()) if cpu.is_file() else None
+    shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
     cmd = [sys.executable, str(REPO / "train.py"), "--model.flavor", args.flavor, "--training.steps", str(args.steps),
            "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.batch),
@@ -45,8 +57,9 @@ def run(name: str, lr: float, seed: int, args, folder: Path) -> tuple[list[float
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"train.py failed for {name} lr {lr:g} seed {seed}:\n"
                          f"{(dump / 'stderr.txt').read_text()[-3000:]}")
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r and "step" in r], usage.ru_utime + usage.ru_stime
+    cpu = usage.ru_utime + usage.ru_stime
+    (dump / "cpu_seconds.txt").write_text(f"{cpu:.2f}\n")
+    return _losses(dump), cpu
 
 
 def steps_to(curve: list[float], target: float) -> int | None:
@@ -61,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample")
     ap.add_argument("--batch", type=int, default=8, help="samples per step")
     ap.add_argument("--seeds", default="0,1,2", help="debug.seed of each paired run")
-    ap.add_argument("--adamw-lrs", default="1e-3,2e-3,4e-3,8e-3,1.6e-2", help="AdamW's learning-rate grid")
+    ap.add_argument("--adamw-lrs", default="1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2,6.4e-2",
+                    help="AdamW's learning-rate grid")
     ap.add_argument("--muon-lrs", default="2e-3,4e-3,8e-3,1.6e-2,3.2e-2,6.4e-2",
                     help="Muon's grid (adjust_lr_fn match_rms_adamw: AdamW's scale)")
     ap.add_argument("--target", type=float, default=None, help="loss whose first step is reported")
@@ -69,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (OMP_NUM_THREADS)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time")
     ap.add_argument("--plot", default=None, help="PNG of the kept runs' loss curves")
+    ap.add_argument("--runs", default=None, help="folder keeping each run (default: a temporary one); runs it "
+                    "already holds whole are read back, so a grid can be widened without running it again")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 4 steps, seed 0, one rate each")
     args = ap.parse_args(argv)
     if args.quick:
@@ -81,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     mean_final = lambda curves: statistics.fmean(final(c) for c, _ in curves.values())  # noqa: E731
     results: dict[tuple[str, float], dict[int, tuple[list[float], float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        runs = Path(args.runs) if args.runs else Path(tmp)
         # Seed by seed, the optimizers alternating: a slower machine for a while hits both alike.
         todo = [(name, lr, seed) for seed in seeds for i in range(max(map(len, grids.values())))
                 for name, grid in grids.items() if i < len(grid) for lr in [grid[i]]]
-        futures = {key: pool.submit(run, *key, args, Path(tmp)) for key in todo}
+        futures = {key: pool.submit(run, *key, args, runs) for key in todo}
         for name, grid in grids.items():
             for lr in grid:
                 results[name, lr] = {seed: futures[name, lr, seed].result() for seed in seeds}
@@ -99,15 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     target = args.target if args.target is not None else max(mean_final(curves) for _, curves in kept.values())
     print(f"\nkept: AdamW lr {kept['AdamW'][0]:g}, Muon lr {kept['Muon'][0]:g}; llama3 {args.flavor}, {args.steps} "
           f"steps of {args.batch} x {args.seq_len} tokens; target loss {target:.4f}")
-    print("| seed | AdamW final | Muon final | Muon - AdamW | AdamW steps to target | Muon steps to target | "
-          "AdamW CPU s | Muon CPU s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| seed | AdamW final | Muon final | Muon - AdamW | AdamW steps to target | Muon steps to target |")
+    print("|---|---|---|---|---|---|")
     for seed in seeds:
-        (a, a_cpu), (m, m_cpu) = kept["AdamW"][1][seed], kept["Muon"][1][seed]
+        (a, _), (m, _) = kept["AdamW"][1][seed], kept["Muon"][1][seed]
         print(f"| {seed} | {final(a):.4f} | {final(m):.4f} | {final(m) - final(a):+.4f} | {steps_to(a, target)} | "
-              f"{steps_to(m, target)} | {a_cpu:.1f} | {m_cpu:.1f} |")
-    cpu = sum(c for curves in results.values() for _, c in curves.values())
-    print(f"CPU time of all {sum(map(len, results.values()))} runs: {cpu:.0f} s")
+              f"{steps_to(m, target)} |")
+    for name in grids:  # the optimizer's cost: CPU seconds of whole runs (start-up included) over their steps
+        cpus = [c for (n, _), curves in results.items() if n == name for _, c in curves.values() if c is not None]
+        if cpus:
+            print(f"{name}: {statistics.fmean(cpus):.1f} CPU s per run of {args.steps} steps "
+                  f"(mean of {len(cpus)} runs, {args.threads} thread(s) each)")
+    cpu = [c for curves in results.values() for _, c in curves.values() if c is not None]
+    print(f"CPU time of the {len(cpu)} runs made or recorded: {sum(cpu):.0f} s")
     if args.plot:
         import matplotlib
 

