@@ -22,7 +22,9 @@ naming generation tags.
 
 Templates of our own serve tokenizers without one (`BUILTIN_TEMPLATES`): Llama 3's format (whose
 header and end-of-turn tokens every Llama-3-format tokenizer, the debug one included, has) and
-ChatML, both with generation tags.
+ChatML, both with generation tags. Published templates shipped in `assets/chat_templates/`
+(`published_template_names`: Gemma 3's, gpt-oss', Qwen3's, ...) are chosen by name too, for a
+tokenizer that has the model's special tokens but not its template.
 
 A template is data a downloaded folder or a server's operator supplies, so rendering is bounded
 (issue 46): Jinja's immutable sandbox (no attribute walks to Python internals, no mutating
@@ -150,8 +152,9 @@ def _token_string(tokenizer, token_id: int | None) -> str | None:
 
 def load_chat_template(choice: str, tokenizer, *, option: str = "sft.chat_template") -> ChatTemplate:
     """The template `choice` names for `tokenizer`: "auto" (the tokenizer folder's, else titanlike's
-    llama3), "tokenizer" (the folder's, required), "llama3" / "chatml" (ours), or a path to a Jinja
-    file. DataError (one sentence) when it cannot be had or does not compile."""
+    llama3), "tokenizer" (the folder's, required), "llama3" / "chatml" (ours), a published template's
+    name (published_template_names), or a path to a Jinja file. DataError (one sentence) when it
+    cannot be had or does not compile."""
     folder = getattr(tokenizer, "path", None)
     folder = folder if folder and os.path.isdir(folder) else None
     variables: dict[str, str] = {}
@@ -163,6 +166,9 @@ def load_chat_template(choice: str, tokenizer, *, option: str = "sft.chat_templa
     variables.setdefault("eos_token", _token_string(tokenizer, getattr(tokenizer, "eos_id", None)) or "")
     if choice in BUILTIN_TEMPLATES:
         source, origin = BUILTIN_TEMPLATES[choice], f"titanlike's {choice} template"
+    elif choice in published_template_names():
+        with open(os.path.join(_VARIANTS_DIR, f"{choice}.jinja"), encoding="utf-8") as f:
+            source, origin = f.read(), f"the published {choice} template"
     elif choice in ("auto", "tokenizer"):
         source = folder_chat_template(folder) if folder is not None else None
         origin = f"the chat_template of {folder}"
@@ -174,8 +180,9 @@ def load_chat_template(choice: str, tokenizer, *, option: str = "sft.chat_templa
             source, origin = LLAMA3_TEMPLATE, "titanlike's llama3 template (the tokenizer has none)"
     else:
         if not os.path.isfile(choice):
-            raise DataError(f"{option} {choice!r} is neither auto, tokenizer, {', '.join(BUILTIN_TEMPLATES)} nor "
-                            "an existing Jinja file")
+            names = ", ".join([*BUILTIN_TEMPLATES, *published_template_names()])
+            raise DataError(f"{option} {choice!r} is neither auto, tokenizer, a template's name ({names}) nor an "
+                            "existing Jinja file")
         with open(choice, encoding="utf-8") as f:
             source, origin = f.read(), choice
     try:
@@ -206,6 +213,13 @@ def training_variant(template: ChatTemplate) -> ChatTemplate | None:
     with open(os.path.join(_VARIANTS_DIR, f"{name}_training.jinja"), encoding="utf-8") as f:
         source = f.read()
     return dataclasses.replace(template, source=source, origin=f"TRL's {name}_training variant of {template.origin}")
+
+
+@lru_cache(maxsize=1)
+def published_template_names() -> tuple[str, ...]:
+    """The published templates shipped in assets/chat_templates/ (its README says whose), by file name."""
+    names = (f[: -len(".jinja")] for f in os.listdir(_VARIANTS_DIR) if f.endswith(".jinja"))
+    return tuple(sorted(n for n in names if not n.endswith("_training")))
 
 
 @lru_cache(maxsize=1)
@@ -581,5 +595,5 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict],
 
 __all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "ChatTemplate", "LLAMA3_TEMPLATE", "TemplateLimitError",
            "assistant_spans", "chat_prompt_ids", "encode_with_offsets", "end_of_turn_ids", "folder_chat_template",
-           "load_chat_template", "overlap_mask", "render", "tokenize_conversation", "TRAINING_VARIANTS",
-           "training_variant"]
+           "load_chat_template", "overlap_mask", "published_template_names", "render", "tokenize_conversation",
+           "TRAINING_VARIANTS", "training_variant"]

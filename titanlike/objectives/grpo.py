@@ -122,7 +122,8 @@ class GRPOOptions:
                                    "training.seq_len slots (inference/engine.py Engine(compile=True): a CUDA graph on "
                                    "one GPU); the first generation pays the compile")
     chat_template: str = opt("auto", "the template conversation prompts are rendered with, as sft.chat_template: "
-                             "auto, tokenizer, llama3, chatml, or a Jinja file")
+                             "auto, tokenizer, llama3, chatml, a published template's name (gemma3, ...), or a "
+                             "Jinja file")
 
 
 def check_options(o: GRPOOptions) -> None:

@@ -97,7 +97,8 @@ class DPOOptions:
                          "precomputed: the ref_chosen_logps / ref_rejected_logps of each row "
                          "(scripts/precompute_reference.py), no reference forward; unused by simpo",
                          choices=("auto", "model", "adapters", "precomputed"))
-    chat_template: str = opt("auto", "as sft.chat_template: auto, tokenizer, llama3, chatml, or a Jinja file")
+    chat_template: str = opt("auto", "as sft.chat_template: auto, tokenizer, llama3, chatml, a published "
+                             "template's name (gemma3, ...), or a Jinja file")
     packing: bool = opt(True, "pack several pairs into each sample (best-fit decreasing over whole pairs); off: one "
                         "pair per sample")
     overlong: str = opt("truncate", "a pair longer than training.seq_len positions has both answers shortened to fit "
