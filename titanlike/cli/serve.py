@@ -76,14 +76,16 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
 
     from titanlike.inference import Engine
-    from titanlike.inference.loading import load_model_arguments
+    from titanlike.inference.loading import generation_eos_ids, load_model_arguments
     from titanlike.inference.processor import Processor
     from titanlike.inference.server import OpenAIServer
 
     try:
         model, tokenizer = load_model_arguments(args)
+        # A plain completion ends where transformers' would: at generation_config.json's eos_token_id.
         processor = Processor.for_model(model, tokenizer, checkpoint=args.checkpoint,
-                                        chat_template=args.chat_template, option="--chat-template")
+                                        chat_template=args.chat_template, option="--chat-template",
+                                        eos_ids=generation_eos_ids(args.checkpoint, model))
     except GenerationError as e:
         return None, str(e)
     context = model.model_args.context_len
