@@ -100,6 +100,7 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
                               read_timeout=args.read_timeout, drain_seconds=args.drain_seconds)
     except OSError as e:
         return None, f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+    server.warm_up()  # compiled: every shape of the step before the first request (a no-op eager)
     return server, None
 
 
@@ -110,7 +111,9 @@ def start_lines(server) -> list[str]:
     everywhere = host in ("0.0.0.0", "::", "")
     reach = "every interface: other machines can reach it" if everywhere else \
         "this machine only" if host in ("127.0.0.1", "::1", "localhost") else f"the interface of {host}"
-    lines = [f"serving {server.model_name} at {server.url}/v1 ({server.batch.slots} slots of "
+    shapes, seconds = server.compiled
+    lines = [f"compiled {shapes} shapes of the decode step in {seconds:.1f} s"] if shapes else []
+    lines += [f"serving {server.model_name} at {server.url}/v1 ({server.batch.slots} slots of "
              f"{server.batch.capacity} tokens; bound to {host}, {reach}; "
              f"{'an API key is required' if server.api_key else 'no API key'}; SIGTERM or Ctrl-C drains and stops)"]
     if everywhere and not server.api_key:
