@@ -11,8 +11,10 @@ thread of the official `openai` client sending streamed /v1/completions requests
 tokens (a prompt each, one request after another, --requests each). Rounds are paired (titanlike,
 transformers, titanlike, ...) so a shared machine's load hits both alike; each figure is the median
 over --rounds. Time to first token is the first streamed text; tokens are the usage the server
-reports; peak memory is the largest resident set (psutil) of the server process seen while it served.
-The ratio is titanlike's over transformers' (above 1: titanlike faster; for memory, below 1: less).
+reports; CPU ms/token is the server process's CPU time (psutil, children included) over the round's
+tokens, the figure a loaded machine disturbs least; peak memory is the largest resident set of the
+server process seen while it served. Ratios are titanlike's over transformers' for tokens/s, latency
+and memory, and transformers' over titanlike's for CPU per token (above 1: titanlike spends less).
 """
 
 from __future__ import annotations
@@ -108,6 +110,14 @@ class Server:
         thread.start()
         return thread
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server process (and its children) has used so far."""
+        import psutil
+
+        processes = [psutil.Process(self.process.pid)]
+        processes += processes[0].children(True)
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
     def stop(self) -> None:
         self._sampling = False
         self.process.terminate()
@@ -153,18 +163,21 @@ def run_round(server: Server, clients: int, requests: int, tokens: int) -> dict:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    cpu = server.cpu_seconds()
     started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
+    cpu = server.cpu_seconds() - cpu
     if errors:
         raise RuntimeError(f"{server.name} with {clients} clients: {errors[0]!r}")
     latencies = sorted(r[1] for r in results)
     return {"tokens_per_s": sum(r[2] for r in results) / wall, "p50": statistics.median(latencies),
             "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
-            "ttft": statistics.median(r[0] for r in results), "tokens": sum(r[2] for r in results)}
+            "ttft": statistics.median(r[0] for r in results), "tokens": sum(r[2] for r in results),
+            "cpu_ms_per_token": 1000 * cpu / max(1, sum(r[2] for r in results))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
                 server.stop()
         print(f"\n{args.tokens} greedy tokens per request, {args.requests} requests per client per round, median of "
               f"{args.rounds} paired rounds, one thread per server")
-        print(f"{'clients':>7} {'server':>12} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7} {'TTFT s':>7}")
+        print(f"{'clients':>7} {'server':>12} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7} {'TTFT s':>7} "
+              f"{'CPU ms/token':>12}")
         for clients in counts:
             rows = {}
             for server in servers:
@@ -223,11 +237,12 @@ def main(argv: list[str] | None = None) -> None:
                 rows[server.name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
                 row = rows[server.name]
                 print(f"{clients:>7} {server.name:>12} {row['tokens_per_s']:9.1f} {row['p50']:7.2f} {row['p95']:7.2f} "
-                      f"{row['ttft']:7.3f}")
+                      f"{row['ttft']:7.3f} {row['cpu_ms_per_token']:12.2f}")
             if len(rows) == 2:
                 a, b = rows["titanlike"], rows["transformers"]
                 print(f"{clients:>7} {'ratio':>12} {a['tokens_per_s'] / b['tokens_per_s']:8.2f}x "
-                      f"{a['p50'] / b['p50']:6.2f}x {a['p95'] / b['p95']:6.2f}x {a['ttft'] / b['ttft']:6.2f}x")
+                      f"{a['p50'] / b['p50']:6.2f}x {a['p95'] / b['p95']:6.2f}x {a['ttft'] / b['ttft']:6.2f}x "
+                      f"{b['cpu_ms_per_token'] / a['cpu_ms_per_token']:11.2f}x")
         memory = "  ".join(f"{name} {peak / 2**20:.0f} MiB" for name, peak in peaks.items())
         ratio = f" (ratio {peaks['titanlike'] / peaks['transformers']:.2f}x)" if len(peaks) == 2 else ""
         print(f"peak resident memory: {memory}{ratio}")
