@@ -8,7 +8,9 @@ an OpenAI-compatible HTTP API.
 chat template, titanlike's llama3 template if it has none), streaming by server-sent events,
 /v1/models, /health. Concurrent requests share each decode step (continuous batching: up to
 --max-batch-size sequences, a finished one's slot refilled at once). One process, one device; the
-logic is titanlike/inference/server.py.
+logic is titanlike/inference/server.py. With --compile every shape of the decode step is compiled
+before it listens, and its first line says how many and how long (torch's on-disk caches make a
+second start of the same model several times faster: docs/performance.md).
 
 It listens on 127.0.0.1 (this machine only) unless --host says otherwise, and says so at start; on
 every interface without an API key (--api-key or TITANLIKE_API_KEY) it warns that anyone who can
