@@ -81,3 +81,42 @@ def test_grpo_rollouts_from_the_compiled_decode_step_are_the_eager_ones(tmp_path
         assert (got["reward"], got["completion_length"]) == (want["reward"], want["completion_length"])
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
         assert got["mismatch"] < 1e-5
+
+
+def test_a_compiled_server_compiles_every_shape_before_serving_and_says_so():
+    """titanlike-serve --compile: OpenAIServer.warm_up compiles each shape of the continuous batch's step
+    (row and slot buckets) before the first request and the start line says how many and how long;
+    requests then compile nothing and get the eager engine's greedy tokens. The model and shapes of
+    the test above, so inductor's on-disk cache holds its kernels (a few seconds)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from titanlike.cli.serve import start_lines
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+    from titanlike.inference.processor import Processor
+    from titanlike.inference.server import OpenAIServer
+
+    openai = pytest.importorskip("openai")
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], vocab_size=256, n_layers=1, max_seq_len=40)
+    model = materialize(spec.model_cls, args, seed=0).eval()
+    prompts = [[5, 9, 17, 3, 44, 12, 8], [7, 31, 90]]
+    want = [c.tokens for c in Engine(model).generate(prompts, SamplingParams(max_new_tokens=4))[0]]
+    torch._dynamo.reset()
+    counters.clear()
+    server = OpenAIServer(Engine(model, compile=True), Processor(build_tokenizer(DEFAULT_TOKENIZER_PATH)),
+                          model_name="tiny", slots=2, port=0)
+    shapes, seconds = server.warm_up()
+    assert shapes == 4 == counters["stats"]["unique_graphs"]  # rows 1 and 2, slots 10 and 40
+    assert start_lines(server)[0] == f"compiled 4 shapes of the decode step in {seconds:.1f} s"
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0,
+                                             extra_body={"skip_special_tokens": False}).choices[0].text
+                   for p in prompts]
+    finally:
+        server.shutdown()
+    assert got == [server.processor.decode(tokens, skip_special_tokens=False) for tokens in want]
+    assert counters["stats"]["unique_graphs"] == 4
