@@ -204,14 +204,8 @@ def probe(plan, *, granularity: int = 512, device: str = "cuda") -> Probe:
     from titanlike.train.plan import other_model_plan
 
     out = _probe_plan(plan, granularity, device)
-    generator = next((c for c in plan.objective.companions if c.rollout is not None), None)
-    if generator is not None:
-        try:
-            out.generation = _generation(plan, generator, granularity, device, sharded=out.sharded)
-        except Exception as e:  # noqa: BLE001 (a family's prefill the fake tensors cannot run: say so, go on)
-            out.generation = _generation(plan, generator, granularity, device, sharded=out.sharded, prefill=False)
-            out.notes.append(f"generation: the prefill could not run on fake tensors ({type(e).__name__}); the "
-                             "generator's cache is not counted")
+    out.generation, note = probe_generation(plan, sharded=out.sharded, granularity=granularity, device=device)
+    out.notes += [note] if note else []
     for companion in plan.objective.companions:
         if companion.source is not Source.CHECKPOINT:
             continue
@@ -377,6 +371,22 @@ def _probe(plan, granularity: int, device: str) -> Probe:
     _windows(out, marks, where, keys, passes)
     out.seconds = time.perf_counter() - began
     return out
+
+
+def probe_generation(plan, *, sharded: bool, granularity: int = 512,
+                     device: str = "cuda") -> tuple[Generation | None, str | None]:
+    """(the memory of the job's generating companion on one rank, None without one; a note when its
+    prefill could not run on fake tensors and its cache is left out). sharded: the trained parameters are
+    DTensor shards, so the generator reads a whole copy."""
+    generator = next((c for c in plan.objective.companions if c.rollout is not None), None)
+    if generator is None:
+        return None, None
+    try:
+        return _generation(plan, generator, granularity, device, sharded=sharded), None
+    except Exception as e:  # noqa: BLE001 (a family's prefill the fake tensors cannot run: say so, go on)
+        return (_generation(plan, generator, granularity, device, sharded=sharded, prefill=False),
+                f"generation: the prefill could not run on fake tensors ({type(e).__name__}); the generator's "
+                "cache is not counted")
 
 
 def _generation(plan, generator, granularity: int, device: str, *, sharded: bool, prefill: bool = True) -> Generation:

@@ -2,7 +2,7 @@
 with --slots rows, 1, 4 and 16 concurrent requests of --new-tokens greedy tokens each, one thread.
 
     python scripts/bench_continuous.py               # eager
-    python scripts/bench_continuous.py --compile     # the compiled decode step (its first run compiles)
+    python scripts/bench_continuous.py --compile     # the compiled decode step, every shape compiled first
 
 The figure is CPU milliseconds per generated token (process time: a shared machine's load changes
 wall time far more than the work done), the best of --repeats runs of each count. The greedy tokens
@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [torch.randint(3, 2000, (16 + 3 * i,), generator=generator).tolist() for i in range(16)]
     batch = ContinuousBatch(engine, slots=args.slots)
     print(f"llama3 {args.flavor}, context {engine.context_len}, {args.slots} slots, compiled {engine.compiled}")
+    if args.compile:  # what titanlike-serve --compile does at start (its first line)
+        cpu, wall = time.process_time(), time.perf_counter()
+        shapes = batch.warm_up()
+        workers = os.times()
+        print(f"compiled {shapes} shapes in {time.perf_counter() - wall:.1f} s ({time.process_time() - cpu:.1f} s of "
+              f"CPU, {workers.children_user + workers.children_system:.1f} s in compile workers)", flush=True)
     for count in (1, 4, 16):
         best, first = None, None
         for _ in range(args.repeats):

@@ -10,7 +10,7 @@ from estimation.probe import probe
 from titanlike.config import load_job_config
 
 FAMILY_PRESETS = ["debug_model", "gpt2_debug", "qwen3_debug_moe", "mixtral_debug", "deepseek_v3_debug",
-                  "hybrid_debug", "bert_debug", "t5_debug", "gpt_oss_debug"]
+                  "hybrid_debug", "bert_debug", "t5_debug", "gpt_oss_debug", "gemma3_debug", "qwen3_next_debug"]
 
 
 def estimate_job(*overrides: str, world: int, device: str = "cuda", granularity: int = 512):

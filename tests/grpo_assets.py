@@ -32,3 +32,7 @@ def length_unless_red(prompts, completions, answer, **kwargs) -> list[float]:
     rewards are all equal, so dynamic sampling drops them (the rollout's figures and the trained rows'
     then differ)."""
     return [0.0 if "red" in a else len(_text(c)) / 10 for c, a in zip(completions, answer)]
+def odd_answer_length_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """length_reward for the rows whose answer has an odd number of characters, 0 for the others: about
+    half of the groups have equal rewards, which dynamic sampling drops and refills."""
+    return [len(_text(c)) / 10 if len(a) % 2 else 0.0 for c, a in zip(completions, answer)]

@@ -1,7 +1,8 @@
 """Checkpoint and resume through train.py (one process inside the test's, several ranks under torchrun on
 gloo; the chains of layouts are pooled jobs, each declared after the one whose checkpoint it loads).
 
-* Resume is exact: 10 steps straight equal 5 steps + resume 5, loss and grad norm, bit for bit.
+* Resume is exact: 10 steps straight equal 5 steps + resume 5, loss and grad norm, bit for bit; and for
+  Gemma 3, Qwen3-Next and gpt-oss, 4 steps equal 2 + 2, the final parameters too.
 * A run killed with SIGKILL (every process at once, mid-training, possibly mid-save) resumes
   from its last published checkpoint; the steps it re-runs reproduce the killed run's bit
   for bit.
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, TINY_JOB, _env, descendants, launch, read_metrics, train_in_process
 
@@ -251,3 +253,31 @@ def test_tied_model_checkpoints_cross_pipeline_stages_both_ways(train_runs):
     straight, first, second, third = (by_step(train_runs[name].metrics) for name in ("straight", "one", "pp2", "again"))
     assert sorted(first) == [1, 2] and sorted(second) == [3, 4] and sorted(third) == [5, 6]
     assert_close_curve({**first, **second, **third}, straight, steps=range(1, 7))
+
+
+# The families of issue 43, each through its own state: Gemma 3's sliding-window and global layers,
+# Qwen3-Next's Gated DeltaNet (conv, decay and gate parameters) beside gated attention, dense then MoE
+# with a shared expert (debugmodel_tiny), gpt-oss's sinks, biased experts and YaRN tables. One process
+# each, in the test process as the pooled single-process resumes run (2-5 s a family on 2 cores, 10 s the three).
+NEW_FAMILIES = [("gemma3", "debugmodel"), ("qwen3_next", "debugmodel_tiny"), ("gpt_oss", "debugmodel")]
+
+
+@pytest.mark.parametrize("family,flavor", NEW_FAMILIES, ids=[f for f, _ in NEW_FAMILIES])
+def test_new_families_resume_exactly(tmp_path, family, flavor):
+    """4 steps straight = 2 steps + a resume from step 2's full checkpoint to 4: the losses, the grad norms
+    and the final parameters bit for bit, as test_resume_is_exact asks of Llama."""
+    from titanlike.checkpoint.format import read_dcp_model
+
+    job = ("--model.name", family, "--model.flavor", flavor, "--training.local_batch_size", "2",
+           "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    ref = run(tmp_path / "straight", *job, steps=4)
+    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-2", tmp_path / "ckpt" / "step-2")
+    got = run(tmp_path / "resumed", *job, "--checkpoint.folder", str(tmp_path / "ckpt"), steps=4)
+    assert sorted(got) == [3, 4]
+    for s in (3, 4):
+        assert (got[s]["loss"], got[s]["grad_norm"]) == (ref[s]["loss"], ref[s]["grad_norm"]), s
+    want = read_dcp_model(str(tmp_path / "straight" / "checkpoint" / "step-4"))
+    final = read_dcp_model(str(tmp_path / "ckpt" / "step-4"))
+    assert final.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(final[name], value), name

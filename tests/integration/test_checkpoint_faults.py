@@ -193,12 +193,13 @@ OBJECTIVES = {
     "lora": (*SFT, "--model.converters", "lora"),
     "dpo": ("--training.objective", "dpo", "--training.dataset", "text", "--training.local_batch_size", "4",
             "--training.dataset_path", str(REPO / "tests" / "assets" / "dpo" / "prefer_reverse.jsonl")),
-    # Two optimizer steps per rollout batch, and a frozen reference: the kill at step 4 falls inside a
-    # batch, whose rollouts (seeded by step and place, titanlike/rl/rollout.py) the resume draws again.
+    # Two optimizer steps per rollout batch, generated one step ahead, and a frozen reference: the kill at
+    # step 4 falls inside a batch made before step 2's update, which the resume from step 2 cannot make again
+    # (those weights are gone): the checkpoint's rollouts in flight bring it back (train/companions.py InFlight).
     "grpo": ("--training.objective", "grpo", "--training.dataset", "text", "--training.local_batch_size", "2",
              "--training.dataset_path", str(REPO / "tests" / "assets" / "grpo" / "addition.jsonl"),
              "--grpo.num_generations", "2", "--grpo.max_completion_length", "4", "--grpo.num_iterations", "2",
-             "--grpo.beta", "0.1", "--grpo.reward_funcs", "exact_answer"),
+             "--grpo.max_offpolicy_steps", "1", "--grpo.beta", "0.1", "--grpo.reward_funcs", "exact_answer"),
 }
 KILLED = [*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "4", "--checkpoint.enable",
           "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]

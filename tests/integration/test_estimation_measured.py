@@ -51,7 +51,7 @@ LLAVA = ["--model.name", "llava", "--model.flavor", "debugmodel", "--model.args.
 def test_every_family_debug_preset_is_within_2_percent_of_a_measured_cpu_step(tmp_path):
     """One real training step of each family's debug preset (and LLaVA's, above) on CPU, measured by
     scripts/measure_memory.py (allocator events, independent of the probe's storage count): the estimate
-    counting torch's CPU kernels and exact bytes is within 2% (measured: within 0.13% for all nine,
+    counting torch's CPU kernels and exact bytes is within 2% (measured: within 0.13% for all eleven,
     LLaVA +1.0%)."""
     names, jobs = [*FAMILY_PRESETS, "llava"], [*(preset_argv(name) for name in FAMILY_PRESETS), LLAVA]
     proc = subprocess.run([sys.executable, "-c", _MEASURE_ALL.format(repo=str(REPO)), json.dumps(jobs), str(tmp_path)],

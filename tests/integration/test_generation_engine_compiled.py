@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from family_checks import materialize
 from titanlike.inference import Engine, SamplingParams
 from titanlike.models.registry import get_model_spec
@@ -51,3 +53,70 @@ def test_compiled_decode_gives_the_eager_tokens_without_recompiling():
     assert graphs >= 1 and counters["stats"]["unique_graphs"] == batch_graphs  # no graph after the first run's
     assert caches[0] is caches[1]  # both calls' batches of 2 decode in one static cache (a CUDA graph's)
     assert batch.cache.static and batch.cache.layer("0").k.shape[2] == 40
+
+
+def test_grpo_rollouts_from_the_compiled_decode_step_are_the_eager_ones(tmp_path):
+    """grpo.compile_generation: the rollout keeps one engine from generation to generation
+    (titanlike/rl/rollout.py), its decode step compiled; the same seeds draw the same completions (the
+    compiled logits differ from the eager ones by rounding), so rewards, lengths and losses agree, and
+    the engine's log-probabilities stay the trainer's. One layer, two generations."""
+    from conftest import REPO, read_metrics, train_in_process
+    from grpo_assets import prompt_rows
+    from sft_assets import reverse_task, write_jsonl
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(reverse_task(16, seed=0, words=2)))
+    job = ["--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml"), "--model.flavor", "debugmodel_tiny",
+           "--model.args.n_layers", "1", "--metrics.log_freq", "1", "--metrics.enable_jsonl",
+           "--metrics.no_enable_tensorboard", "--grpo.reward_funcs", "grpo_assets:length_reward",
+           "--optimizer.lr", "1e-3", "--training.steps", "2", "--training.dataset_path", str(prompts)]
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--grpo.compile_generation"])):
+        counters.clear()
+        train_in_process([*job, "--job.dump_folder", str(tmp_path / name), *extra])
+        runs[name] = read_metrics(tmp_path / name)
+    assert counters["stats"]["unique_graphs"] >= 1  # the compiled run's decode step
+    for got, want in zip(runs["compiled"], runs["eager"], strict=True):
+        assert (got["reward/mean"], got["completion_length/mean"]) == (want["reward/mean"], want["completion_length/mean"])
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
+        assert got["mismatch"] < 1e-5
+
+
+def test_a_compiled_server_compiles_every_shape_before_serving_and_says_so():
+    """titanlike-serve --compile: OpenAIServer.warm_up compiles each shape of the continuous batch's step
+    (row and slot buckets) before the first request and the start line says how many and how long;
+    requests then compile nothing and get the eager engine's greedy tokens. The model and shapes of
+    the test above, so inductor's on-disk cache holds its kernels (a few seconds)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from titanlike.cli.serve import start_lines
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+    from titanlike.inference.processor import Processor
+    from titanlike.inference.server import OpenAIServer
+
+    openai = pytest.importorskip("openai")
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], vocab_size=256, n_layers=1, max_seq_len=40)
+    model = materialize(spec.model_cls, args, seed=0).eval()
+    prompts = [[5, 9, 17, 3, 44, 12, 8], [7, 31, 90]]
+    want = [c.tokens for c in Engine(model).generate(prompts, SamplingParams(max_new_tokens=4))[0]]
+    torch._dynamo.reset()
+    counters.clear()
+    server = OpenAIServer(Engine(model, compile=True), Processor(build_tokenizer(DEFAULT_TOKENIZER_PATH)),
+                          model_name="tiny", slots=2, port=0)
+    shapes, seconds = server.warm_up()
+    assert shapes == 4 == counters["stats"]["unique_graphs"]  # rows 1 and 2, slots 10 and 40
+    assert start_lines(server)[0] == f"compiled 4 shapes of the decode step in {seconds:.1f} s"
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0,
+                                             extra_body={"skip_special_tokens": False}).choices[0].text
+                   for p in prompts]
+    finally:
+        server.shutdown()
+    assert got == [server.processor.decode(tokens, skip_special_tokens=False) for tokens in want]
+    assert counters["stats"]["unique_graphs"] == 4

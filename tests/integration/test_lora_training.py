@@ -232,3 +232,74 @@ def test_lora_base_held_in_bfloat16_with_float32_adapters(train_runs):
     assert len(bf16_base) == 4 and min(loss for loss, _ in bf16_base[1:]) < bf16_base[0][0] - 0.5
     assert [x for x, _ in bf16_base] == pytest.approx([x for x, _ in fsdp], abs=1e-5)
     assert [g for _, g in bf16_base] == pytest.approx([g for _, g in fsdp], rel=1e-4)
+
+
+# Issue 43's families, SFT with adapters from a random transformers model of the debug flavor's shape: the
+# targets by Hugging Face names (Qwen3-Next's Gated DeltaNet projections beside its attention; MoE routers,
+# experts and gpt-oss's sinks are no linear peft adapts, nor do we), the merged export and the PEFT adapter.
+# id -> (family, flavor, changes to its args, targets, adapted linears): Gemma 3's 6 layers of 7; Qwen3-Next's
+# 2 attention layers of 4 and 2 Gated DeltaNet layers of 3; Qwen3.5 the same, where transformers keeps the
+# projections apart (in_proj_qkv and in_proj_z for our in_proj_qkvz; in_proj_b and in_proj_a); gpt-oss's 4
+# attention layers of 4.
+DELTA_NET = "q_proj,k_proj,v_proj,o_proj,in_proj_qkvz,in_proj_ba,out_proj"
+FAMILY_CASES = {
+    "gemma3": ("gemma3", "debugmodel", {}, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", 42),
+    "qwen3_next": ("qwen3_next", "debugmodel_tiny", {}, DELTA_NET, 14),
+    "qwen3_5": ("qwen3_next", "debugmodel", {"n_layers": 4, "release": "qwen3_5"}, DELTA_NET, 14),
+    "gpt_oss": ("gpt_oss", "debugmodel", {}, "all-linear", 16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAMILY_CASES))
+def test_lora_sft_of_a_new_family_exports_what_transformers_and_peft_load(tmp_path, case):
+    """Four steps of LoRA SFT from a Hugging Face folder: the loss is finite and falls, the merged export
+    gives titanlike's logits in transformers within 1e-5 (fp32), peft puts the adapter on the base model
+    with the merged model's logits, and a run starting from the adapter (lora.adapter_path, a learning rate
+    too small to move anything) exports the same merged model."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import math
+
+    import titanlike
+    from conftest import read_metrics
+    from titanlike.data import build_tokenizer
+    from titanlike.models.registry import get_model_spec
+
+    family, flavor, changes, targets, adapted = FAMILY_CASES[case]
+    spec = get_model_spec(family)
+    hf_folder = tokenizer_folder(tmp_path / "hf", TAGGED["chatml"])
+    tokenizer = build_tokenizer(str(hf_folder))
+    args = dataclasses.replace(spec.flavors[flavor], vocab_size=tokenizer.vocab_size, max_seq_len=2048, **changes)
+    config = spec.hf.args_to_config(args)
+    cls = getattr(transformers, config["architectures"][0])
+    torch.manual_seed(0)
+    cls(cls.config_class(**config)).save_pretrained(hf_folder)
+    dump = tmp_path / "out"
+    job = ["--job.config_file", str(REPO / "train_configs" / "lora_debug.toml"), "--model.name", family,
+           "--model.flavor", flavor, "--model.hf_assets_path", str(hf_folder), "--checkpoint.initial_load_in_hf",
+           "--checkpoint.last_save_in_hf", "--lr_scheduler.warmup_steps", "1", "--training.seq_len", "64",
+           "--training.local_batch_size", "4", "--lora.target_modules", targets, "--metrics.log_freq", "1",
+           "--metrics.enable_jsonl", "--metrics.no_enable_tensorboard"]
+    run = train_here([*job, "--training.steps", "4", "--job.dump_folder", str(dump)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"lora: rank 8, alpha 16 on {adapted} linear layers" in run.stderr
+    losses = [r["loss"] for r in read_metrics(dump)]
+    assert len(losses) == 4 and all(map(math.isfinite, losses)) and min(losses[1:]) < losses[0], losses
+    export = dump / "checkpoint" / "step-4"
+    tokens = torch.randint(0, tokenizer.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
+        want = merged(tokens).logits
+        torch.testing.assert_close(titanlike.load_model(export)(tokens), want, rtol=0, atol=1e-5)
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, attn_implementation="eager").eval()
+        before = base(tokens).logits
+        with_adapter = peft.PeftModel.from_pretrained(base, export / "adapter").eval()(tokens).logits
+        torch.testing.assert_close(with_adapter, want, rtol=0, atol=1e-4)
+        assert (want - before).abs().max() > 1e-4  # the adapters trained
+    again = tmp_path / "again"
+    train_in_process([*job, "--training.steps", "1", "--optimizer.lr", "1e-12", "--lora.adapter_path",
+                      str(export / "adapter"), "--job.dump_folder", str(again)])
+    with torch.no_grad():
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(again / "checkpoint" / "step-1",
+                                                                     attn_implementation="eager").eval()
+        torch.testing.assert_close(reloaded(tokens).logits, want, rtol=0, atol=1e-5)

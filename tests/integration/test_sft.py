@@ -136,3 +136,21 @@ def test_sft_from_a_hugging_face_folder_to_one(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, trained(tokens), rtol=0, atol=1e-4)
         assert not torch.allclose(back(tokens).logits, hf(tokens).logits)  # it trained
+
+
+@pytest.mark.parametrize("family,flavor", [("gemma3", "debugmodel"), ("qwen3_next", "debugmodel_tiny"),
+                                           ("gpt_oss", "debugmodel")], ids=["gemma3", "qwen3_next", "gpt_oss"])
+def test_the_sft_preset_runs_on_each_new_family(tmp_path, family, flavor):
+    """sft_debug.toml's task (chat template, packing, assistant-only loss, document masks) on issue 43's
+    families, full-parameter: 6 steps in the test process, the loss finite and falling (LoRA SFT on them:
+    tests/integration/test_lora_training.py)."""
+    import math
+
+    dump = tmp_path / "out"
+    train_in_process([*PRESET, "--model.name", family, "--model.flavor", flavor, "--training.steps", "6",
+                      "--lr_scheduler.warmup_steps", "1", "--training.seq_len", "64", "--training.local_batch_size",
+                      "4", "--metrics.log_freq", "1", "--metrics.enable_jsonl", "--checkpoint.no_enable",
+                      "--job.dump_folder", str(dump)])
+    losses = [r["loss"] for r in read_metrics(dump)]
+    assert len(losses) == 6 and all(map(math.isfinite, losses)), losses
+    assert min(losses[3:]) < losses[0] - 0.5, losses

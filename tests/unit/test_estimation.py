@@ -16,7 +16,7 @@ import pytest
 
 from estimation.layout import estimate
 from estimation.options import EstimateOptions, parse_estimate_args, prepare_job
-from estimation.probe import probe, probed_layers
+from estimation.probe import probe, probe_generation, probed_layers
 from estimation.estimate import run_estimate, verdict
 from estimation_checks import FAMILY_PRESETS, estimate_job, preset_argv
 from titanlike.config import ConfigError, load_job_config
@@ -336,6 +336,33 @@ def test_a_distillation_teacher_is_counted_as_parameters_and_a_forward(tmp_path)
         (student.peak.gradients, student.peak.optimizer_state)
     assert other.spec.name == "qwen3" and len(measured.kinds) == 1  # the teacher's own plan and probe
     assert with_teacher.peak_bytes > student.peak_bytes
+
+
+@pytest.mark.parametrize("family,flavor", [("gemma3", "debugmodel"), ("gpt_oss", "debugmodel"),
+                                           ("qwen3_next", "debugmodel_tiny")])
+def test_a_generators_cache_holds_a_window_per_sliding_layer_and_a_fixed_state_per_delta_layer(family, flavor):
+    """The generator's cache (the engine's own, filled on fake tensors) of issue 43's families: a sliding
+    layer keeps keys and values of its window only (rolling), a full layer of seq_len tokens, a Gated
+    DeltaNet layer its delta-rule state (v_heads x k_dim x v_dim, fp32) and its conv's last K-1 inputs,
+    whatever seq_len; byte for byte at two lengths."""
+    rows = 6
+    for seq in (64, 128):
+        grpo = ["--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml"), "--model.name", family,
+                "--model.flavor", flavor, "--training.dataset_path",
+                str(REPO / "tests" / "assets" / "grpo" / "addition.jsonl"), "--training.local_batch_size", "2",
+                "--grpo.num_generations", "3", "--training.seq_len", str(seq)]
+        plan = prepare_job(load_job_config(grpo), 1).plan
+        a = plan.model_args
+        want = 2 * rows * 8  # each row's length, twice (int64)
+        for layer in range(a.n_layers):
+            if getattr(a, "is_full_attention", lambda i: True)(layer):
+                tokens = min(seq, a.attention_window(layer) or seq)
+                want += 2 * rows * tokens * (a.n_kv_heads or a.n_heads) * a.head_dim * 4
+            else:
+                state = a.linear_v_heads * a.linear_k_dim * a.linear_v_dim
+                want += rows * (state + (a.conv_kernel - 1) * a.conv_dim) * 4
+        g, note = probe_generation(plan, sharded=False, device="cpu", granularity=1)
+        assert note is None and g.rows == rows and g.cache == want, (seq, g.cache, want)
 
 
 def test_a_grpo_generator_counts_its_rows_its_cache_and_the_policys_copy():

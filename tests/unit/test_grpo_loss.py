@@ -207,6 +207,45 @@ def test_a_missing_target_is_one_sentence(missing, change):
         grpo_token_loss(o, data["logps"], targets)
 
 
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_engines_log_probabilities_as_the_old_policy(level, correction):
+    """old_logprobs engine: pi_old is pi_engine (a token it could not score: the policy's own), so the ratio
+    pi / pi_engine carries the correction and its clip truncates it; the engine weight pi_old / pi_engine is
+    1 whatever the correction's options; old_logps, if a batch had them, are not read. By hand, dapo."""
+    data = batch()
+    engine = data["engine_logps"].clone()
+    engine[4, 2] = math.nan
+    advantages = torch.linspace(-1.5, 1.5, B)
+    targets = {"completion_mask": data["completion_mask"], "advantages": advantages, "truncated": data["truncated"],
+               "engine_logps": engine, "old_logps": data["old_logps"] - 5.0}
+    o = GRPOOptions(num_generations=G, loss_type="dapo", importance_sampling_level=level, epsilon_high=0.28,
+                    old_logprobs="engine", engine_importance_sampling_correction=correction)
+    logps = data["logps"].clone().requires_grad_()
+    terms = grpo_token_loss(o, logps, targets)
+    (terms.value / terms.units).backward()
+
+    lp = data["logps"].clone().requires_grad_()
+    m = data["completion_mask"].float()
+    old = torch.where(engine.isnan(), lp.detach(), engine)
+    log_ratio = lp - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1)).unsqueeze(-1)
+    r, a = log_ratio.exp(), advantages.unsqueeze(1)
+    want = (-torch.min(r * a, r.clamp(0.8, 1.28) * a) * m).sum() / m.sum()
+    want.backward()
+    assert terms.units == m.sum()
+    assert (terms.value / terms.units - want).abs() <= TOL and (logps.grad - lp.grad).abs().max() <= TOL
+    if level == "token":
+        assert 0 < terms.reported["clip_ratio/region_mean"][0]  # some ratios against the engine are clipped
+    assert not any(name.startswith("sampling/") for name in terms.reported)  # no engine weight: it is 1
+    # The trainer's old policy instead: another loss.
+    trainer = grpo_token_loss(GRPOOptions(num_generations=G, loss_type="dapo", importance_sampling_level=level,
+                                          epsilon_high=0.28, engine_importance_sampling_correction=correction),
+                              data["logps"], targets)
+    assert (trainer.value - terms.value).abs() > 1e-3
+
+
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 def test_advantages_equal_trl(scale_rewards):
     """Group means, the group's or the batch's std (Bessel), none; a row without rewards gets 0."""
@@ -243,6 +282,8 @@ def test_overlong_penalty_equals_trl():
 
 @pytest.mark.parametrize("change, message", [
     ({"num_generations": 1}, "grpo.num_generations must be at least 2"),
+    ({"max_offpolicy_steps": -1}, "grpo.max_offpolicy_steps must not be negative"),
+    ({"dynamic_sampling_max_rounds": 0}, "grpo.dynamic_sampling_max_rounds must be at least 1"),
     ({"beta": -0.1}, "grpo.beta must not be negative"),
     ({"epsilon": 1.0}, "grpo.epsilon must lie in"),
     ({"engine_importance_sampling_clip_min": 4.0}, "clip_min (4.0) must not exceed clip_max"),

@@ -65,12 +65,79 @@ def test_a_reference_and_several_iterations_per_generation(tmp_path, prompts, lo
     assert all(r["mismatch"] < 1e-5 for r in runs)  # the old policy's, the one that generated, on every step
 
 
+@pytest.mark.parametrize("old_logprobs", ["trainer", "engine"])
+def test_the_engines_log_probabilities_stand_in_for_the_old_policys_forward(tmp_path, prompts, monkeypatch,
+                                                                             old_logprobs):
+    """num_iterations 2: the trainer's old policy is one forward per generated batch (2 steps, 1 microbatch,
+    so 1 forward); old_logprobs engine skips it and trains against the engine's log-probabilities."""
+    from titanlike.train.companions import Companions
+
+    forwards = []
+    run = Companions._run
+    monkeypatch.setattr(Companions, "_run", lambda self, *a: forwards.append(a[0].role) or run(self, *a))
+    runs = _run(tmp_path, old_logprobs, prompts, "--training.steps", "2", "--grpo.num_iterations", "2",
+                "--grpo.old_logprobs", old_logprobs)
+    assert forwards == ([] if old_logprobs == "engine" else ["generator"])
+    assert runs[0]["reward/mean"] == runs[1]["reward/mean"] and runs[1]["grad_norm"] > 0
+    assert runs[0]["clip_ratio"] == 0.0  # pi / pi_engine is 1 within 1e-5 at first: nothing clipped
+
+
+def _resumed(tmp_path, name, prompts, stop: int, steps: int, *extra) -> list[dict]:
+    """A run stopped after step `stop` (a checkpoint), then resumed to `steps`: the resumed steps' metrics."""
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(stop), "--checkpoint.no_last_save_model_only"]
+    _run(tmp_path, name, prompts, "--training.steps", str(stop), *ckpt, *extra)
+    return _run(tmp_path, name, prompts, "--training.steps", str(steps), *ckpt, *extra)[-(steps - stop):]
+
+
+@pytest.mark.parametrize("extra,stop,lags", [
+    (["--grpo.max_offpolicy_steps", "1"], 2, [0, 1, 1, 1]),
+    (["--grpo.num_iterations", "2"], 1, [0, 0, 0, 0]),  # stopped inside a generation: its second step waits
+    (["--grpo.max_offpolicy_steps", "2", "--grpo.num_iterations", "2"], 2, [0, 0, 2, 2]),
+], ids=["ahead1", "iterations2", "ahead2_iterations2"])
+def test_rollouts_in_flight_resume_exactly(tmp_path, prompts, extra, stop, lags):
+    """Generation runs ahead of training (a batch first trained at step t made with the weights before
+    step t - lag), its old log-probabilities the generating policy's (mismatch: the engine's against them
+    within 1e-5); the batches made and not yet trained are saved, so a resumed run trains what the
+    uninterrupted one did."""
+    whole = _run(tmp_path, "whole", prompts, "--training.steps", "4", *extra)
+    assert [r["rollout/lag"] for r in whole] == lags
+    assert all(r["mismatch"] < 1e-5 for r in whole) and whole[-1]["grad_norm"] > 0
+    resumed = _resumed(tmp_path, "resumed", prompts, stop, 4, *extra)
+    for name in ("loss", "reward/trained_mean", "grad_norm", "rollout/lag", "mismatch"):
+        assert [r[name] for r in resumed] == [r[name] for r in whole[stop:]], name
+    # The rollouts' figures where the resumed run generated (a step on restored rollouts has none).
+    assert [r["reward/mean"] for r in resumed if "reward/mean" in r] == [
+        w["reward/mean"] for r, w in zip(resumed, whole[stop:]) if "reward/mean" in r]
+
+
+DYNAMIC = ["--grpo.reward_funcs", "grpo_assets:odd_answer_length_reward", "--grpo.dynamic_sampling"]
+
+
+def test_dynamic_sampling_refills_and_resumes_exactly(tmp_path, prompts):
+    """Groups with equal rewards (about half: odd_answer_length_reward) are dropped and refilled from more
+    prompts until the batch is full; the rounds and the dropped prompts are logged; a resumed run draws
+    the same prompts (the loader's position counts the refills)."""
+    whole = _run(tmp_path, "whole", prompts, "--training.steps", "3", *DYNAMIC)
+    assert all(r["rollout/missing_prompts"] == 0 for r in whole)
+    assert max(r["rollout/rounds"] for r in whole) > 1 and sum(r["rollout/dropped_prompts"] for r in whole) > 0
+    resumed = _resumed(tmp_path, "resumed", prompts, 1, 3, *DYNAMIC)
+    for name in ("loss", "reward/mean", "grad_norm", "rollout/rounds", "rollout/dropped_prompts"):
+        assert [r[name] for r in resumed] == [r[name] for r in whole[1:]], name
+    # At most two rounds for 8 prompts of which about half teach: a batch still short trains on the groups it
+    # kept, and says how many it lacks.
+    bound = _run(tmp_path, "bound", prompts, "--training.steps", "1", "--training.local_batch_size", "8", *DYNAMIC,
+                 "--grpo.dynamic_sampling_max_rounds", "2")
+    assert bound[0]["rollout/rounds"] == 2 and bound[0]["rollout/missing_prompts"] > 0 and bound[0]["grad_norm"] > 0
+
+
 @pytest.mark.parametrize("extra,words", [
     (["--grpo.num_generations", "1"], "grpo.num_generations must be at least 2"),
     (["--parallelism.pipeline_parallel_degree", "2"], "which pipeline parallelism splits over stages"),
     (["--grpo.reward_funcs", "exact_answer"], "reward exact_answer needs the dataset column 'answer'"),
     (["--training.seq_len", "12"], "less grpo.max_completion_length"),
     (["--validation.enable"], "training.objective grpo has no validation loss"),
+    (["--grpo.max_offpolicy_steps", "-1"], "grpo.max_offpolicy_steps must not be negative"),
+    (["--grpo.dynamic_sampling_max_rounds", "0"], "grpo.dynamic_sampling_max_rounds must be at least 1"),
     (["--grpo.reward_funcs", "no_such_module:f"], "module no_such_module does not import"),
 ])
 def test_bad_jobs_are_one_sentence_at_plan_time(tmp_path, extra, words):
@@ -104,12 +171,12 @@ def test_a_generating_companion_reads_the_policy():
 
 def test_rollout_figures_trained_figures_and_sample_completions(tmp_path, prompts):
     """reward/mean and completion_length/* are over every completion generated, before dynamic sampling
-    drops the groups whose rewards are all equal; reward/trained_mean over the rows trained (per
-    completion with loss_type grpo). A few completions with their rewards reach metrics.jsonl every
+    drops the groups whose rewards are all equal (no refill here); reward/trained_mean over the rows
+    trained (per completion with loss_type grpo). A few completions with their rewards reach metrics.jsonl every
     grpo.sample_freq steps."""
     records = _run(tmp_path, "figures", prompts, "--training.steps", "3", "--training.local_batch_size", "8",
                    "--grpo.reward_funcs", "grpo_assets:length_unless_red", "--grpo.dynamic_sampling",
-                   "--grpo.loss_type", "grpo", "--grpo.sample_freq", "2")
+                   "--grpo.dynamic_sampling_max_rounds", "1", "--grpo.loss_type", "grpo", "--grpo.sample_freq", "2")
     steps, samples = [r for r in records if "loss" in r], [r for r in records if "samples" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert min(r["kept_fraction"] for r in steps) < 1  # some groups (the red prompts') were dropped
@@ -156,3 +223,19 @@ def test_samples_with_scores_reach_the_console_tensorboard_and_jsonl(tmp_path, c
     acc.Reload()
     text = acc.Tensors("samples/0/text_summary")[0].tensor_proto.string_val[0].decode()
     assert text.startswith("**reverse: red dog**dog red") and "reward: 1" in text
+def test_rollouts_in_flight_resume_on_their_data_parallel_degree():
+    """A checkpoint's generations not yet trained belong to its data-parallel ranks: another degree is one
+    sentence naming the way out; with nothing in flight (a finished generation) any layout resumes."""
+    import torch
+
+    from titanlike.train.companions import Generation, InFlight
+
+    saved = InFlight(2)
+    saved.generations, saved.served = [Generation(3, 4, 3, [{"inputs": torch.zeros(2, 3, dtype=torch.long)}])], 3
+    with pytest.raises(ValueError, match="generated for 2 data-parallel ranks and this run has 1: .* "
+                                         "--checkpoint.exclude_from_loading rollouts"):
+        InFlight(1).load_state_dict(saved.state_dict())
+    saved.served = 4
+    fresh = InFlight(1)
+    fresh.load_state_dict(saved.state_dict())
+    assert fresh.generations == []

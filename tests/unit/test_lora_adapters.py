@@ -64,6 +64,66 @@ def test_adapters_freeze_the_base_and_swap_only_the_targets(hf_folder):
     assert all(isinstance(m, LoRALinear) for m in adapters(fresh).values())
 
 
+@pytest.mark.parametrize("family,flavor", [("qwen3", "debugmodel_moe"), ("gpt_oss", "debugmodel"),
+                                           ("qwen3_next", "debugmodel_tiny")])
+def test_all_linear_leaves_routers_experts_and_sinks_alone(family, flavor):
+    """A router reads its gate's weight in fp32 (an adapter there would never be computed) and transformers'
+    routers are no nn.Linear (peft adapts none): all-linear adapts every other linear, Qwen3-Next's Gated
+    DeltaNet projections and gated shared experts among them; a router named alone is refused."""
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec(family)
+    with torch.device("meta"):
+        model = spec.model_cls(spec.flavors[flavor])
+    targets = apply_lora(model, LoRAOptions(target_modules=["all-linear"]), spec=spec)
+    assert targets and not [t for t in targets if ".router." in t]
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        f"{t}.{x}" for t in targets for x in ("lora_a", "lora_b")}  # experts, biases, sinks frozen
+    if family == "qwen3_next":
+        kinds = {t.split(".", 2)[-1] for t in targets}
+        assert {"linear_attention.in_proj_qkvz", "linear_attention.in_proj_ba", "linear_attention.out_proj",
+                "moe.shared_experts.gate"} <= kinds
+    with torch.device("meta"):
+        model = spec.model_cls(spec.flavors[flavor])
+    with pytest.raises(ValueError, match="lora.target_modules router.gate matches no linear layer"):
+        apply_lora(model, LoRAOptions(target_modules=["router.gate"]), spec=spec)
+
+
+def test_a_projection_transformers_keeps_in_parts_exports_one_adapter_per_part(tmp_path):
+    """Qwen3.5 keeps our in_proj_qkvz as in_proj_qkv and in_proj_z (in_proj_ba as in_proj_b and in_proj_a):
+    the PEFT folder holds an adapter per part, each with our A and its rows of B, which read back as ours;
+    parts with different A's (an adapter peft trained on them apart) are refused in one sentence."""
+    from safetensors.torch import load_file, save_file
+
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec("qwen3_next")
+    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], moe=None, n_layers=2, release="qwen3_5")
+    options = LoRAOptions(rank=4, alpha=8, target_modules=["in_proj_qkvz", "in_proj_ba"])
+    model = spec.model_cls(args)
+    apply_lora(model, options, spec=spec)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in adapters(model).values():
+            module.lora_a.normal_(0, 0.1)
+            module.lora_b.normal_(0, 0.1)
+    written = export_peft(model.state_dict(), spec, args, str(tmp_path), options)
+    assert written == ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z"]
+    again = spec.model_cls(args)
+    apply_lora(again, options, spec=spec)
+    load_peft(again, str(tmp_path), spec=spec)
+    for fqn, module in adapters(model).items():
+        for name in ("lora_a", "lora_b"):
+            assert torch.equal(getattr(adapters(again)[fqn], name), getattr(module, name)), (fqn, name)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    tensors["base_model.model.model.layers.0.linear_attn.in_proj_z.lora_A.weight"] += 1
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="holds different lora_A matrices for model.layers.0.linear_attn.in_proj_qkv "
+                                         "and model.layers.0.linear_attn.in_proj_z, which this model computes as one "
+                                         "projection"):
+        load_peft(again, str(tmp_path), spec=spec)
+
+
 def test_peft_loads_our_adapter_onto_the_transformers_model_with_our_logits(hf_folder, tmp_path):
     from titanlike.models.registry import get_model_spec
 

@@ -161,13 +161,13 @@ def test_patterns_need_muon():
 def test_estimator_counts_muon_momentum_bfloat16_states_and_the_gathered_matrices():
     """The estimator steps the real optimizer on fake tensors (estimation/probe.py): Muon keeps one
     momentum buffer per matrix, AdamW two moments; bfloat16 halves them; the optimizer step's window
-    holds the matrices an owner gathers whole."""
+    holds the matrices an owner gathers whole (over FSDP's and TP's ranks at once under FSDP x TP)."""
     from estimation.probe import probe
 
-    def measured(*overrides: str):
+    def measured(*overrides: str, world: int = 2):
         cfg = load_job_config(["--model.flavor", "debugmodel_tiny", "--parallelism.data_parallel_shard_degree", "2",
                                "--training.seq_len", "64", "--training.local_batch_size", "1", *overrides])
-        plan = plan_job(cfg, 2, vocab_size=ARGS.vocab_size)
+        plan = plan_job(cfg, world, vocab_size=ARGS.vocab_size)
         pr = probe(plan)
         return sum(s.optimizer for s in pr.static.values()), pr.update.over
 
@@ -177,3 +177,6 @@ def test_estimator_counts_muon_momentum_bfloat16_states_and_the_gathered_matrice
     assert 0.4 * adamw < muon < 0.9 * adamw
     assert abs(muon_bf16 / muon - 0.5) < 0.02
     assert muon_update > adamw_update
+    # FSDP x TP: each matrix gathered once over both dimensions to its owner, there too.
+    tp = ("--parallelism.tensor_parallel_degree", "2")
+    assert measured("--optimizer.name", "Muon", *tp, world=4)[1] > measured(*tp, world=4)[1]

@@ -235,3 +235,34 @@ def test_a_bad_device_is_one_sentence_from_serve_and_generate(tmp_path, capsys):
     assert app is None and error.startswith("--device 'gpu' is not a torch device") and "\n" not in error
     assert generate.main([str(tmp_path), "--device", "gpu"]) == 1
     assert capsys.readouterr().err == f"error: {error}\n"
+
+
+def test_a_plain_completion_ends_at_generation_configs_eos_ids(tmp_path):
+    """As transformers serve does: a Hugging Face folder's generation_config.json eos_token_id (an id or
+    a list, what the export writes) ends a plain completion; a value that is no id is refused at start."""
+    from titanlike.cli.serve import build_server
+    from titanlike.inference import SamplingParams
+
+    folder = _write("gpt2", tmp_path / "gpt2", CONTEXT, n_layers=2, dim=64, n_heads=4, max_seq_len=CONTEXT)
+    app, error = build_server([str(folder), "--port", "0", "--served-model-name", "tiny"])
+    assert error is None, error
+    prompt = app.processor.encode(PROMPTS[0])
+    tokens = app.engine.generate([prompt], SamplingParams(max_new_tokens=8))[0][0].tokens
+    app.http.server_close()
+    config = json.loads((folder / "generation_config.json").read_text())
+    stop = tokens[0]  # the first greedy token ends the answer once listed
+    assert len(tokens) == 8 and stop != config["eos_token_id"]
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [config["eos_token_id"],
+                                                                                          stop]}))
+    app, error = build_server([str(folder), "--port", "0", "--served-model-name", "tiny"])
+    assert error is None, error
+    app.start()
+    try:
+        client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0, timeout=30)
+        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == 1
+    finally:
+        app.shutdown()
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": "end"}))
+    app, error = build_server([str(folder), "--port", "0"])
+    assert app is None and "eos_token_id \"end\", which is not an id" in error and "\n" not in error

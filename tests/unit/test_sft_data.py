@@ -398,6 +398,31 @@ def test_end_of_turn_tokens_where_sampling_stops(tmp_path):
         assert stops == {tok.eos_id, tok.model.token_to_id(token)}, name
 
 
+@pytest.mark.parametrize("name", ["deepseek_r1_distill", "deepseek_r1_distill_training"])
+def test_end_of_turn_of_deepseek_r1(tmp_path, name):
+    """DeepSeek-R1's generation prompt opens a reasoning block (`<｜Assistant｜><think>\n`) that the
+    rendered answer does not hold, and its published template rewrites earlier turns: the end of the
+    turn is still found (its `<｜end▁of▁sentence｜>`, here a special token of its own beside the
+    debug tokenizer's EOS), where rendering the prompt first found nothing or refused the template."""
+    from pathlib import Path
+
+    from tokenizers import AddedToken, Tokenizer
+
+    import titanlike.data
+    from titanlike.data.chat_template import end_of_turn_ids
+
+    assets = Path(titanlike.data.__file__).parent / "assets" / "chat_templates"
+    source = (assets / f"{name}.jinja").read_text(encoding="utf-8")
+    folder = tokenizer_folder(tmp_path / name, source)
+    markers = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    markers.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in ("<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")])
+    markers.save(str(folder / "tokenizer.json"))
+    tok = build_tokenizer(str(folder))
+    stops = end_of_turn_ids(load_chat_template("tokenizer", tok), tok)
+    assert stops == {tok.eos_id, tok.model.token_to_id("<｜end▁of▁sentence｜>")}
+
+
 def test_planning_refuses_only_an_absurd_model_size(tmp_path):
     """A config.json describing more than any cluster holds is refused while planning, in one sentence;
     the host's own memory is checked when weights are loaded, not here (the 8B/70B presets above plan

@@ -1,14 +1,17 @@
-"""SFT rows as TRL's SFTTrainer renders them (issue 45.17): a row's `tools` and `chat_template_kwargs`
-reach the template as transformers' apply_chat_template passes them, and published templates that
-rewrite earlier turns (Qwen3, DeepSeek-R1-Distill, gpt-oss, Phi-3) are rendered with TRL's training
-variant of them, token ids and assistant masks equal to transformers' with TRL's own choice."""
+"""SFT rows as TRL's SFTTrainer renders them, and preference pairs as its DPOTrainer and RewardTrainer
+do (issue 45.17): a row's `tools` and `chat_template_kwargs` reach the template as transformers'
+apply_chat_template passes them, and published templates that rewrite earlier turns (Qwen3,
+DeepSeek-R1-Distill, gpt-oss, Phi-3) are rendered with TRL's training variant of them in SFT, token
+ids and assistant masks equal to transformers' with TRL's own choice."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sft_assets import TEMPLATES, tokenizer_folder
@@ -142,3 +145,41 @@ def test_bad_tools_and_kwargs_are_refused_in_one_sentence(tmp_path):
                                    seq_len=64)
         text = " ".join(str(e.value).split())
         assert words in text and text.startswith("conv.jsonl line 1") and text.count(". ") == 0
+
+
+@pytest.mark.parametrize("end_id", [None, 0], ids=["dpo", "reward"])
+def test_preference_pairs_pass_tools_and_kwargs_as_trl(tmp_path, end_id):
+    """DPO and reward pairs read the same columns: each side's ids are transformers' rendering of
+    prompt + answer with the row's tools and chat_template_kwargs (TRL's DPOTrainer and RewardTrainer
+    pass both to apply_chat_template), and its trained tokens start where TRL's DPOTrainer starts the
+    completion, past the prompt rendered with the generation prompt. end_id: the reward model's token
+    after each side (data/preferences.py render_pair)."""
+    from titanlike.data.preferences import tokenize_pairs
+
+    persona = "{% if persona is defined %}{{ '<|im_start|>system\n' + persona + '<|im_end|>\n' }}{% endif %}"
+    source = persona + (TRL_TEMPLATES / "qwen2_5.jinja").read_text(encoding="utf-8")
+    folder = tokenizer_folder(tmp_path / "qwen2_5", source)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    tok = build_tokenizer(str(folder))
+    template = load_chat_template("tokenizer", tok)
+    prompt = TOOL_CONVERSATION[:4]
+    answers = {"chosen": [{"role": "assistant", "content": "It is 6."}],
+               "rejected": [{"role": "assistant", "content": "It is 7, I would say."}]}
+    kwargs = {"persona": "You are terse."}
+    for extra in ({}, {"tools": json.dumps(TOOLS), "chat_template_kwargs": kwargs}):
+        pairs = tokenize_pairs([("pairs.jsonl line 1", {"prompt": prompt, **answers, **extra})], template, tok,
+                               seq_len=SEQ, end_id=end_id)
+        theirs = {"tools": TOOLS, **kwargs} if extra else {}
+        prompt_ids = hf_tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                **theirs)["input_ids"]
+        for d, side in enumerate(("chosen", "rejected")):
+            want = list(hf_tok.apply_chat_template(prompt + answers[side], tokenize=True, return_dict=True,
+                                                   **theirs)["input_ids"])
+            b0, b1 = pairs.bounds[d], pairs.bounds[d + 1]
+            ids = [int(t) for t in pairs.inputs[b0:b1]] + [int(pairs.labels[b1 - 1])]
+            assert ids == (want if end_id is None else [*want, end_id])
+            trained = np.flatnonzero(pairs.labels[b0:b1] != -100) + 1  # positions of trained tokens in ids
+            start = len(os.path.commonprefix([list(prompt_ids), want]))  # TRL's prompt_len
+            assert trained[0] == start and trained[-1] < len(ids)
+        if extra:  # the tool schemas and the persona are in the prompt, so in both sides
+            assert "multiply" in tok.decode(ids) and "You are terse." in tok.decode(ids)

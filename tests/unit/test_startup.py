@@ -1,6 +1,6 @@
 """Start-up (issue 45, item 13): `--help` imports only what it prints. train.py's help imports neither
 its memory check (estimation/fits.py) nor the planner, and neither it nor titanlike-plan's imports
-torch._dynamo; titanlike-eval's and titanlike-generate's import
+torch._dynamo or torch.distributed.tensor (with sympy); titanlike-eval's and titanlike-generate's import
 no torch (lm-eval's parser and the titanlike model's lines; titanlike/inference/arguments.py's options).
 Each runs in a fresh process, whose modules are the ones counted."""
 
@@ -15,6 +15,9 @@ import pytest
 from conftest import REPO, _env
 
 pytestmark = pytest.mark.slow  # fresh interpreters
+
+# Modules a command's --help has no use for, each a few tenths of a second of CPU or more.
+HEAVY_FOR_HELP = {"torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.fsdp", "sympy"}
 
 
 def _modules_after(code: str) -> set[str]:
@@ -34,6 +37,10 @@ def test_train_py_help_imports_no_memory_check_and_no_planner():
     # torch._dynamo is about a second of CPU (docs/performance.md): the families' module-level
     # torch.compiler.disable waits for the first call (models/common/eager.py).
     assert "torch._dynamo" not in modules
+    # torch.distributed.tensor (sympy with it) is about 0.6 s: the sharding styles build their
+    # ParallelStyles at parallelize time (models/common/sharding.py), model code checks for DTensors
+    # through models/common/dtensor.py.
+    assert not modules & HEAVY_FOR_HELP, sorted(modules & HEAVY_FOR_HELP)
 
 
 def test_titanlike_plan_help_imports_no_dynamo_and_no_probe():
@@ -42,6 +49,7 @@ def test_titanlike_plan_help_imports_no_dynamo_and_no_probe():
                              "except SystemExit:\n    pass")
     assert "torch._dynamo" not in modules and "estimation.probe" not in modules
     assert "titanlike.train.plan" not in modules
+    assert not modules & HEAVY_FOR_HELP, sorted(modules & HEAVY_FOR_HELP)
 
 
 def test_titanlike_eval_help_imports_no_torch():

@@ -34,6 +34,7 @@ from titanlike.checkpoint.states import (
     MODEL,
     OPTIMIZER,
     RNG,
+    ROLLOUTS,
     SAME_SHAPE,
     TRAIN_STATE,
     JobModel,
@@ -238,8 +239,8 @@ class Loader:
         names = [k for k in self.states if k not in self.cfg.exclude_from_loading]
         if MODEL in names:
             self._check_same_model(path, metadata)
-        for per_rank in (DATALOADER, RNG):
-            state: PerRankState = self.states[per_rank]
+        for per_rank in (DATALOADER, RNG, ROLLOUTS):
+            state: PerRankState = self.states.get(per_rank)
             if per_rank in names:
                 state.source = self._pick_source(state, metadata, path)
         template = {name: load_template(self.states[name]) for name in names}

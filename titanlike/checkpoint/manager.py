@@ -43,6 +43,7 @@ from titanlike.checkpoint.states import (
     MODEL,
     OPTIMIZER,
     RNG,
+    ROLLOUTS,
     TRAIN_STATE,
     JobModel,
     JsonState,
@@ -153,12 +154,14 @@ class CheckpointManager:
 
     def __init__(self, cfg, *, dims, model_parts: list[nn.Module], optimizer, lr_scheduler,
                  dataloader, model_args=None, tokenizer=None, loss_scaler=None, hooks: Sequence[LoadHook] = (),
-                 context_len: int | None = None, flavor: str | None | _Unset = _UNSET, chat_template=None):
+                 context_len: int | None = None, flavor: str | None | _Unset = _UNSET, chat_template=None,
+                 rollouts: Stateful | None = None):
         """hooks: what the job's converters and objective add when a checkpoint loads or is exported
         (hooks.py); context_len: the model's own context (the plan's), recorded instead of the job's
         seq_len; flavor: the flavor the model is (None: sized by a Hugging Face folder or
         [model.args]). Both default to model.flavor's. chat_template: the data/chat_template.py ChatTemplate
-        the objective rendered conversations with, recorded with the tokenizer for the exports."""
+        the objective rendered conversations with, recorded with the tokenizer for the exports. rollouts: a
+        job that generates (RL): its generated batches not yet trained, saved per data-parallel rank."""
         c = self.cfg = cfg.checkpoint
         self.enabled = c.enable
         self.folder = os.path.join(cfg.job.dump_folder, c.folder)
@@ -184,6 +187,9 @@ class CheckpointManager:
         }
         if loss_scaler is not None:
             self.states[LOSS_SCALER] = JsonState(loss_scaler, LOSS_SCALER)
+        if rollouts is not None:
+            self.states[ROLLOUTS] = PerRankState(ROLLOUTS, "dp_rank_", dp_rank, rollouts.state_dict,
+                                                 rollouts.load_state_dict)
         job = None
         if model_args is not None:
             from titanlike.models.registry import get_model_spec

@@ -9,6 +9,8 @@ position, RNG, step, loss scaler), each keyed so that any layout loads what any 
   rng.rank_R             each rank's RNG states (torch, CUDA, Python, NumPy), JSON
   train_state.step       the step the checkpoint was taken after (int64), and format_version
   loss_scaler.state      float16 loss scaling's scale and counters, JSON (jobs that scale the loss)
+  rollouts.dp_rank_R     each data-parallel rank's generated batches not yet trained, JSON (jobs that
+                         generate: train/companions.py InFlight)
 
 saving.py writes them, loading.py reads them back; `unlike` checks a loaded JSON state against the
 job's own before a component sees it.
@@ -37,10 +39,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from titanlike.checkpoint import format as fmt
 from titanlike.checkpoint.format import Json, tied_aliases
 
-MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE, LOSS_SCALER = (
-    "model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state", "loss_scaler")
-# LOSS_SCALER is saved and loaded only by jobs that scale the loss (float16).
-COMPONENTS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE, LOSS_SCALER)
+MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE, LOSS_SCALER, ROLLOUTS = (
+    "model", "optimizer", "lr_scheduler", "dataloader", "rng", "train_state", "loss_scaler", "rollouts")
+# LOSS_SCALER is saved and loaded only by jobs that scale the loss (float16), ROLLOUTS by jobs that generate (RL).
+COMPONENTS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE, LOSS_SCALER, ROLLOUTS)
 # What checkpoint.exclude_from_loading may name.
 CHECKPOINT_COMPONENTS = COMPONENTS
 

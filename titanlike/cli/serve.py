@@ -8,7 +8,9 @@ an OpenAI-compatible HTTP API.
 chat template, titanlike's llama3 template if it has none), streaming by server-sent events,
 /v1/models, /health. Concurrent requests share each decode step (continuous batching: up to
 --max-batch-size sequences, a finished one's slot refilled at once). One process, one device; the
-logic is titanlike/inference/server.py.
+logic is titanlike/inference/server.py. With --compile every shape of the decode step is compiled
+before it listens, and its first line says how many and how long (torch's on-disk caches make a
+second start of the same model several times faster: docs/performance.md).
 
 It listens on 127.0.0.1 (this machine only) unless --host says otherwise, and says so at start; on
 every interface without an API key (--api-key or TITANLIKE_API_KEY) it warns that anyone who can
@@ -76,14 +78,16 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
 
     from titanlike.inference import Engine
-    from titanlike.inference.loading import load_model_arguments
+    from titanlike.inference.loading import generation_eos_ids, load_model_arguments
     from titanlike.inference.processor import Processor
     from titanlike.inference.server import OpenAIServer
 
     try:
         model, tokenizer = load_model_arguments(args)
+        # A plain completion ends where transformers' would: at generation_config.json's eos_token_id.
         processor = Processor.for_model(model, tokenizer, checkpoint=args.checkpoint,
-                                        chat_template=args.chat_template, option="--chat-template")
+                                        chat_template=args.chat_template, option="--chat-template",
+                                        eos_ids=generation_eos_ids(args.checkpoint, model))
     except GenerationError as e:
         return None, str(e)
     context = model.model_args.context_len
@@ -98,6 +102,7 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
                               read_timeout=args.read_timeout, drain_seconds=args.drain_seconds)
     except OSError as e:
         return None, f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+    server.warm_up()  # compiled: every shape of the step before the first request (a no-op eager)
     return server, None
 
 
@@ -108,7 +113,9 @@ def start_lines(server) -> list[str]:
     everywhere = host in ("0.0.0.0", "::", "")
     reach = "every interface: other machines can reach it" if everywhere else \
         "this machine only" if host in ("127.0.0.1", "::1", "localhost") else f"the interface of {host}"
-    lines = [f"serving {server.model_name} at {server.url}/v1 ({server.batch.slots} slots of "
+    shapes, seconds = server.compiled
+    lines = [f"compiled {shapes} shapes of the decode step in {seconds:.1f} s"] if shapes else []
+    lines += [f"serving {server.model_name} at {server.url}/v1 ({server.batch.slots} slots of "
              f"{server.batch.capacity} tokens; bound to {host}, {reach}; "
              f"{'an API key is required' if server.api_key else 'no API key'}; SIGTERM or Ctrl-C drains and stops)"]
     if everywhere and not server.api_key:

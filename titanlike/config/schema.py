@@ -98,6 +98,10 @@ class Optimizer:
         "2-D or 3-D ones outside the blocks")
     muon_exclude: list[str] = opt(
         [], "Muon: fnmatch patterns of parameter names to step with AdamW instead (they win over muon_include)")
+    qk_clip_threshold: float | None = opt(
+        None, "QK-clip (MuonClip, Kimi K2 used 100): after each step, the query and key projections of every "
+        "attention head whose largest attention logit in the step's forward exceeded this are scaled down so "
+        "that it would not have; empty or 0 turns it off")
 
 
 @dataclass

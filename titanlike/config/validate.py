@@ -67,6 +67,8 @@ def validate_values(cfg: JobConfig) -> None:
         _check(not long, f"optimizer.{name} patterns must hold 1 to 200 characters, got {len(long[0]) if long else 0}")
     _check(o.name == "Muon" or not (o.muon_include or o.muon_exclude),
            f"optimizer.muon_include and muon_exclude only apply with optimizer.name Muon, not {o.name}")
+    _check(o.qk_clip_threshold is None or o.qk_clip_threshold >= 0,
+           f"optimizer.qk_clip_threshold must be positive (or 0 or empty: off), got {o.qk_clip_threshold}")
     _check(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be non-negative, got {s.warmup_steps}")
     _check(s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
            f"lr_scheduler.decay_ratio must lie in [0, 1], got {s.decay_ratio}")

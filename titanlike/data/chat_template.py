@@ -22,7 +22,9 @@ naming generation tags.
 
 Templates of our own serve tokenizers without one (`BUILTIN_TEMPLATES`): Llama 3's format (whose
 header and end-of-turn tokens every Llama-3-format tokenizer, the debug one included, has) and
-ChatML, both with generation tags.
+ChatML, both with generation tags. Published templates shipped in `assets/chat_templates/`
+(`published_template_names`: Gemma 3's, gpt-oss', Qwen3's, ...) are chosen by name too, for a
+tokenizer that has the model's special tokens but not its template.
 
 A template is data a downloaded folder or a server's operator supplies, so rendering is bounded
 (issue 46): Jinja's immutable sandbox (no attribute walks to Python internals, no mutating
@@ -150,8 +152,9 @@ def _token_string(tokenizer, token_id: int | None) -> str | None:
 
 def load_chat_template(choice: str, tokenizer, *, option: str = "sft.chat_template") -> ChatTemplate:
     """The template `choice` names for `tokenizer`: "auto" (the tokenizer folder's, else titanlike's
-    llama3), "tokenizer" (the folder's, required), "llama3" / "chatml" (ours), or a path to a Jinja
-    file. DataError (one sentence) when it cannot be had or does not compile."""
+    llama3), "tokenizer" (the folder's, required), "llama3" / "chatml" (ours), a published template's
+    name (published_template_names), or a path to a Jinja file. DataError (one sentence) when it
+    cannot be had or does not compile."""
     folder = getattr(tokenizer, "path", None)
     folder = folder if folder and os.path.isdir(folder) else None
     variables: dict[str, str] = {}
@@ -163,6 +166,9 @@ def load_chat_template(choice: str, tokenizer, *, option: str = "sft.chat_templa
     variables.setdefault("eos_token", _token_string(tokenizer, getattr(tokenizer, "eos_id", None)) or "")
     if choice in BUILTIN_TEMPLATES:
         source, origin = BUILTIN_TEMPLATES[choice], f"titanlike's {choice} template"
+    elif choice in published_template_names():
+        with open(os.path.join(_VARIANTS_DIR, f"{choice}.jinja"), encoding="utf-8") as f:
+            source, origin = f.read(), f"the published {choice} template"
     elif choice in ("auto", "tokenizer"):
         source = folder_chat_template(folder) if folder is not None else None
         origin = f"the chat_template of {folder}"
@@ -174,8 +180,9 @@ def load_chat_template(choice: str, tokenizer, *, option: str = "sft.chat_templa
             source, origin = LLAMA3_TEMPLATE, "titanlike's llama3 template (the tokenizer has none)"
     else:
         if not os.path.isfile(choice):
-            raise DataError(f"{option} {choice!r} is neither auto, tokenizer, {', '.join(BUILTIN_TEMPLATES)} nor "
-                            "an existing Jinja file")
+            names = ", ".join([*BUILTIN_TEMPLATES, *published_template_names()])
+            raise DataError(f"{option} {choice!r} is neither auto, tokenizer, a template's name ({names}) nor an "
+                            "existing Jinja file")
         with open(choice, encoding="utf-8") as f:
             source, origin = f.read(), choice
     try:
@@ -206,6 +213,13 @@ def training_variant(template: ChatTemplate) -> ChatTemplate | None:
     with open(os.path.join(_VARIANTS_DIR, f"{name}_training.jinja"), encoding="utf-8") as f:
         source = f.read()
     return dataclasses.replace(template, source=source, origin=f"TRL's {name}_training variant of {template.origin}")
+
+
+@lru_cache(maxsize=1)
+def published_template_names() -> tuple[str, ...]:
+    """The published templates shipped in assets/chat_templates/ (its README says whose), by file name."""
+    names = (f[: -len(".jinja")] for f in os.listdir(_VARIANTS_DIR) if f.endswith(".jinja"))
+    return tuple(sorted(n for n in names if not n.endswith("_training")))
 
 
 @lru_cache(maxsize=1)
@@ -544,32 +558,42 @@ def tokenize_conversation(template: ChatTemplate, tokenizer, messages: Sequence[
 def end_of_turn_ids(template: ChatTemplate, tokenizer) -> set[int]:
     """The tokens that end an assistant turn in this template (where sampling stops): the first
     token the template writes after the assistant's text (Llama 3's <|eot_id|>, ChatML's
-    <|im_end|>, Gemma's <end_of_turn>, Mistral's EOS), and the tokenizer's EOS."""
-    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
-    try:
-        prompt, _ = render(template, probe[:1], add_generation_prompt=True)
-        ids, mask = tokenize_conversation(template, tokenizer, probe)
-    except DataError:
-        raise
-    except Exception as e:  # its raise_exception, an undefined name...: one sentence where it is loaded
-        raise DataError(f"the chat template ({template.origin}) cannot render a user turn and an assistant answer: "
-                        f"{_one_line(e)}") from None
-    prompt_ids, _ = encode_with_offsets(tokenizer, prompt)
-    answer = encode_with_offsets(tokenizer, "ok")[0]
-    after = len(prompt_ids) + len(answer)
+    <|im_end|>, Gemma's <end_of_turn>, DeepSeek-R1's <｜end▁of▁sentence｜>, Mistral's EOS), and the
+    tokenizer's EOS.
+
+    The answer's end is found by rendering the conversation with two answers and keeping what both
+    renderings end with, not by rendering the prompt first: a generation prompt may write what the
+    rendered turn does not (DeepSeek-R1's opens a `<think>` block), and a template may render earlier
+    turns differently once an answer follows, so the prompt's tokens need not start the conversation's."""
+    texts = []
+    for answer in ("ok", "no"):  # no character in common at either end
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]
+        try:
+            texts.append(render(template, probe)[0])
+        except Exception as e:  # its raise_exception, an undefined name...: one sentence where it is loaded
+            raise DataError(f"the chat template ({template.origin}) cannot render a user turn and an assistant "
+                            f"answer: {_one_line(e)}") from None
+    text, other = texts
+    tail = len(os.path.commonprefix([text[::-1], other[::-1]]))  # what the template writes after the answer
+    end = len(text) - tail
+    ids, offsets = encode_with_offsets(tokenizer, text)
     stops = {tokenizer.eos_id}
-    if after < len(ids) and ids[len(prompt_ids): after] == answer:
+    # The first token after the answer, where the answer ends on a token boundary.
+    after = next((i for i, (start, _) in enumerate(offsets) if start >= end), None)
+    if tail and after is not None and after > 0 and offsets[after - 1][1] <= end:
         stops.add(ids[after])
     return stops
 
 
-def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict]) -> list[int]:
-    """The ids of `messages` followed by the template's generation prompt (what a model answers)."""
-    text, _ = render(template, messages, add_generation_prompt=True)
+def chat_prompt_ids(template: ChatTemplate, tokenizer, messages: Sequence[dict], *, tools: list | None = None,
+                    kwargs: dict | None = None) -> list[int]:
+    """The ids of `messages` followed by the template's generation prompt (what a model answers).
+    tools, kwargs: render's (a data row's tool schemas and chat_template_kwargs)."""
+    text, _ = render(template, messages, add_generation_prompt=True, tools=tools, kwargs=kwargs)
     return encode_with_offsets(tokenizer, text)[0]
 
 
 __all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "ChatTemplate", "LLAMA3_TEMPLATE", "TemplateLimitError",
            "assistant_spans", "chat_prompt_ids", "encode_with_offsets", "end_of_turn_ids", "folder_chat_template",
-           "load_chat_template", "overlap_mask", "render", "tokenize_conversation", "TRAINING_VARIANTS",
-           "training_variant"]
+           "load_chat_template", "overlap_mask", "published_template_names", "render", "tokenize_conversation",
+           "TRAINING_VARIANTS", "training_variant"]

@@ -6,7 +6,9 @@ list of messages. A string prompt is the user's turn and a string answer the ass
 prompt is the conversation so far and a list answer the assistant's reply (its turns). A row without
 a prompt (or with a string prompt beside conversations) holds it implicitly, as TRL reads it: the
 prompt is the longest common prefix of chosen and rejected (whole turns of conversations), the
-answers what follows (implicit_prompt).
+answers what follows (implicit_prompt). A row's `tools` and `chat_template_kwargs` go to the template
+as for conversations (data/conversations.py row_template_inputs), for the prompt and both sides alike,
+as TRL's DPOTrainer and RewardTrainer pass them to apply_chat_template.
 
 Each side of a pair is rendered as one conversation, prompt then answer (data/chat_template.py),
 and becomes a document of n - 1 training positions (input t_j, target t_{j+1}); a target is trained
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from titanlike.data.conversations import IGNORE_INDEX, ConversationSamples, check_turns, render_row
+from titanlike.data.conversations import IGNORE_INDEX, ConversationSamples, check_turns, render_row, row_template_inputs
 from titanlike.data.errors import DataError
 
 logger = logging.getLogger("titanlike")
@@ -273,17 +275,18 @@ def render_pair(row: dict, where: str, template, tokenizer, *, end_id: int | Non
     from titanlike.data.chat_template import chat_prompt_ids
 
     def render(messages: list[dict], prompt_ids: list[int]):
-        ids, assistant = render_row(template, tokenizer, messages, where, "pair")
+        ids, assistant = render_row(template, tokenizer, messages, where, "pair", tools=tools, kwargs=kwargs)
         mask = answer_mask(ids, assistant, prompt_ids)
         if end_id is not None:
             ids, mask = [*ids, end_id], np.append(mask, True)
         return ids, mask
 
     prompt, chosen, rejected = row_pair(row, where)
+    tools, kwargs = row_template_inputs(row, where)
     if seq_len is not None:
         check_turns(len(prompt) + max(len(chosen), len(rejected)), seq_len, where)
     try:
-        prompt_ids = chat_prompt_ids(template, tokenizer, prompt)
+        prompt_ids = chat_prompt_ids(template, tokenizer, prompt, tools=tools, kwargs=kwargs)
     except Exception as e:
         raise DataError(f"{where}: {template.origin} refused the prompt: "
                         f"{' '.join(str(e).split())[:200] or type(e).__name__}") from None

@@ -161,6 +161,27 @@ class ContinuousBatch:
         slots = next((b for b in self.slot_buckets if b > self.cache.host_max_length), self.capacity)
         return rows, slots
 
+    @torch.no_grad()
+    def warm_up(self) -> int:
+        """Compile every shape a step can take (_shape) before the first request, so none waits for a
+        compile; the number of shapes (0 when the step is eager). Placeholder rows: a one-token prompt
+        copied into every row, stepped at each shape without writing back, then reset."""
+        if not self.cache.static:
+            return 0
+        if self.busy():
+            raise RuntimeError("warm_up runs before any sequence is submitted")
+        engine = self.engine
+        staging = engine.init_cache(1, 1, device=engine.device, dtype=engine.dtype)
+        engine.prefill(torch.zeros(1, 1, dtype=torch.long, device=engine.device),
+                       torch.ones(1, dtype=torch.long, device=engine.device), staging, start_id=engine.start_id)
+        for row in range(self.slots):
+            self.cache.copy_row(row, staging, 0)
+        shapes = [(rows, slots) for rows in self.row_buckets for slots in self.slot_buckets]
+        for rows, slots in shapes:
+            engine.decode(self.last[:rows], self.cache.head(rows, slots))
+        self.cache.reset_rows(list(range(self.slots)))
+        return len(shapes)
+
     def _compact(self) -> None:
         """Move the sequences into the first rows: each row that holds none below their count takes
         the sequence of a row past it (its cache row, newest token and seen tokens)."""

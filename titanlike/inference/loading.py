@@ -148,6 +148,38 @@ def decoder_start_id(checkpoint: str, tokenizer, model: nn.Module) -> int | None
     return value
 
 
+def generation_eos_ids(checkpoint: str, model: nn.Module) -> frozenset[int] | None:
+    """The ids a Hugging Face folder's generation_config.json ends an answer with (`eos_token_id`, an
+    id or a list: Llama 3 Instruct's EOS and end of turn, what checkpoint/hf.py writes), as
+    transformers' generate and `transformers serve` stop; None for a titanlike checkpoint or a folder
+    without one. GenerationError, one sentence, for a value that is not ids of the vocabulary."""
+    import json
+
+    from titanlike.checkpoint import CheckpointError
+    from titanlike.checkpoint.format import is_hf_folder, resolve_checkpoint_folder
+
+    try:
+        folder = resolve_checkpoint_folder(checkpoint)
+    except (CheckpointError, OSError, ValueError):
+        return None
+    where = os.path.join(folder, "generation_config.json")
+    if not is_hf_folder(folder) or not os.path.isfile(where):
+        return None
+    try:
+        with open(where) as f:
+            value = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        raise GenerationError(f"{where} is not a JSON object") from None
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    vocab = vocab_size(model)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+        raise GenerationError(f"{where} gives eos_token_id {json.dumps(value)[:40]}, which is not an id or a list of "
+                              f"ids of the model's {vocab}-token vocabulary")
+    return frozenset(ids)
+
+
 # The dtypes weights may be cast to for inference, by name (arguments.py's --dtype choices).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

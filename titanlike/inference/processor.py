@@ -52,12 +52,13 @@ class Processor:
     """Prompts -> token ids and the prefill's inputs; completions' tokens -> text (module docstring)."""
 
     def __init__(self, tokenizer, *, template=None, images=None, start_id: int | None = None,
-                 model_name: str = "the model", framing=None):
+                 model_name: str = "the model", framing=None, eos_ids: frozenset[int] | None = None):
         """template: a data/chat_template.py ChatTemplate (None: text prompts only). images: the
         family's image inputs (models/registry.py ImageInputs; None: a text model). start_id: the
         decoder start token of an encoder-decoder (None: the model's default). model_name: the model
         in messages. framing: the ids around a text prompt (data/tokenizer_json.py Framing; None: the
-        tokenizer's own, else BOS first)."""
+        tokenizer's own, else BOS first). eos_ids: the tokens that end a text's answer (None: the
+        tokenizer's EOS; titanlike-serve gives a Hugging Face folder's generation_config.json ones)."""
         from titanlike.data.chat_template import end_of_turn_ids
         from titanlike.data.errors import DataError
         from titanlike.data.images import ImageProcessor
@@ -67,7 +68,12 @@ class Processor:
         self.image_processor = None if images is None else ImageProcessor.of_tower(images.processor, images.image_size)
         self.start_id, self.model_name = start_id, model_name
         self.framing = framing or prompt_framing(tokenizer, None)
-        self.eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
+        if eos_ids is None:
+            eos_ids = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
+        self.eos_ids = frozenset(eos_ids)
+        # Read once: a tokenizer builds the set anew at each read, and a server's decode of every row
+        # at every step read it (4% of a 16-client step's CPU, scripts/bench_serve.py).
+        self.special_ids = tokenizer.special_ids
         try:
             self.end_of_turn_ids = None if template is None else frozenset(end_of_turn_ids(template, tokenizer))
         except DataError as e:
@@ -75,11 +81,13 @@ class Processor:
 
     @classmethod
     def for_model(cls, model: nn.Module, tokenizer, *, checkpoint: str | None = None,
-                  chat_template: str | None = None, option: str = "--chat-template") -> Processor:
+                  chat_template: str | None = None, option: str = "--chat-template",
+                  eos_ids: frozenset[int] | None = None) -> Processor:
         """The processor of a loaded model: its family's image inputs; the decoder start token recorded
         with `checkpoint` (loading.py decoder_start_id; without one, the tokenizer's pad token); the
         chat template `chat_template` names (data/chat_template.py load_chat_template: "auto", a
-        builtin name or a Jinja file; None: no chat), `option` naming it in messages.
+        builtin name or a Jinja file; None: no chat), `option` naming it in messages; eos_ids as in
+        __init__.
         GenerationError, one sentence, for a template or start token that cannot be had."""
         from titanlike.data.chat_template import load_chat_template
         from titanlike.data.errors import DataError
@@ -93,7 +101,7 @@ class Processor:
         except DataError as e:
             raise GenerationError(str(e)) from None
         return cls(tokenizer, template=template, images=images, start_id=start_id, model_name=type(model).__name__,
-                   framing=prompt_framing(tokenizer, spec))
+                   framing=prompt_framing(tokenizer, spec), eos_ids=eos_ids)
 
     # Prompts -> inputs ------------------------------------------------------------------------
 
@@ -207,8 +215,7 @@ class Processor:
         end = next((i for i, token in enumerate(tokens) if token in stops), len(tokens))
         kept = list(tokens[:end])
         if skip_special_tokens:
-            special = self.tokenizer.special_ids
-            kept = [token for token in kept if token not in special]
+            kept = [token for token in kept if token not in self.special_ids]
         text = self.tokenizer.decode(kept)
         found = [at for at in (text.find(stop) for stop in stop_strings if stop) if at >= 0]
         return text[:min(found)] if found else text

@@ -162,6 +162,7 @@ class OpenAIServer:
         self.api_key = api_key or None
         self.batch = ContinuousBatch(engine, slots)
         self.created = int(time.time())
+        self.compiled = (0, 0.0)  # (decode-step shapes compiled before serving, seconds): warm_up
         self._stop = threading.Event()
         self.draining = False
         self._inflight = 0  # POST requests being answered (drain waits for them)
@@ -169,6 +170,16 @@ class OpenAIServer:
         self._threads: list[threading.Thread] = []
         handler = type("Handler", (_Handler,), {"app": self, "timeout": read_timeout})
         self.http = _HTTPServer((host, port), handler, max_connections)
+
+    def warm_up(self) -> tuple[int, float]:
+        """Compile the decode step's shapes before serving (continuous.py warm_up), so no request waits
+        for a compile: (shapes, seconds), kept in `compiled` for the start line; (0, 0.0) when eager.
+        torch keeps what it compiled on disk (inductor's FX graph and AOTAutograd caches, under
+        TORCHINDUCTOR_CACHE_DIR), so the next start of the same model compiles in a fraction of the time."""
+        started = time.perf_counter()
+        shapes = self.batch.warm_up()
+        self.compiled = (shapes, time.perf_counter() - started if shapes else 0.0)
+        return self.compiled
 
     @property
     def address(self) -> tuple[str, int]:

@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titanlike.models.load_hooks import LoadHook, register_load_hook
 from titanlike.config.schema import opt
@@ -195,6 +194,8 @@ def _gradient_like_param(p: torch.Tensor) -> torch.Tensor:
     optimizer and the gradient norm read the local shard as if it had the parameter's layout: the
     round trip through a local tensor redistributes the gradient (a reduce-scatter or all-reduce of
     rank-sized tensors) in backward, and is free in forward."""
+    from torch.distributed.tensor import DTensor  # here, not at the top: ~0.6 s of every start (docs/performance.md)
+
     if not isinstance(p, DTensor):
         return p
     local = p.to_local(grad_placements=p.placements)
@@ -270,11 +271,20 @@ def select_targets(model: nn.Module, patterns: list[str], hf_names: Mapping[str,
     """pattern -> the linear fqns it names (ours or their HF names, whole dot-separated parts), less
     those `exclude` or `saved` (modules trained in full, as peft never adapts them) name. ALL_LINEAR
     names every linear but the output head, as peft's all-linear leaves out the transformers model's
-    output embeddings (its lm_head; without HF names, a linear with vocab_size outputs)."""
+    output embeddings (its lm_head; without HF names, a linear with vocab_size outputs).
+
+    A mixture of experts' router gate is never a target: the router reads its weight in fp32 rather
+    than calling the linear (models/common/moe.py), and transformers' routers are no nn.Linear, so
+    peft adapts none either. Experts (stacked tensors) and attention sinks are no linear at all."""
+    from titanlike.models.common.moe import Router
+
     found: dict[str, list[str]] = {p: [] for p in patterns}
     vocab = getattr(getattr(model, "model_args", None), "vocab_size", None)
+    routers = {f"{fqn}.{name}" if fqn else name for fqn, module in model.named_modules() if isinstance(module, Router)
+               for name, _ in module.named_children()}
     for fqn, module in model.named_modules():
-        if type(module) is not nn.Linear or _named(fqn, [*exclude, *saved], hf_names) is not None:
+        if (type(module) is not nn.Linear or fqn in routers
+                or _named(fqn, [*exclude, *saved], hf_names) is not None):
             continue
         head = hf_names[fqn].rsplit(".", 1)[-1] == "lm_head" if fqn in hf_names else module.out_features == vocab
         for pattern in patterns:
@@ -380,6 +390,8 @@ _TRAINED = (".lora_a", ".lora_b", ".lora_magnitude")
 def dora_magnitudes(model: nn.Module) -> dict[str, torch.Tensor]:
     """{fqn.lora_magnitude: W's row norms (full, float32)} of every DoRA adapter of `model` (a model part,
     sharded or not: a sharded weight is gathered one layer at a time, on every rank alike)."""
+    from torch.distributed.tensor import DTensor
+
     out = {}
     for fqn, module in adapters(model).items():
         if module.lora_dora:
@@ -445,11 +457,13 @@ def merged_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return base
 
 
-def _hf_rows(spec: ModelSpec, args, fqn: str, rows: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """(HF module name, `rows` (out x anything) in HF's row order): the family's conversion of the
-    base weight applied to the adapter's B."""
-    key, value = _hf_tensor(spec, args, f"{fqn}.weight", rows)
-    return key.removesuffix(".weight"), value
+def _hf_rows(spec: ModelSpec, args, fqn: str, rows: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """[(HF module name, its part of `rows` (out x anything) in HF's row order)]: the family's conversion
+    of the base weight applied to the adapter's B. One module, or several where transformers keeps apart
+    what one of our linears computes (Qwen3.5's in_proj_qkv and in_proj_z for our in_proj_qkvz): each
+    then gets the same A and its rows of B, which computes exactly the same."""
+    return [(spec.hf.module_name(key).removesuffix(".weight"), value)
+            for key, value in spec.hf.to_hf_state_dict({f"{fqn}.weight": rows}, args).items()]
 
 
 def _hf_tensor(spec: ModelSpec, args, name: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -496,34 +510,35 @@ def export_peft(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args, folder: s
     tensors, modules = {}, set()
     rank_pattern, alpha_pattern = {}, {}
     for fqn, (a, b, scaling, magnitude) in sorted(parts.items()):
-        name, b_hf = _hf_rows(spec, args, fqn, b.float())
-        # A module whose rank or alpha is not [lora]'s (an adapter read with its rank_pattern /
-        # alpha_pattern) is named in the same patterns, by its whole name.
-        rank = a.shape[0]
-        alpha = scaling * (math.sqrt(rank) if options.use_rslora else rank)
-        if rank != options.rank:
-            rank_pattern[re.escape(name)] = rank
-        if not math.isclose(alpha, options.alpha, rel_tol=1e-6):
-            alpha_pattern[re.escape(name)] = float(f"{alpha:.6g}")
-        # The conversion must act on rows only: then conv(B A) = conv(B) A.
-        _, delta = _hf_rows(spec, args, fqn, b.float() @ a.float())
-        if not torch.allclose(delta, b_hf @ a.float(), atol=1e-6, rtol=1e-5):
-            raise ValueError(f"{spec.name}'s Hugging Face conversion of {fqn}.weight is not a row reordering, so its "
-                             "adapter cannot be written in the PEFT format; export the merged model instead")
-        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.float().contiguous()
-        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b_hf.contiguous()
-        if magnitude is not None:
-            tensors[f"{PEFT_PREFIX}{name}.lora_magnitude_vector"] = \
-                _hf_rows(spec, args, fqn, magnitude.float().view(-1, 1))[1].view(-1).contiguous()
-        modules.add(name.rsplit(".", 1)[-1])
+        # The conversion must act on rows only (reorder them, or split them among modules): then
+        # conv(B A) = conv(B) A.
+        deltas = dict(_hf_rows(spec, args, fqn, b.float() @ a.float()))
+        magnitudes = dict(_hf_rows(spec, args, fqn, magnitude.float().view(-1, 1))) if magnitude is not None else {}
+        for name, b_hf in _hf_rows(spec, args, fqn, b.float()):
+            # A module whose rank or alpha is not [lora]'s (an adapter read with its rank_pattern /
+            # alpha_pattern) is named in the same patterns, by its whole name.
+            rank = a.shape[0]
+            alpha = scaling * (math.sqrt(rank) if options.use_rslora else rank)
+            if rank != options.rank:
+                rank_pattern[re.escape(name)] = rank
+            if not math.isclose(alpha, options.alpha, rel_tol=1e-6):
+                alpha_pattern[re.escape(name)] = float(f"{alpha:.6g}")
+            if name not in deltas or not torch.allclose(deltas[name], b_hf @ a.float(), atol=1e-6, rtol=1e-5):
+                raise ValueError(f"{spec.name}'s Hugging Face conversion of {fqn}.weight is not a row reordering, so "
+                                 "its adapter cannot be written in the PEFT format; export the merged model instead")
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.float().clone()  # safetensors refuses shared storage
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b_hf.contiguous()
+            if magnitude is not None:
+                tensors[f"{PEFT_PREFIX}{name}.lora_magnitude_vector"] = magnitudes[name].view(-1).contiguous()
+            modules.add(name.rsplit(".", 1)[-1])
     # Modules trained in full: their weights under their own names (peft restores them as it loads).
     saved = _saved_in_hf(spec, args, base, options)
     for hf_name, value in saved.values():
         tensors[f"{PEFT_PREFIX}{hf_name}"] = value.contiguous()
     saved_modules = sorted({hf_name.rpartition(".")[0] for hf_name, _ in saved.values()})
     # peft adapts every linear whose name ends in a target: name the ones ours left alone (exclude_modules).
-    adapted = {_hf_rows(spec, args, fqn, torch.empty(b.shape[0], 1, device="meta"))[0] for fqn, (_, b, _, _) in
-               parts.items()}
+    adapted = {name for fqn, (_, b, _, _) in parts.items()
+               for name, _ in _hf_rows(spec, args, fqn, torch.empty(b.shape[0], 1, device="meta"))}
     excluded = []
     for key, value in base.items():
         if not key.endswith(".weight") or value.dim() != 2 or key in saved:
@@ -579,29 +594,40 @@ def _read_peft(model: nn.Module, folder: str, *, spec: ModelSpec | None = None,
     sd = {}
     for fqn, module in ours.items():
         index = torch.arange(module.out_features, dtype=torch.float32).view(-1, 1)
-        name, order = _hf_rows(spec, args, fqn, index)
-        rank, alpha = shape(name)
-        if rank != module.lora_rank or not math.isclose(lora_scaling(rank, alpha, rslora=rslora), module.lora_scaling,
-                                                        rel_tol=1e-6):
-            patterned = "" if (rank, alpha) == (config["r"], config["lora_alpha"]) else f" for {name}"
-            raise ValueError(f"{path} is an adapter of rank {rank} and alpha {alpha:g}{' (rslora)' if rslora else ''}"
-                             f"{patterned}; this job's adapters have rank {module.lora_rank} and alpha "
-                             f"{module.lora_alpha:g}{' (rslora)' if module.lora_rslora else ''} "
-                             "(lora.rank, lora.alpha, lora.use_rslora)")
-        a, b = (tensors.get(f"{PEFT_PREFIX}{name}.lora_{x}.weight") for x in "AB")
-        if a is None or b is None:
-            raise ValueError(f"{folder} has no adapter for {name} ({fqn}): it was trained for other modules or "
+        pieces = _hf_rows(spec, args, fqn, index)
+        names = " and ".join(name for name, _ in pieces)
+        for name, _ in pieces:
+            rank, alpha = shape(name)
+            if rank != module.lora_rank or not math.isclose(lora_scaling(rank, alpha, rslora=rslora),
+                                                            module.lora_scaling, rel_tol=1e-6):
+                patterned = "" if (rank, alpha) == (config["r"], config["lora_alpha"]) else f" for {name}"
+                raise ValueError(f"{path} is an adapter of rank {rank} and alpha {alpha:g}"
+                                 f"{' (rslora)' if rslora else ''}{patterned}; this job's adapters have rank "
+                                 f"{module.lora_rank} and alpha {module.lora_alpha:g}"
+                                 f"{' (rslora)' if module.lora_rslora else ''} "
+                                 "(lora.rank, lora.alpha, lora.use_rslora)")
+        got = [tuple(tensors.get(f"{PEFT_PREFIX}{name}.lora_{x}.weight") for x in "AB") for name, _ in pieces]
+        missing = [name for (name, _), (a, b) in zip(pieces, got) if a is None or b is None]
+        if missing:
+            raise ValueError(f"{folder} has no adapter for {missing[0]} ({fqn}): it was trained for other modules or "
                              "another base model (lora.target_modules)")
+        a, b = got[0][0], torch.cat([b for _, b in got])
         if tuple(a.shape) != tuple(module.lora_a.shape) or tuple(b.shape) != tuple(module.lora_b.shape):
-            raise ValueError(f"{folder}: the adapter of {name} has shapes {tuple(a.shape)} and {tuple(b.shape)}, this "
-                             f"model's {tuple(module.lora_a.shape)} and {tuple(module.lora_b.shape)} (another base model?)")
-        back = torch.argsort(order.view(-1).long())
+            raise ValueError(f"{folder}: the adapter of {names} has shapes {tuple(a.shape)} and {tuple(b.shape)}, "
+                             f"this model's {tuple(module.lora_a.shape)} and {tuple(module.lora_b.shape)} "
+                             "(another base model?)")
+        if any(not torch.equal(other, a) for other, _ in got[1:]):
+            raise ValueError(f"{folder} holds different lora_A matrices for {names}, which this model computes as one "
+                             f"projection ({fqn}) with one adapter; merge the adapter into the base model instead")
+        back = torch.argsort(torch.cat([order for _, order in pieces]).view(-1).long())
         sd[f"{fqn}.lora_a"] = a.to(module.lora_a.dtype)
         sd[f"{fqn}.lora_b"] = b[back].to(module.lora_b.dtype)
         if module.lora_dora:
-            m = tensors.get(f"{PEFT_PREFIX}{name}.lora_magnitude_vector")
+            ms = [tensors.get(f"{PEFT_PREFIX}{name}.lora_magnitude_vector") for name, _ in pieces]
+            m = None if any(x is None for x in ms) else torch.cat(ms)
             if m is None or tuple(m.shape) != (module.out_features,):
-                raise ValueError(f"{folder}: the DoRA adapter of {name} has no magnitude of {module.out_features} rows")
+                raise ValueError(f"{folder}: the DoRA adapter of {names} has no magnitude of "
+                                 f"{module.out_features} rows")
             sd[f"{fqn}.lora_magnitude"] = m[back].to(module.lora_magnitude.dtype)
     sd.update(_saved_from_peft(model, folder, tensors, config, spec, options))
     return sd, sorted(set(tensors) - tensors.read)

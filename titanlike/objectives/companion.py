@@ -30,14 +30,24 @@ class Rollout(Protocol):
     """What a generating companion builds (titanlike/rl/rollout.py): `generate` turns one loader batch
     of prompts into a loader-like batch of rollouts (named tensors the objective's `prepare` takes)
     with the policy's whole module, sampling from `seed`; each generated batch trains `iterations`
-    optimizer steps; `metrics` are the host-side figures of the rollouts since its last call; `samples`
-    a few (prompt, completion, scores) of its latest rollouts as text, which the trainer logs every
-    `sample_freq` steps (0: never)."""
+    optimizer steps; generation may run `ahead` optimizer steps before training (0: synchronous);
+    `metrics` are the host-side figures of the rollouts since its last call; `samples` a few (prompt,
+    completion, scores) of its latest rollouts as text, which the trainer logs every `sample_freq` steps
+    (0: never).
+
+    A batch may come out short (RL's dynamic sampling drops prompts that teach nothing): then, up to
+    `rounds` rounds in all, the companion draws another loader batch and calls `generate(..., joining=
+    the batch so far)`, which adds what it keeps; `missing(batch)` is how many prompts it still lacks."""
 
     iterations: int
+    ahead: int
+    rounds: int
     sample_freq: int
 
-    def generate(self, prompts: Targets, policy: nn.Module, *, seed: int) -> Targets: ...
+    def generate(self, prompts: Targets, policy: nn.Module, *, seed: int, joining: Targets | None = None
+                 ) -> Targets: ...
+
+    def missing(self, batch: Targets) -> int: ...
 
     def metrics(self) -> dict[str, float]: ...
 

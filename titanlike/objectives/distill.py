@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
+from titanlike.models.common.dtensor import is_dtensor
 from titanlike.models.outputs import IGNORE_INDEX, logits_of
 from titanlike.objectives.base import (BatchContext, LossTerms, Microbatch, Objective, compile_options,
                                        next_token_correct, with_aux_losses)
@@ -84,7 +84,7 @@ register_section("distill", DistillOptions)
 def vocab_shard(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(this rank's part of a (..., vocab) tensor, the id of its first token): split over the
     vocabulary (a DTensor, Shard(-1): torch.chunk's sizes) or whole."""
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return t, 0
     rank = t.device_mesh.get_local_rank()
     return t.to_local(), rank * math.ceil(t.shape[-1] / t.device_mesh.size())
@@ -93,7 +93,7 @@ def vocab_shard(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def over_vocab_shards(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The sum over the ranks of per-rank partial sums `local` when `like` is split over the vocabulary
     (its gradient passes through to each rank's part); `local` itself otherwise."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return local
     return sum_over_for_replicated_loss(local, like.device_mesh)
 
@@ -118,7 +118,7 @@ def shard_softmax(logits: torch.Tensor, temperature: float) -> ShardSoftmax:
     local, start = vocab_shard(logits)
     x = local.float() / temperature
     top = x.detach().amax(-1)
-    if isinstance(logits, DTensor):
+    if is_dtensor(logits):
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=logits.device_mesh.get_group())
     e = (x - top[..., None]).exp()
     total = over_vocab_shards(e.sum(-1), logits)
@@ -134,7 +134,9 @@ def teacher_targets(output, top_k: int, temperature: float) -> Targets:
         return {"teacher_logps": logp}
     values, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     ids = ids + t.start
-    if isinstance(logits, DTensor):  # every rank's best k, then the best k of them
+    if is_dtensor(logits):  # every rank's best k, then the best k of them
+        from torch.distributed.tensor import DTensor, Shard
+
         mesh = logits.device_mesh
         values = DTensor.from_local(values, mesh, [Shard(-1)], run_check=False).full_tensor()
         ids = DTensor.from_local(ids, mesh, [Shard(-1)], run_check=False).full_tensor()
@@ -272,7 +274,7 @@ class Distill(Objective):
         kl = kl_per_token(logits, targets, loss=o.loss, top_k=o.top_k, temperature=o.temperature)
         kl = torch.where(trained, kl, torch.zeros((), device=kl.device)).sum()
         hard = self._cross_entropy(logits, labels)
-        if isinstance(hard, DTensor):  # vocabulary-parallel cross-entropy: replicated
+        if is_dtensor(hard):  # vocabulary-parallel cross-entropy: replicated
             hard = hard.full_tensor()
         total = o.kl_weight * kl + (1 - o.kl_weight) * hard if o.kl_weight < 1 else kl
         reported = torch.stack([kl.detach(), hard.detach()])

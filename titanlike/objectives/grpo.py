@@ -27,7 +27,9 @@ importance_sampling_level sequence), A the completion's advantage:
 where kl = exp(ref - logp) - (ref - logp) - 1 (the k3 estimator) and w the generation engine's
 truncated importance weight (pi_old / pi_engine, clipped or masked; 1 when the correction is off).
 Without old log-probabilities (one optimisation step per generation) pi_old is pi detached: r = 1
-with the gradient of log pi.
+with the gradient of log pi. With old_logprobs engine, pi_old is the engine's log-probabilities (no
+forward of the old policy): r = pi / pi_engine, whose clip truncates the correction of the engine's
+sampling, and w is 1 (pi_old is pi_engine).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+OLD_LOGPROBS = ("trainer", "engine")
 
 
 @dataclass
@@ -77,6 +80,11 @@ class GRPOOptions:
                                    "(TRL's use_bias_correction_kl)")
     num_iterations: int = opt(1, "optimisation steps on each generated batch (mu); above 1 the old policy's "
                               "log-probabilities are kept")
+    old_logprobs: str = opt("trainer", "the old policy's log-probabilities (pi_old) where the policy ratio needs them: "
+                            "the trainer's forward with the weights that generated (trainer), or the generation "
+                            "engine's, with no forward (engine: the ratio is then pi / pi_engine, whose clip is the "
+                            "truncated importance-sampling correction; mismatch then compares the engine with the "
+                            "policy being trained)", choices=OLD_LOGPROBS)
     max_completion_length: int = opt(512, "the most tokens generated per completion")
     temperature: float = opt(1.0, "sampling temperature of the generation")
     top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1: all")
@@ -90,8 +98,14 @@ class GRPOOptions:
     engine_importance_sampling_clip_max: float | None = opt(3.0, "the engine weight's upper bound (TRL's "
                                                             "vllm_importance_sampling_cap); empty: none")
     engine_importance_sampling_clip_min: float | None = opt(None, "the engine weight's lower bound; empty: none")
-    dynamic_sampling: bool = opt(False, "drop the groups whose rewards are all equal (no advantage to learn from; "
-                                 "DAPO)")
+    dynamic_sampling: bool = opt(False, "drop the groups whose rewards are all equal (no advantage to learn from) and "
+                                 "generate more prompts of the data until each batch is full again (DAPO)")
+    dynamic_sampling_max_rounds: int = opt(10, "the most rounds of generation one batch may take with "
+                                           "dynamic_sampling, the first included (verl's max_num_gen_batches); a "
+                                           "batch still short then trains on the groups it has (logged)")
+    max_offpolicy_steps: int = opt(0, "generation may run ahead of training by this many optimizer steps: the "
+                                   "rollouts of step s + k come from the weights of step s, k <= this (0: "
+                                   "synchronous); the old log-probabilities are then the generating policy's")
     overlong_buffer_length: int = opt(0, "DAPO's soft overlong punishment: a completion longer than "
                                       "max_completion_length - this many tokens loses up to overlong_penalty_factor "
                                       "reward, linearly (TRL's soft_punish_cache); 0: off")
@@ -106,8 +120,12 @@ class GRPOOptions:
     reward_slow_warning: float = opt(10.0, "a reward function's call longer than this many seconds is logged")
     sample_freq: int = opt(10, "steps between logs of a few sample completions with their rewards (console, "
                            "TensorBoard text, metrics.jsonl); 0: none")
+    compile_generation: bool = opt(False, "generate with a torch.compile'd decode step on static caches of "
+                                   "training.seq_len slots (inference/engine.py Engine(compile=True): a CUDA graph on "
+                                   "one GPU); the first generation pays the compile")
     chat_template: str = opt("auto", "the template conversation prompts are rendered with, as sft.chat_template: "
-                             "auto, tokenizer, llama3, chatml, or a Jinja file")
+                             "auto, tokenizer, llama3, chatml, a published template's name (gemma3, ...), or a "
+                             "Jinja file")
 
 
 def check_options(o: GRPOOptions) -> None:
@@ -123,9 +141,11 @@ def check_options(o: GRPOOptions) -> None:
         raise ValueError(f"grpo.epsilon_high must not be negative, got {o.epsilon_high}")
     if o.sample_freq < 0:
         raise ValueError(f"grpo.sample_freq must not be negative (0: no samples), got {o.sample_freq}")
-    for name in ("num_iterations", "max_completion_length"):
+    for name in ("num_iterations", "max_completion_length", "dynamic_sampling_max_rounds"):
         if getattr(o, name) < 1:
             raise ValueError(f"grpo.{name} must be at least 1, got {getattr(o, name)}")
+    if o.max_offpolicy_steps < 0:
+        raise ValueError(f"grpo.max_offpolicy_steps must not be negative, got {o.max_offpolicy_steps}")
     if o.temperature <= 0 or not 0 < o.top_p <= 1 or o.top_k < 0:
         raise ValueError(f"grpo.temperature must be positive, top_p in (0, 1] and top_k not negative, got "
                          f"{o.temperature}, {o.top_p} and {o.top_k}")
@@ -228,6 +248,17 @@ def _engine_reports(old, engine, weights, mask, *, per_completion: bool) -> dict
             "sampling/importance_sampling_ratio/max": _extreme(weights, kept, largest=True, empty=0.0)}
 
 
+def old_logps(options: GRPOOptions, logps: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """pi_old of the policy ratio: the engine's log-probabilities (old_logprobs engine; a token it could not
+    score, NaN, takes the policy's own, a ratio of 1), else the old policy's when kept (num_iterations > 1,
+    max_offpolicy_steps > 0), else the policy's own detached (one step on rollouts of the weights now)."""
+    if options.old_logprobs == "engine":
+        engine = targets["engine_logps"]
+        return torch.where(engine.isnan(), logps.detach(), engine)
+    old = targets.get("old_logps")
+    return logps.detach() if old is None else old
+
+
 def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str, torch.Tensor], *,
                     entropies: torch.Tensor | None = None) -> GRPOTerms:
     """The GRPO loss of one microbatch (module docstring) from the policy's (B, T) log-probabilities of
@@ -237,18 +268,19 @@ def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str
     correction). entropies: (B, T) per-token entropies of the policy, reported when given. The reported
     terms need no host sync."""
     o = options
-    for name, needed in (("engine_logps", o.engine_importance_sampling_correction), ("ref_logps", o.beta != 0.0)):
+    engine_old = o.old_logprobs == "engine"
+    for name, needed in (("engine_logps", o.engine_importance_sampling_correction or engine_old),
+                         ("ref_logps", o.beta != 0.0)):
         if needed and name not in targets:
             raise ValueError(f"the GRPO loss needs the target {name} with these grpo options (engine correction on, "
-                             "or beta > 0)")
+                             "old_logprobs engine, or beta > 0)")
     mask = targets["completion_mask"].bool()
     if o.mask_truncated_completions:
         mask = mask & ~targets["truncated"].bool().unsqueeze(1)
     m = mask.to(logps.dtype)
     tokens = m.sum(-1)
     advantages = targets["advantages"].to(logps.dtype).unsqueeze(1)
-    old = targets.get("old_logps")
-    old = logps.detach() if old is None else old
+    old = old_logps(o, logps, targets)
     log_ratio = logps - old
     sequence_ratio = o.importance_sampling_level == "sequence"
     if sequence_ratio:
@@ -257,7 +289,7 @@ def grpo_token_loss(options: GRPOOptions, logps: torch.Tensor, targets: dict[str
     low, high = o.epsilon, o.epsilon if o.epsilon_high is None else o.epsilon_high
     per_token = -torch.min(ratio * advantages, ratio.clamp(1 - low, 1 + high) * advantages)
     reported = {}
-    if o.engine_importance_sampling_correction:
+    if o.engine_importance_sampling_correction and not engine_old:  # engine_old: pi_old / pi_engine is 1
         weights = engine_weights(o, old, targets["engine_logps"], m)
         per_token = per_token * weights
         reported.update(_engine_reports(old, targets["engine_logps"], weights, mask,
@@ -339,7 +371,10 @@ class GRPO(Objective):
     @property
     def companions(self) -> tuple[Companion, ...]:
         o = self.options
-        old = partial(policy_logps, "old_logps", o.temperature) if o.num_iterations > 1 else None
+        # The old policy's forward, right after each generation with the weights that generated: needed when a
+        # batch trains after an update (several iterations, or generated ahead), unless the engine's stand in.
+        stale = o.num_iterations > 1 or o.max_offpolicy_steps > 0
+        old = partial(policy_logps, "old_logps", o.temperature) if stale and o.old_logprobs == "trainer" else None
         out = [Companion("generator", "training.objective grpo", Source.POLICY, old, rollout=self.rollout,
                          completions=o.num_generations, max_new_tokens=o.max_completion_length)]
         if o.beta:
@@ -505,6 +540,6 @@ class GRPO(Objective):
 register_objective("grpo", GRPO.for_job, section="grpo")
 
 
-__all__ = ["ENGINE_IS_MODES", "GRPO", "GRPOOptions", "GRPOTerms", "LOSS_TYPES", "SCALE_REWARDS", "check_options",
-           "engine_weights", "group_advantages", "grpo_token_loss", "kept_groups", "overlong_penalty", "policy_logps",
-           "reported_values", "token_entropy"]
+__all__ = ["ENGINE_IS_MODES", "GRPO", "GRPOOptions", "GRPOTerms", "LOSS_TYPES", "OLD_LOGPROBS", "SCALE_REWARDS",
+           "check_options", "engine_weights", "group_advantages", "grpo_token_loss", "kept_groups", "old_logps",
+           "overlong_penalty", "policy_logps", "reported_values", "token_entropy"]

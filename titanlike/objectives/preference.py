@@ -61,11 +61,11 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titanlike.config.schema import opt
 from titanlike.config.sections import register_section
 from titanlike.models.common.attention import DocumentMask
+from titanlike.models.common.dtensor import is_dtensor
 from titanlike.models.outputs import IGNORE_INDEX, logits_of
 from titanlike.objectives.base import (BatchContext, FieldShapes, LossTerms, Microbatch, Objective, compile_options,
                                        cut_sequence, refuse_pretraining_options)
@@ -97,7 +97,8 @@ class DPOOptions:
                          "precomputed: the ref_chosen_logps / ref_rejected_logps of each row "
                          "(scripts/precompute_reference.py), no reference forward; unused by simpo",
                          choices=("auto", "model", "adapters", "precomputed"))
-    chat_template: str = opt("auto", "as sft.chat_template: auto, tokenizer, llama3, chatml, or a Jinja file")
+    chat_template: str = opt("auto", "as sft.chat_template: auto, tokenizer, llama3, chatml, a published "
+                             "template's name (gemma3, ...), or a Jinja file")
     packing: bool = opt(True, "pack several pairs into each sample (best-fit decreasing over whole pairs); off: one "
                         "pair per sample")
     overlong: str = opt("truncate", "a pair longer than training.seq_len positions has both answers shortened to fit "
@@ -113,7 +114,7 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     no gather: torch's vocabulary-parallel cross-entropy computes it, and the result is replicated."""
     logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="none",
                             ignore_index=IGNORE_INDEX)
-    if isinstance(logp, DTensor):
+    if is_dtensor(logp):
         logp = logp.full_tensor()
     return logp.view(targets.shape)
 

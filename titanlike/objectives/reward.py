@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 class RewardOptions:
     center_rewards_coefficient: float = opt(0.0, "weight of the mean squared sum of a pair's scores added to the "
                                             "loss, which centers the rewards on 0 (TRL's; 0: off)")
-    chat_template: str = opt("auto", "as sft.chat_template: auto, tokenizer, llama3, chatml, or a Jinja file")
+    chat_template: str = opt("auto", "as sft.chat_template: auto, tokenizer, llama3, chatml, a published "
+                             "template's name (gemma3, ...), or a Jinja file")
     packing: bool = opt(True, "pack several pairs into each sample (best-fit decreasing over whole pairs); off: one "
                         "pair per sample")
     overlong: str = opt("truncate", "a pair longer than training.seq_len positions has both answers shortened to fit "

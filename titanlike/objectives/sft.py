@@ -48,8 +48,9 @@ class SFTOptions:
                       "(from each row's keys)", choices=("auto", "messages", "prompt_completion", "instruction", "text"))
     chat_template: str = opt(
         "auto", "auto: the tokenizer folder's chat_template (tokenizer_config.json or chat_template.jinja), else "
-        "titanlike's llama3 template; tokenizer: the folder's, required; llama3 or chatml: titanlike's own; or a "
-        "path to a Jinja file")
+        "titanlike's llama3 template; tokenizer: the folder's, required; llama3 or chatml: titanlike's own; a "
+        "published template by name (those of titanlike/data/assets/chat_templates: gemma3, gptoss, qwen3, ...); or "
+        "a path to a Jinja file")
     assistant_only_loss: bool = opt(True, "train on the assistant's tokens only (end-of-turn tokens included as "
                                     "the template places them); off trains on every token of the conversation")
     packing: bool = opt(True, "pack several conversations into each sample (best-fit decreasing), each attending "

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+
+from titanlike.models.common.dtensor import is_dtensor, local_part
 
 
 @dataclass
@@ -67,9 +68,9 @@ def clip_grad_norm_(
     local_norms = []
     for indices in groups.values():
         norms = torch.stack(torch._foreach_norm([params[i].grad for i in indices], 2.0))
-        local_norms.append((norms.to_local() if isinstance(norms, DTensor) else norms).float().to(device))
+        local_norms.append(local_part(norms).float().to(device))
         norm = torch.linalg.vector_norm(norms, 2.0)
-        if isinstance(norm, DTensor):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         total = total + norm.float().to(device) ** 2
     if pp_mesh is not None:
@@ -94,7 +95,7 @@ def clip_grad_norm_(
 def scale_gradients(parameters, factor: torch.Tensor | float) -> None:
     """Multiply every gradient by factor, in place (on the local shard of a DTensor gradient, which
     scales the whole tensor whatever its placement)."""
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    grads = [local_part(p.grad) for p in parameters if p.grad is not None]
     if grads:
         if isinstance(factor, torch.Tensor):
             # Gradients offloaded to the host (FSDP CPU offload) are scaled by a host copy.
@@ -103,7 +104,7 @@ def scale_gradients(parameters, factor: torch.Tensor | float) -> None:
 
 
 def _mesh_of(t: torch.Tensor):
-    return t.device_mesh if isinstance(t, DTensor) else None
+    return t.device_mesh if is_dtensor(t) else None
 
 
 def sum_over(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:

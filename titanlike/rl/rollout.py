@@ -32,6 +32,22 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100  # models/outputs.py's
 PROMPT_COLUMN = "prompt"
 SAMPLES, SAMPLE_CHARS = 4, 200  # the sample completions logged every grpo.sample_freq steps, and their length
+GROUPS = "groups"  # a generated batch's (groups kept, groups of its loader batch): GRPORollout.missing
+
+
+def _join(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+    """The rows of two generated batches, the first's then the second's, right-padded to the wider."""
+    width = max(first["inputs"].shape[1], second["inputs"].shape[1])
+    fill = {"inputs": pad_id, "labels": IGNORE_INDEX}
+    out = {}
+    for name, a in first.items():
+        if name == GROUPS:
+            continue
+        b = second[name]
+        if a.ndim == 2:
+            a, b = (torch.nn.functional.pad(x, (0, width - x.shape[1]), value=fill.get(name, 0)) for x in (a, b))
+        out[name] = torch.cat([a, b])
+    return out
 
 
 @dataclass
@@ -97,23 +113,47 @@ class PromptSamples:
 class GRPORollout:
     """One generated batch per loader batch of prompts (module docstring); a Rollout of
     objectives/companion.py. `multiple`: row lengths are rounded up to it (fewer shapes; under tensor
-    parallelism a multiple of its degree, as sequence parallelism splits the sequence)."""
+    parallelism a multiple of its degree, as sequence parallelism splits the sequence).
+
+    With dynamic_sampling (DAPO) the groups whose rewards are all equal are dropped, and the generating
+    companion draws more loader batches (rounds) for a batch still short of its groups, up to
+    dynamic_sampling_max_rounds: `generate(..., joining=)` adds a round's kept groups to the batch so far,
+    `missing` says how many it still lacks. A batch that kept no group at all trains its first round's
+    groups (advantages 0: no policy-gradient term) rather than an empty microbatch."""
 
     def __init__(self, options: GRPOOptions, prompts: PromptRows, processor: Processor, rewards: list[Reward], *,
                  seq_len: int, multiple: int, pad_id: int):
         self.options, self.prompts, self.processor, self.rewards = options, prompts, processor, rewards
         self.seq_len, self.multiple, self.pad_id = seq_len, multiple, pad_id
         self.iterations, self.sample_freq = options.num_iterations, options.sample_freq
+        self.ahead = options.max_offpolicy_steps
+        self.rounds = options.dynamic_sampling_max_rounds if options.dynamic_sampling else 1
         self._figures: dict[str, list[float]] = {}
         self._latest: list[tuple[str, str, dict[str, float]]] = []
+        self._engine = None  # kept from call to call: a compiled decode step and its static cache are built once
+
+    def _engine_for(self, policy: nn.Module):
+        """The generation engine of this policy module (a new one when the module changed)."""
+        from titanlike.inference.engine import Engine
+
+        if self._engine is None or self._engine.model is not policy:
+            self._engine = Engine(policy, context_len=self.seq_len, compile=self.options.compile_generation)
+        policy.eval()  # the caller puts the module back in training mode after each call
+        return self._engine
 
     def _note(self, **values: float) -> None:
         for name, value in values.items():
             self._figures.setdefault(name, []).append(value)
 
+    @staticmethod
+    def missing(batch: dict[str, torch.Tensor]) -> int:
+        """The groups a generated batch lacks of its loader batch's prompts (dynamic sampling dropped them)."""
+        kept, wanted = batch[GROUPS].tolist()
+        return wanted - kept
+
     @torch.no_grad()
-    def generate(self, prompts: dict[str, torch.Tensor], policy: nn.Module, *, seed: int) -> dict[str, torch.Tensor]:
-        from titanlike.inference.engine import Engine
+    def generate(self, prompts: dict[str, torch.Tensor], policy: nn.Module, *, seed: int,
+                 joining: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         from titanlike.inference.sampling import SamplingParams
         from titanlike.rl.advantages import group_advantages, kept_groups, overlong_penalty
         from titanlike.rl.rewards import compute_rewards
@@ -127,7 +167,7 @@ class GRPORollout:
         stop = frozenset().union(*(self.processor.stop_ids(chat=c) for c in set(chat)))
         params = SamplingParams(max_new_tokens=o.max_completion_length, temperature=o.temperature, top_k=o.top_k,
                                 top_p=o.top_p, stop_token_ids=stop, seed=seed, logprobs=True)
-        completions, stats = Engine(policy, context_len=self.seq_len).generate(ids, params)
+        completions, stats = self._engine_for(policy).generate(ids, params)
         # The text the rewards have always scored, special tokens included (TRL's GRPO skips them:
         # a change of the objective's results, for its own issue).
         answers = [self.processor.decode(c.tokens, stop_ids=stop, skip_special_tokens=False) for c in completions]
@@ -142,16 +182,12 @@ class GRPORollout:
                                              o.overlong_penalty_factor)
         advantages = group_advantages(total, g, o.scale_rewards)
         truncated = torch.tensor([c.finish_reason != "stop" for c in completions])
-        keep = torch.ones(len(rows), dtype=torch.bool)
-        if o.dynamic_sampling:  # DAPO: groups whose rewards are all equal teach nothing (not refilled here)
-            groups = kept_groups(total, g)
-            if groups.any():
-                keep = groups.repeat_interleave(g)
+        groups = kept_groups(total, g) if o.dynamic_sampling else torch.ones(len(lengths), dtype=torch.bool)
         # Over every completion generated, before dynamic sampling drops groups (metrics()).
         self._note(**{"reward/mean": _nan_mean(total), "reward/std": _nan_std(total),
                       "completion_length/mean": new.float().mean().item(), "completion_length/max": float(new.max()),
                       "completion_length/clipped_fraction": truncated.float().mean().item(),
-                      "kept_fraction": keep.float().mean().item(),
+                      "kept_fraction": groups.float().mean().item(),
                       "rollout_tokens_per_second": stats.tokens_per_second})
         for reward, values in zip(self.rewards, per_function):
             self._note(**{f"reward/{reward.name}/mean": _nan_mean(values),
@@ -160,22 +196,38 @@ class GRPORollout:
                          {"reward": total[i].item(), **{f"reward/{r.name}": v[i].item()
                                                         for r, v in zip(self.rewards, per_function)}})
                         for i in range(0, min(len(rows), SAMPLES * g), g)]
-        kept = keep.nonzero()[:, 0].tolist()
-        longest = max(len(ids[i]) + len(completions[i].tokens) - 1 for i in kept)
+        have = 0 if joining is None else joining[GROUPS][0].item()
+        kept = groups.nonzero()[:, 0][:len(lengths) - have]  # the first groups kept, up to the batch's size
+        if len(kept) == 0:  # nothing new: the batch so far, or a first round's groups as they are
+            if joining is not None:
+                return joining
+            kept, count = torch.arange(len(lengths)), 0
+        else:
+            count = have + len(kept)
+        index = (kept[:, None] * g + torch.arange(g)).flatten().tolist()
+        batch = self._rows(ids, completions, index)
+        batch.update(advantages=advantages[index], rewards=total[index], truncated=truncated[index])
+        if have:  # after the groups kept by earlier rounds (a batch that kept none is replaced)
+            batch = _join(joining, batch, self.pad_id)
+        batch[GROUPS] = torch.tensor([count, len(lengths)])
+        return batch
+
+    def _rows(self, ids: list[list[int]], completions, index: list[int]) -> dict[str, torch.Tensor]:
+        """Rows of prompt + completion tokens (inputs), the completion as labels and the engine's
+        log-probabilities of it, for the completions `index`, right-padded to a common width."""
+        longest = max(len(ids[i]) + len(completions[i].tokens) - 1 for i in index)
         width = min(self.seq_len, -(-longest // self.multiple) * self.multiple)
-        inputs = torch.full((len(kept), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(kept), width), IGNORE_INDEX, dtype=torch.long)
-        engine = torch.zeros(len(kept), width)
-        for out, i in enumerate(kept):
+        inputs = torch.full((len(index), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(index), width), IGNORE_INDEX, dtype=torch.long)
+        engine = torch.zeros(len(index), width)
+        for out, i in enumerate(index):
             prompt, c = ids[i], completions[i]
             sequence = (prompt + c.tokens)[:width + 1]
             inputs[out, :len(sequence) - 1] = torch.tensor(sequence[:-1])
             start, n = len(prompt) - 1, len(sequence) - len(prompt)
             labels[out, start:start + n] = torch.tensor(c.tokens[:n])
             engine[out, start:start + n] = torch.tensor(c.logprobs[:n])
-        index = torch.tensor(kept)
-        return {"inputs": inputs, "labels": labels, "engine_logps": engine, "advantages": advantages[index],
-                "rewards": total[index], "truncated": truncated[index]}
+        return {"inputs": inputs, "labels": labels, "engine_logps": engine}
 
     def metrics(self) -> dict[str, float]:
         """The figures of the completions generated since the last call, before dynamic sampling drops
@@ -209,4 +261,4 @@ def _nan_std(values: torch.Tensor) -> float:
     return finite.std(correction=0).item() if len(finite) > 1 else 0.0
 
 
-__all__ = ["GRPORollout", "PROMPT_COLUMN", "PromptRows", "PromptSamples"]
+__all__ = ["GROUPS", "GRPORollout", "PROMPT_COLUMN", "PromptRows", "PromptSamples"]

@@ -19,12 +19,23 @@ Sources:
 What reads the policy to generate from it (RL rollouts) takes its weights through PolicyWeights:
 the module itself on one process, one gather per update under FSDP or TP. A generating companion
 (Companion.rollout) is the one seam RL needs in the loop: `Companions.batches` wraps the trainer's
-loader iterator so that each step's loader batches of prompts become batches of rollouts (generated
-with the policy as of that step, from a seed of (debug.seed, step, the microbatch's place in the
-global batch): a run is deterministic, resumes without saved sampler state and draws the same
-rollouts on every layout), each generated batch trained
-`iterations` optimizer steps; its own outputs (the old policy's log-probabilities) are computed once
-per generated batch, before the first update on it. Without one, the iterator is the loader's.
+loader iterator so that each step's loader batches of prompts become batches of rollouts, each
+generation trained `iterations` optimizer steps. A generation is made with the policy as of the step
+it is made at, from seeds of (debug.seed, the first step that trains it, the microbatch's place in the
+global batch): a run is deterministic, draws the same rollouts on every layout, and needs no sampler
+state to resume. Its own outputs (the old policy's log-probabilities) are computed right after it is
+made, with the weights that made it. Generation may run ahead of training by `ahead` steps (a
+generation first trained at step t is made before step t - ahead trains; the lag t - version is
+logged as rollout/lag), and a short batch (dynamic sampling) is refilled from more loader batches in
+rounds that every data-parallel rank runs alike (one all-reduce of a flag per round). The generations
+made and not yet trained (InFlight) are a checkpoint's per-rank state, so a resumed run trains what
+the uninterrupted one did even where the weights that made them are gone. Without a generating
+companion, the iterator is the loader's.
+
+Why generating ahead in the same thread rather than in a background one: on one process the policy's
+weights are the trained module itself (no copy), which a generator thread would read while the
+optimizer writes them; made in order between steps, each generation sees exactly the weights of its
+version, at the price of no overlap of generation and training (the lag's semantics, not its speed).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -55,7 +67,7 @@ class PolicyWeights:
     copy. Under FSDP or TP (parameters are DTensor shards) it is a plain copy of the model on each rank,
     refreshed by one gather of the weights per update: `module(version)` gathers only when `version`
     (the caller's count of optimizer steps) moved since the last call. `gathered_bytes` counts what the
-    gathers brought in (each parameter's full size minus this rank's shard), `gather_bytes` what one
+    gathers brought in (each parameter's or buffer's full size minus this rank's shard), `gather_bytes` what one
     gather brings in, `copy_bytes` the whole copy's parameters."""
 
     def __init__(self, plan: JobPlan, parts: list[nn.Module], device: torch.device, build_converters):
@@ -66,8 +78,8 @@ class PolicyWeights:
         self._copy: nn.Module | None = None
         self._version: int | None = None
         self.gathers, self.gathered_bytes = 0, 0
-        self.gather_bytes = sum((p.numel() - p.to_local().numel()) * p.element_size()
-                                for part in parts for p in part.parameters() if isinstance(p, DTensor))
+        self.gather_bytes = sum((p.numel() - p.to_local().numel()) * p.element_size() for part in parts
+                                for p in [*part.parameters(), *part.buffers()] if isinstance(p, DTensor))
         self.copy_bytes = 0
         if len(parts) != 1:
             raise ValueError("the policy's weights for generation need every layer on each rank; pipeline "
@@ -84,8 +96,11 @@ class PolicyWeights:
             model.eval()
             self._copy = model
             self.copy_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            own = dict(model.named_parameters())
-            self._pairs = [(own[canonical_fqn(name)], p) for name, p in parts[0].named_parameters()]
+            # Buffers too: some change as the model trains (an MoE router's expert_bias under aux-loss-free
+            # balancing, models/common/moe.py), and a stale one would route the copy's tokens differently.
+            own = dict(model.named_parameters()) | dict(model.named_buffers())
+            self._pairs = [(own[canonical_fqn(name)], p) for name, p in
+                           [*parts[0].named_parameters(), *parts[0].named_buffers()]]
 
     @torch.no_grad()
     def module(self, version: int) -> nn.Module:
@@ -153,13 +168,50 @@ class ForwardOnly:
         return self._schedules[id(parts)]
 
 
+@dataclass
+class Generation:
+    """One generation's batches (one per microbatch of a step), trained at steps first..last; version:
+    the step before whose update the policy made them."""
+
+    first: int
+    last: int
+    version: int
+    batches: list[dict[str, torch.Tensor]]
+
+
+class InFlight:
+    """The generations made and not yet wholly trained on this rank: a checkpoint saves them (per
+    data-parallel rank, checkpoint/states.py ROLLOUTS) so that a resumed run trains the batches the
+    uninterrupted one would, old log-probabilities included, without the weights that made them."""
+
+    def __init__(self, dp_degree: int):
+        self.dp_degree = dp_degree
+        self.generations: list[Generation] = []
+        self.served = 0  # the step whose batches were handed out last
+
+    def state_dict(self) -> dict:
+        live = [g for g in self.generations if g.last > self.served]
+        return {"dp_degree": self.dp_degree,
+                "generations": [{"first": g.first, "last": g.last, "version": g.version, "batches": g.batches}
+                                for g in live]}
+
+    def load_state_dict(self, state: dict) -> None:
+        generations = [Generation(g["first"], g["last"], g["version"], g["batches"]) for g in state["generations"]]
+        if generations and state["dp_degree"] != self.dp_degree:
+            raise ValueError(f"its rollouts in flight were generated for {state['dp_degree']} data-parallel ranks and "
+                             f"this run has {self.dp_degree}: resume with the same data-parallel degree, or generate "
+                             "them anew with --checkpoint.exclude_from_loading rollouts")
+        self.generations = generations
+
+
 def rollout_seed(seed: int, step: int, position: int) -> int:
-    """The sampling seed of one generated microbatch: a function of (debug.seed, step, the microbatch's
-    position in the step's global batch), so that a resumed run draws what the uninterrupted one drew,
-    tensor-parallel ranks of one data-parallel rank draw the same samples, and a layout draws what one
-    process draws for the same prompts. The position is data-parallel rank x microbatches per rank +
-    microbatch, the loader's order (data/loader.py), so one process accumulating D microbatches and D
-    data-parallel ranks of one microbatch each generate the same rollouts."""
+    """The sampling seed of one generated microbatch: a function of (debug.seed, step: the first step that
+    trains it, the microbatch's position in the step's global batch), so that a resumed run draws what the
+    uninterrupted one drew, tensor-parallel ranks of one data-parallel rank draw the same samples, and a
+    layout draws what one process draws for the same prompts. The position is (refill round x
+    data-parallel ranks + data-parallel rank) x microbatches per rank + microbatch, the loader's order
+    (data/loader.py: a round draws the next global batch), so one process accumulating D microbatches and
+    D data-parallel ranks of one microbatch each generate the same rollouts."""
     return ((seed * 1_000_003 + step) * 16_843_009 + position) % (2 ** 63)  # 16_843_009 positions per step
 
 
@@ -169,19 +221,24 @@ class Companions:
 
     def __init__(self, companions: tuple[Companion, ...], parts: list[list[nn.Module]], forward: ForwardOnly,
                  disabled: Callable[[list[nn.Module]], contextlib.AbstractContextManager], *,
-                 rollout=None, weights: PolicyWeights | None = None, seed: int = 0, rank: int = 0, dp_group=None,
-                 device: torch.device | None = None):
+                 rollout=None, weights: PolicyWeights | None = None, seed: int = 0, rank: int = 0, ranks: int = 1,
+                 dp_group=None, device: torch.device | None = None, in_flight: InFlight | None = None):
         """parts: each companion's model parts; disabled(parts): the converters switched off on them;
         rollout, weights: the generating companion's Rollout and the policy's weights it reads; seed: the
-        job's (debug.seed); rank: the data-parallel rank (its microbatches' places in the global batch:
-        rollout_seed); dp_group: the data-parallel process group (None: one data-parallel rank), over
-        which the rollouts' figures are reduced, on `device`."""
+        job's (debug.seed); rank, ranks: the data-parallel rank and their count (a microbatch's place in
+        the global batch: rollout_seed); dp_group: the data-parallel process group (None: one
+        data-parallel rank), over which the rollouts' figures and refill rounds are agreed, on `device`;
+        in_flight: the generations not yet trained (a checkpoint's state; a new one if None)."""
         self.companions, self.parts, self.forward, self.disabled = companions, parts, forward, disabled
-        self.rollout, self.weights, self.seed, self.rank = rollout, weights, seed, rank
+        self.rollout, self.weights, self.seed, self.rank, self.ranks = rollout, weights, seed, rank, ranks
         self.dp_group, self.device = dp_group, device
+        self.in_flight = in_flight if in_flight is not None else InFlight(ranks)
+        self._figures: dict[str, list[float]] = {}  # per generation: rollout/rounds, dropped and missing prompts
+        self._calls = 0  # the rollout's generate calls since the last metrics()
+        self._lag: int | None = None  # of the step served last
         self._generating = 0.0  # seconds spent generating since the last metrics()
         self._gathered = (0, 0)  # the policy's weights' (gathers, bytes) at the last metrics()
-        self._figures: dict[str, float] = {}  # the rollout's figures of the latest generated step
+        self._latest: dict[str, float] = {}  # the rollouts' figures of the latest log step that generated
         self._since = time.perf_counter()
 
     def __bool__(self) -> bool:
@@ -209,49 +266,105 @@ class Companions:
                 mb.targets.update(out)
         return mb
 
-    def batches(self, data: Iterator[dict], *, step: Callable[[], int], microbatches: Callable[[], int],
+    def batches(self, data: Iterator[dict], *, step: Callable[[], int], microbatches: Callable[[int], int],
                 prepare: Callable[[dict], Microbatch]) -> Iterator[dict]:
         """The loader's batches, or, with a generating companion, batches of rollouts (module docstring):
-        step(): the step about to train (the policy's version and the seed); microbatches(): that
-        step's count; prepare: a batch as the objective prepares it (for the old policy's forward)."""
+        step(): the step about to train (the policy's version); microbatches(step): that step's count;
+        prepare: a batch as the objective prepares it (for the old policy's forward)."""
         if self.rollout is None:
             return data
         return self._rollouts(data, step, microbatches, prepare)
 
     def _rollouts(self, data, step, microbatches, prepare) -> Iterator[dict]:
-        companion, parts = next((c, p) for c, p in zip(self.companions, self.parts) if c.rollout is not None)
+        flight, every, ahead = self.in_flight, self.rollout.iterations, self.rollout.ahead
         while True:
-            version = step()
-            started = time.perf_counter()
-            policy = self.weights.module(version)
-            modes = [part.training for part in parts]
-            count = microbatches()
-            try:
-                batches = [self.rollout.generate(next(data), policy,
-                                                 seed=rollout_seed(self.seed, version, self.rank * count + i))
-                           for i in range(count)]
-            finally:
-                for part, mode in zip(parts, modes):
-                    part.train(mode)
-            if companion.outputs is not None:  # the old policy: before any update on these batches
-                for batch in batches:
-                    out = self._run(companion, parts, prepare(batch))
-                    if out is not None:
-                        batch.update(out)
-            self._generating += time.perf_counter() - started
-            self._figures = self.rollout.metrics()  # this step's rollouts, until the next generation
-            for _ in range(self.rollout.iterations):
-                yield from batches
+            now = step()
+            flight.served = now
+            flight.generations = [g for g in flight.generations if g.last >= now]
+            # Make every generation due by now: the one step `now` trains, and those up to `ahead` steps later.
+            first = flight.generations[-1].last + 1 if flight.generations else now - (now - 1) % every
+            while first - ahead <= now:
+                flight.generations.append(self._generate(data, first, first + every - 1, now, microbatches(first),
+                                                         prepare))
+                first += every
+            current = flight.generations[0]
+            self._lag = current.first - current.version
+            yield from current.batches
+
+    def _generate(self, data, first: int, last: int, version: int, count: int, prepare) -> Generation:
+        """A generation of `count` microbatches trained at steps first..last, made with the policy as of
+        `version`: one loader batch each, and, while any data-parallel rank's is short, rounds of one more
+        loader batch per microbatch (drawn on every rank alike, so the loader's position stays every rank's;
+        a batch already full leaves its draw unused), then the old policy's outputs with the same weights."""
+        companion, parts = next((c, p) for c, p in zip(self.companions, self.parts) if c.rollout is not None)
+        started = time.perf_counter()
+        policy = self.weights.module(version)
+        modes = [part.training for part in parts]
+        slots: list[dict | None] = [None] * count
+        drawn = generated = rounds = 0
+        try:
+            for round_ in range(self.rollout.rounds):
+                rounds += 1
+                for i in range(count):
+                    prompts = next(data)
+                    drawn = len(next(iter(prompts.values())))
+                    if slots[i] is None or self.rollout.missing(slots[i]):
+                        position = (round_ * self.ranks + self.rank) * count + i
+                        slots[i] = self.rollout.generate(prompts, policy, seed=rollout_seed(self.seed, first, position),
+                                                         joining=slots[i])
+                        generated += drawn
+                        self._calls += 1
+                missing = sum(self.rollout.missing(b) for b in slots)
+                if round_ + 1 == self.rollout.rounds or not self._anywhere(missing > 0):
+                    break
+        finally:
+            for part, mode in zip(parts, modes):
+                part.train(mode)
+        if self.rollout.rounds > 1:
+            kept = drawn * count - missing
+            for name, value in (("rollout/rounds", rounds), ("rollout/dropped_prompts", generated - kept),
+                                ("rollout/missing_prompts", missing)):
+                self._figures.setdefault(name, []).append(float(value))
+        if companion.outputs is not None:  # the old policy: the weights that generated, before any update
+            for batch in slots:
+                out = self._run(companion, parts, prepare(batch))
+                if out is not None:
+                    batch.update(out)
+        self._generating += time.perf_counter() - started
+        return Generation(first, last, version, slots)
+
+    def _anywhere(self, flag: bool) -> bool:
+        """Whether `flag` holds on any data-parallel rank (one all-reduce of one value)."""
+        if self.dp_group is None:
+            return flag
+        import torch.distributed as dist
+
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return bool(value.item())
 
     def metrics(self) -> dict[str, float]:
-        """The generating companion's figures of the rollouts the latest step trained on (those of the
-        step that generated them, for a step on earlier rollouts: num_iterations > 1; nothing without
-        one), with the share of the wall time since the last call spent generating and, under FSDP or
-        TP, the bytes each gather of the policy's weights brought into this rank (policy_gather_bytes)."""
+        """The generating companion's figures of the rollouts generated since the last call (the latest
+        ones again when none was: steps on earlier rollouts, num_iterations > 1; nothing without one),
+        with the share of the wall time since the last call spent generating and, under FSDP or TP, the
+        bytes each gather of the policy's weights brought into this rank (policy_gather_bytes)."""
         if self.rollout is None:
             return {}
         now = time.perf_counter()
-        out = self._over_data_parallel_ranks(dict(self._figures))
+        figures = self.rollout.metrics()  # means over this rank's generated batches
+        weights = {name: float(self._calls) for name in figures}
+        own, self._figures, self._calls = self._figures, {}, 0
+        figures.update({name: sum(values) / len(values) for name, values in own.items()})
+        out = self._over_data_parallel_ranks(figures, weights, summed=("rollout/dropped_prompts",
+                                                                       "rollout/missing_prompts"))
+        # Log steps that generated nothing (num_iterations > 1) trained on the latest rollouts: theirs again
+        # (every rank generates on the same steps).
+        if figures:
+            self._latest = dict(out)
+        else:
+            out = dict(self._latest)
+        if self._lag is not None:
+            out["rollout/lag"] = float(self._lag)
         out["generation_share"] = self._generating / max(now - self._since, 1e-9)
         self._generating, self._since = 0.0, now
         gathers, gathered = self.weights.gathers - self._gathered[0], self.weights.gathered_bytes - self._gathered[1]
@@ -266,25 +379,31 @@ class Companions:
         every = 0 if self.rollout is None else self.rollout.sample_freq
         return self.rollout.samples() if every and step % every == 0 else []
 
-    def _over_data_parallel_ranks(self, figures: dict[str, float]) -> dict[str, float]:
-        """The rollouts' figures of every data-parallel rank (each generated as many completions): the mean
-        of the ranks' finite values, the largest for a */max figure, so that what is logged is the global
-        batch's on every layout. Every rank calls it on the same log steps with the same names (one
+    def _over_data_parallel_ranks(self, figures: dict[str, float], weights: dict[str, float],
+                                  summed: tuple[str, ...] = ()) -> dict[str, float]:
+        """The rollouts' figures of every data-parallel rank: the mean of the ranks' finite values weighted
+        by `weights` (the batches each rank generated: refill rounds may differ per rank; 1 where absent),
+        the largest for a */max figure, the sum for the counts `summed`, so that what is logged is the
+        global batch's on every layout. Every rank calls it on the same log steps with the same names (one
         generating code path), as the step's own reduction of the logged values."""
         if self.dp_group is None or not figures:
             return figures
         import torch.distributed as dist
 
         values = torch.tensor(list(figures.values()), dtype=torch.float64, device=self.device)
+        weight = torch.tensor([weights.get(name, 1.0) for name in figures], dtype=torch.float64, device=self.device)
         finite = values.isfinite()
-        sums = torch.cat([torch.where(finite, values, 0.0), finite.to(values.dtype)])
+        weight = torch.where(finite, weight, 0.0)
+        sums = torch.cat([torch.where(finite, values * weight, 0.0), weight])
         largest = torch.where(finite, values, -torch.inf)
         dist.all_reduce(sums, group=self.dp_group)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.dp_group)
         n = len(figures)
-        means = torch.where(sums[n:] > 0, sums[:n] / sums[n:].clamp(min=1), torch.nan)
-        means, largest = means.tolist(), largest.tolist()  # one read
-        return {name: largest[i] if name.endswith("/max") else means[i] for i, name in enumerate(figures)}
+        means = torch.where(sums[n:] > 0, sums[:n] / sums[n:].clamp(min=1e-30), torch.nan)
+        read = torch.cat([means, largest, sums[:n]]).tolist()  # one read
+        means, largest, totals = read[:n], read[n:2 * n], read[2 * n:]
+        return {name: largest[i] if name.endswith("/max") else totals[i] if name in summed else means[i]
+                for i, name in enumerate(figures)}
 
 
 def frozen_copy(plan: JobPlan, source: list[nn.Module], device: torch.device, *, resumed: bool,
@@ -318,10 +437,11 @@ def frozen_copy(plan: JobPlan, source: list[nn.Module], device: torch.device, *,
 def build_companions(companions: tuple[Companion, ...], plan: JobPlan, policy: list[nn.Module], *,
                      forward: ForwardOnly, device: torch.device, resumed: bool,
                      load_start: Callable[[list[nn.Module]], None], build_converters, converters,
-                     log: bool) -> Companions:
+                     log: bool, in_flight: InFlight | None = None) -> Companions:
     """Build each companion's parts on this rank (module docstring). load_start(parts): the run's
     initial load into a fresh copy (its converters' state included); build_converters(): new converters
-    of the job; converters: the policy's (their `disabled`)."""
+    of the job; converters: the policy's (their `disabled`); in_flight: the generations not yet trained, as
+    a checkpoint restored them."""
     from titanlike.train.model_parts import build_frozen_model
 
     built, rollout, weights = [], None, None
@@ -349,8 +469,9 @@ def build_companions(companions: tuple[Companion, ...], plan: JobPlan, policy: l
                     "into rank 0")
     dp = plan.dims.mesh("dp")
     return Companions(companions, built, forward, converters.disabled, rollout=rollout, weights=weights,
-                      seed=plan.cfg.debug.seed, rank=plan.dims.dp_rank(),
-                      dp_group=None if dp is None else dp.get_group(), device=device)
+                      seed=plan.cfg.debug.seed, rank=plan.dims.dp_rank(), ranks=plan.dims.dp_degree,
+                      dp_group=None if dp is None else dp.get_group(), device=device, in_flight=in_flight)
 
 
-__all__ = ["Companions", "ForwardOnly", "PolicyWeights", "build_companions", "frozen_copy", "rollout_seed"]
+__all__ = ["Companions", "ForwardOnly", "Generation", "InFlight", "PolicyWeights", "build_companions", "frozen_copy",
+           "rollout_seed"]

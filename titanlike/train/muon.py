@@ -6,19 +6,20 @@ Newton-Schulz iterations on the whole matrix. The arithmetic is torch's own (`to
 so one process steps exactly as torch.optim.Muon beside torch.optim.AdamW.
 
 Under FSDP2, HSDP, TP or EP a parameter is a DTensor shard, while Newton-Schulz needs the whole
-matrix. `orthogonalized` assembles each matrix once per step and spreads the work: where a matrix is
-sharded along one mesh dimension, every shard is gathered to one owner rank (owners are given whole
-matrices, largest first, to the least-loaded rank, as in Moonlight's distributed Muon), the owner
-orthogonalises it and scatters the pieces back. Newton-Schulz starts by rounding its input to
+matrix. `orthogonalized` assembles each matrix once per step and spreads the work: every matrix is
+gathered, in one gather, to one owner rank among the ranks that hold its pieces (those along the
+mesh dimensions that split it: FSDP's, or TP's, or both at once under FSDP x TP, over their
+flattened group), the owner orthogonalises it and scatters the pieces back. Owners are given whole
+matrices, largest first, to the least-loaded rank, as in Moonlight's distributed Muon, so under
+FSDP x TP the work spreads over all fsdp x tp ranks. Newton-Schulz starts by rounding its input to
 bfloat16, so the matrices travel as bfloat16 and the result is the one-process result bit for bit.
-Per step and matrix of N elements sharded over W ranks, the gather and the scatter move
+Per step and matrix of N elements split over W ranks, the gather and the scatter move
 2 x 2 bytes x N x (W - 1) / W in all (each rank sends and receives 1/W of that on average: a quarter
 of its share of FSDP's own float32 gradient reduce-scatter); an owner holds its matrices whole, in
-bfloat16, twice (gathered and orthogonalised): about 4 bytes x N_muon / W more per rank during the
-step. Experts (a 3-D tensor, one matrix per expert) are orthogonalised one expert at a time; when
-expert parallelism splits the expert dimension each rank already holds whole matrices and moves
-nothing. Other layouts (a matrix sharded along two mesh dimensions: FSDP with TP) assemble the full
-matrix on every rank and orthogonalise it there.
+bfloat16, twice (gathered and orthogonalised), plus the gathered pieces: about 4-6 bytes x N_muon / W
+more per rank during the step (the estimator measures it: estimation/probe.py steps this optimizer).
+Experts (a 3-D tensor, one matrix per expert) are orthogonalised one expert at a time; when expert
+parallelism splits the expert dimension each rank already holds whole matrices and moves nothing.
 
 Low-precision states (optimizer.state_dtype bfloat16) are kept in bfloat16 and stepped in float32,
 then rounded back stochastically: round-to-nearest would drop every increment smaller than half a
@@ -29,14 +30,17 @@ compensation buffer would bring back the bytes bfloat16 saves.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.adam import adam
+
+from titanlike.models.common.dtensor import local_part
 
 BLOCK_DIMS = (2, 3)  # a matrix, or a stack of experts' matrices
 
@@ -49,21 +53,15 @@ def newton_schulz(update: torch.Tensor, *, coefficients: tuple[float, float, flo
     return torch.stack([_zeropower_via_newtonschulz(m, coefficients, steps, eps) for m in update])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _spread_dim(param: torch.Tensor) -> tuple[int, int] | None | str:
-    """How a parameter's matrices are assembled: None (this rank holds them whole), (mesh dim, tensor
-    dim) (sharded along one mesh dimension: gather to an owner), or "full" (assemble everywhere)."""
+def _sharded_dims(param: torch.Tensor) -> tuple[int, ...] | None:
+    """The mesh dimensions a parameter's matrices are split along (gather them to an owner), or None
+    where this rank holds them whole (a plain tensor, a replica, experts split by expert)."""
     if not isinstance(param, DTensor):
         return None
     shards = [(i, p) for i, p in enumerate(param.placements) if not isinstance(p, Replicate)]
     if not shards or (param.ndim == 3 and all(type(p) is Shard and p.dim == 0 for _, p in shards)):
         return None
-    if len(shards) == 1 and type(shards[0][1]) is Shard:
-        return shards[0][0], shards[0][1].dim
-    return "full"
+    return tuple(i for i, _ in shards)
 
 
 def _owners(sizes: list[int], ranks: int) -> list[int]:
@@ -75,12 +73,47 @@ def _owners(sizes: list[int], ranks: int) -> list[int]:
     return owner
 
 
-def _padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    if t.shape[dim] == length:
+def _group(mesh, dims: tuple[int, ...]):
+    """The process group of the ranks that differ along `dims` of the mesh (this rank's slice)."""
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("distributed Muon needs named mesh dimensions to gather a matrix split along two of them")
+    sub = mesh[tuple(names[d] for d in dims)] if len(dims) < mesh.ndim else mesh
+    # Created at the first step by every rank (DeviceMesh keeps its flattened views), from the mesh's
+    # own rank layout: real data even where the step runs on fake tensors (estimation/probe.py).
+    with unset_fake_temporarily():
+        return sub._flatten().get_group()
+
+
+def _pieces(param: torch.Tensor, dims: tuple[int, ...], ranks: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(local shape, global offset) of every rank of the group along the mesh `dims`, in group rank
+    order (row-major over those dims, as get_group and _flatten lay them out): each holds one block
+    of the parameter (FSDP's and TP's shards, strided ones included, are blocks, as DCP saves them)."""
+    mesh = param.device_mesh
+    sizes = [mesh.shape[d] for d in dims]
+    out = []
+    for r in range(ranks):
+        coordinate = list(mesh.get_coordinate())
+        for d, size in zip(reversed(dims), reversed(sizes)):
+            coordinate[d], r = r % size, r // size
+        out.append(_compute_local_shape_and_global_offset(param.shape, mesh.shape, coordinate, param.placements))
+    return out
+
+
+def _padded(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """t at the start of a zero tensor of `shape` (t's own when it fits)."""
+    if list(t.shape) == list(shape):
         return t.contiguous()
-    shape = list(t.shape)
-    shape[dim] = length - t.shape[dim]
-    return torch.cat([t, t.new_zeros(shape)], dim)
+    out = t.new_zeros(shape)
+    out[tuple(slice(0, n) for n in t.shape)] = t
+    return out
+
+
+def _block(t: torch.Tensor, shape, offset) -> torch.Tensor:
+    """The view of t at `offset` of `shape` (one rank's piece of a parameter-shaped tensor)."""
+    return t[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def orthogonalized(updates: list[torch.Tensor], params: list[torch.Tensor],
@@ -90,55 +123,51 @@ def orthogonalized(updates: list[torch.Tensor], params: list[torch.Tensor],
     updates: the local pieces (plain tensors) of each parameter's update; params: the parameters,
     whose placements say how the pieces make the whole."""
     out: list[torch.Tensor | None] = [None] * len(params)
-    spread: dict[tuple, list[tuple[int, int]]] = {}
+    spread: dict[tuple, list[int]] = {}
     for i, (u, p) in enumerate(zip(updates, params)):
-        how = _spread_dim(p)
-        if how is None:
+        dims = _sharded_dims(p)
+        if dims is None:
             out[i] = ns(u)
-        elif how == "full":
-            whole = DTensor.from_local(u.bfloat16(), p.device_mesh, p.placements, shape=p.shape,
-                                       stride=p.stride()).full_tensor()
-            out[i] = distribute_tensor(ns(whole), p.device_mesh, p.placements, src_data_rank=None).to_local()
         else:
-            mesh_dim, dim = how
-            spread.setdefault((id(p.device_mesh), mesh_dim), []).append((i, dim))
-    for (_, mesh_dim), items in spread.items():
-        group = params[items[0][0]].device_mesh.get_group(mesh_dim)
-        _gather_orthogonalize_scatter(items, updates, params, ns, group, out)
+            spread.setdefault((id(p.device_mesh), dims), []).append(i)
+    for (_, dims), items in spread.items():
+        group = _group(params[items[0]].device_mesh, dims)
+        _gather_orthogonalize_scatter(items, updates, params, ns, group, dims, out)
     return out
 
 
-def _gather_orthogonalize_scatter(items, updates, params, ns, group, out) -> None:
+def _gather_orthogonalize_scatter(items, updates, params, ns, group, dims, out) -> None:
     """Each matrix gathered whole to its owner, orthogonalised there, its pieces scattered back."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
-    owners = _owners([params[i].numel() for i, _ in items], ranks)
+    owners = _owners([params[i].numel() for i in items], ranks)
+    blocks = {i: _pieces(params[i], dims, ranks) for i in items}
+    # Every piece travels padded to the largest piece's shape (uneven shards).
+    largest = {i: [max(shape[d] for shape, _ in blocks[i]) for d in range(params[i].ndim)] for i in items}
     # bfloat16 travels as float16 bits (gloo moves no bfloat16 and no int16; gather and scatter only copy).
     pending, gathered = [], {}
-    for (i, dim), owner in zip(items, owners):
-        chunk = math.ceil(params[i].shape[dim] / ranks)
-        piece = _padded(updates[i].bfloat16(), dim, chunk).view(torch.float16)
+    for i, owner in zip(items, owners):
+        piece = _padded(updates[i].bfloat16(), largest[i]).view(torch.float16)
         bufs = [torch.empty_like(piece) for _ in range(ranks)] if owner == me else None
         pending.append(dist.gather(piece, bufs, group=group, group_dst=owner, async_op=True))
         gathered[i] = bufs
     for work in pending:
         work.wait()
     pending, received = [], {}
-    for (i, dim), owner in zip(items, owners):
-        chunk = math.ceil(params[i].shape[dim] / ranks)
+    for i, owner in zip(items, owners):
         pieces = None
         if owner == me:
-            whole = torch.cat([b.view(torch.bfloat16) for b in gathered.pop(i)], dim).narrow(
-                dim, 0, params[i].shape[dim])
-            result = _padded(ns(whole).bfloat16(), dim, chunk * ranks)
-            pieces = [c.contiguous().view(torch.float16) for c in result.split(chunk, dim)]
-        shape = list(updates[i].shape)
-        shape[dim] = chunk
-        received[i] = torch.empty(shape, dtype=torch.float16, device=updates[i].device)
+            whole = updates[i].new_empty(params[i].shape, dtype=torch.bfloat16)
+            for buf, (shape, offset) in zip(gathered.pop(i), blocks[i]):
+                _block(whole, shape, offset).copy_(_block(buf.view(torch.bfloat16), shape, [0] * len(shape)))
+            result = ns(whole).bfloat16()
+            pieces = [_padded(_block(result, shape, offset), largest[i]).view(torch.float16)
+                      for shape, offset in blocks[i]]
+        received[i] = updates[i].new_empty(largest[i], dtype=torch.float16)
         pending.append(dist.scatter(received[i], pieces, group=group, group_src=owner, async_op=True))
     for work in pending:
         work.wait()
-    for i, dim in items:
-        out[i] = received[i].view(torch.bfloat16).narrow(dim, 0, updates[i].shape[dim])
+    for i in items:
+        out[i] = _block(received[i].view(torch.bfloat16), updates[i].shape, [0] * updates[i].ndim)
 
 
 def stochastic_round(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -217,14 +246,14 @@ class MuonAdamW(torch.optim.Adam):
         if not params:
             return
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-        generator = self._generator(group, _local(params[0]).device)
+        generator = self._generator(group, local_part(params[0]).device)
         updates = []
         for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=self.state_dtype)
-            grad = _local(p.grad) if scale is None else _local(p.grad) / scale
-            buf = _local(state["momentum_buffer"])
+            grad = local_part(p.grad) if scale is None else local_part(p.grad) / scale
+            buf = local_part(state["momentum_buffer"])
             if buf.dtype == torch.float32 and skip is None:  # torch.optim.Muon's own steps
                 buf.lerp_(grad, 1 - momentum)
                 new = buf
@@ -236,7 +265,7 @@ class MuonAdamW(torch.optim.Adam):
                                      eps=group["muon_eps"])
         for p, o in zip(params, orthogonalized(updates, params, ns)):
             adjusted = _adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:])
-            local = _local(p)
+            local = local_part(p)
             if skip is None:
                 local.mul_(1 - lr * wd)
                 local.add_(o, alpha=-adjusted)
@@ -261,16 +290,16 @@ class MuonAdamW(torch.optim.Adam):
             return
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        generator = self._generator(group, _local(params[0]).device)
+        generator = self._generator(group, local_part(params[0]).device)
         for p in params:
             state = self.state[p]
             if not state:
                 # On the parameter's device, so that a skipped step leaves it without a host sync.
-                state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=local_part(p).device)
                 state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
-            grad = _local(p.grad) if scale is None else _local(p.grad) / scale
-            local, m, v = _local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            grad = local_part(p.grad) if scale is None else local_part(p.grad) / scale
+            local, m, v = local_part(p), local_part(state["exp_avg"]), local_part(state["exp_avg_sq"])
             step = state["step"].add_(1 if skip is None else (~skip).float())
             m32 = m.float().lerp_(grad, 1 - beta1)
             v32 = v.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

@@ -195,11 +195,15 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     except ValueError as e:
         raise ValueError(f"{model}: {e}") from None
     validate_converter_targets(m.converters, cfg, spec, args, model=model)
-    if cfg.optimizer.name == "Muon":  # which parameters Muon steps: the model's names and shapes
+    if cfg.optimizer.name == "Muon" or cfg.optimizer.qk_clip_threshold:  # the parameters they step and scale
         from titanlike.train.optimizer import validate_optimizer
+        from titanlike.train.qk_clip import validate_qk_clip
 
         with torch.device("meta"):
-            validate_optimizer(cfg.optimizer, spec.model_cls(args))
+            meta = spec.model_cls(args)
+        validate_optimizer(cfg.optimizer, meta)
+        if cfg.optimizer.qk_clip_threshold:
+            validate_qk_clip(meta, cp=dims.cp)
 
     # The layout.
     parallelize = parallelize_options(cfg, objective)

@@ -130,6 +130,8 @@ class StepOutput:
     reported: torch.Tensor | None
     expert_table: torch.Tensor | None
     nonfinite_param: Callable[[], str | None]  # this rank's first non-finite gradient's name (reads the device)
+    # QK-clip's largest attention logit of each layer this rank clips (train/qk_clip.py), or None.
+    max_logits: torch.Tensor | None = None
 
 
 class TrainStep:
@@ -139,13 +141,13 @@ class TrainStep:
                  device: torch.device, max_norm: float, pipeline=None, pipeline_microbatch_size: int = 1,
                  tp_mesh=None, pp_mesh=None, autocast=contextlib.nullcontext(), loss_parallel: bool = False,
                  tied=None, converters=None, expert_balance=None, reported_losses: tuple[str, ...] = (),
-                 loss_scaler=None):
+                 loss_scaler=None, qk_clip=None):
         self.model_parts, self.step_loss, self.optimizer = model_parts, step_loss, optimizer
         self.device, self.max_norm = device, max_norm
         self.pipeline, self.pipeline_microbatch_size = pipeline, pipeline_microbatch_size
         self.pp_mesh, self.autocast, self.loss_parallel = pp_mesh, autocast, loss_parallel
         self.tied, self.converters, self.expert_balance = tied, converters, expert_balance
-        self.loss_scaler = loss_scaler
+        self.loss_scaler, self.qk_clip = loss_scaler, qk_clip
         self.named_params = [(name, p) for part in model_parts for name, p in part.named_parameters()]
         self.params = [p for _, p in self.named_params]
         # Counted once over the world sum: tokens are seen by every tp rank and pipeline stage, the
@@ -214,6 +216,8 @@ class TrainStep:
             self.optimizer.step()
         elif bool(finite):  # torch's foreach / for-loop kernels: the host decides
             self.optimizer.step()
+        # After the update, from the maxima of this step's forwards (nothing is scaled on a skipped step).
+        max_logits = self.qk_clip.apply(finite) if self.qk_clip is not None else None
         if self.converters is not None:
             self.converters.post_optimizer_step(self.model_parts)
         self.optimizer.zero_grad(set_to_none=True)
@@ -224,7 +228,7 @@ class TrainStep:
             reported = mine if reported is None else torch.cat([reported, mine])
         reported = reported * self.loss_share if reported is not None else None
         return StepOutput(loss_sum * self.loss_share, global_tokens, norm.total, finite, side, reported,
-                          table, lambda: self._param_name(norm.nonfinite_param()))
+                          table, lambda: self._param_name(norm.nonfinite_param()), max_logits)
 
     def forward_backward(self, mb, *, backward: bool = True) -> torch.Tensor:
         """The summed loss of one loader microbatch (0 where this rank holds no last pipeline stage),

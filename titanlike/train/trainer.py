@@ -54,10 +54,11 @@ from titanlike.train.faults import StopRequest, name_nonfinite_grad, under_torch
 from titanlike.train.gc_schedule import PeriodicGC
 from titanlike.train.loss_scaling import build_loss_scaler
 from titanlike.train.step import StepLoss, StepOutput, TrainStep
-from titanlike.train.companions import Companions, ForwardOnly, build_companions
+from titanlike.train.companions import Companions, ForwardOnly, InFlight, build_companions
 from titanlike.train.model_parts import build_model_parts
 from titanlike.train.plan import JobPlan
 from titanlike.train.optimizer import build_lr_scheduler, build_optimizer
+from titanlike.train.qk_clip import QKClip
 
 logger = logging.getLogger("titanlike")
 
@@ -166,12 +167,15 @@ class Trainer:
         self._build_data()
         self._build_model()
         self._build_step()
+        # A generating companion's generations not yet trained (RL), saved with the rank's loader position.
+        generates = any(c.rollout is not None for c in self.objective.companions)
+        self.in_flight = InFlight(dims.dp_degree) if generates else None
         self.checkpointer = CheckpointManager(
             cfg, dims=dims, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, model_args=self.model_args, tokenizer=self.tokenizer,
             loss_scaler=self.loss_scaler, hooks=[*self.converters.load_hooks(), *model_hooks(self.model_args)],
             context_len=plan.context_len, chat_template=self.chat_template,
-            flavor=plan.flavor)
+            flavor=plan.flavor, rollouts=self.in_flight)
         self._build_observers()
         self.step = 0
         self.pending: StepRecord | None = None  # the last step, until the host reads it (see train)
@@ -303,10 +307,13 @@ class Trainer:
         # lr_scheduler.total_steps lets a short run follow a longer run's curve.
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.steps,
                                                self.batches.schedule)
+        tau = cfg.optimizer.qk_clip_threshold
+        self.qk_clip = QKClip(self.model_parts, tau, data_mesh=dims.mesh("loss"), tp_mesh=dims.mesh("tp")) \
+            if tau else None
         self.train_step = TrainStep.for_plan(
             self.plan, dims, model_parts=self.model_parts, step_loss=self.step_loss, optimizer=self.optimizer,
             device=self.device, pipeline=pipeline, tied=tied, converters=self.converters,
-            expert_balance=self.expert_balance, loss_scaler=self.loss_scaler)
+            expert_balance=self.expert_balance, loss_scaler=self.loss_scaler, qk_clip=self.qk_clip)
         self.evaluator = Evaluator(self.train_step, self.validation, self.prepare) if self.validation is not None else None
         self.companions = Companions((), [], ForwardOnly(self.train_step, self.plan, dims.mesh("pp"), self.device),
                                      self.converters.disabled)  # built by _start
@@ -423,7 +430,7 @@ class Trainer:
             self.objective.companions, self.plan, self.model_parts, forward=self.companions.forward,
             device=self.device, resumed=resumed, load_start=load_start, converters=self.converters,
             build_converters=lambda: build_model_converters(self.cfg.model.converters, self.cfg),
-            log=self.rank == 0)
+            log=self.rank == 0, in_flight=self.in_flight)
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Microbatch:
         """A loader microbatch (a dict of named tensors) as the model sees it: on the device, masked,
@@ -453,7 +460,7 @@ class Trainer:
         begin = time.monotonic()
         # The loader's batches, or (a companion that generates: RL) batches of rollouts made from them.
         data = self.companions.batches(self.stragglers.timed(iter(self.dataloader)), step=lambda: self.step,
-                                       microbatches=lambda: self.batches.microbatches(self.step),
+                                       microbatches=self.batches.microbatches,
                                        prepare=lambda batch: self.objective.prepare(batch, self.batch_context))
         p = self.cfg.profiling
         profiler = Profiler(enabled=p.enable_profiling, freq=p.profile_freq, rank=self.rank, start_step=start,
@@ -607,6 +614,8 @@ class Trainer:
             moe = self.expert_balance.args
             expert_counts = {i: table[i, :moe.num_experts]
                              for i in range(self.model_args.total_layers) if moe.is_moe_layer(i)}
+        if self.qk_clip is not None:
+            extra.update(self.qk_clip.summary(record.out.max_logits, self.model_args.total_layers))
         self.metrics.log(record.step, loss=loss, grad_norm=norm, lr=record.lr, extra=extra or None,
                          expert_counts=expert_counts, console=self.objective.reported_terms)
         slow = self.stragglers.report(record.step)  # a collective: every rank

@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlike.models.args import AttentionShape
+from titanlike.models.common.dtensor import local_part
 from titanlike.models.common.eager import eager_only
 from titanlike.models.common.init import LinearInit, ones_, zeros_
 from titanlike.models.common.kv_cache import KVCache, SlidingKVCache
@@ -239,11 +240,40 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return dense(mask.dense)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter split with the heads (a DTensor under tensor parallelism)."""
-    from torch.distributed.tensor import DTensor
+def max_logit(q: torch.Tensor, k: torch.Tensor, mask: DocumentMask | None = None, *, causal: bool = True,
+              window: int | None = None, chunk_bytes: int = 1 << 26) -> torch.Tensor:
+    """(heads,) float32: each query head's largest attention logit q.k / sqrt(head_dim) over the
+    (query, key) pairs the kernels let attend, for QK-clip (train/qk_clip.py).
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    No fused kernel returns its logits, so this computes q.k^T once more, without gradients and a
+    block of queries at a time (at most `chunk_bytes` of float32 scores): half the FLOPs of the
+    attention's forward matmuls (QK^T and PV), a sixth of forward and backward's, over every pair
+    (FlexAttention's skipped blocks included). The allowed pairs come from the mask's document ids,
+    so the SDPA and FlexAttention paths agree."""
+    with torch.no_grad():
+        b, heads, s, d = q.shape
+        kv_heads = k.shape[1]
+        # Query head h reads key head h // rep, as repeat_interleave lays them out.
+        qg = q.float().view(b, kv_heads, heads // kv_heads, s, d)
+        kt = k.float().transpose(-1, -2).unsqueeze(2) * d**-0.5
+        rows = max(1, min(s, chunk_bytes // (4 * b * heads * k.shape[2])))
+        keys = torch.arange(k.shape[2], device=q.device)
+        out = torch.full((heads,), float("-inf"), device=q.device)
+        for start in range(0, s, rows):
+            scores = qg[:, :, :, start:start + rows] @ kt  # (b, kv_heads, rep, rows, keys)
+            queries = torch.arange(start, min(start + rows, s), device=q.device)[:, None]
+            allowed = torch.ones(len(queries), len(keys), dtype=torch.bool, device=q.device)
+            if causal:
+                allowed = allowed & (keys[None] <= queries)
+            if window is not None:
+                allowed = allowed & (queries - keys[None] < window)
+            if mask is not None:
+                ids = mask.document_ids
+                allowed = allowed & (ids[:, start:start + rows, None] == ids[:, None, :])[:, None, None]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            out = torch.maximum(out, scores.amax(dim=(0, 3, 4)).reshape(heads))
+        return out
+
 
 
 def resolve_attention_backend(backend: str, device_type: str) -> str:
@@ -299,6 +329,9 @@ class Attention(nn.Module):
     q.k when it is not head_dim^-0.5 (Gemma 3: query_pre_attn_scalar^-0.5); q is multiplied by the
     ratio so that every kernel (CP, the KV cache) keeps its default scale. sinks=True learns a per-head
     sink logit (gpt-oss; see the module docstring), passed to the kernels beside the window.
+
+    logit_max: None, or (this rank's query heads,) float32 that QK-clip (train/qk_clip.py) sets: each
+    training forward then raises it in place to the heads' largest logit (`max_logit`), on the device.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
@@ -322,6 +355,8 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.core_attention = core_attention
+        # A buffer, so that compiled blocks update it in place; left out of checkpoints.
+        self.register_buffer("logit_max", None, persistent=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: DocumentMask | None = None, *,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -340,9 +375,12 @@ class Attention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.logit_max is not None and self.training and cache is None and torch.is_grad_enabled():
+            self.logit_max.copy_(torch.maximum(self.logit_max, max_logit(q, k, mask, causal=self.causal,
+                                                                         window=self.window)))
         # Only sliding layers pass the keyword (sink layers theirs), so kernels that know no window
         # (or no sink) still serve the others.
-        sinks = {} if self.sinks is None else {"sinks": _local(self.sinks)}
+        sinks = {} if self.sinks is None else {"sinks": local_part(self.sinks)}
         options = sinks if self.window is None else {"window": self.window, **sinks}
         if cache is not None:
             out = cache.attend(q, k, v, lambda q, k, v: self.core_attention(q, k, v, mask, **options), **sinks)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titanlike.models.common.dtensor import is_dtensor, local_part
 
 # Prefixes inserted by wrappers (torch.compile, activation checkpointing, FSDP1)
 # that must not change a parameter's identity.
@@ -64,12 +65,11 @@ def buffers_only():
 
 
 def _is_skipped(param: torch.Tensor) -> bool:
-    local = param.to_local() if isinstance(param, DTensor) else param
-    return local.device.type == "meta" and _SKIP_META.get()
+    return local_part(param).device.type == "meta" and _SKIP_META.get()
 
 
 def _local_device(param: torch.Tensor) -> torch.device:
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_part(param)
     if local.device.type == "meta":
         raise RuntimeError("cannot initialize a meta tensor: call model.to_empty(device=...) first")
     return local.device
@@ -95,7 +95,9 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if _is_skipped(param):
         return param
     full = full.to(device=_local_device(param), dtype=param.dtype)
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         # src_data_rank=None: every rank already holds the same full tensor.
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
@@ -128,7 +130,7 @@ def constant_(param: torch.Tensor, value: float) -> torch.Tensor:
     if _is_skipped(param):
         return param
     _local_device(param)
-    (param.to_local() if isinstance(param, DTensor) else param).fill_(value)
+    local_part(param).fill_(value)
     return param
 
 

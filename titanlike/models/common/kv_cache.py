@@ -42,8 +42,8 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
+from titanlike.models.common.dtensor import local_part
 from titanlike.models.common.eager import eager_only
 from titanlike.models.common.sinks import sink_attention
 
@@ -227,7 +227,7 @@ def lazy_buffer(buffer: torch.Tensor | None, cache: ModelCache, like: torch.Tens
     shape = [cache.batch_size, *like.shape[1:]]
     if slot_dim is not None:
         shape[slot_dim] = cache.capacity
-    like = like.to_local() if isinstance(like, DTensor) else like
+    like = local_part(like)
     return torch.zeros(shape, dtype=dtype or like.dtype, device=cache.device)
 
 
@@ -288,7 +288,7 @@ class SlidingKVCache(KVCache):
     def _buffer(self, buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         if buffer is not None:
             return buffer
-        like = like.to_local() if isinstance(like, DTensor) else like
+        like = local_part(like)
         shape = [self.cache.batch_size, like.shape[1], self.slots, *like.shape[3:]]
         return torch.zeros(shape, dtype=self.dtype, device=self.cache.device)
 
@@ -337,7 +337,7 @@ def _decode_attention(q, keys, values, mask, scale, sinks):
 
 def local_rows(weight: torch.Tensor) -> int:
     """Rows of a weight this rank holds (a tensor-parallel DTensor's local shard; a plain tensor whole)."""
-    return (weight.to_local() if isinstance(weight, DTensor) else weight).shape[0]
+    return local_part(weight).shape[0]
 
 
 def last_prompt_tokens(h: torch.Tensor, cache: ModelCache) -> torch.Tensor:

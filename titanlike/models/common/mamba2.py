@@ -36,21 +36,22 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import PrepareModuleInput
-from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from titanlike.models import protocol
+from titanlike.models.common.dtensor import local_part
 from titanlike.models.common.init import LinearInit, ones_, uniform_
 from titanlike.models.common.kv_cache import lazy_buffer
-from titanlike.models.common.sharding import HeadSplitParameters, Style, colwise, gather_layouts, rowwise
+from titanlike.models.common.sharding import Style, colwise, gather_layouts, rowwise
 from titanlike.models.common.ssd import carried_output, ssd_scan
 from titanlike.models.spec_types import ShardOptions
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel.style import ParallelStyle
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +139,6 @@ def grouped_rows(args: Mamba2Args) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(rows), torch.cat(channels)
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's part of a parameter split by tensor parallelism (the whole of a plain one)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class GatedRMSNorm(nn.Module):
     """norm(x * silu(z)) * weight, the RMS taken over groups of group_size features (Mamba-2's
     norm_before_gate=False). Under tensor parallelism a rank holds whole groups."""
@@ -156,7 +152,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         h = (x.float() * F.silu(z.float())).unflatten(-1, (-1, self.group_size))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return h.flatten(-2) * _local(self.weight).float()
+        return h.flatten(-2) * local_part(self.weight).float()
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -244,11 +240,11 @@ class Mamba2Mixer(nn.Module):
         xbc = F.silu(self._conv(xbc.reshape(batch, seq, -1), mask, documents))
         x, B, C = xbc.view(batch, seq, groups, width + 2 * n).split([width, n, n], dim=-1)
         x = x.reshape(batch, seq, -1, a.head_dim)
-        dt = F.softplus(dt.reshape(batch, seq, -1).float() + _local(self.dt_bias).float())
+        dt = F.softplus(dt.reshape(batch, seq, -1).float() + local_part(self.dt_bias).float())
         dt = dt.clamp(min=a.dt_limit_min, max=a.dt_limit_max)
-        A = -torch.exp(_local(self.A_log).float())
+        A = -torch.exp(local_part(self.A_log).float())
         y = self._scan(x, dt, A, B, C, documents, mask)
-        y = y + x.float() * _local(self.D).float()[:, None]
+        y = y + x.float() * local_part(self.D).float()[:, None]
         y = self.norm(y.reshape(batch, seq, -1), z.reshape(batch, seq, -1))
         return self.out_proj(y.to(zxbcdt.dtype))
 
@@ -269,7 +265,7 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = zxbcdt.split([width, width + 2 * n, a.heads_per_group], dim=-1)
         groups = z.shape[2]
         xbc = xbc.reshape(batch, seq, -1)
-        weight, bias = _local(self.conv_weight), _local(self.conv_bias)
+        weight, bias = local_part(self.conv_weight), local_part(self.conv_bias)
         prefilling = state.cache.prefilling
         if prefilling:
             conv = causal_conv(xbc, weight, bias)
@@ -288,9 +284,9 @@ class Mamba2Mixer(nn.Module):
         xbc = F.silu(conv)
         x, B, C = xbc.view(batch, seq, groups, width + 2 * n).split([width, n, n], dim=-1)
         x = x.reshape(batch, seq, -1, a.head_dim)
-        dt = F.softplus(dt.reshape(batch, seq, -1).float() + _local(self.dt_bias).float())
+        dt = F.softplus(dt.reshape(batch, seq, -1).float() + local_part(self.dt_bias).float())
         dt = dt.clamp(min=a.dt_limit_min, max=a.dt_limit_max)
-        A = -torch.exp(_local(self.A_log).float())
+        A = -torch.exp(local_part(self.A_log).float())
         if prefilling:
             # Placeholders past a row's prompt take steps of 0: they neither decay nor add to the
             # state, so the final state is the one after the row's last real token.
@@ -305,7 +301,7 @@ class Mamba2Mixer(nn.Module):
             update = (step_dt[..., None] * x[:, 0].float())[..., None] * b_in[:, :, None, :]
             state.ssm = state.cache.keep(state.ssm, torch.exp(step_dt * A)[..., None, None] * state.ssm + update)
             y = torch.einsum("bhpn,bhn->bhp", state.ssm, c_out)[:, None]
-        y = y + x.float() * _local(self.D).float()[:, None]
+        y = y + x.float() * local_part(self.D).float()[:, None]
         y = self.norm(y.reshape(batch, seq, -1), z.reshape(batch, seq, -1))
         return self.out_proj(y.to(zxbcdt.dtype))
 
@@ -320,7 +316,7 @@ class Mamba2Mixer(nn.Module):
         return mask.document_ids[:, self.sequence_carry.local_positions(seq, device)]
 
     def _conv(self, xbc: torch.Tensor, mask, documents: torch.Tensor | None) -> torch.Tensor:
-        weight, bias = _local(self.conv_weight), _local(self.conv_bias)
+        weight, bias = local_part(self.conv_weight), local_part(self.conv_bias)
         carry = self.sequence_carry
         if carry is None:
             return causal_conv(xbc, weight, bias, documents=documents)
@@ -389,7 +385,7 @@ class Mamba2Mixer(nn.Module):
     @torch.no_grad()
     def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
         a = self.args
-        self.scan_impl = scan_implementation(a.kernel, _local(self.A_log).device.type)
+        self.scan_impl = scan_implementation(a.kernel, local_part(self.A_log).device.type)
         init.fill(self.in_proj.weight, seed=seed, fqn=f"{prefix}in_proj.weight")
         init.fill(self.out_proj.weight, seed=seed, fqn=f"{prefix}out_proj.weight", output=True)
         # The conv as PyTorch initializes a depthwise Conv1d: uniform within 1/sqrt(K).
@@ -399,10 +395,10 @@ class Mamba2Mixer(nn.Module):
             uniform_(self.conv_bias, low=-bound, high=bound, seed=seed, fqn=f"{prefix}conv_bias")
         # Draws are elementwise, so transforming this rank's shard transforms the whole.
         uniform_(self.A_log, low=a.a_init_min, high=a.a_init_max, seed=seed, fqn=f"{prefix}A_log")
-        _local(self.A_log).log_()
+        local_part(self.A_log).log_()
         uniform_(self.dt_bias, low=math.log(a.dt_min), high=math.log(a.dt_max), seed=seed, fqn=f"{prefix}dt_bias")
-        dt = _local(self.dt_bias).exp().clamp(min=a.dt_init_floor)
-        _local(self.dt_bias).copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        dt = local_part(self.dt_bias).exp().clamp(min=a.dt_init_floor)
+        local_part(self.dt_bias).copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
         ones_(self.D)
         ones_(self.norm.weight)
 
@@ -426,26 +422,14 @@ class MambaState:
         self.ssm[row] = source.ssm[source_row]
 
 
-class Mamba2HeadSplit(HeadSplitParameters):
-    """The mixer split by groups of heads: the parameters it names in `head_split_parameters` split
-    on dim 0 (HeadSplitParameters), and, with sequence parallelism, its input all-gathered from
-    sequence slices on entry (`gather`: PrepareModuleInput's layouts, or None). Its linears take
-    their own entries (mamba2_sharding)."""
-
-    def __init__(self, names: tuple[str, ...], *, gather: dict | None):
-        super().__init__(names)
-        self.gather = gather
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        super()._apply(module, device_mesh)
-        if self.gather is not None:
-            PrepareModuleInput(**self.gather)._apply(module, device_mesh)
-        return module
-
-
 def mamba2_head_split(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
-    return Mamba2HeadSplit(protocol.head_split_parameters(module),
-                           gather=gather_layouts(module) if opts.sequence_parallel else None)
+    """The mixer split by groups of heads: the parameters it names in `head_split_parameters` split
+    on dim 0, and, with sequence parallelism, its input all-gathered from sequence slices on entry.
+    Its linears take their own entries (mamba2_sharding)."""
+    from titanlike.models.common.parallel_styles import HeadSplitParameters
+
+    return HeadSplitParameters(protocol.head_split_parameters(module),
+                               gather=gather_layouts(module) if opts.sequence_parallel else None)
 
 
 def mamba2_sharding(name: str) -> dict[str, Style]:
@@ -454,5 +438,5 @@ def mamba2_sharding(name: str) -> dict[str, Style]:
     return {f"{name}.in_proj": colwise, f"{name}.out_proj": rowwise, name: mamba2_head_split}
 
 
-__all__ = ["GatedRMSNorm", "Mamba2Args", "Mamba2HeadSplit", "Mamba2Mixer", "MambaState", "causal_conv", "grouped_rows",
+__all__ = ["GatedRMSNorm", "Mamba2Args", "Mamba2Mixer", "MambaState", "causal_conv", "grouped_rows",
            "mamba2_head_split", "mamba2_sharding", "scan_implementation"]

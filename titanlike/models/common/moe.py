@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
+from titanlike.models.common.dtensor import local_part
 from titanlike.models.common.feed_forward import FeedForward
 from titanlike.models.common.init import LinearInit, zeros_
 from titanlike.models.outputs import attach_loss
@@ -220,7 +220,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        return tuple(local_part(w) for w in (self.w1, self.w2, self.w3))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (N, D) rows grouped by local expert, counts[e] rows for local expert e (sum = N)."""

@@ -48,6 +48,11 @@ divides norm and residual activation memory by the TP degree.
 Linears the float8 converter swapped (tensorwise recipe) get torchao's float8 styles, so
 activations are cast to float8 before their all-gathers and output gradients before theirs in
 backward; plain linears and the rowwise recipe keep the high-precision styles (as torchtitan).
+
+A plan is data, built when a family registers; the styles it names build their ParallelStyles when a
+job is parallelized. So the style functions import torch.distributed.tensor when they run (about
+0.6 s of CPU at every start otherwise, `--help` included: docs/performance.md), and the
+ParallelStyle subclasses live in models/common/parallel_styles.py, imported then too.
 """
 
 from __future__ import annotations
@@ -55,30 +60,26 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
-from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from titanlike.models import protocol
 from titanlike.models.spec_types import ShardOptions
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
 # A style: how one module is sharded, given the job's options; None leaves it alone.
-Style = Callable[[nn.Module, ShardOptions], ParallelStyle | None]
+Style = Callable[[nn.Module, ShardOptions], "ParallelStyle | None"]
 
 
 def between_blocks(opts: ShardOptions) -> Placement:
     """The residual stream's layout between the parallel regions: sequence slices, or whole."""
+    from torch.distributed.tensor import Replicate, Shard
+
     return Shard(1) if opts.sequence_parallel else Replicate()
 
 
@@ -112,6 +113,8 @@ def shard_modules(root: nn.Module, tp_mesh: DeviceMesh, table: Mapping[str, Styl
         if module is not None and (built := style(module, opts)) is not None:
             styles[name] = built
     if styles:
+        from torch.distributed.tensor.parallel import parallelize_module
+
         parallelize_module(root, tp_mesh, styles)
 
 
@@ -130,30 +133,45 @@ def _submodule(root: nn.Module, name: str) -> nn.Module | None:
 
 
 def vocab_embedding(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
     return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks(opts))
 
 
 def position_embedding(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    from titanlike.models.common.parallel_styles import ReplicatedPositionEmbedding
+
     return ReplicatedPositionEmbedding(output_layout=between_blocks(opts))
 
 
 def colwise(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     return (_float8_styles()[0] if _is_float8(module) else ColwiseParallel)()
 
 
 def rowwise(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
     return (_float8_styles()[1] if _is_float8(module) else RowwiseParallel)(output_layouts=between_blocks(opts))
 
 
 def sequence_norm(module: nn.Module, opts: ShardOptions) -> ParallelStyle | None:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
     return SequenceParallel() if opts.sequence_parallel else None
 
 
 def sequence_replicated(module: nn.Module, opts: ShardOptions) -> ParallelStyle | None:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
     return SequenceParallel(use_local_output=True) if opts.sequence_parallel else None
 
 
 def head_norm(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
     # (batch, seq, heads, head_dim) with this rank's heads: dim 2 is the sharded one.
     return SequenceParallel(sequence_dim=2, use_local_output=True)
 
@@ -161,12 +179,20 @@ def head_norm(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
 def sequence_local(module: nn.Module, opts: ShardOptions) -> ParallelStyle | None:
     if not opts.sequence_parallel:
         return None
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
     return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                     use_local_input=True, output_layouts=(Shard(1),),
                                     desired_output_layouts=(Shard(1),), use_local_output=True)
 
 
 def vocab_output(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from titanlike.models.common.parallel_styles import ScoreHead
+
     if module.out_features == 1:  # a reward model's score head: nothing to split over the vocabulary
         return ScoreHead(input_layout=between_blocks(opts))
     return ColwiseParallel(input_layouts=between_blocks(opts),
@@ -175,10 +201,14 @@ def vocab_output(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
 
 
 def replicated(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    from titanlike.models.common.parallel_styles import ReplicatedModule
+
     return ReplicatedModule()
 
 
 def split_heads(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
+    from titanlike.models.common.parallel_styles import HeadSplitParameters
+
     return HeadSplitParameters(protocol.head_split_parameters(module))
 
 
@@ -198,6 +228,8 @@ class GatherInput:
         present = [name for name in self.readers if _submodule(module, name) is not None]
         if present and all(_is_float8(module.get_submodule(name)) for name in present):
             return _float8_styles()[2](fwd_config_submodule_fqn=present[0], **layouts)
+        from torch.distributed.tensor.parallel import PrepareModuleInput
+
         return PrepareModuleInput(**layouts)
 
 
@@ -209,6 +241,8 @@ def gather_layouts(module: nn.Module) -> dict:
     """PrepareModuleInput's layouts that all-gather a module's first input (its first
     `sequence_inputs`) from sequence slices; the other inputs (RoPE angles, document mask) are
     plain values left alone."""
+    from torch.distributed.tensor import Replicate, Shard
+
     n_inputs = _positional_inputs(module)
     n_seq = protocol.sequence_inputs(module)
     return dict(input_layouts=(Shard(1),) * n_seq + (None,) * (n_inputs - n_seq),
@@ -245,106 +279,6 @@ def decoder_sharding(*, mlp_inputs: tuple[str, ...] = ("w1",), position_embeddin
     return ShardingPlan(top=top, block=block)
 
 
-# The shared ParallelStyles ---------------------------------------------------------------------
-
-
-class ReplicatedPositionEmbedding(ParallelStyle):
-    """A learned position table kept whole on every TP rank (as Megatron does: it is small), whose
-    output (batch or 1, seq, dim) is cut to this rank's sequence slice to match the token
-    embeddings' reduce-scattered output. The backward of the cut all-gathers the gradient, so every
-    rank's table gets the full, identical gradient."""
-
-    def __init__(self, *, output_layout: Placement):
-        super().__init__()
-        self.output_layout = output_layout
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def inputs_as_dtensor(mod, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
-
-        def output_slice(mod, output, mesh):
-            return output.redistribute(placements=[self.output_layout]).to_local()
-
-        return distribute_module(module, device_mesh, replicate_parameters, inputs_as_dtensor, output_slice)
-
-
-class ReplicatedModule(ParallelStyle):
-    """A module every TP rank computes whole on the same (gathered) input, with its parameters as
-    Replicate DTensors: one value on every rank, which FSDP shards like any TP parameter and
-    checkpoints see once. Inputs may be plain or Replicate DTensors; the output is plain.
-
-    The output's gradient must come back whole on every rank, which it does when its readers are
-    replicated too (BERT's classifier after its pooler) or colwise linears (their backward sums
-    their input gradient over the ranks). A reader that consumes it head by head without such a
-    linear needs the gradient summed here (DeepSeek-V3's RoPE key: models/deepseek_v3/sharding.py).
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def inputs_as_dtensor(mod, inputs, mesh):
-            return tuple(x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor)
-                         else DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
-
-        def output_local(mod, output, mesh):
-            return self.local_output(output.to_local(), mesh)  # its gradient: Replicate, i.e. whole
-
-        return distribute_module(module, device_mesh, replicate_parameters, inputs_as_dtensor, output_local)
-
-    def local_output(self, out, mesh: DeviceMesh):
-        """The plain output handed to the module's readers (a subclass may change its backward)."""
-        return out
-
-
-class ScoreHead(ParallelStyle):
-    """An output projection of one feature (a reward model's score), too small to split: its weight
-    is a Replicate DTensor, its input is gathered from the layout between blocks (sequence slices
-    under sequence parallelism), and every rank computes the whole (batch, seq, 1) score, a plain
-    tensor. The weight's gradient is then whole and equal on every rank, and the input's gradient
-    is this rank's slice of it."""
-
-    def __init__(self, *, input_layout: Placement):
-        super().__init__()
-        self.input_layout = input_layout
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gathered(mod, inputs, mesh):
-            x = inputs[0]
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, [self.input_layout], run_check=False)
-            return (x.redistribute(mesh, [Replicate()]), *inputs[1:])
-
-        def whole(mod, output, mesh):
-            return output.to_local()
-
-        return distribute_module(module, device_mesh, replicate_parameters, gathered, whole)
-
-
-class HeadSplitParameters(ParallelStyle):
-    """The named parameters of a module split on dim 0 (Shard(0)) over the TP ranks with its heads;
-    the module reads them with to_local(). Parameters it names but does not have (an optional bias)
-    are skipped. Their gradients are complete on each rank (a rank's heads are the only readers of
-    its slice), so nothing is summed over the ranks. Inputs and outputs are left alone."""
-
-    def __init__(self, names: tuple[str, ...]):
-        super().__init__()
-        self.names = names
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name in self.names:
-            path, _, attr = name.rpartition(".")
-            owner = module.get_submodule(path) if path else module
-            param = getattr(owner, attr, None)
-            if param is None:
-                continue
-            owner.register_parameter(attr, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)])))
-        return module
-
-
-def replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    """distribute_module's partition_fn: every parameter of `module` itself as a Replicate DTensor."""
-    for pname, param in list(module.named_parameters(recurse=False)):
-        module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
-
-
 def _is_float8(module: nn.Module) -> bool:
     from titanlike.models.converters import is_float8_tensorwise_linear
 
@@ -357,7 +291,6 @@ def _float8_styles():
     return float8_tensor_parallel_styles()
 
 
-__all__ = ["GatherInput", "HeadSplitParameters", "ReplicatedModule", "ReplicatedPositionEmbedding", "ShardingPlan",
-           "Style", "between_blocks", "colwise", "decoder_sharding", "gather_input", "gather_layouts", "head_norm",
-           "position_embedding", "replicate_parameters", "replicated", "rowwise", "sequence_local", "sequence_norm",
-           "sequence_replicated", "shard_modules", "split_heads", "vocab_embedding", "vocab_output"]
+__all__ = ["GatherInput", "ShardingPlan", "Style", "between_blocks", "colwise", "decoder_sharding", "gather_input",
+           "gather_layouts", "head_norm", "position_embedding", "replicated", "rowwise", "sequence_local",
+           "sequence_norm", "sequence_replicated", "shard_modules", "split_heads", "vocab_embedding", "vocab_output"]

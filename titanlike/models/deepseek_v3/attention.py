@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from titanlike.models.common.attention import DocumentMask, core_attention
+from titanlike.models.common.dtensor import local_part
 from titanlike.models.common.init import LinearInit, ones_
 from titanlike.models.common.kv_cache import copy_slots, lazy_buffer
 from titanlike.models.common.rope import apply_rotary_emb
@@ -159,7 +159,7 @@ class LatentCache:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_part(t)
 
 
 __all__ = ["LATENT_NORM_EPS", "LatentCache", "MLA"]

@@ -10,13 +10,11 @@ MLP and MoE as every decoder.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from titanlike.models.common.sharding import (
-    ReplicatedModule,
     colwise,
     decoder_sharding,
     gather_input,
@@ -27,22 +25,17 @@ from titanlike.models.common.sharding import (
 )
 from titanlike.models.spec_types import ShardOptions
 
-
-class ReplicatedToHeads(ReplicatedModule):
-    """A replicated module whose output each rank's local heads read directly (MLA's RoPE key, shared
-    by all heads). In backward each rank then holds only its heads' share of the output's gradient,
-    so the output is an identity whose backward all-reduces that gradient first (Megatron's copy to
-    the tensor-parallel region). Summing a gradient a colwise reader already summed would multiply
-    it by the TP degree: that is why ReplicatedModule itself does not."""
-
-    def local_output(self, out, mesh: DeviceMesh):
-        # Identity forward; backward reads the local gradient as a partial sum (Partial) and
-        # from_local's backward redistributes it to Replicate: an all-reduce.
-        return DTensor.from_local(out, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel.style import ParallelStyle
 
 
 def replicated_to_heads(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
-    return ReplicatedToHeads()
+    """A replicated module whose output each rank's local heads read directly (MLA's RoPE key, shared
+    by all heads): its output's gradient is summed over the ranks in backward (ReplicatedModule's
+    read_by_heads, models/common/parallel_styles.py)."""
+    from titanlike.models.common.parallel_styles import ReplicatedModule
+
+    return ReplicatedModule(read_by_heads=True)
 
 
 deepseek_v3_sharding = decoder_sharding(mlp_inputs=("w1", "w3")).with_changes(
@@ -62,4 +55,4 @@ deepseek_v3_sharding = decoder_sharding(mlp_inputs=("w1", "w3")).with_changes(
     drop=("attention.wk", "attention.wv"),
 )
 
-__all__ = ["ReplicatedToHeads", "deepseek_v3_sharding", "replicated_to_heads"]
+__all__ = ["deepseek_v3_sharding", "replicated_to_heads"]

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titanlike.models.common.attention import Attention
 from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.decoder import DecoderArgs
+from titanlike.models.common.dtensor import local_part
 from titanlike.models.common.init import LinearInit, zeros_
 from titanlike.models.common.moe import GroupedExperts, MoE, MoEArgs, Router, Routing
 from titanlike.models.common.moe_decoder import MoEDecoder, depth_scaled_init
@@ -97,7 +97,7 @@ class GptOssExperts(GroupedExperts):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (w.to(x.dtype) for w in self.local_weights())
-        b1, b2, b3 = ((b.to_local() if isinstance(b, DTensor) else b).to(x.dtype) for b in (self.b1, self.b2, self.b3))
+        b1, b2, b3 = (local_part(b).to(x.dtype) for b in (self.b1, self.b2, self.b3))
         # Each row's expert, to pick its biases.
         expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts,
                                          output_size=x.shape[0])

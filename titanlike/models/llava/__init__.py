@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from titanlike.config.schema import opt
 from titanlike.models.llava.hf_adapter import LlavaHF
 from titanlike.models.llava.model import PARTS, TEXT_ENDS, Llava, LlavaArgs, VisionArgs
-from titanlike.models.llava.sharding import llava_sharding
 from titanlike.models.registry import (
     ImageInputs,
     ModelOptions,
@@ -110,7 +109,15 @@ def _with_options(args: LlavaArgs, options: LlavaOptions) -> LlavaArgs:
         raise ValueError(f"llava.freeze: {e}") from None
 
 
-register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, shard=llava_sharding,
+def _shard(model, tp_mesh, opts) -> None:
+    """ModelSpec.shard: llava_sharding, imported when a job is parallelized: its ParallelStyles import
+    torch.distributed.tensor, which would cost every start about 0.6 s (models/common/parallel_styles.py)."""
+    from titanlike.models.llava.sharding import llava_sharding
+
+    llava_sharding(model, tp_mesh, opts)
+
+
+register_model_spec(ModelSpec(name="llava", model_cls=Llava, flavors=llava_flavors, shard=_shard,
                               objective="image_caption", objective_options=image_caption_options,
                               images=image_inputs,
                               hf=LlavaHF(), options=ModelOptions("llava", LlavaOptions, _with_options),

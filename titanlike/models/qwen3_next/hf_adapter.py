@@ -212,7 +212,8 @@ class Qwen3NextHF(HFAdapter):
 
     def to_hf_state_dict(self, sd: Mapping[str, torch.Tensor], args: Qwen3NextModelArgs) -> dict[str, torch.Tensor]:
         hf = moe_to_hf_state_dict(sd, args, NAMES)
-        hf["model.norm.weight"] = hf["model.norm.weight"] - 1.0
+        if "model.norm.weight" in hf:  # a part of the model may be converted (LoRA names one tensor at a time)
+            hf["model.norm.weight"] = hf["model.norm.weight"] - 1.0
         return hf if args.release == "qwen3_next" else _split_projections(hf, args)
 
     def from_hf_state_dict(self, hf_sd: Mapping[str, torch.Tensor],
@@ -220,7 +221,8 @@ class Qwen3NextHF(HFAdapter):
         if args.release == "qwen3_5":
             hf_sd = _join_projections(_text_tensors(hf_sd), args)
         sd = moe_from_hf_state_dict(hf_sd, args, NAMES)
-        sd["norm.weight"] = sd["norm.weight"] + 1.0
+        if "norm.weight" in sd:
+            sd["norm.weight"] = sd["norm.weight"] + 1.0
         return sd
 
     def args_to_config(self, args: Qwen3NextModelArgs, *,

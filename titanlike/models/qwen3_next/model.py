@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titanlike.models.args import AttentionShape, LayoutDegrees, check_divisible
 from titanlike.models.common.attention import Attention, DocumentMask
 from titanlike.models.common.decoder import DecoderArgs
+from titanlike.models.common.dtensor import local_part
 from titanlike.models.common.feed_forward import FeedForward
 from titanlike.models.common.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from titanlike.models.common.init import LinearInit, ones_, uniform_
@@ -162,7 +162,7 @@ class Qwen3NextModelArgs(DecoderArgs):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter split by tensor parallelism (the whole of a plain one)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_part(t)
 
 
 def _partial_rope(x: torch.Tensor, rope: torch.Tensor, rotary_dim: int) -> torch.Tensor:

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titanlike.models.args import AttentionShape, BaseModelArgs, LayoutDegrees, check_divisible
 from titanlike.models.common.attention import DocumentMask
+from titanlike.models.common.dtensor import local_part
 from titanlike.models.common.init import normal_, ones_
 from titanlike.models.common.kv_cache import ModelCache, copy_slots, lazy_buffer
 
@@ -196,7 +196,7 @@ class RelativePositionBias(nn.Module):
 
     def forward(self, length: int) -> torch.Tensor:
         """The bias of self-attention over `length` tokens: (1, local heads, length, length)."""
-        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        weight = local_part(self.weight)
         position = torch.arange(length, device=weight.device)
         buckets = relative_position_bucket(position[None, :] - position[:, None], bidirectional=self.bidirectional,
                                            num_buckets=self.num_buckets, max_distance=self.max_distance)
@@ -503,8 +503,7 @@ class T5(nn.Module):
         buckets = relative_position_bucket(keys[None, :] - cache.lengths[:, None], bidirectional=False,
                                            num_buckets=self.decoder_relative_bias.num_buckets,
                                            max_distance=self.decoder_relative_bias.max_distance)
-        table = self.decoder_relative_bias.weight
-        table = table.to_local() if isinstance(table, DTensor) else table
+        table = local_part(self.decoder_relative_bias.weight)
         bias = masked_bias(table[:, buckets].transpose(0, 1)[:, :, None, :], cache.decode_mask)
         logits = self._decoder(tokens[:, None], bias, cache, None)
         cache.end_decode()

@@ -1,0 +1,254 @@
+"""titanlike-serve against `transformers serve --continuous-batching` on the same model folder: tokens/s,
+p50/p95 latency, time to first token and the server's peak memory at 1, 4, 16 and 64 concurrent clients.
+
+    python scripts/bench_serve.py                       # a random ~27M Llama made with transformers
+    python scripts/bench_serve.py --model FOLDER        # a Hugging Face folder of your own
+    python scripts/bench_serve.py --quick               # a tiny model, 1 and 2 clients, 4 tokens (a test)
+
+Each server runs in a process of its own with one thread (OMP_NUM_THREADS=1; titanlike-serve's
+--max-batch-size is the largest client count, transformers' batch is its own). Every client is a
+thread of the official `openai` client sending streamed /v1/completions requests of --tokens greedy
+tokens (a prompt each, one request after another, --requests each). Rounds are paired (titanlike,
+transformers, titanlike, ...) so a shared machine's load hits both alike; each figure is the median
+over --rounds. Time to first token is the first streamed text; tokens are the usage the server
+reports; CPU ms/token is the server process's CPU time (psutil, children included) over the round's
+tokens, the figure a loaded machine disturbs least; peak memory is the largest resident set of the
+server process seen while it served. Ratios are titanlike's over transformers' for tokens/s, latency
+and memory, and transformers' over titanlike's for CPU per token (above 1: titanlike spends less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROMPTS = ["In the beginning God created the heaven and the earth.", "And the earth was without form, and void;",
+           "And God said, Let there be light: and there was light.", "And God saw the light, that it was good:"]
+
+
+def make_model(folder: str, *, quick: bool) -> str:
+    """A random Llama saved by transformers (about 27M parameters; --quick: about 1M) with titanlike's
+    debug tokenizer written beside it (data/hf_tokenizer.py), so both servers read the same files."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+    from titanlike.data.hf_tokenizer import write_hf_tokenizer
+
+    tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2) if quick else \
+        dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=1024, rope_theta=500000.0,
+                         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, tie_word_embeddings=False,
+                         **size)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    write_hf_tokenizer(folder, DEFAULT_TOKENIZER_PATH, vocab_size=tokenizer.vocab_size, model_max_length=1024)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process: started, waited for (/health), its peak resident memory sampled, stopped."""
+
+    def __init__(self, name: str, command: list[str], port: int, model_name: str, log: str):
+        self.name, self.command, self.port, self.model_name = name, command, port, model_name
+        self.url = f"http://127.0.0.1:{port}"
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's titanlike
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.log = open(log, "w")
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.peak = 0
+        self._sampling = False
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not answer /health within {timeout:g} s; see {self.log.name}")
+
+    def sample_memory(self) -> threading.Thread:
+        import psutil
+
+        process = psutil.Process(self.process.pid)
+        self._sampling = True
+
+        def loop():
+            while self._sampling:
+                try:
+                    rss = process.memory_info().rss + sum(c.memory_info().rss for c in process.children(True))
+                except psutil.Error:
+                    return
+                self.peak = max(self.peak, rss)
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        return thread
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server process (and its children) has used so far."""
+        import psutil
+
+        processes = [psutil.Process(self.process.pid)]
+        processes += processes[0].children(True)
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+    def stop(self) -> None:
+        self._sampling = False
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def one_request(client, model: str, prompt: str, tokens: int) -> tuple[float, float, int]:
+    """(seconds to the first text, seconds in all, tokens generated) of one streamed completion."""
+    started = time.perf_counter()
+    first, count = None, 0
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter() - started
+        if chunk.usage is not None:
+            count = chunk.usage.completion_tokens
+    total = time.perf_counter() - started
+    return (first if first is not None else total), total, count
+
+
+def run_round(server: Server, clients: int, requests: int, tokens: int) -> dict:
+    """`clients` threads, each sending `requests` requests one after another."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
+    results: list[tuple[float, float, int]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work(i: int) -> None:
+        try:
+            for j in range(requests):
+                result = one_request(client, server.model_name, PROMPTS[(i + j) % len(PROMPTS)], tokens)
+                with lock:
+                    results.append(result)
+        except BaseException as e:  # reported after the round
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    cpu = server.cpu_seconds()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    cpu = server.cpu_seconds() - cpu
+    if errors:
+        raise RuntimeError(f"{server.name} with {clients} clients: {errors[0]!r}")
+    latencies = sorted(r[1] for r in results)
+    return {"tokens_per_s": sum(r[2] for r in results) / wall, "p50": statistics.median(latencies),
+            "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
+            "ttft": statistics.median(r[0] for r in results), "tokens": sum(r[2] for r in results),
+            "cpu_ms_per_token": 1000 * cpu / max(1, sum(r[2] for r in results))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a Hugging Face folder (default: a random ~27M Llama)")
+    parser.add_argument("--clients", default="1,4,16,64", help="concurrent client counts, comma-separated")
+    parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each request (greedy)")
+    parser.add_argument("--requests", type=int, default=2, help="requests each client sends per round")
+    parser.add_argument("--rounds", type=int, default=2, help="paired rounds per client count (median)")
+    parser.add_argument("--compile", action="store_true", help="titanlike-serve --compile")
+    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 1 and 2 clients, 4 tokens, 1 round, "
+                        "titanlike-serve alone (a smoke test of this script)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.tokens, args.requests, args.rounds = "1,2", 4, 1, 1
+    counts = [int(c) for c in args.clients.split(",")]
+    work = tempfile.mkdtemp(prefix="bench_serve_")
+    try:
+        folder = args.model or make_model(os.path.join(work, "llama"), quick=args.quick)
+        port_ours, port_theirs = free_port(), free_port()
+        ours = [sys.executable, "-c", "import sys; from titanlike.cli.serve import main; sys.exit(main(sys.argv[1:]))",
+                folder, "--port", str(port_ours), "--max-batch-size", str(max(counts)), "--max-model-len", "1024",
+                "--served-model-name", "model"]
+        if args.compile:
+            ours.append("--compile")
+        servers = [Server("titanlike", ours, port_ours, "model", os.path.join(work, "titanlike.log"))]
+        if not args.quick:
+            theirs = ["transformers", "serve", folder, "--continuous-batching", "--device", "cpu", "--host",
+                      "127.0.0.1", "--port", str(port_theirs), "--log-level", "error"]
+            servers.append(Server("transformers", theirs, port_theirs, folder, os.path.join(work, "transformers.log")))
+        try:
+            for server in servers:
+                started = time.perf_counter()
+                server.wait(args.start_timeout)
+                print(f"{server.name} answered /health after {time.perf_counter() - started:.1f} s", flush=True)
+                run_round(server, 1, 1, 2)  # a warm-up request (loads the model on demand, first-call costs)
+                server.sample_memory()
+            figures: dict[tuple[str, int], list[dict]] = {}
+            for clients in counts:
+                for _ in range(args.rounds):
+                    for server in servers:  # paired: each round measures both, one after the other
+                        figures.setdefault((server.name, clients), []).append(
+                            run_round(server, clients, args.requests, args.tokens))
+            peaks = {server.name: server.peak for server in servers}
+        finally:
+            for server in servers:
+                server.stop()
+        print(f"\n{args.tokens} greedy tokens per request, {args.requests} requests per client per round, median of "
+              f"{args.rounds} paired rounds, one thread per server")
+        print(f"{'clients':>7} {'server':>12} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7} {'TTFT s':>7} "
+              f"{'CPU ms/token':>12}")
+        for clients in counts:
+            rows = {}
+            for server in servers:
+                runs = figures[(server.name, clients)]
+                rows[server.name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                row = rows[server.name]
+                print(f"{clients:>7} {server.name:>12} {row['tokens_per_s']:9.1f} {row['p50']:7.2f} {row['p95']:7.2f} "
+                      f"{row['ttft']:7.3f} {row['cpu_ms_per_token']:12.2f}")
+            if len(rows) == 2:
+                a, b = rows["titanlike"], rows["transformers"]
+                print(f"{clients:>7} {'ratio':>12} {a['tokens_per_s'] / b['tokens_per_s']:8.2f}x "
+                      f"{a['p50'] / b['p50']:6.2f}x {a['p95'] / b['p95']:6.2f}x {a['ttft'] / b['ttft']:6.2f}x "
+                      f"{b['cpu_ms_per_token'] / a['cpu_ms_per_token']:11.2f}x")
+        memory = "  ".join(f"{name} {peak / 2**20:.0f} MiB" for name, peak in peaks.items())
+        ratio = f" (ratio {peaks['titanlike'] / peaks['transformers']:.2f}x)" if len(peaks) == 2 else ""
+        print(f"peak resident memory: {memory}{ratio}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

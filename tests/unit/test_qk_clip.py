@@ -1,0 +1,188 @@
+"""QK-clip (optimizer.qk_clip_threshold; titanlike/train/qk_clip.py) in one process: the maxima the
+attention records equal the logits computed by hand, for every mask the kernels take; after a step
+whose logits exploded (a huge learning rate) the heads over the threshold are rescaled exactly as the
+rule says, and the step's batch then stays under it; a threshold never reached changes nothing;
+the plan-time refusals. FSDP2: tests/distributed/test_muon_parity.py."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanlike.config import ConfigError, load_job_config
+from titanlike.models.common.attention import DocumentMask, core_attention, max_logit
+from titanlike.models.llama3 import Transformer, llama3_flavors
+from titanlike.train.optimizer import build_optimizer
+from titanlike.train.plan import plan_job
+from titanlike.train.qk_clip import QKClip
+
+SEQ = 16
+ARGS = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=2, vocab_size=320, max_seq_len=SEQ)
+TAU = 60.0  # step 1's maxima at lr 2 lie between 56 and 94: some heads over, some under
+
+
+def _dense_max(q, k, allowed) -> torch.Tensor:
+    """Per query head, the largest q.k / sqrt(d) where `allowed` (broadcast to the scores)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "documents", "bidirectional"])
+def test_max_logit_equals_the_dense_scores(case):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 6, 24, 8, generator=g), torch.randn(2, 3, 24, 8, generator=g)
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()
+    ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 3 + [1] * 21])
+    mask = kwargs = None
+    if case == "causal":
+        allowed, kwargs = causal, {}
+    elif case == "window":
+        band = torch.arange(24)[:, None] - torch.arange(24)[None] < 5
+        allowed, kwargs = causal & band, {"window": 5}
+    elif case == "documents":
+        mask = DocumentMask.from_document_ids(ids, "sdpa")
+        allowed, kwargs = mask.dense, {}
+    else:
+        mask = DocumentMask.from_document_ids(ids, "sdpa", causal=False)
+        allowed, kwargs = mask.dense, {"causal": False}
+    # Blocks of 3 query rows: the chunked loop and its last, shorter block.
+    got = max_logit(q, k, mask, chunk_bytes=4 * 2 * 6 * 24 * 3, **kwargs)
+    torch.testing.assert_close(got, _dense_max(q, k, allowed), rtol=1e-6, atol=1e-6)
+
+
+def _model() -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    return model
+
+
+def _capture(model) -> list:
+    """The (q, k) each attention hands its kernel, appended on every forward."""
+    seen = []
+    for block in model.layers.values():
+        def hooked(q, k, v, mask=None, _seen=seen, **kw):
+            _seen.append((q.detach(), k.detach()))
+            return core_attention(q, k, v, mask, **kw)
+        block.attention.core_attention = hooked
+    return seen
+
+
+def _step(model, optimizer, tokens) -> None:
+    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_exploding_logits_are_clipped_as_the_rule_computes():
+    cfg = load_job_config(["--optimizer.name", "Muon", "--optimizer.lr", "2", "--optimizer.implementation",
+                           "for-loop"]).optimizer
+    clipped, plain = _model(), _model()
+    optimizers = [build_optimizer([m], cfg) for m in (clipped, plain)]
+    clip = QKClip([clipped], TAU)
+    seen = _capture(clipped)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    for step in range(2):
+        seen.clear()
+        for model, optimizer in zip((clipped, plain), optimizers):
+            _step(model, optimizer, tokens)
+        recorded = [m.logit_max.clone() for _, m in clip.layers]
+        for (q, k), got in zip(seen, recorded):  # the maxima of the step's forward
+            torch.testing.assert_close(got, _dense_max(q, k, causal), rtol=1e-5, atol=1e-6)
+        expected = copy.deepcopy(plain.state_dict())
+        for (i, m), maxes in zip(clip.layers, recorded):
+            gamma = torch.where(maxes > TAU, TAU / maxes, torch.ones_like(maxes))
+            # GQA: the key head follows the largest logit of the query heads that share it.
+            group = gamma.view(ARGS.n_kv_heads, -1).amin(1)
+            for name, factor in (("wq", gamma.sqrt()), ("wk", group.sqrt())):
+                key = f"layers.{i}.attention.{name}.weight"
+                expected[key] = expected[key] * factor.repeat_interleave(m.head_dim)[:, None]
+        maxima = clip.apply(torch.tensor(True))
+        torch.testing.assert_close(maxima, torch.stack([x.max() for x in recorded]))
+        if step == 0:
+            assert maxima.max() < TAU  # the initial weights' logits: nothing to clip
+        else:
+            assert maxima.min() > TAU and min(x.min() for x in recorded) < TAU  # some heads over, some under
+        for name, value in clipped.state_dict().items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=0, msg=name)
+        plain.load_state_dict(clipped.state_dict())  # the next step starts from the clipped weights
+
+    # A step at learning rate 0: only the clip changes the weights, so each attention, given its
+    # inputs of the step again, has every head at or under the threshold (the largest of each key
+    # group at it). Layers after the first see other inputs once the first is clipped.
+    optimizers[0].param_groups[0]["lr"] = optimizers[0].param_groups[1]["lr"] = 0.0
+    inputs = []
+    hooks = [m.register_forward_pre_hook(lambda module, args, kwargs: inputs.append((module, args, kwargs)),
+                                         with_kwargs=True) for _, m in clip.layers]
+    _step(clipped, optimizers[0], tokens)
+    for hook in hooks:
+        hook.remove()
+    before = [m.logit_max.clone() for _, m in clip.layers]
+    assert all(x.max() > TAU for x in before)
+    clip.apply(torch.tensor(True))
+    seen.clear()
+    with torch.no_grad():
+        for module, args, kwargs in inputs:
+            module(*args, **kwargs)
+    for (q, k), was in zip(seen, before):
+        after = _dense_max(q, k, causal)
+        assert (after <= TAU * (1 + 1e-5)).all(), after
+        group = ARGS.n_heads // ARGS.n_kv_heads
+        top = was.view(ARGS.n_kv_heads, -1).argmax(1) + torch.arange(ARGS.n_kv_heads) * group
+        over = was[top] > TAU
+        torch.testing.assert_close(after[top][over], torch.full_like(after[top][over], TAU), rtol=1e-5, atol=0)
+
+
+def test_a_threshold_never_reached_changes_nothing():
+    """Recording the maxima leaves the forward and the step as they were, and a skipped step scales nothing."""
+    cfg = load_job_config(["--optimizer.name", "Muon", "--optimizer.lr", "2", "--optimizer.implementation",
+                           "for-loop"]).optimizer
+    clipped, plain = _model(), _model()
+    optimizers = [build_optimizer([m], cfg) for m in (clipped, plain)]
+    clip = QKClip([clipped], 1e9)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        for model, optimizer in zip((clipped, plain), optimizers):
+            _step(model, optimizer, tokens)
+        clip.apply(torch.tensor(True))
+        for name, value in clipped.state_dict().items():
+            assert torch.equal(value, plain.state_dict()[name]), (step, name)
+    skipped = QKClip([clipped], 1e-3)  # every head over it, but the step was not applied
+    before = copy.deepcopy(clipped.state_dict())
+    _step(clipped, optimizers[0], tokens)
+    after_step = copy.deepcopy(clipped.state_dict())
+    skipped.apply(torch.tensor(False))
+    assert all(torch.equal(v, after_step[n]) for n, v in clipped.state_dict().items())
+    assert not all(torch.equal(v, before[n]) for n, v in clipped.state_dict().items())
+    assert clipped.layers["0"].attention.logit_max.eq(float("-inf")).all()  # the next step starts afresh
+
+
+def _plan(*overrides: str, world: int = 1):
+    cfg = load_job_config(["--optimizer.name", "Muon", "--optimizer.qk_clip_threshold", "100",
+                           "--training.seq_len", "64", *overrides])
+    return plan_job(cfg, world, vocab_size=320)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"], "has none \\(multi-head latent attention"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel"], "its QK-norm normalises q and k"),
+    (["--model.flavor", "debugmodel_tiny", "--parallelism.context_parallel_degree", "2"],
+     "does not run with context parallelism"),
+])
+def test_plan_refuses_what_it_cannot_clip(overrides, message):
+    world = 2 if "--parallelism.context_parallel_degree" in overrides else 1
+    with pytest.raises((ConfigError, ValueError), match=message):
+        _plan(*overrides, world=world)
+
+
+def test_plan_takes_the_shared_attention_and_refuses_a_negative_threshold():
+    _plan("--model.flavor", "debugmodel_tiny")
+    with pytest.raises(ConfigError, match="qk_clip_threshold must be positive"):
+        plan_job(load_job_config(["--optimizer.qk_clip_threshold", "-1"]), world_size=1, vocab_size=320)
