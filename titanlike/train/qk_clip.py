@@ -1,41 +1,55 @@
 """QK-clip (MuonClip, the Kimi K2 report): keep attention logits below a threshold by rescaling the
 query and key projections of the heads that exceeded it.
 
-During each training forward every clipped attention (models/common/attention.py) raises its
+The attentions it clips implement a small protocol (`ClippedAttention`): the shared multi-head
+attention (models/common/attention.py) and DeepSeek-V3's multi-head latent attention
+(models/deepseek_v3/attention.py). During each training forward every clipped attention raises its
 `logit_max`, a device tensor of its query heads' largest logit q.k / sqrt(head_dim), in place: no
 host sync. After the optimizer step, `QKClip.apply` reduces them over the ranks that saw other
 tokens (data parallel and context parallel: one all-reduce MAX of every layer's heads together) and
 over tensor parallelism (each tp rank holds its own heads: a second MAX fills in the others), and
-for a head h whose max m_h exceeded tau, with gamma_h = tau / m_h:
-  - the query rows of h (weight and bias) are multiplied by sqrt(gamma_h);
-  - the key rows of a key head g shared by the query heads G (grouped-query attention) are
-    multiplied by sqrt(min over G of gamma_h): the group's largest logit decides, so every head of
-    the group ends at or under tau; a head of the group that stayed under it shrinks by at most
-    the square root of the group's factor.
-On the step's own batch the scaled logits are gamma_h x m_h <= tau (exactly, before rounding; RoPE
-is a rotation and commutes). Kimi K2's MLA rule (only the per-head q_nope / k_nope parts get the
-square root, q_rope the whole factor, the shared rope key untouched) has no counterpart here: plan_job
-refuses QK-clip for a model without this attention (train/plan.py), and for QK-norm, which undoes any
+hands each attention gamma_h = tau / m_h for the heads h whose max m_h exceeded tau (1 for the
+others), which it applies to its own projections by its rule: for the shared attention the query
+rows of h and the rows of its key head take square roots (a key head shared by a group of query heads
+follows the group's smallest gamma); for MLA q_nope and k_nope take square roots, q_rope the whole
+gamma, the shared RoPE key nothing. On the step's own batch the scaled logits are then
+gamma_h x m_h <= tau (exactly, before rounding; RoPE is a rotation and commutes). plan_job refuses
+QK-clip for a model with no such attention (train/plan.py), and for QK-norm, which undoes any
 scaling of the projections. The scaling acts on each rank's local rows of the weights (FSDP2 and TP
 shards alike), from their global offsets; a step the optimizer skipped (non-finite) scales nothing.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from titanlike.models.common.attention import Attention
+from titanlike.models.common.dtensor import local_part
 
 
-def clipped_attentions(model: nn.Module) -> list[tuple[str, Attention]]:
-    """(block key, attention) of the attention layers QK-clip measures and rescales: the shared
-    Attention running its own forward (subclasses with another forward do not record logits)."""
+class ClippedAttention(Protocol):
+    """What QK-clip needs of an attention module: the `logit_max` buffer its training forward raises
+    when set (None: off), whether it normalises q and k after their projections, and the rescaling
+    of its own parameters' local rows given every query head's gamma."""
+
+    logit_max: torch.Tensor | None
+    has_qk_norm: bool
+
+    def qk_clip_heads(self) -> int | None:
+        """The query heads over all tensor-parallel ranks, or None where the forward records no logits."""
+
+    def scale_qk_heads_(self, gamma: torch.Tensor) -> None:
+        """Rescale the heads by gamma (heads,) in place (1: unchanged)."""
+
+
+def clipped_attentions(model: nn.Module) -> list[tuple[str, ClippedAttention]]:
+    """(block key, attention) of the attention layers QK-clip measures and rescales: the modules
+    implementing ClippedAttention whose forward records logits."""
     return [(key, m) for key, block in model.layers.items() for m in block.modules()
-            if isinstance(m, Attention) and type(m).forward is Attention.forward]
+            if callable(getattr(m, "qk_clip_heads", None)) and m.qk_clip_heads() is not None]
 
 
 def validate_qk_clip(model: nn.Module, *, cp: int) -> None:
@@ -43,22 +57,14 @@ def validate_qk_clip(model: nn.Module, *, cp: int) -> None:
     found = clipped_attentions(model)
     if not found:
         raise ValueError("optimizer.qk_clip_threshold rescales the heads of the shared multi-head attention "
-                         "(models/common/attention.py) and this model has none (multi-head latent attention, as "
-                         "DeepSeek-V3's, is not covered)")
-    if any(m.q_norm is not None for _, m in found):
+                         "(models/common/attention.py) or DeepSeek-V3's multi-head latent attention, and this "
+                         "model has neither")
+    if any(m.has_qk_norm for _, m in found):
         raise ValueError("optimizer.qk_clip_threshold cannot bound this model's logits: its QK-norm normalises q "
                          "and k after the projections it would scale, and already keeps the logits bounded")
     if cp > 1:
         raise ValueError("optimizer.qk_clip_threshold does not run with context parallelism (a rank's attention "
                          "sees the other ranks' keys only inside its kernel); set context_parallel_degree 1")
-
-
-def _rows(p: torch.Tensor) -> slice:
-    """The global rows (dim 0) of a parameter this rank holds."""
-    if not isinstance(p, DTensor):
-        return slice(0, p.shape[0])
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return slice(offset[0], offset[0] + shape[0])
 
 
 class QKClip:
@@ -74,19 +80,19 @@ class QKClip:
         self.data_group = data_mesh.get_group() if data_mesh is not None else None
         self.tp_group = tp_mesh.get_group() if tp_mesh is not None else None
         tp, self.tp_rank = (tp_mesh.size(), tp_mesh.get_local_rank()) if tp_mesh is not None else (1, 0)
-        self.heads = []  # (query heads, key heads) of each layer, over all tp ranks
+        self.heads = []  # query heads of each layer, over all tp ranks
         for _, m in self.layers:
-            heads, kv_heads = m.wq.weight.shape[0] // m.head_dim, m.wk.weight.shape[0] // m.head_dim
-            self.heads.append((heads, kv_heads))
-            local = m.wq.weight.to_local() if isinstance(m.wq.weight, DTensor) else m.wq.weight
-            m.logit_max = torch.full((heads // tp,), float("-inf"), device=local.device)
+            heads = m.qk_clip_heads()
+            self.heads.append(heads)
+            device = local_part(next(m.parameters())).device
+            m.logit_max = torch.full((heads // tp,), float("-inf"), device=device)
 
     @torch.no_grad()
     def apply(self, finite: torch.Tensor) -> torch.Tensor:
         """Rescale the heads over the threshold (none where `finite` is False), start the next step's
         maxima, and return each layer's largest logit (len(self.layers),) for the metrics."""
         maxes = []
-        for (heads, _), (_, m) in zip(self.heads, self.layers):
+        for heads, (_, m) in zip(self.heads, self.layers):
             local = m.logit_max.numel()
             full = torch.full((heads,), float("-inf"), device=m.logit_max.device)
             full[self.tp_rank * local:(self.tp_rank + 1) * local] = m.logit_max
@@ -101,19 +107,9 @@ class QKClip:
         # gamma = tau / max where the max exceeded tau (1 elsewhere, and on a skipped step).
         gamma = torch.where((flat > self.threshold) & finite.to(flat.device),
                             self.threshold / flat, torch.ones_like(flat))
-        start = 0
-        for (heads, kv_heads), (_, m) in zip(self.heads, self.layers):
-            g = gamma[start:start + heads]
-            start += heads
-            q_factor = g.sqrt().repeat_interleave(m.head_dim)
-            k_factor = g.view(kv_heads, -1).amin(1).sqrt().repeat_interleave(m.head_dim)
-            for linear, factor in ((m.wq, q_factor), (m.wk, k_factor)):
-                for p in (linear.weight, linear.bias):
-                    if p is not None:
-                        local = p.to_local() if isinstance(p, DTensor) else p
-                        f = factor[_rows(p)].to(local.dtype)
-                        local.mul_(f.view(-1, *[1] * (local.ndim - 1)))
-        return torch.stack([x.max() for x in flat.split([heads for heads, _ in self.heads])])
+        for g, (_, m) in zip(gamma.split(self.heads), self.layers):
+            m.scale_qk_heads_(g)
+        return torch.stack([x.max() for x in flat.split(self.heads)])
 
     def summary(self, max_logits: torch.Tensor, num_layers: int) -> dict[str, float]:
         """The metrics of a log step: attention/layer{i}/max_logit of every clipped layer and their

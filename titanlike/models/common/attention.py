@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlike.models.args import AttentionShape
-from titanlike.models.common.dtensor import local_part
+from titanlike.models.common.dtensor import local_part, scale_rows_
 from titanlike.models.common.eager import eager_only
 from titanlike.models.common.init import LinearInit, ones_, zeros_
 from titanlike.models.common.kv_cache import KVCache, SlidingKVCache
@@ -389,6 +389,30 @@ class Attention(nn.Module):
         else:  # only kernels that can attend both ways accept the keyword
             out = self.core_attention(q, k, v, mask, causal=False, **sinks)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    # QK-clip's protocol (train/qk_clip.py): qk_clip_heads, has_qk_norm, scale_qk_heads_ and logit_max.
+
+    def qk_clip_heads(self) -> int | None:
+        """The query heads (over all tensor-parallel ranks) whose logits this attention records, or
+        None for a subclass with its own forward, which does not record them."""
+        return self.wq.weight.shape[0] // self.head_dim if type(self).forward is Attention.forward else None
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.q_norm is not None
+
+    @torch.no_grad()
+    def scale_qk_heads_(self, gamma: torch.Tensor) -> None:
+        """Rescale the heads by gamma (every query head's tau / max, 1 where under): a query head's
+        rows (weight and bias) by sqrt(gamma_h); a key head g shared by the query heads G (grouped-
+        query attention) by sqrt(min over G of gamma_h), so the group's largest logit decides and every
+        head of the group ends at or under tau. This rank's rows only (FSDP2 and TP shards alike)."""
+        kv_heads = self.wk.weight.shape[0] // self.head_dim
+        q_factor = gamma.sqrt().repeat_interleave(self.head_dim)
+        k_factor = gamma.view(kv_heads, -1).amin(1).sqrt().repeat_interleave(self.head_dim)
+        for linear, factor in ((self.wq, q_factor), (self.wk, k_factor)):
+            scale_rows_(linear.weight, factor)
+            scale_rows_(linear.bias, factor)
 
     def new_cache(self, cache, dtype: torch.dtype) -> KVCache:
         """Room for this layer's keys and values (the heads this rank computes, sized at the prefill)."""

@@ -19,4 +19,25 @@ def local_part(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if is_dtensor(t) else t
 
 
-__all__ = ["is_dtensor", "local_part"]
+def local_rows(p: torch.Tensor) -> slice:
+    """The global rows (dim 0) of p that this rank holds: all of them unless p is a DTensor (FSDP2
+    and tensor parallelism shard rows alike)."""
+    if not is_dtensor(p):
+        return slice(0, p.shape[0])
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return slice(offset[0], offset[0] + shape[0])
+
+
+@torch.no_grad()
+def scale_rows_(p: torch.Tensor | None, factor: torch.Tensor) -> None:
+    """Multiply each row of p in place by factor (one entry per global row), on this rank's shard."""
+    if p is None:
+        return
+    local = local_part(p)
+    f = factor[local_rows(p)].to(device=local.device, dtype=local.dtype)
+    local.mul_(f.view(-1, *[1] * (local.ndim - 1)))
+
+
+__all__ = ["is_dtensor", "local_part", "local_rows", "scale_rows_"]

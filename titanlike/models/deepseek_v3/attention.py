@@ -20,6 +20,12 @@ and splits the rows.
 `core_attention` is the same hook as in common/attention.py (context parallelism swaps it); its
 kernels scale scores by 1/sqrt(q.shape[-1]), so a softmax scale other than qk_head_dim^-0.5 (YaRN's
 mscale correction) is applied by scaling q beforehand.
+
+QK-clip (train/qk_clip.py) follows the Kimi K2 report's rule for MLA: a head's logit is
+q_nope.k_nope + q_pe.k_pe, so with gamma_h = tau / max_h its q_nope rows (of wq or wq_b) and its
+k_nope rows of wkv_b take sqrt(gamma_h), its q_pe rows the whole gamma_h, and the RoPE key wk_pe,
+shared by every head, is left alone (as are the value rows); the latent projections and norms
+before them are shared too, so the low-rank query path clips as the single projection does.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from titanlike.models.common.attention import DocumentMask, core_attention
-from titanlike.models.common.dtensor import local_part
+from titanlike.models.common.attention import DocumentMask, core_attention, max_logit
+from titanlike.models.common.dtensor import local_part, scale_rows_
 from titanlike.models.common.init import LinearInit, ones_
 from titanlike.models.common.kv_cache import copy_slots, lazy_buffer
 from titanlike.models.common.rope import apply_rotary_emb
@@ -43,7 +49,13 @@ class MLA(nn.Module):
 
     softmax_scale_factor multiplies the usual qk_head_dim^-0.5 (YaRN's mscale^2 for DeepSeek-V3;
     1.0 otherwise).
+
+    logit_max: as the shared Attention's (models/common/attention.py), for QK-clip: None, or (this
+    rank's heads,) float32 that each training forward raises to the heads' largest logit.
     """
+
+    # Its q_norm normalises the query latent, before the per-head rows QK-clip scales: no QK-norm.
+    has_qk_norm = False
 
     def __init__(self, dim: int, n_heads: int, *, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, softmax_scale_factor: float = 1.0):
@@ -67,6 +79,8 @@ class MLA(nn.Module):
         # the softmax scale is folded into q, so the hook keeps its (q, k, v, mask) signature.
         self.q_scale = softmax_scale_factor
         self.core_attention = core_attention
+        # A buffer, so that compiled blocks update it in place; left out of checkpoints.
+        self.register_buffer("logit_max", None, persistent=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: DocumentMask | None = None, *,
                 cache: LatentCache | None = None) -> torch.Tensor:
@@ -89,7 +103,10 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.logit_max is not None and self.training and cache is None and torch.is_grad_enabled():
+            self.logit_max.copy_(torch.maximum(self.logit_max, max_logit(q, k, mask)))
+        out = self.core_attention(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache) -> torch.Tensor:
@@ -110,6 +127,25 @@ class MLA(nn.Module):
         out_latent = torch.einsum("bhqs,bsr->bhqr", weights, latents)
         out = torch.einsum("bhqr,hvr->bqhv", out_latent, w_uv.to(out_latent.dtype))
         return self.wo(out.reshape(bsz, 1, -1))
+
+    # QK-clip's protocol (train/qk_clip.py): qk_clip_heads, has_qk_norm, scale_qk_heads_ and logit_max.
+
+    def qk_clip_heads(self) -> int:
+        """The query heads over all tensor-parallel ranks (DTensor shapes are global)."""
+        return self.wkv_b.weight.shape[0] // (self.qk_nope_head_dim + self.v_head_dim)
+
+    @torch.no_grad()
+    def scale_qk_heads_(self, gamma: torch.Tensor) -> None:
+        """Rescale the heads by gamma (every head's tau / max, 1 where under) by the rule of the module
+        docstring, on this rank's rows only (FSDP2 and TP shards alike)."""
+        def per_head(*parts: tuple[torch.Tensor, int]) -> torch.Tensor:
+            return torch.cat([f[:, None].expand(-1, width) for f, width in parts], dim=1).flatten()
+
+        root = gamma.sqrt()
+        scale_rows_((self.wq if self.wq is not None else self.wq_b).weight,
+                    per_head((root, self.qk_nope_head_dim), (gamma, self.qk_rope_head_dim)))
+        scale_rows_(self.wkv_b.weight, per_head((root, self.qk_nope_head_dim),
+                                                (torch.ones_like(gamma), self.v_head_dim)))
 
     def new_cache(self, cache, dtype: torch.dtype) -> LatentCache:
         return LatentCache(cache, dtype)
