@@ -2,6 +2,7 @@
 attention records equal the logits computed by hand, for every mask the kernels take; after a step
 whose logits exploded (a huge learning rate) the heads over the threshold are rescaled exactly as the
 rule says, and the step's batch then stays under it; a threshold never reached changes nothing;
+the same for DeepSeek-V3's multi-head latent attention (MLA), with and without its low-rank query;
 the plan-time refusals. FSDP2: tests/distributed/test_muon_parity.py."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from test_deepseek_v3_model import build as build_deepseek_v3, tiny as tiny_deepseek_v3
 from titanlike.config import ConfigError, load_job_config
 from titanlike.models.common.attention import DocumentMask, core_attention, max_logit
 from titanlike.models.llama3 import Transformer, llama3_flavors
@@ -171,7 +173,8 @@ def _plan(*overrides: str, world: int = 1):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"], "has none \\(multi-head latent attention"),
+    # Gated attention and linear attention: neither protocol's forward.
+    (["--model.name", "qwen3_next", "--model.flavor", "debugmodel_tiny"], "and this model has neither"),
     (["--model.name", "qwen3", "--model.flavor", "debugmodel"], "its QK-norm normalises q and k"),
     (["--model.flavor", "debugmodel_tiny", "--parallelism.context_parallel_degree", "2"],
      "does not run with context parallelism"),
@@ -182,7 +185,79 @@ def test_plan_refuses_what_it_cannot_clip(overrides, message):
         _plan(*overrides, world=world)
 
 
-def test_plan_takes_the_shared_attention_and_refuses_a_negative_threshold():
+def test_plan_takes_the_shared_attention_and_mla_and_refuses_a_negative_threshold():
     _plan("--model.flavor", "debugmodel_tiny")
+    _plan("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
+    with pytest.raises((ConfigError, ValueError), match="does not run with context parallelism"):
+        _plan("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_nolora",
+              "--parallelism.context_parallel_degree", "2", world=2)
     with pytest.raises(ConfigError, match="qk_clip_threshold must be positive"):
         plan_job(load_job_config(["--optimizer.qk_clip_threshold", "-1"]), world_size=1, vocab_size=320)
+
+
+MLA_TAU = 60.0  # step 1's maxima at lr 2 lie between 57 and 86 (without the low-rank query)
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 48])
+def test_mla_exploding_logits_are_clipped_by_the_kimi_k2_rule(q_lora_rank):
+    """MLA (models/deepseek_v3/attention.py): the recorded maxima are those of the q and k its kernel
+    gets; after the step, head h's q_nope rows (wq or wq_b) and k_nope rows (wkv_b) are scaled by
+    sqrt(gamma_h), its q_rope rows by gamma_h, and nothing else (wk_pe, v rows, the latents) changes;
+    the step's inputs then give every head at most tau, a head that was over exactly tau."""
+    args = tiny_deepseek_v3(n_layers=2, q_lora_rank=q_lora_rank)
+    cfg = load_job_config(["--optimizer.name", "Muon", "--optimizer.lr", "2", "--optimizer.implementation",
+                           "for-loop"]).optimizer
+    clipped, plain = build_deepseek_v3(args), build_deepseek_v3(args)
+    optimizers = [build_optimizer([m], cfg) for m in (clipped, plain)]
+    clip = QKClip([clipped], MLA_TAU)
+    assert len(clip.layers) == args.n_layers
+    seen = _capture(clipped)
+    tokens = torch.randint(0, args.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    nope, rope, v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+    query = "wq" if q_lora_rank == 0 else "wq_b"
+    for step in range(2):  # step 0's forward sees the initial weights, step 1's those of the huge step
+        seen.clear()
+        for model, optimizer in zip((clipped, plain), optimizers):
+            _step(model, optimizer, tokens)
+        recorded = [m.logit_max.clone() for _, m in clip.layers]
+        for (q, k), got in zip(seen, recorded):
+            torch.testing.assert_close(got, _dense_max(q, k, causal), rtol=1e-5, atol=1e-6)
+        over = torch.cat(recorded) > MLA_TAU
+        if step == 1:
+            assert over.any() and not over.all(), torch.cat(recorded)  # some heads over, some under
+        expected = copy.deepcopy(plain.state_dict())
+        for (i, _), maxes in zip(clip.layers, recorded):
+            gamma = torch.where(maxes > MLA_TAU, MLA_TAU / maxes, torch.ones_like(maxes))
+            root = gamma.sqrt()[:, None, None]
+            w = expected[f"layers.{i}.attention.{query}.weight"].clone().view(args.n_heads, nope + rope, -1)
+            w[:, :nope] *= root
+            w[:, nope:] *= gamma[:, None, None]
+            expected[f"layers.{i}.attention.{query}.weight"] = w.flatten(0, 1)
+            w = expected[f"layers.{i}.attention.wkv_b.weight"].clone().view(args.n_heads, nope + v, -1)
+            w[:, :nope] *= root
+            expected[f"layers.{i}.attention.wkv_b.weight"] = w.flatten(0, 1)
+        clip.apply(torch.tensor(True))
+        for name, value in clipped.state_dict().items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=0, msg=name)
+        plain.load_state_dict(clipped.state_dict())
+
+    # A step at learning rate 0: the attentions given the step's inputs again end at or under tau.
+    for group in optimizers[0].param_groups:
+        group["lr"] = 0.0
+    inputs = []
+    hooks = [m.register_forward_pre_hook(lambda module, a, kw: inputs.append((module, a, kw)), with_kwargs=True)
+             for _, m in clip.layers]
+    _step(clipped, optimizers[0], tokens)
+    for hook in hooks:
+        hook.remove()
+    before = [m.logit_max.clone() for _, m in clip.layers]
+    assert any(x.max() > MLA_TAU for x in before)
+    clip.apply(torch.tensor(True))
+    seen.clear()
+    with torch.no_grad():
+        for module, a, kw in inputs:
+            module(*a, **kw)
+    for (q, k), was in zip(seen, before):
+        after = _dense_max(q, k, causal)
+        torch.testing.assert_close(after, torch.minimum(was, torch.tensor(MLA_TAU)), rtol=1e-5, atol=1e-5)
