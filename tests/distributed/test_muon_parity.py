@@ -14,7 +14,8 @@
   gathered within the shard group) and a matrix sharded along two mesh dimensions (gathered once over
   both); then the tiny Llama planned as the trainer plans it under FSDP 2 x TP 2 (every block matrix
   split along both dimensions, strided FSDP shards included: each orthogonalised once, the owners on
-  all four ranks; QK-clip's reduction and each rank's heads' rows) and under PP 2 x FSDP 2 (each
+  all four ranks; QK-clip's reduction and each rank's heads' rows, and the same rows of DeepSeek-V3's
+  MLA, with and without its low-rank query) and under PP 2 x FSDP 2 (each
   stage steps its own matrices), fed the same gradients as one process.
 The Newton-Schulz input is rounded to bfloat16 by torch's own iteration, so the pieces travel as
 bfloat16 and the result is the same bits: the tolerance covers the elementwise steps' float32 sums.
@@ -151,13 +152,14 @@ def _placement_checks() -> None:
         _assert_same(sharded, one, f"placements, step {step}")
 
 
-def _layout(*parallelism: str):
-    """(plan, this rank's model parts, the one-process model) of the tiny Llama under a 4-rank layout."""
+def _layout(*parallelism: str, family: str = "llama3", flavor: str = "debugmodel_tiny"):
+    """(plan, this rank's model parts, the one-process model) of a tiny model (the Llama unless told)
+    under a 4-rank layout."""
     from family_checks import plan_family
     from titanlike.models.converters import build_model_converters
     from titanlike.train.model_parts import build_model_parts
 
-    plan = plan_family("llama3", "debugmodel_tiny", "--optimizer.name", "Muon", "--optimizer.lr", "0.02",
+    plan = plan_family(family, flavor, "--optimizer.name", "Muon", "--optimizer.lr", "0.02",
                        "--optimizer.implementation", "for-loop", *parallelism, world_size=4)
     plan.dims.build_mesh("cpu")
     parts = build_model_parts(plan, build_model_converters([], plan.cfg))
@@ -205,7 +207,6 @@ def _fsdp_tp_checks() -> None:
     """FSDP 2 x TP 2: every block matrix is split along both; each is gathered once to one owner,
     the owners spread over all four ranks; QK-clip scales the local rows of each rank's heads."""
     import titanlike.train.muon as muon
-    from titanlike.train.qk_clip import QKClip
 
     plan, parts, one = _layout("--parallelism.data_parallel_shard_degree", "2",
                                "--parallelism.tensor_parallel_degree", "2")
@@ -222,9 +223,17 @@ def _fsdp_tp_checks() -> None:
     counts = [torch.zeros(1, dtype=mine.dtype) for _ in range(4)]
     dist.all_gather(counts, mine)
     assert sum(c.item() for c in counts) == 2 * matrices and min(c.item() for c in counts) > 0, counts
-    # QK-clip: per-head maxima, the largest on the first data-parallel rank, the heads split by tp.
+    _clips_as_one_process(plan, parts, one, "QK-clip under FSDP x TP")
+
+
+def _clips_as_one_process(plan, parts, one, what: str) -> None:
+    """QK-clip over this rank's parts and over the one-process model: per-head maxima, the largest on
+    the first data-parallel rank, the heads split by tp; the clipped weights must agree."""
+    from titanlike.train.qk_clip import QKClip
+
     dims, tau = plan.dims, 1.0
     clips = [QKClip(parts, tau, data_mesh=dims.mesh("loss"), tp_mesh=dims.mesh("tp")), QKClip([one], tau)]
+    assert clips[1].layers and len(clips[0].layers) == len(clips[1].layers)
     tp_rank, dp_rank = dims.mesh("tp").get_local_rank(), dims.dp_rank()
     for (_, mine), (_, theirs) in zip(clips[0].layers, clips[1].layers):
         maxima = torch.rand(theirs.logit_max.shape, generator=torch.Generator().manual_seed(7)) * 2
@@ -233,7 +242,16 @@ def _fsdp_tp_checks() -> None:
         mine.logit_max.copy_(maxima[tp_rank * heads:(tp_rank + 1) * heads] - dp_rank)
     got, want = (c.apply(torch.tensor(True)) for c in clips)
     torch.testing.assert_close(got, want)
-    _same_by_name(parts, one, "QK-clip under FSDP x TP")
+    _same_by_name(parts, one, what)
+
+
+def _mla_clip_checks() -> None:
+    """DeepSeek-V3's MLA under FSDP 2 x TP 2, with and without the low-rank query: each rank scales
+    its local rows of wq / wq_b and wkv_b by the Kimi K2 rule as one process does."""
+    for flavor in ("debugmodel", "debugmodel_nolora"):
+        plan, parts, one = _layout("--parallelism.data_parallel_shard_degree", "2",
+                                   "--parallelism.tensor_parallel_degree", "2", family="deepseek_v3", flavor=flavor)
+        _clips_as_one_process(plan, parts, one, f"MLA's QK-clip under FSDP x TP ({flavor})")
 
 
 def _pp_checks() -> None:
@@ -246,6 +264,7 @@ def _pp_checks() -> None:
 def _four_rank_checks(rank: int) -> None:
     _placement_checks()
     _fsdp_tp_checks()
+    _mla_clip_checks()
     _pp_checks()
 
 
