@@ -131,6 +131,12 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
          "conv filters, a relative-bias table), which tensor parallelism splits with the heads; the "
          "module reads them with to_local(). Names it lacks (an optional bias) are skipped. Set by the "
          "module's class; read by the head-split styles (models/common/sharding.py, mamba2.py)."),
+    # Optimizer ----------------------------------------------------------------------------------------
+    Hook("qk_clip_heads", "module", Callable, None,
+         "A method of an attention module QK-clip can rescale (the shared attention, DeepSeek-V3's "
+         "latent attention): the query heads over all tensor-parallel ranks, or None where its forward "
+         "records no logits; such a module also carries `logit_max`, `has_qk_norm` and "
+         "`scale_qk_heads_` (train/qk_clip.ClippedAttention). Read by train/qk_clip.py."),
 )}
 
 
@@ -268,7 +274,17 @@ def head_split_parameters(module: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
-__all__ = ["HOOKS", "Hook", "core_attention_modules", "fsdp_mesh", "generation_hooks", "head_split_parameters", "keeps_high_precision", "layer_stacks",
+# Optimizer --------------------------------------------------------------------------------------------
+
+
+def qk_clip_heads(module: nn.Module) -> int | None:
+    """The query heads QK-clip rescales in this module (over all tensor-parallel ranks), None for a
+    module it does not clip."""
+    method = _get(module, "qk_clip_heads")
+    return None if method is None else method()
+
+
+__all__ = ["HOOKS", "Hook", "core_attention_modules", "fsdp_mesh", "generation_hooks", "head_split_parameters", "keeps_high_precision", "layer_stacks", "qk_clip_heads",
            "reported_loss", "reported_loss_sum", "retie_weights", "sequence_carry_modules", "sequence_inputs",
            "set_core_attention", "set_fsdp_mesh", "set_record_statistics", "set_sequence_carry", "set_skip_compile",
            "skips_compile", "statistics_recorders", "tied_weights"]

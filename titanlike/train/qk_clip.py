@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from titanlike.models import protocol
 from titanlike.models.common.dtensor import local_part
 
 
@@ -49,7 +50,7 @@ def clipped_attentions(model: nn.Module) -> list[tuple[str, ClippedAttention]]:
     """(block key, attention) of the attention layers QK-clip measures and rescales: the modules
     implementing ClippedAttention whose forward records logits."""
     return [(key, m) for key, block in model.layers.items() for m in block.modules()
-            if callable(getattr(m, "qk_clip_heads", None)) and m.qk_clip_heads() is not None]
+            if protocol.qk_clip_heads(m) is not None]
 
 
 def validate_qk_clip(model: nn.Module, *, cp: int) -> None:
