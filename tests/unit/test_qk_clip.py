@@ -82,6 +82,25 @@ def _step(model, optimizer, tokens) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _clip_and_replay(clip, model, optimizer, tokens, seen: list) -> list[tuple[tuple, torch.Tensor]]:
+    """One step of `model` (its learning rate set to 0 by the caller) recording each clipped attention's
+    inputs and maxima, then QK-clip, then every attention run again on its recorded inputs: the
+    ((q, k) it attends with after the clip, its max logits before) of each layer."""
+    inputs = []
+    hooks = [m.register_forward_pre_hook(lambda module, a, kw: inputs.append((module, a, kw)), with_kwargs=True)
+             for _, m in clip.layers]
+    _step(model, optimizer, tokens)
+    for hook in hooks:
+        hook.remove()
+    before = [m.logit_max.clone() for _, m in clip.layers]
+    clip.apply(torch.tensor(True))
+    seen.clear()
+    with torch.no_grad():
+        for module, a, kw in inputs:
+            module(*a, **kw)
+    return list(zip(seen, before, strict=True))
+
+
 def test_exploding_logits_are_clipped_as_the_rule_computes():
     cfg = load_job_config(["--optimizer.name", "Muon", "--optimizer.lr", "2", "--optimizer.implementation",
                            "for-loop"]).optimizer
@@ -120,20 +139,9 @@ def test_exploding_logits_are_clipped_as_the_rule_computes():
     # inputs of the step again, has every head at or under the threshold (the largest of each key
     # group at it). Layers after the first see other inputs once the first is clipped.
     optimizers[0].param_groups[0]["lr"] = optimizers[0].param_groups[1]["lr"] = 0.0
-    inputs = []
-    hooks = [m.register_forward_pre_hook(lambda module, args, kwargs: inputs.append((module, args, kwargs)),
-                                         with_kwargs=True) for _, m in clip.layers]
-    _step(clipped, optimizers[0], tokens)
-    for hook in hooks:
-        hook.remove()
-    before = [m.logit_max.clone() for _, m in clip.layers]
-    assert all(x.max() > TAU for x in before)
-    clip.apply(torch.tensor(True))
-    seen.clear()
-    with torch.no_grad():
-        for module, args, kwargs in inputs:
-            module(*args, **kwargs)
-    for (q, k), was in zip(seen, before):
+    replayed = _clip_and_replay(clip, clipped, optimizers[0], tokens, seen)
+    assert all(was.max() > TAU for _, was in replayed)
+    for (q, k), was in replayed:
         after = _dense_max(q, k, causal)
         assert (after <= TAU * (1 + 1e-5)).all(), after
         group = ARGS.n_heads // ARGS.n_kv_heads
@@ -245,19 +253,8 @@ def test_mla_exploding_logits_are_clipped_by_the_kimi_k2_rule(q_lora_rank):
     # A step at learning rate 0: the attentions given the step's inputs again end at or under tau.
     for group in optimizers[0].param_groups:
         group["lr"] = 0.0
-    inputs = []
-    hooks = [m.register_forward_pre_hook(lambda module, a, kw: inputs.append((module, a, kw)), with_kwargs=True)
-             for _, m in clip.layers]
-    _step(clipped, optimizers[0], tokens)
-    for hook in hooks:
-        hook.remove()
-    before = [m.logit_max.clone() for _, m in clip.layers]
-    assert any(x.max() > MLA_TAU for x in before)
-    clip.apply(torch.tensor(True))
-    seen.clear()
-    with torch.no_grad():
-        for module, a, kw in inputs:
-            module(*a, **kw)
-    for (q, k), was in zip(seen, before):
+    replayed = _clip_and_replay(clip, clipped, optimizers[0], tokens, seen)
+    assert any(was.max() > MLA_TAU for _, was in replayed)
+    for (q, k), was in replayed:
         after = _dense_max(q, k, causal)
         torch.testing.assert_close(after, torch.minimum(was, torch.tensor(MLA_TAU)), rtol=1e-5, atol=1e-5)
