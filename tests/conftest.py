@@ -201,6 +201,26 @@ WORLD_FIXTURES = {"train_job_pool", "train_run", "train_runs", "single_process_r
 WORLD_FOLDERS = ("layouts",)
 
 
+# xdist hands out groups in order of their number of tests, so a file of two long tests (GRPO's learning runs:
+# four minutes) came last and ran alone on one worker while the other had finished. The groups that take
+# longest (seconds of a clean-clone CI run on two workers, 2026-11-29) start first instead, longest first,
+# and the many short groups fill in behind them (longest-processing-time-first scheduling).
+LONG_GROUPS = (
+    "worlds",  # ~500 s
+    "tests/integration/test_grpo.py",  # ~275 s
+    "tests/integration/test_presets.py",  # ~230 s
+    "tests/integration/test_checkpoint_faults.py",
+    "tests/distributed/test_checkpoint.py",
+    "tests/unit/test_estimation.py",
+    "tests/integration/test_estimation_measured.py",
+    "tests/integration/test_sft.py",
+    "tests/integration/test_torchtitan_habits.py",
+    "tests/unit/test_grpo_objective.py",
+    "tests/integration/test_hostile_inputs.py",
+    "tests/distributed/test_preemption.py",
+)
+
+
 def _xdist_group(item, tests: Path) -> str:
     folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
     if folder in WORLD_FOLDERS or WORLD_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -212,11 +232,16 @@ def _xdist_group(item, tests: Path) -> str:
 def pytest_collection_modifyitems(config, items):
     tests = REPO / "tests"
     grouped = config is not None and config.pluginmanager.hasplugin("xdist")
+    groups = {}
     for item in items:
         if item.path.is_relative_to(tests) and item.path.relative_to(tests).parts[0] in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
         if grouped:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item, tests)))
+            groups[item.nodeid] = _xdist_group(item, tests)
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    if grouped:  # the long groups first (a stable sort: each group's tests keep their order)
+        first = {group: rank for rank, group in enumerate(LONG_GROUPS)}
+        items.sort(key=lambda item: first.get(groups[item.nodeid], len(LONG_GROUPS)))
 
 
 def _refuse_process(name: str, what: str):
@@ -269,6 +294,10 @@ def pytest_runtest_teardown(item):
 
 
 def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        # The controller hands the groups out in the workers' collection order (LONG_GROUPS first), not
+        # by their number of tests (xdist's default, which runs on the controller, where this is read).
+        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", "train_run(*extra, nproc=1, name='run', after=None): a train.py job (the tiny job plus extra) "
         "that the test reads through the train_run / train_runs fixtures; jobs of one world size run in one "

@@ -41,3 +41,31 @@ def test_every_test_of_a_folder_of_processes_is_slow():
     items = [Item(f"{folder}/test_x.py") for folder in ("distributed", "integration", "layouts", "unit", "conformance")]
     conftest.pytest_collection_modifyitems(None, items)
     assert [item.marks for item in items] == [["slow"], ["slow"], ["slow"], [], []]
+
+
+def test_the_long_groups_start_first_and_each_names_a_group():
+    """Under xdist the groups of conftest.LONG_GROUPS are handed out first, in that order; a renamed file
+    would silently drop out of the list, so each entry must still name a test file (or the worlds group)."""
+    import conftest
+
+    for group in conftest.LONG_GROUPS:
+        assert group == "worlds" or (conftest.REPO / group).is_file(), f"LONG_GROUPS names {group}, not a test file"
+
+    class Config:
+        class pluginmanager:
+            hasplugin = staticmethod(lambda name: name == "xdist")
+
+    class Item:
+        def __init__(self, path):
+            self.path, self.nodeid, self.fixturenames = conftest.REPO / path, f"{path}::test", ()
+
+        def add_marker(self, mark):
+            pass
+
+    paths = ["tests/unit/test_a.py", "tests/integration/test_sft.py", "tests/unit/test_b.py",
+             "tests/integration/test_grpo.py", "tests/layouts/test_x.py"]
+    items = [Item(p) for p in paths]
+    conftest.pytest_collection_modifyitems(Config(), items)
+    assert [str(item.path.relative_to(conftest.REPO)) for item in items] == [
+        "tests/layouts/test_x.py", "tests/integration/test_grpo.py", "tests/integration/test_sft.py",
+        "tests/unit/test_a.py", "tests/unit/test_b.py"]
