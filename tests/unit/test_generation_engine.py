@@ -14,13 +14,14 @@ Families against transformers' generate: tests/conformance/test_generation.py.
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
 
 from family_checks import materialize
 from titanlike.inference import Engine, GenerationError, SamplingParams
-from titanlike.inference.sampling import apply_repetition_penalty, filter_top_k, filter_top_p, next_tokens
+from titanlike.inference.sampling import apply_repetition_penalty, draw, filter_top_k, filter_top_p, next_tokens
 from titanlike.models.registry import get_model_spec
 
 
@@ -63,6 +64,26 @@ def test_sampling_is_seeded_and_greedy_is_the_argmax():
     one = SamplingParams(temperature=2.0, top_k=1)
     assert torch.equal(next_tokens(logits, one, seen=None, generator=torch.Generator().manual_seed(0)),
                        logits.argmax(-1))
+
+
+def test_draw_samples_the_distribution_and_never_a_filtered_token():
+    # One uniform number per row through the cumulative distribution (sampling.py draw): 200,000 rows
+    # of one distribution with zeros at both ends and inside land as torch.multinomial's do.
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    rows = probs.expand(200_000, -1)
+    counts = torch.bincount(draw(rows, torch.Generator().manual_seed(0)), minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0
+    torch.testing.assert_close(counts / counts.sum(), probs.double(), atol=4e-3, rtol=0)
+    theirs = torch.bincount(torch.multinomial(rows, 1, generator=torch.Generator().manual_seed(0))[:, 0],
+                            minlength=len(probs)).double()
+    assert (counts - theirs).abs().max() / counts.sum() < 6e-3
+    # Uniform numbers at both ends of their range still give a token of probability > 0.
+    one = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.3, 0.0, 0.7]])
+    for end in (0.0, 1.0):
+        with mock.patch.object(torch, "rand", lambda shape, generator, **kw: torch.full(shape, end, **kw)):
+            assert draw(one, None).tolist() == [2, 1 if end == 0 else 3]
+    seeded = lambda seed: draw(rows[:50], torch.Generator().manual_seed(seed))  # noqa: E731
+    assert torch.equal(seeded(3), seeded(3))
 
 
 @pytest.mark.parametrize("field,value,words", [
