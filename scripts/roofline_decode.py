@@ -6,9 +6,9 @@ transformers' generate (what TRL's GRPOTrainer runs) achieve.
     python scripts/roofline_decode.py [--flavor debugmodel] [--prompts 4] [--generations 8]
                                       [--completion-length 64] [--rounds 3]
 
-FLOPs: one decode step of prompts x generations rows at the middle of the completion, counted by
-torch.utils.flop_counter (every matmul: the projections, the MLP, the output projection over the
-vocabulary, and the attention over the cache). The achievable rate: the same matmuls (the step's
+FLOPs: one decode step of prompts x generations rows at the middle of the completion, its weight
+matmuls (the projections, the MLP, the output projection over the vocabulary) counted by
+torch.utils.flop_counter, the attention over the cache by hand. The achievable rate: the same matmuls (the step's
 own weights, in the step's order, so they stream from memory as in the step) as bare torch.mm calls
 in a loop, and one large square matmul for the core's peak. Achieved: the CPU time of the model's
 decode forward (titanlike's decode_step hook, transformers' forward after the first call) and of the
@@ -78,7 +78,13 @@ def step_flops(model, rows: int, position: int) -> tuple[int, list[tuple[int, in
     with counter:
         model.decode_step(torch.ones(rows, dtype=torch.long), cache)
     shapes = [(rows, m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    return counter.get_total_flops(), shapes
+    weights = sum(2 * m * k * n for m, k, n in shapes)
+    # The flop counter does not see the CPU attention kernel: scores and weighted values over the
+    # position + 1 slots a new token reads, 2 x 2 x heads x head_dim FLOPs per slot, row and layer.
+    args = model.model_args
+    attention = 4 * rows * args.n_layers * args.dim * (position + 1)
+    assert counter.get_total_flops() in (weights, weights + attention), "a matmul the count does not expect"
+    return weights + attention, shapes
 
 
 def mm_seconds(model, rows: int, repeats: int) -> float:

@@ -148,6 +148,30 @@ def test_logprobs_equal_an_uncached_forward_and_cost_nothing_when_off(model):
         max_new_tokens=4, temperature=0.7, seed=3, logprobs=True))[0]]
 
 
+def test_rows_of_one_prompt_share_its_prefill(model):
+    """Rows with the same prompt (GRPO's G completions of each prompt) prefill it once and copy its
+    cache: each row decodes what the prompt decodes alone, and the log-probabilities of the tokens each
+    row draws equal an uncached forward's within 1e-5, as in a batch of distinct prompts."""
+    from titanlike.inference.engine import uncached_logits
+
+    engine = Engine(model)
+    a, b = [5, 9, 17, 3, 44, 12, 8], [7, 31, 90]
+    prefilled = []
+    prefill = engine.prefill
+    engine.prefill = lambda tokens, *args, **kw: prefilled.append(len(tokens)) or prefill(tokens, *args, **kw)
+    greedy, _ = engine.generate([a, b, a, a], SamplingParams(max_new_tokens=8))
+    alone = [engine.generate([p], SamplingParams(max_new_tokens=8))[0][0].tokens for p in (a, b)]
+    assert [c.tokens for c in greedy] == [alone[0], alone[1], alone[0], alone[0]]
+    sampled, _ = engine.generate([a, b, a, a], SamplingParams(max_new_tokens=10, temperature=1.0, seed=3,
+                                                              logprobs=True))
+    assert prefilled == [2, 1, 1, 2]
+    assert len({tuple(c.tokens) for c in (sampled[0], sampled[2], sampled[3])}) > 1  # the rows draw apart
+    for prompt, c in zip([a, b, a, a], sampled):
+        logits = uncached_logits(model, prompt, c.tokens[:-1])
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
+
+
 def test_stop_strings_cut_the_text_and_streamed_pieces_add_up(model):
     engine = Engine(model)
     text = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731  a detokenizer whose pieces are visible
