@@ -109,12 +109,13 @@ def peak_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 * repeats / (time.process_time() - begin) / 1e9
 
 
-def titanlike_run(model, prompts, new_tokens: int) -> dict:
+def titanlike_run(model, prompts, new_tokens: int, engine=None) -> dict:
     from titanlike.inference.engine import Engine
     from titanlike.inference.sampling import SamplingParams
 
-    engine = Engine(model, context_len=len(prompts[0]) + new_tokens + 1)
-    engine.decode_step = Timed(engine.decode_step)
+    engine = engine or Engine(model, context_len=len(prompts[0]) + new_tokens + 1)
+    step = engine.decode_step
+    engine.decode_step = Timed(step.fn if isinstance(step, Timed) else step)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0, logprobs=True)
     begin = time.process_time()
     completions, stats = engine.generate(prompts, params)
@@ -146,6 +147,8 @@ def main() -> int:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--completion-length", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="also titanlike's compiled decode step (static caches "
+                        "of prompt + completion-length slots, compiled before the first round)")
     args = parser.parse_args()
 
     import transformers
@@ -178,14 +181,21 @@ def main() -> int:
     def note(name, value):
         results.setdefault(name, []).append(value)
 
+    sides = {"titanlike": lambda: titanlike_run(model, prompts, new),
+             "transformers": lambda: transformers_run(hf, prompts, new)}
+    if args.compile:
+        from titanlike.inference.engine import Engine
+
+        compiled = Engine(model, context_len=len(prompts[0]) + new + 1, compile=True)
+        titanlike_run(model, prompts, new, compiled)  # the compile
+        sides["titanlike compiled"] = lambda: titanlike_run(model, prompts, new, compiled)
     with torch.no_grad():
         for r in range(args.rounds):
             note("peak GFLOP/s (1024^3 mm)", peak_gflops())
             mm = mm_seconds(model, rows, 50)
             note("step's matmuls alone: ms", mm * 1e3)
             note("step's matmuls alone: GFLOP/s", weight_flops / mm / 1e9)
-            for name, run in (("titanlike", lambda: titanlike_run(model, prompts, new)),
-                              ("transformers", lambda: transformers_run(hf, prompts, new))):
+            for name, run in sides.items():
                 f = run()
                 whole_per_step = f["whole"] / (f["steps"] + 1)
                 note(f"{name} decode forward: ms", f["forward"] * 1e3)
@@ -198,11 +208,14 @@ def main() -> int:
     for k, v in median.items():
         print(f"  {k:42s} {v:9.2f}")
     mm_rate = median["step's matmuls alone: GFLOP/s"]
-    for name in ("titanlike", "transformers"):
+    for name in sides:
         forward = median[f"{name} decode forward: GFLOP/s"]
         whole = flops / (median[f"{name} generate per step: ms"] / 1e3) / 1e9
         print(f"  {name}: decode forward at {forward / mm_rate:.0%} of the matmuls' achievable rate "
               f"({forward:.1f} / {mm_rate:.1f} GFLOP/s); the whole generate call at {whole / mm_rate:.0%}")
+    theirs, floor = median["transformers generate per step: ms"], median["step's matmuls alone: ms"]
+    print(f"  2x transformers' generate: {theirs / 2:.2f} ms per step, against {floor:.2f} ms for the step's matmuls "
+          f"alone: {floor / (theirs / 2):.0%} of the achievable rate")
     return 0
 
 
