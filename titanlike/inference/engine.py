@@ -225,8 +225,8 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         cache = self._call_cache(batch, capacity)
-        # Rows with the same prompt (GRPO's G completions of each prompt, a server's n choices) share
-        # one prefill: the distinct prompts fill a cache of their own, copied row by row (copy_row).
+        # Rows with the same prompt (GRPO's G completions of each prompt) share one prefill: the
+        # distinct prompts fill a cache of their own, copied row by row (copy_row).
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(p), len(first)) for p in prompts]
         shared = len(first) < batch and not fields  # with fields (an image), equal ids are not equal prompts
