@@ -6,8 +6,9 @@ adapters off); a mixture-of-experts policy (qwen3 debugmodel_moe) under EP2 agai
 the experts split over the ranks and gathered whole for generation. fp32, seed 2 (one whose rollouts
 drop and refill groups at both generating steps, which the refill checks need), three steps of the
 tiny debug model: a generation, a second step on the same rollouts (num_iterations 2, the old
-policy's log-probabilities), a generation from the updated policy (a second gather of its weights); beta 0.1 builds the reference (a frozen copy sharded like the policy). Dynamic sampling drops
-the groups whose rewards are all equal and refills them (two rounds at steps 1 and 3): the data-parallel
+policy's log-probabilities), a generation from the updated policy (a second gather of its weights);
+beta 0.1 builds the reference (a frozen copy sharded like the policy). Dynamic sampling drops the
+groups whose rewards are all equal and refills them (two rounds at steps 1 and 3): the data-parallel
 ranks agree on the rounds, and a refill draws the prompts and seeds one process draws.
 
 The rollouts are equal because a microbatch's sampling seed is a function of its place in the global
