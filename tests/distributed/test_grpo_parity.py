@@ -3,11 +3,12 @@ FSDP2, HSDP (2 replicas), TP2 and FSDP2 x TP2 against one process that accumulat
 as the layout has data-parallel ranks, so each rank's prompts are one microbatch of the one process's;
 a LoRA policy under FSDP2 and TP2 against one LoRA process (the reference is the policy with its
 adapters off); a mixture-of-experts policy (qwen3 debugmodel_moe) under EP2 against one MoE process,
-the experts split over the ranks and gathered whole for generation. fp32, seed 0,
-three steps of the tiny debug model: a generation, a second step on the same rollouts (num_iterations
-2, the old policy's log-probabilities), a generation from the updated policy (a second gather of its
-weights); beta 0.1 builds the reference (a frozen copy sharded like the policy). Dynamic sampling drops
-the groups whose rewards are all equal and refills them (two rounds at steps 1 and 3): the data-parallel
+the experts split over the ranks and gathered whole for generation. fp32, seed 2 (one whose rollouts
+drop and refill groups at both generating steps, which the refill checks need), three steps of the
+tiny debug model: a generation, a second step on the same rollouts (num_iterations 2, the old
+policy's log-probabilities), a generation from the updated policy (a second gather of its weights);
+beta 0.1 builds the reference (a frozen copy sharded like the policy). Dynamic sampling drops the
+groups whose rewards are all equal and refills them (two rounds at steps 1 and 3): the data-parallel
 ranks agree on the rounds, and a refill draws the prompts and seeds one process draws.
 
 The rollouts are equal because a microbatch's sampling seed is a function of its place in the global
@@ -33,7 +34,8 @@ GRPO_JOB = ("--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml")
             "--training.dataset_path", str(REPO / "tests" / "assets" / "grpo" / "addition.jsonl"),
             "--training.steps", "3", "--grpo.reward_funcs", "format", "--grpo.format_pattern", "(?s).*[0-9].*",
             "--grpo.beta", "0.1", "--grpo.num_iterations", "2", "--optimizer.lr", "1e-3",
-            "--training.local_batch_size", "2", "--training.global_batch_size", "4", "--grpo.dynamic_sampling")
+            "--training.local_batch_size", "2", "--training.global_batch_size", "4", "--grpo.dynamic_sampling",
+            "--debug.seed", "2")
 
 
 @pytest.fixture(scope="module")

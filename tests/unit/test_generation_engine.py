@@ -14,13 +14,14 @@ Families against transformers' generate: tests/conformance/test_generation.py.
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
 
 from family_checks import materialize
 from titanlike.inference import Engine, GenerationError, SamplingParams
-from titanlike.inference.sampling import apply_repetition_penalty, filter_top_k, filter_top_p, next_tokens
+from titanlike.inference.sampling import apply_repetition_penalty, draw, filter_top_k, filter_top_p, next_tokens
 from titanlike.models.registry import get_model_spec
 
 
@@ -63,6 +64,26 @@ def test_sampling_is_seeded_and_greedy_is_the_argmax():
     one = SamplingParams(temperature=2.0, top_k=1)
     assert torch.equal(next_tokens(logits, one, seen=None, generator=torch.Generator().manual_seed(0)),
                        logits.argmax(-1))
+
+
+def test_draw_samples_the_distribution_and_never_a_filtered_token():
+    # One uniform number per row through the cumulative distribution (sampling.py draw): 200,000 rows
+    # of one distribution with zeros at both ends and inside land as torch.multinomial's do.
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    rows = probs.expand(200_000, -1)
+    counts = torch.bincount(draw(rows, torch.Generator().manual_seed(0)), minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0
+    torch.testing.assert_close(counts / counts.sum(), probs.double(), atol=4e-3, rtol=0)
+    theirs = torch.bincount(torch.multinomial(rows, 1, generator=torch.Generator().manual_seed(0))[:, 0],
+                            minlength=len(probs)).double()
+    assert (counts - theirs).abs().max() / counts.sum() < 6e-3
+    # Uniform numbers at both ends of their range still give a token of probability > 0.
+    one = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.3, 0.0, 0.7]])
+    for end in (0.0, 1.0):
+        with mock.patch.object(torch, "rand", lambda shape, generator, **kw: torch.full(shape, end, **kw)):
+            assert draw(one, None).tolist() == [2, 1 if end == 0 else 3]
+    seeded = lambda seed: draw(rows[:50], torch.Generator().manual_seed(seed))  # noqa: E731
+    assert torch.equal(seeded(3), seeded(3))
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -125,6 +146,30 @@ def test_logprobs_equal_an_uncached_forward_and_cost_nothing_when_off(model):
     assert all(c.logprobs is None for c in plain)
     assert [c.tokens for c in plain] == [c.tokens[:4] for c in engine.generate(prompts, SamplingParams(
         max_new_tokens=4, temperature=0.7, seed=3, logprobs=True))[0]]
+
+
+def test_rows_of_one_prompt_share_its_prefill(model):
+    """Rows with the same prompt (GRPO's G completions of each prompt) prefill it once and copy its
+    cache: each row decodes what the prompt decodes alone, and the log-probabilities of the tokens each
+    row draws equal an uncached forward's within 1e-5, as in a batch of distinct prompts."""
+    from titanlike.inference.engine import uncached_logits
+
+    engine = Engine(model)
+    a, b = [5, 9, 17, 3, 44, 12, 8], [7, 31, 90]
+    prefilled = []
+    prefill = engine.prefill
+    engine.prefill = lambda tokens, *args, **kw: prefilled.append(len(tokens)) or prefill(tokens, *args, **kw)
+    greedy, _ = engine.generate([a, b, a, a], SamplingParams(max_new_tokens=8))
+    alone = [engine.generate([p], SamplingParams(max_new_tokens=8))[0][0].tokens for p in (a, b)]
+    assert [c.tokens for c in greedy] == [alone[0], alone[1], alone[0], alone[0]]
+    sampled, _ = engine.generate([a, b, a, a], SamplingParams(max_new_tokens=10, temperature=1.0, seed=3,
+                                                              logprobs=True))
+    assert prefilled == [2, 1, 1, 2]
+    assert len({tuple(c.tokens) for c in (sampled[0], sampled[2], sampled[3])}) > 1  # the rows draw apart
+    for prompt, c in zip([a, b, a, a], sampled):
+        logits = uncached_logits(model, prompt, c.tokens[:-1])
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
 
 
 def test_stop_strings_cut_the_text_and_streamed_pieces_add_up(model):

@@ -225,8 +225,19 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         cache = self._call_cache(batch, capacity)
-        logits = self.prefill(tokens, torch.tensor(lengths, device=self.device), cache, start_id=self.start_id,
-                              **fields)
+        # Rows with the same prompt (GRPO's G completions of each prompt) share one prefill: the
+        # distinct prompts fill a cache of their own, copied row by row (copy_row).
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        shared = len(first) < batch and not fields  # with fields (an image), equal ids are not equal prompts
+        rows = [source.index(i) for i in range(len(first))] if shared else list(range(batch))
+        prefilled = self._init_cache(len(rows), capacity, device=self.device, dtype=self.dtype) if shared else cache
+        logits = self.prefill(tokens[rows], torch.tensor(lengths, device=self.device)[rows], prefilled,
+                              start_id=self.start_id, **fields)
+        if shared:
+            for row, i in enumerate(source):
+                cache.copy_row(row, prefilled, i)
+            logits = logits[source]
         seen = None
         if params.repetition_penalty != 1.0:
             # (batch, vocab): the tokens each row holds, which the penalty discourages.
