@@ -5,8 +5,8 @@ p50/p95 latency, time to first token and the server's peak memory at 1, 4, 16 an
     python scripts/bench_serve.py --model FOLDER        # a Hugging Face folder of your own
     python scripts/bench_serve.py --quick               # a tiny model, 1 and 2 clients, 4 tokens (a test)
 
-Each server runs in a process of its own with one thread (OMP_NUM_THREADS=1; titanlike-serve's --max-batch-
-size is the largest client count, transformers' batch is its own). Every client sends streamed
+Each server runs in a process of its own with one thread (OMP_NUM_THREADS=1; titanlike-serve's
+--max-batch-size is the largest client count, transformers' batch is its own). Every client sends streamed
 /v1/completions requests of --tokens greedy tokens (a prompt each, one request after another, --requests
 each): with --client openai (the default) each is a thread of the official `openai` client; with --client
 async all are aiohttp coroutines in one thread that parse each event with json alone, a fraction of the CPU,
