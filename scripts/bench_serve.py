@@ -41,6 +41,10 @@ PROMPTS = ["In the beginning God created the heaven and the earth.", "And the ea
            "And God said, Let there be light: and there was light.", "And God saw the light, that it was good:"]
 
 
+MAX_MODEL_LEN = 1024  # the tokens a sequence may hold, both servers
+TRANSFORMERS_PAGE = 256  # transformers' continuous batching: tokens of one page of its KV cache (page_size)
+
+
 def make_model(folder: str, *, quick: bool) -> str:
     """A random Llama saved by transformers (about 27M parameters; --quick: about 1M) with titanlike's
     debug tokenizer written beside it (data/hf_tokenizer.py), so both servers read the same files."""
@@ -282,14 +286,17 @@ def main(argv: list[str] | None = None) -> None:
         folder = args.model or make_model(os.path.join(work, "llama"), quick=args.quick)
         port_ours, port_theirs = free_port(), free_port()
         ours = [sys.executable, "-c", "import sys; from titanlike.cli.serve import main; sys.exit(main(sys.argv[1:]))",
-                folder, "--port", str(port_ours), "--max-batch-size", str(max(counts)), "--max-model-len", "1024",
-                "--served-model-name", "model"]
+                folder, "--port", str(port_ours), "--max-batch-size", str(max(counts)),
+                "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "model"]
         if args.compile:
             ours.append("--compile")
         servers = [Server("titanlike", ours, port_ours, "model", os.path.join(work, "titanlike.log"))]
         if not args.quick:
+            # Its KV cache holds what titanlike's does (slots x 1024 tokens, in pages of 256 tokens): by
+            # default it takes 90% of the free memory, which on a shared machine got it killed (OOM).
             theirs = ["transformers", "serve", folder, "--continuous-batching", "--device", "cpu", "--host",
-                      "127.0.0.1", "--port", str(port_theirs), "--log-level", "error"]
+                      "127.0.0.1", "--port", str(port_theirs), "--log-level", "error",
+                      "--cb-num-blocks", str(-(-max(counts) * MAX_MODEL_LEN // TRANSFORMERS_PAGE))]
             servers.append(Server("transformers", theirs, port_theirs, folder, os.path.join(work, "transformers.log")))
         try:
             for server in servers:
