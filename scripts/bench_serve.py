@@ -227,7 +227,8 @@ def stream_async(server: Server, clients: int, requests: int, tokens: int) -> li
 
     async def rounds() -> list[tuple[float, float, int]]:
         timeout = aiohttp.ClientTimeout(total=600)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout) as session:
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection per request, as openai's
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             async def work(i: int) -> list[tuple[float, float, int]]:
                 return [await one_or_dropped(session, PROMPTS[(i + j) % len(PROMPTS)]) for j in range(requests)]
 
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
                 started = time.perf_counter()
                 server.wait(args.start_timeout)
                 print(f"{server.name} answered /health after {time.perf_counter() - started:.1f} s", flush=True)
-                run_round(server, 1, 1, 2, args.client)  # a warm-up request (loads the model on demand, first-call costs)
+                run_round(server, 1, 1, 2, args.client)  # a warm-up request (loads the model, first-call costs)
                 server.sample_memory()
             figures: dict[tuple[str, int], list[dict]] = {}
             for clients in counts:
@@ -334,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
                 row = rows[server.name]
                 row["dropped"] = sum(r["dropped"] for r in runs)  # over all rounds
                 print(f"{clients:>7} {server.name:>12} {row['tokens_per_s']:9.1f} {row['p50']:7.2f} {row['p95']:7.2f} "
-                      f"{row['ttft']:7.3f} {row['cpu_ms_per_token']:12.2f} {row['client_ms_per_token']:15.2f} {row['dropped']:7d}")
+                      f"{row['ttft']:7.3f} {row['cpu_ms_per_token']:12.2f} {row['client_ms_per_token']:15.2f} "
+                      f"{row['dropped']:7d}")
             if len(rows) == 2:
                 a, b = rows["titanlike"], rows["transformers"]
                 print(f"{clients:>7} {'ratio':>12} {a['tokens_per_s'] / b['tokens_per_s']:8.2f}x "
