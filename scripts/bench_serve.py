@@ -227,7 +227,8 @@ def stream_async(server: Server, clients: int, requests: int, tokens: int) -> li
 
     async def rounds() -> list[tuple[float, float, int]]:
         timeout = aiohttp.ClientTimeout(total=600)
-        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a new connection per request for both (titanlike closes each stream's)
+        # A new connection per request for both servers (titanlike-serve closes each stream's).
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             async def work(i: int) -> list[tuple[float, float, int]]:
                 return [await one_or_dropped(session, PROMPTS[(i + j) % len(PROMPTS)]) for j in range(requests)]
