@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
                         "thread (lighter, so the clients' CPU dilutes the servers' difference less)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 1 and 2 clients, 4 tokens, 1 round, "
-                        "titanlike-serve alone (a smoke test of this script)")
+                        "titanlike-serve alone, a warm-up request through each client (a smoke test of this script)")
     args = parser.parse_args(argv)
     if args.quick:
         args.clients, args.tokens, args.requests, args.rounds = "1,2", 4, 1, 1
@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> None:
                 started = time.perf_counter()
                 server.wait(args.start_timeout)
                 print(f"{server.name} answered /health after {time.perf_counter() - started:.1f} s", flush=True)
-                run_round(server, 1, 1, 2, args.client)  # a warm-up request (loads the model, first-call costs)
+                # A warm-up request (loads the model, first-call costs); --quick sends one through each client.
+                for client in sorted(CLIENTS) if args.quick else [args.client]:
+                    run_round(server, 1, 1, 2, client)
                 server.sample_memory()
             figures: dict[tuple[str, int], list[dict]] = {}
             for clients in counts:
