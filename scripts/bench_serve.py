@@ -6,19 +6,20 @@ p50/p95 latency, time to first token and the server's peak memory at 1, 4, 16 an
     python scripts/bench_serve.py --quick               # a tiny model, 1 and 2 clients, 4 tokens (a test)
 
 Each server runs in a process of its own with one thread (OMP_NUM_THREADS=1; titanlike-serve's
---max-batch-size is the largest client count, transformers' batch is its own). Every client sends streamed
-/v1/completions requests of --tokens greedy tokens (a prompt each, one request after another, --requests
-each): with --client openai (the default) each is a thread of the official `openai` client; with --client
-async all are aiohttp coroutines in one thread that parse each event with json alone, a fraction of the CPU,
-which matters where the clients share the server's cores. Rounds are paired (titanlike, transformers,
-titanlike, ...) so a shared machine's load hits both alike; each figure is the median over --rounds. Time to
-first token is the first streamed text; tokens are the usage the server reports; CPU ms/token is the server
-process's CPU time (psutil, children included) over the round's tokens, the figure a loaded machine disturbs
-least; peak memory is the largest resident set of the server process seen while it served; client ms/token
-is the CPU time of the clients (this process) over the round's tokens; dropped counts the streams a server
-closed before their end (left out of the tokens and latencies; transformers serve closes some at 64 clients
-on a loaded machine). Ratios are titanlike's over transformers' for tokens/s, latency and memory, and
-transformers' over titanlike's for CPU per token (above 1: titanlike spends less).
+--max-batch-size is the largest client count, and transformers' KV cache is sized to hold what titanlike's
+holds: that many sequences of 1024 tokens). Every client sends streamed /v1/completions requests of --tokens
+greedy tokens (a prompt each, one request after another, --requests each): with --client openai (the
+default) each is a thread of the official `openai` client; with --client async all are aiohttp coroutines in
+one thread that parse each event with json alone, a fraction of the CPU, which matters where the clients
+share the server's cores. Rounds are paired (titanlike, transformers, titanlike, ...) so a shared machine's
+load hits both alike; each figure is the median over --rounds. Time to first token is the first streamed
+text; tokens are the usage the server reports; CPU ms/token is the server process's CPU time (psutil,
+children included) over the round's tokens, the figure a loaded machine disturbs least; peak memory is the
+largest resident set of the server process seen while it served; client ms/token is the CPU time of the
+clients (this process) over the round's tokens; dropped counts the streams a server closed before their end
+(left out of the tokens and latencies: a server the kernel's OOM killer ends mid-round shows so). Ratios are
+titanlike's over transformers' for tokens/s, latency and memory, and transformers' over titanlike's for CPU
+per token (above 1: titanlike spends less).
 """
 
 from __future__ import annotations
