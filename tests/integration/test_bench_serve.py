@@ -1,5 +1,6 @@
 """scripts/bench_serve.py --quick: the benchmark's own path (a model saved by transformers, titanlike-serve
-in a process of its own, streamed openai clients, the table) on a tiny model, so the script cannot rot.
+in a process of its own, streamed openai clients, a warm-up request through the aiohttp client too, the
+table) on a tiny model, so the script cannot rot.
 transformers serve is left out here (it needs fastapi and uvicorn, and minutes); the full comparison's
 figures are in docs/performance.md."""
 
@@ -18,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_serve_quick_prints_its_table():
     pytest.importorskip("openai")
     pytest.importorskip("psutil")
+    pytest.importorskip("aiohttp")  # --client async (installed with datasets' fsspec[http])
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_serve.py"), "--quick"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
