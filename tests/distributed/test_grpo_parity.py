@@ -7,7 +7,9 @@ the experts split over the ranks and gathered whole for generation. fp32, seed 2
 drop and refill groups at both generating steps, which the refill checks need), three steps of the
 tiny debug model: a generation, a second step on the same rollouts (num_iterations 2, the old
 policy's log-probabilities), a generation from the updated policy (a second gather of its weights);
-beta 0.1 builds the reference (a frozen copy sharded like the policy). Dynamic sampling drops the
+beta 0.1 builds the reference (a frozen copy sharded like the policy); advantages are scaled by the
+std of the whole generation's rewards (scale_rewards batch: every microbatch, every rank, as TRL's
+global batch), one all-reduce. Dynamic sampling drops the
 groups whose rewards are all equal and refills them (two rounds at steps 1 and 3): the data-parallel
 ranks agree on the rounds, and a refill draws the prompts and seeds one process draws.
 
@@ -35,7 +37,7 @@ GRPO_JOB = ("--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml")
             "--training.steps", "3", "--grpo.reward_funcs", "format", "--grpo.format_pattern", "(?s).*[0-9].*",
             "--grpo.beta", "0.1", "--grpo.num_iterations", "2", "--optimizer.lr", "1e-3",
             "--training.local_batch_size", "2", "--training.global_batch_size", "4", "--grpo.dynamic_sampling",
-            "--debug.seed", "2")
+            "--grpo.scale_rewards", "batch", "--debug.seed", "2")
 
 
 @pytest.fixture(scope="module")

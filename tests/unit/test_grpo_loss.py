@@ -261,6 +261,23 @@ def test_advantages_equal_trl(scale_rewards):
     assert got[7] == 0.0
 
 
+def test_batch_scaling_spans_every_microbatch_of_a_generation_as_trls_global_batch():
+    """scale_rewards batch: TRL divides by the std of its whole (global) batch; titanlike's rollout makes a
+    generation as several microbatches (and ranks: `total` sums over them, tests/distributed/
+    test_grpo_parity.py), each with unscaled advantages, then complete() scales them all by that std."""
+    from titanlike.rl.rollout import GRPORollout
+
+    total, _ = rewards()
+    o = GRPOOptions(num_generations=G, scale_rewards="batch", engine_importance_sampling_correction=False)
+    _, _, _, inputs = run_trl(o, batch(), engine=False, off_policy=False)
+    halves = [{"rewards": part, "advantages": group_advantages(part, G, "none")} for part in total.split(B // 2)]
+    GRPORollout.complete(types.SimpleNamespace(options=o), halves, total=lambda t: t)
+    got = torch.cat([h["advantages"] for h in halves])
+    assert (got - inputs["advantages"]).abs().max() <= TOL
+    # Each half by its own std (what the rollout did before) is not TRL's.
+    assert (torch.cat([group_advantages(h, G, "batch") for h in total.split(B // 2)]) - got).abs().max() > 1e-2
+
+
 def test_dynamic_sampling_keeps_groups_with_different_rewards():
     rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 2.0, 2.0, math.nan, 2.0, math.nan, 3.0, math.nan,
                             math.nan])

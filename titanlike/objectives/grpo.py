@@ -72,10 +72,9 @@ class GRPOOptions:
                          choices=LOSS_TYPES)
     importance_sampling_level: str = opt("token", "the policy ratio per token, or per completion (sequence: GSPO, the "
                                          "exp of the mean token log-ratio)", choices=("token", "sequence"))
-    scale_rewards: str = opt("group", "advantages divided by the group's reward std (group), the generated "
-                             "microbatch's (batch: the completions of one loader batch of prompts on one rank; TRL's "
-                             "spans the step's global batch, the same when a step is one microbatch on one process), "
-                             "or not at all (none: Dr. GRPO)", choices=SCALE_REWARDS)
+    scale_rewards: str = opt("group", "advantages divided by the group's reward std (group), the std of "
+                             "the rewards of every completion the generation trains on, over all microbatches and "
+                             "data-parallel ranks (batch: TRL's global batch), or not at all (none: Dr. GRPO)", choices=SCALE_REWARDS)
     mask_truncated_completions: bool = opt(False, "completions cut at max_completion_length (no end-of-text) add no "
                                            "loss (DAPO)")
     kl_bias_correction: bool = opt(True, "multiply the KL term by the policy ratio, the unbiased reverse-KL gradient "

@@ -24,7 +24,7 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
     """(B,) advantages of (B,) rewards in consecutive groups of num_generations: the reward minus its
     group's mean, divided by the group's std (group), the std of all of `rewards` (batch: the rollout
-    passes one generated microbatch's, where TRL passes the step's global batch), or not (none), std + 1e-4.
+    scales by the whole generation's instead, rl/rollout.py complete()), or not (none), std + 1e-4.
     A NaN reward (every reward function returned None) is left out of its group's statistics and gets
     advantage 0, as TRL does."""
     if scale_rewards not in SCALE_REWARDS:

@@ -180,7 +180,9 @@ class GRPORollout:
         if o.overlong_buffer_length:
             total = total + overlong_penalty(new, o.max_completion_length, o.overlong_buffer_length,
                                              o.overlong_penalty_factor)
-        advantages = group_advantages(total, g, o.scale_rewards)
+        # Scaled by the batch's std, the whole generation's (every microbatch, every rank, as TRL's global
+        # batch): that std is known once all of it is made (complete()).
+        advantages = group_advantages(total, g, "none" if o.scale_rewards == "batch" else o.scale_rewards)
         truncated = torch.tensor([c.finish_reason != "stop" for c in completions])
         groups = kept_groups(total, g) if o.dynamic_sampling else torch.ones(len(lengths), dtype=torch.bool)
         # Over every completion generated, before dynamic sampling drops groups (metrics()).
@@ -211,6 +213,23 @@ class GRPORollout:
             batch = _join(joining, batch, self.pad_id)
         batch[GROUPS] = torch.tensor([count, len(lengths)])
         return batch
+
+    def complete(self, batches: list[dict[str, torch.Tensor]], total) -> None:
+        """scale_rewards batch: every row's advantage divided by the std (Bessel-corrected, NaN rewards
+        left out) of the rewards of every row that trains in this generation, on every data-parallel rank,
+        + 1e-4: TRL's std over the global batch (the same rows when no group is dropped). The sums are
+        float64, one all-reduce."""
+        if self.options.scale_rewards != "batch":
+            return
+        rewards = torch.cat([b["rewards"] for b in batches]).double()
+        known = rewards[~rewards.isnan()]
+        sums = total(torch.stack([torch.tensor(float(len(known)), dtype=torch.float64), known.sum(),
+                                  (known ** 2).sum()]))
+        count, first, second = sums.tolist()
+        variance = (second - first * first / count) / (count - 1) if count > 1 else math.nan
+        std = math.sqrt(max(variance, 0.0))
+        for b in batches:
+            b["advantages"] = torch.nan_to_num(b["advantages"] / (std + 1e-4), nan=0.0)
 
     def _rows(self, ids: list[list[int]], completions, index: list[int]) -> dict[str, torch.Tensor]:
         """Rows of prompt + completion tokens (inputs), the completion as labels and the engine's

@@ -320,6 +320,7 @@ class Companions:
         finally:
             for part, mode in zip(parts, modes):
                 part.train(mode)
+        self.rollout.complete(slots, self._total)
         if self.rollout.rounds > 1:
             kept = drawn * count - missing
             for name, value in (("rollout/rounds", rounds), ("rollout/dropped_prompts", generated - kept),
@@ -332,6 +333,16 @@ class Companions:
                     batch.update(out)
         self._generating += time.perf_counter() - started
         return Generation(first, last, version, slots)
+
+    def _total(self, values: torch.Tensor) -> torch.Tensor:
+        """values summed over the data-parallel ranks (one all-reduce), on the host."""
+        if self.dp_group is None:
+            return values
+        import torch.distributed as dist
+
+        values = values.to(self.device)
+        dist.all_reduce(values, group=self.dp_group)
+        return values.cpu()
 
     def _anywhere(self, flag: bool) -> bool:
         """Whether `flag` holds on any data-parallel rank (one all-reduce of one value)."""
