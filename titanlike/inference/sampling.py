@@ -125,9 +125,13 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     at one uniform number: the distribution torch.multinomial draws from, at one random number per row
     where multinomial takes one per vocabulary entry (those draws were 7-11% of a GRPO rollout's CPU
     time: docs/performance.md). The sums are in float64, and the number stays below the row's total, so
-    a token of probability 0 (filtered by top-k or top-p) is never drawn."""
+    a token of probability 0 (filtered by top-k or top-p) is never drawn. Checking the rows costs one host sync."""
     cumulative = probs.cumsum(-1, dtype=torch.float64)
     total = cumulative[:, -1:]
+    # As multinomial does: a row whose settings broke its probabilities (NaN or inf logits) raises, which
+    # the continuous batch turns into that sequence's "error" end (continuous.py _sample).
+    if not bool(((total > 0) & total.isfinite()).all()):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))
     return torch.searchsorted(cumulative, u, right=True)[:, 0]
