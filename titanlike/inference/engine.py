@@ -168,9 +168,10 @@ class Engine:
         """One decode step (the decode_step hook, compiled or not; eager: the hook itself, on a cache that
         is not static): logits (batch, vocab). A CUDA-graphed step's logits live until the next step,
         which overwrites them: read them first."""
-        if eager or not self.compiled:
+        if eager:
             return self.eager_step(tokens, cache)
-        torch.compiler.cudagraph_mark_step_begin()
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()
         return self.decode_step(tokens, cache)
 
     def _call_cache(self, batch_size: int, capacity: int):
