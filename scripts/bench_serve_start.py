@@ -38,13 +38,14 @@ def _answer(url: str, max_tokens: int) -> dict:
         return json.loads(r.read())
 
 
-def server_start(folder: str, cache_dir: str, max_tokens: int, slots: int) -> dict:
+def server_start(folder: str, cache_dir: str, max_tokens: int, slots: int, max_len: int) -> dict:
     """One start: seconds to the start line, to the first answer and to the compiled line; the answers'
     texts (the first, and one after the compile)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONPATH": REPO}
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "serve.py"), folder, "--port", "0",
-                             "--served-model-name", "m", "--compile", "--max-batch-size", str(slots)],
+                             "--served-model-name", "m", "--compile", "--max-batch-size", str(slots),
+                             "--max-model-len", str(max_len)],
                             stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put((time.perf_counter(), line)) for line in proc.stderr],
@@ -53,6 +54,8 @@ def server_start(folder: str, cache_dir: str, max_tokens: int, slots: int) -> di
     try:
         while "listening" not in result:
             at, line = lines.get(timeout=600)
+            if line.startswith("error:"):
+                raise SystemExit(f"the server did not start: {line.strip()}")
             if line.startswith("serving m at "):
                 result["listening"] = at - started
                 url = line.split(" at ")[1].split("/v1")[0]
@@ -73,7 +76,7 @@ def server_start(folder: str, cache_dir: str, max_tokens: int, slots: int) -> di
     return result
 
 
-def in_process(folder: str, max_tokens: int, slots: int, cache_dir: str) -> None:
+def in_process(folder: str, max_tokens: int, slots: int, max_len: int, cache_dir: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # empty: a first start's compile, before torch is imported
     import torch
 
@@ -82,8 +85,8 @@ def in_process(folder: str, max_tokens: int, slots: int, cache_dir: str) -> None
 
     torch.set_num_threads(1)
     model, _ = load_for_inference(folder)
-    eager = ContinuousBatch(Engine(model), slots=slots)
-    compiled = ContinuousBatch(Engine(model, compile=True), slots=slots)
+    eager = ContinuousBatch(Engine(model, context_len=max_len), slots=slots)
+    compiled = ContinuousBatch(Engine(model, context_len=max_len, compile=True), slots=slots)
     prompt = list(range(3, 19))
     params = SamplingParams(max_new_tokens=max_tokens)
 
@@ -120,19 +123,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("folder")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--slots", type=int, default=8, help="--max-batch-size (8: the server's default)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--skip-in-process", action="store_true")
     args = parser.parse_args(argv)
     if not args.skip_server:
         with tempfile.TemporaryDirectory() as cache_dir:
             for start in ("first start (empty inductor cache)", "second start"):
-                r = server_start(args.folder, cache_dir, args.max_tokens, args.slots)
+                r = server_start(args.folder, cache_dir, args.max_tokens, args.slots, args.max_model_len)
                 print(f"{start}: start line {r['listening']:.1f} s, first answer {r['first_answer']:.1f} s, "
                       f"'{r['compiled_line']}' at {r['compiled']:.1f} s; answers equal before and after the "
                       f"compile: {r['first_text'] == r['after_text']}", flush=True)
     if not args.skip_in_process:
         with tempfile.TemporaryDirectory() as cache_dir:
-            in_process(args.folder, args.max_tokens, args.slots, cache_dir)
+            in_process(args.folder, args.max_tokens, args.slots, args.max_model_len, cache_dir)
 
 
 if __name__ == "__main__":
