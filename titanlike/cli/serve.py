@@ -157,6 +157,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if not server.batch.stop_compiling(timeout=1):
+        # A shape still compiling cannot be interrupted, and the interpreter's exit would wait for
+        # inductor's worker threads (a kernel's C++ build: seconds to a minute under load): leave now.
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 
