@@ -6,6 +6,8 @@
   a stop string (cut from the text), max_new_tokens or the context, each with its reason; streamed
   text pieces add up to the final text. Compiled (a torch.compile'd decode step on static caches) it
   gives the eager tokens and compiles once: tests/integration/test_generation_engine_compiled.py.
+  A continuous batch compiling in the background serves eager until each shape is ready (here, with
+  a stand-in for the compiled step).
 - The program: batched and streamed output agree, prompts come from a JSONL file, chat mode renders
   the chat template, the speed goes to stderr, and every bad value is one sentence.
 Families against transformers' generate: tests/conformance/test_generation.py.

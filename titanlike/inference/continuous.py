@@ -164,9 +164,10 @@ class ContinuousBatch:
         eager = slots is not None and self.ready is not None and (rows, slots) not in self.ready
         if eager:  # its compile is not ready (or failed): the eager step over the rows in use
             head = self.cache.head(live, static=False)
+            logits = self.engine.decode(self.last[:live], head, eager=True)
         else:
             head = self.cache.head(rows, slots)
-        logits = self.engine.decode(self.last[:head.batch_size], head, eager=eager)
+            logits = self.engine.decode(self.last[:rows], head)
         head.write_back()
         self.steps += 1
         if self.cache.static and not eager:
