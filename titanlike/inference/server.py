@@ -163,7 +163,6 @@ class OpenAIServer:
         self.batch = ContinuousBatch(engine, slots)
         self.created = int(time.time())
         self.compiled = (0, 0.0)  # (decode-step shapes compiled, seconds): warm_up, compile_in_background
-        self.compiling = 0  # shapes compile_in_background compiles while serving eager
         self._stop = threading.Event()
         self.draining = False
         self._inflight = 0  # POST requests being answered (drain waits for them)
@@ -187,12 +186,12 @@ class OpenAIServer:
         compile_in_background), each shape switching to its compiled step when it is ready; the number of
         shapes (0 when eager). say(line) gets "compiled N shapes of the decode step in X s" at the end."""
         def done(compiled: int, seconds: float) -> None:
-            self.compiled, self.compiling = (compiled, seconds), 0
+            self.compiled = (compiled, seconds)
             if say is not None:
                 failed = f"; {total - compiled} failed and stay eager" if compiled < total else ""
                 say(f"compiled {compiled} shapes of the decode step in {seconds:.1f} s{failed}")
 
-        total = self.compiling = len(self.batch.shapes())
+        total = len(self.batch.shapes())
         return self.batch.compile_in_background(done)
 
     @property
