@@ -114,7 +114,7 @@ def start_lines(server) -> list[str]:
     everywhere = host in ("0.0.0.0", "::", "")
     reach = "every interface: other machines can reach it" if everywhere else \
         "this machine only" if host in ("127.0.0.1", "::1", "localhost") else f"the interface of {host}"
-    shapes, seconds = server.compiled  # warm_up before start: compiled before serving
+    shapes, seconds = server.compiled  # set when warm_up compiled every shape before serving
     lines = [f"compiled {shapes} shapes of the decode step in {seconds:.1f} s"] if shapes else []
     lines += [f"serving {server.model_name} at {server.url}/v1 ({server.batch.slots} slots of "
              f"{server.batch.capacity} tokens; bound to {host}, {reach}; "
