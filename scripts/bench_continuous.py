@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [torch.randint(3, 2000, (16 + 3 * i,), generator=generator).tolist() for i in range(16)]
     batch = ContinuousBatch(engine, slots=args.slots)
     print(f"llama3 {args.flavor}, context {engine.context_len}, {args.slots} slots, compiled {engine.compiled}")
-    if args.compile:  # what titanlike-serve --compile does at start (its first line)
+    if args.compile:  # every shape before serving: OpenAIServer.warm_up (titanlike-serve compiles in the background)
         cpu, wall = time.process_time(), time.perf_counter()
         shapes = batch.warm_up()
         workers = os.times()

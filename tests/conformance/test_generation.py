@@ -166,15 +166,18 @@ def test_greedy_generation_equals_transformers_and_the_cache_equals_the_full_for
     assert [s.completion.tokens for s in seqs] == [row[:n] for row, n in zip(ours, lengths)], family
     assert seqs[2].slot == seqs[0].slot
     # A row that ends with none waiting takes the last row's sequence (moved with copy_row), the step
-    # runs on the rows in use only (ModelCache.head), and a static cache's reads a length bucket.
-    for static in (False, True):
+    # runs on the rows in use only (ModelCache.head), and a static cache's reads a length bucket; a
+    # static cache whose shapes are still compiling (ready: none yet) is stepped eager on a head that
+    # is not static (continuous.py compile_in_background).
+    for static, ready in ((False, None), (True, None), (True, set())):
         batch = ContinuousBatch(Engine(model), slots=3)
-        batch.cache.static = static
+        batch.cache.static, batch.ready = static, ready
         lengths = (2, 3, NEW_TOKENS)
         seqs = [batch.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
         batch.run()
         assert [s.completion.tokens for s in seqs] == [row[:n] for row, n in zip(ours, lengths)], (family, static)
         assert seqs[2].slot == 0
+        assert batch.compiled_steps == (batch.steps if static and ready is None else 0)
 
 
 def test_every_generating_family_is_checked():

@@ -120,3 +120,46 @@ def test_a_compiled_server_compiles_every_shape_before_serving_and_says_so():
         server.shutdown()
     assert got == [server.processor.decode(tokens, skip_special_tokens=False) for tokens in want]
     assert counters["stats"]["unique_graphs"] == 4
+
+
+def test_a_server_compiling_in_the_background_switches_each_shape_to_its_compiled_step():
+    """titanlike-serve --compile: OpenAIServer.compile_in_background serves eager at once and compiles the
+    shapes in a thread on a scratch cache (continuous.py), then says "compiled N shapes"; the guards of
+    what it compiled hold for the serving cache's steps, so requests after it recompile nothing, are
+    the compiled step's, and get the eager engine's greedy tokens. The model and shapes of the tests above
+    (inductor's on-disk cache holds their kernels: a few seconds). Eager answers while a compile is still
+    running, and a shape that fails to compile: tests/unit/test_generation_engine.py."""
+    import threading
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from titanlike.cli.serve import start_lines
+    from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
+    from titanlike.inference.processor import Processor
+    from titanlike.inference.server import OpenAIServer
+
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], vocab_size=256, n_layers=1, max_seq_len=40)
+    model = materialize(spec.model_cls, args, seed=0).eval()
+    prompts = [[5, 9, 17, 3, 44, 12, 8], [7, 31, 90]]
+    params = SamplingParams(max_new_tokens=4)
+    want = [c.tokens for c in Engine(model).generate(prompts, params)[0]]
+    torch._dynamo.reset()
+    counters.clear()
+    server = OpenAIServer(Engine(model, compile=True), Processor(build_tokenizer(DEFAULT_TOKENIZER_PATH)),
+                          model_name="tiny", slots=1, port=0)  # 2 shapes: rows 1, slots 10 and 40
+    assert start_lines(server)[1] == "serving eager; compiling 2 shapes in the background"
+    said, done = [], threading.Event()
+    assert server.compile_in_background(say=lambda line: (said.append(line), done.set())) == 2
+    assert done.wait(300)
+    shapes, seconds = server.compiled
+    assert said == [f"compiled 2 shapes of the decode step in {seconds:.1f} s"] and shapes == 2
+    assert counters["stats"]["unique_graphs"] >= 2
+    batch = server.batch
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        seqs = [batch.submit(p, params) for p in prompts]
+        batch.run()
+    assert [s.completion.tokens for s in seqs] == want
+    assert batch.compiled_steps == batch.steps == 6  # 3 decode steps each, one prompt at a time, all compiled
+    server.http.server_close()

@@ -6,6 +6,8 @@
   a stop string (cut from the text), max_new_tokens or the context, each with its reason; streamed
   text pieces add up to the final text. Compiled (a torch.compile'd decode step on static caches) it
   gives the eager tokens and compiles once: tests/integration/test_generation_engine_compiled.py.
+  A continuous batch compiling in the background serves eager until each shape is ready (here, with
+  a stand-in for the compiled step).
 - The program: batched and streamed output agree, prompts come from a JSONL file, chat mode renders
   the chat template, the speed goes to stderr, and every bad value is one sentence.
 Families against transformers' generate: tests/conformance/test_generation.py.
@@ -264,6 +266,86 @@ def test_a_continuous_step_computes_the_rows_and_slots_in_use(model):
                 assert rows == (1 if live == 1 else 4) and slots == (10 if longest < 10 else 40), shapes
             else:
                 assert rows == live and slots == longest + 1, shapes
+
+
+def _background_batch(model, fail_rows: int | None = None):
+    """A continuous batch of 4 slots whose "compiled" step (a static cache's shapes) is the eager hook
+    counted, and a compile thread that waits for the returned gate before its first shape: what
+    compile_in_background does, without inductor's minutes. A shape of fail_rows rows fails to compile."""
+    import threading
+
+    from titanlike.inference import ContinuousBatch
+
+    engine = Engine(model)
+    batch = ContinuousBatch(engine, slots=4)
+    batch.cache.static = True
+    gate, served = threading.Event(), []  # served: the compiled step's calls from the serving thread
+    gate.entered = threading.Event()  # the compile thread is at its first shape
+    serving = threading.current_thread()
+
+    def compiled(tokens, cache):
+        if threading.current_thread() is not serving:  # the compile thread
+            gate.entered.set()
+            assert gate.wait(30)
+            if cache.batch_size == fail_rows:
+                raise RuntimeError("inductor failed\n  on its second line")
+        else:
+            served.append((cache.batch_size, cache.capacity))
+        return engine.eager_step(tokens, cache)
+
+    engine.decode_step = compiled
+    return batch, gate, served
+
+
+def test_a_server_serves_eager_while_the_step_compiles_and_each_shape_switches_when_ready(model, caplog):
+    """compile_in_background (titanlike-serve --compile): requests answered before the compile is done
+    get the eager tokens from the eager step; once a shape is compiled, its steps are the compiled
+    step's (counted); a shape whose compile raises is logged in one sentence and stays eager."""
+    from titanlike.inference import ContinuousBatch
+
+    prompts = [[5, 9, 17, 3], [7, 31, 90]]
+    params = SamplingParams(max_new_tokens=6)
+    alone = [ContinuousBatch(Engine(model), slots=1) for _ in prompts]
+    alone = [b.submit(p, params) for b, p in zip(alone, prompts)], alone
+    for b in alone[1]:
+        b.run()
+    alone = [s.completion.tokens for s in alone[0]]
+    batch, gate, served = _background_batch(model, fail_rows=4)
+    finished = []
+    assert batch.compile_in_background(lambda n, s: finished.append(n)) == 4  # rows 1, 4 x slots 10, 40
+    before = [batch.submit(p, params) for p in prompts]
+    batch.run()  # the compile thread waits at its first shape
+    assert [s.completion.tokens for s in before] == alone and batch.steps == 5 and batch.compiled_steps == 0
+    assert served == [] and not batch.ready
+    gate.set()
+    batch._compiler.join(30)
+    assert finished == [2] and batch.ready == {(1, 10), (1, 40)}
+    assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
+        f"compiling the decode step for 4 rows of {slots} slots failed, so that shape stays eager: inductor failed "
+        "on its second line" for slots in (10, 40)]
+    one = batch.submit(prompts[0], params)
+    batch.run()  # one row: the compiled shape
+    assert one.completion.tokens == alone[0] and batch.compiled_steps == 5 and served == [(1, 10)] * 5
+    both = [batch.submit(p, params) for p in prompts]
+    batch.run()  # two rows: the 4-row shape, which failed, stays eager
+    assert [s.completion.tokens for s in both] == alone and batch.compiled_steps == 5 and batch.steps == 15
+
+
+def test_stopping_a_background_compile_returns_at_once_and_compiles_no_further_shape(model):
+    """A server that shuts down while compiling does not wait for it: stop_compiling() returns at once
+    (the compile thread is a daemon), and the thread stops after the shape in progress."""
+    import time
+
+    batch, gate, _ = _background_batch(model)
+    finished = []
+    batch.compile_in_background(lambda n, s: finished.append(n))
+    assert gate.entered.wait(30)
+    started = time.monotonic()
+    assert not batch.stop_compiling(timeout=0.1)  # a shape is compiling
+    assert time.monotonic() - started < 5
+    gate.set()
+    assert batch.stop_compiling(timeout=30)
+    assert batch.ready == {(1, 10)} and finished == []
 
 
 # ---------------------------------------------------------------- scripts/generate.py

@@ -8,9 +8,11 @@ an OpenAI-compatible HTTP API.
 chat template, titanlike's llama3 template if it has none), streaming by server-sent events,
 /v1/models, /health. Concurrent requests share each decode step (continuous batching: up to
 --max-batch-size sequences, a finished one's slot refilled at once). One process, one device; the
-logic is titanlike/inference/server.py. With --compile every shape of the decode step is compiled
-before it listens, and its first line says how many and how long (torch's on-disk caches make a
-second start of the same model several times faster: docs/performance.md).
+logic is titanlike/inference/server.py. With --compile it serves at once with the eager step and
+compiles every shape of the decode step in the background, each shape switching to its compiled step
+when ready; it says so at start and again when compiling is done, with how many shapes and how long
+(torch's on-disk caches make a later start of the same model several times faster:
+docs/performance.md).
 
 It listens on 127.0.0.1 (this machine only) unless --host says otherwise, and says so at start; on
 every interface without an API key (--api-key or TITANLIKE_API_KEY) it warns that anyone who can
@@ -102,7 +104,6 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
                               read_timeout=args.read_timeout, drain_seconds=args.drain_seconds)
     except OSError as e:
         return None, f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
-    server.warm_up()  # compiled: every shape of the step before the first request (a no-op eager)
     return server, None
 
 
@@ -113,11 +114,14 @@ def start_lines(server) -> list[str]:
     everywhere = host in ("0.0.0.0", "::", "")
     reach = "every interface: other machines can reach it" if everywhere else \
         "this machine only" if host in ("127.0.0.1", "::1", "localhost") else f"the interface of {host}"
-    shapes, seconds = server.compiled
+    shapes, seconds = server.compiled  # set when warm_up compiled every shape before serving
     lines = [f"compiled {shapes} shapes of the decode step in {seconds:.1f} s"] if shapes else []
     lines += [f"serving {server.model_name} at {server.url}/v1 ({server.batch.slots} slots of "
              f"{server.batch.capacity} tokens; bound to {host}, {reach}; "
              f"{'an API key is required' if server.api_key else 'no API key'}; SIGTERM or Ctrl-C drains and stops)"]
+    pending = 0 if shapes else len(server.batch.shapes())
+    if pending:
+        lines.append(f"serving eager; compiling {pending} shapes in the background")
     if everywhere and not server.api_key:
         lines.append(f"warning: listening on {host} without an API key: anyone who can reach port "
                      f"{server.address[1]} can use this model; set --api-key or {API_KEY_ENV}")
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.start()
+        server.compile_in_background(say=lambda line: print(line, file=sys.stderr, flush=True))
         while not stop.wait(0.5):  # a timed wait, so the handler runs promptly
             pass
         busy = server.batch.active + len(server.batch.waiting)
@@ -152,6 +157,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if not server.batch.stop_compiling(timeout=1):
+        # A shape still compiling cannot be interrupted, and the interpreter's exit would wait for
+        # inductor's worker threads (a kernel's C++ build: seconds to a minute under load): leave now.
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

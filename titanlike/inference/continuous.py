@@ -22,6 +22,12 @@ Each sequence samples with its own settings and its own seeded generator, so wha
 depend on what else is in the batch: a greedy sequence gets what Engine.generate gives it alone, and
 a seeded one draws what Engine.generate draws for it alone with that seed.
 
+Compiling takes a minute on CPU (docs/performance.md), so a server need not wait for it:
+compile_in_background() compiles the shapes in a thread of its own, the smallest first (one row, the
+shorter slot bucket: a lone request's), on a scratch cache of the same layout, so the compiled step
+never touches the cache the serving thread steps; until a shape is ready (or when its compile
+failed) a step of that shape runs the eager hook on exactly the rows in use, as an eager engine does.
+
 Thread use (a server): submit() and cancel() from any thread; step() from one thread only (the one
 that owns the model). Callbacks run on the stepping thread.
 """
@@ -29,7 +35,9 @@ that owns the model). Callbacks run on the stepping thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
@@ -38,6 +46,8 @@ import torch
 
 from titanlike.inference.engine import Completion, Engine, GenerationError, _TextStream
 from titanlike.inference.sampling import SamplingParams, next_tokens
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -84,6 +94,12 @@ class ContinuousBatch:
         self.work = threading.Condition()
         self._ids = itertools.count(1)
         self.steps = 0  # decode steps taken (statistics: a server's /health)
+        self.compiled_steps = 0  # of those, the ones the compiled step took
+        # compile_in_background: the shapes compiled so far (None: every shape is the compiled step's,
+        # compiled when first met unless warm_up did it), the thread, and what stops it.
+        self.ready: set[tuple[int, int]] | None = None
+        self._compiler: threading.Thread | None = None
+        self._stop_compiling = threading.Event()
         self.cancelled = 0  # sequences ended by cancel() before they were done
 
     # Any thread ------------------------------------------------------------------------------------
@@ -145,10 +161,17 @@ class ContinuousBatch:
             return
         self.cache.reset_rows(list(range(live, self.slots)))
         rows, slots = self._shape(live)
-        head = self.cache.head(rows, slots)
-        logits = self.engine.decode(self.last[:rows], head)
+        eager = slots is not None and self.ready is not None and (rows, slots) not in self.ready
+        if eager:  # its compile is not ready (or failed): the eager step over the rows in use
+            head = self.cache.head(live, static=False)
+            logits = self.engine.decode(self.last[:live], head, eager=True)
+        else:
+            head = self.cache.head(rows, slots)
+            logits = self.engine.decode(self.last[:rows], head)
         head.write_back()
         self.steps += 1
+        if self.cache.static and not eager:
+            self.compiled_steps += 1
         self._sample(logits[:live], list(range(live)))
 
     def _shape(self, live: int) -> tuple[int, int | None]:
@@ -161,6 +184,13 @@ class ContinuousBatch:
         slots = next((b for b in self.slot_buckets if b > self.cache.host_max_length), self.capacity)
         return rows, slots
 
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, slots) a compiled step can take (_shape), the most used first: fewer rows, then
+        fewer slots (0 shapes when the step is eager)."""
+        if not self.cache.static:
+            return []
+        return [(rows, slots) for rows in self.row_buckets for slots in self.slot_buckets]
+
     @torch.no_grad()
     def warm_up(self) -> int:
         """Compile every shape a step can take (_shape) before the first request, so none waits for a
@@ -170,17 +200,72 @@ class ContinuousBatch:
             return 0
         if self.busy():
             raise RuntimeError("warm_up runs before any sequence is submitted")
+        self._fill_placeholders(self.cache)
+        shapes = self.shapes()
+        for rows, slots in shapes:
+            self.engine.decode(self.last[:rows], self.cache.head(rows, slots))
+        self.cache.reset_rows(list(range(self.slots)))
+        return len(shapes)
+
+    def compile_in_background(self, done: Callable[[int, float], None] | None = None) -> int:
+        """Compile every shape in a thread of its own while step() serves eager (module docstring), each
+        shape taking over its steps once compiled; the number of shapes (0 when the step is eager).
+        done(compiled, seconds) is called from that thread when it ends (compiled: the shapes whose
+        compile succeeded; one that failed is logged in one sentence and stays eager)."""
+        shapes = self.shapes()
+        if not shapes:
+            return 0
+        if self._compiler is not None:
+            raise RuntimeError("the decode step is compiling in the background already")
+        self.ready = set()
+        self._compiler = threading.Thread(target=self._compile, args=(shapes, done), daemon=True,
+                                          name="titanlike-compile")
+        self._compiler.start()
+        return len(shapes)
+
+    def stop_compiling(self, timeout: float = 0.0) -> bool:
+        """Compile no further shape (the one in progress finishes: a compile cannot be interrupted); wait
+        up to `timeout` seconds for the thread to end (it is a daemon: exiting the process does not wait
+        for it). True when no compile is running."""
+        self._stop_compiling.set()
+        if self._compiler is not None:
+            self._compiler.join(timeout)
+        return self._compiler is None or not self._compiler.is_alive()
+
+    @torch.no_grad()
+    def _compile(self, shapes: list[tuple[int, int]], done: Callable[[int, float], None] | None) -> None:
+        """The compile thread: each shape stepped once on a scratch cache of self.cache's layout (the same
+        sizes and strides, so the serving step's guards hold), then handed to step() through `ready`."""
+        started = time.perf_counter()
+        engine = self.engine
+        scratch = engine.init_cache(self.slots, self.capacity, device=engine.device, dtype=engine.dtype)
+        self._fill_placeholders(scratch)
+        tokens = torch.zeros(self.slots, dtype=torch.long, device=engine.device)
+        compiled = 0
+        for rows, slots in shapes:
+            if self._stop_compiling.is_set():
+                return
+            try:
+                engine.decode(tokens[:rows], scratch.head(rows, slots))
+            except Exception as e:  # that shape stays eager; the server goes on
+                why = " ".join(str(e).split())[:300] or type(e).__name__
+                logger.warning(f"compiling the decode step for {rows} rows of {slots} slots failed, so that shape "
+                               f"stays eager: {why}")
+                continue
+            self.ready.add((rows, slots))
+            compiled += 1
+        del scratch
+        if done is not None:
+            done(compiled, time.perf_counter() - started)
+
+    def _fill_placeholders(self, cache) -> None:
+        """Every row of `cache` holding a one-token prompt: what a compile steps on."""
         engine = self.engine
         staging = engine.init_cache(1, 1, device=engine.device, dtype=engine.dtype)
         engine.prefill(torch.zeros(1, 1, dtype=torch.long, device=engine.device),
                        torch.ones(1, dtype=torch.long, device=engine.device), staging, start_id=engine.start_id)
-        for row in range(self.slots):
-            self.cache.copy_row(row, staging, 0)
-        shapes = [(rows, slots) for rows in self.row_buckets for slots in self.slot_buckets]
-        for rows, slots in shapes:
-            engine.decode(self.last[:rows], self.cache.head(rows, slots))
-        self.cache.reset_rows(list(range(self.slots)))
-        return len(shapes)
+        for row in range(cache.batch_size):
+            cache.copy_row(row, staging, 0)
 
     def _compact(self) -> None:
         """Move the sequences into the first rows: each row that holds none below their count takes

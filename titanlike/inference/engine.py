@@ -142,6 +142,7 @@ class Engine:
         self.context_len = context_len or model.model_args.context_len
         self.start_id = start_id
         self.compiled = compile
+        self.eager_step = self.decode_step  # the hook itself: what a continuous batch serves with while it compiles
         self._cache = None  # compiled: the static cache the last call decoded in (kept for the next)
         if compile:
             # Static shapes: every cache holds context_len slots and a decode step reads them all
@@ -163,9 +164,12 @@ class Engine:
         cache.static = self.compiled
         return cache
 
-    def decode(self, tokens: torch.Tensor, cache) -> torch.Tensor:
-        """One decode step (the decode_step hook, compiled or not): logits (batch, vocab). A CUDA-
-        graphed step's logits live until the next step, which overwrites them: read them first."""
+    def decode(self, tokens: torch.Tensor, cache, *, eager: bool = False) -> torch.Tensor:
+        """One decode step (the decode_step hook, compiled or not; eager: the hook itself, on a cache that
+        is not static): logits (batch, vocab). A CUDA-graphed step's logits live until the next step,
+        which overwrites them: read them first."""
+        if eager:
+            return self.eager_step(tokens, cache)
         if self.compiled:
             torch.compiler.cudagraph_mark_step_begin()
         return self.decode_step(tokens, cache)

@@ -162,7 +162,7 @@ class OpenAIServer:
         self.api_key = api_key or None
         self.batch = ContinuousBatch(engine, slots)
         self.created = int(time.time())
-        self.compiled = (0, 0.0)  # (decode-step shapes compiled before serving, seconds): warm_up
+        self.compiled = (0, 0.0)  # (decode-step shapes compiled, seconds): warm_up, compile_in_background
         self._stop = threading.Event()
         self.draining = False
         self._inflight = 0  # POST requests being answered (drain waits for them)
@@ -180,6 +180,19 @@ class OpenAIServer:
         shapes = self.batch.warm_up()
         self.compiled = (shapes, time.perf_counter() - started if shapes else 0.0)
         return self.compiled
+
+    def compile_in_background(self, say=None) -> int:
+        """Serve eager at once and compile the decode step's shapes in a thread (continuous.py
+        compile_in_background), each shape switching to its compiled step when it is ready; the number of
+        shapes (0 when eager). say(line) gets "compiled N shapes of the decode step in X s" at the end."""
+        def done(compiled: int, seconds: float) -> None:
+            self.compiled = (compiled, seconds)
+            if say is not None:
+                failed = f"; {total - compiled} failed and stay eager" if compiled < total else ""
+                say(f"compiled {compiled} shapes of the decode step in {seconds:.1f} s{failed}")
+
+        total = len(self.batch.shapes())
+        return self.batch.compile_in_background(done)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -209,6 +222,7 @@ class OpenAIServer:
             self.http.server_close()
 
     def shutdown(self) -> None:
+        self.batch.stop_compiling()
         self._stop.set()
         self.http.shutdown()
         self.http.server_close()
@@ -219,6 +233,7 @@ class OpenAIServer:
         """Stop accepting, let the requests in flight finish for up to `seconds`, cancel what is left
         (answered 503), then stop; the number of sequences cancelled."""
         self.draining = True
+        self.batch.stop_compiling()
         self.http.shutdown()  # the accept loop ends; open connections finish their request
         self.http.server_close()
         deadline = time.monotonic() + max(seconds, 0)

@@ -153,15 +153,17 @@ class ModelCache:
             self._row_bounds[row] = 0
         self.host_max_length = max(self._row_bounds)
 
-    def head(self, rows: int, slots: int | None = None) -> ModelCache:
+    def head(self, rows: int, slots: int | None = None, *, static: bool | None = None) -> ModelCache:
         """A cache of this one's first `rows` rows whose tensors are views of this one's, reading at
         most `slots` slots (default: this cache's capacity; a static cache reads exactly that many):
         a decode step over the rows in use only (continuous.py keeps its sequences in the first rows).
         The step writes its keys and values in place; what it replaces as a whole (a Mamba-2 state,
-        the lengths) comes back with write_back()."""
+        the lengths) comes back with write_back(). static=False: a head an eager step reads as it
+        reads a cache that is not static (continuous.py, while the compiled step compiles)."""
         if not 1 <= rows <= self.batch_size:
             raise ValueError(f"a head of {rows} rows does not fit a cache of {self.batch_size}")
-        view = ModelCache(rows, min(slots or self.capacity, self.capacity), self.device, static=self.static)
+        static = self.static if static is None else static
+        view = ModelCache(rows, min(slots or self.capacity, self.capacity), self.device, static=static)
         view.lengths = self.lengths[:rows]
         view._row_bounds = self._row_bounds[:rows]
         view.host_max_length = max(view._row_bounds)
