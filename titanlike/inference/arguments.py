@@ -22,7 +22,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, compile_shapes: str)
                        "a GPU, else cpu)")
     group.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="the weights' dtype (default: as stored)")
     group.add_argument("--compile", action="store_true", help=f"torch.compile the decode step (its shapes are fixed: "
-                       f"{compile_shapes}; the compile costs seconds to minutes at the first step)")
+                       f"{compile_shapes}; the compile costs seconds to minutes at the first step). On a GPU it "
+                       "replays the step as a CUDA graph; on a CPU the eager step, whose linear layers run through "
+                       "oneDNN with prepacked weights, is usually the faster (docs/performance.md)")
 
 
 __all__ = ["DTYPE_NAMES", "add_model_arguments"]
