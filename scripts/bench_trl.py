@@ -4,20 +4,27 @@ data, batch and sequence length, one process per side on CPU (issue #47's "SFT 2
 LoRA 2.3x, DPO step 0.89x TRL's time").
 
     python scripts/bench_trl.py [--flavor debugmodel] [--seq-len 512] [--batch 8] [--steps 4] [--rounds 2]
-                                [--only sft|lora|dpo] [--quick]
+                                [--only sft|lora|dpo] [--trl-packing-strategy bfd|wrapped] [--quick]
 
 The model is titanlike's Llama 3 flavor initialized with seed 0, which each titanlike job builds again
 (debug.seed 0), exported to a Hugging Face folder with its tokenizer and titanlike's llama3 chat template
 (data/chat_template.py, whose generation tags mark the assistant's tokens), which TRL loads: both sides
-start from the same weights and render conversations with the same template. Both train in fp32 with
-AdamW (lr 1e-5, constant, no weight decay), gradient norm clipped at 1.0, no gradient checkpointing, no
-evaluation, no saving, batch --batch per step, one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1).
+start from the same weights and render conversations into the same tokens and assistant masks. Both train
+in fp32 with AdamW (lr 1e-5, constant, no weight decay), gradient norm clipped at 1.0, no activation
+checkpointing (TRL's configs turn it on by default), no evaluation, no saving, --batch samples or pairs a
+step, one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1).
 
 - sft: the conversations of scripts/bench_sft.py (`conversations`, log-normal answer lengths), packed to
-  seq_len, trained on the assistant's tokens only: titanlike's `training.objective sft` (packing by best-fit
-  decreasing, each sample seq_len positions, the rest padding), TRL's SFTConfig(packing=True,
-  assistant_only_loss=True, max_length=seq_len) (best-fit decreasing too, but padding-free: a batch's
-  packed rows are flattened into one row of their tokens, with no padding).
+  seq_len, trained on the assistant's tokens only: titanlike's `training.objective sft` (best-fit
+  decreasing; --batch samples of seq_len positions, each conversation attending within itself through
+  SDPA with a dense document mask, the CPU path of models/common/attention.py), TRL's
+  SFTConfig(packing=True, assistant_only_loss=True, max_length=seq_len). TRL's default packing (bfd,
+  best-fit decreasing too) is padding-free: the batch's --batch bins are flattened into one row of about
+  batch x seq_len tokens, which transformers' SDPA attends with a dense block-diagonal mask of that size
+  (CPU has no variable-length kernel), so its attention costs about --batch times titanlike's and decides
+  the ratio. --trl-packing-strategy wrapped keeps TRL's rows at seq_len tokens cut from the stream of
+  conversations, attending across them with plain causal attention (cheaper than titanlike's document mask,
+  and not the same training).
 - lora: the same, with LoRA r=8, alpha 16, no dropout on q, k, v, o, gate, up and down projections
   (titanlike's lora converter; PEFT's LoraConfig through TRL's peft_config).
 - dpo: generated preference pairs (`preference_pairs`: a prompt, two answers of random words), beta 0.1,
@@ -26,7 +33,9 @@ evaluation, no saving, batch --batch per step, one thread (torch.set_num_threads
   sides train --batch pairs a step), TRL's DPOConfig(max_length=seq_len), whose reference is its own second
   copy loaded from the folder. Each pair fills most of seq_len (each side about half of it, nothing is
   truncated), so that padding decides little: titanlike computes --batch rows of seq_len positions (a pair's
-  two sides as two documents of a row), TRL 2 x --batch rows padded to the batch's longest side.
+  two sides as two documents of a row, its attention over the whole row under a document mask), TRL
+  2 x --batch rows padded to the batch's longest side (attention over each side alone: less than
+  half of titanlike's attention work).
 
 Figures: trained tokens per CPU second for sft and lora, counted on both sides as the label positions that
 bear the loss in each step's batch (titanlike: the loader batch's `labels` != -100, a target per position;
