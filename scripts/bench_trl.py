@@ -322,7 +322,7 @@ def main() -> int:
                           f"step {figures['step_s']:7.3f} s  {figures['pairs_per_s']:6.2f} pairs/s  "
                           f"{figures['tokens_per_step']:6.0f} trained tokens/step  peak RSS "
                           f"{figures['peak_rss_mib']:.0f} MiB", flush=True)
-    print(f"medians over {args.rounds} round(s), the ratio's of each round's ratio; CPU time, not wall time")
+    print(f"medians over {args.rounds} round(s) (the ratio: of each round's titanlike / TRL); CPU time, not wall time")
     print(f"{'benchmark':10s} {'figure':18s} {'titanlike':>10s} {'TRL':>10s} {'ratio':>7s}  peak RSS MiB "
           "(titanlike, TRL)")
     rows = []
