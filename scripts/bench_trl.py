@@ -102,7 +102,7 @@ class Clock:
 
 def preference_pairs(n: int, seed: int, seq_len: int) -> list[dict]:
     """Conversational pairs (TRL's form, which titanlike reads too) whose two sides together fill about
-    60-100% of seq_len tokens: the debug tokenizer spends ~1.1 tokens a word and the template ~25 a side."""
+    50-90% of seq_len tokens: the debug tokenizer spends ~1.1 tokens a word and the template ~10 a side."""
     rng = random.Random(seed)
     longest = max(2, int((seq_len // 2 - 32) / 1.2))
     rows = []
@@ -260,7 +260,39 @@ def spawn(side: str, benches: list[str], args, work: str, r: int) -> dict[str, d
         raise RuntimeError(f"the {side} process of {','.join(benches)} failed (exit {proc.returncode}):\n"
                            + proc.stdout[-3000:] + proc.stderr[-3000:])
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return {r.pop("bench"): r for r in results}
+    return {result.pop("bench"): result for result in results}
+
+
+def measure(args, benches: list[str], work: str) -> dict[str, dict[str, list[dict]]]:
+    """The model and data written under work, then the rounds: each side's figures by benchmark, a list over rounds."""
+    import torch
+    import transformers
+    import trl
+
+    from titanlike.data.chat_template import LLAMA3_TEMPLATE
+
+    # titanlike's llama3 chat template in the folder: TRL renders with it, and its generation tags give TRL's
+    # assistant-only loss the tokens titanlike trains (the debug tokenizer has none, so titanlike uses it too).
+    write_model(os.path.join(work, "model"), args.flavor, chat_template=LLAMA3_TEMPLATE)
+    write_jsonl(os.path.join(work, "conversations.jsonl"), conversations(args.conversations, seed=0))
+    write_jsonl(os.path.join(work, "pairs.jsonl"), preference_pairs(max(64, 4 * args.batch * (args.steps + 1)), 0,
+                                                                    args.seq_len))
+    print(f"# llama3 {args.flavor}, seq {args.seq_len}, batch {args.batch}, {args.steps} steps after a warm-up, TRL's "
+          f"SFT packing {args.trl_packing_strategy}; "
+          f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; CPU time at 1 "
+          f"thread; rounds of titanlike then TRL, each side in a fresh process", flush=True)
+    groups = [benches] if args.quick else [[b] for b in benches]
+    results = {b: {"titanlike": [], "trl": []} for b in benches}
+    for r in range(args.rounds):
+        for group in groups:
+            for side in ("titanlike", "trl"):
+                for bench, figures in spawn(side, group, args, work, r).items():
+                    results[bench][side].append(figures)
+                    print(f"round {r + 1} {bench:4s} {side:9s} trained {figures['trained_tokens_per_s']:8.1f} tok/s  "
+                          f"step {figures['step_s']:7.3f} s  {figures['pairs_per_s']:6.2f} pairs/s  "
+                          f"{figures['tokens_per_step']:6.0f} trained tokens/step  peak RSS "
+                          f"{figures['peak_rss_mib']:.0f} MiB", flush=True)
+    return results
 
 
 def main() -> int:
@@ -293,50 +325,21 @@ def main() -> int:
         if getattr(args, name) < least:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} is too small: it must be at least {least}")
 
-    import torch
-    import transformers
-    import trl
-
-    from titanlike.data.chat_template import LLAMA3_TEMPLATE
-
     benches = [args.only] if args.only else list(BENCHMARKS)
-    work = tempfile.mkdtemp(prefix="bench_trl_")
-    # titanlike's llama3 chat template in the folder: TRL renders with it, and its generation tags give TRL's
-    # assistant-only loss the tokens titanlike trains (the debug tokenizer has none, so titanlike uses it too).
-    write_model(os.path.join(work, "model"), args.flavor, chat_template=LLAMA3_TEMPLATE)
-    write_jsonl(os.path.join(work, "conversations.jsonl"), conversations(args.conversations, seed=0))
-    write_jsonl(os.path.join(work, "pairs.jsonl"), preference_pairs(max(64, 4 * args.batch * (args.steps + 1)), 0,
-                                                                    args.seq_len))
-    print(f"# llama3 {args.flavor}, seq {args.seq_len}, batch {args.batch}, {args.steps} steps after a warm-up, TRL's "
-          f"SFT packing {args.trl_packing_strategy}; "
-          f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; CPU time at 1 "
-          f"thread; rounds of titanlike then TRL, each side in a fresh process", flush=True)
-    groups = [benches] if args.quick else [[b] for b in benches]
-    results = {b: {"titanlike": [], "trl": []} for b in benches}
-    for r in range(args.rounds):
-        for group in groups:
-            for side in ("titanlike", "trl"):
-                for bench, figures in spawn(side, group, args, work, r).items():
-                    results[bench][side].append(figures)
-                    print(f"round {r + 1} {bench:4s} {side:9s} trained {figures['trained_tokens_per_s']:8.1f} tok/s  "
-                          f"step {figures['step_s']:7.3f} s  {figures['pairs_per_s']:6.2f} pairs/s  "
-                          f"{figures['tokens_per_step']:6.0f} trained tokens/step  peak RSS "
-                          f"{figures['peak_rss_mib']:.0f} MiB", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_trl_") as work:
+        results = measure(args, benches, work)
     print(f"medians over {args.rounds} round(s) (the ratio: of each round's titanlike / TRL); CPU time, not wall time")
     print(f"{'benchmark':10s} {'figure':18s} {'titanlike':>10s} {'TRL':>10s} {'ratio':>7s}  peak RSS MiB "
           "(titanlike, TRL)")
-    rows = []
     for bench in benches:
         ours, theirs = results[bench]["titanlike"], results[bench]["trl"]
         figures = [("pairs_per_s", "pairs/s"), ("step_s", "step_s")] if bench == "dpo" else \
             [("trained_tokens_per_s", "trained_tokens/s")]
         for key, label in figures:
+            mine, trls = statistics.median(o[key] for o in ours), statistics.median(t[key] for t in theirs)
             ratio = statistics.median(o[key] / t[key] for o, t in zip(ours, theirs))
-            rows.append((bench, label, statistics.median(o[key] for o in ours),
-                         statistics.median(t[key] for t in theirs), ratio,
-                         max(o["peak_rss_mib"] for o in ours), max(t["peak_rss_mib"] for t in theirs)))
-    for bench, label, mine, trls, ratio, rss_mine, rss_trl in rows:
-        print(f"{bench:10s} {label:18s} {mine:10.3f} {trls:10.3f} {ratio:6.2f}x  {rss_mine:.0f}, {rss_trl:.0f}")
+            rss = max(o["peak_rss_mib"] for o in ours), max(t["peak_rss_mib"] for t in theirs)
+            print(f"{bench:10s} {label:18s} {mine:10.3f} {trls:10.3f} {ratio:6.2f}x  {rss[0]:.0f}, {rss[1]:.0f}")
     print("ratio: titanlike / TRL (tokens/s and pairs/s: > 1, titanlike faster; step_s: < 1, titanlike faster)")
     return 0
 
