@@ -68,8 +68,9 @@ class Clock:
                 "generation_share": sum(generation) / sum(steps), "tokens_per_step": sum(tokens) / len(tokens)}
 
 
-def write_model(folder: str, flavor: str) -> None:
-    """titanlike's llama3 flavor, initialized with seed 0, as a Hugging Face folder with its tokenizer."""
+def write_model(folder: str, flavor: str, chat_template: str | None = None) -> None:
+    """titanlike's llama3 flavor, initialized with seed 0, as a Hugging Face folder with its tokenizer
+    (and chat_template in its tokenizer_config.json when given)."""
     import torch
 
     from titanlike.checkpoint.hf import write_hf
@@ -82,7 +83,7 @@ def write_model(folder: str, flavor: str) -> None:
         model = spec.model_cls(args)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
-    write_hf(model.state_dict(), spec, args, folder, tokenizer_path=DEFAULT_TOKENIZER_PATH)
+    write_hf(model.state_dict(), spec, args, folder, tokenizer_path=DEFAULT_TOKENIZER_PATH, chat_template=chat_template)
 
 
 def write_prompts(path: str, n: int) -> None:
