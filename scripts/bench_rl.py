@@ -173,7 +173,10 @@ def run_trl(args, folder: str, prompts: str, dump: str) -> Clock:
         per_device_train_batch_size=args.prompts * args.generations, gradient_accumulation_steps=1,
         num_generations=args.generations, max_completion_length=args.completion_length, temperature=1.0,
         beta=0.0, loss_type="dapo", generation_kwargs={"min_new_tokens": args.completion_length},
-        report_to="none", logging_steps=1000, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+        report_to="none", logging_steps=1000, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        # TRL's configs checkpoint activations by default (a second forward in the backward); titanlike's
+        # job does not, so neither side does.
+        activation_checkpointing=False)
     data = datasets.load_dataset("json", data_files=prompts, split="train")
     trainer = GRPOTrainer(model=model, reward_funcs=digits, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[Steps()])
