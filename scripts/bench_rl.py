@@ -68,6 +68,21 @@ class Clock:
                 "generation_share": sum(generation) / sum(steps), "tokens_per_step": sum(tokens) / len(tokens)}
 
 
+def step_callback(clock: Clock):
+    """A transformers TrainerCallback that times each optimizer step of a trainer with `clock`."""
+    import transformers
+
+    class Steps(transformers.TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.context = clock.step()
+            self.context.__enter__()
+
+        def on_step_end(self, *_, **__):
+            self.context.__exit__(None, None, None)
+
+    return Steps()
+
+
 def write_model(folder: str, flavor: str, chat_template: str | None = None) -> None:
     """titanlike's llama3 flavor, initialized with seed 0, as a Hugging Face folder with its tokenizer
     (and chat_template in its tokenizer_config.json when given)."""
@@ -159,14 +174,6 @@ def run_trl(args, folder: str, prompts: str, dump: str) -> Clock:
 
     model.generate = timed_generate
 
-    class Steps(transformers.TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            self.context = clock.step()
-            self.context.__enter__()
-
-        def on_step_end(self, *_, **__):
-            self.context.__exit__(None, None, None)
-
     config = GRPOConfig(
         output_dir=dump, use_cpu=True, bf16=False, seed=0, max_steps=args.steps + 1, learning_rate=1e-5,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
@@ -179,7 +186,7 @@ def run_trl(args, folder: str, prompts: str, dump: str) -> Clock:
         activation_checkpointing=False)
     data = datasets.load_dataset("json", data_files=prompts, split="train")
     trainer = GRPOTrainer(model=model, reward_funcs=digits, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[Steps()])
+                          processing_class=tokenizer, callbacks=[step_callback(clock)])
     trainer.remove_callback(transformers.PrinterCallback)  # its summary line of the run
     trainer.train()
     return clock

@@ -67,7 +67,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_rl import write_model  # noqa: E402
+from bench_rl import step_callback, write_model  # noqa: E402
 from bench_sft import WORDS, conversations  # noqa: E402
 
 BENCHMARKS = ("sft", "lora", "dpo")
@@ -185,21 +185,13 @@ def run_trl(bench: str, args, work: str, dump: str) -> dict:
                   gradient_accumulation_steps=1, max_length=args.seq_len, report_to=[], logging_steps=1000,
                   save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
 
-    class Steps(transformers.TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            self.context = clock.step()
-            self.context.__enter__()
-
-        def on_step_end(self, *_, **__):
-            self.context.__exit__(None, None, None)
-
     if bench == "dpo":
         from trl import DPOConfig, DPOTrainer
 
         config = DPOConfig(**common, beta=0.1, loss_type=["sigmoid"])
         data = datasets.load_dataset("json", data_files=os.path.join(work, "pairs.jsonl"), split="train")
         trainer = DPOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
-                             callbacks=[Steps()])
+                             callbacks=[step_callback(clock)])
     else:
         from trl import SFTConfig, SFTTrainer
 
@@ -212,7 +204,7 @@ def run_trl(bench: str, args, work: str, dump: str) -> dict:
         config = SFTConfig(**common, packing=True, packing_strategy=args.trl_packing_strategy, assistant_only_loss=True)
         data = datasets.load_dataset("json", data_files=os.path.join(work, "conversations.jsonl"), split="train")
         trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
-                             peft_config=peft_config, callbacks=[Steps()])
+                             peft_config=peft_config, callbacks=[step_callback(clock)])
     trainer.remove_callback(transformers.PrinterCallback)  # its summary line of the run
     training_step = trainer.training_step
 

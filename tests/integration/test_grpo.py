@@ -15,7 +15,7 @@ from sft_assets import exact_match, reverse_task, write_jsonl
 
 GRPO = ["--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml"), "--metrics.no_enable_tensorboard",
         "--metrics.enable_jsonl", "--metrics.log_freq", "10", "--grpo.reward_funcs", "grpo_assets:exact_text",
-        "--grpo.num_generations", "8", "--training.local_batch_size", "8", "--grpo.temperature", "0.7",
+        "--grpo.num_generations", "8", "--training.local_batch_size", "8", "--grpo.temperature", "1.0",
         "--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "10", "--checkpoint.enable",
         "--checkpoint.interval", "1000", "--checkpoint.last_save_model_only"]
 # Measured on a shared 2-core machine (CPU seconds of the training process, one thread), same 60 held-out
@@ -29,10 +29,19 @@ GRPO = ["--job.config_file", str(REPO / "train_configs" / "grpo_debug.toml"), "-
 # and with the sampler drawing one uniform number per row (inference/sampling.py draw, another stream of
 # samples from the same distributions), seed 0: grpo 48% -> 92%, dapo 48% -> 87%
 # (after 60 steps 52-83%: too early to hold 20 points; 16 prompts per step for 40 steps matched 80 steps
-# of 8 in the same time: dapo 48% -> 87%). The smallest rise, 37 points, leaves this 25 a margin.
+# of 8 in the same time: dapo 48% -> 87%).
+# Another stream of samples is another outcome: with the engine's linear layers through oneDNN (sums in
+# another order, so a few samples differ and the run diverges from there) seed 0 at temperature 0.7 gave
+# dapo 48% -> 60%, and seed 1 without them grpo 58%, dapo 67%; 20 runs (2026-11-29, seeds 0-2, lr 1e-4 to
+# 5e-4, 16 prompts x 40 steps, 120 steps) spread from +10 to +45 points, so one seed's rise is no
+# margin. At temperature 1.0 (TRL's default; more groups hold both right and wrong answers):
+#   grpo  seed 0: 48% -> 87%, seed 1: 73%      dapo  seed 0: 92%, seed 1: 93%, seed 2: 63%
+# (lr 1e-4 as well: grpo seed 1 65%, dapo seed 2 83%). The smallest rise at temperature 1.0, 15 points, is
+# what this test asks less a margin of 3 (8 more of the 60 held-out answers right), with the sampled
+# reward rising too.
 SFT_STEPS = 65
 GRPO_STEPS = 80
-RISE = 0.25
+RISE = 0.12
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +90,4 @@ def test_grpo_raises_the_held_out_accuracy_of_an_sft_model(loss_type, sft_model,
     print(figures)
     assert all(r["mismatch"] < 1e-5 for r in records), figures
     assert after >= before + RISE, figures
+    assert sum(rewards[-3:]) > sum(rewards[:3]), figures  # the sampled reward rose as well
