@@ -15,9 +15,10 @@ does not see every update (torch's fused AdamW writes the parameters without cou
 does a write through `.data`), so whoever may have changed the weights calls refresh(): Engine.generate
 does at the start of every call (a policy trained between rollouts generates with its current
 weights; repacking a 25M-parameter model takes ~60 ms on one core), a continuous batch, whose model
-serves fixed weights, packs once. The forward falls back to F.linear where the packed product does not apply: with autograd recording
-(training), inside a torch.compile trace (the compiled graph keeps inductor's own matmul), or for
-an input of another dtype. Memory: one packed copy of every such weight while the object lives.
+serves fixed weights, packs once. The forward falls back to F.linear where the packed product does not
+apply: with autograd recording (training), inside a torch.compile trace (the compiled graph keeps
+inductor's own matmul), or for an input of another dtype or device. Memory: one packed copy of every
+such weight while the object lives.
 
 Only one thread may run the model inside `with packed:` (the forwards are the modules' own
 attributes while it is open): an engine's calls, which run on one thread, are what it wraps.
