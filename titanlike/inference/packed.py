@@ -39,7 +39,8 @@ def _packable(module: nn.Module) -> bool:
     if type(module) is not nn.Linear:
         return False
     weight = module.weight
-    return type(weight) in (nn.Parameter, torch.Tensor) and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
+    plain = type(weight) in (nn.Parameter, torch.Tensor)  # a DTensor shard is neither
+    return plain and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
 
 
 class PackedLinears:
