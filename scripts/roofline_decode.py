@@ -8,13 +8,14 @@ transformers' generate (what TRL's GRPOTrainer runs) achieve.
 
 FLOPs: one decode step of prompts x generations rows at the middle of the completion, its weight
 matmuls (the projections, the MLP, the output projection over the vocabulary) counted by
-torch.utils.flop_counter, the attention over the cache by hand. The achievable rate: the same matmuls (the step's
-own weights, in the step's order, so they stream from memory as in the step) as bare torch.mm calls
-in a loop (torch.mm, MKL's sgemm, and oneDNN's product from prepacked weights, which the eager engine
-uses: titanlike/inference/packed.py), and one large square matmul for the core's peak. Achieved: the
-CPU time of the model's decode forward (titanlike's decode_step hook, transformers' forward after the first call) and of the
-whole generate call per decode step (sampling and bookkeeping included), from one generation of
-completion-length tokens for every row, sampled at temperature 1 as the bench samples.
+torch.utils.flop_counter, the attention over the cache by hand. The achievable rate: the same matmuls
+(the step's own weights, in the step's order, so they stream from memory as in the step) in a loop, as
+torch.mm (MKL's sgemm) and as oneDNN's product from prepacked weights (what the eager engine runs on a
+CPU: titanlike/inference/packed.py), the faster of the two; and one large square matmul for the
+core's peak. Achieved: the CPU time of the model's decode forward (titanlike's decode_step hook,
+transformers' forward after the first call) and of the whole generate call per decode step (sampling
+and bookkeeping included), from one generation of completion-length tokens for every row, sampled at
+temperature 1 as the bench samples.
 
 One thread, CPU time of the process (time.process_time), the two sides taking turns in each round.
 """
