@@ -3,14 +3,13 @@
 On a CPU, torch's F.linear calls MKL's sgemm; oneDNN (torch.ops.mkldnn, which inductor uses for
 low-precision linears) computes the same product from a weight reordered once into its blocked
 layout. On the AMD EPYC (Zen 4, AVX-512) these figures come from, MKL takes its AVX2 path and the
-packed oneDNN product is 2.2x faster at 16 and 64 rows and 1.2-1.6x at 1 and 4 (the weight
-shapes of scripts/bench_serve.py's model, one thread: docs/performance.md). The results differ from
-F.linear's by the order of the sums only (a few ulps).
+packed oneDNN product of a decode step's layers is 2.0-2.3x faster at 4 to 64 rows and 1.6x at one
+(the weight shapes of scripts/bench_serve.py's model, one thread: docs/performance.md). The results
+differ from F.linear's by the order of the sums only.
 
-PackedLinears(model) finds the model's plain nn.Linear modules whose weight is an ordinary CPU
-tensor of at least MIN_PACKED_WEIGHT numbers (not a DTensor shard, not a LoRA or Float8 module, which
-keep their own forward) and, inside
-`with packed:`, routes their forward through the packed weight. The pack is made when first needed,
+PackedLinears(model) finds the model's plain nn.Linear modules whose weight is an ordinary CPU tensor
+of at least MIN_PACKED_WEIGHT numbers (not a DTensor shard, not a LoRA or Float8 module, which keep
+their own forward) and, inside `with packed:`, routes their forward through the packed weight. The pack is made when first needed,
 again when the weight's storage or version counter changed, and after refresh(). The version counter
 does not see every update (torch's fused AdamW writes the parameters without counting, and neither
 does a write through `.data`), so whoever may have changed the weights calls refresh(): Engine.generate
