@@ -346,13 +346,7 @@ class Companions:
 
     def _anywhere(self, flag: bool) -> bool:
         """Whether `flag` holds on any data-parallel rank (one all-reduce of one value)."""
-        if self.dp_group is None:
-            return flag
-        import torch.distributed as dist
-
-        value = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return bool(value.item())
+        return bool(self._total(torch.tensor([int(flag)])).item() > 0)
 
     def metrics(self) -> dict[str, float]:
         """The generating companion's figures of the rollouts generated since the last call (the latest
