@@ -89,17 +89,23 @@ def step_flops(model, rows: int, position: int) -> tuple[int, list[tuple[int, in
     return weights + attention, shapes
 
 
-def mm_seconds(model, rows: int, repeats: int) -> float:
-    """CPU seconds of the step's weight matmuls alone: x (rows, in) @ W.T for every Linear, in order."""
-    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+def _loop_seconds(weights: list[torch.Tensor], product, rows: int, repeats: int) -> float:
+    """CPU seconds of product(x, w) for every weight in order, x (rows, in): one warm-up pass, then the
+    mean of `repeats` passes."""
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    for w in weights:  # warm-up
-        torch.mm(inputs[w.shape[1]], w.t())
+    for w in weights:
+        product(inputs[w.shape[1]], w)
     begin = time.process_time()
     for _ in range(repeats):
         for w in weights:
-            torch.mm(inputs[w.shape[1]], w.t())
+            product(inputs[w.shape[1]], w)
     return (time.process_time() - begin) / repeats
+
+
+def mm_seconds(model, rows: int, repeats: int) -> float:
+    """CPU seconds of the step's weight matmuls alone: x (rows, in) @ W.T for every Linear, in order."""
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return _loop_seconds(weights, lambda x, w: torch.mm(x, w.t()), rows, repeats)
 
 
 def packed_mm_seconds(model, rows: int, repeats: int) -> float:
@@ -110,18 +116,8 @@ def packed_mm_seconds(model, rows: int, repeats: int) -> float:
 
     packs = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PackedLinears.LAYOUT_ROWS)
              for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in packs}
-
-    def product(w):
-        return torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], w, None, "none", [], "")
-
-    for w in packs:  # warm-up
-        product(w)
-    begin = time.process_time()
-    for _ in range(repeats):
-        for w in packs:
-            product(w)
-    return (time.process_time() - begin) / repeats
+    return _loop_seconds(packs, lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                         rows, repeats)
 
 
 def peak_gflops(n: int = 1024, repeats: int = 5) -> float:
