@@ -39,7 +39,8 @@ def time_steps(step_fn, batches, n: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None):
+    """The benchmark's own options and the job's configuration (every other option), checked."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Every other option is a train.py job option (--job.config_file FILE, --section.key VALUE): "
@@ -54,10 +55,13 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after timing, run torch.profiler over this many steps and print the operators "
                              "with the most device (or CPU) time, and the step's time outside device kernels")
-    bench, rest = parser.parse_known_args()
+    bench, rest = parser.parse_known_args(argv)
+    return bench, load_job_config(rest)
 
+
+def main() -> None:
+    bench, cfg = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
-    cfg = load_job_config(rest)
     trainer = Trainer(plan_job(cfg, world))
     data = iter(trainer.dataloader)
     accum = trainer.grad_accum_steps

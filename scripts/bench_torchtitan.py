@@ -347,7 +347,10 @@ def profile_steps(step_fns: dict, fetch, *, warmup: int, steps: int, rows: int =
     print(f"{'wall ms per step (unprofiled)':48s}" + "".join(f" {wall[n]:24.1f}" for n in names))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None):
+    """The benchmark's own options and the job's configuration (every other option, on the default job), checked."""
+    from titanlike.config import load_job_config
+
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every other option is a train.py job option (--job.config_file FILE, --section.key VALUE); without "
@@ -368,23 +371,26 @@ def main() -> None:
     parser.add_argument("--only", choices=("titanlike", "torchtitan"), default=None,
                         help="run one side only, in this process alone, so that its peak memory is its own (both "
                              "sides' models and optimizer states in one process may not fit one GPU at 3B)")
-    bench, rest = parser.parse_known_args()
+    bench, rest = parser.parse_known_args(argv)
     if not _given(rest, "--job.config_file"):
         rest = ["--job.config_file", str(DEFAULT_CONFIG), *rest]
     if not _given(rest, "--job.dump_folder"):  # the trainer's lock and logs go to a scratch folder
         rest = [*rest, "--job.dump_folder", tempfile.mkdtemp(prefix="bench-torchtitan-")]
+    return bench, load_job_config(rest)
+
+
+def main() -> None:
+    bench, cfg = parse_args()
     tt = import_torchtitan(bench.torchtitan_path)
 
     import torch
 
-    from titanlike.config import load_job_config
     from titanlike.models.outputs import logits_of
     from titanlike.train.plan import plan_job
     from titanlike.train.trainer import Trainer
 
     if int(os.environ.get("WORLD_SIZE", 1)) != 1:
         raise SystemExit("bench_torchtitan.py compares one process: run it without torchrun.")
-    cfg = load_job_config(rest)
     trainer = Trainer(plan_job(cfg, 1))
     if trainer.grad_accum_steps != 1:
         raise SystemExit("bench_torchtitan.py compares steps without gradient accumulation: leave "
