@@ -25,7 +25,11 @@ Low-precision states (optimizer.state_dtype bfloat16) are kept in bfloat16 and s
 then rounded back stochastically: round-to-nearest would drop every increment smaller than half a
 bfloat16 ulp (with beta2 = 0.999 the second moment changes by 0.1% a step, under bfloat16's 0.4%
 resolution, and would stall), while stochastic rounding is unbiased at no memory cost; a
-compensation buffer would bring back the bytes bfloat16 saves.
+compensation buffer would bring back the bytes bfloat16 saves. The rounding's random bits are a hash of
+(seed, update, state tensor, the element's index in the whole parameter): no generator state, the same
+bits for an element whatever the layout (FSDP2 steps as one process), and nothing to read from memory,
+so that the AdamW update over bfloat16 moments compiles into one kernel a parameter (on CUDA, where
+torch's fused kernels would run: 20 bytes of traffic a parameter against fused float32 AdamW's 28).
 """
 
 from __future__ import annotations
@@ -170,12 +174,90 @@ def _gather_orthogonalize_scatter(items, updates, params, ns, group, dims, out) 
         out[i] = _block(received[i].view(torch.bfloat16), updates[i].shape, [0] * updates[i].ndim)
 
 
-def stochastic_round(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """float32 -> bfloat16, rounding up or down with probability given by the distance (unbiased):
-    16 random bits added below bfloat16's last bit, then truncated."""
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = (x.contiguous().view(torch.int32) + noise) & -65536
-    return bits.view(torch.float32).to(torch.bfloat16)
+_MASK32 = 0xFFFFFFFF
+_EAGER_CHUNK = 1 << 22  # elements rounded at once outside torch.compile
+
+
+def _mix32(x):
+    """murmur3's 32-bit finalizer (a bijection that spreads every input bit over the output), on Python
+    ints or int64 tensors holding 32-bit values; products are masked back to 32 bits."""
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & _MASK32
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def rounding_key(seed: int, update: int, position: int) -> int:
+    """The rounding bits' key of one state tensor at one update: distinct per (seed, update, position)."""
+    return _mix32((_mix32((seed * 1_000_003 + update) & _MASK32) + position) & _MASK32)
+
+
+def _element_index(shape, offset, whole_shape, device) -> torch.Tensor:
+    """The index of each element of a block of a tensor in the whole tensor (row-major), the block being
+    `shape` at `offset` of `whole_shape`: FSDP's and TP's shards are such blocks (as DCP saves them)."""
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        along = (torch.arange(shape[d], dtype=torch.int64, device=device) + offset[d]) * stride
+        index = index + along.view([-1] + [1] * (len(shape) - 1 - d))
+        stride *= whole_shape[d]
+    return index
+
+
+def stochastic_round(x: torch.Tensor, key: int, offset=None, whole_shape=None) -> torch.Tensor:
+    """float32 -> bfloat16, rounding up or down with probability given by the distance (unbiased): 16
+    pseudo-random bits added below bfloat16's last bit, then truncated. The bits are a hash of (key, the
+    element's index in the whole parameter when x is a shard's block at `offset`): counter-based, so they
+    need no generator state, fuse into the update's kernel under torch.compile, and are the same for an
+    element whatever the layout splitting the parameter."""
+    offset, whole_shape = offset or [0] * x.ndim, whole_shape or list(x.shape)
+    rows = max(1, _EAGER_CHUNK // max(1, x[0].numel())) if x.ndim else 1
+    if x.ndim and x.shape[0] > rows and not torch.compiler.is_compiling():
+        # Eager, a large tensor a few rows at a time: the hash's int64 temporaries (24 bytes an element)
+        # stay small beside a 128k-vocabulary embedding. Compiled, they live in registers.
+        return torch.cat([stochastic_round(x[i:i + rows], key, [offset[0] + i, *offset[1:]], whole_shape)
+                          for i in range(0, x.shape[0], rows)])
+    index = _element_index(x.shape, offset, whole_shape, x.device)
+    noise = _mix32((index * 0x9E3779B1 + key) & _MASK32) & 0xFFFF
+    bits = (x.contiguous().view(torch.int32).to(torch.int64) + noise) & -65536
+    return bits.to(torch.int32).view(torch.float32).to(torch.bfloat16)
+
+
+def _store(state: torch.Tensor, value: torch.Tensor, skip, key: int, offset, whole_shape) -> None:
+    """value into a state tensor (rounded stochastically into a bfloat16 one); the old state where skip."""
+    if skip is not None:
+        value = torch.where(skip, state.float(), value)
+    state.copy_(stochastic_round(value, key, offset, whole_shape) if state.dtype == torch.bfloat16 else value)
+
+
+def adamw_low_precision_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                               exp_avg_sq: torch.Tensor, step: torch.Tensor, scale, skip, *, lr: float,
+                               beta1: float, beta2: float, eps: float, weight_decay: float, keys: tuple[int, int],
+                               offset, whole_shape) -> None:
+    """One AdamW step of one parameter (plain tensors: a shard's local block) in float32 arithmetic over
+    low-precision moments, rounded back stochastically. Tensors and numbers only, no generator: under
+    torch.compile it is one kernel that reads the parameter, its gradient and two bfloat16 moments and
+    writes three (20 bytes a parameter, against fused float32 AdamW's 28)."""
+    if scale is not None:
+        grad = grad / scale
+    step.add_(1 if skip is None else (~skip).float())
+    m32 = exp_avg.float().lerp(grad, 1 - beta1)
+    v32 = exp_avg_sq.float().mul(beta2).addcmul(grad, grad, value=1 - beta2)
+    _store(exp_avg, m32, skip, keys[0], offset, whole_shape)
+    _store(exp_avg_sq, v32, skip, keys[1], offset, whole_shape)
+    # Adam is built without weight decay (train/optimizer.py), so the decay is AdamW's.
+    denom = (v32.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
+    new = param.mul(1 - lr * weight_decay).sub_((lr / (1 - beta1 ** step)) * m32 / denom)
+    param.copy_(new if skip is None else torch.where(skip, param, new))
+
+
+def _block_of(param: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(offset, whole shape) of this rank's block of a parameter (a DTensor's local shard, or all of it)."""
+    if not isinstance(param, DTensor):
+        return [0] * param.ndim, list(param.shape)
+    mesh = param.device_mesh
+    _, offset = _compute_local_shape_and_global_offset(param.shape, mesh.shape, list(mesh.get_coordinate()),
+                                                       param.placements)
+    return list(offset), list(param.shape)
 
 
 class MuonAdamW(torch.optim.Adam):
@@ -190,12 +272,21 @@ class MuonAdamW(torch.optim.Adam):
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, decoupled: bool, implementation: str, state_dtype: torch.dtype,
-                 seed: int = 0):
+                 seed: int = 0, compile_update: bool | None = None):
         self.state_dtype, self.seed = state_dtype, seed
         # Set by the training step under fused kernels (train/step.py), as for torch's fused Adam.
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None
         fused = implementation == "fused"
+        self._blocks: dict[torch.Tensor, tuple[list[int], list[int]]] = {}
+        # torch has no fused AdamW over bfloat16 moments of float32 parameters: where its fused kernels
+        # would run (CUDA), the low-precision update is compiled into one kernel a parameter; elsewhere it
+        # runs eagerly (no compile time on a CPU). compile_update forces either (the tests compile on CPU).
+        on_cuda = any(local_part(p).device.type == "cuda" for g in groups for p in g["params"])
+        if compile_update is None:
+            compile_update = fused and on_cuda and state_dtype != torch.float32
+        self._low_precision_update = (torch.compile(adamw_low_precision_update, dynamic=True, fullgraph=True)
+                                      if compile_update else adamw_low_precision_update)
         super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          foreach=implementation == "foreach" and state_dtype == torch.float32,
                          fused=fused, decoupled_weight_decay=decoupled)
@@ -228,27 +319,27 @@ class MuonAdamW(torch.optim.Adam):
                 self._adam_low_precision(group, scale, skip)
         return loss
 
-    def _generator(self, group: dict, device: torch.device) -> torch.Generator | None:
-        """The stochastic rounding's random bits: a function of (seed, update), so a resumed run
-        rounds as the uninterrupted one (the count is saved with the group's hyper-parameters)."""
+    def _rounding_update(self, group: dict) -> int | None:
+        """This update's count for the stochastic rounding's keys (saved with the group's
+        hyper-parameters, so that a resumed run rounds as the uninterrupted one); None for float32 states."""
         if self.state_dtype == torch.float32:
             return None
         group["rounding"] = group.get("rounding", 0) + 1
-        return torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + group["rounding"])
+        return group["rounding"]
 
-    def _store(self, state: torch.Tensor, value: torch.Tensor, skip, generator) -> None:
-        if skip is not None:
-            value = torch.where(skip, state.float(), value)
-        state.copy_(stochastic_round(value, generator) if state.dtype == torch.bfloat16 else value)
+    def _block(self, param: torch.Tensor) -> tuple[list[int], list[int]]:
+        if param not in self._blocks:  # the layout does not change within a run
+            self._blocks[param] = _block_of(param)
+        return self._blocks[param]
 
     def _muon(self, group: dict, scale, skip) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-        generator = self._generator(group, local_part(params[0]).device)
+        update = self._rounding_update(group)
         updates = []
-        for p in params:
+        for position, p in enumerate(params):
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=self.state_dtype)
@@ -259,7 +350,8 @@ class MuonAdamW(torch.optim.Adam):
                 new = buf
             else:
                 new = buf.float().lerp(grad, 1 - momentum)
-                self._store(buf, new, skip, generator)
+                key = 0 if update is None else rounding_key(self.seed, update, position)
+                _store(buf, new, skip, key, *self._block(p))
             updates.append(grad.lerp(new, momentum) if group["nesterov"] else new)
         ns = lambda u: newton_schulz(u, coefficients=tuple(group["ns_coefficients"]), steps=group["ns_steps"],
                                      eps=group["muon_eps"])
@@ -288,24 +380,18 @@ class MuonAdamW(torch.optim.Adam):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        generator = self._generator(group, local_part(params[0]).device)
-        for p in params:
+        update = self._rounding_update(group)
+        for position, p in enumerate(params):
             state = self.state[p]
             if not state:
                 # On the parameter's device, so that a skipped step leaves it without a host sync.
                 state["step"] = torch.zeros((), dtype=torch.float32, device=local_part(p).device)
                 state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
-            grad = local_part(p.grad) if scale is None else local_part(p.grad) / scale
-            local, m, v = local_part(p), local_part(state["exp_avg"]), local_part(state["exp_avg_sq"])
-            step = state["step"].add_(1 if skip is None else (~skip).float())
-            m32 = m.float().lerp_(grad, 1 - beta1)
-            v32 = v.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            self._store(m, m32, skip, generator)
-            self._store(v, v32, skip, generator)
-            # Adam is built without weight decay (train/optimizer.py), so the decay is AdamW's.
-            denom = (v32.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
-            new = local.mul(1 - lr * wd).sub_((lr / (1 - beta1 ** step)) * m32 / denom)
-            local.copy_(new if skip is None else torch.where(skip, local, new))
+            keys = (rounding_key(self.seed, update, 2 * position), rounding_key(self.seed, update, 2 * position + 1))
+            self._low_precision_update(
+                local_part(p), local_part(p.grad), local_part(state["exp_avg"]), local_part(state["exp_avg_sq"]),
+                state["step"], scale, skip, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], keys=keys, offset=self._block(p)[0],
+                whole_shape=self._block(p)[1])
