@@ -456,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name, run in runs.items():
             gc.collect()
+            torch.compiler.reset()  # the last side's compiled graphs (on a GPU, their CUDA graphs' memory) let go
             if cuda:
-                torch.compiler.reset()  # the last side's compiled graphs (and CUDA graphs' memory) let go
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             figures = run(args, folder, prompts, os.path.join(work, f"{name}_{r}"))
