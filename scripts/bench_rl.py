@@ -3,9 +3,9 @@
 vLLM) on the same model, prompts, group size and completion length, one process on CPU or one GPU.
 
     python scripts/bench_rl.py [--flavor debugmodel] [--prompts 4] [--generations 8] [--completion-length 64]
-                               [--steps 3] [--rounds 3] [--compile] [--device cpu|cuda]
-                               [--dtype float32|bfloat16] [--tokenizer PATH] [--trl-side auto|trainer|generate]
-                               [--quick]
+                               [--steps 3] [--rounds 3] [--compile | --engine eager|compiled|both]
+                               [--device cpu|cuda] [--dtype float32|bfloat16] [--tokenizer PATH]
+                               [--trl-side auto|trainer|generate] [--quick]
 
 The model is titanlike's Llama 3 flavor initialized with seed 0, which the titanlike job builds again
 (debug.seed 0: the initialization is a function of the seed and each parameter's name), exported to a
@@ -21,20 +21,20 @@ machine's load moves far less than wall time. Each round runs a fresh titanlike 
 trainer, of steps + 1 steps (the first one is a warm-up and not counted): rollout tokens per second (the
 generation call's new tokens over its time: titanlike's Engine.generate, TRL's model.generate) and the
 whole step's time (generation, rewards, loss, backward, optimizer), with their ratios, and the share of
-titanlike's step spent generating. --compile adds titanlike with grpo.compile_generation (the decode step
-compiled; its compile falls in the warm-up step) to each round.
+titanlike's step spent generating. --compile (--engine both) adds titanlike with grpo.compile_generation
+(the decode step compiled; its compile falls in the warm-up step) to each round.
 
---device cuda: time is wall time between torch.cuda.synchronize() calls (a GPU's work is not the process's
-CPU time), each side's peak GPU memory (torch.cuda.max_memory_allocated, reset before each side) is
-printed, titanlike generates with grpo.compile_generation only (the decode step replayed as a CUDA graph,
-titanlike/inference/engine.py), and both sides step with fused AdamW. --dtype bfloat16 trains titanlike
-as its 1B preset does, training.mixed_precision_param bfloat16 (on one device: fp32 weights and the step
-under bf16 autocast, train/plan.py; the engine decodes in the weights' dtype), and gives TRL the model in
-bf16 with GRPOConfig bf16, as its users load it. Each titanlike row also prints its `mismatch` (the mean
-|engine - trainer| log-probability of the completion tokens, objectives/grpo.py), from its last step's
-logged metrics. --tokenizer: a tiktoken ranks file (Llama 3's tokenizer.model) for both sides, which
-sizes the model's vocabulary as the job does; the export converts it for transformers as it does the
-debug tokenizer (data/hf_tokenizer.py).
+--device cuda: time is wall time between torch.cuda.synchronize() calls (a GPU's work is not the
+process's CPU time), each side's peak GPU memory (torch.cuda.max_memory_allocated, reset before each
+side) is printed, both sides step with fused AdamW, and titanlike generates with grpo.compile_generation
+unless --engine says otherwise (the decode step replayed as a CUDA graph, titanlike/inference/engine.py).
+--dtype bfloat16 trains titanlike as its 1B preset does, training.mixed_precision_param bfloat16 (on one
+device: fp32 weights, the step under bf16 autocast, train/plan.py; the engine decodes in the weights'
+dtype, fp32), and gives TRL the model in bf16 with GRPOConfig bf16, as its users load it. Each titanlike
+row also prints its `mismatch`, the mean |engine - trainer| log-probability of the completion tokens
+(objectives/grpo.py), from its last step's logged metrics. --tokenizer: a tiktoken ranks file (Llama 3's
+tokenizer.model) for both sides, which sizes the model's vocabulary as the job does; the export converts
+it for transformers as it does the debug tokenizer (titanlike/data/hf_tokenizer.py).
 
 Without trl (--trl-side generate; auto takes it when trl is not importable) TRL's side is its rollout
 alone: transformers' generate on the model, with the GenerationConfig GRPOTrainer builds (trl 1.16
@@ -42,7 +42,8 @@ grpo_trainer.py, __init__ without vLLM) and the left-padded ids and mask its `_g
 of each prompt G times, steps + 1 calls of the prompts in file order; rollout tokens/s, no step figure.
 tests/integration/test_bench_rl.py checks both against a real GRPOTrainer.
 
-On a lent H200 (issue 48 item 2, the GPU kit of ../shared/gpu/README.md: no trl there, so the stand-in):
+On a lent H200 (issue 48 item 2; that machine has no trl, so TRL's side is the stand-in; LLAMA3_TOKENIZER
+names Llama 3's tokenizer.model there):
 
     python scripts/bench_rl.py --device cuda --dtype bfloat16 --flavor 1B --tokenizer $LLAMA3_TOKENIZER \\
         --generations 8 --completion-length 256 --prompts 8 --steps 2 --rounds 2
@@ -373,8 +374,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "least 128)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run, after one warm-up step")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds: titanlike, then TRL")
-    parser.add_argument("--compile", action="store_true", help="also titanlike with its decode step compiled "
-                        "(on cuda it is the only titanlike side)")
+    parser.add_argument("--engine", choices=("eager", "compiled", "both"),
+                        help="titanlike's generation: eager, grpo.compile_generation, or both sides (default: eager "
+                        "on cpu, compiled on cuda)")
+    parser.add_argument("--compile", action="store_true", help="--engine both")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="titanlike's training.mixed_precision_param; TRL's model dtype and GRPOConfig bf16")
@@ -388,6 +391,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:  # its sizes, unless given
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
+    if args.engine is None:
+        args.engine = "both" if args.compile else "compiled" if args.device == "cuda" else "eager"
     if args.seq_len is None:
         args.seq_len = max(128, args.completion_length + 64)
     for name in ("prompts", "steps", "rounds", "completion_length"):
@@ -448,8 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# llama3 {args.flavor}, {args.prompts} prompts x G {args.generations}, {args.completion_length} new "
           f"tokens, {args.dtype}; torch {torch.__version__}, transformers {transformers.__version__}, {theirs}; "
           f"{where}; rounds of titanlike then TRL, {args.steps} steps each after a warm-up", flush=True)
-    ours = {"compiled": partial(run_titanlike, compile=True)} if cuda else {"titanlike": run_titanlike}
-    if args.compile and not cuda:
+    ours = {}
+    if args.engine in ("eager", "both"):
+        ours["titanlike"] = run_titanlike
+    if args.engine in ("compiled", "both"):
         ours["compiled"] = partial(run_titanlike, compile=True)
     runs = {**ours, trl_name: run_trl if args.trl_side == "trainer" else run_generate}
     results = {name: [] for name in runs}
