@@ -87,17 +87,41 @@ def digits(prompts, completions, **kwargs) -> list[float]:
     return [float(any(ch.isdigit() for ch in c)) for c in completions]
 
 
-def timer(device: str):
-    """The clock of a side: the process's CPU time on CPU; on a GPU, wall time once its queue is drained."""
-    if device != "cuda":
-        return time.process_time
-    import torch
+class Meter:
+    """How a side is measured on its device: `now`, the process's CPU time on CPU, on a GPU wall time once its
+    queue is drained; and on a GPU the peak memory allocated since `fresh` (None on CPU)."""
 
-    def now() -> float:
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def now(self) -> float:
+        if not self.cuda:
+            return time.process_time()
+        import torch
+
         torch.cuda.synchronize()
         return time.perf_counter()
 
-    return now
+    def fresh(self) -> None:
+        """Before a side: the last side's objects and compiled graphs (on a GPU, their CUDA graphs' memory)
+        let go, and the peak reset."""
+        import torch
+
+        gc.collect()
+        torch.compiler.reset()
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib(self) -> float | None:
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+
+    def describe(self) -> str:
+        import torch
+
+        return f"{torch.cuda.get_device_name()}, wall time" if self.cuda else "1 thread, CPU time"
 
 
 class Clock:
@@ -207,7 +231,7 @@ def run_titanlike(args, folder: str, prompts: str, dump: str, *, compile: bool =
             "--metrics.no_enable_tensorboard", "--metrics.no_enable_jsonl", "--metrics.log_freq", "1000",
             "--job.dump_folder", dump, *(["--grpo.compile_generation"] if compile else []),
             *(["--model.tokenizer_path", args.tokenizer] if args.tokenizer else [])]
-    clock = Clock(timer(args.device))
+    clock = Clock(Meter(args.device).now)
     trainer = Trainer(plan_job(load_job_config(argv), 1))
     run_step = trainer._run_step
     generate = Engine.generate
@@ -283,7 +307,7 @@ def trl_trainer(args, folder: str, prompts: str, dump: str, clock: Clock | None 
 
 
 def run_trl(args, folder: str, prompts: str, dump: str) -> dict:
-    clock = Clock(timer(args.device))
+    clock = Clock(Meter(args.device).now)
     trainer = trl_trainer(args, folder, prompts, dump, clock)
     model = trainer.model
     generate = model.generate
@@ -353,7 +377,7 @@ def run_generate(args, folder: str, prompts: str, dump: str) -> dict:
     model, tokenizer = load_trl_model(args, folder)
     config = trl_generation_config(args, model, tokenizer)
     model.train()  # as GRPOTrainer's training_step leaves it when it generates
-    clock = Clock(timer(args.device))
+    clock = Clock(Meter(args.device).now)
     for texts in rollout_prompts(args, prompts):
         inputs = {name: value.to(model.device) for name, value in trl_inputs(tokenizer, texts).items()}
         with torch.no_grad():
@@ -433,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    cuda = args.device == "cuda"
-    if not cuda:
+    meter = Meter(args.device)
+    if not meter.cuda:
         torch.set_num_threads(1)
     logging.getLogger("titanlike").setLevel(logging.WARNING)
     transformers.logging.set_verbosity_error()
@@ -449,10 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         theirs, trl_name = f"trl {trl.__version__}", "trl"
     else:
         theirs, trl_name = "no trl: TRL's rollout alone (generate), no step figure", "trl-gen"
-    where = f"{torch.cuda.get_device_name()}, wall time" if cuda else "1 thread, CPU time"
     print(f"# llama3 {args.flavor}, {args.prompts} prompts x G {args.generations}, {args.completion_length} new "
           f"tokens, {args.dtype}; torch {torch.__version__}, transformers {transformers.__version__}, {theirs}; "
-          f"{where}; rounds of titanlike then TRL, {args.steps} steps each after a warm-up", flush=True)
+          f"{meter.describe()}; rounds of titanlike then TRL, {args.steps} steps each after a warm-up", flush=True)
     ours = {}
     if args.engine in ("eager", "both"):
         ours["titanlike"] = run_titanlike
@@ -462,13 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: [] for name in runs}
     for r in range(args.rounds):
         for name, run in runs.items():
-            gc.collect()
-            torch.compiler.reset()  # the last side's compiled graphs (on a GPU, their CUDA graphs' memory) let go
-            if cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
+            meter.fresh()
             figures = run(args, folder, prompts, os.path.join(work, f"{name}_{r}"))
-            figures["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            figures["peak_gib"] = meter.peak_gib()
             results[name].append(figures)
             print(f"round {r + 1} {_line(name, figures)}", flush=True)
         theirs = results[trl_name][-1]

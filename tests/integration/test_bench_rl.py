@@ -3,6 +3,8 @@
 - Its GPU path as a program on CPU (--dtype bfloat16 --quick --trl-side generate: the bf16 job, the mismatch
   read from the job's logged metrics, TRL's rollout alone): the table's figures are finite and positive. About
   6 s of CPU (the tiny model, one round of a warm-up and one timed step per side).
+- What only a GPU runs of it, its meter (a synchronized wall clock, the peak memory reset before each side),
+  against torch.cuda's functions stood in for: each one it calls exists and is called when meant.
 - The stand-in for TRL where trl is absent generates as a real GRPOTrainer does: the same GenerationConfig
   (every field), the same model generation config, the same left-padded ids and mask of the same prompt rows.
   About 6 s of CPU (trl's import and a trainer's construction).
@@ -22,6 +24,16 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def bench_rl():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import bench_rl
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return bench_rl
 
 
 def test_the_gpu_path_runs_on_cpu_and_prints_finite_figures():
@@ -44,13 +56,26 @@ def test_the_gpu_path_runs_on_cpu_and_prints_finite_figures():
     assert re.search(r"step\s+n/a s", theirs), theirs  # TRL's rollout alone has no step
 
 
-def test_the_stand_in_generates_as_grpo_trainer(tmp_path, monkeypatch):
+def test_the_gpu_meter_calls_cuda_when_meant(bench_rl, monkeypatch):
+    calls = []
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: calls.append(name))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    meter = bench_rl.Meter("cuda")
+    begin = meter.now()
+    meter.fresh()
+    assert meter.now() >= begin
+    assert calls == ["synchronize", "empty_cache", "reset_peak_memory_stats", "synchronize"]
+    assert meter.peak_gib() == 3.0 and meter.describe() == "a GPU, wall time"
+    cpu = bench_rl.Meter("cpu")
+    cpu.now()
+    cpu.fresh()
+    assert cpu.peak_gib() is None and calls[4:] == []
+
+
+def test_the_stand_in_generates_as_grpo_trainer(bench_rl, tmp_path, monkeypatch):
     pytest.importorskip("trl")
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench_rl
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
     args = bench_rl.parse_args(["--quick", "--device", DEVICE, "--dtype", "bfloat16", "--trl-side", "trainer"])
     folder, prompts = str(tmp_path / "model"), str(tmp_path / "prompts.jsonl")
     bench_rl.write_model(folder, args.flavor, device=DEVICE, dtype=args.dtype)
