@@ -38,8 +38,9 @@ it for transformers as it does the debug tokenizer (titanlike/data/hf_tokenizer.
 
 Without trl (--trl-side generate; auto takes it when trl is not importable) TRL's side is its rollout
 alone: transformers' generate on the model, with the GenerationConfig GRPOTrainer builds (trl 1.16
-grpo_trainer.py, __init__ without vLLM) and the left-padded ids and mask its `_generate_single_turn` makes
-of each prompt G times, steps + 1 calls of the prompts in file order; rollout tokens/s, no step figure.
+grpo_trainer.py, __init__ without vLLM), the left-padded ids and mask its `_generate_single_turn` makes
+of each prompt G times, and in bf16 the forward accelerate's prepare gives the model (bf16 autocast,
+outputs made fp32), steps + 1 calls of the prompts in file order; rollout tokens/s, no step figure.
 tests/integration/test_bench_rl.py checks both against a real GRPOTrainer.
 
 On a lent H200 (issue 48 item 2; that machine has no trl, so TRL's side is the stand-in; LLAMA3_TOKENIZER
@@ -343,6 +344,27 @@ def trl_generation_config(args, model, tokenizer):
     return GenerationConfig(**kwargs, disable_compile=True)
 
 
+def trl_forward(args, model) -> None:
+    """GRPOConfig bf16 as TRL runs it: accelerate's prepare (Accelerator.prepare_model, native amp) makes the
+    model's forward run under bf16 autocast and return its bf16 tensors as fp32, and GRPOTrainer's generate
+    calls that forward (unwrap_model keeps it). The same wrapper on the stand-in's model."""
+    import torch
+
+    if args.dtype != "bfloat16":
+        return
+    forward = model.forward
+
+    def autocast_forward(*a, **kw):
+        with torch.autocast(device_type=args.device, dtype=torch.bfloat16):
+            out = forward(*a, **kw)
+        for name, value in out.items():  # accelerate's convert_to_fp32: the bf16 (and fp16) tensors
+            if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
+                out[name] = value.float()
+        return out
+
+    model.forward = autocast_forward
+
+
 def trl_inputs(tokenizer, texts: list[str]) -> dict:
     """GRPOTrainer's generate inputs for text prompts: each tokenized alone (_tokenize_prompts), then
     left-padded with the pad id, the attention mask 0 on the padding (_generate_single_turn)."""
@@ -376,6 +398,7 @@ def run_generate(args, folder: str, prompts: str, dump: str) -> dict:
 
     model, tokenizer = load_trl_model(args, folder)
     config = trl_generation_config(args, model, tokenizer)
+    trl_forward(args, model)
     model.train()  # as GRPOTrainer's training_step leaves it when it generates
     clock = Clock(Meter(args.device).now)
     for texts in rollout_prompts(args, prompts):

@@ -6,7 +6,8 @@
 - What only a GPU runs of it, its meter (a synchronized wall clock, the peak memory reset before each side),
   against torch.cuda's functions stood in for: each one it calls exists and is called when meant.
 - The stand-in for TRL where trl is absent generates as a real GRPOTrainer does: the same GenerationConfig
-  (every field), the same model generation config, the same left-padded ids and mask of the same prompt rows.
+  (every field), the same model generation config, the same left-padded ids and mask of the same prompt rows,
+  and in bf16 the same forward (accelerate's autocast and fp32 outputs).
   About 6 s of CPU (trl's import and a trainer's construction).
 """
 
@@ -122,3 +123,10 @@ def test_the_stand_in_generates_as_grpo_trainer(bench_rl, tmp_path, monkeypatch)
     first = bench_rl.trl_inputs(tokenizer, texts[:-1])
     assert torch.equal(calls[0]["input_ids"].cpu(), first["input_ids"])
     assert torch.equal(calls[0]["attention_mask"].cpu(), first["attention_mask"])
+
+    # bf16: the stand-in's forward is the one accelerate's prepare gives TRL's model (bf16 autocast, outputs fp32).
+    prepared = trainer.accelerator.prepare_model(trainer.model)
+    batch = bench_rl.trl_inputs(tokenizer, texts)
+    with torch.no_grad():
+        theirs, mine = prepared(**batch).logits, models[0](**batch).logits
+    assert theirs.dtype == mine.dtype == torch.float32 and torch.equal(theirs, mine)
