@@ -49,12 +49,15 @@ names Llama 3's tokenizer.model there):
     python scripts/bench_rl.py --device cuda --dtype bfloat16 --flavor 1B --tokenizer $LLAMA3_TOKENIZER \\
         --generations 8 --completion-length 256 --prompts 8 --steps 2 --rounds 2
 
-An estimate, not a measurement (nothing here has run on a GPU): ~15 s of imports; ~30 s to export the 1B
-model (bf16, 2.5 GB) and convert the 128k-token tokenizer; each titanlike round ~10 s to build the job,
-the decode step's compile and CUDA-graph capture ~60-90 s in the first round (inductor's cache makes the
-second's ~20-30 s) and 3 steps of ~2-3 s (64 rows x 256 tokens: ~1 s of fp32 decode, the 64 x 320 token
-step's forward and backward); each TRL round ~5 s to load and 3 generate calls of ~5-8 s (eager decode,
-~20-30 ms a token). About 3-4 minutes in all, most of it the first compile: give the call a 420 s limit.
+An estimate, not a measurement (nothing here has run on a GPU yet): ~15 s of imports; ~30 s to export
+the 1B model (initialized on the GPU, written in bf16, 2.5 GB) with the 128k-token tokenizer converted;
+per titanlike round ~10 s to build the job, then the warm-up step's compile of the decode step and its
+CUDA-graph capture, ~60-90 s in the first round (a fresh job recompiles: ~20-30 s in the second, from
+inductor's cache), and 3 steps of ~2-3 s (64 rows x 256 tokens: under 1 s of fp32 CUDA-graph decode at
+~3 ms a token, then the step's forward and backward over 64 rows of 320); per TRL round ~5 s to load
+and 3 generate calls of ~5-8 s (eager bf16 decode under autocast, ~20-30 ms a token). About 3.5-4
+minutes in all, most of it the first compile: give the call a 420 s limit, and if it must be shorter,
+--rounds 1 (~2.5 minutes) still gives every figure, unpaired.
 """
 
 from __future__ import annotations
