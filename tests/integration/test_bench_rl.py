@@ -126,7 +126,7 @@ def test_the_stand_in_generates_as_grpo_trainer(bench_rl, tmp_path, monkeypatch)
 
     # bf16: the stand-in's forward is the one accelerate's prepare gives TRL's model (bf16 autocast, outputs fp32).
     prepared = trainer.accelerator.prepare_model(trainer.model)
-    batch = bench_rl.trl_inputs(tokenizer, texts)
+    batch = {name: value.to(DEVICE) for name, value in bench_rl.trl_inputs(tokenizer, texts).items()}
     with torch.no_grad():
         theirs, mine = prepared(**batch).logits, models[0](**batch).logits
     assert theirs.dtype == mine.dtype == torch.float32 and torch.equal(theirs, mine)
