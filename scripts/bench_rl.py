@@ -454,14 +454,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.trl_side = "trainer" if importlib.util.find_spec("trl") is not None else "generate"
     elif args.trl_side == "trainer" and importlib.util.find_spec("trl") is None:
         parser.error("--trl-side trainer needs trl installed; use --trl-side generate for its rollout alone")
+    from titanlike.models.llama3 import llama3_flavors
+
+    if args.flavor not in llama3_flavors:
+        parser.error(f"--flavor {args.flavor} is not a llama3 flavor; the flavors are {', '.join(llama3_flavors)}")
+    return args
+
+
+def check_machine(args) -> None:
+    """The device the arguments name is this machine's (apart from parse_args, so that the commands prepared
+    for a GPU parse here: scripts/gpu_wave.py --check)."""
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a GPU, and torch sees none")
+        raise SystemExit("--device cuda needs a GPU, and torch sees none")
     if args.device == "cpu" and torch.cuda.is_available():
-        parser.error("--device cpu on a machine with a GPU: titanlike's trainer would take the GPU; hide it "
-                     "(CUDA_VISIBLE_DEVICES=) or use --device cuda")
-    return args
+        raise SystemExit("--device cpu on a machine with a GPU: titanlike's trainer would take the GPU; hide it "
+                         "(CUDA_VISIBLE_DEVICES=) or use --device cuda")
 
 
 def _shown(value, spec: str, width: int) -> str:
@@ -477,6 +486,7 @@ def _line(name: str, f: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_machine(args)
 
     import logging
 

@@ -83,8 +83,15 @@ def pieces(out: Path) -> dict[str, tuple[str, list[Step]]]:
         "smoke": ("every family on CUDA, eager and compiled, and the 1B table row (a crash here first)", [
             Step("smoke", ["scripts/gpu_smoke.sh", tok], 200),
         ]),
+        "rl": ("item 2: GRPO with a 1B policy (G 8, 256 tokens, bf16), the engine's CUDA graphs against TRL's "
+               "rollout (transformers' generate as GRPOTrainer calls it: the box has no trl), the bf16 mismatch", [
+            Step("grpo_1b", ["scripts/bench_rl.py", "--device", "cuda", "--dtype", "bfloat16", "--flavor", "1B",
+                             "--tokenizer", tok, "--generations", "8", "--completion-length", "256", "--prompts", "8",
+                             "--steps", "2", "--rounds", "2"], 330),
+        ]),
         "optim": ("item 4 (Muon, bf16 optimizer states against fused AdamW: step time, memory, MFU at 1B "
-                  "seq 4096 batch 1) and item 1 (the clip folded into fused AdamW: the profile's clip kernels)", [
+                  "seq 4096 batch 1; the bf16-state update compiled) and item 1 (the clip folded into fused "
+                  "AdamW: the profile's clip kernels)", [
             Step("adamw_fused", [*one_b, "--profile-steps", "3"], 75),
             Step("adamw_bf16_states", [*one_b, "--optimizer.state_dtype", "bfloat16"], 50),
             Step("muon", [*one_b, "--optimizer.name", "Muon"], 55),
@@ -184,9 +191,10 @@ def check(all_pieces: dict[str, tuple[str, list[Step]]]) -> list[str]:
                     if not (REPO / script).is_file():
                         problems.append(f"{where}: no such script {script}")
                 else:
-                    parsed = (load_job_config(args),) if script == "train.py" else \
+                    parsed = load_job_config(args) if script == "train.py" else \
                         _load_script(REPO / script).parse_args(args)
-                    for job in (p for p in parsed if isinstance(p, JobConfig)):
+                    for job in (p for p in (parsed if isinstance(parsed, tuple) else (parsed,))
+                                if isinstance(p, JobConfig)):
                         plan_job(job, world_size=1)
             except (Exception, SystemExit) as e:  # argparse exits on a bad option
                 problems.append(f"{where}: {type(e).__name__}: {e}")
