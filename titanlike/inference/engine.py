@@ -18,6 +18,7 @@ replayed as a CUDA graph (speed: docs/performance.md).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -119,15 +120,92 @@ def scores_only(model: nn.Module) -> str | None:
             "export it to Hugging Face")
 
 
+class LowPrecisionCopy:
+    """What a model trained in float32 under autocast (one process, bf16 mixed precision) generates from:
+    its linear layers' weights copied once in the autocast dtype, every other parameter the model's own
+    (shared, not copied), the engine's steps run under the same autocast. autocast casts a linear layer's
+    float32 weight to bf16 at every matmul; the copy holds that cast already, so the engine computes what
+    the training step computes (an embedding lookup, a norm, experts' weights: as autocast runs them) while
+    a decode step reads 2 bytes of each linear weight instead of 4 read + 2 written + 2 read. refresh()
+    copies the model's linear weights in (one cast, ~1 ms at 1B on a GPU) into the same tensors, so a
+    CUDA graph recorded over them stays valid. Costs 2 bytes a linear parameter."""
+
+    def __init__(self, source: nn.Module, dtype: torch.dtype):
+        if not LowPrecisionCopy.possible(source):
+            raise GenerationError("a low-precision copy is made of one process's model, not of a sharded one")
+        import copy
+
+        self.dtype = dtype
+        linear = {id(p) for m in source.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+        # deepcopy takes every parameter from the memo: a linear layer's made directly in dtype (the float32
+        # copy never exists), any other the source's own. A weight tied to an embedding is the embedding's
+        # here; the copy's output layer gets its own below.
+        memo = {id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) if id(p) in linear and
+                not _tied_outside_linears(source, p) else p for p in source.parameters()}
+        self.model = copy.deepcopy(source, memo)  # a block's compiled call is not copied (Module.__getstate__)
+        self.pairs = []
+        for name, module in self.model.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            theirs = source.get_submodule(name)
+            for key, param in list(module.named_parameters(recurse=False)):
+                if param.dtype != dtype:  # tied to an embedding: the output layer's own bf16 weight
+                    param = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                    setattr(module, key, param)
+                self.pairs.append((param, getattr(theirs, key)))
+        self.model.eval()
+
+    @staticmethod
+    def possible(source: nn.Module) -> bool:
+        """One process's model: no DTensor parameters (under FSDP the mixed-precision policy gathers
+        bf16 weights already; a tensor-parallel model generates in its own dtype)."""
+        from torch.distributed.tensor import DTensor
+
+        return not any(isinstance(p, DTensor) for p in source.parameters())
+
+    def __bool__(self) -> bool:
+        return True
+
+    def autocast(self, fn):
+        """fn under the training step's autocast (inside a compiled step too: dynamo traces the context)."""
+        device, dtype = next(self.model.parameters()).device.type, self.dtype
+
+        @functools.wraps(fn)
+        def cast(*args, **kwargs):
+            with torch.autocast(device, dtype=dtype):
+                return fn(*args, **kwargs)
+
+        return cast
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for dst, src in self.pairs:
+            dst.copy_(src)
+
+
+def _tied_outside_linears(model: nn.Module, param: torch.Tensor) -> bool:
+    """The parameter is also held by a module that is not a linear layer (an embedding tied to the output)."""
+    return any(not isinstance(m, nn.Linear) and any(p is param for p in m.parameters(recurse=False))
+               for m in model.modules())
+
+
 class Engine:
     """Generation for one model (one process, or one tensor-parallel rank of several: every rank
     runs the same steps and draws the same samples from the same seed)."""
 
     def __init__(self, model: nn.Module, *, context_len: int | None = None, start_id: int | None = None,
-                 compile: bool = False):
+                 compile: bool = False, dtype: torch.dtype | None = None):
         """context_len: the longest sequence (default: the model's context). start_id: the decoder
         start token of an encoder-decoder model (its pad id; None: the model's default). compile:
-        decode with a torch.compile'd step on caches of context_len slots (see below)."""
+        decode with a torch.compile'd step on caches of context_len slots (see below). dtype: generate
+        in this precision from a copy of the weights (LowPrecisionCopy) when the model's differ (one
+        process; a sharded model generates as it is)."""
+        self.source = model  # the module whose weights generate (the copy follows it at every call)
+        self.weights = None
+        if (dtype is not None and dtype != next(model.parameters()).dtype and protocol.generation_hooks(model)
+                and LowPrecisionCopy.possible(model)):
+            self.weights = LowPrecisionCopy(model, dtype)
+            model = self.weights.model
         hooks = protocol.generation_hooks(model)
         if hooks is None:
             raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder to continue a "
@@ -138,6 +216,8 @@ class Engine:
             raise GenerationError(problem)
         self.model = model.eval()
         self._init_cache, self.prefill, self.decode_step = hooks
+        if self.weights:
+            self.prefill, self.decode_step = self.weights.autocast(self.prefill), self.weights.autocast(self.decode_step)
         # Eager on a CPU, the linear layers run through oneDNN with prepacked weights (packed.py: 1.2-2.2x
         # MKL's speed where MKL takes a slow path). Not when compiled: inductor traces the modules, and
         # the background compile of a server (continuous.py) traces them while the eager steps run.
@@ -145,7 +225,8 @@ class Engine:
         if self.packed:
             self.prefill, self.decode_step = self.packed.wrap(self.prefill), self.packed.wrap(self.decode_step)
         first = next(model.parameters())
-        self.device, self.dtype = first.device, first.dtype
+        # The cache holds keys and values as the steps compute them (bf16 under autocast).
+        self.device, self.dtype = first.device, self.weights.dtype if self.weights else first.dtype
         self.context_len = context_len or model.model_args.context_len
         self.start_id = start_id
         self.compiled = compile
@@ -223,6 +304,8 @@ class Engine:
         if params.stop_strings and detokenize is None:
             raise GenerationError("stop strings need a detokenizer (token ids -> text)")
         started = time.perf_counter()
+        if self.weights:
+            self.weights.refresh()  # the source's weights may have changed since the last call
         if self.packed:
             self.packed.refresh()  # the weights may have changed since the last call (packed.py)
         batch = len(prompts)

@@ -92,6 +92,9 @@ class PackedLinears:
 
     def _forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         weight = module.weight
+        if x.dtype != weight.dtype and x.device.type == "cpu" and torch.is_autocast_enabled("cpu") \
+                and torch.get_autocast_dtype("cpu") == weight.dtype:
+            x = x.to(weight.dtype)  # what autocast's F.linear does with a weight already in its dtype
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.dtype != weight.dtype \
                 or x.device.type != "cpu":
             return F.linear(x, weight, module.bias)

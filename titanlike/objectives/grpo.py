@@ -459,7 +459,8 @@ class GRPO(Objective):
         processor = self._processor(plan.tokenizer)
         prompts = PromptRows.read(t.dataset_path, t.split, "train", processor)
         return GRPORollout(self.options, prompts, processor, self._rewards(plan.tokenizer), seq_len=t.seq_len,
-                           multiple=math.lcm(16, plan.dims.tp), pad_id=pad_id(plan.tokenizer))
+                           multiple=math.lcm(16, plan.dims.tp), pad_id=pad_id(plan.tokenizer),
+                           compute_dtype=plan.precision.autocast_dtype)
 
     # Samples and batch ------------------------------------------------------------------------
 

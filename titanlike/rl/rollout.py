@@ -122,8 +122,11 @@ class GRPORollout:
     groups (advantages 0: no policy-gradient term) rather than an empty microbatch."""
 
     def __init__(self, options: GRPOOptions, prompts: PromptRows, processor: Processor, rewards: list[Reward], *,
-                 seq_len: int, multiple: int, pad_id: int):
+                 seq_len: int, multiple: int, pad_id: int, compute_dtype: torch.dtype | None = None):
         self.options, self.prompts, self.processor, self.rewards = options, prompts, processor, rewards
+        # The training step's autocast dtype (one process under bf16 mixed precision): the engine generates
+        # from a copy of the policy's weights in it, as the step computes (inference/engine.py).
+        self.compute_dtype = compute_dtype
         self.seq_len, self.multiple, self.pad_id = seq_len, multiple, pad_id
         self.iterations, self.sample_freq = options.num_iterations, options.sample_freq
         self.ahead = options.max_offpolicy_steps
@@ -136,8 +139,9 @@ class GRPORollout:
         """The generation engine of this policy module (a new one when the module changed)."""
         from titanlike.inference.engine import Engine
 
-        if self._engine is None or self._engine.model is not policy:
-            self._engine = Engine(policy, context_len=self.seq_len, compile=self.options.compile_generation)
+        if self._engine is None or self._engine.source is not policy:
+            self._engine = Engine(policy, context_len=self.seq_len, compile=self.options.compile_generation,
+                                  dtype=self.compute_dtype)
         policy.eval()  # the caller puts the module back in training mode after each call
         return self._engine
 
