@@ -18,7 +18,9 @@ reference (and, where it has a backward, the gradients of q, k, v and the sinks 
 of those rows); the largest difference, relative to the reference's largest magnitude, is printed
 and must be under the dtype's tolerance (TOLERANCE), else the row says MISMATCH and the exit status is 1.
 Rounds are interleaved (each round calls every variant once), the first dropped, the median printed:
-CUDA times by synchronize and the wall clock, CPU by this process's CPU time on one thread.
+CUDA times by synchronize and the wall clock, CPU by this process's CPU time on one thread. The forward
+runs as in training, on inputs that need gradients (so a compiled variant compiles once, for the check,
+and serves both phases); the forward-only flex variants of CPU run without autograd.
 
 On CPU FlexAttention runs eager (its unfused implementation, under torch.compiler.set_stance
 "force_eager") and forward only: torch's CPU FlexAttention has no backward, and compiled none with the
@@ -26,11 +28,12 @@ log-sum-exp the sinks need. `--compile` then compiles the SDPA variants only. On
 (the default) compiles each variant's call, as a compiled block would; `--no-compile` calls it eagerly,
 where FlexAttention still runs attention.py's compiled flex_attention.
 
-GPU commands (one H200, bf16; wall times estimated, not measured: flex compiles about 10-30 s per
-variant, forward and backward, at each sequence length):
-    python scripts/bench_attention.py --device cuda --models gpt_oss:20B --seq-lens 4096,8192,16384   # ~3 min
-    python scripts/bench_attention.py --device cuda --models gemma3:27B --seq-lens 4096,8192,16384    # ~2 min
-    python scripts/bench_attention.py --device cuda --models gemma3:4B --seq-lens 8192                # ~1 min
+GPU commands (one H200, bf16; wall times estimated, not measured: flex compiles its forward and
+backward kernels, some 10-30 s, for each flex variant at each sequence length):
+    python scripts/bench_attention.py --device cuda --models gpt_oss:20B --seq-lens 4096,8192   # ~2.5 min
+    python scripts/bench_attention.py --device cuda --models gpt_oss:20B --seq-lens 16384       # ~1.5 min
+    python scripts/bench_attention.py --device cuda --models gemma3:27B --seq-lens 4096,8192,16384   # ~2 min
+    python scripts/bench_attention.py --device cuda --models gemma3:4B --seq-lens 8192   # head_dim 256, ~1 min
 CPU (tiny, the test's): python scripts/bench_attention.py --quick --no-compile
 """
 
@@ -286,15 +289,19 @@ def bench_layer(layer: LayerShape, seq: int, names: list[str], a, device, dtype)
         for round_ in range(a.rounds):
             for name in list(live):
                 try:
-                    if phase == "fwd":
-                        with torch.no_grad():
-                            run = lambda: call(name, q, k, v, sinks)  # noqa: E731
-                            seconds = _timed(timer, run, device, results[name], round_ == a.rounds - 1)
+                    if not has_backward[name]:  # forward only, without autograd
+                        def run():
+                            with torch.no_grad():
+                                call(name, q, k, v, sinks)
+                    elif phase == "fwd":  # as in training (inputs that need gradients): the check's graph
+                        def run():
+                            call(name, *leaves)
                     else:
-                        for t in leaves:
-                            t.grad = None
-                        run = lambda: call(name, *leaves).backward(grad_out)  # noqa: E731
-                        seconds = _timed(timer, run, device, results[name], round_ == a.rounds - 1)
+                        def run():
+                            for t in leaves:
+                                t.grad = None
+                            call(name, *leaves).backward(grad_out)
+                    seconds = _timed(timer, run, device, results[name], round_ == a.rounds - 1)
                     times[name].append(seconds)
                 except Exception as err:
                     _failed(results[name], phase, err)

@@ -17,15 +17,22 @@ under a random weighting of the output) is compared with our eager chunked form'
 difference, relative to ours' largest magnitude, is printed and must be under the dtype's tolerance,
 else the row says MISMATCH and the exit status is 1. Rounds are interleaved (each round runs every
 function once), the first dropped, the median printed: CUDA times by synchronize and the wall clock, CPU
-by this process's CPU time on one thread.
+by this process's CPU time on one thread. The forward runs as in training, on inputs that need gradients
+(so the compiled form compiles its graph once, and both phases use it).
 
-GPU commands (one H200, Qwen3-Next's 16 key / 32 value heads of 128; the kit carries the
-flash-linear-attention and fla-core 0.6.0 wheels; wall times estimated, not measured: dynamo unrolls
-the chunk loop, so the compile grows with the sequence, about a minute for forward and backward at 4096):
+The FLA column was checked on CPU through Triton's interpreter (TRITON_INTERPRET=1, fla 0.6.0, triton
+3.9): its output and gradients agree with ours to 2e-6 in float32 and 1e-3 in float16 (bfloat16 is
+not emulated right by the interpreter), so the conventions above are FLA's.
+
+GPU: fla 0.6.0 imports einops (as mamba_ssm's kernels do: scripts/gpu_kit_mamba.sh), which the GPU box is
+not known to have, so the kit carries it beside the two wheels:
+    EXTRA_WHEELS="flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2" bash ../shared/gpu/make-kit.sh
+then (one H200, Qwen3-Next's 16 key / 32 value heads of 128; wall times estimated, not measured: dynamo
+unrolls the chunk loop, so the compile grows with the sequence):
     python scripts/bench_gated_delta.py --device cuda --k-heads 16 --v-heads 32 --seq 4096 --compile \\
-        --functions transformers,fla   # ~2 min
+        --functions transformers,fla   # ~2.5 min
     python scripts/bench_gated_delta.py --device cuda --k-heads 16 --v-heads 32 --seq 8192,16384 \\
-        --no-compile --functions transformers,fla   # ~1 min
+        --functions transformers,fla   # ~1 min
 CPU:
     python scripts/bench_gated_delta.py --seq 1024 --rounds 7
     python scripts/bench_gated_delta.py --quick   (the test's)
@@ -112,7 +119,7 @@ def check(functions: dict[str, Callable], inputs, *, backward: bool) -> dict[str
     want = None
     diffs = {}
     for name, fn in functions.items():
-        leaves = [x.detach().clone().requires_grad_(backward) for x in inputs]
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
         out = fn(*leaves)
         if weight is None:
             weight = torch.randn(out.shape, device=out.device)
@@ -148,7 +155,7 @@ def bench(functions: dict[str, Callable], inputs, *, backward: bool, rounds: int
     grad = None
 
     def run(fn):
-        xs = [x.detach().requires_grad_(backward) for x in inputs]
+        xs = [x.detach().requires_grad_() for x in inputs]
         out = fn(*xs)
         if backward:
             out.backward(grad)
