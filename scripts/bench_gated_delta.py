@@ -185,7 +185,8 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                        help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--seq", "--seq-lens", dest="seq_lens", type=_ints, default=None,
                         help="sequence lengths, comma separated (default 1024; --quick 96)")
     parser.add_argument("--batch", type=int, default=1)
@@ -195,7 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=int, default=64, help="16, 32 or 64 (FLA takes no other)")
     parser.add_argument("--rounds", type=int, default=None, help="default 5 (--quick 3)")
     parser.add_argument("--functions", default=",".join(OPTIONAL),
-                        help=f"besides ours (eager, and compiled with --compile): a comma list of {', '.join(OPTIONAL)}")
+                        help=f"besides ours (eager, and compiled with --compile): a comma list of "
+                             f"{', '.join(OPTIONAL)}")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                         help="add our chunked form under torch.compile")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (the test's)")
