@@ -212,108 +212,100 @@ def _eager_flex():
         yield
 
 
+class LayerBench:
+    """One layer's shape at one sequence length: the inputs, the flex block masks and each variant's call."""
+
+    def __init__(self, layer: LayerShape, seq: int, names: list[str], a, device: torch.device, dtype):
+        torch.manual_seed(0)
+        self.layer, self.device, self.cpu, self.timer = layer, device, device.type == "cpu", Timer(device)
+        b, heads, d = a.batch, layer.heads, layer.head_dim
+        self.q = torch.randn(b, heads, seq, d, device=device, dtype=dtype)
+        self.k, self.v = (torch.randn(b, layer.kv_heads, seq, d, device=device, dtype=dtype) for _ in range(2))
+        self.sinks = torch.randn(heads, device=device, dtype=dtype)
+        # The same values as leaves of autograd, for the check and the timed forward + backward.
+        self.leaves = [t.detach().clone().requires_grad_() for t in (self.q, self.k, self.v, self.sinks)]
+        self.grad_out = torch.randn(b, heads, seq, d, device=device, dtype=dtype)
+        self.masks, self.notes = {}, []
+        if any(VARIANTS[n].flex for n in names):
+            ids = torch.zeros(b, seq, dtype=torch.long, device=device)
+            DocumentMask.from_document_ids(ids, "flex").windowed(layer.window)  # warm-up
+            full = self.timer(lambda: self.masks.__setitem__("full", DocumentMask.from_document_ids(ids, "flex")))
+            window = self.timer(lambda: self.masks.__setitem__("window", self.masks["full"].windowed(layer.window)))
+            self.notes.append(f"flex block masks built in {full * 1e3:.1f} ms (full) + {window * 1e3:.1f} ms "
+                              "(window), once per microbatch")
+        torch.compiler.reset()  # a fresh compile cache for each shape: no recompile limit reached across them
+        self.calls = {n: torch.compile(VARIANTS[n].fn, dynamic=False) if a.compile and not self.eager_flex(n)
+                      else VARIANTS[n].fn for n in names}
+
+    def eager_flex(self, name: str) -> bool:
+        """FlexAttention on CPU: eager, forward only (the module docstring)."""
+        return self.cpu and VARIANTS[name].flex
+
+    def call(self, name: str, *, grad: bool) -> torch.Tensor:
+        """The variant's output, on the autograd leaves (grad) or on plain tensors without autograd."""
+        var = VARIANTS[name]
+        q, k, v, sinks = self.leaves if grad else (self.q, self.k, self.v, self.sinks)
+        with torch.set_grad_enabled(grad), _eager_flex() if self.eager_flex(name) else contextlib.nullcontext():
+            return self.calls[name](q, k, v, self.masks, self.layer.window, sinks if var.sinks else None)
+
+    def check(self, name: str, result: Result, rows: torch.Tensor, tol: float) -> None:
+        """Outputs at `rows`, and the gradients of a random weighting of them, against the float32 reference."""
+        var, leaves = VARIANTS[name], self.leaves
+        want = reference(*leaves[:3], rows, window=self.layer.window if var.window else None,
+                         sinks=leaves[3] if var.sinks else None)
+        got = self.call(name, grad=not self.eager_flex(name))[:, :, rows]
+        result.diff_out = max_difference(got.detach(), want.detach())
+        if got.requires_grad:
+            weight = torch.randn(want.shape, device=want.device)
+            grads = [torch.autograd.grad((out.float() * weight).sum(), leaves, allow_unused=True)
+                     for out in (got, want)]
+            result.diff_grad = max(max_difference(g if g is not None else torch.zeros_like(w), w)
+                                   for g, w in zip(*grads) if w is not None)
+        result.ok = result.diff_out <= tol and (result.diff_grad is None or result.diff_grad <= tol)
+
+    def run(self, name: str, phase: str) -> None:
+        """One timed call: the forward as in training (on inputs that need gradients: the check's compiled
+        graph), or forward and backward; CPU's flex variants forward only, without autograd."""
+        if phase == "fwd":
+            self.call(name, grad=not self.eager_flex(name))
+            return
+        for t in self.leaves:
+            t.grad = None
+        self.call(name, grad=True).backward(self.grad_out)
+
+
 def bench_layer(layer: LayerShape, seq: int, names: list[str], a, device, dtype) -> tuple[list[Result], str]:
     """Check, then time, the variants on one layer's shape at one sequence length."""
-    torch.manual_seed(0)
-    cpu = device.type == "cpu"
-    b = a.batch
-    q = torch.randn(b, layer.heads, seq, layer.head_dim, device=device, dtype=dtype)
-    k = torch.randn(b, layer.kv_heads, seq, layer.head_dim, device=device, dtype=dtype)
-    v = torch.randn(b, layer.kv_heads, seq, layer.head_dim, device=device, dtype=dtype)
-    sinks = torch.randn(layer.heads, device=device, dtype=dtype)
-    variants = [VARIANTS[n] for n in names]
-    notes = []
-    masks = {}
-    if any(var.flex for var in variants):
-        timer = Timer(device)
-        ids = torch.zeros(b, seq, dtype=torch.long, device=device)
-        DocumentMask.from_document_ids(ids, "flex").windowed(layer.window)  # warm-up
-        built = {}
-        built["full"] = timer(lambda: masks.__setitem__("full", DocumentMask.from_document_ids(ids, "flex")))
-        built["window"] = timer(lambda: masks.__setitem__("window", masks["full"].windowed(layer.window)))
-        notes.append(f"flex block masks built in {built['full'] * 1e3:.1f} ms (full) + "
-                     f"{built['window'] * 1e3:.1f} ms (window), once per microbatch")
-    torch.compiler.reset()  # a fresh compile cache for each shape: no recompile limit reached across them
-    calls = {}
-    for name, var in zip(names, variants):
-        fn = var.fn
-        if a.compile and not (cpu and var.flex):
-            fn = torch.compile(fn, dynamic=False)
-        calls[name] = fn
-
-    def call(name: str, q, k, v, sinks):
-        var = VARIANTS[name]
-        with _eager_flex() if cpu and var.flex else contextlib.nullcontext():
-            return calls[name](q, k, v, masks, layer.window, sinks if var.sinks else None)
-
-    has_backward = {n: not (cpu and VARIANTS[n].flex) for n in names}
+    bench = LayerBench(layer, seq, names, a, device, dtype)
     results = {n: Result(VARIANTS[n].label) for n in names}
-    tol = TOLERANCE[dtype]
     rows = check_rows(a.check_rows, seq, device)
-    weight = torch.randn(b, layer.heads, len(rows), layer.head_dim, device=device)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
-
-    def grads_of(out_rows: torch.Tensor) -> list[torch.Tensor]:
-        return torch.autograd.grad((out_rows.float() * weight).sum(), leaves, allow_unused=True)
-
-    # The check: outputs at `rows` (and gradients through them) against the float32 reference.
-    for name in list(names):
-        var, res = VARIANTS[name], results[name]
+    live = []
+    for name in names:
         try:
-            want = reference(*leaves[:3], rows, window=layer.window if var.window else None,
-                             sinks=leaves[3] if var.sinks else None)
-            if has_backward[name]:
-                got = call(name, *leaves)[:, :, rows]
-                got_grads = grads_of(got)
-                want_grads = grads_of(want)
-                pairs = [(g, w) for g, w in zip(got_grads, want_grads) if w is not None]
-                res.diff_grad = max(max_difference(g if g is not None else torch.zeros_like(w), w) for g, w in pairs)
-            else:
-                with torch.no_grad():
-                    got = call(name, q, k, v, sinks)[:, :, rows]
-            res.diff_out = max_difference(got.detach(), want.detach())
+            bench.check(name, results[name], rows, TOLERANCE[dtype])
+            live.append(name)
         except Exception as err:  # an OOM or a kernel that fails: a row of the table, not the end of the run
-            _failed(res, "check", err)
-            names.remove(name)
-            _free(device)
-            continue
-        res.ok = res.diff_out <= tol and (res.diff_grad is None or res.diff_grad <= tol)
-        del want, got
+            _failed(results[name], "check", err)
         _free(device)
-
-    grad_out = torch.randn(b, layer.heads, seq, layer.head_dim, device=device, dtype=dtype)
-    timer = Timer(device)
     for phase in ("fwd", "fwd+bwd"):
-        live = [n for n in names if phase == "fwd" or has_backward[n]]
-        times = {n: [] for n in live}
+        timed = [n for n in live if phase == "fwd" or not bench.eager_flex(n)]
+        times = {n: [] for n in timed}
         for round_ in range(a.rounds):
-            for name in list(live):
+            for name in list(timed):
                 try:
-                    if not has_backward[name]:  # forward only, without autograd
-                        def run():
-                            with torch.no_grad():
-                                call(name, q, k, v, sinks)
-                    elif phase == "fwd":  # as in training (inputs that need gradients): the check's graph
-                        def run():
-                            call(name, *leaves)
-                    else:
-                        def run():
-                            for t in leaves:
-                                t.grad = None
-                            call(name, *leaves).backward(grad_out)
-                    seconds = _timed(timer, run, device, results[name], round_ == a.rounds - 1)
-                    times[name].append(seconds)
+                    times[name].append(_timed(bench.timer, lambda: bench.run(name, phase), device, results[name],
+                                              round_ == a.rounds - 1))
                 except Exception as err:
                     _failed(results[name], phase, err)
-                    live.remove(name)
-                    times.pop(name)
+                    timed.remove(name)
+                    del times[name]
                     _free(device)
         for name, ts in times.items():
             results[name].ms[phase] = statistics.median(ts[1:] if len(ts) > 1 else ts) * 1e3
-    for name in names:
-        if not has_backward[name]:
+    for name in live:
+        if bench.eager_flex(name):
             results[name].note = results[name].note or "no backward: FlexAttention on CPU"
-    return list(results.values()), "; ".join(notes)
+    return list(results.values()), "; ".join(bench.notes)
 
 
 def _timed(timer: Timer, run, device, result: Result, last: bool) -> float:
