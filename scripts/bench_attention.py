@@ -233,7 +233,8 @@ class LayerBench:
             window = self.timer(lambda: self.masks.__setitem__("window", self.masks["full"].windowed(layer.window)))
             self.notes.append(f"flex block masks built in {full * 1e3:.1f} ms (full) + {window * 1e3:.1f} ms "
                               "(window), once per microbatch")
-        torch.compiler.reset()  # a fresh compile cache for each shape: no recompile limit reached across them
+        if a.compile:
+            torch.compiler.reset()  # a fresh compile cache for each shape: no recompile limit reached across them
         self.calls = {n: torch.compile(VARIANTS[n].fn, dynamic=False) if a.compile and not self.eager_flex(n)
                       else VARIANTS[n].fn for n in names}
 
