@@ -126,7 +126,10 @@ def sliding_layer(model: str) -> LayerShape:
     from titanlike.models.registry import get_model_spec
 
     family, _, flavor = model.partition(":")
-    spec = get_model_spec(family)
+    try:
+        spec = get_model_spec(family)
+    except KeyError as err:
+        raise ValueError(f"--models {model}: {err.args[0]}") from None
     if flavor not in spec.flavors:
         raise ValueError(f"--models {model}: {family} has no flavor {flavor!r}; known: {', '.join(spec.flavors)}")
     with torch.device("meta"):
@@ -394,6 +397,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.seq_lens = a.seq_lens or ([64, 128] if a.quick else [4096, 8192, 16384] if cuda else [512, 1024])
     a.rounds = a.rounds or (3 if a.quick else 10 if cuda else 5)
     a.compile = cuda if a.compile is None else a.compile
+    try:
+        a.layers = [sliding_layer(m) for m in a.models.split(",")]
+    except ValueError as err:
+        parser.error(str(err))
     return a
 
 
@@ -402,9 +409,8 @@ def main(argv=None) -> int:
     device = torch.device(a.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    layers = [sliding_layer(m) for m in a.models.split(",")]
     ok = True
-    for layer in layers:
+    for layer in a.layers:
         names = [n for n in a.variants.split(",") if layer.sinks or not VARIANTS[n].sinks]
         print(f"{layer.name} sliding layer: {layer.heads} query / {layer.kv_heads} key-value heads of "
               f"{layer.head_dim}, window {layer.window}{', sinks' if layer.sinks else ''}; batch {a.batch}, "

@@ -75,3 +75,11 @@ def test_the_checker_measures_a_perturbed_tensor():
         assert bench.max_difference(want * 1.1, want) > tol  # a 10% error fails
     assert bench.window_work_fraction(8, 16) == 1.0
     assert bench.window_work_fraction(4, 2) == pytest.approx(7 / 10)  # 1 + 2 + 2 + 2 of 1 + 2 + 3 + 4 pairs
+
+
+def test_a_model_without_a_sliding_layer_is_refused_in_one_sentence(capsys):
+    with pytest.raises(SystemExit) as e:
+        BENCH.parse_args(["--device", "cpu", "--models", "llama3:debugmodel"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --models llama3:debugmodel: the model has no sliding-window attention layer" in err
