@@ -113,23 +113,39 @@ def max_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def check(functions: dict[str, Callable], inputs, *, backward: bool) -> dict[str, float]:
-    """name -> largest difference from ours of the output (and of every input's gradient)."""
+def check(functions: dict[str, Callable], inputs, *, backward: bool,
+          errors: dict[str, str] | None = None) -> dict[str, float]:
+    """name -> largest difference from ours of the output (and of every input's gradient). A function
+    other than ours that raises is left out, its error in `errors` (when given, else it propagates)."""
     weight = None
     want = None
     diffs = {}
     for name, fn in functions.items():
-        leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        out = fn(*leaves)
-        if weight is None:
-            weight = torch.randn(out.shape, device=out.device)
-        got = [out.detach()]
-        if backward:
-            got += list(torch.autograd.grad((out.float() * weight).sum(), leaves))
+        try:
+            leaves = [x.detach().clone().requires_grad_() for x in inputs]
+            out = fn(*leaves)
+            if weight is None:
+                weight = torch.randn(out.shape, device=out.device)
+            got = [out.detach()]
+            if backward:
+                got += list(torch.autograd.grad((out.float() * weight).sum(), leaves))
+        except Exception as err:
+            if want is None or errors is None:
+                raise
+            errors[name] = describe_error(err)
+            continue
         if want is None:
             want = got
         diffs[name] = max(max_difference(g, w) for g, w in zip(got, want))
     return diffs
+
+
+def describe_error(err: Exception) -> str:
+    """One line for the table: running out of memory is a result, anything else an ERROR."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return "out of memory"
+    text = str(err).strip().splitlines()
+    return f"ERROR {type(err).__name__}: {text[0][:100] if text else ''}"
 
 
 class Timer:
@@ -150,9 +166,10 @@ class Timer:
         return time.process_time() - start
 
 
-def bench(functions: dict[str, Callable], inputs, *, backward: bool, rounds: int, timer: Timer) -> dict[str, float]:
-    """name -> median seconds of a call over the rounds after the first."""
-    grad = None
+def bench(functions: dict[str, Callable], inputs, *, backward: bool, rounds: int, timer: Timer,
+          errors: dict[str, str]) -> dict[str, float]:
+    """name -> median seconds of a call over the rounds after the first; one that raises goes to `errors`."""
+    grad = torch.randn_like(functions[REFERENCE](*inputs)) if backward else None
 
     def run(fn):
         xs = [x.detach().requires_grad_() for x in inputs]
@@ -160,21 +177,27 @@ def bench(functions: dict[str, Callable], inputs, *, backward: bool, rounds: int
         if backward:
             out.backward(grad)
 
-    if backward:
-        grad = torch.randn_like(functions[REFERENCE](*inputs))
     times = {name: [] for name in functions}
     for _ in range(rounds):
         for name, fn in functions.items():
-            times[name].append(timer(lambda: run(fn)))
-    return {name: statistics.median(ts[1:] if len(ts) > 1 else ts) for name, ts in times.items()}
+            if name in errors:
+                continue
+            try:
+                times[name].append(timer(lambda: run(fn)))
+            except Exception as err:
+                errors[name] = describe_error(err)
+    return {name: statistics.median(ts[1:] if len(ts) > 1 else ts) for name, ts in times.items() if name not in errors}
 
 
-def format_table(title: str, seconds: dict[str, float], diffs: dict[str, float], tol: float) -> str:
-    base = seconds[REFERENCE]
+def format_table(title: str, seconds: dict[str, float], diffs: dict[str, float], errors: dict[str, str],
+                 tol: float) -> str:
+    base = seconds.get(REFERENCE)
     lines = [title, f"  {'function':22s} {'ms':>10s} {'x ours':>7s}  max diff (tolerance {tol:.0e})"]
     for name, s in seconds.items():
         verdict = "" if diffs[name] <= tol else "  MISMATCH"
         lines.append(f"  {name:22s} {s * 1e3:10.3f} {s / base:7.2f}  {diffs[name]:.1e}{verdict}")
+    for name, error in errors.items():
+        lines.append(f"  {name:22s} {'-':>10s} {'-':>7s}  {error}")
     return "\n".join(lines)
 
 
@@ -231,16 +254,22 @@ def main(argv=None) -> int:
         shape = (f"batch {a.batch}, seq {seq}, {a.k_heads} key / {a.v_heads} value heads of {a.head_dim}, "
                  f"{str(a.dtype).removeprefix('torch.')}, {a.device}")
         for backward in (False, True):
+            errors = {}
             start = time.perf_counter()
-            diffs = check(functions, inputs, backward=backward)  # also the first, compiling, call of each
+            # Also the first call of each: the compiled form compiles here.
+            diffs = check(functions, inputs, backward=backward, errors=errors)
             checked = time.perf_counter() - start
-            seconds = bench(functions, inputs, backward=backward, rounds=a.rounds, timer=timer)
+            seconds = bench(functions, inputs, backward=backward, rounds=a.rounds, timer=timer, errors=errors)
             phase = "forward + backward" if backward else "forward"
             print(format_table(f"{shape}, {phase} (check, compiles included: {checked:.1f} s wall)",
-                               seconds, diffs, tol), flush=True)
-            ok = ok and all(d <= tol for d in diffs.values())
+                               seconds, diffs, errors, tol), flush=True)
+            failed = any(d > tol for d in diffs.values()) or any(e.startswith("ERROR") for e in errors.values())
+            ok = ok and not failed
+            for name in errors:  # not tried again
+                functions.pop(name)
     if not ok:
-        print("MISMATCH: a function's output or gradients differ from our chunked form's beyond tolerance")
+        print("FAILED: a function's output or gradients differ from our chunked form's beyond tolerance "
+              "(MISMATCH), or it raised an error (ERROR)")
     return 0 if ok else 1
 
 

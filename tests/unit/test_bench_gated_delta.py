@@ -64,3 +64,21 @@ def test_the_check_fails_a_function_with_a_wrong_convention():
 def test_fla_is_left_out_with_a_reason_off_cuda():
     kernel, why = BENCH.fla_kernel(torch.device("cpu"))
     assert kernel is None and why == "its Triton kernels need CUDA"
+
+
+def test_a_function_that_raises_is_a_row_of_the_table_not_the_end_of_the_run():
+    inputs = BENCH.make_inputs(1, 32, 2, 4, 16, "cpu", torch.float32)
+
+    def broken(*x):
+        raise RuntimeError("no kernel for this shape\nmore detail")
+
+    functions = {BENCH.REFERENCE: lambda *x: chunk_gated_delta_rule(*x, chunk_size=16)[0], "broken": broken}
+    errors = {}
+    diffs = BENCH.check(functions, inputs, backward=True, errors=errors)
+    assert set(diffs) == {BENCH.REFERENCE} and errors == {"broken": "ERROR RuntimeError: no kernel for this shape"}
+    seconds = BENCH.bench(functions, inputs, backward=True, rounds=1, timer=BENCH.Timer(torch.device("cpu")),
+                          errors=errors)
+    table = BENCH.format_table("title", seconds, diffs, errors, 1e-3)
+    assert set(seconds) == {BENCH.REFERENCE}
+    assert table.splitlines()[-1].split() == ["broken", "-", "-", "ERROR", "RuntimeError:", "no", "kernel", "for",
+                                              "this", "shape"]
