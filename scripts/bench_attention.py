@@ -183,7 +183,8 @@ class Result:
     label: str
     diff_out: float | None = None
     diff_grad: float | None = None
-    ok: bool = True
+    mismatch: bool = False  # a difference beyond the tolerance
+    error: bool = False  # an error other than running out of memory
     ms: dict = field(default_factory=dict)  # "fwd" / "fwd+bwd" -> median ms
     peak_gib: float | None = None
     note: str = ""
@@ -265,7 +266,7 @@ class LayerBench:
                      for out in (got, want)]
             result.diff_grad = max(max_difference(g if g is not None else torch.zeros_like(w), w)
                                    for g, w in zip(*grads) if w is not None)
-        result.ok = result.diff_out <= tol and (result.diff_grad is None or result.diff_grad <= tol)
+        result.mismatch = result.diff_out > tol or (result.diff_grad is not None and result.diff_grad > tol)
 
     def run(self, name: str, phase: str) -> None:
         """One timed call: the forward as in training (on inputs that need gradients: the check's compiled
@@ -331,7 +332,7 @@ def _failed(result: Result, phase: str, err: Exception) -> None:
         return
     text = str(err).strip().splitlines()
     result.note = f"{phase}: ERROR {type(err).__name__}: {text[0][:100] if text else ''}"
-    result.ok = False
+    result.error = True
 
 
 def _free(device) -> None:
@@ -357,7 +358,7 @@ def format_table(layer: LayerShape, seq: int, results: list[Result], notes: str,
         peak = f"{res.peak_gib:.2f}" if res.peak_gib is not None else "-"
         out = f"{res.diff_out:.1e}" if res.diff_out is not None else "-"
         grad = f"{res.diff_grad:.1e}" if res.diff_grad is not None else "-"
-        verdict = "" if res.ok else "  MISMATCH"
+        verdict = "  MISMATCH" if res.mismatch else ""
         note = f"  ({res.note})" if res.note else ""
         lines.append(f"  {res.label:30s} {f_ms:>9s} {f_x:>6s} {b_ms:>11s} {b_x:>6s} {peak:>9s}  {out} / {grad}"
                      f"{verdict}{note}")
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
         for seq in a.seq_lens:
             results, notes = bench_layer(layer, seq, list(names), a, device, a.dtype)
             print(format_table(layer, seq, results, notes, TOLERANCE[a.dtype]), flush=True)
-            ok = ok and all(r.ok for r in results)
+            ok = ok and not any(r.mismatch or r.error for r in results)
     if not ok:
         print("FAILED: a variant's output or gradients differ from the float32 reference beyond tolerance "
               "(MISMATCH), or it raised an error (ERROR)")

@@ -83,3 +83,17 @@ def test_a_model_without_a_sliding_layer_is_refused_in_one_sentence(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "error: --models llama3:debugmodel: the model has no sliding-window attention layer" in err
+
+
+def test_a_variant_that_raises_is_a_row_of_the_table_and_the_others_still_run(bench, capsys, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no kernel for this shape\nmore detail")
+
+    monkeypatch.setitem(bench.VARIANTS, "window_sdpa", bench.Variant("(d) window, SDPA dense mask", broken,
+                                                                     True, False, False))
+    assert bench.main(["--quick", "--device", "cpu", "--no-compile", "--models", "gemma3:debugmodel",
+                       "--seq-lens", "64", "--rounds", "1", "--variants", "sdpa,window_sdpa"]) == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("  (d)"))
+    assert row.endswith("(check: ERROR RuntimeError: no kernel for this shape)") and "MISMATCH" not in row, out
+    assert math.isfinite(float(_rows(out)["a"]["bwd"]))
