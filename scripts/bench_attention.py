@@ -14,13 +14,14 @@ the flavor's own), batch `--batch`, one document per sample:
 the first sliding layer builds it, so a compiled call holds no eager lookup.
 
 Before timing, each variant's output at a sample of query rows is compared with a float32 dense
-reference (and, where it has a backward, the gradients of q, k, v and the sinks of a random weighting
-of those rows); the largest difference, relative to the reference's largest magnitude, is printed
-and must be under the dtype's tolerance (TOLERANCE), else the row says MISMATCH and the exit status is 1.
-Rounds are interleaved (each round calls every variant once), the first dropped, the median printed:
-CUDA times by synchronize and the wall clock, CPU by this process's CPU time on one thread. The forward
-runs as in training, on inputs that need gradients (so a compiled variant compiles once, for the check,
-and serves both phases); the forward-only flex variants of CPU run without autograd.
+reference (and, where it has a backward, the gradients of q, k, v and the sinks of a random weighting of
+those rows); the largest difference, relative to the reference's largest magnitude, is printed and must
+be under the dtype's tolerance (TOLERANCE), else the row says MISMATCH and the exit status is 1. Rounds
+are interleaved (each round calls every variant once, every other round in reverse order), the first
+dropped, the median printed: CUDA times by synchronize and the wall clock, CPU by this process's CPU
+time on one thread. The forward runs as in training, on inputs that need gradients (so a compiled
+variant compiles once, for the check, and serves both phases); the forward-only flex variants of CPU run
+without autograd.
 
 On CPU FlexAttention runs eager (its unfused implementation, under torch.compiler.set_stance
 "force_eager") and forward only: torch's CPU FlexAttention has no backward, and compiled none with the
@@ -296,7 +297,8 @@ def bench_layer(layer: LayerShape, seq: int, names: list[str], a, device, dtype)
         timed = [n for n in live if phase == "fwd" or not bench.eager_flex(n)]
         times = {n: [] for n in timed}
         for round_ in range(a.rounds):
-            for name in list(timed):
+            # Every other round in reverse, so that each variant follows each other one alike.
+            for name in timed[::1 if round_ % 2 == 0 else -1]:
                 try:
                     times[name].append(_timed(bench.timer, lambda: bench.run(name, phase), device, results[name],
                                               round_ == a.rounds - 1))

@@ -16,9 +16,10 @@ Before timing, each function's output (and, for forward + backward, the gradient
 under a random weighting of the output) is compared with our eager chunked form's; the largest
 difference, relative to ours' largest magnitude, is printed and must be under the dtype's tolerance,
 else the row says MISMATCH and the exit status is 1. Rounds are interleaved (each round runs every
-function once), the first dropped, the median printed: CUDA times by synchronize and the wall clock, CPU
-by this process's CPU time on one thread. The forward runs as in training, on inputs that need gradients
-(so the compiled form compiles its graph once, and both phases use it).
+function once, every other round in reverse order), the first dropped, the median printed: CUDA times by
+synchronize and the wall clock, CPU by this process's CPU time on one thread. The forward runs as in
+training, on inputs that need gradients (so the compiled form compiles its graph once, and both phases
+use it).
 
 The FLA column was checked on CPU through Triton's interpreter (TRITON_INTERPRET=1, fla 0.6.0, triton
 3.9): its output and gradients agree with ours to 2e-6 in float32 and 1e-3 in float16 (bfloat16 is
@@ -178,8 +179,10 @@ def bench(functions: dict[str, Callable], inputs, *, backward: bool, rounds: int
             out.backward(grad)
 
     times = {name: [] for name in functions}
-    for _ in range(rounds):
-        for name, fn in functions.items():
+    for round_ in range(rounds):
+        # Every other round in reverse, so that each function follows each other one alike (what one leaves
+        # behind, freed memory to fault in again on CPU, falls on all).
+        for name, fn in list(functions.items())[::1 if round_ % 2 == 0 else -1]:
             if name in errors:
                 continue
             try:
