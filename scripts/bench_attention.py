@@ -392,8 +392,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [n for n in a.variants.split(",") if n not in VARIANTS]
     if unknown:
         parser.error(f"--variants {','.join(unknown)} unknown; known: {', '.join(VARIANTS)}")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA GPU; this machine has none (use --device cpu)")
     cuda = a.device == "cuda"
     a.dtype = DTYPES[a.dtype or ("bfloat16" if cuda else "float32")]
     a.models = a.models or ("gpt_oss:debugmodel,gemma3:debugmodel" if a.quick else "gpt_oss:20B,gemma3:27B")
@@ -407,8 +405,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def check_machine(a) -> None:
+    """The device the arguments name is this machine's (apart from parse_args, so that the commands prepared
+    for a GPU parse here: scripts/gpu_wave.py --check)."""
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU; this machine has none (use --device cpu)")
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    check_machine(a)
     device = torch.device(a.device)
     if device.type == "cpu":
         torch.set_num_threads(1)

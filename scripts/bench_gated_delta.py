@@ -231,8 +231,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [n for n in a.functions.split(",") if n and n not in OPTIONAL]
     if unknown:
         parser.error(f"--functions {','.join(unknown)} unknown; known: {', '.join(OPTIONAL)}")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA GPU; this machine has none (use --device cpu)")
     a.dtype = DTYPES[a.dtype or ("bfloat16" if a.device == "cuda" else "float32")]
     a.seq_lens = a.seq_lens or ([96] if a.quick else [1024])
     a.k_heads = a.k_heads or (2 if a.quick else 4)
@@ -242,8 +240,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def check_machine(a) -> None:
+    """The device the arguments name is this machine's (apart from parse_args, so that the commands prepared
+    for a GPU parse here: scripts/gpu_wave.py --check)."""
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU; this machine has none (use --device cpu)")
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    check_machine(a)
     device = torch.device(a.device)
     if device.type == "cpu":
         torch.set_num_threads(1)

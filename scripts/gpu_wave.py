@@ -38,9 +38,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # What the box lacks for these pieces, beyond the kit's torchdata and torchao (all pure Python):
-# flash-linear-attention's Triton kernels (attention), einops (theirs and mamba_ssm's), torchtitan
+# flash-linear-attention's Triton kernels (gated_delta), einops (theirs and mamba_ssm's), torchtitan
 # 0.2.2 and what its config module imports (8b).
-EXTRA_WHEELS = ("flash-linear-attention==0.6.0 fla-core==0.6.0 einops torchtitan==0.2.2 tyro docstring-parser "
+EXTRA_WHEELS = ("flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2 torchtitan==0.2.2 tyro docstring-parser "
                 "shtab typeguard")
 
 
@@ -108,6 +108,20 @@ def pieces(out: Path) -> dict[str, tuple[str, list[Step]]]:
             Step("torchtitan", ["scripts/bench_torchtitan.py", "--only", "torchtitan", *short, *eight_b,
                                 "--job.dump_folder", str(out / "torchtitan_8b")], 170),
         ]),
+        "attention": ("item 3: sliding-window and sink attention (gpt-oss 20B's and Gemma 3 27B's layer shapes) "
+                      "through flex compiled on CUDA against SDPA full causal attention, each checked first", [
+            Step("gpt_oss_20b", ["scripts/bench_attention.py", "--device", "cuda", "--models", "gpt_oss:20B",
+                                 "--seq-lens", "4096,8192"], 150),
+            Step("gemma3_27b", ["scripts/bench_attention.py", "--device", "cuda", "--models", "gemma3:27B",
+                                "--seq-lens", "4096,8192,16384"], 120),
+        ]),
+        "gated_delta": ("item 3: the Gated DeltaNet chunked rule (PyTorch, compiled) against flash-linear-attention's "
+                        "Triton kernels (Qwen3-Next's 16 key / 32 value heads), outputs and gradients checked first", [
+            Step("seq_4096", ["scripts/bench_gated_delta.py", "--device", "cuda", "--k-heads", "16", "--v-heads", "32",
+                              "--seq", "4096", "--compile", "--functions", "transformers,fla"], 150),
+            Step("seq_8192_16384", ["scripts/bench_gated_delta.py", "--device", "cuda", "--k-heads", "16",
+                                    "--v-heads", "32", "--seq", "8192,16384", "--functions", "transformers,fla"], 60),
+        ]),
         "mamba": ("item 1: mamba_ssm's Triton kernels against the PyTorch scan (the kit's copy of the "
                   "kernels: scripts/gpu_kit_mamba.sh), their test and one hybrid step each way", [
             Step("test", ["-m", "pytest", "-q", "tests/unit/test_mamba2.py", "-k", "gpu"], 60,
@@ -163,10 +177,12 @@ def run_piece(name: str, steps: list[Step], out: Path, budget_s: float) -> list[
 
 
 def _load_script(path: Path):
-    spec = importlib.util.spec_from_file_location(f"_checked_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    name = f"_checked_{path.stem}"
+    if name not in sys.modules:  # registered first: a script's dataclasses look their module up by name
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def check(all_pieces: dict[str, tuple[str, list[Step]]]) -> list[str]:
