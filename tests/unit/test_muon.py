@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from titanlike.config import ConfigError, load_job_config
 from titanlike.models.llama3 import Transformer, llama3_flavors
 from titanlike.train import muon
-from titanlike.train.muon import newton_schulz, stochastic_round
+from titanlike.train.muon import newton_schulz, rounding_bits, stochastic_round
 from titanlike.train.optimizer import build_optimizer, muon_parameters
 from titanlike.train.plan import plan_job
 
@@ -115,31 +115,50 @@ def test_experts_are_orthogonalised_one_by_one():
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
     x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way from 1 to the next bfloat16
-    for sign in (1, -1):
-        r = stochastic_round(sign * x, key=12345).float()
+    for sign, bits in ((1, rounding_bits(x.shape, 12345) & 0xFFFF), (-1, (rounding_bits(x.shape, 777) >> 16) & 0xFFFF)):
+        r = stochastic_round(sign * x, bits).float()
         assert set(r.unique().tolist()) == {sign * 1.0, sign * (1.0 + 2**-7)}
         assert abs(r.mean().item() - sign * x[0].item()) < 2e-5
-    assert torch.equal(stochastic_round(torch.tensor([0.5, -3.0]), key=7).float(), torch.tensor([0.5, -3.0]))
+    exact = torch.tensor([0.5, -3.0, 3.3895e38])  # bfloat16 values (the last its largest finite) stay
+    assert torch.equal(stochastic_round(exact, torch.full((3,), 65535)), exact.bfloat16())
 
 
 def test_rounding_bits_follow_the_element_not_the_layout(monkeypatch):
-    """The bits are a hash of (key, index in the whole parameter): a shard's block rounds as the same
-    elements of the whole, eagerly in chunks of rows as at once, and another key draws other bits."""
-    x = 1.0 + torch.rand(37, 11) * 2**-7  # between neighbouring bfloat16s: every element may go either way
-    whole = stochastic_round(x, key=99)
-    block = stochastic_round(x[10:19, 4:9], key=99, offset=[10, 4], whole_shape=[37, 11])
-    assert torch.equal(block, whole[10:19, 4:9])
-    monkeypatch.setattr(muon, "_EAGER_CHUNK", 20)  # two rows at a time
-    assert torch.equal(stochastic_round(x, key=99), whole)
-    other = stochastic_round(x, key=100)
-    assert 0.3 < (other != whole).float().mean() < 0.7  # independent decisions, not a shifted copy
+    """The bits are a hash of (key, index in the whole parameter): a shard's block draws the same elements'
+    bits, and an update done eagerly in chunks of rows equals one done at once."""
+    whole = rounding_bits([37, 11], key=99)
+    assert torch.equal(rounding_bits([9, 5], 99, [10, 4], [37, 11]), whole[10:19, 4:9])
+    assert 0.45 < (rounding_bits([37, 11], key=100) != whole).float().mean()
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(37, 11, generator=g) for _ in range(2)] + [torch.zeros(37, 11, dtype=torch.bfloat16)] * 2
+    results = []
+    for chunk in (muon._EAGER_CHUNK, 20):  # at once, then two rows at a time
+        monkeypatch.setattr(muon, "_EAGER_CHUNK", chunk)
+        p, grad, m, v = (t.clone() for t in tensors)
+        muon.adamw_low_precision_update(p, grad, m, v, torch.zeros(()), None, None, lr=1e-2, beta1=0.9, beta2=0.95,
+                                        eps=1e-8, weight_decay=0.1, key=5, offset=[0, 0], whole_shape=[37, 11])
+        results.append((p, m, v))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
-def test_rounding_decisions_are_uncorrelated_across_keys_and_neighbours():
+def test_rounding_bits_are_the_hash_of_the_whole_index_past_two_to_the_31():
+    """Eager int32 arithmetic (wrapping) gives the exact integers' hash mod 2**32, for an index past 2**31."""
+    rows, cols = 2**31 // 1000 + 10, 1000
+    got = rounding_bits([2, 3], 7, [rows - 5, 0], [rows, cols]).long() & muon._MASK32
+    index = (torch.arange(2)[:, None] + rows - 5) * cols + torch.arange(3)[None]
+    assert index.max() > 2**31
+    assert torch.equal(got, muon._mix32((index * 0x9E3779B1 + 7) & muon._MASK32))
+
+
+def test_rounding_decisions_are_uncorrelated_across_keys_halves_and_neighbours():
     x = torch.full((400_000,), 1.0 + 2**-8)  # halfway: up or down with probability 1/2
-    up = [(stochastic_round(x, key=k).float() > 1.0).float() * 2 - 1 for k in (1, 2)]
-    assert abs(up[0].mean()) < 0.01 and abs(up[1].mean()) < 0.01
+    bits = [rounding_bits(x.shape, key=k) for k in (1, 2)]
+    up = [(stochastic_round(x, b).float() > 1.0).float() * 2 - 1 for b in (bits[0] & 0xFFFF, bits[1] & 0xFFFF,
+                                                                            (bits[0] >> 16) & 0xFFFF)]
+    assert all(abs(u.mean()) < 0.01 for u in up)
     assert abs((up[0] * up[1]).mean()) < 0.01  # two keys
+    assert abs((up[0] * up[2]).mean()) < 0.01  # the two moments of one element
     assert abs((up[0][1:] * up[0][:-1]).mean()) < 0.01  # neighbouring elements
 
 
@@ -150,13 +169,16 @@ def test_compiled_low_precision_update_steps_as_the_eager_one():
     g = torch.Generator().manual_seed(0)
     param, grad = torch.randn(300, 40, generator=g), torch.randn(300, 40, generator=g)
     moments = (torch.randn(300, 40, generator=g).bfloat16() * 1e-2, torch.rand(300, 40, generator=g).bfloat16())
+    bits = torch.compile(muon.rounding_bits, dynamic=True, fullgraph=True)([9, 5], 123456789, [10, 4], [37, 11])
+    assert torch.equal(bits.long() & muon._MASK32, rounding_bits([9, 5], 123456789, [10, 4], [37, 11]).long()
+                       & muon._MASK32)  # int64 when compiled, int32 in eager: the same bits
     compiled = torch.compile(muon.adamw_low_precision_update, dynamic=True, fullgraph=True)
     results = []
     for update in (muon.adamw_low_precision_update, compiled):
         p, m, v, step = param.clone(), moments[0].clone(), moments[1].clone(), torch.zeros(())
         for i, skip in enumerate((False, True, False)):
             update(p, grad * 2, m, v, step, torch.full((), 2.0), torch.tensor(skip), lr=1e-2 * (i + 1), beta1=0.9,
-                   beta2=0.95, eps=1e-8, weight_decay=0.1, keys=(11 + i, 12 + i), offset=[7, 0], whole_shape=[400, 40])
+                   beta2=0.95, eps=1e-8, weight_decay=0.1, key=11 + i, offset=[7, 0], whole_shape=[400, 40])
         results.append((p, m, v, step))
     (p, m, v, step), (pc, mc, vc, stepc) = results
     assert step.item() == stepc.item() == 2  # the skipped update did not count

@@ -175,7 +175,7 @@ def _gather_orthogonalize_scatter(items, updates, params, ns, group, dims, out) 
 
 
 _MASK32 = 0xFFFFFFFF
-_EAGER_CHUNK = 1 << 22  # elements rounded at once outside torch.compile
+_EAGER_CHUNK = 1 << 22  # elements updated at once outside torch.compile
 
 
 def _mix32(x):
@@ -186,68 +186,97 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+def _signed32(c: int) -> int:
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
+    """_mix32 on an int32 tensor holding the 32 bits (the same function mod 2**32): int32's products wrap,
+    its right shifts are masked to be logical."""
+    x = (x ^ ((x >> 16) & 0xFFFF)) * _signed32(0x85EBCA6B)
+    x = (x ^ ((x >> 13) & 0x7FFFF)) * _signed32(0xC2B2AE35)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
 def rounding_key(seed: int, update: int, position: int) -> int:
-    """The rounding bits' key of one state tensor at one update: distinct per (seed, update, position)."""
+    """The rounding bits' key of one parameter at one update: distinct per (seed, update, position)."""
     return _mix32((_mix32((seed * 1_000_003 + update) & _MASK32) + position) & _MASK32)
 
 
-def _element_index(shape, offset, whole_shape, device) -> torch.Tensor:
-    """The index of each element of a block of a tensor in the whole tensor (row-major), the block being
-    `shape` at `offset` of `whole_shape`: FSDP's and TP's shards are such blocks (as DCP saves them)."""
-    index = torch.zeros((), dtype=torch.int64, device=device)
+def rounding_bits(shape, key: int, offset=None, whole_shape=None, device=None) -> torch.Tensor:
+    """32 pseudo-random bits for each element of a block `shape` at `offset` of a tensor of `whole_shape`
+    (a shard's local block; the whole tensor by default): a hash of the key and the element's row-major
+    index in the whole tensor. Counter-based: no generator state, nothing read from memory under
+    torch.compile, and the same bits for an element whatever the layout splitting it. Eager, computed in
+    int32, whose sums and products wrap (a few times faster than int64); under torch.compile in int64
+    masked to 32 bits (inductor's CPU code for the int32 form does not build): the same bits."""
+    offset, whole_shape = offset or [0] * len(shape), whole_shape or list(shape)
+    wide = torch.compiler.is_compiling()
+    dtype = torch.int64 if wide else torch.int32
+    # int64 takes the numbers as they are (its products wrap too, keeping the low 32 bits); masking a
+    # symbolic size under dynamic shapes makes inductor type the index as a float.
+    word = (lambda c: c) if wide else (lambda c: _signed32(c & _MASK32))
+    index = torch.zeros((), dtype=dtype, device=device)
     stride = 1
-    for d in reversed(range(len(shape))):
-        along = (torch.arange(shape[d], dtype=torch.int64, device=device) + offset[d]) * stride
-        index = index + along.view([-1] + [1] * (len(shape) - 1 - d))
+    for d in reversed(range(len(shape))):  # the index mod 2**32 (a 128k x 16k embedding has 2**31 elements)
+        along = torch.arange(shape[d], dtype=dtype, device=device) + word(offset[d])
+        index = index + (along * word(stride)).view([-1] + [1] * (len(shape) - 1 - d))
         stride *= whole_shape[d]
-    return index
+    if wide:
+        return _mix32((index * 0x9E3779B1 + word(key)) & _MASK32)
+    return _mix32_int32(index * word(0x9E3779B1) + word(key))
 
 
-def stochastic_round(x: torch.Tensor, key: int, offset=None, whole_shape=None) -> torch.Tensor:
-    """float32 -> bfloat16, rounding up or down with probability given by the distance (unbiased): 16
-    pseudo-random bits added below bfloat16's last bit, then truncated. The bits are a hash of (key, the
-    element's index in the whole parameter when x is a shard's block at `offset`): counter-based, so they
-    need no generator state, fuse into the update's kernel under torch.compile, and are the same for an
-    element whatever the layout splitting the parameter."""
-    offset, whole_shape = offset or [0] * x.ndim, whole_shape or list(x.shape)
-    rows = max(1, _EAGER_CHUNK // max(1, x[0].numel())) if x.ndim else 1
-    if x.ndim and x.shape[0] > rows and not torch.compiler.is_compiling():
-        # Eager, a large tensor a few rows at a time: the hash's int64 temporaries (24 bytes an element)
-        # stay small beside a 128k-vocabulary embedding. Compiled, they live in registers.
-        return torch.cat([stochastic_round(x[i:i + rows], key, [offset[0] + i, *offset[1:]], whole_shape)
-                          for i in range(0, x.shape[0], rows)])
-    index = _element_index(x.shape, offset, whole_shape, x.device)
-    noise = _mix32((index * 0x9E3779B1 + key) & _MASK32) & 0xFFFF
-    bits = (x.contiguous().view(torch.int32).to(torch.int64) + noise) & -65536
-    return bits.to(torch.int32).view(torch.float32).to(torch.bfloat16)
+def stochastic_round(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16, rounding up or down with probability given by the distance (unbiased): 16 random
+    bits (0-65535, one per element) added below bfloat16's last bit, then truncated. A finite float's bits
+    plus 65535 stay within int32 (the largest is 0x7F7FFFFF), and the sign bit is kept: magnitudes round."""
+    summed = (x.contiguous().view(torch.int32) + bits.to(torch.int32)) & -65536
+    return summed.view(torch.float32).to(torch.bfloat16)
 
 
-def _store(state: torch.Tensor, value: torch.Tensor, skip, key: int, offset, whole_shape) -> None:
+def _store(state: torch.Tensor, value: torch.Tensor, skip, bits: torch.Tensor | None) -> None:
     """value into a state tensor (rounded stochastically into a bfloat16 one); the old state where skip."""
     if skip is not None:
         value = torch.where(skip, state.float(), value)
-    state.copy_(stochastic_round(value, key, offset, whole_shape) if state.dtype == torch.bfloat16 else value)
+    state.copy_(stochastic_round(value, bits) if state.dtype == torch.bfloat16 else value)
+
+
+def _eager_rows(t: torch.Tensor) -> int | None:
+    """Rows of t updated at once eagerly (the hash's int64 temporaries, ~24 bytes an element, stay small
+    beside a 128k-vocabulary embedding); None when t is updated whole (compiled, they live in registers)."""
+    if torch.compiler.is_compiling() or t.ndim == 0:
+        return None
+    rows = max(1, _EAGER_CHUNK // max(1, t[0].numel()))
+    return rows if t.shape[0] > rows else None
 
 
 def adamw_low_precision_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                                exp_avg_sq: torch.Tensor, step: torch.Tensor, scale, skip, *, lr: float,
-                               beta1: float, beta2: float, eps: float, weight_decay: float, keys: tuple[int, int],
+                               beta1: float, beta2: float, eps: float, weight_decay: float, key: int,
                                offset, whole_shape) -> None:
     """One AdamW step of one parameter (plain tensors: a shard's local block) in float32 arithmetic over
-    low-precision moments, rounded back stochastically. Tensors and numbers only, no generator: under
-    torch.compile it is one kernel that reads the parameter, its gradient and two bfloat16 moments and
-    writes three (20 bytes a parameter, against fused float32 AdamW's 28)."""
-    if scale is not None:
-        grad = grad / scale
+    low-precision moments, rounded back stochastically (one hash an element: its low 16 bits round the
+    first moment, its high 16 the second). Tensors and numbers only, no generator: under torch.compile it
+    is one kernel that reads the parameter, its gradient and two bfloat16 moments and writes three (20
+    bytes a parameter, against fused float32 AdamW's 28)."""
     step.add_(1 if skip is None else (~skip).float())
-    m32 = exp_avg.float().lerp(grad, 1 - beta1)
-    v32 = exp_avg_sq.float().mul(beta2).addcmul(grad, grad, value=1 - beta2)
-    _store(exp_avg, m32, skip, keys[0], offset, whole_shape)
-    _store(exp_avg_sq, v32, skip, keys[1], offset, whole_shape)
-    # Adam is built without weight decay (train/optimizer.py), so the decay is AdamW's.
-    denom = (v32.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
-    new = param.mul(1 - lr * weight_decay).sub_((lr / (1 - beta1 ** step)) * m32 / denom)
-    param.copy_(new if skip is None else torch.where(skip, param, new))
+    rows = _eager_rows(param)
+    for i in range(0, param.shape[0], rows) if rows else [None]:
+        part = slice(None) if i is None else slice(i, i + rows)
+        at = offset if i is None else [offset[0] + i, *offset[1:]]
+        p, g, m, v = param[part], grad[part], exp_avg[part], exp_avg_sq[part]
+        if scale is not None:
+            g = g / scale
+        m32 = m.float().lerp(g, 1 - beta1)
+        v32 = v.float().mul(beta2).addcmul(g, g, value=1 - beta2)
+        bits = rounding_bits(p.shape, key, at, whole_shape, p.device) if m.dtype == torch.bfloat16 else None
+        _store(m, m32, skip, None if bits is None else bits & 0xFFFF)
+        _store(v, v32, skip, None if bits is None else (bits >> 16) & 0xFFFF)
+        # Adam is built without weight decay (train/optimizer.py), so the decay is AdamW's.
+        denom = (v32.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
+        new = p.mul(1 - lr * weight_decay).sub_((lr / (1 - beta1 ** step)) * m32 / denom)
+        p.copy_(new if skip is None else torch.where(skip, p, new))
 
 
 def _block_of(param: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -350,8 +379,9 @@ class MuonAdamW(torch.optim.Adam):
                 new = buf
             else:
                 new = buf.float().lerp(grad, 1 - momentum)
-                key = 0 if update is None else rounding_key(self.seed, update, position)
-                _store(buf, new, skip, key, *self._block(p))
+                bits = None if update is None else \
+                    rounding_bits(buf.shape, rounding_key(self.seed, update, position), *self._block(p), buf.device)
+                _store(buf, new, skip, None if bits is None else bits & 0xFFFF)
             updates.append(grad.lerp(new, momentum) if group["nesterov"] else new)
         ns = lambda u: newton_schulz(u, coefficients=tuple(group["ns_coefficients"]), steps=group["ns_steps"],
                                      eps=group["muon_eps"])
@@ -389,9 +419,8 @@ class MuonAdamW(torch.optim.Adam):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=local_part(p).device)
                 state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
-            keys = (rounding_key(self.seed, update, 2 * position), rounding_key(self.seed, update, 2 * position + 1))
             self._low_precision_update(
                 local_part(p), local_part(p.grad), local_part(state["exp_avg"]), local_part(state["exp_avg_sq"]),
                 state["step"], scale, skip, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], keys=keys, offset=self._block(p)[0],
-                whole_shape=self._block(p)[1])
+                weight_decay=group["weight_decay"], key=rounding_key(self.seed, update, position),
+                offset=self._block(p)[0], whole_shape=self._block(p)[1])
