@@ -26,7 +26,8 @@ then rounded back stochastically: round-to-nearest would drop every increment sm
 bfloat16 ulp (with beta2 = 0.999 the second moment changes by 0.1% a step, under bfloat16's 0.4%
 resolution, and would stall), while stochastic rounding is unbiased at no memory cost; a
 compensation buffer would bring back the bytes bfloat16 saves. The rounding's random bits are a hash of
-(seed, update, state tensor, the element's index in the whole parameter): no generator state, the same
+(seed, update, parameter, the element's index in the whole parameter; its low 16 bits round the first
+moment, its high 16 the second): no generator state, the same
 bits for an element whatever the layout (FSDP2 steps as one process), and nothing to read from memory,
 so that the AdamW update over bfloat16 moments compiles into one kernel a parameter (on CUDA, where
 torch's fused kernels would run: 20 bytes of traffic a parameter against fused float32 AdamW's 28).
