@@ -3,7 +3,8 @@
 #   bash scripts/gpu_smoke.sh [TOKENIZER] 2>&1 | tee smoke.log
 #
 # 1. the debug model, bf16, 20 steps, eager and compiled;
-# 2. every family's debug preset, bf16, 3 steps, eager (and compiled with SMOKE_COMPILE=1);
+# 2. every family's and objective's debug preset (distill needs a teacher checkpoint), bf16, 3 steps, eager
+#    (and compiled with SMOKE_COMPILE=1), and GRPO with its decode step as a CUDA graph;
 # these run side by side (tiny models; only pass/fail and the losses matter here), then
 # 3. one row of scripts/bench.py alone: Llama 3.2 1B, seq 4096, compile, bf16 (TOKENIZER: the
 #    Llama 3 tokenizer.model; without it the debug tokenizer).
@@ -25,7 +26,11 @@ launch() {  # name, then train.py arguments; runs in the background
 }
 launch debug_eager --job.config_file train_configs/debug_model.toml --training.steps 20 --compile.no_enable
 launch debug_compile --job.config_file train_configs/debug_model.toml --training.steps 20 --compile.enable
-for preset in gpt2_debug qwen3_debug_moe mixtral_debug deepseek_v3_debug hybrid_debug bert_debug t5_debug; do
+# GRPO's engine in bf16 (a bf16 copy of the linear layers under autocast) with its decode step as a CUDA graph
+launch grpo_cuda_graphs --job.config_file train_configs/grpo_debug.toml --training.steps 3 --compile.no_enable \
+    --grpo.compile_generation
+for preset in gpt2_debug qwen3_debug_moe mixtral_debug deepseek_v3_debug hybrid_debug bert_debug t5_debug \
+              gpt_oss_debug gemma3_debug qwen3_next_debug grpo_debug sft_debug lora_debug dpo_debug reward_debug; do
     launch "${preset}_eager" --job.config_file "train_configs/$preset.toml" --training.steps 3 --compile.no_enable
     if [ "${SMOKE_COMPILE:-0}" = 1 ]; then
         launch "${preset}_compile" --job.config_file "train_configs/$preset.toml" --training.steps 3 --compile.enable
