@@ -171,8 +171,9 @@ def test_the_engine_imports_neither_the_loader_nor_the_processor():
         found |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         return {module.rpartition(".")[2] for module in found if module.startswith("titanlike.inference.")}
 
-    assert imports("engine") == {"packed", "sampling"}
+    assert imports("engine") == {"low_precision", "packed", "sampling"}
     assert imports("packed") == set()
+    assert imports("low_precision") == set()
     assert "processor" not in imports("loading") and "engine" in imports("loading")
     assert {"engine", "loading"} <= imports("processor")
 

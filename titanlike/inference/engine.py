@@ -18,7 +18,6 @@ replayed as a CUDA graph (speed: docs/performance.md).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from titanlike.inference.low_precision import LowPrecisionCopy
 from titanlike.inference.packed import PackedLinears
 from titanlike.inference.sampling import SamplingParams, next_tokens, sampled_logprobs
 from titanlike.models import protocol
@@ -120,75 +120,6 @@ def scores_only(model: nn.Module) -> str | None:
             "export it to Hugging Face")
 
 
-class LowPrecisionCopy:
-    """What a model trained in float32 under autocast (one process, bf16 mixed precision) generates from:
-    its linear layers' weights copied once in the autocast dtype, every other parameter the model's own
-    (shared, not copied), the engine's steps run under the same autocast. autocast casts a linear layer's
-    float32 weight to bf16 at every matmul; the copy holds that cast already, so the engine computes what
-    the training step computes (an embedding lookup, a norm, experts' weights: as autocast runs them) while
-    a decode step reads 2 bytes of each linear weight instead of 4 read + 2 written + 2 read. refresh()
-    copies the model's linear weights in (one cast, ~1 ms at 1B on a GPU) into the same tensors, so a
-    CUDA graph recorded over them stays valid. Costs 2 bytes a linear parameter."""
-
-    def __init__(self, source: nn.Module, dtype: torch.dtype):
-        if not LowPrecisionCopy.possible(source):
-            raise GenerationError("a low-precision copy is made of one process's model, not of a sharded one")
-        import copy
-
-        self.dtype = dtype
-        linear = {id(p) for m in source.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
-        # deepcopy takes every parameter from the memo: a linear layer's made directly in dtype (the float32
-        # copy never exists), any other the source's own. A weight tied to an embedding is the embedding's
-        # here; the copy's output layer gets its own below.
-        memo = {id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) if id(p) in linear and
-                not _tied_outside_linears(source, p) else p for p in source.parameters()}
-        self.model = copy.deepcopy(source, memo)  # a block's compiled call is not copied (Module.__getstate__)
-        self.pairs = []
-        for name, module in self.model.named_modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            theirs = source.get_submodule(name)
-            for key, param in list(module.named_parameters(recurse=False)):
-                if param.dtype != dtype:  # tied to an embedding: the output layer's own bf16 weight
-                    param = nn.Parameter(param.detach().to(dtype), requires_grad=False)
-                    setattr(module, key, param)
-                self.pairs.append((param, getattr(theirs, key)))
-        self.model.eval()
-
-    @staticmethod
-    def possible(source: nn.Module) -> bool:
-        """One process's model: no DTensor parameters (under FSDP the mixed-precision policy gathers
-        bf16 weights already; a tensor-parallel model generates in its own dtype)."""
-        from torch.distributed.tensor import DTensor
-
-        return not any(isinstance(p, DTensor) for p in source.parameters())
-
-    def __bool__(self) -> bool:
-        return True
-
-    def autocast(self, fn):
-        """fn under the training step's autocast (inside a compiled step too: dynamo traces the context)."""
-        device, dtype = next(self.model.parameters()).device.type, self.dtype
-
-        @functools.wraps(fn)
-        def cast(*args, **kwargs):
-            with torch.autocast(device, dtype=dtype):
-                return fn(*args, **kwargs)
-
-        return cast
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        for dst, src in self.pairs:
-            dst.copy_(src)
-
-
-def _tied_outside_linears(model: nn.Module, param: torch.Tensor) -> bool:
-    """The parameter is also held by a module that is not a linear layer (an embedding tied to the output)."""
-    return any(not isinstance(m, nn.Linear) and any(p is param for p in m.parameters(recurse=False))
-               for m in model.modules())
-
-
 class Engine:
     """Generation for one model (one process, or one tensor-parallel rank of several: every rank
     runs the same steps and draws the same samples from the same seed)."""
@@ -217,7 +148,8 @@ class Engine:
         self.model = model.eval()
         self._init_cache, self.prefill, self.decode_step = hooks
         if self.weights:
-            self.prefill, self.decode_step = self.weights.autocast(self.prefill), self.weights.autocast(self.decode_step)
+            self.prefill, self.decode_step = (self.weights.autocast(self.prefill),
+                                              self.weights.autocast(self.decode_step))
         # Eager on a CPU, the linear layers run through oneDNN with prepacked weights (packed.py: 1.2-2.2x
         # MKL's speed where MKL takes a slow path). Not when compiled: inductor traces the modules, and
         # the background compile of a server (continuous.py) traces them while the eager steps run.
