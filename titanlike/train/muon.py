@@ -244,8 +244,9 @@ def _store(state: torch.Tensor, value: torch.Tensor, skip, bits: torch.Tensor | 
 
 
 def _eager_rows(t: torch.Tensor) -> int | None:
-    """Rows of t updated at once eagerly (the hash's int64 temporaries, ~24 bytes an element, stay small
-    beside a 128k-vocabulary embedding); None when t is updated whole (compiled, they live in registers)."""
+    """Rows of t updated at once eagerly (the update's float32 and the hash's int32 temporaries, a few dozen
+    bytes an element, stay small beside a 128k-vocabulary embedding); None when t is updated whole
+    (compiled, they live in registers)."""
     if torch.compiler.is_compiling() or t.ndim == 0:
         return None
     rows = max(1, _EAGER_CHUNK // max(1, t[0].numel()))
