@@ -54,6 +54,10 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# The timer, the relative difference and the device check are the gated-delta benchmark's.
+from bench_gated_delta import Timer, _ints, check_machine, max_difference  # noqa: E402
 
 from titanlike.models.common.attention import Attention, DocumentMask, core_attention  # noqa: E402
 
@@ -164,12 +168,6 @@ def reference(q, k, v, rows, *, window: int | None, sinks: torch.Tensor | None) 
     return scores.softmax(-1)[..., :k.shape[2]] @ v
 
 
-def max_difference(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| over max |want| (in float32): the error in units of the tensor's scale."""
-    got, want = got.float(), want.float()
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-
-
 def check_rows(query_rows: int, seq: int, device) -> torch.Tensor:
     """The query rows the check covers: the first and last ones, and some evenly spaced between."""
     if seq <= query_rows:
@@ -189,24 +187,6 @@ class Result:
     ms: dict = field(default_factory=dict)  # "fwd" / "fwd+bwd" -> median ms
     peak_gib: float | None = None
     note: str = ""
-
-
-class Timer:
-    """Seconds of one call: the wall clock after synchronize on CUDA, this process's CPU time on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            return time.perf_counter() - start
-        start = time.process_time()
-        fn()
-        return time.process_time() - start
 
 
 @contextlib.contextmanager
@@ -367,10 +347,6 @@ def format_table(layer: LayerShape, seq: int, results: list[Result], notes: str,
     return "\n".join(lines)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -403,13 +379,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     return a
-
-
-def check_machine(a) -> None:
-    """The device the arguments name is this machine's (apart from parse_args, so that the commands prepared
-    for a GPU parse here: scripts/gpu_wave.py --check)."""
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda needs a CUDA GPU; this machine has none (use --device cpu)")
 
 
 def main(argv=None) -> int:
