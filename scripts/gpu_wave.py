@@ -67,18 +67,21 @@ def tokenizer() -> str:
 def pieces(out: Path) -> dict[str, tuple[str, list[Step]]]:
     """Every piece: what it measures (the issue's item) and its steps, in order of value."""
     tok = tokenizer()
+
+    def dump(name: str) -> list[str]:  # a folder per run: a job locks its own
+        return ["--job.dump_folder", str(out / name)]
+
     bench = ["scripts/bench.py", "--bench-warmup", "3", "--bench-steps", "10", "--bench-rounds", "2",
              "--metrics.no_enable_tensorboard", "--checkpoint.no_enable", "--profiling.no_enable_profiling"]
     one_b = [*bench, "--job.config_file", "train_configs/llama3_1b.toml", "--model.tokenizer_path", tok,
-             "--training.seq_len", "4096", "--job.dump_folder", str(out / "bench_1b")]
+             "--training.seq_len", "4096"]
     eight_b = ["--job.config_file", "train_configs/llama3_8b.toml", "--model.tokenizer_path", tok,
                "--training.dataset", "default", "--training.dataset_path", "", "--training.seq_len", "8192",
                "--activation_checkpoint.mode", "full", "--compile.enable", "--metrics.no_enable_tensorboard",
                "--checkpoint.no_enable", "--profiling.no_enable_profiling"]
     short = ["--bench-warmup", "2", "--bench-steps", "3", "--bench-rounds", "2"]
     hybrid = [*bench, "--job.config_file", "train_configs/hybrid_debug.toml", "--training.seq_len", "4096",
-              "--training.local_batch_size", "2", "--training.mixed_precision_param", "bfloat16",
-              "--job.dump_folder", str(out / "bench_hybrid")]
+              "--training.local_batch_size", "2", "--training.mixed_precision_param", "bfloat16"]
     return {
         "smoke": ("every family on CUDA, eager and compiled, and the 1B table row (a crash here first)", [
             Step("smoke", ["scripts/gpu_smoke.sh", tok], 200),
@@ -92,21 +95,21 @@ def pieces(out: Path) -> dict[str, tuple[str, list[Step]]]:
         "optim": ("item 4 (Muon, bf16 optimizer states against fused AdamW: step time, memory, MFU at 1B "
                   "seq 4096 batch 1; the bf16-state update compiled) and item 1 (the clip folded into fused "
                   "AdamW: the profile's clip kernels)", [
-            Step("adamw_fused", [*one_b, "--profile-steps", "3"], 75),
-            Step("adamw_bf16_states", [*one_b, "--optimizer.state_dtype", "bfloat16"], 50),
-            Step("muon", [*one_b, "--optimizer.name", "Muon"], 55),
-            Step("muon_bf16_states", [*one_b, "--optimizer.name", "Muon", "--optimizer.state_dtype", "bfloat16"],
-                 55),
-            Step("adamw_foreach", [*one_b, "--optimizer.implementation", "foreach"], 50),
+            Step("adamw_fused", [*one_b, *dump("adamw_fused"), "--profile-steps", "3"], 75),
+            Step("adamw_bf16_states", [*one_b, *dump("adamw_bf16"), "--optimizer.state_dtype", "bfloat16"], 50),
+            Step("muon", [*one_b, *dump("muon"), "--optimizer.name", "Muon"], 55),
+            Step("muon_bf16_states", [*one_b, *dump("muon_bf16"), "--optimizer.name", "Muon",
+                                      "--optimizer.state_dtype", "bfloat16"], 55),
+            Step("adamw_foreach", [*one_b, *dump("adamw_foreach"), "--optimizer.implementation", "foreach"], 50),
         ]),
         "8b": ("item 5: Llama 3 8B on one H200, full activation checkpointing, seq 8192, against torchtitan "
                "0.2.2 on the same settings (each side alone, so each peak memory is its own)", [
-            Step("plan", ["train.py", *eight_b, "--job.dump_folder", str(out / "plan_8b"),
+            Step("plan", ["train.py", *eight_b, *dump("plan_8b"),
                           "--job.validate_only"], 20),
-            Step("titanlike", ["scripts/bench.py", *short, *eight_b, "--job.dump_folder", str(out / "bench_8b")],
+            Step("titanlike", ["scripts/bench.py", *short, *eight_b, *dump("bench_8b")],
                  150),
             Step("torchtitan", ["scripts/bench_torchtitan.py", "--only", "torchtitan", *short, *eight_b,
-                                "--job.dump_folder", str(out / "torchtitan_8b")], 170),
+                                *dump("torchtitan_8b")], 170),
         ]),
         "attention": ("item 3: sliding-window and sink attention (gpt-oss 20B's and Gemma 3 27B's layer shapes) "
                       "through flex compiled on CUDA against SDPA full causal attention, each checked first", [
@@ -126,9 +129,9 @@ def pieces(out: Path) -> dict[str, tuple[str, list[Step]]]:
                   "kernels: scripts/gpu_kit_mamba.sh), their test and one hybrid step each way", [
             Step("test", ["-m", "pytest", "-q", "tests/unit/test_mamba2.py", "-k", "gpu"], 60,
                  env={"PYTHONPATH": f"{REPO / '.gpu-kit' / 'mamba'}"}),
-            Step("hybrid_kernels", [*hybrid, "--model.args.mamba.kernel", "auto"], 60,
+            Step("hybrid_kernels", [*hybrid, *dump("hybrid_kernels"), "--model.args.mamba.kernel", "auto"], 60,
                  env={"PYTHONPATH": f"{REPO / '.gpu-kit' / 'mamba'}"}),
-            Step("hybrid_torch_scan", [*hybrid, "--model.args.mamba.kernel", "torch"], 60),
+            Step("hybrid_torch_scan", [*hybrid, *dump("hybrid_torch"), "--model.args.mamba.kernel", "torch"], 60),
         ]),
     }
 

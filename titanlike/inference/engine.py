@@ -131,12 +131,6 @@ class Engine:
         decode with a torch.compile'd step on caches of context_len slots (see below). dtype: generate
         in this precision from a copy of the weights (LowPrecisionCopy) when the model's differ (one
         process; a sharded model generates as it is)."""
-        self.source = model  # the module whose weights generate (the copy follows it at every call)
-        self.weights = None
-        if (dtype is not None and dtype != next(model.parameters()).dtype and protocol.generation_hooks(model)
-                and LowPrecisionCopy.possible(model)):
-            self.weights = LowPrecisionCopy(model, dtype)
-            model = self.weights.model
         hooks = protocol.generation_hooks(model)
         if hooks is None:
             raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder to continue a "
@@ -145,11 +139,15 @@ class Engine:
         problem = scores_only(model)  # a reward model
         if problem is not None:
             raise GenerationError(problem)
+        self.source = model  # the module whose weights generate (a copy follows it at every call)
+        self.weights = None
+        if dtype is not None and dtype != next(model.parameters()).dtype and LowPrecisionCopy.possible(model):
+            self.weights = LowPrecisionCopy(model, dtype)
+            model = self.weights.model
+            init_cache, prefill, decode_step = protocol.generation_hooks(model)
+            hooks = init_cache, self.weights.autocast(prefill), self.weights.autocast(decode_step)
         self.model = model.eval()
         self._init_cache, self.prefill, self.decode_step = hooks
-        if self.weights:
-            self.prefill, self.decode_step = (self.weights.autocast(self.prefill),
-                                              self.weights.autocast(self.decode_step))
         # Eager on a CPU, the linear layers run through oneDNN with prepacked weights (packed.py: 1.2-2.2x
         # MKL's speed where MKL takes a slow path). Not when compiled: inductor traces the modules, and
         # the background compile of a server (continuous.py) traces them while the eager steps run.
