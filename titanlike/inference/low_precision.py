@@ -30,12 +30,17 @@ class LowPrecisionCopy:
         if not LowPrecisionCopy.possible(source):
             raise ValueError("a low-precision copy is made of one process's model, not of a sharded one")
         self.dtype = dtype
-        linear = {id(p) for m in source.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
         # deepcopy takes every parameter from the memo: a linear layer's made directly in dtype (the float32
-        # copy never exists), any other the source's own. A weight tied to an embedding is the embedding's
-        # here; the copy's output layer gets its own below.
-        memo = {id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) if id(p) in linear and
-                not _tied_outside_linears(source, p) else p for p in source.parameters()}
+        # copy never exists), any other the source's own. A weight a linear layer shares with another module
+        # (an embedding tied to the output) is the other's here; the copy's linear layer gets its own below.
+        elsewhere = {id(p) for m in source.modules() if not isinstance(m, nn.Linear)
+                     for p in m.parameters(recurse=False)}
+        memo = {id(p): p for p in source.parameters()}
+        for m in source.modules():
+            if isinstance(m, nn.Linear):
+                for p in m.parameters(recurse=False):
+                    if id(p) not in elsewhere:
+                        memo[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
         self.model = copy.deepcopy(source, memo)  # a block's compiled call is not copied (Module.__getstate__)
         self.pairs = []
         for name, module in self.model.named_modules():
@@ -72,12 +77,6 @@ class LowPrecisionCopy:
     def refresh(self) -> None:
         for dst, src in self.pairs:
             dst.copy_(src)
-
-
-def _tied_outside_linears(model: nn.Module, param: torch.Tensor) -> bool:
-    """The parameter is also held by a module that is not a linear layer (an embedding tied to the output)."""
-    return any(not isinstance(m, nn.Linear) and any(p is param for p in m.parameters(recurse=False))
-               for m in model.modules())
 
 
 __all__ = ["LowPrecisionCopy"]

@@ -9,8 +9,8 @@ differ from F.linear's by the order of the sums only.
 
 PackedLinears(model) finds the model's plain nn.Linear modules whose weight is an ordinary CPU tensor
 of at least MIN_PACKED_WEIGHT numbers (not a DTensor shard, not a LoRA or Float8 module, which keep
-their own forward) and, inside `with packed:`, routes their forward through the packed weight. The pack is made when first needed,
-again when the weight's storage or version counter changed, and after refresh(). The version counter
+their own forward) and, inside `with packed:`, routes their forward through the packed weight. The
+pack is made when first needed, again when the weight's storage or version counter changed, and after refresh(). The version counter
 does not see every update (torch's fused AdamW writes the parameters without counting, and neither
 does a write through `.data`), so whoever may have changed the weights calls refresh(): Engine.generate
 does at the start of every call (a policy trained between rollouts generates with its current

@@ -421,8 +421,9 @@ class MuonAdamW(torch.optim.Adam):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=local_part(p).device)
                 state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+            offset, whole_shape = self._block(p)
             self._low_precision_update(
                 local_part(p), local_part(p.grad), local_part(state["exp_avg"]), local_part(state["exp_avg_sq"]),
                 state["step"], scale, skip, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], key=rounding_key(self.seed, update, position),
-                offset=self._block(p)[0], whole_shape=self._block(p)[1])
+                offset=offset, whole_shape=whole_shape)
