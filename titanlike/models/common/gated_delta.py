@@ -116,10 +116,14 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     state = (v.new_zeros(batch, heads, k_dim, v_dim) if initial_state is None
              else initial_state.float().expand(batch, heads, k_dim, v_dim))
     outs = []
-    for i in range(chunks):
-        v_new = u[:, :, i] - w[:, :, i] @ state
-        outs.append(q_state[:, :, i] @ state + attn[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i, None, None] + k_state[:, :, i].transpose(-1, -2) @ v_new
+    # The chunks' slices taken once (unbind) rather than indexed at every step: a few hundred fewer
+    # operations per layer, which an eager GPU step and the estimator's fake step both pay for.
+    per_chunk = zip(u.unbind(2), w.unbind(2), q_state.unbind(2), attn.unbind(2),
+                    k_state.transpose(-1, -2).unbind(2), chunk_decay[..., None, None].unbind(2))
+    for u_i, w_i, q_i, attn_i, k_t_i, decay_i in per_chunk:
+        v_new = u_i - w_i @ state
+        outs.append(q_i @ state + attn_i @ v_new)
+        state = state * decay_i + k_t_i @ v_new
     o = torch.stack(outs, dim=2).reshape(batch, heads, chunks * chunk_size, v_dim)[:, :, :seq]
     return o.transpose(1, 2).to(out_dtype), state
 
