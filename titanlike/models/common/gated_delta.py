@@ -116,8 +116,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     state = (v.new_zeros(batch, heads, k_dim, v_dim) if initial_state is None
              else initial_state.float().expand(batch, heads, k_dim, v_dim))
     outs = []
-    # The chunks' slices taken once (unbind) rather than indexed at every step: a few hundred fewer
-    # operations per layer, which an eager GPU step and the estimator's fake step both pay for.
+    # unbind once, as ssd.py's scan does: indexing [:, :, i] per chunk would make every step's backward
+    # write a gradient the size of the whole tensor (quadratic in the number of chunks).
     per_chunk = zip(u.unbind(2), w.unbind(2), q_state.unbind(2), attn.unbind(2),
                     k_state.transpose(-1, -2).unbind(2), chunk_decay[..., None, None].unbind(2))
     for u_i, w_i, q_i, attn_i, k_t_i, decay_i in per_chunk:
