@@ -4,8 +4,10 @@
   and warpers' scores on the same logits; a seed makes samples reproducible.
 - The engine: a batch gives each row what it gives alone; a row ends at a stop token (kept last),
   a stop string (cut from the text), max_new_tokens or the context, each with its reason; streamed
-  text pieces add up to the final text. Compiled (a torch.compile'd decode step on static caches) it
-  gives the eager tokens and compiles once: tests/integration/test_generation_engine_compiled.py.
+  text pieces add up to the final text. Rows that ended stop costing decode steps (compaction)
+  without changing a seeded call's samples (every family's cache: test_family_conformance.py).
+  Compiled (a torch.compile'd decode step on static caches) it gives the eager tokens and compiles
+  once: tests/integration/test_generation_engine_compiled.py.
   A continuous batch compiling in the background serves eager until each shape is ready (here, with
   a stand-in for the compiled step).
 - The program: batched and streamed output agree, prompts come from a JSONL file, chat mode renders
@@ -226,6 +228,8 @@ def test_rows_that_ended_stop_costing_decode_steps_and_a_seed_draws_the_same_sam
     completions, _ = engine.generate(prompts[:6], greedy)
     assert rows[-1] < 6 and [c.tokens for c in completions] == \
         [c.tokens for c in Engine(model, compact=False).generate(prompts[:6], greedy)[0]]
+    # Compiled, the rows stay in the one static cache (engine.py: another batch size is another graph).
+    assert not Engine(model, compile=True).compact
 
 
 def test_stop_strings_cut_the_text_and_streamed_pieces_add_up(model):
