@@ -8,8 +8,8 @@ with per-row lengths (models/common/kv_cache.py): no left padding, no position s
 
 Each row ends on its own (stop token, stop string, max_new_tokens, the context); the batch steps
 until every row has ended. Rows that ended keep being computed (their tokens are dropped) until half
-the cache's rows or fewer still run; then the rows still running move to a cache of their own
-(copy_row, every family's cache has it) and the steps compute those only: a batch whose lengths have
+the cache's rows or fewer still run; then the rows still running move to the first rows (copy_row,
+every family's cache has it) and the steps compute a cache of those only: a batch whose lengths have
 a long tail (GRPO's completions, rl/rollout.py) stops paying for its finished rows, in at most
 log2(batch) sizes of step. Each row draws the random numbers it draws in the whole batch, so a seed
 gives the same samples either way. Refilling ended rows at once with waiting prompts (continuous
@@ -135,8 +135,7 @@ class Engine:
         decode with a torch.compile'd step on caches of context_len slots (see below). dtype: generate
         in this precision from a copy of the weights (LowPrecisionCopy) when the model's differ (one
         process; a sharded model generates as it is). compact: once half a call's rows or fewer still
-        run, decode them in a cache of their own (eager only; False: every row to the end, for
-        comparison)."""
+        run, decode those only (eager only; False: every row to the end, for comparison)."""
         hooks = protocol.generation_hooks(model)
         if hooks is None:
             raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder to continue a "
@@ -213,13 +212,16 @@ class Engine:
             self._cache = self.init_cache(batch_size, capacity, device=self.device, dtype=self.dtype)
         return self._cache
 
-    def _compacted(self, cache, rows: list[int], capacity: int):
-        """A new cache holding only `rows` of `cache`, in their order (each family's copy_row): the
-        decode steps of a call stop computing rows that have ended."""
-        smaller = self.init_cache(len(rows), capacity, device=self.device, dtype=self.dtype)
+    @staticmethod
+    def _compacted(cache, rows: list[int]):
+        """A cache of `rows` of `cache` only, in their order: the rows moved down into the first ones
+        (each family's copy_row), then a cache of those (ModelCache.head, views of the same tensors), as
+        the continuous batch keeps its sequences (continuous.py). The decode steps that follow compute
+        those rows only, in the memory the call already holds: a new cache would hold both at once."""
         for row, source_row in enumerate(rows):
-            smaller.copy_row(row, cache, source_row)
-        return smaller
+            if row != source_row:  # rows ascend: each is read before a row moved down overwrites it
+                cache.copy_row(row, cache, source_row)
+        return cache.head(len(rows))
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """GenerationError, one sentence, for prompts the model cannot continue."""
@@ -282,7 +284,6 @@ class Engine:
             for row, i in enumerate(source):
                 cache.copy_row(row, prefilled, i)
             logits = logits[source]
-        del prefilled  # a compaction below frees the full cache
         seen = None
         if params.repetition_penalty != 1.0:
             # (batch, vocab): the tokens each row holds, which the penalty discourages.
@@ -324,7 +325,7 @@ class Engine:
                 break
             if self.compact and 2 * len(active) <= cache.batch_size:
                 # Half the rows or fewer still run: the steps that follow decode those only.
-                cache = self._compacted(cache, active, capacity)
+                cache = self._compacted(cache, active)
                 keep = torch.tensor(active, device=self.device)
                 chosen = chosen[keep]
                 seen = seen[keep] if seen is not None else None
