@@ -165,9 +165,10 @@ class Engine:
         self.context_len = context_len or model.model_args.context_len
         self.start_id = start_id
         self.compiled = compile
-        # Compiled, the call's rows stay where they are: a smaller batch is another static cache of
-        # context_len slots (memory) and another graph (a compile, and on a GPU a CUDA graph), for a
-        # step whose time a CUDA graph makes nearly independent of the rows it computes.
+        # Compiled, the call's rows stay where they are: each smaller batch would be another static cache
+        # of context_len slots and another compile (on a GPU another CUDA graph), for a step that on a GPU
+        # is memory-bound at these batch sizes (it reads its weights once whatever its rows:
+        # docs/performance.md), where fewer rows save little.
         self.compact = compact and not compile
         self.eager_step = self.decode_step  # the hook itself: what a continuous batch serves with while it compiles
         self._cache = None  # compiled: the static cache the last call decoded in (kept for the next)
