@@ -14,6 +14,8 @@ unique to it.
   not zero for every parameter (routed experts may be left unrouted by a small batch).
 - Causality, for families whose objective predicts the next token: changing the tokens from a
   position on leaves the logits before it untouched and moves every logit after it.
+- Generation (families with the generation hooks): the engine's compaction moves the rows still
+  running into a smaller cache (the family's copy_row) without changing a seeded call's samples.
 - Pipeline stages (families with pipeline ends): the stages of each schedule's split are
   initialized as the same-named parameters of the whole model and, chained, compute what it
   computes; each end lives on its own stage only.
@@ -224,6 +226,49 @@ def test_causal_families_see_only_the_past(family, flavor):
         before, after = logits_of(model(tokens)), logits_of(model(changed))
     torch.testing.assert_close(after[:, :t], before[:, :t], rtol=0, atol=1e-6)
     assert (after[:, t:] - before[:, t:]).abs().amax(dim=-1).min() > 1e-4
+
+
+# ---------------------------------------------------------------- generation
+
+
+def _generates(family: str, flavor: str) -> bool:
+    spec = get_model_spec(family)
+    with torch.device("meta"):
+        return protocol.generation_hooks(spec.model_cls(spec.flavors[flavor])) is not None
+
+
+GENERATING = [key for key in DEBUG if _generates(*key)]
+
+
+@pytest.mark.parametrize("family, flavor", GENERATING)
+def test_generation_compacts_the_cache_of_the_rows_still_running(family, flavor):
+    """The engine's compaction (inference/engine.py) moves the rows still running into a smaller cache
+    with the family's copy_row, twice here: each prompt then gets the sampled tokens (repetition penalty
+    on) and the log-probabilities (within 1e-5) of a call that decodes every row to the end."""
+    from titanlike.inference import Engine, SamplingParams
+
+    spec = get_model_spec(family)
+    model = materialize(spec.model_cls, spec.flavors[flavor], seed=0).eval()
+    g = torch.Generator().manual_seed(0)
+    # 8 rows: 3 prompts of their own lengths and rows sharing a prompt (a shared prefill); ids from 3 to
+    # 255, below every family's special and image placeholder ids. 12 new tokens pass the 16-token
+    # sliding windows of the debug flavors (gemma3, gpt_oss).
+    distinct = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 3, 12)]
+    prompts = [distinct[i % 3] for i in range(6)] + [distinct[0][:5], distinct[2][:9]]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, logprobs=True, repetition_penalty=1.3)
+    first, _ = Engine(model, compact=False).generate(prompts, params)
+    # Tokens the rows draw as stop ids: half the rows end within 3 tokens, two more by the 9th.
+    stop = {first[row].tokens[t] for row, t in enumerate([1, 2, 1, 2, 5, 8])}
+    params = dataclasses.replace(params, stop_token_ids=stop)
+    plain, _ = Engine(model, compact=False).generate(prompts, params)
+    engine = Engine(model)
+    rows, real = [], engine.decode_step
+    engine.decode_step = lambda tokens, cache: rows.append(cache.batch_size) or real(tokens, cache)
+    compacted, _ = engine.generate(prompts, params)
+    assert [c.tokens for c in compacted] == [c.tokens for c in plain], family
+    for ours, theirs in zip(compacted, plain):
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-5, rtol=0)
+    assert rows[0] == len(prompts) and len(set(rows)) >= 3, (family, rows)
 
 
 # ---------------------------------------------------------------- pipeline stages

@@ -2,9 +2,10 @@
 runs, for every family that generates and has a sharding plan (its smallest debug flavor, vocabulary
 256), the engine on the model sharded by the family's plan (gathered logits, no sequence
 parallelism: a decode step holds one token per row) and on the same weights in one process, on one
-batch of prompts of different lengths. Greedy tokens must be equal, and the cached logits of the
-prefill and of each teacher-forced decode step within 1e-4 (the caches hold this rank's heads only;
-the latent of multi-head latent attention is replicated).
+batch of prompts of different lengths. Greedy tokens must be equal, also when rows end early and the
+sharded engine compacts its cache, and the cached logits of the prefill and of each teacher-forced
+decode step within 1e-4 (the caches hold this rank's heads only; the latent of multi-head latent
+attention is replicated).
 
 The same world runs the lm-evaluation-harness model under TP2 (tests/lm_eval_assets.py: a checkpoint,
 local tasks, the responses one process gives for the first document of each), so one spawn serves
@@ -79,6 +80,17 @@ def _checks(rank: int) -> None:
         params = SamplingParams(max_new_tokens=NEW_TOKENS)
         one, tp = ([c.tokens for c in Engine(m).generate(PROMPTS, params)[0]] for m in models)
         assert tp == one, f"{family}: TP2 generated {tp}, one process {one}"
+        # Rows 0 and 1 end within 2 tokens: the sharded engine goes on in a cache of row 2 alone (copy_row
+        # of this rank's heads), one process without compaction.
+        ending = dataclasses.replace(params, stop_token_ids={one[0][1], one[1][1]})
+        rows = []
+        engine = Engine(models[1])
+        real = engine.decode_step
+        engine.decode_step = lambda tokens, cache: rows.append(cache.batch_size) or real(tokens, cache)
+        compacted = [c.tokens for c in engine.generate(PROMPTS, ending)[0]]
+        every = [c.tokens for c in Engine(models[0], compact=False).generate(PROMPTS, ending)[0]]
+        assert compacted == every and rows[-1] == 1, \
+            f"{family}: TP2 compacted generated {compacted} ({rows}), one process {every}"
         torch.testing.assert_close(_cached_logits(models[1], one), _cached_logits(models[0], one), rtol=0, atol=1e-4,
                                    msg=lambda m: f"{family}: {m}")
     tp_checks(rank)

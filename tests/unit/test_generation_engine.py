@@ -4,8 +4,10 @@
   and warpers' scores on the same logits; a seed makes samples reproducible.
 - The engine: a batch gives each row what it gives alone; a row ends at a stop token (kept last),
   a stop string (cut from the text), max_new_tokens or the context, each with its reason; streamed
-  text pieces add up to the final text. Compiled (a torch.compile'd decode step on static caches) it
-  gives the eager tokens and compiles once: tests/integration/test_generation_engine_compiled.py.
+  text pieces add up to the final text. Rows that ended stop costing decode steps (compaction)
+  without changing a seeded call's samples (every family's cache: test_family_conformance.py).
+  Compiled (a torch.compile'd decode step on static caches) it gives the eager tokens and compiles
+  once: tests/integration/test_generation_engine_compiled.py.
   A continuous batch compiling in the background serves eager until each shape is ready (here, with
   a stand-in for the compiled step).
 - The program: batched and streamed output agree, prompts come from a JSONL file, chat mode renders
@@ -172,6 +174,62 @@ def test_rows_of_one_prompt_share_its_prefill(model):
         logits = uncached_logits(model, prompt, c.tokens[:-1])
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.tokens)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
+
+
+def _decode_rows(engine: Engine) -> list[int]:
+    """The rows each decode step of the engine's calls computes (its hook's batch), appended as they run."""
+    rows, real = [], engine.decode_step
+    engine.decode_step = lambda tokens, cache: rows.append(cache.batch_size) or real(tokens, cache)
+    return rows
+
+
+def test_rows_that_ended_stop_costing_decode_steps_and_a_seed_draws_the_same_samples(model):
+    """Once half the cache's rows or fewer still run, the engine decodes those only in a cache of their
+    own (copy_row): each step computes at least the rows still running and fewer than twice as many,
+    each compaction at least halving the rows. Every prompt gets the tokens, log-probabilities (within 1e-6), streamed
+    tokens and texts it gets when every row is decoded to the end (Engine(compact=False)): a row draws
+    the random number it draws in the whole batch, and keeps its repetition-penalty history."""
+    text = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
+    prompts = [[5, 9, 17, 3, 44, 12, 8], [7, 31, 90], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109]] * 4
+    prompts[5] = [60, 61]  # rows of one prompt share a prefill, the others' their own
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=11, logprobs=True, repetition_penalty=1.3)
+    (first, _), = [Engine(model, compact=False).generate(prompts, params)]
+    # Stop ids (tokens these rows draw) that end half the rows within 3 tokens, others later, two never:
+    # a long tail, and compactions of a compacted cache.
+    stop = {first[row].tokens[t] for row, t in enumerate([1, 2, 1, 2, 1, 2, 6, 7, 6, 10])}
+    params = dataclasses.replace(params, stop_token_ids=stop)
+    runs = {}
+    for compact in (False, True):
+        engine = Engine(model, compact=compact)
+        rows, tokens = _decode_rows(engine), []
+        completions, stats = engine.generate(prompts, params, detokenize=text,
+                                             on_token=lambda row, token: tokens.append((row, token)))
+        runs[compact] = completions, rows, tokens, stats
+    (plain, every, streamed, _), (compacted, rows, compact_streamed, stats) = runs[False], runs[True]
+    assert [c.tokens for c in compacted] == [c.tokens for c in plain]
+    assert [(c.text, c.finish_reason) for c in compacted] == [(c.text, c.finish_reason) for c in plain]
+    assert compact_streamed == streamed
+    for ours, theirs in zip(compacted, plain):
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-6, rtol=0)
+    lengths = [len(c.tokens) for c in plain]
+    assert min(lengths) <= 3 and max(lengths) >= 10, lengths  # the long tail the check needs
+    assert every == [len(prompts)] * stats.decode_steps
+    sizes = sorted(set(rows), reverse=True)  # each compaction at least halves: at most log2(batch) of them
+    assert len(rows) == stats.decode_steps and rows == sorted(rows, reverse=True) and len(sizes) > 2
+    assert all(2 * smaller <= larger for larger, smaller in zip(sizes, sizes[1:])), rows
+    for step, size in enumerate(rows):
+        running = sum(n > step + 1 for n in lengths)  # step k decodes the token k + 1 of the rows still running
+        assert running <= size < 2 * running, (step, rows, lengths)
+    assert sum(rows) < sum(every) // 2
+    # Greedy as well: the tokens of a full forward over each prompt and its tokens so far.
+    greedy = SamplingParams(max_new_tokens=12, stop_token_ids=stop)
+    engine = Engine(model)
+    rows = _decode_rows(engine)
+    completions, _ = engine.generate(prompts[:6], greedy)
+    assert rows[-1] < 6 and [c.tokens for c in completions] == \
+        [c.tokens for c in Engine(model, compact=False).generate(prompts[:6], greedy)[0]]
+    # Compiled, the rows stay in the one static cache (engine.py: another batch size is another graph).
+    assert not Engine(model, compile=True).compact
 
 
 def test_stop_strings_cut_the_text_and_streamed_pieces_add_up(model):

@@ -7,9 +7,13 @@ input, the decoder starting from its start token). Prompts of different lengths 
 with per-row lengths (models/common/kv_cache.py): no left padding, no position shifting.
 
 Each row ends on its own (stop token, stop string, max_new_tokens, the context); the batch steps
-until every row has ended. Rows that ended keep being computed (their tokens are dropped) so the
-step keeps its shapes. Refilling such rows at once with waiting prompts (continuous batching, what a
-server needs) is ContinuousBatch (continuous.py), on the same hooks and stop rules.
+until every row has ended. Rows that ended keep being computed (their tokens are dropped) until half
+the cache's rows or fewer still run; then the rows still running move to the first rows (copy_row,
+every family's cache has it) and the steps compute a cache of those only: a batch whose lengths have
+a long tail (GRPO's completions, rl/rollout.py) stops paying for its finished rows, in at most
+log2(batch) sizes of step. Each row draws the random numbers it draws in the whole batch, so a seed
+gives the same samples either way. Refilling ended rows at once with waiting prompts (continuous
+batching, what a server needs) is ContinuousBatch (continuous.py), on the same hooks and stop rules.
 
 Engine(compile=True) decodes with a torch.compile'd step on static caches (kv_cache.py, "Static"):
 one graph per batch size for every step of every call, the prefill eager; on a GPU the step is
@@ -28,7 +32,7 @@ import torch.nn as nn
 
 from titanlike.inference.low_precision import LowPrecisionCopy
 from titanlike.inference.packed import PackedLinears
-from titanlike.inference.sampling import SamplingParams, next_tokens, sampled_logprobs
+from titanlike.inference.sampling import SamplingParams, draw_uniforms, next_tokens, sampled_logprobs
 from titanlike.models import protocol
 
 
@@ -125,12 +129,13 @@ class Engine:
     runs the same steps and draws the same samples from the same seed)."""
 
     def __init__(self, model: nn.Module, *, context_len: int | None = None, start_id: int | None = None,
-                 compile: bool = False, dtype: torch.dtype | None = None):
+                 compile: bool = False, dtype: torch.dtype | None = None, compact: bool = True):
         """context_len: the longest sequence (default: the model's context). start_id: the decoder
         start token of an encoder-decoder model (its pad id; None: the model's default). compile:
         decode with a torch.compile'd step on caches of context_len slots (see below). dtype: generate
         in this precision from a copy of the weights (LowPrecisionCopy) when the model's differ (one
-        process; a sharded model generates as it is)."""
+        process; a sharded model generates as it is). compact: once half a call's rows or fewer still
+        run, decode those only (eager only; False: every row to the end, for comparison)."""
         hooks = protocol.generation_hooks(model)
         if hooks is None:
             raise GenerationError(f"{type(model).__name__} cannot generate text: it has no decoder to continue a "
@@ -160,6 +165,11 @@ class Engine:
         self.context_len = context_len or model.model_args.context_len
         self.start_id = start_id
         self.compiled = compile
+        # Compiled, the call's rows stay where they are: each smaller batch would be another static cache
+        # of context_len slots and another compile (on a GPU another CUDA graph), for a step that on a GPU
+        # is memory-bound at these batch sizes (it reads its weights once whatever its rows:
+        # docs/performance.md), where fewer rows save little.
+        self.compact = compact and not compile
         self.eager_step = self.decode_step  # the hook itself: what a continuous batch serves with while it compiles
         self._cache = None  # compiled: the static cache the last call decoded in (kept for the next)
         if compile:
@@ -202,6 +212,17 @@ class Engine:
             self._cache = None  # freed before the new one is allocated
             self._cache = self.init_cache(batch_size, capacity, device=self.device, dtype=self.dtype)
         return self._cache
+
+    @staticmethod
+    def _compacted(cache, rows: list[int]):
+        """A cache of `rows` of `cache` only, in their order: the rows moved down into the first ones
+        (each family's copy_row), then a cache of those (ModelCache.head, views of the same tensors), as
+        the continuous batch keeps its sequences (continuous.py). The decode steps that follow compute
+        those rows only, in the memory the call already holds: a new cache would hold both at once."""
+        for row, source_row in enumerate(rows):
+            if row != source_row:  # rows ascend: each is read before a row moved down overwrites it
+                cache.copy_row(row, cache, source_row)
+        return cache.head(len(rows))
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """GenerationError, one sentence, for prompts the model cannot continue."""
@@ -273,10 +294,16 @@ class Engine:
         completions = [Completion(logprobs=[] if params.logprobs else None) for _ in prompts]
         streams = [_TextStream(detokenize, params.stop_strings) if detokenize else None for _ in prompts]
         stats = GenerationStats(prompt_tokens=sum(lengths))
-        active = list(range(batch))
+        prompt_of = list(range(batch))  # the prompt each row of the cache (and of logits, seen) continues
+        live = None  # prompt_of on the device, once the cache has fewer rows than prompts
+        active = list(range(batch))  # the cache's rows whose prompt has not ended
         step = 0
         while True:
-            chosen = next_tokens(logits, params, seen=seen, generator=generator)
+            # Every prompt's random number, the cache's rows' taken: a row draws what it draws in a batch
+            # that never shrinks (sampling.py draw).
+            u = None if params.greedy else draw_uniforms(batch, generator, self.device)
+            chosen = next_tokens(logits, params, seen=seen, generator=generator,
+                                 uniforms=u if u is None or live is None else u[live])
             logprobs = sampled_logprobs(logits, chosen, params, seen=seen).tolist() if params.logprobs else None
             if seen is not None:
                 seen.scatter_(1, chosen[:, None], True)
@@ -285,17 +312,27 @@ class Engine:
                 stats.time_to_first_token = time.perf_counter() - started
                 stats.first_step_tokens = len(active)
             still = []
-            for row in active:
+            for i in active:
+                row = prompt_of[i]
                 if logprobs is not None:
-                    completions[row].logprobs.append(logprobs[row])
-                done = self._append(row, ids[row], completions[row], streams[row], params, lengths[row], on_text,
+                    completions[row].logprobs.append(logprobs[i])
+                done = self._append(row, ids[i], completions[row], streams[row], params, lengths[row], on_text,
                                     on_token)
                 if not done:
-                    still.append(row)
+                    still.append(i)
             active = still
             step += 1
             if not active:
                 break
+            if self.compact and 2 * len(active) <= cache.batch_size:
+                # Half the rows or fewer still run: the steps that follow decode those only.
+                cache = self._compacted(cache, active)
+                keep = torch.tensor(active, device=self.device)
+                chosen = chosen[keep]
+                seen = seen[keep] if seen is not None else None
+                prompt_of = [prompt_of[i] for i in active]
+                live = torch.tensor(prompt_of, device=self.device)
+                active = list(range(len(active)))
             logits = self.decode(chosen, cache)
             stats.decode_steps += 1
         for row, completion in enumerate(completions):

@@ -109,30 +109,42 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, *, seen: torch.Tensor | None,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """(batch, vocab) logits -> (batch,) token ids."""
+                generator: torch.Generator | None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, vocab) logits -> (batch,) token ids. uniforms: the rows' random numbers, when the caller
+    drew them (see draw)."""
     logits = logits.float()
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(-1)
     logits = filter_top_p(filter_top_k(logits / params.temperature, params.top_k), params.top_p)
-    return draw(logits.softmax(-1), generator)
+    return draw(logits.softmax(-1), generator, uniforms=uniforms)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw_uniforms(rows: int, generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    """(rows, 1) float64 numbers in [0, 1): the random numbers draw takes, one per row."""
+    return torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None, *,
+         uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of probs (batch, vocab), drawn by inverting each row's cumulative distribution
     at one uniform number: the distribution torch.multinomial draws from, at one random number per row
     where multinomial takes one per vocabulary entry (those draws were 7-11% of a GRPO rollout's CPU
     time: docs/performance.md). The sums are in float64, and the number stays below the row's total, so
-    a token of probability 0 (filtered by top-k or top-p) is never drawn. Checking the rows costs one host sync."""
+    a token of probability 0 (filtered by top-k or top-p) is never drawn. Checking the rows costs one host sync.
+    uniforms: (batch, 1) numbers drawn by the caller (draw_uniforms) instead of from generator:
+    a generate call whose batch shrinks as rows end draws them for all its rows and passes the live ones
+    (engine.py), so each row's samples do not depend on which other rows are still running."""
     cumulative = probs.cumsum(-1, dtype=torch.float64)
     total = cumulative[:, -1:]
     # As multinomial does: a row whose settings broke its probabilities (NaN or inf logits) raises, which
     # the continuous batch turns into that sequence's "error" end (continuous.py _sample).
     if not bool(((total > 0) & total.isfinite()).all()):
         raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    if uniforms is None:
+        uniforms = draw_uniforms(total.shape[0], generator, probs.device)
+    u = uniforms * total
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))
     return torch.searchsorted(cumulative, u, right=True)[:, 0]
 
@@ -153,5 +165,5 @@ def sampled_logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: Samplin
     return torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
 
 
-__all__ = ["MAX_SEED", "SamplingParams", "apply_repetition_penalty", "draw", "filter_top_k", "filter_top_p",
-           "next_tokens", "sampled_logprobs"]
+__all__ = ["MAX_SEED", "SamplingParams", "apply_repetition_penalty", "draw", "draw_uniforms", "filter_top_k",
+           "filter_top_p", "next_tokens", "sampled_logprobs"]
