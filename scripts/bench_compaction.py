@@ -16,7 +16,6 @@ round's tokens per second of both, the rows the decode steps computed, and the m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="debugmodel", help="a llama3 flavor")
     parser.add_argument("--rows", type=int, default=64)
@@ -36,7 +35,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--mean-length", type=float, default=16.0, help="the rows' mean length (the stop set's size)")
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     from titanlike.inference import Engine, SamplingParams
