@@ -12,7 +12,10 @@ Kernels:
 - document mask, "flex": FlexAttention with a block mask, which skips whole blocks
   of keys outside the document (GPU; it has no backward on CPU).
 - document mask, "sdpa": SDPA with a dense boolean (batch, 1, seq, seq) mask; exact
-  everywhere, but O(seq^2) memory and no block skipping. The CPU path.
+  everywhere, but O(seq^2) memory and no block skipping. The CPU path, where torch runs it with
+  its math kernel over every (query, key) pair. So on CPU, eager, without window or sinks, each
+  document of a row is attended alone instead (`by_documents`: SDPA's fused kernel on
+  [start, stop) of q, k, v), from document lengths read on the host when the mask is built.
 
 Sliding windows (Gemma 3's local layers, gpt-oss's banded ones, Mistral's): an attention module
 built with `window=W` lets each query see only the W most recent tokens, itself included (HF's
@@ -102,6 +105,10 @@ class DocumentMask:
     # This mask restricted to each sliding window (`windowed`), built at the first sliding layer and
     # shared by the others; it lives and dies with the microbatch's mask.
     windowed_masks: WindowedMasks = field(default_factory=lambda: WindowedMasks(), repr=False, compare=False)
+    # Per sample, the lengths of its documents in order, for attention one document at a time
+    # (`by_documents`), or None for a sample whose documents are too many to pay (it reads `dense`).
+    # Set with `dense` on CPU (host integers, read without syncing a device), else None.
+    document_lengths: tuple[tuple[int, ...] | None, ...] | None = None
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, eod_id: int, kernel: str | None) -> DocumentMask:
@@ -123,16 +130,22 @@ class DocumentMask:
         # Position = index - index of the document's first token (a running max over starts).
         starts = torch.where(document_ids != F.pad(document_ids, (1, -1), value=-1), index, 0)
         positions = index - starts.cummax(1).values
-        dense = block_mask = None
+        dense = block_mask = lengths = None
         if kernel == "sdpa":
+            # Built even when every sample goes by documents: sliding windows, sinks and compiled
+            # blocks read it (b * seq^2 bools once per microbatch, a small part of one layer's scores).
             dense = (document_ids[:, :, None] == document_ids[:, None, :]).unsqueeze(1)
             if causal:
                 dense = dense & torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+            if document_ids.device.type == "cpu":
+                lengths = tuple(_lengths_if_they_pay(row) for row in document_ids)
+                if all(row is None for row in lengths):  # one dense call rather than one per sample
+                    lengths = None
         elif kernel == "flex":
             block_mask = _flex_block_mask(document_ids, causal=causal)
         elif kernel is not None:
             raise ValueError(f"unknown document-mask kernel {kernel!r}; expected 'sdpa', 'flex' or None")
-        return cls(document_ids, positions, dense, block_mask, causal)
+        return cls(document_ids, positions, dense, block_mask, causal, document_lengths=lengths)
 
     @eager_only  # built once per microbatch, eagerly, even when the blocks are compiled
     def windowed(self, window: int) -> DocumentMask:
@@ -154,11 +167,47 @@ class DocumentMask:
         return DocumentMask(
             self.document_ids[start:stop], self.positions[start:stop],
             dense=None if self.dense is None else self.dense[start:stop],
+            document_lengths=None if self.document_lengths is None else self.document_lengths[start:stop],
             # Rebuilt rather than sliced: the mask function indexes document ids by sample.
             block_mask=None if self.block_mask is None else _flex_block_mask(self.document_ids[start:stop],
                                                                              causal=self.causal),
             causal=self.causal,
         )
+
+
+# What one more SDPA call costs on CPU, in (query, key) pairs of the dense mask's math kernel: forward
+# and backward, 16 heads of 16, one thread, torch 2.13, a call on a few tokens took ~70 us and the
+# dense kernel ~57 ns a pair (docs/performance.md, "Document masks on CPU by documents").
+_CALL_PAIRS = 1024
+
+
+def _lengths_if_they_pay(document_ids: torch.Tensor) -> tuple[int, ...] | None:
+    """A sample's document lengths, or None where attending each document alone would cost more than
+    the dense mask: the fused kernel's work was measured about the math kernel's on the same pairs
+    (it does not halve for causal at small head_dim), so the sum of the documents' squared lengths
+    plus a call's overhead per extra document is weighed against seq^2. Per-document wins from two
+    documents on (a row of 512 with 128 documents still took 0.66 of the dense time); the dense mask
+    wins for many tiny documents in a short row."""
+    lengths = torch.unique_consecutive(document_ids, return_counts=True)[1].tolist()
+    seq = document_ids.shape[0]
+    return tuple(lengths) if sum(n * n for n in lengths) + _CALL_PAIRS * (len(lengths) - 1) <= seq * seq else None
+
+
+def by_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[tuple[int, ...] | None, ...],
+                 dense: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """Attention of each document alone: for each sample, SDPA (is_causal=causal) on each run of
+    `lengths` of its q, k, v, the outputs concatenated back; a sample whose lengths are None reads its
+    rows of `dense`. Split and unbind, not slices: their backward writes each gradient once, where a
+    slice's allocates a whole zero gradient per document (measured 10x slower at 128 documents)."""
+    out = []
+    for b, (qb, kb, vb) in enumerate(zip(q.unbind(0), k.unbind(0), v.unbind(0))):
+        if lengths[b] is None:
+            out.append(_sdpa(qb[None], kb[None], vb[None], attn_mask=dense[b:b + 1])[0])
+            continue
+        parts = zip(qb.split(lengths[b], dim=1), kb.split(lengths[b], dim=1), vb.split(lengths[b], dim=1))
+        out.append(torch.cat([_sdpa(qd[None], kd[None], vd[None], is_causal=causal)[0] for qd, kd, vd in parts],
+                             dim=1))
+    return torch.stack(out)
 
 
 def sliding_window_band(seq: int, window: int, device=None) -> torch.Tensor:
@@ -237,6 +286,10 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _flex_attention(q, k, v, mask.block_mask, sinks)
     if mask.dense is None:
         raise ValueError("this DocumentMask was built without a kernel (for context parallel attention only)")
+    # Compiled blocks keep the dense mask: splitting at each batch's boundaries would recompile.
+    # is_compiling first: dynamo then never reads the lengths (a guard on them would recompile too).
+    if not torch.compiler.is_compiling() and mask.document_lengths is not None and sinks is None:
+        return by_documents(q, k, v, mask.document_lengths, mask.dense, causal=mask.causal)
     return dense(mask.dense)
 
 
