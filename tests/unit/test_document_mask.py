@@ -178,6 +178,17 @@ def test_short_rows_of_many_documents_keep_one_dense_call(monkeypatch):
     assert len(calls) == 1 and calls[0] is not None
 
 
+def test_fake_tensors_keep_the_dense_mask():
+    # The estimator's probe builds masks from fake tensors (estimation/probe.py): no values to read.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    ids = mode.from_tensor(_ids(ROW_LENGTHS))
+    with mode:
+        mask = DocumentMask.from_document_ids(ids, "sdpa")
+    assert mask.document_lengths is None and mask.dense.shape == (4, 1, 256, 256)
+
+
 def test_rows_keep_their_document_lengths():
     # A pipeline microbatch's rows: the same lengths, and the attention of those rows alone.
     mask = DocumentMask.from_document_ids(_ids(ROW_LENGTHS), "sdpa")

@@ -137,7 +137,8 @@ class DocumentMask:
             dense = (document_ids[:, :, None] == document_ids[:, None, :]).unsqueeze(1)
             if causal:
                 dense = dense & torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-            if document_ids.device.type == "cpu":
+            # Host values without a device sync: CPU tensors, not the estimator's fake ones (no values).
+            if document_ids.device.type == "cpu" and type(document_ids) is torch.Tensor:
                 lengths = tuple(_lengths_if_they_pay(row) for row in document_ids)
                 if all(row is None for row in lengths):  # one dense call rather than one per sample
                     lengths = None
