@@ -93,7 +93,8 @@ class DocumentMask:
     shared by every layer. `document_ids` and `positions` are (batch, seq) over the
     whole sequence in order, also under context parallelism, whose attention picks the
     rows of its own tokens. Exactly one of `dense` / `block_mask` is set for the
-    kernel that will run, or neither when context parallel attention does the work.
+    kernel that will run, or neither when context parallel attention does the work;
+    `document_lengths` comes with `dense` on CPU, for attention one document at a time.
     """
 
     document_ids: torch.Tensor  # (batch, seq) int: index of each token's document in its sample
