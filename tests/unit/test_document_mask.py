@@ -123,9 +123,9 @@ def test_trainer_prepares_document_masked_microbatches(trainer_factory):
 
 
 
-# Attention one document at a time (by_documents): rows of 256 tokens, each its own boundaries. Row 3's
+# Attention one document at a time (by_documents): rows of 256 tokens, each its own boundaries. Row 1's
 # 128 documents of 2 tokens cost more in calls than the dense mask, so that row reads the dense mask.
-ROW_LENGTHS = ([256], [16] * 16, [40, 100, 60, 56], [2] * 128)  # one, many, a padding document last, tiny
+ROW_LENGTHS = ([256], [2] * 128, [16] * 16, [40, 100, 60, 56])  # one, tiny, many, a padding document last
 
 
 def _ids(rows) -> torch.Tensor:
@@ -155,14 +155,14 @@ def test_attention_by_documents_equals_the_dense_mask(monkeypatch, causal, kv_he
     from titanlike.models.common.attention import _sdpa
 
     mask = DocumentMask.from_document_ids(_ids(ROW_LENGTHS), "sdpa", causal=causal)
-    assert mask.document_lengths == tuple(tuple(r) for r in ROW_LENGTHS[:3]) + (None,)
+    assert mask.document_lengths == ((256,), None, (16,) * 16, (40, 100, 60, 56))
     q, k, v = _qkv(kv_heads)
     expected = _sdpa(q, k, v, attn_mask=mask.dense)
     grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     calls = _count_sdpa(monkeypatch)
     got = core_attention(q, k, v, mask, causal=causal)
-    # One call per document of the first three rows, then the tiny-document row with its dense mask.
-    assert [m is None for m in calls] == [True] * (1 + 16 + 4) + [False]
+    # One call per document, but one call with its dense mask for the row of tiny documents.
+    assert [m is None for m in calls] == [True, False] + [True] * (16 + 4)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
