@@ -122,6 +122,18 @@ def test_trainer_prepares_document_masked_microbatches(trainer_factory):
     assert plain.mask is None and plain.positions is None and torch.equal(plain.targets["labels"], labels)
 
 
+def test_trainer_logs_attention_by_documents_unless_compiled(trainer_factory, caplog):
+    import logging
+
+    for extra, expected in (((), "on each document of a document mask, flash_attention kernel"),
+                            (("--compile.enable", "--compile.backend", "eager"), "with a document mask (dense)")):
+        caplog.clear()
+        trainer = trainer_factory("--training.document_masking", *extra)
+        with caplog.at_level(logging.INFO, logger="titanlike"):
+            trainer._log_attention()
+        assert expected in caplog.text, caplog.text
+
+
 
 # Attention one document at a time (by_documents): rows of 256 tokens, each its own boundaries. Row 1's
 # 128 documents of 2 tokens cost more in calls than the dense mask, so that row reads the dense mask.
