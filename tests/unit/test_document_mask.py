@@ -180,6 +180,17 @@ def test_attention_by_documents_equals_the_dense_mask(monkeypatch, causal, kv_he
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_values_of_another_width_by_documents():
+    # Multi-head latent attention's v has its own head_dim (models/deepseek_v3/attention.py).
+    from titanlike.models.common.attention import _sdpa
+
+    mask = DocumentMask.from_document_ids(_ids(ROW_LENGTHS), "sdpa")
+    q, k, _ = (t.detach() for t in _qkv(2))
+    v = torch.randn(4, 2, 256, 12)
+    torch.testing.assert_close(core_attention(q, k, v, mask), _sdpa(q, k, v, attn_mask=mask.dense),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_short_rows_of_many_documents_keep_one_dense_call(monkeypatch):
     # Every row too short for its documents' calls: one dense call for the batch, as before.
     mask = DocumentMask.from_tokens(torch.tensor([[5, EOD, 7, 8], [EOD, 5, 6, EOD]]), EOD, kernel="sdpa")

@@ -204,17 +204,18 @@ def by_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tup
     transposed projections Attention.forward hands in), and cut with one split: its backward writes
     each gradient once, where slicing each document allocates a whole zero gradient per document
     (measured 10x slower at 128 documents a row)."""
-    batch, heads, seq, head_dim = q.shape
+    batch, heads, seq, _ = q.shape
     runs = []  # (length, None) for each document, or (seq, row) for a sample that reads `dense`
     for row, row_lengths in enumerate(lengths):
         runs += [(seq, row)] if row_lengths is None else [(n, None) for n in row_lengths]
     sizes = [n for n, _ in runs]
-    q_runs, k_runs, v_runs = (t.transpose(0, 1).reshape(t.shape[1], batch * seq, head_dim).split(sizes, dim=1)
+    # Each tensor its own heads (GQA's k, v) and features (MLA's v: models/deepseek_v3/attention.py).
+    q_runs, k_runs, v_runs = (t.transpose(0, 1).reshape(t.shape[1], batch * seq, t.shape[3]).split(sizes, dim=1)
                               for t in (q, k, v))
     out = [_sdpa(qd[None], kd[None], vd[None], is_causal=causal) if row is None else
            _sdpa(qd[None], kd[None], vd[None], attn_mask=dense[row:row + 1])
            for (_, row), qd, kd, vd in zip(runs, q_runs, k_runs, v_runs)]
-    return torch.cat(out, dim=2)[0].view(heads, batch, seq, head_dim).transpose(0, 1)
+    return torch.cat(out, dim=2)[0].view(heads, batch, seq, v.shape[3]).transpose(0, 1)
 
 
 def sliding_window_band(seq: int, window: int, device=None) -> torch.Tensor:
