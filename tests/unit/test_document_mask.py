@@ -264,3 +264,29 @@ def test_compiled_attention_keeps_the_dense_mask_and_one_graph(monkeypatch):
     finally:
         torch._dynamo.reset()
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("mode,option", [("full", "1"), ("selective", "op")])
+def test_activation_checkpointing_recomputes_by_documents(monkeypatch, mode, option):
+    """The recompute goes by documents too: the same gradients as without checkpointing, and each
+    block's per-document calls made again (op-level AC then reads the saved outputs of the CPU
+    flash kernel, titanlike/parallel/activation_checkpoint.py's _SAVE_OPS)."""
+    import copy
+
+    from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    tokens = torch.randint(2, 64, (2, 256))
+    mask = DocumentMask.from_document_ids(_ids(([100, 60, 96], [30, 226])), "sdpa")
+    model = sharp_llama(256, vocab=64)
+    wrapped = copy.deepcopy(model)
+    apply_activation_checkpointing(wrapped, mode, option)
+    grads = []
+    for m in (model, wrapped):
+        calls = _count_sdpa(monkeypatch)
+        m(tokens, positions=mask.positions, mask=mask).float().square().mean().backward()
+        grads.append([p.grad for p in m.parameters()])
+        monkeypatch.undo()
+        assert all(c is None for c in calls) and len(calls) == 5 * 2 * (2 if m is wrapped else 1)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
