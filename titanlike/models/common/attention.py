@@ -188,8 +188,8 @@ def _lengths_if_they_pay(document_ids: torch.Tensor) -> tuple[int, ...] | None:
     the dense mask: the fused kernel's work was measured about the math kernel's on the same pairs
     (it does not halve for causal at small head_dim), so the sum of the documents' squared lengths
     plus a call's overhead per extra document is weighed against seq^2. Measured: by documents wins
-    at seq 512 and over (still 0.6 of the dense time with 128 documents of ~4 tokens a row), is within
-    10% of the dense mask at seq 128, and loses for many tiny documents in a short row."""
+    at seq 512 and over (still 0.6 of the dense time with 128 documents of ~4 tokens a row), is up to
+    12% slower than the dense mask at seq 128, and loses for many tiny documents in a short row."""
     lengths = torch.unique_consecutive(document_ids, return_counts=True)[1].tolist()
     seq = document_ids.shape[0]
     return tuple(lengths) if sum(n * n for n in lengths) + _CALL_PAIRS * (len(lengths) - 1) <= seq * seq else None
