@@ -121,3 +121,172 @@ def test_trainer_prepares_document_masked_microbatches(trainer_factory):
     plain = trainer_factory().prepare({"inputs": inputs, "labels": labels})
     assert plain.mask is None and plain.positions is None and torch.equal(plain.targets["labels"], labels)
 
+
+def test_trainer_logs_attention_by_documents_unless_compiled(trainer_factory, caplog):
+    import logging
+
+    for extra, expected in (((), "on each document of a document mask, flash_attention kernel"),
+                            (("--compile.enable", "--compile.backend", "eager"), "with a document mask (dense)")):
+        caplog.clear()
+        trainer = trainer_factory("--training.document_masking", *extra)
+        with caplog.at_level(logging.INFO, logger="titanlike"):
+            trainer._log_attention()
+        assert expected in caplog.text, caplog.text
+
+
+
+# Attention one document at a time (by_documents): rows of 256 tokens, each its own boundaries. Row 1's
+# 128 documents of 2 tokens cost more in calls than the dense mask, so that row reads the dense mask.
+ROW_LENGTHS = ([256], [2] * 128, [16] * 16, [40, 100, 60, 56])  # one, tiny, many, a padding document last
+
+
+def _ids(rows) -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+
+
+def _qkv(kv_heads: int, seq: int = 256):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(4, h, seq, 8, generator=g, requires_grad=True) for h in (4, kv_heads, kv_heads)]
+
+
+def _count_sdpa(monkeypatch) -> list:
+    """The attn_mask of every SDPA call (None for a document's own causal or full call)."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_attention_by_documents_equals_the_dense_mask(monkeypatch, causal, kv_heads):
+    from titanlike.models.common.attention import _sdpa
+
+    mask = DocumentMask.from_document_ids(_ids(ROW_LENGTHS), "sdpa", causal=causal)
+    assert mask.document_lengths == ((256,), None, (16,) * 16, (40, 100, 60, 56))
+    q, k, v = _qkv(kv_heads)
+    expected = _sdpa(q, k, v, attn_mask=mask.dense)
+    grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    calls = _count_sdpa(monkeypatch)
+    got = core_attention(q, k, v, mask, causal=causal)
+    # One call per document, but one call with its dense mask for the row of tiny documents.
+    assert [m is None for m in calls] == [True, False] + [True] * (16 + 4)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_values_of_another_width_by_documents():
+    # Multi-head latent attention's v has its own head_dim (models/deepseek_v3/attention.py).
+    from titanlike.models.common.attention import _sdpa
+
+    mask = DocumentMask.from_document_ids(_ids(ROW_LENGTHS), "sdpa")
+    q, k, _ = (t.detach() for t in _qkv(2))
+    v = torch.randn(4, 2, 256, 12)
+    torch.testing.assert_close(core_attention(q, k, v, mask), _sdpa(q, k, v, attn_mask=mask.dense),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_short_rows_of_many_documents_keep_one_dense_call(monkeypatch):
+    # Every row too short for its documents' calls: one dense call for the batch, as before.
+    mask = DocumentMask.from_tokens(torch.tensor([[5, EOD, 7, 8], [EOD, 5, 6, EOD]]), EOD, kernel="sdpa")
+    assert mask.document_lengths is None and mask.dense is not None
+    q, k, v = (torch.randn(2, 2, 4, 8) for _ in range(3))
+    calls = _count_sdpa(monkeypatch)
+    core_attention(q, k, v, mask)
+    assert len(calls) == 1 and calls[0] is not None
+
+
+def test_fake_tensors_keep_the_dense_mask():
+    # The estimator's probe builds masks from fake tensors (estimation/probe.py): no values to read.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    ids = mode.from_tensor(_ids(ROW_LENGTHS))
+    with mode:
+        mask = DocumentMask.from_document_ids(ids, "sdpa")
+    assert mask.document_lengths is None and mask.dense.shape == (4, 1, 256, 256)
+
+
+def test_rows_keep_their_document_lengths():
+    # A pipeline microbatch's rows: the same lengths, and the attention of those rows alone.
+    mask = DocumentMask.from_document_ids(_ids(ROW_LENGTHS), "sdpa")
+    part = mask.rows(1, 3)
+    assert part.document_lengths == mask.document_lengths[1:3]
+    q, k, v = (t[1:3].detach() for t in _qkv(4))
+    alone = DocumentMask.from_document_ids(_ids(ROW_LENGTHS[1:3]), "sdpa")
+    torch.testing.assert_close(core_attention(q, k, v, part), core_attention(q, k, v, alone))
+
+
+@pytest.mark.parametrize("option", ["window", "sinks"])
+def test_windows_and_sinks_keep_the_dense_mask(monkeypatch, option):
+    import titanlike.models.common.attention as attention
+
+    mask = DocumentMask.from_document_ids(_ids(ROW_LENGTHS), "sdpa")
+    q, k, v = (t.detach() for t in _qkv(2))
+    kwargs = {"window": 24} if option == "window" else {"sinks": torch.zeros(4)}
+    expected = core_attention(q, k, v, mask, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("by_documents was called")
+
+    monkeypatch.setattr(attention, "by_documents", refuse)
+    torch.testing.assert_close(core_attention(q, k, v, mask, **kwargs), expected)
+    # Zero sinks and a window over the longest document change nothing: the same as by documents.
+    if option == "sinks":
+        return
+    wide = core_attention(q, k, v, mask, window=256)
+    monkeypatch.undo()
+    torch.testing.assert_close(wide, core_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_attention_keeps_the_dense_mask_and_one_graph(monkeypatch):
+    """Under torch.compile the lengths are not read: batches with other boundaries reuse the graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    import titanlike.models.common.attention as attention
+
+    counter = CompileCounter()
+    compiled = torch.compile(core_attention, backend=counter, dynamic=False)
+    q, k, v = (t.detach() for t in _qkv(2))
+    masks = [DocumentMask.from_document_ids(_ids(rows), "sdpa")
+             for rows in (ROW_LENGTHS, ([128, 128], [256], [1, 255], [200, 56]))]
+    expected = [core_attention(q, k, v, m) for m in masks]
+    monkeypatch.setattr(attention, "by_documents", None)  # tracing it would fail
+    torch._dynamo.reset()
+    try:
+        for m, e in zip(masks, expected):
+            torch.testing.assert_close(compiled(q, k, v, m), e, atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("mode,option", [("full", "1"), ("selective", "op")])
+def test_activation_checkpointing_recomputes_by_documents(monkeypatch, mode, option):
+    """The recompute goes by documents too: the same gradients as without checkpointing, and each
+    block's per-document calls made again (op-level AC then reads the saved outputs of the CPU
+    flash kernel, titanlike/parallel/activation_checkpoint.py's _SAVE_OPS)."""
+    import copy
+
+    from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    tokens = torch.randint(2, 64, (2, 256))
+    mask = DocumentMask.from_document_ids(_ids(([100, 60, 96], [30, 226])), "sdpa")
+    model = sharp_llama(256, vocab=64)
+    wrapped = copy.deepcopy(model)
+    apply_activation_checkpointing(wrapped, mode, option)
+    grads = []
+    for m in (model, wrapped):
+        calls = _count_sdpa(monkeypatch)
+        m(tokens, positions=mask.positions, mask=mask).float().square().mean().backward()
+        grads.append([p.grad for p in m.parameters()])
+        monkeypatch.undo()
+        assert all(c is None for c in calls) and len(calls) == 5 * 2 * (2 if m is wrapped else 1)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

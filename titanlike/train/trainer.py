@@ -396,8 +396,16 @@ class Trainer:
         elif masked and self.mask_kernel == "flex":
             how = f"FlexAttention, {direction}, with {what} as a block mask"
         else:
-            kernel = describe_sdpa_kernel(a, seq_len=t.seq_len, dtype=dtype, device=self.device, dense_mask=masked)
-            how = f"SDPA {direction}{f' with {what} (dense)' if masked else ''}, {kernel} kernel"
+            # Eager on CPU, masked attention goes one document at a time (models/common/attention.py).
+            compiled = self.cfg.compile.enable and "model" in self.cfg.compile.components
+            by_documents = masked and self.device.type == "cpu" and not compiled
+            kernel = describe_sdpa_kernel(a, seq_len=t.seq_len, dtype=dtype, device=self.device,
+                                          dense_mask=masked and not by_documents)
+            if by_documents:
+                how = (f"SDPA {direction} on each document of {what}, {kernel} kernel (a dense mask for "
+                       f"sliding windows, sinks and rows of many short documents)")
+            else:
+                how = f"SDPA {direction}{f' with {what} (dense)' if masked else ''}, {kernel} kernel"
         logger.info(f"attention: {how}" + (" (positions restart per document)" if t.document_masking else ""))
 
     def _load_converter_state(self, parts: list[nn.Module] | None = None) -> None:

@@ -12,7 +12,10 @@ Kernels:
 - document mask, "flex": FlexAttention with a block mask, which skips whole blocks
   of keys outside the document (GPU; it has no backward on CPU).
 - document mask, "sdpa": SDPA with a dense boolean (batch, 1, seq, seq) mask; exact
-  everywhere, but O(seq^2) memory and no block skipping. The CPU path.
+  everywhere, but O(seq^2) memory and no block skipping. The CPU path, where torch runs it with
+  its math kernel over every (query, key) pair. So on CPU, eager, without window or sinks, each
+  document of a row is attended alone instead (`by_documents`: SDPA's fused kernel on
+  [start, stop) of q, k, v), from document lengths read on the host when the mask is built.
 
 Sliding windows (Gemma 3's local layers, gpt-oss's banded ones, Mistral's): an attention module
 built with `window=W` lets each query see only the W most recent tokens, itself included (HF's
@@ -90,7 +93,8 @@ class DocumentMask:
     shared by every layer. `document_ids` and `positions` are (batch, seq) over the
     whole sequence in order, also under context parallelism, whose attention picks the
     rows of its own tokens. Exactly one of `dense` / `block_mask` is set for the
-    kernel that will run, or neither when context parallel attention does the work.
+    kernel that will run, or neither when context parallel attention does the work;
+    `document_lengths` comes with `dense` on CPU, for attention one document at a time.
     """
 
     document_ids: torch.Tensor  # (batch, seq) int: index of each token's document in its sample
@@ -102,6 +106,10 @@ class DocumentMask:
     # This mask restricted to each sliding window (`windowed`), built at the first sliding layer and
     # shared by the others; it lives and dies with the microbatch's mask.
     windowed_masks: WindowedMasks = field(default_factory=lambda: WindowedMasks(), repr=False, compare=False)
+    # Per sample, the lengths of its documents in order, for attention one document at a time
+    # (`by_documents`), or None for a sample whose documents are too many to pay (it reads `dense`).
+    # Set with `dense` on CPU (host integers, read without syncing a device), else None.
+    document_lengths: tuple[tuple[int, ...] | None, ...] | None = None
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, eod_id: int, kernel: str | None) -> DocumentMask:
@@ -123,16 +131,23 @@ class DocumentMask:
         # Position = index - index of the document's first token (a running max over starts).
         starts = torch.where(document_ids != F.pad(document_ids, (1, -1), value=-1), index, 0)
         positions = index - starts.cummax(1).values
-        dense = block_mask = None
+        dense = block_mask = lengths = None
         if kernel == "sdpa":
+            # Built even when every sample goes by documents: sliding windows, sinks and compiled
+            # blocks read it (b * seq^2 bools once per microbatch, a small part of one layer's scores).
             dense = (document_ids[:, :, None] == document_ids[:, None, :]).unsqueeze(1)
             if causal:
                 dense = dense & torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+            # Host values without a device sync: CPU tensors, not the estimator's fake ones (no values).
+            if document_ids.device.type == "cpu" and type(document_ids) is torch.Tensor:
+                lengths = tuple(_lengths_if_they_pay(row) for row in document_ids)
+                if all(row is None for row in lengths):  # one dense call rather than one per sample
+                    lengths = None
         elif kernel == "flex":
             block_mask = _flex_block_mask(document_ids, causal=causal)
         elif kernel is not None:
             raise ValueError(f"unknown document-mask kernel {kernel!r}; expected 'sdpa', 'flex' or None")
-        return cls(document_ids, positions, dense, block_mask, causal)
+        return cls(document_ids, positions, dense, block_mask, causal, document_lengths=lengths)
 
     @eager_only  # built once per microbatch, eagerly, even when the blocks are compiled
     def windowed(self, window: int) -> DocumentMask:
@@ -154,11 +169,53 @@ class DocumentMask:
         return DocumentMask(
             self.document_ids[start:stop], self.positions[start:stop],
             dense=None if self.dense is None else self.dense[start:stop],
+            document_lengths=None if self.document_lengths is None else self.document_lengths[start:stop],
             # Rebuilt rather than sliced: the mask function indexes document ids by sample.
             block_mask=None if self.block_mask is None else _flex_block_mask(self.document_ids[start:stop],
                                                                              causal=self.causal),
             causal=self.causal,
         )
+
+
+# What one more SDPA call costs on CPU, in (query, key) pairs of the dense mask's math kernel: forward
+# and backward, 16 heads of 16, one thread, torch 2.13, a call on a few tokens took ~70 us and the
+# dense kernel ~57 ns a pair (docs/performance.md, "Document masks on CPU by documents").
+_CALL_PAIRS = 1024
+
+
+def _lengths_if_they_pay(document_ids: torch.Tensor) -> tuple[int, ...] | None:
+    """A sample's document lengths, or None where attending each document alone would cost more than
+    the dense mask: the fused kernel's work was measured about the math kernel's on the same pairs
+    (it does not halve for causal at small head_dim), so the sum of the documents' squared lengths
+    plus a call's overhead per extra document is weighed against seq^2. Measured: by documents wins
+    at seq 512 and over (still 0.6 of the dense time with 128 documents of ~4 tokens a row), is up to
+    12% slower than the dense mask at seq 128, and loses for many tiny documents in a short row."""
+    lengths = torch.unique_consecutive(document_ids, return_counts=True)[1].tolist()
+    seq = document_ids.shape[0]
+    return tuple(lengths) if sum(n * n for n in lengths) + _CALL_PAIRS * (len(lengths) - 1) <= seq * seq else None
+
+
+def by_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[tuple[int, ...] | None, ...],
+                 dense: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """Attention of each document alone: SDPA (is_causal=causal) on each run of `lengths` of a sample's
+    q, k, v, the outputs put back in place; a sample whose lengths are None reads its rows of `dense`.
+
+    The batch's sequences are laid end to end, (heads, batch * seq, head_dim) (a view of the
+    transposed projections Attention.forward hands in), and cut with one split: its backward writes
+    each gradient once, where slicing each document allocates a whole zero gradient per document
+    (measured 10x slower at 128 documents a row)."""
+    batch, heads, seq, _ = q.shape
+    runs = []  # (length, None) for each document, or (seq, row) for a sample that reads `dense`
+    for row, row_lengths in enumerate(lengths):
+        runs += [(seq, row)] if row_lengths is None else [(n, None) for n in row_lengths]
+    sizes = [n for n, _ in runs]
+    # Each tensor its own heads (GQA's k, v) and features (MLA's v: models/deepseek_v3/attention.py).
+    q_runs, k_runs, v_runs = (t.transpose(0, 1).reshape(t.shape[1], batch * seq, t.shape[3]).split(sizes, dim=1)
+                              for t in (q, k, v))
+    out = [_sdpa(qd[None], kd[None], vd[None], is_causal=causal) if row is None else
+           _sdpa(qd[None], kd[None], vd[None], attn_mask=dense[row:row + 1])
+           for (_, row), qd, kd, vd in zip(runs, q_runs, k_runs, v_runs)]
+    return torch.cat(out, dim=2)[0].view(heads, batch, seq, v.shape[3]).transpose(0, 1)
 
 
 def sliding_window_band(seq: int, window: int, device=None) -> torch.Tensor:
@@ -237,6 +294,10 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _flex_attention(q, k, v, mask.block_mask, sinks)
     if mask.dense is None:
         raise ValueError("this DocumentMask was built without a kernel (for context parallel attention only)")
+    # Compiled blocks keep the dense mask: splitting at each batch's boundaries would recompile.
+    # is_compiling first: dynamo then never reads the lengths (a guard on them would recompile too).
+    if not torch.compiler.is_compiling() and mask.document_lengths is not None and sinks is None:
+        return by_documents(q, k, v, mask.document_lengths, mask.dense, causal=mask.causal)
     return dense(mask.dense)
 
 
