@@ -397,8 +397,7 @@ class Trainer:
             how = f"FlexAttention, {direction}, with {what} as a block mask"
         else:
             # Eager on CPU, masked attention goes one document at a time (models/common/attention.py).
-            compiled = self.cfg.compile.enable and "model" in self.cfg.compile.components
-            by_documents = masked and self.device.type == "cpu" and not compiled
+            by_documents = masked and self.device.type == "cpu" and not self.plan.parallelize.compile_blocks
             kernel = describe_sdpa_kernel(a, seq_len=t.seq_len, dtype=dtype, device=self.device,
                                           dense_mask=masked and not by_documents)
             if by_documents:
