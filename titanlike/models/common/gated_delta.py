@@ -110,22 +110,27 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         k_state = k_state * ends[..., None]
         chunk_decay = chunk_decay * reads[..., -1]
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, decayed_k_beta, upper=False, unitriangular=True)
+    # -w, so that the loop's u - w S is one baddbmm without a scale (whose backward would add one)
+    minus_w = torch.linalg.solve_triangular(system, -decayed_k_beta, upper=False, unitriangular=True)
     attn = (q @ k.transpose(-1, -2)) * decay
 
-    state = (v.new_zeros(batch, heads, k_dim, v_dim) if initial_state is None
-             else initial_state.float().expand(batch, heads, k_dim, v_dim))
+    # The loop runs on (batch x heads) stacks of matrices with bmm and baddbmm: one kernel per product
+    # and sum, where matmul on 4-d tensors adds views and expands around each bmm (5x the operators per
+    # chunk, which the estimator's fake-tensor probe pays one by one). unbind once, as ssd.py's scan
+    # does: indexing [:, i] per chunk would make every step's backward write a gradient the size of the
+    # whole tensor (quadratic in the number of chunks).
+    stacks = batch * heads
+    state = (v.new_zeros(stacks, k_dim, v_dim) if initial_state is None
+             else initial_state.float().expand(batch, heads, k_dim, v_dim).reshape(stacks, k_dim, v_dim))
     outs = []
-    # unbind once, as ssd.py's scan does: indexing [:, :, i] per chunk would make every step's backward
-    # write a gradient the size of the whole tensor (quadratic in the number of chunks).
-    per_chunk = zip(u.unbind(2), w.unbind(2), q_state.unbind(2), attn.unbind(2),
-                    k_state.transpose(-1, -2).unbind(2), chunk_decay[..., None, None].unbind(2))
-    for u_i, w_i, q_i, attn_i, k_t_i, decay_i in per_chunk:
-        v_new = u_i - w_i @ state
-        outs.append(q_i @ state + attn_i @ v_new)
-        state = state * decay_i + k_t_i @ v_new
-    o = torch.stack(outs, dim=2).reshape(batch, heads, chunks * chunk_size, v_dim)[:, :, :seq]
-    return o.transpose(1, 2).to(out_dtype), state
+    per_chunk = zip(*(t.reshape(stacks, chunks, *t.shape[3:]).unbind(1) for t in
+                      (u, minus_w, q_state, attn, k_state.transpose(-1, -2), chunk_decay[..., None, None])))
+    for u_i, minus_w_i, q_i, attn_i, k_t_i, decay_i in per_chunk:
+        v_new = torch.baddbmm(u_i, minus_w_i, state)  # u - w S
+        outs.append(torch.baddbmm(torch.bmm(q_i, state), attn_i, v_new))
+        state = torch.baddbmm(state * decay_i, k_t_i, v_new)
+    o = torch.stack(outs, dim=1).reshape(batch, heads, chunks * chunk_size, v_dim)[:, :, :seq]
+    return o.transpose(1, 2).to(out_dtype), state.reshape(batch, heads, k_dim, v_dim)
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
