@@ -46,6 +46,20 @@ def _op_level_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
+def _seeded_kept_contexts():
+    """Full checkpointing that keeps the outputs of seeded operators (attention's SDPA kernels, tagged
+    nondeterministic_seeded for their dropout; dropout itself) and recomputes everything else. A
+    compiled block under tensor parallelism needs it: when such a block recomputes a seeded operator,
+    AOT autograd (torch 2.13) saves its RNG state after the DeviceMesh it also saves, where the runtime
+    expects tensors only ('expected all tensors_saved_with_vc_check to be Tensors'). Kept, the attention
+    output costs about one more block input per block (its heads are this rank's)."""
+    def policy(ctx, op, *args, **kwargs):
+        seeded = isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+        return CheckpointPolicy.MUST_SAVE if seeded else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 @dataclass(frozen=True)
 class CheckpointOptions:
     """torch.utils.checkpoint's own settings for every wrapped block (activation_checkpoint.*)."""
@@ -58,8 +72,10 @@ class CheckpointOptions:
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, selective_ac_option: str,
                                    options: CheckpointOptions = CheckpointOptions(),
-                                   memory_budget: float = 0.5) -> None:
+                                   memory_budget: float = 0.5, keep_seeded: bool = False) -> None:
     """Wrap blocks of model.layers (and of its extra_layers, models/protocol.py) in place. mode: none | full | selective | memory_budget.
+    keep_seeded: a block checkpointed whole keeps its seeded operators' outputs (_seeded_kept_contexts:
+    compiled blocks under tensor parallelism).
 
     memory_budget wraps nothing: torch.compile's min-cut partitioner decides what each compiled
     block recomputes, keeping about `memory_budget` of the activations it would keep without
@@ -78,7 +94,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective_ac_opt
         for name, block in list(layers.items()):
             how = checkpointing(name, mode, selective_ac_option)
             if how is not None:
-                layers[name] = wrap(block, context_fn=partial(_op_level_contexts)) if how == "op" else wrap(block)
+                if how == "op":
+                    layers[name] = wrap(block, context_fn=partial(_op_level_contexts))
+                else:
+                    layers[name] = wrap(block, context_fn=_seeded_kept_contexts) if keep_seeded else wrap(block)
 
 
 def checkpointing(layer: str, mode: str, selective_ac_option: str) -> str | None:

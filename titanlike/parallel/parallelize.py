@@ -80,7 +80,8 @@ def _expert_parallel(model, shard, dims: ParallelDims, opts: ParallelizeOptions)
 
 def _activation_checkpointing(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     apply_activation_checkpointing(model, opts.activation_checkpoint_mode, opts.selective_ac_option,
-                                   opts.checkpoint_options, opts.memory_budget)
+                                   opts.checkpoint_options, opts.memory_budget,
+                                   keep_seeded=opts.compile_blocks and dims.tp_enabled)
 
 
 def _compile(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
