@@ -33,7 +33,7 @@ import numpy as np
 
 from titanlike.data.errors import DataError
 
-__all__ = ["FimSamples", "FimTokens", "FimTransform", "fim_token_ids", "megatron_stream", "sample_rng"]
+__all__ = ["FimSamples", "FimTokens", "FimTransform", "fim_token_ids", "megatron_stream", "sample_rng", "token_id"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class FimTokens:
     split: int | None = None
 
 
-def _token_id(tokenizer, text: str) -> int | None:
+def token_id(tokenizer, text: str) -> int | None:
     """The id of the one token spelled `text` (a special token, or a vocabulary entry as the
     tokenizer spells it: 'Ġthe' in a byte-level tokenizer.json), or None."""
     special = getattr(tokenizer, "special_tokens", None)
@@ -78,7 +78,7 @@ def fim_token_ids(tokenizer, *, prefix: str, middle: str, suffix: str, pad: str,
         if not text:
             ids[name] = int(tokenizer.eos_id) if name == "eod_token" else None
             continue
-        found = _token_id(tokenizer, text)
+        found = token_id(tokenizer, text)
         if found is None:
             raise DataError(f"{option}.{name} {text!r} is not a token of the tokenizer {where}: add it to the "
                             "tokenizer (a special token in tokenizer.json's added_tokens, as StarCoder's tokenizer "
