@@ -186,3 +186,12 @@ def test_two_steps_on_megatron_data_with_fim(tmp_path, tokenizer):
     halves = [next(iter(build_dataloader(local_batch_size=2, dp_rank=r, dp_degree=2, **args))) for r in (0, 1)]
     assert np.array_equal(whole["inputs"].numpy(), np.concatenate([h["inputs"].numpy() for h in halves]))
     assert (whole["inputs"] == tokenizer.special_tokens[RESERVED["prefix"]]).any()
+    # the loader's position is a sample number, as without FIM: a resumed loader reads on alike
+    loader = build_dataloader(local_batch_size=2, dp_rank=1, dp_degree=2, **args)
+    it = iter(loader)
+    next(it)
+    state, expected = loader.state_dict(), next(it)
+    resumed = build_dataloader(local_batch_size=2, dp_rank=1, dp_degree=2, **args)
+    resumed.load_state_dict(state)
+    got = next(iter(resumed))
+    assert all(np.array_equal(got[k].numpy(), expected[k].numpy()) for k in ("inputs", "labels"))

@@ -21,7 +21,9 @@ order samples are read, so its samples depend on which samples a process read be
 data-parallel rank, the loader's workers, a resume). Here sample i draws from its own
 `RandomState((seed + i) % 2**32)` (Megatron's convention for its BERT and T5 samples), so every
 layout and a resumed run see the same samples; sample 0 is Megatron's first sample, and
-`megatron_stream` gives the samples of Megatron's one stream, for comparing with it.
+`megatron_stream` gives the samples of Megatron's one stream, for comparing with it. `i` is the number
+of the sample in the source the loader reads (a blend's own number, where Megatron rearranges within
+each member; a text corpus's window, which a second epoch then sees rearranged alike).
 """
 
 from __future__ import annotations
