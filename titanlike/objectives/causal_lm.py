@@ -47,7 +47,8 @@ class FimOptions:
                             "alone (with fim.fragment_rate), e.g. a file separator in samples of whole repositories")
     fragment_rate: float | None = opt(None, "the probability that each fragment is rearranged, with "
                                       "fim.split_sample (Megatron's --fim-fragment-rate)")
-    no_prefix: str = opt("", "leave a piece whose text starts with this string as it is (Megatron's --fim-no-prefix)")
+    no_prefix: str = opt("", "leave a piece whose text starts with this string as it is; empty: none (Megatron's "
+                         "--fim-no-prefix)")
 
     @property
     def enabled(self) -> bool:
