@@ -183,6 +183,8 @@ def test_the_text_leaves_out_special_tokens_unless_asked_to_keep_them(client):
     (dict(prompt=PROMPTS[0], top_p=1.5), 400, "'top_p' must be a number in (0, 1]"),
     (dict(prompt=PROMPTS[0], n=0), 400, "'n' must be an integer from 1"),
     (dict(prompt=PROMPTS[0], logprobs=2), 400, "'logprobs' is not supported"),
+    (dict(prompt=PROMPTS[0], suffix=" and the earth"), 400, "'suffix' needs fill-in-the-middle tokens, and this "
+     "model's tokenizer has no <fim_prefix>, <fim_suffix>, <fim_middle> (titanlike-serve --fim-tokens"),
     (dict(prompt=[], max_tokens=3), 400, "'prompt' is empty"),
     (dict(prompt=[5, 99999]), 400, "token id 99999 is not in the model's vocabulary"),
     (dict(prompt=PROMPTS[0], extra_body={"skip_special_tokens": "no"}), 400,
@@ -266,3 +268,32 @@ def test_a_plain_completion_ends_at_generation_configs_eos_ids(tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": "end"}))
     app, error = build_server([str(folder), "--port", "0"])
     assert app is None and "eos_token_id \"end\", which is not an id" in error and "\n" not in error
+
+
+def test_a_suffix_is_a_fill_in_the_middle_prompt(tmp_path):
+    """OpenAI's suffix: <PRE> prompt <SUF> suffix <MID>, as [fim] trains (data/fim.py), the answer the middle;
+    --fim-tokens names the tokens (here Llama 3 reserved ones of the debug tokenizer)."""
+    from titanlike.cli.serve import build_server
+    from titanlike.data.fim import token_id
+
+    names = [f"<|reserved_special_token_{k}|>" for k in (2, 4, 3)]
+    folder = _write("gpt2", tmp_path / "gpt2", CONTEXT, n_layers=2, dim=64, n_heads=4, max_seq_len=CONTEXT)
+    app, error = build_server([str(folder), "--port", "0", "--served-model-name", "tiny", "--fim-tokens", ",".join(names)])
+    assert error is None, error
+    tokenizer = app.processor.tokenizer
+    pre, suf, mid = (token_id(tokenizer, name) for name in names)
+    expected = [*app.processor.framing.before, pre, *tokenizer.encode(PROMPTS[0], bos=False, eos=False), suf,
+                *tokenizer.encode(" the earth.", bos=False, eos=False), mid]
+    assert app._completion_prompts(PROMPTS[0], 1, " the earth.") == [expected]
+    app.start()
+    try:
+        client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0, timeout=30)
+        answer = client.completions.create(model="tiny", prompt=PROMPTS[0], suffix=" the earth.", max_tokens=4,
+                                           temperature=0)
+        assert answer.usage.prompt_tokens == len(expected) and answer.usage.completion_tokens >= 1
+        with pytest.raises(openai.APIStatusError, match="'suffix' needs text prompts"):
+            client.completions.create(model="tiny", prompt=[5, 6], suffix="x")
+    finally:
+        app.shutdown()
+    app, error = build_server([str(folder), "--port", "0", "--fim-tokens", "a,b"])
+    assert app is None and error == "--fim-tokens must name three tokens, prefix,suffix,middle, got 'a,b'"

@@ -35,6 +35,7 @@ API_KEY_ENV = "TITANLIKE_API_KEY"
 def build_server(argv: list[str] | None = None, prog: str | None = None):
     """(OpenAIServer, None) from command-line arguments, or (None, a one-sentence error)."""
     from titanlike.inference.loading import add_model_arguments
+    from titanlike.inference.server import FIM_TOKENS
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, compile_shapes="--max-batch-size rows of --max-model-len slots")
@@ -56,6 +57,9 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
                         "is answered 503)")
     parser.add_argument("--read-timeout", type=float, default=30.0, help="seconds a client may take to send the "
                         "next bytes of its request before its connection is closed")
+    parser.add_argument("--fim-tokens", default=",".join(FIM_TOKENS), help="the prefix, suffix and middle tokens, "
+                        "comma-separated, a completion's 'suffix' is written with (fill-in-the-middle, as the model "
+                        "was trained with [fim])")
     args = parser.parse_args(argv)
 
     from titanlike.inference import GenerationError
@@ -75,6 +79,9 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
         return None, f"--drain-seconds must be from 0 to 3600, got {args.drain_seconds:g}"
     if args.max_connections < 1:
         return None, f"--max-connections must be at least 1, got {args.max_connections}"
+    fim_tokens = tuple(args.fim_tokens.split(","))
+    if len(fim_tokens) != 3 or not all(fim_tokens):
+        return None, f"--fim-tokens must name three tokens, prefix,suffix,middle, got {args.fim_tokens!r}"
     if not 0 < args.read_timeout <= 3600:
         return None, f"--read-timeout must be more than 0 and at most 3600 seconds, got {args.read_timeout:g}"
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
@@ -101,7 +108,8 @@ def build_server(argv: list[str] | None = None, prog: str | None = None):
     try:
         server = OpenAIServer(engine, processor, model_name=name, slots=args.max_batch_size, host=args.host,
                               port=args.port, api_key=api_key, max_connections=args.max_connections,
-                              read_timeout=args.read_timeout, drain_seconds=args.drain_seconds)
+                              read_timeout=args.read_timeout, drain_seconds=args.drain_seconds,
+                              fim_tokens=fim_tokens)
     except OSError as e:
         return None, f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
     return server, None

@@ -219,6 +219,11 @@ FOREIGN_FLAGS: dict[str, ForeignFlag] = {
     "--vocab-file": _megatron("--model.hf_assets_path", note="a folder with tokenizer.json"),
     "--merge-file": _megatron("--model.hf_assets_path", note="a folder with tokenizer.json"),
     "--num-workers": _megatron("nothing", note="the data loader reads in the training process"),
+    "--fim-data": _megatron("--fim.rate", switch=True, note="FIM is on when fim.rate is above 0"),
+    **{f"--fim-{flag}": _megatron(f"--fim.{flag.replace('-', '_')}") for flag in (
+        "rate", "spm-rate", "split-sample", "fragment-rate", "no-prefix", "prefix-token", "middle-token",
+        "suffix-token", "pad-token")},
+    "--fim-eod-token": _megatron("--fim.eod_token", note="empty by default: the tokenizer's EOS"),
     # Megatron: batch and steps
     "--micro-batch-size": _megatron("--training.local_batch_size"),
     "--global-batch-size": _megatron("--training.global_batch_size"),

@@ -5,7 +5,10 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-s
 ids or lists of them) or messages, max_tokens, temperature, top_p, n, stop, seed, stream,
 stream_options.include_usage, and as extensions (vLLM's names) top_k, repetition_penalty and
 skip_special_tokens (default true: the text leaves out special tokens, as transformers' decode does).
-Fields whose behaviour this server does not have (logprobs, echo, suffix, logit_bias, penalties
+A completion's suffix (OpenAI's insertion) becomes a fill-in-the-middle prompt, PSM as the model was
+trained with [fim] (data/fim.py): `<fim_prefix> prompt <fim_suffix> suffix <fim_middle>`, the answer
+being the middle; a tokenizer without those tokens gets a 400 (titanlike-serve --fim-tokens names others).
+Fields whose behaviour this server does not have (logprobs, echo, logit_bias, penalties
 other than 0, best_of, tools, a response_format other than text) are refused rather than ignored, so
 a client never gets an answer to a question it did not ask; so are fields the endpoint does not know
 ("Unrecognized request argument supplied: NAME", as OpenAI answers), a temperature outside OpenAI's
@@ -61,6 +64,8 @@ from titanlike.inference.sampling import MAX_SEED, SamplingParams
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
+# The fill-in-the-middle tokens of StarCoder-style tokenizers, fim.*_token's defaults (objectives/causal_lm.py).
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 MAX_N = 64
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024  # all stop strings together: each decode step searches the new text for them
@@ -153,11 +158,17 @@ class OpenAIServer:
     def __init__(self, engine: Engine, processor: Processor, *, model_name: str, slots: int = 8,
                  host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_connections: int = MAX_CONNECTIONS, read_timeout: float = READ_TIMEOUT,
-                 drain_seconds: float = 30.0):
+                 drain_seconds: float = 30.0, fim_tokens: tuple[str, str, str] = FIM_TOKENS):
         """processor: the prompts' tokens and the answers' text (processor.py); chat needs its template.
         api_key: what every route but /health requires as `Authorization: Bearer KEY` (None: none).
-        drain_seconds: what titanlike-serve gives drain() on SIGTERM."""
+        drain_seconds: what titanlike-serve gives drain() on SIGTERM. fim_tokens: the prefix, suffix and
+        middle tokens a completion's suffix is written with, by their text."""
         self.engine, self.processor, self.model_name = engine, processor, model_name
+        self.fim_tokens = tuple(fim_tokens)
+        from titanlike.data.fim import token_id
+
+        ids = [token_id(processor.tokenizer, t) for t in self.fim_tokens]
+        self._fim_ids = None if None in ids else ids
         self.drain_seconds = drain_seconds
         self.api_key = api_key or None
         self.batch = ContinuousBatch(engine, slots)
@@ -285,7 +296,7 @@ class OpenAIServer:
         unknown = sorted(set(body) - _ENDPOINT_FIELDS[chat])
         if unknown:
             raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
-        for name in ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
+        for name in ("logprobs", "top_logprobs", "echo", "logit_bias", "presence_penalty",
                      "frequency_penalty", "tools", "tool_choice"):
             if body.get(name) and body.get(name) != "none":  # absent, null, false, 0, empty, "none": nothing
                 raise ApiError(400, f"'{name}' is not supported by this server", name)
@@ -323,7 +334,7 @@ class OpenAIServer:
             prompts = [self._chat_prompt(body.get("messages"))]
             stops = self.processor.stop_ids(chat=True)
         else:
-            prompts = self._completion_prompts(body.get("prompt"), n)
+            prompts = self._completion_prompts(body.get("prompt"), n, body.get("suffix"))
             stops = self.processor.stop_ids(chat=False)
 
         context = self.batch.capacity
@@ -382,7 +393,17 @@ class OpenAIServer:
                     raise ApiError(400, f"'{name}' {rest}", name) from None
         return _Request(chat, prompts, params, n, bool(stream), include_usage, skip_special_tokens)
 
-    def _completion_prompts(self, prompt, n: int = 1) -> list[list[int]]:
+    def _completion_prompts(self, prompt, n: int = 1, suffix=None) -> list[list[int]]:
+        if suffix is not None and not isinstance(suffix, str):
+            raise ApiError(400, f"'suffix' must be a string, got {type(suffix).__name__}", "suffix")
+        if suffix:
+            if self._fim_ids is None:
+                raise ApiError(400, "'suffix' needs fill-in-the-middle tokens, and this model's tokenizer has no "
+                               f"{', '.join(self.fim_tokens)} (titanlike-serve --fim-tokens names the ones it was "
+                               "trained with)", "suffix")
+            if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt))):
+                raise ApiError(400, "'suffix' needs text prompts, not token ids", "suffix")
+
         def bad() -> ApiError:
             return ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
                             "lists of token ids", "prompt")
@@ -405,7 +426,9 @@ class OpenAIServer:
                            "prompt" if len(items) > 1 else "n")
         out, vocab = [], self.processor.tokenizer.vocab_size
         for item in items:
-            if isinstance(item, str):
+            if isinstance(item, str) and suffix:
+                out.append(self._fim_prompt(item, suffix))
+            elif isinstance(item, str):
                 out.append(self.processor.encode(item))
             elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
                 if not item:
@@ -418,6 +441,13 @@ class OpenAIServer:
             else:
                 raise bad()
         return out
+
+    def _fim_prompt(self, prompt: str, suffix: str) -> list[int]:
+        """PSM, as [fim] trains it: the framing's leading ids (a BOS), <PRE> prompt <SUF> suffix <MID>."""
+        pre, suf, mid = self._fim_ids
+        encode = self.processor.tokenizer.encode
+        return [*self.processor.framing.before, pre, *encode(prompt, bos=False, eos=False), suf,
+                *encode(suffix, bos=False, eos=False), mid]
 
     def _chat_prompt(self, messages) -> list[int]:
         if self.processor.template is None:

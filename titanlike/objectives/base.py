@@ -183,7 +183,7 @@ class Objective:
     targets, plus the model's auxiliary losses. Subclasses implement the rest (module docstring).
 
     Public members (what generic code may use): name, generation, vocab_parallel_loss,
-    attention_mask, reported_terms, companions, validate, model_args, sample_fields, samples,
+    attention_mask, reported_terms, companions, validate, check_tokenizer, model_args, sample_fields, samples,
     prepare, loss. Subclasses add their rules in `_validate_job` and refine the data rules in
     `_check_dataset` and `_check_held_out`."""
 
@@ -275,6 +275,10 @@ class Objective:
         if kind is None or not kind.held_out:
             raise ValueError(f"validation needs validation.dataset and validation.dataset_path: a {dataset} training "
                              "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """ValueError (one sentence) when the job's tokenizer lacks a token this objective's samples need;
+        called before any process group, with the tokenizer the job will train with."""
 
     def model_args(self, args: BaseModelArgs, *, vocab_size: int, seq_len: int) -> BaseModelArgs:
         """The model args this objective trains, sized for the job (the tokenizer's vocabulary, the

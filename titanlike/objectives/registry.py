@@ -38,11 +38,14 @@ def register_objective(name: str, factory: Callable[..., Objective], *, section:
         _SECTIONS[name] = section
 
 
-def register_family_objective(name: str, factory: Callable[..., Objective]) -> None:
-    """An objective a family names in its ModelSpec; factory(job_config, flavor_args, **options)."""
+def register_family_objective(name: str, factory: Callable[..., Objective], *, section: str | None = None) -> None:
+    """An objective a family names in its ModelSpec; factory(job_config, flavor_args, **options). section: as
+    register_objective's (causal_lm's [fim] is refused in a job of any other objective)."""
     if name in _FAMILY_OBJECTIVES:
         raise ValueError(f"family objective {name!r} is already registered")
     _FAMILY_OBJECTIVES[name] = factory
+    if section is not None:
+        _SECTIONS[name] = section
 
 
 def family_objective(cfg: JobConfig, spec: ModelSpec, args: BaseModelArgs) -> Objective:
