@@ -15,6 +15,8 @@ converter this machine cannot run before any process group exists.
   each optimizer step (`precompute_float8_dynamic_scale_for_fsdp`), and makes the tensor-parallel
   styles cast activations to float8 before their all-gathers (models/common/sharding.py).
 - `te`: NVIDIA Transformer Engine's Linear for the same layers, run under its fp8 autocast.
+- `mx`: torchao's MXFP8 linears and, where asked, the MoE experts' grouped GEMMs in MXFP8
+  (titanlike/models/mx.py, its own [mx] section).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class ModelConverter:
 
     name = ""
     section = ""
+    # It replaces the model's nn.Linear layers by its own: a job names at most one such converter.
+    replaces_linears = False
 
     def __init__(self, options):
         self.options = options
@@ -172,8 +176,10 @@ def validate_converters(names: list[str], cfg: JobConfig, *, tp: int) -> None:
                              f"{', '.join(sorted(registered))}")
     if len(set(names)) != len(names):
         raise ValueError(f"model.converters names a converter twice: {', '.join(names)}")
-    if {"float8", "te"} <= set(names):
-        raise ValueError("model.converters float8 and te both replace the linear layers; name one of them")
+    linears = [name for name in names if registered[name].replaces_linears]
+    if len(linears) > 1:
+        raise ValueError(f"model.converters {' and '.join(linears)} {'both' if len(linears) == 2 else 'all'} "
+                         "replace the linear layers; name one of them")
     for name in names:
         registered[name].validate(getattr(cfg, registered[name].section), tp=tp)
 
@@ -224,23 +230,27 @@ def fqn_matches(fqn: str, pattern: str) -> bool:
 
 @dataclasses.dataclass
 class LinearSelection:
-    """The outcome of a filter over a model's nn.Linear layers, by fully qualified name."""
+    """The outcome of a filter over a model's nn.Linear layers, by fully qualified name. `option` names
+    the filter's option and `multiple` what both features must be a multiple of (16 for float8 matmuls,
+    32 for MXFP8's blocks)."""
 
     converted: list[str] = dataclasses.field(default_factory=list)
     filtered: list[str] = dataclasses.field(default_factory=list)  # named by filter_fqns
     model_kept: list[str] = dataclasses.field(default_factory=list)  # marked keep_high_precision (MoE routers)
-    misaligned: list[str] = dataclasses.field(default_factory=list)  # a dim not a multiple of 16
+    misaligned: list[str] = dataclasses.field(default_factory=list)  # a dim not a multiple of `multiple`
+    option: str = "float8.filter_fqns"
+    multiple: int = 16
 
     def describe(self) -> str:
         total = len(self.converted) + len(self.filtered) + len(self.model_kept) + len(self.misaligned)
         text = f"converted {len(self.converted)} of {total} linear layers"
         kept = []
         if self.filtered:
-            kept.append(f"{short_list(self.filtered)} (float8.filter_fqns)")
+            kept.append(f"{short_list(self.filtered)} ({self.option})")
         if self.model_kept:
             kept.append(f"{short_list(self.model_kept)} (kept in high precision by the model)")
         if self.misaligned:
-            kept.append(f"{short_list(self.misaligned)} (features not multiples of 16)")
+            kept.append(f"{short_list(self.misaligned)} (features not multiples of {self.multiple})")
         if kept:
             text += "; left in high precision: " + ", ".join(kept)
         return text
@@ -270,7 +280,7 @@ def linear_filter(filter_fqns: Iterable[str], selection: LinearSelection) -> Cal
         if any(fqn_matches(fqn, pattern) for pattern in filter_fqns):
             selection.filtered.append(fqn)
             return False
-        if module.in_features % 16 or module.out_features % 16:
+        if module.in_features % selection.multiple or module.out_features % selection.multiple:
             selection.misaligned.append(fqn)
             return False
         selection.converted.append(fqn)
@@ -310,6 +320,7 @@ def float8_linear_config(f: Float8):
 class Float8Converter(ModelConverter):
     name = "float8"
     section = "float8"
+    replaces_linears = True
 
     def __init__(self, options: Float8):
         super().__init__(options)
@@ -435,6 +446,7 @@ class TransformerEngineConverter(ModelConverter):
 
     name = "te"
     section = "float8"  # its filter_fqns
+    replaces_linears = True
 
     def __init__(self, options: Float8):
         super().__init__(options)
