@@ -1,8 +1,9 @@
 """MXFP8 training (titanlike/models/mx.py, `model.converters mx`): which linears and experts the swap
 touches, the emulated path against high precision and against torchao's own MXFP8 conversion, a few
-training steps through train.py (dense and MoE), a checkpoint that saves and resumes, every validation
-rule (the estimator's probe of an mx job: tests/unit/test_estimation.py). All on CPU with mx.emulate (torchao's emulated path: the same MXFP8
-casts, the matmuls in bf16); the real kernels need a Blackwell GPU."""
+training steps through train.py (dense and MoE), a checkpoint that saves and resumes, and every
+validation rule. All on CPU with mx.emulate (torchao's emulated path: the same MXFP8 casts, the
+matmuls in bf16); the real kernels need a Blackwell GPU. The estimator's probe of an mx job:
+tests/unit/test_estimation.py; FSDP2 against one process: tests/distributed/test_float8.py."""
 
 from __future__ import annotations
 

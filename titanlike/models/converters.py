@@ -196,7 +196,7 @@ def validate_converter_targets(names: list[str], cfg: JobConfig, spec, args, *, 
             cls.validate_unnamed(options)
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
     if module in sys.modules:
         return sys.modules[module] is not None  # None: imports of it are blocked
     try:
@@ -210,7 +210,7 @@ def _has_float8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def _gpu_description() -> str:
+def gpu_description() -> str:
     if not torch.cuda.is_available():
         return "this machine has none"
     major, minor = torch.cuda.get_device_capability()
@@ -338,12 +338,12 @@ class Float8Converter(ModelConverter):
         check(not f.recipe_name or f.recipe_name in FLOAT8_RECIPES,
               f"float8.recipe_name must be {' or '.join(FLOAT8_RECIPES)} (empty means tensorwise), "
               f"got {f.recipe_name!r}")
-        check(_importable("torchao"),
+        check(importable("torchao"),
               "model.converters float8 needs torchao, which is not installed: pip install torchao "
               "(or pip install -e '.[float8]')")
         check(f.emulate or _has_float8_gpu(),
               f"float8 needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), but "
-              f"{_gpu_description()}; set float8.emulate to test the swap on CPU")
+              f"{gpu_description()}; set float8.emulate to test the swap on CPU")
         check(not (f.enable_fsdp_float8_all_gather and f.recipe_name == "rowwise"),
               "float8.enable_fsdp_float8_all_gather works with the tensorwise recipe only, not rowwise; "
               "unset it or set float8.recipe_name tensorwise")
@@ -457,12 +457,12 @@ class TransformerEngineConverter(ModelConverter):
 
     @classmethod
     def validate(cls, f: Float8, *, tp: int) -> None:
-        if not _importable("transformer_engine"):
+        if not importable("transformer_engine"):
             raise ValueError("model.converters te needs NVIDIA Transformer Engine, which is not installed "
                              "(pip install transformer-engine[pytorch] on a CUDA machine), or use the float8 converter")
         if not _has_float8_gpu():
             raise ValueError(f"model.converters te needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), "
-                             f"but {_gpu_description()}; the float8 converter with float8.emulate tests float8 on CPU")
+                             f"but {gpu_description()}; the float8 converter with float8.emulate tests float8 on CPU")
         if tp != 1:
             raise ValueError("model.converters te does not work with tensor parallelism (the tensor-parallel plan "
                              "shards nn.Linear layers), so tensor_parallel_degree must be 1")

@@ -32,8 +32,8 @@ from titanlike.models.common.moe import GroupedExperts
 from titanlike.models.converters import (
     LinearSelection,
     ModelConverter,
-    _gpu_description,
-    _importable,
+    gpu_description,
+    importable,
     fqn_matches,
     linear_filter,
     log_on_rank0,
@@ -95,6 +95,7 @@ def mx_op_config(o: MXOptions):
     op = config.MXFP8TrainingOpConfig.from_recipe(config.MXFP8TrainingRecipe(o.recipe_name))
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
+    # The recipe mxfp8_emulated_rceil is emulated already; mx.emulate emulates any recipe.
     kernels = KernelPreference.EMULATED if o.emulate else op.kernel_preference
     return dataclasses.replace(op, kernel_preference=kernels, pad_token_groups_for_grouped_mm=True)
 
@@ -129,22 +130,20 @@ class MXConverter(ModelConverter):
 
     def __init__(self, options: MXOptions):
         super().__init__(options)
-        if options.recipe_name == EMULATED_RECIPE:
-            options = dataclasses.replace(options, emulate=True)
         self.op_config = mx_op_config(options)
         self.selection = LinearSelection(option="mx.filter_fqns", multiple=BLOCK)
         self.experts: list[str] = []
 
     @classmethod
     def validate(cls, o: MXOptions, *, tp: int) -> None:
-        if not _importable("torchao"):
+        if not importable("torchao"):
             raise ValueError("model.converters mx needs torchao, which is not installed: pip install torchao")
         if o.recipe_name not in mx_recipes():
             raise ValueError(f"mx.recipe_name must be one of torchao's MXFP8 recipes ({', '.join(mx_recipes())}), "
                              f"got {o.recipe_name!r}")
         if not (o.emulate or o.recipe_name == EMULATED_RECIPE or _has_mx_gpu()):
             raise ValueError(f"mx needs a Blackwell GPU (CUDA compute capability 10.x: B200, GB200), but "
-                             f"{_gpu_description()}; set mx.emulate to run its casts with emulated matmuls")
+                             f"{gpu_description()}; set mx.emulate to run its casts with emulated matmuls")
         if tp != 1:
             # torchao's MXFP8Linear casts whole local tensors; no tensor-parallel styles for it exist here.
             raise ValueError("model.converters mx does not work with tensor parallelism here, so "
