@@ -272,6 +272,9 @@ MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
     (["--model.converters", "float8,mx", "--float8.emulate"], 1,
      "model.converters float8 and mx both replace the linear layers; name one of them"),
     (["--model.converters", "mx,te"], 1, "model.converters mx and te both replace the linear layers; name one of them"),
+    (["--model.converters", "mx,lora"], 1,
+     "model.converters mx with lora is not supported (each swaps the plain linear layers the other would need); "
+     "name one of them"),
     (["--parallelism.tensor_parallel_degree", "2"], 2,
      "model.converters mx does not work with tensor parallelism here, so tensor_parallel_degree must be 1"),
     (["--training.seq_len", "48"], 1,

@@ -151,6 +151,10 @@ class MXConverter(ModelConverter):
 
     @classmethod
     def validate_model(cls, o: MXOptions, cfg, spec, args, *, model: str) -> None:
+        if "lora" in cfg.model.converters:
+            # LoRA adapts plain nn.Linear layers and mx swaps only those: one of them would miss the other.
+            raise ValueError("model.converters mx with lora is not supported (each swaps the plain linear layers "
+                             "the other would need); name one of them")
         cp = cfg.parallelism.context_parallel_degree
         local_seq = cfg.training.seq_len // max(cp, 1)
         if local_seq % BLOCK:
