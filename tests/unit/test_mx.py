@@ -262,6 +262,17 @@ def test_mx_without_emulate_needs_a_blackwell_gpu():
     plan_job(load_job_config(["--model.converters", "mx", "--mx.recipe_name", "mxfp8_emulated_rceil"]), world_size=1)
 
 
+@pytest.mark.skipif(not NO_MX_GPU, reason="the refusal is for machines without a Blackwell GPU")
+def test_train_py_refuses_mx_on_this_machine_in_one_sentence():
+    from conftest import train_here
+
+    proc = train_here(["--model.converters", "mx", "--training.steps", "1"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("config error: mx needs a Blackwell GPU") and line.endswith(
+        "; set mx.emulate to run its casts with emulated matmuls")
+
+
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
 

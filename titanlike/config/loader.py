@@ -603,7 +603,8 @@ def help_text() -> str:
         "",
         "Options come from a TOML file (--job.config_file) and are overridden by the command line.",
         "Booleans: --section.key, --section.key=false or --section.no_key. Lists: comma-separated.",
-        "torchtitan's keys are read too: v0.2.2's ([quantize.linear.float8] is [float8]) and older spellings",
+        "torchtitan's keys are read too: v0.2.2's ([quantize.linear.float8] is [float8], [quantize.linear.mx]",
+        "and [quantize.grouped_mm.mx] fill [mx]) and older spellings",
         "(training.compile, checkpoint.enable_checkpoint, ...); see titanlike/config/compat.py.",
     ]
     for section, cls in config_sections().items():
