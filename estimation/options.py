@@ -117,6 +117,11 @@ def prepare_job(cfg: JobConfig, world_size: int | None = None, *, vocab_size: in
         est.float8.emulate = True
         notes.append("float8: probed with the trainer's converter (torchao Float8Linear, float8 casts, float8 "
                      "all-gather buffers and scales as real tensors) and the GPU's float8 matmul")
+    if "mx" in est.model.converters and not est.mx.emulate:
+        # Validation refuses mx without a Blackwell GPU here; torchao's MXFP8 kernels have no fake kernels.
+        est.mx.emulate = True
+        notes.append("mx: probed with the trainer's converter on torchao's emulated MXFP8 path (the same casts, "
+                     "bf16 matmuls): its temporaries stand in for the Blackwell kernels'")
     if est.compile.enable:
         # estimation.fake registers it on import; imported here, not at the top, so that a command's --help
         # does not pay for torch._dynamo (docs/performance.md).

@@ -19,6 +19,7 @@ def _register_config_sections() -> None:
     needs either list, so a section is read whichever module a program imported first."""
     import titanlike.data.loader  # noqa: F401
     import titanlike.models.lora  # noqa: F401
+    import titanlike.models.mx  # noqa: F401
     import titanlike.objectives  # noqa: F401
     from titanlike.models.registry import model_names
 

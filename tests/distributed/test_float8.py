@@ -17,6 +17,10 @@ Tolerances, from measurement on the 8-layer debug model, 64 tokens x 8 samples, 
   cast with the same global amax, only elsewhere), so they must agree to EXACT.
 - The parity runs take conftest.TINY_JOB's 4 steps, as every other layout parity run (they took 6;
   the tolerances above were measured over 10, where float8's drift is larger).
+- MXFP8 (model.converters mx, torchao's emulated path) under FSDP2 against one process: the same
+  tolerances, for the same reason (a last-bit difference moves an e4m3 value by a step). Its scales
+  are per block of 32 values along the features and, in the weight gradients, along the tokens, whose
+  blocks lie within one 64-token sample, so each rank's casts are those of one process.
 """
 
 import pytest
@@ -27,6 +31,7 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("torchao")
 
 FLOAT8 = ["--model.converters", "float8", "--float8.emulate"]
+MX = ["--model.converters", "mx", "--mx.emulate"]
 FLOAT8_VS_BF16 = 3e-2
 RTOL = 3e-4
 GRAD_RTOL = 3e-3
@@ -48,6 +53,12 @@ def assert_close_curve(got, ref, rtol, grad_rtol):
 def float8_fp32_reference(tmp_path_factory):
     """One process, float8 emulated, fp32 master weights and compute around the float8 matmuls."""
     return train_metrics(tmp_path_factory.mktemp("f8"), "one", "--training.local_batch_size", "8", *FLOAT8)
+
+
+@pytest.fixture(scope="module")
+def mx_fp32_reference(tmp_path_factory):
+    """One process, MXFP8 emulated, fp32 master weights and compute around the MXFP8 matmuls."""
+    return train_metrics(tmp_path_factory.mktemp("mx"), "one", "--training.local_batch_size", "8", *MX)
 
 
 @pytest.fixture(scope="module")
@@ -97,4 +108,12 @@ def test_tp2_float8_styles(train_run, float8_fp32_reference, fp32_reference_with
     # The plan all-gathers activations in float8 (Float8ColwiseParallel, ...); gloo has no
     # float8 dtypes, so the converter sends those bytes as uint8, as NCCL does.
     assert_close_curve(train_run.metrics, float8_fp32_reference, RTOL, GRAD_RTOL)
+    assert_float8_applied(train_run.metrics, fp32_reference_without_float8)
+
+
+@pytest.mark.train_run("--training.local_batch_size", "4", *MX, nproc=2)
+def test_fsdp2_mxfp8(train_run, mx_fp32_reference, fp32_reference_without_float8):
+    # torchao's MXFP8Linear holds plain parameters: FSDP2 all-gathers them in their own precision and
+    # every rank casts the gathered weights to MXFP8 as one process does.
+    assert_close_curve(train_run.metrics, mx_fp32_reference, RTOL, GRAD_RTOL)
     assert_float8_applied(train_run.metrics, fp32_reference_without_float8)

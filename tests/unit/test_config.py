@@ -173,7 +173,7 @@ _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
         pytest.param(["--parallelism.enable_async_tensor_parallel", "--parallelism.tensor_parallel_degree", "2",
                       "--compile.enable"], 2, "needs CUDA GPUs",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU machines")),
-        (["--model.converters", "fp8"], 1, "unknown converter 'fp8'; known converters: float8, lora, te"),
+        (["--model.converters", "fp8"], 1, "unknown converter 'fp8'; known converters: float8, lora, mx, te"),
         (["--validation.enable", "--validation.freq", "0"], 1, "validation.freq must be at least 1"),
         (["--validation.enable", "--validation.steps", "0"], 1, "validation.steps must be -1"),
         (["--validation.enable", "--validation.local_batch_size", "0"], 1, "validation.local_batch_size must be"),

@@ -266,7 +266,7 @@ def refusal(argv: list[str], world: int = 1) -> str:
 
 def test_unknown_converter_lists_known_ones():
     assert refusal(["--model.converters", "float8,fp4"]) == \
-        "model.converters names an unknown converter 'fp4'; known converters: float8, lora, te"
+        "model.converters names an unknown converter 'fp4'; known converters: float8, lora, mx, te"
 
 
 @pytest.mark.skipif(not NO_FLOAT8_GPU, reason="the refusal is for machines without an SM 8.9+ GPU")

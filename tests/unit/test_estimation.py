@@ -64,6 +64,18 @@ def test_what_a_probe_cannot_run_is_noted_not_refused():
     assert prep.plan.dims.pp == 8 and prep.plan.dims.tp == 8
 
 
+def test_an_mx_job_is_probed_on_the_emulated_path():
+    # Without a Blackwell GPU the job itself is refused; the probe runs torchao's emulated MXFP8 path (whose
+    # ops have fake kernels: plain torch) and says so.
+    moe = ["--job.config_file", str(REPO / "train_configs" / "qwen3_debug_moe.toml"), "--training.seq_len", "64",
+           "--training.local_batch_size", "2", "--model.converters", "mx", "--mx.grouped_mm_fqns", "experts"]
+    prep = prepare_job(load_job_config(moe), 1)
+    assert any(n.startswith("mx: probed with the trainer's converter on torchao's emulated MXFP8 path")
+               for n in prep.notes)
+    (row,) = estimate(prep.plan, probe(prep.plan, device="cpu"))
+    assert row.reserved > 0
+
+
 # What the probe keeps ---------------------------------------------------------------------------
 
 

@@ -157,7 +157,6 @@ def test_v010_spellings_are_read_with_a_note_naming_the_new_key():
                "checkpoint.last_save_model_weights_only": "checkpoint.last_save_model_only",
                "checkpoint.initial_load_model_weights_only": "checkpoint.initial_load_model_only",
                "memory_estimation.enabled": "memory_estimation.enable",
-               "mx.recipe_name": "quantize.linear.mx.recipe_name", "mx.filter_fqns": "quantize.linear.mx.filter_fqns",
                "experimental.custom_args_module": "job.custom_config_module"}
     by_key = {n.split()[0]: n for n in notes}
     for old, new in renamed.items():
@@ -166,6 +165,8 @@ def test_v010_spellings_are_read_with_a_note_naming_the_new_key():
     assert set(by_key) == {"job.use_for_integration_test", "metrics.disable_color_printing"}
     assert (cfg.debug.seed, cfg.lr_scheduler.min_lr_factor, cfg.compile.enable, cfg.checkpoint.enable) == (7, 0.1, False, False)
     assert cfg.checkpoint.last_save_model_only is False and cfg.float8.filter_fqns == ["output"]
+    # v0.1.0's [mx] is titanlike's own section (its recipe is checked when model.converters names mx).
+    assert (cfg.mx.recipe_name, cfg.mx.filter_fqns) == ("mxfp8", ["output"])
     plan_job(cfg, world_size=1)
 
 
@@ -177,6 +178,11 @@ def test_v010_spellings_are_read_with_a_note_naming_the_new_key():
     (["--lr_scheduler.lr_min=0.25"], "lr_scheduler", "min_lr_factor", 0.25),
     (["--job.print_args", "true"], "job", "print_config", True),
     (["--model.converters", "quantize.linear.float8"], "model", "converters", ["float8"]),  # v0.2.2's registry name
+    (["--quantize.linear.mx.filter_fqns", "output,layers.0"], "mx", "filter_fqns", ["output", "layers.0"]),
+    (["--quantize.linear.mx.recipe_name", "mxfp8_rceil_wgrad_with_hp"], "mx", "recipe_name", "mxfp8_rceil_wgrad_with_hp"),
+    (["--quantize.grouped_mm.mx.fqns", "experts"], "mx", "grouped_mm_fqns", ["experts"]),
+    # v0.2.2's two MX converters are our one mx, named once.
+    (["--model.converters", "quantize.linear.mx,quantize.grouped_mm.mx"], "model", "converters", ["mx"]),
     (["--checkpoint.export_dtype", "float16"], "checkpoint", "export_dtype", "float16"),
 ])
 def test_torchtitan_spellings_on_the_command_line(argv, section, key, value):
@@ -255,6 +261,11 @@ def test_keys_without_effect_are_noted_and_their_match_is_silent():
     _, notes = load("--quantize.grouped_mm.float8.fqns", "experts")
     assert notes == ["quantize.grouped_mm.float8.fqns has no effect in titanlike: float8 grouped GEMMs for experts "
                      "are not implemented in titanlike yet (model.converters refuses quantize.grouped_mm.float8)"]
+    _, notes = load("--quantize.linear.mx.mxfp8_dim1_cast_kernel_choice", "cuda",
+                    "--quantize.grouped_mm.mx.recipe_name", "mxfp8_rceil")
+    assert notes == ["quantize.linear.mx.mxfp8_dim1_cast_kernel_choice has no effect in titanlike: torchao's MXFP8 "
+                     "linear picks its own cast kernels", "quantize.grouped_mm.mx.recipe_name has no effect in "
+                     "titanlike: the experts' grouped GEMMs use mx.recipe_name, as the linear layers do"]
     _, notes = load("--metrics.no_disable_color_printing", "--profiling.profiler_warmup", "3")
     assert notes == ["metrics.disable_color_printing has no effect in titanlike: titanlike's console log is never "
                      "colored", "profiling.profiler_warmup has no effect in titanlike: titanlike's profiler warms up "

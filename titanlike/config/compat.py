@@ -52,13 +52,15 @@ class NotHere:
 SECTION_ALIASES: dict[str, str] = {"quantize.linear.float8": "float8"}
 
 # List items torchtitan names differently: option -> {torchtitan's item: ours}. v0.2.2 registers
-# its float8 linear converter as "quantize.linear.float8"; its presets write "float8", as we do.
-ITEM_ALIASES: dict[str, dict[str, str]] = {"model.converters": {"quantize.linear.float8": "float8"}}
+# its float8 linear converter as "quantize.linear.float8"; its presets write "float8", as we do. Its
+# two MX converters (linears, experts' grouped GEMMs) are our one mx, which the loader names once.
+ITEM_ALIASES: dict[str, dict[str, str]] = {"model.converters": {
+    "quantize.linear.float8": "float8", "quantize.linear.mx": "mx", "quantize.grouped_mm.mx": "mx"}}
 
 _NOT_YET = "not implemented in titanlike yet"
 _NO_CODE = "titanlike never imports code a config names (model families register in titanlike.models)"
 _NO_FT = "titanlike has no TorchFT integration"
-_NO_MX = "titanlike has no MX (microscaling) converter; model.converters refuses 'mx'"
+_MX_KERNELS = "torchao's MXFP8 linear picks its own cast kernels"
 _IN_PROCESS = "titanlike's data loader reads in the training process (its samples are cheap to cut from packed tokens)"
 
 TORCHTITAN_KEYS: dict[str, Alias | Renamed | NotHere] = {
@@ -118,17 +120,17 @@ TORCHTITAN_KEYS: dict[str, Alias | Renamed | NotHere] = {
     "activation_checkpoint.visualize_memory_budget_pareto": NotHere(False, _NOT_YET),
     # [float8] of v0.1.0 (ours) and [quantize.*] of v0.2
     "float8.force_recompute_fp8_weight_in_bwd": NotHere(False, "torchtitan v0.2.0 dropped it; " + _NOT_YET),
-    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": NotHere("triton", _NO_MX, note=True),
-    "quantize.linear.mx.recipe_name": NotHere("mxfp8_cublas", _NO_MX, note=True),
-    "quantize.linear.mx.filter_fqns": NotHere(["output"], _NO_MX, note=True),
+    # torchtitan's two MX converters are one here, [mx] (titanlike/models/mx.py); v0.1.0's [mx] is ours.
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": NotHere("triton", _MX_KERNELS, note=True),
+    "quantize.linear.mx.recipe_name": Alias("mx.recipe_name"),
+    "quantize.linear.mx.filter_fqns": Alias("mx.filter_fqns"),
     "quantize.grouped_mm.float8.fqns": NotHere(
         [], "float8 grouped GEMMs for experts are " + _NOT_YET + " (model.converters refuses "
         "quantize.grouped_mm.float8)", note=True),
-    "quantize.grouped_mm.mx.recipe_name": NotHere("mxfp8", _NO_MX, note=True),
-    "quantize.grouped_mm.mx.fqns": NotHere([], _NO_MX, note=True),
-    "mx.use_fp8_dim1_cast_triton_kernel": NotHere(True, _NO_MX, note=True),
-    "mx.recipe_name": Renamed("quantize.linear.mx.recipe_name", "v0.1.0"),
-    "mx.filter_fqns": Renamed("quantize.linear.mx.filter_fqns", "v0.1.0"),
+    "quantize.grouped_mm.mx.recipe_name": NotHere(
+        "mxfp8", "the experts' grouped GEMMs use mx.recipe_name, as the linear layers do", note=True),
+    "quantize.grouped_mm.mx.fqns": Alias("mx.grouped_mm_fqns"),
+    "mx.use_fp8_dim1_cast_triton_kernel": NotHere(True, _MX_KERNELS, note=True),
     # [comm]: NCCL's flight recorder writes <dump_folder>/comm_traces/rank_<r>
     "comm.save_traces_folder": NotHere("comm_traces", "the flight recorder's folder is job.dump_folder/comm_traces"),
     "comm.save_traces_file_prefix": NotHere("rank_", "the flight recorder's files are named rank_<rank>"),

@@ -565,7 +565,7 @@ def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | Non
                 # A whole table after some of its settings: the later setting wins, key by key.
                 converted = {**values.get(target.section, {}).get(target.key, {}), **converted}
             if target.name in ITEM_ALIASES:
-                converted = [ITEM_ALIASES[target.name].get(item, item) for item in converted]
+                converted = _aliased_items(converted, ITEM_ALIASES[target.name])
             values.setdefault(target.section, {})[target.key] = converted
 
     if notes is not None:
@@ -576,6 +576,16 @@ def load_job_config(argv: Sequence[str] | None = None, *, notes: list[str] | Non
     return JobConfig(**{section: cls(**values.get(section, {})) for section, cls in _job_sections().items()},
                      registered={section: cls(**values.get(section, {}))
                                  for section, cls in registered_sections().items()})
+
+
+def _aliased_items(items: list, aliases: dict[str, str]) -> list:
+    """items with torchtitan's names replaced by ours; several of its items that are one of ours
+    (quantize.linear.mx and quantize.grouped_mm.mx are mx) give it once."""
+    out: list = []
+    for item in items:
+        if item not in aliases or aliases[item] not in out:
+            out.append(aliases.get(item, item))
+    return out
 
 
 def _check_entry(where: str, value: Any) -> None:
@@ -593,7 +603,8 @@ def help_text() -> str:
         "",
         "Options come from a TOML file (--job.config_file) and are overridden by the command line.",
         "Booleans: --section.key, --section.key=false or --section.no_key. Lists: comma-separated.",
-        "torchtitan's keys are read too: v0.2.2's ([quantize.linear.float8] is [float8]) and older spellings",
+        "torchtitan's keys are read too: v0.2.2's ([quantize.linear.float8] is [float8], [quantize.linear.mx]",
+        "and [quantize.grouped_mm.mx] fill [mx]) and older spellings",
         "(training.compile, checkpoint.enable_checkpoint, ...); see titanlike/config/compat.py.",
     ]
     for section, cls in config_sections().items():

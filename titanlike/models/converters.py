@@ -15,6 +15,8 @@ converter this machine cannot run before any process group exists.
   each optimizer step (`precompute_float8_dynamic_scale_for_fsdp`), and makes the tensor-parallel
   styles cast activations to float8 before their all-gathers (models/common/sharding.py).
 - `te`: NVIDIA Transformer Engine's Linear for the same layers, run under its fp8 autocast.
+- `mx`: torchao's MXFP8 linears and, where asked, the MoE experts' grouped GEMMs in MXFP8
+  (titanlike/models/mx.py, its own [mx] section).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class ModelConverter:
 
     name = ""
     section = ""
+    # It replaces the model's nn.Linear layers by its own: a job names at most one such converter.
+    replaces_linears = False
 
     def __init__(self, options):
         self.options = options
@@ -172,8 +176,10 @@ def validate_converters(names: list[str], cfg: JobConfig, *, tp: int) -> None:
                              f"{', '.join(sorted(registered))}")
     if len(set(names)) != len(names):
         raise ValueError(f"model.converters names a converter twice: {', '.join(names)}")
-    if {"float8", "te"} <= set(names):
-        raise ValueError("model.converters float8 and te both replace the linear layers; name one of them")
+    linears = [name for name in names if registered[name].replaces_linears]
+    if len(linears) > 1:
+        raise ValueError(f"model.converters {' and '.join(linears)} {'both' if len(linears) == 2 else 'all'} "
+                         "replace the linear layers; name one of them")
     for name in names:
         registered[name].validate(getattr(cfg, registered[name].section), tp=tp)
 
@@ -190,7 +196,7 @@ def validate_converter_targets(names: list[str], cfg: JobConfig, spec, args, *, 
             cls.validate_unnamed(options)
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
     if module in sys.modules:
         return sys.modules[module] is not None  # None: imports of it are blocked
     try:
@@ -204,7 +210,7 @@ def _has_float8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def _gpu_description() -> str:
+def gpu_description() -> str:
     if not torch.cuda.is_available():
         return "this machine has none"
     major, minor = torch.cuda.get_device_capability()
@@ -224,23 +230,27 @@ def fqn_matches(fqn: str, pattern: str) -> bool:
 
 @dataclasses.dataclass
 class LinearSelection:
-    """The outcome of a filter over a model's nn.Linear layers, by fully qualified name."""
+    """The outcome of a filter over a model's nn.Linear layers, by fully qualified name. `option` names
+    the filter's option and `multiple` what both features must be a multiple of (16 for float8 matmuls,
+    32 for MXFP8's blocks)."""
 
     converted: list[str] = dataclasses.field(default_factory=list)
     filtered: list[str] = dataclasses.field(default_factory=list)  # named by filter_fqns
     model_kept: list[str] = dataclasses.field(default_factory=list)  # marked keep_high_precision (MoE routers)
-    misaligned: list[str] = dataclasses.field(default_factory=list)  # a dim not a multiple of 16
+    misaligned: list[str] = dataclasses.field(default_factory=list)  # a dim not a multiple of `multiple`
+    option: str = "float8.filter_fqns"
+    multiple: int = 16
 
     def describe(self) -> str:
         total = len(self.converted) + len(self.filtered) + len(self.model_kept) + len(self.misaligned)
         text = f"converted {len(self.converted)} of {total} linear layers"
         kept = []
         if self.filtered:
-            kept.append(f"{short_list(self.filtered)} (float8.filter_fqns)")
+            kept.append(f"{short_list(self.filtered)} ({self.option})")
         if self.model_kept:
             kept.append(f"{short_list(self.model_kept)} (kept in high precision by the model)")
         if self.misaligned:
-            kept.append(f"{short_list(self.misaligned)} (features not multiples of 16)")
+            kept.append(f"{short_list(self.misaligned)} (features not multiples of {self.multiple})")
         if kept:
             text += "; left in high precision: " + ", ".join(kept)
         return text
@@ -270,7 +280,7 @@ def linear_filter(filter_fqns: Iterable[str], selection: LinearSelection) -> Cal
         if any(fqn_matches(fqn, pattern) for pattern in filter_fqns):
             selection.filtered.append(fqn)
             return False
-        if module.in_features % 16 or module.out_features % 16:
+        if module.in_features % selection.multiple or module.out_features % selection.multiple:
             selection.misaligned.append(fqn)
             return False
         selection.converted.append(fqn)
@@ -310,6 +320,7 @@ def float8_linear_config(f: Float8):
 class Float8Converter(ModelConverter):
     name = "float8"
     section = "float8"
+    replaces_linears = True
 
     def __init__(self, options: Float8):
         super().__init__(options)
@@ -327,12 +338,12 @@ class Float8Converter(ModelConverter):
         check(not f.recipe_name or f.recipe_name in FLOAT8_RECIPES,
               f"float8.recipe_name must be {' or '.join(FLOAT8_RECIPES)} (empty means tensorwise), "
               f"got {f.recipe_name!r}")
-        check(_importable("torchao"),
+        check(importable("torchao"),
               "model.converters float8 needs torchao, which is not installed: pip install torchao "
               "(or pip install -e '.[float8]')")
         check(f.emulate or _has_float8_gpu(),
               f"float8 needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), but "
-              f"{_gpu_description()}; set float8.emulate to test the swap on CPU")
+              f"{gpu_description()}; set float8.emulate to test the swap on CPU")
         check(not (f.enable_fsdp_float8_all_gather and f.recipe_name == "rowwise"),
               "float8.enable_fsdp_float8_all_gather works with the tensorwise recipe only, not rowwise; "
               "unset it or set float8.recipe_name tensorwise")
@@ -435,6 +446,7 @@ class TransformerEngineConverter(ModelConverter):
 
     name = "te"
     section = "float8"  # its filter_fqns
+    replaces_linears = True
 
     def __init__(self, options: Float8):
         super().__init__(options)
@@ -445,12 +457,12 @@ class TransformerEngineConverter(ModelConverter):
 
     @classmethod
     def validate(cls, f: Float8, *, tp: int) -> None:
-        if not _importable("transformer_engine"):
+        if not importable("transformer_engine"):
             raise ValueError("model.converters te needs NVIDIA Transformer Engine, which is not installed "
                              "(pip install transformer-engine[pytorch] on a CUDA machine), or use the float8 converter")
         if not _has_float8_gpu():
             raise ValueError(f"model.converters te needs a CUDA GPU with compute capability 8.9+ (H100/L40/4090), "
-                             f"but {_gpu_description()}; the float8 converter with float8.emulate tests float8 on CPU")
+                             f"but {gpu_description()}; the float8 converter with float8.emulate tests float8 on CPU")
         if tp != 1:
             raise ValueError("model.converters te does not work with tensor parallelism (the tensor-parallel plan "
                              "shards nn.Linear layers), so tensor_parallel_degree must be 1")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -218,6 +219,13 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # The experts' grouped GEMM (impl grouped_mm): torch's, or one a converter puts in its place
+        # with use_grouped_mm (MXFP8's, titanlike/models/mx.py).
+        self.grouped_mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = grouped_mm
+
+    def use_grouped_mm(self, fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Compute the experts' matmuls with fn(x, w, offsets), as grouped_mm below does."""
+        self.grouped_mm = fn
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(local_part(w) for w in (self.w1, self.w2, self.w3))
@@ -233,9 +241,9 @@ class GroupedExperts(nn.Module):
             gathered = x.shape[0] <= GATHERED_ROWS_LIMIT
             return (_experts_gathered if gathered else _experts_loop)(x, counts, w1, w2, w3)
         offsets = counts.cumsum(0).to(torch.int32)
-        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-        h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        h = F.silu(self.grouped_mm(x, w1, offsets))
+        h = h * self.grouped_mm(x, w3, offsets)
+        return self.grouped_mm(h, w2, offsets)
 
     def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
         init.fill(self.w1, seed=seed, fqn=f"{prefix}w1")
@@ -244,6 +252,11 @@ class GroupedExperts(nn.Module):
 
 
 GATHERED_ROWS_LIMIT = 256
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by expert (group e ends at offsets[e]) times their expert's w (E, out, in), transposed."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
 
 def _experts_gathered(x, counts, w1, w2, w3) -> torch.Tensor:
@@ -517,4 +530,4 @@ def moe_layers(module: nn.Module) -> list[tuple[str, MoE]]:
 
 
 __all__ = ["MoE", "MoEArgs", "Dispatcher", "GroupedExperts", "LocalDispatcher", "Router", "Routing", "STAT_NAMES",
-           "group_by_expert", "moe_layers", "pad_groups"]
+           "group_by_expert", "grouped_mm", "moe_layers", "pad_groups"]

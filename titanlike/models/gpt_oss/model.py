@@ -101,26 +101,25 @@ class GptOssExperts(GroupedExperts):
         # Each row's expert, to pick its biases.
         expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts,
                                          output_size=x.shape[0])
-        gate = _linear(x, counts, w1, self.impl) + b1[expert]
-        up = _linear(x, counts, w3, self.impl) + b3[expert]
+        gate = self._linear(x, counts, w1) + b1[expert]
+        up = self._linear(x, counts, w3) + b3[expert]
         gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-        return _linear(h, counts, w2, self.impl) + b2[expert]
+        return self._linear(h, counts, w2) + b2[expert]
+
+    def _linear(self, x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert (counts[e] for expert e) times their expert's w (E, out, in), transposed."""
+        # Compiled, torch traces _grouped_mm with a meta kernel that takes bf16 only (see GroupedExperts).
+        if self.impl == "grouped_mm" and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()):
+            return self.grouped_mm(x, w, counts.cumsum(0).to(torch.int32))
+        # The reference: one matmul per expert.
+        outputs = [rows @ weight.T for rows, weight in zip(torch.split(x, counts.tolist()), w.unbind(0))]
+        return torch.cat(outputs) if outputs else x.new_zeros(0, w.shape[1])
 
     def init_weights(self, init: LinearInit, *, seed: int, prefix: str) -> None:
         super().init_weights(init, seed=seed, prefix=prefix)
         for bias in (self.b1, self.b2, self.b3):
             zeros_(bias)
-
-
-def _linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, impl: str) -> torch.Tensor:
-    """Rows grouped by expert (counts[e] for expert e) times their expert's w (E, out, in), transposed."""
-    # Compiled, torch traces _grouped_mm with a meta kernel that takes bf16 only (see GroupedExperts).
-    if impl == "grouped_mm" and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
-    # The reference: one matmul per expert.
-    outputs = [rows @ weight.T for rows, weight in zip(torch.split(x, counts.tolist()), w.unbind(0))]
-    return torch.cat(outputs) if outputs else x.new_zeros(0, w.shape[1])
 
 
 class GptOssMoE(MoE):
