@@ -183,7 +183,7 @@ class Objective:
     targets, plus the model's auxiliary losses. Subclasses implement the rest (module docstring).
 
     Public members (what generic code may use): name, generation, vocab_parallel_loss,
-    attention_mask, reported_terms, companions, validate, check_tokenizer, model_args, sample_fields, samples,
+    attention_mask, reported_terms, companions, validate, model_args, sample_fields, samples,
     prepare, loss. Subclasses add their rules in `_validate_job` and refine the data rules in
     `_check_dataset` and `_check_held_out`."""
 
@@ -235,14 +235,17 @@ class Objective:
 
     # Rules ------------------------------------------------------------------------------------
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str, data: bool = True) -> None:
+    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str, data: bool = True,
+                 tokenizer=None) -> None:
         """Raise ValueError (one sentence naming the option) when this job cannot train with this
         objective; `model` names the model in messages. Called before any process group exists: the
-        objective's own rules (`_validate_job`), then the datasets': the validation data (its own, or
-        the training data's held-out split) and, with `data`, the training data (the estimator plans
-        layouts without them)."""
+        objective's own rules (`_validate_job`), the tokens its samples need from `tokenizer` when given
+        (`_check_tokenizer`), then the datasets': the validation data (its own, or the training data's
+        held-out split) and, with `data`, the training data (the estimator plans layouts without them)."""
         t, v = cfg.training, cfg.validation
         self._validate_job(cfg, dims, model=model)
+        if tokenizer is not None:
+            self._check_tokenizer(tokenizer)
         if v.enable:
             if v.dataset is None:
                 self._check_held_out(t.dataset)
@@ -276,9 +279,9 @@ class Objective:
             raise ValueError(f"validation needs validation.dataset and validation.dataset_path: a {dataset} training "
                              "dataset has no held-out split (only the embedded corpus and megatron datasets do)")
 
-    def check_tokenizer(self, tokenizer) -> None:
+    def _check_tokenizer(self, tokenizer) -> None:
         """ValueError (one sentence) when the job's tokenizer lacks a token this objective's samples need;
-        called before any process group, with the tokenizer the job will train with."""
+        called by validate, before any process group, with the tokenizer the job will train with."""
 
     def model_args(self, args: BaseModelArgs, *, vocab_size: int, seq_len: int) -> BaseModelArgs:
         """The model args this objective trains, sized for the job (the tokenizer's vocabulary, the

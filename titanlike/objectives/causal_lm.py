@@ -101,7 +101,7 @@ class CausalLM(Objective):
                                  "cuts from its index, so it needs indexed data: megatron (as Megatron-LM's "
                                  "GPTFIMDataset), text or the embedded corpus")
 
-    def check_tokenizer(self, tokenizer) -> None:
+    def _check_tokenizer(self, tokenizer) -> None:
         if self.fim is not None:
             self._fim_tokens(tokenizer)
 

@@ -183,9 +183,7 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
         raise ValueError(f"{model}: {e}") from None
     objective = job_objective(cfg, spec, args, model=model)
     # The estimator reads no data (it plans with the embedded corpus named).
-    objective.validate(cfg, dims, model=model, data=vocab_size is None)
-    if tokenizer is not None:
-        objective.check_tokenizer(tokenizer)
+    objective.validate(cfg, dims, model=model, data=vocab_size is None, tokenizer=tokenizer)
     vocab = source.vocab_size or vocab_size or tokenizer.vocab_size
     if tokenizer is not None and tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary "
