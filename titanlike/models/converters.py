@@ -293,18 +293,25 @@ def linear_filter(filter_fqns: Iterable[str], selection: LinearSelection) -> Cal
 # float8 through torchao.
 
 
-def import_torchao_float8():
-    """torchao.float8, imported without the warnings torchao logs on machines that lack its CUDA
-    kernels (which float8 training does not use)."""
+@contextlib.contextmanager
+def quiet_torchao():
+    """Imports of torchao without the warnings it logs on machines that lack its CUDA kernels (which
+    float8 training and emulated MXFP8 do not use)."""
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.ERROR)
     try:
-        import torchao.float8 as float8
+        yield
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+
+
+def import_torchao_float8():
+    """torchao.float8, imported quietly (quiet_torchao)."""
+    with quiet_torchao():
+        import torchao.float8 as float8
     return float8
 
 

@@ -20,7 +20,6 @@ path: the same casts, the matmul done in bf16 on any device, for tests; it is no
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,7 @@ from titanlike.models.converters import (
     fqn_matches,
     linear_filter,
     log_on_rank0,
+    quiet_torchao,
     register_converter,
     short_list,
 )
@@ -67,19 +67,11 @@ register_section("mx", MXOptions)
 
 
 def import_moe_training():
-    """torchao.prototype.moe_training, imported without the warnings torchao logs on machines that lack
-    its CUDA kernels (which the emulated path does not use)."""
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
+    """torchao.prototype.moe_training, imported quietly (converters.quiet_torchao)."""
+    with quiet_torchao():
         import torchao.prototype.moe_training.config as config
         import torchao.prototype.moe_training.mxfp8_linear  # noqa: F401
         import torchao.prototype.moe_training.utils  # noqa: F401
-    finally:
-        for log, level in zip(quiet, levels):
-            log.setLevel(level)
     return config
 
 
