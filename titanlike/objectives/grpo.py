@@ -385,8 +385,8 @@ class GRPO(Objective):
 
     # Rules ------------------------------------------------------------------------------------
 
-    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str, data: bool = True) -> None:
-        super().validate(cfg, dims, model=model, data=data)
+    def validate(self, cfg: JobConfig, dims: LayoutDegrees, *, model: str, data: bool = True, tokenizer=None) -> None:
+        super().validate(cfg, dims, model=model, data=data, tokenizer=tokenizer)
         if data:
             self._check_prompts(cfg)
 
