@@ -74,6 +74,11 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
+def splits_backward(p) -> bool:
+    """Whether the [parallelism] section p pipelines with a schedule of SPLIT_BACKWARD_SCHEDULES."""
+    return p.pipeline_parallel_degree > 1 and schedule_name(p.pipeline_parallel_schedule) in SPLIT_BACKWARD_SCHEDULES
+
+
 def schedule_name(name: str) -> str:
     """The canonical spelling of a schedule name (matched case-insensitively, as torch does).
 
