@@ -38,10 +38,13 @@ def test_pp3_1f1b_uneven_stages_with_gradient_accumulation(train_run, single_pro
 @pytest.mark.parametrize("schedule", [
     pytest.param(schedule, marks=pytest.mark.train_run(*pp(2, schedule), *extra, "--training.local_batch_size", "4",
                                                        nproc=4))
-    for schedule, extra in (("ZBVZeroBubble", ("--activation_checkpoint.mode", "full")), ("DualPipeV", ()))])
+    for schedule, extra in (("ZBVZeroBubble", ("--activation_checkpoint.mode", "full")),
+                            ("DualPipeV", ("--compile.enable", "--compile.components", "loss")))])
 def test_pp2_v_schedules_x_fsdp2(train_run, single_process_reference, schedule):
     # V placement: rank 0 holds the first and the last stage. DualPipeV needs 4 microbatches.
     # Block-level activation checkpointing recomputes once per split backward (op-level is refused).
+    # A compiled loss failed the split backward on torch 2.13, so the loss stays eager there
+    # (objectives/base.py compile_options).
     assert_same_curve(train_run.metrics, single_process_reference)
 
 

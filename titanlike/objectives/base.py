@@ -161,8 +161,14 @@ def with_aux_losses(loss: torch.Tensor, output) -> torch.Tensor:
 
 def compile_options(cfg: JobConfig) -> dict[str, Any]:
     """The loss's compile settings from the job's [compile] section (for objectives' factories)."""
+    from titanlike.parallel.pipeline import splits_backward
+
     c = cfg.compile
-    return {"compile_loss": c.enable and "loss" in c.components, "compile_backend": c.backend}
+    # A schedule that splits the backward runs the last stage's loss backward twice (input, then weight
+    # gradients), keeping its graph between, which a compiled loss refuses on torch 2.13 ('compiled with
+    # non-empty donated buffers which requires ... retain_graph=False'): that loss stays eager.
+    compile_loss = c.enable and "loss" in c.components and not splits_backward(cfg.parallelism)
+    return {"compile_loss": compile_loss, "compile_backend": c.backend}
 
 
 def refuse_pretraining_options(cfg: JobConfig, objective: str) -> None:

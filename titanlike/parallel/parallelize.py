@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from titanlike.models import protocol
@@ -94,10 +95,23 @@ def _compile(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None
                 block.compile(fullgraph=True, backend=opts.compile_backend)
                 continue
             # A block holding a module that must stay eager (an MoE layer: data-dependent token
-            # counts, collectives with Python-int splits): compile its other children one by one.
-            for child in block.children():
-                if not any(child is m or any(c is m for c in child.modules()) for m in eager):
-                    child.compile(fullgraph=True, backend=opts.compile_backend)
+            # counts, collectives with Python-int splits): compile its other children one by one,
+            # through their forward. torch 2.13's Module.compile traces from Module._call_impl, which
+            # Dynamo skips, so a child of torch.nn's own (the norms) compiled nothing and fullgraph
+            # failed the first step ('found no compiled frames'): expert parallelism with compile did.
+            _compile_around(block, eager, opts.compile_backend)
+
+
+def _compile_around(module: nn.Module, eager: list[nn.Module], backend: str) -> None:
+    """Compile module's children that hold no module of eager, descending into those that hold one
+    but are not one (a checkpoint wrapper around the block)."""
+    for child in module.children():
+        if any(child is m for m in eager):
+            continue
+        if any(c is m for c in child.modules() for m in eager):
+            _compile_around(child, eager, backend)
+        else:
+            child.forward = torch.compile(child.forward, fullgraph=True, backend=backend)
 
 
 def _data_parallel(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:

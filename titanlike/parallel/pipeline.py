@@ -67,8 +67,16 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 # Schedules that split each backward into input-grad and weight-grad halves run at different
 # times. With FSDP resharding parameters after forward they give wrong or missing gradients
 # (measured: loss off by up to 1e-2 in 3 steps at pp 2 x FSDP 2), and torch does not support
-# the split with compiled modules.
+# the split with compiled modules. Its own check looks for torch.compile's wrapper modules, which
+# blocks compiled in place are not, so the refusal is ours (torch 2.13, ZBVZeroBubble at pp 2: the
+# input half's retained graph fails the compiled backward's donated buffers; with those off, the
+# weight gradients come out wrong, loss 1.2e-4 off one process at step 2).
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def splits_backward(p) -> bool:
+    """Whether the [parallelism] section p pipelines with a schedule of SPLIT_BACKWARD_SCHEDULES."""
+    return p.pipeline_parallel_degree > 1 and schedule_name(p.pipeline_parallel_schedule) in SPLIT_BACKWARD_SCHEDULES
 
 
 def schedule_name(name: str) -> str:
