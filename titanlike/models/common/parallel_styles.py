@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 
@@ -28,20 +28,13 @@ class WaitedRowwiseParallel(RowwiseParallel):
     """RowwiseParallel whose local output is a plain tensor. The token embedding's output is the first
     compiled block's input, and AOT autograd (torch 2.13) returns the gradient of an AsyncCollectiveTensor
     input as a plain tensor, where the redistribute's backward needs a DTensor: tensor parallelism with
-    compiled blocks failed in the first backward ('Tensor' object has no attribute '_local_tensor')."""
+    compiled blocks failed in the first backward ('Tensor' object has no attribute '_local_tensor'). The copy
+    is of this rank's share of the embeddings. The output projection's gathered logits need none: the compiled
+    loss takes them as they are (tests/distributed/test_tensor_parity.py, without loss parallelism)."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         return waited(RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh))
-
-
-class WaitedColwiseParallel(ColwiseParallel):
-    """ColwiseParallel whose local output is a plain tensor (WaitedRowwiseParallel's reason): the output
-    projection's logits, gathered whole without loss parallelism, are the compiled loss's input."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        return waited(ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh))
 
 
 class ReplicatedPositionEmbedding(ParallelStyle):

@@ -190,12 +190,13 @@ def sequence_local(module: nn.Module, opts: ShardOptions) -> ParallelStyle | Non
 
 def vocab_output(module: nn.Module, opts: ShardOptions) -> ParallelStyle:
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from titanlike.models.common.parallel_styles import ScoreHead, WaitedColwiseParallel
+    from titanlike.models.common.parallel_styles import ScoreHead
 
     if module.out_features == 1:  # a reward model's score head: nothing to split over the vocabulary
         return ScoreHead(input_layout=between_blocks(opts))
-    return WaitedColwiseParallel(input_layouts=between_blocks(opts),
+    return ColwiseParallel(input_layouts=between_blocks(opts),
                            output_layouts=Shard(-1) if opts.loss_parallel else Replicate(),
                            use_local_output=not opts.loss_parallel)
 
