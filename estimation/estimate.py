@@ -65,7 +65,7 @@ def run_estimate(cfg, opts: EstimateOptions) -> dict:
                         "parameters" if g.copy else "") + "; the step trains the same rows")
     result = {
         "model": plan.model_name, "world_size": dims.world_size,
-        "layout": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")} | {
+        "layout": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")} | {
                    "pp_schedule": cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None,
                    "activation_checkpoint": ac_mode},
         "seq_len": t.seq_len, "local_batch_size": t.local_batch_size, "mixed_precision_param": t.mixed_precision_param,
@@ -98,6 +98,7 @@ def format_report(result: dict) -> str:
         f"{result['model']} on {result['world_size']} ranks: dp_replicate {lay['dp_replicate']} x dp_shard "
         f"{lay['dp_shard']} x cp {lay['cp']} x tp {lay['tp']} x pp {lay['pp']}"
         + (f" ({lay['pp_schedule']})" if lay["pp_schedule"] else "") + (f", ep {lay['ep']}" if lay["ep"] > 1 else "")
+        + (f", expert tp {lay['etp']}" if lay["etp"] > 1 else "")
         + f", activation checkpointing {lay['activation_checkpoint']}",
         f"seq_len {result['seq_len']}, local_batch_size {result['local_batch_size']}, params in "
         f"{result['mixed_precision_param']} for compute; {result['parameters']:,} parameters"

@@ -12,7 +12,11 @@ What the layouts check beyond the dense matrix:
 - the bias update's one all-reduce must not hang on a pipeline stage without MoE layers
   (Interleaved1F1B with one layer per stage: stage 0 holds the dense layer 0 only);
 - experts FSDP-sharded over the efsdp ranks left beside ep (the 8-rank mix: efsdp 2);
-- resuming an EP 2 checkpoint at EP 1 and at FSDP 4 (expert DTensors resharded by DCP) is exact.
+- resuming an EP 2 checkpoint at EP 1 and at FSDP 4 (expert DTensors resharded by DCP) is exact;
+- expert tensor parallelism (each expert's hidden units split over the etp ranks, which hold
+  different tokens): TP 2 x EP 2 x ETP 2, the experts 2-D DTensors over (ep, etp), whose checkpoint
+  resumes exactly in one process; FSDP 4 x ETP 2, the expert slices FSDP-sharded over the 2 ranks
+  left (efsdp 2), dropping tokens with inputs padded to capacity.
 
 The aux losses are per micro-batch (Switch form), so every run keeps 2-sample micro-batches: the
 reference accumulates 4 of them; PP uses pipeline microbatches of 2. Tolerances: test_fsdp_parity.py.
@@ -91,6 +95,23 @@ def test_hsdp_2x2_ep2_allgather_dispatcher(train_run, reference):
 @pytest.mark.train_run(*MOE, *EP2, "--parallelism.tensor_parallel_degree", "2", nproc=2)
 def test_tp2_ep2(train_run, reference):
     check(train_run.metrics, reference, "TP2 x EP2")
+
+
+ETP2 = ("--parallelism.expert_tensor_parallel_degree", "2")
+SAVE_ETP = saving_every_2_steps("moe_etp")
+
+
+@pytest.mark.train_run(*MOE, *EP2, *ETP2, "--parallelism.tensor_parallel_degree", "2", *SAVE_ETP, name="etp", nproc=4)
+@pytest.mark.train_run(*MOE, *SAVE_ETP, "--checkpoint.load_step", "2", name="resume_one", nproc=1, after="etp")
+def test_tp2_ep2_etp2_then_resume_in_one_process(train_runs, reference):
+    got = train_runs["etp"].metrics
+    check(got, reference, "TP2 x EP2 x ETP2")
+    check(train_runs["resume_one"].metrics, got[2:], "resume TP2 x EP2 x ETP2 -> one process")
+
+
+@pytest.mark.train_run(*MOE, *ETP2, *DROPPING, nproc=4)
+def test_fsdp4_etp2_with_token_dropping(train_run, dropping_reference):
+    check(train_run.metrics, dropping_reference, "FSDP4 x ETP2, capacity 1.0")
 
 
 # Compiled blocks beside eager experts: an MoE block under EP compiles its other children one by one

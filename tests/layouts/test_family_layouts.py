@@ -14,7 +14,7 @@ vocabulary-parallel logits, with gathered logits, and without sequence paralleli
 has a sharding plan; CP 2 (the ring: how K/V move is no family's, and both rotate methods are checked
 on every kind of q/k/v and mask a family hands them in tests/distributed/test_context_attention.py)
 where the family and its objective allow it; EP 2
-for mixtures of experts; PP 2 with a looped schedule (Interleaved1F1B, or 1F1B for models of fewer
+and expert TP 2 for mixtures of experts; PP 2 with a looped schedule (Interleaved1F1B, or 1F1B for models of fewer
 than 4 layers) and the V-placed ZBVZeroBubble (both ends on rank 0) where the family has pipeline
 ends. test_the_declared_layouts_follow_the_spec ties this to the spec: a family with a sharding plan
 must accept TP, with pipeline ends PP, with experts EP. A flavor whose difference from its family's
@@ -64,6 +64,8 @@ CANDIDATES = {
     "cp2_alltoall": (["--parallelism.context_parallel_degree", "2",
                       "--parallelism.context_parallel_rotate_method", "alltoall"], 2),
     "ep2": (["--parallelism.expert_parallel_degree", "2"], 2),
+    # Each expert's hidden units split over both ranks (and a family's expert biases by its own rule).
+    "etp2": (["--parallelism.expert_tensor_parallel_degree", "2"], 2),
     # Pipeline microbatches of 2 samples (local batch 4): the reference's microbatches.
     "pp2_looped": ([PP, "2", SCHEDULE, "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"], 4),
     # V placement, both ends on rank 0: 4 stages need 4 pipeline microbatches, of one sample (not for
@@ -293,8 +295,9 @@ def loads_exactly(argv: list[str], world: int, checkpoint: Path, saved: dict[str
 
 
 # Layouts that lay parameters out differently, each loading the checkpoint of the one before it (the first
-# the reference's; one process then loads the last one's): FSDP shards -> TP splits -> expert shards -> stages.
-RESHARD = ("fsdp2", "tp2", "ep2", "pp2_looped")
+# the reference's; one process then loads the last one's): FSDP shards -> TP splits -> expert shards -> expert
+# slices -> stages.
+RESHARD = ("fsdp2", "tp2", "ep2", "etp2", "pp2_looped")
 
 
 # ---------------------------------------------------------------- the spawned world
@@ -462,6 +465,7 @@ def test_the_declared_layouts_follow_the_spec(family):
         assert ("tp2" in declared) == (spec.shard is not None and _tp_divides(args)), declared
         assert ("pp2_looped" in declared) == (spec.pipeline_ends is not None), declared
         assert ("ep2" in declared) == (args.moe_args() is not None), declared
+        assert ("etp2" in declared) == (args.moe_args() is not None), declared
     for flavor in [f for name, f in ONLY_LAYOUTS if name == family]:
         assert set(ONLY_LAYOUTS[family, flavor]) <= declared_layouts(family, flavor).keys(), (family, flavor)
     for flavor in [f for name, f in NO_NEW_LAYOUT_RULE if name == family]:

@@ -1,5 +1,6 @@
-"""ParallelDims: degrees, the dense mesh views and the expert views (ep, efsdp, expert_fsdp), built
-in one process on torch's fake process group so every rank's view can be checked."""
+"""ParallelDims: degrees, the dense mesh views and the expert views (ep, etp, experts, efsdp,
+expert_fsdp), built in one process on torch's fake process group so every rank's view can be checked;
+and the expert placements parallel/expert_parallel.py gives over them."""
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ def views(rank: int, world: int, **degrees) -> dict[str, list]:
         dims = ParallelDims.resolve(world_size=world, **degrees)
         dims.build_mesh("cpu")
         return {name: (None if dims.mesh(name) is None else dims.mesh(name).mesh.tolist())
-                for name in ("fsdp", "tp", "ep", "efsdp", "expert_fsdp")}
+                for name in ("fsdp", "tp", "ep", "etp", "experts", "efsdp", "expert_fsdp")}
     finally:
         dist.destroy_process_group()
 
@@ -40,11 +41,50 @@ def test_expert_views_recut_the_dense_ranks_with_ep_innermost():
     assert views(0, 4, dp_shard=4)["ep"] is None
 
 
+def test_expert_tensor_parallel_ranks_are_innermost_and_match_tp_when_equal():
+    # 8 ranks: replicate 2 x shard 2 x tp 2, ep 2 x etp 2: the etp group is the tp group, ep steps over it.
+    v0 = views(0, 8, dp_replicate=2, dp_shard=2, tp=2, ep=2, etp=2)
+    assert v0["etp"] == v0["tp"] == [0, 1] and v0["ep"] == [0, 2] and v0["experts"] == [[0, 1], [2, 3]]
+    assert v0["efsdp"] is None and v0["expert_fsdp"] == [[0], [4]]  # replicated over dp_replicate only
+    # shard 4 x tp 2, ep 2 x etp 2: 2 ranks left to FSDP-shard each set of expert slices.
+    v6 = views(6, 8, dp_shard=4, tp=2, ep=2, etp=2)
+    assert v6["etp"] == [6, 7] and v6["ep"] == [4, 6] and v6["efsdp"] == [2, 6] and v6["expert_fsdp"] == [2, 6]
+    # etp without ep: the experts' mesh is the etp ranks.
+    v = views(3, 4, dp_shard=4, etp=2)
+    assert v["ep"] is None and v["etp"] == v["experts"] == [2, 3] and v["efsdp"] == [1, 3]
+
+
+def test_expert_tensor_parallelism_splits_the_hidden_units_and_wraps_the_dispatcher():
+    from titanlike.models.common.moe import MoE, MoEArgs
+    from titanlike.parallel.expert_parallel import AllToAllDispatcher, ExpertTensorParallel, apply_expert_parallel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        dims = ParallelDims.resolve(world_size=8, dp_shard=4, tp=2, ep=2, etp=2)
+        dims.build_mesh("cpu", experts=True)
+        with torch.device("meta"):
+            layer = MoE(16, MoEArgs(num_experts=4, top_k=2, hidden_dim=32))
+        apply_expert_parallel(layer, ep_mesh=dims.mesh("ep"), sequence_mesh=dims.mesh("sequence"),
+                              etp_mesh=dims.mesh("etp"), experts_mesh=dims.mesh("experts"))
+        w1, w2 = layer.experts.w1, layer.experts.w2
+        assert w1.placements == (Shard(0), Shard(1)) and w2.placements == (Shard(0), Shard(2))
+        assert w1.to_local().shape == (2, 16, 16) and w2.to_local().shape == (2, 16, 16)
+        assert isinstance(layer.dispatcher, ExpertTensorParallel)
+        assert isinstance(layer.dispatcher.inner, AllToAllDispatcher) and layer.dispatcher.etp == 2
+    finally:
+        dist.destroy_process_group()
+
+
 def test_expert_degree_must_divide_the_ranks_it_spans():
     assert ParallelDims.resolve(world_size=8, dp_shard=4, tp=2, ep=8).efsdp == 1
     with pytest.raises(ValueError, match="expert_parallel_degree 3 must divide data_parallel_shard_degree 4 x "
                                          "context_parallel_degree 1 x tensor_parallel_degree 2 = 8"):
         ParallelDims.resolve(world_size=8, dp_shard=4, tp=2, ep=3)
+    with pytest.raises(ValueError, match="expert_parallel_degree 2 x expert_tensor_parallel_degree 4 = 8 must divide "
+                                         "data_parallel_shard_degree 2 x "):
+        ParallelDims.resolve(world_size=4, dp_shard=2, tp=2, ep=2, etp=4)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_degree must be at least 1, got 0"):
+        ParallelDims.resolve(world_size=4, etp=0)
 
 
 def test_clip_grad_norm_over_parameters_on_several_meshes():

@@ -247,7 +247,9 @@ class Parallelism:
         "allgather", "how K/V move between context-parallel ranks", choices=("allgather", "alltoall")
     )
     expert_parallel_degree: int = opt(1, "expert parallel degree for mixture-of-experts models")
-    expert_tensor_parallel_degree: int = opt(1, "tensor parallel degree inside each expert")
+    expert_tensor_parallel_degree: int = opt(
+        1, "ranks each expert's hidden units are split over (Megatron's expert tensor parallelism); "
+        "ep x etp must divide dp_shard x cp x tp")
 
 
 @dataclass

@@ -13,10 +13,6 @@ from titanlike.config.loader import ConfigError
 from titanlike.config.schema import JobConfig
 from titanlike.config.sections import dataset_kind_rules, registered_sections
 
-# Features whose options exist (so configs written for them parse) but which this release does
-# not implement yet: refused rather than silently ignored.
-NOT_YET = "is not implemented in this release of titanlike"
-
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -26,7 +22,6 @@ def _check(ok: bool, message: str) -> None:
 def validate_values(cfg: JobConfig) -> None:
     """Rules that need nothing but the config itself."""
     p, t = cfg.parallelism, cfg.training
-    _check(p.expert_tensor_parallel_degree == 1, f"parallelism.expert_tensor_parallel_degree {NOT_YET}")
     if cfg.validation.enable:
         _validate_validation(cfg)
     _validate_samples(cfg)

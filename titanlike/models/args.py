@@ -26,6 +26,7 @@ class LayoutDegrees(Protocol):
     cp: int
     pp: int
     ep: int
+    etp: int
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,10 @@ class MXConverter(ModelConverter):
             raise ValueError("mx.grouped_mm_fqns with compile.enable needs training.mixed_precision_param bfloat16 "
                              "(compiled experts in another precision run one matmul per expert, not the MXFP8 "
                              "grouped GEMM)")
+        moe, etp = args.moe_args(), cfg.parallelism.expert_tensor_parallel_degree
+        if etp > 1 and moe is not None and (moe.hidden_dim // etp) % BLOCK:
+            raise ValueError(f"mx.grouped_mm_fqns under expert_tensor_parallel_degree {etp} needs each rank's slice of "
+                             f"the experts' hidden size ({moe.hidden_dim} / {etp}) to be a multiple of {BLOCK}")
         with torch.device("meta"):
             meta = spec.model_cls(args)
         found = _experts(meta, o.grouped_mm_fqns)

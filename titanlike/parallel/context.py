@@ -52,11 +52,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanlike.models import protocol
 from titanlike.models.common.attention import DocumentMask
 from titanlike.models.common.sinks import add_sinks, sink_attention
+from titanlike.parallel.utils import all_gather_autograd
 
 ROTATE_METHODS = ("allgather", "alltoall")
-
-# torch renamed the differentiable all-gather (the old name now warns); the GPU box runs an older torch.
-_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
 def validate_context_parallel(seq_len: int, cp: int, tp: int) -> None:
@@ -161,7 +159,7 @@ class ContextParallelAttention:
     def _allgather(self, q, k, v, layout, documents, causal, window, sinks=None):
         # One collective for both: (b, h, s, dk + dv) gathered on dim 0 -> (cp * b, h, s, dk + dv).
         # Joined on the feature dim, which k and v need not share (MLA: v_head_dim != qk_head_dim).
-        kv = _all_gather(torch.cat([k, v], dim=-1), 0, self.mesh)
+        kv = all_gather_autograd(torch.cat([k, v], dim=-1), 0, self.mesh)
         kv = kv.unflatten(0, (self.cp, -1)).movedim(0, 2).flatten(2, 3)  # (b, h, cp * s, dk + dv)
         keys, values = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         # Keys stay in rank-major order: the mask carries their positions, and attention
@@ -275,7 +273,7 @@ class ContextParallelCarry:
 
     def _in_order(self, t: torch.Tensor) -> torch.Tensor:
         """(pieces, ...) of every rank, gathered and put in sequence order: (cp x pieces, ...)."""
-        gathered = _all_gather(t.contiguous(), 0, self.mesh)  # rank-major
+        gathered = all_gather_autograd(t.contiguous(), 0, self.mesh)  # rank-major
         return gathered[self.order.flatten().argsort().to(t.device)]
 
     def previous(self, last: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,12 @@ For every MoE layer (models/common/moe.py) of a model or pipeline stage:
   - experts: with ep > 1 their stacked weights become DTensors sharded on the expert dimension
     over the ep ranks, and the layer's dispatcher moves each routed token to the rank of its
     expert and back: all-to-all with uneven splits (default), or all-gather + reduce-scatter;
+  - expert tensor parallelism (etp > 1, Megatron's --expert-tensor-parallel-size): each expert's
+    hidden units are split over the etp ranks too (the dims the experts module names in
+    `tensor_parallel_dims`). The etp ranks of a group hold different tokens (the MoE layer is data
+    parallel over every rank), so after dispatch they all-gather each other's rows, each computes
+    its slice of every row's SwiGLU and a partial sum of its down projection, and a reduce-scatter
+    hands each rank its own rows' sums (Megatron's expert TP with sequence parallelism);
   - sequence_group: the cp x tp ranks holding other slices of the same sequences, over which the
     layer reduces the statistics its balancing losses and capacity need;
   - FSDP meshes (applied later by parallel/fsdp.py): experts over expert_fsdp, the router and
@@ -20,23 +26,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._functional_collectives import (
-    all_gather_tensor_autograd,
-    all_to_all_single_autograd,
-    reduce_scatter_tensor_autograd,
-)
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titanlike.models import protocol
 from titanlike.models.common.moe import Dispatcher, GroupedExperts, moe_layers
+from titanlike.parallel.utils import all_gather_autograd, reduce_scatter_autograd
 
 DISPATCHERS = ("alltoall", "allgather")
 
 
 def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None, sequence_mesh: DeviceMesh | None,
-                          token_dispatcher: str = "alltoall") -> int:
-    """Place the MoE layers of `model` (in place); returns how many there were."""
+                          token_dispatcher: str = "alltoall", etp_mesh: DeviceMesh | None = None,
+                          experts_mesh: DeviceMesh | None = None) -> int:
+    """Place the MoE layers of `model` (in place); returns how many there were. experts_mesh: the
+    (ep, etp) mesh the expert weights are split over (the one of them above 1, or both)."""
     layers = moe_layers(model)
     for _, moe in layers:
         moe.sequence_group = sequence_mesh.get_group() if sequence_mesh is not None else None
@@ -46,18 +51,29 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None, seque
         # Read by the compile step: routing has data-dependent sizes (token counts as Python ints for
         # the all-to-all splits and the grouped matmul offsets), so the layer runs eagerly.
         protocol.set_skip_compile(moe)
-        if ep_mesh is None:
+        if ep_mesh is None and etp_mesh is None:
             continue
-        _shard_experts(moe.experts, ep_mesh)
+        _shard_experts(moe.experts, experts_mesh, ep=ep_mesh is not None, etp=etp_mesh is not None)
         num_experts = moe.args.num_experts
-        moe.dispatcher = (AllToAllDispatcher(ep_mesh, num_experts) if token_dispatcher == "alltoall"
-                          else AllGatherDispatcher(ep_mesh, num_experts))
+        if ep_mesh is not None:
+            moe.dispatcher = (AllToAllDispatcher(ep_mesh, num_experts) if token_dispatcher == "alltoall"
+                              else AllGatherDispatcher(ep_mesh, num_experts))
+        if etp_mesh is not None:
+            moe.dispatcher = ExpertTensorParallel(moe.dispatcher, etp_mesh)
     return len(layers)
 
 
-def _shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
+def _shard_experts(experts: GroupedExperts, mesh: DeviceMesh, *, ep: bool, etp: bool) -> None:
+    """Every parameter of the experts: on the expert dimension over ep, on the dimension the experts
+    module names in tensor_parallel_dims over etp."""
     for name, param in list(experts.named_parameters(recurse=False)):
-        experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+        placements = [Shard(0)] if ep else []
+        if etp:
+            if name not in experts.tensor_parallel_dims:
+                raise ValueError(f"{type(experts).__name__}.{name} names no dimension to split under expert tensor "
+                                 "parallelism (tensor_parallel_dims); set expert_tensor_parallel_degree 1")
+            placements.append(Shard(experts.tensor_parallel_dims[name]))
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements)))
 
 
 def _source_to_expert_order(counts: torch.Tensor) -> torch.Tensor:
@@ -107,25 +123,53 @@ class AllGatherDispatcher(_ExpertGroupDispatcher):
     outputs of its own rows (Megatron's allgather dispatcher; simpler collectives, more traffic)."""
 
     def run(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-        all_counts = [torch.empty_like(counts) for _ in range(self.ep)]
-        dist.all_gather(all_counts, counts, group=self.group)
-        all_counts = torch.stack(all_counts)  # (source rank, expert)
-        # Ranks route different numbers of rows: pad each to the longest for the gather.
-        longest = int(all_counts.sum(1).max())
-        padded = rows.new_zeros(longest, rows.shape[1])
-        padded = padded.index_copy(0, torch.arange(rows.shape[0], device=rows.device), rows)
-        gathered = all_gather_tensor_autograd(padded, gather_dim=0, group=self.group)
-        # This rank's experts' rows of every source: contiguous, since each source sorted by expert.
-        first, last = self.rank * self.local_experts, (self.rank + 1) * self.local_experts
-        before = all_counts[:, :first].sum(1)
-        mine = all_counts[:, first:last]  # (source, local expert)
-        index = torch.cat([torch.arange(int(b), int(b) + int(n), device=rows.device) + src * longest
-                           for src, (b, n) in enumerate(zip(before.tolist(), mine.sum(1).tolist()))])
-        order = _source_to_expert_order(mine)
-        out = experts(gathered.index_select(0, index.index_select(0, order)), mine.sum(0))
-        contribution = out.new_zeros(self.ep * longest, out.shape[1]).index_add(0, index.index_select(0, order), out)
-        returned = reduce_scatter_tensor_autograd(contribution, "sum", scatter_dim=0, group=self.group)
-        return returned[: rows.shape[0]]
+        first = self.rank * self.local_experts
+        return _gather_run_scatter(rows, counts, experts, self.group, self.ep, first, first + self.local_experts)
 
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DISPATCHERS", "apply_expert_parallel"]
+class ExpertTensorParallel(Dispatcher):
+    """Wraps the dispatcher that brings rows to this rank's experts (local, all-to-all or all-gather):
+    the rows that reach the experts are all-gathered over the etp ranks, every rank's slice of the
+    experts runs on all of them, and a reduce-scatter sums the slices' partial outputs back to the
+    rank each row came from."""
+
+    def __init__(self, inner: Dispatcher, etp_mesh: DeviceMesh):
+        self.inner = inner
+        self.group = etp_mesh.get_group()
+        self.etp = etp_mesh.size()
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        def sliced(arrived: torch.Tensor, arrived_counts: torch.Tensor) -> torch.Tensor:
+            return _gather_run_scatter(arrived, arrived_counts, experts, self.group, self.etp, 0, len(arrived_counts))
+
+        return self.inner.run(rows, counts, sliced)
+
+
+def _gather_run_scatter(rows: torch.Tensor, counts: torch.Tensor, experts, group: dist.ProcessGroup, size: int,
+                        first: int, last: int) -> torch.Tensor:
+    """rows grouped by expert (counts[e] for the group's expert e) -> the experts' outputs of this
+    rank's rows. Every rank of `group` gathers the rows of all, runs experts first..last-1 (this
+    rank's) on the rows routed to them, and a reduce-scatter sums each row's contributions back to
+    the rank it came from: one rank's under expert parallelism, every rank's partial sum under
+    expert tensor parallelism."""
+    all_counts = [torch.empty_like(counts) for _ in range(size)]
+    dist.all_gather(all_counts, counts, group=group)
+    all_counts = torch.stack(all_counts)  # (source rank, expert)
+    # Ranks route different numbers of rows: pad each to the longest for the gather.
+    longest = int(all_counts.sum(1).max())
+    padded = rows.new_zeros(longest, rows.shape[1])
+    padded = padded.index_copy(0, torch.arange(rows.shape[0], device=rows.device), rows)
+    gathered = all_gather_autograd(padded, gather_dim=0, group=group)
+    # The rows of experts first..last-1 of every source: contiguous, since each source sorted by expert.
+    before = all_counts[:, :first].sum(1)
+    mine = all_counts[:, first:last]  # (source, expert of this rank)
+    index = torch.cat([torch.arange(int(b), int(b) + int(n), device=rows.device) + src * longest
+                       for src, (b, n) in enumerate(zip(before.tolist(), mine.sum(1).tolist()))])
+    order = _source_to_expert_order(mine)
+    out = experts(gathered.index_select(0, index.index_select(0, order)), mine.sum(0))
+    contribution = out.new_zeros(size * longest, out.shape[1]).index_add(0, index.index_select(0, order), out)
+    returned = reduce_scatter_autograd(contribution, "sum", scatter_dim=0, group=group)
+    return returned[: rows.shape[0]]
+
+
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "DISPATCHERS", "ExpertTensorParallel", "apply_expert_parallel"]

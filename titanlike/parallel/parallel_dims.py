@@ -13,14 +13,17 @@ Every other mesh the job needs is a named view of that one mesh:
 Mixture-of-experts models (build_mesh(..., experts=True)) view the same ranks differently. Under
 sequence parallelism every rank of dp_shard x cp x tp holds different tokens at a block's MLP, so
 an MoE layer is data-parallel over all of them, and the ranks of dp_shard x cp x tp are re-cut into
-(efsdp, ep): the expert meshes are [pp, dp_replicate, efsdp, ep] over the dense mesh's ranks (as
-torchtitan):
+(efsdp, ep, etp): the expert meshes are [pp, dp_replicate, efsdp, ep, etp] over the dense mesh's
+ranks (Megatron's MoE parallel folding; torchtitan's with etp 1):
 
   token_fsdp   (dp_replicate?, dp_shard x cp x tp): the router and shared experts (whole on every
                rank, fed different tokens) are sharded over it, so their gradients sum over all
   sequence     (cp x tp): ranks holding slices of the same sequences at an MLP's input
   ep           ranks that hold different experts and exchange tokens (all-to-all)
-  efsdp        ranks that FSDP-shard one set of experts (dp_shard x cp x tp / ep)
+  etp          ranks that hold different slices of the same experts' hidden units (expert tensor
+               parallelism), innermost: with etp = tp the slices stay inside a tensor-parallel group
+  experts      (ep, etp): the mesh the expert weights are DTensors on
+  efsdp        ranks that FSDP-shard one set of expert slices (dp_shard x cp x tp / (ep x etp))
   expert_fsdp  (dp_replicate?, efsdp): the mesh expert weights are fully_shard-ed over
 """
 
@@ -43,6 +46,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    etp: int = 1
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, init=False)
 
     @classmethod
@@ -56,6 +60,7 @@ class ParallelDims:
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        etp: int = 1,
     ) -> "ParallelDims":
         """Fill in dp_shard = -1 and check the degrees multiply to world_size.
 
@@ -64,7 +69,7 @@ class ParallelDims:
         """
         named = {"data_parallel_replicate_degree": dp_replicate, "context_parallel_degree": cp,
                  "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
-                 "expert_parallel_degree": ep}
+                 "expert_parallel_degree": ep, "expert_tensor_parallel_degree": etp}
         for name, degree in named.items():
             if degree < 1:
                 raise ValueError(f"parallelism.{name} must be at least 1, got {degree}")
@@ -85,19 +90,22 @@ class ParallelDims:
                 f"parallel degrees replicate {dp_replicate} x shard {dp_shard} x cp {cp} x tp {tp} x pp {pp} "
                 f"= {dp_replicate * dp_shard * cp * tp * pp} must equal the world size {world_size}"
             )
-        if (dp_shard * cp * tp) % ep:
+        if (dp_shard * cp * tp) % (ep * etp):
+            what = (f"expert_parallel_degree {ep} x expert_tensor_parallel_degree {etp} = {ep * etp}" if etp > 1
+                    else f"expert_parallel_degree {ep}")
             raise ValueError(
-                f"parallelism.expert_parallel_degree {ep} must divide data_parallel_shard_degree {dp_shard} x "
+                f"parallelism.{what} must divide data_parallel_shard_degree {dp_shard} x "
                 f"context_parallel_degree {cp} x tensor_parallel_degree {tp} = {dp_shard * cp * tp}, the ranks "
                 "experts are spread over")
-        return cls(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
+        return cls(dp_replicate, dp_shard, cp, tp, pp, ep, world_size, etp)
 
     @staticmethod
     def smallest_world(p) -> int:
         """The smallest world size the [parallelism] section p allows: its degrees multiplied, where
-        data_parallel_shard_degree -1 takes the fewest shards that let expert_parallel_degree divide
-        dp_shard x cp x tp (resolve's rule)."""
-        cp, tp, ep = p.context_parallel_degree, p.tensor_parallel_degree, p.expert_parallel_degree
+        data_parallel_shard_degree -1 takes the fewest shards that let expert_parallel_degree x
+        expert_tensor_parallel_degree divide dp_shard x cp x tp (resolve's rule)."""
+        cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+        ep = p.expert_parallel_degree * p.expert_tensor_parallel_degree
         shard = p.data_parallel_shard_degree
         if shard == -1:
             shard = ep // math.gcd(ep, cp * tp)
@@ -108,7 +116,8 @@ class ParallelDims:
         """resolve() from the [parallelism] section p."""
         return cls.resolve(world_size=world_size, dp_replicate=p.data_parallel_replicate_degree,
                            dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
-                           tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree)
+                           tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree,
+                           etp=p.expert_tensor_parallel_degree)
 
     # Degrees and switches ------------------------------------------------------------
 
@@ -147,9 +156,13 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def etp_enabled(self) -> bool:
+        return self.etp > 1
+
+    @property
     def efsdp(self) -> int:
-        """Ranks that FSDP-shard one set of experts: dp_shard x cp x tp / ep."""
-        return self.dp_shard * self.cp * self.tp // self.ep
+        """Ranks that FSDP-shard one set of expert slices: dp_shard x cp x tp / (ep x etp)."""
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
 
     @property
     def non_data_parallel_size(self) -> int:
@@ -183,14 +196,14 @@ class ParallelDims:
             self._meshes["fsdp"] = world["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"]
         elif "dp_shard_cp" in self._meshes:
             self._meshes["fsdp"] = self._meshes["dp_shard_cp"]
-        if experts or self.ep > 1:
+        if experts or self.ep * self.etp > 1:
             self._expert_views(world)
         return world
 
     def _expert_views(self, world: DeviceMesh) -> None:
-        """token_fsdp, sequence, and ep, efsdp, expert_fsdp: the ranks of dp_replicate x dp_shard x
-        cp x tp re-cut into (replicate, efsdp, ep), ep innermost so that an expert group stays inside
-        a node when tp and cp do."""
+        """token_fsdp, sequence, and ep, etp, experts, efsdp, expert_fsdp: the ranks of dp_replicate x
+        dp_shard x cp x tp re-cut into (replicate, efsdp, ep, etp), etp and ep innermost so that an
+        expert group stays inside a node when tp and cp do."""
         self._view(world, "sequence", ("cp", "tp"))
         if self.tp == 1:
             token = self._meshes.get("fsdp")
@@ -200,15 +213,19 @@ class ParallelDims:
                      else self._meshes["dp_shard_cp_tp"])
         if token is not None:
             self._meshes["token_fsdp"] = token
-        if self.ep == 1:
-            # No expert parallelism: experts are sharded like the router.
+        if self.ep * self.etp == 1:
+            # Neither expert nor expert tensor parallelism: experts are sharded like the router.
             if token is not None:
                 self._meshes["expert_fsdp"] = token
             return
         span = tuple(d for d in ("dp_replicate", "dp_shard", "cp", "tp") if d in self._meshes)
         spanned = world[span]._flatten("ep_span") if len(span) > 1 else world[span[0]]
-        experts = spanned._unflatten(0, (self.dp_replicate, self.efsdp, self.ep), ("ep_replicate", "efsdp", "ep"))
-        self._meshes["ep"] = experts["ep"]
+        experts = spanned._unflatten(0, (self.dp_replicate, self.efsdp, self.ep, self.etp),
+                                     ("ep_replicate", "efsdp", "ep", "etp"))
+        split = tuple(d for d, n in (("ep", self.ep), ("etp", self.etp)) if n > 1)
+        for name in split:
+            self._meshes[name] = experts[name]
+        self._meshes["experts"] = experts[split] if len(split) > 1 else experts[split[0]]
         if self.efsdp > 1:
             self._meshes["efsdp"] = experts["efsdp"]
         if self.dp_replicate > 1:
@@ -229,7 +246,8 @@ class ParallelDims:
 
     def mesh(self, name: str) -> DeviceMesh | None:
         """A named mesh (world, dp, fsdp, dp_shard_cp, loss, pp, dp_replicate, dp_shard, cp, tp, and for
-        experts token_fsdp, sequence, ep, efsdp, expert_fsdp), or None when that dimension has degree 1."""
+        experts token_fsdp, sequence, ep, etp, experts, efsdp, expert_fsdp), or None when that dimension
+        has degree 1."""
         return self._meshes.get(name)
 
     def dp_rank(self) -> int:

@@ -3,7 +3,7 @@
 The order matters:
   1. tensor parallel: replaces parameters by DTensors on the tp mesh;
   2. context parallel: swaps the attention that checkpointing and compile are about to wrap;
-  3. mixture of experts: shards experts over the ep mesh, sets each MoE layer's dispatcher and
+  3. mixture of experts: shards experts over the ep and etp meshes, sets each MoE layer's dispatcher and
      sequence group, and names the meshes FSDP shards its parts over (parallel/expert_parallel.py);
   4. activation checkpointing and 5. compile: wrap blocks;
   6. data parallel (FSDP/HSDP) last, so it shards the already TP-sharded parameters over the
@@ -76,7 +76,8 @@ def _context_parallel(model, shard, dims: ParallelDims, opts: ParallelizeOptions
 
 def _expert_parallel(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:
     apply_expert_parallel(model, ep_mesh=dims.mesh("ep"), sequence_mesh=dims.mesh("sequence"),
-                          token_dispatcher=opts.token_dispatcher)
+                          token_dispatcher=opts.token_dispatcher, etp_mesh=dims.mesh("etp"),
+                          experts_mesh=dims.mesh("experts"))
 
 
 def _activation_checkpointing(model, shard, dims: ParallelDims, opts: ParallelizeOptions) -> None:

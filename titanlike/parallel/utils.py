@@ -6,9 +6,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanlike.models.common.dtensor import is_dtensor, local_part
+
+# torch 2.13 renamed the differentiable all-gather and reduce-scatter (the old names warn at every call);
+# the older torch of a GPU box has only the old names.
+all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+reduce_scatter_autograd = (getattr(funcol, "reduce_scatter_single_autograd", None)
+                           or funcol.reduce_scatter_tensor_autograd)
 
 
 @dataclass

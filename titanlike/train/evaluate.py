@@ -105,7 +105,8 @@ def validate_samples_layout(v, dims, *, no_text: str | None, compile_blocks: boo
         raise ValueError(f"validation.sample_prompts needs a model that generates text, and {model} {no_text}")
     # Samples run the KV-cache engine on each rank's model as it is: whole layers, plain forwards.
     split = [name for name, on in (("pipeline", dims.pp_enabled), ("tensor", dims.tp_enabled),
-                                   ("context", dims.cp_enabled), ("expert", dims.ep_enabled)) if on]
+                                   ("context", dims.cp_enabled), ("expert", dims.ep_enabled),
+                                   ("expert tensor", dims.etp_enabled)) if on]
     if split:
         raise ValueError(f"validation.sample_prompts cannot run under {split[0]} parallelism, where a rank does not "
                          "compute whole layers for a batch of its own (data parallelism and FSDP can); sample from a "

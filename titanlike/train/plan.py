@@ -174,7 +174,8 @@ def _plan(cfg: JobConfig, world_size: int, vocab_size: int | None) -> JobPlan:
     model = f"{m.name} {m.flavor}" if source.flavor else f"{m.name} ({source.description})"
     tokenizer = job_tokenizer(m.tokenizer_path, m.hf_assets_path, DEFAULT_TOKENIZER_PATH) if vocab_size is None \
         else None
-    validate_moe_job(cfg.moe, has_experts=source.args.moe_args() is not None, ep=dims.ep, model=model)
+    validate_moe_job(cfg.moe, has_experts=source.args.moe_args() is not None, ep=dims.ep, etp=dims.etp,
+                     model=model)
     check_other_families_sections(cfg, spec)
     try:
         args = model_args(cfg, spec, source.args)

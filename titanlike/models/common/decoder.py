@@ -129,7 +129,7 @@ class DecoderArgs(BaseModelArgs):
         check_divisible(self.n_heads, "attention heads", dims.tp, "tensor_parallel_degree")
         check_divisible(self.num_kv_heads, "key/value heads", dims.tp, "tensor_parallel_degree")
         if self.moe is not None:
-            self.moe.validate_layout(dim=self.dim, ep=dims.ep, cp=dims.cp)
+            self.moe.validate_layout(dim=self.dim, ep=dims.ep, cp=dims.cp, etp=dims.etp)
         # Called on the flavor's args, before update_from_config sizes max_seq_len for the job: the
         # positions the model has a table or RoPE angles for (Llama 3.1: 131072, GPT-2: 1024).
         if seq_len > self.context_len:

@@ -30,6 +30,21 @@ def local_rows(p: torch.Tensor) -> slice:
     return slice(offset[0], offset[0] + shape[0])
 
 
+def local_part_in_place(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t's shard on this rank, set into zeros of t's whole size along dim at the shard's offset (the
+    other dimensions stay this rank's): a bias added to partial sums that ranks holding different
+    slices of dim add up, so that the sum holds it once. t itself when it is not a DTensor."""
+    if not is_dtensor(t):
+        return t
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    after = t.shape[dim] - offset[dim] - shape[dim]
+    pad = [0, 0] * (local.ndim - 1 - dim % local.ndim) + [offset[dim], after]
+    return torch.nn.functional.pad(local, pad)
+
+
 @torch.no_grad()
 def scale_rows_(p: torch.Tensor | None, factor: torch.Tensor) -> None:
     """Multiply each row of p in place by factor (one entry per global row), on this rank's shard."""
@@ -40,4 +55,4 @@ def scale_rows_(p: torch.Tensor | None, factor: torch.Tensor) -> None:
     local.mul_(f.view(-1, *[1] * (local.ndim - 1)))
 
 
-__all__ = ["is_dtensor", "local_part", "local_rows", "scale_rows_"]
+__all__ = ["is_dtensor", "local_part", "local_part_in_place", "local_rows", "scale_rows_"]

@@ -133,17 +133,21 @@ class MoEArgs:
             if getattr(self, name) < 0:
                 raise ValueError(f"moe.{name} must be >= 0, got {getattr(self, name)}")
 
-    def validate_layout(self, *, dim: int, ep: int, cp: int) -> None:
+    def validate_layout(self, *, dim: int, ep: int, cp: int, etp: int) -> None:
         """The rules that depend on the layout (called from a family's args.validate)."""
         if self.num_experts % ep:
             raise ValueError(f"parallelism.expert_parallel_degree {ep} must divide the model's "
                              f"{self.num_experts} experts")
+        if self.hidden_dim % etp:
+            raise ValueError(f"parallelism.expert_tensor_parallel_degree {etp} must divide the experts' hidden size "
+                             f"{self.hidden_dim}")
         if self.drop_policy == "position" and self.capacity_factor is not None and cp > 1:
             raise ValueError("moe.drop_policy position needs each sequence's token order, which context "
                              "parallelism's load-balanced split does not keep; use drop_policy probs")
-        if self.experts_impl == "grouped_mm" and (dim % 8 or self.hidden_dim % 8):
+        if self.experts_impl == "grouped_mm" and (dim % 8 or self.hidden_dim // etp % 8):
+            per_rank = f", {self.hidden_dim // etp} per expert-tensor-parallel rank" if etp > 1 else ""
             raise ValueError(f"torch._grouped_mm needs the model dim ({dim}) and the expert hidden size "
-                             f"({self.hidden_dim}) to be multiples of 8; set moe.experts_impl loop")
+                             f"({self.hidden_dim}{per_rank}) to be multiples of 8; set moe.experts_impl loop")
 
 
 # Routing ---------------------------------------------------------------------------------------
@@ -210,8 +214,14 @@ class GroupedExperts(nn.Module):
     """num_experts SwiGLU MLPs with stacked weights: w1, w3 (E, F, D) and w2 (E, D, F).
 
     Under expert parallelism the weights are DTensors sharded on dim 0 over the ep ranks; forward
-    uses this rank's experts (the dispatcher brought their tokens here).
+    uses this rank's experts (the dispatcher brought their tokens here). Under expert tensor
+    parallelism each is also split over the etp ranks on the dimension tensor_parallel_dims names:
+    the hidden units (the SwiGLU is elementwise in them), so forward computes this rank's slice of
+    the hidden units and a partial sum of the down projection, which the dispatcher sums over the
+    etp ranks (parallel/expert_parallel.py).
     """
+
+    tensor_parallel_dims: dict[str, int] = {"w1": 1, "w2": 2, "w3": 1}
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, impl: str = "grouped_mm"):
         super().__init__()
@@ -508,7 +518,7 @@ def _gather_sequence(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def validate_moe_job(section, *, has_experts: bool, ep: int, model: str) -> None:
+def validate_moe_job(section, *, has_experts: bool, ep: int, model: str, etp: int = 1) -> None:
     """Expert parallelism and the [moe] settings need a mixture-of-experts model: ValueError, one
     sentence. section: the job's [moe] section; model: "name flavor" for the message."""
     if has_experts:
@@ -516,6 +526,9 @@ def validate_moe_job(section, *, has_experts: bool, ep: int, model: str) -> None
     if ep > 1:
         raise ValueError(f"parallelism.expert_parallel_degree {ep} needs a mixture-of-experts model, and {model} is "
                          "dense; set it to 1")
+    if etp > 1:
+        raise ValueError(f"parallelism.expert_tensor_parallel_degree {etp} needs a mixture-of-experts model, and "
+                         f"{model} is dense; set it to 1")
     for name in ("capacity_factor", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
         if getattr(section, name) is not None:
             raise ValueError(f"moe.{name} is set but {model} has no mixture-of-experts layers; remove it or pick "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from titanlike.models.common.attention import Attention
 from titanlike.models.common.block import TransformerBlock
 from titanlike.models.common.decoder import DecoderArgs
-from titanlike.models.common.dtensor import local_part
+from titanlike.models.common.dtensor import local_part, local_part_in_place
 from titanlike.models.common.init import LinearInit, zeros_
 from titanlike.models.common.moe import GroupedExperts, MoE, MoEArgs, Router, Routing
 from titanlike.models.common.moe_decoder import MoEDecoder, depth_scaled_init
@@ -86,7 +86,12 @@ class GptOssRouter(Router):
 
 class GptOssExperts(GroupedExperts):
     """The shared stacked experts (w1 gate, w3 up: (E, F, D); w2 down: (E, D, F)) with biases b1, b3 (E, F)
-    and b2 (E, D), and the clamped SwiGLU. Biases are sharded with the weights under expert parallelism."""
+    and b2 (E, D), and the clamped SwiGLU. Biases are sharded with the weights under expert parallelism.
+    Under expert tensor parallelism b1 and b3 split with the hidden units; b2 splits over the output
+    features, each rank adding its slice to its partial sum of the down projection, so that the sum
+    over the ranks adds b2 once (and each slice's gradient is that of the whole output's columns)."""
+
+    tensor_parallel_dims = GroupedExperts.tensor_parallel_dims | {"b1": 1, "b3": 1, "b2": 1}
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, impl: str, *, alpha: float, limit: float):
         super().__init__(dim, hidden_dim, num_experts, impl)
@@ -97,7 +102,8 @@ class GptOssExperts(GroupedExperts):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (w.to(x.dtype) for w in self.local_weights())
-        b1, b2, b3 = (local_part(b).to(x.dtype) for b in (self.b1, self.b2, self.b3))
+        b1, b3 = (local_part(b).to(x.dtype) for b in (self.b1, self.b3))
+        b2 = local_part_in_place(self.b2, 1).to(x.dtype)
         # Each row's expert, to pick its biases.
         expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts,
                                          output_size=x.shape[0])

@@ -201,7 +201,7 @@ class HybridModelArgs(BaseModelArgs):
                                  f"{piece} tokens, fewer than the {self.mamba.conv_kernel - 1} the Mamba-2 conv reads "
                                  "back; use a longer seq_len or a lower context_parallel_degree")
         if self.moe is not None:
-            self.moe.validate_layout(dim=self.dim, ep=dims.ep, cp=dims.cp)
+            self.moe.validate_layout(dim=self.dim, ep=dims.ep, cp=dims.cp, etp=dims.etp)
         # Only a RoPE table limits the positions (max_seq_len is the context the flavor was trained
         # at); Mamba layers and attention without position encoding run at any length.
         if self.rope_theta is not None and seq_len > self.context_len:
