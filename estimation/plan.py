@@ -7,7 +7,9 @@ The same as `estimation/estimate.py --estimate.plan`. Enumeration, for N GPUs an
 batch: tensor parallel t in {1, 2, 4, 8} (inside a node), pipeline p in {1, 2, 4, ...} (1F1B and
 Interleaved1F1B), context parallel c in {1, 2, 4, 8}, data parallel dp = N / (t p c) split into HSDP
 replicas and FSDP shards; for mixture-of-experts models every expert-parallel degree dividing both
-dp_shard x cp x tp and the expert count; the `plan_ac_modes`; every microbatch dividing the local
+dp_shard x cp x tp and the expert count, with expert tensor parallelism 1 and, under TP, for coarse
+experts (hidden size at least the model's, as Mixtral's) also equal to t (each expert's hidden units
+split inside the TP group; fine-grained experts' matmuls are too small to split); the `plan_ac_modes`; every microbatch dividing the local
 batch (accumulated, or pipeline microbatches); for a model whose last stage carries layers after the
 trunk (multi-token prediction), also ceil(num_layers / stages) layers per stage. Every candidate is
 planned by train.py's own `plan_job` (those it refuses are counted by reason), then estimated in the
@@ -22,6 +24,8 @@ Throughput model, per optimizer step, per GPU (stated, not measured), from the a
   CP        = all-gather of K/V per layer in forward, reduce-scatter of their gradients in backward
   EP        = per layer and microbatch, all-to-all of the routed rows (top_k per token) to dispatch and
               to combine, in forward and backward; (e-1)/e of them leave the rank
+  ETP       = per layer and microbatch, all-gather of the routed rows over the etp ranks and
+              reduce-scatter of their outputs, in forward and backward
   FSDP      = all-gather of 2-byte parameters in forward and backward, reduce-scatter of fp32 gradients,
               per microbatch (per step under PP); HSDP adds an all-reduce across replicas; overlapped
               with compute, so only what exceeds it is exposed, plus one layer's that nothing hides
@@ -66,6 +70,7 @@ class Candidate:
     local_batch_size: int
     microbatch: int
     ep: int = 1
+    etp: int = 1
     experts: bool = False  # the model has routed experts (the overrides then always set ep)
     layers_per_stage: int | None = None  # None: the trainer's default split
     peak_bytes: int = 0
@@ -79,12 +84,12 @@ class Candidate:
 
     @property
     def shape(self) -> tuple:
-        return (self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.schedule, self.ep,
+        return (self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.schedule, self.ep, self.etp,
                 self.layers_per_stage)
 
     def label(self) -> str:
         parts = ([f"dp_replicate {self.dp_replicate}"] if self.dp_replicate > 1 else []) + [f"dp_shard {self.dp_shard}"]
-        parts += [f"{name} {getattr(self, name)}" for name in ("cp", "tp", "pp", "ep") if getattr(self, name) > 1]
+        parts += [f"{name} {getattr(self, name)}" for name in ("cp", "tp", "pp", "ep", "etp") if getattr(self, name) > 1]
         parts += [self.schedule] if self.pp > 1 else []
         parts += [f"{self.layers_per_stage} layers per stage"] if self.layers_per_stage else []
         return ", ".join([*parts, f"AC {self.ac}", f"microbatch {self.microbatch}"])
@@ -96,6 +101,7 @@ class Candidate:
                "tensor_parallel_degree": self.tp, "context_parallel_degree": self.cp,
                "pipeline_parallel_degree": self.pp}
         par |= {"expert_parallel_degree": self.ep} if self.experts or self.ep > 1 else {}
+        par |= {"expert_tensor_parallel_degree": self.etp} if self.etp > 1 else {}
         if self.pp > 1:
             par |= {"pipeline_parallel_schedule": self.schedule, "pipeline_parallel_microbatch_size": self.microbatch}
             par |= {"pipeline_parallel_layers_per_stage": self.layers_per_stage} if self.layers_per_stage else {}
@@ -122,11 +128,13 @@ def layouts(world: int, args, global_batch: int, opts: EstimateOptions, rejected
                         rejected[f"global batch {global_batch} is not divisible by the data-parallel degree"] += 1
                         continue
                     local = global_batch // dp
-                    for ep, split, ac, micro in product(
-                            expert_degrees(dp // rep * cp * tp, moe.num_experts) if moe is not None else [1],
+                    for (ep, etp), split, ac, micro in product(
+                            expert_layouts(dp // rep * cp * tp, moe.num_experts,
+                                           tp if moe.hidden_dim >= args.hidden_size else 1)
+                            if moe is not None else [(1, 1)],
                             stage_splits(args, pp, schedule), opts.plan_ac_modes, _divisors(local)):
                         yield Candidate(rep, dp // rep, cp, tp, pp, schedule, ac, local if pp > 1 else micro, micro,
-                                        ep=ep, experts=moe is not None, layers_per_stage=split)
+                                        ep=ep, etp=etp, experts=moe is not None, layers_per_stage=split)
 
 
 def stage_splits(args, pp: int, schedule: str | None) -> list[int | None]:
@@ -149,6 +157,13 @@ def expert_degrees(span: int, num_experts: int) -> list[int]:
     return [d for d in _divisors(span) if num_experts % d == 0]
 
 
+def expert_layouts(span: int, num_experts: int, tp: int) -> list[tuple[int, int]]:
+    """(ep, etp) pairs: expert tensor parallelism 1, or tp under TP, with every expert-parallel degree
+    that divides the experts and, times etp, the ranks experts spread over (dp_shard x cp x tp)."""
+    return [(ep, etp) for etp in sorted({1, tp}) if span % etp == 0
+            for ep in expert_degrees(span // etp, num_experts)]
+
+
 def throughput(plan, c: Candidate, opts: EstimateOptions) -> None:
     """Fill c's step time, tokens/s per GPU and MFU from the model in the module docstring, for its plan."""
     args, seq, world, e = plan.model_args, plan.cfg.training.seq_len, plan.dims.world_size, 2
@@ -164,18 +179,22 @@ def throughput(plan, c: Candidate, opts: EstimateOptions) -> None:
                                                               * 2 / c.tp) / bw(c.tp * c.cp)
          if c.cp > 1 and heads is not None else 0.0,
          "ep": layers * microbatches * 2 * passes * (c.ep - 1) / c.ep * act / c.tp * moe.top_k / bw(c.ep)
-         if c.ep > 1 and moe is not None else 0.0}
-    # Parameters this rank gathers: routed experts (all but the active share) split by ep, the rest by tp.
+         if c.ep > 1 and moe is not None else 0.0,
+         # The rows reaching a rank's experts, about its own routed rows: gathered from etp - 1 ranks and
+         # their partial outputs scattered back.
+         "etp": layers * microbatches * 2 * passes * (c.etp - 1) * act / c.tp * moe.top_k / bw(c.etp)
+         if c.etp > 1 and moe is not None else 0.0}
+    # Parameters this rank gathers: routed experts (all but the active share) split by ep x etp, the rest by tp.
     total, active = args.num_params(), args.num_params(active=True)
     experts = (total - active) * moe.num_experts / (moe.num_experts - moe.top_k) if moe is not None else 0
-    local, shard = ((total - experts) / c.tp + experts / c.ep) / c.pp, c.dp_shard * c.cp
+    local, shard = ((total - experts) / c.tp + experts / (c.ep * c.etp)) / c.pp, c.dp_shard * c.cp
     fsdp = (1 if c.pp > 1 else microbatches) * (shard - 1) / shard * local * ((1 if c.pp > 1 else 2) * e + 4) / bw(
         c.tp * c.cp * c.dp_shard) if shard > 1 else 0.0
     if c.dp_replicate > 1:
         fsdp += 2 * (c.dp_replicate - 1) / c.dp_replicate * local * 4 / shard / (opts.ib_gbps * 1e9)
     t["fsdp_exposed"] = max(0.0, fsdp - t["compute"]) + fsdp / max(layers, 1)
     t["pp_bubble"] = (c.pp - 1) / ((2 if c.schedule == "Interleaved1F1B" else 1) * microbatches) * (
-        t["compute"] + t["tp"] + t["cp"] + t["ep"]) if c.pp > 1 else 0.0
+        t["compute"] + t["tp"] + t["cp"] + t["ep"] + t["etp"]) if c.pp > 1 else 0.0
     c.step_seconds, c.time_parts = sum(t.values()), t
     c.tokens_per_second_per_gpu = tokens / c.step_seconds / world
     c.mfu = c.tokens_per_second_per_gpu * flops / peak

@@ -288,9 +288,12 @@ def test_planner_plans_every_familys_debug_preset(name):
 
 
 def test_planner_searches_expert_degrees_and_lighter_end_stages():
-    from estimation.plan import expert_degrees, stage_splits
+    from estimation.plan import expert_degrees, expert_layouts, stage_splits
 
     assert expert_degrees(8, 4) == [1, 2, 4]
+    # Expert tensor parallelism 1, or tp: ep x etp within the 8 ranks, ep within the 4 experts.
+    assert expert_layouts(8, 4, 2) == [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]
+    assert expert_layouts(8, 4, 1) == [(1, 1), (2, 1), (4, 1)]
     args = prepare_job(load_job_config(preset_argv("deepseek_v3_debug")), 1).plan.model_args
     assert args.total_layers > args.num_layers  # multi-token prediction rides on the last stage
     assert len(stage_splits(args, 2, "1F1B")) >= 1 and stage_splits(args, 1, None) == [None]
