@@ -1,0 +1,284 @@
+"""Megatron-LM checkpoints -> a model-only titanlike DCP checkpoint (`titanlike-convert from-megatron`).
+
+A Megatron-LM `--save` folder holds `latest_checkpointed_iteration.txt` (an iteration or `release`) and
+`iter_0000100/` (or `release/`), in one of two formats:
+
+* torch_dist (`--ckpt-format torch_dist`, the default): a torch.distributed.checkpoint folder (plus
+  megatron-core's `common.pt` and `metadata.json`, not read) whose keys are megatron-core's sharded keys,
+  the layers stacked on a first dimension (`decoder.layers.mlp.linear_fc2.weight`: layers x hidden x ffn),
+  optimizer state under `optimizer.`. Its index is read by format.py's allow-list unpickler, its tensors by
+  DCP; pickled entries (RNG states) are never read.
+* torch (`--ckpt-format torch`): `mp_rank_TT/model_optim_rng.pt`, or `mp_rank_TT_PPP/` under pipeline
+  parallelism, one torch.save pickle per tensor- and pipeline-parallel rank whose `model` entry is that
+  rank's state dict, layers numbered from 0 on every stage. The ranks are merged as megatron-core
+  partitions them (models/common/megatron.py). A pickle is read by torch's weights-only unpickler; what
+  Megatron-LM pickles beside the tensors (`args`, an argparse.Namespace holding megatron-core enums, NumPy's
+  RNG state, Transformer Engine's BytesIO extra state) is let through as an inert placeholder that runs
+  nothing, named in `_PLACEHOLDERS`; any other global refuses the file before unpickling it.
+
+The family's MegatronAdapter (spec.megatron) renames the full tensors; the flavor gives the dimensions and
+the checkpoint the vocabulary (Megatron pads it to a multiple of 128 x TP). Everything runs in one process
+and holds the whole model in host memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from titanlike.checkpoint.format import (
+    CheckpointError,
+    check_dcp_files,
+    check_fits,
+    check_model_size,
+    dcp_load,
+    model_description,
+    read_dcp_metadata,
+    summarize,
+)
+from titanlike.checkpoint.hf import write_dcp_model
+from titanlike.models.common.megatron import LAYERS, canonical_name, is_extra_state, merge_tp, split_layer
+
+TRACKER = "latest_checkpointed_iteration.txt"
+LEGACY_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+
+
+# Finding the iteration ------------------------------------------------------------------------
+
+
+def iteration_folder(src: str) -> str:
+    """The folder of the iteration a Megatron-LM --save folder's tracker file names (or `src` itself when it is
+    an iteration folder); CheckpointError naming the file otherwise."""
+    if not os.path.isdir(src):
+        raise CheckpointError(f"Megatron checkpoint folder {src} does not exist")
+    if _format(src) is not None:
+        return src
+    tracker = os.path.join(src, TRACKER)
+    if not os.path.isfile(tracker):
+        raise CheckpointError(f"{src} is not a Megatron-LM checkpoint folder: it has no {TRACKER} and no "
+                              "model_optim_rng.pt or torch_dist files")
+    with open(tracker, "rb") as f:
+        text = f.read(64).decode("utf-8", "replace").strip()
+    if text == "release":
+        folder = os.path.join(src, "release")
+    elif text.isdigit() and len(text) <= 12:
+        folder = os.path.join(src, f"iter_{int(text):07d}")
+    else:
+        raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'")
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{tracker} names iteration {text}, but {folder} does not exist")
+    if _format(folder) is None:
+        raise CheckpointError(f"{folder} holds neither a torch_dist checkpoint (.metadata) nor "
+                              f"mp_rank_*/{LEGACY_FILE} files")
+    return folder
+
+
+def _format(folder: str) -> str | None:
+    if os.path.isfile(os.path.join(folder, ".metadata")):
+        return "torch_dist"
+    if any(_RANK_DIR.fullmatch(n) for n in os.listdir(folder)):
+        return "torch"
+    return None
+
+
+# torch_dist -----------------------------------------------------------------------------------
+
+
+def read_torch_dist(folder: str) -> dict[str, torch.Tensor]:
+    """The model's full tensors from a torch_dist folder, per layer, in canonical megatron-core names."""
+    metadata = read_dcp_metadata(folder)
+    check_dcp_files(folder, metadata)
+    template = {key: torch.empty(md.size, dtype=md.properties.dtype)
+                for key, md in metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata) and not key.startswith("optimizer.")
+                and not is_extra_state(key)}
+    if not template:
+        raise CheckpointError(f"torch_dist checkpoint {folder} holds no model tensors")
+    try:
+        dcp_load(template, folder, no_dist=True)
+    except BaseException as e:  # CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"reading torch_dist checkpoint {folder} failed: {summarize(e)}") from None
+    out: dict[str, torch.Tensor] = {}
+    for key, value in template.items():
+        inner = key[len(LAYERS):] if key.startswith(LAYERS) else None
+        if inner is not None and not inner.split(".", 1)[0].isdigit():
+            # megatron-core stacks the layers' tensors under one key, the layer first.
+            for i, layer in enumerate(value.unbind(0)):
+                out[canonical_name(f"{LAYERS}{i}.{inner}")] = layer.contiguous()
+        else:
+            out[canonical_name(key)] = value
+    return out
+
+
+# torch (legacy) ------------------------------------------------------------------------------
+
+
+class _Placeholder:
+    """What a non-tensor global of a Megatron-LM pickle becomes: built from anything, holding nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+# Globals besides torch's own weights-only set that Megatron-LM's model_optim_rng.pt names: its args, the
+# enums among them, NumPy's RNG state, Transformer Engine's extra state. None of them holds a weight.
+_PLACEHOLDERS = frozenset({
+    "argparse.Namespace",
+    "io.BytesIO",
+    "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+})
+_PLACEHOLDER_MODULES = ("megatron.core.enums", "megatron.core.transformer.enums", "numpy.dtypes")
+
+
+def _allowed(name: str) -> bool:
+    module = name.rsplit(".", 1)[0]
+    return name in _PLACEHOLDERS or module in _PLACEHOLDER_MODULES
+
+
+def load_legacy_file(path: str) -> dict[str, torch.Tensor]:
+    """The `model` state dict of one model_optim_rng.pt, unpickled with torch's weights-only loader."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path} is not a torch.save zip file (truncated or damaged?)")
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:
+        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+    refused = sorted(name for name in unsafe if not _allowed(name))
+    if refused:
+        raise CheckpointError(f"{path} pickles {refused[0]}, which a Megatron-LM checkpoint does not hold; "
+                              "refusing to unpickle it")
+    try:
+        with torch.serialization.safe_globals([(_Placeholder, name) for name in unsafe]):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged archive or a pickle the weights-only loader refuses
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {detail[:300]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not Megatron-LM's checkpoint dict")
+    if "model" not in state:
+        chunks = sorted(k for k in state if isinstance(k, str) and re.fullmatch(r"model\d+", k))
+        if chunks:
+            raise CheckpointError(f"{path} holds {len(chunks)} virtual pipeline chunks ({', '.join(chunks)}); "
+                                  "only checkpoints saved without --num-layers-per-virtual-pipeline-stage convert")
+        raise CheckpointError(f"{path} has no 'model' entry")
+    model = state["model"]
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{path}: its 'model' entry is a {type(model).__name__}, not a state dict")
+    out = {}
+    for key, value in model.items():
+        if not isinstance(key, str) or is_extra_state(key):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{path}: model entry {key!r} is a {type(value).__name__}, not a tensor")
+        out[canonical_name(key)] = value
+    return out
+
+
+def read_legacy(folder: str, *, gated: bool) -> dict[str, torch.Tensor]:
+    """The model's full tensors from mp_rank_TT[_PPP]/model_optim_rng.pt: pipeline stages renumbered in order,
+    tensor-parallel shards merged (gated: linear_fc1 holds [gate; up] on each rank)."""
+    ranks: dict[tuple[int, int], str] = {}
+    for name in os.listdir(folder):
+        m = _RANK_DIR.fullmatch(name)
+        if m:
+            ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(folder, name, LEGACY_FILE)
+    tp = 1 + max(t for t, _ in ranks)
+    pp = 1 + max(p for _, p in ranks)
+    for t in range(tp):
+        for p in range(pp):
+            if (t, p) not in ranks:
+                want = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                raise CheckpointError(f"{folder} lacks {want}/{LEGACY_FILE} (it holds {tp} tensor- and {pp} "
+                                      "pipeline-parallel ranks)")
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for p in range(pp):
+        stage = [load_legacy_file(ranks[(t, p)]) for t in range(tp)]
+        for t in range(1, tp):
+            if stage[t].keys() != stage[0].keys():
+                diff = sorted(stage[0].keys() ^ stage[t].keys())[0]
+                raise CheckpointError(f"{ranks[(t, p)]} and {ranks[(0, p)]} hold different parameters ({diff})")
+        layers = {split_layer(k)[0] for k in stage[0] if split_layer(k)}
+        for key in stage[0]:
+            shards = [s[key] for s in stage]
+            try:
+                value = merge_tp(key, shards, gated=gated)
+            except RuntimeError as e:
+                raise CheckpointError(f"{ranks[(0, p)]}: the tensor-parallel shards of {key} do not join "
+                                      f"({e})") from None
+            parts = split_layer(key)
+            name = f"{LAYERS}{offset + parts[0]}.{parts[1]}" if parts else key
+            out.setdefault(name, value)
+        offset += len(layers)
+    return out
+
+
+# The conversion ---------------------------------------------------------------------------------
+
+
+def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
+                           dtype: torch.dtype | None = None) -> str:
+    """from-megatron: a Megatron-LM checkpoint -> model-only DCP checkpoint with sidecar, for `model_name`'s
+    `flavor` with the checkpoint's vocabulary. Returns the iteration folder read."""
+    from titanlike.models.registry import get_model_spec
+
+    spec = get_model_spec(model_name)
+    if spec.megatron is None:
+        raise ValueError(f"model {spec.name} has no Megatron-LM mapping; families with one: "
+                         f"{', '.join(_families())}")
+    if flavor not in spec.flavors:
+        raise ValueError(f"model {spec.name} has no flavor {flavor!r}; flavors: {', '.join(spec.flavors)}")
+    folder = iteration_folder(src)
+    if _format(folder) == "torch_dist":
+        megatron_sd = read_torch_dist(folder)
+    else:
+        megatron_sd = read_legacy(folder, gated=spec.megatron.gated)
+    embedding = megatron_sd.get("embedding.word_embeddings.weight")
+    if embedding is None or embedding.dim() != 2:
+        raise CheckpointError(f"{folder} holds no embedding.word_embeddings.weight (a 2-D table); "
+                              "is it a megatron-core GPTModel checkpoint?")
+    base = spec.flavors[flavor]
+    args = base.update_from_config(vocab_size=embedding.shape[0], seq_len=base.context_len)
+    check_model_size(args, folder)
+    try:
+        state_dict = spec.megatron.to_ours(megatron_sd, args)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{folder} does not fit model {spec.name} flavor {flavor}: "
+                              f"{e.args[0] if e.args else e}") from None
+    except RuntimeError as e:  # a tensor whose size no reshape of the conversion takes
+        raise CheckpointError(f"{folder} does not fit model {spec.name} flavor {flavor} ({e})") from None
+    check_fits(state_dict, spec, args, f"{folder} (as {spec.name} flavor {flavor})")
+    cast: dict[int, torch.Tensor] = {}  # by tensor: a tied weight stays one tensor under two names
+    state_dict = {k: cast.setdefault(id(v), (v if dtype is None else v.to(dtype)).contiguous())
+                  for k, v in state_dict.items()}
+    info = {
+        "contents": "model_only",
+        "step": 0,
+        "model": model_description(spec.name, args, flavor=flavor),
+        "source": os.path.abspath(folder),
+    }
+    write_dcp_model(state_dict, out, info)
+    return folder
+
+
+def _families() -> list[str]:
+    from titanlike.models.registry import get_model_spec, model_names
+
+    return [name for name in model_names() if get_model_spec(name).megatron is not None]
+
+
+__all__ = ["import_megatron_to_dcp", "iteration_folder", "load_legacy_file", "read_legacy", "read_torch_dist"]
