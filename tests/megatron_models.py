@@ -61,23 +61,25 @@ def megatron_world():
 def build_model(family: str, *, vocab_size: int, seed: int = 0) -> GPTModel:
     """A megatron-core GPTModel of the family's test flavor, fp32 on CPU, with random weights (norms too)."""
     f = FAMILIES[family]
-    config = TransformerConfig(
-        num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
-        num_query_groups=f["num_query_groups"], ffn_hidden_size=f["ffn_hidden_size"],
-        normalization=f["normalization"], gated_linear_unit=f["gated_linear_unit"],
-        activation_func=f["activation_func"], add_bias_linear=f["add_bias_linear"], layernorm_epsilon=1e-5,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-    )
     torch.manual_seed(seed)
-    model = GPTModel(
-        config, get_gpt_layer_local_spec(normalization=f["normalization"]), vocab_size=vocab_size,
-        max_sequence_length=f["max_seq"], position_embedding_type="rope" if f["rope"] else "learned_absolute",
-        share_embeddings_and_output_weights=f["tied"], rotary_base=500000,
-        # Llama 3.1's RoPE scaling (megatron-core's defaults: factor 8, low 1, high 4, original 8192).
-        rope_scaling=f["rope"], rope_scaling_factor=8.0,
-    )
+    with warnings.catch_warnings():  # megatron-core's deprecation notes about arguments it defaults itself
+        warnings.simplefilter("ignore")
+        config = TransformerConfig(
+            num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
+            num_query_groups=f["num_query_groups"], ffn_hidden_size=f["ffn_hidden_size"],
+            normalization=f["normalization"], gated_linear_unit=f["gated_linear_unit"],
+            activation_func=f["activation_func"], add_bias_linear=f["add_bias_linear"], layernorm_epsilon=1e-5,
+            hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
+            gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
+            masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
+        )
+        model = GPTModel(
+            config, get_gpt_layer_local_spec(normalization=f["normalization"]), vocab_size=vocab_size,
+            max_sequence_length=f["max_seq"], position_embedding_type="rope" if f["rope"] else "learned_absolute",
+            share_embeddings_and_output_weights=f["tied"], rotary_base=500000,
+            # Llama 3.1's RoPE scaling (megatron-core's defaults: factor 8, low 1, high 4, original 8192).
+            rope_scaling=f["rope"], rope_scaling_factor=8.0,
+        )
     with torch.no_grad():  # norms start at 1 and biases at 0: draw them so that a swapped name shows
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -95,7 +97,9 @@ def reference_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
             return contextlib.nullcontext()
 
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
-            mock.patch.object(mcore_tp, "get_cuda_rng_tracker", lambda *a, **k: NoRngTracker()), torch.no_grad():
+            mock.patch.object(mcore_tp, "get_cuda_rng_tracker", lambda *a, **k: NoRngTracker()), \
+            warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # tp_group defaults, deprecated
         return model(tokens, torch.arange(seq)[None].expand_as(tokens), attention_mask=mask)
 
 
