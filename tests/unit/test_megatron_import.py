@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import zipfile
 
 import pytest
@@ -158,3 +159,8 @@ def test_torch_dist_folder_with_missing_keys(reference, tmp_path, capsys):
     (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("10\n")
     err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys)
     assert str(folder) in err and "missing ['norm.weight']" in err
+    # An index that names a callable is refused by the allow-list unpickler, before anything runs.
+    marker = tmp_path / "ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys)
+    assert f"{folder}/.metadata refers to {os.system.__module__}.system" in err and not marker.exists()
