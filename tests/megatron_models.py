@@ -58,9 +58,10 @@ def megatron_world():
             dist.destroy_process_group()
 
 
-def build_model(family: str, *, vocab_size: int, seed: int = 0) -> GPTModel:
-    """A megatron-core GPTModel of the family's test flavor, fp32 on CPU, with random weights (norms too)."""
-    f = FAMILIES[family]
+def build_model(family: str, *, vocab_size: int, seed: int = 0, **sizes) -> GPTModel:
+    """A megatron-core GPTModel of the family's test flavor (changed by `sizes`: FAMILIES' keys), fp32 on
+    CPU, with random weights (norms too)."""
+    f = {**FAMILIES[family], **sizes}
     torch.manual_seed(seed)
     with warnings.catch_warnings():  # megatron-core's deprecation notes about arguments it defaults itself
         warnings.simplefilter("ignore")

@@ -8,6 +8,7 @@ forks) and a train.py run from a converted checkpoint: tests/integration/test_me
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import zipfile
@@ -25,13 +26,13 @@ VOCAB = 256
 @pytest.fixture(scope="module")
 def reference():
     """family -> (megatron-core model, tokens, its logits)."""
+    out = {}
     with megatron_world():
-        out = {}
         for family in FAMILIES:
             model = build_model(family, vocab_size=VOCAB, seed=1)
             tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
             out[family] = (model, tokens, reference_logits(model, tokens))
-        yield out
+    return out
 
 
 def convert(src, out, family, flavor=None) -> int:
@@ -52,6 +53,25 @@ def test_legacy_checkpoint_gives_megatron_core_logits(reference, tmp_path, famil
     assert convert(tmp_path / "megatron", tmp_path / "out", family) == 0
     with torch.no_grad():
         assert_logits_match(load_model(tmp_path / "out")(tokens), want)
+
+
+def test_sizes_no_flavor_has(reference, tmp_path, capsys):
+    """--model.args changes the flavor's sizes, by Megatron's names too, as train.py's does; the sidecar then
+    records args and no flavor."""
+    with megatron_world():
+        model = build_model("llama3", vocab_size=VOCAB, seed=4, num_layers=2, num_query_groups=4)
+        tokens = reference["llama3"][1]
+        want = reference_logits(model, tokens)
+    save_torch(model, str(tmp_path / "megatron"), "llama3", tp=2)
+    argv = ["from-megatron", str(tmp_path / "megatron"), str(tmp_path / "out"), "--model.name", "llama3",
+            "--model.flavor", "debugmodel_tiny"]
+    assert convert_main([*argv, "--model.args", "num_layers=2,num_query_groups=4"]) == 0
+    with torch.no_grad():
+        assert_logits_match(load_model(tmp_path / "out")(tokens), want)
+    assert "flavor" not in json.loads((tmp_path / "out" / "titanlike.json").read_text())["model"]
+    assert convert_main([*argv, "--model.args", "num_layers=two"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.args.num_layers" in err, err
 
 
 def _run(src, out, family, capsys, flavor=None) -> str:

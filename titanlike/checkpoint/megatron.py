@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -231,9 +232,10 @@ def read_legacy(folder: str, *, gated: bool) -> dict[str, torch.Tensor]:
 
 
 def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
-                           dtype: torch.dtype | None = None) -> str:
+                           overrides: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None) -> str:
     """from-megatron: a Megatron-LM checkpoint -> model-only DCP checkpoint with sidecar, for `model_name`'s
-    `flavor` with the checkpoint's vocabulary. Returns the iteration folder read."""
+    `flavor` changed by `overrides` ([model.args]: the family's field names or Megatron's, as train.py takes
+    them) with the checkpoint's vocabulary. Returns the iteration folder read."""
     from titanlike.models.registry import get_model_spec
 
     spec = get_model_spec(model_name)
@@ -242,6 +244,8 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
                          f"{', '.join(_families())}")
     if flavor not in spec.flavors:
         raise ValueError(f"model {spec.name} has no flavor {flavor!r}; flavors: {', '.join(spec.flavors)}")
+    # A bad setting is refused (one sentence naming it) before any file is read.
+    base = spec.flavors[flavor].with_overrides(overrides) if overrides else spec.flavors[flavor]
     folder = iteration_folder(src)
     if _format(folder) == "torch_dist":
         megatron_sd = read_torch_dist(folder)
@@ -251,7 +255,6 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
     if embedding is None or embedding.dim() != 2:
         raise CheckpointError(f"{folder} holds no embedding.word_embeddings.weight (a 2-D table); "
                               "is it a megatron-core GPTModel checkpoint?")
-    base = spec.flavors[flavor]
     args = base.update_from_config(vocab_size=embedding.shape[0], seq_len=base.context_len)
     check_model_size(args, folder)
     try:
@@ -268,7 +271,8 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
     info = {
         "contents": "model_only",
         "step": 0,
-        "model": model_description(spec.name, args, flavor=flavor),
+        # Sizes changed by [model.args] make args no flavor has: the sidecar records the args alone.
+        "model": model_description(spec.name, args, flavor=None if overrides else flavor),
         "source": os.path.abspath(folder),
     }
     write_dcp_model(state_dict, out, info)

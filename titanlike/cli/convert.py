@@ -47,7 +47,8 @@ iteration the tracker names is read) or one iteration folder, in either format: 
 --ckpt-format) or torch (mp_rank_TT[_PPP]/model_optim_rng.pt, merged over tensor- and pipeline-parallel
 ranks; virtual pipeline chunks are refused). Only the model's weights are read: no optimizer state, and no
 pickled object beyond placeholders for what Megatron-LM stores beside the tensors. The model's family and
-flavor are named (a Megatron checkpoint does not describe its model in a readable form); the vocabulary is
+flavor are named (a Megatron checkpoint does not describe its model in a readable form), sizes no flavor has
+with --model.args as train.py takes them (Megatron's names too: num_layers, hidden_size, ...); the vocabulary is
 the checkpoint's (Megatron pads it to a multiple of 128 x TP), so train with a tokenizer of that size. The
 output loads as `--checkpoint.initial_load_path OUT` (any parallel layout) and with `titanlike.load_model`.
 Families: llama3 (Megatron-LM's Llama recipes: RMSNorm, SwiGLU, GQA, RoPE, untied) and gpt2 (LayerNorm,
@@ -157,9 +158,18 @@ def from_megatron(argv: list[str] | None = None, prog: str | None = None) -> int
                         help="the model family, e.g. llama3 or gpt2")
     parser.add_argument("--model.flavor", "--flavor", "--model_flavor", dest="flavor", required=True,
                         help="the family's flavor whose dimensions the checkpoint has, e.g. 8B")
+    parser.add_argument("--model.args", dest="model_args", default=None, metavar="KEY=VALUE,...",
+                        help="change the flavor's sizes as train.py's --model.args does, by the family's field "
+                             "names or Megatron's (num_layers=24,hidden_size=2048,num_query_groups=8,...)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the weights (default: keep the stored dtype)")
     args = parser.parse_args(argv)
+    overrides = {}
+    for item in filter(None, (part.strip() for part in (args.model_args or "").split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            parser.error(f"--model.args must be KEY=VALUE pairs separated by commas, got {args.model_args!r}")
+        overrides[key.strip()] = value.strip()
 
     import torch
 
@@ -168,7 +178,7 @@ def from_megatron(argv: list[str] | None = None, prog: str | None = None) -> int
 
     name = (prog or "convert_megatron_to_dcp").removesuffix(".py")
     try:
-        folder = import_megatron_to_dcp(args.input, args.output, args.model_name, args.flavor,
+        folder = import_megatron_to_dcp(args.input, args.output, args.model_name, args.flavor, overrides=overrides,
                                         dtype=getattr(torch, args.dtype) if args.dtype else None)
     except (CheckpointError, ValueError, KeyError) as e:
         print(f"{name}: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
