@@ -4,7 +4,10 @@ megatron-core 0.16.1 runs on CPU in this process (world size 1, gloo over an in-
 transformer_impl "local" and its fusions off, except for three places that name CUDA whatever the device
 (`reference_logits` stands in for them): RotaryEmbedding.get_emb moves its frequencies to
 torch.cuda.current_device(), the unfused softmax builds its default causal mask on "cuda" (an explicit
-mask avoids it), and DotProductAttention forks the CUDA RNG tracker around its dropout (0 here).
+mask avoids it), and DotProductAttention forks the CUDA RNG tracker around its dropout (0 here). An MoE
+layer's router moves its weight to torch.cuda.current_device() too, and computes its logits with Transformer
+Engine's GEMM (router_gating_linear), replaced by the same product in torch; the allgather token dispatcher
+needs no CUDA stream (alltoall's does).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ with warnings.catch_warnings():  # "Transformer Engine and Apex are not installe
     from megatron.core import tensor_parallel as mcore_tp
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import router as moe_router
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -40,7 +44,22 @@ FAMILIES = {
                  num_query_groups=8, ffn_hidden_size=1024, normalization="LayerNorm", gated_linear_unit=False,
                  activation_func=lambda x: F.gelu(x, approximate="tanh"),  # Megatron-LM's --openai-gelu
                  add_bias_linear=True, rope=False, tied=True, max_seq=1024),
+    # Mixtral's debugmodel with 2 of its 8 layers (converted with --model.args num_layers=2): 8 experts, top 2.
+    "mixtral": dict(flavor="debugmodel", model_args="num_layers=2", num_layers=2, hidden_size=256,
+                    num_attention_heads=16, num_query_groups=8, ffn_hidden_size=256, normalization="RMSNorm",
+                    gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, rope=True, tied=False,
+                    max_seq=2048, rotary_base=1000000, rope_scaling=False,
+                    moe=dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=256, moe_grouped_gemm=False,
+                             moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss",
+                             moe_aux_loss_coeff=0.02)),
 }
+
+
+def convert_options(family: str) -> list[str]:
+    """from-megatron's options naming the family's test flavor (and the sizes that differ from it)."""
+    f = FAMILIES[family]
+    return ["--model.name", family, "--model.flavor", f["flavor"],
+            *(["--model.args", f["model_args"]] if "model_args" in f else [])]
 
 
 @contextlib.contextmanager
@@ -72,15 +91,19 @@ def build_model(family: str, *, vocab_size: int, seed: int = 0, **sizes) -> GPTM
             activation_func=f["activation_func"], add_bias_linear=f["add_bias_linear"], layernorm_epsilon=1e-5,
             hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
             gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
-            masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
+            masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False, **f.get("moe", {}),
         )
-        model = GPTModel(
-            config, get_gpt_layer_local_spec(normalization=f["normalization"]), vocab_size=vocab_size,
-            max_sequence_length=f["max_seq"], position_embedding_type="rope" if f["rope"] else "learned_absolute",
-            share_embeddings_and_output_weights=f["tied"], rotary_base=500000,
-            # Llama 3.1's RoPE scaling (megatron-core's defaults: factor 8, low 1, high 4, original 8192).
-            rope_scaling=f["rope"], rope_scaling_factor=8.0,
-        )
+        experts = f.get("moe", {}).get("num_moe_experts")
+        layer_spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                              normalization=f["normalization"])
+        with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+            model = GPTModel(
+                config, layer_spec, vocab_size=vocab_size, max_sequence_length=f["max_seq"],
+                position_embedding_type="rope" if f["rope"] else "learned_absolute",
+                share_embeddings_and_output_weights=f["tied"], rotary_base=f.get("rotary_base", 500000),
+                # Llama 3.1's RoPE scaling (megatron-core's defaults: factor 8, low 1, high 4, original 8192).
+                rope_scaling=f.get("rope_scaling", f["rope"]), rope_scaling_factor=8.0,
+            )
     with torch.no_grad():  # norms start at 1 and biases at 0: draw them so that a swapped name shows
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -97,8 +120,12 @@ def reference_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
         def fork(self, *args, **kwargs):
             return contextlib.nullcontext()
 
+    def router_gating_linear(inp, weight, bias, dtype):
+        return F.linear(inp.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
             mock.patch.object(mcore_tp, "get_cuda_rng_tracker", lambda *a, **k: NoRngTracker()), \
+            mock.patch.object(moe_router, "router_gating_linear", router_gating_linear), \
             warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # tp_group defaults, deprecated
         return model(tokens, torch.arange(seq)[None].expand_as(tokens), attention_mask=mask)

@@ -14,7 +14,7 @@ import torch
 
 from conftest import TINY_JOB, read_metrics, train_here
 from family_checks import first_batch_and_hf_loss
-from megatron_models import FAMILIES, build_model, megatron_world, reference_logits, save_torch_dist
+from megatron_models import FAMILIES, build_model, convert_options, megatron_world, reference_logits, save_torch_dist
 from titanlike.checkpoint.hf import load_model
 from titanlike.cli.convert import main as convert_main
 
@@ -31,8 +31,7 @@ def check_torch_dist(tmp_path):
         want = reference_logits(model, tokens)
         folder = save_torch_dist(model, str(tmp_path / family), family)
         out = tmp_path / f"{family}-dcp"
-        assert convert_main(["from-megatron", str(tmp_path / family), str(out), "--model.name", family,
-                             "--model.flavor", FAMILIES[family]["flavor"]]) == 0
+        assert convert_main(["from-megatron", str(tmp_path / family), str(out), *convert_options(family)]) == 0
         with torch.no_grad():
             ours = load_model(out)(tokens)
         assert (ours - want).abs().max() <= 1e-5 * want.abs().max(), family

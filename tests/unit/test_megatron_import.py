@@ -16,7 +16,7 @@ import zipfile
 import pytest
 import torch
 
-from megatron_models import FAMILIES, build_model, megatron_world, reference_logits, save_torch
+from megatron_models import FAMILIES, build_model, convert_options, megatron_world, reference_logits, save_torch
 from titanlike.checkpoint.hf import load_model
 from titanlike.cli.convert import main as convert_main
 
@@ -36,9 +36,9 @@ def reference():
 
 
 def convert(src, out, family, flavor=None) -> int:
-    """titanlike-convert from-megatron SRC OUT, as the user runs it."""
-    return convert_main(["from-megatron", str(src), str(out), "--model.name", family,
-                         "--model.flavor", flavor or FAMILIES[family]["flavor"]])
+    """titanlike-convert from-megatron SRC OUT, as the user runs it (flavor: another than the test's)."""
+    options = ["--model.name", family, "--model.flavor", flavor] if flavor else convert_options(family)
+    return convert_main(["from-megatron", str(src), str(out), *options])
 
 
 def assert_logits_match(ours: torch.Tensor, want: torch.Tensor) -> None:
@@ -46,7 +46,8 @@ def assert_logits_match(ours: torch.Tensor, want: torch.Tensor) -> None:
     assert (ours - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("family,tp,pp", [("llama3", 1, 1), ("llama3", 2, 2), ("gpt2", 2, 1), ("gpt2", 1, 2)])
+@pytest.mark.parametrize("family,tp,pp", [("llama3", 1, 1), ("llama3", 2, 2), ("gpt2", 2, 1), ("gpt2", 1, 2),
+                                          ("mixtral", 2, 1)])
 def test_legacy_checkpoint_gives_megatron_core_logits(reference, tmp_path, family, tp, pp):
     model, tokens, want = reference[family]
     save_torch(model, str(tmp_path / "megatron"), family, tp=tp, pp=pp)

@@ -43,11 +43,18 @@ from titanlike.checkpoint.format import (
     summarize,
 )
 from titanlike.checkpoint.hf import write_dcp_model
-from titanlike.models.common.megatron import LAYERS, canonical_name, is_extra_state, merge_tp, split_layer
+from titanlike.models.common.megatron import (
+    LAYERS,
+    canonical_name,
+    is_extra_state,
+    merge_tp,
+    split_layer,
+    stack_experts,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 
 
 # Finding the iteration ------------------------------------------------------------------------
@@ -195,6 +202,9 @@ def read_legacy(folder: str, *, gated: bool) -> dict[str, torch.Tensor]:
     ranks: dict[tuple[int, int], str] = {}
     for name in os.listdir(folder):
         m = _RANK_DIR.fullmatch(name)
+        if m and m.group(3) is not None:
+            raise CheckpointError(f"{os.path.join(folder, name)} is an expert-parallel rank's folder; legacy "
+                                  "checkpoints saved with --expert-model-parallel-size above 1 do not convert yet")
         if m:
             ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(folder, name, LEGACY_FILE)
     tp = 1 + max(t for t, _ in ranks)
@@ -225,7 +235,10 @@ def read_legacy(folder: str, *, gated: bool) -> dict[str, torch.Tensor]:
             name = f"{LAYERS}{offset + parts[0]}.{parts[1]}" if parts else key
             out.setdefault(name, value)
         offset += len(layers)
-    return out
+    try:
+        return stack_experts(out)
+    except ValueError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
 
 
 # The conversion ---------------------------------------------------------------------------------

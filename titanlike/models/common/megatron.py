@@ -8,7 +8,11 @@ What every megatron-core GPTModel shares lives here:
   the torch_dist format writes for either implementation, megatron-core's local layer spec maps its names to
   it) and the local spec's `input_layernorm.weight` (`canonical_name` reads both as the latter);
 - the fused QKV, one group after the other (each query group's heads, then its key head, then its value head;
-  `split_qkv`), and SwiGLU's `linear_fc1`, gate rows above up rows on each tensor-parallel rank.
+  `split_qkv`), and SwiGLU's `linear_fc1`, gate rows above up rows on each tensor-parallel rank;
+- MoE experts, saved per expert by the legacy format (`mlp.experts.local_experts.E.linear_fc1.weight` of
+  SequentialMLP, `mlp.experts.linear_fc1.weightE` of Transformer Engine's grouped MLP) and stacked by torch_dist
+  (`mlp.experts.experts.linear_fc1.weight`, experts first): `stack_experts` makes every spelling the stacked
+  `mlp.experts.linear_fc1.weight` (experts x out x in).
 
 A family gives its ModelSpec a `MegatronAdapter`: its names for megatron-core's (`top`, `layer`), where the
 fused QKV and `linear_fc1` go, whether `linear_fc1` is gated, and how its q/k rows are ordered for RoPE. The
@@ -44,8 +48,14 @@ _NORM_ALIASES = {
 }
 
 
+_EXPERT_INDEX = re.compile(r"(weight|bias)\d+$")  # TEGroupedMLP's weightE
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
+_GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\d+)")
+
+
 def tp_dim(name: str) -> int | None:
     """The dimension tensor parallelism splits megatron-core parameter `name` on, or None."""
+    name = _EXPERT_INDEX.sub(r"\1", name)
     for end, dim in TP_DIM.items():
         if name.endswith(end):
             return dim
@@ -59,11 +69,35 @@ def split_layer(name: str) -> tuple[int, str] | None:
 
 
 def canonical_name(name: str) -> str:
-    """A megatron-core parameter name with a layer's norms spelled as the local layer spec does."""
+    """A megatron-core parameter name with a layer's norms spelled as the local layer spec does, and
+    torch_dist's stacked experts (`mlp.experts.experts.`) as `mlp.experts.`."""
     parts = split_layer(name)
-    if parts is None or parts[1] not in _NORM_ALIASES:
+    if parts is None:
         return name
-    return f"{LAYERS}{parts[0]}.{_NORM_ALIASES[parts[1]]}"
+    inner = _NORM_ALIASES.get(parts[1], parts[1])
+    if inner.startswith("mlp.experts.experts."):
+        inner = "mlp.experts." + inner[len("mlp.experts.experts."):]
+    return f"{LAYERS}{parts[0]}.{inner}"
+
+
+def stack_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`sd` with each layer's per-expert tensors (legacy format) stacked into `mlp.experts.linear_fc1.weight`
+    and its kin, experts first; ValueError naming a layer whose expert indices are not 0..E-1."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, value in sd.items():
+        parts = split_layer(name)
+        m = parts and (_LOCAL_EXPERT.fullmatch(parts[1]) or _GROUPED_EXPERT.fullmatch(parts[1]))
+        if not m:
+            out[name] = value
+            continue
+        index, kind = (m.group(1), m.group(2)) if m.re is _LOCAL_EXPERT else (m.group(2), m.group(1))
+        experts.setdefault(f"{LAYERS}{parts[0]}.mlp.experts.{kind}", {})[int(index)] = value
+    for name, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"{name} has experts {sorted(by_index)[:8]}, not 0 to {len(by_index) - 1}")
+        out[name] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return out
 
 
 def is_extra_state(name: str) -> bool:
@@ -105,6 +139,8 @@ class MegatronAdapter:
     fc1: our names of `mlp.linear_fc1`'s parts: (gate, up) when gated, else (one,).
     rope_rows: (our per-layer name, tensor, args) -> tensor in our q/k row order, from megatron-core's
     rotate-half order (None: no RoPE).
+    experts: our names of the stacked experts' gate, up and down projections (experts x out x in), for
+    `mlp.experts.linear_fc1` (gate and up) and `mlp.experts.linear_fc2`; () for a family without MoE.
     """
 
     top: Mapping[str, str]
@@ -112,12 +148,15 @@ class MegatronAdapter:
     qkv: tuple[str, str, str] = ("attention.wq", "attention.wk", "attention.wv")
     fc1: tuple[str, ...] = ("feed_forward.w1",)
     rope_rows: Callable[[str, torch.Tensor, object], torch.Tensor] | None = None
+    experts: tuple[str, ...] = ()
     # megatron-core parameters the family leaves out (their value is computed, not trained).
     skipped: tuple[str, ...] = field(default=())
 
     @property
     def gated(self) -> bool:
-        return len(self.fc1) == 2
+        """Whether linear_fc1 holds a gate and an up projection (SwiGLU), on every tensor-parallel rank; the
+        experts' always do."""
+        return len(self.fc1) == 2 or bool(self.experts)
 
     def to_ours(self, sd: Mapping[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
         """megatron-core's full state dict (canonical names) -> ours; KeyError naming a parameter the
@@ -146,6 +185,13 @@ class MegatronAdapter:
                                      f"{args.num_kv_heads} key/value heads of {args.head_dim} need {want}")
                 for ours, part in zip(self.qkv, split_qkv(value, args.n_heads, args.num_kv_heads)):
                     out[f"{prefix}{ours}.{kind}"] = part
+            elif self.experts and inner == "mlp.experts.linear_fc1.weight":
+                if value.dim() != 3 or value.shape[1] % 2:
+                    raise ValueError(f"{name} has shape {tuple(value.shape)}, not experts x (gate and up) x hidden")
+                gate, up = value.chunk(2, dim=1)
+                out[prefix + self.experts[0]], out[prefix + self.experts[1]] = gate.contiguous(), up.contiguous()
+            elif self.experts and inner == "mlp.experts.linear_fc2.weight":
+                out[prefix + self.experts[2]] = value
             elif inner.startswith("mlp.linear_fc1."):
                 kind = inner.rsplit(".", 1)[1]
                 if self.gated and value.shape[0] % 2:
@@ -165,4 +211,4 @@ class MegatronAdapter:
 
 
 __all__ = ["LAYERS", "MegatronAdapter", "TP_DIM", "canonical_name", "is_extra_state", "merge_tp", "split_layer",
-           "split_qkv", "tp_dim"]
+           "split_qkv", "stack_experts", "tp_dim"]
