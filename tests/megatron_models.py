@@ -29,7 +29,7 @@ with warnings.catch_warnings():  # "Transformer Engine and Apex are not installe
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mcore_tp
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.moe import router as moe_router
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -52,6 +52,14 @@ FAMILIES = {
                     moe=dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=256, moe_grouped_gemm=False,
                              moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss",
                              moe_aux_loss_coeff=0.02)),
+    # Qwen3's debugmodel_moe with 2 of its 8 layers: QK-norm, layer 0 dense, layer 1 MoE (8 experts, top 2).
+    "qwen3": dict(flavor="debugmodel_moe", model_args="num_layers=2", num_layers=2, hidden_size=256,
+                  num_attention_heads=16, num_query_groups=8, ffn_hidden_size=768, normalization="RMSNorm",
+                  gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, rope=True, tied=False,
+                  max_seq=2048, rotary_base=1000000, rope_scaling=False, eps=1e-6, qk_layernorm=True,
+                  moe=dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, moe_grouped_gemm=False,
+                           moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss",
+                           moe_aux_loss_coeff=0.01, moe_layer_freq=[0, 1])),
 }
 
 
@@ -88,14 +96,17 @@ def build_model(family: str, *, vocab_size: int, seed: int = 0, **sizes) -> GPTM
             num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
             num_query_groups=f["num_query_groups"], ffn_hidden_size=f["ffn_hidden_size"],
             normalization=f["normalization"], gated_linear_unit=f["gated_linear_unit"],
-            activation_func=f["activation_func"], add_bias_linear=f["add_bias_linear"], layernorm_epsilon=1e-5,
+            activation_func=f["activation_func"], add_bias_linear=f["add_bias_linear"],
+            layernorm_epsilon=f.get("eps", 1e-5), qk_layernorm=f.get("qk_layernorm", False),
             hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
             gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
             masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False, **f.get("moe", {}),
         )
-        experts = f.get("moe", {}).get("num_moe_experts")
-        layer_spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                              normalization=f["normalization"])
+        if "moe" in f:  # dense and MoE layers as config.moe_layer_freq says
+            layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                    normalization=f["normalization"])
+        else:
+            layer_spec = get_gpt_layer_local_spec(normalization=f["normalization"])
         with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
             model = GPTModel(
                 config, layer_spec, vocab_size=vocab_size, max_sequence_length=f["max_seq"],

@@ -47,7 +47,7 @@ def assert_logits_match(ours: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("family,tp,pp", [("llama3", 1, 1), ("llama3", 2, 2), ("gpt2", 2, 1), ("gpt2", 1, 2),
-                                          ("mixtral", 2, 1)])
+                                          ("mixtral", 2, 1), ("qwen3", 2, 2)])
 def test_legacy_checkpoint_gives_megatron_core_logits(reference, tmp_path, family, tp, pp):
     model, tokens, want = reference[family]
     save_torch(model, str(tmp_path / "megatron"), family, tp=tp, pp=pp)
