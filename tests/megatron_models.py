@@ -177,7 +177,11 @@ def save_torch(model: GPTModel, save: str, family: str, *, iteration: int = 10, 
             stage["output_layer.weight"] = full["embedding.word_embeddings.weight"]  # the last stage's copy
         for t in range(tp):
             shard = {k: _tp_shard(k, v, t, tp, family) for k, v in stage.items()}
+            # Extra state as the local layers (None) and Transformer Engine's (FP8 metadata serialized into a
+            # uint8 tensor) hold it.
             shard.update({k.replace("weight", "_extra_state"): None for k in shard if k.endswith("linear_qkv.weight")})
+            shard.update({k.replace("weight", "_extra_state"): torch.zeros(16, dtype=torch.uint8) for k in shard
+                          if k.endswith("linear_proj.weight")})
             rank_dir = os.path.join(folder, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
             os.makedirs(rank_dir, exist_ok=True)
             torch.save({

@@ -105,6 +105,12 @@ def test_missing_rank_file(legacy, tmp_path, capsys):
     os.remove(legacy / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt")
     err = _run(legacy, tmp_path / "out", "llama3", capsys)
     assert "mp_rank_01/model_optim_rng.pt is missing" in err
+    os.rename(legacy / "iter_0000010" / "mp_rank_01", legacy / "iter_0000010" / "mp_rank_02")
+    err = _run(legacy, tmp_path / "out", "llama3", capsys)
+    assert "iter_0000010 lacks mp_rank_01/model_optim_rng.pt (it holds 3 tensor- and 1 pipeline-parallel" in err
+    os.mkdir(legacy / "iter_0000010" / "mp_rank_00_000_001")
+    err = _run(legacy, tmp_path / "out", "llama3", capsys)
+    assert "mp_rank_00_000_001 is an expert-parallel rank's folder" in err
 
 
 def test_truncated_and_tampered_files(legacy, tmp_path, capsys):

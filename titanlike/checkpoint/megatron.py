@@ -13,8 +13,8 @@ A Megatron-LM `--save` folder holds `latest_checkpointed_iteration.txt` (an iter
   rank's state dict, layers numbered from 0 on every stage. The ranks are merged as megatron-core
   partitions them (models/common/megatron.py). A pickle is read by torch's weights-only unpickler; what
   Megatron-LM pickles beside the tensors (`args`, an argparse.Namespace holding megatron-core enums, NumPy's
-  RNG state, Transformer Engine's BytesIO extra state) is let through as an inert placeholder that runs
-  nothing, named in `_PLACEHOLDERS`; any other global refuses the file before unpickling it.
+  RNG state) is let through as an inert placeholder that runs nothing, named in `_PLACEHOLDERS`; any other
+  global refuses the file before unpickling it.
 
 The family's MegatronAdapter (spec.megatron) renames the full tensors; the flavor gives the dimensions and
 the checkpoint the vocabulary (Megatron pads it to a multiple of 128 x TP). Everything runs in one process
@@ -140,14 +140,13 @@ class _Placeholder:
 
 
 # Globals besides torch's own weights-only set that Megatron-LM's model_optim_rng.pt names: its args, the
-# enums among them, NumPy's RNG state, Transformer Engine's extra state. None of them holds a weight.
+# enums among them, NumPy's RNG state. None of them holds a weight. (Transformer Engine's extra state is a
+# uint8 tensor, skipped; an older release's pickled BytesIO is refused by name.)
 _PLACEHOLDERS = frozenset({
     "argparse.Namespace",
-    "io.BytesIO",
     "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
-    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
 })
-_PLACEHOLDER_MODULES = ("megatron.core.enums", "megatron.core.transformer.enums", "numpy.dtypes")
+_PLACEHOLDER_MODULES = ("megatron.core.enums", "megatron.core.transformer.enums")
 
 
 def _allowed(name: str) -> bool:

@@ -51,8 +51,9 @@ flavor are named (a Megatron checkpoint does not describe its model in a readabl
 with --model.args as train.py takes them (Megatron's names too: num_layers, hidden_size, ...); the vocabulary is
 the checkpoint's (Megatron pads it to a multiple of 128 x TP), so train with a tokenizer of that size. The
 output loads as `--checkpoint.initial_load_path OUT` (any parallel layout) and with `titanlike.load_model`.
-Families: llama3 (Megatron-LM's Llama recipes: RMSNorm, SwiGLU, GQA, RoPE, untied) and gpt2 (LayerNorm,
-learned positions, --openai-gelu, biases, tied)."""
+Families: llama3 (Megatron-LM's Llama recipes: RMSNorm, SwiGLU, GQA, RoPE, untied), gpt2 (LayerNorm,
+learned positions, --openai-gelu, biases, tied), mixtral and qwen3 (QK-norm; MoE with SequentialMLP or grouped
+experts, expert-parallel legacy files refused)."""
 
 
 def to_hf(argv: list[str] | None = None, prog: str | None = None) -> int:
