@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import os
 import random
+import re
 import warnings
 from unittest import mock
 
@@ -153,13 +154,18 @@ def megatron_args(family: str, *, tp: int = 1, pp: int = 1) -> argparse.Namespac
         tokenizer_type="GPT2BPETokenizer", lr=3e-4, data_path=["data/x_text_document"], iteration=10)
 
 
-def save_torch(model: GPTModel, save: str, family: str, *, iteration: int = 10, tp: int = 1, pp: int = 1) -> str:
+def save_torch(model: GPTModel, save: str, family: str, *, iteration: int = 10, tp: int = 1, pp: int = 1,
+               te_experts: bool = False) -> str:
     """Megatron-LM's --ckpt-format torch checkpoint of `model` under `save` (as its save_checkpoint writes:
     the tracker file, iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt holding args, checkpoint_version,
     iteration, model, optimizer, opt_param_scheduler and rng_state), the weights split over tp x pp ranks as
-    megatron-core partitions them. Returns the iteration folder."""
+    megatron-core partitions them. te_experts: the experts named as Transformer Engine's grouped MLP names
+    them (`mlp.experts.linear_fc1.weightE`) rather than SequentialMLP's. Returns the iteration folder."""
     folder = os.path.join(save, f"iter_{iteration:07d}")
     full = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if te_experts:
+        full = {re.sub(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)", r"mlp.experts.\2\1", k): v
+                for k, v in full.items()}
     n_layers = FAMILIES[family]["num_layers"]
     per_stage = n_layers // pp
     for p in range(pp):
@@ -209,6 +215,7 @@ def _tp_shard(key: str, value: torch.Tensor, rank: int, tp: int, family: str) ->
     of the rows; the rest is whole on every rank."""
     if tp == 1:
         return value.clone()
+    key = re.sub(r"(weight|bias)\d+$", r"\1", key)  # a grouped expert's weightE partitions as weight
     if key.endswith(("linear_fc1.weight", "linear_fc1.bias")) and FAMILIES[family]["gated_linear_unit"]:
         gate, up = value.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]]).clone()

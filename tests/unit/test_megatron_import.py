@@ -46,11 +46,12 @@ def assert_logits_match(ours: torch.Tensor, want: torch.Tensor) -> None:
     assert (ours - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("family,tp,pp", [("llama3", 1, 1), ("llama3", 2, 2), ("gpt2", 2, 1), ("gpt2", 1, 2),
-                                          ("mixtral", 2, 1), ("qwen3", 2, 2)])
-def test_legacy_checkpoint_gives_megatron_core_logits(reference, tmp_path, family, tp, pp):
+@pytest.mark.parametrize("family,tp,pp,te_experts", [
+    ("llama3", 1, 1, False), ("llama3", 2, 2, False), ("gpt2", 2, 1, False), ("gpt2", 1, 2, False),
+    ("mixtral", 2, 1, False), ("qwen3", 2, 2, True)])
+def test_legacy_checkpoint_gives_megatron_core_logits(reference, tmp_path, family, tp, pp, te_experts):
     model, tokens, want = reference[family]
-    save_torch(model, str(tmp_path / "megatron"), family, tp=tp, pp=pp)
+    save_torch(model, str(tmp_path / "megatron"), family, tp=tp, pp=pp, te_experts=te_experts)
     assert convert(tmp_path / "megatron", tmp_path / "out", family) == 0
     with torch.no_grad():
         assert_logits_match(load_model(tmp_path / "out")(tokens), want)

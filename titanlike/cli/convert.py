@@ -47,13 +47,13 @@ iteration the tracker names is read) or one iteration folder, in either format: 
 --ckpt-format) or torch (mp_rank_TT[_PPP]/model_optim_rng.pt, merged over tensor- and pipeline-parallel
 ranks; virtual pipeline chunks are refused). Only the model's weights are read: no optimizer state, and no
 pickled object beyond placeholders for what Megatron-LM stores beside the tensors. The model's family and
-flavor are named (a Megatron checkpoint does not describe its model in a readable form), sizes no flavor has
+flavor are named (a Megatron checkpoint describes its model only in pickled args, not read), sizes no flavor has
 with --model.args as train.py takes them (Megatron's names too: num_layers, hidden_size, ...); the vocabulary is
 the checkpoint's (Megatron pads it to a multiple of 128 x TP), so train with a tokenizer of that size. The
 output loads as `--checkpoint.initial_load_path OUT` (any parallel layout) and with `titanlike.load_model`.
 Families: llama3 (Megatron-LM's Llama recipes: RMSNorm, SwiGLU, GQA, RoPE, untied), gpt2 (LayerNorm,
-learned positions, --openai-gelu, biases, tied), mixtral and qwen3 (QK-norm; MoE with SequentialMLP or grouped
-experts, expert-parallel legacy files refused)."""
+learned positions, --openai-gelu, biases, tied), mixtral and qwen3 (QK-norm; MoE experts as SequentialMLP or
+Transformer Engine's grouped MLP save them; legacy files of expert-parallel runs are refused)."""
 
 
 def to_hf(argv: list[str] | None = None, prog: str | None = None) -> int:

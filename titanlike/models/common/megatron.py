@@ -123,7 +123,7 @@ def merge_tp(name: str, shards: list[torch.Tensor], *, gated: bool) -> torch.Ten
     dim = tp_dim(name)
     if len(shards) == 1 or dim is None:
         return shards[0]
-    if gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+    if gated and _EXPERT_INDEX.sub(r"\1", name).endswith(("linear_fc1.weight", "linear_fc1.bias")):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
     return torch.cat(shards, dim=dim)
