@@ -187,6 +187,12 @@ def test_torch_dist_folder_with_missing_keys(reference, tmp_path, capsys):
     (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("10\n")
     err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys)
     assert str(folder) in err and "missing ['norm.weight']" in err
+    # An index declaring a tensor far larger than the model is refused before anything is allocated.
+    index = pickle.loads((folder / ".metadata").read_bytes())
+    index.state_dict_metadata["decoder.layers.mlp.linear_fc2.weight"].size = torch.Size([8, 64, 10**9])
+    (folder / ".metadata").write_bytes(pickle.dumps(index))
+    err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys)
+    assert "its index declares 512,000," in err and "refusing to allocate them" in err
     # An index that names a callable is refused by the allow-list unpickler, before anything runs.
     marker = tmp_path / "ran"
     (folder / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))

@@ -23,6 +23,7 @@ and holds the whole model in host memory.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import zipfile
@@ -53,6 +54,7 @@ from titanlike.models.common.megatron import (
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
+EMBEDDING = "embedding.word_embeddings.weight"
 LEGACY_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 
@@ -98,16 +100,21 @@ def _format(folder: str) -> str | None:
 # torch_dist -----------------------------------------------------------------------------------
 
 
-def read_torch_dist(folder: str) -> dict[str, torch.Tensor]:
-    """The model's full tensors from a torch_dist folder, per layer, in canonical megatron-core names."""
+def torch_dist_index(folder: str) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors a torch_dist folder's index lists (its optimizer state and pickled entries left
+    out), its data files checked to exist and be long enough; nothing is read yet."""
     metadata = read_dcp_metadata(folder)
     check_dcp_files(folder, metadata)
-    template = {key: torch.empty(md.size, dtype=md.properties.dtype)
-                for key, md in metadata.state_dict_metadata.items()
-                if isinstance(md, TensorStorageMetadata) and not key.startswith("optimizer.")
-                and not is_extra_state(key)}
-    if not template:
+    index = {key: md for key, md in metadata.state_dict_metadata.items()
+             if isinstance(md, TensorStorageMetadata) and not key.startswith("optimizer.") and not is_extra_state(key)}
+    if not index:
         raise CheckpointError(f"torch_dist checkpoint {folder} holds no model tensors")
+    return index
+
+
+def read_torch_dist(folder: str, index: Mapping[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
+    """The tensors of torch_dist_index's `index`, per layer, in canonical megatron-core names."""
+    template = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in index.items()}
     try:
         dcp_load(template, folder, no_dist=True)
     except BaseException as e:  # CheckpointException is a BaseException
@@ -260,15 +267,19 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
     base = spec.flavors[flavor].with_overrides(overrides) if overrides else spec.flavors[flavor]
     folder = iteration_folder(src)
     if _format(folder) == "torch_dist":
-        megatron_sd = read_torch_dist(folder)
+        # The index declares the tensors' sizes: they are checked against the model before any is allocated.
+        index = torch_dist_index(folder)
+        args = _model_args(base, index.get(EMBEDDING) and tuple(index[EMBEDDING].size), folder)
+        stored = sum(math.prod(md.size) for md in index.values())
+        if stored > 2 * args.num_params():
+            raise CheckpointError(f"{folder}: its index declares {stored:,} model values, more than twice the "
+                                  f"{args.num_params():,} parameters of model {spec.name} flavor {flavor}; "
+                                  "refusing to allocate them")
+        megatron_sd = read_torch_dist(folder, index)
     else:
         megatron_sd = read_legacy(folder, gated=spec.megatron.gated)
-    embedding = megatron_sd.get("embedding.word_embeddings.weight")
-    if embedding is None or embedding.dim() != 2:
-        raise CheckpointError(f"{folder} holds no embedding.word_embeddings.weight (a 2-D table); "
-                              "is it a megatron-core GPTModel checkpoint?")
-    args = base.update_from_config(vocab_size=embedding.shape[0], seq_len=base.context_len)
-    check_model_size(args, folder)
+        embedding = megatron_sd.get(EMBEDDING)
+        args = _model_args(base, None if embedding is None else tuple(embedding.shape), folder)
     try:
         state_dict = spec.megatron.to_ours(megatron_sd, args)
     except (KeyError, ValueError) as e:
@@ -291,10 +302,21 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
     return folder
 
 
+def _model_args(base, embedding_shape: tuple[int, ...] | None, folder: str):
+    """The flavor's args with the checkpoint's (padded) vocabulary, no larger than host memory holds."""
+    if embedding_shape is None or len(embedding_shape) != 2:
+        raise CheckpointError(f"{folder} holds no {EMBEDDING} (a 2-D table); is it a megatron-core GPTModel "
+                              "checkpoint?")
+    args = base.update_from_config(vocab_size=embedding_shape[0], seq_len=base.context_len)
+    check_model_size(args, folder)
+    return args
+
+
 def _families() -> list[str]:
     from titanlike.models.registry import get_model_spec, model_names
 
     return [name for name in model_names() if get_model_spec(name).megatron is not None]
 
 
-__all__ = ["import_megatron_to_dcp", "iteration_folder", "load_legacy_file", "read_legacy", "read_torch_dist"]
+__all__ = ["import_megatron_to_dcp", "iteration_folder", "load_legacy_file", "read_legacy", "read_torch_dist",
+           "torch_dist_index"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -149,8 +149,6 @@ class MegatronAdapter:
     fc1: tuple[str, ...] = ("feed_forward.w1",)
     rope_rows: Callable[[str, torch.Tensor, object], torch.Tensor] | None = None
     experts: tuple[str, ...] = ()
-    # megatron-core parameters the family leaves out (their value is computed, not trained).
-    skipped: tuple[str, ...] = field(default=())
 
     @property
     def gated(self) -> bool:
@@ -163,8 +161,6 @@ class MegatronAdapter:
         family has no name for, ValueError naming a tensor whose shape does not fit args."""
         out: dict[str, torch.Tensor] = {}
         for name, value in sd.items():
-            if name in self.skipped:
-                continue
             if name == "output_layer.weight" and args.tie_word_embeddings:
                 continue  # a tied model's last pipeline stage keeps a copy of the embeddings
             if name in self.top:
@@ -194,7 +190,7 @@ class MegatronAdapter:
                 out[prefix + self.experts[2]] = value
             elif inner.startswith("mlp.linear_fc1."):
                 kind = inner.rsplit(".", 1)[1]
-                if self.gated and value.shape[0] % 2:
+                if len(self.fc1) == 2 and value.shape[0] % 2:
                     raise ValueError(f"{name} has an odd number of output features, not a gate and an up half")
                 for ours, part in zip(self.fc1, value.chunk(len(self.fc1), dim=0)):
                     out[f"{prefix}{ours}.{kind}"] = part.contiguous()
