@@ -40,18 +40,21 @@ def check_torch_dist(tmp_path):
 
 
 def test_train_from_a_converted_checkpoint(tmp_path):
-    """train.py (one process, the user's entry point) starts from the converted weights: its first loss is
-    megatron-core's on the same batch; two steps run."""
+    """train.py (one process, the user's entry point) starts from the converted weights, Megatron's vocabulary
+    padding dropped (--true-vocab-size): its first loss is megatron-core's on the same batch over the tokenizer's
+    ids; two steps run."""
     from titanlike.data import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
     tokenizer = build_tokenizer(DEFAULT_TOKENIZER_PATH)
+    vocab = tokenizer.vocab_size
     with megatron_world():  # ended before train.py builds its own
-        model = build_model("llama3", vocab_size=tokenizer.vocab_size, seed=3)
+        model = build_model("llama3", vocab_size=vocab + 128, seed=3)  # padded as Megatron pads
         save_torch_dist(model, str(tmp_path / "megatron"), "llama3")
         _, megatron_loss = first_batch_and_hf_loss(
-            lambda tokens: SimpleNamespace(logits=reference_logits(model, tokens)), tokenizer)
+            lambda tokens: SimpleNamespace(logits=reference_logits(model, tokens)[..., :vocab]), tokenizer)
     assert convert_main(["from-megatron", str(tmp_path / "megatron"), str(tmp_path / "step-0"),
-                         "--model.name", "llama3", "--model.flavor", "debugmodel_tiny"]) == 0
+                         "--model.name", "llama3", "--model.flavor", "debugmodel_tiny",
+                         "--true-vocab-size", str(vocab)]) == 0
     dump = tmp_path / "run"
     proc = train_here([*TINY_JOB, "--model.flavor", "debugmodel_tiny", "--training.steps", "2",
                        "--training.local_batch_size", "8", "--job.dump_folder", str(dump), "--checkpoint.enable",

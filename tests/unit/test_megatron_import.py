@@ -35,10 +35,10 @@ def reference():
     return out
 
 
-def convert(src, out, family, flavor=None) -> int:
+def convert(src, out, family, flavor=None, extra=()) -> int:
     """titanlike-convert from-megatron SRC OUT, as the user runs it (flavor: another than the test's)."""
     options = ["--model.name", family, "--model.flavor", flavor] if flavor else convert_options(family)
-    return convert_main(["from-megatron", str(src), str(out), *options])
+    return convert_main(["from-megatron", str(src), str(out), *options, *extra])
 
 
 def assert_logits_match(ours: torch.Tensor, want: torch.Tensor) -> None:
@@ -76,9 +76,9 @@ def test_sizes_no_flavor_has(reference, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "model.args.num_layers" in err, err
 
 
-def _run(src, out, family, capsys, flavor=None) -> str:
+def _run(src, out, family, capsys, flavor=None, extra=()) -> str:
     """The converter's refusal: exit 1, one line on stderr, nothing written."""
-    assert convert(src, out, family, flavor) == 1
+    assert convert(src, out, family, flavor, extra) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert not os.path.exists(out)
@@ -163,6 +163,8 @@ def test_shapes_of_another_flavor_or_family(legacy, tmp_path, capsys):
     assert "does not fit model gpt2 flavor debugmodel" in err
     err = _run(legacy, tmp_path / "out", "llama3", capsys, flavor="nope")
     assert "model llama3 has no flavor 'nope'" in err
+    err = _run(legacy, tmp_path / "out", "llama3", capsys, extra=["--true-vocab-size", str(VOCAB + 1)])
+    assert f"--true-vocab-size {VOCAB + 1} is not between 1 and the {VOCAB} rows of" in err
     err = _run(legacy, tmp_path / "out", "bert", capsys, flavor="debugmodel")
     assert "model bert has no Megatron-LM mapping; families with one: " in err and "llama3" in err
 

@@ -17,7 +17,8 @@ A Megatron-LM `--save` folder holds `latest_checkpointed_iteration.txt` (an iter
   global refuses the file before unpickling it.
 
 The family's MegatronAdapter (spec.megatron) renames the full tensors; the flavor gives the dimensions and
-the checkpoint the vocabulary (Megatron pads it to a multiple of 128 x TP). Everything runs in one process
+the checkpoint the vocabulary (Megatron pads it to a multiple of 128 x TP; `true_vocab_size` keeps the
+tokenizer's ids only, as Megatron-LM's own converter does). Everything runs in one process
 and holds the whole model in host memory.
 """
 
@@ -55,6 +56,7 @@ from titanlike.models.common.megatron import (
 
 TRACKER = "latest_checkpointed_iteration.txt"
 EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
 LEGACY_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 
@@ -251,10 +253,13 @@ def read_legacy(folder: str, *, gated: bool) -> dict[str, torch.Tensor]:
 
 
 def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
-                           overrides: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None) -> str:
+                           overrides: Mapping[str, Any] | None = None, true_vocab_size: int | None = None,
+                           dtype: torch.dtype | None = None) -> str:
     """from-megatron: a Megatron-LM checkpoint -> model-only DCP checkpoint with sidecar, for `model_name`'s
     `flavor` changed by `overrides` ([model.args]: the family's field names or Megatron's, as train.py takes
-    them) with the checkpoint's vocabulary. Returns the iteration folder read."""
+    them) with the checkpoint's vocabulary, or its first `true_vocab_size` rows (Megatron pads the tokenizer's
+    vocabulary; Megatron-LM's own converter calls the unpadded size --true-vocab-size). Returns the iteration
+    folder read."""
     from titanlike.models.registry import get_model_spec
 
     spec = get_model_spec(model_name)
@@ -269,7 +274,7 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
     if _format(folder) == "torch_dist":
         # The index declares the tensors' sizes: they are checked against the model before any is allocated.
         index = torch_dist_index(folder)
-        args = _model_args(base, index.get(EMBEDDING) and tuple(index[EMBEDDING].size), folder)
+        args = _model_args(base, index.get(EMBEDDING) and tuple(index[EMBEDDING].size), folder, true_vocab_size)
         stored = sum(math.prod(md.size) for md in index.values())
         if stored > 2 * args.num_params():
             raise CheckpointError(f"{folder}: its index declares {stored:,} model values, more than twice the "
@@ -279,7 +284,9 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
     else:
         megatron_sd = read_legacy(folder, gated=spec.megatron.gated)
         embedding = megatron_sd.get(EMBEDDING)
-        args = _model_args(base, None if embedding is None else tuple(embedding.shape), folder)
+        args = _model_args(base, None if embedding is None else tuple(embedding.shape), folder, true_vocab_size)
+    if true_vocab_size is not None:  # the padding rows go: no token id reaches them
+        megatron_sd.update({k: megatron_sd[k][:true_vocab_size] for k in (EMBEDDING, OUTPUT) if k in megatron_sd})
     try:
         state_dict = spec.megatron.to_ours(megatron_sd, args)
     except (KeyError, ValueError) as e:
@@ -302,12 +309,16 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
     return folder
 
 
-def _model_args(base, embedding_shape: tuple[int, ...] | None, folder: str):
-    """The flavor's args with the checkpoint's (padded) vocabulary, no larger than host memory holds."""
+def _model_args(base, embedding_shape: tuple[int, ...] | None, folder: str, true_vocab_size: int | None):
+    """The flavor's args with the checkpoint's (padded) vocabulary or the first true_vocab_size ids of it, no
+    larger than host memory holds."""
     if embedding_shape is None or len(embedding_shape) != 2:
         raise CheckpointError(f"{folder} holds no {EMBEDDING} (a 2-D table); is it a megatron-core GPTModel "
                               "checkpoint?")
-    args = base.update_from_config(vocab_size=embedding_shape[0], seq_len=base.context_len)
+    if true_vocab_size is not None and not 0 < true_vocab_size <= embedding_shape[0]:
+        raise CheckpointError(f"--true-vocab-size {true_vocab_size} is not between 1 and the {embedding_shape[0]} "
+                              f"rows of {folder}'s {EMBEDDING}")
+    args = base.update_from_config(vocab_size=true_vocab_size or embedding_shape[0], seq_len=base.context_len)
     check_model_size(args, folder)
     return args
 

@@ -49,7 +49,8 @@ ranks; virtual pipeline chunks are refused). Only the model's weights are read: 
 pickled object beyond placeholders for what Megatron-LM stores beside the tensors. The model's family and
 flavor are named (a Megatron checkpoint describes its model only in pickled args, not read), sizes no flavor has
 with --model.args as train.py takes them (Megatron's names too: num_layers, hidden_size, ...); the vocabulary is
-the checkpoint's (Megatron pads it to a multiple of 128 x TP), so train with a tokenizer of that size. The
+the checkpoint's (Megatron pads it to a multiple of 128 x TP), or its first --true-vocab-size rows: the size
+of the tokenizer the job trains with. The
 output loads as `--checkpoint.initial_load_path OUT` (any parallel layout) and with `titanlike.load_model`.
 Families: llama3 (Megatron-LM's Llama recipes: RMSNorm, SwiGLU, GQA, RoPE, untied), gpt2 (LayerNorm,
 learned positions, --openai-gelu, biases, tied), mixtral and qwen3 (QK-norm; MoE experts as SequentialMLP or
@@ -162,6 +163,9 @@ def from_megatron(argv: list[str] | None = None, prog: str | None = None) -> int
     parser.add_argument("--model.args", dest="model_args", default=None, metavar="KEY=VALUE,...",
                         help="change the flavor's sizes as train.py's --model.args does, by the family's field "
                              "names or Megatron's (num_layers=24,hidden_size=2048,num_query_groups=8,...)")
+    parser.add_argument("--true-vocab-size", "--true_vocab_size", dest="true_vocab_size", type=int, default=None,
+                        help="keep the first N rows of the embedding and output layer: the tokenizer's vocabulary "
+                             "without Megatron's padding (as Megatron-LM's tools/checkpoint converter's option)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="cast the weights (default: keep the stored dtype)")
     args = parser.parse_args(argv)
@@ -180,6 +184,7 @@ def from_megatron(argv: list[str] | None = None, prog: str | None = None) -> int
     name = (prog or "convert_megatron_to_dcp").removesuffix(".py")
     try:
         folder = import_megatron_to_dcp(args.input, args.output, args.model_name, args.flavor, overrides=overrides,
+                                        true_vocab_size=args.true_vocab_size,
                                         dtype=getattr(torch, args.dtype) if args.dtype else None)
     except (CheckpointError, ValueError, KeyError) as e:
         print(f"{name}: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
