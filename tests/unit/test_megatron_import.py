@@ -3,7 +3,7 @@ megatron-core GPTModel per family runs in this process (tests/megatron_models.py
 in-memory store, nothing spawned), its weights are saved as Megatron-LM's save_checkpoint writes them
 (model_optim_rng.pt per tensor- and pipeline-parallel rank), converted, and the converted model's logits are
 megatron-core's. Hostile input fails with one sentence naming the file. The torch_dist format (whose writer
-forks) and a train.py run from a converted checkpoint: tests/integration/test_megatron_import.py."""
+forks) and a train.py run from a converted checkpoint: tests/integration/test_megatron_torch_dist.py."""
 
 from __future__ import annotations
 
