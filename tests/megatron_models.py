@@ -149,18 +149,21 @@ def megatron_args(family: str, *, tp: int = 1, pp: int = 1) -> argparse.Namespac
     f = FAMILIES[family]
     return argparse.Namespace(
         num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
+        norm_epsilon=f.get("eps", 1e-5), rotary_base=f.get("rotary_base", 500000 if f["rope"] else 10000),
+        use_rope_scaling=f.get("rope_scaling", f["rope"]), rope_scaling_factor=8.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch.float32,
         attention_backend=AttnBackend.auto, ckpt_format="torch", transformer_impl="local",
         tokenizer_type="GPT2BPETokenizer", lr=3e-4, data_path=["data/x_text_document"], iteration=10)
 
 
 def save_torch(model: GPTModel, save: str, family: str, *, iteration: int = 10, tp: int = 1, pp: int = 1,
-               te_experts: bool = False) -> str:
+               te_experts: bool = False, **settings) -> str:
     """Megatron-LM's --ckpt-format torch checkpoint of `model` under `save` (as its save_checkpoint writes:
     the tracker file, iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt holding args, checkpoint_version,
     iteration, model, optimizer, opt_param_scheduler and rng_state), the weights split over tp x pp ranks as
     megatron-core partitions them. te_experts: the experts named as Transformer Engine's grouped MLP names
-    them (`mlp.experts.linear_fc1.weightE`) rather than SequentialMLP's. Returns the iteration folder."""
+    them (`mlp.experts.linear_fc1.weightE`) rather than SequentialMLP's. settings: args to record otherwise
+    than megatron_args does. Returns the iteration folder."""
     folder = os.path.join(save, f"iter_{iteration:07d}")
     full = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if te_experts:
@@ -191,7 +194,7 @@ def save_torch(model: GPTModel, save: str, family: str, *, iteration: int = 10, 
             rank_dir = os.path.join(folder, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
             os.makedirs(rank_dir, exist_ok=True)
             torch.save({
-                "args": megatron_args(family, tp=tp, pp=pp),
+                "args": argparse.Namespace(**{**vars(megatron_args(family, tp=tp, pp=pp)), **settings}),
                 "checkpoint_version": 3.0,
                 "iteration": iteration,
                 "model": shard,

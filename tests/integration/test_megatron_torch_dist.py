@@ -19,12 +19,12 @@ from titanlike.checkpoint.hf import load_model
 from titanlike.cli.convert import main as convert_main
 
 
-def test_torch_dist_checkpoints_give_megatron_core_logits(tmp_path):
+def test_torch_dist_checkpoints_give_megatron_core_logits(tmp_path, capsys):
     with megatron_world():
-        check_torch_dist(tmp_path)
+        check_torch_dist(tmp_path, capsys)
 
 
-def check_torch_dist(tmp_path):
+def check_torch_dist(tmp_path, capsys):
     for family in FAMILIES:
         model = build_model(family, vocab_size=384, seed=2)
         tokens = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -37,6 +37,14 @@ def check_torch_dist(tmp_path):
         assert (ours - want).abs().max() <= 1e-5 * want.abs().max(), family
         sidecar = json.loads((out / "titanlike.json").read_text())
         assert sidecar["model"]["name"] == family and sidecar["source"] == folder
+    # common.pt's Megatron-LM args are checked as a legacy file's are: an epsilon the flavor does not have.
+    common = tmp_path / "qwen3" / "iter_0000010" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].norm_epsilon = 1e-5
+    torch.save(state, common)
+    assert convert_main(["from-megatron", str(tmp_path / "qwen3"), str(tmp_path / "again"),
+                         *convert_options("qwen3")]) == 1
+    assert "norm_epsilon 1e-05, the flavor has norm_eps 1e-06" in capsys.readouterr().err
 
 
 def test_train_from_a_converted_checkpoint(tmp_path):

@@ -169,6 +169,24 @@ def test_shapes_of_another_flavor_or_family(legacy, tmp_path, capsys):
     assert "model bert has no Megatron-LM mapping; families with one: " in err and "llama3" in err
 
 
+def test_settings_no_shape_shows_must_agree(reference, tmp_path, capsys):
+    """Megatron-LM's args record what the weights' shapes do not: RMSNorm epsilon, RoPE base and scaling.
+    A flavor that differs is refused naming the --model.args that fixes it."""
+    model = reference["llama3"][0]
+    save_torch(model, str(tmp_path / "megatron"), "llama3", rotary_base=10000, norm_epsilon=1e-6)
+    err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys)
+    assert ("does not fit model llama3 flavor debugmodel_tiny: Megatron-LM trained it with norm_epsilon 1e-06, "
+            "the flavor has norm_eps 1e-05 (--model.args norm_epsilon=1e-06)") in err
+    err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys, extra=["--model.args", "norm_epsilon=1e-6"])
+    assert "rotary_base 10000, the flavor has rope_theta 500000.0 (--model.args rotary_base=10000)" in err
+    save_torch(model, str(tmp_path / "megatron"), "llama3", use_rope_scaling=False)
+    err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys)
+    assert "without --use-rope-scaling, the flavor scales RoPE (--model.args rope_scaling=none)" in err
+    save_torch(model, str(tmp_path / "megatron"), "llama3", rope_scaling_factor=32.0)
+    err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys)
+    assert "--rope-scaling-factor 32.0, the flavor has 8.0 (--model.args rope_scaling.factor=32.0)" in err
+
+
 def test_torch_dist_folder_with_missing_keys(reference, tmp_path, capsys):
     """A torch_dist folder (a DCP index of megatron-core's stacked keys) that lacks the final norm."""
     from titanlike.checkpoint.format import dcp_save

@@ -4,17 +4,21 @@ A Megatron-LM `--save` folder holds `latest_checkpointed_iteration.txt` (an iter
 `iter_0000100/` (or `release/`), in one of two formats:
 
 * torch_dist (`--ckpt-format torch_dist`, the default): a torch.distributed.checkpoint folder (plus
-  megatron-core's `common.pt` and `metadata.json`, not read) whose keys are megatron-core's sharded keys,
+  megatron-core's `common.pt`, the non-tensor state with Megatron-LM's args, and `metadata.json`) whose keys
+  are megatron-core's sharded keys,
   the layers stacked on a first dimension (`decoder.layers.mlp.linear_fc2.weight`: layers x hidden x ffn),
   optimizer state under `optimizer.`. Its index is read by format.py's allow-list unpickler, its tensors by
   DCP; pickled entries (RNG states) are never read.
 * torch (`--ckpt-format torch`): `mp_rank_TT/model_optim_rng.pt`, or `mp_rank_TT_PPP/` under pipeline
   parallelism, one torch.save pickle per tensor- and pipeline-parallel rank whose `model` entry is that
   rank's state dict, layers numbered from 0 on every stage. The ranks are merged as megatron-core
-  partitions them (models/common/megatron.py). A pickle is read by torch's weights-only unpickler; what
-  Megatron-LM pickles beside the tensors (`args`, an argparse.Namespace holding megatron-core enums, NumPy's
-  RNG state) is let through as an inert placeholder that runs nothing, named in `_PLACEHOLDERS`; any other
-  global refuses the file before unpickling it.
+  partitions them (models/common/megatron.py).
+
+A pickle (model_optim_rng.pt, common.pt) is read by torch's weights-only unpickler. Of what Megatron-LM
+pickles beside the tensors, its `args` (an argparse.Namespace) are read; the megatron-core enums among them
+and NumPy's RNG state become inert placeholders that run nothing (`_PLACEHOLDERS`); any other global refuses
+the file before unpickling it. The args' settings that no shape shows (RMSNorm epsilon, RoPE base, the
+family's own such as RoPE scaling) must agree with the flavor's (`check_settings`).
 
 The family's MegatronAdapter (spec.megatron) renames the full tensors; the flavor gives the dimensions and
 the checkpoint the vocabulary (Megatron pads it to a multiple of 128 x TP; `true_vocab_size` keeps the
@@ -24,6 +28,7 @@ and holds the whole model in host memory.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -57,6 +62,7 @@ from titanlike.models.common.megatron import (
 TRACKER = "latest_checkpointed_iteration.txt"
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
+COMMON = "common.pt"
 LEGACY_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 
@@ -148,23 +154,24 @@ class _Placeholder:
         pass
 
 
-# Globals besides torch's own weights-only set that Megatron-LM's model_optim_rng.pt names: its args, the
-# enums among them, NumPy's RNG state. None of them holds a weight. (Transformer Engine's extra state is a
-# uint8 tensor, skipped; an older release's pickled BytesIO is refused by name.)
+# Globals besides torch's own weights-only set that a Megatron-LM pickle (model_optim_rng.pt, torch_dist's
+# common.pt) names: its args (an argparse.Namespace, a plain attribute bag, read: `check_settings`), the
+# megatron-core enums among them and NumPy's RNG state, which become placeholders. (Transformer Engine's extra
+# state is a uint8 tensor, skipped; an older release's pickled BytesIO is refused by name.)
+_READ = {"argparse.Namespace": argparse.Namespace}
 _PLACEHOLDERS = frozenset({
-    "argparse.Namespace",
     "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
 })
 _PLACEHOLDER_MODULES = ("megatron.core.enums", "megatron.core.transformer.enums")
 
 
 def _allowed(name: str) -> bool:
-    module = name.rsplit(".", 1)[0]
-    return name in _PLACEHOLDERS or module in _PLACEHOLDER_MODULES
+    return name in _READ or name in _PLACEHOLDERS or name.rsplit(".", 1)[0] in _PLACEHOLDER_MODULES
 
 
-def load_legacy_file(path: str) -> dict[str, torch.Tensor]:
-    """The `model` state dict of one model_optim_rng.pt, unpickled with torch's weights-only loader."""
+def safe_load(path: str) -> Any:
+    """A torch.save file of Megatron-LM's, unpickled by torch's weights-only loader with `_allowed`'s globals
+    only (checked before unpickling); CheckpointError naming the file otherwise."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing")
     if not zipfile.is_zipfile(path):
@@ -177,12 +184,25 @@ def load_legacy_file(path: str) -> dict[str, torch.Tensor]:
     if refused:
         raise CheckpointError(f"{path} pickles {refused[0]}, which a Megatron-LM checkpoint does not hold; "
                               "refusing to unpickle it")
+    allowed = [(_READ[name], name) if name in _READ else (_Placeholder, name) for name in unsafe]
     try:
-        with torch.serialization.safe_globals([(_Placeholder, name) for name in unsafe]):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: the optimizer state beside the weights is mapped, never read.
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a damaged archive or a pickle the weights-only loader refuses
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {detail[:300]})") from None
+
+
+def megatron_args(state: Any) -> dict[str, Any]:
+    """The settings Megatron-LM recorded in a checkpoint dict (its `args`), or {} when it holds none."""
+    args = state.get("args") if isinstance(state, dict) else None
+    return dict(vars(args)) if isinstance(args, argparse.Namespace) else {}
+
+
+def load_legacy_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The `model` state dict of one model_optim_rng.pt (canonical names), and Megatron-LM's args in it."""
+    state = safe_load(path)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not Megatron-LM's checkpoint dict")
     if "model" not in state:
@@ -201,12 +221,13 @@ def load_legacy_file(path: str) -> dict[str, torch.Tensor]:
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: model entry {key!r} is a {type(value).__name__}, not a tensor")
         out[canonical_name(key)] = value
-    return out
+    return out, megatron_args(state)
 
 
-def read_legacy(folder: str, *, gated: bool) -> dict[str, torch.Tensor]:
+def read_legacy(folder: str, *, gated: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's full tensors from mp_rank_TT[_PPP]/model_optim_rng.pt: pipeline stages renumbered in order,
-    tensor-parallel shards merged (gated: linear_fc1 holds [gate; up] on each rank)."""
+    tensor-parallel shards merged (gated: linear_fc1 holds [gate; up] on each rank); and the first rank's
+    Megatron-LM args."""
     ranks: dict[tuple[int, int], str] = {}
     for name in os.listdir(folder):
         m = _RANK_DIR.fullmatch(name)
@@ -224,9 +245,14 @@ def read_legacy(folder: str, *, gated: bool) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"{folder} lacks {want}/{LEGACY_FILE} (it holds {tp} tensor- and {pp} "
                                       "pipeline-parallel ranks)")
     out: dict[str, torch.Tensor] = {}
+    settings: dict[str, Any] = {}
     offset = 0
     for p in range(pp):
-        stage = [load_legacy_file(ranks[(t, p)]) for t in range(tp)]
+        stage = []
+        for t in range(tp):
+            model, args = load_legacy_file(ranks[(t, p)])
+            stage.append(model)
+            settings = settings or args
         for t in range(1, tp):
             if stage[t].keys() != stage[0].keys():
                 diff = sorted(stage[0].keys() ^ stage[t].keys())[0]
@@ -244,7 +270,7 @@ def read_legacy(folder: str, *, gated: bool) -> dict[str, torch.Tensor]:
             out.setdefault(name, value)
         offset += len(layers)
     try:
-        return stack_experts(out)
+        return stack_experts(out), settings
     except ValueError as e:
         raise CheckpointError(f"{folder}: {e}") from None
 
@@ -281,10 +307,15 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
                                   f"{args.num_params():,} parameters of model {spec.name} flavor {flavor}; "
                                   "refusing to allocate them")
         megatron_sd = read_torch_dist(folder, index)
+        common = os.path.join(folder, COMMON)  # megatron-core's non-tensor state, Megatron-LM's args among it
+        settings = megatron_args(safe_load(common)) if os.path.exists(common) else {}
     else:
-        megatron_sd = read_legacy(folder, gated=spec.megatron.gated)
+        megatron_sd, settings = read_legacy(folder, gated=spec.megatron.gated)
         embedding = megatron_sd.get(EMBEDDING)
         args = _model_args(base, None if embedding is None else tuple(embedding.shape), folder, true_vocab_size)
+    problem = check_settings(settings, args, spec.megatron)
+    if problem:
+        raise CheckpointError(f"{folder} does not fit model {spec.name} flavor {flavor}: {problem}")
     if true_vocab_size is not None:  # the padding rows go: no token id reaches them
         megatron_sd.update({k: megatron_sd[k][:true_vocab_size] for k in (EMBEDDING, OUTPUT) if k in megatron_sd})
     try:
@@ -309,6 +340,26 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
     return folder
 
 
+# Megatron-LM's settings that change what the weights compute without changing their shapes, under the names
+# [model.args] also takes (DecoderArgs.ARG_ALIASES); a family whose args have no such field skips it.
+SETTINGS = ("norm_epsilon", "rotary_base")
+
+
+def check_settings(settings: Mapping[str, Any], args, adapter) -> str | None:
+    """What the checkpoint's Megatron-LM args say differently from `args` (with the [model.args] setting that
+    fixes it), or None: the shared SETTINGS, then the family's own (adapter.check_settings)."""
+    known = type(args).known_arg_names()
+    for name in SETTINGS:
+        theirs = settings.get(name)
+        if name not in known or isinstance(theirs, bool) or not isinstance(theirs, (int, float)):
+            continue
+        ours = getattr(args, known[name])
+        if not isinstance(ours, (int, float)) or not math.isclose(theirs, ours, rel_tol=1e-6):
+            return (f"Megatron-LM trained it with {name} {theirs}, the flavor has {known[name]} {ours} "
+                    f"(--model.args {name}={theirs})")
+    return adapter.check_settings(settings, args) if adapter.check_settings is not None else None
+
+
 def _model_args(base, embedding_shape: tuple[int, ...] | None, folder: str, true_vocab_size: int | None):
     """The flavor's args with the checkpoint's (padded) vocabulary or the first true_vocab_size ids of it, no
     larger than host memory holds."""
@@ -329,5 +380,5 @@ def _families() -> list[str]:
     return [name for name in model_names() if get_model_spec(name).megatron is not None]
 
 
-__all__ = ["import_megatron_to_dcp", "iteration_folder", "load_legacy_file", "read_legacy", "read_torch_dist",
-           "torch_dist_index"]
+__all__ = ["check_settings", "import_megatron_to_dcp", "iteration_folder", "load_legacy_file", "megatron_args",
+           "read_legacy", "read_torch_dist", "safe_load", "torch_dist_index"]

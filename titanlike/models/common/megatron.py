@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -141,6 +142,8 @@ class MegatronAdapter:
     rotate-half order (None: no RoPE).
     experts: our names of the stacked experts' gate, up and down projections (experts x out x in), for
     `mlp.experts.linear_fc1` (gate and up) and `mlp.experts.linear_fc2`; () for a family without MoE.
+    check_settings: (Megatron-LM's args as a dict, our args) -> what they say differently about a setting of
+    the family's own that no shape shows (with the --model.args that fixes it), or None.
     """
 
     top: Mapping[str, str]
@@ -149,6 +152,7 @@ class MegatronAdapter:
     fc1: tuple[str, ...] = ("feed_forward.w1",)
     rope_rows: Callable[[str, torch.Tensor, object], torch.Tensor] | None = None
     experts: tuple[str, ...] = ()
+    check_settings: Callable[[Mapping[str, Any], Any], str | None] | None = None
 
     @property
     def gated(self) -> bool:
