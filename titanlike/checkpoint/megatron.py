@@ -5,10 +5,10 @@ A Megatron-LM `--save` folder holds `latest_checkpointed_iteration.txt` (an iter
 
 * torch_dist (`--ckpt-format torch_dist`, the default): a torch.distributed.checkpoint folder (plus
   megatron-core's `common.pt`, the non-tensor state with Megatron-LM's args, and `metadata.json`) whose keys
-  are megatron-core's sharded keys,
-  the layers stacked on a first dimension (`decoder.layers.mlp.linear_fc2.weight`: layers x hidden x ffn),
-  optimizer state under `optimizer.`. Its index is read by format.py's allow-list unpickler, its tensors by
-  DCP; pickled entries (RNG states) are never read.
+  are megatron-core's sharded keys, the layers stacked on a first dimension
+  (`decoder.layers.mlp.linear_fc2.weight`: layers x hidden x ffn), optimizer state under `optimizer.`. Its
+  index is read by format.py's allow-list unpickler, its tensors by DCP; pickled entries (RNG states) are
+  never read.
 * torch (`--ckpt-format torch`): `mp_rank_TT/model_optim_rng.pt`, or `mp_rank_TT_PPP/` under pipeline
   parallelism, one torch.save pickle per tensor- and pipeline-parallel rank whose `model` entry is that
   rank's state dict, layers numbered from 0 on every stage. The ranks are merged as megatron-core
@@ -22,8 +22,8 @@ family's own such as RoPE scaling) must agree with the flavor's (`check_settings
 
 The family's MegatronAdapter (spec.megatron) renames the full tensors; the flavor gives the dimensions and
 the checkpoint the vocabulary (Megatron pads it to a multiple of 128 x TP; `true_vocab_size` keeps the
-tokenizer's ids only, as Megatron-LM's own converter does). Everything runs in one process
-and holds the whole model in host memory.
+tokenizer's ids only, as Megatron-LM's own converter does). Everything runs in one process and holds the
+whole model in host memory.
 """
 
 from __future__ import annotations
