@@ -114,6 +114,15 @@ def test_missing_rank_file(legacy, tmp_path, capsys):
     assert "mp_rank_00_000_001 is an expert-parallel rank's folder" in err
 
 
+def test_virtual_pipeline_chunks_are_refused(legacy, tmp_path, capsys):
+    path = legacy / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model0"], state["model1"] = state.pop("model"), {}
+    torch.save(state, path)
+    err = _run(legacy, tmp_path / "out", "llama3", capsys)
+    assert f"{path} holds 2 virtual pipeline chunks (model0, model1)" in err
+
+
 def test_truncated_and_tampered_files(legacy, tmp_path, capsys):
     path = legacy / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
     data = path.read_bytes()
