@@ -136,6 +136,11 @@ def test_truncated_and_tampered_files(legacy, tmp_path, capsys):
             dst.writestr(item, b"\x80\x02garbage" if item.filename.endswith("data.pkl") else body)
     err = _run(legacy, tmp_path / "out", "llama3", capsys)
     assert str(path) in err and "damaged" in err
+    # The directory says a tensor's record is longer than the file: refused before anything is mapped.
+    central = data.rindex(b"PK\x01\x02")
+    path.write_bytes(data[:central + 20] + (2**31).to_bytes(4, "little") * 2 + data[central + 28:])
+    err = _run(legacy, tmp_path / "out", "llama3", capsys)
+    assert f"{path} is truncated: its entry" in err
 
 
 class _Evil:

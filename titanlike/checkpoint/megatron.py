@@ -134,6 +134,8 @@ def read_torch_dist(folder: str, index: Mapping[str, TensorStorageMetadata]) -> 
         inner = key[len(LAYERS):] if key.startswith(LAYERS) else None
         if inner is not None and not inner.split(".", 1)[0].isdigit():
             # megatron-core stacks the layers' tensors under one key, the layer first.
+            if value.dim() == 0:
+                raise CheckpointError(f"torch_dist checkpoint {folder}: {key} holds no layer dimension")
             for i, layer in enumerate(value.unbind(0)):
                 out[canonical_name(f"{LAYERS}{i}.{inner}")] = layer.contiguous()
         else:
@@ -176,6 +178,7 @@ def safe_load(path: str) -> Any:
         raise CheckpointError(f"{path} is missing")
     if not zipfile.is_zipfile(path):
         raise CheckpointError(f"{path} is not a torch.save zip file (truncated or damaged?)")
+    _check_entries(path)
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as e:
@@ -192,6 +195,23 @@ def safe_load(path: str) -> Any:
     except Exception as e:  # a damaged archive or a pickle the weights-only loader refuses
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {detail[:300]})") from None
+
+
+def _check_entries(path: str) -> None:
+    """Every entry of the zip lies inside the file: the tensors are memory-mapped, and reading a mapped page
+    past the end of a file is a crash (SIGBUS), not an exception."""
+    size = os.path.getsize(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+    for entry in entries:
+        # A local header is 30 bytes, the name and the extra field; the data follows it.
+        end = entry.header_offset + 30 + len(entry.filename.encode()) + len(entry.extra) + entry.compress_size
+        if end > size:
+            raise CheckpointError(f"{path} is truncated: its entry {entry.filename[:100]!r} ends at byte {end:,}, "
+                                  f"past the file's {size:,}")
 
 
 def megatron_args(state: Any) -> dict[str, Any]:

@@ -97,6 +97,9 @@ def stack_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, by_index in experts.items():
         if sorted(by_index) != list(range(len(by_index))):
             raise ValueError(f"{name} has experts {sorted(by_index)[:8]}, not 0 to {len(by_index) - 1}")
+        shapes = {tuple(t.shape) for t in by_index.values()}
+        if len(shapes) > 1:
+            raise ValueError(f"{name}'s experts have different shapes ({', '.join(map(str, sorted(shapes)[:3]))})")
         out[name] = torch.stack([by_index[i] for i in range(len(by_index))])
     return out
 
