@@ -101,7 +101,8 @@ def build_model(family: str, *, vocab_size: int, seed: int = 0, **sizes) -> GPTM
             layernorm_epsilon=f.get("eps", 1e-5), qk_layernorm=f.get("qk_layernorm", False),
             hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
             gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
-            masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False, **f.get("moe", {}),
+            masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
+            rotary_interleaved=f.get("rotary_interleaved", False), **f.get("moe", {}),
         )
         if "moe" in f:  # dense and MoE layers as config.moe_layer_freq says
             layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,

@@ -76,6 +76,18 @@ def test_sizes_no_flavor_has(reference, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "model.args.num_layers" in err, err
 
 
+def test_rotary_interleaved(reference, tmp_path):
+    """A model trained with --rotary-interleaved rotates adjacent pairs, as ours: its q/k rows stay in order."""
+    with megatron_world():
+        model = build_model("llama3", vocab_size=VOCAB, seed=5, rotary_interleaved=True)
+        tokens = reference["llama3"][1]
+        want = reference_logits(model, tokens)
+    save_torch(model, str(tmp_path / "megatron"), "llama3", rotary_interleaved=True)
+    assert convert(tmp_path / "megatron", tmp_path / "out", "llama3") == 0
+    with torch.no_grad():
+        assert_logits_match(load_model(tmp_path / "out")(tokens), want)
+
+
 def _run(src, out, family, capsys, flavor=None, extra=()) -> str:
     """The converter's refusal: exit 1, one line on stderr, nothing written."""
     assert convert(src, out, family, flavor, extra) == 1

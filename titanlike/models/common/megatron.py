@@ -163,9 +163,10 @@ class MegatronAdapter:
         experts' always do."""
         return len(self.fc1) == 2 or bool(self.experts)
 
-    def to_ours(self, sd: Mapping[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+    def to_ours(self, sd: Mapping[str, torch.Tensor], args, *, rotary_interleaved: bool = False) -> dict[str, torch.Tensor]:
         """megatron-core's full state dict (canonical names) -> ours; KeyError naming a parameter the
-        family has no name for, ValueError naming a tensor whose shape does not fit args."""
+        family has no name for, ValueError naming a tensor whose shape does not fit args. rotary_interleaved: the
+        model was trained with --rotary-interleaved, which rotates adjacent pairs as we do (no reordering)."""
         out: dict[str, torch.Tensor] = {}
         for name, value in sd.items():
             if name == "output_layer.weight" and args.tie_word_embeddings:
@@ -203,7 +204,7 @@ class MegatronAdapter:
                     out[f"{prefix}{ours}.{kind}"] = part.contiguous()
             else:
                 raise KeyError(f"no parameter of this family is called {name!r}")
-        if self.rope_rows is not None:
+        if self.rope_rows is not None and not rotary_interleaved:
             for key, value in out.items():
                 parts = key.split(".", 2)
                 if parts[0] == "layers" and len(parts) == 3:
