@@ -339,7 +339,8 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
     if true_vocab_size is not None:  # the padding rows go: no token id reaches them
         megatron_sd.update({k: megatron_sd[k][:true_vocab_size] for k in (EMBEDDING, OUTPUT) if k in megatron_sd})
     try:
-        state_dict = spec.megatron.to_ours(megatron_sd, args, rotary_interleaved=settings.get("rotary_interleaved") is True)
+        state_dict = spec.megatron.to_ours(megatron_sd, args,
+                                           rotary_interleaved=settings.get("rotary_interleaved") is True)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{folder} does not fit model {spec.name} flavor {flavor}: "
                               f"{e.args[0] if e.args else e}") from None

@@ -40,7 +40,7 @@ needed). To fine-tune without converting, pass the Hugging Face folder itself wi
 --checkpoint.initial_load_in_hf."""
 
 
-FROM_MEGATRON_DOC = """Convert a Megatron-LM checkpoint (megatron-core GPTModel) to a model-only titanlike DCP checkpoint.
+FROM_MEGATRON_DOC = """Convert a Megatron-LM checkpoint (megatron-core GPTModel) to a model-only DCP checkpoint.
 
 IN is the folder Megatron-LM saved into (--save: latest_checkpointed_iteration.txt and iter_XXXXXXX/; the
 iteration the tracker names is read) or one iteration folder, in either format: torch_dist (the default

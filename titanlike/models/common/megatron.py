@@ -163,7 +163,8 @@ class MegatronAdapter:
         experts' always do."""
         return len(self.fc1) == 2 or bool(self.experts)
 
-    def to_ours(self, sd: Mapping[str, torch.Tensor], args, *, rotary_interleaved: bool = False) -> dict[str, torch.Tensor]:
+    def to_ours(self, sd: Mapping[str, torch.Tensor], args, *,
+                rotary_interleaved: bool = False) -> dict[str, torch.Tensor]:
         """megatron-core's full state dict (canonical names) -> ours; KeyError naming a parameter the
         family has no name for, ValueError naming a tensor whose shape does not fit args. rotary_interleaved: the
         model was trained with --rotary-interleaved, which rotates adjacent pairs as we do (no reordering)."""

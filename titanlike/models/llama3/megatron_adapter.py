@@ -21,7 +21,8 @@ def rope_scaling_settings(settings: Mapping[str, Any], args) -> str | None:
     if use and args.rope_scaling is None:
         return "Megatron-LM trained it with --use-rope-scaling, the flavor has none (name a flavor that scales RoPE)"
     if not use and args.rope_scaling is not None:
-        return "Megatron-LM trained it without --use-rope-scaling, the flavor scales RoPE (--model.args rope_scaling=none)"
+        return ("Megatron-LM trained it without --use-rope-scaling, the flavor scales RoPE "
+                "(--model.args rope_scaling=none)")
     if use and isinstance(factor, (int, float)) and float(factor) != args.rope_scaling.factor:
         return (f"Megatron-LM trained it with --rope-scaling-factor {factor}, the flavor has "
                 f"{args.rope_scaling.factor} (--model.args rope_scaling.factor={factor})")
