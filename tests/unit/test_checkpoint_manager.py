@@ -482,7 +482,7 @@ def test_checkpoint_modules_import_in_layers():
 
     import titanlike.checkpoint as package
 
-    layers = ["format", "resume", "states", "hf", "saving", "loading", "manager"]
+    layers = ["format", "resume", "states", "hf", "megatron", "saving", "loading", "manager"]
     folder = os.path.dirname(package.__file__)
     assert sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n != "__init__.py") == sorted(layers)
     for i, name in enumerate(layers):

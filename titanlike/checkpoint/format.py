@@ -331,6 +331,9 @@ _INDEX_CLASSES = {
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"}),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    # megatron-core's torch_dist index also records every rank's save plan (Metadata.all_local_plans),
+    # read by checkpoint/megatron.py: DCP's own plain dataclasses and one enum.
+    "torch.distributed.checkpoint.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}),
     "torch.serialization": frozenset({"_get_layout"}),  # a layout by name (torch.strided)
     "torch": frozenset({"Size"}),  # and the dtypes, checked by type below
     "pathlib": frozenset({"PosixPath", "PurePosixPath", "PureWindowsPath"}),  # StorageMeta.checkpoint_id

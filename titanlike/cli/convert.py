@@ -1,7 +1,9 @@
-"""Convert between titanlike's DCP checkpoints and Hugging Face folders, both directions:
+"""Convert between titanlike's DCP checkpoints and Hugging Face folders, both directions, and import
+Megatron-LM checkpoints:
 
     titanlike-convert to-hf outputs/checkpoint/step-1000 hf_out [--dtype bfloat16]
     titanlike-convert from-hf path/to/Llama-3.2-1B ckpt/step-0 [--dtype float32]
+    titanlike-convert from-megatron megatron/checkpoints ckpt/step-0 --model.name llama3 --model.flavor 8B
 
 (scripts/convert_dcp_to_hf.py and scripts/convert_hf_to_dcp.py in a checkout.) torchtitan's spellings
 of scripts/checkpoint_conversion/convert_{to,from}_hf.py are accepted: `--model_name`, `--model_flavor`,
@@ -36,6 +38,23 @@ The output loads as `--checkpoint.initial_load_path OUT` (any parallel layout), 
 the folder's config.json (torchtitan's --model_name is checked against it; --model_flavor is not
 needed). To fine-tune without converting, pass the Hugging Face folder itself with
 --checkpoint.initial_load_in_hf."""
+
+
+FROM_MEGATRON_DOC = """Convert a Megatron-LM checkpoint (megatron-core GPTModel) to a model-only DCP checkpoint.
+
+IN is the folder Megatron-LM saved into (--save: latest_checkpointed_iteration.txt and iter_XXXXXXX/; the
+iteration the tracker names is read) or one iteration folder, in either format: torch_dist (the default
+--ckpt-format) or torch (mp_rank_TT[_PPP]/model_optim_rng.pt, merged over tensor- and pipeline-parallel
+ranks; virtual pipeline chunks are refused). Only the model's weights are read: no optimizer state, and no
+pickled object beyond placeholders for what Megatron-LM stores beside the tensors. The model's family and
+flavor are named (a Megatron checkpoint describes its model only in pickled args, not read), sizes no flavor has
+with --model.args as train.py takes them (Megatron's names too: num_layers, hidden_size, ...); the vocabulary is
+the checkpoint's (Megatron pads it to a multiple of 128 x TP), or its first --true-vocab-size rows: the size
+of the tokenizer the job trains with. The
+output loads as `--checkpoint.initial_load_path OUT` (any parallel layout) and with `titanlike.load_model`.
+Families: llama3 (Megatron-LM's Llama recipes: RMSNorm, SwiGLU, GQA, RoPE, untied), gpt2 (LayerNorm,
+learned positions, --openai-gelu, biases, tied), mixtral and qwen3 (QK-norm; MoE experts as SequentialMLP or
+Transformer Engine's grouped MLP save them; legacy files of expert-parallel runs are refused)."""
 
 
 def to_hf(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -131,6 +150,49 @@ def from_hf(argv: list[str] | None = None, prog: str | None = None) -> int:
     return 0
 
 
+def from_megatron(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=FROM_MEGATRON_DOC.split("\n\n")[0],
+                                     epilog=FROM_MEGATRON_DOC.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", help="Megatron-LM --save folder, or one iter_XXXXXXX folder of it")
+    parser.add_argument("output", help="DCP checkpoint folder to write")
+    parser.add_argument("--model.name", "--model-name", "--model_name", dest="model_name", required=True,
+                        help="the model family, e.g. llama3 or gpt2")
+    parser.add_argument("--model.flavor", "--flavor", "--model_flavor", dest="flavor", required=True,
+                        help="the family's flavor whose dimensions the checkpoint has, e.g. 8B")
+    parser.add_argument("--model.args", dest="model_args", default=None, metavar="KEY=VALUE,...",
+                        help="change the flavor's sizes as train.py's --model.args does, by the family's field "
+                             "names or Megatron's (num_layers=24,hidden_size=2048,num_query_groups=8,...)")
+    parser.add_argument("--true-vocab-size", "--true_vocab_size", dest="true_vocab_size", type=int, default=None,
+                        help="keep the first N rows of the embedding and output layer: the tokenizer's vocabulary "
+                             "without Megatron's padding (as Megatron-LM's tools/checkpoint converter's option)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="cast the weights (default: keep the stored dtype)")
+    args = parser.parse_args(argv)
+    overrides = {}
+    for item in filter(None, (part.strip() for part in (args.model_args or "").split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            parser.error(f"--model.args must be KEY=VALUE pairs separated by commas, got {args.model_args!r}")
+        overrides[key.strip()] = value.strip()
+
+    import torch
+
+    from titanlike.checkpoint import CheckpointError
+    from titanlike.checkpoint.megatron import import_megatron_to_dcp
+
+    name = (prog or "convert_megatron_to_dcp").removesuffix(".py")
+    try:
+        folder = import_megatron_to_dcp(args.input, args.output, args.model_name, args.flavor, overrides=overrides,
+                                        true_vocab_size=args.true_vocab_size,
+                                        dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except (CheckpointError, ValueError, KeyError) as e:
+        print(f"{name}: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output} from {folder}")
+    return 0
+
+
 def parse_size(text: str) -> int:
     units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
     t = text.strip().upper()
@@ -142,15 +204,18 @@ def parse_size(text: str) -> int:
     raise ValueError(f"--max-shard-size {text!r} is not a size like 5GB or 500MB")
 
 
-COMMANDS = {"to-hf": to_hf, "from-hf": from_hf, "to_hf": to_hf, "from_hf": from_hf}
+COMMANDS = {"to-hf": to_hf, "from-hf": from_hf, "from-megatron": from_megatron,
+            "to_hf": to_hf, "from_hf": from_hf, "from_megatron": from_megatron}
 
 
 def main(argv: list[str] | None = None, prog: str = "titanlike-convert") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(f"usage: {prog} {{to-hf,from-hf}} IN OUT [options]\n\n"
-              "  to-hf    a titanlike DCP checkpoint -> a Hugging Face folder (--dtype, --max-shard-size, --tokenizer, "
-              "...)\n  from-hf  a Hugging Face folder -> a model-only titanlike DCP checkpoint (--dtype)\n\n"
+        print(f"usage: {prog} {{to-hf,from-hf,from-megatron}} IN OUT [options]\n\n"
+              "  to-hf          a titanlike DCP checkpoint -> a Hugging Face folder (--dtype, --max-shard-size, "
+              "--tokenizer, ...)\n  from-hf        a Hugging Face folder -> a model-only titanlike DCP checkpoint "
+              "(--dtype)\n  from-megatron  a Megatron-LM checkpoint -> a model-only titanlike DCP checkpoint "
+              "(--model.name, --model.flavor, --dtype)\n\n"
               f"{prog} to-hf --help lists the options of one direction.",
               file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2

@@ -274,10 +274,12 @@ FOREIGN_FLAGS: dict[str, ForeignFlag] = {
     # Megatron: checkpoints
     "--save": _megatron("--checkpoint.enable --checkpoint.folder"),
     "--load": _megatron("--checkpoint.enable --checkpoint.folder",
-                        note="resumes from it; --checkpoint.initial_load_path starts a new run from one"),
+                        note="resumes from it; --checkpoint.initial_load_path starts a new run from one (a "
+                             "Megatron-LM checkpoint after `titanlike-convert from-megatron`)"),
     "--save-interval": _megatron("--checkpoint.interval"),
     "--finetune": _megatron("--checkpoint.initial_load_path", switch=True,
-                            note="a new run from the loaded model (initial_load_model_only, the default)"),
+                            note="a new run from the loaded model (initial_load_model_only, the default); a "
+                                 "Megatron-LM checkpoint converts with `titanlike-convert from-megatron`"),
     "--no-load-optim": _megatron("--checkpoint.exclude_from_loading optimizer", switch=True),
     "--ckpt-format": _megatron("nothing", note="checkpoints are DCP (torch_dist), or Hugging Face with "
                                "--checkpoint.last_save_in_hf"),

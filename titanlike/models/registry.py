@@ -19,6 +19,7 @@ import torch.nn as nn
 from titanlike.config.sections import register_section
 from titanlike.models.args import BaseModelArgs
 from titanlike.models.common.hf import HFAdapter
+from titanlike.models.common.megatron import MegatronAdapter
 from titanlike.models.spec_types import PipelineEnds, ShardFn, ShardOptions
 
 if TYPE_CHECKING:
@@ -74,6 +75,9 @@ class ModelSpec:
     # Hugging Face interchange (models/common/hf.py): the config.json model_types the family reads,
     # config.json <-> args, state dicts, token ids. None: no HF.
     hf: HFAdapter | None = None
+    # Megatron-LM import (models/common/megatron.py): megatron-core's parameter names -> the family's.
+    # None: `titanlike-convert from-megatron` refuses the family.
+    megatron: MegatronAdapter | None = None
     # The family's own config section, or None.
     options: ModelOptions | None = None
     # A vision-language family's images in a prompt, from the model args: where they go in the tokens

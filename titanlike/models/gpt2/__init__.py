@@ -10,6 +10,7 @@ This package is the whole family: the registry discovers it, and no generic file
 """
 
 from titanlike.models.gpt2.hf_adapter import GPT2HF
+from titanlike.models.gpt2.megatron_adapter import MEGATRON
 from titanlike.models.gpt2.model import GPT2, GPT2Args
 from titanlike.models.common.sharding import decoder_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
@@ -43,6 +44,7 @@ register_model_spec(
         shard=decoder_sharding(mlp_inputs=("w1",), position_embeddings=("pos_embeddings",)),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings", "pos_embeddings"), outputs=("norm", "output")),
         hf=GPT2HF(),
+        megatron=MEGATRON,
     )
 )
 

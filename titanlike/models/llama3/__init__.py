@@ -7,6 +7,7 @@ tokenizer and training.seq_len) through update_from_config; max_seq_len is the r
 
 from titanlike.models.common.rope import RoPEScaling
 from titanlike.models.llama3.hf_adapter import Llama3HF
+from titanlike.models.llama3.megatron_adapter import MEGATRON
 from titanlike.models.llama3.model import Transformer, TransformerModelArgs
 from titanlike.models.common.sharding import decoder_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
@@ -68,6 +69,7 @@ register_model_spec(
         shard=decoder_sharding(mlp_inputs=("w1", "w3")),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf=Llama3HF(llama3_flavors),
+        megatron=MEGATRON,
     )
 )
 

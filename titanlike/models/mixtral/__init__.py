@@ -8,6 +8,7 @@ coefficient 0.02. vocab_size and max_seq_len are placeholders the trainer overwr
 
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.mixtral.hf_adapter import MixtralHF
+from titanlike.models.mixtral.megatron_adapter import MEGATRON
 from titanlike.models.mixtral.model import Mixtral, MixtralModelArgs
 from titanlike.models.common.sharding import decoder_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
@@ -37,6 +38,7 @@ register_model_spec(
         shard=decoder_sharding(mlp_inputs=("w1", "w3")),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf=MixtralHF(),
+        megatron=MEGATRON,
     )
 )
 

@@ -9,6 +9,7 @@ overwrites (update_from_config); max_seq_len is the real context.
 
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.qwen3.hf_adapter import Qwen3HF
+from titanlike.models.qwen3.megatron_adapter import MEGATRON
 from titanlike.models.qwen3.model import Qwen3, Qwen3ModelArgs
 from titanlike.models.common.sharding import decoder_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
@@ -65,6 +66,7 @@ register_model_spec(
         shard=decoder_sharding(mlp_inputs=("w1", "w3"), qk_norm=True),
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output")),
         hf=Qwen3HF(),
+        megatron=MEGATRON,
     )
 )
 
