@@ -327,3 +327,47 @@ def test_the_loss_and_its_reports_read_nothing_back_to_the_host():
             terms = grpo_token_loss(o, data["logps"].clone().requires_grad_(), targets, entropies=data["entropies"])
             (terms.value / terms.units).backward()
     assert counter["calls"] == []
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_logits_of_the_completion_tokens_only_give_the_same_loss_gradients_and_reports(beta):
+    """BatchContext.select_logits: the model projects only the completion tokens (Microbatch.logits_at), the
+    loss reads them back into (batch, seq): the loss, the reported terms and every parameter's gradient are
+    those of the whole logits (one row's logits do not depend on which other rows are computed)."""
+    from titanlike.models.outputs import IGNORE_INDEX
+    from titanlike.models.registry import get_model_spec
+    from titanlike.objectives.base import BatchContext
+    from titanlike.objectives.grpo import GRPO, policy_logps
+
+    spec = get_model_spec("llama3")
+    model = spec.model_cls(spec.flavors["debugmodel_tiny"].update_from_config(vocab_size=2256, seq_len=16))
+    model.init_weights(seed=0)
+    g = torch.Generator().manual_seed(0)
+    rows, width = 4, 16
+    inputs = torch.randint(0, 2256, (rows, width), generator=g)
+    labels = torch.full((rows, width), IGNORE_INDEX)
+    for row, (start, stop) in enumerate([(3, 9), (5, 16), (2, 4), (7, 12)]):  # right-padded completions
+        labels[row, start:stop] = torch.randint(0, 2256, (stop - start,), generator=g)
+    batch = {"inputs": inputs, "labels": labels, "advantages": torch.tensor([1.0, -0.5, 0.25, -0.75]),
+             "rewards": torch.tensor([1.0, 0.0, 0.5, 0.0]), "truncated": torch.tensor([0, 1, 0, 0]),
+             "engine_logps": -torch.rand(rows, width, generator=g)}
+    objective = GRPO(GRPOOptions(num_generations=2, beta=beta, loss_type="dapo"))
+    results = []
+    for select in (False, True):
+        model.zero_grad()
+        mb = objective.prepare(batch, BatchContext(torch.device("cpu"), select_logits=select))
+        assert (mb.logits_at is not None) == select
+        if beta:  # the reference's log-probabilities, as its companion adds them (here: the policy's own)
+            with torch.no_grad():
+                mb.targets.update(policy_logps("ref_logps", objective.options.temperature,
+                                               model(mb.inputs, **mb.forward_kwargs()), mb.targets))
+        output = model(mb.inputs, **mb.forward_kwargs())
+        assert output.shape == ((int((labels != IGNORE_INDEX).sum()), 2256) if select else (rows, width, 2256))
+        terms = objective.loss(output, mb.targets, None)
+        terms.value.backward()
+        results.append((terms.value.detach(), terms.reported, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (whole, whole_reported, whole_grads), (packed, packed_reported, packed_grads) = results
+    torch.testing.assert_close(packed, whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed_reported, whole_reported, rtol=1e-5, atol=1e-6, equal_nan=True)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

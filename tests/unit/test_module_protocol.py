@@ -276,7 +276,8 @@ GENERIC = ["titanlike/parallel", "titanlike/train", "titanlike/checkpoint", "tit
 
 # (file, attribute): why a literal getattr/hasattr/setattr there is not a module hook.
 NOT_HOOKS = {
-    ("titanlike/parallel/context.py", "all_gather_single_autograd"): "a torch function newer releases have",
+    ("titanlike/parallel/utils.py", "all_gather_single_autograd"): "a torch function newer releases have",
+    ("titanlike/parallel/utils.py", "reduce_scatter_single_autograd"): "a torch function newer releases have",
     ("titanlike/parallel/timeouts.py", "_dump_fr_trace"): "a torch C++ binding older releases lack",
     ("titanlike/parallel/timeouts.py", "_world"): "torch's process-group registry",
     ("titanlike/parallel/timeouts.py", "pg_map"): "torch's process-group registry",

@@ -17,7 +17,8 @@ device that provides:
   - `forward(tokens, positions=None, mask=None, **fields)`: tokens (or, on a later pipeline stage,
     hidden states) -> logits, or a ModelOutput with auxiliary losses (models/outputs.py); `fields`
     are the other fields of its objective's samples (the objective spec.objective names, titanlike/objectives/: BERT's
-    token types, T5's decoder inputs), given to every pipeline stage;
+    token types, T5's decoder inputs), given to every pipeline stage; optionally a `logits_at`
+    argument (selects_logits below): logits only at the positions it names;
   - the input-end and output-end modules named in its spec's `pipeline_ends`, settable to None;
   - optionally the `tied_weights` / `tie_weights` hooks below.
 Modules may carry the other hooks; a hook a module does not carry has the default given here.
@@ -211,6 +212,14 @@ def set_sequence_carry(module: nn.Module, carry: object) -> None:
 # Expert parallelism -> FSDP and compile ------------------------------------------------------------
 
 
+def selects_logits(model: nn.Module) -> bool:
+    """Whether the model's forward takes logits_at, computing logits only at the positions it names
+    (models/common/decoder.py Decoder.forward)."""
+    import inspect
+
+    return "logits_at" in inspect.signature(model.forward).parameters
+
+
 def fsdp_mesh(module: nn.Module) -> str | None:
     return _get(module, "fsdp_mesh")
 
@@ -285,6 +294,6 @@ def qk_clip_heads(module: nn.Module) -> int | None:
 
 
 __all__ = ["HOOKS", "Hook", "core_attention_modules", "fsdp_mesh", "generation_hooks", "head_split_parameters", "keeps_high_precision", "layer_stacks", "qk_clip_heads",
-           "reported_loss", "reported_loss_sum", "retie_weights", "sequence_carry_modules", "sequence_inputs",
+           "reported_loss", "selects_logits", "reported_loss_sum", "retie_weights", "sequence_carry_modules", "sequence_inputs",
            "set_core_attention", "set_fsdp_mesh", "set_record_statistics", "set_sequence_carry", "set_skip_compile",
            "skips_compile", "statistics_recorders", "tied_weights"]

@@ -57,6 +57,9 @@ class BatchContext:
     # Context parallel's mesh, for a loss whose terms span positions held by several ranks (a
     # preference pair's summed log-probabilities); None without context parallelism.
     cp_mesh: DeviceMesh | None = None
+    # The model computes logits only where a microbatch's logits_at says (Microbatch.logits_at): one
+    # whole model on this rank (no tensor, context or pipeline split) whose forward takes logits_at.
+    select_logits: bool = False
 
     @property
     def cp_degree(self) -> int:
@@ -91,11 +94,16 @@ class Microbatch:
     # The sample's other fields (BERT's token types, T5's decoder inputs, ...), passed to the model's
     # forward under their names.
     fields: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # (N,) indices into the flattened (batch x seq) positions whose logits the loss reads, when an
+    # objective sets them (only where BatchContext.select_logits): the model's logits are then (N, vocab).
+    logits_at: torch.Tensor | None = None
 
     def forward_kwargs(self) -> dict:
         kwargs = {"positions": self.positions, "mask": self.mask, **self.fields}
         if self.lookahead is not None:
             kwargs["lookahead"] = self.lookahead
+        if self.logits_at is not None:
+            kwargs["logits_at"] = self.logits_at
         return kwargs
 
     def rows(self, start: int, stop: int) -> dict:

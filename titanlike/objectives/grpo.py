@@ -335,12 +335,29 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 register_section("grpo", GRPOOptions)
 
 
+def at_positions(values: torch.Tensor, logits_at: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """(N,) values at the flattened positions logits_at -> (batch, seq), 0 elsewhere; values itself when
+    logits_at is None (they are (batch, seq) already)."""
+    if logits_at is None:
+        return values
+    return values.new_zeros(shape.numel()).index_copy(0, logits_at, values).view(shape)
+
+
+def completion_logps(logits: torch.Tensor, targets: Targets) -> torch.Tensor:
+    """(batch, seq) log-probabilities of the labels, 0 where there is none, from (batch, seq, vocab)
+    logits or from (N, vocab) logits of the positions targets["logits_at"] names."""
+    from titanlike.objectives.preference import token_logps
+
+    labels, at = targets["labels"], targets.get("logits_at")
+    if at is None:
+        return token_logps(logits, labels)
+    return at_positions(token_logps(logits[None], labels.flatten().index_select(0, at)[None])[0], at, labels.shape)
+
+
 def policy_logps(name: str, temperature: float, output, targets: Targets) -> Targets:
     """What a companion adds: the log-probabilities of the labels under logits / temperature, as `name`
     (the old policy's, the reference's)."""
-    from titanlike.objectives.preference import token_logps
-
-    return {name: token_logps(logits_of(output) / temperature, targets["labels"])}
+    return {name: completion_logps(logits_of(output) / temperature, targets)}
 
 
 class GRPO(Objective):
@@ -488,6 +505,12 @@ class GRPO(Objective):
         o = self.options
         labels = batch["labels"].to(ctx.device)
         targets = {"labels": labels, "completion_mask": labels != IGNORE_INDEX}
+        logits_at = None
+        if ctx.select_logits:
+            # Logits of the completion tokens only (TRL's logits_to_keep, per token): the prompts' and
+            # the padding's would be computed and never read. Found on the host, where the rows are.
+            logits_at = batch["labels"].flatten().ne(IGNORE_INDEX).nonzero().squeeze(1).to(ctx.device)
+            targets["logits_at"] = logits_at
         for name in ("advantages", "rewards", "truncated", "engine_logps", "old_logps"):
             if name in batch:
                 targets[name] = batch[name].to(ctx.device)
@@ -498,7 +521,7 @@ class GRPO(Objective):
             if o.mask_truncated_completions:
                 mask = mask & ~targets["truncated"].bool().unsqueeze(1)
             units = mask.sum()
-        return Microbatch(batch["inputs"].to(ctx.device), targets, units)
+        return Microbatch(batch["inputs"].to(ctx.device), targets, units, logits_at=logits_at)
 
     # Loss -------------------------------------------------------------------------------------
 
@@ -508,12 +531,11 @@ class GRPO(Objective):
         units (the step divides their sums by the global units)."""
         from torch.distributed.tensor import DTensor
 
-        from titanlike.objectives.preference import token_logps
-
         o = self.options
         logits = logits_of(output) / o.temperature
-        logps = token_logps(logits, targets["labels"])
-        entropies = None if isinstance(logits, DTensor) else token_entropy(logits)  # whole logits only
+        logps = completion_logps(logits, targets)
+        entropies = None if isinstance(logits, DTensor) else at_positions(  # whole logits only
+            token_entropy(logits), targets.get("logits_at"), targets["labels"].shape)
         terms = grpo_token_loss(o, logps, targets, entropies=entropies)
         with torch.no_grad():
             mask = targets["completion_mask"]
@@ -543,5 +565,5 @@ register_objective("grpo", GRPO.for_job, section="grpo")
 
 
 __all__ = ["ENGINE_IS_MODES", "GRPO", "GRPOOptions", "GRPOTerms", "LOSS_TYPES", "OLD_LOGPROBS", "SCALE_REWARDS",
-           "check_options", "engine_weights", "group_advantages", "grpo_token_loss", "kept_groups", "old_logps",
+           "at_positions", "check_options", "completion_logps", "engine_weights", "group_advantages", "grpo_token_loss", "kept_groups", "old_logps",
            "overlong_penalty", "policy_logps", "reported_values", "token_entropy"]

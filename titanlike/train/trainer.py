@@ -33,6 +33,7 @@ from titanlike.checkpoint import CheckpointManager
 from titanlike.config.loader import config_to_dict
 from titanlike.config.schema import JobConfig
 from titanlike.data import build_dataloader
+from titanlike.models import protocol
 from titanlike.models.common.attention import describe_sdpa_kernel, resolve_attention_backend
 from titanlike.models.converters import build_model_converters
 from titanlike.models.load_hooks import model_hooks
@@ -273,7 +274,9 @@ class Trainer:
         self.batch_context = BatchContext(self.device, cp_positions=self.cp_positions, mask_kernel=self.mask_kernel,
                                           eos_id=self.tokenizer.eos_id,
                                           lookahead_tokens=self.model_args.lookahead_tokens,
-                                          cp_mesh=dims.mesh("cp") if dims.cp_enabled else None)
+                                          cp_mesh=dims.mesh("cp") if dims.cp_enabled else None,
+                                          select_logits=not (dims.tp_enabled or dims.cp_enabled or dims.pp_enabled)
+                                          and protocol.selects_logits(parts[0]))
         if self.rank == 0:
             self._log_attention()
 

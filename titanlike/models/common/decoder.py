@@ -215,13 +215,17 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: DocumentMask | None = None, *, cache: ModelCache | None = None,
-                embeddings: torch.Tensor | None = None) -> torch.Tensor:
+                embeddings: torch.Tensor | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """positions: each token's position, (seq,) or per sample (batch, seq), when it is not
         0..seq-1 (a context-parallel slice, positions restarting per document); None means
         0..seq-1. mask: attend within documents only (None: plain causal). cache: the decoding
         state when generating (see prefill and decode_step), None in training. embeddings: what
         embed(tokens, positions) would give, computed by the caller (a vision-language model splices
-        image features into it, models/llava); None: embed the tokens here."""
+        image features into it, models/llava); None: embed the tokens here. logits_at: (N,) indices
+        into the flattened (batch x seq) positions, the only ones whose logits the loss reads (an RL
+        objective's completion tokens): the logits are then (N, vocab), and the final norm and the
+        output projection, which with a large vocabulary cost more than the blocks, run on N rows
+        (objectives/base.py Microbatch.logits_at)."""
         if embeddings is not None:
             h = embeddings
         else:
@@ -234,6 +238,8 @@ class Decoder(nn.Module):
             for key, layer in self.layers.items():
                 h = layer(h, rope, mask, cache=cache.layer(key))
             h = last_prompt_tokens(h, cache)
+        if logits_at is not None:
+            h = h.flatten(0, 1).index_select(0, logits_at)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
