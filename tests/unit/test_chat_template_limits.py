@@ -176,12 +176,21 @@ def _hf_folder(folder, template: str | None):
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
      "ran past the time limit of 10 s"),
 ], ids=["attribute-walk", "nested-loops"])
-def test_serve_and_generate_refuse_a_hostile_folder_template_at_start_in_one_sentence(tmp_path, capsys, source,
-                                                                                     words):
+def test_serve_and_generate_refuse_a_hostile_folder_template_at_start_in_one_sentence(tmp_path, capsys, monkeypatch,
+                                                                                     source, words):
     """The findings: `titanlike-serve` died with two SecurityError tracebacks, and a nested loop hung
     its start; now one sentence, within the time limit."""
+    import types
+
+    import titanlike.data.chat_template as chat_template
     from titanlike.cli import generate
     from titanlike.cli.serve import build_server
+
+    # The default limit (10 s) on a clock that runs 10 times faster in the template sandbox only: the
+    # message names the limit the server applies, in one second of the test's time.
+    start = time.monotonic()
+    monkeypatch.setattr(chat_template, "time",
+                        types.SimpleNamespace(monotonic=lambda: start + 10 * (time.monotonic() - start)))
 
     folder = _hf_folder(tmp_path / "hostile", source)
     app, error = build_server([str(folder), "--port", "0"])
