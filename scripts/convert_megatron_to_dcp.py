@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Convert a Megatron-LM checkpoint (torch_dist or legacy torch format) to a model-only titanlike DCP checkpoint.
 
-    python scripts/convert_megatron_to_dcp.py megatron/checkpoints ckpt/step-0 --model.name llama3 --model.flavor 8B
+    python scripts/convert_megatron_to_dcp.py megatron/checkpoints ckpt/step-0 --model.name llama3 --model.flavor 8B \
+        [--true-vocab-size 128256] [--dtype bfloat16]
 
 The output loads as `--checkpoint.initial_load_path ckpt/step-0` (any parallel layout) and with
 titanlike.load_model. The program is titanlike/cli/convert.py (`titanlike-convert from-megatron` after pip

@@ -43,7 +43,7 @@ FAMILIES = {
                    activation_func=F.silu, add_bias_linear=False, rope=True, tied=False, max_seq=2048),
     "gpt2": dict(flavor="debugmodel", num_layers=4, hidden_size=256, num_attention_heads=8,
                  num_query_groups=8, ffn_hidden_size=1024, normalization="LayerNorm", gated_linear_unit=False,
-                 activation_func=lambda x: F.gelu(x, approximate="tanh"),  # Megatron-LM's --openai-gelu
+                 activation_func=lambda x: F.gelu(x, approximate="tanh"), openai_gelu=True,  # --openai-gelu
                  add_bias_linear=True, rope=False, tied=True, max_seq=1024),
     # Mixtral's debugmodel with 2 of its 8 layers (converted with --model.args num_layers=2): 8 experts, top 2.
     "mixtral": dict(flavor="debugmodel", model_args="num_layers=2", num_layers=2, hidden_size=256,
@@ -154,7 +154,8 @@ def megatron_args(family: str, *, tp: int = 1, pp: int = 1) -> argparse.Namespac
         use_rope_scaling=f.get("rope_scaling", f["rope"]), rope_scaling_factor=8.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch.float32,
         attention_backend=AttnBackend.auto, ckpt_format="torch", transformer_impl="local",
-        tokenizer_type="GPT2BPETokenizer", lr=3e-4, data_path=["data/x_text_document"], iteration=10)
+        tokenizer_type="GPT2BPETokenizer", lr=3e-4, data_path=["data/x_text_document"], iteration=10,
+        openai_gelu=f.get("openai_gelu", False))
 
 
 def save_torch(model: GPTModel, save: str, family: str, *, iteration: int = 10, tp: int = 1, pp: int = 1,

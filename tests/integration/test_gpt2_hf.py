@@ -24,9 +24,9 @@ HF = get_model_spec("gpt2").hf
 ATOL = 1e-5
 
 
-def tiny_args(tied=True) -> GPT2Args:
+def tiny_args(tied=True, gelu="tanh") -> GPT2Args:
     return dataclasses.replace(gpt2_flavors["debugmodel"], dim=64, n_layers=2, n_heads=4, vocab_size=300,
-                               max_seq_len=48, tie_word_embeddings=tied)
+                               max_seq_len=48, tie_word_embeddings=tied, gelu_approximate=gelu)
 
 
 def hf_model(args, seed=0) -> GPT2LMHeadModel:
@@ -46,9 +46,10 @@ def ours(args, seed=3) -> GPT2:
 
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_adapter_both_ways(tied):
-    args = tiny_args(tied)
+# gelu "none": the exact GELU (HF's "gelu", Megatron-LM's default) of a GPT trained without --openai-gelu.
+@pytest.mark.parametrize("tied, gelu", [(True, "tanh"), (False, "tanh"), (True, "none")])
+def test_adapter_both_ways(tied, gelu):
+    args = tiny_args(tied, gelu)
     hf = hf_model(args)
     t = probe_tokens(args.vocab_size)
     positions = torch.stack([torch.arange(40), torch.arange(40) % 13])  # restarting per "document"

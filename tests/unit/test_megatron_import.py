@@ -88,6 +88,23 @@ def test_rotary_interleaved(reference, tmp_path):
         assert_logits_match(load_model(tmp_path / "out")(tokens), want)
 
 
+def test_gpt_trained_with_the_exact_gelu(reference, tmp_path, capsys):
+    """Megatron-LM's default GELU is the exact one (GPT-2's is tanh's, --openai-gelu): the recorded args refuse
+    the default flavor, naming the --model.args that fixes it, which then gives megatron-core's logits."""
+    import torch.nn.functional as F
+
+    with megatron_world():
+        model = build_model("gpt2", vocab_size=VOCAB, seed=6, activation_func=F.gelu, openai_gelu=False)
+        tokens = reference["gpt2"][1]
+        want = reference_logits(model, tokens)
+    save_torch(model, str(tmp_path / "megatron"), "gpt2", openai_gelu=False)
+    err = _run(tmp_path / "megatron", tmp_path / "out", "gpt2", capsys)
+    assert "exact GELU (no --openai-gelu)" in err and "(--model.args gelu_approximate=none)" in err, err
+    assert convert(tmp_path / "megatron", tmp_path / "out", "gpt2", extra=["--model.args", "gelu_approximate=none"]) == 0
+    with torch.no_grad():
+        assert_logits_match(load_model(tmp_path / "out")(tokens), want)
+
+
 def _run(src, out, family, capsys, flavor=None, extra=()) -> str:
     """The converter's refusal: exit 1, one line on stderr, nothing written."""
     assert convert(src, out, family, flavor, extra) == 1

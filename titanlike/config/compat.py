@@ -209,6 +209,9 @@ FOREIGN_FLAGS: dict[str, ForeignFlag] = {
         ("position-embedding-type", False), ("normalization", False), ("swiglu", True),
         ("untie-embeddings-and-output-weights", True), ("disable-bias-linear", True))},
     "--use-mcore-models": _megatron("nothing", switch=True, note="there is one model implementation per family"),
+    "--openai-gelu": _megatron("--model.args.gelu_approximate tanh", switch=True,
+                               note="gpt2's default; without the flag Megatron computes the exact GELU: "
+                                    "--model.args.gelu_approximate none"),
     # Megatron: data and tokenizer
     "--data-path": _megatron("--training.dataset megatron --training.dataset_path",
                              note="a prefix or a '0.7 a 0.3 b' blend, as Megatron reads it", many=True),

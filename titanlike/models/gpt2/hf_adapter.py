@@ -55,8 +55,10 @@ _QKV = ("wq", "wk", "wv")
 # Non-persistent attention-mask buffers some transformers versions saved.
 _HF_BUFFERS = ("attn.bias", "attn.masked_bias")
 
-# Activations that are the tanh-approximated GELU our MLP computes.
+# Activations that are the tanh-approximated GELU our MLP computes by default, and the exact one
+# (gelu_approximate "none").
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+_EXACT_GELU = ("gelu",)
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:
@@ -162,7 +164,7 @@ class GPT2HF(HFAdapter):
             "n_ctx": args.max_seq_len,
             "vocab_size": args.vocab_size,
             "layer_norm_epsilon": args.norm_eps,
-            "activation_function": "gelu_new",
+            "activation_function": "gelu_new" if args.gelu_approximate == "tanh" else "gelu",
             "tie_word_embeddings": args.tie_word_embeddings,
             "initializer_range": args.init_std,
             "resid_pdrop": 0.0,
@@ -183,9 +185,9 @@ class GPT2HF(HFAdapter):
             if key in cfg and bool(cfg[key]) != expected:
                 raise ValueError(f"unsupported GPT-2 config: {key}={cfg[key]!r} (only {expected!r} is supported)")
         activation = cfg.get("activation_function", "gelu_new")
-        if activation not in _TANH_GELU:
+        if activation not in (*_TANH_GELU, *_EXACT_GELU):
             raise ValueError(f"unsupported GPT-2 config: activation_function={activation!r} "
-                             f"(supported: {', '.join(_TANH_GELU)})")
+                             f"(supported: {', '.join((*_TANH_GELU, *_EXACT_GELU))})")
         dim = cfg["n_embd"]
         n_inner = cfg.get("n_inner")
         if n_inner not in (None, 4 * dim):
@@ -202,6 +204,7 @@ class GPT2HF(HFAdapter):
             norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
             init_std=cfg.get("initializer_range", 0.02),
+            gelu_approximate="tanh" if activation in _TANH_GELU else "none",
         )
 
 

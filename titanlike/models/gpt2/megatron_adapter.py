@@ -1,11 +1,29 @@
 """Megatron-LM interchange for GPT-2: megatron-core GPTModel's names (LayerNorm, learned positions, GELU,
 biases, tied embeddings).
 
-Our MLP computes the tanh-approximated GELU, which is Megatron-LM's `--openai-gelu`; its default is the exact
-erf GELU, so a model trained with it computes slightly differently here.
+The MLP's GELU is the args' gelu_approximate: "tanh" is Megatron-LM's `--openai-gelu`, "none" its default exact
+erf GELU; the checkpoint's args say which it trained with, and a flavor computing the other is refused with the
+--model.args that fixes it.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 from titanlike.models.common.megatron import MegatronAdapter
+
+
+def gelu_settings(settings: Mapping[str, Any], args) -> str | None:
+    """Megatron-LM's --openai-gelu (tanh) against the flavor's gelu_approximate."""
+    openai_gelu = settings.get("openai_gelu")
+    if not isinstance(openai_gelu, bool):
+        return None  # not recorded (a torch_dist checkpoint without common.pt args)
+    theirs = "tanh" if openai_gelu else "none"
+    if theirs == args.gelu_approximate:
+        return None
+    trained = "the tanh GELU (--openai-gelu)" if openai_gelu else "the exact GELU (no --openai-gelu)"
+    return (f"Megatron-LM trained it with {trained}, the flavor computes gelu_approximate {args.gelu_approximate} "
+            f"(--model.args gelu_approximate={theirs})")
+
 
 MEGATRON = MegatronAdapter(
     top={
@@ -26,6 +44,7 @@ MEGATRON = MegatronAdapter(
         "mlp.linear_fc2.bias": "feed_forward.w2.bias",
     },
     fc1=("feed_forward.w1",),
+    check_settings=gelu_settings,
 )
 
 __all__ = ["MEGATRON"]

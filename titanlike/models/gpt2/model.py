@@ -2,7 +2,7 @@
 
 Pre-norm blocks with LayerNorm (with bias), learned absolute position embeddings added to the
 token embeddings, multi-head attention without GQA, a GELU MLP of hidden size 4*dim (tanh
-approximation, HF's gelu_new), biases on every linear, a final LayerNorm and an output
+approximation, HF's gelu_new, by default; the exact GELU with gelu_approximate "none"), biases on every linear, a final LayerNorm and an output
 projection without bias tied to the token embeddings.
 
 No dropout: Megatron's GPT-3 recipes and modern pre-training run without it, and parity
@@ -36,10 +36,14 @@ class GPT2Args(DecoderArgs):
     # block's output projections (wo, w2) use init_std / sqrt(2 * n_layers). 0.02 is GPT-2's and
     # Megatron's default; Megatron's GPT-3 175B script uses 0.006 (its --init-method-std).
     init_std: float = 0.02
-
+    # The MLP's GELU: "tanh", the approximation GPT-2 and HF's gelu_new compute (Megatron-LM's
+    # --openai-gelu), or "none", the exact erf GELU (Megatron-LM's default, HF's "gelu").
+    gelu_approximate: str = "tanh"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.gelu_approximate not in ("tanh", "none"):
+            raise ValueError(f"gelu_approximate must be 'tanh' or 'none' (the exact GELU), got {self.gelu_approximate!r}")
         if self.n_kv_heads not in (None, self.n_heads):
             raise ValueError(f"GPT-2 has no grouped-query attention: n_kv_heads ({self.n_kv_heads}) must be "
                              f"n_heads ({self.n_heads}) or None")
@@ -81,7 +85,7 @@ class GPT2(Decoder):
         return TransformerBlock(
             layer_id,
             attention=Attention(a.dim, a.n_heads, a.n_heads, a.head_dim, bias=True),
-            feed_forward=GeluMLP(a.dim, a.ffn_hidden_dim, bias=True, approximate="tanh"),
+            feed_forward=GeluMLP(a.dim, a.ffn_hidden_dim, bias=True, approximate=a.gelu_approximate),
             attention_norm=self.build_norm(), ffn_norm=self.build_norm(), init=self._linear_init())
 
     def build_norm(self) -> nn.Module:
