@@ -14,9 +14,9 @@ What the layouts check beyond the dense matrix:
 - experts FSDP-sharded over the efsdp ranks left beside ep (the 8-rank mix: efsdp 2);
 - resuming an EP 2 checkpoint at EP 1 and at FSDP 4 (expert DTensors resharded by DCP) is exact;
 - expert tensor parallelism (each expert's hidden units split over the etp ranks, which hold
-  different tokens): TP 2 x EP 2 x ETP 2, the experts 2-D DTensors over (ep, etp), whose checkpoint
-  resumes exactly in one process; FSDP 4 x ETP 2, the expert slices FSDP-sharded over the 2 ranks
-  left (efsdp 2), dropping tokens with inputs padded to capacity.
+  different tokens): FSDP 4 x ETP 2, the expert slices FSDP-sharded over the 2 ranks left (efsdp 2),
+  dropping tokens with inputs padded to capacity, resumed at TP 2 x EP 2 x ETP 2, the experts 2-D
+  DTensors over (ep, etp).
 
 The aux losses are per micro-batch (Switch form), so every run keeps 2-sample micro-batches: the
 reference accumulates 4 of them; PP uses pipeline microbatches of 2. Tolerances: test_fsdp_parity.py.
@@ -101,17 +101,15 @@ ETP2 = ("--parallelism.expert_tensor_parallel_degree", "2")
 SAVE_ETP = saving_every_2_steps("moe_etp")
 
 
-@pytest.mark.train_run(*MOE, *EP2, *ETP2, "--parallelism.tensor_parallel_degree", "2", *SAVE_ETP, name="etp", nproc=4)
-@pytest.mark.train_run(*MOE, *SAVE_ETP, "--checkpoint.load_step", "2", name="resume_one", nproc=1, after="etp")
-def test_tp2_ep2_etp2_then_resume_in_one_process(train_runs, reference):
-    got = train_runs["etp"].metrics
-    check(got, reference, "TP2 x EP2 x ETP2")
-    check(train_runs["resume_one"].metrics, got[2:], "resume TP2 x EP2 x ETP2 -> one process")
-
-
-@pytest.mark.train_run(*MOE, *ETP2, *DROPPING, nproc=4)
-def test_fsdp4_etp2_with_token_dropping(train_run, dropping_reference):
-    check(train_run.metrics, dropping_reference, "FSDP4 x ETP2, capacity 1.0")
+# Step 2's checkpoint of FSDP 4 x ETP 2 (expert slices FSDP-sharded over efsdp 2) resumes at TP 2 x EP 2 x ETP 2
+# (the experts 2-D DTensors over (ep, etp), resharded by DCP): steps 3-4 match the uninterrupted run.
+@pytest.mark.train_run(*MOE, *ETP2, *DROPPING, *SAVE_ETP, name="fsdp4_etp2", nproc=4)
+@pytest.mark.train_run(*MOE, *EP2, *ETP2, "--parallelism.tensor_parallel_degree", "2", *DROPPING, *SAVE_ETP,
+                       "--checkpoint.load_step", "2", name="resume_tp2_ep2_etp2", nproc=4, after="fsdp4_etp2")
+def test_fsdp4_etp2_with_token_dropping_then_resume_at_tp2_ep2_etp2(train_runs, dropping_reference):
+    got = train_runs["fsdp4_etp2"].metrics
+    check(got, dropping_reference, "FSDP4 x ETP2, capacity 1.0")
+    check(train_runs["resume_tp2_ep2_etp2"].metrics, got[2:], "resume FSDP4 x ETP2 -> TP2 x EP2 x ETP2")
 
 
 # Compiled blocks beside eager experts: an MoE block under EP compiles its other children one by one
