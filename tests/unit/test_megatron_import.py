@@ -46,12 +46,15 @@ def assert_logits_match(ours: torch.Tensor, want: torch.Tensor) -> None:
     assert (ours - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("family,tp,pp,te_experts", [
-    ("llama3", 1, 1, False), ("llama3", 2, 2, False), ("gpt2", 2, 1, False), ("gpt2", 1, 2, False),
-    ("mixtral", 2, 1, False), ("qwen3", 2, 2, True)])
-def test_legacy_checkpoint_gives_megatron_core_logits(reference, tmp_path, family, tp, pp, te_experts):
+@pytest.mark.parametrize("family,tp,pp,layout", [
+    ("llama3", 1, 1, "local"), ("llama3", 2, 2, "local"), ("gpt2", 2, 1, "local"), ("gpt2", 1, 2, "local"),
+    ("mixtral", 2, 1, "local"), ("qwen3", 2, 2, "te"), ("deepseek_v3", 2, 2, "te"), ("deepseek_v3", 2, 1, "grouped")])
+def test_legacy_checkpoint_gives_megatron_core_logits(reference, tmp_path, family, tp, pp, layout):
+    """layout: megatron-core's local layer spec, Transformer Engine's (te: its names, MLA's down projections
+    whole on every rank), or the local spec with the legacy GroupedMLP's experts (--moe-grouped-gemm)."""
     model, tokens, want = reference[family]
-    save_torch(model, str(tmp_path / "megatron"), family, tp=tp, pp=pp, te_experts=te_experts)
+    save_torch(model, str(tmp_path / "megatron"), family, tp=tp, pp=pp, te=layout == "te",
+               grouped_mlp=layout == "grouped")
     assert convert(tmp_path / "megatron", tmp_path / "out", family) == 0
     with torch.no_grad():
         assert_logits_match(load_model(tmp_path / "out")(tokens), want)

@@ -57,11 +57,13 @@ from titanlike.models.common.megatron import (
     merge_tp,
     split_layer,
     stack_experts,
+    ungroup_experts,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
+MTP = "mtp."  # megatron-core GPTModel's multi-token-prediction block
 COMMON = "common.pt"
 LEGACY_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
@@ -241,7 +243,10 @@ def load_legacy_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: model entry {key!r} is a {type(value).__name__}, not a tensor")
         out[canonical_name(key)] = value
-    return out, megatron_args(state)
+    try:
+        return ungroup_experts(out), megatron_args(state)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def read_legacy(folder: str, *, gated: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -333,6 +338,10 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
         megatron_sd, settings = read_legacy(folder, gated=spec.megatron.gated)
         embedding = megatron_sd.get(EMBEDDING)
         args = _model_args(base, None if embedding is None else tuple(embedding.shape), folder, true_vocab_size)
+    mtp = sorted(k for k in megatron_sd if k.startswith(MTP))
+    if mtp:
+        raise CheckpointError(f"{folder} holds multi-token-prediction layers ({mtp[0]}, ...), which do not convert "
+                              "yet; only checkpoints saved without --mtp-num-layers do")
     problem = check_settings(settings, args, spec.megatron)
     if problem:
         raise CheckpointError(f"{folder} does not fit model {spec.name} flavor {flavor}: {problem}")
