@@ -233,6 +233,33 @@ def test_settings_no_shape_shows_must_agree(reference, tmp_path, capsys):
     assert "--rope-scaling-factor 32.0, the flavor has 8.0 (--model.args rope_scaling.factor=32.0)" in err
 
 
+def test_deepseek_settings_and_multi_token_prediction(reference, tmp_path, capsys):
+    """DeepSeek-V3's router and RoPE settings that no shape shows are checked against the flavor; megatron-core's
+    multi-token-prediction layers are refused by name."""
+    model = reference["deepseek_v3"][0]
+    save = tmp_path / "megatron"
+    save_torch(model, str(save), "deepseek_v3", moe_router_topk_scaling_factor=1.0)
+    err = _run(save, tmp_path / "out", "deepseek_v3", capsys)
+    assert ("--moe-router-topk-scaling-factor 1.0, the flavor has moe.route_scale 2.5 "
+            "(--model.args moe.route_scale=1.0)") in err, err
+    save_torch(model, str(save), "deepseek_v3", rope_type="yarn")
+    assert "--rope-type yarn, the flavor has no rope_scaling" in _run(save, tmp_path / "out", "deepseek_v3", capsys)
+    save_torch(model, str(save), "deepseek_v3", moe_router_num_groups=4, moe_router_group_topk=2)
+    err = _run(save, tmp_path / "out", "deepseek_v3", capsys)
+    assert "(--model.args moe.n_groups=4,moe.topk_groups=2)" in err, err
+    grouped = FAMILIES["deepseek_v3"]["model_args"].replace("moe.n_groups=1,moe.topk_groups=1",
+                                                             "moe.n_groups=4,moe.topk_groups=2")
+    err = _run(save, tmp_path / "out", "deepseek_v3", capsys, flavor="debugmodel", extra=["--model.args", grouped])
+    assert "ranks expert groups by their best top_k / group_topk = 1 scores, titanlike by their best 2" in err, err
+    save_torch(model, str(save), "deepseek_v3")
+    path = save / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["mtp.layers.0.eh_proj.weight"] = torch.zeros(256, 512)
+    torch.save(state, path)
+    err = _run(save, tmp_path / "out", "deepseek_v3", capsys)
+    assert "holds multi-token-prediction layers (mtp.layers.0.eh_proj.weight, ...), which do not convert" in err, err
+
+
 def test_torch_dist_folder_with_missing_keys(reference, tmp_path, capsys):
     """A torch_dist folder (a DCP index of megatron-core's stacked keys) that lacks the final norm."""
     from titanlike.checkpoint.format import dcp_save

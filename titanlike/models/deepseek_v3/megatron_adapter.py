@@ -45,8 +45,9 @@ def mla_settings(settings: Mapping[str, Any], args) -> str | None:
     if isinstance(score, str) and score != moe.score_func:
         return (f"Megatron-LM trained it with --moe-router-score-function {score}, the flavor has moe.score_func "
                 f"{moe.score_func} (--model.args moe.score_func={score})")
-    scale = settings.get("moe_router_topk_scaling_factor")
-    if isinstance(scale, (int, float)) and float(scale) != moe.route_scale:
+    scale = settings.get("moe_router_topk_scaling_factor", False)
+    scale = 1.0 if scale is None else scale  # recorded unset: the gate values are not scaled
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and float(scale) != moe.route_scale:
         return (f"Megatron-LM trained it with --moe-router-topk-scaling-factor {scale}, the flavor has "
                 f"moe.route_scale {moe.route_scale} (--model.args moe.route_scale={scale})")
     if score == "sigmoid" and moe.top_k > 1 and not moe.route_norm:
