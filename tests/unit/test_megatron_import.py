@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_models import FAMILIES, build_model, convert_options, megatron_world, reference_logits, save_torch
+from titanlike.checkpoint.format import CheckpointError
 from titanlike.checkpoint.hf import load_model
 from titanlike.cli.convert import main as convert_main
 
@@ -231,6 +232,33 @@ def test_settings_no_shape_shows_must_agree(reference, tmp_path, capsys):
     save_torch(model, str(tmp_path / "megatron"), "llama3", rope_scaling_factor=32.0)
     err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys)
     assert "--rope-scaling-factor 32.0, the flavor has 8.0 (--model.args rope_scaling.factor=32.0)" in err
+
+
+def test_deepseek_with_yarn(reference, tmp_path):
+    """DeepSeek-V3's YaRN (--rope-type yarn: frequencies, cos/sin magnitude and softmax scale with mscale and
+    mscale_all_dim) gives megatron-core's logits; no debug flavor has YaRN, so the args come as [model.args]
+    through the converter's API, which the checkpoint's recorded YaRN settings are checked against."""
+    from titanlike.checkpoint.megatron import import_megatron_to_dcp
+
+    yarn = dict(rotary_scaling_factor=4.0, original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0,
+                mscale=1.0, mscale_all_dim=1.0)
+    mla = {**FAMILIES["deepseek_v3"]["mla"], "rope_type": "yarn", **yarn}
+    with megatron_world():
+        model = build_model("deepseek_v3", vocab_size=VOCAB, seed=7, mla=mla)
+        tokens = reference["deepseek_v3"][1]
+        want = reference_logits(model, tokens)
+    save_torch(model, str(tmp_path / "megatron"), "deepseek_v3", tp=2, **mla)
+    overrides = dict(item.split("=") for item in FAMILIES["deepseek_v3"]["model_args"].split(","))
+    scaling = dict(factor=4.0, original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                   mscale_all_dim=1.0)
+    import_megatron_to_dcp(str(tmp_path / "megatron"), str(tmp_path / "out"), "deepseek_v3", "debugmodel",
+                           overrides={**overrides, "rope_scaling": scaling})
+    with torch.no_grad():
+        assert_logits_match(load_model(tmp_path / "out")(tokens), want)
+    with pytest.raises(CheckpointError, match=r"with beta_fast 32.0, the flavor has rope_scaling.beta_fast 16.0 "
+                                              r"\(--model.args rope_scaling.beta_fast=32.0\)"):
+        import_megatron_to_dcp(str(tmp_path / "megatron"), str(tmp_path / "again"), "deepseek_v3", "debugmodel",
+                               overrides={**overrides, "rope_scaling": {**scaling, "beta_fast": 16.0}})
 
 
 def test_deepseek_settings_and_multi_token_prediction(reference, tmp_path, capsys):
