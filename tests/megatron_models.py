@@ -72,13 +72,14 @@ FAMILIES = {
     # DeepSeek-V3's debugmodel with 2 of its 4 layers, no multi-token prediction and no expert groups (see
     # deepseek_v3/megatron_adapter.py): MLA with the low-rank query, layer 0 dense, layer 1 sigmoid-routed experts
     # with the expert bias and a shared expert.
-    "deepseek_v3": dict(flavor="debugmodel", model_args="num_layers=2,mtp_num_layers=0,moe.n_groups=1,moe.topk_groups=1",
+    "deepseek_v3": dict(flavor="debugmodel",
+                        model_args="num_layers=2,mtp_num_layers=0,moe.n_groups=1,moe.topk_groups=1",
                         num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=768,
                         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                         rope=True, tied=False, max_seq=2048, rotary_base=10000, rope_scaling=False, eps=1e-6,
                         qk_layernorm=True,
-                        mla=dict(q_lora_rank=128, kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32,
-                                 rope_type="rope", rotary_base=10000, rotary_scaling_factor=1.0),
+                        mla=dict(q_lora_rank=128, kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16,
+                                 v_head_dim=32, rope_type="rope", rotary_base=10000, rotary_scaling_factor=1.0),
                         moe=dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, moe_grouped_gemm=False,
                                  moe_token_dispatcher_type="allgather", moe_router_score_function="sigmoid",
                                  moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
@@ -223,8 +224,8 @@ def save_torch(model: GPTModel, save: str, family: str, *, iteration: int = 10, 
     if te:
         full = {re.sub(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)", r"mlp.experts.\2\1", k): v
                 for k, v in full.items()}
-        full = {re.sub(r"self_attention\.(q|kv)_layernorm\.weight$", r"self_attention.linear_\1_up_proj.layer_norm_weight",
-                       k): v for k, v in full.items()}
+        full = {re.sub(r"self_attention\.(q|kv)_layernorm\.weight$",
+                       r"self_attention.linear_\1_up_proj.layer_norm_weight", k): v for k, v in full.items()}
     n_layers = FAMILIES[family]["num_layers"]
     per_stage = n_layers // pp
     for p in range(pp):

@@ -24,6 +24,9 @@ The family's MegatronAdapter (spec.megatron) renames the full tensors; the flavo
 the checkpoint the vocabulary (Megatron pads it to a multiple of 128 x TP; `true_vocab_size` keeps the
 tokenizer's ids only, as Megatron-LM's own converter does). Everything runs in one process and holds the
 whole model in host memory.
+
+What does not convert, refused by name: legacy files of expert-parallel runs (`mp_rank_TT_PPP_EEE`) and of
+virtual pipeline stages (`model0`, `model1`, ...), and megatron-core's multi-token-prediction layers (`mtp.*`).
 """
 
 from __future__ import annotations

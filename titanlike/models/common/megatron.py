@@ -139,7 +139,8 @@ def ungroup_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                              "experts by")
         experts, hidden = router.shape[0], router.shape[1]
         first = parts[1].endswith("weight1")
-        grouped = value.contiguous().view(experts, hidden, -1) if first else value.contiguous().view(experts, -1, hidden)
+        shape = (experts, hidden, -1) if first else (experts, -1, hidden)
+        grouped = value.contiguous().view(shape)
         kind = "linear_fc1" if first else "linear_fc2"
         for e, w in enumerate(grouped.transpose(1, 2).unbind(0)):
             out[f"{LAYERS}{parts[0]}.mlp.experts.{kind}.weight{e}"] = w.contiguous()
