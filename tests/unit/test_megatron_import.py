@@ -261,6 +261,20 @@ def test_deepseek_with_yarn(reference, tmp_path):
                                overrides={**overrides, "rope_scaling": {**scaling, "beta_fast": 16.0}})
 
 
+def test_deepseek_with_one_query_projection(reference, tmp_path):
+    """MLA without the low-rank query (q_lora_rank None: linear_q_proj, column-parallel) into debugmodel_nolora."""
+    with megatron_world():
+        model = build_model("deepseek_v3", vocab_size=VOCAB, seed=8,
+                            mla={**FAMILIES["deepseek_v3"]["mla"], "q_lora_rank": None})
+        tokens = reference["deepseek_v3"][1]
+        want = reference_logits(model, tokens)
+    save_torch(model, str(tmp_path / "megatron"), "deepseek_v3", tp=2)
+    assert convert(tmp_path / "megatron", tmp_path / "out", "deepseek_v3", "debugmodel_nolora",
+                   extra=["--model.args", FAMILIES["deepseek_v3"]["model_args"]]) == 0
+    with torch.no_grad():
+        assert_logits_match(load_model(tmp_path / "out")(tokens), want)
+
+
 def test_deepseek_settings_and_multi_token_prediction(reference, tmp_path, capsys):
     """DeepSeek-V3's router and RoPE settings that no shape shows are checked against the flavor; megatron-core's
     multi-token-prediction layers are refused by name."""
