@@ -277,7 +277,7 @@ def test_deepseek_with_one_query_projection(reference, tmp_path):
 
 def test_deepseek_settings_and_multi_token_prediction(reference, tmp_path, capsys):
     """DeepSeek-V3's router and RoPE settings that no shape shows are checked against the flavor; megatron-core's
-    multi-token-prediction layers are refused by name."""
+    multi-token-prediction layers are refused by name, or left out for a flavor without them."""
     model = reference["deepseek_v3"][0]
     save = tmp_path / "megatron"
     save_torch(model, str(save), "deepseek_v3", moe_router_topk_scaling_factor=1.0)
@@ -298,8 +298,14 @@ def test_deepseek_settings_and_multi_token_prediction(reference, tmp_path, capsy
     state = torch.load(path, weights_only=False)
     state["model"]["mtp.layers.0.eh_proj.weight"] = torch.zeros(256, 512)
     torch.save(state, path)
-    err = _run(save, tmp_path / "out", "deepseek_v3", capsys)
-    assert "holds multi-token-prediction layers (mtp.layers.0.eh_proj.weight, ...), which do not convert" in err, err
+    with_mtp = FAMILIES["deepseek_v3"]["model_args"].replace("mtp_num_layers=0,", "")
+    err = _run(save, tmp_path / "out", "deepseek_v3", capsys, flavor="debugmodel", extra=["--model.args", with_mtp])
+    assert ("holds multi-token-prediction layers (mtp.layers.0.eh_proj.weight, ...), which do not convert: "
+            "megatron-core's read the trunk's output after its final norm") in err, err
+    # Into a flavor without multi-token prediction they are left out: the trunk's logits.
+    assert convert(save, tmp_path / "out", "deepseek_v3") == 0
+    with torch.no_grad():
+        assert_logits_match(load_model(tmp_path / "out")(reference["deepseek_v3"][1]), reference["deepseek_v3"][2])
 
 
 def test_torch_dist_folder_with_missing_keys(reference, tmp_path, capsys):

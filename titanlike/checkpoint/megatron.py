@@ -26,7 +26,10 @@ tokenizer's ids only, as Megatron-LM's own converter does). Everything runs in o
 whole model in host memory.
 
 What does not convert, refused by name: legacy files of expert-parallel runs (`mp_rank_TT_PPP_EEE`) and of
-virtual pipeline stages (`model0`, `model1`, ...), and megatron-core's multi-token-prediction layers (`mtp.*`).
+virtual pipeline stages (`model0`, `model1`, ...), and megatron-core's multi-token-prediction layers (`mtp.*`):
+megatron-core's TransformerBlock applies its final norm before them (has_final_layernorm_in_this_stage), so their
+hnorm reads normalized states where DeepSeek-V3's (models/common/mtp.py) reads the residual stream. Into a flavor
+without multi-token prediction they are left out: the trunk's logits do not depend on them.
 """
 
 from __future__ import annotations
@@ -342,9 +345,12 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
         embedding = megatron_sd.get(EMBEDDING)
         args = _model_args(base, None if embedding is None else tuple(embedding.shape), folder, true_vocab_size)
     mtp = sorted(k for k in megatron_sd if k.startswith(MTP))
-    if mtp:
-        raise CheckpointError(f"{folder} holds multi-token-prediction layers ({mtp[0]}, ...), which do not convert "
-                              "yet; only checkpoints saved without --mtp-num-layers do")
+    if mtp and args.lookahead_tokens:
+        raise CheckpointError(f"{folder} holds multi-token-prediction layers ({mtp[0]}, ...), which do not convert: "
+                              "megatron-core's read the trunk's output after its final norm, ours before it "
+                              "(--model.args mtp_num_layers=0 converts the trunk alone)")
+    for key in mtp:  # a flavor without multi-token prediction: the trunk computes the same logits without them
+        del megatron_sd[key]
     problem = check_settings(settings, args, spec.megatron)
     if problem:
         raise CheckpointError(f"{folder} does not fit model {spec.name} flavor {flavor}: {problem}")
