@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_models import FAMILIES, build_model, convert_options, megatron_world, reference_logits, save_torch
+from titanlike.checkpoint.format import CheckpointError
 from titanlike.checkpoint.hf import load_model
 from titanlike.cli.convert import main as convert_main
 
@@ -46,12 +47,15 @@ def assert_logits_match(ours: torch.Tensor, want: torch.Tensor) -> None:
     assert (ours - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("family,tp,pp,te_experts", [
-    ("llama3", 1, 1, False), ("llama3", 2, 2, False), ("gpt2", 2, 1, False), ("gpt2", 1, 2, False),
-    ("mixtral", 2, 1, False), ("qwen3", 2, 2, True)])
-def test_legacy_checkpoint_gives_megatron_core_logits(reference, tmp_path, family, tp, pp, te_experts):
+@pytest.mark.parametrize("family,tp,pp,layout", [
+    ("llama3", 1, 1, "local"), ("llama3", 2, 2, "local"), ("gpt2", 2, 1, "local"), ("gpt2", 1, 2, "local"),
+    ("mixtral", 2, 1, "local"), ("qwen3", 2, 2, "te"), ("deepseek_v3", 2, 2, "te"), ("deepseek_v3", 2, 1, "grouped")])
+def test_legacy_checkpoint_gives_megatron_core_logits(reference, tmp_path, family, tp, pp, layout):
+    """layout: megatron-core's local layer spec, Transformer Engine's (te: its names, MLA's down projections
+    whole on every rank), or the local spec with the legacy GroupedMLP's experts (--moe-grouped-gemm)."""
     model, tokens, want = reference[family]
-    save_torch(model, str(tmp_path / "megatron"), family, tp=tp, pp=pp, te_experts=te_experts)
+    save_torch(model, str(tmp_path / "megatron"), family, tp=tp, pp=pp, te=layout == "te",
+               grouped_mlp=layout == "grouped")
     assert convert(tmp_path / "megatron", tmp_path / "out", family) == 0
     with torch.no_grad():
         assert_logits_match(load_model(tmp_path / "out")(tokens), want)
@@ -228,6 +232,80 @@ def test_settings_no_shape_shows_must_agree(reference, tmp_path, capsys):
     save_torch(model, str(tmp_path / "megatron"), "llama3", rope_scaling_factor=32.0)
     err = _run(tmp_path / "megatron", tmp_path / "out", "llama3", capsys)
     assert "--rope-scaling-factor 32.0, the flavor has 8.0 (--model.args rope_scaling.factor=32.0)" in err
+
+
+def test_deepseek_with_yarn(reference, tmp_path):
+    """DeepSeek-V3's YaRN (--rope-type yarn: frequencies, cos/sin magnitude and softmax scale with mscale and
+    mscale_all_dim) gives megatron-core's logits; no debug flavor has YaRN, so the args come as [model.args]
+    through the converter's API, which the checkpoint's recorded YaRN settings are checked against."""
+    from titanlike.checkpoint.megatron import import_megatron_to_dcp
+
+    yarn = dict(rotary_scaling_factor=4.0, original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0,
+                mscale=1.0, mscale_all_dim=1.0)
+    mla = {**FAMILIES["deepseek_v3"]["mla"], "rope_type": "yarn", **yarn}
+    with megatron_world():
+        model = build_model("deepseek_v3", vocab_size=VOCAB, seed=7, mla=mla)
+        tokens = reference["deepseek_v3"][1]
+        want = reference_logits(model, tokens)
+    save_torch(model, str(tmp_path / "megatron"), "deepseek_v3", tp=2, **mla)
+    overrides = dict(item.split("=") for item in FAMILIES["deepseek_v3"]["model_args"].split(","))
+    scaling = dict(factor=4.0, original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                   mscale_all_dim=1.0)
+    import_megatron_to_dcp(str(tmp_path / "megatron"), str(tmp_path / "out"), "deepseek_v3", "debugmodel",
+                           overrides={**overrides, "rope_scaling": scaling})
+    with torch.no_grad():
+        assert_logits_match(load_model(tmp_path / "out")(tokens), want)
+    with pytest.raises(CheckpointError, match=r"with beta_fast 32.0, the flavor has rope_scaling.beta_fast 16.0 "
+                                              r"\(--model.args rope_scaling.beta_fast=32.0\)"):
+        import_megatron_to_dcp(str(tmp_path / "megatron"), str(tmp_path / "again"), "deepseek_v3", "debugmodel",
+                               overrides={**overrides, "rope_scaling": {**scaling, "beta_fast": 16.0}})
+
+
+def test_deepseek_with_one_query_projection(reference, tmp_path):
+    """MLA without the low-rank query (q_lora_rank None: linear_q_proj, column-parallel) into debugmodel_nolora."""
+    with megatron_world():
+        model = build_model("deepseek_v3", vocab_size=VOCAB, seed=8,
+                            mla={**FAMILIES["deepseek_v3"]["mla"], "q_lora_rank": None})
+        tokens = reference["deepseek_v3"][1]
+        want = reference_logits(model, tokens)
+    save_torch(model, str(tmp_path / "megatron"), "deepseek_v3", tp=2)
+    assert convert(tmp_path / "megatron", tmp_path / "out", "deepseek_v3", "debugmodel_nolora",
+                   extra=["--model.args", FAMILIES["deepseek_v3"]["model_args"]]) == 0
+    with torch.no_grad():
+        assert_logits_match(load_model(tmp_path / "out")(tokens), want)
+
+
+def test_deepseek_settings_and_multi_token_prediction(reference, tmp_path, capsys):
+    """DeepSeek-V3's router and RoPE settings that no shape shows are checked against the flavor; megatron-core's
+    multi-token-prediction layers are refused by name, or left out for a flavor without them."""
+    model = reference["deepseek_v3"][0]
+    save = tmp_path / "megatron"
+    save_torch(model, str(save), "deepseek_v3", moe_router_topk_scaling_factor=1.0)
+    err = _run(save, tmp_path / "out", "deepseek_v3", capsys)
+    assert ("--moe-router-topk-scaling-factor 1.0, the flavor has moe.route_scale 2.5 "
+            "(--model.args moe.route_scale=1.0)") in err, err
+    save_torch(model, str(save), "deepseek_v3", rope_type="yarn")
+    assert "--rope-type yarn, the flavor has no rope_scaling" in _run(save, tmp_path / "out", "deepseek_v3", capsys)
+    save_torch(model, str(save), "deepseek_v3", moe_router_num_groups=4, moe_router_group_topk=2)
+    err = _run(save, tmp_path / "out", "deepseek_v3", capsys)
+    assert "(--model.args moe.n_groups=4,moe.topk_groups=2)" in err, err
+    grouped = FAMILIES["deepseek_v3"]["model_args"].replace("moe.n_groups=1,moe.topk_groups=1",
+                                                             "moe.n_groups=4,moe.topk_groups=2")
+    err = _run(save, tmp_path / "out", "deepseek_v3", capsys, flavor="debugmodel", extra=["--model.args", grouped])
+    assert "ranks expert groups by their best top_k / group_topk = 1 scores, titanlike by their best 2" in err, err
+    save_torch(model, str(save), "deepseek_v3")
+    path = save / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["mtp.layers.0.eh_proj.weight"] = torch.zeros(256, 512)
+    torch.save(state, path)
+    with_mtp = FAMILIES["deepseek_v3"]["model_args"].replace("mtp_num_layers=0,", "")
+    err = _run(save, tmp_path / "out", "deepseek_v3", capsys, flavor="debugmodel", extra=["--model.args", with_mtp])
+    assert ("holds multi-token-prediction layers (mtp.layers.0.eh_proj.weight, ...), which do not convert: "
+            "megatron-core's read the trunk's output after its final norm") in err, err
+    # Into a flavor without multi-token prediction they are left out: the trunk's logits.
+    assert convert(save, tmp_path / "out", "deepseek_v3") == 0
+    with torch.no_grad():
+        assert_logits_match(load_model(tmp_path / "out")(reference["deepseek_v3"][1]), reference["deepseek_v3"][2])
 
 
 def test_torch_dist_folder_with_missing_keys(reference, tmp_path, capsys):

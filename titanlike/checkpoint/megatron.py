@@ -24,6 +24,12 @@ The family's MegatronAdapter (spec.megatron) renames the full tensors; the flavo
 the checkpoint the vocabulary (Megatron pads it to a multiple of 128 x TP; `true_vocab_size` keeps the
 tokenizer's ids only, as Megatron-LM's own converter does). Everything runs in one process and holds the
 whole model in host memory.
+
+What does not convert, refused by name: legacy files of expert-parallel runs (`mp_rank_TT_PPP_EEE`) and of
+virtual pipeline stages (`model0`, `model1`, ...), and megatron-core's multi-token-prediction layers (`mtp.*`):
+megatron-core's TransformerBlock applies its final norm before them (has_final_layernorm_in_this_stage), so their
+hnorm reads normalized states where DeepSeek-V3's (models/common/mtp.py) reads the residual stream. Into a flavor
+without multi-token prediction they are left out: the trunk's logits do not depend on them.
 """
 
 from __future__ import annotations
@@ -57,11 +63,13 @@ from titanlike.models.common.megatron import (
     merge_tp,
     split_layer,
     stack_experts,
+    ungroup_experts,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
+MTP = "mtp."  # megatron-core GPTModel's multi-token-prediction block
 COMMON = "common.pt"
 LEGACY_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
@@ -241,7 +249,10 @@ def load_legacy_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: model entry {key!r} is a {type(value).__name__}, not a tensor")
         out[canonical_name(key)] = value
-    return out, megatron_args(state)
+    try:
+        return ungroup_experts(out), megatron_args(state)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def read_legacy(folder: str, *, gated: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -333,6 +344,13 @@ def import_megatron_to_dcp(src: str, out: str, model_name: str, flavor: str, *,
         megatron_sd, settings = read_legacy(folder, gated=spec.megatron.gated)
         embedding = megatron_sd.get(EMBEDDING)
         args = _model_args(base, None if embedding is None else tuple(embedding.shape), folder, true_vocab_size)
+    mtp = sorted(k for k in megatron_sd if k.startswith(MTP))
+    if mtp and args.lookahead_tokens:
+        raise CheckpointError(f"{folder} holds multi-token-prediction layers ({mtp[0]}, ...), which do not convert: "
+                              "megatron-core's read the trunk's output after its final norm, ours before it "
+                              "(--model.args mtp_num_layers=0 converts the trunk alone)")
+    for key in mtp:  # a flavor without multi-token prediction: the trunk computes the same logits without them
+        del megatron_sd[key]
     problem = check_settings(settings, args, spec.megatron)
     if problem:
         raise CheckpointError(f"{folder} does not fit model {spec.name} flavor {flavor}: {problem}")

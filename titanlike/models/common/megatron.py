@@ -12,7 +12,13 @@ What every megatron-core GPTModel shares lives here:
 - MoE experts, saved per expert by the legacy format (`mlp.experts.local_experts.E.linear_fc1.weight` of
   SequentialMLP, `mlp.experts.linear_fc1.weightE` of Transformer Engine's grouped MLP) and stacked by torch_dist
   (`mlp.experts.experts.linear_fc1.weight`, experts first): `stack_experts` makes every spelling the stacked
-  `mlp.experts.linear_fc1.weight` (experts x out x in).
+  `mlp.experts.linear_fc1.weight` (experts x out x in). The legacy GroupedMLP (`--moe-grouped-gemm` without
+  Transformer Engine) keeps all of a rank's experts in two matrices, `mlp.experts.weight1` and `weight2`, which
+  `ungroup_experts` cuts into the grouped MLP's per-expert names first;
+- multi-head latent attention (MLASelfAttention): its up projections and `linear_q_proj` are column-parallel;
+  its down projections are column-parallel in the local layer spec but whole on every rank in Transformer
+  Engine's (`merge_tp` tells them apart: identical shards are one weight); Transformer Engine fuses the latent
+  norms into the up projections (`linear_q_up_proj.layer_norm_weight`), read as `q_layernorm.weight`.
 
 A family gives its ModelSpec a `MegatronAdapter`: its names for megatron-core's (`top`, `layer`), where the
 fused QKV and `linear_fc1` go, whether `linear_fc1` is gated, and how its q/k rows are ordered for RoPE. The
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,7 +44,13 @@ TP_DIM: dict[str, int] = {
     "linear_fc1.weight": 0, "linear_fc1.bias": 0,
     "linear_proj.weight": 1, "linear_fc2.weight": 1,
     "word_embeddings.weight": 0, "output_layer.weight": 0,
+    "linear_q_proj.weight": 0, "linear_q_up_proj.weight": 0, "linear_kv_up_proj.weight": 0,
+    "linear_q_down_proj.weight": 0, "linear_kv_down_proj.weight": 0,
 }
+
+# MLA's down projections: column-parallel in megatron-core's local layer spec, duplicated (the whole weight on
+# every rank) in Transformer Engine's.
+_DUPLICATED_UNDER_TE = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 
 # Transformer Engine's (and torch_dist's) names of a layer's norms -> the local layer spec's.
 _NORM_ALIASES = {
@@ -46,6 +58,8 @@ _NORM_ALIASES = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 
@@ -104,6 +118,35 @@ def stack_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def ungroup_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One rank's state dict with the legacy GroupedMLP's `mlp.experts.weight1` / `weight2` as the grouped MLP's
+    per-expert `mlp.experts.linear_fc1.weightE` (rank's gate and up rows x hidden) / `linear_fc2.weightE`.
+
+    GroupedMLP (megatron/core/transformer/moe/experts.py) holds weight1 as (hidden, experts x fc1 columns) whose
+    memory is (experts, hidden, fc1 columns), the rank's gate columns before its up columns, and weight2 as
+    (experts x fc2 rows, hidden), memory (experts, fc2 rows, hidden): its forward views them so, and its
+    sharded_state_dict transposes them into linear_fc1/linear_fc2 alike. The experts are counted by the same
+    layer's router; ValueError when it has none."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in sd.items():
+        parts = split_layer(name)
+        if not parts or parts[1] not in ("mlp.experts.weight1", "mlp.experts.weight2"):
+            out[name] = value
+            continue
+        router = sd.get(f"{LAYERS}{parts[0]}.mlp.router.weight")
+        if router is None or value.dim() != 2:
+            raise ValueError(f"{name} is GroupedMLP's, but layer {parts[0]} has no mlp.router.weight to count its "
+                             "experts by")
+        experts, hidden = router.shape[0], router.shape[1]
+        first = parts[1].endswith("weight1")
+        shape = (experts, hidden, -1) if first else (experts, -1, hidden)
+        grouped = value.contiguous().view(shape)
+        kind = "linear_fc1" if first else "linear_fc2"
+        for e, w in enumerate(grouped.transpose(1, 2).unbind(0)):
+            out[f"{LAYERS}{parts[0]}.mlp.experts.{kind}.weight{e}"] = w.contiguous()
+    return out
+
+
 def is_extra_state(name: str) -> bool:
     """Transformer Engine's per-module `_extra_state` (FP8 scaling metadata), not a weight."""
     return name.endswith("._extra_state") or "._extra_state/" in name
@@ -127,6 +170,8 @@ def merge_tp(name: str, shards: list[torch.Tensor], *, gated: bool) -> torch.Ten
     dim = tp_dim(name)
     if len(shards) == 1 or dim is None:
         return shards[0]
+    if name.endswith(_DUPLICATED_UNDER_TE) and all(torch.equal(shards[0], s) for s in shards[1:]):
+        return shards[0]
     if gated and _EXPERT_INDEX.sub(r"\1", name).endswith(("linear_fc1.weight", "linear_fc1.bias")):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
@@ -145,6 +190,10 @@ class MegatronAdapter:
     rotate-half order (None: no RoPE).
     experts: our names of the stacked experts' gate, up and down projections (experts x out x in), for
     `mlp.experts.linear_fc1` (gate and up) and `mlp.experts.linear_fc2`; () for a family without MoE.
+    shared_fc1: our names of the shared experts' `mlp.shared_experts.linear_fc1` gate and up rows (its
+    linear_fc2 is in `layer`); () for a family without shared experts.
+    split_rows: a name inside a layer -> its row blocks in order, each (our name, the args field counting its
+    rows), for a megatron-core weight that is several of ours (MLA's latent and RoPE key in linear_kv_down_proj).
     check_settings: (Megatron-LM's args as a dict, our args) -> what they say differently about a setting of
     the family's own that no shape shows (with the --model.args that fixes it), or None.
     """
@@ -155,13 +204,15 @@ class MegatronAdapter:
     fc1: tuple[str, ...] = ("feed_forward.w1",)
     rope_rows: Callable[[str, torch.Tensor, object], torch.Tensor] | None = None
     experts: tuple[str, ...] = ()
+    shared_fc1: tuple[str, ...] = ()
+    split_rows: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     check_settings: Callable[[Mapping[str, Any], Any], str | None] | None = None
 
     @property
     def gated(self) -> bool:
         """Whether linear_fc1 holds a gate and an up projection (SwiGLU), on every tensor-parallel rank; the
-        experts' always do."""
-        return len(self.fc1) == 2 or bool(self.experts)
+        experts' (routed and shared) always do."""
+        return len(self.fc1) == 2 or bool(self.experts) or bool(self.shared_fc1)
 
     def to_ours(self, sd: Mapping[str, torch.Tensor], args, *,
                 rotary_interleaved: bool = False) -> dict[str, torch.Tensor]:
@@ -182,6 +233,19 @@ class MegatronAdapter:
             prefix = f"layers.{layer}."
             if inner in self.layer:
                 out[prefix + self.layer[inner]] = value
+            elif inner in self.split_rows:
+                blocks = self.split_rows[inner]
+                rows = [getattr(args, field_name) for _, field_name in blocks]
+                if value.shape[0] != sum(rows):
+                    raise ValueError(f"{name} has {value.shape[0]} rows, but "
+                                     f"{' + '.join(f'{n} {r}' for (_, n), r in zip(blocks, rows))} need {sum(rows)}")
+                for (ours, _), part in zip(blocks, value.split(rows)):
+                    out[prefix + ours] = part.contiguous()
+            elif self.shared_fc1 and inner == "mlp.shared_experts.linear_fc1.weight":
+                if value.shape[0] % 2:
+                    raise ValueError(f"{name} has an odd number of output features, not a gate and an up half")
+                for ours, part in zip(self.shared_fc1, value.chunk(2, dim=0)):
+                    out[f"{prefix}{ours}.weight"] = part.contiguous()
             elif inner.startswith("self_attention.linear_qkv."):
                 kind = inner.rsplit(".", 1)[1]
                 want = (args.n_heads + 2 * args.num_kv_heads) * args.head_dim
@@ -216,4 +280,4 @@ class MegatronAdapter:
 
 
 __all__ = ["LAYERS", "MegatronAdapter", "TP_DIM", "canonical_name", "is_extra_state", "merge_tp", "split_layer",
-           "split_qkv", "stack_experts", "tp_dim"]
+           "split_qkv", "stack_experts", "tp_dim", "ungroup_experts"]

@@ -11,6 +11,7 @@ real context.
 from titanlike.models.common.moe import MoEArgs
 from titanlike.models.common.rope import YaRNScaling
 from titanlike.models.deepseek_v3.hf_adapter import DeepSeekV3HF
+from titanlike.models.deepseek_v3.megatron_adapter import MEGATRON
 from titanlike.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3ModelArgs
 from titanlike.models.deepseek_v3.sharding import deepseek_v3_sharding
 from titanlike.models.registry import ModelSpec, PipelineEnds, register_model_spec
@@ -70,6 +71,7 @@ register_model_spec(
         shard=deepseek_v3_sharding,
         pipeline_ends=PipelineEnds(inputs=("tok_embeddings",), outputs=("norm", "output", "mtp_embeddings")),
         hf=DeepSeekV3HF(),
+        megatron=MEGATRON,
     )
 )
 
