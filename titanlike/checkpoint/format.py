@@ -910,13 +910,19 @@ def read_dcp_model(path: str, *, dtype: torch.dtype | None = None, verify: bool 
     for fqn, key in names.items():
         md = metadata.state_dict_metadata[key]
         template[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    load_into(template, path, f"checkpoint {path}")
+    return {fqn: (template[key] if dtype is None else template[key].to(dtype)) for fqn, key in names.items()}
+
+
+def load_into(template: dict[str, torch.Tensor], path: str, what: str) -> None:
+    """DCP's tensors of `path` into the template's tensors, in this process (no process group);
+    CheckpointError naming `what` when reading fails."""
     try:
         dcp_load(template, path, no_dist=True)
     except BaseException as e:  # CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"reading checkpoint {path} failed: {summarize(e)}") from None
-    return {fqn: (template[key] if dtype is None else template[key].to(dtype)) for fqn, key in names.items()}
+        raise CheckpointError(f"reading {what} failed: {summarize(e)}") from None
 
 
 def summarize(e: BaseException) -> str:

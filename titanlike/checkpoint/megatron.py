@@ -50,10 +50,9 @@ from titanlike.checkpoint.format import (
     check_dcp_files,
     check_fits,
     check_model_size,
-    dcp_load,
+    load_into,
     model_description,
     read_dcp_metadata,
-    summarize,
 )
 from titanlike.checkpoint.hf import write_dcp_model
 from titanlike.models.common.megatron import (
@@ -131,12 +130,7 @@ def torch_dist_index(folder: str) -> dict[str, TensorStorageMetadata]:
 def read_torch_dist(folder: str, index: Mapping[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
     """The tensors of torch_dist_index's `index`, per layer, in canonical megatron-core names."""
     template = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in index.items()}
-    try:
-        dcp_load(template, folder, no_dist=True)
-    except BaseException as e:  # CheckpointException is a BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise CheckpointError(f"reading torch_dist checkpoint {folder} failed: {summarize(e)}") from None
+    load_into(template, folder, f"torch_dist checkpoint {folder}")
     out: dict[str, torch.Tensor] = {}
     for key, value in template.items():
         inner = key[len(LAYERS):] if key.startswith(LAYERS) else None

@@ -178,6 +178,21 @@ def merge_tp(name: str, shards: list[torch.Tensor], *, gated: bool) -> torch.Ten
     return torch.cat(shards, dim=dim)
 
 
+# megatron-core's names for the parts every RMSNorm decoder of models/common (Decoder, TransformerBlock) has under
+# the same names: the embedding table, the final norm, the untied output, and a block's two norms and attention
+# output projection. A family's table adds its own (`{**DECODER_LAYER, ...}`).
+DECODER_TOP = {
+    "embedding.word_embeddings.weight": "tok_embeddings.weight",
+    "decoder.final_layernorm.weight": "norm.weight",
+    "output_layer.weight": "output.weight",
+}
+DECODER_LAYER = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attention.linear_proj.weight": "attention.wo.weight",
+    "pre_mlp_layernorm.weight": "ffn_norm.weight",
+}
+
+
 @dataclass(frozen=True)
 class MegatronAdapter:
     """A family's names for megatron-core GPTModel's parameters (full tensors, layers numbered from 0).
@@ -279,5 +294,5 @@ class MegatronAdapter:
         return out
 
 
-__all__ = ["LAYERS", "MegatronAdapter", "TP_DIM", "canonical_name", "is_extra_state", "merge_tp", "split_layer",
+__all__ = ["DECODER_LAYER", "DECODER_TOP", "LAYERS", "MegatronAdapter", "TP_DIM", "canonical_name", "is_extra_state", "merge_tp", "split_layer",
            "split_qkv", "stack_experts", "tp_dim", "ungroup_experts"]

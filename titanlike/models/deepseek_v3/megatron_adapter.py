@@ -17,7 +17,7 @@ difference in its two latent norms.
 from collections.abc import Mapping
 from typing import Any
 
-from titanlike.models.common.megatron import MegatronAdapter
+from titanlike.models.common.megatron import DECODER_LAYER, DECODER_TOP, MegatronAdapter
 
 # megatron-core MLATransformerConfig's YaRN fields (Megatron-LM's args of the same names) -> ours.
 _YARN = {"rotary_scaling_factor": "factor", "original_max_position_embeddings": "original_max_position_embeddings",
@@ -65,21 +65,15 @@ def mla_settings(settings: Mapping[str, Any], args) -> str | None:
 
 
 MEGATRON = MegatronAdapter(
-    top={
-        "embedding.word_embeddings.weight": "tok_embeddings.weight",
-        "decoder.final_layernorm.weight": "norm.weight",
-        "output_layer.weight": "output.weight",
-    },
+    top=DECODER_TOP,
     layer={
-        "input_layernorm.weight": "attention_norm.weight",
+        **DECODER_LAYER,
         "self_attention.linear_q_proj.weight": "attention.wq.weight",
         "self_attention.linear_q_down_proj.weight": "attention.wq_a.weight",
         "self_attention.q_layernorm.weight": "attention.q_norm.weight",
         "self_attention.linear_q_up_proj.weight": "attention.wq_b.weight",
         "self_attention.kv_layernorm.weight": "attention.kv_norm.weight",
         "self_attention.linear_kv_up_proj.weight": "attention.wkv_b.weight",
-        "self_attention.linear_proj.weight": "attention.wo.weight",
-        "pre_mlp_layernorm.weight": "ffn_norm.weight",
         "mlp.linear_fc2.weight": "feed_forward.w2.weight",
         "mlp.router.weight": "moe.router.gate.weight",
         "mlp.router.expert_bias": "moe.expert_bias",

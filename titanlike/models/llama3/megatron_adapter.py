@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from titanlike.models.common.hf import TO_INTERLEAVED
-from titanlike.models.common.megatron import MegatronAdapter
+from titanlike.models.common.megatron import DECODER_LAYER, DECODER_TOP, MegatronAdapter
 
 
 def rope_scaling_settings(settings: Mapping[str, Any], args) -> str | None:
@@ -30,15 +30,9 @@ def rope_scaling_settings(settings: Mapping[str, Any], args) -> str | None:
 
 
 MEGATRON = MegatronAdapter(
-    top={
-        "embedding.word_embeddings.weight": "tok_embeddings.weight",
-        "decoder.final_layernorm.weight": "norm.weight",
-        "output_layer.weight": "output.weight",
-    },
+    top=DECODER_TOP,
     layer={
-        "input_layernorm.weight": "attention_norm.weight",
-        "self_attention.linear_proj.weight": "attention.wo.weight",
-        "pre_mlp_layernorm.weight": "ffn_norm.weight",
+        **DECODER_LAYER,
         "mlp.linear_fc2.weight": "feed_forward.w2.weight",
     },
     fc1=("feed_forward.w1", "feed_forward.w3"),  # gate, up

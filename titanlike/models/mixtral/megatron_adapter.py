@@ -6,18 +6,12 @@ adjacent pairs: q's and k's rows are reordered. The experts' gate/up `linear_fc1
 """
 
 from titanlike.models.common.hf import TO_INTERLEAVED
-from titanlike.models.common.megatron import MegatronAdapter
+from titanlike.models.common.megatron import DECODER_LAYER, DECODER_TOP, MegatronAdapter
 
 MEGATRON = MegatronAdapter(
-    top={
-        "embedding.word_embeddings.weight": "tok_embeddings.weight",
-        "decoder.final_layernorm.weight": "norm.weight",
-        "output_layer.weight": "output.weight",
-    },
+    top=DECODER_TOP,
     layer={
-        "input_layernorm.weight": "attention_norm.weight",
-        "self_attention.linear_proj.weight": "attention.wo.weight",
-        "pre_mlp_layernorm.weight": "ffn_norm.weight",
+        **DECODER_LAYER,
         "mlp.router.weight": "moe.router.gate.weight",
     },
     experts=("moe.experts.w1", "moe.experts.w3", "moe.experts.w2"),  # gate, up, down

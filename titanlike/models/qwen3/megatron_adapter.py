@@ -7,20 +7,14 @@ and so are the QK-norm weights (one head's features).
 """
 
 from titanlike.models.common.hf import TO_INTERLEAVED
-from titanlike.models.common.megatron import MegatronAdapter
+from titanlike.models.common.megatron import DECODER_LAYER, DECODER_TOP, MegatronAdapter
 
 MEGATRON = MegatronAdapter(
-    top={
-        "embedding.word_embeddings.weight": "tok_embeddings.weight",
-        "decoder.final_layernorm.weight": "norm.weight",
-        "output_layer.weight": "output.weight",
-    },
+    top=DECODER_TOP,
     layer={
-        "input_layernorm.weight": "attention_norm.weight",
+        **DECODER_LAYER,
         "self_attention.q_layernorm.weight": "attention.q_norm.weight",
         "self_attention.k_layernorm.weight": "attention.k_norm.weight",
-        "self_attention.linear_proj.weight": "attention.wo.weight",
-        "pre_mlp_layernorm.weight": "ffn_norm.weight",
         "mlp.linear_fc2.weight": "feed_forward.w2.weight",
         "mlp.router.weight": "moe.router.gate.weight",
     },
